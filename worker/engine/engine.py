@@ -1,0 +1,309 @@
+"""The engine: add_request, abort, step; and the thread that runs it.
+
+A step is three verbs: the Scheduler decides what runs, the ModelRunner computes it, and
+`_update` appends the sampled tokens, detokenizes, and retires finished sequences. The engine is
+single-threaded; EngineLoop owns it in its own thread and talks to the asyncio side through
+exactly two channels: an inbox of commands and the `on_outputs` callback.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+
+from config.settings import Settings
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_runner import ModelRunner
+from worker.engine.request import EngineRequest, RequestOutput
+from worker.engine.sampler import make_generator
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
+
+
+class Rejected(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    num_preemptions: int = 0  # total since start
+    batch_size: int = 0  # sequences in the last step
+    num_batched_tokens: int = 0  # tokens in the last step
+    step_time_s: float = 0.0  # the last step
+    num_generated_tokens: int = 0  # total since start
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, settings: Settings):
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.max_model_len = runner.max_model_len
+        self.max_waiting = settings.scheduler.max_waiting
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.block_manager, settings.scheduler.max_num_seqs,
+                                   settings.scheduler.max_num_batched_tokens, settings.scheduler.policy)
+        self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
+        self.vocab_size = runner.config.vocab_size
+        self.requests: dict[str, Sequence] = {}
+        self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
+        self._stats = EngineStats()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "LLMEngine":
+        return cls(ModelRunner(settings), settings)
+
+    # ---- requests in ---------------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request. One that is impossible finishes as `rejected` in the next step."""
+        if req.request_id in self.requests:
+            self._finished.append(rejected_output(req.request_id, "invalid_request", "duplicate request id"))
+            return
+        try:
+            seq = self._make_sequence(req)
+        except Rejected as exc:
+            self._finished.append(rejected_output(req.request_id, exc.code, str(exc)))
+            return
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _make_sequence(self, req: EngineRequest) -> Sequence:
+        prompt_ids = self.tokenize(req)
+        self._check_fits(prompt_ids, req.sampling.max_tokens)
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise Rejected("overloaded", f"waiting pool full ({self.max_waiting})")
+        return Sequence(
+            request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
+            priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline,
+            generator=make_generator(req.sampling.seed, self.runner.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop))
+
+    def tokenize(self, req: EngineRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise Rejected("invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
+        elif req.messages is not None:
+            ids = list(self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        else:
+            ids = self.tokenizer(req.prompt or "")["input_ids"]
+        if not ids:
+            raise Rejected("invalid_request", "prompt: empty after tokenization")
+        return ids
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        total = len(prompt_ids) + max_tokens
+        if total > self.max_model_len:
+            raise Rejected("prompt_too_long", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                           f"({max_tokens}) exceeds the model length {self.max_model_len}")
+        if self.block_manager.num_blocks_for(total) > self.block_manager.num_blocks:
+            raise Rejected("prompt_too_long", f"prompt + max_tokens ({total} tokens) exceeds the "
+                           f"whole KV cache ({self.block_manager.num_blocks} blocks)")
+
+    def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
+        """Finish a waiting or running request now; its blocks are freed at once."""
+        assert reason in ABORT_REASONS, reason
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return  # unknown or already finished: aborts race with completion
+        self.scheduler.remove(seq)
+        seq.finish(reason, message)
+        self._finished.append(self._output(seq, finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._finished) or self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._expire_deadlines()
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs = {o.request_id: o for o in self._finished}
+        self._finished = []
+        if not sched.is_empty or sched.started:
+            sampled = self.runner.run(sched.scheduled) if sched.scheduled else []
+            self._update(sched, sampled, outputs)
+        self._record_stats(sched, time.perf_counter() - started)
+        return list(outputs.values())
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for seq in [s for s in self.requests.values() if s.deadline is not None and s.deadline <= now]:
+            self.abort(seq.request_id, "timeout", "deadline passed")
+
+    def _update(self, sched: SchedulerOutput, sampled: list[int], outputs: dict) -> None:
+        now = time.time()
+        for seq in sched.started:
+            seq.first_scheduled_time = now
+            outputs[seq.request_id] = self._output(seq, started=True)
+        tokens = iter(sampled)
+        for chunk in sched.scheduled:
+            seq = chunk.seq
+            samples = chunk.samples  # read before the counter moves
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if samples:
+                self._append_token(seq, next(tokens), now, outputs)
+
+    def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(token_id)
+        self._stats.num_generated_tokens += 1
+        out = outputs.setdefault(seq.request_id, self._output(seq))
+        out.new_token_ids.append(token_id)
+        reason = self._stop_reason(seq, token_id)
+        if token_id not in self.eos_token_ids and token_id not in seq.sampling.stop_token_ids:
+            delta, stopped = seq.detokenizer.add(token_id)
+            out.text_delta += delta
+            reason = "stop" if stopped else reason
+        if reason is not None:
+            out.text_delta += seq.detokenizer.flush()
+            self._retire(seq, reason, out)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _retire(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
+        self.scheduler.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.finish(reason)
+        final = self._output(seq, finished=True)
+        out.finished, out.finish_reason, out.text = True, reason, final.text
+        out.num_output_tokens, out.ttft_s, out.total_s = final.num_output_tokens, final.ttft_s, final.total_s
+
+    def fail_all(self, message: str) -> None:
+        """After an unexpected error in a step: end every request with `error`, keep serving."""
+        for request_id in list(self.requests):
+            self.abort(request_id, "error", message)
+
+    # ---- outputs and stats ---------------------------------------------------------------------
+
+    def _output(self, seq: Sequence, started: bool = False, finished: bool = False) -> RequestOutput:
+        out = RequestOutput(request_id=seq.request_id, started=started,
+                            num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens)
+        if seq.first_scheduled_time is not None:
+            out.queue_s = seq.first_scheduled_time - seq.arrival_time
+        if finished:
+            out.finished, out.finish_reason = True, seq.finish_reason
+            out.error_code, out.error_message = seq.error_code, seq.error_message
+            out.text = seq.detokenizer.text if seq.detokenizer else ""
+            out.total_s = (seq.finish_time or time.time()) - seq.arrival_time
+            if seq.first_token_time is not None:
+                out.ttft_s = seq.first_token_time - seq.arrival_time
+        return out
+
+    def _record_stats(self, sched: SchedulerOutput, step_time: float) -> None:
+        s = self._stats
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_cache_usage = self.block_manager.usage
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.batch_size, s.num_batched_tokens = len(sched.scheduled), sched.num_batched_tokens
+        s.step_time_s = step_time
+        s.num_steps += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**vars(self._stats))
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.scheduler.running + self.scheduler.waiting)
+
+
+def rejected_output(request_id: str, code: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, finished=True, finish_reason="rejected",
+                         error_code=code, error_message=message, text="")
+
+
+def eos_token_ids(config, tokenizer) -> frozenset[int]:
+    ids = getattr(config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class EngineLoop:
+    """Runs an LLMEngine in its own thread. `add_request` and `abort` are thread-safe and never
+    block; `on_outputs(outputs, stats)` is called from the engine thread after every step."""
+
+    def __init__(self, engine: LLMEngine,
+                 on_outputs: Callable[[list[RequestOutput], EngineStats], None],
+                 idle_tick_s: float = 0.05):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.idle_tick_s = idle_tick_s
+        self.last_tick = time.monotonic()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping.set()
+        self._inbox.put(None)  # wake an idle wait
+        self._thread.join(timeout)
+
+    def add_request(self, req: EngineRequest) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        self._inbox.put(("abort", request_id, reason))
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(wait=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self.last_tick = time.monotonic()
+
+    def _drain_inbox(self, wait: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=self.idle_tick_s) if wait else self._inbox.get_nowait()
+            while True:
+                self._apply(cmd)
+                cmd = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, cmd) -> None:
+        if cmd is None:
+            return
+        if cmd[0] == "add":
+            self.engine.add_request(cmd[1])
+        else:
+            self.engine.abort(cmd[1], cmd[2])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bad batch must not take the worker down
+            log.exception("engine step failed; failing its requests", error=str(exc))
+            self.engine.fail_all(f"internal error: {type(exc).__name__}")
+            outputs = self.engine.step()
+        self.on_outputs(outputs, self.engine.stats())

@@ -1,0 +1,146 @@
+"""Turns a SchedulerOutput into one forward pass and sampled tokens.
+
+The runner computes and never decides policy: it flattens the scheduled chunks into one batch
+(decodes first, then prefill chunks), builds positions / slot_mapping / block tables, runs the
+model, computes logits only for the rows that sample, and samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from config.settings import Settings
+from worker.engine.models.llama import AttentionMetadata
+from worker.engine.models.loader import load_model
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler import ScheduledSequence
+
+log = structlog.get_logger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matmuls are ~5x slower than fp32 on these CPUs; on a GPU bf16 is the norm.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows whose next-token logits are sampled
+    sampling: list[ScheduledSequence]  # in the order of logits_indices
+
+
+class ModelRunner:
+    def __init__(self, settings: Settings):
+        self.device = pick_device(settings.model.device)
+        self.dtype = pick_dtype(settings.model.dtype, self.device)
+        self.block_size = settings.cache.block_size
+        self.model, self.config, self.tokenizer = load_model(
+            settings.model.path, settings.model.load_format, self.dtype, self.device,
+            max_positions=settings.model.max_model_len)
+        self.max_model_len = min(settings.model.max_model_len,
+                                 getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.num_blocks = self._num_blocks(settings)
+        self.kv_cache = self._allocate_kv_cache()
+        self.sampler = Sampler()
+        log.info("model ready", device=str(self.device), dtype=str(self.dtype),
+                 num_blocks=self.num_blocks, block_size=self.block_size)
+
+    # ---- KV cache -----------------------------------------------------------------------------
+
+    def _kv_shape(self) -> tuple[int, ...]:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return (self.block_size, c.num_key_value_heads, head_dim)
+
+    def bytes_per_block(self) -> int:
+        per_layer = 2 * torch.Size(self._kv_shape()).numel() * self.dtype.itemsize
+        return per_layer * self.config.num_hidden_layers
+
+    def _num_blocks(self, settings: Settings) -> int:
+        if settings.cache.num_blocks:
+            return settings.cache.num_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * settings.cache.gpu_memory_utilization
+        else:
+            budget = settings.cache.kv_memory_gb * 1e9
+        return max(1, int(budget // self.bytes_per_block()))
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.config.num_hidden_layers, 2, self.num_blocks, *self._kv_shape())
+        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(shape[0])]
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        """Run one forward over `scheduled`; return one sampled token per chunk that samples,
+        in the order of `[s for s in scheduled if s.samples]`."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+        if not batch.sampling:
+            return []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        seqs = [s.seq for s in batch.sampling]
+        return self.sampler(logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs],
+                            [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
+        # Decodes (one new token) first: they go to the decode kernel as one block.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots, logits_indices = [], [], [], []
+        for s in ordered:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table, bs = seq.block_table, self.block_size
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        meta = self._metadata(decodes, prefills, slots)
+        sampling = [s for s in ordered if s.samples]
+        return Batch(self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta,
+                     self._tensor(logits_indices, torch.long), sampling)
+
+    def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
+        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None)
+        if decodes:
+            meta.decode_block_tables = self._block_tables(decodes)
+            meta.decode_context_lens = self._context_lens(decodes)
+        if prefills:
+            meta.prefill_block_tables = self._block_tables(prefills)
+            meta.prefill_context_lens = self._context_lens(prefills)
+            cu = [0]
+            for s in prefills:
+                cu.append(cu[-1] + s.num_new_tokens)
+            meta.prefill_cu_seqlens_q = self._tensor(cu, torch.int32)
+        return meta
+
+    def _block_tables(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
+        width = max(len(s.seq.block_table) for s in chunks)
+        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks]
+        return self._tensor(rows, torch.int32)
+
+    def _context_lens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
+        return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in chunks], torch.int32)
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t

@@ -1,0 +1,192 @@
+"""A Llama-family decoder over the paged KV cache: Llama 2/3 (rope scaling), Mistral,
+Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+The forward pass takes one flat batch of tokens from many sequences (no padding):
+
+    tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]   decodes first, then prefill chunks
+    q rows:     one per decode seq   cu_seqlens_q delimits each prefill chunk
+
+K/V of every token is written to its cache slot (`slot_mapping`), then attention reads each
+sequence's whole context back through its block table. Weights use HF names, with q/k/v and
+gate/up fused into one matmul each (fewer, larger GEMMs are what a CPU and a GPU both like).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_decode_tokens: int  # the first rows are decodes, one token per sequence
+    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
+    prefill_cu_seqlens_q: torch.Tensor | None  # int32 [num_prefills + 1]
+    prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_parameters(config) -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = params["rope_type"]
+    if kind == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif kind == "llama3":
+        inv_freq = llama3_scale(inv_freq, params)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_type {kind!r}")
+    return inv_freq.float()
+
+
+def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: long wavelengths divided by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(middle, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, params: dict):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, params))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Neox / HF "rotate_half" layout: the two halves of head_dim are the pair.
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.rotary = rotary
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(self.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(self.head_dim))
+
+    def forward(self, positions, hidden, k_cache, v_cache, meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self._attend(q, k_cache, v_cache, meta)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        prefill = kernels.paged_prefill_attention(
+            q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens, self.scale)
+        if nd == 0:
+            return prefill
+        decode = kernels.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        return torch.cat((decode, prefill))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(config, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.eps = config.rms_norm_eps
+
+    def forward(self, positions, hidden, k_cache, v_cache, meta):
+        hidden = hidden + self.self_attn(
+            positions, rms_norm(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
+        return hidden + self.mlp(rms_norm(hidden, self.post_attention_layernorm, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            hidden = layer(positions, hidden, k_cache, v_cache, meta)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)

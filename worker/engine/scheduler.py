@@ -1,0 +1,161 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+One token budget (`max_num_batched_tokens`) is shared by decodes and prefill chunks, so a long
+prompt is split over several steps instead of stalling every running decode (chunked prefill).
+Order everywhere is (priority, arrival): lower priority values first, FCFS within a priority.
+
+Memory policy:
+- a waiting sequence is admitted only when the blocks for its whole uncomputed prompt are free;
+- a running sequence that cannot get its next block preempts (by recompute) the worst running
+  sequence, possibly itself, never a better one;
+- a waiting sequence that cannot be admitted may preempt running sequences that are strictly
+  worse in priority (vLLM only preempts on a failed append).
+
+The scheduler decides and never touches tensors.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # scheduled for the first time ever
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, policy: str = "continuous"):
+        assert policy in ("continuous", "static")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of either queue and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks the sequence holds at its longest (prompt + every allowed new token)."""
+        return self.block_manager.num_blocks_for(seq.num_prompt_tokens + seq.sampling.max_tokens)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if self.policy == "continuous":
+            self._schedule_waiting(out, budget)
+        elif not self.running:
+            # Static batching: a new batch forms only when the last one is done; its members
+            # are admitted together and their prompts run over the next steps as budget allows.
+            self._schedule_waiting(out, budget, whole_batch=True)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=lambda s: s.sort_key)
+        queue = list(self.running)  # best first; victims come from the end
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_new, queue, out):
+                continue  # seq preempted itself
+            self.block_manager.append(seq, num_new)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, queue: list[Sequence],
+                   out: SchedulerOutput) -> bool:
+        """Preempt the worst not-yet-scheduled running sequences until `seq` fits."""
+        while not self.block_manager.can_append(seq, num_new):
+            victim = queue.pop() if queue else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_batch: bool = False) -> None:
+        while self.waiting and (budget > 0 or whole_batch):
+            seq = self.waiting[0]
+            if not self._admit(seq, out):
+                break  # strict (priority, arrival) order: nobody jumps a request that waits for memory
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            self.waiting.pop(0)
+            # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
+            self.block_manager.append(seq, seq.num_uncomputed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.first_scheduled_time is None:
+                out.started.append(seq)
+            if num_new:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Room for `seq`'s whole uncomputed prompt and a seat in the batch, preempting
+        strictly lower-priority running sequences that were not scheduled this step."""
+        need = self.block_manager.num_new_blocks(seq, seq.num_uncomputed_tokens)
+        while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(need):
+            victim = self._worst_unscheduled_running(out)
+            if victim is None or victim.priority <= seq.priority:
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _worst_unscheduled_running(self, out: SchedulerOutput) -> Sequence | None:
+        scheduled = {id(s.seq) for s in out.scheduled}
+        candidates = [s for s in self.running if id(s) not in scheduled]
+        return max(candidates, key=lambda s: s.sort_key, default=None)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop the KV cache, keep the tokens, start over later."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)

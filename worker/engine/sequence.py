@@ -1,0 +1,87 @@
+"""A request's state inside the engine: token ids, counters, block table, status.
+
+State is counters, not phases: a sequence has `num_tokens` known tokens (prompt + output so far)
+of which `num_computed_tokens` already have K/V in the cache. A step computes the next chunk of
+the gap; when the gap closes, the step samples one more token. Prefill, chunked prefill, decode
+and recompute after preemption are all the same rule.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.request import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# finish_reason (wire contract) -> error code, for reasons that are errors.
+ERROR_CODE_OF = {"cancelled": "cancelled", "timeout": "timeout", "error": "internal"}
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    deadline: float | None = None
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer; None when text is not needed
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Lower is better: priority first, then arrival (FCFS within a priority)."""
+        return (self.priority, self.arrival_time)
+
+    def finish(self, reason: str, message: str | None = None, code: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error_code = code or ERROR_CODE_OF.get(reason)
+        self.error_message = message
+        self.finish_time = time.time()
