@@ -32,7 +32,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

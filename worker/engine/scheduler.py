@@ -122,7 +122,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._admit(seq, out):
                 break  # strict (priority, arrival) order: nobody jumps a request that waits for memory
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            budget = self.max_num_batched_tokens - out.num_batched_tokens  # preemption frees budget
+            num_new = max(0, min(seq.num_uncomputed_tokens, budget))
             self.waiting.pop(0)
             # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
             self.block_manager.append(seq, seq.num_uncomputed_tokens)
@@ -135,20 +136,16 @@ class Scheduler:
             budget -= num_new
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Room for `seq`'s whole uncomputed prompt and a seat in the batch, preempting
-        strictly lower-priority running sequences that were not scheduled this step."""
+        """Room for `seq`'s whole uncomputed prompt and a seat in the batch, preempting running
+        sequences of strictly worse priority (even ones already scheduled this step)."""
         need = self.block_manager.num_new_blocks(seq, seq.num_uncomputed_tokens)
         while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(need):
-            victim = self._worst_unscheduled_running(out)
+            victim = max(self.running, key=lambda s: s.sort_key, default=None)
             if victim is None or victim.priority <= seq.priority:
                 return False
+            out.scheduled = [c for c in out.scheduled if c.seq is not victim]
             self._preempt(victim, out)
         return True
-
-    def _worst_unscheduled_running(self, out: SchedulerOutput) -> Sequence | None:
-        scheduled = {id(s.seq) for s in out.scheduled}
-        candidates = [s for s in self.running if id(s) not in scheduled]
-        return max(candidates, key=lambda s: s.sort_key, default=None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the KV cache, keep the tokens, start over later."""

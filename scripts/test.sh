@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs the test suite against a real Kafka broker: `scripts/test.sh [pytest arguments]`.
+#
+# Starts the local broker (scripts/kafka.sh) unless INFERLINE_KAFKA__BOOTSTRAP_SERVERS names another
+# one, runs `.venv/bin/python -m pytest "$@"`, and stops the broker at the end only if this run
+# started it (and no other run is still using it: runs hold a lease, see scripts/kafka.sh).
+# Exits with pytest's code, except that "no tests collected" (5) counts as success.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+T0=$(date +%s.%N)
+PYTHON=$REPO/.venv/bin/python
+[ -x "$PYTHON" ] || { echo "test.sh: $PYTHON missing: run 'make install' first" >&2; exit 1; }
+
+LEASED=
+release() {
+    if [ -n "$LEASED" ]; then
+        scripts/kafka.sh release $$ || echo "test.sh: warning: releasing the broker failed" >&2
+        LEASED=
+    fi
+}
+trap release EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Prints "started", "running" or "external"; the lease stops a broker it started when the last
+# run using it releases it.
+if ! how=$(scripts/kafka.sh acquire $$); then
+    echo "test.sh: the Kafka broker could not be started (see above)" >&2
+    exit 1
+fi
+[ "$how" = external ] || LEASED=1
+echo "test.sh: Kafka broker: $how (${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}})" >&2
+
+"$PYTHON" -m pytest "$@"
+rc=$?
+[ "$rc" -eq 5 ] && { echo "test.sh: no tests collected: counted as success" >&2; rc=0; }
+
+release
+awk -v t0="$T0" -v t1="$(date +%s.%N)" -v rc="$rc" \
+    'BEGIN { printf "test.sh: pytest exit code %d, wall time %.1fs\n", rc, t1 - t0 }' >&2
+exit "$rc"
