@@ -1,0 +1,330 @@
+"""Sampler: greedy, penalties, filters, seeded reproducibility, distribution sanity."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from worker.engine.request import SamplingParams
+from worker.engine.sampler import Sampler, apply_filters, apply_penalties, make_generator
+
+VOCAB = 64
+
+
+def call(logits, params, prompt_ids=None, output_ids=None, generators=None):
+    n = logits.shape[0]
+    return Sampler()(
+        logits,
+        params,
+        prompt_ids if prompt_ids is not None else [[] for _ in range(n)],
+        output_ids if output_ids is not None else [[] for _ in range(n)],
+        generators if generators is not None else [None] * n,
+    )
+
+
+# --- greedy -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equals_argmax_and_leaves_logits_alone(dtype):
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=7)] * 16
+    assert call(logits, params) == logits.argmax(-1).tolist()
+    assert torch.equal(logits, before)
+
+
+def test_non_contiguous_logits():
+    # e.g. a padded LM head sliced to the tokenizer's vocab
+    wide = torch.randn(6, VOCAB + 7, generator=torch.Generator().manual_seed(6))
+    logits = wide[:, :VOCAB]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(top_p=0.9, seed=1)] * 3
+    gens = lambda: [make_generator(p.seed) for p in params]  # noqa: E731
+    tokens = call(logits, params, [[1]] * 6, [[2]] * 6, gens())
+    assert tokens == call(logits.contiguous(), params, [[1]] * 6, [[2]] * 6, gens())
+    assert all(0 <= t < VOCAB for t in tokens)
+
+
+def test_greedy_row_consumes_no_randomness():
+    generator = make_generator(3)
+    state = generator.get_state()
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.0)]
+    call(torch.randn(1, VOCAB), params, generators=[generator])
+    assert torch.equal(generator.get_state(), state)
+
+
+def test_make_generator_unseeded_is_none():
+    assert make_generator(None) is None
+    a, b = make_generator(11), make_generator(11)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+# --- penalties ----------------------------------------------------------------------------------
+
+
+def reference_penalties(row, params, prompt, output):
+    """Slow per-token version of the documented penalty rules."""
+    row = [float(x) for x in row]
+    if params.repetition_penalty != 1.0:
+        for token in set(prompt) | set(output):
+            rp = params.repetition_penalty
+            row[token] = row[token] / rp if row[token] > 0 else row[token] * rp
+    for token in set(output):
+        count = output.count(token)
+        row[token] -= params.frequency_penalty * count + params.presence_penalty
+    return row
+
+
+def random_penalty_case(rng: random.Random, n: int):
+    params, prompts, outputs = [], [], []
+    for _ in range(n):
+        params.append(
+            SamplingParams(
+                temperature=0.0,
+                repetition_penalty=rng.choice([1.0, 0.7, 1.3, 2.0]),
+                presence_penalty=rng.choice([0.0, -1.5, 0.5, 2.0]),
+                frequency_penalty=rng.choice([0.0, -0.5, 0.3, 2.0]),
+            )
+        )
+        prompts.append([rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))])
+        outputs.append([rng.randrange(VOCAB // 4) for _ in range(rng.randrange(0, 30))])
+    return params, prompts, outputs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_penalties_match_slow_reference(seed):
+    rng = random.Random(seed)
+    params, prompts, outputs = random_penalty_case(rng, 12)
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    got = apply_penalties(logits, params, prompts, outputs)
+    want = torch.tensor(
+        [reference_penalties(logits[i], params[i], prompts[i], outputs[i]) for i in range(12)]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_greedy_with_penalties_in_a_mixed_batch():
+    rng = random.Random(1)
+    params, prompts, outputs = random_penalty_case(rng, 10)
+    params += [SamplingParams(temperature=1.0, seed=i) for i in range(6)]  # sampled rows alongside
+    prompts += [[1, 2]] * 6
+    outputs += [[3]] * 6
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    gens = [None] * 10 + [make_generator(i) for i in range(6)]
+    before = logits.clone()
+    got = call(logits, params, prompts, outputs, gens)[:10]
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+    want = [
+        torch.tensor(reference_penalties(logits[i], params[i], prompts[i], outputs[i])).argmax().item()
+        for i in range(10)
+    ]
+    assert got == want
+
+
+def test_repetition_penalty_covers_prompt_but_presence_does_not():
+    logits = torch.zeros(1, 4)
+    logits[0, 1] = 2.0
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=1.0)]
+    out = apply_penalties(logits, params, [[1]], [[2]])
+    assert out.tolist() == [[0.0, 1.0, -1.0, 0.0]]
+
+
+# --- filters ------------------------------------------------------------------------------------
+
+
+def reference_allowed(row: list[float], params: SamplingParams, margin: float = 1e-4):
+    """(must, may): tokens the documented top-k -> top-p -> min-p rules keep for sure, and those
+    they keep allowing float slack at the top-p / min-p boundaries."""
+    x = [v / params.temperature for v in row]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    if 0 < params.top_k < len(x):
+        order = order[: params.top_k]
+    z = sum(math.exp(x[i] - x[order[0]]) for i in order)
+    probs = {i: math.exp(x[i] - x[order[0]]) / z for i in order}
+    must, may, mass = set(), set(), 0.0
+    for i in order:
+        if mass < params.top_p - margin or i == order[0]:
+            must.add(i)
+        if mass < params.top_p + margin:
+            may.add(i)
+        mass += probs[i]
+    if params.min_p > 0:
+        top = probs[order[0]]
+        must = {i for i in must if probs[i] >= params.min_p * top * (1 + margin)}
+        may = {i for i in may if probs[i] >= params.min_p * top * (1 - margin)}
+    return must, may
+
+
+def filter_cases():
+    return [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.5, top_k=10, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.5, top_k=20, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0),
+    ]
+
+
+def test_filters_keep_exactly_the_reference_set():
+    params = filter_cases() * 4
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    temps = torch.tensor([[p.temperature] for p in params])
+    kept = torch.isfinite(apply_filters(logits / temps, params))
+    for i, p in enumerate(params):
+        must, may = reference_allowed(logits[i].tolist(), p)
+        got = set(kept[i].nonzero().flatten().tolist())
+        assert must <= got <= may, (i, p)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat: the nucleus outgrows the candidates
+def test_filters_on_a_large_vocab_match_the_reference(scale):
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.3, min_p=0.5),
+        SamplingParams(temperature=1.0, top_k=3000, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=7),
+    ]
+    logits = torch.randn(len(params), 5000, generator=torch.Generator().manual_seed(4)) * scale
+    kept = torch.isfinite(apply_filters(logits.clone(), params))
+    for i, p in enumerate(params):
+        must, may = reference_allowed(logits[i].tolist(), p)
+        assert must <= set(kept[i].nonzero().flatten().tolist()) <= may, (scale, p)
+
+
+def test_kept_set_with_ties_does_not_depend_on_the_batch():
+    # bf16 logits tie a lot; the kept set must not depend on how a topk orders tied values,
+    # which changes with the batch's largest top_k.
+    row = (torch.randn(1, 2000, generator=torch.Generator().manual_seed(5)) * 2).bfloat16().float()
+    params = SamplingParams(temperature=1.0, top_p=0.6, top_k=40)
+    alone = torch.isfinite(apply_filters(row.clone(), [params]))
+    other = SamplingParams(temperature=1.0, top_k=1500)
+    batch = torch.cat([torch.randn(1, 2000), row])
+    together = torch.isfinite(apply_filters(batch, [other, params]))[1:]
+    assert torch.equal(alone, together)
+    values = row[alone]
+    assert not ((row >= values.min()) & ~alone).any()  # ties at the boundary are all kept
+
+
+def test_sampling_never_leaves_the_allowed_set():
+    torch.manual_seed(0)
+    params = filter_cases()[:-1] * 300
+    base = torch.randn(len(filter_cases()) - 1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    logits = base.repeat(300, 1)
+    gens = [make_generator(i) if i % 2 else None for i in range(len(params))]
+    tokens = call(logits, params, generators=gens)
+    seen: dict[int, set[int]] = {}
+    for i, token in enumerate(tokens):
+        _, may = reference_allowed(logits[i].tolist(), params[i])
+        assert token in may, (i, params[i], token)
+        seen.setdefault(i % base.shape[0], set()).add(token)
+    # and it does sample: a case that keeps several tokens shows more than one
+    assert len(seen[0]) > 1
+
+
+# --- reproducibility ----------------------------------------------------------------------------
+
+
+def run_steps(position: int, others: int, seed: int, steps: int, dtype=torch.float32):
+    """Tokens of one seeded request at batch row `position` among `others` random requests,
+    over several steps (its generator carries over, as in the engine)."""
+    target_logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(100)).to(dtype)
+    target = SamplingParams(
+        temperature=0.9, top_k=30, top_p=0.95, min_p=0.01, presence_penalty=0.3, seed=seed
+    )
+    generator = make_generator(seed)
+    noise_rng = random.Random(position * 1000 + others)
+    history: list[int] = []
+    for step in range(steps):
+        others_params = [
+            SamplingParams(
+                temperature=noise_rng.choice([0.0, 0.5, 1.0]),
+                top_p=noise_rng.choice([1.0, 0.9]),
+                seed=noise_rng.choice([None, noise_rng.randrange(99)]),
+            )
+            for _ in range(others)
+        ]
+        params = others_params[:position] + [target] + others_params[position:]
+        logits = torch.randn(others + 1, VOCAB).to(dtype)
+        logits[position] = target_logits[step]
+        gens = [make_generator(p.seed) for p in params]
+        gens[position] = generator
+        outputs = [[noise_rng.randrange(VOCAB)] for _ in params]
+        outputs[position] = history
+        history = history + [call(logits, params, [[1, 2, 3]] * len(params), outputs, gens)[position]]
+    return history
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seeded_request_is_reproducible_inside_any_batch(dtype):
+    alone = run_steps(0, 0, seed=42, steps=20, dtype=dtype)
+    assert run_steps(0, 0, seed=42, steps=20, dtype=dtype) == alone
+    assert run_steps(3, 7, seed=42, steps=20, dtype=dtype) == alone
+    assert run_steps(0, 31, seed=42, steps=20, dtype=dtype) == alone
+    assert run_steps(9, 9, seed=43, steps=20, dtype=dtype) != alone  # the seed matters
+
+
+# --- distribution -------------------------------------------------------------------------------
+
+# chi-square critical values at p = 0.001, by degrees of freedom
+_CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
+
+
+def test_temperature_sampling_follows_softmax():
+    torch.manual_seed(1)
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    temperature = 0.7
+    tokens = call(row.repeat(30000, 1), [SamplingParams(temperature=temperature)] * 30000)
+    probs = torch.softmax(row / temperature, -1).tolist()
+    counts = [tokens.count(t) for t in range(6)]
+    assert chi_square(counts, probs) < _CHI2_999[5], counts
+
+
+def test_draw_across_blocks_follows_softmax():
+    # Mass spread over several 256-token blocks and their edges: the two-level draw must pick the
+    # block and then the token in proportion.
+    torch.manual_seed(2)
+    positions = [0, 255, 256, 300, 511, 700, 1000, 1023]
+    row = torch.full((1024,), -40.0)
+    row[positions] = torch.tensor([0.0, 1.0, -0.5, 0.5, 2.0, -1.0, 1.5, 0.2])
+    tokens = call(row.repeat(20000, 1), [SamplingParams(temperature=1.0)] * 20000)
+    assert set(tokens) <= set(positions)
+    probs = torch.softmax(row[positions], -1).tolist()
+    assert chi_square([tokens.count(t) for t in positions], probs) < _CHI2_999[7]
+
+
+def test_seeded_stream_follows_softmax_and_top_k_renormalises():
+    row = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
+    params = [SamplingParams(temperature=1.3, top_k=4, seed=5)]
+    generator = make_generator(5)
+    tokens = [call(row, params, generators=[generator])[0] for _ in range(4000)]
+    kept = [5, 0, 1, 2]  # the four largest logits
+    assert set(tokens) <= set(kept)
+    probs = torch.softmax(row[0, kept] / 1.3, -1).tolist()
+    assert chi_square([tokens.count(t) for t in kept], probs) < _CHI2_999[3]
+
+
+# --- device -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_greedy_and_seeded():
+    logits = torch.randn(8, 1000, device="cuda", dtype=torch.bfloat16)
+    assert call(logits, [SamplingParams(temperature=0.0)] * 8) == logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.2, seed=3)
+    ] * 8
+    gens = lambda: [make_generator(3, "cuda") for _ in range(8)]  # noqa: E731
+    runs = [call(logits, params, [[1, 2]] * 8, [[3]] * 8, gens()) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 1  # same logits, same seed: same token in every row
