@@ -1,0 +1,427 @@
+"""The inferline wire contract, version 1 (PROTOCOL.md): typed models and the msgpack codec.
+
+Both sides import this module: producers encode requests and decode events, workers decode
+requests and encode events. It depends on pydantic and msgpack only (never torch).
+
+Decoding a request sorts every failure into one of two exceptions:
+
+- ``UndecodableMessage``: not msgpack, not a map, over the size limit, or no usable ``id`` /
+  ``reply_topic``. Nobody can be told, so the worker sends the bytes to the dead-letter topic.
+- ``InvalidRequest``: the requester is known but a rule is broken. The worker answers with a
+  ``done`` event, ``finish_reason="rejected"``, ``error.code`` = ``InvalidRequest.code`` and
+  ``error.message`` = ``InvalidRequest.message`` (which names the field).
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgpack
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+PROTOCOL_VERSION = 1
+# Same default as KafkaSettings.max_message_bytes (the broker's default message.max.bytes).
+DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
+MAX_ID_LEN = 128
+MAX_TOPIC_LEN = 249
+MAX_STOP = 16
+# metadata size = sum of the UTF-8 byte lengths of every key and every value.
+MAX_METADATA_BYTES = 4096
+MAX_TENANT_LEN = 256
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
+ErrorCode = Literal[
+    "invalid_request", "prompt_too_long", "rate_limited", "overloaded", "timeout", "cancelled", "internal"
+]
+EventType = Literal["started", "tokens", "done"]
+FINISH_REASONS: tuple[str, ...] = FinishReason.__args__
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
+EVENT_TYPES: tuple[str, ...] = EventType.__args__
+
+ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions
+
+
+class UndecodableMessage(Exception):
+    """The bytes cannot be decoded far enough to answer the sender: dead-letter them."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class InvalidRequest(Exception):
+    """A decodable request with a usable id and reply topic that breaks a rule of the contract.
+
+    ``field`` is the request-table field at fault (top level, e.g. ``"messages"``); ``path`` the
+    full location (e.g. ``"messages.0.role"``); ``message`` a sentence that starts with the path;
+    ``code`` the contract error code (``invalid_request`` or ``prompt_too_long``). ``reply_partition``
+    is None when it was absent or itself invalid (then the reply goes by key)."""
+
+    def __init__(
+        self,
+        field: str,
+        message: str,
+        *,
+        request_id: str,
+        reply_topic: str,
+        reply_partition: int | None = None,
+        code: ErrorCode = "invalid_request",
+        path: str | None = None,
+    ):
+        super().__init__(message)
+        self.field = field
+        self.path = path or field
+        self.message = message
+        self.request_id = request_id
+        self.reply_topic = reply_topic
+        self.reply_partition = reply_partition
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------
+# Field types
+
+
+def _not_bool(value: Any) -> Any:
+    # Literal[1] would accept True (True == 1 in Python); the contract's `v` is an int.
+    if isinstance(value, bool):
+        raise ValueError("must be an int, not a bool")
+    return value
+
+
+def _legal_topic(s: str) -> str:
+    if not is_legal_topic(s):
+        raise ValueError("not a legal Kafka topic name (1-249 of [a-zA-Z0-9._-], not '.' or '..')")
+    return s
+
+
+def _legal_id(s: str) -> str:
+    if not is_legal_id(s):
+        raise ValueError("must be 1-128 characters of [A-Za-z0-9._:-]")
+    return s
+
+
+# pydantic rejects str with lone surrogates, so anything that validates encodes as UTF-8.
+NonEmptyText = Annotated[str, Field(min_length=1)]
+Version = Annotated[Literal[1], BeforeValidator(_not_bool)]
+RequestId = Annotated[str, AfterValidator(_legal_id)]
+TopicName = Annotated[str, AfterValidator(_legal_topic)]
+TokenId = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
+def is_legal_id(value: object) -> bool:
+    """True for a str of 1-128 characters of [A-Za-z0-9._:-]."""
+    return type(value) is str and ID_RE.fullmatch(value) is not None
+
+
+def is_legal_topic(value: object) -> bool:
+    """True for a legal Kafka topic name: 1-249 of [a-zA-Z0-9._-], and not "." or ".."."""
+    return type(value) is str and TOPIC_RE.fullmatch(value) is not None and value not in (".", "..")
+
+
+class _Wire(BaseModel):
+    # strict: no str->int or int->bool coercion, bytes are not str, bool is not int (ints are
+    # still accepted for floats). extra ignored: newer producers may add optional fields.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# Request and cancel
+
+
+class ChatMessage(_Wire):
+    role: NonEmptyText
+    content: str
+
+
+class Request(_Wire):
+    """One generation request (PROTOCOL.md, "Request"). Exactly one of ``prompt``,
+    ``messages``, ``prompt_token_ids`` is set. Defaults are the contract's defaults; None means
+    "none" (``timeout_s`` None: the worker's default)."""
+
+    v: Version = PROTOCOL_VERSION
+    id: RequestId
+    reply_topic: TopicName
+    reply_partition: Annotated[int, Field(ge=0)] | None = None
+    # An empty prompt gives the model nothing to continue from: rejected like a missing one.
+    prompt: NonEmptyText | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] = 256
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    seed: int | None = None
+    # An empty stop string would match before the first token.
+    stop: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] = []
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    priority: int = 0
+    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    created_at: Annotated[float, Field(ge=0)] | None = None
+    tenant: Annotated[NonEmptyText, Field(max_length=MAX_TENANT_LEN)] = "default"
+    stream: bool = True
+    metadata: dict[str, str] = {}
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
+        size = metadata_bytes(value)
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"is {size} bytes, at most {MAX_METADATA_BYTES} allowed (UTF-8 keys + values)")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> "Request":
+        problem = prompt_fields_problem([f for f in PROMPT_FIELDS if getattr(self, f) is not None])
+        if problem:
+            raise ValueError(problem[1])
+        return self
+
+
+class Cancel(_Wire):
+    """Ask every worker to stop request ``id`` (sent to the cancel topic, keyed by id)."""
+
+    v: Version = PROTOCOL_VERSION
+    id: RequestId
+
+
+def metadata_bytes(metadata: dict[str, str]) -> int:
+    """How metadata is measured against the 4 KiB limit: UTF-8 bytes of all keys and values."""
+    return sum(len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
+               for k, v in metadata.items())
+
+
+def prompt_fields_problem(present: list[str]) -> tuple[str, str] | None:
+    """(field, message) when ``present`` is not exactly one of the prompt fields."""
+    if not present:
+        return "prompt", "one of prompt, messages, prompt_token_ids is required"
+    if len(present) > 1:
+        return present[1], f"only one of prompt, messages, prompt_token_ids may be set (got {', '.join(present)})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+
+
+class Usage(_Wire):
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    completion_tokens: Annotated[int, Field(ge=0)]
+
+
+class Timing(_Wire):
+    queue_s: Seconds
+    ttft_s: Seconds | None  # None when no token was produced
+    total_s: Seconds
+
+
+class ErrorInfo(_Wire):
+    code: ErrorCode
+    message: str
+
+
+class _EventBase(_Wire):
+    v: Version = PROTOCOL_VERSION
+    id: str
+    attempt: str  # opaque, new for each execution of the request
+    seq: Annotated[int, Field(ge=0)]  # 0, 1, 2, ... within one attempt
+
+
+class StartedEvent(_EventBase):
+    """First event of every attempt: the request entered the running batch."""
+
+    type: Literal["started"] = "started"
+    worker: str
+    queue_s: Seconds
+
+
+class TokensEvent(_EventBase):
+    """New tokens of one attempt and the text they add (only the new text)."""
+
+    type: Literal["tokens"] = "tokens"
+    token_ids: list[int]
+    text: str
+
+
+class DoneEvent(_EventBase):
+    """Last event of every attempt, exactly once. ``text`` is the whole output (always set
+    when the request had ``stream=False``); ``error`` is set for rejected/error outcomes."""
+
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    text: str | None = None
+    error: ErrorInfo | None = None
+    metadata: dict[str, str] = {}
+
+
+Event = Annotated[Union[StartedEvent, TokensEvent, DoneEvent], Field(discriminator="type")]
+_EVENT = TypeAdapter(Event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec
+
+
+def _unpack(data: Any, max_bytes: int) -> Any:
+    """msgpack bytes -> Python objects, never decoding more than ``max_bytes``.
+
+    The size is checked before msgpack sees the buffer, and every length limit is bounded by it,
+    so a 100 MB message costs a len(). Nesting deeper than 1024 raises StackError in the C
+    unpacker (RecursionError in the pure-Python fallback): both become UndecodableMessage.
+    Bad UTF-8 is kept (surrogateescape) so that it fails validation of its own field: a bad
+    prompt then gets a `rejected` reply instead of a silent trip to the dead-letter topic."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise UndecodableMessage(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise UndecodableMessage(f"message is {len(data)} bytes, over the {max_bytes}-byte limit")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, unicode_errors="surrogateescape", use_list=True,
+            max_str_len=max_bytes, max_bin_len=max_bytes, max_ext_len=max_bytes,
+            max_array_len=max_bytes, max_map_len=max_bytes // 2,
+        )
+    except (ValueError, TypeError, RecursionError, MemoryError, msgpack.UnpackException) as exc:
+        raise UndecodableMessage(f"not msgpack: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _error_location(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _first_error(exc: ValidationError) -> tuple[tuple, str]:
+    """(location, message) of the first error, without the input: echoing it could put
+    megabytes into an error event."""
+    err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    return err["loc"], err["msg"].removeprefix("Value error, ")
+
+
+def _check_routing(obj: dict) -> tuple[str, str, int | None]:
+    """The id, reply topic and (valid or None) reply partition, or UndecodableMessage."""
+    request_id, reply_topic = obj.get("id"), obj.get("reply_topic")
+    if not is_legal_id(request_id):
+        raise UndecodableMessage("no usable id (1-128 characters of [A-Za-z0-9._:-])")
+    if not is_legal_topic(reply_topic):
+        raise UndecodableMessage("no usable reply_topic (a legal Kafka topic name)")
+    partition = obj.get("reply_partition")
+    partition = partition if type(partition) is int and partition >= 0 else None
+    return request_id, reply_topic, partition
+
+
+def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] | None:
+    """Rules checked on the raw map, before pydantic: (field, message, code) of the first broken."""
+    v = obj.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        return "v", f"v: unsupported protocol version {v!r:.20} (this build speaks {PROTOCOL_VERSION})", "invalid_request"
+    problem = prompt_fields_problem([f for f in PROMPT_FIELDS if obj.get(f) is not None])
+    if problem:
+        return problem[0], f"{problem[0]}: {problem[1]}", "invalid_request"
+    ids = obj.get("prompt_token_ids")
+    # Cheap: a len() before pydantic walks a million-element list.
+    if max_prompt_tokens is not None and isinstance(ids, list) and len(ids) > max_prompt_tokens:
+        return ("prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {max_prompt_tokens} allowed",
+                "prompt_too_long")
+    return None
+
+
+def decode_request(
+    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_prompt_tokens: int | None = None
+) -> Request:
+    """Decode and validate one request message.
+
+    Raises UndecodableMessage (dead-letter it) or InvalidRequest (reply ``done``/``rejected``);
+    nothing else, whatever the bytes. ``max_prompt_tokens`` rejects longer ``prompt_token_ids``
+    with code ``prompt_too_long`` before they are validated."""
+    obj = _unpack(data, max_bytes)
+    if not isinstance(obj, dict):
+        raise UndecodableMessage(f"not a map: a msgpack {type(obj).__name__}")
+    request_id, reply_topic, partition = _check_routing(obj)
+    route = dict(request_id=request_id, reply_topic=reply_topic, reply_partition=partition)
+    broken = _precheck(obj, max_prompt_tokens)
+    if broken:
+        raise InvalidRequest(broken[0], broken[1], code=broken[2], **route)
+    # Only str keys name fields; anything else is an unknown (ignored) field.
+    fields = {k: v for k, v in obj.items() if type(k) is str}
+    try:
+        return Request.model_validate(fields)
+    except ValidationError as exc:
+        loc, msg = _first_error(exc)
+        path = _error_location(loc) or "request"
+        field = str(loc[0]) if loc else "request"
+        raise InvalidRequest(field, f"{path}: {msg}", path=path, **route) from None
+
+
+def _pack(model: BaseModel, exclude_none: bool) -> bytes:
+    return msgpack.packb(model.model_dump(mode="python", exclude_none=exclude_none), use_bin_type=True)
+
+
+def encode_request(req: Request) -> bytes:
+    """Request -> msgpack map. Fields that are None ("none" in the contract) are omitted."""
+    return _pack(req, exclude_none=True)
+
+
+def encode_event(ev: StartedEvent | TokensEvent | DoneEvent) -> bytes:
+    """Event -> msgpack map. Optional fields are written as nil, never omitted
+    (``error: nil`` in a successful ``done``, ``ttft_s: nil`` when no token was produced)."""
+    return _pack(ev, exclude_none=False)
+
+
+def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> StartedEvent | TokensEvent | DoneEvent:
+    """Decode one reply-topic event; UndecodableMessage on anything that is not a v1 event."""
+    obj = _unpack(data, max_bytes)
+    try:
+        return _EVENT.validate_python(obj)
+    except ValidationError as exc:
+        loc, msg = _first_error(exc)
+        raise UndecodableMessage(f"not a v1 event: {_error_location(loc)}: {msg}") from None
+
+
+def encode_cancel(c: Cancel) -> bytes:
+    """Cancel -> msgpack map ``{"v": 1, "id": ...}``."""
+    return _pack(c, exclude_none=True)
+
+
+def decode_cancel(data: bytes, max_bytes: int = 64 * 1024) -> Cancel:
+    """Decode one cancel-topic message; UndecodableMessage on anything else."""
+    obj = _unpack(data, max_bytes)
+    if not isinstance(obj, dict):
+        raise UndecodableMessage("not a map")
+    try:
+        return Cancel.model_validate({k: v for k, v in obj.items() if type(k) is str})
+    except ValidationError as exc:
+        loc, msg = _first_error(exc)
+        raise UndecodableMessage(f"not a v1 cancel: {_error_location(loc)}: {msg}") from None
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_STOP",
+    "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
+    "ChatMessage", "Request", "Cancel", "Usage", "Timing", "ErrorInfo",
+    "StartedEvent", "TokensEvent", "DoneEvent", "Event",
+    "UndecodableMessage", "InvalidRequest",
+    "decode_request", "encode_request", "encode_event", "decode_event", "encode_cancel", "decode_cancel",
+    "is_legal_id", "is_legal_topic", "metadata_bytes",
+]

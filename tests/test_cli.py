@@ -1,0 +1,300 @@
+"""The `inferline` CLI: argument handling and bench statistics without a broker, then each
+command as a subprocess against the real broker (and the scripted stand-in worker of
+test_client.py)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from producer.cli import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TIMEOUT,
+    Length,
+    Sample,
+    build_parser,
+    distribution,
+    exit_code,
+    format_event,
+    inter_token_latencies,
+    load_dataset,
+    make_workload,
+    percentile,
+    prompt_fields,
+    sampling_params,
+    summarize,
+    throughput_series,
+)
+from producer.client import ClientTimeout, PromptTooLong, RequestCancelled, WorkerError
+from producer.schema import decode_cancel, encode_event
+from tests.test_client import ScriptedWorker, done, error_script, started, stream, tokens
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_submit_flags_become_request_fields():
+    args = parse("submit", "hi", "--max-tokens", "5", "--temperature", "0", "--top-p", "0.9", "--seed", "7",
+                 "--stop", "\n", "--stop", "END", "--priority", "-1", "--timeout", "30", "--no-stream")
+    assert sampling_params(args) == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.9, "seed": 7,
+                                     "stop": ["\n", "END"], "priority": -1, "stream": False, "timeout_s": 30.0}
+    assert prompt_fields(args) == {"prompt": "hi"}
+
+
+def test_unset_flags_keep_contract_defaults():
+    assert sampling_params(parse("submit", "hi")) == {}
+
+
+def test_chat_system_and_stdin():
+    args = parse("submit", "-", "--system", "be brief")
+    assert prompt_fields(args, stdin=io.StringIO("question")) == {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question"}]
+    }
+    assert prompt_fields(parse("submit", "q", "--chat")) == {"messages": [{"role": "user", "content": "q"}]}
+
+
+def test_global_options_and_subcommands():
+    args = parse("--bootstrap-servers", "b:1", "--request-topic", "rq", "cancel", "abc")
+    assert (args.bootstrap_servers, args.request_topic, args.command, args.id) == ("b:1", "rq", "cancel", "abc")
+    assert parse("topics", "create", "--partitions", "3").partitions == 3
+    assert parse("tail", "t", "--limit", "2").limit == 2
+    with pytest.raises(SystemExit):
+        parse("frobnicate")
+
+
+def test_exit_codes():
+    assert exit_code(None) == EXIT_OK
+    assert exit_code(PromptTooLong("x")) == EXIT_REJECTED
+    assert exit_code(ClientTimeout("x")) == EXIT_TIMEOUT
+    assert exit_code(RequestCancelled("x")) == 5 and exit_code(WorkerError("x")) == 1
+
+
+# --------------------------------------------------------------------------- bench workload and stats
+
+
+@pytest.mark.parametrize("spec,low,high", [("fixed:8", 8, 8), ("uniform:8,256", 8, 256), ("uniform:1,1", 1, 1)])
+def test_length_parse(spec, low, high):
+    assert Length.parse(spec) == Length(low, high)
+
+
+@pytest.mark.parametrize("spec", ["fixed:0", "uniform:5,4", "normal:3", "uniform:3", "fixed:x", ""])
+def test_length_parse_rejects(spec):
+    with pytest.raises(argparse.ArgumentTypeError):
+        Length.parse(spec)
+
+
+def test_bad_length_exits_before_connecting():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "producer", "bench", "--output-len", "uniform:9,2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "bad length" in proc.stderr
+
+
+def test_workload_is_reproducible_and_within_bounds():
+    args = parse("bench", "-n", "50", "--prompt-len", "uniform:3,9", "--output-len", "uniform:8,256", "--seed", "4")
+    w1, w2 = make_workload(args), make_workload(args)
+    assert w1 == w2 and len(w1) == 50
+    assert all(3 <= len(f["prompt_token_ids"]) <= 9 and 8 <= f["max_tokens"] <= 256 for f in w1)
+    assert all(f["temperature"] == 0.0 and f["ignore_eos"] is True for f in w1)
+    assert len({f["max_tokens"] for f in w1}) > 10
+
+
+def test_dataset_workload(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "a", "output_len": 4, "extra": 1}\n\n{"prompt_token_ids": [1, 2], "max_tokens": 3}\n')
+    assert load_dataset(str(path)) == [{"prompt": "a", "max_tokens": 4}, {"prompt_token_ids": [1, 2], "max_tokens": 3}]
+    work = make_workload(parse("bench", "-n", "3", "--dataset", str(path)))
+    assert [w.get("prompt") for w in work] == ["a", None, "a"]
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = list(range(1, 11))
+    assert percentile(xs, 50) == 5.5
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(xs, 99) == pytest.approx(9.91)
+    assert percentile(xs, 0) == 1 and percentile(xs, 100) == 10
+    assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
+    assert percentile([5, 1, 3], 50) == 3  # unsorted input
+
+
+def test_inter_token_latency_spreads_coalesced_tokens():
+    assert inter_token_latencies([(0.0, 1), (0.3, 3), (0.5, 1)]) == pytest.approx([0.1, 0.1, 0.1, 0.2])
+    assert inter_token_latencies([(0.0, 4)]) == []
+
+
+def sample(ok=True, code=None, ttft=0.1, e2e=1.0, tokens=10, times=((0.0, 1), (0.5, 9))) -> Sample:
+    return Sample(ok=ok, code=code, ttft_s=ttft, e2e_s=e2e, queue_s=0.01, output_tokens=tokens,
+                  itl=inter_token_latencies(list(times)), token_times=list(times), attempts=1)
+
+
+def test_summary():
+    samples = [sample(), sample(ttft=0.3, e2e=2.0), sample(ok=False, code="overloaded", tokens=0, times=()),
+               sample(ok=False, code="timeout", tokens=0, times=())]
+    report = summarize(samples, wall_s=2.0)
+    assert report["completed"] == 2 and report["errors"] == {"overloaded": 1, "timeout": 1}
+    assert report["requests_per_s"] == 1.0 and report["output_tokens_per_s"] == 10.0
+    assert report["ttft_s"]["p50"] == pytest.approx(0.2) and report["e2e_s"]["max"] == 2.0
+    assert distribution([])["p50"] is None
+
+
+def test_throughput_series():
+    s = [sample(times=((10.0, 1), (10.5, 4), (12.2, 5)))]
+    assert throughput_series(s, t0=10.0) == [(0.0, 5.0), (1.0, 0.0), (2.0, 5.0)]
+
+
+def test_format_event():
+    assert format_event(tokens("r", "hi", 3, ids=[7, 8])) == "r a1#3 tokens 2 tok 'hi'"
+    assert "rejected" in format_event(done("r", 1, reason="rejected", error=("overloaded", "busy")))
+    assert "overloaded: busy" in format_event(done("r", 1, reason="rejected", error=("overloaded", "busy")))
+    assert format_event(started("r")).startswith("r a1#0 started worker=w")
+
+
+# --------------------------------------------------------------------------- commands through Kafka
+
+
+async def run_cli(env: dict[str, str], *argv: str, stdin: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producer", *argv, cwd=REPO, env=env,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), timeout)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def cli_env(kafka_bootstrap, new_topic):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")}
+    env.update({
+        "INFERLINE_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "INFERLINE_KAFKA__REQUEST_TOPIC": await new_topic(2, prefix="clireq"),
+        "INFERLINE_KAFKA__CANCEL_TOPIC": await new_topic(1, prefix="clicancel"),
+    })
+    return env
+
+
+def mixed_script(req):
+    if "code" in req.metadata:
+        return error_script(req)
+    return stream(req.id, [f"w{i} " for i in range(req.max_tokens)])
+
+
+@pytest.mark.kafka
+async def test_submit_streams_text(kafka_bootstrap, cli_env):
+    async with ScriptedWorker(kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], mixed_script) as worker:
+        rc, out, err = await run_cli(cli_env, "submit", "hello there", "--max-tokens", "3", "--temperature", "0")
+        assert rc == 0, err
+        assert out == "w0 w1 w2 \n"
+        assert "stop" in err and "2+3 tokens" in err
+        rc, out, err = await run_cli(cli_env, "submit", "-", "--system", "sys", "--max-tokens", "2", "--json",
+                                     "--reply-topic", "per-request", stdin="from stdin")
+        assert rc == 0, err
+        events = [json.loads(line) for line in out.splitlines()]
+        assert [e["type"] for e in events] == ["started", "tokens", "tokens", "done"]
+        assert events[-1]["text"] == "w0 w1 " and events[-1]["error"] is None
+    first, second = worker.requests
+    assert (first.prompt, first.max_tokens, first.temperature) == ("hello there", 3, 0.0)
+    assert [m.content for m in second.messages] == ["sys", "from stdin"] and second.prompt is None
+
+
+@pytest.mark.kafka
+async def test_submit_rejection_exit_code(kafka_bootstrap, cli_env):
+    def script(req):
+        return [done(req.id, 0, reason="rejected", error=("prompt_too_long", "way too long"))]
+
+    async with ScriptedWorker(kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], script):
+        rc, out, err = await run_cli(cli_env, "submit", "x")
+    assert rc == EXIT_REJECTED and "prompt_too_long: way too long" in err
+
+
+@pytest.mark.kafka
+async def test_submit_client_timeout_exit_code(kafka_bootstrap, cli_env):
+    # no worker at all: only the client's own limit ends the wait
+    rc, _, err = await run_cli(cli_env, "submit", "nobody listens", "--client-timeout", "1")
+    assert rc == EXIT_TIMEOUT and "client side" in err
+
+
+@pytest.mark.kafka
+async def test_cancel_command(kafka_bootstrap, cli_env):
+    from tests.kafka_fixtures import consume_until
+
+    rc, _, err = await run_cli(cli_env, "cancel", "req-42")
+    assert rc == 0, err
+    records = await consume_until(kafka_bootstrap, cli_env["INFERLINE_KAFKA__CANCEL_TOPIC"], lambda rs: rs, timeout=15)
+    assert decode_cancel(records[0].value).id == "req-42" and records[0].key == b"req-42"
+
+
+@pytest.mark.kafka
+async def test_topics_create(kafka_bootstrap, cli_env):
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    names = [f"test-topics-create-{os.getpid()}-{x}" for x in ("req", "cancel", "dlq")]
+    env = {**cli_env, "INFERLINE_KAFKA__REQUEST_TOPIC": names[0], "INFERLINE_KAFKA__CANCEL_TOPIC": names[1],
+           "INFERLINE_KAFKA__DLQ_TOPIC": names[2]}
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        rc, out, err = await run_cli(env, "topics", "create", "--partitions", "3", "--retention-ms", "120000")
+        assert rc == 0, err
+        assert out.count("created") == 3
+        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics() if t["topic"] in names}
+        assert described == {names[0]: 3, names[1]: 1, names[2]: 1}
+        rc, out, _ = await run_cli(env, "topics", "create", "--partitions", "3")
+        assert rc == 0 and out.count("exists") == 3
+    finally:
+        await admin.delete_topics(names)
+        await admin.close()
+
+
+@pytest.mark.kafka
+async def test_tail(kafka_bootstrap, cli_env, new_topic):
+    from tests.kafka_fixtures import produce_raw
+
+    topic = await new_topic(2, prefix="tail")
+    await produce_raw(kafka_bootstrap, topic, [(b"r", encode_event(e)) for e in stream("r", ["a", "b"])] + [b"junk"])
+    rc, out, err = await run_cli(cli_env, "tail", topic, "--from-beginning", "--idle-timeout", "3")
+    assert rc == 0, err
+    assert [line.split()[2] for line in out.splitlines()] == ["started", "tokens", "tokens", "done"]
+    assert "undecodable" in err
+    rc, out, _ = await run_cli(cli_env, "tail", topic, "--from-beginning", "--json", "--limit", "1")
+    assert json.loads(out)["type"] == "started"
+
+
+@pytest.mark.kafka
+async def test_bench_writes_report_and_plots(kafka_bootstrap, cli_env, tmp_path):
+    def script(req):  # two requests of the workload fail, the rest stream one token an event
+        if req.max_tokens == 2:
+            return [done(req.id, 0, reason="rejected", error=("overloaded", "busy"))]
+        return stream(req.id, ["t"] * req.max_tokens)
+
+    out_dir = tmp_path / "bench"
+    async with ScriptedWorker(kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], script) as worker:
+        rc, out, err = await run_cli(cli_env, "bench", "-n", "12", "--prompt-len", "fixed:4",
+                                     "--output-len", "uniform:2,6", "--rate", "50", "--out", str(out_dir), "--seed", "3")
+    n_rejected = sum(1 for r in worker.requests if r.max_tokens == 2)
+    assert len(worker.requests) == 12 and n_rejected > 0  # seed 3 draws some 2s
+    assert rc == 1  # not every request completed
+    report = json.loads((out_dir / "bench.json").read_text())
+    assert report["requests"] == 12 and report["completed"] == 12 - n_rejected
+    assert report["errors"] == {"overloaded": n_rejected}
+    # counted from done's usage (the scripted done always says 3), not from the events
+    assert report["output_tokens"] == 3 * report["completed"]
+    for key in ("ttft_s", "itl_s", "e2e_s", "queue_s"):
+        assert report[key]["p50"] is not None and report[key]["p50"] <= report[key]["p99"]
+    assert report["throughput_over_time"] and report["config"]["num_requests"] == 12
+    assert (out_dir / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    assert "TTFT" in out and "p99" in out and "req/s" in out
+    assert all(r.temperature == 0 and r.ignore_eos and len(r.prompt_token_ids) == 4 for r in worker.requests)
