@@ -1,0 +1,60 @@
+"""Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere.
+
+Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
+slot = block * block_size + offset. Every op takes backend="auto" | "triton" | "torch";
+"auto" is Triton for CUDA tensors and torch otherwise. "triton" on CPU tensors needs
+TRITON_INTERPRET=1 set before triton is first imported (the tests do this).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention"]
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(backend: str, t: torch.Tensor) -> bool:
+    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping
+    (int64 [num_tokens], slot = block * block_size + offset; a negative slot is skipped)."""
+    if _use_triton(backend, k_cache):
+        from kernels.store_kv import store_kv_triton
+
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto"):
+    """q [num_seqs, num_heads, head_dim], one token per sequence (its K/V already stored);
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
+    current token. Returns [num_seqs, num_heads, head_dim]."""
+    if _use_triton(backend, q):
+        from kernels.paged_decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, backend: str = "auto"
+):
+    """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] (int32), the last tokens of its context_lens[i] tokens,
+    all already stored; causal. Returns [total_query_tokens, num_heads, head_dim]."""
+    if _use_triton(backend, q):
+        from kernels.paged_prefill_attention import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+        )
+    return reference.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+    )

@@ -1,0 +1,485 @@
+"""GPU check for the kernels: correctness on CUDA, then timings and bandwidth (issue 4, Measure).
+
+    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine]
+
+1. Correctness of store_kv, decode (one pass and split-KV) and prefill against kernels/reference.py
+   on CUDA: fp32/fp16/bf16, head_dim 64..256, block_size 8..128, GQA 1/4/8, NaN in every unused
+   slot, NaN-poisoned outputs, launcher range checks on; plus a cache of more than 2^31
+   elements read at its far end (int64 addressing).
+2. Decode timings (triton.testing.do_bench, median ms) at batch 1/16/64/256 x context
+   512/4096/16384, 32 query / 8 KV heads, head_dim 128, bf16, block_size 16, shuffled blocks:
+   the Triton kernel, (a) the reference path on the same paged cache, (b) torch SDPA on the same
+   K/V already gathered into dense tensors (gather not timed). Bandwidth = K+V bytes read / time,
+   against a measured device-to-device copy (read + write bytes / time). Target: batch 64,
+   context 4096 at >= 70% of copy bandwidth.
+3. Prefill timings against SDPA (causal) on dense K/V.
+4. Engine decode tokens/s with a dummy-weight Llama-3-8B-shaped model at batch 1/16/64/256
+   (LLMEngine.from_settings with load_format=dummy, path=llama3-8b; prompts of 512 tokens).
+
+Without a CUDA device it says so and exits 0. Sized to finish in well under 8 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+DEV, SMOKE = "cuda", False  # --cpu-smoke: "cpu", True
+TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+BENCH_HEADS, BENCH_KV_HEADS, BENCH_DIM, BENCH_BLOCK = 32, 8, 128, 16
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="exercise this script on CPU under the Triton interpreter, tiny shapes",
+    )
+    args = parser.parse_args()
+    global DEV, SMOKE
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+        DEV, SMOKE, args.quick = "cpu", True, True
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing measured.")
+        return 0
+    report = Report()
+    device = (
+        torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (interpreter; numbers mean nothing)"
+    )
+    report.line(f"# GPU check: {device}, torch {torch.__version__}, {_triton_version()}")
+    started = time.perf_counter()
+    failures = check_correctness(report, quick=args.quick)
+    copy_gbs = measure_copy_bandwidth(report)
+    bench_decode(report, copy_gbs, quick=args.quick)
+    bench_prefill(report, quick=args.quick)
+    if not args.skip_engine:
+        bench_engine(report, quick=args.quick)
+    report.line(f"\ntotal {time.perf_counter() - started:.0f} s; correctness failures: {failures}")
+    if args.markdown:
+        args.markdown.write_text(report.text())
+    return 1 if failures else 0
+
+
+class Report:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def table(self, header: list[str], rows: list[list]) -> None:
+        self.line("| " + " | ".join(header) + " |")
+        self.line("|" + "---|" * len(header))
+        for row in rows:
+            self.line("| " + " | ".join(str(c) for c in row) + " |")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _triton_version() -> str:
+    import triton
+
+    return f"triton {triton.__version__}"
+
+
+# --- paged cache construction ---------------------------------------------------------------
+
+
+def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True, spare=4, offset_blocks=0):
+    """Random tokens for each sequence at shuffled blocks; NaN elsewhere (when poison)."""
+    dev = DEV
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + spare + offset_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    fill = float("nan") if poison else 0.0
+    k_cache = torch.full(shape, fill, dtype=dtype, device=dev)
+    v_cache = torch.full(shape, fill, dtype=dtype, device=dev)
+    width = max(per_seq) + 1
+    tables = torch.full((len(lens), width), 1 << 30, dtype=torch.int32, device=dev)  # garbage padding
+    order = torch.randperm(num_blocks - offset_blocks, device=dev).int() + offset_blocks
+    start = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    for i, n in enumerate(lens):
+        pos = torch.arange(n, device=dev)
+        slots = tables[i, pos // block_size].long() * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, device=dev
+        ).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, device=dev
+        ).to(dtype)
+    return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    """Median ms: triton.testing.do_bench on CUDA; one timed call in a CPU smoke run."""
+    if DEV == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup, rep=rep)
+    fn()
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e3
+
+
+def _empty_cache() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def free_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if DEV == "cuda" else 1 << 34
+
+
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+# --- 1. correctness -----------------------------------------------------------------------------
+
+
+def check_correctness(report: Report, quick: bool) -> int:
+    from kernels.paged_decode_attention import paged_decode_attention_triton
+    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # launchers check index ranges (syncs; fine here)
+    torch.manual_seed(0)
+    rows, failures = [], 0
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    combos = [  # (gqa, block_size, head_dim)
+        (1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256), (1, 128, 128),
+    ]  # fmt: skip
+    if quick:
+        combos = combos[:3]
+    for dtype in dtypes:
+        for gqa, bs, dim in combos:
+            kvh = 2
+            lens = [1, bs - 1, bs + 1, 70, 130] if SMOKE else [1, bs - 1, bs + 1, 700, 3000]
+            k_cache, v_cache, tables, ctx = paged_cache(lens, bs, kvh, dim, dtype)
+            q = torch.randn(len(lens), kvh * gqa, dim, device=DEV).to(dtype)
+            args = (q, k_cache, v_cache, tables, ctx, dim**-0.5)
+            ref = _reference_decode(*args)
+            for label, kw in (
+                ("decode 1-pass", {"num_splits": 1}),
+                ("decode split", {}),
+                ("decode 7 splits", {"num_splits": 7}),
+            ):
+                out = torch.full_like(q, float("nan"))
+                paged_decode_attention_triton(*args, out=out, **kw)
+                failures += _row(rows, label, dtype, gqa, bs, dim, rel_err(out, ref))
+            failures += _check_prefill(
+                rows, paged_prefill_attention_triton, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx
+            )
+        failures += _check_store(rows, dtype)
+    if not SMOKE:
+        failures += _check_int64(rows)
+    report.line("\n## Correctness (relative norm error vs kernels/reference.py on CUDA)\n")
+    report.table(["kernel", "dtype", "gqa", "block", "head_dim", "rel err", "tol", "ok"], rows)
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "0"
+    return failures
+
+
+def _reference_decode(q, k_cache, v_cache, tables, ctx, scale):
+    from kernels import reference
+
+    return reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+
+
+def _row(rows, label, dtype, gqa, bs, dim, err) -> int:
+    tol = TOL[dtype]
+    ok = err <= tol  # NaN compares False
+    rows.append([label, str(dtype)[6:], gqa, bs, dim, f"{err:.2e}", f"{tol:.0e}", "ok" if ok else "**FAIL**"])
+    return 0 if ok else 1
+
+
+def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx) -> int:
+    from kernels import reference
+
+    q_lens = (
+        [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]
+    )  # plain, and chunks on cached context
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    q = torch.randn(int(cu[-1]), k_cache.shape[2] * gqa, dim, device=DEV).to(dtype)
+    args = (q, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
+    ref = reference.paged_prefill_attention(*args)
+    out = torch.full_like(q, float("nan"))
+    prefill(*args, out=out)
+    return _row(rows, "prefill", dtype, gqa, bs, dim, rel_err(out, ref))
+
+
+def _check_store(rows, dtype) -> int:
+    from kernels import reference
+    from kernels.store_kv import store_kv_triton
+
+    shape = (64, 16, 8, 128)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    v_cache, want_k, want_v = k_cache.clone(), k_cache.clone(), k_cache.clone()
+    slots = torch.randperm(64 * 16, device=DEV)[:500]
+    slots[::7] = -1
+    k = torch.randn(500, 8, 128, device=DEV).to(dtype)
+    v = torch.randn(500, 8, 128, device=DEV).to(dtype)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    reference.store_kv(k, v, want_k, want_v, slots)
+    same = torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0)) and torch.equal(
+        v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0)
+    )
+    return _row(rows, "store_kv (exact)", dtype, "-", 16, 128, 0.0 if same else float("inf"))
+
+
+def _check_int64(rows) -> int:
+    """A bf16 cache of > 2^31 elements; the sequence's blocks sit at its far end."""
+    from kernels import reference
+    from kernels.paged_decode_attention import paged_decode_attention_triton
+    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+    from kernels.store_kv import store_kv_triton
+
+    bs, kvh, dim = 16, 8, 128
+    per_block = bs * kvh * dim
+    offset_blocks = (1 << 31) // per_block + 64  # the first 2^31 elements are never touched
+    free = free_memory()
+    if 2 * 2 * (offset_blocks + 128) * per_block > free * 0.8:
+        rows.append(["int64 addressing", "bf16", "-", bs, dim, "skipped: memory", "-", "-"])
+        return 0
+    k_cache, v_cache, tables, ctx = paged_cache(
+        [1000, 37], bs, kvh, dim, torch.bfloat16, poison=False, offset_blocks=offset_blocks
+    )
+    q = torch.randn(2, 32, dim, device=DEV).to(torch.bfloat16)
+    new = torch.randn(2, kvh, dim, device=DEV).to(torch.bfloat16)
+    last = tables[:, 0].long() * bs  # overwrite token 0 of each sequence through the kernel
+    store_kv_triton(new, new, k_cache, v_cache, last)
+    failures = _row(
+        rows, "int64 store", torch.bfloat16, "-", bs, dim, rel_err(k_cache.view(-1, kvh, dim)[last], new)
+    )
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, dim**-0.5)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, dim**-0.5)
+    failures += _row(rows, "int64 decode", torch.bfloat16, 4, bs, dim, rel_err(out, ref))
+    cu = torch.tensor([0, 100, 137], dtype=torch.int32, device=DEV)
+    qp = torch.randn(137, 32, dim, device=DEV).to(torch.bfloat16)
+    args = (qp, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
+    failures += _row(
+        rows,
+        "int64 prefill",
+        torch.bfloat16,
+        4,
+        bs,
+        dim,
+        rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)),
+    )
+    del k_cache, v_cache
+    _empty_cache()
+    return failures
+
+
+# --- 2. decode timings and bandwidth ---------------------------------------------------------
+
+
+def measure_copy_bandwidth(report: Report) -> float:
+    buffers = [torch.empty(1 << (26 if SMOKE else 30), dtype=torch.uint8, device=DEV) for _ in range(2)]
+    ms = bench(lambda: buffers[1].copy_(buffers[0]), warmup=50, rep=300)  # 1 GiB: well past L2
+    size = buffers[0].numel()
+    gbs = 2 * size / ms / 1e6  # read + write
+    report.line(f"\n## Bandwidth\n\ndevice-to-device copy of {size >> 20} MiB: {ms:.3f} ms, {gbs:.0f} GB/s")
+    buffers.clear()
+    _empty_cache()
+    return gbs
+
+
+def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
+    batches, contexts = ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 4096, 16384))
+    if SMOKE:
+        batches, contexts = (1, 2), (64,)
+    rows = []
+    for ctx_len in contexts:
+        for batch in batches:
+            rows.append(_decode_row(batch, ctx_len, copy_gbs))
+            _empty_cache()  # the row's tensors died with its frame
+    report.line(
+        f"\n## Decode attention, bf16, {BENCH_HEADS}/{BENCH_KV_HEADS} heads, head_dim {BENCH_DIM}, "
+        f"block {BENCH_BLOCK}\n\nms = do_bench median; speed-up = other / triton; "
+        "bandwidth = K+V bytes / triton time.\n"
+    )
+    header = ["batch", "context", "triton ms", "reference ms", "SDPA dense ms", "vs ref", "vs SDPA"]
+    report.table(header + ["GB/s", "of copy"], rows)
+    target = [r for r in rows if r[0] == 64 and r[1] == 4096]
+    if target:
+        report.line(f"\ntarget (batch 64, context 4096, >= 70% of copy bandwidth): {target[0][-1]}")
+
+
+def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
+    import torch.nn.functional as F
+
+    from kernels import reference
+    from kernels.paged_decode_attention import paged_decode_attention_triton
+
+    lens = [ctx_len] * batch
+    k_cache, v_cache, tables, ctx = paged_cache(
+        lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
+    )
+    q = torch.randn(batch, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
+    args = (q, k_cache, v_cache, tables, ctx, BENCH_DIM**-0.5)
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    t_triton = bench(lambda: paged_decode_attention_triton(*args))
+    t_ref = "-"
+    if kv_bytes <= (2 << 30):  # the reference gathers in fp32: skip the largest shapes
+        t_ref = bench(lambda: reference.paged_decode_attention(*args), warmup=5, rep=50)
+    t_sdpa = "-"
+    if 2 * kv_bytes < free_memory() * 0.7:
+        k = reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()  # [B, KH, L, D]
+        v = reference.gather_kv(v_cache, tables, ctx_len).transpose(1, 2).contiguous()
+        dense = (q.unsqueeze(2), k, v)
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(*dense, scale=args[-1], enable_gqa=True))
+    gbs = kv_bytes / t_triton / 1e6
+    return [
+        batch, ctx_len, f"{t_triton:.3f}", _fmt(t_ref), _fmt(t_sdpa),
+        _ratio(t_ref, t_triton), _ratio(t_sdpa, t_triton), f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
+    ]  # fmt: skip
+
+
+def _fmt(t) -> str:
+    return t if isinstance(t, str) else f"{t:.3f}"
+
+
+def _ratio(other, mine) -> str:
+    return "-" if isinstance(other, str) else f"{other / mine:.2f}x"
+
+
+def bench_prefill(report: Report, quick: bool) -> None:
+    shapes = ((1, 4096, 4096), (8, 512, 2048)) if not quick else ((1, 2048, 2048),)
+    if SMOKE:
+        shapes = ((1, 64, 64), (2, 16, 64))
+    rows = []
+    for shape in shapes:
+        rows.append(_prefill_row(*shape))
+        _empty_cache()
+    report.line("\n## Prefill attention, bf16 (SDPA on dense K/V, gather not timed)\n")
+    report.table(["batch", "q_len", "context", "triton ms", "SDPA ms", "vs SDPA", "TFLOP/s (causal)"], rows)
+
+
+def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
+    import torch.nn.functional as F
+
+    from kernels import reference
+    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+
+    k_cache, v_cache, tables, ctx = paged_cache(
+        [ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
+    )
+    cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
+    q = torch.randn(batch * q_len, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
+    args = (q, k_cache, v_cache, tables, cu, ctx, BENCH_DIM**-0.5)
+    t_triton = bench(lambda: paged_prefill_attention_triton(*args))
+    k = reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()
+    v = reference.gather_kv(v_cache, tables, ctx_len).transpose(1, 2).contiguous()
+    qd = q.view(batch, q_len, BENCH_HEADS, BENCH_DIM).transpose(1, 2)
+    # bottom-right causal: query rows are the last q_len positions
+    pos = torch.arange(ctx_len - q_len, ctx_len, device=DEV)[:, None]
+    mask = None if q_len == ctx_len else torch.arange(ctx_len, device=DEV)[None, :] <= pos
+    sdpa_kw = dict(is_causal=mask is None, attn_mask=mask, scale=args[-1], enable_gqa=True)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, k, v, **sdpa_kw))
+    flops = 4 * batch * BENCH_HEADS * BENCH_DIM * (q_len * ctx_len - q_len * (q_len - 1) / 2)
+    return [
+        batch, q_len, ctx_len, f"{t_triton:.3f}", f"{t_sdpa:.3f}", _ratio(t_sdpa, t_triton),
+        f"{flops / t_triton / 1e9:.0f}",
+    ]  # fmt: skip
+
+
+# --- 4. the engine ------------------------------------------------------------------------------
+
+ENGINE_PROMPT_LEN, ENGINE_DECODE_STEPS = 512, 32
+
+
+def bench_engine(report: Report, quick: bool) -> None:
+    """Decode tokens/s of the whole engine (store + prefill + decode kernels, model, sampler)
+    with random Llama-3-8B-shaped weights: the loader's `llama3-8b` dummy preset."""
+    report.line("\n## Engine decode, dummy-weight Llama-3-8B shape (loader preset llama3-8b), bf16\n")
+    batches = (1, 2) if SMOKE else (1, 16) if quick else (1, 16, 64, 256)
+    try:
+        engine = _dummy_engine(max(batches))
+    except Exception as e:  # the engine's API moved, or the model does not fit: say so, go on
+        report.line(f"engine section skipped: building the engine failed: {type(e).__name__}: {e}")
+        return
+    rows = []
+    for batch in batches:
+        try:
+            tps, step_ms = _engine_decode(engine, batch)
+            rows.append([batch, _engine_prompt_len(), f"{tps:.0f}", f"{step_ms:.1f}"])
+        except Exception as e:  # report and carry on: the kernel numbers above still stand
+            rows.append([batch, _engine_prompt_len(), f"failed: {type(e).__name__}: {str(e)[:80]}", "-"])
+    report.table(["batch", "prompt", "decode tokens/s", "ms per decode step"], rows)
+
+
+def _engine_prompt_len() -> int:
+    return 64 if SMOKE else ENGINE_PROMPT_LEN
+
+
+def _dummy_engine(max_batch: int):
+    from config.settings import Settings
+    from worker.engine.engine import LLMEngine
+
+    prompt = _engine_prompt_len()
+    settings = Settings(
+        model={
+            "path": "llama3-8b" if not SMOKE else "smollm2-135m",
+            "load_format": "dummy",
+            "device": DEV,
+            "dtype": "bfloat16" if DEV == "cuda" else "float32",
+            "max_model_len": prompt + 2 * ENGINE_DECODE_STEPS + 16,
+        },
+        scheduler={"max_num_seqs": max_batch, "max_num_batched_tokens": 8192},
+    )
+    return LLMEngine.from_settings(settings)
+
+
+def _engine_decode(engine, batch: int) -> tuple[float, float]:
+    """Prefill `batch` random prompts, then time ENGINE_DECODE_STEPS steps of pure decode."""
+    from worker.engine.request import EngineRequest, SamplingParams
+
+    prompt = _engine_prompt_len()
+    steps = 3 if SMOKE else ENGINE_DECODE_STEPS
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        tokens = torch.randint(0, 32000, (prompt,), generator=gen).tolist()
+        engine.add_request(EngineRequest(request_id, sampling=params, prompt_token_ids=tokens))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    engine.step()  # one more so that every sequence is in steady decode
+    _sync()
+    begin, produced = time.perf_counter(), 0
+    for _ in range(steps):
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    _sync()
+    elapsed = time.perf_counter() - begin
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return produced / elapsed, 1e3 * elapsed / steps
+
+
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

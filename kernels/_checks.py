@@ -1,0 +1,84 @@
+"""Launcher-side checks and settings shared by the Triton kernels (host code only).
+
+Shape, dtype and stride asserts are free (host metadata) and always run. Index-range checks
+read tensor values, which on CUDA is a device sync per call, so they run on CPU tensors (the
+interpreter, where a bad index kills the process) and on CUDA only with
+INFERLINE_KERNEL_CHECKS=1 (the GPU check script turns them on).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_ranges(t: torch.Tensor) -> bool:
+    return not t.is_cuda or os.environ.get("INFERLINE_KERNEL_CHECKS", "0") == "1"
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Upcast dot operands to fp32? Always under the interpreter (its bf16 math is wrong) and
+    for fp32 inputs; on a GPU 16-bit operands stay 16-bit for the tensor cores."""
+    return interpreting() or dtype == torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 x fp32 must not silently become tf32 (1e-3 error): the fp32 tolerance is 1e-4.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4, (
+        f"cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.shape}"
+    )
+    assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in FLOAT_DTYPES, (k_cache.dtype, v_cache.dtype)
+    assert k_cache.device == v_cache.device
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share strides"
+    assert k_cache.stride(3) == 1, "head_dim must be contiguous in the cache"
+    block_size = k_cache.shape[1]
+    assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
+
+
+def check_tables(block_tables, context_lens, num_seqs: int, k_cache) -> None:
+    """Shapes, dtypes and (when check_ranges) that every used table entry is a valid block."""
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, (
+        block_tables.dtype,
+        block_tables.shape,
+    )
+    assert block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1, block_tables.shape
+    assert context_lens.dtype == torch.int32 and context_lens.shape == (num_seqs,), (
+        context_lens.dtype,
+        context_lens.shape,
+    )
+    assert context_lens.is_contiguous()
+    assert block_tables.device == context_lens.device == k_cache.device
+    if num_seqs == 0 or not check_ranges(k_cache):
+        return
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    lens = context_lens.long()
+    assert int(lens.min()) >= 0, "negative context length"
+    assert int(lens.max()) <= block_tables.shape[1] * block_size, "context longer than its block table"
+    used = (
+        torch.arange(block_tables.shape[1], device=lens.device)[None, :]
+        < (lens[:, None] + block_size - 1) // block_size
+    )
+    entries = block_tables[used]
+    if entries.numel():
+        assert int(entries.min()) >= 0 and int(entries.max()) < num_blocks, "block table entry out of range"
+
+
+def check_out(out, q) -> torch.Tensor:
+    """A fresh output like q, or the caller's (asserted to match q)."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device, (out.shape, out.dtype)
+    assert out.stride(2) == 1, "head_dim must be contiguous in out"
+    return out

@@ -1,0 +1,200 @@
+"""Triton kernels: paged decode attention, split-KV (flash-decoding) with a reduction stage.
+
+    q            [num_seqs, num_heads, head_dim]            one query token per sequence
+    k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
+    out          [num_seqs, num_heads, head_dim]
+
+Stage 1, grid (num_seqs, num_kv_heads, num_splits): a program takes the GROUP query heads that
+share one KV head (GQA packing: they are the rows of one tile, padded to 16 for tl.dot) and one
+split of split_len tokens, so each K/V element is read once for the whole group. It walks its
+split in tiles of BLOCK_N tokens; tile token t lives at
+block_tables[seq, t // block_size] * block_size + t % block_size, so a tile may span pages
+(block_size < BLOCK_N) or be part of one. Online softmax in fp32, exp2 domain.
+
+    num_splits == 1: stage 1 normalizes and writes out itself (no second launch).
+    else: stage 1 writes unnormalized acc [S, H, splits, D], running max m and sum l
+          [S, H, splits] (fp32); stage 2, grid (num_seqs, num_heads), rescales and sums the
+          cdiv(context_len, split_len) valid splits.
+
+num_splits depends only on host shapes (max_blocks * block_size bounds every context), so the
+launch never syncs: splits past a sequence's context exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_cache, check_out, check_tables, dot_in_fp32, dot_precision, interpreting
+
+LOG2E = 1.4426950408889634
+MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh the parallelism it adds
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_scale, split_len, num_splits,
+    stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = split * split_len
+    # A split past the context runs an empty loop and writes m = -inf, l = 0 (cheap); stage 2
+    # skips it anyway. In DIRECT mode context_len 0 gives l = 0 and a zero output.
+    end = tl.minimum(start + split_len, context_len)
+    rows = tl.arange(0, GROUP_P2)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, DIM_P2)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * qk_scale  # softmax scale and log2(e) folded in: exp2 below
+    if not DOT_F32:
+        q = q.to(q_ptr.dtype.element_ty)
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    head_off = kv_head * stride_ch
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        tok_mask = tokens < end
+        block = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + head_off
+        kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_P2, BLOCK_N]
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if DIRECT:
+        # context_len 0 leaves l_i = 0: define the output as 0, not NaN.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_off = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64
+        tl.store(part_m_ptr + part, m_i, mask=row_mask)
+        tl.store(part_l_ptr + part, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr,
+    split_len, num_splits, stride_os, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_valid = tl.cdiv(context_len, split_len)  # splits past the context were never written
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, DIM_P2)
+    split_mask = splits < num_valid
+    dim_mask = dims < HEAD_DIM
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    # Clamped so that no valid split (context 0) gives -inf - -inf = NaN: the weights are 0.
+    m_max = tl.maximum(tl.max(m, 0), -1e30)
+    weight = tl.where(split_mask, tl.exp2(m - m_max), 0.0)
+    total = tl.sum(weight * l_part, 0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask
+    )
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device) -> tuple[int, int]:
+    """(num_splits, split_len): enough programs to fill the GPU, splits of >= MIN_SPLIT_TOKENS."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 1  # the interpreter runs programs one by one: more programs only cost time
+    want = triton.cdiv(target, max(1, num_seqs * num_kv_heads))
+    most = max(1, min(MAX_SPLITS, max_len // MIN_SPLIT_TOKENS))
+    num_splits = max(1, min(want, most))
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    return triton.cdiv(max_len, split_len), split_len
+
+
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None, block_n=None, out=None
+):
+    """Launcher; num_splits and block_n override the heuristics, out is written in place
+    (the tests pass a NaN-poisoned one)."""
+    check_cache(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    assert q.dim() == 3 and head_dim == cache_dim, (q.shape, k_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.dtype == k_cache.dtype and q.device == k_cache.device, (q.dtype, k_cache.dtype)
+    assert q.stride(2) == 1, "head_dim must be contiguous in q"
+    check_tables(block_tables, context_lens, num_seqs, k_cache)
+    out = check_out(out, q)
+    if num_seqs == 0:
+        return out
+    if block_n is None:
+        block_n = max(block_size, 128 if interpreting() else 64 if head_dim <= 128 else 32)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
+    max_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits, split_len = choose_splits(num_seqs, num_kv_heads, max_len, block_n, q.device)
+    else:
+        split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
+        num_splits = triton.cdiv(max(max_len, 1), split_len)
+    group = num_heads // num_kv_heads
+    direct = num_splits == 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, num_splits, head_dim), **f32)
+    part_m = torch.empty((0,) if direct else (num_seqs, num_heads, num_splits), **f32)
+    part_l = torch.empty_like(part_m)
+    dim_p2 = triton.next_power_of_2(head_dim)
+    _decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
+        scale * LOG2E, split_len, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        DIRECT=direct, DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
+        num_warps=4 if head_dim <= 128 else 8,
+    )  # fmt: skip
+    if not direct:
+        _decode_stage2_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, context_lens, split_len, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_P2=dim_p2,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out

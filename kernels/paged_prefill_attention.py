@@ -1,0 +1,183 @@
+"""Triton kernel: paged prefill attention (plain, chunked, or a prompt on cached context).
+
+    q             [total_query_tokens, num_heads, head_dim]
+    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables  int32 [num_seqs, max_blocks]
+    cu_seqlens_q  int32 [num_seqs + 1]; sequence i owns query rows cu[i]:cu[i+1]
+    context_lens  int32 [num_seqs]; the query rows are the last q_len of these tokens
+    out           [total_query_tokens, num_heads, head_dim]
+
+Grid (total_query_tokens // BLOCK_M + num_seqs, num_heads). Query tiles are laid out per
+sequence without a host sync: sequence i's tiles start at cu[i] // BLOCK_M + i, which leaves
+room for cdiv(q_len, BLOCK_M) tiles; a program finds its sequence by binary search and exits
+if its tile lies past that sequence's rows.
+
+Query row r sits at position ctx - q_len + r and sees keys 0..that position. Causal tile
+skipping: keys past the tile's last row's position are never loaded; key tiles wholly at or
+below the tile's first row's position run without the causal mask, only the diagonal tiles
+with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    check_cache,
+    check_out,
+    check_ranges,
+    check_tables,
+    dot_in_fp32,
+    dot_precision,
+    interpreting,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask,
+    stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    keys = key_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < key_end
+    block = tl.load(table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    kv_off = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_off
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+    k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_mask[None, :], s, float("-inf"))
+    else:
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    # Largest seq in [0, num_seqs) with cu[seq] // BLOCK_M + seq <= tile: binary search. The
+    # bounds are i32 tensors from the start (an int argument equal to 1 arrives as a constant).
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    q_block = tile - (q_start // BLOCK_M + seq)
+    if q_block * BLOCK_M < q_len:  # tiles past this sequence's rows have nothing to do
+        context_len = tl.load(context_lens_ptr + seq)
+        rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = context_len - q_len + rows
+        dims = tl.arange(0, DIM_P2)
+        dim_mask = dims < HEAD_DIM
+        q_off = (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        io_mask = row_mask[:, None] & dim_mask[None, :]
+        q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0).to(tl.float32) * qk_scale
+        if not DOT_F32:
+            q = q.to(q_ptr.dtype.element_ty)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        head_off = (head // GROUP) * stride_ch
+        # Keys [0, full_end) are visible to every row of the tile; [full_end, key_end) is the
+        # diagonal band; keys >= key_end are visible to no row and are skipped.
+        key_end = context_len - q_len + tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len)
+        full_end = (context_len - q_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        for key_start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off,
+                dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
+            )  # fmt: skip
+        for key_start in range(full_end, key_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off,
+                dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+            )  # fmt: skip
+        out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
+        out_off = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale,
+    *,
+    block_m=None,
+    block_n=None,
+    out=None,
+):
+    """Launcher; block_m and block_n override the tile sizes, out is written in place (the
+    tests pass a NaN-poisoned one)."""
+    check_cache(k_cache, v_cache)
+    total, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    assert q.dim() == 3 and head_dim == cache_dim, (q.shape, k_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.dtype == k_cache.dtype and q.device == k_cache.device, (q.dtype, k_cache.dtype)
+    assert q.stride(2) == 1, "head_dim must be contiguous in q"
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (num_seqs + 1,), (
+        cu_seqlens_q.dtype,
+        cu_seqlens_q.shape,
+    )
+    assert cu_seqlens_q.is_contiguous() and cu_seqlens_q.device == q.device
+    check_tables(block_tables, context_lens, num_seqs, k_cache)
+    if check_ranges(q) and num_seqs:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == total, "cu_seqlens_q must span q"
+        assert int(q_lens.min()) >= 0, "cu_seqlens_q must be non-decreasing"
+        assert bool((q_lens <= context_lens.long()).all()), "q_len > context_len"
+    out = check_out(out, q)
+    if total == 0 or num_seqs == 0:
+        return out
+    if block_m is None:
+        block_m = 64 if head_dim <= 128 else 32
+    if block_n is None:
+        block_n = 128 if interpreting() else 64 if head_dim <= 128 else 32
+    assert block_m >= 16 and block_n >= 16, (block_m, block_n)
+    _prefill_kernel[(total // block_m + num_seqs, num_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
+        num_warps=4 if head_dim <= 128 else 8,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,217 @@
+"""Kernel cases run under the Triton interpreter, in their own process.
+
+    python tests/kernel_cases.py GROUP SEED
+
+An out-of-range load kills the interpreter's process (signal 11), so tests/test_kernels.py
+runs this script in a subprocess and reads one JSON line per finished case; a case that never
+reports is a failure too. TRITON_INTERPRET must be set before triton is first imported.
+
+Every case draws fresh shapes from SEED: the cache is NaN everywhere a token was not written,
+block-table padding holds out-of-range garbage, and outputs are NaN-poisoned before the call,
+so an unmasked load, a leaked NaN or an unwritten element all show up as a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels import reference  # noqa: E402
+from kernels.paged_decode_attention import paged_decode_attention_triton  # noqa: E402
+from kernels.paged_prefill_attention import paged_prefill_attention_triton  # noqa: E402
+from kernels.store_kv import store_kv_triton  # noqa: E402
+from tests.paged_cache import PagedCache  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GQA_RATIOS = (1, 3, 4, 8)
+BLOCK_SIZES = (8, 16, 32)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+def report(name: str, ok: bool, **detail) -> None:
+    print(json.dumps({"name": name, "ok": bool(ok), **detail}), flush=True)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(q, float("nan"))
+
+
+def pick(gen, options):
+    return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+
+def randint(gen, lo, hi) -> int:
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def matrix(full: bool):
+    """(index, dtype, gqa, block_size, head_dim): CI covers every value of every axis (plus block
+    sizes 64 and 128); the slow variant the whole cross product of dtype x GQA x block size."""
+    combos = [(g, b) for g in GQA_RATIOS for b in BLOCK_SIZES]
+    if not full:
+        cases = [(i, DTYPES[i % 3], g, b, HEAD_DIMS[i % len(HEAD_DIMS)]) for i, (g, b) in enumerate(combos)]
+        # the largest pages too (tile inside one page): block sizes 64 and 128
+        return cases + [(12, torch.float16, 4, 64, 128), (13, torch.bfloat16, 8, 128, 64)]
+    return [
+        (i, d, g, b, HEAD_DIMS[i % len(HEAD_DIMS)])
+        for i, (d, (g, b)) in enumerate((d, c) for d in DTYPES for c in combos)
+    ]
+
+
+def shape_of(gen, gqa):
+    num_kv_heads = pick(gen, (1, 2)) if gqa < 8 else 1
+    return num_kv_heads, num_kv_heads * gqa
+
+
+def decode_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    lens = [1, block_size - 1, block_size + 1, randint(gen, 150, 400)]
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    ref = reference.paged_decode_attention(*args)
+    for label, kw in (
+        ("direct", {}),
+        ("split", {"num_splits": randint(gen, 2, 5), "block_n": pick(gen, (16, 32, 64))}),
+    ):
+        out = poisoned_like(q)
+        result = paged_decode_attention_triton(*args, out=out, **kw)
+        err = rel_err(out, ref)
+        shape = f"gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+        name = f"decode[{idx}:{label}] {str(dtype)[6:]} {shape} lens={lens} {kw}"
+        report(name, result is out and err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
+def prefill_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    long_ctx = randint(gen, 120, 240)
+    # (context_len, q_len): a one-token prompt, a plain prefill, a chunk on cached context, and a
+    # long context with a long chunk (every third case a whole plain prefill of a few hundred).
+    pairs = [
+        (1, 1),
+        (block_size - 1, block_size - 1),
+        (block_size + 1, randint(gen, 1, 3)),
+        (long_ctx, long_ctx if idx % 3 == 0 else randint(gen, 20, 70)),
+    ]
+    lens = [c for c, _ in pairs]
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    q_lens = torch.tensor([n for _, n in pairs])
+    cu = torch.zeros(len(pairs) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
+    ref = reference.paged_prefill_attention(*args)
+    tiles = {"block_m": pick(gen, (32, 64)), "block_n": pick(gen, (16, 32, 64))}
+    out = poisoned_like(q)
+    result = paged_prefill_attention_triton(*args, out=out, **tiles)
+    err = rel_err(out, ref)
+    shape = f"gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+    name = f"prefill[{idx}] {str(dtype)[6:]} {shape} pairs={pairs} {tiles}"
+    report(name, result is out and err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
+def store_case(gen, idx, dtype, block_size, head_dim) -> None:
+    num_kv_heads, num_blocks, num_tokens = pick(gen, (1, 2, 3)), 6, 40
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:7]] = -1  # skipped tokens
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, want_k, want_v, slots)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    same = bits_equal(k_cache, want_k) and bits_equal(v_cache, want_v)
+    untouched = int(torch.isnan(k_cache).flatten(0, 1).all(-1).all(-1).sum())
+    name = f"store[{idx}] {str(dtype)[6:]} bs={block_size} kvh={num_kv_heads} d={head_dim}"
+    report(
+        name, same and untouched == num_blocks * block_size - (slots >= 0).sum().item(), untouched=untouched
+    )
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    as_int = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return torch.equal(a.view(as_int[a.dtype]), b.view(as_int[b.dtype]))
+
+
+def expect_assert(name: str, fn) -> None:
+    try:
+        fn()
+    except AssertionError as e:
+        report(name, True, message=str(e)[:120])
+        return
+    report(name, False, message="no AssertionError")
+
+
+def checks_cases(gen) -> None:
+    """Launchers refuse bad inputs before launching (so nothing out of range is ever read)."""
+    cache = PagedCache(gen, [5, 20], 8, 1, 64, torch.float32)
+    q = torch.randn(2, 2, 64)
+    kc, vc, bt, cl = cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens
+    bad_bt = bt.clone()
+    bad_bt[1, 2] = kc.shape[0]  # a used entry past the last block
+    expect_assert(
+        "checks: table entry out of range", lambda: paged_decode_attention_triton(q, kc, vc, bad_bt, cl, 0.1)
+    )
+    long = torch.tensor([5, bt.shape[1] * 8 + 1], dtype=torch.int32)
+    expect_assert(
+        "checks: context longer than table", lambda: paged_decode_attention_triton(q, kc, vc, bt, long, 0.1)
+    )
+    expect_assert("checks: q dtype", lambda: paged_decode_attention_triton(q.half(), kc, vc, bt, cl, 0.1))
+    expect_assert("checks: int64 table", lambda: paged_decode_attention_triton(q, kc, vc, bt.long(), cl, 0.1))
+    strided = torch.randn(2, 2, 128)[..., ::2]
+    expect_assert("checks: q stride", lambda: paged_decode_attention_triton(strided, kc, vc, bt, cl, 0.1))
+    cu = torch.tensor([0, 1, 22], dtype=torch.int32)  # second sequence: q_len 21 > context 20
+    qp = torch.randn(22, 2, 64)
+    expect_assert(
+        "checks: q_len > context", lambda: paged_prefill_attention_triton(qp, kc, vc, bt, cu, cl, 0.1)
+    )
+    k = torch.randn(3, 1, 64)
+    slots = torch.tensor([0, kc.shape[0] * 8, 1])
+    expect_assert("checks: slot out of range", lambda: store_kv_triton(k, k, kc, vc, slots))
+    expect_assert("checks: int32 slots", lambda: store_kv_triton(k, k, kc, vc, slots.int()))
+    expect_assert(
+        "checks: k dtype", lambda: store_kv_triton(k.half(), k.half(), kc, vc, torch.tensor([0, 1, 2]))
+    )
+    # A zero-length context has no keys: both paths define its output as 0.
+    zero = torch.tensor([0, 20], dtype=torch.int32)
+    out = paged_decode_attention_triton(q, kc, vc, bt, zero, 0.1, num_splits=2, block_n=16)
+    ref = reference.paged_decode_attention(q, kc, vc, bt, zero, 0.1)
+    report("checks: zero context", bool(out[0].eq(0).all()) and rel_err(out, ref) <= 1e-4)
+
+
+def main() -> None:
+    group, seed = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)  # the interpreter is Python-bound; leave the other core alone
+    gen = torch.Generator().manual_seed(seed)
+    if group in ("decode", "decode_full"):
+        for case in matrix(group.endswith("full")):
+            decode_case(gen, *case)
+    elif group in ("prefill", "prefill_full"):
+        for case in matrix(group.endswith("full")):
+            prefill_case(gen, *case)
+    elif group == "store":
+        for i, (dtype, bs) in enumerate((d, b) for d in DTYPES for b in BLOCK_SIZES):
+            store_case(gen, i, dtype, bs, HEAD_DIMS[i % len(HEAD_DIMS)])
+    elif group == "checks":
+        checks_cases(gen)
+    else:
+        raise SystemExit(f"unknown group {group!r}")
+
+
+if __name__ == "__main__":
+    main()
