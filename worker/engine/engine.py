@@ -54,7 +54,9 @@ class LLMEngine:
         self.tokenizer = runner.tokenizer
         self.max_model_len = runner.max_model_len
         self.max_waiting = settings.scheduler.max_waiting
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size)
+        # A smaller pool than the allocated cache is allowed (tests squeeze memory this way).
+        num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
+        self.block_manager = BlockManager(num_blocks, runner.block_size)
         self.scheduler = Scheduler(self.block_manager, settings.scheduler.max_num_seqs,
                                    settings.scheduler.max_num_batched_tokens, settings.scheduler.policy)
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
@@ -85,7 +87,8 @@ class LLMEngine:
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
         self._check_fits(prompt_ids, req.sampling.max_tokens)
-        if len(self.scheduler.waiting) >= self.max_waiting:
+        # Preempted sequences wait too, but were admitted once: only new arrivals count.
+        if sum(s.first_scheduled_time is None for s in self.scheduler.waiting) >= self.max_waiting:
             raise Rejected("overloaded", f"waiting pool full ({self.max_waiting})")
         return Sequence(
             request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,

@@ -96,8 +96,11 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         seqs = [s.seq for s in batch.sampling]
-        return self.sampler(logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs],
-                            [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs],
+                              [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+        # The batch put decodes first; hand the tokens back in the scheduler's order.
+        by_seq = {id(seq): token for seq, token in zip(seqs, tokens)}
+        return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
         # Decodes (one new token) first: they go to the decode kernel as one block.

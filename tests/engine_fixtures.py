@@ -1,0 +1,61 @@
+"""Shared, expensive engine objects: one loaded model and one HF reference per test session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config.settings import Settings
+from worker.engine.engine import LLMEngine
+from worker.engine.model_runner import ModelRunner
+from worker.engine.request import EngineRequest, SamplingParams
+
+
+@pytest.fixture(scope="session")
+def model_runner() -> ModelRunner:
+    return ModelRunner(Settings())
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.models.loader import resolve_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).eval()
+
+
+def make_engine(runner: ModelRunner, **scheduler) -> LLMEngine:
+    """An engine over the shared runner; `num_blocks=` squeezes the KV pool."""
+    settings = Settings()
+    settings.cache.num_blocks = scheduler.pop("num_blocks", None)
+    for key, value in scheduler.items():
+        setattr(settings.scheduler, key, value)
+    return LLMEngine(runner, settings)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[EngineRequest]] | None = None,
+                      check: bool = True) -> dict[str, dict]:
+    """Step until idle, adding `arrivals[step]` before each step; returns per-request results:
+    token ids, concatenated text deltas and the final output."""
+    arrivals = dict(arrivals or {})
+    results: dict[str, dict] = {}
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        for req in arrivals.pop(step, []):
+            engine.add_request(req)
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": [], "text": "", "final": None, "started": 0})
+            r["tokens"] += out.new_token_ids
+            r["text"] += out.text_delta
+            r["started"] += out.started
+            if out.finished:
+                assert r["final"] is None, f"{out.request_id} finished twice"
+                r["final"] = out
+        if check:
+            engine.check_integrity()
+        step += 1
+    return results

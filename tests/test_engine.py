@@ -1,0 +1,185 @@
+"""The engine against HF transformers: greedy continuous batching must equal `generate`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine_fixtures import greedy, make_engine, run_to_completion
+from worker.engine.request import EngineRequest, SamplingParams
+
+NEW_TOKENS = 48
+
+TOPICS = [
+    "Kafka consumer groups", "the French revolution", "photosynthesis", "binary search",
+    "the water cycle", "black holes", "how vaccines work", "TCP congestion control",
+    "the history of jazz", "compound interest", "volcanoes", "the Rust borrow checker",
+    "paged attention in LLM serving", "bread baking", "the moon landing", "sorting algorithms",
+]
+
+
+def prompt_ids(tokenizer, i: int) -> list[int]:
+    """Chat prompts of clearly different lengths (one to many sentences of instructions)."""
+    detail = " Give concrete examples and explain every step in detail." * (i % 5)
+    messages = [{"role": "user", "content": f"Write a long, detailed essay about {TOPICS[i]}.{detail}"}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompts(model_runner) -> list[list[int]]:
+    return [prompt_ids(model_runner.tokenizer, i) for i in range(len(TOPICS))]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, prompts) -> list[list[int]]:
+    """HF greedy output of each prompt alone."""
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def request(i: int, ids: list[int], max_tokens: int = NEW_TOKENS, **kw) -> EngineRequest:
+    return EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens, **kw))
+
+
+def staggered(prompts) -> dict[int, list[EngineRequest]]:
+    """Requests arriving at different steps: 4 at once, then one every other step."""
+    arrivals: dict[int, list[EngineRequest]] = {0: [request(i, p) for i, p in enumerate(prompts[:4])]}
+    for i, ids in enumerate(prompts[4:], start=4):
+        arrivals.setdefault(2 * (i - 3), []).append(request(i, ids))
+    return arrivals
+
+
+def test_hf_outputs_are_long_enough(hf_outputs):
+    assert all(len(out) == NEW_TOKENS for out in hf_outputs), [len(o) for o in hf_outputs]
+
+
+def test_continuous_batch_equals_hf_generate(model_runner, prompts, hf_outputs):
+    # A small token budget forces chunked prefill next to running decodes.
+    engine = make_engine(model_runner, max_num_batched_tokens=64, max_num_seqs=16)
+    results = run_to_completion(engine, staggered(prompts))
+    for i, expected in enumerate(hf_outputs):
+        assert results[f"r{i}"]["tokens"] == expected, f"prompt {i} diverged from HF generate"
+        assert results[f"r{i}"]["started"] == 1
+
+
+def test_alone_equals_inside_a_batch_of_30(model_runner, prompts):
+    alone = run_to_completion(make_engine(model_runner), {0: [request(0, prompts[3])]})
+    others = [request(100 + j, prompts[j % len(prompts)][: 20 + 7 * j], max_tokens=20 + j) for j in range(30)]
+    crowd = run_to_completion(make_engine(model_runner), {0: others[:15], 1: [request(0, prompts[3])], 3: others[15:]})
+    assert crowd["r0"]["tokens"] == alone["r0"]["tokens"]
+
+
+def test_preemption_under_a_tiny_kv_cache_keeps_greedy_output(model_runner, prompts, hf_outputs):
+    chosen = list(range(8))
+    reqs = {0: [request(i, prompts[i]) for i in chosen]}
+    big = run_to_completion(make_engine(model_runner), reqs)
+    # Each request needs ~6-10 blocks; 24 blocks hold about three of them.
+    engine = make_engine(model_runner, num_blocks=24)
+    small = run_to_completion(engine, {0: [request(i, prompts[i]) for i in chosen]})
+    assert engine.stats().num_preemptions > 0
+    for i in chosen:
+        assert small[f"r{i}"]["tokens"] == big[f"r{i}"]["tokens"] == hf_outputs[i]
+    assert engine.block_manager.num_free_blocks == 24
+
+
+def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
+    engine = make_engine(model_runner, policy="static", max_num_seqs=4)
+    results = run_to_completion(engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]})
+    for i in range(6):
+        assert results[f"r{i}"]["tokens"] == hf_outputs[i][: 8 + 4 * i]
+    # r4 could only start once the whole first batch of four had finished.
+    assert results["r4"]["final"].queue_s >= max(results[f"r{i}"]["final"].total_s for i in range(4)) - 1e-3
+
+
+def test_seeded_sampling_is_reproducible_inside_any_batch(model_runner, prompts):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+
+    def seeded(rid):
+        return EngineRequest(request_id=rid, prompt_token_ids=prompts[5], sampling=params)
+
+    alone = run_to_completion(make_engine(model_runner), {0: [seeded("s")]})
+    noisy = [EngineRequest(request_id=f"n{j}", prompt_token_ids=prompts[j],
+                           sampling=SamplingParams(max_tokens=10, temperature=1.0)) for j in range(6)]
+    crowd = run_to_completion(make_engine(model_runner), {0: noisy[:3], 1: [seeded("s")], 2: noisy[3:]})
+    assert crowd["s"]["tokens"] == alone["s"]["tokens"]
+    other_seed = EngineRequest(request_id="o", prompt_token_ids=prompts[5],
+                               sampling=SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    assert run_to_completion(make_engine(model_runner), {0: [other_seed]})["o"]["tokens"] != alone["s"]["tokens"]
+
+
+def test_stop_string_never_leaks(model_runner, prompts, hf_outputs):
+    full = model_runner.tokenizer.decode(hf_outputs[0], skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 6]
+    assert stop.strip(), "pick a non-blank stop string"
+    results = run_to_completion(make_engine(model_runner), {0: [request(0, prompts[0], stop=(stop,))]})
+    r = results["r0"]
+    assert r["final"].finish_reason == "stop"
+    assert stop not in r["text"] and r["text"] == r["final"].text
+    assert full.startswith(r["text"]) and len(r["text"]) == full.index(stop)
+
+
+def test_impossible_requests_are_rejected_at_once(model_runner):
+    engine = make_engine(model_runner, num_blocks=4)
+    results = run_to_completion(engine, {0: [
+        EngineRequest(request_id="long", prompt_token_ids=[1] * 60, sampling=greedy(10)),
+        EngineRequest(request_id="model", prompt_token_ids=[1] * 10, sampling=greedy(engine.max_model_len)),
+        EngineRequest(request_id="vocab", prompt_token_ids=[10**7], sampling=greedy(4)),
+        EngineRequest(request_id="empty", prompt="", sampling=greedy(4)),
+        EngineRequest(request_id="ok", prompt_token_ids=[1, 2, 3], sampling=greedy(4)),
+    ]})
+    assert results["long"]["final"].error_code == "prompt_too_long"
+    assert results["model"]["final"].error_code == "prompt_too_long"
+    assert results["vocab"]["final"].error_code == "invalid_request"
+    assert results["empty"]["final"].error_code == "invalid_request"
+    assert all(results[k]["final"].finish_reason == "rejected" for k in ("long", "model", "vocab", "empty"))
+    assert results["ok"]["final"].finish_reason == "length"
+
+
+def test_abort_and_deadline_free_blocks_at_once(model_runner, prompts):
+    import time
+
+    engine = make_engine(model_runner)
+    engine.add_request(request(0, prompts[0], max_tokens=200))
+    engine.add_request(EngineRequest(request_id="late", prompt_token_ids=prompts[1],
+                                     sampling=greedy(200), deadline=time.time() - 1))
+    outputs = {o.request_id: o for o in engine.step()}  # the expired one ends in this step
+    assert "r0" not in outputs or not outputs["r0"].finished
+    engine.abort("r0", "cancelled")
+    outputs.update({o.request_id: o for o in engine.step()})
+    assert outputs["r0"].finish_reason == "cancelled" and outputs["r0"].error_code == "cancelled"
+    assert outputs["late"].finish_reason == "timeout" and outputs["late"].error_code == "timeout"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_engine_loop_thread_delivers_everything(model_runner, prompts):
+    import threading
+
+    from worker.engine.engine import EngineLoop
+
+    done, lock, finished = {}, threading.Lock(), threading.Event()
+
+    def on_outputs(outputs, stats):
+        with lock:
+            for o in outputs:
+                if o.finished:
+                    done[o.request_id] = o
+            if len(done) == 5:
+                finished.set()
+
+    loop = EngineLoop(make_engine(model_runner), on_outputs)
+    loop.start()
+    for i in range(4):
+        loop.add_request(request(i, prompts[i], max_tokens=6))
+    loop.add_request(request(4, prompts[4], max_tokens=500))
+    loop.abort("r4", "cancelled")
+    assert finished.wait(120)
+    loop.stop(5)
+    assert {o.finish_reason for k, o in done.items() if k != "r4"} == {"length"}
+    assert done["r4"].finish_reason == "cancelled"

@@ -1,0 +1,48 @@
+"""A reply topic the broker refuses: dones are retried, the backlog pauses intake, nothing wedges."""
+import asyncio
+
+import pytest
+
+from tests.kafka_fixtures import consume_until
+from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    check_attempts, collect, final_done, request, start_worker, submit, topics,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+async def test_refused_replies_back_up_into_paused_intake(kafka_bootstrap, topics, start_worker, new_topic,
+                                                          monkeypatch):
+    import worker.publisher as publisher
+
+    monkeypatch.setattr(publisher, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
+    refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "64"})  # every batch is larger
+    worker = await start_worker(topics, kafka={"max_pending_replies": 10})
+    seen_paused = []
+
+    async def watch():
+        while True:
+            if worker.intake._consumer.paused():
+                seen_paused.append(worker.publisher.backlog)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    bad = [request(refused, max_tokens=1) for _ in range(24)]
+    await submit(kafka_bootstrap, topics.requests, bad)
+    good = request(topics.replies, max_tokens=2)
+    await submit(kafka_bootstrap, topics.requests, [good])
+    events = await collect(kafka_bootstrap, topics.replies, [good["id"]], timeout=120)
+    watcher.cancel()
+    check_attempts(events[good["id"]])
+    assert final_done(events[good["id"]]).finish_reason == "length"
+    assert seen_paused and max(seen_paused) >= 10  # the reply backlog paused intake
+    # Given up after MAX_ATTEMPTS and committed: one unreachable topic does not wedge a partition.
+    for _ in range(100):
+        if not worker.tracker.to_commit() and not worker.jobs:
+            break
+        await asyncio.sleep(0.1)
+    assert not worker.jobs and worker.publisher.backlog == 0
+    assert worker.metrics.send_failures._value.get() >= 24 * publisher.MAX_ATTEMPTS
+    assert all(worker.tracker.pending(tp) == 0 for tp in worker.tracker.partitions())
+    assert not await consume_until(kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False,
+                                   predicate=lambda rs: bool(rs))

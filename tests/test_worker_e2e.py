@@ -1,0 +1,52 @@
+"""End to end through the real broker and the real engine: the vertical slice."""
+import pytest
+
+from config.settings import Settings
+from producer.schema import Request, StartedEvent, TokensEvent
+from tests.engine_fixtures import run_to_completion
+from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    PROMPTS, check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,
+)
+from worker.app import engine_request, engine_settings
+from worker.engine.engine import LLMEngine
+
+pytestmark = pytest.mark.kafka
+
+
+def reference(model_runner, reqs: list[dict]) -> dict[str, str]:
+    """Greedy texts from the engine run directly, without Kafka."""
+    engine = LLMEngine(model_runner, engine_settings(Settings()))
+    for r in reqs:
+        req = Request.model_validate(r)
+        engine.add_request(engine_request(req, req.id, req.max_tokens, 0.0, None))
+    return {rid: res["final"].text for rid, res in run_to_completion(engine, check=False).items()}
+
+
+async def test_requests_stream_started_tokens_done(kafka_bootstrap, topics, start_worker, model_runner):
+    reqs = [request(topics.replies, PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 5,
+                    metadata={"n": str(i)}) for i in range(50)]
+    reqs[0]["reply_partition"] = 1
+    reqs[1]["stream"] = False
+    expected = reference(model_runner, reqs)
+    await start_worker(topics)
+    ids = await submit(kafka_bootstrap, topics.requests, reqs)
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
+    for i, r in enumerate(reqs):
+        evs = events[r["id"]]
+        check_attempts(evs)
+        assert len({e.attempt for e in evs}) == 1
+        assert isinstance(evs[0], StartedEvent) and evs[0].worker
+        done = final_done(evs)
+        assert done.finish_reason in ("stop", "length") and done.error is None
+        assert done.text == expected[r["id"]]
+        tokens = [t for e in evs if isinstance(e, TokensEvent) for t in e.token_ids]
+        if r.get("stream", True):
+            assert streamed_text(evs) == done.text and done.usage.completion_tokens == len(tokens)
+        else:  # the whole text arrives in `done`
+            assert not tokens and len(evs) == 2
+        assert 0 < done.usage.completion_tokens <= r["max_tokens"]
+        assert done.usage.prompt_tokens > 0
+        assert done.metadata == {"n": str(i)}
+        assert events.partitions[r["id"]] == ({1} if i == 0 else events.partitions[r["id"]])
+        assert len(events.partitions[r["id"]]) == 1
+        assert 0 <= done.timing.queue_s <= done.timing.ttft_s <= done.timing.total_s

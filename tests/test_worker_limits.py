@@ -1,0 +1,94 @@
+"""Admission under pressure: rate limits, priority, overload rejection, a bounded burst."""
+import asyncio
+import statistics
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    check_attempts, collect, final_done, request, start_worker, submit, topics,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+async def test_rate_limits_per_tenant(kafka_bootstrap, topics, start_worker):
+    await start_worker(topics, limits={"tenants": {
+        "small": {"requests_per_s": 0.01, "burst_requests": 2},
+        "tok": {"tokens_per_min": 20},
+    }})
+    small = [request(topics.replies, max_tokens=2, tenant="small") for _ in range(4)]
+    tok = [request(topics.replies, max_tokens=16, ignore_eos=True, tenant="tok") for _ in range(2)]
+    free = [request(topics.replies, max_tokens=2) for _ in range(3)]
+    ids = await submit(kafka_bootstrap, topics.requests, [*small, *tok, *free])
+    events = await collect(kafka_bootstrap, topics.replies, ids)
+
+    def outcomes(reqs):
+        return sorted(final_done(events[r["id"]]).finish_reason for r in reqs)
+
+    assert outcomes(small) == ["length", "length", "rejected", "rejected"]
+    assert outcomes(tok) == ["length", "rejected"]
+    assert outcomes(free) == ["length"] * 3
+    for r in small + tok:
+        done = final_done(events[r["id"]])
+        if done.finish_reason == "rejected":
+            assert done.error.code == "rate_limited" and r["tenant"] in done.error.message
+
+
+async def test_priority_under_load(kafka_bootstrap, topics, start_worker):
+    await start_worker(topics, scheduler={"max_num_seqs": 2})
+    low = [request(topics.replies, max_tokens=6, ignore_eos=True, priority=10) for _ in range(10)]
+    high = [request(topics.replies, max_tokens=6, ignore_eos=True, priority=0) for _ in range(10)]
+    ids = await submit(kafka_bootstrap, topics.requests, [*low, *high])  # the urgent ones come last
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
+    queue = {p: [final_done(events[r["id"]]).timing.queue_s for r in reqs] for p, reqs in ((0, high), (10, low))}
+    mean0, mean10 = statistics.mean(queue[0]), statistics.mean(queue[10])
+    print(f"mean queue time: priority 0 {mean0:.2f}s, priority 10 {mean10:.2f}s")
+    assert mean0 < 0.5 * mean10
+
+
+async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 2},
+                                limits={"overload_reject_after_s": 0.3})
+    reqs = [request(topics.replies, max_tokens=12, ignore_eos=True) for _ in range(12)]
+    ids = await submit(kafka_bootstrap, topics.requests, reqs)
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=120)
+    reasons = [final_done(events[i]).finish_reason for i in ids]
+    assert reasons.count("rejected") >= 3 and reasons.count("length") >= 3, reasons
+    assert all(final_done(events[i]).error.code == "overloaded" for i in ids
+               if final_done(events[i]).finish_reason == "rejected")
+    assert 'inferline_rejections_total{reason="overloaded"}' in worker.metrics.render().decode()
+
+
+async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_worker):
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 32, "max_waiting": 32})
+    peak = {"waiting": 0, "jobs": 0, "paused": 0}
+
+    async def watch():
+        while True:
+            peak["waiting"] = max(peak["waiting"], worker._num_waiting)
+            peak["jobs"] = max(peak["jobs"], len(worker.jobs))
+            peak["paused"] = max(peak["paused"], len(worker.intake._consumer.paused()))
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    reqs = [request(topics.replies, prompt=None, prompt_token_ids=[1, 2 + i % 50, 3], max_tokens=2,
+                    ignore_eos=True) for i in range(500)]
+    ids = await submit(kafka_bootstrap, topics.requests, reqs)
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=300)
+    watcher.cancel()
+    for i in ids:
+        check_attempts(events[i])
+        done = final_done(events[i])  # started, tokens (one or two events), done
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 2 and len(events[i]) in (3, 4)
+    print("peaks", peak)
+    assert peak["waiting"] <= 32 and peak["paused"] > 0
+    assert peak["jobs"] <= 32 + 32 + 32  # waiting + running + done-not-yet-acked, never the burst
+    await asyncio.sleep(0.5)  # the last commit
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(worker.settings.kafka.group_id)
+    finally:
+        await admin.close()
+    assert sum(m.offset for tp, m in committed.items() if tp.topic == topics.requests) == 500

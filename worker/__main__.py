@@ -1,0 +1,44 @@
+"""`python -m worker` / `inferline-worker`: load settings, build the engine, serve until a signal.
+
+Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 on a start-up failure (no model, no
+broker), 2 on a bad setting (one line naming the INFERLINE_* variable).
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from config.logging import configure_logging
+from config.settings import SettingsError, load_settings
+
+
+async def serve(settings) -> None:
+    from worker.app import Worker  # imports torch: after the settings are known to be good
+
+    worker = Worker(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    await worker.run()
+
+
+def main() -> int:
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"inferline-worker: {exc.code}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log.level, settings.log.format)
+    try:
+        asyncio.run(serve(settings))
+    except Exception as exc:  # start-up failures: one logged line with the cause, not a hang
+        structlog.get_logger("worker").exception("worker.failed", error=repr(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

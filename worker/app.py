@@ -1,0 +1,339 @@
+"""The Worker: wires intake, engine thread, publisher, cancels and HTTP; start-up and drain.
+
+Life of a request (one `Job` per execution attempt):
+
+    record ─► Intake (decode, triage) ─► admit: EngineLoop.add_request      state "waiting"
+    engine output started ─► `started`                                       state "running"
+    engine output tokens  ─► Publisher buffers, flushes `tokens` events
+    engine output finished ─► `done` queued                                  state "finishing"
+    `done` acked ─► OffsetTracker.finish ─► commit the contiguous watermark  (job forgotten)
+
+The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the
+same id (a redelivery racing its own requeue) are then two attempts, never one engine entry.
+Engine outputs arrive on the engine thread and hop to the event loop with
+call_soon_threadsafe; everything below runs on the loop and never blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import structlog
+from aiokafka import TopicPartition
+
+from producer.schema import InvalidRequest, Request
+from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
+from worker.engine.request import EngineRequest, RequestOutput, SamplingParams
+from worker.http import HttpServer
+from worker.cancels import CancelListener, RecentCancels
+from worker.intake import Intake, capped_max_tokens, deadline_of
+from worker.metrics import Metrics, priority_label
+from worker.offsets import OffsetTracker
+from worker.publisher import Publisher, ReplyStream
+from worker.ratelimit import RateLimiter
+
+log = structlog.get_logger(__name__)
+
+
+def engine_settings(settings):
+    """The settings the engine is built with. The intake bounds the waiting pool itself;
+    preempted sequences go back to the engine's waiting queue too, so the engine's own
+    max_waiting backstop gets headroom for them instead of rejecting them as overloaded."""
+    sched = settings.scheduler.model_copy(
+        update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs})
+    return settings.model_copy(update={"scheduler": sched})
+
+
+def build_engine(settings) -> LLMEngine:
+    return LLMEngine.from_settings(engine_settings(settings))
+
+
+@dataclass
+class Job:
+    request: Request
+    reply: ReplyStream
+    tp: TopicPartition
+    offset: int
+    received: float  # Unix seconds
+    max_tokens: int
+    state: str = "waiting"  # waiting -> running -> finishing
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    log: structlog.BoundLogger = field(default=None, repr=False)
+
+    @property
+    def attempt(self) -> str:
+        return self.reply.attempt
+
+
+class Worker:
+    def __init__(self, settings, engine: LLMEngine | None = None) -> None:
+        self.settings = settings
+        self.name = settings.worker.name or f"{socket.gethostname()}:{os.getpid()}"
+        self.metrics = Metrics()
+        self.tracker = OffsetTracker()
+        self.limiter = RateLimiter(settings.limits)
+        self.cancels = RecentCancels()
+        self.publisher = Publisher(settings, self.metrics, self.name)
+        self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels)
+        self.cancel_listener = CancelListener(settings, self.cancel, self.metrics)
+        self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
+        self.engine = engine
+        self.engine_loop: EngineLoop | None = None
+        self.jobs: dict[str, Job] = {}  # attempt -> job
+        self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
+        # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
+        # rejections, dead letters alike); a revocation waits for these to reach zero.
+        self._unacked: Counter[TopicPartition] = Counter()
+        self._num_waiting = 0
+        self._stats = EngineStats()
+        self._settled = asyncio.Event()  # pulses whenever a job leaves `jobs`
+        self._stop = asyncio.Event()
+        self._hurry = False  # a second signal: skip the drain wait
+        self.draining = False
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.http.start()
+        log.info("worker.starting", worker=self.name, http_port=self.http.port)
+        if self.engine is None:  # minutes on a cold cache: off the loop so /healthz answers
+            self.engine = await asyncio.to_thread(build_engine, self.settings)
+        self._stats = self.engine.stats()  # totals are deltas from here (an engine may be reused)
+        loop = asyncio.get_running_loop()
+        self.engine_loop = EngineLoop(self.engine, lambda outs, st: self._from_engine(loop, outs, st))
+        self.engine_loop.start()
+        await self.publisher.start()
+        await self.cancel_listener.start()
+        await self.intake.start()
+        log.info("worker.started", topic=self.settings.kafka.request_topic, group=self.settings.kafka.group_id)
+
+    async def run(self) -> None:
+        """Start, serve until request_stop(), drain, close."""
+        try:
+            await self.start()
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT: the first drains, a second one stops waiting for running requests."""
+        if self._stop.is_set():
+            self._hurry = True
+            self._settled.set()
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        log.info("worker.draining", jobs=len(self.jobs))
+        self.draining, self.intake.fetching = True, False
+        # Waiting requests would only start now to be cut off: hand them back at once.
+        self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
+        await self._wait_jobs(lambda: not self.jobs, self.settings.worker.drain_timeout_s)
+        await self.requeue(set(self._unacked) | {j.tp for j in self.jobs.values()}, timeout=10.0)
+        # Each step is bounded: with the broker gone, aiokafka would retry for minutes.
+        await _bounded(self.intake.close(), 15.0, "intake.close")  # final commit, leave the group
+        await _bounded(self.cancel_listener.close(), 5.0, "cancels.close")
+        await _bounded(self.publisher.stop(), 15.0, "publisher.stop")
+        if self.engine_loop:
+            await asyncio.to_thread(self.engine_loop.stop, 10.0)
+        await self.http.stop()
+        log.info("worker.stopped", unfinished=len(self.jobs))
+
+    def readiness(self) -> dict[str, bool]:
+        return {"model_loaded": self.engine_loop is not None, "in_group": self.intake.joined,
+                "cancel_listener": self.cancel_listener.ready, "not_draining": not self.draining}
+
+    def _last_tick(self) -> float | None:
+        return self.engine_loop.last_tick if self.engine_loop else None
+
+    # -- intake sink ------------------------------------------------------------------------------
+
+    def room(self) -> int:
+        if self.draining or self.publisher.full():
+            return 0
+        return max(0, self.settings.scheduler.max_waiting - self._num_waiting)
+
+    def pool_full(self) -> bool:
+        return self._num_waiting >= self.settings.scheduler.max_waiting
+
+    def dead_letter(self, record, reason: str) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        self._unacked[tp] += 1
+        headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
+                   ("source-partition", str(record.partition).encode()),
+                   ("source-offset", str(record.offset).encode())]
+        value, limit = record.value, self.settings.kafka.max_message_bytes
+        if value is not None and len(value) > limit:  # could never be produced: keep the head
+            value = value[: limit - 4096]
+            headers.append(("original-size", str(len(record.value)).encode()))
+        self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers,
+                                   on_acked=lambda ok: self._offset_done(tp, record.offset, ok))
+
+    def reject(self, tp, offset: int, route: InvalidRequest, code: str, message: str,
+               finish_reason: str = "rejected", metadata: dict | None = None) -> None:
+        """Answer a request that will not run: one `done` (seq 0), then its offset is done."""
+        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.reply_topic, route.reply_partition)
+        self._unacked[tp] += 1
+        self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
+                            on_acked=lambda ok: self._offset_done(tp, offset, ok))
+        self.metrics.requests.labels(finish_reason).inc()
+        if finish_reason == "rejected":
+            self.metrics.rejections.labels(code).inc()
+
+    def admit(self, tp, offset: int, req: Request, received: float) -> None:
+        max_tokens = capped_max_tokens(req, self.settings)
+        rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
+        job = Job(req, rs, tp, offset, received, max_tokens)
+        job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
+        self.jobs[rs.attempt] = job
+        self._unacked[tp] += 1
+        self._by_id.setdefault(req.id, set()).add(rs.attempt)
+        self._num_waiting += 1
+        self.engine_loop.add_request(engine_request(req, rs.attempt, max_tokens, received,
+                                                    deadline_of(req, received, self.settings.limits.default_timeout_s)))
+        job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
+
+    async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:
+        """Give up the requests of these partitions (`requeued`) and wait until their `done`s are acked."""
+        if timeout is None:  # within the rebalance timeout, leaving time to commit and rejoin
+            timeout = self.settings.kafka.session_timeout_ms / 2000
+        self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
+        await self._wait_jobs(lambda: not any(self._unacked[tp] for tp in tps), timeout)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancels.add(request_id)  # the request may not have been read yet
+        attempts = list(self._by_id.get(request_id, ()))
+        if attempts:
+            log.info("request.cancel", request_id=request_id, attempts=len(attempts))
+        self._abort(attempts, "cancelled")
+
+    def _abort(self, attempts: list[str], reason: str) -> None:
+        for attempt in attempts:
+            job = self.jobs.get(attempt)
+            if job is not None and job.state != "finishing":
+                self.engine_loop.abort(attempt, reason)
+
+    async def _wait_jobs(self, done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done() and not self._hurry:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._settled.clear()
+            try:
+                await asyncio.wait_for(self._settled.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    # -- engine outputs ---------------------------------------------------------------------------
+
+    def _from_engine(self, loop, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        try:  # engine thread: hop onto the event loop
+            loop.call_soon_threadsafe(self._on_outputs, outputs, stats)
+        except RuntimeError:  # the loop closed under a stopping engine
+            pass
+
+    def _on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        now = time.time()
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None or job.state == "finishing":
+                continue
+            if out.started:
+                self._started(job, out)
+            if out.new_token_ids or out.text_delta:
+                self._tokens(job, out, now)
+            if out.finished:
+                self._finish(job, out)
+        self.metrics.observe_engine(stats, self._stats, self._num_waiting)
+        self._stats = stats
+
+    def _started(self, job: Job, out: RequestOutput) -> None:
+        job.state = "running"
+        self._num_waiting -= 1
+        self.publisher.started(job.reply, out.queue_s)
+        self.metrics.queue_time.labels(priority_label(job.request.priority)).observe(out.queue_s)
+
+    def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
+        if job.first_token_at is None:
+            job.first_token_at = now
+            self.metrics.ttft.labels(priority_label(job.request.priority)).observe(now - job.received)
+        job.last_token_at = now
+        self.publisher.tokens(job.reply, out.new_token_ids, out.text_delta)
+
+    def _finish(self, job: Job, out: RequestOutput) -> None:
+        ran = job.state == "running"
+        if job.state == "waiting":
+            self._num_waiting -= 1
+        job.state = "finishing"
+        reason = out.finish_reason or "error"
+        error = None
+        if out.error_code and reason != "requeued":
+            error = (out.error_code, out.error_message or out.error_code)
+        self.publisher.done(
+            job.reply, finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
+            ttft_s=out.ttft_s, total_s=out.total_s,
+            text=out.text, error=error, metadata=job.request.metadata,
+            on_acked=lambda ok: self._settle(job, reason, ok))
+        self.limiter.refund(job.request.tenant, job.max_tokens - out.num_output_tokens)
+        itl = None
+        if out.num_output_tokens > 1 and job.first_token_at and job.last_token_at:
+            itl = (job.last_token_at - job.first_token_at) / (out.num_output_tokens - 1)
+        self.metrics.observe_finish(reason, out.error_code, job.request.priority,
+                                    time.time() - job.received, itl)
+        job.log.info("request.done", finish_reason=reason, error=error and error[0],
+                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                     total_s=round(out.total_s, 3))
+
+    def _settle(self, job: Job, reason: str, ok: bool) -> None:
+        """`done` is durable: forget the job; its offset counts as finished unless requeued."""
+        self.jobs.pop(job.attempt, None)
+        attempts = self._by_id.get(job.request.id)
+        if attempts is not None:
+            attempts.discard(job.attempt)
+            if not attempts:
+                del self._by_id[job.request.id]
+        if reason != "requeued":
+            self._offset_done(job.tp, job.offset, ok)
+        else:
+            self._acked(job.tp)
+
+    def _offset_done(self, tp: TopicPartition, offset: int, ok: bool) -> None:
+        if not ok:  # already logged by the publisher; committing beats wedging the partition
+            log.error("offset.finished_without_reply", partition=tp.partition, offset=offset)
+        self.tracker.finish(tp, offset)
+        self.intake.request_commit()
+        self._acked(tp)
+
+    def _acked(self, tp: TopicPartition) -> None:
+        self._unacked[tp] -= 1
+        if self._unacked[tp] <= 0:
+            del self._unacked[tp]
+        self._settled.set()
+
+
+async def _bounded(coro, timeout: float, what: str) -> None:
+    try:
+        await asyncio.wait_for(coro, timeout)
+    except Exception as exc:  # noqa: BLE001 - shutting down: log and go on to the next step
+        log.warning("worker.shutdown_step_failed", step=what, error=repr(exc))
+
+
+def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
+                   deadline: float) -> EngineRequest:
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos)
+    messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+    return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
+                         prompt_token_ids=req.prompt_token_ids, priority=req.priority,
+                         arrival_time=received, deadline=deadline)

@@ -1,0 +1,119 @@
+"""Cancels: every worker reads the whole cancel topic and aborts what it runs.
+
+There is no consumer group and nothing is committed: a worker cannot know which worker runs a
+request, so each must see every cancel, from the end of the topic (a worker that was down
+runs nothing that could be cancelled). Ids are remembered for a while, so a cancel that
+overtakes its request (lag on the request topic) still wins when the request arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from producer.schema import UndecodableMessage, decode_cancel
+from worker.publisher import client_kwargs
+
+log = structlog.get_logger(__name__)
+
+
+class RecentCancels:
+    """Ids cancelled lately, so a cancel that overtakes its request still wins. Bounded."""
+
+    def __init__(self, ttl_s: float = 600.0, max_ids: int = 50_000) -> None:
+        self._ids: OrderedDict[str, float] = OrderedDict()
+        self._ttl, self._max = ttl_s, max_ids
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = time.monotonic()
+        self._ids.move_to_end(request_id)  # oldest first: trimming drops the stalest
+        while len(self._ids) > self._max:
+            self._ids.popitem(last=False)
+
+    def seen(self, request_id: str) -> bool:
+        stamp = self._ids.get(request_id)
+        return stamp is not None and time.monotonic() - stamp < self._ttl
+
+
+class CancelListener:
+    """Reads every partition of the cancel topic, without a group, from the end."""
+
+    def __init__(self, settings, on_cancel, metrics) -> None:
+        self._s, self._on_cancel, self._m = settings, on_cancel, metrics
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task | None = None
+        self.ready = False
+
+    async def start(self) -> None:
+        self._consumer = AIOKafkaConsumer(**client_kwargs(self._s.kafka), group_id=None,
+                                          enable_auto_commit=False)
+        await self._consumer.start()
+        await self._assign_all(at_start=True)
+        self.ready = True
+        self._task = asyncio.create_task(self._loop(), name="cancel-listener")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer:
+            await self._consumer.stop()
+
+    async def _assign_all(self, at_start: bool = False) -> None:
+        """(Re)assign all partitions. At start-up they are read from their end; a partition
+        found later (the topic was created or grew while we ran) holds only cancels sent
+        since we started, so it is read from its beginning."""
+        topic = self._s.kafka.cancel_topic
+        # consumer.topics() fetches fresh metadata but throws it away (partitions_for_topic reads
+        # a cache that only follows subscriptions): read the partitions from the fetched cluster.
+        cluster = await self._consumer._client.fetch_all_metadata()
+        parts = cluster.partitions_for_topic(topic) or set()
+        tps = {TopicPartition(topic, p) for p in parts}
+        old = self._consumer.assignment()
+        new = tps - old
+        if not new:
+            return
+        # assign() starts a fresh assignment that forgets positions: carry the old ones over.
+        positions = {tp: await self._consumer.position(tp) for tp in old}
+        self._consumer.assign(list(tps))
+        for tp, offset in positions.items():
+            self._consumer.seek(tp, offset)
+        if at_start:
+            await self._consumer.seek_to_end(*new)
+        else:
+            await self._consumer.seek_to_beginning(*new)
+        for tp in new:  # resolve the end offsets now, so a cancel sent after start() is seen
+            await self._consumer.position(tp)
+        log.info("cancels.assigned", topic=topic, partitions=len(tps))
+
+    async def _loop(self) -> None:
+        last_refresh = time.monotonic()
+        while True:
+            try:
+                if not self._consumer.assignment():  # no cancel topic yet
+                    await asyncio.sleep(0.5)
+                    batch = {}
+                else:
+                    batch = await self._consumer.getmany(timeout_ms=500)
+                if time.monotonic() - last_refresh > (30.0 if self._consumer.assignment() else 5.0):
+                    last_refresh = time.monotonic()
+                    await self._assign_all()
+            except Exception as exc:  # noqa: BLE001 - the listener must outlive broker hiccups
+                log.warning("cancels.fetch_error", error=repr(exc))
+                await asyncio.sleep(1.0)
+                continue
+            for records in batch.values():
+                for record in records:
+                    self._handle(record)
+
+    def _handle(self, record) -> None:
+        try:
+            cancel = decode_cancel(record.value)
+        except UndecodableMessage as exc:
+            log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
+            return
+        self._m.cancels.inc()
+        self._on_cancel(cancel.id)

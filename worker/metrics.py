@@ -1,0 +1,84 @@
+"""The worker's Prometheus metrics, on a registry of its own.
+
+A registry per Worker (not the global default) lets tests run several workers in one process
+and lets /metrics show exactly one worker's numbers.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 5 ms to 10 min: queue time spans that whole range under load.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def priority_label(priority: int) -> str:
+    """Priorities are producer-chosen ints: clamp the label so cardinality stays bounded."""
+    if priority < -10:
+        return "lt-10"
+    if priority > 10:
+        return "gt10"
+    return str(priority)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("inferline_requests", "Requests finished, by outcome (finish_reason)",
+                                ["outcome"], registry=r)
+        self.rejections = Counter("inferline_rejections", "Requests rejected, by error code",
+                                  ["reason"], registry=r)
+        self.dead_letters = Counter("inferline_dead_letters", "Messages sent to the dead-letter topic",
+                                    registry=r)
+        self.cancels = Counter("inferline_cancels_received", "Cancel messages read", registry=r)
+        self.tokens_generated = Counter("inferline_tokens_generated", "Output tokens generated", registry=r)
+        self.preemptions = Counter("inferline_preemptions", "Sequences preempted by the scheduler", registry=r)
+        self.queue_time = self._hist("inferline_queue_time_seconds", "Receipt to first schedule")
+        self.ttft = self._hist("inferline_ttft_seconds", "Receipt to first token")
+        self.itl = self._hist("inferline_inter_token_latency_seconds",
+                              "Mean time between tokens of one request (one sample per request)")
+        self.e2e = self._hist("inferline_e2e_seconds", "Receipt to done")
+        self.running = Gauge("inferline_running_requests", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("inferline_waiting_requests", "Requests waiting for the engine", registry=r)
+        self.kv_cache_usage = Gauge("inferline_kv_cache_usage", "Fraction of KV cache blocks in use (0..1)",
+                                    registry=r)
+        self.batch_size = Gauge("inferline_batch_size", "Sequences in the last engine step", registry=r)
+        self.batched_tokens = Gauge("inferline_batched_tokens", "Tokens in the last engine step", registry=r)
+        self.iteration = Histogram("inferline_iteration_seconds", "Engine step latency", buckets=_STEP,
+                                   registry=r)
+        self.send_failures = Counter("inferline_reply_send_failures", "Reply / dead-letter sends that failed",
+                                     registry=r)
+        self.pending_replies = Gauge("inferline_pending_replies", "Reply events not yet acked by the broker",
+                                     registry=r)
+        self.consumer_lag = Gauge("inferline_consumer_lag", "Records behind the high watermark, per partition",
+                                  ["partition"], registry=r)
+        self.intake_paused = Gauge("inferline_intake_paused", "1 while intake is paused (backpressure)",
+                                   registry=r)
+
+    def _hist(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, ["priority"], buckets=_LATENCY, registry=self.registry)
+
+    def observe_finish(self, reason: str, error_code: str | None, priority: int, e2e_s: float,
+                       itl_s: float | None) -> None:
+        label = priority_label(priority)
+        self.requests.labels(reason).inc()
+        if reason == "rejected":
+            self.rejections.labels(error_code or "invalid_request").inc()
+        self.e2e.labels(label).observe(max(0.0, e2e_s))
+        if itl_s is not None:
+            self.itl.labels(label).observe(itl_s)
+
+    def observe_engine(self, st, prev, num_waiting: int) -> None:
+        """One engine step's EngineStats; `prev` is the last one (its totals become deltas)."""
+        self.running.set(st.num_running)
+        self.waiting.set(num_waiting)
+        self.kv_cache_usage.set(st.kv_cache_usage)
+        self.batch_size.set(st.batch_size)
+        self.batched_tokens.set(st.num_batched_tokens)
+        if st.num_steps > prev.num_steps and st.batch_size:
+            self.iteration.observe(st.step_time_s)
+        self.preemptions.inc(max(0, st.num_preemptions - prev.num_preemptions))
+        self.tokens_generated.inc(max(0, st.num_generated_tokens - prev.num_generated_tokens))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

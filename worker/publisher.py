@@ -1,0 +1,248 @@
+"""Reply events and dead letters, through one idempotent producer.
+
+- Every event of one attempt gets the next `seq` at the moment it is queued, and a topic's
+  events are sent by one lane task in queue order; the idempotent producer keeps that order
+  within a partition, so a client sees seq 0, 1, 2, ... with no gaps.
+- Tokens are coalesced: `tokens()` only buffers; a flusher turns each stream's buffer into one
+  `tokens` event every `flush_interval_ms`. `done` flushes the buffer first.
+- Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
+  un-acked) is what the intake watches to pause itself when the broker falls behind.
+- One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
+  own requests, not every reply of the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+from aiokafka import AIOKafkaProducer
+
+from producer.schema import DoneEvent, ErrorInfo, StartedEvent, Timing, TokensEvent, Usage, encode_event
+
+log = structlog.get_logger(__name__)
+# A done / dead letter is retried this often before the worker gives up on it (and commits, so
+# one unreachable reply topic cannot wedge a partition forever).
+MAX_ATTEMPTS = 5
+RETRY_BACKOFF_S = 0.5
+
+
+def client_kwargs(kafka) -> dict:
+    """Connection settings shared by every Kafka client of the worker (security included)."""
+    kw = dict(bootstrap_servers=kafka.bootstrap_servers, client_id=kafka.client_id,
+              security_protocol=kafka.security_protocol)
+    if kafka.sasl_mechanism:
+        kw.update(sasl_mechanism=kafka.sasl_mechanism, sasl_plain_username=kafka.sasl_username,
+                  sasl_plain_password=kafka.sasl_password.get_secret_value() if kafka.sasl_password else None)
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kw["ssl_context"] = create_ssl_context(
+            cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile, keyfile=kafka.ssl_keyfile)
+    return kw
+
+
+@dataclass
+class ReplyStream:
+    """The reply side of one attempt: where its events go and how far its seq has got."""
+
+    request_id: str
+    attempt: str
+    topic: str
+    partition: int | None
+    stream: bool = True
+    seq: int = 0
+    token_ids: list[int] = field(default_factory=list)  # produced, not yet in an event
+    text: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+
+@dataclass
+class _Outgoing:
+    topic: str
+    partition: int | None
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]] | None = None
+    on_acked: Callable[[bool], None] | None = None  # must-deliver when set: done, dead letter
+    tries: int = 0
+
+
+class Publisher:
+    def __init__(self, settings, metrics, worker_name: str) -> None:
+        self._kafka = settings.kafka
+        self._metrics = metrics
+        self.worker_name = worker_name
+        self._producer: AIOKafkaProducer | None = None
+        self._lanes: dict[str, asyncio.Queue[_Outgoing]] = {}
+        self._lane_tasks: set[asyncio.Task] = set()
+        self._dirty: dict[str, ReplyStream] = {}  # attempt -> stream with buffered tokens
+        self._flusher: asyncio.Task | None = None
+        self.backlog = 0  # queued or in flight, not yet acked
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> None:
+        self._producer = AIOKafkaProducer(
+            **client_kwargs(self._kafka),
+            enable_idempotence=True,  # forces acks=all; one batch in flight per partition
+            acks="all",
+            linger_ms=5,  # a few ms of batching turns many small events into few requests
+            max_request_size=self._kafka.max_message_bytes + 64 * 1024,
+        )
+        await self._producer.start()
+        self._flusher = asyncio.create_task(self._flush_loop(), name="publisher-flush")
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Flush buffered tokens, wait (bounded) for every queued event to be acked, close."""
+        self.flush_all()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("publisher.stop_timeout", backlog=self.backlog)
+        if self._flusher:
+            self._flusher.cancel()
+        for task in list(self._lane_tasks):
+            task.cancel()
+        if self._producer:
+            await self._producer.stop()
+
+    def full(self) -> bool:
+        return self.backlog >= self._kafka.max_pending_replies
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def started(self, rs: ReplyStream, queue_s: float) -> None:
+        ev = StartedEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
+                          worker=self.worker_name, queue_s=max(0.0, queue_s))
+        self._emit(rs, ev)
+
+    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str) -> None:
+        if not rs.stream or not token_ids and not text:
+            return
+        rs.token_ids.extend(token_ids)
+        rs.text.append(text)
+        if self._kafka.flush_interval_ms <= 0:
+            self._flush(rs)
+        else:
+            self._dirty[rs.attempt] = rs
+
+    def done(self, rs: ReplyStream, *, finish_reason: str, prompt_tokens: int = 0,
+             completion_tokens: int = 0, queue_s: float = 0.0, ttft_s: float | None = None,
+             total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
+             metadata: dict[str, str] | None = None, on_acked: Callable[[bool], None]) -> None:
+        """The last event of the attempt; `on_acked(ok)` runs once the broker has it (or gave up)."""
+        assert not rs.closed, "done twice for one attempt"
+        self._flush(rs)
+        ev = DoneEvent(
+            id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), finish_reason=finish_reason,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            timing=Timing(queue_s=max(0.0, queue_s), ttft_s=None if ttft_s is None else max(0.0, ttft_s),
+                          total_s=max(0.0, total_s)),
+            text=text, error=ErrorInfo(code=error[0], message=error[1]) if error else None,
+            metadata=metadata or {},
+        )
+        rs.closed = True
+        self._emit(rs, ev, on_acked)
+
+    def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
+                    headers: list[tuple[str, bytes]], on_acked: Callable[[bool], None]) -> None:
+        # A tombstone (value None) has nothing to dead-letter but the key; keep it a tombstone.
+        self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked))
+        self._metrics.dead_letters.inc()
+
+    # -- coalescing -------------------------------------------------------------------------------
+
+    def _flush(self, rs: ReplyStream) -> None:
+        self._dirty.pop(rs.attempt, None)
+        if not rs.token_ids and not rs.text:
+            return
+        ev = TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
+                         token_ids=rs.token_ids, text="".join(rs.text))
+        rs.token_ids, rs.text = [], []
+        self._emit(rs, ev)
+
+    def flush_all(self) -> None:
+        for rs in list(self._dirty.values()):
+            self._flush(rs)
+
+    async def _flush_loop(self) -> None:
+        interval = max(self._kafka.flush_interval_ms, 1.0) / 1000
+        while True:
+            await asyncio.sleep(interval)
+            self.flush_all()
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def _emit(self, rs: ReplyStream, ev, on_acked=None) -> None:
+        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev),
+                                None, on_acked))
+
+    def _enqueue(self, out: _Outgoing) -> None:
+        self.backlog += 1
+        self._idle.clear()
+        self._metrics.pending_replies.set(self.backlog)
+        lane = self._lanes.get(out.topic)
+        if lane is None:
+            lane = self._lanes[out.topic] = asyncio.Queue()
+            task = asyncio.create_task(self._lane(out.topic, lane), name=f"lane-{out.topic}")
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
+        lane.put_nowait(out)
+
+    async def _lane(self, topic: str, lane: asyncio.Queue) -> None:
+        # The lane ends when drained, so per-request reply topics do not pile up idle tasks.
+        while not lane.empty():
+            out = lane.get_nowait()
+            try:
+                fut = await self._send(out)
+            except Exception as exc:  # metadata timeout, message too large, producer closed
+                self._failed(out, exc)
+                continue
+            fut.add_done_callback(lambda f, out=out: self._acked(out, f))
+        del self._lanes[topic]
+
+    async def _send(self, out: _Outgoing):
+        try:
+            return await self._producer.send(out.topic, out.value, key=out.key, partition=out.partition,
+                                             headers=out.headers)
+        except AssertionError:  # reply_partition does not exist in the topic
+            log.warning("publisher.no_such_partition", topic=out.topic, partition=out.partition)
+            out.partition = None  # better a done by key than no done at all
+            return await self._producer.send(out.topic, out.value, key=out.key, headers=out.headers)
+
+    def _acked(self, out: _Outgoing, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self._failed(out, fut.exception() if not fut.cancelled() else asyncio.CancelledError())
+            return
+        self._settle(out, True)
+
+    def _failed(self, out: _Outgoing, exc: BaseException) -> None:
+        out.tries += 1
+        self._metrics.send_failures.inc()
+        if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
+            self._settle(out, False)
+            return
+        if out.tries >= MAX_ATTEMPTS:
+            log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
+            self._settle(out, False)
+            return
+        log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
+        asyncio.get_running_loop().call_later(RETRY_BACKOFF_S * out.tries, self._requeue, out)
+
+    def _requeue(self, out: _Outgoing) -> None:
+        self.backlog -= 1  # _enqueue counts it again
+        self._enqueue(out)
+
+    def _settle(self, out: _Outgoing, ok: bool) -> None:
+        self.backlog -= 1
+        self._metrics.pending_replies.set(self.backlog)
+        if out.on_acked:
+            out.on_acked(ok)
+        if self.backlog == 0:
+            self._idle.set()
