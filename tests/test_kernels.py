@@ -86,7 +86,7 @@ def test_reference_decode_chunks_large_batches(gen, monkeypatch):
     q = torch.randn(5, 3, 64, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
     whole = reference.paged_decode_attention(*args)
-    monkeypatch.setattr(reference, "_DECODE_GATHER_LIMIT", 1)  # one sequence per chunk
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_SEQS", 1)  # one sequence per chunk
     assert rel_err(reference.paged_decode_attention(*args), whole) < 1e-6
 
 

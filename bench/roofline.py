@@ -1,0 +1,78 @@
+"""The machine's compute roofline for a model: how many tokens/s its matmuls alone allow.
+
+We time the model's own linear layers (the real weight tensors, every layer plus the LM head) on
+a random activation of `batch` rows, i.e. exactly the matmuls of one decode step at that batch
+size. Measured FLOP/s = batch x FLOPs per token / time; roofline tokens/s = batch / time.
+FLOPs per token = 2 x (weights of every linear layer, embeddings excluded) + 2 x the LM head
+(tied to the embedding on SmolLM2, but still one [hidden x vocab] matmul per sampled token).
+Attention over the context, norms and sampling are not counted: they are what an engine should
+keep small next to this.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(every decoder linear weight in forward order, the LM head weight) of a LlamaForCausalLM."""
+    layers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    head = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+    return layers, head
+
+
+def flops_per_token(model) -> dict[str, float]:
+    layers, head = linear_weights(model)
+    body = 2.0 * sum(w.numel() for w in layers)
+    lm_head = 2.0 * head.numel()
+    return {"decoder_linears": body, "lm_head": lm_head, "total": body + lm_head}
+
+
+@torch.inference_mode()
+def time_step_matmuls(weights: list[torch.Tensor], head: torch.Tensor, batch: int,
+                      repeats: int = 5) -> float:
+    """Best-of-`repeats` seconds for one pass over every weight at `batch` rows (best, because
+    the roofline is what the machine can do; contention from other processes only adds time)."""
+    dtype = head.dtype
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights + [head]}
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+        F.linear(inputs[head.shape[1]], head)
+        elapsed = time.perf_counter() - start
+        if i:  # the first pass warms caches and the allocator
+            best = min(best, elapsed)
+    return best
+
+
+def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
+    """Roofline of `model` on this machine: per batch size and the best of them."""
+    weights, head = linear_weights(model)
+    flops = flops_per_token(model)
+    by_batch = {}
+    for b in batches:
+        t = time_step_matmuls(weights, head, b, repeats)
+        by_batch[str(b)] = {"step_matmul_s": t, "gflops": b * flops["total"] / t / 1e9,
+                            "tokens_per_s": b / t}
+    best = max(by_batch.values(), key=lambda r: r["tokens_per_s"])
+    return {"flops_per_token": flops, "by_batch": by_batch,
+            "gflops": best["gflops"], "tokens_per_s": best["tokens_per_s"],
+            "threads": torch.get_num_threads(), "dtype": str(head.dtype)}
+
+
+def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) -> float:
+    """A ~0.1 s fp32 matmul probe: taken before each run, it shows how much CPU other processes
+    were taking at the time (compare it between runs; it is not the roofline)."""
+    a, w = torch.randn(n, k), torch.randn(m, k)
+    F.linear(a, w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        F.linear(a, w)
+    return 2.0 * n * k * m * repeats / (time.perf_counter() - start) / 1e9

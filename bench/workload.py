@@ -1,0 +1,114 @@
+"""Deterministic benchmark workloads: chat prompts of varied length, seeded output lengths,
+arrivals all at once or as a Poisson process.
+
+Prompts are built from fixed lists (instructions x topics, padded with context sentences), so a
+workload depends only on its arguments and the tokenizer: the same seed gives the same prompts,
+the same output lengths and the same arrival times in every run.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+INSTRUCTIONS = (
+    "Explain in simple words how",
+    "Write a short essay on how",
+    "Give three practical tips about how",
+    "Summarize the main ideas behind how",
+    "Describe step by step how",
+    "List the common mistakes people make about how",
+    "Compare two different views on how",
+    "Write a friendly letter to a student about how",
+)
+
+TOPICS = (
+    "photosynthesis turns sunlight into sugar",
+    "a compiler turns source code into machine code",
+    "the Roman Empire managed its roads",
+    "bees find flowers and share the location",
+    "interest rates affect the housing market",
+    "a bicycle stays upright while moving",
+    "vaccines train the immune system",
+    "a database index speeds up queries",
+    "glaciers shape mountain valleys",
+    "jazz musicians improvise together",
+    "a sourdough starter makes bread rise",
+    "satellites keep their orbit around the Earth",
+    "a city plans its public transport",
+    "the heart pumps blood through the body",
+    "a chess engine chooses its next move",
+    "rivers carry sediment to the sea",
+)
+
+CONTEXT = (
+    "Assume the reader is curious but has no background in the subject.",
+    "Use one concrete example from everyday life to make the idea clear.",
+    "Mention what scientists or experts still disagree about, if anything.",
+    "Keep the tone warm and avoid jargon unless you define it first.",
+    "It helps to start from a question that a child might ask.",
+    "Point out one surprising fact that most people do not know.",
+    "If numbers matter, give rough orders of magnitude rather than exact figures.",
+    "Explain why the topic matters for someone living in a large city today.",
+    "Note how the idea was first discovered or invented, and by whom.",
+    "Close with a short summary the reader could repeat to a friend.",
+    "Avoid lists longer than five items; prefer short paragraphs.",
+    "Relate the topic to something the reader may have seen on the news.",
+)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    messages: list[dict[str, str]]
+    prompt_token_ids: list[int]  # the chat template applied, as the engine will tokenize it
+    max_tokens: int  # the exact output length (ignore_eos)
+    arrival_s: float  # offset from the start of the run
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)
+    return list(enc["input_ids"])
+
+
+def make_content(tokenizer, rng: random.Random, num_tokens: int) -> str:
+    """A user message of about `num_tokens` tokens (before the chat template)."""
+    text = f"{rng.choice(INSTRUCTIONS)} {rng.choice(TOPICS)}."
+    context = list(CONTEXT)
+    rng.shuffle(context)
+    i = 0
+    while len(tokenizer(text)["input_ids"]) < num_tokens:
+        text += " " + context[i % len(context)]
+        i += 1
+    ids = tokenizer(text)["input_ids"][:num_tokens]
+    return tokenizer.decode(ids).strip()
+
+
+def make_workload(tokenizer, num_requests: int = 64, min_output: int = 8, max_output: int = 256,
+                  min_prompt: int = 10, max_prompt: int = 270, rate: float | None = None,
+                  seed: int = 0) -> list[WorkItem]:
+    """`num_requests` requests; user messages of min_prompt..max_prompt tokens (the chat template
+    adds ~31), output lengths uniform in [min_output, max_output]; all at t=0, or Poisson arrivals
+    at `rate` requests/s."""
+    rng = random.Random(seed)
+    min_output = min(min_output, max_output)
+    items, t = [], 0.0
+    for i in range(num_requests):
+        content = make_content(tokenizer, rng, rng.randint(min_prompt, max_prompt))
+        messages = [{"role": "user", "content": content}]
+        max_tokens = rng.randint(min_output, max_output)
+        if rate:
+            t += rng.expovariate(rate) if i else 0.0
+        items.append(WorkItem(f"req-{i:04d}", messages, chat_ids(tokenizer, messages), max_tokens, t))
+    return items
+
+
+def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> list[WorkItem]:
+    """The same prompts and output lengths with new arrival times (Poisson at `rate`, or all at 0)."""
+    rng = random.Random(seed + 1)
+    out, t = [], 0.0
+    for i, item in enumerate(items):
+        if rate:
+            t += rng.expovariate(rate) if i else 0.0
+        out.append(WorkItem(item.request_id, item.messages, item.prompt_token_ids, item.max_tokens, t))
+    return out

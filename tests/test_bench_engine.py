@@ -1,0 +1,82 @@
+"""Smoke test of the engine benchmark (bench/engine.py): a tiny workload through every mode.
+
+It checks the shape and sanity of what the benchmark writes, never a speed: speed is a ratio
+measured by `make bench`, not a test assertion.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import engine as bench_engine
+from bench.workload import make_workload, with_arrivals
+
+RUN_KEYS = {"tokens_per_s", "tokens_per_cpu_s", "useful_tokens", "ttft_s", "itl_s", "e2e_s",
+            "mean_batch_size", "mean_running", "kv_usage", "preemptions", "completion_curve", "complete"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench_engine.main(["--quick", "--num-requests", "4", "--max-output", "8", "--rate", "50",
+                       "--profile-steps", "2", "--out-dir", str(out), "--no-progress", "--threads", "1"])
+    return json.loads((out / "engine.json").read_text()), out
+
+
+def test_writes_json_and_plot(results):
+    data, out = results
+    assert (out / "engine.png").stat().st_size > 1000
+    assert {"runs", "roofline", "ratios", "targets", "workload", "poisson", "profile"} <= data.keys()
+    assert set(data["runs"]) == {"hf_static16", "engine_static", "engine_continuous"}
+    assert set(data["poisson"]["runs"]) == {"engine_static", "engine_continuous"}
+
+
+def test_every_mode_completes_every_request(results):
+    data, _ = results
+    total = data["workload"]["output_tokens"]["total"]
+    assert total == 4 * 8
+    for label, run in [*data["runs"].items(), *data["poisson"]["runs"].items()]:
+        assert RUN_KEYS <= run.keys(), label
+        assert run["complete"] and run["useful_tokens"] == total, label
+        assert run["tokens_per_s"] > 0 and math.isfinite(run["tokens_per_s"]), label
+        assert 0 <= run["ttft_s"]["p50"] <= run["ttft_s"]["p99"], label
+        assert 0 < run["itl_s"]["p50"] <= run["itl_s"]["p99"], label
+        assert run["completion_curve"][-1][1] == total, label
+    for label in ("engine_static", "engine_continuous"):
+        run = data["runs"][label]
+        assert 0 < run["kv_usage"]["peak"] <= 1 and run["preemptions"] == 0
+        assert 1 <= run["mean_batch_size"] <= 4
+
+
+def test_greedy_tokens_agree_across_modes(results):
+    data, _ = results
+    assert data["greedy_agreement"] == {"engine_static_vs_hf_static16": 4, "engine_continuous_vs_hf_static16": 4}
+
+
+def test_roofline_and_ratios(results):
+    data, _ = results
+    roof = data["roofline"]
+    # SmolLM2-135M: 2 x 106 M decoder linear weights + 2 x 28 M lm_head.
+    assert 2.6e8 < roof["flops_per_token"]["total"] < 2.8e8
+    assert roof["gflops"] > 0 and roof["tokens_per_s"] > 0
+    assert set(data["ratios"]) == {"continuous_over_hf", "continuous_over_static", "roofline_fraction"}
+    assert all(v > 0 for v in data["ratios"].values())
+    assert data["targets"] == {"continuous_over_hf": 5.0, "continuous_over_static": 1.6, "roofline_fraction": 0.4}
+    assert data["profile"]["num_steps"] >= 1 and data["profile"]["top_self_cpu"]
+
+
+def test_workload_is_deterministic_and_varied():
+    from worker.engine.models.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    a = make_workload(tok, 16, seed=3)
+    b = make_workload(tok, 16, seed=3)
+    assert [(i.prompt_token_ids, i.max_tokens) for i in a] == [(i.prompt_token_ids, i.max_tokens) for i in b]
+    assert all(8 <= i.max_tokens <= 256 for i in a) and len({i.max_tokens for i in a}) > 8
+    lengths = [len(i.prompt_token_ids) for i in a]
+    assert min(lengths) >= 31 + 5 and max(lengths) <= 31 + 275 and max(lengths) - min(lengths) > 100
+    timed = with_arrivals(a, rate=4.0, seed=3)
+    arrivals = [i.arrival_s for i in timed]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
