@@ -111,6 +111,16 @@ def _legal_topic(s: str) -> str:
     return s
 
 
+def _utf8(s: str) -> str:
+    # Plain `str` fields accept the lone surrogates that surrogateescape decoding leaves for bad
+    # UTF-8; such a string cannot be encoded again (reply events) nor tokenized.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8") from None
+    return s
+
+
 def _legal_id(s: str) -> str:
     if not is_legal_id(s):
         raise ValueError("must be 1-128 characters of [A-Za-z0-9._:-]")
@@ -119,6 +129,7 @@ def _legal_id(s: str) -> str:
 
 # pydantic rejects str with lone surrogates, so anything that validates encodes as UTF-8.
 NonEmptyText = Annotated[str, Field(min_length=1)]
+Utf8Text = Annotated[str, AfterValidator(_utf8)]
 Version = Annotated[Literal[1], BeforeValidator(_not_bool)]
 RequestId = Annotated[str, AfterValidator(_legal_id)]
 TopicName = Annotated[str, AfterValidator(_legal_topic)]
@@ -148,7 +159,7 @@ class _Wire(BaseModel):
 
 class ChatMessage(_Wire):
     role: NonEmptyText
-    content: str
+    content: Utf8Text
 
 
 class Request(_Wire):
@@ -182,7 +193,7 @@ class Request(_Wire):
     created_at: Annotated[float, Field(ge=0)] | None = None
     tenant: Annotated[NonEmptyText, Field(max_length=MAX_TENANT_LEN)] = "default"
     stream: bool = True
-    metadata: dict[str, str] = {}
+    metadata: dict[Utf8Text, Utf8Text] = {}
 
     @field_validator("metadata")
     @classmethod
@@ -309,7 +320,9 @@ def _unpack(data: Any, max_bytes: int) -> Any:
 
 
 def _error_location(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc)
+    # A location may hold a producer-chosen map key: bounded, and valid UTF-8 whatever the key.
+    path = ".".join(str(part) for part in loc)
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")[:200]
 
 
 def _first_error(exc: ValidationError) -> tuple[tuple, str]:
@@ -343,6 +356,11 @@ def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] 
     # Cheap: a len() before pydantic walks a million-element list.
     if max_prompt_tokens is not None and isinstance(ids, list) and len(ids) > max_prompt_tokens:
         return ("prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {max_prompt_tokens} allowed",
+                "prompt_too_long")
+    messages = obj.get("messages")
+    # Every chat message costs at least one token: a 50,000-message list cannot fit either.
+    if max_prompt_tokens is not None and isinstance(messages, list) and len(messages) > max_prompt_tokens:
+        return ("messages", f"messages: {len(messages)} messages cannot fit in {max_prompt_tokens} tokens",
                 "prompt_too_long")
     return None
 

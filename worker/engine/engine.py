@@ -27,6 +27,8 @@ from worker.engine.sequence import Sequence
 log = structlog.get_logger(__name__)
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
+# A generous bound on the characters of one token (BPE vocabularies top out around 16-128).
+MAX_CHARS_PER_TOKEN = 256
 
 
 class Rejected(Exception):
@@ -52,7 +54,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, settings: Settings):
         self.runner = runner
         self.tokenizer = runner.tokenizer
-        self.max_model_len = runner.max_model_len
+        self.max_model_len = min(runner.max_model_len, settings.model.max_model_len)
         self.max_waiting = settings.scheduler.max_waiting
         # A smaller pool than the allocated cache is allowed (tests squeeze memory this way).
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
@@ -81,6 +83,11 @@ class LLMEngine:
         except Rejected as exc:
             self._finished.append(rejected_output(req.request_id, exc.code, str(exc)))
             return
+        except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer chokes on must not kill the thread
+            log.warning("engine.add_request_failed", request_id=req.request_id, error=repr(exc)[:200])
+            self._finished.append(rejected_output(req.request_id, "invalid_request",
+                                                  f"prompt could not be tokenized ({type(exc).__name__})"))
+            return
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -102,10 +109,13 @@ class LLMEngine:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise Rejected("invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
         elif req.messages is not None:
+            check_text_size(sum(len(m.get("content", "")) for m in req.messages), "messages", self.max_model_len)
             ids = list(self.tokenizer.apply_chat_template(
                 req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         else:
-            ids = self.tokenizer(req.prompt or "")["input_ids"]
+            text = req.prompt or ""
+            check_text_size(len(text), "prompt", self.max_model_len)
+            ids = self.tokenizer(text)["input_ids"]
         if not ids:
             raise Rejected("invalid_request", "prompt: empty after tokenization")
         return ids
@@ -234,6 +244,13 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.running + self.scheduler.waiting)
+
+
+def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
+    # Tokenizing a huge text costs seconds on the engine thread; no token is this long.
+    if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise Rejected("prompt_too_long", f"{field}: {num_chars} characters cannot fit in "
+                       f"{max_model_len} tokens")
 
 
 def rejected_output(request_id: str, code: str, message: str) -> RequestOutput:

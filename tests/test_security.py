@@ -1,0 +1,268 @@
+"""Security: SASL (SCRAM-SHA-512) over TLS, secrets kept out of logs, no code from requests.
+
+A broker of the test's own that only speaks SASL_SSL (scripts/kafka/sasl_ssl.sh, certificates from
+scripts/gen_test_certs.sh, SCRAM users created at format time) on a free port:
+
+- clients without credentials, with a wrong password, without TLS, or not trusting the broker's
+  CA are refused; one with the credentials produces and consumes. The clients are built by the
+  project's own option builders (worker.publisher.client_kwargs, producer.client.kafka_options)
+  from a Settings tree, so the path tested is the one the worker and the client use.
+- `python -m worker` configured only through INFERLINE_KAFKA__* (password from the environment)
+  serves a request sent by InferenceClient over SASL_SSL, and its logs (DEBUG) never contain the
+  password.
+
+Static checks over the source: no pickle/marshal/eval/exec, no templates built from a request.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from config.settings import Settings
+from tests.chaos_fixtures import free_port_pair
+
+REPO = Path(__file__).resolve().parent.parent
+SASL_SH = REPO / "scripts" / "kafka" / "sasl_ssl.sh"
+SOURCE_DIRS = ["worker", "producer", "config", "kernels"]
+
+
+class SaslBroker:
+    def __init__(self, kdir: Path) -> None:
+        self.port = free_port_pair()
+        self.kdir = kdir
+        self.bootstrap = f"localhost:{self.port}"
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_KAFKA")},
+                    "INFERLINE_KAFKA_PORT": str(self.port), "INFERLINE_KAFKA_DIR": str(kdir)}
+
+    def sh(self, cmd: str) -> None:
+        done = subprocess.run([str(SASL_SH), cmd], env=self.env, capture_output=True, text=True, timeout=240)
+        if done.returncode != 0:
+            raise RuntimeError(f"sasl_ssl.sh {cmd} failed:\n{done.stderr[-3000:]}")
+
+    @property
+    def password(self) -> str:
+        return (self.kdir / "secrets" / "inferline.password").read_text().strip()
+
+    @property
+    def cafile(self) -> Path:
+        return self.kdir / "certs" / "ca.pem"
+
+    def kafka(self, **overrides) -> dict:
+        """The `kafka` settings of an authenticated client of this broker."""
+        return {"bootstrap_servers": self.bootstrap, "security_protocol": "SASL_SSL",
+                "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "inferline",
+                "sasl_password": self.password, "ssl_cafile": str(self.cafile), **overrides}
+
+
+@pytest.fixture(scope="module")
+def sasl_broker(tmp_path_factory):
+    broker = SaslBroker(tmp_path_factory.mktemp("kafka-sasl"))
+    broker.sh("start")
+    try:
+        yield broker
+    finally:
+        broker.sh("stop")
+
+
+def worker_kwargs(kafka: dict) -> dict:
+    from worker.publisher import client_kwargs
+
+    return client_kwargs(Settings(kafka=kafka).kafka)
+
+
+async def round_trip(kwargs: dict, topic: str, timeout: float = 20.0) -> bytes:
+    """Produce one record and read it back with the given connection options."""
+    producer = AIOKafkaProducer(**kwargs, request_timeout_ms=8000, enable_idempotence=True)
+    consumer = None
+    try:
+        await asyncio.wait_for(producer.start(), timeout)
+        value = uuid.uuid4().hex.encode()
+        meta = await asyncio.wait_for(producer.send_and_wait(topic, value), timeout)
+        consumer = AIOKafkaConsumer(**kwargs, group_id=None, enable_auto_commit=False, request_timeout_ms=8000)
+        await asyncio.wait_for(consumer.start(), timeout)
+        tp = TopicPartition(topic, meta.partition)
+        consumer.assign([tp])
+        consumer.seek(tp, meta.offset)
+        record = await asyncio.wait_for(consumer.getone(), timeout)
+        assert record.value == value
+        return record.value
+    finally:
+        for client in (producer, consumer):
+            if client is not None:
+                try:
+                    await asyncio.wait_for(client.stop(), 10)
+                except Exception:  # noqa: BLE001 - a refused client may not stop cleanly
+                    pass
+
+
+async def refused(kwargs: dict, topic: str) -> str:
+    try:
+        await round_trip(kwargs, topic, timeout=15.0)
+    except Exception as exc:  # noqa: BLE001 - any refusal will do; which one is reported
+        return type(exc).__name__
+    raise AssertionError(f"a client with {sorted(kwargs)} was let in")
+
+
+@pytest.mark.kafka
+async def test_sasl_ssl_refuses_strangers_and_admits_the_credentialed(sasl_broker):
+    topic = f"sec-{uuid.uuid4().hex[:8]}"
+    ok = worker_kwargs(sasl_broker.kafka())
+    assert ok["security_protocol"] == "SASL_SSL" and ok["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert await round_trip(ok, topic)  # creates the topic too
+
+    # The producer client's own option builder, same settings, same result.
+    from producer.client import kafka_options
+
+    assert await round_trip(kafka_options(Settings(kafka=sasl_broker.kafka()).kafka), topic)
+
+    outcomes = {
+        "no credentials (TLS only)": await refused(worker_kwargs(sasl_broker.kafka(
+            security_protocol="SSL", sasl_mechanism=None, sasl_username=None, sasl_password=None)), topic),
+        "wrong password": await refused(worker_kwargs(sasl_broker.kafka(sasl_password="not-the-password")), topic),
+        "unknown user": await refused(worker_kwargs(sasl_broker.kafka(sasl_username="mallory")), topic),
+        "plaintext": await refused({"bootstrap_servers": sasl_broker.bootstrap}, topic),
+        "untrusted CA": await refused(worker_kwargs(sasl_broker.kafka(
+            ssl_cafile=str(sasl_broker.kdir / "certs" / "other-ca.pem"))), topic),
+    }
+    print(f"\nrefused: {outcomes}")
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_worker_serves_over_sasl_ssl_and_never_logs_the_secret(sasl_broker, tmp_path):
+    from producer.client import InferenceClient
+    from tests.worker_fixtures import Topics, spawn_worker, wait_log
+
+    settings = Settings(kafka=sasl_broker.kafka())
+    admin = AIOKafkaAdminClient(**worker_kwargs(sasl_broker.kafka()))
+    await admin.start()
+    stem = uuid.uuid4().hex[:8]
+    topics = Topics(requests=f"sec-req-{stem}", cancel=f"sec-cancel-{stem}", dlq=f"sec-dlq-{stem}",
+                    replies=f"sec-reply-{stem}")
+    try:
+        await admin.create_topics([NewTopic(t, 1, 1) for t in (topics.requests, topics.cancel, topics.dlq,
+                                                                topics.replies)])
+    finally:
+        await admin.close()
+
+    log = tmp_path / "worker.log"
+    # Everything, the password included, reaches the worker through INFERLINE_* variables only.
+    proc = spawn_worker(sasl_broker.bootstrap, topics, log, kafka=sasl_broker.kafka(), log={"level": "DEBUG"},
+                        model={"max_model_len": 128})
+    try:
+        await wait_log(log, "intake.assigned", proc, timeout=180)
+        client = InferenceClient(settings=settings, reply_topic=topics.replies, request_topic=topics.requests,
+                                 cancel_topic=topics.cancel, timeout_s=120)
+        async with client:
+            handle = await client.submit("Say hi.", max_tokens=2, temperature=0.0)
+            result = await handle.result()
+        assert result.finish_reason in ("length", "stop") and result.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(asyncio.to_thread(proc.wait), 90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert any(line.get("event") == "worker.started" for line in lines)
+    for secret in (sasl_broker.password, (sasl_broker.kdir / "certs" / "keystore.password").read_text().strip()):
+        assert secret not in text, "a secret reached the worker's log"
+
+
+def test_settings_never_show_the_password():
+    settings = Settings(kafka={"sasl_password": "hunter2-secret", "security_protocol": "SASL_SSL",
+                               "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "u"})
+    for shown in (repr(settings), str(settings), settings.model_dump_json(), repr(settings.kafka),
+                  str(settings.model_dump())):
+        assert "hunter2-secret" not in shown
+    assert settings.kafka.sasl_password.get_secret_value() == "hunter2-secret"
+
+
+def test_a_bad_setting_error_does_not_echo_the_password():
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")},
+           "INFERLINE_KAFKA__SASL_PASSWORD": "hunter2-secret", "INFERLINE_KAFKA__SECURITY_PROTOCOL": "BOGUS"}
+    done = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "INFERLINE_KAFKA__SECURITY_PROTOCOL" in done.stderr
+    assert "hunter2-secret" not in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------ static checks
+
+FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle",
+                     "jinja2", "mako", "string.Template"}
+FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "execfile", "input"}
+
+
+def python_sources():
+    for folder in SOURCE_DIRS:
+        yield from sorted((REPO / folder).rglob("*.py"))
+
+
+def keyword(call: ast.Call, name: str):
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def test_no_pickle_no_eval_no_templates_from_requests():
+    problems = []
+    for path in python_sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = lambda node: f"{path.relative_to(REPO)}:{node.lineno}"  # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                problems += [f"{where(node)} imports {a.name}" for a in node.names
+                             if a.name.split(".")[0] in FORBIDDEN_MODULES]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] in FORBIDDEN_MODULES:
+                    problems.append(f"{where(node)} imports from {node.module}")
+                if node.module == "string" and any(a.name == "Template" for a in node.names):
+                    problems.append(f"{where(node)} imports string.Template")
+            elif isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+                if isinstance(fn, ast.Name) and name in FORBIDDEN_CALLS:
+                    problems.append(f"{where(node)} calls {name}()")
+                if name in ("system", "popen") or keyword(node, "shell") is not None:
+                    problems.append(f"{where(node)} runs a shell")
+                if name == "load" and isinstance(fn, ast.Attribute) and getattr(fn.value, "id", "") == "torch":
+                    wo = keyword(node, "weights_only")
+                    if not (isinstance(wo, ast.Constant) and wo.value is True):
+                        problems.append(f"{where(node)} torch.load without weights_only=True")
+                if name in ("load", "unsafe_load") and getattr(fn.value, "id", "") == "yaml":
+                    problems.append(f"{where(node)} yaml.{name}")
+                tr = keyword(node, "trust_remote_code")
+                if tr is not None and not (isinstance(tr, ast.Constant) and tr.value is False):
+                    problems.append(f"{where(node)} trust_remote_code")
+                # The chat template is the model's own: never one passed in (from a request).
+                if name == "apply_chat_template" and keyword(node, "chat_template") is not None:
+                    problems.append(f"{where(node)} apply_chat_template with a chat_template argument")
+                if name in ("format_map", "from_string", "Template", "Environment"):
+                    problems.append(f"{where(node)} builds a template ({name})")
+                if name in ("unpackb", "Unpacker") and (keyword(node, "ext_hook") or keyword(node, "object_hook")):
+                    problems.append(f"{where(node)} msgpack hooks turn data into objects")
+    assert not problems, "\n".join(problems)
+
+
+def test_request_text_is_data_in_the_chat_template():
+    """Template syntax in a message is rendered as text, not evaluated."""
+    from worker.engine.models.loader import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir())
+    payload = "{{ 7*7 }}{% for x in range(3) %}X{% endfor %}{{ ''.__class__ }}"
+    ids = tok.apply_chat_template([{"role": "user", "content": payload}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    text = tok.decode(ids)
+    assert payload in text and "49" not in text.replace(payload, "")
