@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "INFERLINE_"
@@ -38,9 +38,29 @@ class KafkaSettings(BaseModel):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    # The password may come from a file (a mounted secret) instead of the environment.
+    sasl_password_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+
+    def password(self) -> str | None:
+        if self.sasl_password_file is not None:
+            return self.sasl_password_file.read_text().strip()
+        return self.sasl_password.get_secret_value() if self.sasl_password else None
+
+    def connection_options(self) -> dict:
+        """aiokafka options shared by every client (servers and security), worker and producer."""
+        opts: dict = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            opts.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.password())
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            opts["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile)
+        return opts
 
 
 class ModelSettings(BaseModel):
@@ -62,11 +82,12 @@ class CacheSettings(BaseModel):
     # When set, overrides both budgets.
     num_blocks: int | None = Field(None, ge=1)
 
-    @model_validator(mode="after")
-    def _power_of_two(self) -> "CacheSettings":
-        if self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        return self
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
 
 
 class SchedulerSettings(BaseModel):

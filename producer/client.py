@@ -366,18 +366,7 @@ class RequestHandle:
 
 def kafka_options(kafka: KafkaSettings) -> dict[str, Any]:
     """aiokafka connection options (servers, security) from the settings tree."""
-    opts: dict[str, Any] = {"bootstrap_servers": kafka.bootstrap_servers, "security_protocol": kafka.security_protocol}
-    if kafka.sasl_mechanism:
-        opts["sasl_mechanism"] = kafka.sasl_mechanism
-        opts["sasl_plain_username"] = kafka.sasl_username
-        opts["sasl_plain_password"] = kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
-    if kafka.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        opts["ssl_context"] = create_ssl_context(
-            cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile, keyfile=kafka.ssl_keyfile
-        )
-    return opts
+    return kafka.connection_options()
 
 
 def topic_configs(retention_ms: int | None) -> dict[str, str]:

@@ -30,17 +30,7 @@ RETRY_BACKOFF_S = 0.5
 
 def client_kwargs(kafka) -> dict:
     """Connection settings shared by every Kafka client of the worker (security included)."""
-    kw = dict(bootstrap_servers=kafka.bootstrap_servers, client_id=kafka.client_id,
-              security_protocol=kafka.security_protocol)
-    if kafka.sasl_mechanism:
-        kw.update(sasl_mechanism=kafka.sasl_mechanism, sasl_plain_username=kafka.sasl_username,
-                  sasl_plain_password=kafka.sasl_password.get_secret_value() if kafka.sasl_password else None)
-    if kafka.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        kw["ssl_context"] = create_ssl_context(
-            cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile, keyfile=kafka.ssl_keyfile)
-    return kw
+    return {**kafka.connection_options(), "client_id": kafka.client_id}
 
 
 @dataclass

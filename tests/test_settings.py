@@ -1,0 +1,52 @@
+"""The settings tree: environment names, clear errors, secrets."""
+from __future__ import annotations
+
+import pytest
+
+from config.settings import Settings, SettingsError, load_settings
+
+
+def test_defaults_match_the_contract():
+    s = Settings()
+    assert s.kafka.bootstrap_servers == "localhost:9092"
+    assert (s.kafka.request_topic, s.kafka.cancel_topic, s.kafka.dlq_topic) == (
+        "llm.requests", "llm.cancel", "llm.requests.dlq")
+    assert s.kafka.group_id == "inferline-workers"
+    assert s.model.device == "auto" and s.cache.block_size == 16
+
+
+def test_nested_environment_variables(monkeypatch):
+    monkeypatch.setenv("INFERLINE_KAFKA__BOOTSTRAP_SERVERS", "broker:29092")
+    monkeypatch.setenv("INFERLINE_SCHEDULER__MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("INFERLINE_HTTP__PORT", "9100")
+    s = load_settings()
+    assert s.kafka.bootstrap_servers == "broker:29092"
+    assert s.scheduler.max_num_seqs == 7 and s.http.port == 9100
+
+
+@pytest.mark.parametrize("name,value", [
+    ("INFERLINE_SCHEDULER__MAX_NUM_SEQS", "many"),
+    ("INFERLINE_HTTP__PORT", "70000"),
+    ("INFERLINE_CACHE__BLOCK_SIZE", "12"),
+    ("INFERLINE_MODEL__DEVICE", "tpu"),
+])
+def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError) as err:
+        load_settings()
+    message = str(err.value.code)
+    assert name in message and "\n" not in message
+
+
+def test_password_from_a_file_and_never_in_repr(monkeypatch, tmp_path):
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-from-file\n")
+    monkeypatch.setenv("INFERLINE_KAFKA__SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("INFERLINE_KAFKA__SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("INFERLINE_KAFKA__SASL_USERNAME", "alice")
+    monkeypatch.setenv("INFERLINE_KAFKA__SASL_PASSWORD", "from-env")
+    s = load_settings()
+    assert s.kafka.connection_options()["sasl_plain_password"] == "from-env"
+    assert "from-env" not in repr(s)
+    monkeypatch.setenv("INFERLINE_KAFKA__SASL_PASSWORD_FILE", str(secret))
+    assert load_settings().kafka.connection_options()["sasl_plain_password"] == "s3cret-from-file"
