@@ -114,6 +114,15 @@ def free_port_pair() -> int:
 
 
 @pytest.mark.slow
+def running(pid: str) -> bool:
+    """Alive, not a zombie (an orphan's zombie lingers where pid 1 does not reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
 async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tmp_path):
     """A second broker (own port and folder), so that stopping it disturbs no other test."""
     port = free_port_pair()
@@ -150,4 +159,4 @@ async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tm
     finally:
         kafka_sh("stop")
     assert subprocess.run([str(KAFKA_SH), "status"], env=env, capture_output=True).returncode == 3
-    assert pid and not Path(f"/proc/{pid}").exists()
+    assert pid and not running(pid)

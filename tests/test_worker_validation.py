@@ -62,3 +62,20 @@ async def test_malformed_messages_are_dead_lettered_or_rejected(kafka_bootstrap,
     metrics = worker.metrics.render().decode()
     assert f"inferline_dead_letters_total {float(len(dead))}" in metrics
     assert 'inferline_rejections_total{reason="prompt_too_long"}' in metrics
+
+
+async def test_a_redelivered_finished_request_is_not_run_twice(kafka_bootstrap, topics, start_worker):
+    """A lost commit (broker restart, rebalance) redelivers finished requests: no second `done`."""
+    from tests.worker_fixtures import collect as collect_replies
+
+    worker = await start_worker(topics)
+    req = request(topics.replies, max_tokens=4)
+    await submit(kafka_bootstrap, topics.requests, [req])
+    first = await collect_replies(kafka_bootstrap, topics.replies, [req["id"]], timeout=60)
+    assert final_done(first[req["id"]]) is not None
+    await submit(kafka_bootstrap, topics.requests, [req])  # the same message again
+    marker = request(topics.replies, max_tokens=2)
+    await submit(kafka_bootstrap, topics.requests, [marker])
+    events = await collect_replies(kafka_bootstrap, topics.replies, [req["id"], marker["id"]], timeout=60)
+    assert len([e for e in events[req["id"]] if e.type == "done"]) == 1
+    assert worker.tracker.pending(next(iter(worker.tracker.partitions()))) == 0

@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import structlog
@@ -38,6 +38,9 @@ from worker.publisher import Publisher, ReplyStream
 from worker.ratelimit import RateLimiter
 
 log = structlog.get_logger(__name__)
+
+# Ids of requests finished here, remembered so a redelivery does not run them twice.
+MAX_REMEMBERED_DONE = 100_000
 
 
 def engine_settings(settings):
@@ -87,6 +90,7 @@ class Worker:
         self.engine_loop: EngineLoop | None = None
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
+        self._completed: OrderedDict[str, None] = OrderedDict()  # ids whose final done is acked
         # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
         # rejections, dead letters alike); a revocation waits for these to reach zero.
         self._unacked: Counter[TopicPartition] = Counter()
@@ -186,6 +190,13 @@ class Worker:
             self.metrics.rejections.labels(code).inc()
 
     def admit(self, tp, offset: int, req: Request, received: float) -> None:
+        if req.id in self._completed:
+            # Redelivered after a lost commit (broker restart, rebalance): its final `done` is
+            # already on the reply topic, so running it again would only duplicate it.
+            log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+            self.tracker.finish(tp, offset)
+            self.intake.request_commit()
+            return
         max_tokens = capped_max_tokens(req, self.settings)
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
         job = Job(req, rs, tp, offset, received, max_tokens)
@@ -300,9 +311,16 @@ class Worker:
             if not attempts:
                 del self._by_id[job.request.id]
         if reason != "requeued":
+            if ok:
+                self._remember_completed(job.request.id)
             self._offset_done(job.tp, job.offset, ok)
         else:
             self._acked(job.tp)
+
+    def _remember_completed(self, request_id: str) -> None:
+        self._completed[request_id] = None
+        if len(self._completed) > MAX_REMEMBERED_DONE:
+            self._completed.popitem(last=False)
 
     def _offset_done(self, tp: TopicPartition, offset: int, ok: bool) -> None:
         if not ok:  # already logged by the publisher; committing beats wedging the partition

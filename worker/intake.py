@@ -30,6 +30,7 @@ from worker.ratelimit import RateLimiter
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
 COMMIT_EVERY_S = 0.2  # commits batch the acks of this window
+REVOKE_COMMIT_RETRIES = 4
 OVERLOAD_BATCH = 64
 
 
@@ -197,7 +198,7 @@ class Intake:
             self._revoking = set(revoked)
             self._consumer.pause(*revoked)
             await self._sink.requeue(revoked)
-            await self.commit(revoked)
+            await self._commit_before_forgetting(revoked)
         self._tracker.forget(revoked)
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -219,20 +220,33 @@ class Intake:
             self._commit_wanted.clear()
             try:
                 await self.commit()
-            except Exception:  # noqa: BLE001 - the next finished request retries the commit
+            except Exception:  # noqa: BLE001 - retried below
                 log.exception("intake.commit_error")
             await asyncio.sleep(COMMIT_EVERY_S)
+            if self._tracker.to_commit():
+                self._commit_wanted.set()  # a failed commit is retried, not left for the next finish
 
-    async def commit(self, tps=None) -> None:
+    async def commit(self, tps=None) -> bool:
+        """Commit the watermarks that moved; False if the broker refused (try again later)."""
         marks = self._tracker.to_commit(tps)
         if not marks or self._consumer is None:
-            return
+            return True
         try:
             await self._consumer.commit(marks)
-        except KafkaError as exc:  # rebalancing or coordinator moved: the next commit catches up
+        except KafkaError as exc:  # rebalancing or coordinator moved: retried
             log.warning("intake.commit_failed", error=repr(exc), partitions=len(marks))
-            return
+            return False
         self._tracker.committed(marks)
+        return True
+
+    async def _commit_before_forgetting(self, tps) -> None:
+        # A watermark lost here means the partition's next owner reruns finished requests
+        # (duplicate `done`s): worth a few retries while the coordinator comes back.
+        for attempt in range(REVOKE_COMMIT_RETRIES):
+            if await self.commit(tps):
+                return
+            await asyncio.sleep(0.5 * (attempt + 1))
+        log.error("intake.revoke_commit_lost", partitions=sorted(tp.partition for tp in tps))
 
     def _update_lag(self) -> None:
         for tp in self._consumer.assignment():

@@ -117,7 +117,9 @@ class Publisher:
             return
         rs.token_ids.extend(token_ids)
         rs.text.append(text)
-        if self._kafka.flush_interval_ms <= 0:
+        # The first tokens go at once (time to first token is what users feel); later ones are
+        # coalesced over the flush interval to keep the event rate sane.
+        if self._kafka.flush_interval_ms <= 0 or rs.seq <= 1:
             self._flush(rs)
         else:
             self._dirty[rs.attempt] = rs

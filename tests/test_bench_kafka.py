@@ -1,0 +1,54 @@
+"""Smoke test of the Kafka end-to-end benchmark (bench/kafka_e2e.py): 4 requests x 4 tokens
+through the engine in-process and through broker + worker subprocess + client.
+
+It checks the shape and sanity of the JSON the benchmark writes, never a speed: the ratio is
+measured by `python -m bench.kafka_e2e`, not asserted here.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import kafka_e2e
+
+pytestmark = pytest.mark.kafka
+
+RUN_KEYS = {"path", "label", "wall_s", "useful_tokens", "complete", "tokens_per_s", "ttft_s", "engine",
+            "cpu_s", "tokens_per_cpu_s"}
+COMPARISON_KEYS = {"in_process_tokens_per_s", "kafka_tokens_per_s", "throughput_ratio", "in_process_ttft_p50_s",
+                   "kafka_ttft_p50_s", "ttft_p50_diff_ms", "throughput_met", "ttft_met"}
+
+
+@pytest.fixture(scope="module")
+def results(kafka_bootstrap, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-kafka") / "kafka_e2e.json"
+    kafka_e2e.main(["--quick", "--num-requests", "4", "--max-output", "4", "--threads", "1",
+                    "--no-progress", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_writes_both_paths_and_the_comparison(results):
+    assert {"command", "machine", "workload", "settings", "runs", "comparison", "greedy_agreement", "targets"} <= results.keys()
+    assert [r["path"] for r in results["runs"]] == ["in_process", "kafka"]
+    assert COMPARISON_KEYS <= results["comparison"].keys()
+    assert results["workload"]["num_requests"] == 4 and results["workload"]["output_tokens"]["total"] == 16
+
+
+def test_every_request_completes_with_the_same_tokens(results):
+    for run in results["runs"]:
+        assert RUN_KEYS <= run.keys(), run["label"]
+        assert run["complete"] and run["useful_tokens"] == 16, run["label"]
+        assert run["tokens_per_s"] > 0 and math.isfinite(run["tokens_per_s"]), run["label"]
+        assert run["ttft_s"]["n"] == 4 and 0 < run["ttft_s"]["p50"] <= run["wall_s"], run["label"]
+        assert run["engine"]["steps"] >= 4, run["label"]  # 4 tokens each: at least 4 steps
+    assert results["greedy_agreement"] == {"in_process": 4, "kafka": 4}
+    kafka = results["runs"][1]
+    assert kafka["client_report"]["errors"] == {} and kafka["engine"]["generated_tokens"] == 16
+
+
+def test_ratio_is_consistent(results):
+    c = results["comparison"]
+    assert c["throughput_ratio"] == pytest.approx(c["kafka_tokens_per_s"] / c["in_process_tokens_per_s"])
+    assert c["ttft_p50_diff_ms"] == pytest.approx(1e3 * (c["kafka_ttft_p50_s"] - c["in_process_ttft_p50_s"]))
