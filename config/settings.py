@@ -71,7 +71,6 @@ class ModelSettings(BaseModel):
     # `dummy`: random weights from the model's config, for speed work without weights.
     load_format: Literal["auto", "dummy"] = "auto"
     max_model_len: int = Field(2048, ge=16)
-    seed: int = 0
 
 
 class CacheSettings(BaseModel):

@@ -64,7 +64,6 @@ MEANINGS = {
     "model.dtype": "`auto`: bfloat16 on CUDA, float32 on CPU.",
     "model.max_model_len": "Prompt plus `max_tokens` at most, in tokens; capped by the model's "
                            "`max_position_embeddings`. Longer requests are rejected with `prompt_too_long`.",
-    "model.seed": "Not read by the worker at present; sampling is seeded per request by its `seed` field.",
     "cache.block_size": "Tokens per KV cache block; a power of two.",
     "cache.kv_memory_gb": "CPU: the KV cache size in GB (10^9 bytes). Not used on CUDA.",
     "cache.gpu_memory_utilization": "CUDA: fraction of the free GPU memory (measured after the model "

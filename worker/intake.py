@@ -200,6 +200,11 @@ class Intake:
             await self._sink.requeue(revoked)
             await self._commit_before_forgetting(revoked)
         self._tracker.forget(revoked)
+        for tp in revoked:  # its new owner reports it now; a stale value would win the max()
+            try:
+                self._m.consumer_lag.remove(str(tp.partition))
+            except KeyError:
+                pass
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self.joined = True
