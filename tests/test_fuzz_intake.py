@@ -69,9 +69,12 @@ class Checker:
         self.kinds: dict[str, int] = {}
 
     def check(self, value: bytes) -> str:
+        redelivered = self.h.worker.num_redelivered
         sent, added = self.h.feed(value)
         if added:
             kind = self._admitted(value, sent, added)
+        elif not sent and self.h.worker.num_redelivered == redelivered + 1:
+            kind = "redelivery_of_a_finished_request"  # the same request again: its done exists
         else:
             assert len(sent) == 1, f"{len(sent)} outgoing messages for one record: {value[:200]!r}"
             kind = self._dead_letter(value, sent[0]) if sent[0].topic == DLQ else self._answered(sent[0])

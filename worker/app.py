@@ -16,6 +16,7 @@ call_soon_threadsafe; everything below runs on the loop and never blocks.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import time
@@ -90,7 +91,8 @@ class Worker:
         self.engine_loop: EngineLoop | None = None
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
-        self._completed: OrderedDict[str, None] = OrderedDict()  # ids whose final done is acked
+        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, final done acked
+        self.num_redelivered = 0
         # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
         # rejections, dead letters alike); a revocation waits for these to reach zero.
         self._unacked: Counter[TopicPartition] = Counter()
@@ -190,10 +192,12 @@ class Worker:
             self.metrics.rejections.labels(code).inc()
 
     def admit(self, tp, offset: int, req: Request, received: float) -> None:
-        if req.id in self._completed:
+        if self._completed.get(req.id) == fingerprint(req):
             # Redelivered after a lost commit (broker restart, rebalance): its final `done` is
-            # already on the reply topic, so running it again would only duplicate it.
+            # already on the reply topic, so running it again would only duplicate it. (The same
+            # id with other content is a new request and runs.)
             log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+            self.num_redelivered += 1
             self.tracker.finish(tp, offset)
             self.intake.request_commit()
             return
@@ -312,13 +316,13 @@ class Worker:
                 del self._by_id[job.request.id]
         if reason != "requeued":
             if ok:
-                self._remember_completed(job.request.id)
+                self._remember_completed(job.request)
             self._offset_done(job.tp, job.offset, ok)
         else:
             self._acked(job.tp)
 
-    def _remember_completed(self, request_id: str) -> None:
-        self._completed[request_id] = None
+    def _remember_completed(self, req: Request) -> None:
+        self._completed[req.id] = fingerprint(req)
         if len(self._completed) > MAX_REMEMBERED_DONE:
             self._completed.popitem(last=False)
 
@@ -334,6 +338,10 @@ class Worker:
         if self._unacked[tp] <= 0:
             del self._unacked[tp]
         self._settled.set()
+
+
+def fingerprint(req: Request) -> str:
+    return hashlib.blake2b(req.model_dump_json().encode(), digest_size=16).hexdigest()
 
 
 async def _bounded(coro, timeout: float, what: str) -> None:
