@@ -447,14 +447,9 @@ async def test_invalid_request_is_refused_before_sending(kafka_bootstrap, kafka_
 
 # --------------------------------------------------------------------------- the real worker
 
-HAVE_WORKER = (Path(__file__).parent.parent / "worker" / "app.py").exists()
-
-
 @pytest.fixture
 async def real_worker(kafka_bootstrap, new_topic, tmp_path):
     """Topics and a `python -m worker` subprocess; `spawn()` starts another (for restarts)."""
-    if not HAVE_WORKER:
-        pytest.skip("worker/app.py not there yet")
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
     topics = Topics(requests=await new_topic(1, prefix="wreq"), cancel=await new_topic(1, prefix="wcancel"),
