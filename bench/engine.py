@@ -551,15 +551,8 @@ def check_agreement(results_runs: dict[str, RunRecord]) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:
-        # One thread is the better choice on a busy 2-core machine: two OpenMP threads stall at
-        # every op's barrier whenever the other one is descheduled (measured 2-5x slower there).
-        torch.set_num_threads(args.threads)
-    try:
+    with roofline.torch_threads(args.threads):
         return run_all(args, argv)
-    finally:
-        torch.set_num_threads(threads)  # main() also runs inside pytest
 
 
 def run_all(args: argparse.Namespace, argv) -> dict:

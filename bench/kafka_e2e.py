@@ -584,15 +584,10 @@ def machine_info() -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import torch
+    from bench.roofline import torch_threads  # torch only once the arguments are known good
 
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return run(args, argv)
-    finally:
-        torch.set_num_threads(threads)  # main() also runs inside pytest
 
 
 def run(args, argv) -> dict:

@@ -10,6 +10,7 @@ keep small next to this.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -76,3 +77,17 @@ def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) 
     for _ in range(repeats):
         F.linear(a, w)
     return 2.0 * n * k * m * repeats / (time.perf_counter() - start) / 1e9
+
+
+@contextlib.contextmanager
+def torch_threads(num: int | None):
+    """Run with `num` torch threads (None/0: torch's choice), then restore: main() also runs in pytest.
+    One thread is the better choice on a busy 2-core machine: two OpenMP threads stall at every
+    op's barrier whenever the other one is descheduled (measured 2-5x slower there)."""
+    before = torch.get_num_threads()
+    if num:
+        torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import msgpack
+
+from tests.kafka_fixtures import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
@@ -321,22 +322,6 @@ class IntakeHarness:
 
 
 # ------------------------------------------------------------------------------ a private broker
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (the broker and its controller)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 64000:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 class PrivateBroker:

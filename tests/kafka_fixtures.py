@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 import time
 import uuid
@@ -279,3 +280,20 @@ async def consume_until(
 
 
 ProduceRaw = Callable[..., Awaitable[list[RecordMetadata]]]
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 (a private broker's controller) are free on localhost."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 64000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.kafka_fixtures import KAFKA_SH, LOCAL_BOOTSTRAP, consume_until, produce_raw
+from tests.kafka_fixtures import KAFKA_SH, LOCAL_BOOTSTRAP, consume_until, free_port_pair, produce_raw
 
 pytestmark = pytest.mark.kafka
 
@@ -94,23 +93,6 @@ def test_external_broker_is_left_alone():
     done = subprocess.run([str(KAFKA_SH), "start"], capture_output=True, text=True, env=env, timeout=30)
     assert done.returncode == 0
     assert "not starting a local one" in done.stderr
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 (the controller) are free on localhost."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 @pytest.mark.slow

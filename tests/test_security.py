@@ -30,7 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from config.settings import Settings
-from tests.chaos_fixtures import free_port_pair
+from tests.kafka_fixtures import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 SASL_SH = REPO / "scripts" / "kafka" / "sasl_ssl.sh"
