@@ -15,17 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# bench_report, loadgen and tail hold the bigger commands' parts; their names stay importable here.
+from producer.bench_report import (  # noqa: F401 - re-exported
+    Sample, distribution, format_report, inter_token_latencies, percentile, plot, sample_of, summarize,
+    throughput_series, write_outputs,
+)
 from producer.client import (
-    PER_REQUEST,
     ClientTimeout,
     InferenceClient,
     InferenceError,
@@ -34,11 +35,10 @@ from producer.client import (
     RequestRejected,
     RequestTimeout,
     Result,
-    create_topics,
-    kafka_options,
-    topic_configs,
 )
-from producer.schema import UndecodableMessage, decode_event
+from producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
+from producer.tail import format_event, tail  # noqa: F401 - re-exported
+from producer.topics import create_topics, kafka_options, topic_configs
 
 # Exit codes of `submit`: scripts can tell a rejection from a timeout without parsing text.
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
@@ -162,7 +162,7 @@ def make_client(args: argparse.Namespace, **kw: Any) -> InferenceClient:
 
 
 # ---------------------------------------------------------------------------------------------
-# submit, cancel, topics, tail
+# submit, cancel, topics, tail, bench
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
@@ -252,252 +252,8 @@ async def cmd_topics(args: argparse.Namespace) -> int:
 
 
 async def cmd_tail(args: argparse.Namespace) -> int:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    client = make_client(args)
-    consumer = AIOKafkaConsumer(
-        **kafka_options(client.kafka), group_id=None, enable_auto_commit=False,
-        auto_offset_reset="earliest" if args.from_beginning else "latest",
-    )
-    await consumer.start()
-    try:
-        parts = await _partitions(consumer, args.topic)
-        consumer.assign([TopicPartition(args.topic, p) for p in parts])
-        return await _tail_loop(consumer, args)
-    finally:
-        await consumer.stop()
-
-
-async def _partitions(consumer, topic: str) -> set[int]:
-    # All topics' metadata: asking for this one by name would auto-create it on most brokers,
-    # and partitions_for_topic() only knows subscribed topics.
-    cluster = await consumer._client.fetch_all_metadata()
-    parts = cluster.partitions_for_topic(topic)
-    if not parts:
-        raise SystemExit(f"inferline tail: no topic {topic!r}")
-    return parts
-
-
-async def _tail_loop(consumer, args: argparse.Namespace) -> int:
-    count, last = 0, time.monotonic()
-    while args.limit is None or count < args.limit:
-        if args.idle_timeout is not None and time.monotonic() - last > args.idle_timeout:
-            break
-        batches = await consumer.getmany(timeout_ms=200)
-        for record in (r for rs in batches.values() for r in rs):
-            if args.limit is not None and count >= args.limit:
-                break
-            last = time.monotonic()
-            count += _print_record(record, args)
+    await tail(make_client(args).kafka, args)
     return EXIT_OK
-
-
-def _print_record(record, args: argparse.Namespace) -> int:
-    try:
-        ev = decode_event(record.value)
-    except UndecodableMessage as exc:
-        print(f"p{record.partition}@{record.offset} undecodable: {exc.reason}", file=sys.stderr)
-        return 0
-    if args.id and ev.id != args.id:
-        return 0
-    print(ev.model_dump_json() if args.json else format_event(ev), flush=True)
-    return 1
-
-
-def format_event(ev) -> str:
-    """One human line per event."""
-    head = f"{ev.id} {ev.attempt}#{ev.seq} {ev.type}"
-    if ev.type == "started":
-        return f"{head} worker={ev.worker} queue={ev.queue_s:.3f}s"
-    if ev.type == "tokens":
-        return f"{head} {len(ev.token_ids)} tok {ev.text!r}"
-    err = f" error={ev.error.code}: {ev.error.message}" if ev.error else ""
-    return (f"{head} {ev.finish_reason} {ev.usage.prompt_tokens}+{ev.usage.completion_tokens} tok "
-            f"total={ev.timing.total_s:.3f}s{err}")
-
-
-# ---------------------------------------------------------------------------------------------
-# bench: workload
-
-
-@dataclass
-class Length:
-    """A token-length distribution: ``fixed:N`` or ``uniform:A,B`` (both ends included)."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def parse(cls, text: str) -> Length:
-        kind, _, spec = text.partition(":")
-        try:
-            if kind == "fixed":
-                n = int(spec)
-                return cls._checked(n, n)
-            if kind == "uniform":
-                a, b = (int(x) for x in spec.split(","))
-                return cls._checked(a, b)
-        except ValueError:
-            pass
-        raise argparse.ArgumentTypeError(f"bad length {text!r}: use fixed:N or uniform:A,B with 1 <= A <= B")
-
-    @classmethod
-    def _checked(cls, a: int, b: int) -> Length:
-        if not 1 <= a <= b:
-            raise ValueError
-        return cls(a, b)
-
-    def sample(self, rng: random.Random) -> int:
-        return rng.randint(self.low, self.high)
-
-
-def make_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The request fields of each bench request, reproducible from --seed."""
-    rng = random.Random(args.seed)
-    common = {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos}
-    if args.timeout is not None:
-        common["timeout_s"] = args.timeout
-    if args.dataset:
-        rows = load_dataset(args.dataset)
-        return [{**common, **rows[i % len(rows)]} for i in range(args.num_requests)]
-    prompt_len, output_len = Length.parse(args.prompt_len), Length.parse(args.output_len)
-    lo, hi = (int(x) for x in args.vocab.split(","))
-    return [
-        {**common, "prompt_token_ids": [rng.randrange(lo, hi) for _ in range(prompt_len.sample(rng))],
-         "max_tokens": output_len.sample(rng)}
-        for _ in range(args.num_requests)
-    ]
-
-
-def load_dataset(path: str) -> list[dict[str, Any]]:
-    """JSONL rows: one of prompt / prompt_token_ids / messages, optional max_tokens
-    (or output_len); other keys are ignored."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        row = {k: obj[k] for k in ("prompt", "prompt_token_ids", "messages", "max_tokens") if k in obj}
-        if "output_len" in obj:
-            row["max_tokens"] = obj["output_len"]
-        rows.append(row)
-    if not rows:
-        raise SystemExit(f"inferline bench: {path} has no rows")
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# bench: statistics
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between closest ranks; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def distribution(values: list[float]) -> dict[str, float | None]:
-    return {
-        "mean": sum(values) / len(values) if values else None,
-        "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
-        "max": max(values) if values else None, "n": len(values),
-    }
-
-
-def inter_token_latencies(token_times: list[tuple[float, int]]) -> list[float]:
-    """Per-token gaps: an event carrying n tokens after a gap g adds n samples of g/n."""
-    out = []
-    for (t0, _), (t1, n) in zip(token_times, token_times[1:]):
-        if n > 0:
-            out.extend([(t1 - t0) / n] * n)
-    return out
-
-
-@dataclass
-class Sample:
-    """What bench keeps of one request."""
-
-    ok: bool
-    code: str | None
-    ttft_s: float | None
-    e2e_s: float | None
-    queue_s: float | None
-    output_tokens: int
-    itl: list[float]
-    token_times: list[tuple[float, int]]  # absolute monotonic times, for throughput over time
-    attempts: int
-
-
-def sample_of(handle: RequestHandle) -> Sample:
-    r = handle.partial_result()
-    failure = handle.failure
-    return Sample(
-        ok=failure is None, code=None if failure is None else failure.code,
-        ttft_s=r.client_ttft_s, e2e_s=r.client_total_s, queue_s=r.timing.queue_s if r.timing else None,
-        output_tokens=r.usage.completion_tokens if r.usage else len(r.token_ids),
-        itl=inter_token_latencies(handle.token_times), token_times=list(handle.token_times), attempts=r.attempts,
-    )
-
-
-def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
-    """The bench report: throughput, latency distributions and errors by code."""
-    ok = [s for s in samples if s.ok]
-    errors: dict[str, int] = {}
-    for s in samples:
-        if not s.ok:
-            errors[s.code or "unknown"] = errors.get(s.code or "unknown", 0) + 1
-    tokens = sum(s.output_tokens for s in ok)
-    return {
-        "requests": len(samples), "completed": len(ok), "errors": errors, "wall_s": wall_s,
-        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
-        "output_tokens": tokens, "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
-        "ttft_s": distribution([s.ttft_s for s in ok if s.ttft_s is not None]),
-        "itl_s": distribution([x for s in ok for x in s.itl]),
-        "e2e_s": distribution([s.e2e_s for s in ok if s.e2e_s is not None]),
-        "queue_s": distribution([s.queue_s for s in ok if s.queue_s is not None]),
-        "restarted_requests": sum(1 for s in samples if s.attempts > 1),
-    }
-
-
-def throughput_series(samples: list[Sample], t0: float, bucket_s: float = 1.0) -> list[tuple[float, float]]:
-    """(time since start, output tokens/s) per bucket."""
-    counts: dict[int, int] = {}
-    for s in samples:
-        for t, n in s.token_times:
-            b = int((t - t0) // bucket_s)
-            counts[b] = counts.get(b, 0) + n
-    if not counts:
-        return []
-    return [(b * bucket_s, counts.get(b, 0) / bucket_s) for b in range(max(counts) + 1)]
-
-
-def format_report(report: dict[str, Any]) -> str:
-    lines = [
-        f"requests     {report['completed']}/{report['requests']} ok in {report['wall_s']:.2f} s"
-        f"  ({_fmt(report['requests_per_s'])} req/s, {_fmt(report['output_tokens_per_s'])} output tok/s)",
-        f"errors       {report['errors'] or 'none'}",
-    ]
-    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "e2e"), ("queue_s", "queue")):
-        d = report[key]
-        lines.append(f"{label:<12} p50 {_ms(d['p50'])}  p90 {_ms(d['p90'])}  p99 {_ms(d['p99'])}  mean {_ms(d['mean'])}")
-    return "\n".join(lines)
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _ms(x: float | None) -> str:
-    return "      -" if x is None else f"{x * 1000:7.1f} ms"
-
-
-# ---------------------------------------------------------------------------------------------
-# bench: run
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
@@ -509,77 +265,6 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     print(format_report(report))
     write_outputs(Path(args.out), report, samples, t0, plots=not args.no_plots)
     return EXIT_OK if report["completed"] == report["requests"] else EXIT_ERROR
-
-
-async def run_load(
-    client: InferenceClient, workload: list[dict[str, Any]], rate: float, rng: random.Random, progress: bool
-) -> tuple[list[Sample], float, float]:
-    """Submit the workload (Poisson arrivals at ``rate``, or all at once) and wait for every
-    result. One task per request (never per event)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(workload), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    tokens = 0
-    t0 = time.monotonic()
-
-    async def one(fields: dict[str, Any]) -> Sample:
-        nonlocal tokens
-        handle = await client.submit(**fields)
-        await handle.result(check=False)
-        sample = sample_of(handle)
-        tokens += sample.output_tokens
-        bar.update(1)
-        bar.set_postfix_str(f"{tokens / (time.monotonic() - t0):.1f} tok/s")
-        return sample
-
-    tasks = []
-    for fields in workload:
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-        tasks.append(asyncio.create_task(one(fields)))
-    samples = await asyncio.gather(*tasks)
-    bar.close()
-    return list(samples), time.monotonic() - t0, t0
-
-
-def write_outputs(out: Path, report: dict[str, Any], samples: list[Sample], t0: float, plots: bool) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    report = {**report, "throughput_over_time": throughput_series(samples, t0)}
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    written = [out / "bench.json"]
-    if plots:
-        written += plot(out, samples, report["throughput_over_time"])
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-
-
-def plot(out: Path, samples: list[Sample], series: list[tuple[float, float]]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    ok = [s for s in samples if s.ok]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, values in (("TTFT", [s.ttft_s for s in ok if s.ttft_s is not None]),
-                          ("ITL", [x for s in ok for x in s.itl]),
-                          ("end-to-end", [s.e2e_s for s in ok if s.e2e_s is not None])):
-        if values:
-            xs = sorted(values)
-            ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=label)
-    ax.set(xscale="log", xlabel="latency (ms)", ylabel="fraction of samples", title="latency CDF")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    cdf = out / "latency_cdf.png"
-    fig.savefig(cdf, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([t for t, _ in series], [v for _, v in series], drawstyle="steps-post")
-    ax.set(xlabel="time since start (s)", ylabel="output tokens/s", title="throughput over time")
-    ax.grid(alpha=0.3)
-    tput = out / "throughput.png"
-    fig.savefig(tput, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return [cdf, tput]
 
 
 # ---------------------------------------------------------------------------------------------

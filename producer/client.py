@@ -16,6 +16,10 @@ One consumer task reads every reply topic and feeds each event to its handle by 
 reassemble synchronously (no task per event or per request), so one client can keep many
 thousands of requests in flight. Delivery is at least once: a handle drops a superseded
 attempt, ignores duplicates by (attempt, seq) and counts gaps.
+
+This module is the client API's import path; the parts live in producer.errors (exceptions),
+producer.reassembly (RequestHandle, Result, TextDelta), producer.replies (reply topics and
+routing) and producer.topics (Kafka plumbing).
 """
 from __future__ import annotations
 
@@ -23,408 +27,56 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import KafkaSettings, Settings, load_settings
-from producer.schema import (
-    Cancel,
-    ChatMessage,
-    DoneEvent,
-    ErrorCode,
-    ErrorInfo,
-    Request,
-    StartedEvent,
-    Timing,
-    TokensEvent,
-    UndecodableMessage,
-    Usage,
-    decode_event,
-    encode_cancel,
-    encode_request,
+from config.settings import Settings, load_settings
+from producer.errors import (
+    ERRORS_BY_CODE,
+    ClientClosed,
+    ClientTimeout,
+    IncompleteStream,
+    InferenceError,
+    InvalidRequestError,
+    Overloaded,
+    PromptTooLong,
+    RateLimited,
+    RequestCancelled,
+    RequestRejected,
+    RequestTimeout,
+    WorkerError,
+    error_for,
+)
+from producer.reassembly import Event, RequestHandle, Result, TextDelta
+from producer.replies import PER_REQUEST, REPLY_TOPIC_PREFIX, ReplyRouter, per_request_topic
+from producer.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
+from producer.topics import (
+    TOPIC_ALREADY_EXISTS,
+    UNKNOWN_TOPIC,
+    create_topics,
+    kafka_options,
+    topic_configs,
+    topic_partitions,
+    wait_for_topics,
 )
 
-log = structlog.get_logger(__name__)
+__all__ = [
+    "InferenceClient", "RequestHandle", "Result", "TextDelta", "Event", "DEADLINE_GRACE_S",
+    # producer.errors
+    "InferenceError", "RequestRejected", "InvalidRequestError", "PromptTooLong", "RateLimited", "Overloaded",
+    "RequestTimeout", "ClientTimeout", "RequestCancelled", "WorkerError", "IncompleteStream", "ClientClosed",
+    "ERRORS_BY_CODE", "error_for",
+    # producer.replies, producer.topics
+    "PER_REQUEST", "REPLY_TOPIC_PREFIX", "per_request_topic", "TOPIC_ALREADY_EXISTS", "UNKNOWN_TOPIC",
+    "kafka_options", "topic_configs", "create_topics", "topic_partitions", "wait_for_topics",
+]
 
-Event = StartedEvent | TokensEvent | DoneEvent
-PER_REQUEST = "per-request"
-REPLY_TOPIC_PREFIX = "inferline.reply."
 # The worker's deadline counts from created_at; past it plus this grace, `done` is overdue.
 DEADLINE_GRACE_S = 30.0
-TOPIC_ALREADY_EXISTS = 36
-UNKNOWN_TOPIC = 3
 
 
-# ---------------------------------------------------------------------------------------------
-# Errors, by the contract's error codes
-
-
-class InferenceError(Exception):
-    """A request that did not end in ``stop`` or ``length``. ``code`` is the contract's error
-    code; ``result`` the partial Result (text so far, usage, timing) when there is one."""
-
-    code: ErrorCode = "internal"
-
-    def __init__(self, message: str, *, request_id: str | None = None, result: Result | None = None):
-        super().__init__(message)
-        self.message = message
-        self.request_id = request_id
-        self.result = result
-
-
-class RequestRejected(InferenceError):
-    """The worker never ran the request (finish_reason ``rejected``)."""
-
-    code: ErrorCode = "invalid_request"
-
-
-class InvalidRequestError(RequestRejected):
-    code: ErrorCode = "invalid_request"
-
-
-class PromptTooLong(RequestRejected):
-    code: ErrorCode = "prompt_too_long"
-
-
-class RateLimited(RequestRejected):
-    code: ErrorCode = "rate_limited"
-
-
-class Overloaded(RequestRejected):
-    code: ErrorCode = "overloaded"
-
-
-class RequestTimeout(InferenceError):
-    """The worker's deadline passed, or (``client_side``) no ``done`` came in time."""
-
-    code: ErrorCode = "timeout"
-    client_side = False
-
-
-class ClientTimeout(RequestTimeout):
-    client_side = True
-
-
-class RequestCancelled(InferenceError):
-    code: ErrorCode = "cancelled"
-
-
-class WorkerError(InferenceError):
-    code: ErrorCode = "internal"
-
-
-class IncompleteStream(InferenceError):
-    """Events went missing (a gap in ``seq``) and ``done`` carried no whole text to repair it."""
-
-
-class ClientClosed(InferenceError):
-    """The client was closed before the request finished."""
-
-
-ERRORS_BY_CODE: dict[str, type[InferenceError]] = {
-    "invalid_request": InvalidRequestError,
-    "prompt_too_long": PromptTooLong,
-    "rate_limited": RateLimited,
-    "overloaded": Overloaded,
-    "timeout": RequestTimeout,
-    "cancelled": RequestCancelled,
-    "internal": WorkerError,
-}
-# When a done carries no error, its finish_reason decides.
-_CODE_BY_REASON = {"rejected": "invalid_request", "timeout": "timeout", "cancelled": "cancelled", "error": "internal"}
-
-
-def error_for(done: DoneEvent) -> InferenceError | None:
-    """The exception a final ``done`` stands for, or None when it succeeded."""
-    if done.finish_reason in ("stop", "length"):
-        return None
-    code = done.error.code if done.error else _CODE_BY_REASON.get(done.finish_reason, "internal")
-    # The code decides, not the reason: a request rejected because its deadline passed in the
-    # queue is a RequestTimeout to its caller.
-    cls = ERRORS_BY_CODE.get(code, WorkerError)
-    message = done.error.message if done.error else f"finished with {done.finish_reason}"
-    return cls(f"{code}: {message}", request_id=done.id)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reassembly
-
-
-class TextDelta(str):
-    """New text of a request. ``restart`` is True on the first delta of a new attempt (a worker
-    died and another started over): discard the text shown so far."""
-
-    attempt: str
-    restart: bool
-
-    def __new__(cls, text: str, attempt: str, restart: bool = False) -> TextDelta:
-        obj = super().__new__(cls, text)
-        obj.attempt, obj.restart = attempt, restart
-        return obj
-
-
-@dataclass
-class Result:
-    """The outcome of one request: the final attempt's text and the worker's accounting, plus
-    what this client measured (``client_*``, seconds since submit, monotonic clock)."""
-
-    id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage | None = None
-    timing: Timing | None = None
-    error: ErrorInfo | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    attempt: str | None = None
-    attempts: int = 0
-    duplicates: int = 0
-    gaps: int = 0
-    client_ttft_s: float | None = None
-    client_total_s: float | None = None
-
-
-class RequestHandle:
-    """One submitted request. Events are fed by the client's consumer task; any number of
-    readers (``events()``, ``text()``, ``result()``) may follow along, each from the start."""
-
-    def __init__(self, request: Request, client: InferenceClient | None = None):
-        self.request = request
-        self.id = request.id
-        self._client = client
-        self.log: list[Event] = []  # accepted events, in order, all attempts
-        self.attempt: str | None = None
-        self.attempts = 0
-        self.duplicates = 0
-        self.gaps = 0
-        self._next_seq = 0
-        self._dead: set[str] = set()  # superseded or requeued attempts
-        self._parts: list[str] = []
-        self.token_ids: list[int] = []
-        self.done_event: DoneEvent | None = None
-        self.failure: InferenceError | None = None
-        self.finished = False
-        self.t_submit = time.monotonic()
-        self.t_first_token: float | None = None
-        self.t_done: float | None = None
-        # (monotonic time, tokens) of each tokens event of the current attempt: for ITL stats.
-        self.token_times: list[tuple[float, int]] = []
-        self._changed = asyncio.Event()
-        self._on_finish: Callable[[RequestHandle], None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    # --- fed by the consumer task (synchronous: no await, so no reader sees half a state) ----
-
-    def feed(self, ev: Event) -> bool:
-        """Take one event; False when it was stale, a duplicate, or came after the end."""
-        if self.finished or ev.attempt in self._dead:
-            return False
-        if ev.attempt != self.attempt:
-            self._new_attempt(ev.attempt)
-        if ev.seq < self._next_seq:
-            self.duplicates += 1
-            return False
-        if ev.seq > self._next_seq:
-            self.gaps += 1
-            log.warning("event gap", request_id=self.id, attempt=ev.attempt, expected=self._next_seq, got=ev.seq)
-        self._next_seq = ev.seq + 1
-        self.log.append(ev)
-        self._apply(ev)
-        self._wake()
-        return True
-
-    def _new_attempt(self, attempt: str) -> None:
-        # At least once: the old attempt's worker is gone (or a zombie); its text is void.
-        if self.attempt is not None:
-            self._dead.add(self.attempt)
-            log.info("new attempt", request_id=self.id, old=self.attempt, new=attempt)
-        self.attempt, self.attempts, self._next_seq = attempt, self.attempts + 1, 0
-        self._parts, self.token_ids, self.token_times, self.t_first_token = [], [], [], None
-
-    def _apply(self, ev: Event) -> None:
-        if isinstance(ev, TokensEvent):
-            now = time.monotonic()
-            if self.t_first_token is None and ev.token_ids:
-                self.t_first_token = now
-            self.token_times.append((now, len(ev.token_ids)))
-            self._parts.append(ev.text)
-            self.token_ids.extend(ev.token_ids)
-        elif isinstance(ev, DoneEvent):
-            if ev.finish_reason == "requeued":
-                self._dead.add(ev.attempt)  # another attempt follows
-            else:
-                self._finish(ev, error_for(ev))
-
-    def _finish(self, done: DoneEvent | None, failure: InferenceError | None) -> None:
-        self.done_event, self.failure, self.finished = done, failure, True
-        self.t_done = time.monotonic()
-        if self._timer:
-            self._timer.cancel()
-        if failure is not None:
-            failure.result = self.partial_result()
-        if self._on_finish:
-            self._on_finish(self)
-        self._wake()
-
-    def fail(self, failure: InferenceError) -> None:
-        """End the request on the client side (client timeout, client closed)."""
-        if not self.finished:
-            failure.request_id = self.id
-            self._finish(None, failure)
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    # --- readers ---------------------------------------------------------------------------
-
-    @property
-    def text_so_far(self) -> str:
-        """The current attempt's text (the whole text once done)."""
-        done = self.done_event
-        if done is not None and done.text is not None:
-            return done.text  # the worker's whole text also repairs a gap
-        return "".join(self._parts)
-
-    def partial_result(self) -> Result:
-        """What is known now, finished or not."""
-        done = self.done_event
-        since = self.t_submit
-        return Result(
-            id=self.id, text=self.text_so_far, token_ids=list(self.token_ids),
-            finish_reason=done.finish_reason if done else ("timeout" if isinstance(self.failure, ClientTimeout) else "none"),
-            usage=done.usage if done else None, timing=done.timing if done else None,
-            error=done.error if done else None, metadata=dict(done.metadata) if done else {},
-            attempt=self.attempt, attempts=self.attempts, duplicates=self.duplicates, gaps=self.gaps,
-            client_ttft_s=self.t_first_token - since if self.t_first_token else None,
-            client_total_s=self.t_done - since if self.t_done else None,
-        )
-
-    async def events(self) -> AsyncIterator[Event]:
-        """Every accepted event (all attempts, in order) until the final ``done``. Raises only
-        for client-side endings (ClientTimeout, ClientClosed); a worker's error arrives as a
-        ``done`` event like any other."""
-        i = 0
-        while True:
-            while i < len(self.log):
-                yield self.log[i]
-                i += 1
-            if self.finished:
-                break
-            await self._changed.wait()
-        if self.done_event is None and self.failure is not None:
-            raise self.failure
-
-    async def text(self) -> AsyncIterator[TextDelta]:
-        """Text deltas as they arrive; see TextDelta.restart. Raises the request's
-        InferenceError at the end when it did not finish with ``stop`` or ``length``."""
-        attempt = None
-        streamed = False
-        async for ev in self.events():
-            if ev.attempt != attempt:
-                if attempt is not None:
-                    yield TextDelta("", ev.attempt, restart=True)
-                attempt, streamed = ev.attempt, False
-            if isinstance(ev, TokensEvent) and ev.text:
-                streamed = True
-                yield TextDelta(ev.text, ev.attempt)
-            elif isinstance(ev, DoneEvent) and not streamed and ev.text:
-                yield TextDelta(ev.text, ev.attempt)  # stream=false: the whole text comes in done
-        if self.failure is not None:
-            raise self.failure
-
-    async def wait(self) -> None:
-        """Until the request has finished, one way or another."""
-        while not self.finished:
-            await self._changed.wait()
-
-    async def result(self, check: bool = True) -> Result:
-        """The final Result. With ``check`` (default), raise the InferenceError for anything but
-        ``stop``/``length``, and IncompleteStream when a gap left the text unrepairable."""
-        await self.wait()
-        result = self.partial_result()
-        if check and self.failure is not None:
-            raise self.failure
-        if check and self.gaps and (self.done_event is None or self.done_event.text is None):
-            raise IncompleteStream(f"{self.gaps} gap(s) in the event stream", request_id=self.id, result=result)
-        return result
-
-    async def cancel(self) -> None:
-        """Ask the workers to stop this request; its ``done`` (``cancelled``) still arrives."""
-        assert self._client is not None, "handle is not attached to a client"
-        await self._client.cancel(self.id)
-
-
-# ---------------------------------------------------------------------------------------------
-# Kafka plumbing
-
-
-def kafka_options(kafka: KafkaSettings) -> dict[str, Any]:
-    """aiokafka connection options (servers, security) from the settings tree."""
-    return kafka.connection_options()
-
-
-def topic_configs(retention_ms: int | None) -> dict[str, str]:
-    """Retention settings for a topic; data expires per closed segment, so segments roll too."""
-    if retention_ms is None:
-        return {}
-    return {"retention.ms": str(retention_ms), "segment.ms": str(max(60_000, retention_ms // 4))}
-
-
-async def create_topics(
-    admin: AIOKafkaAdminClient,
-    topics: Iterable[tuple[str, int]],
-    *,
-    replication_factor: int = 1,
-    configs: dict[str, str] | None = None,
-    wait_s: float = 10.0,
-) -> list[str]:
-    """Create each (name, partitions) that does not exist yet and wait until every one has
-    leaders (a just-created topic answers UnknownTopicOrPartition for a moment). Returns the
-    names actually created."""
-    wanted = list(topics)
-    new = [NewTopic(name, n, replication_factor, topic_configs=dict(configs or {})) for name, n in wanted]
-    response = await admin.create_topics(new)
-    created = []
-    for name, code, *rest in response.topic_errors:
-        if code == 0:
-            created.append(name)
-        elif code != TOPIC_ALREADY_EXISTS:
-            raise RuntimeError(f"cannot create topic {name}: error {code} {rest[0] if rest else ''}")
-    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
-    return created
-
-
-async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] | None:
-    """Partition ids of a topic whose partitions all have leaders, or None."""
-    (meta,) = await admin.describe_topics([topic])
-    parts = meta["partitions"]
-    if meta["error_code"] or not parts or any(p["leader"] < 0 for p in parts):
-        return None
-    return sorted(p["partition"] for p in parts)
-
-
-async def wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
-    for topic in topics:
-        while await topic_partitions(admin, topic) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"topic {topic} has no leader after {wait_s} s")
-            await asyncio.sleep(0.05)
-
-
-def per_request_topic(request_id: str) -> str:
-    # ':' is legal in ids but not in topic names; 16 + 128 chars stays under 249.
-    return REPLY_TOPIC_PREFIX + request_id.replace(":", "_")
-
-
-# ---------------------------------------------------------------------------------------------
-# The client
 
 
 class InferenceClient:
@@ -466,12 +118,9 @@ class InferenceClient:
         self.replication_factor = replication_factor
         self._producer_options = producer_options or {}
         self._handles: dict[str, RequestHandle] = {}
-        self._watched: set[str] = set()  # reply topics the consumer is assigned
-        self._assign_lock = asyncio.Lock()
-        self._retiring: set[str] = set()
+        self._replies: ReplyRouter | None = None  # from start()
         self._background: set[asyncio.Task] = set()
         self._consumer_task: asyncio.Task | None = None
-        self.undecodable = 0
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
@@ -486,6 +135,11 @@ class InferenceClient:
     @property
     def in_flight(self) -> int:
         return len(self._handles)
+
+    @property
+    def undecodable(self) -> int:
+        """Reply events for this client's requests that could not be decoded (skipped)."""
+        return self._replies.undecodable if self._replies else 0
 
     async def start(self) -> None:
         """Connect, make the reply topic exist and start reading it."""
@@ -503,9 +157,14 @@ class InferenceClient:
             auto_offset_reset="earliest",
         )
         await self._consumer.start()
+        self._replies = ReplyRouter(
+            self._consumer, self._admin, self._handles, self._spawn, partitions=self.reply_partitions,
+            retention_ms=self.reply_retention_ms, replication_factor=self.replication_factor,
+            max_event_bytes=max(self.kafka.max_message_bytes, 4 * 1_048_576),
+        )
         if self.reply_topic != PER_REQUEST:
-            await self._watch_shared(self.reply_topic, fresh=self._own_reply_topic)
-        self._consumer_task = asyncio.create_task(self._consume(), name="inferline-replies")
+            await self._replies.watch_shared(self.reply_topic, fresh=self._own_reply_topic)
+        self._consumer_task = asyncio.create_task(self._replies.run(), name="inferline-replies")
 
     async def close(self) -> None:
         """Fail what is still in flight (ClientClosed), drop the topics this client made, disconnect."""
@@ -515,7 +174,8 @@ class InferenceClient:
             self._consumer_task.cancel()
             await asyncio.gather(self._consumer_task, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
-        drop = [t for t in self._watched if t.startswith(REPLY_TOPIC_PREFIX) and (self._own_reply_topic or t != self.reply_topic)]
+        watched = self._replies.watched if self._replies else set()
+        drop = [t for t in watched if t.startswith(REPLY_TOPIC_PREFIX) and (self._own_reply_topic or t != self.reply_topic)]
         if drop and self._admin:
             with contextlib.suppress(Exception):
                 await self._admin.delete_topics(drop)
@@ -557,14 +217,8 @@ class InferenceClient:
         payload = encode_request(req)
         if len(payload) > self.kafka.max_message_bytes:
             raise ValueError(f"request is {len(payload)} bytes, over the {self.kafka.max_message_bytes}-byte limit")
-        await self._prepare_reply_topic(topic, per_request)
+        await self._replies.prepare(topic, per_request)
         return await self._send(req, payload, timeout)
-
-    async def _prepare_reply_topic(self, topic: str, per_request: bool) -> None:
-        if per_request:
-            await self._add_fresh_topic(topic)
-        elif topic not in self._watched:
-            await self._watch_shared(topic, fresh=False)
 
     async def _send(self, req: Request, payload: bytes, timeout: float | None) -> RequestHandle:
         handle = RequestHandle(req, self)
@@ -605,87 +259,5 @@ class InferenceClient:
     def _finished(self, handle: RequestHandle) -> None:
         self._handles.pop(handle.id, None)
         topic = handle.request.reply_topic
-        if topic == per_request_topic(handle.id) and topic in self._watched:
-            self._retiring.add(topic)
-            if len(self._retiring) == 1:
-                self._spawn(self._retire_topics())
-
-    # --- reply topics ------------------------------------------------------------------------
-
-    async def _watch_shared(self, topic: str, fresh: bool) -> None:
-        """Create the topic if missing and read it: from the start when this client created it,
-        else from its end (older events are someone else's)."""
-        created = await create_topics(
-            self._admin, [(topic, self.reply_partitions)], replication_factor=self.replication_factor,
-            configs=self._reply_configs(),
-        )
-        parts = await topic_partitions(self._admin, topic)
-        tps = [TopicPartition(topic, p) for p in parts]
-        await self._reassign(add=tps, from_start=fresh or topic in created)
-
-    async def _add_fresh_topic(self, topic: str) -> None:
-        await create_topics(self._admin, [(topic, 1)], replication_factor=self.replication_factor,
-                            configs=self._reply_configs())
-        await self._reassign(add=[TopicPartition(topic, 0)], from_start=True)
-
-    def _reply_configs(self) -> dict[str, str]:
-        # Reply topics are short-lived and may have fewer replicas than the cluster's
-        # min.insync.replicas: the worker's acks=all must not fail on them.
-        return {**topic_configs(self.reply_retention_ms), "min.insync.replicas": "1"}
-
-    async def _reassign(self, add: list[TopicPartition] = (), remove: set[str] = frozenset(), from_start: bool = True) -> None:
-        """Change the consumer's assignment keeping every kept partition's position
-        (aiokafka's assign() replaces the assignment and forgets positions)."""
-        consumer = self._consumer
-        async with self._assign_lock:
-            keep = [tp for tp in consumer.assignment() if tp.topic not in remove]
-            positions = {tp: await consumer.position(tp) for tp in keep}
-            consumer.assign(keep + [tp for tp in add if tp not in positions])
-            for tp, offset in positions.items():
-                consumer.seek(tp, offset)
-            if add and not from_start:
-                await consumer.seek_to_end(*add)
-            for tp in add:
-                if from_start:
-                    consumer.seek(tp, 0)
-                await consumer.position(tp)  # resolve now: events sent after this are seen
-            self._watched = {tp.topic for tp in consumer.assignment()}
-
-    async def _retire_topics(self) -> None:
-        # Batched: many per-request topics finishing together cost one reassign, one delete.
-        await asyncio.sleep(0.2)
-        topics, self._retiring = set(self._retiring), set()
-        await self._reassign(remove=topics)
-        with contextlib.suppress(Exception):
-            await self._admin.delete_topics(sorted(topics))
-
-    # --- the one consumer task ---------------------------------------------------------------
-
-    async def _consume(self) -> None:
-        consumer = self._consumer
-        while True:
-            try:
-                batches = await consumer.getmany(timeout_ms=200, max_records=5000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a broker hiccup must not strand every handle
-                log.warning("reply consumer error", error=repr(exc))
-                await asyncio.sleep(0.2)
-                continue
-            for records in batches.values():
-                for record in records:
-                    self._route(record.key, record.value)
-
-    def _route(self, key: bytes | None, value: bytes) -> None:
-        # The key is the request id: skip other clients' events on a shared topic undecoded.
-        if key is not None and key.decode("utf-8", "replace") not in self._handles:
-            return
-        try:
-            ev = decode_event(value, max_bytes=max(self.kafka.max_message_bytes, 4 * 1_048_576))
-        except UndecodableMessage as exc:
-            self.undecodable += 1
-            log.warning("undecodable reply event", reason=exc.reason)
-            return
-        handle = self._handles.get(ev.id)
-        if handle is not None:
-            handle.feed(ev)
+        if topic == per_request_topic(handle.id):
+            self._replies.retire(topic)

@@ -348,10 +348,10 @@ async def test_per_request_reply_topics(kafka_bootstrap, kafka_topics):
         topics = {r.reply_topic for r in worker.requests}
         assert topics == {per_request_topic(h.id) for h in handles}
         for _ in range(50):  # retired in a batch shortly after done
-            if not topics & client._watched:
+            if not topics & client._replies.watched:
                 break
             await asyncio.sleep(0.1)
-        assert not topics & client._watched
+        assert not topics & client._replies.watched
 
 
 @pytest.mark.kafka

@@ -1,0 +1,231 @@
+"""One submitted request's reply events, reassembled: the RequestHandle and what it yields.
+
+Delivery is at least once and a request may run more than once (a worker died, another started
+over under a new ``attempt``). A handle keeps the latest attempt only: it drops a superseded or
+requeued attempt, ignores duplicates by (attempt, seq) and counts gaps. The client's consumer
+task feeds it synchronously; any number of readers follow along.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
+from producer.schema import DoneEvent, ErrorInfo, Request, StartedEvent, Timing, TokensEvent, Usage
+
+if TYPE_CHECKING:
+    from producer.client import InferenceClient
+
+log = structlog.get_logger(__name__)
+
+Event = StartedEvent | TokensEvent | DoneEvent
+
+
+class TextDelta(str):
+    """New text of a request. ``restart`` is True on the first delta of a new attempt (a worker
+    died and another started over): discard the text shown so far."""
+
+    attempt: str
+    restart: bool
+
+    def __new__(cls, text: str, attempt: str, restart: bool = False) -> TextDelta:
+        obj = super().__new__(cls, text)
+        obj.attempt, obj.restart = attempt, restart
+        return obj
+
+
+@dataclass
+class Result:
+    """The outcome of one request: the final attempt's text and the worker's accounting, plus
+    what this client measured (``client_*``, seconds since submit, monotonic clock)."""
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage | None = None
+    timing: Timing | None = None
+    error: ErrorInfo | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    attempt: str | None = None
+    attempts: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    client_ttft_s: float | None = None
+    client_total_s: float | None = None
+
+
+class RequestHandle:
+    """One submitted request. Events are fed by the client's consumer task; any number of
+    readers (``events()``, ``text()``, ``result()``) may follow along, each from the start."""
+
+    def __init__(self, request: Request, client: InferenceClient | None = None):
+        self.request = request
+        self.id = request.id
+        self._client = client
+        self.log: list[Event] = []  # accepted events, in order, all attempts
+        self.attempt: str | None = None
+        self.attempts = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self._next_seq = 0
+        self._dead: set[str] = set()  # superseded or requeued attempts
+        self._parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.done_event: DoneEvent | None = None
+        self.failure: InferenceError | None = None
+        self.finished = False
+        self.t_submit = time.monotonic()
+        self.t_first_token: float | None = None
+        self.t_done: float | None = None
+        # (monotonic time, tokens) of each tokens event of the current attempt: for ITL stats.
+        self.token_times: list[tuple[float, int]] = []
+        self._changed = asyncio.Event()
+        self._on_finish: Callable[[RequestHandle], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- fed by the consumer task (synchronous: no await, so no reader sees half a state) ----
+
+    def feed(self, ev: Event) -> bool:
+        """Take one event; False when it was stale, a duplicate, or came after the end."""
+        if self.finished or ev.attempt in self._dead:
+            return False
+        if ev.attempt != self.attempt:
+            self._new_attempt(ev.attempt)
+        if ev.seq < self._next_seq:
+            self.duplicates += 1
+            return False
+        if ev.seq > self._next_seq:
+            self.gaps += 1
+            log.warning("event gap", request_id=self.id, attempt=ev.attempt, expected=self._next_seq, got=ev.seq)
+        self._next_seq = ev.seq + 1
+        self.log.append(ev)
+        self._apply(ev)
+        self._wake()
+        return True
+
+    def _new_attempt(self, attempt: str) -> None:
+        # At least once: the old attempt's worker is gone (or a zombie); its text is void.
+        if self.attempt is not None:
+            self._dead.add(self.attempt)
+            log.info("new attempt", request_id=self.id, old=self.attempt, new=attempt)
+        self.attempt, self.attempts, self._next_seq = attempt, self.attempts + 1, 0
+        self._parts, self.token_ids, self.token_times, self.t_first_token = [], [], [], None
+
+    def _apply(self, ev: Event) -> None:
+        if isinstance(ev, TokensEvent):
+            now = time.monotonic()
+            if self.t_first_token is None and ev.token_ids:
+                self.t_first_token = now
+            self.token_times.append((now, len(ev.token_ids)))
+            self._parts.append(ev.text)
+            self.token_ids.extend(ev.token_ids)
+        elif isinstance(ev, DoneEvent):
+            if ev.finish_reason == "requeued":
+                self._dead.add(ev.attempt)  # another attempt follows
+            else:
+                self._finish(ev, error_for(ev))
+
+    def _finish(self, done: DoneEvent | None, failure: InferenceError | None) -> None:
+        self.done_event, self.failure, self.finished = done, failure, True
+        self.t_done = time.monotonic()
+        if self._timer:
+            self._timer.cancel()
+        if failure is not None:
+            failure.result = self.partial_result()
+        if self._on_finish:
+            self._on_finish(self)
+        self._wake()
+
+    def fail(self, failure: InferenceError) -> None:
+        """End the request on the client side (client timeout, client closed)."""
+        if not self.finished:
+            failure.request_id = self.id
+            self._finish(None, failure)
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # --- readers ---------------------------------------------------------------------------
+
+    @property
+    def text_so_far(self) -> str:
+        """The current attempt's text (the whole text once done)."""
+        done = self.done_event
+        if done is not None and done.text is not None:
+            return done.text  # the worker's whole text also repairs a gap
+        return "".join(self._parts)
+
+    def partial_result(self) -> Result:
+        """What is known now, finished or not."""
+        done = self.done_event
+        since = self.t_submit
+        return Result(
+            id=self.id, text=self.text_so_far, token_ids=list(self.token_ids),
+            finish_reason=done.finish_reason if done else ("timeout" if isinstance(self.failure, ClientTimeout) else "none"),
+            usage=done.usage if done else None, timing=done.timing if done else None,
+            error=done.error if done else None, metadata=dict(done.metadata) if done else {},
+            attempt=self.attempt, attempts=self.attempts, duplicates=self.duplicates, gaps=self.gaps,
+            client_ttft_s=self.t_first_token - since if self.t_first_token else None,
+            client_total_s=self.t_done - since if self.t_done else None,
+        )
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every accepted event (all attempts, in order) until the final ``done``. Raises only
+        for client-side endings (ClientTimeout, ClientClosed); a worker's error arrives as a
+        ``done`` event like any other."""
+        i = 0
+        while True:
+            while i < len(self.log):
+                yield self.log[i]
+                i += 1
+            if self.finished:
+                break
+            await self._changed.wait()
+        if self.done_event is None and self.failure is not None:
+            raise self.failure
+
+    async def text(self) -> AsyncIterator[TextDelta]:
+        """Text deltas as they arrive; see TextDelta.restart. Raises the request's
+        InferenceError at the end when it did not finish with ``stop`` or ``length``."""
+        attempt = None
+        streamed = False
+        async for ev in self.events():
+            if ev.attempt != attempt:
+                if attempt is not None:
+                    yield TextDelta("", ev.attempt, restart=True)
+                attempt, streamed = ev.attempt, False
+            if isinstance(ev, TokensEvent) and ev.text:
+                streamed = True
+                yield TextDelta(ev.text, ev.attempt)
+            elif isinstance(ev, DoneEvent) and not streamed and ev.text:
+                yield TextDelta(ev.text, ev.attempt)  # stream=false: the whole text comes in done
+        if self.failure is not None:
+            raise self.failure
+
+    async def wait(self) -> None:
+        """Until the request has finished, one way or another."""
+        while not self.finished:
+            await self._changed.wait()
+
+    async def result(self, check: bool = True) -> Result:
+        """The final Result. With ``check`` (default), raise the InferenceError for anything but
+        ``stop``/``length``, and IncompleteStream when a gap left the text unrepairable."""
+        await self.wait()
+        result = self.partial_result()
+        if check and self.failure is not None:
+            raise self.failure
+        if check and self.gaps and (self.done_event is None or self.done_event.text is None):
+            raise IncompleteStream(f"{self.gaps} gap(s) in the event stream", request_id=self.id, result=result)
+        return result
+
+    async def cancel(self) -> None:
+        """Ask the workers to stop this request; its ``done`` (``cancelled``) still arrives."""
+        assert self._client is not None, "handle is not attached to a client"
+        await self._client.cancel(self.id)

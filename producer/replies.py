@@ -1,0 +1,151 @@
+"""Reply topics: their names, and the client's one consumer that reads them and routes each event
+to its request's handle by id.
+
+A shared reply topic (the client's own, or a named one) is read from its end, or from the start
+when this client just created it; a per-request topic is read from the start and retired
+(unassigned and deleted, in batches) once its request has finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from producer.reassembly import RequestHandle
+from producer.schema import UndecodableMessage, decode_event
+from producer.topics import create_topics, topic_configs, topic_partitions
+
+log = structlog.get_logger(__name__)
+
+PER_REQUEST = "per-request"
+REPLY_TOPIC_PREFIX = "inferline.reply."
+
+
+def per_request_topic(request_id: str) -> str:
+    # ':' is legal in ids but not in topic names; 16 + 128 chars stays under 249.
+    return REPLY_TOPIC_PREFIX + request_id.replace(":", "_")
+
+
+class ReplyRouter:
+    """Which reply topics the client's consumer reads, from where, and which handle gets each
+    event. ``handles`` is the client's own dict of requests in flight, by id; ``spawn`` starts a
+    background task that the client awaits on close."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        admin: AIOKafkaAdminClient,
+        handles: dict[str, RequestHandle],
+        spawn: Callable[[Coroutine], None],
+        *,
+        partitions: int,
+        retention_ms: int,
+        replication_factor: int,
+        max_event_bytes: int,
+    ):
+        self.consumer, self.admin, self.handles, self._spawn = consumer, admin, handles, spawn
+        self.partitions, self.retention_ms, self.replication_factor = partitions, retention_ms, replication_factor
+        self.max_event_bytes = max_event_bytes
+        self.watched: set[str] = set()  # reply topics the consumer is assigned
+        self.undecodable = 0
+        self._assign_lock = asyncio.Lock()
+        self._retiring: set[str] = set()
+
+    # --- which topics, from where -------------------------------------------------------------
+
+    async def prepare(self, topic: str, per_request: bool) -> None:
+        """Make the consumer read ``topic`` before a request names it as its reply topic."""
+        if per_request:
+            await self._add_fresh_topic(topic)
+        elif topic not in self.watched:
+            await self.watch_shared(topic, fresh=False)
+
+    async def watch_shared(self, topic: str, fresh: bool) -> None:
+        """Create the topic if missing and read it: from the start when this client created it,
+        else from its end (older events are someone else's)."""
+        created = await create_topics(
+            self.admin, [(topic, self.partitions)], replication_factor=self.replication_factor,
+            configs=self._reply_configs(),
+        )
+        parts = await topic_partitions(self.admin, topic)
+        tps = [TopicPartition(topic, p) for p in parts]
+        await self._reassign(add=tps, from_start=fresh or topic in created)
+
+    async def _add_fresh_topic(self, topic: str) -> None:
+        await create_topics(self.admin, [(topic, 1)], replication_factor=self.replication_factor,
+                            configs=self._reply_configs())
+        await self._reassign(add=[TopicPartition(topic, 0)], from_start=True)
+
+    def _reply_configs(self) -> dict[str, str]:
+        # Reply topics are short-lived and may have fewer replicas than the cluster's
+        # min.insync.replicas: the worker's acks=all must not fail on them.
+        return {**topic_configs(self.retention_ms), "min.insync.replicas": "1"}
+
+    async def _reassign(self, add: list[TopicPartition] = (), remove: set[str] = frozenset(), from_start: bool = True) -> None:
+        """Change the consumer's assignment keeping every kept partition's position
+        (aiokafka's assign() replaces the assignment and forgets positions)."""
+        consumer = self.consumer
+        async with self._assign_lock:
+            keep = [tp for tp in consumer.assignment() if tp.topic not in remove]
+            positions = {tp: await consumer.position(tp) for tp in keep}
+            consumer.assign(keep + [tp for tp in add if tp not in positions])
+            for tp, offset in positions.items():
+                consumer.seek(tp, offset)
+            if add and not from_start:
+                await consumer.seek_to_end(*add)
+            for tp in add:
+                if from_start:
+                    consumer.seek(tp, 0)
+                await consumer.position(tp)  # resolve now: events sent after this are seen
+            self.watched = {tp.topic for tp in consumer.assignment()}
+
+    def retire(self, topic: str) -> None:
+        """Stop reading a finished request's own topic and delete it."""
+        if topic in self.watched:
+            self._retiring.add(topic)
+            if len(self._retiring) == 1:
+                self._spawn(self._retire_topics())
+
+    async def _retire_topics(self) -> None:
+        # Batched: many per-request topics finishing together cost one reassign, one delete.
+        await asyncio.sleep(0.2)
+        topics, self._retiring = set(self._retiring), set()
+        await self._reassign(remove=topics)
+        with contextlib.suppress(Exception):
+            await self.admin.delete_topics(sorted(topics))
+
+    # --- the one consumer task ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read every watched topic until cancelled, feeding each event to its handle."""
+        consumer = self.consumer
+        while True:
+            try:
+                batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a broker hiccup must not strand every handle
+                log.warning("reply consumer error", error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            for records in batches.values():
+                for record in records:
+                    self.route(record.key, record.value)
+
+    def route(self, key: bytes | None, value: bytes) -> None:
+        # The key is the request id: skip other clients' events on a shared topic undecoded.
+        if key is not None and key.decode("utf-8", "replace") not in self.handles:
+            return
+        try:
+            ev = decode_event(value, max_bytes=self.max_event_bytes)
+        except UndecodableMessage as exc:
+            self.undecodable += 1
+            log.warning("undecodable reply event", reason=exc.reason)
+            return
+        handle = self.handles.get(ev.id)
+        if handle is not None:
+            handle.feed(ev)

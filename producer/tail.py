@@ -1,0 +1,75 @@
+"""``inferline tail``: decode the events on a reply topic and print them, one human line (or one
+JSON object) each; a debugging view from outside any client."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from config.settings import KafkaSettings
+from producer.schema import UndecodableMessage, decode_event
+from producer.topics import kafka_options
+
+
+async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:
+    """Print ``args.topic``'s events until ``args.limit`` or ``args.idle_timeout``, or forever."""
+    consumer = AIOKafkaConsumer(
+        **kafka_options(kafka), group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest" if args.from_beginning else "latest",
+    )
+    await consumer.start()
+    try:
+        parts = await _partitions(consumer, args.topic)
+        consumer.assign([TopicPartition(args.topic, p) for p in parts])
+        await _tail_loop(consumer, args)
+    finally:
+        await consumer.stop()
+
+
+async def _partitions(consumer, topic: str) -> set[int]:
+    # All topics' metadata: asking for this one by name would auto-create it on most brokers,
+    # and partitions_for_topic() only knows subscribed topics.
+    cluster = await consumer._client.fetch_all_metadata()
+    parts = cluster.partitions_for_topic(topic)
+    if not parts:
+        raise SystemExit(f"inferline tail: no topic {topic!r}")
+    return parts
+
+
+async def _tail_loop(consumer, args: argparse.Namespace) -> None:
+    count, last = 0, time.monotonic()
+    while args.limit is None or count < args.limit:
+        if args.idle_timeout is not None and time.monotonic() - last > args.idle_timeout:
+            break
+        batches = await consumer.getmany(timeout_ms=200)
+        for record in (r for rs in batches.values() for r in rs):
+            if args.limit is not None and count >= args.limit:
+                break
+            last = time.monotonic()
+            count += _print_record(record, args)
+
+
+def _print_record(record, args: argparse.Namespace) -> int:
+    try:
+        ev = decode_event(record.value)
+    except UndecodableMessage as exc:
+        print(f"p{record.partition}@{record.offset} undecodable: {exc.reason}", file=sys.stderr)
+        return 0
+    if args.id and ev.id != args.id:
+        return 0
+    print(ev.model_dump_json() if args.json else format_event(ev), flush=True)
+    return 1
+
+
+def format_event(ev) -> str:
+    """One human line per event."""
+    head = f"{ev.id} {ev.attempt}#{ev.seq} {ev.type}"
+    if ev.type == "started":
+        return f"{head} worker={ev.worker} queue={ev.queue_s:.3f}s"
+    if ev.type == "tokens":
+        return f"{head} {len(ev.token_ids)} tok {ev.text!r}"
+    err = f" error={ev.error.code}: {ev.error.message}" if ev.error else ""
+    return (f"{head} {ev.finish_reason} {ev.usage.prompt_tokens}+{ev.usage.completion_tokens} tok "
+            f"total={ev.timing.total_s:.3f}s{err}")

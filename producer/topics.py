@@ -1,0 +1,70 @@
+"""Kafka plumbing shared by the client, the CLI and the benchmarks: connection options from the
+settings, topic retention configs, and creating topics and waiting until they have leaders."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from config.settings import KafkaSettings
+
+# Kafka protocol error codes.
+TOPIC_ALREADY_EXISTS = 36
+UNKNOWN_TOPIC = 3
+
+
+def kafka_options(kafka: KafkaSettings) -> dict[str, Any]:
+    """aiokafka connection options (servers, security) from the settings tree."""
+    return kafka.connection_options()
+
+
+def topic_configs(retention_ms: int | None) -> dict[str, str]:
+    """Retention settings for a topic; data expires per closed segment, so segments roll too."""
+    if retention_ms is None:
+        return {}
+    return {"retention.ms": str(retention_ms), "segment.ms": str(max(60_000, retention_ms // 4))}
+
+
+async def create_topics(
+    admin: AIOKafkaAdminClient,
+    topics: Iterable[tuple[str, int]],
+    *,
+    replication_factor: int = 1,
+    configs: dict[str, str] | None = None,
+    wait_s: float = 10.0,
+) -> list[str]:
+    """Create each (name, partitions) that does not exist yet and wait until every one has
+    leaders (a just-created topic answers UnknownTopicOrPartition for a moment). Returns the
+    names actually created."""
+    wanted = list(topics)
+    new = [NewTopic(name, n, replication_factor, topic_configs=dict(configs or {})) for name, n in wanted]
+    response = await admin.create_topics(new)
+    created = []
+    for name, code, *rest in response.topic_errors:
+        if code == 0:
+            created.append(name)
+        elif code != TOPIC_ALREADY_EXISTS:
+            raise RuntimeError(f"cannot create topic {name}: error {code} {rest[0] if rest else ''}")
+    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
+    return created
+
+
+async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] | None:
+    """Partition ids of a topic whose partitions all have leaders, or None."""
+    (meta,) = await admin.describe_topics([topic])
+    parts = meta["partitions"]
+    if meta["error_code"] or not parts or any(p["leader"] < 0 for p in parts):
+        return None
+    return sorted(p["partition"] for p in parts)
+
+
+async def wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    for topic in topics:
+        while await topic_partitions(admin, topic) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} has no leader after {wait_s} s")
+            await asyncio.sleep(0.05)
