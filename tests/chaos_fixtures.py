@@ -297,7 +297,7 @@ class IntakeHarness:
                                 None, len(key or b""), len(value or b""), [])
         self.offset += 1
         sent_before, added_before = len(self.sent), len(self.worker.engine_loop.added)
-        self.worker.intake._handle(self.tp, record)
+        self.worker.intake._handle(self.tp, record)  # decode + triage, no catch-all
         return self.sent[sent_before:], self.worker.engine_loop.added[added_before:]
 
     def finish_admitted(self, engine_req, tokens: int = 1) -> list:

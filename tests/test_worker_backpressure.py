@@ -46,3 +46,30 @@ async def test_refused_replies_back_up_into_paused_intake(kafka_bootstrap, topic
     assert all(worker.tracker.pending(tp) == 0 for tp in worker.tracker.partitions())
     assert not await consume_until(kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False,
                                    predicate=lambda rs: bool(rs))
+
+
+def _lag(worker) -> float:
+    return sum(s.value for m in worker.metrics.consumer_lag.collect() for s in m.samples)
+
+
+async def test_consumer_lag_keeps_counting_while_intake_is_paused(kafka_bootstrap, topics, start_worker,
+                                                                 monkeypatch):
+    """A paused partition is not fetched, so fetch responses no longer bring its high watermark:
+    the lag gauge must still grow with the records that pile up (the operator's signal to scale)."""
+    import worker.offsets as offsets
+
+    monkeypatch.setattr(offsets, "LAG_EVERY_S", 0.3)
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 1})
+    first = [request(topics.replies, max_tokens=400, ignore_eos=True) for _ in range(4)]
+    await submit(kafka_bootstrap, topics.requests, first)
+    while not worker.intake._consumer.paused():
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
+    before = _lag(worker)
+    await submit(kafka_bootstrap, topics.requests, [request(topics.replies, max_tokens=1) for _ in range(30)])
+    for _ in range(100):
+        if _lag(worker) >= before + 30 - 2:  # the 1-2 taken meanwhile are not lag
+            break
+        await asyncio.sleep(0.1)
+    assert worker.intake._consumer.paused(), "the test needs intake paused throughout"
+    assert _lag(worker) >= before + 28, (before, _lag(worker))

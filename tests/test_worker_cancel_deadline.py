@@ -31,7 +31,7 @@ async def test_cancel_running_waiting_and_early(kafka_bootstrap, topics, start_w
     await first_tokens(kafka_bootstrap, topics.replies, running["id"])
     await submit(kafka_bootstrap, topics.requests, [waiting])
     await asyncio.sleep(0.5)  # read and queued behind `running`
-    for r in (running, waiting):
+    for r in (waiting, running):  # the waiting one first: cancelling `running` first lets it start
         await cancel(kafka_bootstrap, topics.cancel, r["id"])
     await submit(kafka_bootstrap, topics.requests, [early])
     events = await collect(kafka_bootstrap, topics.replies, [running["id"], waiting["id"], early["id"]])

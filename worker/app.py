@@ -191,15 +191,19 @@ class Worker:
         if finish_reason == "rejected":
             self.metrics.rejections.labels(code).inc()
 
+    def already_done(self, tp, offset: int, req: Request) -> None:
+        """Redelivered after a lost commit (crash, broker restart, rebalance): its final `done`
+        is already on the reply topic, so running it again would only duplicate it."""
+        log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+        self.num_redelivered += 1
+        self.tracker.finish(tp, offset)
+        self.intake.request_commit()
+
     def admit(self, tp, offset: int, req: Request, received: float) -> None:
         if self._completed.get(req.id) == fingerprint(req):
-            # Redelivered after a lost commit (broker restart, rebalance): its final `done` is
-            # already on the reply topic, so running it again would only duplicate it. (The same
-            # id with other content is a new request and runs.)
-            log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
-            self.num_redelivered += 1
-            self.tracker.finish(tp, offset)
-            self.intake.request_commit()
+            # Finished here before (the reply topic need not be read to know it). The same id
+            # with other content is a new request and runs.
+            self.already_done(tp, offset, req)
             return
         max_tokens = capped_max_tokens(req, self.settings)
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)

@@ -8,29 +8,27 @@ rebalance, so `on_partitions_assigned` pauses again when the pool is full.
 
 Each record is decoded here (bounded by max_message_bytes, so a 100 MB message costs a len())
 and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission.
-Offsets are committed from the OffsetTracker only: never `commit()` without arguments, which
-would commit every record fetched, finished or not.
+Offsets are committed by the Committer (worker/offsets.py) from the OffsetTracker only.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
 
 from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from worker.cancels import RecentCancels
-from worker.offsets import OffsetTracker
+from worker.offsets import Committer, LagGauge, OffsetTracker
 from worker.publisher import client_kwargs
 from worker.ratelimit import RateLimiter
+from worker.redelivery import RedeliveryCheck, Suspect
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
-COMMIT_EVERY_S = 0.2  # commits batch the acks of this window
-REVOKE_COMMIT_RETRIES = 4
 OVERLOAD_BATCH = 64
 
 
@@ -41,6 +39,7 @@ class Sink(Protocol):
     def reject(self, tp, offset, route: InvalidRequest, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None: ...
     def admit(self, tp, offset, request: Request, received: float) -> None: ...
+    def already_done(self, tp, offset, request: Request) -> None: ...
     async def requeue(self, tps: set[TopicPartition]) -> None: ...
 
 
@@ -48,6 +47,18 @@ def route_of(req: Request) -> InvalidRequest:
     """The reply address of a decoded request, in the shape a rejection needs."""
     return InvalidRequest("", "", request_id=req.id, reply_topic=req.reply_topic,
                           reply_partition=req.reply_partition)
+
+
+@dataclass
+class _Pending:
+    """A decoded request that may have run under the partition's previous owner."""
+
+    tp: TopicPartition
+    offset: int
+    request: Request
+    received: float
+    timestamp_ms: int
+    generation: int  # the assignment it was read under
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -59,6 +70,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         self._intake.on_assigned(set(assigned))
+        await self._intake.learn_boundaries(set(assigned))
 
 
 class Intake:
@@ -73,8 +85,14 @@ class Intake:
         self._full_since: float | None = None
         self._overloading = False  # this batch was fetched past the pool's room, to reject
         self._revoking: set[TopicPartition] = set()
-        self._commit_wanted = asyncio.Event()
+        self.committer = Committer(tracker)
+        self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
+        # Records below a partition's boundary (its end offset when it was assigned) may have
+        # run under the previous owner: see worker/redelivery.py.
+        self._redelivery = RedeliveryCheck(settings, metrics) if settings.kafka.redelivery_check else None
+        self._boundary: dict[TopicPartition, int] = {}
+        self._generation = 0
 
     async def start(self) -> None:
         k = self._s.kafka
@@ -85,9 +103,13 @@ class Intake:
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
         )
         self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
+        if self._redelivery:
+            await self._redelivery.start()
         await self._consumer.start()
+        self.committer.consumer = self.lag.consumer = self._consumer
         self._tasks = [asyncio.create_task(self._fetch_loop(), name="intake-fetch"),
-                       asyncio.create_task(self._commit_loop(), name="intake-commit")]
+                       asyncio.create_task(self.committer.run(), name="intake-commit"),
+                       asyncio.create_task(self.lag.run(), name="intake-lag")]
 
     async def close(self) -> None:
         """Final commit, then leave the group (on_partitions_revoked is not called by stop())."""
@@ -95,11 +117,13 @@ class Intake:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(self.commit(), 5.0)
+            await asyncio.wait_for(self.committer.commit(), 5.0)
         except asyncio.TimeoutError:
             log.warning("intake.final_commit_timeout")
         if self._consumer:
             await self._consumer.stop()
+        if self._redelivery:
+            await self._redelivery.close()
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -113,17 +137,56 @@ class Intake:
                 log.warning("intake.fetch_error", error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
+            suspects: list[_Pending] = []
             for tp, records in batch.items():
+                boundary = self._boundary_of(tp, records)
                 for record in records:
-                    self._handle_safely(tp, record)
-            self._update_lag()
+                    self._handle_safely(tp, record, suspects if record.offset < boundary else None)
+            if suspects:
+                await self._triage_suspects(suspects)
+            self.lag.update()
 
-    def _handle_safely(self, tp: TopicPartition, record) -> None:
+    def _boundary_of(self, tp: TopicPartition, records) -> int:
+        if self._redelivery is None:
+            return -1
+        if tp not in self._boundary:  # the high watermark now is at least the one at assignment
+            high = self._consumer.highwater(tp)
+            self._boundary[tp] = high if high is not None else records[-1].offset + 1
+        return self._boundary[tp]
+
+    def _handle_safely(self, tp: TopicPartition, record, suspects: list | None = None) -> None:
         try:
-            self._handle(tp, record)
+            self._handle(tp, record, suspects)
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
             self._sink.dead_letter(record, f"internal error: {exc!r}"[:300])
+
+    def _handle(self, tp: TopicPartition, record, suspects: list | None = None) -> None:
+        """One record: answered at once, or (a suspect) set aside for the redelivery check."""
+        req = self._decode(tp, record)
+        if req is None:
+            return
+        if suspects is None:
+            self._triage(tp, record.offset, req, time.time())
+        else:
+            suspects.append(_Pending(tp, record.offset, req, time.time(), record.timestamp, self._generation))
+
+    async def _triage_suspects(self, pending: list[_Pending]) -> None:
+        """Requests that may have run before: skip those whose final `done` exists, triage the rest."""
+        found = await self._redelivery.finished(
+            [Suspect(p.request.id, p.request.reply_topic, p.request.reply_partition, p.timestamp_ms)
+             for p in pending])
+        for p in pending:
+            if p.generation != self._generation or p.tp in self._revoking:
+                continue  # the partition moved meanwhile: untracked, its new owner reads it
+            try:
+                if p.request.id in found:
+                    self._sink.already_done(p.tp, p.offset, p.request)
+                else:
+                    self._triage(p.tp, p.offset, p.request, p.received)
+            except Exception:  # noqa: BLE001 - as in _handle_safely; the request is decoded
+                log.exception("intake.triage_failed", partition=p.tp.partition, offset=p.offset)
+                self._sink.reject(p.tp, p.offset, route_of(p.request), "internal", "internal error")
 
     async def _fetch_once(self) -> dict:
         room = self._sink.room() if self.fetching else 0
@@ -152,23 +215,23 @@ class Intake:
             self._consumer.resume(*(self._consumer.paused() - self._revoking))
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
-    def _handle(self, tp: TopicPartition, record) -> None:
+    def _decode(self, tp: TopicPartition, record) -> Request | None:
+        """Decode a record: a valid request, or None when it was answered (dead letter, rejection)."""
         if tp in self._revoking or tp not in self._consumer.assignment():
-            return  # being revoked: untracked and uncommitted, so its new owner reads it
+            return None  # being revoked: untracked and uncommitted, so its new owner reads it
         self._tracker.add(tp, record.offset)
-        received = time.time()
         try:
             req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
         except UndecodableMessage as exc:
             log.warning("intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
             self._sink.dead_letter(record, exc.reason)
-            return
+            return None
         except InvalidRequest as exc:
             log.info("intake.invalid", request_id=exc.request_id, partition=tp.partition,
                      offset=record.offset, field=exc.field)
             self._sink.reject(tp, record.offset, exc, exc.code, exc.message)
-            return
-        self._triage(tp, record.offset, req, received)
+            return None
+        return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
         """A valid request: cancelled already, expired, overloaded, over its limit, or admitted."""
@@ -198,67 +261,36 @@ class Intake:
             self._revoking = set(revoked)
             self._consumer.pause(*revoked)
             await self._sink.requeue(revoked)
-            await self._commit_before_forgetting(revoked)
+            await self.committer.commit_before_forgetting(revoked)
         self._tracker.forget(revoked)
-        for tp in revoked:  # its new owner reports it now; a stale value would win the max()
-            try:
-                self._m.consumer_lag.remove(str(tp.partition))
-            except KeyError:
-                pass
+        self.lag.remove(revoked)
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self.joined = True
         self._revoking = set()
+        self._generation += 1
+        self._boundary = {}
+        if self._redelivery:
+            self._redelivery.forget()
         log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned))
         # The new assignment starts unpaused: pause before the fetcher races ahead of the pool.
         if assigned and (not self.fetching or self._sink.room() <= 0):
             self._consumer.pause(*assigned)
 
-    # -- commits ----------------------------------------------------------------------------------
+    async def learn_boundaries(self, assigned: set[TopicPartition]) -> None:
+        """The end offsets now: records below them may have run under the previous owner.
+        If the broker does not answer soon, the first fetch's high watermark stands in."""
+        if self._redelivery is None or not assigned:
+            return
+        try:
+            ends = await asyncio.wait_for(self._consumer.end_offsets(list(assigned)), 5.0)
+        except Exception as exc:  # noqa: BLE001 - the lazy boundary is a safe over-estimate
+            log.warning("intake.end_offsets_failed", error=repr(exc))
+            return
+        self._boundary.update({tp: end for tp, end in ends.items() if tp in assigned})
 
     def request_commit(self) -> None:
-        self._commit_wanted.set()
-
-    async def _commit_loop(self) -> None:
-        while True:
-            await self._commit_wanted.wait()
-            self._commit_wanted.clear()
-            try:
-                await self.commit()
-            except Exception:  # noqa: BLE001 - retried below
-                log.exception("intake.commit_error")
-            await asyncio.sleep(COMMIT_EVERY_S)
-            if self._tracker.to_commit():
-                self._commit_wanted.set()  # a failed commit is retried, not left for the next finish
-
-    async def commit(self, tps=None) -> bool:
-        """Commit the watermarks that moved; False if the broker refused (try again later)."""
-        marks = self._tracker.to_commit(tps)
-        if not marks or self._consumer is None:
-            return True
-        try:
-            await self._consumer.commit(marks)
-        except KafkaError as exc:  # rebalancing or coordinator moved: retried
-            log.warning("intake.commit_failed", error=repr(exc), partitions=len(marks))
-            return False
-        self._tracker.committed(marks)
-        return True
-
-    async def _commit_before_forgetting(self, tps) -> None:
-        # A watermark lost here means the partition's next owner reruns finished requests
-        # (duplicate `done`s): worth a few retries while the coordinator comes back.
-        for attempt in range(REVOKE_COMMIT_RETRIES):
-            if await self.commit(tps):
-                return
-            await asyncio.sleep(0.5 * (attempt + 1))
-        log.error("intake.revoke_commit_lost", partitions=sorted(tp.partition for tp in tps))
-
-    def _update_lag(self) -> None:
-        for tp in self._consumer.assignment():
-            high = self._consumer.highwater(tp)
-            mark = self._tracker.to_commit([tp]).get(tp)
-            if high is not None and mark is not None:
-                self._m.consumer_lag.labels(str(tp.partition)).set(max(0, high - mark))
+        self.committer.request()
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:

@@ -52,6 +52,10 @@ class Metrics:
                                      registry=r)
         self.consumer_lag = Gauge("inferline_consumer_lag", "Records behind the high watermark, per partition",
                                   ["partition"], registry=r)
+        self.redeliveries = Counter("inferline_redeliveries",
+                                    "Requests read again after another owner may have run them, by outcome "
+                                    "(already_done: skipped; rerun: no final done found; unchecked: check failed)",
+                                    ["outcome"], registry=r)
         self.intake_paused = Gauge("inferline_intake_paused", "1 while intake is paused (backpressure)",
                                    registry=r)
 
