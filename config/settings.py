@@ -76,6 +76,9 @@ class ModelSettings(BaseModel):
     # `dummy`: random weights from the model's config, for speed work without weights.
     load_format: Literal["auto", "dummy"] = "auto"
     max_model_len: int = Field(2048, ge=16)
+    # CPU only: torch's intra-op threads for the engine's matmuls (0: torch's default, one per
+    # core). Fewer than the cores leaves one for the event loop and Kafka clients under load.
+    cpu_threads: int = Field(0, ge=0)
 
 
 class CacheSettings(BaseModel):

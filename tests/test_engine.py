@@ -183,3 +183,28 @@ def test_engine_loop_thread_delivers_everything(model_runner, prompts):
     loop.stop(5)
     assert {o.finish_reason for k, o in done.items() if k != "r4"} == {"length"}
     assert done["r4"].finish_reason == "cancelled"
+
+
+def test_cpu_threads_setting_sets_torch_threads(monkeypatch):
+    """INFERLINE_MODEL__CPU_THREADS reaches torch before the model is built."""
+    import worker.engine.engine as engine_module
+    from config.settings import Settings
+
+    seen = {}
+
+    class Runner:  # the model itself is irrelevant here: only when the threads are set
+        def __init__(self, settings):
+            seen["threads_at_build"] = torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(engine_module, "ModelRunner", Runner)
+    monkeypatch.setattr(engine_module.LLMEngine, "__init__", lambda self, runner, settings: None)
+    monkeypatch.setenv("INFERLINE_MODEL__CPU_THREADS", "1")
+    try:
+        engine_module.LLMEngine.from_settings(Settings())
+        assert seen["threads_at_build"] == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.delenv("INFERLINE_MODEL__CPU_THREADS")
+    engine_module.LLMEngine.from_settings(Settings())  # 0: left as it was
+    assert torch.get_num_threads() == before

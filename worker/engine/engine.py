@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import structlog
+import torch
 
 from config.settings import Settings
 from worker.engine.block_manager import BlockManager
@@ -69,6 +70,8 @@ class LLMEngine:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "LLMEngine":
+        if settings.model.cpu_threads:  # process-wide; the engine thread is the one that computes
+            torch.set_num_threads(settings.model.cpu_threads)
         return cls(ModelRunner(settings), settings)
 
     # ---- requests in ---------------------------------------------------------------------------
