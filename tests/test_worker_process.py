@@ -108,3 +108,31 @@ async def test_second_worker_joining_mid_run(kafka_bootstrap, topics, tmp_path, 
     workers = {e.worker for i in ids for e in events[i] if isinstance(e, StartedEvent)}
     print("workers:", workers, "requeued:", worker.metrics.requests.labels("requeued")._value.get())
     assert len(workers) == 2  # both served
+
+
+async def test_a_stop_during_model_load_never_joins_the_group(kafka_bootstrap, topics, model_runner, monkeypatch):
+    """SIGTERM while the model loads: the worker exits once the load ends, without joining the
+    group (a join and an immediate leave would only make every other worker rebalance)."""
+    import threading
+
+    import worker.app as app
+    from config.settings import Settings
+    from tests.worker_fixtures import worker_config
+    from worker.engine.engine import LLMEngine
+
+    loading, release = threading.Event(), threading.Event()
+
+    def slow_build(settings):
+        loading.set()
+        release.wait(30)
+        return LLMEngine(model_runner, app.engine_settings(settings))
+
+    monkeypatch.setattr(app, "build_engine", slow_build)
+    worker = app.Worker(Settings(**worker_config(kafka_bootstrap, topics)))
+    task = asyncio.create_task(worker.run())
+    assert await asyncio.to_thread(loading.wait, 30)
+    worker.request_stop()
+    release.set()
+    await asyncio.wait_for(task, 30)
+    assert worker.intake._consumer is None and worker.engine_loop is None
+    assert not worker.readiness()["in_group"]

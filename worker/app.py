@@ -110,6 +110,9 @@ class Worker:
         log.info("worker.starting", worker=self.name, http_port=self.http.port)
         if self.engine is None:  # minutes on a cold cache: off the loop so /healthz answers
             self.engine = await asyncio.to_thread(build_engine, self.settings)
+        if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
+            log.info("worker.stopped_before_start")
+            return
         self._stats = self.engine.stats()  # totals are deltas from here (an engine may be reused)
         loop = asyncio.get_running_loop()
         self.engine_loop = EngineLoop(self.engine, lambda outs, st: self._from_engine(loop, outs, st))
