@@ -433,7 +433,8 @@ def print_report(results: dict) -> None:
           f"{w['prompt_tokens']['max']} tokens (mean {w['prompt_tokens']['mean']:.0f}), outputs "
           f"{w['output_tokens']['min']}-{w['output_tokens']['max']} (mean {w['output_tokens']['mean']:.0f}, "
           f"total {w['output_tokens']['total']}), greedy, ignore_eos")
-    print_table("All requests at t=0:", results["runs"])
+    print_table(f"All requests at t=0 (engine_static: {results.get('static_seats')} seats; continuous: "
+                f"{results['args'].get('max_num_seqs')}):", results["runs"])
     if results.get("poisson"):
         p = results["poisson"]
         print_table(f"Poisson arrivals at {p['rate_rps']:.2f} req/s ({p['rate_source']}):", p["runs"])
@@ -516,6 +517,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--static-seats", type=int, default=0,
+                   help="seats of the engine's static policy (default: --hf-batch-size, the static-batching baseline)")
     p.add_argument("--extra-static-seats", type=int, default=0,
                    help="also run the engine's static policy with this many seats (e.g. 16, as HF)")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -578,7 +581,12 @@ def run_all(args: argparse.Namespace, argv) -> dict:
         records[f"hf_static{args.hf_batch_size}"] = run_hf(hf, runner.tokenizer, items, args.hf_batch_size, progress)
         del hf
     warm_up_engine(runner)
-    static = engine_settings("static", args.max_num_seqs, args.max_num_batched_tokens)
+    # Static batching runs fixed batches to completion: with as many seats as requests it would
+    # be the continuous schedule minus nothing (all-at-once arrivals never refill), so the
+    # baseline gets HF's batch size unless told otherwise (--extra-static-seats adds another).
+    static_seats = args.static_seats or args.hf_batch_size
+    results["static_seats"] = static_seats
+    static = engine_settings("static", static_seats, args.max_num_batched_tokens)
     records["engine_static"] = run_engine(runner, static, items, "engine_static", progress)
     if args.extra_static_seats:
         seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens)
