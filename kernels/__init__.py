@@ -32,15 +32,17 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> Non
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto"):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto",
+                           plan=None):
     """q [num_seqs, num_heads, head_dim], one token per sequence (its K/V already stored);
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
-    current token. Returns [num_seqs, num_heads, head_dim]."""
+    current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
+    the torch path's index math, made once per step for all layers; Triton needs none."""
     if _use_triton(backend, q):
         from kernels.paged_decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
 
 
 def paged_prefill_attention(

@@ -7,19 +7,22 @@ Cache layout (per layer, K and V alike):
 
 A sequence's token t lives at slot  block_tables[s, t // block_size] * block_size + t % block_size.
 Entries of a block table past ceil(context_len / block_size) are padding: never read.
-Unused cache slots may hold garbage (NaN): everything here masks by selection, never by
-multiplication, so garbage cannot reach the output.
+Unused cache slots may hold garbage (NaN): nothing here reads them into a sum. Prefill slices
+the gathered context to its length; decode reads only context tokens (padding positions
+re-read a real token, and their -inf scores give them weight exactly 0).
 
 GQA: query head h reads KV head h // (num_heads // num_kv_heads), as in Llama's repeat_kv.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 # Decode attends in chunks of this many sequences, sorted by length: small dense copies that
-# stay in cache, with little padding (measured ~1.8x faster than one padded batch on CPU).
+# stay in cache, with little padding (see bench/decode_step.py).
 _DECODE_CHUNK_SEQS = 8
 
 
@@ -43,73 +46,114 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
-def gather_kv(cache, block_tables, num_tokens: int, lens=None, out=None) -> torch.Tensor:
-    """Dense [num_seqs, num_tokens, num_kv_heads, head_dim] copy of the first num_tokens tokens.
-
-    With lens (int64 [num_seqs]), table entries past a sequence's own blocks are padding and
-    are read as block 0 (any valid block), so garbage entries cannot index out of range; the
-    tokens they yield lie past lens and the caller masks them. out, if given, is a flat buffer
-    of at least num_seqs * num_blocks * block_size * kv_heads * head_dim elements to reuse.
-    """
+def gather_kv(cache, block_tables, num_tokens: int) -> torch.Tensor:
+    """Dense [num_seqs, num_tokens, num_kv_heads, head_dim] copy of the first num_tokens tokens."""
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     table = block_tables[:, :num_blocks].long()
     assert table.shape[1] == num_blocks, "block table shorter than the context"
-    if lens is not None:
-        used = (lens + block_size - 1) // block_size
-        cols = torch.arange(num_blocks, device=table.device)
-        table = table.masked_fill(cols[None, :] >= used[:, None], 0)
-    shape = (num_seqs * num_blocks, *cache.shape[1:])
-    if out is not None:
-        assert out.numel() >= shape[0] * cache[0].numel(), "gather buffer too small"
-        out = out[: shape[0] * cache[0].numel()].view(shape)
-    gathered = torch.index_select(cache, 0, table.flatten(), out=out)
+    # Whole blocks as 2-D rows: index_select copies each row with one memcpy only on 2-D input
+    # (on the 4-D cache it takes a strided path, measured ~2x slower).
+    gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, table.flatten())
     return gathered.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
 
+@dataclass
+class DecodeChunk:
+    start: int  # rows start:stop of the length-sorted batch
+    stop: int
+    max_len: int
+    rows: torch.Tensor  # int64 [(stop - start) * KH * max_len]: rows of the cache viewed as [slots * KH, D]
+    bias: torch.Tensor  # fp32 [stop - start, 1, 1, max_len]: 0 for a context token, -inf for padding
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    """One query token per sequence over its paged context; returns [num_seqs, num_heads, head_dim]."""
+@dataclass
+class DecodePlan:
+    """The index math of one decode batch, shared by every layer (the tables do not change
+    between layers): the length order, the chunks, and for each chunk the cache rows to read."""
+
+    num_seqs: int
+    order: torch.Tensor | None  # sorted position -> batch row; None when the batch is already sorted
+    chunks: list[DecodeChunk]
+    empty: torch.Tensor | None  # bool [num_seqs, 1, 1, 1], batch order: context_len 0 (no keys)
+
+
+def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
+                chunk_seqs: int | None = None) -> DecodePlan:
+    """Sort by length and cut into chunks of `chunk_seqs` sequences (small dense copies that stay
+    in cache, with little padding). Padding tokens read the sequence's own token 0, a real and
+    finite K/V row, so garbage never enters: their scores get -inf from `bias`, their weights
+    are exactly 0, and 0 * finite adds nothing. A context_len 0 sequence has no token 0: it
+    reads slot 0 and its output is set to 0 by selection (see `empty`)."""
+    chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
+    lens = context_lens.long()
+    num_seqs = lens.shape[0]
+    order = torch.argsort(lens, stable=True)
+    if bool((lens[1:] >= lens[:-1]).all()):
+        order = None
+    sorted_lens = lens if order is None else lens[order]
+    tables = block_tables if order is None else block_tables[order]
+    ascending = sorted_lens.tolist()
+    chunks = []
+    for start in range(0, num_seqs, chunk_seqs):
+        stop = min(start + chunk_seqs, num_seqs)
+        max_len = max(ascending[stop - 1], 1)
+        rows, bias = _chunk_rows(tables[start:stop], sorted_lens[start:stop], max_len, block_size, num_kv_heads)
+        chunks.append(DecodeChunk(start, stop, max_len, rows, bias))
+    empty = (lens == 0).view(num_seqs, 1, 1, 1)
+    return DecodePlan(num_seqs, order, chunks, empty if bool(empty.any()) else None)
+
+
+def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
+    pos = torch.arange(max_len, device=lens.device)
+    valid = pos[None, :] < lens[:, None]  # [c, L]
+    tok = torch.where(valid, pos[None, :], 0)  # padding -> token 0
+    slots = tables.long().gather(1, tok // block_size) * block_size + tok % block_size
+    slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0 to read: any in-range slot
+    heads = torch.arange(num_kv_heads, device=lens.device)
+    # Head-major [c, KH, L]: the gathered rows are the layout the GEMMs want, no permute copy.
+    rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
+    bias.masked_fill_(~valid, float("-inf"))
+    return rows, bias[:, None, None, :]
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=None) -> torch.Tensor:
+    """One query token per sequence over its paged context; returns [num_seqs, num_heads, head_dim].
+    `plan` (plan_decode of these tables) lets a caller do the index math once for all layers."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
-    out = torch.empty_like(q)
     if num_seqs == 0:
-        return out
-    lens = context_lens.long()
-    # Sequences of similar length go together, so the dense copies carry little padding.
-    order = torch.argsort(lens)
-    for start in range(0, num_seqs, _DECODE_CHUNK_SEQS):
-        idx = order[start : start + _DECODE_CHUNK_SEQS]
-        sub_lens = lens[idx]
-        out[idx] = _decode_chunk(q[idx], k_cache, v_cache, block_tables[idx], sub_lens, int(sub_lens.max()), scale)
-    return out
+        return torch.empty_like(q)
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, k_cache.shape[1], k_cache.shape[2])
+    assert plan.num_seqs == num_seqs, "plan made for another batch"
+    return decode_with_plan(q, k_cache, v_cache, plan, scale)
 
 
-def _decode_chunk(q, k_cache, v_cache, block_tables, lens, max_len, scale):
+def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = max(max_len, 1)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [S, L]
-    k = gather_kv(k_cache, block_tables, max_len, lens)  # [S, L, KH, D]
-    v = gather_kv(v_cache, block_tables, max_len, lens)
-    # Head-major copies [S, KH, L, D]: batched GEMMs on strided operands take a slow path on
-    # CPU (measured ~20x), a contiguous copy is cheap. V's padding is zeroed by selection in
-    # the same pass (a NaN there would survive a zero weight); K's cannot reach the output
-    # because its scores are replaced by -inf below.
-    k = k.permute(0, 2, 1, 3).float().contiguous()
-    v = torch.where(valid[:, None, :, None], v.permute(0, 2, 1, 3).float(),
-                    torch.zeros((), dtype=torch.float32, device=q.device)).contiguous()
+    # 2-D [slots * KH, D] views: index_select takes its row-memcpy fast path only on 2-D input.
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    if plan.order is not None:
+        q = q[plan.order]
     # GQA without copies: the `group` query heads of one KV head are `group` query rows.
-    qg = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [S, KH, G, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim)
-    # context_len 0 has no keys (a fully masked row, NaN after softmax): define its output as 0.
-    out = out.masked_fill((lens == 0)[:, None, None], 0.0)
+    qg = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
+    for ch in plan.chunks:
+        c = ch.stop - ch.start
+        k = k_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
+        v = v_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
+        scores = torch.matmul(qg[ch.start:ch.stop], k.transpose(-1, -2)).add_(ch.bias)  # [c, KH, G, L]
+        torch.matmul(torch.softmax(scores, dim=-1), v, out=out[ch.start:ch.stop])
+    out = out.view(num_seqs, num_heads, head_dim)
+    if plan.order is not None:
+        out = torch.empty_like(out).index_copy_(0, plan.order, out)
+    if plan.empty is not None:  # context_len 0: a fully masked row (NaN after softmax); defined as 0
+        out = out.masked_fill(plan.empty.view(num_seqs, 1, 1), 0.0)
     return out.to(q.dtype)
 
 

@@ -117,7 +117,7 @@ def test_reference_store_kv_writes_slots_and_skips_negative(gen):
 
 def test_auto_backend_on_cpu_is_torch(gen, monkeypatch):
     calls = []
-    monkeypatch.setattr(reference, "paged_decode_attention", lambda *a: calls.append("decode"))
+    monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
     monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))
     q = torch.randn(1, 2, 16)
     kernels.paged_decode_attention(q, None, None, None, None, 1.0)

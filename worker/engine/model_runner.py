@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from config.settings import Settings
+from kernels import reference
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler
@@ -103,8 +104,9 @@ class ModelRunner:
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
-        # Decodes (one new token) first: they go to the decode kernel as one block.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # Decodes (one new token) first: they go to the decode kernel as one block, shortest
+        # context first (the CPU path attends in chunks of similar length: no reordering there).
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, slots, logits_indices = [], [], [], []
@@ -127,6 +129,9 @@ class ModelRunner:
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = self._context_lens(decodes)
+            if self.device.type == "cpu":  # the decode index math, once for all layers
+                meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
+                                                         self.block_size, self.config.num_key_value_heads)
         if prefills:
             meta.prefill_block_tables = self._block_tables(prefills)
             meta.prefill_context_lens = self._context_lens(prefills)

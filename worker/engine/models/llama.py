@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.reference import DecodePlan
 
 
 @dataclass
@@ -31,10 +32,13 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
     prefill_cu_seqlens_q: torch.Tensor | None  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
+    decode_plan: DecodePlan | None = None  # CPU: the decode index math, made once per step
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
+    if dtype == torch.float32:  # one op, the same arithmetic as below (HF's LlamaRMSNorm)
+        return F.rms_norm(x, weight.shape, weight, eps)
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
@@ -78,19 +82,30 @@ def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Neox / HF "rotate_half" layout: the two halves of head_dim are the pair.
+
+    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); here the tables
+    hold cos = (c, c) and sin = (-s, s), and x * cos + swap_halves(x) * sin makes the very same
+    products and sums (negation is exact), in four ops for q and k together. `tables` runs once
+    per forward."""
+
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, params))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # Neox / HF "rotate_half" layout: the two halves of head_dim are the pair.
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [num_tokens, 1, head_dim]: the same for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, heads, head_dim] (q and k heads together)."""
+        xf = x.float()
+        swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return (xf * cos).add_(swapped * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -112,15 +127,17 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
             self.k_norm = nn.Parameter(torch.ones(self.head_dim))
 
-    def forward(self, positions, hidden, k_cache, v_cache, meta: AttentionMetadata):
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, rope, hidden, k_cache, v_cache, meta: AttentionMetadata):
+        num_tokens, heads = hidden.shape[0], self.num_heads
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side, rotated in one pass; views of qkv, no copies.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
+            qk = torch.cat((rms_norm(qk[:, :heads], self.q_norm, self.eps),
+                            rms_norm(qk[:, heads:], self.k_norm, self.eps)), dim=1)
+        qk = self.rotary.apply(qk, *rope)
+        q, k = qk[:, :heads], qk[:, heads:]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, meta)
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -128,16 +145,18 @@ class Attention(nn.Module):
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            return self._decode(q, k_cache, v_cache, meta)
         prefill = kernels.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
             meta.prefill_context_lens, self.scale)
         if nd == 0:
             return prefill
-        decode = kernels.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        return torch.cat((decode, prefill))
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta), prefill))
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+            plan=meta.decode_plan)
 
 
 class MLP(nn.Module):
@@ -149,7 +168,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -161,9 +180,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.eps = config.rms_norm_eps
 
-    def forward(self, positions, hidden, k_cache, v_cache, meta):
-        hidden = hidden + self.self_attn(
-            positions, rms_norm(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
+    def forward(self, rope, hidden, k_cache, v_cache, meta):
+        hidden = hidden + self.self_attn(rope, rms_norm(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
         return hidden + self.mlp(rms_norm(hidden, self.post_attention_layernorm, self.eps))
 
 
@@ -172,9 +190,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
+        self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -183,8 +201,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            hidden = layer(positions, hidden, k_cache, v_cache, meta)
+            hidden = layer(rope, hidden, k_cache, v_cache, meta)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
