@@ -26,8 +26,10 @@ the in-process engine's step count, step time and CPU seconds; per request, the 
 (`--probe N` single 2-token requests, one at a time, on each path). The in-process engine steps
 on a thread of its own, like the worker's EngineLoop (see docs/benchmarks.md for why it matters).
 
-Prints both runs, the throughput ratio (target >= 0.9x) and the TTFT p50 difference (target
-within 50 ms); writes bench/results/kafka_e2e.json (--out).
+Prints both runs, the throughput ratio (target >= 0.9x) and the TTFT p50 difference (target:
+Kafka adds at most 50 ms; under all-at-once load both p50s are queueing and move by hundreds of
+ms between runs of one path, so the idle probe and the per-request overhead are the sharper
+measures); writes bench/results/kafka_e2e.json (--out).
 """
 from __future__ import annotations
 
@@ -517,7 +519,9 @@ def compare(runs: list[dict]) -> dict:
             "in_process_ttft_p50_s": eng_ttft, "kafka_ttft_p50_s": kaf_ttft, "ttft_p50_diff_ms": diff_ms,
             **idle, "kafka_ttft_overhead_p50_ms": None if overhead is None else 1e3 * overhead,
             "throughput_met": ratio >= TARGETS["throughput_ratio_min"],
-            "ttft_met": abs(diff_ms) <= TARGETS["ttft_p50_diff_max_ms"]}
+            # The target bounds what Kafka adds: one-sided. A Kafka p50 below the in-process one
+            # is the prefill order of requests arriving in a few fetches, not a speed-up.
+            "ttft_met": diff_ms <= TARGETS["ttft_p50_diff_max_ms"]}
 
 
 def pair_runs(runs: list[dict]):
@@ -555,7 +559,7 @@ def print_report(results: dict) -> None:
           f" ratio {c['throughput_ratio']:.2f}x (target >= {TARGETS['throughput_ratio_min']}x)"
           f" {'MET' if c['throughput_met'] else 'not met'}")
     print(f"TTFT p50    in-process {1e3 * c['in_process_ttft_p50_s']:.0f} ms, kafka {1e3 * c['kafka_ttft_p50_s']:.0f} ms:"
-          f" difference {c['ttft_p50_diff_ms']:+.0f} ms (target within {TARGETS['ttft_p50_diff_max_ms']:.0f} ms)"
+          f" difference {c['ttft_p50_diff_ms']:+.0f} ms (target: Kafka adds <= {TARGETS['ttft_p50_diff_max_ms']:.0f} ms)"
           f" {'MET' if c['ttft_met'] else 'not met'}")
     if "idle_ttft_p50_diff_ms" in c:
         print(f"idle TTFT   one request at a time ({results['settings']['probe']} each): in-process "
