@@ -159,8 +159,8 @@ class LagGauge:
         self.consumer = None
 
     def update(self) -> None:
-        """After a fetch: the high watermarks it brought."""
-        for tp in self.consumer.assignment():
+        """After a fetch: the high watermarks it brought (a paused partition's is stale: run())."""
+        for tp in self.consumer.assignment() - self.consumer.paused():
             high = self.consumer.highwater(tp)
             if high is not None:
                 self._set(tp, high, self._tracker.watermark(tp))
