@@ -12,7 +12,6 @@ one stops this script. tests/test_asyncapi.py checks the result against the code
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from producer import schema  # noqa: E402
+from scripts.generated import cli  # noqa: E402
 
 OUT = REPO / "docs" / "asyncapi.yaml"
 REF = "#/components/schemas/{model}"
@@ -360,19 +360,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the checked-in file is stale")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        stale = not OUT.exists() or OUT.read_text() != text
-        if stale:
-            print(f"{OUT.relative_to(REPO)} is stale: run python scripts/gen_asyncapi.py", file=sys.stderr)
-        return 1 if stale else 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(REPO)}")
-    return 0
+    return cli(OUT, render, __doc__.splitlines()[0], "gen_asyncapi.py")
 
 
 if __name__ == "__main__":

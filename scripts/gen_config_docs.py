@@ -10,7 +10,6 @@ stops this script, so a new setting cannot go undocumented. tests/test_docs.py c
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import re
@@ -27,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from config import settings as settings_module  # noqa: E402
 from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings  # noqa: E402
+from scripts.generated import cli  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
 SOURCE = Path(settings_module.__file__)
@@ -268,19 +268,7 @@ JSON object instead.
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the checked-in file is stale")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        stale = not OUT.exists() or OUT.read_text() != text
-        if stale:
-            print(f"{OUT.relative_to(REPO)} is stale: run python scripts/gen_config_docs.py", file=sys.stderr)
-        return 1 if stale else 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(REPO)}")
-    return 0
+    return cli(OUT, render, __doc__.splitlines()[0], "gen_config_docs.py")
 
 
 if __name__ == "__main__":
