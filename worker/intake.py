@@ -7,7 +7,9 @@ that stopped fetching would silently fall out of the group. Pauses are forgotten
 rebalance, so `on_partitions_assigned` pauses again when the pool is full.
 
 Each record is decoded here (bounded by max_message_bytes, so a 100 MB message costs a len())
-and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission.
+and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission,
+or (a record below the partition's end offset at assignment, which the previous owner may have
+finished) skipped because its final `done` is already on the reply topic (worker/redelivery.py).
 Offsets are committed by the Committer (worker/offsets.py) from the OffsetTracker only.
 """
 from __future__ import annotations
