@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench import roofline
-from bench.workload import WorkItem, make_workload, with_arrivals
+from bench.workload import WorkItem, add_workload_args, apply_quick, make_workload, with_arrivals
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"continuous_over_hf": 5.0, "continuous_over_static": 1.6, "roofline_fraction": 0.4}
@@ -506,10 +506,7 @@ def curves(ax, runs: dict, title: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256, help="outputs are uniform in [min(8, this), this]")
-    p.add_argument("--max-prompt", type=int, default=270, help="user message tokens (the chat template adds ~31)")
-    p.add_argument("--quick", action="store_true", help="tiny run: 4 requests x 8 tokens, short prompts")
+    add_workload_args(p)
     p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--rate", default="auto",
                    help="Poisson arrivals in requests/s; 'auto' = 80%% of the continuous engine's measured "
@@ -528,8 +525,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.max_output, args.max_prompt = min(args.num_requests, 4), min(args.max_output, 8), 40
+    apply_quick(args)
     return args
 
 

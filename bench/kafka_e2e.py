@@ -51,6 +51,8 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.workload import add_workload_args, apply_quick
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "kafka_e2e.json"
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
@@ -63,10 +65,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kafka_e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256, help="outputs uniform in [min(8, this), this]")
-    p.add_argument("--max-prompt", type=int, default=270, help="user message tokens (the template adds ~31)")
-    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, short prompts")
+    add_workload_args(p)
     p.add_argument("--repeats", type=int, default=1, help="runs per path, in ABBA order")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -79,8 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker's /readyz")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.max_output, args.max_prompt = min(args.num_requests, 4), min(args.max_output, 8), 40
+    apply_quick(args)
     return args
 
 

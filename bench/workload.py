@@ -112,3 +112,17 @@ def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> l
             t += rng.expovariate(rate) if i else 0.0
         out.append(WorkItem(item.request_id, item.messages, item.prompt_token_ids, item.max_tokens, t))
     return out
+
+
+def add_workload_args(parser) -> None:
+    """The workload's command-line options, the same in every benchmark that runs it."""
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-output", type=int, default=256, help="outputs are uniform in [min(8, this), this]")
+    parser.add_argument("--max-prompt", type=int, default=270, help="user message tokens (the chat template adds ~31)")
+    parser.add_argument("--quick", action="store_true", help="tiny run: 4 requests x 8 tokens, short prompts")
+
+
+def apply_quick(args) -> None:
+    """--quick shrinks the workload to a smoke run."""
+    if args.quick:
+        args.num_requests, args.max_output, args.max_prompt = min(args.num_requests, 4), min(args.max_output, 8), 40
