@@ -1,17 +1,18 @@
 """Decode-step micro-benchmark: ms per step of the real engine (SmolLM2) at a fixed batch of decodes.
 
     python -m bench.decode_step                    # batch 32, 20 timed steps, 2 threads
-    python -m bench.decode_step --compare          # the old decode path (v0) vs the current one
+    python -m bench.decode_step --compare          # v0, torch, cpu and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
 benchmark's prompts (bench/workload.py) plus `--extra-context` tokens each (contexts ~100-450, a
 mid-run batch), prefills them, then times whole `LLMEngine.step()` calls (schedule, prepare,
 forward, logits, sampling, update) that decode one token per sequence. The machine is shared and
-noisy: `--compare` interleaves the variants step by step (ABC CBA) in one process, on one batch,
-and reports medians and ratios: v0 (the model code before issue #3, kept below), the current code,
-and the current code with decode attention skipped (outputs zeros; the step minus it is what
-attention costs). The matmul floor (bench/roofline.py: the step's own linear layers alone, at
+noisy: `--compare` interleaves the variants step by step (ABCD DCBA) in one process, on one
+batch, and reports medians and ratios: v0 (the model code before issue #3, kept below), the
+current code with decode attention in PyTorch (`torch`, kernels/reference.py) and in the compiled
+C kernel (`cpu`, kernels/cpu.py), and with decode attention skipped (outputs zeros; the step
+minus it is what attention costs). The matmul floor (bench/roofline.py: the step's own linear layers alone, at
 this batch) is timed in between. Steps run on a thread of their own, as in the
 worker (see docs/benchmarks.md on OpenMP threads called from the main thread).
 """
@@ -181,29 +182,45 @@ def matmul_floor(eng, batch: int) -> float:
 
 
 @contextlib.contextmanager
-def attention_skipped():
+def attention_skipped(eng):
     """The current path with decode attention replaced by zeros: what the rest of the step costs."""
-    from kernels import reference
+    import kernels
 
-    saved = reference.decode_with_plan
-    reference.decode_with_plan = lambda q, *args: torch.zeros_like(q)
+    saved = kernels.paged_decode_attention
+    kernels.paged_decode_attention = lambda q, *args, **kw: torch.zeros_like(q)
     try:
         yield
     finally:
-        reference.decode_with_plan = saved
+        kernels.paged_decode_attention = saved
 
 
-VARIANTS = {"v0": v0_patched, "new": contextlib.nullcontext, "no-attn": attention_skipped}
+@contextlib.contextmanager
+def decode_backend(eng, name: str):
+    """The current model code with decode attention on `name` (kernels.decode_backend)."""
+    saved = eng.runner.decode_backend
+    eng.runner.decode_backend = name  # read by prepare(): the torch path also gets its plan
+    try:
+        yield
+    finally:
+        eng.runner.decode_backend = saved
+
+
+VARIANTS = {
+    "v0": lambda eng: v0_patched(),
+    "torch": lambda eng: decode_backend(eng, "torch"),
+    "cpu": lambda eng: decode_backend(eng, "cpu"),
+    "no-attn": attention_skipped,
+}
 
 
 def measure(args) -> dict:
     eng = build_engine(args)
     lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
-    names = ["v0", "new", "no-attn"] if args.compare else ["new"]
+    names = ["v0", "torch", "cpu", "no-attn"] if args.compare else [eng.runner.decode_backend]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
-        for name in names if r % 2 == 0 else names[::-1]:  # ABC CBA ...: drifts cancel
-            with VARIANTS[name]():
+        for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
+            with VARIANTS[name](eng):
                 res["steps"][name].append(timed_step(eng))
         if r % 4 == 3:
             res["floor"].append(matmul_floor(eng, args.batch))
@@ -235,11 +252,12 @@ def report(args, res: dict) -> None:
               f"{batch / med[name] * 1e3:6.1f} tok/s; matmul floor = {floor / med[name]:.0%} of it")
     print(f"  matmul floor (bench/roofline.py, this batch): {floor:.1f} ms (median of {len(res['floor'])}), "
           f"{batch / floor * 1e3:.0f} tok/s")
-    if "v0" in med:
+    if "no-attn" in med:
         lo = {name: min(ts) for name, ts in res["steps"].items()}
-        print(f"  v0 / new: {med['v0'] / med['new']:.2f}x (medians), {lo['v0'] / lo['new']:.2f}x (minima)")
-        print(f"  decode attention: v0 ~{med['v0'] - med['no-attn']:.0f} ms, new ~{med['new'] - med['no-attn']:.0f} ms "
-              f"per step (step minus no-attn; v0 also has the old rope/norm code)")
+        for a, b in (("v0", "torch"), ("torch", "cpu")):
+            print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians), {lo[a] / lo[b]:.2f}x (minima)")
+        cost = ", ".join(f"{name} ~{med[name] - med['no-attn']:.0f} ms" for name in ("v0", "torch", "cpu"))
+        print(f"  decode attention per step (step minus no-attn): {cost} (v0 also has the old rope/norm code)")
     if "profile" in res:
         print(f"\ntorch.profiler, {args.profile_steps} steps of the current path, top 10 by self CPU time:")
         print(res["profile"])
@@ -254,7 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=270)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare", action="store_true",
-                   help="also time v0 (the decode path before issue #3) and no-attn (decode attention skipped)")
+                   help="time v0 (the decode path before issue #3), torch (reference.py), cpu (the C kernel) "
+                        "and no-attn (decode attention skipped) side by side")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

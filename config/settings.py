@@ -79,6 +79,10 @@ class ModelSettings(BaseModel):
     # CPU only: torch's intra-op threads for the engine's matmuls (0: torch's default, one per
     # core). Fewer than the cores leaves one for the event loop and Kafka clients under load.
     cpu_threads: int = Field(0, ge=0)
+    # Decode attention: `auto` is Triton on CUDA, the compiled C kernel for fp32 on the CPU
+    # (kernels/cpu.py; built with the system C compiler on first use, PyTorch if that fails),
+    # else PyTorch. `torch` forces the plain-PyTorch path (kernels/reference.py).
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
 
 
 class CacheSettings(BaseModel):

@@ -1,25 +1,37 @@
-"""Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere.
+"""Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere, and
+for fp32 decode on the CPU a compiled C kernel (cpu.py) when a C compiler is there.
 
 Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
-slot = block * block_size + offset. Every op takes backend="auto" | "triton" | "torch";
-"auto" is Triton for CUDA tensors and torch otherwise. "triton" on CPU tensors needs
-TRITON_INTERPRET=1 set before triton is first imported (the tests do this).
+slot = block * block_size + offset. Every op takes backend="auto" | "triton" | "cpu" | "torch";
+"auto" is Triton for CUDA tensors, the C kernel for fp32 CPU decode (if it built), and torch
+otherwise. "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first
+imported (the tests do this).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import cpu, reference
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "decode_backend"]
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def _use_triton(backend: str, t: torch.Tensor) -> bool:
     assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
     return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def decode_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> str:
+    """What paged_decode_attention runs for tensors on `device` of `dtype`: triton, cpu or torch."""
+    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if device.type == "cpu" and dtype == torch.float32 and cpu.available() else "torch"
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
@@ -37,11 +49,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """q [num_seqs, num_heads, head_dim], one token per sequence (its K/V already stored);
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
     current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
-    the torch path's index math, made once per step for all layers; Triton needs none."""
-    if _use_triton(backend, q):
+    the torch path's index math, made once per step for all layers; the kernels need none."""
+    chosen = decode_backend(q.device, q.dtype, backend)
+    if chosen == "triton":
         from kernels.paged_decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if chosen == "cpu":
+        return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
 
 

@@ -115,7 +115,9 @@ def test_reference_store_kv_writes_slots_and_skips_negative(gen):
     kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])  # empty batch is a no-op
 
 
-def test_auto_backend_on_cpu_is_torch(gen, monkeypatch):
+def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypatch):
+    # (with it, fp32 decode goes to kernels/cpu.py: tests/test_cpu_kernels.py)
+    monkeypatch.setattr(kernels.cpu, "available", lambda: False)
     calls = []
     monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
     monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))

@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from config.settings import Settings
+import kernels
 from kernels import reference
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
@@ -56,8 +57,9 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend)
         log.info("model ready", device=str(self.device), dtype=str(self.dtype),
-                 num_blocks=self.num_blocks, block_size=self.block_size)
+                 num_blocks=self.num_blocks, block_size=self.block_size, decode_attention=self.decode_backend)
 
     # ---- KV cache -----------------------------------------------------------------------------
 
@@ -125,11 +127,12 @@ class ModelRunner:
                      self._tensor(logits_indices, torch.long), sampling)
 
     def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
-        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None)
+        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
+                                 decode_backend=self.decode_backend)
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = self._context_lens(decodes)
-            if self.device.type == "cpu":  # the decode index math, once for all layers
+            if self.decode_backend == "torch":  # the decode index math, once for all layers
                 meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                                          self.block_size, self.config.num_key_value_heads)
         if prefills:

@@ -32,7 +32,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
     prefill_cu_seqlens_q: torch.Tensor | None  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
-    decode_plan: DecodePlan | None = None  # CPU: the decode index math, made once per step
+    decode_plan: DecodePlan | None = None  # torch backend: the decode index math, made once per step
+    decode_backend: str = "auto"  # kernels.decode_backend: triton | cpu | torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,7 +157,7 @@ class Attention(nn.Module):
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-            plan=meta.decode_plan)
+            backend=meta.decode_backend, plan=meta.decode_plan)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,130 @@
+"""Compiled CPU kernels: C sources in kernels/csrc/, built with the system C compiler on first
+use and cached, called through ctypes (which releases the GIL for the call).
+
+Why C and not PyTorch on the CPU: paged decode attention in PyTorch must first gather every
+sequence's K/V into a dense copy (reference.py) — at batch 32 that is ~450 MB written and read
+again per step, more than the attention's own reads. The C kernel reads the blocks in place.
+
+The build is `cc -O3 -march=native -fopenmp -shared` (about a second), cached under
+`cache_dir()/kernels/` keyed by the source, the flags and this CPU's feature flags (a cache
+folder shared by different machines never hands one a library built for another). Writes go
+to a temporary name and are renamed into place, so processes building at once do not clash.
+No compiler, or a failed build, is logged once and `available()` is False: callers fall back
+to reference.py (INFERLINE_MODEL__ATTENTION_BACKEND=torch chooses that path outright).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+from config.settings import cache_dir
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURE = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+_ERRORS = {-1: "could not allocate its score buffers", -2: "a block table entry is out of range"}
+
+
+def available() -> bool:
+    """The compiled kernels can be called (built now if needed; False after a failed build)."""
+    return _load() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _build_and_open()
+        return _lib
+
+
+def _build_and_open() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("cpu kernels off: no C compiler found (cc/gcc); using the PyTorch path")
+        return None
+    target = cache_dir() / "kernels" / f"{SOURCE.stem}-{_build_key(compiler)}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("cpu kernels off: build failed; using the PyTorch path", error=detail[-2000:])
+        return None
+    lib.paged_decode_attention_f32.argtypes = _SIGNATURE
+    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+def _build_key(compiler: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join((compiler,) + FLAGS).encode())
+    h.update(platform.machine().encode() + _cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+        log.info("cpu kernels built", library=str(target))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention; fp32, contiguous, CPU."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    for t in (q, k_cache, v_cache):
+        assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    # q may be a view of the fused qkv projection: rows apart, heads and dims packed.
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, f"q's heads must be packed, strides {q.stride()}"
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and block_tables.shape[0] == num_seqs
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
+    out = torch.empty_like(q)
+    # The C side checks the tables before it reads (a bad one is an error, not a wild read).
+    rc = _load().paged_decode_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
+        num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_attention_f32: {_ERRORS.get(rc, rc)}")
+    return out

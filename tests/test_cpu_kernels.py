@@ -1,0 +1,157 @@
+"""The compiled CPU decode-attention kernel (kernels/cpu.py) against the PyTorch reference on
+random shapes, its checks, its build and its fallback.
+
+Shapes are drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one.
+The cache holds NaN wherever no token was written and block tables carry out-of-range padding
+(tests/paged_cache.py), so a read outside a context shows up as NaN or a crash.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu, reference
+from tests.paged_cache import PagedCache
+
+SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine uses the PyTorch path")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(SEED)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_lens(gen, block_size: int, n: int) -> list[int]:
+    edges = [1, block_size - 1, block_size, block_size + 1]
+    return edges + [int(x) for x in torch.randint(2, 600, (n,), generator=gen)]
+
+
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
+    num_kv_heads = int(torch.randint(1, 4, (1,), generator=gen))
+    lens = random_lens(gen, block_size, 6)
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, torch.float32)
+    q = torch.randn(len(lens), num_kv_heads * gqa, head_dim, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim ** -0.5)
+    out = kernels.paged_decode_attention(*args, backend="cpu")
+    ref = reference.paged_decode_attention(*args)
+    assert not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
+    for i, n in enumerate(lens):
+        assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_decode_same_for_any_thread_count(gen, threads):
+    cache = PagedCache(gen, random_lens(gen, 16, 12), 16, 3, 64, torch.float32)
+    q = torch.randn(16, 9, 64, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_decode_attention_cpu(*args)
+        torch.set_num_threads(threads)
+        many = cpu.paged_decode_attention_cpu(*args)
+    finally:
+        torch.set_num_threads(before)
+    # One (sequence, KV head) is one thread's work, in one order: bitwise the same.
+    assert torch.equal(one, many)
+
+
+def test_cpu_decode_reads_q_as_a_view_of_fused_qkv(gen):
+    cache = PagedCache(gen, [7, 70, 33], 16, 2, 64, torch.float32)
+    qkv = torch.randn(3, 8 + 2 * 2, 64, generator=gen)  # [tokens, q heads + k heads + v heads, D]
+    q = qkv[:, :8]
+    assert not q.is_contiguous()
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    out = cpu.paged_decode_attention_cpu(q, *args)
+    assert torch.equal(out, cpu.paged_decode_attention_cpu(q.contiguous(), *args))
+    assert rel_err(out, reference.paged_decode_attention(q, *args)) < 1e-5
+
+
+def test_cpu_decode_empty_context_and_empty_batch(gen):
+    cache = PagedCache(gen, [0, 5], 16, 1, 64, torch.float32)
+    q = torch.randn(2, 2, 64, generator=gen)
+    out = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    assert torch.equal(out[0], torch.zeros(2, 64)), "a context of 0 tokens attends to nothing: 0"
+    none = cpu.paged_decode_attention_cpu(q[:0], cache.k_cache, cache.v_cache, cache.block_tables[:0],
+                                          cache.context_lens[:0], 0.1)
+    assert none.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("bad", ["block_id", "negative_block", "table_too_short", "negative_len"])
+def test_cpu_decode_refuses_a_bad_table_before_reading(gen, bad):
+    cache = PagedCache(gen, [40, 20], 16, 1, 64, torch.float32)
+    tables, lens = cache.block_tables.clone(), cache.context_lens.clone()
+    if bad == "block_id":
+        tables[1, 1] = cache.k_cache.shape[0]  # one past the last block
+    elif bad == "negative_block":
+        tables[0, 2] = -1
+    elif bad == "table_too_short":
+        lens[0] = 16 * tables.shape[1] + 1
+    else:
+        lens[1] = -3
+    q = torch.randn(2, 2, 64, generator=gen)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, lens, 0.1)
+
+
+def test_cpu_decode_asserts_layout(gen):
+    cache = PagedCache(gen, [9], 16, 1, 64, torch.float32)
+    q = torch.randn(1, 2, 64, generator=gen)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    with pytest.raises(AssertionError):
+        cpu.paged_decode_attention_cpu(q.bfloat16(), *args)
+    with pytest.raises(AssertionError):
+        cpu.paged_decode_attention_cpu(torch.randn(1, 64, 2).transpose(1, 2), *args)  # heads not packed
+    with pytest.raises(AssertionError):
+        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables.long(),
+                                       cache.context_lens, 0.1)
+
+
+def test_auto_backend_picks_the_cpu_kernel_for_fp32_only():
+    cpu_dev = torch.device("cpu")
+    assert kernels.decode_backend(cpu_dev, torch.float32) == "cpu"
+    assert kernels.decode_backend(cpu_dev, torch.bfloat16) == "torch"
+    assert kernels.decode_backend(cpu_dev, torch.float32, "torch") == "torch"
+    assert kernels.decode_backend(torch.device("cuda"), torch.bfloat16) == "triton"
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """kernels.cpu as on a new machine: nothing built, an empty cache folder."""
+    monkeypatch.setenv("INFERLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_lib", None)
+    return tmp_path
+
+
+def test_first_use_builds_into_the_cache_folder(fresh_build, gen):
+    assert cpu.available()
+    (built,) = (fresh_build / "kernels").glob("paged_decode_attention-*.so")
+    assert not list((fresh_build / "kernels").glob("tmp*")), "the temporary build file was left behind"
+    cache = PagedCache(gen, [30], 16, 1, 64, torch.float32)
+    q = torch.randn(1, 1, 64, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    assert rel_err(cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)) < 1e-5
+
+
+def test_failed_build_falls_back_to_torch(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", shutil.which("false"))  # a "compiler" that always fails
+    assert not cpu.available()
+    assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
+    assert not list((fresh_build / "kernels").glob("*")), "a failed build left a file behind"
