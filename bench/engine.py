@@ -146,10 +146,11 @@ def completion_curve(rec: RunRecord, points: int = 200) -> list[list[float]]:
 # ---- the engine ----------------------------------------------------------------------------------
 
 
-def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int):
+def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True):
     from config.settings import Settings
 
     s = Settings()
+    s.cache.enable_prefix_caching = prefix_caching
     s.scheduler.policy = policy
     s.scheduler.max_num_seqs = max_num_seqs
     s.scheduler.max_num_batched_tokens = max_num_batched_tokens
@@ -199,7 +200,9 @@ def run_engine(runner, settings, items: list[WorkItem], label: str, progress: bo
     bar.close()
     rec.extra = {"policy": settings.scheduler.policy, "max_num_seqs": settings.scheduler.max_num_seqs,
                  "max_num_batched_tokens": settings.scheduler.max_num_batched_tokens,
-                 "num_kv_blocks": runner.num_blocks, "block_size": runner.block_size}
+                 "num_kv_blocks": runner.num_blocks, "block_size": runner.block_size,
+                 "prefix_caching": settings.cache.enable_prefix_caching,
+                 "prefix_cache_hit_tokens": eng.stats().prefix_cache_hits}
     return rec
 
 
@@ -417,6 +420,39 @@ def ratios(results: dict, key: str = "tokens_per_s") -> dict:
     return out
 
 
+def ceiling(results: dict) -> dict:
+    """What the roofline allows on this workload. The roofline bounds every token the model
+    processes, prompt and output alike (same FLOPs per token), while the throughput above counts
+    output tokens only: so even at 100% of the roofline the output rate is at most
+    roofline x output / (prompt + output). Also the continuous engine's processed tokens/s
+    (computed prompt tokens + output over its span) as a fraction of the roofline (model FLOPs
+    utilization); prompt tokens found in the prefix cache are not computed and not counted."""
+    w, roof = results["workload"], results["roofline"]["tokens_per_s"]
+    prompt, output = w["prompt_tokens"]["total"], w["output_tokens"]["total"]
+    out = {"output_tokens_per_s_at_roofline": roof * output / (prompt + output)}
+    out["roofline_fraction_at_best"] = out["output_tokens_per_s_at_roofline"] / roof
+    hf = next((r for label, r in results["runs"].items() if label.startswith("hf_")), None)
+    if hf and hf.get("tokens_per_s"):
+        out["over_hf_at_best"] = out["output_tokens_per_s_at_roofline"] / hf["tokens_per_s"]
+    cont = results["runs"].get("engine_continuous")
+    if cont and cont.get("complete"):
+        hits = cont.get("prefix_cache_hit_tokens", 0)  # found in the prefix cache: not computed
+        out["continuous_prefix_cache_hit_tokens"] = hits
+        out["continuous_processed_tokens_per_s"] = (prompt - hits + cont["useful_tokens"]) / cont["span_s"]
+        out["continuous_processed_roofline_fraction"] = out["continuous_processed_tokens_per_s"] / roof
+    return out
+
+
+def print_ceiling(c: dict) -> None:
+    print(f"  ceiling: computing every prompt and output token at 100% of the roofline, this workload gives at most "
+          f"{c['output_tokens_per_s_at_roofline']:.0f} output tok/s = {c['roofline_fraction_at_best']:.0%} of the "
+          f"roofline" + (f", {c['over_hf_at_best']:.2f}x HF" if "over_hf_at_best" in c else ""))
+    if "continuous_processed_tokens_per_s" in c:
+        print(f"  continuous, computed prompt + output tokens: {c['continuous_processed_tokens_per_s']:.0f} tok/s = "
+              f"{c['continuous_processed_roofline_fraction']:.0%} of the roofline (model FLOPs utilization; "
+              f"{c['continuous_prefix_cache_hit_tokens']} prompt tokens came from the prefix cache)")
+
+
 def print_report(results: dict) -> None:
     roof = results["roofline"]
     fpt = roof["flops_per_token"]
@@ -444,6 +480,8 @@ def print_report(results: dict) -> None:
         shown = f"{value:.0%}" if key == "roofline_fraction" else f"{value:.2f}x"
         goal = f"{target:.0%}" if key == "roofline_fraction" else f"{target:.1f}x"
         print(f"  {key:<24}{shown:>8}   target >= {goal:<6} {'MET' if value >= target else 'not met'}")
+    if results.get("ceiling"):
+        print_ceiling(results["ceiling"])
     cpu = results.get("ratios_per_cpu_s") or {}
     if cpu:
         print("  per CPU-second (robust to other load): "
@@ -524,6 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="engine modes without prefix caching (every prompt token computed, as HF does)")
     args = p.parse_args(argv)
     apply_quick(args)
     return args
@@ -559,7 +599,7 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     from worker.engine.model_runner import ModelRunner
 
     started = time.time()
-    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens)
+    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens, not args.no_prefix_caching)
     runner = ModelRunner(base)
     items = make_workload(runner.tokenizer, args.num_requests, max_output=args.max_output,
                           max_prompt=args.max_prompt, seed=args.seed)
@@ -582,10 +622,11 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     # baseline gets HF's batch size unless told otherwise (--extra-static-seats adds another).
     static_seats = args.static_seats or args.hf_batch_size
     results["static_seats"] = static_seats
-    static = engine_settings("static", static_seats, args.max_num_batched_tokens)
+    static = engine_settings("static", static_seats, args.max_num_batched_tokens, not args.no_prefix_caching)
     records["engine_static"] = run_engine(runner, static, items, "engine_static", progress)
     if args.extra_static_seats:
-        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens)
+        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens,
+                                not args.no_prefix_caching)
         label = f"engine_static{args.extra_static_seats}"
         records[label] = run_engine(runner, seats, items, label, progress)
     records["engine_continuous"] = run_engine(runner, base, items, "engine_continuous", progress)
@@ -593,6 +634,7 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     results["greedy_agreement"] = check_agreement(records)
     results["ratios"] = ratios(results)
     results["ratios_per_cpu_s"] = ratios(results, "tokens_per_cpu_s")
+    results["ceiling"] = ceiling(results)
 
     rate, source = poisson_rate(args.rate, results, items)
     if rate:

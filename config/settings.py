@@ -92,6 +92,9 @@ class CacheSettings(BaseModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     # When set, overrides both budgets.
     num_blocks: int | None = Field(None, ge=1)
+    # Reuse the K/V of full blocks whose whole prefix was computed before (a shared system
+    # prompt, a chat's earlier turns, a recompute after preemption): those tokens are skipped.
+    enable_prefix_caching: bool = True
 
     @field_validator("block_size")
     @classmethod

@@ -25,9 +25,11 @@ def hf_model():
 
 
 def make_engine(runner: ModelRunner, **scheduler) -> LLMEngine:
-    """An engine over the shared runner; `num_blocks=` squeezes the KV pool."""
+    """An engine over the shared runner; `num_blocks=` squeezes the KV pool,
+    `enable_prefix_caching=False` turns the prefix cache off."""
     settings = Settings()
     settings.cache.num_blocks = scheduler.pop("num_blocks", None)
+    settings.cache.enable_prefix_caching = scheduler.pop("enable_prefix_caching", True)
     for key, value in scheduler.items():
         setattr(settings.scheduler, key, value)
     return LLMEngine(runner, settings)

@@ -67,6 +67,21 @@ def test_roofline_and_ratios(results):
     assert data["profile"]["num_steps"] >= 1 and data["profile"]["top_self_cpu"]
 
 
+def test_ceiling_counts_prompt_tokens(results, capsys):
+    data, _ = results
+    c, w = data["ceiling"], data["workload"]
+    share = w["output_tokens"]["total"] / (w["output_tokens"]["total"] + w["prompt_tokens"]["total"])
+    assert c["roofline_fraction_at_best"] == pytest.approx(share)
+    cont = data["runs"]["engine_continuous"]
+    hits = cont["prefix_cache_hit_tokens"]
+    assert cont["prefix_caching"] and c["continuous_prefix_cache_hit_tokens"] == hits >= 0
+    processed = (w["prompt_tokens"]["total"] - hits + cont["useful_tokens"]) / cont["span_s"]
+    assert c["continuous_processed_tokens_per_s"] == pytest.approx(processed)
+    assert c["continuous_processed_tokens_per_s"] > cont["tokens_per_s"]
+    bench_engine.print_ceiling(c)
+    assert f"{c['output_tokens_per_s_at_roofline']:.0f} output tok/s" in capsys.readouterr().out
+
+
 def test_workload_is_deterministic_and_varied():
     from worker.engine.models.loader import load_tokenizer
 

@@ -88,6 +88,29 @@ def test_preemption_under_a_tiny_kv_cache_keeps_greedy_output(model_runner, prom
     assert engine.block_manager.num_free_blocks == 24
 
 
+def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner, prompts, hf_outputs):
+    engine = make_engine(model_runner, max_num_batched_tokens=64)
+    first = run_to_completion(engine, {0: [request(i, prompts[i]) for i in range(4)]})
+    before = engine.stats()
+    # The same prompts again (each whole prompt but its last block is cached), plus new ones
+    # sharing only the chat template's opening: all must still equal HF token for token.
+    again = {0: [request(10 + i, prompts[i]) for i in range(4)] + [request(i, prompts[i]) for i in range(4, 8)]}
+    second = run_to_completion(engine, again)
+    after = engine.stats()
+    for i in range(4):
+        assert first[f"r{i}"]["tokens"] == second[f"r{10 + i}"]["tokens"] == hf_outputs[i]
+    for i in range(4, 8):
+        assert second[f"r{i}"]["tokens"] == hf_outputs[i]
+    full_reuse = sum((len(prompts[i]) - 1) // 16 * 16 for i in range(4))
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= full_reuse
+    assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(prompts[i]) for i in range(8))
+    # Without the cache, the first wave's computed tokens are all recomputed: no hits at all.
+    off = make_engine(model_runner, enable_prefix_caching=False)
+    run_to_completion(off, {0: [request(i, prompts[i], max_tokens=2) for i in range(2)]})
+    run_to_completion(off, {0: [request(i, prompts[i], max_tokens=2) for i in range(2)]})
+    assert off.stats().prefix_cache_hits == 0
+
+
 def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
     engine = make_engine(model_runner, policy="static", max_num_seqs=4)
     results = run_to_completion(engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]})

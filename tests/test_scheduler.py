@@ -139,3 +139,144 @@ def test_block_manager_counts_and_integrity():
     bm.free(s)
     assert bm.num_free_blocks == 10 and s.block_table == []
     bm.check_integrity([])
+
+
+# ---- prefix caching ------------------------------------------------------------------------------
+
+
+class FakeKV:
+    """What each cache slot holds, as the token prefix whose K/V it is: a slot written for
+    position p of a sequence holds tuple(token_ids[:p + 1]). Checks that every computed position
+    of every sequence reads its own prefix — a shared block with the wrong tokens, or one
+    overwritten while shared, fails."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.slots = block_size, {}
+
+    def slot(self, s: Sequence, pos: int) -> int:
+        return s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def compute(self, s: Sequence, num_new: int) -> None:
+        ids = s.token_ids
+        for pos in range(s.num_computed_tokens, s.num_computed_tokens + num_new):
+            self.slots[self.slot(s, pos)] = tuple(ids[:pos + 1])
+
+    def check(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            ids = s.token_ids
+            for pos in range(s.num_computed_tokens):
+                assert self.slots.get(self.slot(s, pos)) == tuple(ids[:pos + 1]), f"{s.request_id} pos {pos}"
+
+
+def cached_step(sched: Scheduler, kv: FakeKV, rng_token) -> list[Sequence]:
+    """fake_step with K/V tracked and computed blocks offered to the prefix cache, as the engine does."""
+    out = sched.schedule()
+    finished = []
+    for chunk in out.scheduled:
+        s, samples = chunk.seq, chunk.samples
+        kv.compute(s, chunk.num_new_tokens)
+        s.num_computed_tokens += chunk.num_new_tokens
+        sched.block_manager.cache_computed_blocks(s)
+        if samples:
+            s.output_token_ids.append(rng_token(s))
+            if s.num_output_tokens >= s.sampling.max_tokens:
+                sched.remove(s)
+                s.finish("length")
+                finished.append(s)
+    return finished
+
+
+prefixed = st.lists(  # (shared prefix id, prefix length, own tail length, max_tokens, priority, arrival)
+    st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 20), st.integers(1, 12),
+              st.integers(0, 2), st.integers(0, 20)),
+    min_size=1, max_size=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=prefixed, num_blocks=st.integers(10, 40), budget=st.sampled_from([8, 24, 100]),
+       max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]))
+def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(reqs, num_blocks, budget, max_seqs, policy):
+    bm = BlockManager(num_blocks, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    kv = FakeKV(4)
+    prefixes = {k: [100 + k] * 1 + list(range(k * 50, k * 50 + 40)) for k in range(3)}
+    pending = sorted(((t, i, k, n, tail, m, pr) for i, (k, n, tail, m, pr, t) in enumerate(reqs)))
+    alive = {}
+    for step in range(3000):
+        while pending and pending[0][0] <= step:
+            _, i, k, n, tail, m, pr = pending.pop(0)
+            s = Sequence(request_id=f"r{i}", prompt_token_ids=prefixes[k][:n] + [i] * tail,
+                         sampling=SamplingParams(max_tokens=m), priority=pr, arrival_time=float(step))
+            if sched.blocks_to_finish(s) <= num_blocks:
+                alive[s.request_id] = s
+                sched.add(s)
+        for s in cached_step(sched, kv, rng_token=lambda s: len(s.output_token_ids) % 3):
+            alive.pop(s.request_id)
+        check(sched)
+        kv.check(sched.running)
+        if not pending and not sched.has_unfinished():
+            break
+    assert not alive, f"stuck: {sorted(alive)}"
+    assert bm.num_free_blocks == num_blocks
+
+
+def test_second_request_with_a_cached_prefix_starts_after_it():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    kv = FakeKV(4)
+    shared = list(range(10))  # 2 full blocks + 2 tokens
+    first = Sequence("first", shared + [50, 51], SamplingParams(max_tokens=2))
+    sched.add(first)
+    cached_step(sched, kv, lambda s: 9)  # first's prompt computed: blocks 0-1 (and 2) enter the cache
+    second = Sequence("second", shared + [60], SamplingParams(max_tokens=2))
+    sched.add(second)
+    out = sched.schedule()
+    (chunk,) = [c for c in out.scheduled if c.seq is second]
+    assert second.num_computed_tokens == 8 and chunk.num_new_tokens == 3, "2 cached blocks skipped"
+    assert second.block_table[:2] == first.block_table[:2]
+    assert bm.ref_counts[first.block_table[0]] == 2
+    assert bm.prefix_cache.num_hit_tokens == 8 and bm.prefix_cache.num_queried_tokens == 12 + 11
+    check(sched)
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    kv = FakeKV(4)
+    prompt = list(range(8))  # exactly 2 blocks
+    a = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    sched.add(a)
+    cached_step(sched, kv, lambda s: 1)  # a finishes: its blocks are free but cached
+    assert bm.num_free_blocks == 8 and len(bm.prefix_cache.block_of) == 2
+    b = Sequence("b", prompt, SamplingParams(max_tokens=1))
+    sched.add(b)
+    out = sched.schedule()
+    assert b.num_computed_tokens == 4 and out.scheduled[0].num_new_tokens == 4, \
+        "only the first block is reused: the block with the last token is computed again"
+    check(sched)
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_freed_first():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    old, new = Sequence("old", [1, 2, 3], SamplingParams(max_tokens=1)), Sequence("new", [7, 8, 9], SamplingParams(max_tokens=1))
+    for s in (old, new):
+        bm.allocate(s, bm.cached_prefix(s))
+        s.num_computed_tokens = 3
+        bm.cache_computed_blocks(s)
+    bm.free(old)
+    bm.free(new)
+    fresh = Sequence("fresh", [5, 5, 5], SamplingParams(max_tokens=1))
+    bm.allocate(fresh, bm.cached_prefix(fresh))  # 2 blocks: old's two go first
+    again_new = Sequence("n2", [7, 8, 9], SamplingParams(max_tokens=1))
+    again_old = Sequence("o2", [1, 2, 3], SamplingParams(max_tokens=1))
+    assert len(bm.cached_prefix(again_new)) == 1 and bm.cached_prefix(again_old) == []
+    bm.check_integrity([fresh])
+
+
+def test_prefix_cache_off_never_shares():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = Sequence("a", list(range(9)), SamplingParams(max_tokens=1)), Sequence("b", list(range(9)), SamplingParams(max_tokens=1))
+    bm.allocate(a, bm.cached_prefix(a))
+    a.num_computed_tokens = 9
+    bm.cache_computed_blocks(a)
+    assert bm.cached_prefix(b) == [] and bm.prefix_cache is None

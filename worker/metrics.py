@@ -33,6 +33,10 @@ class Metrics:
         self.cancels = Counter("inferline_cancels_received", "Cancel messages read", registry=r)
         self.tokens_generated = Counter("inferline_tokens_generated", "Output tokens generated", registry=r)
         self.preemptions = Counter("inferline_preemptions", "Sequences preempted by the scheduler", registry=r)
+        self.prefix_queries = Counter("inferline_prefix_cache_queries",
+                                      "Tokens of admitted sequences looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("inferline_prefix_cache_hits",
+                                   "Tokens found in the prefix cache (their K/V reused, not computed)", registry=r)
         self.queue_time = self._hist("inferline_queue_time_seconds", "Receipt to first schedule")
         self.ttft = self._hist("inferline_ttft_seconds", "Receipt to first token")
         self.itl = self._hist("inferline_inter_token_latency_seconds",
@@ -83,6 +87,8 @@ class Metrics:
             self.iteration.observe(st.step_time_s)
         self.preemptions.inc(max(0, st.num_preemptions - prev.num_preemptions))
         self.tokens_generated.inc(max(0, st.num_generated_tokens - prev.num_generated_tokens))
+        self.prefix_queries.inc(max(0, st.prefix_cache_queries - prev.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, st.prefix_cache_hits - prev.prefix_cache_hits))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

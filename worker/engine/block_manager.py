@@ -3,13 +3,17 @@
 KV memory is `num_blocks` blocks of `block_size` token slots. A sequence owns the blocks listed
 in its block table, in order: token i of the sequence lives in slot
 `block_table[i // block_size] * block_size + i % block_size`. Nothing else owns KV memory.
-Blocks carry reference counts so that a later prefix cache can share them; today every block
-has exactly one owner.
+
+With prefix caching (prefix_cache.py) a full, computed block can be in several block tables at
+once; reference counts say how many. A block nobody owns is free; a free block may still hold
+cached K/V and be found again, until it is handed out for new tokens. Free blocks are handed
+out least recently freed first, so what was used last stays findable longest.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
+from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sequence import Sequence
 
 
@@ -18,12 +22,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Insertion order = order freed; the front is handed out first.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,7 +37,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
+        """Fraction of blocks in use, 0..1 (free blocks that still hold cached K/V count as free)."""
         return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -53,15 +59,56 @@ class BlockManager:
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
             seq.block_table.append(self._allocate_block())
 
+    # ---- admission with cached prefixes -------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks `seq` (not yet admitted, nothing computed) can start from; [] without a cache."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "only a sequence with no blocks"
+        return self.prefix_cache.match(seq) if self.prefix_cache else []
+
+    def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
+        """Free blocks that admitting `seq` over `cached` takes: the new ones, and the cached
+        ones nobody owns right now (they leave the free pool)."""
+        fresh = self.num_blocks_for(seq.num_tokens) - len(cached)
+        return fresh + sum(self.ref_counts[b] == 0 for b in cached)
+
+    def allocate(self, seq: Sequence, cached: list[int]) -> None:
+        """Admit `seq`: share the `cached` blocks (their tokens count as computed), then reserve
+        blocks for every remaining known token."""
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.free_block_ids[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(cached)
+        seq.num_cached_blocks = len(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if self.prefix_cache:
+            self.prefix_cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
+        self.append(seq, seq.num_uncomputed_tokens)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: enter the blocks whose K/V `seq` has now fully computed."""
+        if not self.prefix_cache:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for index in range(seq.num_cached_blocks, num_full):
+            self.prefix_cache.insert(seq, index, seq.block_table[index])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+
+    # ---- freeing --------------------------------------------------------------------------------
+
     def free(self, seq: Sequence) -> None:
-        # Free in reverse so the tail blocks (least likely to be shared later) return first.
+        # Free in reverse so the tail blocks (least likely to be shared later) are handed out first.
         for block_id in reversed(seq.block_table):
             self._release_block(block_id)
         seq.block_table = []
+        seq.num_cached_blocks = 0
 
     def _allocate_block(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_block_ids.popitem(last=False)
         assert self.ref_counts[block_id] == 0, f"block {block_id} on the free list but owned"
+        if self.prefix_cache:
+            self.prefix_cache.evict(block_id)
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -69,18 +116,19 @@ class BlockManager:
         assert self.ref_counts[block_id] > 0, f"block {block_id} freed twice"
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
-            self.free_block_ids.append(block_id)
+            self.free_block_ids[block_id] = None
 
     def check_integrity(self, seqs: list[Sequence]) -> None:
-        """No block lost, none owned twice, reference counts equal to owners."""
+        """No block lost, none on the free list and owned, reference counts equal to owners."""
         owners = [0] * self.num_blocks
         for seq in seqs:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"
             assert len(seq.block_table) >= self.num_blocks_for(seq.num_computed_tokens)
             for block_id in seq.block_table:
                 owners[block_id] += 1
-        free = set(self.free_block_ids)
-        assert len(free) == len(self.free_block_ids), "a block is on the free list twice"
         for block_id in range(self.num_blocks):
             assert owners[block_id] == self.ref_counts[block_id], f"block {block_id}: ref count drift"
-            assert (block_id in free) == (owners[block_id] == 0), f"block {block_id} lost or double-booked"
+            assert (block_id in self.free_block_ids) == (owners[block_id] == 0), \
+                f"block {block_id} lost or double-booked"
+        if self.prefix_cache:
+            self.prefix_cache.check_integrity()

@@ -49,6 +49,8 @@ class EngineStats:
     step_time_s: float = 0.0  # the last step
     num_generated_tokens: int = 0  # total since start
     num_steps: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache, total
+    prefix_cache_hits: int = 0  # of which found there (not computed again), total
 
 
 class LLMEngine:
@@ -59,7 +61,7 @@ class LLMEngine:
         self.max_waiting = settings.scheduler.max_waiting
         # A smaller pool than the allocated cache is allowed (tests squeeze memory this way).
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
-        self.block_manager = BlockManager(num_blocks, runner.block_size)
+        self.block_manager = BlockManager(num_blocks, runner.block_size, settings.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.scheduler.max_num_seqs,
                                    settings.scheduler.max_num_batched_tokens, settings.scheduler.policy)
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
@@ -174,6 +176,7 @@ class LLMEngine:
             seq = chunk.seq
             samples = chunk.samples  # read before the counter moves
             seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.cache_computed_blocks(seq)
             if samples:
                 self._append_token(seq, next(tokens), now, outputs)
 
@@ -241,6 +244,8 @@ class LLMEngine:
         s.batch_size, s.num_batched_tokens = len(sched.scheduled), sched.num_batched_tokens
         s.step_time_s = step_time
         s.num_steps += 1
+        if cache := self.block_manager.prefix_cache:
+            s.prefix_cache_queries, s.prefix_cache_hits = cache.num_queried_tokens, cache.num_hit_tokens
 
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self._stats))

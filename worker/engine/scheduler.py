@@ -6,6 +6,7 @@ Order everywhere is (priority, arrival): lower priority values first, FCFS withi
 
 Memory policy:
 - a waiting sequence is admitted only when the blocks for its whole uncomputed prompt are free;
+  blocks of its prefix found in the prefix cache are shared, not allocated, and not computed;
 - a running sequence that cannot get its next block preempts (by recompute) the worst running
   sequence, possibly itself, never a better one;
 - a waiting sequence that cannot be admitted may preempt running sequences that are strictly
@@ -120,13 +121,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_batch: bool = False) -> None:
         while self.waiting and (budget > 0 or whole_batch):
             seq = self.waiting[0]
-            if not self._admit(seq, out):
+            cached = self.block_manager.cached_prefix(seq)
+            if not self._admit(seq, cached, out):
                 break  # strict (priority, arrival) order: nobody jumps a request that waits for memory
-            budget = self.max_num_batched_tokens - out.num_batched_tokens  # preemption frees budget
-            num_new = max(0, min(seq.num_uncomputed_tokens, budget))
             self.waiting.pop(0)
             # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
-            self.block_manager.append(seq, seq.num_uncomputed_tokens)
+            self.block_manager.allocate(seq, cached)
+            budget = self.max_num_batched_tokens - out.num_batched_tokens  # preemption frees budget
+            num_new = max(0, min(seq.num_uncomputed_tokens, budget))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.first_scheduled_time is None:
@@ -135,11 +137,12 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Room for `seq`'s whole uncomputed prompt and a seat in the batch, preempting running
-        sequences of strictly worse priority (even ones already scheduled this step)."""
-        need = self.block_manager.num_new_blocks(seq, seq.num_uncomputed_tokens)
-        while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(need):
+    def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
+        """Room for `seq`'s whole uncomputed prompt (past its `cached` blocks) and a seat in the
+        batch, preempting running sequences of strictly worse priority (even ones already
+        scheduled this step). A preempted victim's blocks stay cached: `cached` stays valid."""
+        while (len(self.running) >= self.max_num_seqs
+               or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)
             if victim is None or victim.priority <= seq.priority:
                 return False

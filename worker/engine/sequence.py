@@ -41,6 +41,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    block_keys: list[bytes] = field(default_factory=list)  # prefix_cache.py keys of full blocks, memoized
     num_preemptions: int = 0
     finish_reason: str | None = None
     error_code: str | None = None

@@ -1,0 +1,78 @@
+"""Automatic prefix caching: full KV blocks found again by what they hold.
+
+A block's key is chained over the whole prefix it ends,
+
+    key_i = sha256(key_{i-1} || token ids of block i)
+
+because a token's K/V depend on every token before it: equal keys mean equal tokens *and* equal
+prefixes. A sequence being admitted looks its leading full blocks up and starts computing after
+the longest run of hits (always leaving its last token to compute: that step samples from it).
+
+A block enters the cache only once its K/V are written (`num_computed_tokens` has passed it), never
+while a prefill chunk is still on its way. It stays findable after its last owner frees it, until
+the pool hands it out for something else, least recently freed first (block_manager.py).
+
+sha256 rather than Python's hash(): hash() of ints is predictable, and a prompt built to collide
+with another tenant's prefix would read that tenant's K/V (vLLM fixed the same, CVE-2025-25183).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from worker.engine.sequence import Sequence
+
+
+class PrefixCache:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.block_of: dict[bytes, int] = {}  # key -> block holding those tokens
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.num_queried_tokens = 0  # prompt tokens looked up at admission, total
+        self.num_hit_tokens = 0  # of which found in the cache
+
+    def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Keys of `seq`'s first `num_blocks` full blocks (memoized on the sequence: its tokens
+        never change, only grow)."""
+        keys, bs = seq.block_keys, self.block_size
+        if len(keys) < num_blocks:
+            tokens = seq.token_ids
+            while len(keys) < num_blocks:
+                i = len(keys)
+                chunk = array("q", tokens[i * bs:(i + 1) * bs]).tobytes()
+                keys.append(hashlib.sha256((keys[-1] if keys else b"") + chunk).digest())
+        return keys[:num_blocks]
+
+    def match(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached run of `seq`'s leading full blocks, short of its last token."""
+        hits = []
+        for key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.block_of.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def insert(self, seq: Sequence, index: int, block_id: int) -> None:
+        """Enter `seq`'s block number `index` (computed, full). If another block already holds the
+        same tokens (two prompts computed side by side), that one stays the cached copy."""
+        (key,) = self.keys(seq, index + 1)[index:]
+        if key not in self.block_of and self.key_of[block_id] is None:
+            self.block_of[key] = block_id
+            self.key_of[block_id] = key
+
+    def evict(self, block_id: int) -> None:
+        """The block is handed out for new tokens: forget what it held."""
+        key = self.key_of[block_id]
+        if key is not None:
+            del self.block_of[key]
+            self.key_of[block_id] = None
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def check_integrity(self) -> None:
+        for key, block_id in self.block_of.items():
+            assert self.key_of[block_id] == key, f"block {block_id}: cache maps disagree"
+        assert sum(k is not None for k in self.key_of) == len(self.block_of), "a block keeps a stale key"
