@@ -121,10 +121,12 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
     out = torch.empty_like(q)
     # The C side checks the tables before it reads (a bad one is an error, not a wild read).
-    rc = _load().paged_decode_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
-        num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
+    # record_function: the call shows by name in torch.profiler tables (bench/engine.py --profile-steps).
+    with torch.profiler.record_function("inferline::paged_decode_attention_cpu"):
+        rc = _load().paged_decode_attention_f32(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
+            num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_f32: {_ERRORS.get(rc, rc)}")
     return out

@@ -209,4 +209,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return lm_head_logits(hidden, weight)
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [rows, hidden_size] x weight [vocab, hidden_size] -> logits [rows, vocab].
+
+    On the CPU as (weight @ hidden^T)^T: for this tall, skinny shape MKL's sgemm is much faster
+    that way round at small batches (SmolLM2, 2 threads: 2 rows 22 -> 3.5 ms, 8 rows 16 -> 9 ms;
+    about even from 32 rows), which is most of a decode step when few requests run. One row
+    stays F.linear (a matrix-vector product either way)."""
+    if hidden.device.type != "cpu" or hidden.shape[0] < 2:
         return F.linear(hidden, weight)
+    return torch.mm(weight, hidden.t()).t().contiguous()
