@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.engine.models.llama import lm_head_logits
+from worker.engine.models.linear import linear
 
 
 def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -46,9 +46,9 @@ def time_step_matmuls(weights: list[torch.Tensor], head: torch.Tensor, batch: in
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
-        lm_head_logits(inputs[head.shape[1]], head)  # as the model computes it
+        for w in weights:  # as the model computes them (models/linear.py)
+            linear(inputs[w.shape[1]], w)
+        linear(inputs[head.shape[1]], head)
         elapsed = time.perf_counter() - start
         if i:  # the first pass warms caches and the allocator
             best = min(best, elapsed)

@@ -21,6 +21,7 @@ from torch import nn
 
 import kernels
 from kernels.reference import DecodePlan
+from worker.engine.models.linear import Linear, linear
 
 
 @dataclass
@@ -121,8 +122,8 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
         self.rotary = rotary
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
@@ -164,8 +165,8 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -197,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
@@ -209,16 +210,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return lm_head_logits(hidden, weight)
+        return linear(hidden, weight)
 
-
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [rows, hidden_size] x weight [vocab, hidden_size] -> logits [rows, vocab].
-
-    On the CPU as (weight @ hidden^T)^T: for this tall, skinny shape MKL's sgemm is much faster
-    that way round at small batches (SmolLM2, 2 threads: 2 rows 22 -> 3.5 ms, 8 rows 16 -> 9 ms;
-    about even from 32 rows), which is most of a decode step when few requests run. One row
-    stays F.linear (a matrix-vector product either way)."""
-    if hidden.device.type != "cpu" or hidden.shape[0] < 2:
-        return F.linear(hidden, weight)
-    return torch.mm(weight, hidden.t()).t().contiguous()
