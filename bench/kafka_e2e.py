@@ -44,7 +44,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -131,31 +130,9 @@ def warm_up_engine(runner, settings) -> None:
 
 
 def run_in_process(runner, settings, items, progress: bool, threads: int = 0) -> dict:
+    from bench.roofline import in_thread
+
     return in_thread(lambda: step_all(runner, settings, items, progress), threads)
-
-
-def in_thread(fn, threads: int = 0):
-    """`fn()` in a thread of its own, as the worker's EngineLoop runs the engine: where torch
-    runs matters on a busy machine (see docs/benchmarks.md: on the main thread, two OpenMP
-    threads ran the model's matmuls ~8x slower than on a second thread under load)."""
-    box: dict = {}
-
-    def target():
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)  # per thread: OpenMP's setting is thread-local
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="bench-engine")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def step_all(runner, settings, items, progress: bool) -> dict:
@@ -465,6 +442,8 @@ def probe_in_process(runner, settings, probe_items, threads: int) -> dict:
     """The idle TTFT probe: each request alone, one after the other, on one engine thread."""
     def probe():
         return [step_all(runner, settings, [item], False)["ttft_s"]["p50"] for item in probe_items]
+    from bench.roofline import in_thread
+
     return dist(in_thread(probe, threads))
 
 

@@ -11,6 +11,7 @@ keep small next to this.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -93,3 +94,25 @@ def torch_threads(num: int | None):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def in_thread(fn, threads: int = 0):
+    """`fn()` in a thread of its own, as the worker's EngineLoop runs the engine: where torch
+    runs matters on a busy machine (see docs/benchmarks.md: on the main thread, two OpenMP
+    threads ran the model's matmuls ~8x slower than on a second thread under load)."""
+    box: dict = {}
+
+    def target():
+        if threads:
+            torch.set_num_threads(threads)  # per thread: OpenMP's setting is thread-local
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="bench-engine")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

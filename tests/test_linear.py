@@ -9,7 +9,7 @@ from torch import nn
 from worker.engine.models.linear import WEIGHT_FIRST_MAX_ROWS, Linear, linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 31, 64, WEIGHT_FIRST_MAX_ROWS, WEIGHT_FIRST_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 31, 45, WEIGHT_FIRST_MAX_ROWS, WEIGHT_FIRST_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
