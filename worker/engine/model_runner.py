@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from config.settings import Settings
 import kernels
+from config.settings import Settings
 from kernels import reference
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
