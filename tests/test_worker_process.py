@@ -98,6 +98,10 @@ async def test_second_worker_joining_mid_run(kafka_bootstrap, topics, tmp_path, 
         ids = await submit(kafka_bootstrap, topics.requests,
                            [request(topics.replies, max_tokens=12, ignore_eos=True) for _ in range(12)])
         await wait_log(log, "intake.assigned", proc)
+        # A may finish the first 12 before the rebalance ends (then B finds nothing left on its
+        # partition): 12 more sent now land on both partitions, so B must serve some of them.
+        ids += await submit(kafka_bootstrap, topics.requests,
+                            [request(topics.replies, max_tokens=12, ignore_eos=True) for _ in range(12)])
         events = await collect(kafka_bootstrap, topics.replies, ids, timeout=240)
         assert await stop(proc) == 0
     finally:
