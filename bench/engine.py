@@ -424,8 +424,8 @@ def ceiling(results: dict) -> dict:
     """What the roofline allows on this workload. The throughput above counts output tokens only,
     but the model also computes every prompt token: each token fed in costs one pass of the
     decoder's linears, each output token one LM head (a prompt token's logits are never needed,
-    and the last output token is never fed back). At the roofline's FLOP/s that work takes at
-    least `min_s`, which caps the output rate even at 100% efficiency. Also the continuous
+    and the last output token is never fed back). At the roofline's FLOP/s that work takes a
+    minimum time, which caps the output rate even at 100% efficiency. Also the continuous
     engine's FLOPs actually computed (prompt tokens from the prefix cache are not) over its span,
     as a fraction of the roofline's FLOP/s: its model FLOPs utilization."""
     w, roof = results["workload"], results["roofline"]
@@ -605,7 +605,8 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     from worker.engine.model_runner import ModelRunner
 
     started = time.time()
-    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens, not args.no_prefix_caching)
+    caching = not args.no_prefix_caching
+    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens, caching)
     runner = ModelRunner(base)
     items = make_workload(runner.tokenizer, args.num_requests, max_output=args.max_output,
                           max_prompt=args.max_prompt, seed=args.seed)
@@ -628,11 +629,10 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     # baseline gets HF's batch size unless told otherwise (--extra-static-seats adds another).
     static_seats = args.static_seats or args.hf_batch_size
     results["static_seats"] = static_seats
-    static = engine_settings("static", static_seats, args.max_num_batched_tokens, not args.no_prefix_caching)
+    static = engine_settings("static", static_seats, args.max_num_batched_tokens, caching)
     records["engine_static"] = run_engine(runner, static, items, "engine_static", progress)
     if args.extra_static_seats:
-        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens,
-                                not args.no_prefix_caching)
+        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens, caching)
         label = f"engine_static{args.extra_static_seats}"
         records[label] = run_engine(runner, seats, items, label, progress)
     records["engine_continuous"] = run_engine(runner, base, items, "engine_continuous", progress)

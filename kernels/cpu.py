@@ -107,7 +107,8 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; fp32, contiguous, CPU."""
+    """Same contract as reference.paged_decode_attention; fp32 CPU tensors, contiguous caches and
+    tables, q with packed heads (its rows may be apart)."""
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)

@@ -199,7 +199,7 @@ def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(reqs, num_blo
     bm = BlockManager(num_blocks, block_size=4, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
     kv = FakeKV(4)
-    prefixes = {k: [100 + k] * 1 + list(range(k * 50, k * 50 + 40)) for k in range(3)}
+    prefixes = {k: [100 + k] + list(range(k * 50, k * 50 + 40)) for k in range(3)}
     pending = sorted(((t, i, k, n, tail, m, pr) for i, (k, n, tail, m, pr, t) in enumerate(reqs)))
     alive = {}
     for step in range(3000):
