@@ -1,7 +1,7 @@
 """Decode-step micro-benchmark: ms per step of the real engine (SmolLM2) at a fixed batch of decodes.
 
     python -m bench.decode_step                    # batch 32, 20 timed steps, 2 threads
-    python -m bench.decode_step --compare          # v0, torch, cpu and no-attn side by side
+    python -m bench.decode_step --compare          # v0, torch, cpu, mkl and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
@@ -11,7 +11,8 @@ forward, logits, sampling, update) that decode one token per sequence. The machi
 noisy: `--compare` interleaves the variants step by step (ABCD DCBA) in one process, on one
 batch, and reports medians and ratios: v0 (the model code before issue #3, kept below), the
 current code with decode attention in PyTorch (`torch`, kernels/reference.py) and in the compiled
-C kernel (`cpu`, kernels/cpu.py), and with decode attention skipped (outputs zeros; the step
+C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear instead of
+oneDNN's packed weights (`mkl`, models/linear.py), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). The matmul floor (bench/roofline.py: the step's own linear layers alone, at
 this batch) is timed in between. Steps run on a thread of their own, as in the
 worker (see docs/benchmarks.md on OpenMP threads called from the main thread).
@@ -124,9 +125,10 @@ def _model_forward_v0(self, input_ids, positions, kv_cache, meta):
 
 
 @contextlib.contextmanager
-def v0_patched():
-    """Swap the pre-#3 versions of the changed model code in (class attributes, restored after). Not
-    swapped: the runner's new per-step work (length-sorted decodes, the decode plan it builds)."""
+def v0_patched(eng):
+    """Swap the pre-#3 versions of the changed model code in (class attributes, restored after),
+    linear layers on F.linear. Not swapped: the runner's new per-step work (length-sorted
+    decodes, the decode plan it builds)."""
     from worker.engine.models import llama
 
     patches = [(llama.Attention, "forward", _attention_forward_v0),
@@ -136,7 +138,8 @@ def v0_patched():
     for cls, name, fn in patches:
         setattr(cls, name, fn)
     try:
-        yield
+        with linears_unpacked(eng):
+            yield
     finally:
         for cls, name, fn in saved:
             setattr(cls, name, fn)
@@ -205,10 +208,31 @@ def decode_backend(eng, name: str):
         eng.runner.decode_backend = saved
 
 
+@contextlib.contextmanager
+def linears_unpacked(eng):
+    """The current path with the linear layers on F.linear (MKL) instead of oneDNN's packed
+    weights (models/linear.py)."""
+    from worker.engine.models.linear import Linear
+
+    model = eng.runner.model
+    modules = [m for m in model.modules() if isinstance(m, Linear)]
+    saved = [m.packed for m in modules], model.lm_head_packed
+    for m in modules:
+        m.packed = None
+    model.lm_head_packed = None
+    try:
+        yield
+    finally:
+        for m, packed in zip(modules, saved[0]):
+            m.packed = packed
+        model.lm_head_packed = saved[1]
+
+
 VARIANTS = {
-    "v0": lambda eng: v0_patched(),
+    "v0": v0_patched,
     "torch": lambda eng: decode_backend(eng, "torch"),
     "cpu": lambda eng: decode_backend(eng, "cpu"),
+    "mkl": linears_unpacked,
     "no-attn": attention_skipped,
 }
 
@@ -216,7 +240,7 @@ VARIANTS = {
 def measure(args) -> dict:
     eng = build_engine(args)
     lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
-    names = ["v0", "torch", "cpu", "no-attn"] if args.compare else [eng.runner.decode_backend]
+    names = ["v0", "torch", "cpu", "mkl", "no-attn"] if args.compare else [eng.runner.decode_backend]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
         for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
@@ -254,7 +278,7 @@ def report(args, res: dict) -> None:
           f"{batch / floor * 1e3:.0f} tok/s")
     if "no-attn" in med:
         lo = {name: min(ts) for name, ts in res["steps"].items()}
-        for a, b in (("v0", "torch"), ("torch", "cpu")):
+        for a, b in (("v0", "torch"), ("torch", "cpu"), ("mkl", "cpu")):
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians), {lo[a] / lo[b]:.2f}x (minima)")
         cost = ", ".join(f"{name} ~{med[name] - med['no-attn']:.0f} ms" for name in ("v0", "torch", "cpu"))
         print(f"  decode attention per step (step minus no-attn): {cost} (v0 also has the old rope/norm code)")
@@ -272,8 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=270)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare", action="store_true",
-                   help="time v0 (the decode path before issue #3), torch (reference.py), cpu (the C kernel) "
-                        "and no-attn (decode attention skipped) side by side")
+                   help="time v0 (the decode path before issue #3), torch (reference.py), cpu (the C kernel), "
+                        "mkl (cpu on F.linear) and no-attn (decode attention skipped) side by side")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.engine.models.linear import linear
+from worker.engine.models.linear import linear, pack_weight
 
 
 def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -26,8 +26,7 @@ def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         layers += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-    head = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
-    return layers, head
+    return layers, model.lm_head_weight()
 
 
 def flops_per_token(model) -> dict[str, float]:
@@ -41,15 +40,16 @@ def flops_per_token(model) -> dict[str, float]:
 def time_step_matmuls(weights: list[torch.Tensor], head: torch.Tensor, batch: int,
                       repeats: int = 5) -> float:
     """Best-of-`repeats` seconds for one pass over every weight at `batch` rows (best, because
-    the roofline is what the machine can do; contention from other processes only adds time)."""
+    the roofline is what the machine can do; contention from other processes only adds time).
+    The weights are packed as the engine packs them (models/linear.py) where that applies."""
     dtype = head.dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights + [head]}
+    ops = [(w, pack_weight(w)) for w in weights + [head]]
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
-        for w in weights:  # as the model computes them (models/linear.py)
-            linear(inputs[w.shape[1]], w)
-        linear(inputs[head.shape[1]], head)
+        for w, packed in ops:  # as the model computes them, the LM head last
+            linear(inputs[w.shape[1]], w, packed=packed)
         elapsed = time.perf_counter() - start
         if i:  # the first pass warms caches and the allocator
             best = min(best, elapsed)

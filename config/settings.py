@@ -83,6 +83,10 @@ class ModelSettings(BaseModel):
     # (kernels/cpu.py; built with the system C compiler on first use, PyTorch if that fails),
     # else PyTorch. `torch` forces the plain-PyTorch path (kernels/reference.py).
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
+    # Linear layers on the CPU in fp32: `auto` packs every weight once at load for oneDNN
+    # (models/linear.py; 1.4-2x faster at decode batch sizes, a second copy of the weights in
+    # memory), `torch` keeps F.linear (MKL, repacks the weight on every call).
+    cpu_linear: Literal["auto", "torch"] = "auto"
 
 
 class CacheSettings(BaseModel):

@@ -111,6 +111,25 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
     assert off.stats().prefix_cache_hits == 0
 
 
+def test_both_cpu_linear_backends_equal_hf_generate(model_runner, prompts, hf_outputs):
+    """The default runner packs its linear weights for oneDNN (models/linear.py); one on
+    F.linear (INFERLINE_MODEL__CPU_LINEAR=torch) must give HF's greedy tokens too."""
+    from config.settings import Settings
+    from worker.engine.model_runner import ModelRunner
+    from worker.engine.models.linear import Linear, onednn_available
+
+    assert model_runner.linear_backend == ("onednn" if onednn_available() else "torch")
+    settings = Settings()
+    settings.model.cpu_linear = "torch"
+    settings.cache.num_blocks = 64
+    plain = ModelRunner(settings)
+    assert plain.linear_backend == "torch" and plain.model.lm_head_packed is None
+    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    results = run_to_completion(make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]})
+    for i in range(4):
+        assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]
+
+
 def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
     engine = make_engine(model_runner, policy="static", max_num_seqs=4)
     results = run_to_completion(engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]})

@@ -58,8 +58,11 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend)
-        log.info("model ready", device=str(self.device), dtype=str(self.dtype),
-                 num_blocks=self.num_blocks, block_size=self.block_size, decode_attention=self.decode_backend)
+        self.linear_backend = "torch"
+        if settings.model.cpu_linear == "auto" and self.model.pack_linears():
+            self.linear_backend = "onednn"
+        log.info("model ready", device=str(self.device), dtype=str(self.dtype), num_blocks=self.num_blocks,
+                 block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend)
 
     # ---- KV cache -----------------------------------------------------------------------------
 

@@ -1,19 +1,21 @@
-"""Linear layers for the engine's models: F.linear, except for decode-sized batches on the CPU.
+"""Linear layers for the engine's models: oneDNN on prepacked weights on the CPU, else F.linear.
 
-MKL's sgemm streams the weights much better when the product is taken weight-first,
-(weight @ x^T)^T, and x is a few rows — but only when that row count is a multiple of 8 (its
-vector width; other counts fall to slow edge code). So on the CPU, 2..64 rows are multiplied
-weight-first, padded with zero rows to a multiple of 8 from 8 rows up. Every linear layer of
-SmolLM2 plus its LM head once, fp32, 2 threads, weights streamed from memory, ms (best of 2):
+F.linear on the CPU is MKL's sgemm, which copies ("packs") the weight into its blocked layout on
+every call. For the few rows of a decode step that packing is most of the work, and MKL also
+runs far below the machine's rate on this AMD CPU. oneDNN (bundled with PyTorch) can pack each
+weight once, at load, and then multiply any number of rows against the packed copy. Every linear
+layer of SmolLM2 (decoder only), fp32, 2 threads, GFLOP/s (`python -m bench.decode_step
+--compare` shows the effect on whole steps):
 
-    rows           3     5     7    12    23    29    31    45    60    64    71   100
-    F.linear     101    59    76    62    90    93    98   113   140   136   153   190
-    weight-first  26    33    45    78   118   118   139   143   154   132   198   211
-    ... padded    41    41    42    63    82    84    86   106   138   131   153   214
+    rows                 1     8    16    29    64   256
+    F.linear (MKL)      18    63   105   119   157   167
+    oneDNN, prepacked   30   137   173   194   203   213
 
-hence: unpadded below 8 rows, padded from 8 to 64, F.linear above (prefill chunks). The sums
-are the same as F.linear's; rounding may differ in the last bit (as between any two GEMM
-kernels). One row stays F.linear (a matrix-vector product either way).
+and the LM head [49152 x 576] at 29 rows: 28.5 ms -> 11.5 ms. A row's result does not depend
+on the other rows (the same kernel runs every row, checked in tests/test_linear.py), so a prompt
+gives the same tokens alone or in a batch; the sums differ from MKL's in the last bits, as
+between any two GEMM kernels. The packed copy is kept next to the weight (the weight stays the
+model's parameter: state dict, tied embeddings): it doubles the linears' memory on the CPU.
 """
 from __future__ import annotations
 
@@ -21,23 +23,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FIRST_MAX_ROWS = 64
-PAD_ROWS_TO = 8
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] -> [rows, out], like F.linear(x, weight, bias)."""
-    rows = x.shape[0]
-    if x.device.type != "cpu" or x.dim() != 2 or not 2 <= rows <= WEIGHT_FIRST_MAX_ROWS:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a CPU fp32 `weight` [out, in]; None where that does not apply
+    (other devices and dtypes, a PyTorch built without oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] -> [rows, out], like F.linear(x, weight, bias); on `packed` (pack_weight's
+    copy of `weight`) when given."""
+    if packed is None:
         return F.linear(x, weight, bias)
-    if rows >= PAD_ROWS_TO and rows % PAD_ROWS_TO:
-        x = torch.cat((x, x.new_zeros(PAD_ROWS_TO - rows % PAD_ROWS_TO, x.shape[1])))
-    out = torch.mm(weight, x.t()).t()[:rows].contiguous()
-    return out if bias is None else out.add_(bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) computed by `linear`."""
+    """nn.Linear (same parameters and state-dict names), computed on a packed copy of the
+    weight once `pack()` made one."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Make the packed copy (call after the weights are final); False where none applies."""
+        self.packed = pack_weight(self.weight)
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)

@@ -21,7 +21,7 @@ from torch import nn
 
 import kernels
 from kernels.reference import DecodePlan
-from worker.engine.models.linear import Linear, linear
+from worker.engine.models.linear import Linear, linear, pack_weight
 
 
 @dataclass
@@ -199,6 +199,18 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_linears(self) -> bool:
+        """Give every linear layer and the LM head a packed copy of its weight (models/linear.py);
+        call once the weights are loaded. False where packing does not apply (not CPU fp32)."""
+        packed = [m.pack() for m in self.modules() if isinstance(m, Linear)]
+        tied = self.tie_word_embeddings  # the embedding has no Linear: pack it for the head here
+        self.lm_head_packed = pack_weight(self.embed_tokens.weight) if tied else self.lm_head.packed
+        return all(packed) and self.lm_head_packed is not None
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
@@ -209,5 +221,4 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        return linear(hidden, self.lm_head_weight(), packed=self.lm_head_packed)
