@@ -24,14 +24,17 @@ def _use_triton(backend: str, t: torch.Tensor) -> bool:
     return backend == "triton" or (backend == "auto" and t.is_cuda)
 
 
-def decode_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> str:
-    """What paged_decode_attention runs for tensors on `device` of `dtype`: triton, cpu or torch."""
+def decode_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto",
+                   shape: tuple[int, int, int] | None = None) -> str:
+    """What paged_decode_attention runs for tensors on `device` of `dtype`: triton, cpu or torch.
+    `shape` = (head_dim, num_heads, block_size), where known: the C kernel takes only some."""
     assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
     if backend != "auto":
         return backend
     if device.type == "cuda":
         return "triton"
-    return "cpu" if device.type == "cpu" and dtype == torch.float32 and cpu.available() else "torch"
+    fits = shape is None or cpu.supports(*shape)
+    return "cpu" if device.type == "cpu" and dtype == torch.float32 and fits and cpu.available() else "torch"
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
@@ -50,7 +53,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
     current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
     the torch path's index math, made once per step for all layers; the kernels need none."""
-    chosen = decode_backend(q.device, q.dtype, backend)
+    chosen = decode_backend(q.device, q.dtype, backend, (q.shape[2], q.shape[1], k_cache.shape[1]))
     if chosen == "triton":
         from kernels.paged_decode_attention import paged_decode_attention_triton
 

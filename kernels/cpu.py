@@ -5,7 +5,7 @@ Why C and not PyTorch on the CPU: paged decode attention in PyTorch must first g
 sequence's K/V into a dense copy (reference.py) — at batch 32 that is ~450 MB written and read
 again per step, more than the attention's own reads. The C kernel reads the blocks in place.
 
-The build is `cc -O3 -march=native -fopenmp -shared` (about a second), cached under
+The build is `cc -O3 -march=native -ffp-contract=fast -fopenmp -shared` (about a second), cached under
 `cache_dir()/kernels/` keyed by the source, the flags and this CPU's feature flags (a cache
 folder shared by different machines never hands one a library built for another). Writes go
 to a temporary name and are renamed into place, so processes building at once do not clash.
@@ -32,19 +32,25 @@ from config.settings import cache_dir
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
-_ERRORS = {-1: "could not allocate its score buffers", -2: "a block table entry is out of range"}
+_ERRORS = {-2: "a block table entry is out of range", -3: "unsupported shape (head_dim must be a multiple of 16)"}
 
 
 def available() -> bool:
     """The compiled kernels can be called (built now if needed; False after a failed build)."""
     return _load() is not None
+
+
+def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
+    """The C kernel's shapes: head_dim a multiple of 16 up to 256 (its vectors are 16 floats), and
+    one block's scores for every head on its stack (16384 floats)."""
+    return head_dim % 16 == 0 and head_dim <= 256 and num_heads * -(-block_size // 16) * 16 <= 16384
 
 
 def _load() -> ctypes.CDLL | None:
@@ -113,6 +119,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert supports(head_dim, num_heads, block_size), f"shape the C kernel does not take: {q.shape}, {k_cache.shape}"
     for t in (q, k_cache, v_cache):
         assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -41,7 +41,7 @@ def random_lens(gen, block_size: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("head_dim", [48, 64, 80, 128, 256])
 def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
     num_kv_heads = int(torch.randint(1, 4, (1,), generator=gen))
     lens = random_lens(gen, block_size, 6)
@@ -53,6 +53,29 @@ def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
     assert not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
     for i, n in enumerate(lens):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
+
+
+@pytest.mark.parametrize("magnitude", [0.01, 30.0])
+def test_cpu_decode_online_softmax_at_extreme_scores(gen, magnitude):
+    """Scores spread by hundreds (a max that moves between blocks, exp underflowing to 0) and
+    nearly flat scores: the online softmax still equals the reference."""
+    cache = PagedCache(gen, [1, 17, 250, 513], 16, 3, 64, torch.float32)
+    q = torch.randn(4, 9, 64, generator=gen) * magnitude
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    out, ref = cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
+    assert out.isfinite().all()
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}"
+
+
+def test_shapes_the_c_kernel_does_not_take_go_to_torch(gen):
+    cache = PagedCache(gen, [30, 5], 16, 1, 72, torch.float32)
+    q = torch.randn(2, 2, 72, generator=gen)  # head_dim 72: not a multiple of 16
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    assert not cpu.supports(72, 2, 16) and cpu.supports(64, 2, 16)
+    assert kernels.decode_backend(torch.device("cpu"), torch.float32, shape=(72, 2, 16)) == "torch"
+    assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    with pytest.raises(AssertionError, match="does not take"):
+        cpu.paged_decode_attention_cpu(*args)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -121,12 +121,12 @@ def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypat
     calls = []
     monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
     monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))
-    q = torch.randn(1, 2, 16)
-    kernels.paged_decode_attention(q, None, None, None, None, 1.0)
+    q, cache = torch.randn(1, 2, 16), torch.empty(4, 16, 2, 16)  # a shape the C kernel takes
+    kernels.paged_decode_attention(q, cache, cache, None, None, 1.0)
     kernels.store_kv(q, q, None, None, None, backend="torch")
     assert calls == ["decode", "store"]
     with pytest.raises(AssertionError):
-        kernels.paged_decode_attention(q, None, None, None, None, 1.0, backend="cuda")
+        kernels.paged_decode_attention(q, cache, cache, None, None, 1.0, backend="cuda")
 
 
 # --- the Triton kernels under the interpreter ---------------------------------------------

@@ -57,7 +57,9 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
-        self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend)
+        head_dim, num_heads = self._kv_shape()[2], self.config.num_attention_heads
+        self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend,
+                                                     (head_dim, num_heads, self.block_size))
         self.linear_backend = "torch"
         if settings.model.cpu_linear == "auto" and self.model.pack_linears():
             self.linear_backend = "onednn"
