@@ -178,3 +178,14 @@ def test_failed_build_falls_back_to_torch(fresh_build, monkeypatch):
     assert not cpu.available()
     assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
     assert not list((fresh_build / "kernels").glob("*")), "a failed build left a file behind"
+
+
+def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
+    """bench/decode_attention.py on a tiny step (a smoke test: it must check results, never time them)."""
+    from bench import decode_attention
+
+    for hot in ([], ["--hot"]):
+        res = decode_attention.main(["--batch", "3", "--layers", "2", "--repeats", "2", "--num-blocks", "64",
+                                     "--min-context", "5", "--max-context", "90", "--threads", "1", *hot])
+        assert set(res["times"]) == {"cpu", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
+    assert "GB/s of K/V" in capsys.readouterr().out
