@@ -57,3 +57,17 @@ def test_linear_module_keeps_nn_linear_state_dict_and_results():
     assert ours.state_dict().keys() == theirs.state_dict().keys()  # the packed copy is no parameter
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_pack_falls_back_to_f_linear(monkeypatch):
+    """A PyTorch whose oneDNN cannot pack (another CPU, another build) keeps F.linear, never crashes."""
+    def refuse(weight, batch_size):
+        raise RuntimeError("no oneDNN kernel for this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    monkeypatch.setattr("worker.engine.models.linear.onednn_available", lambda: True)
+    layer = Linear(8, 4)
+    assert pack_weight(layer.weight) is None and not layer.pack() and layer.packed is None
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
