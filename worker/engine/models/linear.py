@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 log = structlog.get_logger(__name__)
+_pack_failed = False  # warned once, not once per weight
 
 
 def onednn_available() -> bool:
@@ -39,7 +40,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (RuntimeError, NotImplementedError) as exc:  # a build whose oneDNN lacks the op: F.linear
-        log.warning("oneDNN weight packing failed; linear layers stay on F.linear", error=str(exc)[:500])
+        global _pack_failed
+        if not _pack_failed:
+            log.warning("oneDNN weight packing failed; linear layers stay on F.linear", error=str(exc)[:500])
+            _pack_failed = True
         return None
 
 
