@@ -130,6 +130,19 @@ def test_both_cpu_linear_backends_equal_hf_generate(model_runner, prompts, hf_ou
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]
 
 
+def test_a_second_engine_on_the_runner_takes_its_kv_cache_over(model_runner, prompts):
+    """Two block managers over one KV cache would overwrite each other's blocks silently: the
+    engine built last owns the runner, and the earlier one fails loudly on its next step."""
+    first = make_engine(model_runner)
+    first.add_request(request(0, prompts[0], max_tokens=4))
+    first.step()
+    second = make_engine(model_runner)
+    with pytest.raises(RuntimeError, match="claimed by a newer LLMEngine"):
+        first.step()
+    done = run_to_completion(second, {0: [request(1, prompts[1], max_tokens=4)]})
+    assert len(done["r1"]["tokens"]) == 4
+
+
 def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
     engine = make_engine(model_runner, policy="static", max_num_seqs=4)
     results = run_to_completion(engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]})

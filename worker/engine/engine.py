@@ -56,6 +56,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, settings: Settings):
         self.runner = runner
+        self._runner_token = runner.claim()  # one engine per KV cache: see ModelRunner.claim
         self.tokenizer = runner.tokenizer
         self.max_model_len = min(runner.max_model_len, settings.model.max_model_len)
         self.max_waiting = settings.scheduler.max_waiting
@@ -156,7 +157,7 @@ class LLMEngine:
         outputs = {o.request_id: o for o in self._finished}
         self._finished = []
         if not sched.is_empty or sched.started:
-            sampled = self.runner.run(sched.scheduled) if sched.scheduled else []
+            sampled = self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
             self._update(sched, sampled, outputs)
         self._record_stats(sched, time.perf_counter() - started)
         return list(outputs.values())

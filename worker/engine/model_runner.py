@@ -57,6 +57,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         head_dim, num_heads = self._kv_shape()[2], self.config.num_attention_heads
         self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend,
                                                      (head_dim, num_heads, self.block_size))
@@ -65,6 +66,13 @@ class ModelRunner:
             self.linear_backend = "onednn"
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), num_blocks=self.num_blocks,
                  block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend)
+
+    def claim(self) -> object:
+        """Make the caller the KV cache's only user; returns its token for run(). An engine built
+        on a runner takes it over: the earlier engine's next run() fails loudly instead of
+        reading K/V the new one has overwritten (two block managers over one cache)."""
+        self.owner = object()
+        return self.owner
 
     # ---- KV cache -----------------------------------------------------------------------------
 
@@ -95,9 +103,12 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence]) -> list[int]:
+    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[int]:
         """Run one forward over `scheduled`; return one sampled token per chunk that samples,
-        in the order of `[s for s in scheduled if s.samples]`."""
+        in the order of `[s for s in scheduled if s.samples]`. `owner`: claim()'s token, if any."""
+        if owner is not None and owner is not self.owner:
+            raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
+                               "its KV cache no longer holds this engine's blocks")
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
         if not batch.sampling:
