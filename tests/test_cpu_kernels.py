@@ -55,6 +55,21 @@ def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
+    """Contexts over 512 tokens are split into items and combined; lengths at the split's edges."""
+    lens = [2049, 1, 512, 513, 1024, 1500]
+    cache = PagedCache(gen, lens, block_size, 3, 64, torch.float32)
+    q = torch.randn(len(lens), 9, 64, generator=gen) * 3
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    out, ref = cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
+    for i, n in enumerate(lens):
+        assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
+    alone = cpu.paged_decode_attention_cpu(q[:1], cache.k_cache, cache.v_cache, cache.block_tables[:1],
+                                           cache.context_lens[:1], 0.125)
+    assert torch.equal(alone[0], out[0]), "a sequence's result depends on its batch"
+
+
 @pytest.mark.parametrize("magnitude", [0.01, 30.0])
 def test_cpu_decode_online_softmax_at_extreme_scores(gen, magnitude):
     """Scores spread by hundreds (a max that moves between blocks, exp underflowing to 0) and

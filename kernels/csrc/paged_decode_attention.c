@@ -11,12 +11,15 @@
  *   block_tables  int32 [num_seqs, max_blocks]      context_lens int32 [num_seqs]
  *   head_dim      a multiple of 16 (VEC floats); else the call returns -3 (callers check first)
  *
- * One work item = one sequence, all its heads, one cache block at a time (flash-decoding's
- * online softmax): a block's scores for every head, then the running max and sum are updated
- * and the block's V rows added in, so each block's K and V are read once, while in L1. Query
- * head h uses KV head h / group (GQA). Items go to OpenMP threads with a dynamic schedule
- * (contexts differ in length); each item runs in one fixed order, so the result does not depend
- * on the thread count. A context of 0 tokens gives 0, as in reference.py.
+ * One work item = up to PART_TOKENS (512) tokens of one sequence's context, all its heads, one
+ * cache block at a time (flash-decoding's online softmax): a block's scores for every head,
+ * then the running max and sum are updated and the block's V rows added in, so each block's K
+ * and V are read once, while in L1. A longer context is split into several items, whose partial
+ * results are combined at the end (rescaled to the common max), so one long sequence alone still
+ * uses every thread. Query head h uses KV head h / group (GQA). Items go to OpenMP threads with
+ * a dynamic schedule (contexts differ in length); the split and every item's order are fixed,
+ * so the result does not depend on the thread count. A context of 0 tokens gives 0, as in
+ * reference.py.
  *
  * Speed notes (2-core dev machine, batch 32, contexts 173-440, 30 layers: ~450 MB of K/V read
  * per step; a pass that only reads those bytes the same way takes 19-22 ms):
@@ -28,13 +31,16 @@
  *   (values) of up to 4 heads held in registers, exp computed 16 lanes at a time, FMA
  *   contraction on (-ffp-contract=fast; ISO C mode forbids it otherwise): with the data in
  *   cache the whole step's attention computes in 9 ms, the previous scalar two-pass version in
- *   22 ms; from memory 28.8 vs 33.6 ms (median of 12, same process).
+ *   22 ms; from memory 28.8 vs 33.6 ms (median of 12, same process);
+ * - the split of long contexts: one sequence of 4000 tokens alone, 20.3 -> 12.1 ms a step (both
+ *   threads at work); batch 32 at the contexts above is unchanged (nothing to split).
  *
- * Returns 0; -2 if a block table entry that a context needs is out of range or a length is
+ * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a context needs is out of range or a length is
  * negative (checked before any K/V is read); -3 if head_dim is not a multiple of 16.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VEC 16
@@ -188,28 +194,28 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
             h += g;                                                                            \
         }
 
-INLINE void attend_d(const decode_args *a, int64_t seq, const int64_t d) {
+/* Attention of sequence `seq` over its blocks [b0, b1): out_h = sum_t p_h[t] v_t with p_h the
+ * softmax numerators exp(s - m_h); also returns m_h and l_h = sum_t p_h[t] per head. */
+INLINE void attend_blocks_d(const decode_args *a, int64_t seq, int64_t b0, int64_t b1, float *out, float *m,
+                            float *l, const int64_t d) {
     int64_t heads = a->num_heads, kv_heads = a->num_kv_heads, group = heads / kv_heads;
     int64_t bs = a->block_size, ss = score_stride(bs), ctx = a->context_lens[seq], row = kv_heads * d;
     const int32_t *table = a->block_tables + seq * a->max_blocks;
     const float *q = a->q + seq * a->q_stride;
-    float *out = a->out + seq * heads * d;
+    float s[heads * ss] __attribute__((aligned(64))), corr[heads];
     memset(out, 0, sizeof(float) * heads * d);
-    if (ctx == 0) return;
-    float s[heads * ss] __attribute__((aligned(64))), m[heads], l[heads], corr[heads];
     for (int64_t h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
-    int64_t num_blocks = (ctx + bs - 1) / bs;
-    for (int64_t b = 0; b < num_blocks; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
         const float *k = block_rows(a, a->k_cache, table, b), *v = block_rows(a, a->v_cache, table, b);
-        if (b == 0) {
+        if (b == b0) {
             prefetch_rows(k, n * row);
             prefetch_rows(v, n * row);
         }
         /* Every block but the last is full (n == bs), so the scores loop can prefetch the whole
          * next block, a row per token (rows past a short last block are still its memory). */
         const float *pk = NULL, *pv = NULL;
-        if (b + 1 < num_blocks) {
+        if (b + 1 < b1) {
             pk = block_rows(a, a->k_cache, table, b + 1);
             pv = block_rows(a, a->v_cache, table, b + 1);
         }
@@ -219,17 +225,36 @@ INLINE void attend_d(const decode_args *a, int64_t seq, const int64_t d) {
         FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
                         out + h * d, v + j * d, n, row, s + h * ss, ss, corr + h)
     }
-    for (int64_t h = 0; h < heads; h++) {
-        vf inv = splat(1.0f / l[h]);
-        for (int64_t i = 0; i < d; i += VEC) store(out + h * d + i, load(out + h * d + i) * inv);
+}
+
+static void attend_blocks(const decode_args *a, int64_t seq, int64_t b0, int64_t b1, float *out, float *m,
+                          float *l) {
+    switch (a->head_dim) { /* constant head sizes: the inner loops unroll completely */
+        case 64: attend_blocks_d(a, seq, b0, b1, out, m, l, 64); break;
+        case 128: attend_blocks_d(a, seq, b0, b1, out, m, l, 128); break;
+        default: attend_blocks_d(a, seq, b0, b1, out, m, l, a->head_dim);
     }
 }
 
-static void attend(const decode_args *a, int64_t seq) {
-    switch (a->head_dim) { /* constant head sizes: the inner loops unroll completely */
-        case 64: attend_d(a, seq, 64); break;
-        case 128: attend_d(a, seq, 128); break;
-        default: attend_d(a, seq, a->head_dim);
+/* out = the parts' outputs, each rescaled from its own max to the common one, over their sums.
+ * part p of a sequence: acc [heads, d], then m [heads], then l [heads] (part_floats apart). */
+static void combine_parts(const decode_args *a, const float *parts, int64_t num_parts, float *out) {
+    int64_t heads = a->num_heads, d = a->head_dim, part_floats = heads * (d + 2);
+    for (int64_t h = 0; h < heads; h++) {
+        float max = -INFINITY, sum = 0.0f;
+        for (int64_t p = 0; p < num_parts; p++) {
+            float mp = parts[p * part_floats + heads * d + h];
+            max = mp > max ? mp : max;
+        }
+        float *oh = out + h * d;
+        memset(oh, 0, sizeof(float) * d);
+        for (int64_t p = 0; p < num_parts; p++) {
+            const float *part = parts + p * part_floats;
+            float w = part[heads * d + h] == -INFINITY ? 0.0f : expf(part[heads * d + h] - max);
+            sum += part[heads * d + heads + h] * w;
+            for (int64_t i = 0; i < d; i++) oh[i] += part[h * d + i] * w;
+        }
+        for (int64_t i = 0; i < d; i++) oh[i] /= sum;
     }
 }
 
@@ -246,6 +271,16 @@ static int check_tables(const decode_args *a, int64_t num_seqs, int64_t num_bloc
     return 0;
 }
 
+/* A work item covers at most this many tokens of one context (flash-decoding's split): a long
+ * context is spread over the threads even when it is alone in the batch. Fixed, not derived
+ * from the thread count, so the result does not depend on the thread count. */
+#define PART_TOKENS 512
+
+static int64_t num_parts(const decode_args *a, int64_t seq, int64_t part_blocks) {
+    int64_t blocks = (a->context_lens[seq] + a->block_size - 1) / a->block_size;
+    return blocks <= part_blocks ? 1 : (blocks + part_blocks - 1) / part_blocks;
+}
+
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, const int32_t *context_lens, float *out,
                                int64_t num_seqs, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
@@ -255,7 +290,48 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                      num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
     if (check_tables(&a, num_seqs, num_blocks) < 0) return -2;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; seq++) attend(&a, seq);
+    int64_t part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1, num_items = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) num_items += num_parts(&a, seq, part_blocks);
+    int64_t heads = num_heads, d = head_dim, part_floats = heads * (d + 2);
+    /* the items of sequence s are seq_first[s] .. seq_first[s + 1] - 1; item i belongs to item_seq[i] */
+    int64_t *seq_first = malloc(sizeof(int64_t) * (num_seqs + 1 + num_items));
+    float *parts = num_items > num_seqs ? malloc(sizeof(float) * part_floats * num_items) : NULL;
+    if (seq_first == NULL || (num_items > num_seqs && parts == NULL)) {
+        free(seq_first);
+        free(parts);
+        return -1;
+    }
+    int64_t *item_seq = seq_first + num_seqs + 1;
+    seq_first[0] = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        seq_first[seq + 1] = seq_first[seq] + num_parts(&a, seq, part_blocks);
+        for (int64_t i = seq_first[seq]; i < seq_first[seq + 1]; i++) item_seq[i] = seq;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float m[heads], l[heads];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++) {
+            int64_t seq = item_seq[i], p = i - seq_first[seq], n = seq_first[seq + 1] - seq_first[seq];
+            int64_t blocks = (context_lens[seq] + block_size - 1) / block_size;
+            int64_t b0 = p * part_blocks, b1 = b0 + part_blocks < blocks ? b0 + part_blocks : blocks;
+            if (n == 1) { /* the whole context: normalize in place */
+                float *o = out + seq * heads * d;
+                attend_blocks(&a, seq, b0, b1, o, m, l);
+                for (int64_t h = 0; h < heads; h++)
+                    for (int64_t x = 0; x < d; x++) o[h * d + x] = l[h] > 0.0f ? o[h * d + x] / l[h] : 0.0f;
+            } else {
+                float *part = parts + i * part_floats;
+                attend_blocks(&a, seq, b0, b1, part, part + heads * d, part + heads * d + heads);
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t seq = 0; seq < num_seqs; seq++) {
+            int64_t first = seq_first[seq], n = seq_first[seq + 1] - first;
+            if (n > 1) combine_parts(&a, parts + first * part_floats, n, out + seq * heads * d);
+        }
+    }
+    free(seq_first);
+    free(parts);
     return 0;
 }
