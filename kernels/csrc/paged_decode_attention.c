@@ -9,7 +9,7 @@
  *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous; token t of
  *                 sequence s is row  block_tables[s, t / block_size] * block_size + t % block_size
  *   block_tables  int32 [num_seqs, max_blocks]      context_lens int32 [num_seqs]
- *   head_dim      a multiple of 16 (VEC floats); else the call returns -3 (callers check first)
+ *   head_dim      a multiple of 16 (VEC floats) up to 256; else the call returns -3
  *
  * One work item = up to PART_TOKENS (512) tokens of one sequence's context, all its heads, one
  * cache block at a time (flash-decoding's online softmax): a block's scores for every head,
@@ -35,8 +35,9 @@
  * - the split of long contexts: one sequence of 4000 tokens alone, 20.3 -> 12.1 ms a step (both
  *   threads at work); batch 32 at the contexts above is unchanged (nothing to split).
  *
- * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a context needs is out of range or a length is
- * negative (checked before any K/V is read); -3 if head_dim is not a multiple of 16.
+ * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
+ * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
+ * the shape is not one it takes (kernels/cpu.py supports(): head_dim a multiple of 16 up to 256).
  */
 #include <math.h>
 #include <stdint.h>
