@@ -39,7 +39,8 @@ _tried = False
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
-_ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range", -3: "a shape it does not take (see supports())"}
+_ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range",
+           -3: "a shape it does not take (see supports())"}
 
 
 def available() -> bool:
