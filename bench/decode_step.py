@@ -180,8 +180,7 @@ def timed_step(eng) -> float:
 
 
 def matmul_floor(eng, batch: int) -> float:
-    weights, head = roofline.linear_weights(eng.runner.model)
-    return roofline.time_step_matmuls(weights, head, batch, repeats=3)
+    return roofline.time_step_matmuls(roofline.linear_ops(eng.runner.model), batch, repeats=3)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,17 @@ def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
     return layers, model.lm_head_weight()
 
 
+def linear_ops(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, packed copy) of every linear layer in forward order, the LM head last: the
+    model's own packed copies (models/linear.py), packed here only where the model has none
+    (a runner with INFERLINE_MODEL__CPU_LINEAR=torch still gets the machine's best rate)."""
+    packed = [m.packed for layer in model.layers
+              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    layers, head = linear_weights(model)
+    ops = list(zip(layers + [head], packed + [model.lm_head_packed]))
+    return [(w, p if p is not None else pack_weight(w)) for w, p in ops]
+
+
 def flops_per_token(model) -> dict[str, float]:
     layers, head = linear_weights(model)
     body = 2.0 * sum(w.numel() for w in layers)
@@ -37,14 +48,12 @@ def flops_per_token(model) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def time_step_matmuls(weights: list[torch.Tensor], head: torch.Tensor, batch: int,
+def time_step_matmuls(ops: list[tuple[torch.Tensor, torch.Tensor | None]], batch: int,
                       repeats: int = 5) -> float:
-    """Best-of-`repeats` seconds for one pass over every weight at `batch` rows (best, because
-    the roofline is what the machine can do; contention from other processes only adds time).
-    The weights are packed as the engine packs them (models/linear.py) where that applies."""
-    dtype = head.dtype
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights + [head]}
-    ops = [(w, pack_weight(w)) for w in weights + [head]]
+    """Best-of-`repeats` seconds for one pass over every weight of `ops` (linear_ops) at `batch`
+    rows (best, because the roofline is what the machine can do; contention from other
+    processes only adds time)."""
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w, _ in ops}
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
@@ -58,17 +67,17 @@ def time_step_matmuls(weights: list[torch.Tensor], head: torch.Tensor, batch: in
 
 def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
     """Roofline of `model` on this machine: per batch size and the best of them."""
-    weights, head = linear_weights(model)
+    ops = linear_ops(model)  # packed once for every batch size
     flops = flops_per_token(model)
     by_batch = {}
     for b in batches:
-        t = time_step_matmuls(weights, head, b, repeats)
+        t = time_step_matmuls(ops, b, repeats)
         by_batch[str(b)] = {"step_matmul_s": t, "gflops": b * flops["total"] / t / 1e9,
                             "tokens_per_s": b / t}
     best = max(by_batch.values(), key=lambda r: r["tokens_per_s"])
     return {"flops_per_token": flops, "by_batch": by_batch,
             "gflops": best["gflops"], "tokens_per_s": best["tokens_per_s"],
-            "threads": torch.get_num_threads(), "dtype": str(head.dtype)}
+            "threads": torch.get_num_threads(), "dtype": str(ops[-1][0].dtype)}
 
 
 def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) -> float:

@@ -291,23 +291,26 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                      num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
     if (check_tables(&a, num_seqs, num_blocks) < 0) return -2;
-    int64_t part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1, num_items = 0;
-    for (int64_t seq = 0; seq < num_seqs; seq++) num_items += num_parts(&a, seq, part_blocks);
+    int64_t part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
     int64_t heads = num_heads, d = head_dim, part_floats = heads * (d + 2);
     /* the items of sequence s are seq_first[s] .. seq_first[s + 1] - 1; item i belongs to item_seq[i] */
-    int64_t *seq_first = malloc(sizeof(int64_t) * (num_seqs + 1 + num_items));
-    float *parts = num_items > num_seqs ? malloc(sizeof(float) * part_floats * num_items) : NULL;
-    if (seq_first == NULL || (num_items > num_seqs && parts == NULL)) {
+    int64_t *seq_first = malloc(sizeof(int64_t) * (num_seqs + 1)), *item_seq = NULL;
+    float *parts = NULL;
+    if (seq_first == NULL) return -1;
+    seq_first[0] = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++)
+        seq_first[seq + 1] = seq_first[seq] + num_parts(&a, seq, part_blocks);
+    int64_t num_items = seq_first[num_seqs];
+    item_seq = malloc(sizeof(int64_t) * (num_items + 1));
+    if (num_items > num_seqs) parts = malloc(sizeof(float) * part_floats * num_items);
+    if (item_seq == NULL || (num_items > num_seqs && parts == NULL)) {
         free(seq_first);
+        free(item_seq);
         free(parts);
         return -1;
     }
-    int64_t *item_seq = seq_first + num_seqs + 1;
-    seq_first[0] = 0;
-    for (int64_t seq = 0; seq < num_seqs; seq++) {
-        seq_first[seq + 1] = seq_first[seq] + num_parts(&a, seq, part_blocks);
+    for (int64_t seq = 0; seq < num_seqs; seq++)
         for (int64_t i = seq_first[seq]; i < seq_first[seq + 1]; i++) item_seq[i] = seq;
-    }
 #pragma omp parallel num_threads(num_threads)
     {
         float m[heads], l[heads];
@@ -333,6 +336,7 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
         }
     }
     free(seq_first);
+    free(item_seq);
     free(parts);
     return 0;
 }
