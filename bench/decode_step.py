@@ -1,7 +1,7 @@
 """Decode-step micro-benchmark: ms per step of the real engine (SmolLM2) at a fixed batch of decodes.
 
     python -m bench.decode_step                    # batch 32, 20 timed steps, 2 threads
-    python -m bench.decode_step --compare          # v0, torch, cpu, mkl and no-attn side by side
+    python -m bench.decode_step --compare          # v0, torch, cpu, mkl, unfused and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
@@ -12,7 +12,8 @@ noisy: `--compare` interleaves the variants step by step (ABCD DCBA) in one proc
 batch, and reports medians and ratios: v0 (the model code before issue #3, kept below), the
 current code with decode attention in PyTorch (`torch`, kernels/reference.py) and in the compiled
 C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear instead of
-oneDNN's packed weights (`mkl`, models/linear.py), and with decode attention skipped (outputs zeros; the step
+oneDNN's packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
+kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). The matmul floor (bench/roofline.py: the step's own linear layers alone, at
 this batch) is timed in between. Steps run on a thread of their own, as in the
 worker (see docs/benchmarks.md on OpenMP threads called from the main thread).
@@ -94,15 +95,16 @@ def _rotary_v0(rotary, positions, x):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def _attention_forward_v0(self, positions, hidden, k_cache, v_cache, meta):
+def _attention_forward_v0(self, rope, hidden, k_cache, v_cache, meta):
     import kernels
 
+    rotary, positions = rope  # the model's RotaryEmbedding (v0 kept it on each layer)
     num_tokens = hidden.shape[0]
     q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
     q = q.view(num_tokens, self.num_heads, self.head_dim)
     k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
     v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-    q, k = _rotary_v0(self.rotary, positions, q), _rotary_v0(self.rotary, positions, k)
+    q, k = _rotary_v0(rotary, positions, q), _rotary_v0(rotary, positions, k)
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     assert nd == num_tokens, "v0 is timed on decode-only steps"
@@ -111,16 +113,16 @@ def _attention_forward_v0(self, positions, hidden, k_cache, v_cache, meta):
     return self.o_proj(out.view(num_tokens, self.q_size))
 
 
-def _layer_forward_v0(self, positions, hidden, k_cache, v_cache, meta):
+def _layer_forward_v0(self, rope, hidden, k_cache, v_cache, meta):
     hidden = hidden + self.self_attn(
-        positions, _rms_norm_v0(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
+        rope, _rms_norm_v0(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
     return hidden + self.mlp(_rms_norm_v0(hidden, self.post_attention_layernorm, self.eps))
 
 
 def _model_forward_v0(self, input_ids, positions, kv_cache, meta):
     hidden = self.embed_tokens(input_ids)
     for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-        hidden = layer(positions, hidden, k_cache, v_cache, meta)
+        hidden = layer((self.rotary, positions), hidden, k_cache, v_cache, meta)
     return _rms_norm_v0(hidden, self.norm, self.config.rms_norm_eps)
 
 
@@ -227,11 +229,24 @@ def linears_unpacked(eng):
         model.lm_head_packed = saved[1]
 
 
+@contextlib.contextmanager
+def ops_unfused(eng):
+    """The current path with RMSNorm, SiLU-and-mul and rope + K/V store as PyTorch ops instead of
+    the C kernels of kernels/fused.py."""
+    saved = eng.runner.fused_ops
+    eng.runner.fused_ops = False  # read by prepare() into each step's AttentionMetadata
+    try:
+        yield
+    finally:
+        eng.runner.fused_ops = saved
+
+
 VARIANTS = {
     "v0": v0_patched,
     "torch": lambda eng: decode_backend(eng, "torch"),
     "cpu": lambda eng: decode_backend(eng, "cpu"),
     "mkl": linears_unpacked,
+    "unfused": ops_unfused,
     "no-attn": attention_skipped,
 }
 
@@ -239,7 +254,7 @@ VARIANTS = {
 def measure(args) -> dict:
     eng = build_engine(args)
     lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
-    names = ["v0", "torch", "cpu", "mkl", "no-attn"] if args.compare else [eng.runner.decode_backend]
+    names = ["v0", "torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else [eng.runner.decode_backend]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
         for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
@@ -277,7 +292,7 @@ def report(args, res: dict) -> None:
           f"{batch / floor * 1e3:.0f} tok/s")
     if "no-attn" in med:
         lo = {name: min(ts) for name, ts in res["steps"].items()}
-        for a, b in (("v0", "torch"), ("torch", "cpu"), ("mkl", "cpu")):
+        for a, b in (("v0", "torch"), ("torch", "cpu"), ("mkl", "cpu"), ("unfused", "cpu")):
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians), {lo[a] / lo[b]:.2f}x (minima)")
         cost = ", ".join(f"{name} ~{med[name] - med['no-attn']:.0f} ms" for name in ("v0", "torch", "cpu"))
         print(f"  decode attention per step (step minus no-attn): {cost} (v0 also has the old rope/norm code)")

@@ -87,6 +87,10 @@ class ModelSettings(BaseModel):
     # (models/linear.py; 1.4-2x faster at decode batch sizes, a second copy of the weights in
     # memory), `torch` keeps F.linear (MKL, repacks the weight on every call).
     cpu_linear: Literal["auto", "torch"] = "auto"
+    # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store
+    # on the CPU in fp32: `auto` runs them as compiled C kernels (kernels/fused.py, built with
+    # the decode kernel; one pass each instead of several PyTorch ops), `torch` as PyTorch ops.
+    cpu_fused_ops: Literal["auto", "torch"] = "auto"
 
 
 class CacheSettings(BaseModel):

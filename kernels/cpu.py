@@ -1,12 +1,13 @@
-"""Compiled CPU kernels: C sources in kernels/csrc/, built with the system C compiler on first
-use and cached, called through ctypes (which releases the GIL for the call).
+"""Compiled CPU kernels: C sources in kernels/csrc/ (paged decode attention here, the fused
+elementwise ops of fused.py), built together into one library with the system C compiler on
+first use and cached, called through ctypes (which releases the GIL for the call).
 
 Why C and not PyTorch on the CPU: paged decode attention in PyTorch must first gather every
 sequence's K/V into a dense copy (reference.py) — at batch 32 that is ~450 MB written and read
 again per step, more than the attention's own reads. The C kernel reads the blocks in place.
 
-The build is `cc -O3 -march=native -ffp-contract=fast -fopenmp -shared` (about a second), cached under
-`cache_dir()/kernels/` keyed by the source, the flags and this CPU's feature flags (a cache
+The build is `cc -O3 -march=native -ffp-contract=fast -fopenmp -shared` (a few seconds), cached under
+`cache_dir()/kernels/` keyed by the sources, the flags and this CPU's feature flags (a cache
 folder shared by different machines never hands one a library built for another). Writes go
 to a temporary name and are renamed into place, so processes building at once do not clash.
 No compiler, or a failed build, is logged once and `available()` is False: callers fall back
@@ -31,14 +32,23 @@ from config.settings import cache_dir
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "fused_ops.c")
+HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURE = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# name: (argtypes, restype) of each function the library exports
+_FUNCTIONS = {
+    "paged_decode_attention_f32": ([_PTR] * 6 + [_I64] * 8 + [_F32, _INT], _INT),
+    "rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
+    "fused_add_rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
+    "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64, _INT], None),
+    "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT], _INT),
+}
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range",
            -3: "a shape it does not take (see supports())"}
 
@@ -52,6 +62,13 @@ def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
     """The C kernel's shapes: head_dim a multiple of 16 up to 256 (its vectors are 16 floats), and
     one block's scores for every head on its stack (16384 floats)."""
     return head_dim % 16 == 0 and head_dim <= 256 and num_heads * -(-block_size // 16) * 16 <= 16384
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library; only after available() said True."""
+    loaded = _load()
+    assert loaded is not None, "the CPU kernels are not built: check kernels.cpu.available() first"
+    return loaded
 
 
 def _load() -> ctypes.CDLL | None:
@@ -68,7 +85,7 @@ def _build_and_open() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("cpu kernels off: no C compiler found (cc/gcc); using the PyTorch path")
         return None
-    target = cache_dir() / "kernels" / f"{SOURCE.stem}-{_build_key(compiler)}.so"
+    target = cache_dir() / "kernels" / f"inferline_cpu-{_build_key(compiler)}.so"
     try:
         if not target.exists():
             _compile(compiler, target)
@@ -77,13 +94,16 @@ def _build_and_open() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("cpu kernels off: build failed; using the PyTorch path", error=detail[-2000:])
         return None
-    lib.paged_decode_attention_f32.argtypes = _SIGNATURE
-    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    for name, (argtypes, restype) in _FUNCTIONS.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
 def _build_key(compiler: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.name.encode() + path.read_bytes())
     h.update(" ".join((compiler,) + FLAGS).encode())
     h.update(platform.machine().encode() + _cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -104,7 +124,7 @@ def _compile(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, "-I", str(CSRC), *map(str, SOURCES), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
         log.info("cpu kernels built", library=str(target))
@@ -132,7 +152,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     # The C side checks the tables before it reads (a bad one is an error, not a wild read).
     # record_function: the call shows by name in torch.profiler tables (bench/engine.py --profile-steps).
     with torch.profiler.record_function("inferline::paged_decode_attention_cpu"):
-        rc = _load().paged_decode_attention_f32(
+        rc = lib().paged_decode_attention_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
             num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())

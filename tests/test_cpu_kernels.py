@@ -180,7 +180,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 def test_first_use_builds_into_the_cache_folder(fresh_build, gen):
     assert cpu.available()
-    (built,) = (fresh_build / "kernels").glob("paged_decode_attention-*.so")
+    (built,) = (fresh_build / "kernels").glob("inferline_cpu-*.so")
     assert not list((fresh_build / "kernels").glob("tmp*")), "the temporary build file was left behind"
     cache = PagedCache(gen, [30], 16, 1, 64, torch.float32)
     q = torch.randn(1, 1, 64, generator=gen)

@@ -111,20 +111,28 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
     assert off.stats().prefix_cache_hits == 0
 
 
-def test_both_cpu_linear_backends_equal_hf_generate(model_runner, prompts, hf_outputs):
-    """The default runner packs its linear weights for oneDNN (models/linear.py); one on
-    F.linear (INFERLINE_MODEL__CPU_LINEAR=torch) must give HF's greedy tokens too."""
+@pytest.mark.parametrize("setting", ["cpu_linear", "cpu_fused_ops"])
+def test_the_plain_pytorch_paths_equal_hf_generate_too(model_runner, prompts, hf_outputs, setting):
+    """The default runner packs its linear weights for oneDNN (models/linear.py) and runs norms,
+    SiLU and rope as C kernels (kernels/fused.py); a runner with either on PyTorch instead
+    (INFERLINE_MODEL__CPU_LINEAR=torch, INFERLINE_MODEL__CPU_FUSED_OPS=torch) must give HF's
+    greedy tokens too."""
     from config.settings import Settings
+    from kernels import fused
     from worker.engine.model_runner import ModelRunner
     from worker.engine.models.linear import Linear, onednn_available
 
     assert model_runner.linear_backend == ("onednn" if onednn_available() else "torch")
+    assert model_runner.fused_ops == fused.available(torch.device("cpu"), torch.float32)
     settings = Settings()
-    settings.model.cpu_linear = "torch"
+    setattr(settings.model, setting, "torch")
     settings.cache.num_blocks = 64
     plain = ModelRunner(settings)
-    assert plain.linear_backend == "torch" and plain.model.lm_head_packed is None
-    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    if setting == "cpu_linear":
+        assert plain.linear_backend == "torch" and plain.model.lm_head_packed is None
+        assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    else:
+        assert not plain.fused_ops and plain.linear_backend == model_runner.linear_backend
     results = run_to_completion(make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]})
     for i in range(4):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]

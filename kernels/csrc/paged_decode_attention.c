@@ -44,12 +44,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VEC 16
-#define MAX_SCORES 16384 /* floats of one block's scores, on the stack */
-#define INLINE static inline __attribute__((always_inline))
+#include "vec.h"
 
-typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(VEC * sizeof(int32_t))));
+#define MAX_SCORES 16384 /* floats of one block's scores, on the stack */
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
@@ -58,51 +55,6 @@ typedef struct {
     int64_t q_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
 } decode_args;
-
-INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-INLINE vf splat(float x) { return (vf){0} + x; }
-INLINE vf select(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-/* The sum of the lanes: halves added to each other, log2(16) times. */
-INLINE float hsum(vf v) {
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
-    float s = 0.0f;
-    for (int i = 0; i < VEC; i++) s += v[i];
-    return s;
-#else
-    typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-    typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
-    vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-#endif
-}
-
-/* exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes'
- * coefficients, ~1 ulp), times 2^n built in the exponent bits. Inputs here are scores minus
- * their max (<= 0); below -87.3 the result is 0, and -inf gives 0. */
-INLINE vf vexp(vf x) {
-    vi underflow = x <= -87.3f;
-    x = select(underflow, splat(-87.3f), x);
-    vf n = x * 1.44269504f;
-    n = n + select(n >= 0, splat(0.5f), splat(-0.5f));
-    vi ni = __builtin_convertvector(n, vi);  /* rounded to the nearest integer */
-    n = __builtin_convertvector(ni, vf);
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi bits = (ni + 127) << 23;
-    vf two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return select(underflow, splat(0.0f), p * two_n);
-}
 
 /* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
 INLINE void prefetch_rows(const float *p, int64_t floats) {

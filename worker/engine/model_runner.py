@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from config.settings import Settings
-from kernels import reference
+from kernels import fused, reference
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler
@@ -64,8 +64,10 @@ class ModelRunner:
         self.linear_backend = "torch"
         if settings.model.cpu_linear == "auto" and self.model.pack_linears():
             self.linear_backend = "onednn"
+        self.fused_ops = settings.model.cpu_fused_ops == "auto" and fused.available(self.device, self.dtype)
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), num_blocks=self.num_blocks,
-                 block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend)
+                 block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend,
+                 fused_ops="c" if self.fused_ops else "torch")
 
     def claim(self) -> object:
         """Make the caller the KV cache's only user; returns its token for run(). An engine built
@@ -144,7 +146,7 @@ class ModelRunner:
 
     def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
         meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
-                                 decode_backend=self.decode_backend)
+                                 decode_backend=self.decode_backend, fused_ops=self.fused_ops)
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = self._context_lens(decodes)

@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
 from kernels.reference import DecodePlan
 from worker.engine.models.linear import Linear, linear, pack_weight
 
@@ -35,15 +35,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
     decode_plan: DecodePlan | None = None  # torch backend: the decode index math, made once per step
     decode_backend: str = "auto"  # kernels.decode_backend: triton | cpu | torch
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    if dtype == torch.float32:  # one op, the same arithmetic as below (HF's LlamaRMSNorm)
-        return F.rms_norm(x, weight.shape, weight, eps)
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
 
 
 def rope_parameters(config) -> dict:
@@ -84,12 +76,10 @@ def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox / HF "rotate_half" layout: the two halves of head_dim are the pair.
-
-    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); here the tables
-    hold cos = (c, c) and sin = (-s, s), and x * cos + swap_halves(x) * sin makes the very same
-    products and sums (negation is exact), in four ops for q and k together. `tables` runs once
-    per forward."""
+    """Neox / HF "rotate_half" layout: the two halves of head_dim are the pair. The tables hold
+    cos = (c, c) and sin = (-s, s), so that x * cos + swap_halves(x) * sin is HF's
+    x * cos + rotate_half(x) * sin exactly (kernels/fused.py rotates). `tables` runs once per
+    forward."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
@@ -102,16 +92,9 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin), each [num_tokens, 1, head_dim]: the same for every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim] (q and k heads together)."""
-        xf = x.float()
-        swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-        return (xf * cos).add_(swapped * sin).to(x.dtype)
-
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -120,7 +103,6 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
-        self.rotary = rotary
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
@@ -130,19 +112,21 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(self.head_dim))
 
     def forward(self, rope, hidden, k_cache, v_cache, meta: AttentionMetadata):
-        num_tokens, heads = hidden.shape[0], self.num_heads
+        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        # q and k heads side by side, rotated in one pass; views of qkv, no copies.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            qk = torch.cat((rms_norm(qk[:, :heads], self.q_norm, self.eps),
-                            rms_norm(qk[:, heads:], self.k_norm, self.eps)), dim=1)
-        qk = self.rotary.apply(qk, *rope)
-        q, k = qk[:, :heads], qk[:, heads:]
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self._norm_qk(qkv)
+        q = rope_store_kv(qkv, self.num_heads, self.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping,
+                          fused=meta.fused_ops)
         out = self._attend(q, k_cache, v_cache, meta)
         return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3: each q and k head RMS-normalized before the rotation, in place in qkv."""
+        heads = self.num_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], heads + self.num_kv_heads, self.head_dim)
+        qk[:, :heads] = rms_norm(qk[:, :heads], self.q_norm, self.eps)
+        qk[:, heads:] = rms_norm(qk[:, heads:], self.k_norm, self.eps)
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode_tokens
@@ -168,23 +152,34 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    """Carries the residual stream apart from the sublayers' outputs (as vLLM does), so that a
+    sublayer's output joins it in the same pass that normalizes the sum for the next sublayer
+    (fused_add_rms_norm): h + attn(norm(h)), then + mlp(norm(...)), the very same sums."""
+
+    def __init__(self, config):
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.eps = config.rms_norm_eps
 
-    def forward(self, rope, hidden, k_cache, v_cache, meta):
-        hidden = hidden + self.self_attn(rope, rms_norm(hidden, self.input_layernorm, self.eps), k_cache, v_cache, meta)
-        return hidden + self.mlp(rms_norm(hidden, self.post_attention_layernorm, self.eps))
+    def forward(self, rope, hidden, residual, k_cache, v_cache, meta: AttentionMetadata):
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it);
+        residual None in the first layer, whose input is the embedding."""
+        fused = meta.fused_ops
+        if residual is None:
+            residual, hidden = hidden, rms_norm(hidden, self.input_layernorm, self.eps, fused)
+        else:
+            hidden, residual = fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps, fused)
+        hidden = self.self_attn(rope, hidden, k_cache, v_cache, meta)
+        hidden, residual = fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps, fused)
+        return self.mlp(hidden, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -214,11 +209,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None  # a new tensor: updated in place is fine
         rope = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            hidden = layer(rope, hidden, k_cache, v_cache, meta)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, meta)
+        return fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps, meta.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head_weight(), packed=self.lm_head_packed)

@@ -1,0 +1,130 @@
+"""Fused elementwise ops of the decoder layer, under vLLM's names: rms_norm, fused_add_rms_norm,
+silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
+
+Each has a PyTorch path (any device and dtype: what HF computes, op by op) and, for fp32 CPU
+tensors, a C kernel (csrc/fused_ops.c, built with the decode-attention kernel by cpu.py) that
+does the same arithmetic in one pass over the rows. The C path pays off where the ops are small:
+a decode step of SmolLM2 at batch 29 spent ~16 ms of ~94 in these ops, mostly dispatch and
+OpenMP fork/join rather than arithmetic. `fused=True` asks for the C path; a caller decides once
+(`available`) and passes it down: the model gets it in its AttentionMetadata every step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The C kernels take tensors of this device and dtype, and they are built (built now if needed)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu.available()
+
+
+def _rows(x: torch.Tensor) -> int:
+    """The row stride of a 2-D view whose rows are packed (a slice of a wider row is fine)."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
+    return x.stride(0)
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (HF's LlamaRMSNorm), x [rows, hidden]
+    or any shape on the torch path."""
+    if not fused:
+        return rms_norm_torch(x, weight, eps)
+    _check(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    cpu.lib().rms_norm_f32(x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                           eps, torch.get_num_threads())
+    return out
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    if dtype == torch.float32:  # one op, the same arithmetic as below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a sublayer's output joins the residual stream and
+    the sum is normalized for the next sublayer. The C path updates `residual` in place."""
+    if not fused:
+        residual = x + residual
+        return rms_norm_torch(residual, weight, eps), residual
+    _check(x, residual, weight)
+    assert residual.is_contiguous() and residual.shape == x.shape, (residual.shape, x.shape)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    cpu.lib().fused_add_rms_norm_f32(x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                     x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out, residual
+
+
+# ---- MLP activation ------------------------------------------------------------------------------
+
+
+def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up projection)."""
+    if not fused:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+    _check(x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    cpu.lib().silu_and_mul_f32(x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+# ---- rotary embedding + K/V store ----------------------------------------------------------------
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox / HF "rotate_half" layout, x [tokens, heads, head_dim]; cos, sin [tokens, 1, head_dim].
+
+    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); the tables here
+    hold cos = (c, c) and sin = (-s, s) (models/llama.py, RotaryEmbedding), so
+    x * cos + swap_halves(x) * sin makes the very same products and sums (negation is exact)."""
+    xf = x.float()
+    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return (xf * cos).add_(swapped * sin).to(x.dtype)
+
+
+def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  fused: bool = False) -> torch.Tensor:
+    """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] (cos/sin
+    [tokens, 1, head_dim], the positions' rows), store k and v at slot_mapping in the caches
+    ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is skipped) and return the
+    rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if not fused:
+        qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+        v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+        kernels.store_kv(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
+        return qk[:, :num_heads]
+    _check(qkv, cos, sin, k_cache, v_cache)
+    assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (qkv.shape, num_heads, num_kv_heads)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (tokens,)
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    assert cos.is_contiguous() and sin.is_contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = cpu.lib().rope_store_kv_f32(qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
+                                     num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                                     slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"rope_store_kv_f32: a slot past the cache's {num_slots} slots")
+    return qkv[:, :q_size].view(tokens, num_heads, head_dim)
