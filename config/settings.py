@@ -80,8 +80,9 @@ class ModelSettings(BaseModel):
     # core). Fewer than the cores leaves one for the event loop and Kafka clients under load.
     cpu_threads: int = Field(0, ge=0)
     # Decode attention: `auto` is Triton on CUDA, the compiled C kernel for fp32 on the CPU
-    # (kernels/cpu.py; built with the system C compiler on first use, PyTorch if that fails),
-    # else PyTorch. `torch` forces the plain-PyTorch path (kernels/reference.py).
+    # (kernels/cpu.py; built with the system C compiler on first use, PyTorch if that fails;
+    # it takes prompt rows too, each over its own causal context), else PyTorch. `torch`
+    # forces the plain-PyTorch path (kernels/reference.py; SDPA for prompts).
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     # Linear layers on the CPU in fp32: `auto` packs every weight once at load for oneDNN
     # (models/linear.py; 1.4-2x faster at decode batch sizes, a second copy of the weights in

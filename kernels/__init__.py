@@ -1,5 +1,7 @@
 """Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere, and
-for fp32 decode on the CPU a compiled C kernel (cpu.py) when a C compiler is there.
+for fp32 decode on the CPU a compiled C kernel (cpu.py) when a C compiler is there (the engine
+also sends it prompt rows, each as a decode over its own causal context: ModelRunner._token_tables).
+The layer's elementwise ops are in fused.py.
 
 Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
 slot = block * block_size + offset. Every op takes backend="auto" | "triton" | "cpu" | "torch";

@@ -70,6 +70,26 @@ def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
     assert torch.equal(alone[0], out[0]), "a sequence's result depends on its batch"
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prompt_rows_attended_as_decodes_match_reference_prefill(gen, block_size):
+    """The engine's CPU path for prompt chunks (ModelRunner._token_tables): each query row goes
+    to the decode kernel with its sequence's block table and its own causal context (position
+    + 1 tokens). Whole prompts, chunks after cached context, a one-token chunk, a long one."""
+    lens, q_lens = [37, 300, 90, 700, 5], [37, 120, 1, 600, 5]
+    cache = PagedCache(gen, lens, block_size, 3, 64, torch.float32)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 9, 64, generator=gen)
+    rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(q_lens))
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, q_lens)])
+    tables, ctx = cache.block_tables.index_select(0, rows), (positions + 1).to(torch.int32)
+    out = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, tables, ctx, 0.125, backend="cpu")
+    ref = reference.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cu,
+                                            cache.context_lens, 0.125)
+    for i in range(len(lens)):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        assert rel_err(out[lo:hi], ref[lo:hi]) < 1e-5, f"seed {SEED}, seq {i}, len {lens[i]}, chunk {q_lens[i]}"
+
+
 @pytest.mark.parametrize("magnitude", [0.01, 30.0])
 def test_cpu_decode_online_softmax_at_extreme_scores(gen, magnitude):
     """Scores spread by hundreds (a max that moves between blocks, exp underflowing to 0) and

@@ -111,12 +111,12 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
     assert off.stats().prefix_cache_hits == 0
 
 
-@pytest.mark.parametrize("setting", ["cpu_linear", "cpu_fused_ops"])
+@pytest.mark.parametrize("setting", ["cpu_linear", "cpu_fused_ops", "attention_backend"])
 def test_the_plain_pytorch_paths_equal_hf_generate_too(model_runner, prompts, hf_outputs, setting):
-    """The default runner packs its linear weights for oneDNN (models/linear.py) and runs norms,
-    SiLU and rope as C kernels (kernels/fused.py); a runner with either on PyTorch instead
-    (INFERLINE_MODEL__CPU_LINEAR=torch, INFERLINE_MODEL__CPU_FUSED_OPS=torch) must give HF's
-    greedy tokens too."""
+    """The default runner packs its linear weights for oneDNN (models/linear.py), runs norms,
+    SiLU and rope as C kernels (kernels/fused.py) and attention, prompt rows included, in the C
+    kernel (kernels/cpu.py); a runner with any of them on PyTorch instead (INFERLINE_MODEL__
+    CPU_LINEAR, CPU_FUSED_OPS or ATTENTION_BACKEND = torch) must give HF's greedy tokens too."""
     from config.settings import Settings
     from kernels import fused
     from worker.engine.model_runner import ModelRunner
@@ -131,8 +131,10 @@ def test_the_plain_pytorch_paths_equal_hf_generate_too(model_runner, prompts, hf
     if setting == "cpu_linear":
         assert plain.linear_backend == "torch" and plain.model.lm_head_packed is None
         assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
-    else:
+    elif setting == "cpu_fused_ops":
         assert not plain.fused_ops and plain.linear_backend == model_runner.linear_backend
+    else:
+        assert plain.decode_backend == "torch"
     results = run_to_completion(make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]})
     for i in range(4):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]

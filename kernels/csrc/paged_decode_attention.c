@@ -35,6 +35,10 @@
  * - the split of long contexts: one sequence of 4000 tokens alone, 20.3 -> 12.1 ms a step (both
  *   threads at work); batch 32 at the contexts above is unchanged (nothing to split).
  *
+ * The engine sends prompt rows here too (ModelRunner._token_tables): a prompt token is a query
+ * whose context is the first position + 1 tokens of its sequence, so one call attends every row
+ * of a step, and a prompt's rows are computed the way its decode steps will be.
+ *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
  * the shape is not one it takes (kernels/cpu.py supports(): head_dim a multiple of 16 up to 256).

@@ -34,6 +34,10 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
     decode_plan: DecodePlan | None = None  # torch backend: the decode index math, made once per step
+    # cpu backend: every row, decode or prefill, attends like a decode over its own causal context
+    # (its sequence's block table, position + 1 tokens): one C kernel call for the whole step.
+    token_block_tables: torch.Tensor | None = None  # int32 [num_tokens, max_blocks]
+    token_context_lens: torch.Tensor | None = None  # int32 [num_tokens]
     decode_backend: str = "auto"  # kernels.decode_backend: triton | cpu | torch
     fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
 
@@ -129,6 +133,9 @@ class Attention(nn.Module):
         qk[:, heads:] = rms_norm(qk[:, heads:], self.k_norm, self.eps)
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.token_block_tables is not None:
+            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.token_block_tables,
+                                                  meta.token_context_lens, self.scale, backend=meta.decode_backend)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta)
