@@ -273,3 +273,35 @@ def test_cpu_threads_setting_sets_torch_threads(monkeypatch):
     monkeypatch.delenv("INFERLINE_MODEL__CPU_THREADS")
     engine_module.LLMEngine.from_settings(Settings())  # 0: left as it was
     assert torch.get_num_threads() == before
+
+
+def anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_cpu_kv_cache_is_advised_onto_huge_pages(model_runner):
+    """huge_page_tensor: a writable tensor of its own mapping, on 2 MB pages wherever the host's
+    THP mode allows it (`madvise` or `always`); elsewhere plain pages, never an error."""
+    from pathlib import Path
+
+    from worker.engine.model_runner import huge_page_tensor
+
+    t = huge_page_tensor((8, 512, 1024), torch.float32)  # 16 MB
+    assert t.shape == (8, 512, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * t.numel()
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp = mode.exists() and ("[madvise]" in mode.read_text() or "[always]" in mode.read_text())
+    if thp:
+        assert anon_huge_kb(t.data_ptr() + (8 << 20)) > 0, "the advice did not give 2 MB pages"
+    k_cache, v_cache = model_runner.kv_cache[0]
+    assert k_cache.data_ptr() != v_cache.data_ptr() and not k_cache.is_cuda

@@ -6,6 +6,9 @@ model, computes logits only for the rows that sample, and samples.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +36,20 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         # bf16 matmuls are ~5x slower than fp32 on these CPUs; on a GPU bf16 is the norm.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in an anonymous mapping of its own, advised onto 2 MB pages
+    (transparent huge pages, when the host's THP mode is `madvise` or `always`). Decode attention
+    reads K/V blocks scattered over the whole cache; on 4 KB pages every 12 KB block is several
+    TLB misses (the C kernel, batch 32: 29.5 -> 27.3 ms a step on 2 MB pages). Where THP is off
+    the advice is ignored: 4 KB pages, as torch.empty's."""
+    # Private and anonymous (mmap's default, MAP_SHARED, is shmem: THP there follows another setting).
+    buf = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 @dataclass
@@ -99,7 +116,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.config.num_hidden_layers, 2, self.num_blocks, *self._kv_shape())
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            cache = huge_page_tensor(shape, self.dtype)
+        else:
+            cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape[0])]
 
     # ---- one step -------------------------------------------------------------------------------
