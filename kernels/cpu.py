@@ -15,6 +15,7 @@ to reference.py (INFERLINE_MODEL__ATTENTION_BACKEND=torch chooses that path outr
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -62,6 +63,14 @@ def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
     """The C kernel's shapes: head_dim a multiple of 16 up to 256 (its vectors are 16 floats), and
     one block's scores for every head on its stack (16384 floats)."""
     return head_dim % 16 == 0 and head_dim <= 256 and num_heads * -(-block_size // 16) * 16 <= 16384
+
+
+def profiled(name: str):
+    """A label for a C call in torch.profiler tables (bench/engine.py --profile-steps), only while
+    a profiler runs: entering one costs microseconds, and a step makes ~150 of these calls."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def lib() -> ctypes.CDLL:
@@ -150,8 +159,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
     out = torch.empty_like(q)
     # The C side checks the tables before it reads (a bad one is an error, not a wild read).
-    # record_function: the call shows by name in torch.profiler tables (bench/engine.py --profile-steps).
-    with torch.profiler.record_function("inferline::paged_decode_attention_cpu"):
+    with profiled("inferline::paged_decode_attention_cpu"):
         rc = lib().paged_decode_attention_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,

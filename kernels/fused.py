@@ -43,8 +43,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
         return rms_norm_torch(x, weight, eps)
     _check(x, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
-    cpu.lib().rms_norm_f32(x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                           eps, torch.get_num_threads())
+    with cpu.profiled("inferline::rms_norm"):
+        cpu.lib().rms_norm_f32(x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                               eps, torch.get_num_threads())
     return out
 
 
@@ -67,8 +68,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check(x, residual, weight)
     assert residual.is_contiguous() and residual.shape == x.shape, (residual.shape, x.shape)
     out = torch.empty(x.shape, dtype=x.dtype)
-    cpu.lib().fused_add_rms_norm_f32(x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                     x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    with cpu.profiled("inferline::fused_add_rms_norm"):
+        cpu.lib().fused_add_rms_norm_f32(x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
+                                         out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out, residual
 
 
@@ -83,7 +85,8 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     _check(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype)
-    cpu.lib().silu_and_mul_f32(x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
+    with cpu.profiled("inferline::silu_and_mul"):
+        cpu.lib().silu_and_mul_f32(x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
 
 
@@ -122,9 +125,10 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     assert cos.is_contiguous() and sin.is_contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = cpu.lib().rope_store_kv_f32(qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
-                                     num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                                     slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
+    with cpu.profiled("inferline::rope_store_kv"):
+        rc = cpu.lib().rope_store_kv_f32(qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
+                                         num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                                         slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"rope_store_kv_f32: a slot past the cache's {num_slots} slots")
     return qkv[:, :q_size].view(tokens, num_heads, head_dim)

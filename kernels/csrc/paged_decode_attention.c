@@ -117,14 +117,26 @@ INLINE void chunk_values(float *out, const float *v, int64_t n, int64_t row, con
         _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) store(out + g * d + i * VEC, acc[g][i]);
 }
 
+/* The largest lane (padding lanes hold -inf). */
+INLINE float hmax(vf v) {
+    float m = v[0];
+    for (int i = 1; i < VEC; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 /* Online softmax over one block for one head: p = exp(s - m_new) in place (padding lanes past n
  * get 0); returns the factor that rescales what was accumulated under the old max. */
 INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
-    float block_max = -INFINITY;
-    for (int64_t t = 0; t < n; t++) block_max = s[t] > block_max ? s[t] : block_max;
-    float m_new = block_max > *m ? block_max : *m;
-    float corr = *m == -INFINITY ? 0.0f : expf(*m - m_new);
     for (int64_t t = n; t < score_stride(n); t++) s[t] = -INFINITY;
+    vf vmax = load(s);
+    for (int64_t t = VEC; t < n; t += VEC) {
+        vf x = load(s + t);
+        vmax = select(x > vmax, x, vmax);
+    }
+    float block_max = hmax(vmax);
+    float m_new = block_max > *m ? block_max : *m;
+    /* the running max rarely moves after the first blocks: then nothing needs rescaling */
+    float corr = m_new == *m ? 1.0f : (*m == -INFINITY ? 0.0f : expf(*m - m_new));
     vf sum = splat(0.0f);
     for (int64_t t = 0; t < n; t += VEC) {
         vf p = vexp(load(s + t) - m_new);
