@@ -159,10 +159,13 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
-        meta = self._metadata(decodes, prefills, slots)
         positions = self._tensor(positions, torch.long)
-        if self.decode_backend == "cpu" and prefills:
+        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
+                                 decode_backend=self.decode_backend, fused_ops=self.fused_ops)
+        if self.decode_backend == "cpu" and prefills:  # one C call attends every row
             meta.token_block_tables, meta.token_context_lens = self._token_tables(ordered, positions)
+        else:
+            self._split_metadata(meta, decodes, prefills)
         sampling = [s for s in ordered if s.samples]
         return Batch(self._tensor(input_ids, torch.long), positions, meta,
                      self._tensor(logits_indices, torch.long), sampling)
@@ -176,9 +179,8 @@ class ModelRunner:
         rows = torch.repeat_interleave(torch.arange(len(ordered)), counts)
         return self._block_tables(ordered).index_select(0, rows), (positions + 1).to(torch.int32)
 
-    def _metadata(self, decodes, prefills, slots) -> AttentionMetadata:
-        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
-                                 decode_backend=self.decode_backend, fused_ops=self.fused_ops)
+    def _split_metadata(self, meta: AttentionMetadata, decodes, prefills) -> None:
+        """Decode rows for the decode kernel, prompt chunks for the prefill kernel (or SDPA)."""
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = self._context_lens(decodes)
@@ -192,7 +194,6 @@ class ModelRunner:
             for s in prefills:
                 cu.append(cu[-1] + s.num_new_tokens)
             meta.prefill_cu_seqlens_q = self._tensor(cu, torch.int32)
-        return meta
 
     def _block_tables(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
         width = max(len(s.seq.block_table) for s in chunks)
