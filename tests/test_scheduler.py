@@ -141,6 +141,37 @@ def test_block_manager_counts_and_integrity():
     bm.check_integrity([])
 
 
+def test_growing_sequences_get_their_blocks_side_by_side():
+    """Two sequences growing in turn: each gets runs of adjacent blocks (the decode kernel reads
+    them faster), not every other block as a plain free-list order would give."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    a, b = seq("a", 4, 1), seq("b", 4, 1)
+    for s in (a, b):
+        bm.append(s, 4)
+    for _ in range(7):
+        for s in (a, b):
+            s.num_computed_tokens = 4 * len(s.block_table)
+            bm.append(s, 1)
+    assert a.block_table == [0, 1, 2, 3, 8, 9, 10, 11] and b.block_table == [4, 5, 6, 7, 12, 13, 14, 15]
+    bm.check_integrity([a, b])
+
+
+def test_placement_never_jumps_a_cached_block_ahead_of_its_eviction_turn():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    old = Sequence("old", [1, 2, 3], SamplingParams(max_tokens=1))
+    bm.allocate(old, bm.cached_prefix(old))
+    old.num_computed_tokens = 3
+    bm.cache_computed_blocks(old)  # its first block now holds a cached prefix
+    first = old.block_table[0]
+    bm.free(old)
+    assert bm.prefix_cache.holds(first) and not bm._takes_next(first), "a cached block is not taken out of turn"
+    assert not bm._takes_next(8), "past the last block"
+    grow = Sequence("g", [9, 9], SamplingParams(max_tokens=4))
+    bm.allocate(grow, [])
+    assert grow.block_table[0] != first and bm.prefix_cache.holds(first)
+    bm.check_integrity([grow])
+
+
 # ---- prefix caching ------------------------------------------------------------------------------
 
 

@@ -8,6 +8,13 @@ With prefix caching (prefix_cache.py) a full, computed block can be in several b
 once; reference counts say how many. A block nobody owns is free; a free block may still hold
 cached K/V and be found again, until it is handed out for new tokens. Free blocks are handed
 out least recently freed first, so what was used last stays findable longest.
+
+Placement: a sequence's blocks are read in order by the decode kernel, which goes faster when
+they sit side by side in memory (the C kernel alone, batch 32: 30.1 ms a step with every block
+scattered, 26.5 with runs of 4 adjacent blocks, 25.6 all adjacent). So a sequence's next block
+is the one right after its last when that one is free (and holds no cached prefix), and a block
+taken from the front of the free list sends the few free blocks after it to the back, where
+they wait for the same sequence's next blocks instead of going to another sequence first.
 """
 from __future__ import annotations
 
@@ -15,6 +22,9 @@ from collections import OrderedDict
 
 from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sequence import Sequence
+
+
+RUN_BLOCKS = 4  # blocks kept free after a sequence's newest one, for its next ones
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,7 +67,7 @@ class BlockManager:
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks for its next `num_new_tokens` tokens."""
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
-            seq.block_table.append(self._allocate_block())
+            seq.block_table.append(self._allocate_block(seq.block_table[-1] if seq.block_table else None))
 
     # ---- admission with cached prefixes -------------------------------------------------------
 
@@ -104,13 +114,29 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
-    def _allocate_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+    def _allocate_block(self, after: int | None = None) -> int:
+        """A free block: the one right after `after` (the sequence's last block) where it is free
+        and holds no cached prefix, else the least recently freed one (see Placement above)."""
+        if after is not None and self._takes_next(after + 1):
+            block_id = after + 1
+            del self.free_block_ids[block_id]
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            for later in range(block_id + 1, min(block_id + RUN_BLOCKS, self.num_blocks)):
+                if not self._takes_next(later):
+                    break
+                self.free_block_ids.move_to_end(later)
         assert self.ref_counts[block_id] == 0, f"block {block_id} on the free list but owned"
         if self.prefix_cache:
             self.prefix_cache.evict(block_id)
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _takes_next(self, block_id: int) -> bool:
+        """Free, and no cached prefix whose place in the eviction order it would jump."""
+        if block_id >= self.num_blocks or block_id not in self.free_block_ids:
+            return False
+        return not (self.prefix_cache and self.prefix_cache.holds(block_id))
 
     def _release_block(self, block_id: int) -> None:
         assert self.ref_counts[block_id] > 0, f"block {block_id} freed twice"

@@ -61,6 +61,10 @@ class PrefixCache:
             self.block_of[key] = block_id
             self.key_of[block_id] = key
 
+    def holds(self, block_id: int) -> bool:
+        """The block holds a cached prefix's K/V (it can be found again)."""
+        return self.key_of[block_id] is not None
+
     def evict(self, block_id: int) -> None:
         """The block is handed out for new tokens: forget what it held."""
         key = self.key_of[block_id]
