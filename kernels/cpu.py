@@ -74,8 +74,8 @@ def profiled(name: str):
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library; only after available() said True."""
-    loaded = _load()
+    """The loaded library; only after available() said True. ~150 calls a step: once loaded, no lock."""
+    loaded = _lib if _lib is not None else _load()
     assert loaded is not None, "the CPU kernels are not built: check kernels.cpu.available() first"
     return loaded
 
