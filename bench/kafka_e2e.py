@@ -588,11 +588,16 @@ def run(args, argv) -> dict:
         port = free_port()
         # The worker loads its model while this process loads its own: neither is measured.
         proc = spawn_worker(worker_env(settings, topics, port, args), log_path)
-        runner = ModelRunner(settings)
+        from bench.roofline import in_thread
+
+        # Loaded and warmed on a thread that then exits, as is every in-process run: a thread that
+        # keeps an OpenMP pool (this main one, had it loaded the model) slows every other
+        # thread's parallel regions (worker/engine/engine.py, EngineLoop).
+        runner = in_thread(lambda: ModelRunner(settings))
         items = workload(runner.tokenizer, args)
         probe_items = [SimpleNamespace(request_id=f"probe-{i.request_id}", prompt_token_ids=i.prompt_token_ids,
                                        max_tokens=2) for i in items[:args.probe]]
-        warm_up_engine(runner, settings)
+        in_thread(lambda: warm_up_engine(runner, settings), args.threads)
         ready_s = wait_ready(proc, port, log_path, args.ready_timeout)
         import torch
 

@@ -1,6 +1,8 @@
 """The engine against HF transformers: greedy continuous batching must equal `generate`."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -248,6 +250,46 @@ def test_engine_loop_thread_delivers_everything(model_runner, prompts):
     loop.stop(5)
     assert {o.finish_reason for k, o in done.items() if k != "r4"} == {"length"}
     assert done["r4"].finish_reason == "cancelled"
+
+
+def test_engine_loop_builds_its_engine_on_its_own_thread(model_runner, prompts):
+    """Given a factory, the loop loads the engine on the thread that will step it (EngineLoop's
+    docstring: an OpenMP pool left on a loading thread slows every step), and wait_ready hands
+    the engine over once built."""
+    import threading
+
+    from worker.engine.engine import EngineLoop
+
+    built_on, outputs = [], []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return make_engine(model_runner)
+
+    loop = EngineLoop(build, lambda outs, stats: outputs.extend(outs))
+    loop.start()
+    engine = loop.wait_ready(60)
+    assert built_on == [loop._thread] and loop.engine is engine
+    loop.add_request(request(0, prompts[0], max_tokens=3))
+    deadline = time.monotonic() + 60
+    while not any(o.finished for o in outputs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop(5)
+    assert [o.finish_reason for o in outputs if o.finished] == ["length"]
+
+
+def test_engine_loop_build_error_reaches_wait_ready():
+    from worker.engine.engine import EngineLoop
+
+    def build():
+        raise FileNotFoundError("no such model")
+
+    loop = EngineLoop(build, lambda outs, stats: None)
+    loop.start()
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        loop.wait_ready(10)
+    loop.stop(5)
+    assert not loop._thread.is_alive()
 
 
 def test_cpu_threads_setting_sets_torch_threads(monkeypatch):

@@ -127,6 +127,7 @@ async def test_a_stop_during_model_load_never_joins_the_group(kafka_bootstrap, t
     loading, release = threading.Event(), threading.Event()
 
     def slow_build(settings):
+        assert threading.current_thread().name == "inferline-engine"  # loaded where it will run
         loading.set()
         release.wait(30)
         return LLMEngine(model_runner, app.engine_settings(settings))

@@ -108,15 +108,19 @@ class Worker:
     async def start(self) -> None:
         await self.http.start()
         log.info("worker.starting", worker=self.name, http_port=self.http.port)
-        if self.engine is None:  # minutes on a cold cache: off the loop so /healthz answers
-            self.engine = await asyncio.to_thread(build_engine, self.settings)
+        loop = asyncio.get_running_loop()
+        # The model loads on the engine's own thread, the one that will run it (EngineLoop says why);
+        # minutes on a cold cache, awaited off the event loop so /healthz answers meanwhile.
+        engine_loop = EngineLoop(self.engine or (lambda: build_engine(self.settings)),
+                                 lambda outs, st: self._from_engine(loop, outs, st))
+        engine_loop.start()
+        self.engine = await asyncio.to_thread(engine_loop.wait_ready)
         if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
+            await asyncio.to_thread(engine_loop.stop, 10.0)
             log.info("worker.stopped_before_start")
             return
         self._stats = self.engine.stats()  # totals are deltas from here (an engine may be reused)
-        loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(self.engine, lambda outs, st: self._from_engine(loop, outs, st))
-        self.engine_loop.start()
+        self.engine_loop = engine_loop
         await self.publisher.start()
         await self.cancel_listener.start()
         await self.intake.start()

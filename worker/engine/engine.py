@@ -277,21 +277,41 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
 
 class EngineLoop:
     """Runs an LLMEngine in its own thread. `add_request` and `abort` are thread-safe and never
-    block; `on_outputs(outputs, stats)` is called from the engine thread after every step."""
+    block; `on_outputs(outputs, stats)` is called from the engine thread after every step.
 
-    def __init__(self, engine: LLMEngine,
+    Give it a built engine, or a function that builds one: then the model is loaded on the loop's
+    own thread, and `wait_ready()` returns the engine once it is. Load on this thread where you
+    can. Each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu.py) keeps its
+    own pool of OpenMP threads for the life of the process; once there are more of those than
+    CPUs, libgomp stops spinning between parallel regions and every region pays a futex wake-up
+    (~75 us on the 2-core dev VM). A model loaded on another thread left such a pool behind:
+    decode steps of SmolLM2 at batch 29 were 12-17% slower than with the same model loaded on the
+    thread that steps it (docs/benchmarks.md)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],
                  idle_tick_s: float = 0.05):
-        self.engine = engine
+        self._build = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine | None = engine if self._build is None else None
         self.on_outputs = on_outputs
         self.idle_tick_s = idle_tick_s
         self.last_tick = time.monotonic()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> LLMEngine:
+        """The engine, once built (blocks); re-raises the build's error."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine is still loading")
+        if self._build_error is not None:
+            raise self._build_error
+        return self.engine
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopping.set()
@@ -305,6 +325,14 @@ class EngineLoop:
         self._inbox.put(("abort", request_id, reason))
 
     def _run(self) -> None:
+        if self._build is not None:
+            try:
+                self.engine = self._build()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait_ready's caller
+                self._build_error = exc
+                self._ready.set()
+                return
+        self._ready.set()
         while not self._stopping.is_set():
             self._drain_inbox(wait=not self.engine.has_unfinished_requests())
             if self.engine.has_unfinished_requests():
