@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -624,6 +625,7 @@ def run_all(args: argparse.Namespace, argv) -> dict:
         records[f"hf_static{args.hf_batch_size}"] = run_hf(hf, runner.tokenizer, items, args.hf_batch_size, progress)
         del hf
     warm_up_engine(runner)
+    gc.freeze()  # as the worker's EngineLoop does once its engine is built
     # Static batching runs fixed batches to completion: with as many seats as requests it would
     # be the continuous schedule minus nothing (all-at-once arrivals never refill), so the
     # baseline gets HF's batch size unless told otherwise (--extra-static-seats adds another).

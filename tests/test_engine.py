@@ -1,6 +1,7 @@
 """The engine against HF transformers: greedy continuous batching must equal `generate`."""
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -266,10 +267,12 @@ def test_engine_loop_builds_its_engine_on_its_own_thread(model_runner, prompts):
         built_on.append(threading.current_thread())
         return make_engine(model_runner)
 
+    gc.unfreeze()  # whatever an earlier test froze
     loop = EngineLoop(build, lambda outs, stats: outputs.extend(outs))
     loop.start()
     engine = loop.wait_ready(60)
     assert built_on == [loop._thread] and loop.engine is engine
+    assert gc.get_freeze_count() > 0  # what lives now is left out of later collections
     loop.add_request(request(0, prompts[0], max_tokens=3))
     deadline = time.monotonic() + 60
     while not any(o.finished for o in outputs) and time.monotonic() < deadline:
@@ -317,33 +320,36 @@ def test_cpu_threads_setting_sets_torch_threads(monkeypatch):
     assert torch.get_num_threads() == before
 
 
-def anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of this process's mapping that holds `address`."""
+def smaps_kb(address: int, field: str = "AnonHugePages") -> int:
+    """A field (kB) of /proc/self/smaps for this process's mapping that holds `address`."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field + ":":
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_the_cpu_kv_cache_is_advised_onto_huge_pages(model_runner):
     """huge_page_tensor: a writable tensor of its own mapping, on 2 MB pages wherever the host's
-    THP mode allows it (`madvise` or `always`); elsewhere plain pages, never an error."""
+    THP mode allows it (`madvise` or `always`); elsewhere plain pages, never an error. Zeroed,
+    and every page resident from the start: no step pays a page's first touch."""
     from pathlib import Path
 
     from worker.engine.model_runner import huge_page_tensor
 
     t = huge_page_tensor((8, 512, 1024), torch.float32)  # 16 MB
     assert t.shape == (8, 512, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert smaps_kb(t.data_ptr(), "Rss") >= 16 << 10, "the pages were not touched at allocation"
+    assert not t.any()
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * t.numel()
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp = mode.exists() and ("[madvise]" in mode.read_text() or "[always]" in mode.read_text())
     if thp:
-        assert anon_huge_kb(t.data_ptr() + (8 << 20)) > 0, "the advice did not give 2 MB pages"
+        assert smaps_kb(t.data_ptr() + (8 << 20)) > 0, "the advice did not give 2 MB pages"
     k_cache, v_cache = model_runner.kv_cache[0]
     assert k_cache.data_ptr() != v_cache.data_ptr() and not k_cache.is_cuda
