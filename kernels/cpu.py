@@ -15,7 +15,6 @@ to reference.py (INFERLINE_MODEL__ATTENTION_BACKEND=torch chooses that path outr
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -65,12 +64,20 @@ def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and num_heads * -(-block_size // 16) * 16 <= 16384
 
 
-def profiled(name: str):
-    """A label for a C call in torch.profiler tables (bench/engine.py --profile-steps), only while
-    a profiler runs: entering one costs microseconds, and a step makes ~150 of these calls."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def call(function: str, *args):
+    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables
+    (bench/engine.py --profile-steps) only while a profiler runs. A decode step makes ~150 of
+    these calls, so the path without a profiler is kept to a lookup and the call: Python around
+    a C call ran 1-3x the C time itself in a decode step at batch 29 (caches cold from the
+    matmuls in between)."""
+    fn = getattr(_lib if _lib is not None else lib(), function)
+    if _profiler_enabled():
+        with torch.profiler.record_function("inferline::" + function):
+            return fn(*args)
+    return fn(*args)
 
 
 def lib() -> ctypes.CDLL:
@@ -159,11 +166,10 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
     out = torch.empty_like(q)
     # The C side checks the tables before it reads (a bad one is an error, not a wild read).
-    with profiled("inferline::paged_decode_attention_cpu"):
-        rc = lib().paged_decode_attention_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
-            num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
+    rc = call("paged_decode_attention_f32",
+              q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+              context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
+              num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_f32: {_ERRORS.get(rc, rc)}")
     return out

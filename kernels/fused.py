@@ -22,6 +22,11 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu.available()
 
 
+# The C paths below run ~150 times a decode step: their checks are kept to cheap attribute
+# reads (cpu.call says why the Python around a C call matters).
+_F32 = torch.float32
+
+
 def _rows(x: torch.Tensor) -> int:
     """The row stride of a 2-D view whose rows are packed (a slice of a wider row is fine)."""
     assert x.dim() == 2 and x.stride(1) == 1, f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
@@ -30,7 +35,7 @@ def _rows(x: torch.Tensor) -> int:
 
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
+        assert t.dtype is _F32 and t.is_cpu, (t.dtype, t.device)
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------------
@@ -42,10 +47,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
     if not fused:
         return rms_norm_torch(x, weight, eps)
     _check(x, weight)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    with cpu.profiled("inferline::rms_norm"):
-        cpu.lib().rms_norm_f32(x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                               eps, torch.get_num_threads())
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=_F32)
+    cpu.call("rms_norm_f32", x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
+             torch.get_num_threads())
     return out
 
 
@@ -66,11 +71,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         residual = x + residual
         return rms_norm_torch(residual, weight, eps), residual
     _check(x, residual, weight)
+    rows, cols = x.shape
     assert residual.is_contiguous() and residual.shape == x.shape, (residual.shape, x.shape)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    with cpu.profiled("inferline::fused_add_rms_norm"):
-        cpu.lib().fused_add_rms_norm_f32(x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
-                                         out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    out = torch.empty((rows, cols), dtype=_F32)
+    cpu.call("fused_add_rms_norm_f32", x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
+             out.data_ptr(), rows, cols, eps, torch.get_num_threads())
     return out, residual
 
 
@@ -84,9 +89,8 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         return F.silu(gate).mul_(up)
     _check(x)
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=x.dtype)
-    with cpu.profiled("inferline::silu_and_mul"):
-        cpu.lib().silu_and_mul_f32(x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
+    out = torch.empty((rows, inter), dtype=_F32)
+    cpu.call("silu_and_mul_f32", x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
 
 
@@ -121,14 +125,13 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     _check(qkv, cos, sin, k_cache, v_cache)
     assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (qkv.shape, num_heads, num_kv_heads)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (tokens,)
-    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
-    assert cos.is_contiguous() and sin.is_contiguous()
+    assert slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape[0] == tokens
+    # [tokens, 1, head_dim] or [tokens, head_dim], packed: the same rows in memory
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    with cpu.profiled("inferline::rope_store_kv"):
-        rc = cpu.lib().rope_store_kv_f32(qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
-                                         num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                                         slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
+    rc = cpu.call("rope_store_kv_f32", qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
+                  num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                  slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"rope_store_kv_f32: a slot past the cache's {num_slots} slots")
     return qkv[:, :q_size].view(tokens, num_heads, head_dim)
