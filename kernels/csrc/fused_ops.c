@@ -27,7 +27,8 @@ static int threads_for(int64_t floats, int threads) { return floats >= PAR_MIN ?
  * step streams megabytes of weights and K/V through the caches, so the rows they read (the
  * residual stream) and the freshly allocated rows they write start in memory, and this machine's
  * hardware prefetchers barely help: fused_add_rms_norm at 29 rows spent ~39 us a call, most of
- * it in the residual's loads (perf annotate); with this, ~28 (one row ahead: ~30). `write` 1 asks for the lines to be written (an output row). */
+ * it in the residual's loads (perf annotate); with this, ~28 (one row ahead: ~30). `write` 1
+ * asks for the lines to be written (an output row). */
 INLINE void prefetch_row(const float *p, int64_t floats, int write) {
     for (int64_t off = 0; off < floats; off += 64 / sizeof(float)) {
         if (write)
