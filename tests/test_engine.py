@@ -279,6 +279,7 @@ def test_engine_loop_builds_its_engine_on_its_own_thread(model_runner, prompts):
         time.sleep(0.01)
     loop.stop(5)
     assert [o.finish_reason for o in outputs if o.finished] == ["length"]
+    assert gc.get_freeze_count() == 0  # stopped: collectable again
 
 
 def test_engine_loop_build_error_reaches_wait_ready():
