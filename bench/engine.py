@@ -661,6 +661,7 @@ def run_all(args: argparse.Namespace, argv) -> dict:
                                                 args.max_num_batched_tokens)
     if not args.quick:  # did the machine's load change over the run?
         results["roofline_end"] = roofline.measure(runner.model, batches=(256,), repeats=3)
+    gc.unfreeze()  # as EngineLoop.stop does
     results["targets"] = TARGETS
     results["elapsed_s"] = time.time() - started
     write_outputs(results, args.out_dir)

@@ -286,8 +286,8 @@ class EngineLoop:
     own pool of OpenMP threads for the life of the process; once there are more of those than
     CPUs, libgomp stops spinning between parallel regions and every region pays a futex wake-up
     (~75 us on the 2-core dev VM). A model loaded on another thread left such a pool behind:
-    decode steps of SmolLM2 at batch 29 were 12-17% slower than with the same model loaded on the
-    thread that steps it (docs/benchmarks.md)."""
+    decode steps of SmolLM2 were 13-15% slower than with the same model loaded on the thread
+    that steps it (`python -m bench.load_thread`, docs/benchmarks.md)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],
