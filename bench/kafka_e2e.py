@@ -16,7 +16,8 @@ One command, back to back, so that the ratio survives a noisy machine:
    `done`); TTFT as the client measures it (submit to first `tokens` event).
 
 Both paths use the same prompts (bench/workload.py, chat template applied, sent as
-prompt_token_ids) and must produce the same greedy tokens (`greedy_agreement`).
+prompt_token_ids) and must produce the same greedy tokens (`greedy_agreement`); both run without
+prefix caching (`bench_settings` says why).
 
 To explain a gap it also records, per Kafka run: the worker's engine step count and mean step
 time (from its /metrics `inferline_iteration_seconds`), the CPU seconds of the worker's asyncio
@@ -88,7 +89,11 @@ def bench_settings(args):
     s = load_settings()
     sched = s.scheduler.model_copy(update={"policy": "continuous", "max_num_seqs": args.max_num_seqs,
                                            "max_num_batched_tokens": args.max_num_batched_tokens})
-    return s.model_copy(update={"scheduler": sched})
+    # No prefix caching on either path: the worker is one process for every repeat (and the
+    # probe), so its second run would find the first run's prompts cached while each in-process
+    # run starts from an empty cache (a first try: kafka #2 at TTFT p50 0.7 s vs 7 s).
+    cache = s.cache.model_copy(update={"enable_prefix_caching": False})
+    return s.model_copy(update={"scheduler": sched, "cache": cache})
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -270,6 +275,7 @@ def worker_env(settings, topics: Topics, port: int, args) -> dict[str, str]:
         "INFERLINE_KAFKA__REQUEST_TOPIC": topics.requests, "INFERLINE_KAFKA__CANCEL_TOPIC": topics.cancel,
         "INFERLINE_KAFKA__DLQ_TOPIC": topics.dlq, "INFERLINE_KAFKA__GROUP_ID": topics.group,
         "INFERLINE_SCHEDULER__POLICY": settings.scheduler.policy,
+        "INFERLINE_CACHE__ENABLE_PREFIX_CACHING": str(settings.cache.enable_prefix_caching).lower(),
         "INFERLINE_SCHEDULER__MAX_NUM_SEQS": str(settings.scheduler.max_num_seqs),
         "INFERLINE_SCHEDULER__MAX_NUM_BATCHED_TOKENS": str(settings.scheduler.max_num_batched_tokens),
         "INFERLINE_HTTP__HOST": "127.0.0.1", "INFERLINE_HTTP__PORT": str(port),

@@ -52,3 +52,18 @@ def test_ratio_is_consistent(results):
     c = results["comparison"]
     assert c["throughput_ratio"] == pytest.approx(c["kafka_tokens_per_s"] / c["in_process_tokens_per_s"])
     assert c["ttft_p50_diff_ms"] == pytest.approx(1e3 * (c["kafka_ttft_p50_s"] - c["in_process_ttft_p50_s"]))
+
+
+def test_both_paths_run_without_prefix_caching(monkeypatch):
+    """The worker serves every repeat from one process: with prefix caching its second run would
+    find the first run's prompts cached while each in-process run starts cold."""
+    from config.settings import Settings
+
+    args = kafka_e2e.parse_args(["--quick"])
+    settings = kafka_e2e.bench_settings(args)
+    assert not settings.cache.enable_prefix_caching
+    env = kafka_e2e.worker_env(settings, kafka_e2e.Topics("t"), 1234, args)
+    for key, value in env.items():
+        if key.startswith("INFERLINE_"):
+            monkeypatch.setenv(key, value)
+    assert Settings().cache.enable_prefix_caching is False  # what the worker will read
