@@ -111,8 +111,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         # The model loads on the engine's own thread, the one that will run it (EngineLoop says why);
         # minutes on a cold cache, awaited off the event loop so /healthz answers meanwhile.
-        engine_loop = EngineLoop(self.engine or (lambda: build_engine(self.settings)),
-                                 lambda outs, st: self._from_engine(loop, outs, st))
+        source = self.engine if self.engine is not None else (lambda: build_engine(self.settings))
+        engine_loop = EngineLoop(source, lambda outs, st: self._from_engine(loop, outs, st))
         engine_loop.start()
         self.engine = await asyncio.to_thread(engine_loop.wait_ready)
         if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
