@@ -17,29 +17,29 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 MODES = ("same_thread", "other_thread")
 
 
-def child(mode: str, batch: int, steps: int, threads: int) -> dict:
+def torch_threads_then(threads: int, fn, *args):
     import torch
 
+    torch.set_num_threads(threads)  # OpenMP's thread count is per thread
+    return fn(*args)
+
+
+def child(mode: str, batch: int, steps: int, threads: int) -> dict:
     from bench.decode_step import build_engine
+    from bench.roofline import in_thread
 
     args = argparse.Namespace(batch=batch, max_prompt=270, seed=0, extra_context=128, warmup=3)
-    box: dict = {}
     executor = ThreadPoolExecutor(1)  # kept alive to the end, as the worker's default executor is
 
-    def run() -> None:
-        torch.set_num_threads(threads)
-        if mode == "other_thread":
-            def build():
-                torch.set_num_threads(threads)
-                return build_engine(args)
-            eng = executor.submit(build).result()
+    def run() -> float:
+        if mode == "other_thread":  # built on the executor's thread itself, which lives on
+            eng = executor.submit(lambda: torch_threads_then(threads, build_engine, args)).result()
         else:
             eng = build_engine(args)
         times = []
@@ -47,13 +47,11 @@ def child(mode: str, batch: int, steps: int, threads: int) -> dict:
             start = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - start)
-        box["median_ms"] = statistics.median(times) * 1e3
+        return statistics.median(times) * 1e3
 
-    thread = threading.Thread(target=run, name="inferline-engine")
-    thread.start()
-    thread.join()
+    median_ms = in_thread(run, threads)  # the stepping thread, as EngineLoop's
     executor.shutdown()
-    return {"mode": mode, **box}
+    return {"mode": mode, "median_ms": median_ms}
 
 
 def main(argv=None) -> dict:
