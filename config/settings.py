@@ -104,6 +104,11 @@ class CacheSettings(BaseModel):
     # Reuse the K/V of full blocks whose whole prefix was computed before (a shared system
     # prompt, a chat's earlier turns, a recompute after preemption): those tokens are skipped.
     enable_prefix_caching: bool = True
+    # Element type of the K/V cache. "auto": the model's dtype. "float16" (CPU only): halves
+    # stored, widened to fp32 as attention reads them (all arithmetic stays fp32): half the
+    # memory per token (twice the blocks for kv_memory_gb) and half the bytes a decode step reads,
+    # at the cost of rounding K/V to 11 significant bits (greedy text then may differ from fp32's).
+    dtype: Literal["auto", "float16"] = "auto"
 
     @field_validator("block_size")
     @classmethod

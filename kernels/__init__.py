@@ -27,15 +27,18 @@ def _use_triton(backend: str, t: torch.Tensor) -> bool:
 
 
 def decode_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto",
-                   shape: tuple[int, int, int] | None = None) -> str:
+                   shape: tuple[int, int, int] | None = None, kv_dtype: torch.dtype | None = None) -> str:
     """What paged_decode_attention runs for tensors on `device` of `dtype`: triton, cpu or torch.
-    `shape` = (head_dim, num_heads, block_size), where known: the C kernel takes only some."""
+    `shape` = (head_dim, num_heads, block_size), where known: the C kernel takes only some;
+    `kv_dtype`, the cache's element type when it is not `dtype` (fp16 caches for fp32 models)."""
     assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
     if backend != "auto":
         return backend
     if device.type == "cuda":
         return "triton"
     fits = shape is None or cpu.supports(*shape)
+    if kv_dtype is not None and kv_dtype != dtype:
+        fits = fits and kv_dtype == torch.float16 and shape is not None and cpu.supports_kv_half(shape[0])
     return "cpu" if device.type == "cpu" and dtype == torch.float32 and fits and cpu.available() else "torch"
 
 
@@ -55,7 +58,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
     current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
     the torch path's index math, made once per step for all layers; the kernels need none."""
-    chosen = decode_backend(q.device, q.dtype, backend, (q.shape[2], q.shape[1], k_cache.shape[1]))
+    chosen = decode_backend(q.device, q.dtype, backend, (q.shape[2], q.shape[1], k_cache.shape[1]), k_cache.dtype)
     if chosen == "triton":
         from kernels.paged_decode_attention import paged_decode_attention_triton
 

@@ -43,14 +43,17 @@ _tried = False
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # name: (argtypes, restype) of each function the library exports
 _FUNCTIONS = {
-    "paged_decode_attention_f32": ([_PTR] * 6 + [_I64] * 8 + [_F32, _INT], _INT),
+    "paged_decode_attention_f32": ([_PTR] * 6 + [_I64] * 8 + [_F32, _INT, _INT], _INT),
     "rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "fused_add_rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64, _INT], None),
-    "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT], _INT),
+    "kv_half_supported": ([], _INT),
+    "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range",
-           -3: "a shape it does not take (see supports())"}
+           -3: "a shape or K/V dtype it does not take (see supports(); fp16 needs a compiler with _Float16)"}
+# Element types of the K/V caches the C kernels read and write: fp32, or fp16 (INFERLINE_CACHE__DTYPE).
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 def available() -> bool:
@@ -62,6 +65,12 @@ def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
     """The C kernel's shapes: head_dim a multiple of 16 up to 256 (its vectors are 16 floats), and
     one block's scores for every head on its stack (16384 floats)."""
     return head_dim % 16 == 0 and head_dim <= 256 and num_heads * -(-block_size // 16) * 16 <= 16384
+
+
+def supports_kv_half(head_dim: int) -> bool:
+    """The kernels read and write fp16 K/V caches of this head size: a build whose compiler has
+    the fp16 conversions (x86 F16C/AVX-512, or _Float16), head_dim a multiple of 16."""
+    return head_dim % 16 == 0 and available() and bool(lib().kv_half_supported())
 
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -150,15 +159,16 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; fp32 CPU tensors, contiguous caches and
-    tables, q with packed heads (its rows may be apart)."""
+    """Same contract as reference.paged_decode_attention; fp32 CPU q, fp32 or fp16 caches
+    (contiguous), contiguous tables, q with packed heads (its rows may be apart)."""
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert supports(head_dim, num_heads, block_size), f"shape the C kernel does not take: {q.shape}, {k_cache.shape}"
-    for t in (q, k_cache, v_cache):
-        assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
+    assert q.dtype == torch.float32 and q.device.type == "cpu", (q.dtype, q.device)
+    for t in (k_cache, v_cache):
+        assert t.dtype in KV_DTYPES and t.dtype == k_cache.dtype and t.device.type == "cpu", (t.dtype, t.device)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     # q may be a view of the fused qkv projection: rows apart, heads and dims packed.
     assert q.stride(2) == 1 and q.stride(1) == head_dim, f"q's heads must be packed, strides {q.stride()}"
@@ -169,7 +179,8 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     rc = call("paged_decode_attention_f32",
               q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
               context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
-              num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads())
+              num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads(),
+              int(k_cache.dtype == torch.float16))
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention_f32: {_ERRORS.get(rc, rc)}")
     return out

@@ -117,12 +117,13 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view."""
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if not fused:
+    if not fused or (k_cache.dtype is torch.float16 and not cpu.supports_kv_half(head_dim)):
         qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
         kernels.store_kv(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
         return qk[:, :num_heads]
-    _check(qkv, cos, sin, k_cache, v_cache)
+    _check(qkv, cos, sin)
+    assert k_cache.dtype in cpu.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu, k_cache.dtype
     assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (qkv.shape, num_heads, num_kv_heads)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape[0] == tokens
@@ -131,7 +132,8 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = cpu.call("rope_store_kv_f32", qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
                   num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                  slot_mapping.data_ptr(), num_slots, torch.get_num_threads())
+                  slot_mapping.data_ptr(), num_slots, torch.get_num_threads(), int(k_cache.dtype is torch.float16))
     if rc != 0:
-        raise RuntimeError(f"rope_store_kv_f32: a slot past the cache's {num_slots} slots")
+        raise RuntimeError(f"rope_store_kv_f32: " + (f"a slot past the cache's {num_slots} slots" if rc == -2 else
+                           f"head_dim {head_dim} or K/V dtype {k_cache.dtype} it does not take"))
     return qkv[:, :q_size].view(tokens, num_heads, head_dim)

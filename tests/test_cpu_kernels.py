@@ -55,6 +55,33 @@ def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
 
 
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_decode_over_an_fp16_cache_matches_reference(gen, gqa, head_dim):
+    """INFERLINE_CACHE__DTYPE=float16: the kernel widens the halves it reads; the reference reads
+    the same halves (upcast), so both compute over identical values, in fp32."""
+    lens = random_lens(gen, 16, 6) + [1300]  # one context split into parts
+    cache = PagedCache(gen, lens, 16, 2, head_dim, torch.float16)
+    assert cache.k_cache.dtype == torch.float16
+    q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim ** -0.5)
+    assert kernels.decode_backend(q.device, q.dtype, "auto", (head_dim, 2 * gqa, 16), torch.float16) == "cpu"
+    out = kernels.paged_decode_attention(*args)
+    ref = reference.paged_decode_attention(*args)
+    assert out.dtype == torch.float32 and not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
+    for i, n in enumerate(lens):
+        assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
+    alone = cpu.paged_decode_attention_cpu(q[-1:], cache.k_cache, cache.v_cache, cache.block_tables[-1:],
+                                           cache.context_lens[-1:], head_dim ** -0.5)
+    assert torch.equal(alone[0], out[-1]), "a sequence's result depends on its batch"
+
+
+def test_fp16_cache_of_a_head_size_the_kernel_does_not_take_goes_to_torch():
+    assert not cpu.supports_kv_half(72) and cpu.supports_kv_half(48)
+    assert kernels.decode_backend(torch.device("cpu"), torch.float32, "auto", (72, 4, 16), torch.float16) == "torch"
+    assert kernels.decode_backend(torch.device("cpu"), torch.float32, "auto", (64, 9, 16), torch.bfloat16) == "torch"
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
     """Contexts over 512 tokens are split into items and combined; lengths at the split's edges."""
@@ -222,5 +249,6 @@ def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
     for hot in ([], ["--hot"]):
         res = decode_attention.main(["--batch", "3", "--layers", "2", "--repeats", "2", "--num-blocks", "64",
                                      "--min-context", "5", "--max-context", "90", "--threads", "1", *hot])
-        assert set(res["times"]) == {"cpu", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
+        assert set(res["times"]) == {"cpu", "cpu-fp16", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
+        assert res["kv_bytes"]["cpu-fp16"] * 2 == res["kv_bytes"]["cpu"]
     assert "GB/s of K/V" in capsys.readouterr().out

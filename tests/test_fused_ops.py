@@ -90,6 +90,29 @@ def test_rope_store_kv_matches_torch(gen, tokens, heads, kv_heads, head_dim):
         close(got.nan_to_num(), want.nan_to_num(), name)
 
 
+@pytest.mark.parametrize("tokens", [1, 29])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 40)])
+def test_rope_store_kv_into_an_fp16_cache_matches_torch(gen, tokens, heads, kv_heads, head_dim):
+    """The C store rounds to the nearest half as torch's .to(float16) does: each stored row equals
+    the rotated fp32 row (left in qkv) rounded by torch, bit for bit, and the caches match the torch
+    path's to its rounding (head_dim 40, not a multiple of 16, takes the torch path for the store)."""
+    qkv, cos, sin, slots, cache = rope_inputs(gen, tokens, heads, kv_heads, head_dim)
+    cache = cache.half()
+    k_want, v_want, k_got, v_got = (cache.clone() for _ in range(4))
+    q_want = fused.rope_store_kv(qkv.clone(), heads, kv_heads, cos, sin, k_want, v_want, slots)
+    q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, fused=True)
+    close(q_got, q_want, "rotated q")
+    kv = qkv[:, heads * head_dim:].view(tokens, 2, kv_heads, head_dim)  # k rotated in place, v as given
+    stored = slots >= 0
+    for i, (got, want, name) in enumerate(((k_got, k_want, "k cache"), (v_got, v_want, "v cache"))):
+        assert got.dtype == torch.float16
+        assert torch.equal(got.isnan(), want.isnan()), f"seed {SEED}: {name} written at other slots"
+        rows = got.view(-1, kv_heads, head_dim)[slots[stored]]
+        if head_dim % 16 == 0 or i == 1:  # the C path's k (and any v) is the fp32 row in qkv, rounded
+            assert torch.equal(rows, kv[stored, i].half()), f"seed {SEED}: {name} rounded differently"
+        torch.testing.assert_close(got.nan_to_num().float(), want.nan_to_num().float(), rtol=1e-3, atol=1e-3)
+
+
 def test_rope_store_kv_refuses_a_slot_past_the_cache(gen):
     qkv, cos, sin, slots, cache = rope_inputs(gen, 6, 9, 3, 64, num_blocks=2)
     slots = torch.tensor([0, 1, 2, 3, 4, 2 * 16])  # one past the last slot

@@ -115,29 +115,49 @@ INLINE void rotate_head(float *x, const float *cos, const float *sin, int64_t ha
     }
 }
 
+/* 1 if this build reads and writes fp16 K/V caches (kernels/cpu.py supports_kv_half). */
+int kv_half_supported(void) { return HAVE_F16; }
+
+/* n floats into an fp16 cache row, rounded to the nearest half (n a multiple of VEC). */
+INLINE void store_halves(void *dst, const float *src, int64_t n) {
+#if HAVE_F16
+    for (int64_t i = 0; i < n; i += VEC) store_h((uint16_t *)dst + i, load(src + i));
+#endif
+}
+
 /* For each token t of qkv [tokens, (q_heads + 2 kv_heads) * head_dim] (rows `stride` apart):
  * rotate its q and k heads in place by cos/sin [tokens, head_dim], then copy its k and v heads
- * into the caches at slot slots[t] (cache row = slot; a negative slot is skipped, as padding).
- * Returns 0, or -2 (nothing written) if a slot is past the cache's num_slots rows. */
+ * into the caches at slot slots[t] (cache row = slot; a negative slot is skipped, as padding);
+ * the caches hold floats, or halves when kv_half (head_dim a multiple of VEC).
+ * Returns 0, -2 (nothing written) if a slot is past the cache's num_slots rows, or -3 for a
+ * shape or element type it does not take. */
 int rope_store_kv_f32(float *qkv, int64_t stride, const float *cos, const float *sin, int64_t tokens,
-                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, float *k_cache, float *v_cache,
-                      const int64_t *slots, int64_t num_slots, int threads) {
+                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, void *k_cache, void *v_cache,
+                      const int64_t *slots, int64_t num_slots, int threads, int kv_half) {
+    if (kv_half && (!HAVE_F16 || head_dim % VEC)) return -3;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] >= num_slots) return -2;
-    int64_t kv_row = kv_heads * head_dim;
+    int64_t kv_row = kv_heads * head_dim, esz = kv_half ? 2 : 4;
+    char *kc = k_cache, *vc = v_cache;
 #pragma omp parallel for num_threads(threads_for(tokens * stride, threads)) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         float *row = qkv + t * stride;
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
         if (t + 1 < tokens && slots[t + 1] >= 0) { /* the next token's cache rows, to be written */
-            prefetch_row(k_cache + slots[t + 1] * kv_row, kv_row, 1);
-            prefetch_row(v_cache + slots[t + 1] * kv_row, kv_row, 1);
+            prefetch_row((float *)(kc + slots[t + 1] * kv_row * esz), kv_row * esz / 4, 1);
+            prefetch_row((float *)(vc + slots[t + 1] * kv_row * esz), kv_row * esz / 4, 1);
         }
         for (int64_t h = 0; h < q_heads + kv_heads; h++) rotate_head(row + h * head_dim, c, s, head_dim / 2);
         if (slots[t] < 0) continue;
         const float *k = row + q_heads * head_dim;
-        memcpy(k_cache + slots[t] * kv_row, k, sizeof(float) * kv_row);
-        memcpy(v_cache + slots[t] * kv_row, k + kv_row, sizeof(float) * kv_row);
+        char *kd = kc + slots[t] * kv_row * esz, *vd = vc + slots[t] * kv_row * esz;
+        if (kv_half) {
+            store_halves(kd, k, kv_row);
+            store_halves(vd, k + kv_row, kv_row);
+        } else {
+            memcpy(kd, k, sizeof(float) * kv_row);
+            memcpy(vd, k + kv_row, sizeof(float) * kv_row);
+        }
     }
     return 0;
 }

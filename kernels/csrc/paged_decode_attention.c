@@ -1,4 +1,6 @@
-/* Paged decode attention for the CPU, fp32: one query token per sequence, K/V read in place
+/* Paged decode attention for the CPU, fp32 queries and outputs over an fp32 or fp16 K/V cache
+ * (kv_half; the halves are widened as they are loaded, all arithmetic in fp32): one query token
+ * per sequence, K/V read in place
  * through the block table (the PyTorch path in reference.py first gathers them into a dense
  * copy, which costs more memory traffic than the attention itself).
  *
@@ -6,7 +8,8 @@
  *   q             [num_seqs, num_heads, head_dim], rows q_stride floats apart (q is a view of
  *                 the fused qkv projection), heads packed
  *   out           [num_seqs, num_heads, head_dim], contiguous
- *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous; token t of
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous, float or
+ *                 fp16 bits (kv_half); token t of
  *                 sequence s is row  block_tables[s, t / block_size] * block_size + t % block_size
  *   block_tables  int32 [num_seqs, max_blocks]      context_lens int32 [num_seqs]
  *   head_dim      a multiple of 16 (VEC floats) up to 256; else the call returns -3
@@ -53,20 +56,36 @@
 #define MAX_SCORES 16384 /* floats of one block's scores, on the stack */
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache; /* fp32, or fp16 when kv_half */
     const int32_t *block_tables, *context_lens;
     float *out;
     int64_t q_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
+    int kv_half;
 } decode_args;
 
-/* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
-INLINE void prefetch_rows(const float *p, int64_t floats) {
-    for (int64_t off = 0; off < floats; off += 64 / sizeof(float)) __builtin_prefetch(p + off, 0, 1);
+/* K/V elements are floats or halves: `half` is a constant in each compiled variant of the loops
+ * (attend_blocks), so the loads below compile to plain vector loads or to widening ones. */
+INLINE const char *kv_at(const void *p, int64_t elems, const int half) {
+    return (const char *)p + elems * (half ? 2 : 4);
 }
 
-INLINE const float *block_rows(const decode_args *a, const float *cache, const int32_t *table, int64_t b) {
-    return cache + (int64_t)table[b] * a->block_size * a->num_kv_heads * a->head_dim;
+INLINE vf load_kv(const char *p, int64_t i, const int half) {
+#if HAVE_F16
+    if (half) return load_h((const uint16_t *)p + i);
+#endif
+    return load((const float *)p + i);
+}
+
+/* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
+INLINE void prefetch_rows(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+INLINE const char *block_rows(const decode_args *a, const void *cache, const int32_t *table, int64_t b,
+                              const int half) {
+    return kv_at(cache, (int64_t)table[b] * a->block_size * a->num_kv_heads * a->head_dim, half);
 }
 
 /* Each head's run of one block's scores, padded to whole vectors. */
@@ -79,18 +98,20 @@ INLINE int64_t score_stride(int64_t block_size) { return (block_size + VEC - 1) 
 #define MAX_DV 16 /* head_dim <= 256 */
 
 /* s[g * ss + t] = scale * q_g . k_t for G query heads sharing the KV head whose rows start at k. */
-INLINE void chunk_scores(const float *q, const float *k, int64_t n, int64_t row, float *s, int64_t ss,
-                         float scale, const float *pk, const float *pv, const int G, const int64_t d) {
+INLINE void chunk_scores(const float *q, const char *k, int64_t n, int64_t row, float *s, int64_t ss,
+                         float scale, const char *pk, const char *pv, const int half, const int G,
+                         const int64_t d) {
+    int64_t row_bytes = row * (half ? 2 : 4);
     vf qr[MAX_G][MAX_DV];
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
         _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) qr[g][i] = load(q + g * d + i * VEC);
-    for (int64_t t = 0; t < n; t++, k += row) {
+    for (int64_t t = 0; t < n; t++, k += row_bytes) {
         if (pk) { /* the next block, a row of K and V per token: spread, not a burst */
-            prefetch_rows(pk + t * row, row);
-            prefetch_rows(pv + t * row, row);
+            prefetch_rows(pk + t * row_bytes, row_bytes);
+            prefetch_rows(pv + t * row_bytes, row_bytes);
         }
         vf kr[MAX_DV];
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) kr[i] = load(k + i * VEC);
+        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) kr[i] = load_kv(k, i * VEC, half);
         _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
             vf acc = qr[g][0] * kr[0];
             _Pragma("GCC unroll 16") for (int64_t i = 1; i < d / VEC; i++) acc += qr[g][i] * kr[i];
@@ -100,14 +121,15 @@ INLINE void chunk_scores(const float *q, const float *k, int64_t n, int64_t row,
 }
 
 /* out_g = out_g * corr_g + sum_t p_g[t] v_t for G query heads sharing the KV head at v. */
-INLINE void chunk_values(float *out, const float *v, int64_t n, int64_t row, const float *p, int64_t ss,
-                         const float *corr, const int G, const int64_t d) {
+INLINE void chunk_values(float *out, const char *v, int64_t n, int64_t row, const float *p, int64_t ss,
+                         const float *corr, const int half, const int G, const int64_t d) {
+    int64_t row_bytes = row * (half ? 2 : 4);
     vf acc[MAX_G][MAX_DV];
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
         _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) acc[g][i] = load(out + g * d + i * VEC) * corr[g];
-    for (int64_t t = 0; t < n; t++, v += row) {
+    for (int64_t t = 0; t < n; t++, v += row_bytes) {
         vf vr[MAX_DV];
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) vr[i] = load(v + i * VEC);
+        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) vr[i] = load_kv(v, i * VEC, half);
         _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
             vf w = splat(p[g * ss + t]);
             _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) acc[g][i] += w * vr[i];
@@ -131,7 +153,7 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
     vf vmax = load(s);
     for (int64_t t = VEC; t < n; t += VEC) {
         vf x = load(s + t);
-        vmax = select(x > vmax, x, vmax);
+        vmax = vselect(x > vmax, x, vmax);
     }
     float block_max = hmax(vmax);
     float m_new = block_max > *m ? block_max : *m;
@@ -166,9 +188,10 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
 /* Attention of sequence `seq` over its blocks [b0, b1): out_h = sum_t p_h[t] v_t with p_h the
  * softmax numerators exp(s - m_h); also returns m_h and l_h = sum_t p_h[t] per head. */
 INLINE void attend_blocks_d(const decode_args *a, int64_t seq, int64_t b0, int64_t b1, float *out, float *m,
-                            float *l, const int64_t d) {
+                            float *l, const int64_t d, const int half) {
     int64_t heads = a->num_heads, kv_heads = a->num_kv_heads, group = heads / kv_heads;
     int64_t bs = a->block_size, ss = score_stride(bs), ctx = a->context_lens[seq], row = kv_heads * d;
+    int64_t row_bytes = row * (half ? 2 : 4);
     const int32_t *table = a->block_tables + seq * a->max_blocks;
     const float *q = a->q + seq * a->q_stride;
     float s[heads * ss] __attribute__((aligned(64))), corr[heads];
@@ -176,33 +199,44 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t seq, int64_t b0, int64
     for (int64_t h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
-        const float *k = block_rows(a, a->k_cache, table, b), *v = block_rows(a, a->v_cache, table, b);
+        const char *k = block_rows(a, a->k_cache, table, b, half), *v = block_rows(a, a->v_cache, table, b, half);
         if (b == b0) {
-            prefetch_rows(k, n * row);
-            prefetch_rows(v, n * row);
+            prefetch_rows(k, n * row_bytes);
+            prefetch_rows(v, n * row_bytes);
         }
         /* Every block but the last is full (n == bs), so the scores loop can prefetch the whole
          * next block, a row per token (rows past a short last block are still its memory). */
-        const float *pk = NULL, *pv = NULL;
+        const char *pk = NULL, *pv = NULL;
         if (b + 1 < b1) {
-            pk = block_rows(a, a->k_cache, table, b + 1);
-            pv = block_rows(a, a->v_cache, table, b + 1);
+            pk = block_rows(a, a->k_cache, table, b + 1, half);
+            pv = block_rows(a, a->v_cache, table, b + 1, half);
         }
         FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
-                        q + h * d, k + j * d, n, row, s + h * ss, ss, a->scale, h == 0 ? pk : NULL, pv)
+                        q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, h == 0 ? pk : NULL, pv,
+                        half)
         for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &m[h], &l[h]);
         FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
-                        out + h * d, v + j * d, n, row, s + h * ss, ss, corr + h)
+                        out + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, half)
     }
 }
 
 static void attend_blocks(const decode_args *a, int64_t seq, int64_t b0, int64_t b1, float *out, float *m,
                           float *l) {
-    switch (a->head_dim) { /* constant head sizes: the inner loops unroll completely */
-        case 64: attend_blocks_d(a, seq, b0, b1, out, m, l, 64); break;
-        case 128: attend_blocks_d(a, seq, b0, b1, out, m, l, 128); break;
-        default: attend_blocks_d(a, seq, b0, b1, out, m, l, a->head_dim);
+    /* constant head sizes (the inner loops unroll completely) and element types */
+#define HEAD_SIZES(half)                                                                    \
+    switch (a->head_dim) {                                                                   \
+        case 64: attend_blocks_d(a, seq, b0, b1, out, m, l, 64, half); break;               \
+        case 128: attend_blocks_d(a, seq, b0, b1, out, m, l, 128, half); break;             \
+        default: attend_blocks_d(a, seq, b0, b1, out, m, l, a->head_dim, half);             \
     }
+#if HAVE_F16
+    if (a->kv_half) {
+        HEAD_SIZES(1)
+        return;
+    }
+#endif
+    HEAD_SIZES(0)
+#undef HEAD_SIZES
 }
 
 /* out = the parts' outputs, each rescaled from its own max to the common one, over their sums.
@@ -250,14 +284,15 @@ static int64_t num_parts(const decode_args *a, int64_t seq, int64_t part_blocks)
     return blocks <= part_blocks ? 1 : (blocks + part_blocks - 1) / part_blocks;
 }
 
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_attention_f32(const float *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *context_lens, float *out,
                                int64_t num_seqs, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                               int64_t max_blocks, float scale, int num_threads) {
+                               int64_t max_blocks, float scale, int num_threads, int kv_half) {
     decode_args a = {q, k_cache, v_cache, block_tables, context_lens, out, q_stride,
-                     num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+                     num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, kv_half};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
+    if (kv_half && !HAVE_F16) return -3;
     if (check_tables(&a, num_seqs, num_blocks) < 0) return -2;
     int64_t part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
     int64_t heads = num_heads, d = head_dim, part_floats = heads * (d + 2);

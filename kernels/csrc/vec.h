@@ -16,7 +16,50 @@ typedef int32_t vi __attribute__((vector_size(VEC * sizeof(int32_t))));
 INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 INLINE vf splat(float x) { return (vf){0} + x; }
-INLINE vf select(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* fp16 K/V caches (INFERLINE_CACHE__DTYPE=float16), stored as uint16_t bit patterns: 16 halves
+ * widened to 16 floats on load, floats rounded to the nearest half on store. x86 through the
+ * F16C/AVX-512 conversions (GCC 12 scalarizes __builtin_convertvector on _Float16 vectors: the
+ * attention kernel over fp16 ran slower than over fp32); elsewhere through _Float16 (AArch64
+ * converts in vectors). Without either the library still builds; its fp16 calls return -3. */
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_F16 1
+INLINE vf load_h(const uint16_t *p) {
+    vf v;
+#if defined(__AVX512F__)
+    __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &x, sizeof v);
+#else
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#endif
+    return v;
+}
+INLINE void store_h(uint16_t *p, vf v) {
+#if defined(__AVX512F__)
+    __m512 x;
+    memcpy(&x, &v, sizeof x);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    __m256 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+}
+#elif defined(__FLT16_MAX__)
+#define HAVE_F16 1
+typedef _Float16 vh __attribute__((vector_size(VEC * sizeof(_Float16))));
+INLINE vf load_h(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vf); }
+INLINE void store_h(uint16_t *p, vf v) { vh h = __builtin_convertvector(v, vh); memcpy(p, &h, sizeof h); }
+#else
+#define HAVE_F16 0
+#endif
 
 /* The sum of the lanes: halves added to each other, log2(16) times. */
 INLINE float hsum(vf v) {
@@ -38,11 +81,11 @@ INLINE float hsum(vf v) {
  * coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87.3 the result is 0
  * (-inf gives 0); above 88 it is exp(88), finite (so g / (1 + exp(-g)) stays a number). */
 INLINE vf vexp(vf x) {
-    x = select(x > 88.0f, splat(88.0f), x);
+    x = vselect(x > 88.0f, splat(88.0f), x);
     vi underflow = x <= -87.3f;
-    x = select(underflow, splat(-87.3f), x);
+    x = vselect(underflow, splat(-87.3f), x);
     vf n = x * 1.44269504f;
-    n = n + select(n >= 0, splat(0.5f), splat(-0.5f));
+    n = n + vselect(n >= 0, splat(0.5f), splat(-0.5f));
     vi ni = __builtin_convertvector(n, vi);  /* rounded to the nearest integer */
     n = __builtin_convertvector(ni, vf);
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -56,7 +99,7 @@ INLINE vf vexp(vf x) {
     vi bits = (ni + 127) << 23;
     vf two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return select(underflow, splat(0.0f), p * two_n);
+    return vselect(underflow, splat(0.0f), p * two_n);
 }
 
 #endif

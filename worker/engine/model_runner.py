@@ -38,6 +38,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The K/V cache's element type (settings.cache.dtype)."""
+    if name == "auto" or getattr(torch, name) == model_dtype:
+        return model_dtype
+    if device.type != "cpu" or model_dtype != torch.float32:
+        raise ValueError(f"cache.dtype={name} is for fp32 models on the CPU (this one: {model_dtype} on "
+                         f"{device.type}); set INFERLINE_CACHE__DTYPE=auto")
+    return getattr(torch, name)
+
+
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in an anonymous mapping of its own, advised onto 2 MB pages
     (transparent huge pages, when the host's THP mode is `madvise` or `always`). Decode attention
@@ -70,6 +80,7 @@ class ModelRunner:
         self.device = pick_device(settings.model.device)
         self.dtype = pick_dtype(settings.model.dtype, self.device)
         self.block_size = settings.cache.block_size
+        self.kv_dtype = pick_kv_dtype(settings.cache.dtype, self.dtype, self.device)
         self.model, self.config, self.tokenizer = load_model(
             settings.model.path, settings.model.load_format, self.dtype, self.device,
             max_positions=settings.model.max_model_len)
@@ -81,12 +92,13 @@ class ModelRunner:
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         head_dim, num_heads = self._kv_shape()[2], self.config.num_attention_heads
         self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend,
-                                                     (head_dim, num_heads, self.block_size))
+                                                     (head_dim, num_heads, self.block_size), self.kv_dtype)
         self.linear_backend = "torch"
         if settings.model.cpu_linear == "auto" and self.model.pack_linears():
             self.linear_backend = "onednn"
         self.fused_ops = settings.model.cpu_fused_ops == "auto" and fused.available(self.device, self.dtype)
-        log.info("model ready", device=str(self.device), dtype=str(self.dtype), num_blocks=self.num_blocks,
+        log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
+                 num_blocks=self.num_blocks,
                  block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend,
                  fused_ops="c" if self.fused_ops else "torch")
 
@@ -105,7 +117,7 @@ class ModelRunner:
         return (self.block_size, c.num_key_value_heads, head_dim)
 
     def bytes_per_block(self) -> int:
-        per_layer = 2 * torch.Size(self._kv_shape()).numel() * self.dtype.itemsize
+        per_layer = 2 * torch.Size(self._kv_shape()).numel() * self.kv_dtype.itemsize
         return per_layer * self.config.num_hidden_layers
 
     def _num_blocks(self, settings: Settings) -> int:
@@ -121,9 +133,9 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.config.num_hidden_layers, 2, self.num_blocks, *self._kv_shape())
         if self.device.type == "cpu":
-            cache = huge_page_tensor(shape, self.dtype)
+            cache = huge_page_tensor(shape, self.kv_dtype)
         else:
-            cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape[0])]
 
     # ---- one step -------------------------------------------------------------------------------
