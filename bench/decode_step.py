@@ -3,6 +3,7 @@
     python -m bench.decode_step                    # batch 32, 20 timed steps, 2 threads
     python -m bench.decode_step --compare          # v0, torch, cpu, mkl, unfused and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
+    python -m bench.decode_step --kv-fp16          # the K/V cache in fp32 vs fp16, side by side
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
 benchmark's prompts (bench/workload.py) plus `--extra-context` tokens each (contexts ~100-450, a
@@ -14,7 +15,8 @@ current code with decode attention in PyTorch (`torch`, kernels/reference.py) an
 C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear instead of
 oneDNN's packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
 kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
-minus it is what attention costs). The matmul floor (bench/roofline.py: the step's own linear layers alone, at
+minus it is what attention costs). `--kv-fp16` compares the default fp32 K/V cache (`cpu`) with an
+fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. The matmul floor (bench/roofline.py: the step's own linear layers alone, at
 this batch) is timed in between. Steps run on a thread of their own, as in the
 worker (see docs/benchmarks.md on OpenMP threads called from the main thread).
 """
@@ -241,6 +243,30 @@ def ops_unfused(eng):
         eng.runner.fused_ops = saved
 
 
+@contextlib.contextmanager
+def kv_fp16(eng):
+    """The current path over an fp16 copy of the K/V cache (INFERLINE_CACHE__DTYPE=float16),
+    made at first use. Each variant's steps write their tokens' K/V into their own cache only, so
+    the two drift apart in those rows: the timing is the same, the sampled tokens are not checked."""
+    from worker.engine.model_runner import huge_page_tensor
+
+    runner = eng.runner
+    if not hasattr(runner, "_bench_kv_fp16"):
+        first = runner.kv_cache[0][0]
+        whole = torch.Size((len(runner.kv_cache), 2, *first.shape))
+        half = huge_page_tensor(tuple(whole), torch.float16)
+        for i, (k, v) in enumerate(runner.kv_cache):
+            half[i, 0].copy_(k)
+            half[i, 1].copy_(v)
+        runner._bench_kv_fp16 = [(half[i, 0], half[i, 1]) for i in range(whole[0])]
+    saved = runner.kv_cache
+    runner.kv_cache = runner._bench_kv_fp16
+    try:
+        yield
+    finally:
+        runner.kv_cache = saved
+
+
 VARIANTS = {
     "v0": v0_patched,
     "torch": lambda eng: decode_backend(eng, "torch"),
@@ -248,6 +274,7 @@ VARIANTS = {
     "mkl": linears_unpacked,
     "unfused": ops_unfused,
     "no-attn": attention_skipped,
+    "cpu-fp16": kv_fp16,
 }
 
 
@@ -255,6 +282,8 @@ def measure(args) -> dict:
     eng = build_engine(args)
     lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
     names = ["v0", "torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else [eng.runner.decode_backend]
+    if args.kv_fp16:
+        names = ["cpu", "cpu-fp16"]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
         for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
@@ -296,6 +325,9 @@ def report(args, res: dict) -> None:
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians), {lo[a] / lo[b]:.2f}x (minima)")
         cost = ", ".join(f"{name} ~{med[name] - med['no-attn']:.0f} ms" for name in ("v0", "torch", "cpu"))
         print(f"  decode attention per step (step minus no-attn): {cost} (v0 also has the old rope/norm code)")
+    if "cpu-fp16" in med:
+        print(f"  cpu / cpu-fp16: {med['cpu'] / med['cpu-fp16']:.2f}x (medians), "
+              f"{min(res['steps']['cpu']) / min(res['steps']['cpu-fp16']):.2f}x (minima)")
     if "profile" in res:
         print(f"\ntorch.profiler, {args.profile_steps} steps of the current path, top 10 by self CPU time:")
         print(res["profile"])
@@ -312,6 +344,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", action="store_true",
                    help="time v0 (the decode path before issue #3), torch (reference.py), cpu (the C kernel), "
                         "mkl (cpu on F.linear) and no-attn (decode attention skipped) side by side")
+    p.add_argument("--kv-fp16", action="store_true", help="time the fp32 K/V cache against an fp16 copy")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -147,11 +147,13 @@ def completion_curve(rec: RunRecord, points: int = 200) -> list[list[float]]:
 # ---- the engine ----------------------------------------------------------------------------------
 
 
-def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True):
+def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True,
+                    kv_dtype: str = "auto"):
     from config.settings import Settings
 
     s = Settings()
     s.cache.enable_prefix_caching = prefix_caching
+    s.cache.dtype = kv_dtype
     s.scheduler.policy = policy
     s.scheduler.max_num_seqs = max_num_seqs
     s.scheduler.max_num_batched_tokens = max_num_batched_tokens
@@ -474,7 +476,8 @@ def print_report(results: dict) -> None:
     print(f"\nWorkload: {w['num_requests']} requests, prompts {w['prompt_tokens']['min']}-"
           f"{w['prompt_tokens']['max']} tokens (mean {w['prompt_tokens']['mean']:.0f}), outputs "
           f"{w['output_tokens']['min']}-{w['output_tokens']['max']} (mean {w['output_tokens']['mean']:.0f}, "
-          f"total {w['output_tokens']['total']}), greedy, ignore_eos")
+          f"total {w['output_tokens']['total']}), greedy, ignore_eos; the engine's K/V cache: "
+          f"{results.get('kv_dtype', 'float32')}")
     print_table(f"All requests at t=0 (engine_static: {results.get('static_seats')} seats; continuous: "
                 f"{results['args'].get('max_num_seqs')}):", results["runs"])
     if results.get("poisson"):
@@ -570,6 +573,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="engine modes without prefix caching (every prompt token computed, as HF does)")
+    p.add_argument("--kv-dtype", choices=("auto", "float16"), default="auto",
+                   help="the engine modes' K/V cache (INFERLINE_CACHE__DTYPE): float16 halves the bytes decode "
+                        "attention reads, at the cost of rounding K/V (HF keeps fp32)")
     args = p.parse_args(argv)
     apply_quick(args)
     return args
@@ -607,13 +613,13 @@ def run_all(args: argparse.Namespace, argv) -> dict:
 
     started = time.time()
     caching = not args.no_prefix_caching
-    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens, caching)
+    base = engine_settings("continuous", args.max_num_seqs, args.max_num_batched_tokens, caching, args.kv_dtype)
     runner = ModelRunner(base)
     items = make_workload(runner.tokenizer, args.num_requests, max_output=args.max_output,
                           max_prompt=args.max_prompt, seed=args.seed)
     results = {"command": "python -m bench.engine " + " ".join(argv if argv is not None else sys.argv[1:]),
                "machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
-               "workload": workload_stats(items)}
+               "workload": workload_stats(items), "kv_dtype": str(runner.kv_dtype).removeprefix("torch.")}
     print(f"measuring the roofline ({runner.dtype}, {torch.get_num_threads()} threads)...", file=sys.stderr)
     results["roofline"] = roofline.measure(runner.model, batches=(64,) if args.quick else (64, 128, 256),
                                            repeats=1 if args.quick else 5)
@@ -631,10 +637,11 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     # baseline gets HF's batch size unless told otherwise (--extra-static-seats adds another).
     static_seats = args.static_seats or args.hf_batch_size
     results["static_seats"] = static_seats
-    static = engine_settings("static", static_seats, args.max_num_batched_tokens, caching)
+    static = engine_settings("static", static_seats, args.max_num_batched_tokens, caching, args.kv_dtype)
     records["engine_static"] = run_engine(runner, static, items, "engine_static", progress)
     if args.extra_static_seats:
-        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens, caching)
+        seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens, caching,
+                                args.kv_dtype)
         label = f"engine_static{args.extra_static_seats}"
         records[label] = run_engine(runner, seats, items, label, progress)
     records["engine_continuous"] = run_engine(runner, base, items, "engine_continuous", progress)

@@ -98,3 +98,12 @@ def test_workload_is_deterministic_and_varied():
     timed = with_arrivals(a, rate=4.0, seed=3)
     arrivals = [i.arrival_s for i in timed]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_kv_dtype_option_reaches_every_engine_mode(results):
+    data, _ = results
+    assert data["kv_dtype"] == "float32", "the default run keeps the model's dtype"
+    args = bench_engine.parse_args(["--kv-dtype", "float16"])
+    assert args.kv_dtype == "float16"
+    for policy in ("static", "continuous"):
+        assert bench_engine.engine_settings(policy, 16, 512, True, args.kv_dtype).cache.dtype == "float16"
