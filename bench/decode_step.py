@@ -16,9 +16,10 @@ C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear 
 oneDNN's packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
 kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). `--kv-fp16` compares the default fp32 K/V cache (`cpu`) with an
-fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. The matmul floor (bench/roofline.py: the step's own linear layers alone, at
-this batch) is timed in between. Steps run on a thread of their own, as in the
-worker (see docs/benchmarks.md on OpenMP threads called from the main thread).
+fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. The matmul floor
+(bench/roofline.py: the step's own linear layers alone, at this batch) is timed in between. Steps
+run on a thread of their own, as in the worker (see docs/benchmarks.md on OpenMP threads called
+from the main thread).
 """
 from __future__ import annotations
 
