@@ -1,0 +1,80 @@
+"""The engine benchmark's workload on an fp32 and an fp16 K/V cache, alternated in one process.
+
+    python -m bench.kv_dtype                         # continuous batching, 64 seats
+    python -m bench.kv_dtype --policy static         # static batching, 16 seats (HF's batch)
+
+Two ModelRunners (INFERLINE_CACHE__DTYPE auto and float16) are loaded and warmed on one thread,
+then the same 64 requests (bench/workload.py, all at t=0, greedy, ignore_eos) run fp32, fp16,
+fp16, fp32 (ABBA: a drift in the machine's load cancels in the means). Prints tokens/s, decode and
+mixed step times per run, the fp16/fp32 ratio of the means, and how many requests produced the
+same greedy tokens on both caches (fp16 rounds K/V, so equality is counted, not assumed).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+
+from bench import roofline
+from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
+from bench.workload import make_workload
+
+
+def measure(args) -> dict:
+    from worker.engine.model_runner import ModelRunner
+
+    settings = {dtype: engine_settings(args.policy, args.seats, 512, True, dtype) for dtype in ("auto", "float16")}
+    runners = {dtype: ModelRunner(s) for dtype, s in settings.items()}
+    items = make_workload(runners["auto"].tokenizer, args.num_requests, max_output=args.max_output,
+                          max_prompt=270, seed=args.seed)
+    for runner in runners.values():
+        warm_up_engine(runner)
+    gc.freeze()  # as the worker's EngineLoop does once its engine is built
+    runs: dict[str, list] = {"auto": [], "float16": []}
+    tokens: dict[str, dict] = {}
+    try:
+        for dtype in ("auto", "float16", "float16", "auto"):
+            record = run_engine(runners[dtype], settings[dtype], items, dtype, progress=False)
+            runs[dtype].append(summarize(record))  # with its canary: the machine's load before it
+            tokens.setdefault(dtype, record.token_ids)
+    finally:
+        gc.unfreeze()
+    same = sum(tokens["auto"][r] == ids for r, ids in tokens["float16"].items())
+    mean = {dtype: sum(s["tokens_per_s"] for s in ss) / len(ss) for dtype, ss in runs.items()}
+    return {"runs": runs, "fp16_over_fp32": mean["float16"] / mean["auto"], "same_greedy": same,
+            "num_requests": len(items)}
+
+
+def report(args, res: dict) -> None:
+    print(f"{args.policy} batching, {args.seats} seats, {res['num_requests']} requests, ABBA:")
+    order = [("auto", 0), ("float16", 0), ("float16", 1), ("auto", 1)]
+    for dtype, i in order:
+        s = res["runs"][dtype][i]
+        steps = ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in s["step_time_ms"].items())
+        print(f"  {'fp32' if dtype == 'auto' else 'fp16'} K/V  {s['tokens_per_s']:6.1f} tok/s  ({steps}; "
+              f"canary {s['canary_gflops']:.0f} GFLOP/s)")
+    print(f"  fp16 / fp32: {res['fp16_over_fp32']:.3f}x (means); greedy tokens equal for {res['same_greedy']} "
+          f"of {res['num_requests']} requests")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_dtype", description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
+    p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64 continuous, 16 static)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.seats = args.seats or (64 if args.policy == "continuous" else 16)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    res = roofline.in_thread(lambda: measure(args), args.threads)
+    report(args, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
