@@ -51,7 +51,7 @@ _FUNCTIONS = {
     "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range",
-           -3: "a shape or K/V dtype it does not take (see supports(); fp16 needs a compiler with _Float16)"}
+           -3: "a shape or K/V dtype it does not take (see supports() and supports_kv_half())"}
 # Element types of the K/V caches the C kernels read and write: fp32, or fp16 (INFERLINE_CACHE__DTYPE).
 KV_DTYPES = (torch.float32, torch.float16)
 
@@ -70,7 +70,7 @@ def supports(head_dim: int, num_heads: int, block_size: int) -> bool:
 def supports_kv_half(head_dim: int) -> bool:
     """The kernels read and write fp16 K/V caches of this head size: a build whose compiler has
     the fp16 conversions (x86 F16C/AVX-512, or _Float16), head_dim a multiple of 16."""
-    return head_dim % 16 == 0 and available() and bool(lib().kv_half_supported())
+    return head_dim % 16 == 0 and available() and lib().kv_half
 
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -122,6 +122,7 @@ def _build_and_open() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _FUNCTIONS.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+    lib.kv_half = bool(lib.kv_half_supported())  # asked once: fused.rope_store_kv checks it every layer
     return lib
 
 
