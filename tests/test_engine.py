@@ -7,44 +7,8 @@ import time
 import pytest
 import torch
 
-from tests.engine_fixtures import greedy, make_engine, run_to_completion
+from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
 from worker.engine.request import EngineRequest, SamplingParams
-
-NEW_TOKENS = 48
-
-TOPICS = [
-    "Kafka consumer groups", "the French revolution", "photosynthesis", "binary search",
-    "the water cycle", "black holes", "how vaccines work", "TCP congestion control",
-    "the history of jazz", "compound interest", "volcanoes", "the Rust borrow checker",
-    "paged attention in LLM serving", "bread baking", "the moon landing", "sorting algorithms",
-]
-
-
-def prompt_ids(tokenizer, i: int) -> list[int]:
-    """Chat prompts of clearly different lengths (one to many sentences of instructions)."""
-    detail = " Give concrete examples and explain every step in detail." * (i % 5)
-    messages = [{"role": "user", "content": f"Write a long, detailed essay about {TOPICS[i]}.{detail}"}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
-
-
-@pytest.fixture(scope="module")
-def prompts(model_runner) -> list[list[int]]:
-    return [prompt_ids(model_runner.tokenizer, i) for i in range(len(TOPICS))]
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(hf_model, prompts) -> list[list[int]]:
-    """HF greedy output of each prompt alone."""
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
 
 def request(i: int, ids: list[int], max_tokens: int = NEW_TOKENS, **kw) -> EngineRequest:
     return EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens, **kw))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from config.settings import Settings
-from tests.engine_fixtures import make_engine, run_to_completion
-from tests.test_engine import NEW_TOKENS, TOPICS, hf_outputs, prompt_ids, request  # noqa: F401 (a fixture)
+from tests.engine_fixtures import NEW_TOKENS, make_engine, run_to_completion
+from tests.test_engine import request
 from worker.engine.model_runner import ModelRunner, pick_kv_dtype
 
 CPU = torch.device("cpu")
@@ -24,11 +24,6 @@ def fp16_runner() -> ModelRunner:
     settings.cache.dtype = "float16"
     settings.cache.kv_memory_gb = 0.1
     return ModelRunner(settings)
-
-
-@pytest.fixture(scope="module")
-def prompts(fp16_runner) -> list[list[int]]:
-    return [prompt_ids(fp16_runner.tokenizer, i) for i in range(len(TOPICS))]
 
 
 def test_the_cache_holds_halves_and_twice_the_blocks(fp16_runner, model_runner):
