@@ -1,6 +1,7 @@
 """Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere, and
 for fp32 decode on the CPU a compiled C kernel (cpu.py) when a C compiler is there (the engine
-also sends it prompt rows, each as a decode over its own causal context: ModelRunner._token_tables).
+also sends it prompt rows, each as a decode over its own causal context: ModelRunner._token_tables;
+the C side goes through a prompt chunk's blocks once for up to 16 of its rows).
 The layer's elementwise ops are in fused.py.
 
 Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -53,12 +54,21 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> Non
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto",
-                           plan=None):
+                           plan=None, cu_seqlens_q=None):
     """q [num_seqs, num_heads, head_dim], one token per sequence (its K/V already stored);
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
     current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
-    the torch path's index math, made once per step for all layers; the kernels need none."""
+    the torch path's index math, made once per step for all layers; the kernels need none.
+    With cu_seqlens_q (int32 [num_seqs + 1]) q holds rows of several tokens per sequence, each a
+    decode over its own context (context_lens [num_rows]): sequence i owns rows cu_seqlens_q[i] ..
+    cu_seqlens_q[i + 1] - 1 and block_tables has a row per sequence (prompt chunks on the CPU,
+    ModelRunner._token_tables)."""
     chosen = decode_backend(q.device, q.dtype, backend, (q.shape[2], q.shape[1], k_cache.shape[1]), k_cache.dtype)
+    if cu_seqlens_q is not None:
+        if chosen == "cpu":
+            return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q)
+        rows = torch.repeat_interleave(torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff())
+        block_tables, plan = block_tables.index_select(0, rows).contiguous(), None
     if chosen == "triton":
         from kernels.paged_decode_attention import paged_decode_attention_triton
 

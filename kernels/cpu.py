@@ -43,14 +43,14 @@ _tried = False
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # name: (argtypes, restype) of each function the library exports
 _FUNCTIONS = {
-    "paged_decode_attention_f32": ([_PTR] * 6 + [_I64] * 8 + [_F32, _INT, _INT], _INT),
+    "paged_attention_f32": ([_PTR] * 7 + [_I64] * 9 + [_F32, _INT, _INT], _INT),
     "rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "fused_add_rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64, _INT], None),
     "kv_half_supported": ([], _INT),
     "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
-_ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry is out of range",
+_ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry or cu_seqlens_q is out of range",
            -3: "a shape or K/V dtype it does not take (see supports() and supports_kv_half())"}
 # Element types of the K/V caches the C kernels read and write: fp32, or fp16 (INFERLINE_CACHE__DTYPE).
 KV_DTYPES = (torch.float32, torch.float16)
@@ -159,11 +159,17 @@ def _compile(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               cu_seqlens_q=None) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; fp32 CPU q, fp32 or fp16 caches
-    (contiguous), contiguous tables, q with packed heads (its rows may be apart)."""
-    num_seqs, num_heads, head_dim = q.shape
+    (contiguous), contiguous tables, q with packed heads (its rows may be apart).
+    With cu_seqlens_q (int32 [num_seqs + 1]) rows share their sequence's table row: sequence i
+    owns rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 (a prompt chunk, each row with its own
+    context length in context_lens [num_rows]); the C side then goes through a chunk's blocks once
+    for up to 16 rows, with the bits a row gets alone."""
+    num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = num_rows if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert supports(head_dim, num_heads, block_size), f"shape the C kernel does not take: {q.shape}, {k_cache.shape}"
@@ -174,14 +180,16 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     # q may be a view of the fused qkv projection: rows apart, heads and dims packed.
     assert q.stride(2) == 1 and q.stride(1) == head_dim, f"q's heads must be packed, strides {q.stride()}"
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and block_tables.shape[0] == num_seqs
-    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous() and context_lens.shape == (num_rows,)
+    if cu_seqlens_q is not None:
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous(), cu_seqlens_q.dtype
     out = torch.empty_like(q)
-    # The C side checks the tables before it reads (a bad one is an error, not a wild read).
-    rc = call("paged_decode_attention_f32",
+    # The C side checks the tables and cu_seqlens_q before it reads (a bad one is an error, not a wild read).
+    rc = call("paged_attention_f32",
               q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-              context_lens.data_ptr(), out.data_ptr(), num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim,
-              num_blocks, block_size, block_tables.shape[1], float(scale), torch.get_num_threads(),
-              int(k_cache.dtype == torch.float16))
+              None if cu_seqlens_q is None else cu_seqlens_q.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+              num_rows, num_seqs, q.stride(0), num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+              block_tables.shape[1], float(scale), torch.get_num_threads(), int(k_cache.dtype == torch.float16))
     if rc != 0:
-        raise RuntimeError(f"paged_decode_attention_f32: {_ERRORS.get(rc, rc)}")
+        raise RuntimeError(f"paged_attention_f32: {_ERRORS.get(rc, rc)}")
     return out

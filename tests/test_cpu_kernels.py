@@ -97,24 +97,79 @@ def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
     assert torch.equal(alone[0], out[0]), "a sequence's result depends on its batch"
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_prompt_rows_attended_as_decodes_match_reference_prefill(gen, block_size):
-    """The engine's CPU path for prompt chunks (ModelRunner._token_tables): each query row goes
-    to the decode kernel with its sequence's block table and its own causal context (position
-    + 1 tokens). Whole prompts, chunks after cached context, a one-token chunk, a long one."""
-    lens, q_lens = [37, 300, 90, 700, 5], [37, 120, 1, 600, 5]
-    cache = PagedCache(gen, lens, block_size, 3, 64, torch.float32)
+def prompt_chunks(gen, lens, q_lens, block_size, num_kv_heads, gqa, head_dim, dtype=torch.float32):
+    """Sequences of lens[i] tokens whose last q_lens[i] are this step's rows (as the engine sends
+    prompt chunks: ModelRunner._token_tables): the cache, q, cu_seqlens, each row's context
+    length (position + 1) and each row's own copy of its sequence's block table."""
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), 9, 64, generator=gen)
+    q = torch.randn(int(cu[-1]), num_kv_heads * gqa, head_dim, generator=gen)
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(q_lens))
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, q_lens)])
-    tables, ctx = cache.block_tables.index_select(0, rows), (positions + 1).to(torch.int32)
-    out = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, tables, ctx, 0.125, backend="cpu")
+    return cache, q, cu, (positions + 1).to(torch.int32), cache.block_tables.index_select(0, rows).contiguous()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (128, 1), (48, 4)])
+def test_prompt_rows_attended_as_decodes_match_reference_prefill(gen, block_size, head_dim, gqa):
+    """The engine's CPU path for prompt chunks: each query row attends as a decode over its own
+    causal context (position + 1 tokens) of its sequence's blocks, rows of one sequence in
+    tiles. Whole prompts, chunks after cached context, a one-token chunk, a long one split
+    into parts, tiles cut short: equal to the reference prefill."""
+    lens, q_lens = [37, 300, 90, 700, 5, 1100], [37, 120, 1, 600, 5, 17]
+    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, block_size, 2, gqa, head_dim)
+    out = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, head_dim ** -0.5,
+                                         backend="cpu", cu_seqlens_q=cu)
     ref = reference.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cu,
-                                            cache.context_lens, 0.125)
+                                            cache.context_lens, head_dim ** -0.5)
+    assert not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
     for i in range(len(lens)):
         lo, hi = int(cu[i]), int(cu[i + 1])
         assert rel_err(out[lo:hi], ref[lo:hi]) < 1e-5, f"seed {SEED}, seq {i}, len {lens[i]}, chunk {q_lens[i]}"
+    torch_path = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx,
+                                                head_dim ** -0.5, backend="torch", cu_seqlens_q=cu)
+    assert rel_err(torch_path, ref) < 1e-5, f"seed {SEED}: the torch path with cu_seqlens_q"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_rows_in_tiles_have_the_bits_of_decodes(gen, dtype, head_dim, threads):
+    """A prompt row's output is bit for bit what the decode path gives it alone with its
+    context (tiles share K/V loads and compute scores from transposed K, in the same order of
+    additions): a prompt's rows are computed as its decode steps will be, so a sequence
+    recomputed after preemption, or whose prefix came from the cache, gets the same tokens."""
+    if dtype == torch.float16 and not cpu.supports_kv_half(head_dim):
+        pytest.skip("this build has no fp16 conversions")
+    lens, q_lens = [40, 700, 33, 1200, 16], [40, 650, 1, 30, 16]
+    cache, q, cu, ctx, row_tables = prompt_chunks(gen, lens, q_lens, 16, 3, 3, head_dim, dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        tiled = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu)
+        per_row = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, row_tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(tiled, per_row), f"seed {SEED}: rows differ at {(tiled != per_row).nonzero()[:4].tolist()}"
+    alone = cpu.paged_decode_attention_cpu(q[100:101], cache.k_cache, cache.v_cache, row_tables[100:101],
+                                           ctx[100:101], 0.125)
+    assert torch.equal(alone[0], tiled[100])
+
+
+@pytest.mark.parametrize("bad", ["not_from_0", "decreasing", "past_the_rows", "block_id"])
+def test_prompt_rows_refuse_bad_cu_seqlens_before_reading(gen, bad):
+    cache, q, cu, ctx, _ = prompt_chunks(gen, [40, 20], [40, 20], 16, 1, 2, 64)
+    tables, cu = cache.block_tables.clone(), cu.clone()
+    if bad == "not_from_0":
+        cu[0] = 1
+    elif bad == "decreasing":
+        cu[1] = 70
+    elif bad == "past_the_rows":
+        cu[-1] = 61
+    else:
+        tables[1, 1] = cache.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, ctx, 0.1, cu)
 
 
 @pytest.mark.parametrize("magnitude", [0.01, 30.0])
@@ -252,3 +307,22 @@ def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
         assert set(res["times"]) == {"cpu", "cpu-fp16", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
         assert res["kv_bytes"]["cpu-fp16"] * 2 == res["kv_bytes"]["cpu"]
     assert "GB/s of K/V" in capsys.readouterr().out
+
+
+def test_prompt_attention_benchmark_runs_and_checks_tiles_against_rows(capsys):
+    """bench/prompt_attention.py on short prompts (a smoke test: it checks results, never times them)."""
+    from bench import prompt_attention
+
+    res = prompt_attention.main(["--lens", "20", "70", "--layers", "2", "--repeats", "2", "--threads", "1"])
+    assert list(res) == [20, 70] and all(set(ms) == {"rows", "tiles", "torch"} for ms in res.values())
+    assert "rows/tiles" in capsys.readouterr().out
+
+
+def test_prompt_attention_benchmark_fails_when_tiles_differ_from_rows(monkeypatch):
+    from bench import prompt_attention
+
+    real = cpu.paged_decode_attention_cpu
+    monkeypatch.setattr(cpu, "paged_decode_attention_cpu",
+                        lambda q, k, v, t, c, s, cu=None: real(q, k, v, t, c, s, cu) + (cu is not None) * 1e-6)
+    with pytest.raises(AssertionError, match="tiles differ from rows"):
+        prompt_attention.main(["--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"])

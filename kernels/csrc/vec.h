@@ -15,8 +15,20 @@ typedef int32_t vi __attribute__((vector_size(VEC * sizeof(int32_t))));
 
 INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-INLINE vf splat(float x) { return (vf){0} + x; }
+/* All lanes x. Not (vf){0} + x: that is an addition GCC must keep (0 + -0 is +0), a scalar add
+ * before every broadcast. */
+INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* acc + a * b, rounded once. With AVX-512 an explicit FMA instruction, so that two loops meant to
+ * give the same bits (the decode and prompt-tile attention) do not depend on which product of
+ * an a * b + c * d the compiler chose to fuse; elsewhere contracted (-ffp-contract=fast). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+INLINE vf fma16(vf acc, vf a, vf b) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
+#else
+INLINE vf fma16(vf acc, vf a, vf b) { return acc + a * b; }
+#endif
 
 /* fp16 K/V caches (INFERLINE_CACHE__DTYPE=float16), stored as uint16_t bit patterns: 16 halves
  * widened to 16 floats on load, floats rounded to the nearest half on store. x86 through the
@@ -74,6 +86,42 @@ INLINE float hsum(vf v) {
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
+}
+
+/* Transposes 16 vectors in place (lane j of x[i] goes to lane i of x[j]): four rounds that swap
+ * the off-diagonal blocks of 8, 4, 2 and 1 lanes, 64 shuffles. */
+INLINE void transpose16(vf x[VEC]) {
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12 /* no __builtin_shufflevector */
+    vf y[VEC];
+    for (int i = 0; i < VEC; i++)
+        for (int j = 0; j < VEC; j++) y[j][i] = x[i][j];
+    memcpy(x, y, sizeof y);
+#else
+    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 8x8 blocks of each 16x16 one */
+        if (!(i & 8)) {
+            vf a = x[i], b = x[i | 8];
+            x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            x[i | 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 4x4 blocks of each 8x8 one */
+        if (!(i & 4)) {
+            vf a = x[i], b = x[i | 4];
+            x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            x[i | 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 2x2 blocks of each 4x4 one */
+        if (!(i & 2)) {
+            vf a = x[i], b = x[i | 2];
+            x[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            x[i | 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 1x1 blocks of each 2x2 one */
+        if (!(i & 1)) {
+            vf a = x[i], b = x[i | 1];
+            x[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+            x[i | 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+        }
 #endif
 }
 

@@ -179,7 +179,8 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
                                  decode_backend=self.decode_backend, fused_ops=self.fused_ops)
         if self.decode_backend == "cpu" and prefills:  # one C call attends every row
-            meta.token_block_tables, meta.token_context_lens = self._token_tables(ordered, positions)
+            meta.token_block_tables, meta.token_cu_seqlens, meta.token_context_lens = \
+                self._token_tables(ordered, positions)
         else:
             self._split_metadata(meta, decodes, prefills)
         sampling = [s for s in ordered if s.samples]
@@ -188,12 +189,15 @@ class ModelRunner:
 
     def _token_tables(self, ordered: list[ScheduledSequence], positions: torch.Tensor):
         """For the C kernel, prompt rows too attend as decodes do: row t over its own causal
-        context, the first positions[t] + 1 tokens of its sequence. One pass per row over K/V
-        blocks read in place (no gathered copy, as SDPA needs), ~1.7x SDPA's speed on chat-sized
-        prompts, and a prompt's rows are computed exactly as its decode steps will be."""
-        counts = torch.tensor([s.num_new_tokens for s in ordered])
-        rows = torch.repeat_interleave(torch.arange(len(ordered)), counts)
-        return self._block_tables(ordered).index_select(0, rows), (positions + 1).to(torch.int32)
+        context, the first positions[t] + 1 tokens of its sequence, with the bits a decode of it
+        gets (K/V blocks read in place: no gathered copy, as SDPA needs; a prompt chunk's blocks
+        once per tile of 16 rows). So a prompt's rows are computed exactly as its decode steps
+        will be, and a sequence recomputed after preemption gets its first pass's tokens back.
+        Returns (block tables, a row per sequence; cu_seqlens; each row's context length)."""
+        cu = [0]
+        for s in ordered:
+            cu.append(cu[-1] + s.num_new_tokens)
+        return self._block_tables(ordered), self._tensor(cu, torch.int32), (positions + 1).to(torch.int32)
 
     def _split_metadata(self, meta: AttentionMetadata, decodes, prefills) -> None:
         """Decode rows for the decode kernel, prompt chunks for the prefill kernel (or SDPA)."""

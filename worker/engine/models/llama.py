@@ -36,7 +36,8 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None  # torch backend: the decode index math, made once per step
     # cpu backend: every row, decode or prefill, attends like a decode over its own causal context
     # (its sequence's block table, position + 1 tokens): one C kernel call for the whole step.
-    token_block_tables: torch.Tensor | None = None  # int32 [num_tokens, max_blocks]
+    token_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
+    token_cu_seqlens: torch.Tensor | None = None  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
     token_context_lens: torch.Tensor | None = None  # int32 [num_tokens]
     decode_backend: str = "auto"  # kernels.decode_backend: triton | cpu | torch
     fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
@@ -135,7 +136,8 @@ class Attention(nn.Module):
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.token_block_tables is not None:
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.token_block_tables,
-                                                  meta.token_context_lens, self.scale, backend=meta.decode_backend)
+                                                  meta.token_context_lens, self.scale, backend=meta.decode_backend,
+                                                  cu_seqlens_q=meta.token_cu_seqlens)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta)
