@@ -45,7 +45,7 @@
  * and context_lens have a row each, block_tables a row per sequence), and the rows of a
  * sequence go in tiles of 16 (attend_tile_d below): each block's K/V once per tile, scores 16
  * tokens a vector, with a decode's bits (tested: tests/test_cpu_kernels.py). One layer of one
- * 2048-token prompt: 66-71 ms a row at a time, 56 ms in tiles (bench/prompt_attention.py).
+ * 2048-token prompt: 84 ms a row at a time, 68 ms in tiles (bench/prompt_attention.py).
  *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
@@ -493,8 +493,9 @@ static int64_t blocks_of(const decode_args *a, int64_t ctx) { return (ctx + a->b
 static int check_rows(const decode_args *a, const int32_t *cu, int64_t num_seqs, int64_t num_rows,
                       int64_t num_blocks) {
     if (cu[0] != 0 || cu[num_seqs] != num_rows) return -1;
+    for (int64_t s = 0; s < num_seqs; s++) /* all of cu first: no row read past num_rows */
+        if (cu[s + 1] < cu[s] || cu[s + 1] > num_rows) return -1;
     for (int64_t s = 0; s < num_seqs; s++) {
-        if (cu[s + 1] < cu[s]) return -1;
         int64_t ctx = 0;
         for (int64_t r = cu[s]; r < cu[s + 1]; r++) {
             if (a->context_lens[r] < 0) return -1;
