@@ -225,6 +225,23 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
             h += g;                                                                            \
         }
 
+/* Block b's K and V rows (k, v) in a pass over blocks [b0, b_end): the first block's `used`
+ * bytes are requested at once; the next block's rows (pk, pv; NULL after the last) are for the
+ * loops over this one to request, a token's rows at a time. Every block but the last is full,
+ * so the whole next block can be (rows past a short last block are still its memory). */
+INLINE void block_kv(const decode_args *a, const int32_t *table, int64_t b, int64_t b0, int64_t b_end,
+                     int64_t used, const char **k, const char **v, const char **pk, const char **pv,
+                     const int half) {
+    *k = block_rows(a, a->k_cache, table, b, half);
+    *v = block_rows(a, a->v_cache, table, b, half);
+    if (b == b0) {
+        prefetch_rows(*k, used);
+        prefetch_rows(*v, used);
+    }
+    *pk = b + 1 < b_end ? block_rows(a, a->k_cache, table, b + 1, half) : NULL;
+    *pv = b + 1 < b_end ? block_rows(a, a->v_cache, table, b + 1, half) : NULL;
+}
+
 /* Attention of row `r` (its context_lens entry, its q row) over blocks [b0, b1) of `table`:
  * out_h = sum_t p_h[t] v_t with p_h the softmax numerators exp(s - m_h); also returns m_h and
  * l_h = sum_t p_h[t] per head. */
@@ -239,18 +256,8 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *tabl
     for (int64_t h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
-        const char *k = block_rows(a, a->k_cache, table, b, half), *v = block_rows(a, a->v_cache, table, b, half);
-        if (b == b0) {
-            prefetch_rows(k, n * row_bytes);
-            prefetch_rows(v, n * row_bytes);
-        }
-        /* Every block but the last is full (n == bs), so the scores loop can prefetch the whole
-         * next block, a row per token (rows past a short last block are still its memory). */
-        const char *pk = NULL, *pv = NULL;
-        if (b + 1 < b1) {
-            pk = block_rows(a, a->k_cache, table, b + 1, half);
-            pv = block_rows(a, a->v_cache, table, b + 1, half);
-        }
+        const char *k, *v, *pk, *pv;
+        block_kv(a, table, b, b0, b1, n * row_bytes, &k, &v, &pk, &pv, half);
         FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
                         q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, h == 0 ? pk : NULL, pv,
                         half)
@@ -380,16 +387,8 @@ INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const in
         }
     for (int64_t b = b0; b < b_end; b++) {
         int64_t n_block = ctx_max - b * bs < bs ? ctx_max - b * bs : bs;
-        const char *k = block_rows(a, a->k_cache, table, b, half), *v = block_rows(a, a->v_cache, table, b, half);
-        if (b == b0) {
-            prefetch_rows(k, n_block * row_bytes);
-            prefetch_rows(v, n_block * row_bytes);
-        }
-        const char *pk = NULL, *pv = NULL;
-        if (b + 1 < b_end) {
-            pk = block_rows(a, a->k_cache, table, b + 1, half);
-            pv = block_rows(a, a->v_cache, table, b + 1, half);
-        }
+        const char *k, *v, *pk, *pv;
+        block_kv(a, table, b, b0, b_end, n_block * row_bytes, &k, &v, &pk, &pv, half);
         transpose_block(kt, k, n_block, row_bytes, kv_heads, chunks, pk, pv, bs, d, half);
         for (int64_t i = 0; i < nr; i++) {
             tile_row *tr = &rows[i];

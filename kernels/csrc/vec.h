@@ -89,6 +89,18 @@ INLINE float hsum(vf v) {
 #endif
 }
 
+/* One round of transpose16: in every 2m x 2m block of the matrix (x[i] its rows), the two
+ * off-diagonal m x m blocks change places; `lo` and `hi` pick the lanes of the new x[i] and
+ * x[i + m] from the old pair (shuffle indices: 16 and up are the second vector's lanes). */
+#define UNPAREN(...) __VA_ARGS__
+#define SWAP_BLOCKS(m, lo, hi)                                                   \
+    for (int i = 0; i < VEC; i++)                                                \
+        if (!(i & (m))) {                                                        \
+            vf a = x[i], b = x[i | (m)];                                         \
+            x[i] = __builtin_shufflevector(a, b, UNPAREN lo);                    \
+            x[i | (m)] = __builtin_shufflevector(a, b, UNPAREN hi);              \
+        }
+
 /* Transposes 16 vectors in place (lane j of x[i] goes to lane i of x[j]): four rounds that swap
  * the off-diagonal blocks of 8, 4, 2 and 1 lanes, 64 shuffles. */
 INLINE void transpose16(vf x[VEC]) {
@@ -98,32 +110,18 @@ INLINE void transpose16(vf x[VEC]) {
         for (int j = 0; j < VEC; j++) y[j][i] = x[i][j];
     memcpy(x, y, sizeof y);
 #else
-    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 8x8 blocks of each 16x16 one */
-        if (!(i & 8)) {
-            vf a = x[i], b = x[i | 8];
-            x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-            x[i | 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 4x4 blocks of each 8x8 one */
-        if (!(i & 4)) {
-            vf a = x[i], b = x[i | 4];
-            x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-            x[i | 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 2x2 blocks of each 4x4 one */
-        if (!(i & 2)) {
-            vf a = x[i], b = x[i | 2];
-            x[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-            x[i | 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-        }
-    for (int i = 0; i < VEC; i++) /* swap the off-diagonal 1x1 blocks of each 2x2 one */
-        if (!(i & 1)) {
-            vf a = x[i], b = x[i | 1];
-            x[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-            x[i | 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-        }
+    SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 #endif
 }
+#undef SWAP_BLOCKS
+#undef UNPAREN
 
 /* exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes'
  * coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87.3 the result is 0
