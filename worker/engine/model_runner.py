@@ -194,10 +194,7 @@ class ModelRunner:
         once per tile of 16 rows). So a prompt's rows are computed exactly as its decode steps
         will be, and a sequence recomputed after preemption gets its first pass's tokens back.
         Returns (block tables, a row per sequence; cu_seqlens; each row's context length)."""
-        cu = [0]
-        for s in ordered:
-            cu.append(cu[-1] + s.num_new_tokens)
-        return self._block_tables(ordered), self._tensor(cu, torch.int32), (positions + 1).to(torch.int32)
+        return self._block_tables(ordered), self._cu_seqlens(ordered), (positions + 1).to(torch.int32)
 
     def _split_metadata(self, meta: AttentionMetadata, decodes, prefills) -> None:
         """Decode rows for the decode kernel, prompt chunks for the prefill kernel (or SDPA)."""
@@ -210,10 +207,14 @@ class ModelRunner:
         if prefills:
             meta.prefill_block_tables = self._block_tables(prefills)
             meta.prefill_context_lens = self._context_lens(prefills)
-            cu = [0]
-            for s in prefills:
-                cu.append(cu[-1] + s.num_new_tokens)
-            meta.prefill_cu_seqlens_q = self._tensor(cu, torch.int32)
+            meta.prefill_cu_seqlens_q = self._cu_seqlens(prefills)
+
+    def _cu_seqlens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
+        """int32 [len(chunks) + 1]: chunk i's rows are cu[i] .. cu[i + 1] - 1 of the flat batch."""
+        cu = [0]
+        for s in chunks:
+            cu.append(cu[-1] + s.num_new_tokens)
+        return self._tensor(cu, torch.int32)
 
     def _block_tables(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
         width = max(len(s.seq.block_table) for s in chunks)
