@@ -35,6 +35,21 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
 
 
 @needs_onednn
+@pytest.mark.parametrize("in_features", [576, 1152, 1536, 4096])
+def test_a_lone_long_row_gets_the_bits_it_gets_in_any_batch(in_features):
+    """On an Intel Xeon, oneDNN computes one row of more than 1024 inputs with another kernel than
+    any batch (different last bits: a sequence decoding alone then drifts from itself in a batch,
+    and speculative drafts, computed as a chunk, would change greedy output)."""
+    gen = torch.Generator().manual_seed(in_features)
+    x, w = torch.randn(40, in_features, generator=gen), torch.randn(576, in_features, generator=gen)
+    packed = pack_weight(w)
+    full = linear(x, w, packed=packed)
+    for rows in range(1, 40):
+        assert torch.equal(linear(x[:rows].contiguous(), w, packed=packed), full[:rows]), rows
+    assert torch.equal(linear(x[5:6], w, packed=packed), full[5:6])  # a one-row view, as hidden[-1:]
+
+
+@needs_onednn
 def test_packed_linear_on_a_strided_view():
     x = torch.randn(10, 2, 48)[:, 0]  # a strided view of rows, as q/k/v splits are
     w = torch.randn(7, 48)

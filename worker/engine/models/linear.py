@@ -14,7 +14,10 @@ layer of SmolLM2 (decoder only), fp32, 2 threads, GFLOP/s (`python -m bench.deco
 and the LM head [49152 x 576] at 29 rows: 28.5 ms -> 11.5 ms. A row's result does not depend
 on the other rows (the same kernel runs every row, checked in tests/test_linear.py), so a prompt
 gives the same tokens alone or in a batch; the sums differ from MKL's in the last bits, as
-between any two GEMM kernels. The packed copy is kept next to the weight (the weight stays the
+between any two GEMM kernels. One exception, seen on an Intel Xeon with AVX-512 (not on AMD
+Zen 4): a lone row of more than 1024 inputs (SmolLM2's down projection, 1536) goes to another
+kernel, whose sums differ from the same row's in any batch. So a lone row is computed as two
+(itself twice, ~4% slower there): a sequence decoding alone gets the bits it gets in a batch. The packed copy is kept next to the weight (the weight stays the
 model's parameter: state dict, tied embeddings): it doubles the linears' memory on the CPU.
 """
 from __future__ import annotations
@@ -53,6 +56,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     copy of `weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and x.shape[0] == 1:  # never alone: see the module docstring
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
