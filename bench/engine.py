@@ -197,15 +197,19 @@ def run_engine(runner, settings, items: list[WorkItem], label: str, progress: bo
         rec.steps.append({"t": t, "step_s": st.step_time_s, "batch_size": st.batch_size,
                           "num_running": st.num_running, "num_waiting": st.num_waiting,
                           "num_tokens": st.num_batched_tokens, "kv_usage": st.kv_cache_usage,
-                          "preemptions": st.num_preemptions,
-                          "kind": "decode" if st.num_batched_tokens == st.batch_size else "mixed"})
+                          "preemptions": st.num_preemptions, "draft_tokens": st.num_draft_tokens,
+                          "kind": "decode" if st.num_batched_tokens - st.num_draft_tokens == st.batch_size
+                          else "mixed"})
     rec.wall_s, rec.cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     bar.close()
     rec.extra = {"policy": settings.scheduler.policy, "max_num_seqs": settings.scheduler.max_num_seqs,
                  "max_num_batched_tokens": settings.scheduler.max_num_batched_tokens,
                  "num_kv_blocks": runner.num_blocks, "block_size": runner.block_size,
                  "prefix_caching": settings.cache.enable_prefix_caching,
-                 "prefix_cache_hit_tokens": eng.stats().prefix_cache_hits}
+                 "prefix_cache_hit_tokens": eng.stats().prefix_cache_hits,
+                 "speculative": settings.speculative.method,
+                 "spec_draft_tokens": eng.stats().spec_draft_tokens,
+                 "spec_accepted_tokens": eng.stats().spec_accepted_tokens}
     return rec
 
 

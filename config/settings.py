@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "INFERLINE_"
@@ -125,6 +125,31 @@ class SchedulerSettings(BaseModel):
     max_waiting: int = Field(256, ge=1)
 
 
+class SpeculativeSettings(BaseModel):
+    # "ngram": speculative decoding by prompt lookup (worker/engine/spec_decode.py). Before a
+    # decode step, a greedy sequence's last tokens are looked up earlier in its own prompt and
+    # output; the tokens that followed them there are computed as drafts in the same step and
+    # kept while they equal greedy's choice. Greedy output does not change (bit for bit on the
+    # CPU); a step may yield several tokens where the text repeats (code, quotes, extraction),
+    # and costs more where drafts are rejected. Sampled requests and penalties are never drafted.
+    method: Literal["none", "ngram"] = "none"
+    # Drafts per sequence and step, at most.
+    num_tokens: int = Field(4, ge=1, le=32)
+    # The longest run of last tokens looked up; the longest run found earlier in the text wins.
+    prompt_lookup_max: int = Field(4, ge=1)
+    # The shortest run looked up: 1 drafts after any repeated token (more drafts, fewer right).
+    prompt_lookup_min: int = Field(2, ge=1)
+    # No drafts while this many sequences or more are running: a large batch already keeps the
+    # CPU busy, so rejected drafts cost their full price there. None: draft at any batch size.
+    disable_by_batch_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeSettings":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
 class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
@@ -168,6 +193,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
     limits: LimitsSettings = LimitsSettings()
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()

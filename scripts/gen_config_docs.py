@@ -36,6 +36,8 @@ SECTIONS = {
     "model": "Which model runs, where, and in what precision.",
     "cache": "The paged KV cache: block size and how many blocks (see docs/operations.md for sizing).",
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and the waiting pool.",
+    "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, verified in the "
+                   "same step; greedy output is unchanged.",
     "limits": "Per-request caps, deadlines, per-tenant rate limits, and load shedding.",
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.settings import Settings
+from config.settings import Settings, SpeculativeSettings
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, SamplingParams
@@ -62,10 +62,12 @@ def hf_outputs(hf_model, prompts) -> list[list[int]]:
 
 def make_engine(runner: ModelRunner, **scheduler) -> LLMEngine:
     """An engine over the shared runner; `num_blocks=` squeezes the KV pool,
-    `enable_prefix_caching=False` turns the prefix cache off."""
+    `enable_prefix_caching=False` turns the prefix cache off, `speculative={...}` sets
+    SpeculativeSettings (e.g. {"method": "ngram"})."""
     settings = Settings()
     settings.cache.num_blocks = scheduler.pop("num_blocks", None)
     settings.cache.enable_prefix_caching = scheduler.pop("enable_prefix_caching", True)
+    settings.speculative = SpeculativeSettings(**scheduler.pop("speculative", {}))
     for key, value in scheduler.items():
         setattr(settings.scheduler, key, value)
     return LLMEngine(runner, settings)

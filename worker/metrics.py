@@ -37,6 +37,11 @@ class Metrics:
                                       "Tokens of admitted sequences looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("inferline_prefix_cache_hits",
                                    "Tokens found in the prefix cache (their K/V reused, not computed)", registry=r)
+        self.spec_drafts = Counter("inferline_spec_draft_tokens",
+                                   "Speculative draft tokens computed (INFERLINE_SPECULATIVE__METHOD)", registry=r)
+        self.spec_accepted = Counter("inferline_spec_accepted_tokens",
+                                     "Of those, drafts accepted: tokens gained beyond one per sequence and step",
+                                     registry=r)
         self.queue_time = self._hist("inferline_queue_time_seconds", "Receipt to first schedule")
         self.ttft = self._hist("inferline_ttft_seconds", "Receipt to first token")
         self.itl = self._hist("inferline_inter_token_latency_seconds",
@@ -89,6 +94,8 @@ class Metrics:
         self.tokens_generated.inc(max(0, st.num_generated_tokens - prev.num_generated_tokens))
         self.prefix_queries.inc(max(0, st.prefix_cache_queries - prev.prefix_cache_queries))
         self.prefix_hits.inc(max(0, st.prefix_cache_hits - prev.prefix_cache_hits))
+        self.spec_drafts.inc(max(0, st.spec_draft_tokens - prev.spec_draft_tokens))
+        self.spec_accepted.inc(max(0, st.spec_accepted_tokens - prev.spec_accepted_tokens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,6 +25,7 @@ from worker.engine.request import EngineRequest, RequestOutput
 from worker.engine.sampler import make_generator
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence
+from worker.engine.spec_decode import NgramProposer, accept
 
 log = structlog.get_logger(__name__)
 
@@ -46,12 +47,15 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # 0..1
     num_preemptions: int = 0  # total since start
     batch_size: int = 0  # sequences in the last step
-    num_batched_tokens: int = 0  # tokens in the last step
+    num_batched_tokens: int = 0  # tokens in the last step (drafts included)
+    num_draft_tokens: int = 0  # speculative drafts in the last step
     step_time_s: float = 0.0  # the last step
     num_generated_tokens: int = 0  # total since start
     num_steps: int = 0
     prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache, total
     prefix_cache_hits: int = 0  # of which found there (not computed again), total
+    spec_draft_tokens: int = 0  # speculative drafts computed, total
+    spec_accepted_tokens: int = 0  # of which accepted (tokens a step gained), total
 
 
 class LLMEngine:
@@ -64,8 +68,12 @@ class LLMEngine:
         # A smaller pool than the allocated cache is allowed (tests squeeze memory this way).
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
         self.block_manager = BlockManager(num_blocks, runner.block_size, settings.cache.enable_prefix_caching)
+        spec = settings.speculative
+        proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                    if spec.method == "ngram" else None)
         self.scheduler = Scheduler(self.block_manager, settings.scheduler.max_num_seqs,
-                                   settings.scheduler.max_num_batched_tokens, settings.scheduler.policy)
+                                   settings.scheduler.max_num_batched_tokens, settings.scheduler.policy,
+                                   proposer, spec.disable_by_batch_size)
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, Sequence] = {}
@@ -168,19 +176,25 @@ class LLMEngine:
         for seq in [s for s in self.requests.values() if s.deadline is not None and s.deadline <= now]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
-    def _update(self, sched: SchedulerOutput, sampled: list[int], outputs: dict) -> None:
+    def _update(self, sched: SchedulerOutput, sampled: list[list[int]], outputs: dict) -> None:
         now = time.time()
         for seq in sched.started:
             seq.first_scheduled_time = now
             outputs[seq.request_id] = self._output(seq, started=True)
-        tokens = iter(sampled)
+        sampled_iter = iter(sampled)
         for chunk in sched.scheduled:
-            seq = chunk.seq
-            samples = chunk.samples  # read before the counter moves
-            seq.num_computed_tokens += chunk.num_new_tokens
+            seq, drafts = chunk.seq, chunk.spec_token_ids
+            new_tokens = accept(drafts, next(sampled_iter)) if chunk.samples else []  # before the counter moves
+            # K/V is valid for the known tokens and the accepted drafts, not for rejected ones.
+            num_accepted = max(0, len(new_tokens) - 1)
+            seq.num_computed_tokens += chunk.num_new_tokens - len(drafts) + num_accepted
+            self._stats.spec_draft_tokens += len(drafts)
+            self._stats.spec_accepted_tokens += num_accepted
             self.block_manager.cache_computed_blocks(seq)
-            if samples:
-                self._append_token(seq, next(tokens), now, outputs)
+            for token_id in new_tokens:
+                self._append_token(seq, token_id, now, outputs)
+                if seq.is_finished:
+                    break  # a stop among the accepted tokens: the rest were never generated
 
     def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict) -> None:
         if seq.first_token_time is None:
@@ -189,6 +203,7 @@ class LLMEngine:
         self._stats.num_generated_tokens += 1
         out = outputs.setdefault(seq.request_id, self._output(seq))
         out.new_token_ids.append(token_id)
+        out.num_output_tokens = seq.num_output_tokens  # a step may append several (accepted drafts)
         reason = self._stop_reason(seq, token_id)
         if token_id not in self.eos_token_ids and token_id not in seq.sampling.stop_token_ids:
             delta, stopped = seq.detokenizer.add(token_id)
@@ -244,6 +259,7 @@ class LLMEngine:
         s.kv_cache_usage = self.block_manager.usage
         s.num_preemptions = self.scheduler.num_preemptions
         s.batch_size, s.num_batched_tokens = len(sched.scheduled), sched.num_batched_tokens
+        s.num_draft_tokens = sum(len(c.spec_token_ids) for c in sched.scheduled)
         s.step_time_s = step_time
         s.num_steps += 1
         if cache := self.block_manager.prefix_cache:

@@ -72,7 +72,7 @@ class Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows whose next-token logits are sampled
-    sampling: list[ScheduledSequence]  # in the order of logits_indices
+    sampling: list[ScheduledSequence]  # in the order of logits_indices (1 + len(drafts) rows each)
 
 
 class ModelRunner:
@@ -141,9 +141,11 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[int]:
-        """Run one forward over `scheduled`; return one sampled token per chunk that samples,
-        in the order of `[s for s in scheduled if s.samples]`. `owner`: claim()'s token, if any."""
+    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[list[int]]:
+        """Run one forward over `scheduled`; for each chunk that samples, in the order of
+        `[s for s in scheduled if s.samples]`, its sampled tokens: one, or with drafts one per
+        row (the argmax after each known token and draft, for spec_decode.accept to check).
+        `owner`: claim()'s token, if any."""
         if owner is not None and owner is not self.owner:
             raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
                                "its KV cache no longer holds this engine's blocks")
@@ -152,11 +154,11 @@ class ModelRunner:
         if not batch.sampling:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        seqs = [s.seq for s in batch.sampling]
-        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs],
-                              [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+        rows = [s.seq for s in batch.sampling for _ in range(1 + len(s.spec_token_ids))]
+        tokens = iter(self.sampler(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
+                                   [s.output_token_ids for s in rows], [s.generator for s in rows]))
         # The batch put decodes first; hand the tokens back in the scheduler's order.
-        by_seq = {id(seq): token for seq, token in zip(seqs, tokens)}
+        by_seq = {id(s.seq): [next(tokens) for _ in range(1 + len(s.spec_token_ids))] for s in batch.sampling}
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
@@ -169,12 +171,12 @@ class ModelRunner:
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += (seq.token_ids + s.spec_token_ids)[start:end] if s.spec_token_ids else seq.token_ids[start:end]
             positions += range(start, end)
             table, bs = seq.block_table, self.block_size
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if s.samples:
-                logits_indices.append(len(input_ids) - 1)
+            if s.samples:  # the last row; with drafts, the last known token's row and theirs
+                logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
         positions = self._tensor(positions, torch.long)
         meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
                                  decode_backend=self.decode_backend, fused_ops=self.fused_ops)

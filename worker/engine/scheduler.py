@@ -10,7 +10,9 @@ Memory policy:
 - a running sequence that cannot get its next block preempts (by recompute) the worst running
   sequence, possibly itself, never a better one;
 - a waiting sequence that cannot be admitted may preempt running sequences that are strictly
-  worse in priority (vLLM only preempts on a failed append).
+  worse in priority (vLLM only preempts on a failed append);
+- speculative drafts (spec_decode.py) ride along only where token budget and KV slots are left
+  over: a draft never preempts anybody, nor takes a block a waiting request could be admitted to.
 
 The scheduler decides and never touches tensors.
 """
@@ -21,17 +23,21 @@ from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.spec_decode import NgramProposer, can_speculate
 
 
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # rows this step computes: known tokens, then the drafts
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts after the known tokens
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled
+        (with drafts: a token per row, from the last known token's row on)."""
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.seq.num_computed_tokens + num_known == self.seq.num_tokens
 
 
 @dataclass
@@ -51,12 +57,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, policy: str = "continuous"):
+                 max_num_batched_tokens: int, policy: str = "continuous",
+                 proposer: NgramProposer | None = None, spec_disable_batch_size: int | None = None):
         assert policy in ("continuous", "static")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.proposer = proposer  # None: no speculative decoding
+        self.spec_disable_batch_size = spec_disable_batch_size
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -103,10 +112,30 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_new, queue, out):
                 continue  # seq preempted itself
-            self.block_manager.append(seq, num_new)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            decoding = num_new == seq.num_uncomputed_tokens == 1
+            drafts = self._drafts(seq, budget - num_new, len(queue)) if decoding else []
+            self.block_manager.append(seq, num_new + len(drafts))
+            out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
+            budget -= num_new + len(drafts)
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
+        """Drafts for a decoding `seq`, within the leftover token `budget` and the request's own
+        max_tokens. Drafts that need a new block get none while a request waits (its admission
+        comes first) or while the `num_later` running sequences after `seq` may need the free ones."""
+        if (self.proposer is None or not can_speculate(seq.sampling)
+                or (self.spec_disable_batch_size and len(self.running) >= self.spec_disable_batch_size)):
+            return []
+        # Every draft accepted plus the step's own token must stay within max_tokens.
+        limit = min(budget, seq.sampling.max_tokens - seq.num_output_tokens - 1)
+        drafts = self.proposer.propose(seq.token_ids, limit)
+        bm, needed = self.block_manager, self.block_manager.num_new_blocks(seq, 1)
+        blocks = bm.num_new_blocks(seq, 1 + len(drafts))
+        if blocks > needed and (self.waiting or bm.num_free_blocks - blocks < num_later):
+            # Only the slots left in the blocks the next token has anyway.
+            slots = (len(seq.block_table) + needed) * bm.block_size - seq.num_computed_tokens - 1
+            drafts = drafts[:slots]
+        return drafts
 
     def _make_room(self, seq: Sequence, num_new: int, queue: list[Sequence],
                    out: SchedulerOutput) -> bool:
