@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import gc
 
-from bench import roofline
-from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
+from bench import ab
+from bench.engine import engine_settings, run_engine, warm_up_engine
 from bench.workload import make_workload
 
 
@@ -29,19 +29,13 @@ def measure(args) -> dict:
     for runner in runners.values():
         warm_up_engine(runner)
     gc.freeze()  # as the worker's EngineLoop does once its engine is built
-    runs: dict[str, list] = {"auto": [], "float16": []}
-    tokens: dict[str, dict] = {}
     try:
-        for dtype in ("auto", "float16", "float16", "auto"):
-            record = run_engine(runners[dtype], settings[dtype], items, dtype, progress=False)
-            runs[dtype].append(summarize(record))  # with its canary: the machine's load before it
-            tokens.setdefault(dtype, record.token_ids)
+        res = ab.abba(lambda dtype: run_engine(runners[dtype], settings[dtype], items, dtype, progress=False),
+                      "auto", "float16")
     finally:
         gc.unfreeze()
-    same = sum(tokens["auto"][r] == ids for r, ids in tokens["float16"].items())
-    mean = {dtype: sum(s["tokens_per_s"] for s in ss) / len(ss) for dtype, ss in runs.items()}
-    return {"runs": runs, "fp16_over_fp32": mean["float16"] / mean["auto"], "same_greedy": same,
-            "num_requests": len(items)}
+    res["fp16_over_fp32"] = res.pop("ratio")
+    return res
 
 
 def report(args, res: dict) -> None:
@@ -58,22 +52,12 @@ def report(args, res: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kv_dtype", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
-    p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64 continuous, 16 static)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    args.seats = args.seats or (64 if args.policy == "continuous" else 16)
-    return args
+    ab.add_workload_args(p)
+    return ab.parse(p, argv)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    res = roofline.in_thread(lambda: measure(args), args.threads)
-    report(args, res)
-    return res
+    return ab.main(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-from bench import roofline
+from bench import ab
 from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
 from bench.workload import make_workload
 
@@ -34,19 +34,6 @@ def settings_for(args, method: str, seats: int):
     return s
 
 
-def abba(runner, args, items, seats: int, label: str) -> dict:
-    runs: dict[str, list] = {m: [] for m in MODES}
-    tokens: dict[str, dict] = {}
-    for method in ("none", "ngram", "ngram", "none"):
-        record = run_engine(runner, settings_for(args, method, seats), items, f"{label} {method}", progress=False)
-        runs[method].append(summarize(record))
-        tokens.setdefault(method, record.token_ids)
-    same = sum(tokens["none"][r] == ids for r, ids in tokens["ngram"].items())
-    mean = {m: sum(s["tokens_per_s"] for s in ss) / len(ss) for m, ss in runs.items()}
-    return {"runs": runs, "ngram_over_none": mean["ngram"] / mean["none"], "same_greedy": same,
-            "num_requests": len(items)}
-
-
 def measure(args) -> dict:
     from worker.engine.model_runner import ModelRunner
 
@@ -56,7 +43,8 @@ def measure(args) -> dict:
     warm_up_engine(runner)
     gc.freeze()  # as the worker's EngineLoop does once its engine is built
     try:
-        res = {"batch": abba(runner, args, items, args.seats, args.policy)}
+        res = {"batch": ab.abba(lambda method: run_engine(runner, settings_for(args, method, args.seats), items,
+                                                          f"{args.policy} {method}", progress=False), *MODES)}
         if args.single:
             res["single"] = single_stream(runner, args, items[:args.single])
     finally:
@@ -67,7 +55,6 @@ def measure(args) -> dict:
 def single_stream(runner, args, items) -> dict:
     """Each request alone (one seat), summed over the requests: tokens/s of one stream."""
     totals: dict[str, list] = {m: [] for m in MODES}
-    same = 0
     for method in ("none", "ngram", "ngram", "none"):
         useful = span = drafts = accepted = 0
         tokens = {}
@@ -83,7 +70,7 @@ def single_stream(runner, args, items) -> dict:
         for r in runs:
             del r["token_ids"]
     mean = {m: sum(r["tokens_per_s"] for r in rs) / len(rs) for m, rs in totals.items()}
-    return {"runs": totals, "ngram_over_none": mean["ngram"] / mean["none"], "same_greedy": same,
+    return {"runs": totals, "ratio": mean["ngram"] / mean["none"], "same_greedy": same,
             "num_requests": len(items)}
 
 
@@ -102,7 +89,7 @@ def report(args, res: dict) -> None:
         steps = ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in s["step_time_ms"].items())
         print(f"  {method:5s}  {s['tokens_per_s']:6.1f} tok/s  {s['num_steps']} steps ({steps}); "
               f"{acceptance(s)}; canary {s['canary_gflops']:.0f} GFLOP/s")
-    print(f"  ngram / none: {b['ngram_over_none']:.3f}x (means); greedy tokens equal for {b['same_greedy']} "
+    print(f"  ngram / none: {b['ratio']:.3f}x (means); greedy tokens equal for {b['same_greedy']} "
           f"of {b['num_requests']} requests")
     if "single" in res:
         s = res["single"]
@@ -110,33 +97,23 @@ def report(args, res: dict) -> None:
         for method, i in (("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1)):
             r = s["runs"][method][i]
             print(f"  {method:5s}  {r['tokens_per_s']:6.1f} tok/s; {acceptance(r)}")
-        print(f"  ngram / none: {s['ngram_over_none']:.3f}x (means); greedy tokens equal for {s['same_greedy']} "
+        print(f"  ngram / none: {s['ratio']:.3f}x (means); greedy tokens equal for {s['same_greedy']} "
               f"of {s['num_requests']} requests")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
-    p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64 continuous, 16 static)")
+    ab.add_workload_args(p)
     p.add_argument("--num-tokens", type=int, default=4, help="drafts per sequence and step")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--single", type=int, default=0, help="also run this many requests one at a time")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    args.seats = args.seats or (64 if args.policy == "continuous" else 16)
-    return args
+    return ab.parse(p, argv)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    res = roofline.in_thread(lambda: measure(args), args.threads)
-    report(args, res)
-    return res
+    return ab.main(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":
