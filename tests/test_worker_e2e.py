@@ -50,3 +50,27 @@ async def test_requests_stream_started_tokens_done(kafka_bootstrap, topics, star
         assert events.partitions[r["id"]] == ({1} if i == 0 else events.partitions[r["id"]])
         assert len(events.partitions[r["id"]]) == 1
         assert 0 <= done.timing.queue_s <= done.timing.ttft_s <= done.timing.total_s
+
+
+async def test_speculative_decoding_streams_what_plain_decoding_does(kafka_bootstrap, topics, start_worker,
+                                                                     model_runner):
+    """Through Kafka with n-gram drafts on: a step may now yield several tokens; the stream, the
+    `done` text and the usage still agree, and equal plain decoding's; the metrics count drafts."""
+    looping = "red, green, blue, yellow, purple, red, green, blue, yellow, purple, red, green,"
+    reqs = [request(topics.replies, looping if i % 2 else PROMPTS[i % len(PROMPTS)], max_tokens=24)
+            for i in range(8)]
+    reqs[3]["stop"] = ["yellow"]
+    expected = reference(model_runner, reqs)
+    worker = await start_worker(topics, speculative={"method": "ngram", "prompt_lookup_min": 1})
+    ids = await submit(kafka_bootstrap, topics.requests, reqs)
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
+    for r in reqs:
+        evs = events[r["id"]]
+        done = final_done(evs)
+        assert done.text == expected[r["id"]] and done.error is None
+        tokens = [t for e in evs if isinstance(e, TokensEvent) for t in e.token_ids]
+        assert streamed_text(evs) == done.text and done.usage.completion_tokens == len(tokens)
+    assert "yellow" not in final_done(events[reqs[3]["id"]]).text
+    metric = {s.name: s.value for m in worker.metrics.registry.collect() for s in m.samples}
+    assert metric["inferline_spec_accepted_tokens_total"] > 0
+    assert metric["inferline_spec_draft_tokens_total"] >= metric["inferline_spec_accepted_tokens_total"]
