@@ -42,6 +42,35 @@ def test_alone_equals_inside_a_batch_of_30(model_runner, prompts):
     assert crowd["r0"]["tokens"] == alone["r0"]["tokens"]
 
 
+def logits_rows_of(model_runner, prompt: list[int], arrivals) -> list[torch.Tensor]:
+    """Every logits row the sampler got for the request whose prompt is `prompt`, step by step."""
+    rows, sampler = [], model_runner.sampler
+
+    def capture(logits, params, prompt_ids, output_ids, generators):
+        rows.extend(logits[i].clone() for i, ids in enumerate(prompt_ids) if ids == prompt)
+        return sampler(logits, params, prompt_ids, output_ids, generators)
+
+    model_runner.sampler = capture
+    try:
+        run_to_completion(make_engine(model_runner), arrivals)
+    finally:
+        model_runner.sampler = sampler
+    return rows
+
+
+def test_alone_and_in_a_batch_the_logits_are_the_same_bits(model_runner, prompts):
+    """Stronger than equal tokens: a sequence decoding alone (one-row steps) computes exactly
+    what it computes among others. (On an Intel Xeon, oneDNN's one-row kernel for long rows once
+    broke this without changing a token here: models/linear.py, lone_row_exact.)"""
+    mine = prompts[5]
+    alone = logits_rows_of(model_runner, mine, {0: [request(0, mine, max_tokens=12)]})
+    others = [request(100 + j, prompts[j][: 30 + 9 * j], max_tokens=14) for j in (0, 1, 2, 3, 4, 6)]
+    crowd = logits_rows_of(model_runner, mine, {0: others[:3], 1: [request(0, mine, max_tokens=12)], 2: others[3:]})
+    assert len(alone) == len(crowd) == 12
+    for step, (a, b) in enumerate(zip(alone, crowd)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item():.3g}"
+
+
 def test_preemption_under_a_tiny_kv_cache_keeps_greedy_output(model_runner, prompts, hf_outputs):
     chosen = list(range(8))
     reqs = {0: [request(i, prompts[i]) for i in chosen]}
