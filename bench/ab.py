@@ -27,6 +27,16 @@ def abba(run_one: Callable[[str], RunRecord], a: str, b: str) -> dict:
     return {"runs": runs, "ratio": mean[b] / mean[a], "same_greedy": same, "num_requests": len(tokens[a])}
 
 
+def in_abba_order(res: dict, a: str, b: str):
+    """(mode, summary) of abba's runs in the order they ran."""
+    return [(m, res["runs"][m][i]) for m, i in ((a, 0), (b, 0), (b, 1), (a, 1))]
+
+
+def steps_line(summary: dict) -> str:
+    """A run's step counts and mean times by kind, e.g. "decode 245 x 121.4 ms, mixed 21 x 783.6 ms"."""
+    return ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in summary["step_time_ms"].items())
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
     p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64 continuous, 16 static)")

@@ -40,11 +40,8 @@ def measure(args) -> dict:
 
 def report(args, res: dict) -> None:
     print(f"{args.policy} batching, {args.seats} seats, {res['num_requests']} requests, ABBA:")
-    order = [("auto", 0), ("float16", 0), ("float16", 1), ("auto", 1)]
-    for dtype, i in order:
-        s = res["runs"][dtype][i]
-        steps = ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in s["step_time_ms"].items())
-        print(f"  {'fp32' if dtype == 'auto' else 'fp16'} K/V  {s['tokens_per_s']:6.1f} tok/s  ({steps}; "
+    for dtype, s in ab.in_abba_order(res, "auto", "float16"):
+        print(f"  {'fp32' if dtype == 'auto' else 'fp16'} K/V  {s['tokens_per_s']:6.1f} tok/s  ({ab.steps_line(s)}; "
               f"canary {s['canary_gflops']:.0f} GFLOP/s)")
     print(f"  fp16 / fp32: {res['fp16_over_fp32']:.3f}x (means); greedy tokens equal for {res['same_greedy']} "
           f"of {res['num_requests']} requests")

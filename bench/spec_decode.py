@@ -84,18 +84,15 @@ def report(args, res: dict) -> None:
     print(f"{args.policy} batching, {args.seats} seats, {b['num_requests']} requests, ngram drafts "
           f"k={args.num_tokens}, n={args.lookup_min}..{args.lookup_max}"
           f"{f', off from {args.disable_by_batch_size} running' if args.disable_by_batch_size else ''}; ABBA:")
-    for method, i in (("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1)):
-        s = b["runs"][method][i]
-        steps = ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in s["step_time_ms"].items())
-        print(f"  {method:5s}  {s['tokens_per_s']:6.1f} tok/s  {s['num_steps']} steps ({steps}); "
+    for method, s in ab.in_abba_order(b, *MODES):
+        print(f"  {method:5s}  {s['tokens_per_s']:6.1f} tok/s  {s['num_steps']} steps ({ab.steps_line(s)}); "
               f"{acceptance(s)}; canary {s['canary_gflops']:.0f} GFLOP/s")
     print(f"  ngram / none: {b['ratio']:.3f}x (means); greedy tokens equal for {b['same_greedy']} "
           f"of {b['num_requests']} requests")
     if "single" in res:
         s = res["single"]
         print(f"one request at a time ({s['num_requests']} requests), ABBA:")
-        for method, i in (("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1)):
-            r = s["runs"][method][i]
+        for method, r in ab.in_abba_order(s, *MODES):
             print(f"  {method:5s}  {r['tokens_per_s']:6.1f} tok/s; {acceptance(r)}")
         print(f"  ngram / none: {s['ratio']:.3f}x (means); greedy tokens equal for {s['same_greedy']} "
               f"of {s['num_requests']} requests")
