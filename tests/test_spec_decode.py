@@ -6,6 +6,8 @@ import random
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from config.settings import Settings, load_settings
 from worker.engine.block_manager import BlockManager
@@ -14,6 +16,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import NgramProposer, accept, can_speculate, find_last
 from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
+from tests.test_scheduler import FakeKV, check
 
 NGRAM = {"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
@@ -247,3 +250,80 @@ def test_preemption_with_drafts_keeps_the_tokens(model_runner, prompts, hf_outpu
     assert engine.stats().num_preemptions > 0
     for i in range(6):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i], f"prompt {i}"
+
+
+# ---- the scheduler and acceptance under random traffic, against a fake model ---------------------
+
+
+def fake_model(tokens: list[int]) -> int:
+    """A deterministic "greedy model": mostly repeats its text with period 3 (drafts often right),
+    sometimes breaks the pattern (drafts then wrong)."""
+    if len(tokens) % 7 == 0 or len(tokens) < 3:
+        return len(tokens) % 5
+    return tokens[-3]
+
+
+def spec_step(sched: Scheduler, kv, outputs: dict) -> None:
+    """One engine step as LLMEngine does it: compute every row (K/V of each row's own prefix, drafts
+    included), take each row's "argmax" from fake_model, accept, move the counter, retire at max_tokens."""
+    out = sched.schedule()
+    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    for chunk in out.scheduled:
+        s, drafts = chunk.seq, chunk.spec_token_ids
+        known = s.token_ids + drafts
+        start = s.num_computed_tokens
+        assert len(s.block_table) * sched.block_manager.block_size >= start + chunk.num_new_tokens
+        for pos in range(start, start + chunk.num_new_tokens):
+            kv.slots[kv.slot(s, pos)] = tuple(known[:pos + 1])
+        new_tokens = []
+        if chunk.samples:
+            first_row = s.num_tokens - 1  # the last known token's row, then one per draft
+            rows = range(first_row, first_row + 1 + len(drafts))
+            new_tokens = accept(drafts, [fake_model(known[:p + 1]) for p in rows])
+        s.num_computed_tokens += chunk.num_new_tokens - len(drafts) + max(0, len(new_tokens) - 1)
+        sched.block_manager.cache_computed_blocks(s)
+        for token in new_tokens:
+            s.output_token_ids.append(token)
+            outputs.setdefault(s.request_id, []).append(token)
+            if s.num_output_tokens >= s.sampling.max_tokens:
+                sched.remove(s)
+                s.finish("length")
+                break
+
+
+def run_traffic(reqs, num_blocks: int, budget: int, max_seqs: int, policy: str, proposer) -> dict:
+    bm = BlockManager(num_blocks, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_seqs, budget, policy, proposer=proposer)
+    kv, outputs = FakeKV(4), {}
+    pending = sorted((t, i, plen, m, pr) for i, (plen, m, pr, t) in enumerate(reqs))
+    for step in range(5000):
+        while pending and pending[0][0] <= step:
+            _, i, plen, m, pr = pending.pop(0)
+            s = Sequence(f"r{i}", [(i + j) % 3 for j in range(plen)], greedy(m), priority=pr,
+                         arrival_time=float(step))
+            if sched.blocks_to_finish(s) <= num_blocks:
+                sched.add(s)
+        spec_step(sched, kv, outputs)
+        check(sched)
+        kv.check(sched.running)  # every computed position holds its own prefix: no rejected draft counted
+        if not pending and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+    assert bm.num_free_blocks == num_blocks
+    return outputs
+
+
+traffic = st.lists(  # (prompt length, max_tokens, priority, arrival step)
+    st.tuples(st.integers(1, 30), st.integers(1, 24), st.integers(0, 2), st.integers(0, 15)),
+    min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reqs=traffic, num_blocks=st.integers(12, 40), budget=st.sampled_from([8, 24, 100]),
+       max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]),
+       k=st.integers(1, 5), min_n=st.integers(1, 2))
+def test_random_traffic_with_drafts_gives_the_tokens_without_them(reqs, num_blocks, budget, max_seqs, policy,
+                                                                  k, min_n):
+    plain = run_traffic(reqs, num_blocks, budget, max_seqs, policy, None)
+    drafted = run_traffic(reqs, num_blocks, budget, max_seqs, policy, NgramProposer(k, 3, min_n))
+    assert drafted == plain
