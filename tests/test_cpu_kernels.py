@@ -297,6 +297,36 @@ def test_failed_build_falls_back_to_torch(fresh_build, monkeypatch):
     assert not list((fresh_build / "kernels").glob("*")), "a failed build left a file behind"
 
 
+def test_build_past_its_time_is_killed_and_falls_back_to_torch(fresh_build, monkeypatch):
+    """A compiler that hangs (or a machine where the build takes minutes) must not hang the
+    worker's start or raise from it: past BUILD_TIMEOUT_S the compiles are killed, the PyTorch
+    path is used, and nothing is left in the cache folder."""
+    hang = fresh_build / "hang-cc"
+    hang.write_text("#!/bin/sh\nexec sleep 60\n")
+    hang.chmod(0o755)
+    monkeypatch.setenv("CC", str(hang))
+    monkeypatch.setattr(cpu, "BUILD_TIMEOUT_S", 0.5)
+    assert not cpu.available()
+    assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
+    assert [p.name for p in (fresh_build / "kernels").iterdir()] == []
+
+
+def test_the_package_ships_every_source_and_header_the_build_reads():
+    """A wheel (not only this checkout) must hold the C sources and headers: kernels/cpu.py
+    compiles them on the user's machine."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    for path in cpu.SOURCES + cpu.HEADERS:
+        name = path.relative_to(Path(cpu.__file__).parent).as_posix()
+        assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not in the package data {globs}"
+    on_disk = {p.name for p in cpu.CSRC.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == {p.name for p in cpu.SOURCES + cpu.HEADERS}, "a C file the build does not list"
+
+
 def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
     """bench/decode_attention.py on a tiny step (a smoke test: it must check results, never time them)."""
     from bench import decode_attention

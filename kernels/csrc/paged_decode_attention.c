@@ -51,12 +51,7 @@
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
  * the shape is not one it takes (kernels/cpu.py supports(): head_dim a multiple of 16 up to 256).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "vec.h"
+#include "attention.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -67,372 +62,35 @@
 
 #define MAX_SCORES 16384 /* floats of one block's scores, on the stack */
 
-typedef struct {
-    const float *q;
-    const void *k_cache, *v_cache; /* fp32, or fp16 when kv_half */
-    const int32_t *block_tables, *context_lens;
-    float *out;
-    int64_t q_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-    float scale;
-    int kv_half;
-} decode_args;
-
-/* K/V elements are floats or halves: `half` is a constant in each compiled variant of the loops
- * (attend_blocks), so the loads below compile to plain vector loads or to widening ones. */
-INLINE const char *kv_at(const void *p, int64_t elems, const int half) {
-    return (const char *)p + elems * (half ? 2 : 4);
-}
-
-INLINE vf load_kv(const char *p, int64_t i, const int half) {
-#if HAVE_F16
-    if (half) return load_h((const uint16_t *)p + i);
-#endif
-    return load((const float *)p + i);
-}
-
-/* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
-INLINE void prefetch_rows(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
-}
-
-INLINE const char *block_rows(const decode_args *a, const void *cache, const int32_t *table, int64_t b,
-                              const int half) {
-    return kv_at(cache, (int64_t)table[b] * a->block_size * a->num_kv_heads * a->head_dim, half);
-}
-
-/* k * q and acc + k * q (one rounding, as the contracted acc += q * k of chunk_scores) with q a
- * float broadcast to every lane. With AVX-512 the broadcast is the instruction's memory operand:
- * GCC would rather load k there (once per head) and broadcast q apart, one more instruction per
- * FMA on the same pipes (tile_scores at ~60% of the FMA rate). */
-#if defined(__AVX512F__) && VEC == 16
-INLINE vf mul_bcast(vf k, const float *q) {
-    vf r;
-    __asm__("vmulps %2%{1to16%}, %1, %0" : "=v"(r) : "v"(k), "m"(*q));
-    return r;
-}
-INLINE vf fma_bcast(vf acc, vf k, const float *q) {
-    __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
-    return acc;
-}
-#else
-INLINE vf mul_bcast(vf k, const float *q) { return splat(*q) * k; }
-INLINE vf fma_bcast(vf acc, vf k, const float *q) { return acc + splat(*q) * k; }
-#endif
-
-/* Each head's run of one block's scores, padded to whole vectors. */
-INLINE int64_t score_stride(int64_t block_size) { return (block_size + VEC - 1) / VEC * VEC; }
-
-/* Query heads go through a block G at a time with their q rows (scores) or their output rows
- * (values) held in registers: G * D / VEC vectors, at most 16 of the 32 AVX-512 registers. */
-#define REG_VECTORS 16
-#define MAX_G 4
-#define MAX_DV 16 /* head_dim <= 256 */
-
-/* q . k as 16 lanes of partial sums (their hsum is the dot product), lane j over dims j, j + 16, ...
- * in a fixed order: the product of the second vector, then the first added in by an FMA, then
- * the others (what GCC 12 made of `acc = q0 k0; acc += q_i k_i`, so the bits did not change when
- * this became explicit); score_chain adds the same terms in the same order. */
-INLINE vf dot_lanes(const vf *q, const vf *k, const int64_t d) {
-    if (d / VEC == 1) return q[0] * k[0];
-    vf acc = fma16(q[1] * k[1], q[0], k[0]);
-    _Pragma("GCC unroll 16") for (int64_t i = 2; i < d / VEC; i++) acc = fma16(acc, q[i], k[i]);
-    return acc;
-}
-
-/* s[g * ss + t] = scale * q_g . k_t for G query heads sharing the KV head whose rows start at k. */
-INLINE void chunk_scores(const float *q, const char *k, int64_t n, int64_t row, float *s, int64_t ss,
-                         float scale, const char *pk, const char *pv, const int half, const int G,
-                         const int64_t d) {
-    int64_t row_bytes = row * (half ? 2 : 4);
-    vf qr[MAX_G][MAX_DV];
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) qr[g][i] = load(q + g * d + i * VEC);
-    for (int64_t t = 0; t < n; t++, k += row_bytes) {
-        if (pk) { /* the next block, a row of K and V per token: spread, not a burst */
-            prefetch_rows(pk + t * row_bytes, row_bytes);
-            prefetch_rows(pv + t * row_bytes, row_bytes);
-        }
-        vf kr[MAX_DV];
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) kr[i] = load_kv(k, i * VEC, half);
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
-            s[g * ss + t] = hsum(dot_lanes(qr[g], kr, d)) * scale;
-        }
-    }
-}
-
-/* out_g = out_g * corr_g + sum_t p_g[t] v_t for G query heads sharing the KV head at v. */
-INLINE void chunk_values(float *out, const char *v, int64_t n, int64_t row, const float *p, int64_t ss,
-                         const float *corr, const int half, const int G, const int64_t d) {
-    int64_t row_bytes = row * (half ? 2 : 4);
-    vf acc[MAX_G][MAX_DV];
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) acc[g][i] = load(out + g * d + i * VEC) * corr[g];
-    for (int64_t t = 0; t < n; t++, v += row_bytes) {
-        vf vr[MAX_DV];
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) vr[i] = load_kv(v, i * VEC, half);
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
-            vf w = splat(p[g * ss + t]);
-            _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) acc[g][i] += w * vr[i];
-        }
-    }
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        _Pragma("GCC unroll 16") for (int64_t i = 0; i < d / VEC; i++) store(out + g * d + i * VEC, acc[g][i]);
-}
-
-/* The largest lane (padding lanes hold -inf). */
-INLINE float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < VEC; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
-/* Online softmax over one block for one head: p = exp(s - m_new) in place (padding lanes past n
- * get 0); returns the factor that rescales what was accumulated under the old max. */
-INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
-    for (int64_t t = n; t < score_stride(n); t++) s[t] = -INFINITY;
-    vf vmax = load(s);
-    for (int64_t t = VEC; t < n; t += VEC) {
-        vf x = load(s + t);
-        vmax = vselect(x > vmax, x, vmax);
-    }
-    float block_max = hmax(vmax);
-    float m_new = block_max > *m ? block_max : *m;
-    /* the running max rarely moves after the first blocks: then nothing needs rescaling */
-    float corr = m_new == *m ? 1.0f : (*m == -INFINITY ? 0.0f : expf(*m - m_new));
-    vf sum = splat(0.0f);
-    for (int64_t t = 0; t < n; t += VEC) {
-        vf p = vexp(load(s + t) - m_new);
-        store(s + t, p);
-        sum += p;
-    }
-    *l = *l * corr + hsum(sum);
-    *m = m_new;
-    return corr;
-}
-
-/* Calls fn(..., G, d) for query heads [h, h + G) of every KV head, G constant (unrolled). */
-#define FOR_HEAD_CHUNKS(fn, group, kv_heads, d, h, j, ...)                                     \
-    for (int64_t j = 0; j < (kv_heads); j++)                                                    \
-        for (int64_t h = j * (group), h_end = h + (group); h < h_end;) {                        \
-            int64_t left = h_end - h, max_g = REG_VECTORS / ((d) / VEC);                        \
-            int64_t g = left < max_g ? left : max_g;                                           \
-            switch (g) {                                                                       \
-                case 1: fn(__VA_ARGS__, 1, d); break;                                          \
-                case 2: fn(__VA_ARGS__, 2, d); break;                                          \
-                case 3: fn(__VA_ARGS__, 3, d); break;                                          \
-                default: g = 4; fn(__VA_ARGS__, 4, d);                                         \
-            }                                                                                  \
-            h += g;                                                                            \
-        }
-
-/* Block b's K and V rows (k, v) in a pass over blocks [b0, b_end): the first block's `used`
- * bytes are requested at once; the next block's rows (pk, pv; NULL after the last) are for the
- * loops over this one to request, a token's rows at a time. Every block but the last is full,
- * so the whole next block can be (rows past a short last block are still its memory). */
-INLINE void block_kv(const decode_args *a, const int32_t *table, int64_t b, int64_t b0, int64_t b_end,
-                     int64_t used, const char **k, const char **v, const char **pk, const char **pv,
-                     const int half) {
-    *k = block_rows(a, a->k_cache, table, b, half);
-    *v = block_rows(a, a->v_cache, table, b, half);
-    if (b == b0) {
-        prefetch_rows(*k, used);
-        prefetch_rows(*v, used);
-    }
-    *pk = b + 1 < b_end ? block_rows(a, a->k_cache, table, b + 1, half) : NULL;
-    *pv = b + 1 < b_end ? block_rows(a, a->v_cache, table, b + 1, half) : NULL;
-}
-
-/* Attention of row `r` (its context_lens entry, its q row) over blocks [b0, b1) of `table`:
- * out_h = sum_t p_h[t] v_t with p_h the softmax numerators exp(s - m_h); also returns m_h and
- * l_h = sum_t p_h[t] per head. */
-INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *table, int64_t b0, int64_t b1,
-                            float *out, float *m, float *l, const int64_t d, const int half) {
-    int64_t heads = a->num_heads, kv_heads = a->num_kv_heads, group = heads / kv_heads;
-    int64_t bs = a->block_size, ss = score_stride(bs), ctx = a->context_lens[r], row = kv_heads * d;
-    int64_t row_bytes = row * (half ? 2 : 4);
-    const float *q = a->q + r * a->q_stride;
-    float s[heads * ss] __attribute__((aligned(64))), corr[heads];
-    memset(out, 0, sizeof(float) * heads * d);
-    for (int64_t h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
-        const char *k, *v, *pk, *pv;
-        block_kv(a, table, b, b0, b1, n * row_bytes, &k, &v, &pk, &pv, half);
-        FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
-                        q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, h == 0 ? pk : NULL, pv,
-                        half)
-        for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &m[h], &l[h]);
-        FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
-                        out + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, half)
-    }
-}
-
-/* ---- prompt rows: a tile of one sequence's rows per block ----------------------------------------
- *
- * Rows of one sequence (a prompt chunk) share their K/V: a work item takes up to TILE_ROWS of
- * them and goes through the blocks once, each block's K and V used by every row of the tile
- * while in L1 (one row at a time, they come from L2 or L3 once per row). And scores come from
- * the block's K transposed (kt: [kv head][16-token chunk][dim][16 tokens]), 16 tokens' scores
- * a vector, no sum across lanes per score: a lane's sum over the head's dims is accumulated in
- * the order chunk_scores' lanes and hsum's tree add them (dims j + 16, j, j + 32, ... in one
- * chain per j; the chains added as halves, quarters, ...), so a prompt row's scores, and
- * everything after, have the same bits as a decode's. Scores alone (data in L1): ~2x the rate
- * of chunk_scores; a whole prompt's attention 1.1-1.27x (softmax and values are the same code). */
-
-#define TILE_ROWS 16
-
-/* o[g] = the chain chunk_scores' lane j computes: sum over i of q_g[16 i + j] k[16 i + j]. */
-INLINE void score_chain(vf *o, const float *q, const float *kt, int j, const int G, const int64_t d) {
-    vf k = load(kt + j * VEC);
-    if (d / VEC == 1) {
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) o[g] = mul_bcast(k, q + g * d + j);
-        return;
-    }
-    vf k1 = load(kt + (VEC + j) * VEC); /* dot_lanes' order: dims j + 16, j, j + 32, ... */
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        o[g] = fma_bcast(mul_bcast(k1, q + g * d + VEC + j), k, q + g * d + j);
-    _Pragma("GCC unroll 16") for (int64_t i = 2; i < d / VEC; i++) {
-        k = load(kt + (i * VEC + j) * VEC);
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) o[g] = fma_bcast(o[g], k, q + g * d + i * VEC + j);
-    }
-}
-
-/* hsum's tree over the chains: (j + 8), then (j + 4), then (0 + 2) + (1 + 3). */
-INLINE void score_pair8(vf *o, const float *q, const float *kt, int j, const int G, const int64_t d) {
-    vf x[MAX_G], y[MAX_G];
-    score_chain(x, q, kt, j, G, d);
-    score_chain(y, q, kt, j + 8, G, d);
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) o[g] = x[g] + y[g];
-}
-
-INLINE void score_pair4(vf *o, const float *q, const float *kt, int j, const int G, const int64_t d) {
-    vf x[MAX_G], y[MAX_G];
-    score_pair8(x, q, kt, j, G, d);
-    score_pair8(y, q, kt, j + 4, G, d);
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) o[g] = x[g] + y[g];
-}
-
-INLINE void score_pair2(vf *o, const float *q, const float *kt, int j, const int G, const int64_t d) {
-    vf x[MAX_G], y[MAX_G];
-    score_pair4(x, q, kt, j, G, d);
-    score_pair4(y, q, kt, j + 2, G, d);
-    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) o[g] = x[g] + y[g];
-}
-
-/* s[g * ss + t] = scale * q_g . k_t for G query heads over one block's n tokens, from the KV
- * head's transposed K (kt), 16 tokens a vector. */
-INLINE void tile_scores(const float *q, const float *kt, int64_t n, float *s, int64_t ss, float scale, const int G,
-                        const int64_t d) {
-    for (int64_t t0 = 0; t0 < n; t0 += VEC, kt += d * VEC) {
-        /* q's broadcasts stay loads inside the loop (FMA operands): hoisted, GCC keeps G * d of
-         * them live across the loops around, far more than 32 registers (spilled: ~1.5x slower). */
-        __asm__("" : "+r"(q));
-        vf x[MAX_G], y[MAX_G];
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12 /* hsum adds the lanes in order */
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) x[g] = splat(0.0f);
-        for (int j = 0; j < VEC; j++) {
-            score_chain(y, q, kt, j, G, d);
-            _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) x[g] += y[g];
-        }
-#else
-        score_pair2(x, q, kt, 0, G, d);
-        score_pair2(y, q, kt, 1, G, d);
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) x[g] = x[g] + y[g];
-#endif
-        _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) store(s + g * ss + t0, x[g] * scale);
-    }
-}
-
-/* kt = the block's first n tokens of K, per KV head transposed (tokens past n: 0); meanwhile the
- * next block's rows (pk, pv; NULL if none) are requested, a token's rows at a time. */
-INLINE void transpose_block(float *kt, const char *k, int64_t n, int64_t row_bytes, int64_t kv_heads,
-                            int64_t chunks, const char *pk, const char *pv, int64_t bs, const int64_t d,
-                            const int half) {
-    for (int64_t j = 0; j < kv_heads; j++)
-        for (int64_t c = 0; c < chunks; c++)
-            for (int64_t i = 0; i < d / VEC; i++) {
-                vf x[VEC];
-                for (int t = 0; t < VEC; t++) {
-                    int64_t token = c * VEC + t;
-                    x[t] = token < n ? load_kv(k + token * row_bytes, j * d + i * VEC, half) : splat(0.0f);
-                    if (pk && j == 0 && i == 0 && token < bs) {
-                        prefetch_rows(pk + token * row_bytes, row_bytes);
-                        prefetch_rows(pv + token * row_bytes, row_bytes);
-                    }
-                }
-                transpose16(x);
-                float *dst = kt + ((j * chunks + c) * d + i * VEC) * VEC;
-                for (int dd = 0; dd < VEC; dd++) store(dst + dd * VEC, x[dd]);
-            }
-}
-
-/* Where each row of a tile accumulates: acc [heads, d], m [heads], l [heads]; acc NULL if the
- * row has no tokens in this item's part. */
-typedef struct {
-    float *acc, *m, *l;
-    int64_t ctx, b1;
-} tile_row;
-
-/* Rows r0 .. r0 + nr - 1 of sequence `table` over blocks [b0, ...): row i up to its own b1. */
-INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const int32_t *table, int64_t b0,
-                          tile_row *rows, float *kt, const int64_t d, const int half) {
-    int64_t heads = a->num_heads, kv_heads = a->num_kv_heads, group = heads / kv_heads;
-    int64_t bs = a->block_size, ss = score_stride(bs), chunks = ss / VEC, row = kv_heads * d;
-    int64_t row_bytes = row * (half ? 2 : 4), b_end = b0, ctx_max = 0;
-    float s[heads * ss] __attribute__((aligned(64))), corr[heads];
-    for (int64_t i = 0; i < nr; i++)
-        if (rows[i].acc) {
-            b_end = rows[i].b1 > b_end ? rows[i].b1 : b_end;
-            ctx_max = rows[i].ctx > ctx_max ? rows[i].ctx : ctx_max;
-        }
-    for (int64_t b = b0; b < b_end; b++) {
-        int64_t n_block = ctx_max - b * bs < bs ? ctx_max - b * bs : bs;
-        const char *k, *v, *pk, *pv;
-        block_kv(a, table, b, b0, b_end, n_block * row_bytes, &k, &v, &pk, &pv, half);
-        transpose_block(kt, k, n_block, row_bytes, kv_heads, chunks, pk, pv, bs, d, half);
-        for (int64_t i = 0; i < nr; i++) {
-            tile_row *tr = &rows[i];
-            if (!tr->acc || b >= tr->b1) continue;
-            int64_t n = tr->ctx - b * bs < bs ? tr->ctx - b * bs : bs;
-            const float *q = a->q + (r0 + i) * a->q_stride;
-            FOR_HEAD_CHUNKS(tile_scores, group, kv_heads, d, h, j,
-                            q + h * d, kt + j * chunks * d * VEC, n, s + h * ss, ss, a->scale)
-            for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &tr->m[h], &tr->l[h]);
-            FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
-                            tr->acc + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, half)
-        }
-    }
-}
-
 /* One function per element type (each with its head sizes as constants, so the inner loops unroll
  * completely): kept apart, the fp32 one compiles as before the fp16 variant existed (one function
- * holding both ran ~3% slower over fp32, its code twice the size). */
-#define HEAD_SIZES(fn, half, ...)                                                           \
+ * holding both ran ~3% slower over fp32, its code twice the size). Other head sizes go to the
+ * rolled loops of attention_any_head_dim.c. */
+#define HEAD_SIZES(fn, any, half, ...)                                                      \
     switch (a->head_dim) {                                                                   \
         case 64: fn(__VA_ARGS__, 64, half); break;                                           \
         case 128: fn(__VA_ARGS__, 128, half); break;                                         \
-        default: fn(__VA_ARGS__, a->head_dim, half);                                         \
+        default: any(__VA_ARGS__);                                                           \
     }
 
 #define BLOCKS_ARGS a, r, table, b0, b1, out, m, l
-#define BLOCKS_PARAMS                                                                               \
-    const decode_args *a, int64_t r, const int32_t *table, int64_t b0, int64_t b1, float *out, float *m, \
-        float *l
 #define TILE_ARGS a, r0, nr, table, b0, rows, kt
-#define TILE_PARAMS \
-    const decode_args *a, int64_t r0, int64_t nr, const int32_t *table, int64_t b0, tile_row *rows, float *kt
 
-__attribute__((noinline)) static void attend_blocks_f32(BLOCKS_PARAMS) { HEAD_SIZES(attend_blocks_d, 0, BLOCKS_ARGS) }
-__attribute__((noinline)) static void attend_tile_f32(TILE_PARAMS) { HEAD_SIZES(attend_tile_d, 0, TILE_ARGS) }
+__attribute__((noinline)) static void attend_blocks_f32(BLOCKS_PARAMS) {
+    HEAD_SIZES(attend_blocks_d, attend_blocks_any_f32, 0, BLOCKS_ARGS)
+}
+__attribute__((noinline)) static void attend_tile_f32(TILE_PARAMS) {
+    HEAD_SIZES(attend_tile_d, attend_tile_any_f32, 0, TILE_ARGS)
+}
 /* Without HAVE_F16 the fp16 ones are empty: the entry point refuses kv_half then. */
 __attribute__((noinline)) static void attend_blocks_f16(BLOCKS_PARAMS) {
 #if HAVE_F16
-    HEAD_SIZES(attend_blocks_d, 1, BLOCKS_ARGS)
+    HEAD_SIZES(attend_blocks_d, attend_blocks_any_f16, 1, BLOCKS_ARGS)
 #endif
 }
 __attribute__((noinline)) static void attend_tile_f16(TILE_PARAMS) {
 #if HAVE_F16
-    HEAD_SIZES(attend_tile_d, 1, TILE_ARGS)
+    HEAD_SIZES(attend_tile_d, attend_tile_any_f16, 1, TILE_ARGS)
 #endif
 }
 #undef HEAD_SIZES
