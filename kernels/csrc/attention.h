@@ -155,7 +155,7 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
     vf vmax = load(s);
     for (int64_t t = VEC; t < n; t += VEC) {
         vf x = load(s + t);
-        vmax = vselect(x > vmax, x, vmax);
+        vmax = vselect(vgt(x, vmax), x, vmax);
     }
     float block_max = hmax(vmax);
     float m_new = block_max > *m ? block_max : *m;
