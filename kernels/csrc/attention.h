@@ -37,6 +37,13 @@ INLINE vf load_kv(const char *p, int64_t i, const int half) {
     return load((const float *)p + i);
 }
 
+INLINE vn load_kv_n(const char *p, int64_t i, const int half) {
+#if HAVE_F16
+    if (half) return load_n_h((const uint16_t *)p + i);
+#endif
+    return load_n((const float *)p + i);
+}
+
 /* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
 INLINE void prefetch_rows(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
@@ -122,23 +129,24 @@ INLINE void chunk_scores(const float *q, const char *k, int64_t n, int64_t row, 
     }
 }
 
-/* out_g = out_g * corr_g + sum_t p_g[t] v_t for G query heads sharing the KV head at v. */
+/* out_g = out_g * corr_g + sum_t p_g[t] v_t for G query heads sharing the KV head at v. Lane by
+ * lane, in the machine's own vectors (vn: NVEC floats). */
 INLINE void chunk_values(float *out, const char *v, int64_t n, int64_t row, const float *p, int64_t ss,
                          const float *corr, const int half, const int G, const int64_t d) {
     int64_t row_bytes = row * (half ? 2 : 4);
-    vf acc[MAX_G][MAX_DV];
+    vn acc[MAX_G][MAX_DV * VEC / NVEC];
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        UNROLL_D for (int64_t i = 0; i < d / VEC; i++) acc[g][i] = load(out + g * d + i * VEC) * corr[g];
+        UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) acc[g][i] = load_n(out + g * d + i * NVEC) * corr[g];
     for (int64_t t = 0; t < n; t++, v += row_bytes) {
-        vf vr[MAX_DV];
-        UNROLL_D for (int64_t i = 0; i < d / VEC; i++) vr[i] = load_kv(v, i * VEC, half);
+        vn vr[MAX_DV * VEC / NVEC];
+        UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) vr[i] = load_kv_n(v, i * NVEC, half);
         _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
-            vf w = splat(p[g * ss + t]);
-            UNROLL_D for (int64_t i = 0; i < d / VEC; i++) acc[g][i] += w * vr[i];
+            vn w = splat_n(p[g * ss + t]);
+            UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) acc[g][i] += w * vr[i];
         }
     }
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
-        UNROLL_D for (int64_t i = 0; i < d / VEC; i++) store(out + g * d + i * VEC, acc[g][i]);
+        UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) store_n(out + g * d + i * NVEC, acc[g][i]);
 }
 
 /* The largest lane (padding lanes hold -inf). */
@@ -311,20 +319,21 @@ INLINE void transpose_block(float *kt, const char *k, int64_t n, int64_t row_byt
                             const int half) {
     for (int64_t j = 0; j < kv_heads; j++)
         for (int64_t c = 0; c < chunks; c++)
-            for (int64_t i = 0; i < d / VEC; i++) {
-                vf x[VEC];
-                for (int t = 0; t < VEC; t++) {
-                    int64_t token = c * VEC + t;
-                    x[t] = token < n ? load_kv(k + token * row_bytes, j * d + i * VEC, half) : splat(0.0f);
-                    if (pk && j == 0 && i == 0 && token < bs) {
-                        prefetch_rows(pk + token * row_bytes, row_bytes);
-                        prefetch_rows(pv + token * row_bytes, row_bytes);
+            for (int64_t i = 0; i < d / NVEC; i++)
+                for (int64_t t0 = 0; t0 < VEC; t0 += NVEC) { /* the chunk's tokens, NVEC at a time */
+                    vn x[NVEC];
+                    for (int t = 0; t < NVEC; t++) {
+                        int64_t token = c * VEC + t0 + t;
+                        x[t] = token < n ? load_kv_n(k + token * row_bytes, j * d + i * NVEC, half) : splat_n(0.0f);
+                        if (pk && j == 0 && i == 0 && token < bs) {
+                            prefetch_rows(pk + token * row_bytes, row_bytes);
+                            prefetch_rows(pv + token * row_bytes, row_bytes);
+                        }
                     }
+                    transpose_n(x);
+                    float *dst = kt + (j * chunks + c) * d * VEC + i * NVEC * VEC + t0;
+                    for (int dd = 0; dd < NVEC; dd++) store_n(dst + dd * VEC, x[dd]);
                 }
-                transpose16(x);
-                float *dst = kt + ((j * chunks + c) * d + i * VEC) * VEC;
-                for (int dd = 0; dd < VEC; dd++) store(dst + dd * VEC, x[dd]);
-            }
 }
 
 /* Where each row of a tile accumulates: acc [heads, d], m [heads], l [heads]; acc NULL if the

@@ -97,6 +97,35 @@ INLINE void store_h(uint16_t *p, vf v) { vh h = __builtin_convertvector(v, vh); 
 #define HAVE_F16 0
 #endif
 
+/* The machine's own vector, for loops whose every lane is computed on its own (so their bits do
+ * not depend on the width): 16 floats with AVX-512, 8 with AVX2. GCC keeps an array of 16-float
+ * vectors that a loop updates in memory where the machine has no such register, moving each
+ * through general registers in 8-byte pieces (chunk_values on a Zen 3: ~50 moves per 8 FMAs). */
+#if defined(__AVX512F__) || !defined(__AVX2__)
+#define NVEC VEC
+typedef vf vn;
+INLINE vn load_n(const float *p) { return load(p); }
+INLINE vn splat_n(float x) { return splat(x); }
+#define load_n_h load_h
+#else
+#define NVEC 8
+typedef float vn __attribute__((vector_size(NVEC * sizeof(float))));
+INLINE vn load_n(const float *p) { vn v; memcpy(&v, p, sizeof v); return v; }
+INLINE vn splat_n(float x) { return (vn){x, x, x, x, x, x, x, x}; }
+#if defined(__F16C__)
+INLINE vn load_n_h(const uint16_t *p) {
+    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    vn v;
+    memcpy(&v, &x, sizeof v);
+    return v;
+}
+#elif HAVE_F16
+typedef _Float16 vnh __attribute__((vector_size(NVEC * sizeof(_Float16))));
+INLINE vn load_n_h(const uint16_t *p) { vnh h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vn); }
+#endif
+#endif
+INLINE void store_n(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
 /* The sum of the lanes: halves added to each other, log2(16) times. */
 INLINE float hsum(vf v) {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
@@ -113,27 +142,29 @@ INLINE float hsum(vf v) {
 #endif
 }
 
-/* One round of transpose16: in every 2m x 2m block of the matrix (x[i] its rows), the two
+/* One round of transpose_n: in every 2m x 2m block of the matrix (x[i] its rows), the two
  * off-diagonal m x m blocks change places; `lo` and `hi` pick the lanes of the new x[i] and
- * x[i + m] from the old pair (shuffle indices: 16 and up are the second vector's lanes). */
+ * x[i + m] from the old pair (shuffle indices: NVEC and up are the second vector's lanes). */
 #define UNPAREN(...) __VA_ARGS__
 #define SWAP_BLOCKS(m, lo, hi)                                                   \
-    for (int i = 0; i < VEC; i++)                                                \
+    for (int i = 0; i < NVEC; i++)                                               \
         if (!(i & (m))) {                                                        \
-            vf a = x[i], b = x[i | (m)];                                         \
+            vn a = x[i], b = x[i | (m)];                                         \
             x[i] = __builtin_shufflevector(a, b, UNPAREN lo);                    \
             x[i | (m)] = __builtin_shufflevector(a, b, UNPAREN hi);              \
         }
 
-/* Transposes 16 vectors in place (lane j of x[i] goes to lane i of x[j]): four rounds that swap
- * the off-diagonal blocks of 8, 4, 2 and 1 lanes, 64 shuffles. */
-INLINE void transpose16(vf x[VEC]) {
+/* Transposes NVEC vectors of the machine's width in place (lane j of x[i] goes to lane i of
+ * x[j]): rounds that swap the off-diagonal blocks of NVEC / 2, ..., 2 and 1 lanes (16 lanes: 64
+ * shuffles). Written for 16-float vectors alone, AVX2 had GCC move every lane on its own: 512
+ * scalar moves a transpose. */
+INLINE void transpose_n(vn x[NVEC]) {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12 /* no __builtin_shufflevector */
-    vf y[VEC];
-    for (int i = 0; i < VEC; i++)
-        for (int j = 0; j < VEC; j++) y[j][i] = x[i][j];
+    vn y[NVEC];
+    for (int i = 0; i < NVEC; i++)
+        for (int j = 0; j < NVEC; j++) y[j][i] = x[i][j];
     memcpy(x, y, sizeof y);
-#else
+#elif NVEC == 16
     SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
                 (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
     SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
@@ -142,6 +173,10 @@ INLINE void transpose16(vf x[VEC]) {
                 (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
     SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
                 (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#else
+    SWAP_BLOCKS(4, (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    SWAP_BLOCKS(2, (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+    SWAP_BLOCKS(1, (0, 8, 2, 10, 4, 12, 6, 14), (1, 9, 3, 11, 5, 13, 7, 15))
 #endif
 }
 #undef SWAP_BLOCKS
