@@ -8,8 +8,10 @@ The cache holds NaN wherever no token was written and block tables carry out-of-
 from __future__ import annotations
 
 import os
+import platform
 import random
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -309,6 +311,22 @@ def test_build_past_its_time_is_killed_and_falls_back_to_torch(fresh_build, monk
     assert not cpu.available()
     assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
     assert [p.name for p in (fresh_build / "kernels").iterdir()] == []
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"),
+                    reason="cross-compiles for x86 targets with the system compiler")
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_the_kernels_compile_for_avx2_and_avx512(tmp_path, march):
+    """The library is built for the machine it runs on (-march=native), and its vectors take
+    another path with AVX-512 (16 floats a register) than without (pairs of 8): CI's machine
+    tries one. This compiles every source for both kinds of x86 machine (not run), so a change
+    that breaks the other path fails here."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu.FLAGS]
+    for src in cpu.SOURCES:
+        out = tmp_path / (src.stem + ".o")
+        done = subprocess.run(["cc", *flags, "-I", str(cpu.CSRC), "-c", str(src), "-o", str(out)],
+                              capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
+        assert done.returncode == 0, f"{src.name} for {march}: {done.stderr[-2000:]}"
 
 
 def test_the_package_ships_every_source_and_header_the_build_reads():
