@@ -78,8 +78,8 @@ INLINE int64_t score_stride(int64_t block_size) { return (block_size + VEC - 1) 
 
 /* Query heads go through a block G at a time with their q rows (scores) or their output rows
  * (values) held in registers: G * D / VEC vectors, at most 16 of the 32 AVX-512 registers, or 8
- * (16 halves) of the 16 AVX2 ones. On a Zen 3 (AVX2) 8 and 16 ran the same (SmolLM2's decode
- * attention 1% faster, its prompt tiles 3% slower: both spill) and 8 builds in 2/3 of the time. */
+ * (16 halves) of the 16 AVX2 ones. On a Zen 3 (AVX2) 8 and 16 ran within the noise (ABBA of two
+ * builds, +-7%) and 8 builds in 2/3 of the time; 4 was slower (--hot: 18.5 vs 15.4 ms). */
 #if defined(__AVX512F__)
 #define REG_VECTORS 16
 #else
