@@ -7,11 +7,14 @@ The cache holds NaN wherever no token was written and block tables carry out-of-
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import platform
 import random
 import shutil
 import subprocess
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,10 +335,6 @@ def test_the_kernels_compile_for_avx2_and_avx512(tmp_path, march):
 def test_the_package_ships_every_source_and_header_the_build_reads():
     """A wheel (not only this checkout) must hold the C sources and headers: kernels/cpu.py
     compiles them on the user's machine."""
-    import fnmatch
-    import tomllib
-    from pathlib import Path
-
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
     for path in cpu.SOURCES + cpu.HEADERS:

@@ -12,6 +12,8 @@
 
 typedef float vf __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VEC * sizeof(int32_t))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float)))); /* half a vf: one AVX2 register */
+typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
 INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -28,8 +30,6 @@ INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (
 #define VCMP(name, op) \
     INLINE vi name(vf a, vf b) { return a op b; }
 #else
-typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
 #define VCMP(name, op)                                                                        \
     INLINE vi name(vf a, vf b) {                                                              \
         vi8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) op                     \
@@ -109,7 +109,7 @@ INLINE vn splat_n(float x) { return splat(x); }
 #define load_n_h load_h
 #else
 #define NVEC 8
-typedef float vn __attribute__((vector_size(NVEC * sizeof(float))));
+typedef vf8 vn;
 INLINE vn load_n(const float *p) { vn v; memcpy(&v, p, sizeof v); return v; }
 INLINE vn splat_n(float x) { return (vn){x, x, x, x, x, x, x, x}; }
 #if defined(__F16C__)
@@ -133,7 +133,6 @@ INLINE float hsum(vf v) {
     for (int i = 0; i < VEC; i++) s += v[i];
     return s;
 #else
-    typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
     typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
     vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
