@@ -84,10 +84,12 @@ class ModelSettings(BaseModel):
     # it takes prompt rows too, each over its own causal context), else PyTorch. `torch`
     # forces the plain-PyTorch path (kernels/reference.py; SDPA for prompts).
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
-    # Linear layers on the CPU in fp32: `auto` packs every weight once at load for oneDNN
-    # (models/linear.py; 1.4-2x faster at decode batch sizes, a second copy of the weights in
-    # memory), `torch` keeps F.linear (MKL, repacks the weight on every call).
-    cpu_linear: Literal["auto", "torch"] = "auto"
+    # Linear layers on the CPU in fp32 (models/linear.py). `c` and `onednn` pack every weight once
+    # at load (a second copy of the weights in memory) for the project's C GEMM (kernels/gemm.py;
+    # a row gets the same bits in any batch) or for oneDNN; both are 1.4-2x faster than `torch`
+    # (F.linear: MKL, which repacks the weight on every call) at decode batch sizes. `auto` is `c`
+    # on x86 with AVX2 but no AVX-512, where it was measured faster than oneDNN, else `onednn`.
+    cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
     # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store
     # on the CPU in fp32: `auto` runs them as compiled C kernels (kernels/fused.py, built with
     # the decode kernel; one pass each instead of several PyTorch ops), `torch` as PyTorch ops.

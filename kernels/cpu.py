@@ -1,6 +1,7 @@
 """Compiled CPU kernels: C sources in kernels/csrc/ (paged decode attention here, the fused
-elementwise ops of fused.py), built together into one library with the system C compiler on
-first use and cached, called through ctypes (which releases the GIL for the call).
+elementwise ops of fused.py, the linear layers' GEMM of gemm.py), built together into one
+library with the system C compiler on first use and cached, called through ctypes (which
+releases the GIL for the call).
 
 Why C and not PyTorch on the CPU: paged decode attention in PyTorch must first gather every
 sequence's K/V into a dense copy (reference.py) — at batch 32 that is ~450 MB written and read
@@ -35,7 +36,8 @@ from config.settings import cache_dir
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c", CSRC / "fused_ops.c")
+SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c", CSRC / "fused_ops.c",
+           CSRC / "gemm.c")
 HEADERS = (CSRC / "vec.h", CSRC / "attention.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
 # Seconds the whole build may take before the PyTorch path is used instead: far past the ~20 s
@@ -53,6 +55,8 @@ _FUNCTIONS = {
     "fused_add_rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64, _INT], None),
     "kv_half_supported": ([], _INT),
+    "gemm_panel_width": ([], _I64),
+    "gemm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], None),
     "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry or cu_seqlens_q is out of range",
@@ -136,11 +140,12 @@ def _build_key(compiler: str) -> str:
     for path in SOURCES + HEADERS:
         h.update(path.name.encode() + path.read_bytes())
     h.update(" ".join((compiler,) + FLAGS).encode())
-    h.update(platform.machine().encode() + _cpu_flags().encode())
+    h.update(platform.machine().encode() + cpu_flags().encode())
     return h.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags (/proc/cpuinfo's flags line: avx2, avx512f, ...; the platform elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

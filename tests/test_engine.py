@@ -107,26 +107,34 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
     assert off.stats().prefix_cache_hits == 0
 
 
-@pytest.mark.parametrize("setting", ["cpu_linear", "cpu_fused_ops", "attention_backend"])
-def test_the_plain_pytorch_paths_equal_hf_generate_too(model_runner, prompts, hf_outputs, setting):
-    """The default runner packs its linear weights for oneDNN (models/linear.py), runs norms,
-    SiLU and rope as C kernels (kernels/fused.py) and attention, prompt rows included, in the C
-    kernel (kernels/cpu.py); a runner with any of them on PyTorch instead (INFERLINE_MODEL__
-    CPU_LINEAR, CPU_FUSED_OPS or ATTENTION_BACKEND = torch) must give HF's greedy tokens too."""
+@pytest.mark.parametrize("setting, value", [("cpu_linear", "torch"), ("cpu_linear", "onednn"), ("cpu_linear", "c"),
+                                            ("cpu_fused_ops", "torch"), ("attention_backend", "torch")])
+def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs, setting, value):
+    """The default runner packs its linear weights for the C GEMM or oneDNN (models/linear.py:
+    `auto`), runs norms, SiLU and rope as C kernels (kernels/fused.py) and attention, prompt rows
+    included, in the C kernel (kernels/cpu.py); a runner with any other linear backend, or with
+    the others on PyTorch (INFERLINE_MODEL__CPU_FUSED_OPS or ATTENTION_BACKEND = torch), must give
+    HF's greedy tokens too."""
     from config.settings import Settings
-    from kernels import fused
+    from kernels import fused, gemm
     from worker.engine.model_runner import ModelRunner
-    from worker.engine.models.linear import Linear, onednn_available
+    from worker.engine.models.linear import Linear, choose_backend, onednn_available
 
-    assert model_runner.linear_backend == ("onednn" if onednn_available() else "torch")
+    assert model_runner.linear_backend == choose_backend("auto") != "torch"
     assert model_runner.fused_ops == fused.available(torch.device("cpu"), torch.float32)
+    if value == "onednn" and not onednn_available():
+        pytest.skip("this PyTorch has no oneDNN")
     settings = Settings()
-    setattr(settings.model, setting, "torch")
+    setattr(settings.model, setting, value)
     settings.cache.num_blocks = 64
     plain = ModelRunner(settings)
     if setting == "cpu_linear":
-        assert plain.linear_backend == "torch" and plain.model.lm_head_packed is None
-        assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+        assert plain.linear_backend == value
+        packed = [m.packed for m in plain.model.modules() if isinstance(m, Linear)] + [plain.model.lm_head_packed]
+        if value == "torch":
+            assert all(p is None for p in packed)
+        else:
+            assert all(isinstance(p, gemm.PackedWeight) == (value == "c") and p is not None for p in packed)
     elif setting == "cpu_fused_ops":
         assert not plain.fused_ops and plain.linear_backend == model_runner.linear_backend
     else:

@@ -17,6 +17,7 @@ import torch
 import kernels
 from config.settings import Settings
 from kernels import fused, reference
+from worker.engine.models.linear import choose_backend
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler
@@ -94,8 +95,9 @@ class ModelRunner:
         self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend,
                                                      (head_dim, num_heads, self.block_size), self.kv_dtype)
         self.linear_backend = "torch"
-        if settings.model.cpu_linear == "auto" and self.model.pack_linears():
-            self.linear_backend = "onednn"
+        backend = choose_backend(settings.model.cpu_linear) if self.device.type == "cpu" else "torch"
+        if backend != "torch" and self.model.pack_linears(backend):
+            self.linear_backend = backend
         self.fused_ops = settings.model.cpu_fused_ops == "auto" and fused.available(self.device, self.dtype)
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
                  num_blocks=self.num_blocks,

@@ -1,11 +1,15 @@
-"""Linear layers for the engine's models: oneDNN on prepacked weights on the CPU, else F.linear.
+"""Linear layers for the engine's models: on the CPU in fp32 over a weight packed once at load,
+by the project's own GEMM (kernels/gemm.py: `c`) or oneDNN (`onednn`); else F.linear (`torch`).
+INFERLINE_MODEL__CPU_LINEAR chooses; `auto` is `c` where that was measured faster (AVX2 without
+AVX-512: kernels/gemm.py), else `onednn`. What follows is about oneDNN.
 
 F.linear on the CPU is MKL's sgemm, which copies ("packs") the weight into its blocked layout on
 every call. For the few rows of a decode step that packing is most of the work, and MKL also
-runs far below the machine's rate on this AMD CPU. oneDNN (bundled with PyTorch) can pack each
+runs far below the machine's rate on AMD CPUs. oneDNN (bundled with PyTorch) can pack each
 weight once, at load, and then multiply any number of rows against the packed copy. Every linear
-layer of SmolLM2 (decoder only), fp32, 2 threads, GFLOP/s (`python -m bench.decode_step
---compare` shows the effect on whole steps):
+layer of SmolLM2 (decoder only), fp32, 2 threads, GFLOP/s on an AMD Zen 4 (`python -m
+bench.decode_step --compare` shows the effect on whole steps; bench/linear_backends.py compares
+the three backends):
 
     rows                 1     8    16    29    64   256
     F.linear (MKL)      18    63   105   119   157   167
@@ -20,8 +24,9 @@ kernel, whose sums differ from the same row's in any batch. So each weight shape
 (`lone_row_exact`), and where a lone row's bits differ it is computed as two (itself twice):
 a sequence decoding alone gets the bits it gets in a batch. Probing, not always padding: two
 rows cost ~14% more than one on shapes that need no padding (SmolLM2's 30 layers at one row on
-that Xeon: 29.7 ms alone, 33.9 padded everywhere, 30.5 padded where the probe says). The packed copy is kept next to the weight (the weight stays the
-model's parameter: state dict, tied embeddings): it doubles the linears' memory on the CPU.
+that Xeon: 29.7 ms alone, 33.9 padded everywhere, 30.5 padded where the probe says). The packed
+copy (either backend's) is kept next to the weight (the weight stays the model's parameter: state
+dict, tied embeddings): it doubles the linears' memory on the CPU.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import gemm
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not once per weight
@@ -39,10 +46,33 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a CPU fp32 `weight` [out, in]; None where that does not apply
-    (other devices and dtypes, a PyTorch built without oneDNN)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+# What `packed` may be: oneDNN's packed tensor, or the C GEMM's panels.
+Packed = torch.Tensor | gemm.PackedWeight
+BACKENDS = ("c", "onednn")
+
+
+def choose_backend(setting: str) -> str:
+    """INFERLINE_MODEL__CPU_LINEAR -> the backend linear layers get on the CPU in fp32: c, onednn
+    or torch (F.linear). An explicit choice the machine cannot run falls back to torch."""
+    if setting == "auto":
+        setting = "c" if gemm.preferred() else "onednn"
+    if setting == "c" and not gemm.available():
+        log.warning("cpu_linear=c but the CPU kernels are not built; linear layers stay on F.linear")
+        return "torch"
+    if setting == "onednn" and not onednn_available():
+        return "torch"
+    return setting
+
+
+def pack_weight(weight: torch.Tensor, backend: str = "onednn") -> Packed | None:
+    """The packed copy of a CPU fp32 `weight` [out, in] for `backend` (BACKENDS); None where that
+    does not apply (other devices and dtypes, a PyTorch built without oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if backend == "c":
+        return gemm.pack(weight) if gemm.available() else None
+    assert backend == "onednn", f"backend must be one of {BACKENDS}, got {backend!r}"
+    if not onednn_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -55,11 +85,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: Packed | None = None) -> torch.Tensor:
     """x [rows, in] -> [rows, out], like F.linear(x, weight, bias); on `packed` (pack_weight's
     copy of `weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, gemm.PackedWeight):
+        return gemm.gemm(x, packed, bias)
     if x.dim() == 2 and x.shape[0] == 1 and not lone_row_exact(weight, packed):
         return _onednn(x.expand(2, -1), packed, bias)[:1]  # computed as in a batch: see above
     return _onednn(x, packed, bias)
@@ -85,11 +117,11 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names), computed on a packed copy of the
     weight once `pack()` made one."""
 
-    packed: torch.Tensor | None = None
+    packed: Packed | None = None
 
-    def pack(self) -> bool:
+    def pack(self, backend: str = "onednn") -> bool:
         """Make the packed copy (call after the weights are final); False where none applies."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, backend)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 import kernels
 from kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
 from kernels.reference import DecodePlan
-from worker.engine.models.linear import Linear, linear, pack_weight
+from worker.engine.models.linear import Linear, Packed, linear, pack_weight
 
 
 @dataclass
@@ -203,14 +203,15 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: Packed | None = None
 
-    def pack_linears(self) -> bool:
-        """Give every linear layer and the LM head a packed copy of its weight (models/linear.py);
-        call once the weights are loaded. False where packing does not apply (not CPU fp32)."""
-        packed = [m.pack() for m in self.modules() if isinstance(m, Linear)]
+    def pack_linears(self, backend: str = "onednn") -> bool:
+        """Give every linear layer and the LM head a packed copy of its weight for `backend`
+        (models/linear.py); call once the weights are loaded. False where packing does not apply
+        (not CPU fp32)."""
+        packed = [m.pack(backend) for m in self.modules() if isinstance(m, Linear)]
         tied = self.tie_word_embeddings  # the embedding has no Linear: pack it for the head here
-        self.lm_head_packed = pack_weight(self.embed_tokens.weight) if tied else self.lm_head.packed
+        self.lm_head_packed = pack_weight(self.embed_tokens.weight, backend) if tied else self.lm_head.packed
         return all(packed) and self.lm_head_packed is not None
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""kernels/gemm.py (csrc/gemm.c): the linear layers' C GEMM equals F.linear on random shapes, and a
+row's bits depend neither on the batch around it nor on the thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu, gemm
+from worker.engine.models import linear as linear_module
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build (no C compiler?)")
+
+
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 5), (16, 96), (17, 96), (200, 577), (1000, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_equals_f_linear(out_features, in_features, rows, bias):
+    """Widths that are and are not multiples of the panel, row counts around the tile (6 or 8)
+    and past a pass's row block (300 rows of 577 inputs: 4 passes)."""
+    gen = torch.Generator().manual_seed(out_features * 1000 + rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    out, ref = gemm.gemm(x, gemm.pack(w), b), F.linear(x, w, b)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count():
+    """Every output is one FMA chain over the inputs in order: the same bits alone, at any
+    position of any batch, with one thread or two (what batch invariance of the engine needs)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 1536, generator=gen), torch.randn(600, 1536, generator=gen)
+    packed = gemm.pack(w)
+    full = gemm.gemm(x, packed)
+    for start, rows in ((0, 1), (0, 5), (3, 7), (11, 13), (40, 30)):
+        assert torch.equal(gemm.gemm(x[start:start + rows], packed), full[start:start + rows]), (start, rows)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(gemm.gemm(x, packed), full), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gemm_takes_strided_views_and_leading_dims():
+    w, b = torch.randn(40, 48), torch.randn(40)
+    packed = gemm.pack(w)
+    rows_apart = torch.randn(10, 2, 48)[:, 0]  # rows 96 floats apart, as a slice of a wider tensor
+    torch.testing.assert_close(gemm.gemm(rows_apart, packed, b), F.linear(rows_apart, w, b), rtol=1e-5, atol=1e-5)
+    cols_apart = torch.randn(48, 10).t()  # not packed along a row: copied first
+    torch.testing.assert_close(gemm.gemm(cols_apart, packed), F.linear(cols_apart, w), rtol=1e-5, atol=1e-5)
+    batch = torch.randn(3, 4, 48)
+    torch.testing.assert_close(gemm.gemm(batch, packed), F.linear(batch, w), rtol=1e-5, atol=1e-5)
+    assert gemm.gemm(torch.empty(0, 48), packed).shape == (0, 40)
+
+
+def test_the_pack_is_panels_of_output_columns_zero_padded():
+    width = gemm.panel_width()
+    assert width in (16, 32)  # two vectors of the build's width: AVX2 8 floats, AVX-512 (or none) 16
+    w = torch.randn(width + 3, 5)
+    panels = gemm.pack(w).panels
+    assert panels.shape == (2, 5, width)
+    assert torch.equal(panels[0], w[:width].t()) and torch.equal(panels[1, :, :3], w[width:].t())
+    assert not panels[1, :, 3:].any()
+
+
+def test_wrong_inputs_are_refused():
+    packed = gemm.pack(torch.randn(8, 4))
+    with pytest.raises(AssertionError):
+        gemm.gemm(torch.randn(2, 5), packed)  # 5 inputs for a weight of 4
+    with pytest.raises(AssertionError):
+        gemm.gemm(torch.randn(2, 4, dtype=torch.float64), packed)
+    with pytest.raises(AssertionError):
+        gemm.pack(torch.randn(8, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("flags, preferred", [("flags : fpu sse2 avx avx2 fma", True),
+                                              ("flags : fpu sse2 avx avx2 fma avx512f avx512bw", False),
+                                              ("Features : fp asimd", False)])
+def test_auto_picks_the_c_gemm_only_where_it_was_measured_faster(monkeypatch, flags, preferred):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    assert gemm.preferred() == preferred
+    expected = "c" if preferred else ("onednn" if linear_module.onednn_available() else "torch")
+    assert linear_module.choose_backend("auto") == expected
+
+
+def test_an_explicit_backend_the_machine_cannot_run_falls_back_to_f_linear(monkeypatch):
+    assert linear_module.choose_backend("c") == "c" and linear_module.choose_backend("torch") == "torch"
+    monkeypatch.setattr(gemm, "available", lambda: False)
+    assert linear_module.choose_backend("c") == "torch"
+    assert linear_module.pack_weight(torch.randn(4, 8), "c") is None
+
+
+def test_linear_dispatches_on_the_packed_copy():
+    w, b, x = torch.randn(24, 16), torch.randn(24), torch.randn(3, 16)
+    module = linear_module.Linear(16, 24)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        module.bias.copy_(b)
+    assert module.pack("c") and isinstance(module.packed, gemm.PackedWeight)
+    with torch.no_grad():
+        assert torch.equal(module(x), gemm.gemm(x, module.packed, b))
+    torch.testing.assert_close(module(x).detach(), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
