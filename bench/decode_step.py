@@ -4,6 +4,7 @@
     python -m bench.decode_step --compare          # v0, torch, cpu, mkl, unfused and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
     python -m bench.decode_step --kv-fp16          # the K/V cache in fp32 vs fp16, side by side
+    python -m bench.decode_step --linears          # linear layers on the C GEMM, oneDNN and MKL
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
 benchmark's prompts (bench/workload.py) plus `--extra-context` tokens each (contexts ~100-450, a
@@ -13,10 +14,12 @@ noisy: `--compare` interleaves the variants step by step (ABCD DCBA) in one proc
 batch, and reports medians and ratios: v0 (the model code before issue #3, kept below), the
 current code with decode attention in PyTorch (`torch`, kernels/reference.py) and in the compiled
 C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear instead of
-oneDNN's packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
+the packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
 kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). `--kv-fp16` compares the default fp32 K/V cache (`cpu`) with an
-fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. The matmul floor
+fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. `--linears`
+compares the linear backends (INFERLINE_MODEL__CPU_LINEAR): the C GEMM (`c-gemm`, kernels/gemm.py),
+oneDNN (`onednn`) and F.linear (`mkl`). The matmul floor
 (bench/roofline.py: the step's own linear layers alone, at this batch) is timed in between. Steps
 run on a thread of their own, as in the worker (see docs/benchmarks.md on OpenMP threads called
 from the main thread).
@@ -233,6 +236,31 @@ def linears_unpacked(eng):
 
 
 @contextlib.contextmanager
+def linears_packed_for(eng, backend: str):
+    """The current path with the linear layers on `backend`'s packed weights (c: kernels/gemm.py,
+    onednn), whichever the runner chose; the other backend's copies are made at first use."""
+    from worker.engine.models.linear import Linear, pack_weight
+
+    model = eng.runner.model
+    modules = [m for m in model.modules() if isinstance(m, Linear)]
+    weights = [m.weight for m in modules] + [model.lm_head_weight()]
+    copies = getattr(eng.runner, "_bench_packed", {})
+    eng.runner._bench_packed = copies
+    if backend not in copies:
+        copies[backend] = [pack_weight(w, backend) for w in weights]
+    saved = [m.packed for m in modules], model.lm_head_packed
+    for m, packed in zip(modules, copies[backend]):
+        m.packed = packed
+    model.lm_head_packed = copies[backend][-1]
+    try:
+        yield
+    finally:
+        for m, packed in zip(modules, saved[0]):
+            m.packed = packed
+        model.lm_head_packed = saved[1]
+
+
+@contextlib.contextmanager
 def ops_unfused(eng):
     """The current path with RMSNorm, SiLU-and-mul and rope + K/V store as PyTorch ops instead of
     the C kernels of kernels/fused.py."""
@@ -276,6 +304,8 @@ VARIANTS = {
     "unfused": ops_unfused,
     "no-attn": attention_skipped,
     "cpu-fp16": kv_fp16,
+    "c-gemm": lambda eng: linears_packed_for(eng, "c"),
+    "onednn": lambda eng: linears_packed_for(eng, "onednn"),
 }
 
 
@@ -285,6 +315,8 @@ def measure(args) -> dict:
     names = ["v0", "torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else [eng.runner.decode_backend]
     if args.kv_fp16:
         names = ["cpu", "cpu-fp16"]
+    if args.linears:
+        names = ["c-gemm", "onednn", "mkl"]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
         for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
@@ -326,6 +358,9 @@ def report(args, res: dict) -> None:
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians), {lo[a] / lo[b]:.2f}x (minima)")
         cost = ", ".join(f"{name} ~{med[name] - med['no-attn']:.0f} ms" for name in ("v0", "torch", "cpu"))
         print(f"  decode attention per step (step minus no-attn): {cost} (v0 also has the old rope/norm code)")
+    if "c-gemm" in med:
+        for other in ("onednn", "mkl"):
+            print(f"  {other} / c-gemm: {med[other] / med['c-gemm']:.2f}x (medians)")
     if "cpu-fp16" in med:
         print(f"  cpu / cpu-fp16: {med['cpu'] / med['cpu-fp16']:.2f}x (medians), "
               f"{min(res['steps']['cpu']) / min(res['steps']['cpu-fp16']):.2f}x (minima)")
@@ -346,6 +381,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time v0 (the decode path before issue #3), torch (reference.py), cpu (the C kernel), "
                         "mkl (cpu on F.linear) and no-attn (decode attention skipped) side by side")
     p.add_argument("--kv-fp16", action="store_true", help="time the fp32 K/V cache against an fp16 copy")
+    p.add_argument("--linears", action="store_true", help="time the linear layers' backends: c, onednn, mkl")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

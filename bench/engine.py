@@ -472,7 +472,8 @@ def print_report(results: dict) -> None:
           f"{fpt['total'] / 1e6:.0f} M ({fpt['decoder_linears'] / 1e6:.0f} M decoder linears + "
           f"{fpt['lm_head'] / 1e6:.0f} M lm_head)")
     for b, r in roof["by_batch"].items():
-        print(f"  batch {b:>4}: {r['gflops']:6.1f} GFLOP/s -> {r['tokens_per_s']:6.0f} tokens/s")
+        print(f"  batch {b:>4}: {r['gflops']:6.1f} GFLOP/s -> {r['tokens_per_s']:6.0f} tokens/s"
+              + (f" ({r['backend']})" if "backend" in r else ""))
     print(f"  roofline: {roof['tokens_per_s']:.0f} tokens/s ({roof['gflops']:.1f} GFLOP/s)"
           + (f"; re-measured at the end: {results['roofline_end']['tokens_per_s']:.0f} tokens/s"
              if results.get("roofline_end") else ""))

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.engine.models.linear import linear, pack_weight
+from worker.engine.models.linear import BACKENDS, Packed, linear, pack_weight
 
 
 def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -29,15 +29,16 @@ def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
     return layers, model.lm_head_weight()
 
 
-def linear_ops(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Packed | None]]:
     """(weight, packed copy) of every linear layer in forward order, the LM head last: the
-    model's own packed copies (models/linear.py), packed here only where the model has none
-    (a runner with INFERLINE_MODEL__CPU_LINEAR=torch still gets the machine's best rate)."""
+    model's own packed copies (models/linear.py), or with `backend` (linear.BACKENDS) copies
+    packed here for it; None (F.linear) where there are none."""
+    layers, head = linear_weights(model)
+    if backend is not None:
+        return [(w, pack_weight(w, backend)) for w in layers + [head]]
     packed = [m.packed for layer in model.layers
               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    layers, head = linear_weights(model)
-    ops = list(zip(layers + [head], packed + [model.lm_head_packed]))
-    return [(w, p if p is not None else pack_weight(w)) for w, p in ops]
+    return list(zip(layers + [head], packed + [model.lm_head_packed]))
 
 
 def flops_per_token(model) -> dict[str, float]:
@@ -48,7 +49,7 @@ def flops_per_token(model) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def time_step_matmuls(ops: list[tuple[torch.Tensor, torch.Tensor | None]], batch: int,
+def time_step_matmuls(ops: list[tuple[torch.Tensor, Packed | None]], batch: int,
                       repeats: int = 5) -> float:
     """Best-of-`repeats` seconds for one pass over every weight of `ops` (linear_ops) at `batch`
     rows (best, because the roofline is what the machine can do; contention from other
@@ -66,18 +67,30 @@ def time_step_matmuls(ops: list[tuple[torch.Tensor, torch.Tensor | None]], batch
 
 
 def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
-    """Roofline of `model` on this machine: per batch size and the best of them."""
-    ops = linear_ops(model)  # packed once for every batch size
+    """Roofline of `model` on this machine: per batch size and the best of them, each the faster
+    of the packed backends (linear.BACKENDS) that apply: the machine's best rate, whichever
+    backend the model itself uses."""
     flops = flops_per_token(model)
     by_batch = {}
-    for b in batches:
-        t = time_step_matmuls(ops, b, repeats)
-        by_batch[str(b)] = {"step_matmul_s": t, "gflops": b * flops["total"] / t / 1e9,
-                            "tokens_per_s": b / t}
+    for backend in _packing_backends(model) or ["torch"]:
+        ops = linear_ops(model, None if backend == "torch" else backend)  # packed once for every batch size
+        for b in batches:
+            t = time_step_matmuls(ops, b, repeats)
+            if str(b) not in by_batch or t < by_batch[str(b)]["step_matmul_s"]:
+                by_batch[str(b)] = {"step_matmul_s": t, "gflops": b * flops["total"] / t / 1e9,
+                                    "tokens_per_s": b / t, "backend": backend}
+        del ops  # a second copy of every weight
     best = max(by_batch.values(), key=lambda r: r["tokens_per_s"])
-    return {"flops_per_token": flops, "by_batch": by_batch,
+    return {"flops_per_token": flops, "by_batch": by_batch, "backend": best["backend"],
             "gflops": best["gflops"], "tokens_per_s": best["tokens_per_s"],
-            "threads": torch.get_num_threads(), "dtype": str(ops[-1][0].dtype)}
+            "threads": torch.get_num_threads(), "dtype": str(model.lm_head_weight().dtype)}
+
+
+def _packing_backends(model) -> list[str]:
+    """The packed backends that apply to the model's weights on this machine (not where there is
+    no oneDNN or no compiled kernels; F.linear is never faster than either)."""
+    head = model.lm_head_weight()
+    return [b for b in BACKENDS if pack_weight(head[:16], b) is not None]
 
 
 def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) -> float:
