@@ -2,6 +2,11 @@
 row's bits depend neither on the batch around it nor on the thread count."""
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +109,35 @@ def test_linear_dispatches_on_the_packed_copy():
     with torch.no_grad():
         assert torch.equal(module(x), gemm.gemm(x, module.packed, b))
     torch.testing.assert_close(module(x).detach(), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"),
+                    reason="builds gemm.c for another x86 target with the system compiler")
+def test_the_16_float_layout_equals_f_linear_too(tmp_path):
+    """The library's own build has 8-float vectors on AVX2 (tiles of 6 x 16) and 16-float ones
+    with AVX-512 or without AVX2 (tiles of 8 x 32): CI's machine runs one. This builds gemm.c for
+    plain x86-64 (no AVX2: the same C path as AVX-512, in SSE registers) and checks it runs right."""
+    flags = [f if f != "-march=native" else "-march=x86-64" for f in cpu.FLAGS]
+    lib_path = tmp_path / "gemm_x86_64.so"
+    done = subprocess.run(["cc", *flags, "-shared", "-I", str(cpu.CSRC), str(cpu.CSRC / "gemm.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    lib.gemm_panel_width.restype = ctypes.c_int64
+    lib.gemm_f32.argtypes = cpu._FUNCTIONS["gemm_f32"][0]
+    width = lib.gemm_panel_width()
+    assert width == 32
+    gen = torch.Generator().manual_seed(1)
+    for out_features, in_features in ((32, 40), (70, 577)):
+        w = torch.randn(out_features, in_features, generator=gen)
+        b = torch.randn(out_features, generator=gen)
+        panels = F.pad(w, (0, 0, 0, -out_features % width)).view(-1, width, in_features).transpose(1, 2).contiguous()
+        x = torch.randn(19, in_features, generator=gen)  # tiles of 8, 8 and 3 rows
+        outs = []
+        for rows in (19, 1, 8):
+            y = torch.empty(rows, out_features)
+            lib.gemm_f32(x.data_ptr(), in_features, panels.data_ptr(), b.data_ptr(), y.data_ptr(), out_features,
+                         rows, out_features, in_features, 2)
+            outs.append(y)
+        torch.testing.assert_close(outs[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        assert torch.equal(outs[1], outs[0][:1]) and torch.equal(outs[2], outs[0][:8])
