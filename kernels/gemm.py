@@ -48,8 +48,9 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
     out_features, in_features = weight.shape
     width = panel_width()
-    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % width))
-    panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    pad = -out_features % width
+    padded = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()  # no copy that is not needed
+    panels = padded.reshape(-1, width, in_features).transpose(1, 2).contiguous()
     return PackedWeight(panels, out_features, in_features)
 
 
