@@ -216,48 +216,43 @@ def decode_backend(eng, name: str):
 
 
 @contextlib.contextmanager
-def linears_unpacked(eng):
-    """The current path with the linear layers on F.linear (MKL) instead of oneDNN's packed
-    weights (models/linear.py)."""
+def linears_on(eng, packed: list | None):
+    """The current path with the linear layers on `packed` (one copy per Linear module in
+    model.modules() order, then the LM head's; None: F.linear everywhere), restored after."""
     from worker.engine.models.linear import Linear
 
     model = eng.runner.model
     modules = [m for m in model.modules() if isinstance(m, Linear)]
-    saved = [m.packed for m in modules], model.lm_head_packed
-    for m in modules:
-        m.packed = None
-    model.lm_head_packed = None
+    packed = packed or [None] * (len(modules) + 1)
+    saved = [m.packed for m in modules] + [model.lm_head_packed]
+    for m, p in zip(modules, packed):
+        m.packed = p
+    model.lm_head_packed = packed[-1]
     try:
         yield
     finally:
-        for m, packed in zip(modules, saved[0]):
-            m.packed = packed
-        model.lm_head_packed = saved[1]
+        for m, p in zip(modules, saved):
+            m.packed = p
+        model.lm_head_packed = saved[-1]
 
 
-@contextlib.contextmanager
+def linears_unpacked(eng):
+    """The current path with the linear layers on F.linear (MKL) instead of the packed weights
+    (models/linear.py)."""
+    return linears_on(eng, None)
+
+
 def linears_packed_for(eng, backend: str):
     """The current path with the linear layers on `backend`'s packed weights (c: kernels/gemm.py,
-    onednn), whichever the runner chose; the other backend's copies are made at first use."""
+    onednn), whichever the runner chose; the copies are made at first use and kept."""
     from worker.engine.models.linear import Linear, pack_weight
 
-    model = eng.runner.model
-    modules = [m for m in model.modules() if isinstance(m, Linear)]
-    weights = [m.weight for m in modules] + [model.lm_head_weight()]
-    copies = getattr(eng.runner, "_bench_packed", {})
-    eng.runner._bench_packed = copies
+    copies = eng.runner.__dict__.setdefault("_bench_packed", {})
     if backend not in copies:
+        model = eng.runner.model
+        weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight()]
         copies[backend] = [pack_weight(w, backend) for w in weights]
-    saved = [m.packed for m in modules], model.lm_head_packed
-    for m, packed in zip(modules, copies[backend]):
-        m.packed = packed
-    model.lm_head_packed = copies[backend][-1]
-    try:
-        yield
-    finally:
-        for m, packed in zip(modules, saved[0]):
-            m.packed = packed
-        model.lm_head_packed = saved[1]
+    return linears_on(eng, copies[backend])
 
 
 @contextlib.contextmanager
