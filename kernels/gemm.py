@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from kernels import cpu
 
+_F32 = torch.float32
+
 
 @dataclass(frozen=True)
 class PackedWeight:
@@ -55,19 +57,19 @@ def pack(weight: torch.Tensor) -> PackedWeight:
 
 
 def gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU; x's rows may be apart."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows, in_features = x2.shape
-    assert in_features == packed.in_features, (x2.shape, packed.in_features)
-    assert x2.dtype == torch.float32 and x2.device.type == "cpu", (x2.dtype, x2.device)
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (packed.out_features,)
-    y = torch.empty(rows, packed.out_features, dtype=torch.float32)
+    """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU; x's rows may be apart.
+    ~120 calls a decode step: the checks are kept to attribute reads (cpu.call says why)."""
+    if x.dim() != 2:
+        return gemm(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, in_features = x.shape
+    out = packed.out_features
+    assert in_features == packed.in_features and x.dtype is _F32 and x.is_cpu, (x.shape, x.dtype, packed.in_features)
+    assert bias is None or (bias.dtype is _F32 and bias.is_contiguous() and bias.numel() == out), "bias: fp32 [out]"
+    y = torch.empty(rows, out, dtype=_F32)
     if rows:
-        cpu.call("gemm_f32", x2.data_ptr(), x2.stride(0), packed.panels.data_ptr(),
-                 None if bias is None else bias.data_ptr(), y.data_ptr(), packed.out_features,
-                 rows, packed.out_features, in_features, torch.get_num_threads())
-    return y.view(*lead, packed.out_features)
+        cpu.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(),
+                 None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
+                 torch.get_num_threads())
+    return y
