@@ -181,29 +181,56 @@ INLINE void transpose_n(vn x[NVEC]) {
 #undef SWAP_BLOCKS
 #undef UNPAREN
 
-/* exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes'
+/* Lane-wise helpers in the machine's own vectors (vn): comparisons, select, and the halves of a vf. */
+#if NVEC == VEC
+typedef vi vin;
+INLINE vin vgt_n(vn a, vn b) { return vgt(a, b); }
+INLINE vin vge_n(vn a, vn b) { return vge(a, b); }
+INLINE vin vle_n(vn a, vn b) { return vle(a, b); }
+#else
+typedef int32_t vin __attribute__((vector_size(NVEC * sizeof(int32_t))));
+INLINE vin vgt_n(vn a, vn b) { return a > b; }
+INLINE vin vge_n(vn a, vn b) { return a >= b; }
+INLINE vin vle_n(vn a, vn b) { return a <= b; }
+#endif
+INLINE vn vselect_n(vin mask, vn a, vn b) { return (vn)((mask & (vin)a) | (~mask & (vin)b)); }
+
+/* exp(x) lane by lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes'
  * coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87.3 the result is 0
- * (-inf gives 0); above 88 it is exp(88), finite (so g / (1 + exp(-g)) stays a number). */
-INLINE vf vexp(vf x) {
-    x = vselect(vgt(x, splat(88.0f)), splat(88.0f), x);
-    vi underflow = vle(x, splat(-87.3f));
-    x = vselect(underflow, splat(-87.3f), x);
-    vf n = x * 1.44269504f;
-    n = n + vselect(vge(n, splat(0.0f)), splat(0.5f), splat(-0.5f));
-    vi ni = __builtin_convertvector(n, vi);  /* rounded to the nearest integer */
-    n = __builtin_convertvector(ni, vf);
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
+ * (-inf gives 0); above 88 it is exp(88), finite (so g / (1 + exp(-g)) stays a number).
+ * In the machine's vectors: written over 16-float vectors, AVX2 builds kept every intermediate
+ * on the stack (silu_and_mul at ~3.6 cycles a float on a Zen 3, 337 -> 93 us for 60 rows of
+ * SmolLM2). Every lane is computed on its own, so the bits do not depend on the width (the
+ * 16-float version and this one gave equal outputs on 10^6 inputs, both ends of the range too). */
+INLINE vn vexp_n(vn x) {
+    x = vselect_n(vgt_n(x, splat_n(88.0f)), splat_n(88.0f), x);
+    vin underflow = vle_n(x, splat_n(-87.3f));
+    x = vselect_n(underflow, splat_n(-87.3f), x);
+    vn n = x * 1.44269504f;
+    n = n + vselect_n(vge_n(n, splat_n(0.0f)), splat_n(0.5f), splat_n(-0.5f));
+    vin ni = __builtin_convertvector(n, vin); /* rounded to the nearest integer */
+    n = __builtin_convertvector(ni, vn);
+    vn r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vn p = splat_n(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    vi bits = (ni + 127) << 23;
-    vf two_n;
+    vin bits = (ni + 127) << 23;
+    vn two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return vselect(underflow, splat(0.0f), p * two_n);
+    return vselect_n(underflow, splat_n(0.0f), p * two_n);
+}
+
+/* exp of 16 lanes: vexp_n on each of the vf's NVEC-float parts. */
+INLINE vf vexp(vf x) {
+    vn part[VEC / NVEC];
+    memcpy(part, &x, sizeof x);
+    for (int i = 0; i < VEC / NVEC; i++) part[i] = vexp_n(part[i]);
+    memcpy(&x, part, sizeof x);
+    return x;
 }
 
 #endif
