@@ -49,6 +49,22 @@ INLINE void prefetch_rows(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* The next block's K and V rows, requested a few lines at every token of the loops over this block
+ * (chunk_scores, chunk_values): spread over the block's work, the requests keep memory busy
+ * while it computes. All of them at the start of the block, or during its first head's loop alone,
+ * filled the core's miss queues and left memory idle for the rest (decode attention from memory
+ * ~2x its time with the data in cache). */
+typedef struct {
+    const char *k, *v;
+    int64_t at, bytes, step; /* next byte of the stream (K rows, then V rows), each's bytes, bytes per call */
+} prefetcher;
+
+INLINE void prefetch_some(prefetcher *pf) {
+    int64_t end = pf->at + pf->step < 2 * pf->bytes ? pf->at + pf->step : 2 * pf->bytes;
+    for (; pf->at < end; pf->at += 64)
+        __builtin_prefetch(pf->at < pf->bytes ? pf->k + pf->at : pf->v + (pf->at - pf->bytes), 0, 1);
+}
+
 INLINE const char *block_rows(const decode_args *a, const void *cache, const int32_t *table, int64_t b,
                               const int half) {
     return kv_at(cache, (int64_t)table[b] * a->block_size * a->num_kv_heads * a->head_dim, half);
@@ -108,19 +124,70 @@ INLINE vf dot_lanes(const vf *q, const vf *k, const int64_t d) {
     return acc;
 }
 
+/* Scores eight tokens at a time where the machine's vectors are 8 floats (AVX2): hsum's tree is
+ * then a few shuffles for eight tokens rather than ~10 instructions and a scalar store for each
+ * (the tree as it was, hsum_each8 below, so the bits do not change). Needs __builtin_shufflevector. */
+#if NVEC == 8 && !(defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12)
+#define SCORES_BY_8 1
+#else
+#define SCORES_BY_8 0
+#endif
+
+#if SCORES_BY_8
+/* The upper and lower halves of a 16-lane dot_lanes, added: hsum's first step. */
+INLINE vn halves_sum(vf v) {
+    vn lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    vn hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return lo + hi;
+}
+
+/* Lane t = the rest of hsum's tree over x[t] (s4 = lanes i + lanes i + 4, then
+ * (s4[0] + s4[2]) + (s4[1] + s4[3])), for eight vectors at once: tokens t and t + 4 share a vector
+ * in the first step, so the last one lands in token order. */
+INLINE vn hsum_each8(const vn x[8]) {
+    vn b[4], c[2];
+    for (int t = 0; t < 4; t++) /* [s4 of token t | s4 of token t + 4] */
+        b[t] = __builtin_shufflevector(x[t], x[t + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(x[t], x[t + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* [x, y of tokens 2i, 2i + 1 | the same of 2i + 4, 2i + 5]: x = s4[0] + s4[2] */
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+#endif
+
 /* s[g * ss + t] = scale * q_g . k_t for G query heads sharing the KV head whose rows start at k. */
 INLINE void chunk_scores(const float *q, const char *k, int64_t n, int64_t row, float *s, int64_t ss,
-                         float scale, const char *pk, const char *pv, const int half, const int G,
+                         float scale, prefetcher *pf, const int half, const int G,
                          const int64_t d) {
     int64_t row_bytes = row * (half ? 2 : 4);
     vf qr[MAX_G][MAX_DV];
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
         UNROLL_D for (int64_t i = 0; i < d / VEC; i++) qr[g][i] = load(q + g * d + i * VEC);
-    for (int64_t t = 0; t < n; t++, k += row_bytes) {
-        if (pk) { /* the next block, a row of K and V per token: spread, not a burst */
-            prefetch_rows(pk + t * row_bytes, row_bytes);
-            prefetch_rows(pv + t * row_bytes, row_bytes);
+#if SCORES_BY_8
+    if (d / VEC > 1) { /* one vector a head: dot_lanes is a product, which the add after it could absorb */
+        /* tokens past n score 0 here: block_softmax overwrites them (s has ss >= n rounded up to 8) */
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            vn part[MAX_G][8];
+            for (int i = 0; i < 8; i++) {
+                int64_t t = t0 + i;
+                if (t >= n) {
+                    _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) part[g][i] = splat_n(0.0f);
+                    continue;
+                }
+                if (pf) prefetch_some(pf);
+                vf kr[MAX_DV];
+                UNROLL_D for (int64_t j = 0; j < d / VEC; j++) kr[j] = load_kv(k + t * row_bytes, j * VEC, half);
+                _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) part[g][i] = halves_sum(dot_lanes(qr[g], kr, d));
+            }
+            _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) store_n(s + g * ss + t0, hsum_each8(part[g]) * scale);
         }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++, k += row_bytes) {
+        if (pf) prefetch_some(pf);
         vf kr[MAX_DV];
         UNROLL_D for (int64_t i = 0; i < d / VEC; i++) kr[i] = load_kv(k, i * VEC, half);
         _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
@@ -132,12 +199,13 @@ INLINE void chunk_scores(const float *q, const char *k, int64_t n, int64_t row, 
 /* out_g = out_g * corr_g + sum_t p_g[t] v_t for G query heads sharing the KV head at v. Lane by
  * lane, in the machine's own vectors (vn: NVEC floats). */
 INLINE void chunk_values(float *out, const char *v, int64_t n, int64_t row, const float *p, int64_t ss,
-                         const float *corr, const int half, const int G, const int64_t d) {
+                         const float *corr, prefetcher *pf, const int half, const int G, const int64_t d) {
     int64_t row_bytes = row * (half ? 2 : 4);
     vn acc[MAX_G][MAX_DV * VEC / NVEC];
     _Pragma("GCC unroll 16") for (int g = 0; g < G; g++)
         UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) acc[g][i] = load_n(out + g * d + i * NVEC) * corr[g];
     for (int64_t t = 0; t < n; t++, v += row_bytes) {
+        if (pf) prefetch_some(pf);
         vn vr[MAX_DV * VEC / NVEC];
         UNROLL_D for (int64_t i = 0; i < d / NVEC; i++) vr[i] = load_kv_n(v, i * NVEC, half);
         _Pragma("GCC unroll 16") for (int g = 0; g < G; g++) {
@@ -183,16 +251,28 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
 /* Calls fn(..., G, d) for query heads [h, h + G) of every KV head, G constant (unrolled): as
  * many heads as REG_VECTORS hold, at least 1, at most MAX_G (the tests against MAX_G fold away,
  * so no variant past it is compiled). */
+INLINE int64_t chunk_size(int64_t left, int64_t d) {
+    int64_t fit = REG_VECTORS / (d / VEC), g = left < fit ? left : fit;
+    return g > MAX_G ? MAX_G : g < 1 ? 1 : g;
+}
+
 #define FOR_HEAD_CHUNKS(fn, group, kv_heads, d, h, j, ...)                                     \
     for (int64_t j = 0; j < (kv_heads); j++)                                                    \
         for (int64_t h = j * (group), h_end = h + (group); h < h_end;) {                        \
-            int64_t left = h_end - h, fit = REG_VECTORS / ((d) / VEC), g = left < fit ? left : fit; \
-            if (MAX_G >= 4 && g >= 4) g = 4, fn(__VA_ARGS__, 4, d);                              \
+            int64_t g = chunk_size(h_end - h, d);                                               \
+            if (MAX_G >= 4 && g == 4) fn(__VA_ARGS__, 4, d);                                     \
             else if (MAX_G >= 3 && g == 3) fn(__VA_ARGS__, 3, d);                                \
             else if (MAX_G >= 2 && g == 2) fn(__VA_ARGS__, 2, d);                                \
-            else g = 1, fn(__VA_ARGS__, 1, d);                                                   \
+            else fn(__VA_ARGS__, 1, d);                                                          \
             h += g;                                                                            \
         }
+
+/* How many calls FOR_HEAD_CHUNKS makes. */
+INLINE int64_t head_chunks(int64_t group, int64_t kv_heads, int64_t d) {
+    int64_t count = 0;
+    for (int64_t h = 0; h < group; h += chunk_size(group - h, d)) count++;
+    return count * kv_heads;
+}
 
 /* Block b's K and V rows (k, v) in a pass over blocks [b0, b_end): the first block's `used`
  * bytes are requested at once; the next block's rows (pk, pv; NULL after the last) are for the
@@ -227,12 +307,18 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *tabl
         int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
         const char *k, *v, *pk, *pv;
         block_kv(a, table, b, b0, b1, n * row_bytes, &k, &v, &pk, &pv, half);
+        /* the next block (full: only the last is not), a share at each token of the scores' and
+         * values' loops; ahead of the end when the share rounds up */
+        int64_t calls = 2 * n * head_chunks(group, kv_heads, d);
+        prefetcher next = {pk, pv, 0, bs * row_bytes, (2 * bs * row_bytes / calls + 63) / 64 * 64};
+        prefetcher *pf = pk ? &next : NULL;
         FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
-                        q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, h == 0 ? pk : NULL, pv,
+                        q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, pf,
                         half)
         for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &m[h], &l[h]);
         FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
-                        out + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, half)
+                        out + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h,
+                        pf, half)
     }
 }
 
@@ -369,7 +455,7 @@ INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const in
                             q + h * d, kt + j * chunks * d * VEC, n, s + h * ss, ss, a->scale)
             for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &tr->m[h], &tr->l[h]);
             FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
-                            tr->acc + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, half)
+                            tr->acc + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, NULL, half)
         }
     }
 }

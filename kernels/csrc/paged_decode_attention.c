@@ -27,8 +27,14 @@
  * Speed notes (2-core dev machine, batch 32, contexts 173-440, 30 layers: ~450 MB of K/V read
  * per step; a pass that only reads those bytes the same way takes 19-22 ms):
  * - blocks are scattered over the cache and the hardware prefetcher does not follow the block
- *   table, so the next block's rows are requested while this one is computed, a row of K and V
- *   per token (a burst of a whole block at once stalled on the memory queues: ~10% slower);
+ *   table, so the next block's rows are requested while this one is computed, a few lines at
+ *   every token of every head chunk's loops (attention.h, prefetcher): a burst of a whole block
+ *   at once stalled on the memory queues (~10% slower), and a token's rows at each step of the
+ *   first head chunk alone (until stop 20) left memory idle for the rest of the block: on a Zen 3,
+ *   batch 32 from memory 45 -> 33 ms, a whole decode step at batch 60 0.93x (A/B of two builds);
+ * - on AVX2 the scores of 8 tokens are summed across lanes together (hsum_each8: hsum's tree in
+ *   shuffles of 8 vectors, the same bits); alone, within the noise, it is what the spread prefetch
+ *   was measured on;
  * - vectors of 16 floats (GCC/Clang vector extensions: AVX-512, or pairs of AVX2 registers),
  *   the head size a compile-time constant for 64 and 128, the q rows (scores) and output rows
  *   (values) of up to 4 heads held in registers, exp computed 16 lanes at a time, FMA
