@@ -248,14 +248,14 @@ INLINE float block_softmax(float *s, int64_t n, float *m, float *l) {
     return corr;
 }
 
-/* Calls fn(..., G, d) for query heads [h, h + G) of every KV head, G constant (unrolled): as
- * many heads as REG_VECTORS hold, at least 1, at most MAX_G (the tests against MAX_G fold away,
- * so no variant past it is compiled). */
+/* Heads in the next chunk of `left` (head size d): as many as REG_VECTORS hold, 1 to MAX_G. */
 INLINE int64_t chunk_size(int64_t left, int64_t d) {
     int64_t fit = REG_VECTORS / (d / VEC), g = left < fit ? left : fit;
     return g > MAX_G ? MAX_G : g < 1 ? 1 : g;
 }
 
+/* Calls fn(..., G, d) for query heads [h, h + G) of every KV head, G constant (unrolled): chunks
+ * of chunk_size heads (the tests against MAX_G fold away, so no variant past it is compiled). */
 #define FOR_HEAD_CHUNKS(fn, group, kv_heads, d, h, j, ...)                                     \
     for (int64_t j = 0; j < (kv_heads); j++)                                                    \
         for (int64_t h = j * (group), h_end = h + (group); h < h_end;) {                        \
