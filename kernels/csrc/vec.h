@@ -181,7 +181,7 @@ INLINE void transpose_n(vn x[NVEC]) {
 #undef SWAP_BLOCKS
 #undef UNPAREN
 
-/* Lane-wise helpers in the machine's own vectors (vn): comparisons, select, and the halves of a vf. */
+/* Lane-wise comparisons and select in the machine's own vectors (vn), for vexp_n. */
 #if NVEC == VEC
 typedef vi vin;
 INLINE vin vgt_n(vn a, vn b) { return vgt(a, b); }
