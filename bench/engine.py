@@ -496,6 +496,10 @@ def print_report(results: dict) -> None:
         print(f"  {key:<24}{shown:>8}   target >= {goal:<6} {'MET' if value >= target else 'not met'}")
     if results.get("ceiling"):
         print_ceiling(results["ceiling"])
+    if results.get("repeats"):
+        pairs = results["repeats"]["continuous_over_static"]
+        print(f"  {len(pairs)} repetitions of the engine modes, alternated (the median run of each is reported): "
+              "continuous_over_static " + " ".join(f"{r:.2f}x" for r in pairs))
     cpu = results.get("ratios_per_cpu_s") or {}
     if cpu:
         print("  per CPU-second (robust to other load): "
@@ -570,6 +574,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seats of the engine's static policy (default: --hf-batch-size, the static-batching baseline)")
     p.add_argument("--extra-static-seats", type=int, default=0,
                    help="also run the engine's static policy with this many seats (e.g. 16, as HF)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the two engine modes this many times, alternating their order, and report the "
+                        "median run of each (HF runs once)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the runs, profile this many continuous-engine steps (decode steady state)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -582,6 +589,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the engine modes' K/V cache (INFERLINE_CACHE__DTYPE): float16 halves the bytes decode "
                         "attention reads, at the cost of rounding K/V (HF keeps fp32)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     apply_quick(args)
     return args
 
@@ -643,14 +652,18 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     static_seats = args.static_seats or args.hf_batch_size
     results["static_seats"] = static_seats
     static = engine_settings("static", static_seats, args.max_num_batched_tokens, caching, args.kv_dtype)
-    records["engine_static"] = run_engine(runner, static, items, "engine_static", progress)
+    repeated = alternate_modes(runner, {"engine_static": static, "engine_continuous": base}, items, args.repeats,
+                               progress)
+    records["engine_static"] = median_run(repeated["engine_static"])
     if args.extra_static_seats:
         seats = engine_settings("static", args.extra_static_seats, args.max_num_batched_tokens, caching,
                                 args.kv_dtype)
         label = f"engine_static{args.extra_static_seats}"
         records[label] = run_engine(runner, seats, items, label, progress)
-    records["engine_continuous"] = run_engine(runner, base, items, "engine_continuous", progress)
+    records["engine_continuous"] = median_run(repeated["engine_continuous"])
     results["runs"] = {label: summarize(rec) for label, rec in records.items()}
+    if args.repeats > 1:
+        results["repeats"] = repeat_spread(repeated)
     results["greedy_agreement"] = check_agreement(records)
     results["ratios"] = ratios(results)
     results["ratios_per_cpu_s"] = ratios(results, "tokens_per_cpu_s")
@@ -681,6 +694,32 @@ def run_all(args: argparse.Namespace, argv) -> dict:
     print(f"\nwrote {args.out_dir / 'engine.json'} and {args.out_dir / 'engine.png'} "
           f"({results['elapsed_s']:.0f} s)")
     return results
+
+
+def alternate_modes(runner, modes: dict, items: list[WorkItem], repeats: int, progress: bool) -> dict:
+    """Each engine mode (label -> settings) `repeats` times, in turn forward and backward (S C, C S,
+    S C, ...): the machine's load drifts over minutes, and a ratio of one run of each can take
+    that drift for a speed-up. label -> its runs in order."""
+    runs: dict[str, list[RunRecord]] = {label: [] for label in modes}
+    order = list(modes.items())
+    for i in range(repeats):
+        for label, settings in order if i % 2 == 0 else order[::-1]:
+            runs[label].append(run_engine(runner, settings, items, label, progress))
+    return runs
+
+
+def median_run(runs: list[RunRecord]) -> RunRecord:
+    """The run with the median tokens/s (the lower one of an even count)."""
+    ranked = sorted(runs, key=lambda rec: summarize(rec)["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def repeat_spread(repeated: dict[str, list[RunRecord]]) -> dict:
+    """Tokens/s of every repetition, and continuous/static within each (the two ran side by side)."""
+    tps = {label: [summarize(rec)["tokens_per_s"] for rec in runs] for label, runs in repeated.items()}
+    pairs = [c / s for s, c in zip(tps["engine_static"], tps["engine_continuous"])]
+    return {"tokens_per_s": tps, "continuous_over_static": pairs,
+            "continuous_over_static_range": [min(pairs), max(pairs)]}
 
 
 def safe_div(a, b):

@@ -25,6 +25,27 @@ def results(tmp_path_factory):
     return json.loads((out / "engine.json").read_text()), out
 
 
+def test_repeats_alternate_the_engine_modes_and_report_the_median(tmp_path):
+    data = bench_engine.main(["--quick", "--num-requests", "3", "--max-output", "4", "--skip-hf", "--rate", "0",
+                              "--repeats", "3", "--out-dir", str(tmp_path), "--no-progress", "--threads", "1"])
+    rep = data["repeats"]
+    assert [len(rep["tokens_per_s"][m]) for m in ("engine_static", "engine_continuous")] == [3, 3]
+    for mode, runs in rep["tokens_per_s"].items():
+        assert data["runs"][mode]["tokens_per_s"] == sorted(runs)[1] and data["runs"][mode]["complete"]
+    pairs = rep["continuous_over_static"]
+    assert len(pairs) == 3 and rep["continuous_over_static_range"] == [min(pairs), max(pairs)]
+    with pytest.raises(SystemExit):
+        bench_engine.parse_args(["--repeats", "0"])
+
+
+def test_alternate_modes_runs_forward_then_backward(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench_engine, "run_engine", lambda runner, settings, items, label, progress:
+                        calls.append(label))
+    runs = bench_engine.alternate_modes(None, {"s": 1, "c": 2}, [], 3, False)
+    assert calls == ["s", "c", "c", "s", "s", "c"] and {k: len(v) for k, v in runs.items()} == {"s": 3, "c": 3}
+
+
 def test_writes_json_and_plot(results):
     data, out = results
     assert (out / "engine.png").stat().st_size > 1000
