@@ -4,7 +4,7 @@
     python -m bench.decode_step --compare          # v0, torch, cpu, mkl, unfused and no-attn side by side
     python -m bench.decode_step --profile          # + torch.profiler, top ops by self CPU time
     python -m bench.decode_step --kv-fp16          # the K/V cache in fp32 vs fp16, side by side
-    python -m bench.decode_step --linears          # linear layers on the C GEMM, oneDNN and MKL
+    python -m bench.decode_step --linears          # linear layers on the C GEMM (codes, fp32), oneDNN, MKL
 
 Builds the engine the way bench/engine.py does, admits `--batch` requests with the engine
 benchmark's prompts (bench/workload.py) plus `--extra-context` tokens each (contexts ~100-450, a
@@ -18,8 +18,9 @@ the packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTor
 kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). `--kv-fp16` compares the default fp32 K/V cache (`cpu`) with an
 fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. `--linears`
-compares the linear backends (INFERLINE_MODEL__CPU_LINEAR): the C GEMM (`c-gemm`, kernels/gemm.py),
-oneDNN (`onednn`) and F.linear (`mkl`). The matmul floor
+compares the linear backends (INFERLINE_MODEL__CPU_LINEAR): the C GEMM over 8-bit codes (`c-codes`,
+where the weights have exact ones: INFERLINE_MODEL__CPU_WEIGHT_CODES) and over fp32 panels (`c-gemm`,
+kernels/gemm.py), oneDNN (`onednn`) and F.linear (`mkl`). The matmul floor
 (bench/roofline.py: the step's own linear layers alone, at this batch) is timed in between. Steps
 run on a thread of their own, as in the worker (see docs/benchmarks.md on OpenMP threads called
 from the main thread).
@@ -251,7 +252,8 @@ def linears_packed_for(eng, backend: str):
     if backend not in copies:
         model = eng.runner.model
         weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight()]
-        copies[backend] = [pack_weight(w, backend) for w in weights]
+        name, _, codes = backend.partition("+")  # "c+codes": the C GEMM over 8-bit codes where exact
+        copies[backend] = [pack_weight(w, name, codes=bool(codes)) for w in weights]
     return linears_on(eng, copies[backend])
 
 
@@ -300,6 +302,7 @@ VARIANTS = {
     "no-attn": attention_skipped,
     "cpu-fp16": kv_fp16,
     "c-gemm": lambda eng: linears_packed_for(eng, "c"),
+    "c-codes": lambda eng: linears_packed_for(eng, "c+codes"),
     "onednn": lambda eng: linears_packed_for(eng, "onednn"),
 }
 
@@ -311,7 +314,7 @@ def measure(args) -> dict:
     if args.kv_fp16:
         names = ["cpu", "cpu-fp16"]
     if args.linears:
-        names = ["c-gemm", "onednn", "mkl"]
+        names = ["c-codes", "c-gemm", "onednn", "mkl"]
     res = {"lens": lens, "floor": [matmul_floor(eng, args.batch)], "steps": {name: [] for name in names}}
     for r in range(args.steps):
         for name in names if r % 2 == 0 else names[::-1]:  # ABCD DCBA ...: drifts cancel
@@ -356,6 +359,7 @@ def report(args, res: dict) -> None:
     if "c-gemm" in med:
         for other in ("onednn", "mkl"):
             print(f"  {other} / c-gemm: {med[other] / med['c-gemm']:.2f}x (medians)")
+        print(f"  c-gemm / c-codes: {med['c-gemm'] / med['c-codes']:.2f}x (medians)")
     if "cpu-fp16" in med:
         print(f"  cpu / cpu-fp16: {med['cpu'] / med['cpu-fp16']:.2f}x (medians), "
               f"{min(res['steps']['cpu']) / min(res['steps']['cpu-fp16']):.2f}x (minima)")

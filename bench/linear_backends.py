@@ -1,13 +1,15 @@
 """The linear layers' backends side by side: one pass over every linear weight of the model (30
 decoder layers + the LM head, as one step computes them) at a given number of rows, on the C
-GEMM (kernels/gemm.py), oneDNN and F.linear (MKL), alternated (ABC CBA ...) in one process.
+GEMM (kernels/gemm.py) over fp32 panels and over 8-bit codes (where the weights have exact ones,
+as a GGUF model's do), oneDNN and F.linear (MKL), alternated (ABCD DCBA ...) in one process.
 
     python -m bench.linear_backends                       # rows 1 8 16 32 64 128 512, 2 threads
     python -m bench.linear_backends --rows 32 60 --repeats 9
 
 Prints GFLOP/s (the model's linear FLOPs x rows / the median pass) per backend and row count, and
 each backend's time over the C GEMM's. The weights come from memory every pass (~540 MB for
-SmolLM2-135M, far past the caches), as in a real step; the rows are random.
+SmolLM2-135M in fp32, ~170 MB as codes, past the caches either way), as in a real step; the rows
+are random.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import time
 import torch
 
 from bench import roofline
+from kernels.gemm import CodedWeight
 
 
 def pass_seconds(ops, x_by_in: dict[int, torch.Tensor]) -> float:
@@ -37,8 +40,10 @@ def measure(args) -> dict:
     settings = Settings()  # the default model (SmolLM2-135M) or INFERLINE_MODEL__*
     model, _config, _tok = load_model(settings.model.path, settings.model.load_format, torch.float32,
                                       torch.device("cpu"), max_positions=settings.model.max_model_len)
-    ops = {"c": roofline.linear_ops(model, "c"), "onednn": roofline.linear_ops(model, "onednn"),
-           "mkl": [(w, None) for w, _ in roofline.linear_ops(model)]}
+    ops = {"c": roofline.linear_ops(model, "c"), "c+codes": roofline.linear_ops(model, "c+codes"),
+           "onednn": roofline.linear_ops(model, "onednn"), "mkl": [(w, None) for w, _ in roofline.linear_ops(model)]}
+    if not any(isinstance(p, CodedWeight) for _, p in ops["c+codes"]):
+        del ops["c+codes"]  # no weight has exact 8-bit codes: the same as "c"
     ops = {name: o for name, o in ops.items() if all(p is not None for _, p in o) or name == "mkl"}
     flops = roofline.flops_per_token(model)["total"]
     table = {}

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels.gemm import CodedWeight
 from worker.engine.models.linear import BACKENDS, Packed, linear, pack_weight
 
 
@@ -31,11 +32,13 @@ def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Packed | None]]:
     """(weight, packed copy) of every linear layer in forward order, the LM head last: the
-    model's own packed copies (models/linear.py), or with `backend` (linear.BACKENDS) copies
-    packed here for it; None (F.linear) where there are none."""
+    model's own packed copies (models/linear.py), or with `backend` (linear.BACKENDS, or "c+codes":
+    the C GEMM over 8-bit codes where exact) copies packed here for it; None (F.linear) where there
+    are none."""
     layers, head = linear_weights(model)
     if backend is not None:
-        return [(w, pack_weight(w, backend)) for w in layers + [head]]
+        name, _, codes = backend.partition("+")
+        return [(w, pack_weight(w, name, codes=bool(codes))) for w in layers + [head]]
     packed = [m.packed for layer in model.layers
               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     return list(zip(layers + [head], packed + [model.lm_head_packed]))
@@ -88,9 +91,13 @@ def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
 
 def _packing_backends(model) -> list[str]:
     """The packed backends that apply to the model's weights on this machine (not where there is
-    no oneDNN or no compiled kernels; F.linear is never faster than either)."""
+    no oneDNN or no compiled kernels; F.linear is never faster than either), and "c+codes" where
+    the C GEMM keeps the weights as 8-bit codes (the same fp32 values: kernels/gemm.py)."""
     head = model.lm_head_weight()
-    return [b for b in BACKENDS if pack_weight(head[:16], b) is not None]
+    backends = [b for b in BACKENDS if pack_weight(head[:16], b) is not None]
+    if "c" in backends and isinstance(pack_weight(head[:16], "c", codes=True), CodedWeight):
+        backends.append("c+codes")
+    return backends
 
 
 def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) -> float:

@@ -90,6 +90,12 @@ class ModelSettings(BaseModel):
     # (F.linear: MKL, which repacks the weight on every call) at decode batch sizes. `auto` is `c`
     # on x86 with AVX2 but no AVX-512, where it was measured faster than oneDNN, else `onednn`.
     cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
+    # The `c` GEMM's packed weights: `auto` keeps a weight as 8-bit codes with an fp16 scale and
+    # an offset per 32 inputs wherever those give back every fp32 weight exactly (a GGUF file's
+    # Q4_1, Q8_0, ... tensors, as the default model's are), widened to fp32 as each panel is
+    # used: the same bits as the fp32 panels, ~3.2x fewer bytes read per step (kernels/gemm.py).
+    # `off`: fp32 panels always. Weights with no exact codes (most safetensors models) stay fp32.
+    cpu_weight_codes: Literal["auto", "off"] = "auto"
     # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store
     # on the CPU in fp32: `auto` runs them as compiled C kernels (kernels/fused.py, built with
     # the decode kernel; one pass each instead of several PyTorch ops), `torch` as PyTorch ops.

@@ -57,6 +57,8 @@ _FUNCTIONS = {
     "kv_half_supported": ([], _INT),
     "gemm_panel_width": ([], _I64),
     "gemm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], None),
+    "gemm_codes_block": ([], _I64),
+    "gemm_codes_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], _INT),
     "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry or cu_seqlens_q is out of range",

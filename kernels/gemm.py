@@ -7,6 +7,12 @@ is one FMA chain over the inputs in order, so a row's result is the same bits al
 batch and with any thread count (oneDNN needs a probe and a padded row for that: linear.py).
 `auto` picks it where it was measured faster than oneDNN: x86 with AVX2 and without AVX-512 (an
 AMD Zen 3: docs/benchmarks.md). Its AVX-512 build is tested for correctness, not tuned.
+
+A weight that was quantized before it reached us (a GGUF file's Q4_1, Q8_0, ... tensors, dequantized
+to fp32 by transformers) can instead be kept as 8-bit codes with a scale and an offset per block of
+inputs (`pack_codes`, INFERLINE_MODEL__CPU_WEIGHT_CODES): found only where they give back every fp32
+weight exactly, widened back to those fp32 values inside the GEMM, so the outputs are the same bits
+as over the fp32 panels, with a third of the bytes to read per step.
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(panels, out_features, in_features)
 
 
-def gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU; x's rows may be apart.
     ~120 calls a decode step: the checks are kept to attribute reads (cpu.call says why)."""
     if x.dim() != 2:
@@ -68,8 +74,102 @@ def gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None
     assert in_features == packed.in_features and x.dtype is _F32 and x.is_cpu, (x.shape, x.dtype, packed.in_features)
     assert bias is None or (bias.dtype is _F32 and bias.is_contiguous() and bias.numel() == out), "bias: fp32 [out]"
     y = torch.empty(rows, out, dtype=_F32)
-    if rows:
-        cpu.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(),
-                 None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
-                 torch.get_num_threads())
+    if not rows:
+        return y
+    args = (None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
+            torch.get_num_threads())
+    if isinstance(packed, CodedWeight):
+        if cpu.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args):
+            raise MemoryError("gemm_codes_f32: no memory for a widened panel")
+    else:
+        cpu.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(), *args)
     return y
+
+
+# ---- weights as 8-bit codes (csrc/gemm.c, "weights stored as 8-bit codes") ---------------------------
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """A weight [out, in] whose every value is scale * code + offset exactly, with codes 0..255 and one
+    (scale, offset) per output and block of `codes_block()` inputs: as the C GEMM reads it, per panel of
+    `panel_width()` outputs and per block, the block's codes (input-major), then its scales and offsets."""
+    blocks: torch.Tensor  # uint8 [panels, in / block, block * width + 8 * width]
+    out_features: int
+    in_features: int
+
+
+def codes_block() -> int:
+    return int(cpu.lib().gemm_codes_block())
+
+
+# The block's step between levels, for the formats whose values are such codes: (max - min) / levels
+# for the ones with an offset (GGUF Q4_1: 15 levels, Q5_1: 31), max |w| / steps for the symmetric ones
+# (Q8_0: 127, Q4_0: 8, Q5_0: 16; their offset is then the block's minimum, a code of 0). Tried in
+# this order, each on the blocks the ones before did not fit.
+_STEPS = (("range", 15), ("abs", 127), ("range", 31), ("abs", 8), ("abs", 16))
+
+
+def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes uint8 [out, in], scale [out, in / block], offset [out, in / block]) with
+    weight == scale * codes + offset exactly in every place, the scales fp16 values (so scale * code is
+    exact in fp32: any FMA contraction gives the same bits), the offset the block's minimum; None where
+    some block has no such codes (a weight that was never quantized) or `in` is not a multiple of block."""
+    out_features, in_features = weight.shape
+    if in_features % block or not weight.isfinite().all():
+        return None
+    w = weight.detach().reshape(-1, block)
+    low = w.amin(-1)
+    scale, codes = torch.zeros_like(low), torch.zeros(w.shape, dtype=torch.uint8)
+    todo = (w.amax(-1) != low).nonzero().squeeze(-1)  # a constant block: scale 0, codes 0
+    for kind, n in _formats_by_fit(w[todo[:256]], low[todo[:256]]):
+        sub, sub_low = (w, low) if len(todo) == len(w) else (w[todo], low[todo])
+        steps = _half_and_neighbours(_step(sub, sub_low, kind, n))  # fp16 values; the quantizer's rounding either way
+        for i in range(len(steps)):
+            ok, q = _fit(sub, sub_low, steps[i])
+            scale[todo[ok]], codes[todo[ok]] = steps[i][ok], q[ok].to(torch.uint8)
+            todo, sub, sub_low, steps = todo[~ok], sub[~ok], sub_low[~ok], [t[~ok] for t in steps]
+    if len(todo):
+        return None
+    # every block was checked in _fit: scale * codes + low == w, in fp32, value by value
+    return codes.reshape(out_features, in_features), scale.reshape(out_features, -1), low.reshape(out_features, -1)
+
+
+def _formats_by_fit(w: torch.Tensor, low: torch.Tensor) -> list[tuple[str, int]]:
+    """_STEPS, those that fit most of the blocks w first: most weights then take one pass."""
+    return sorted(_STEPS, key=lambda f: -int(_fit(w, low, _half_and_neighbours(_step(w, low, *f))[0])[0].sum()))
+
+
+def _step(w: torch.Tensor, low: torch.Tensor, kind: str, n: int) -> torch.Tensor:
+    """Each block's step between codes if it is of the format (kind, n) of _STEPS."""
+    return ((w.amax(-1) - low) if kind == "range" else w.abs().amax(-1)) / n
+
+
+def _fit(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each block is step * codes + low exactly, the codes) for blocks w [n, block]."""
+    q = ((w - low[:, None]) / step[:, None]).round().clamp(0, 255)
+    return (step > 0) & step.isfinite() & ((step[:, None] * q + low[:, None]) == w).all(-1), q
+
+
+def _half_and_neighbours(step: torch.Tensor) -> list[torch.Tensor]:
+    """step rounded to fp16, the next fp16 value up, the one down (as fp32 values; step >= 0)."""
+    bits = step.half().view(torch.int16)
+    return [(bits + delta).clamp(min=0).view(torch.float16).float() for delta in (0, 1, -1)]
+
+
+def pack_codes(weight: torch.Tensor) -> CodedWeight | None:
+    """The coded copy of a CPU fp32 weight [out, in] (exact_codes), or None where it has none."""
+    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
+    block, width = codes_block(), panel_width()
+    found = exact_codes(weight, block)
+    if found is None:
+        return None
+    codes, scale, offset = found
+    out_features, in_features = weight.shape
+    pad = -out_features % width  # zero codes, scales and offsets: zero weights
+    codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
+    blocks = in_features // block
+    # [panels, width, blocks, block] -> [panels, blocks, block, width]: a block's codes input-major
+    codes = codes.reshape(-1, width, blocks, block).permute(0, 2, 3, 1).reshape(-1, blocks, block * width)
+    scale, offset = (t.reshape(-1, width, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+                     for t in (scale, offset))
+    return CodedWeight(torch.cat([codes, scale, offset], dim=-1).contiguous(), out_features, in_features)

@@ -28,7 +28,7 @@ def test_kv_fp16_variant_steps_over_an_fp16_copy_of_the_cache(capsys):
 
 
 def test_linears_variants_swap_the_packed_copies_and_back(capsys):
-    """--linears: the C GEMM's and oneDNN's packed weights and F.linear on one batch; the
+    """--linears: the C GEMM's packed weights (codes and fp32) and oneDNN's and F.linear on one batch; the
     runner's own copies are back after each variant, and every variant samples the same tokens
     (greedy, one step from the same state: only the last bits of the sums differ)."""
     from kernels import gemm
@@ -42,7 +42,7 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
         eng = decode_step.build_engine(args)
         model = eng.runner.model
         own = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_packed]
-        for name, kind in (("c-gemm", gemm.PackedWeight), ("onednn", torch.Tensor)):
+        for name, kind in (("c-codes", gemm.CodedWeight), ("c-gemm", gemm.PackedWeight), ("onednn", torch.Tensor)):
             with decode_step.VARIANTS[name](eng):
                 assert isinstance(model.lm_head_packed, kind)
                 assert all(isinstance(m.packed, kind) for m in model.modules() if isinstance(m, Linear))
@@ -50,9 +50,10 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
         return decode_step.measure(args)
 
     res = roofline.in_thread(work, 1)
-    assert set(res["steps"]) == {"c-gemm", "onednn", "mkl"} and all(len(ts) == 2 for ts in res["steps"].values())
+    assert set(res["steps"]) == {"c-codes", "c-gemm", "onednn", "mkl"} and all(len(ts) == 2 for ts in res["steps"].values())
     decode_step.report(args, res)
-    assert "onednn / c-gemm" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "onednn / c-gemm" in out and "c-gemm / c-codes" in out
 
 
 def test_linear_backends_bench_times_every_backend(capsys):
@@ -62,7 +63,8 @@ def test_linear_backends_bench_times_every_backend(capsys):
     if not gemm.available():
         pytest.skip("the CPU kernels did not build")
     table = linear_backends.main(["--rows", "3", "--repeats", "1", "--threads", "1"])
-    assert set(table) == {3} and {"c", "mkl"} <= set(table[3]) and all(t > 0 for t in table[3].values())
+    # the default model's weights (a GGUF's Q4_1 and Q8_0) have exact 8-bit codes: timed as well
+    assert set(table) == {3} and {"c", "c+codes", "mkl"} <= set(table[3]) and all(t > 0 for t in table[3].values())
     assert "rows    3  GFLOP/s: c" in capsys.readouterr().out
 
 
@@ -74,3 +76,4 @@ def test_the_roofline_takes_the_faster_packed_backend():
     roof = roofline.in_thread(lambda: roofline.measure(model, batches=(4,), repeats=1), 1)
     backends = roofline._packing_backends(model)
     assert roof["backend"] in (backends or ["torch"]) and roof["by_batch"]["4"]["tokens_per_s"] == roof["tokens_per_s"]
+    assert "c+codes" not in backends  # random weights have no exact 8-bit codes

@@ -108,13 +108,15 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
 
 
 @pytest.mark.parametrize("setting, value", [("cpu_linear", "torch"), ("cpu_linear", "onednn"), ("cpu_linear", "c"),
-                                            ("cpu_fused_ops", "torch"), ("attention_backend", "torch")])
+                                            ("cpu_weight_codes", "off"), ("cpu_fused_ops", "torch"),
+                                            ("attention_backend", "torch")])
 def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs, setting, value):
-    """The default runner packs its linear weights for the C GEMM or oneDNN (models/linear.py:
-    `auto`), runs norms, SiLU and rope as C kernels (kernels/fused.py) and attention, prompt rows
-    included, in the C kernel (kernels/cpu.py); a runner with any other linear backend, or with
-    the others on PyTorch (INFERLINE_MODEL__CPU_FUSED_OPS or ATTENTION_BACKEND = torch), must give
-    HF's greedy tokens too."""
+    """The default runner packs its linear weights for the C GEMM (as 8-bit codes: the GGUF's
+    weights are Q4_1 and Q8_0) or oneDNN (models/linear.py: `auto`), runs norms, SiLU and rope as
+    C kernels (kernels/fused.py) and attention, prompt rows included, in the C kernel
+    (kernels/cpu.py); a runner with any other linear backend, fp32 panels
+    (INFERLINE_MODEL__CPU_WEIGHT_CODES=off), or the others on PyTorch (CPU_FUSED_OPS or
+    ATTENTION_BACKEND = torch), must give HF's greedy tokens too."""
     from config.settings import Settings
     from kernels import fused, gemm
     from worker.engine.model_runner import ModelRunner
@@ -133,8 +135,14 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
         packed = [m.packed for m in plain.model.modules() if isinstance(m, Linear)] + [plain.model.lm_head_packed]
         if value == "torch":
             assert all(p is None for p in packed)
-        else:
-            assert all(isinstance(p, gemm.PackedWeight) == (value == "c") and p is not None for p in packed)
+        else:  # the C GEMM keeps every weight of this GGUF model as codes
+            assert all(isinstance(p, gemm.CodedWeight) == (value == "c") and p is not None for p in packed)
+            assert plain.coded_weights == (len(packed) if value == "c" else 0)
+    elif setting == "cpu_weight_codes":
+        assert plain.coded_weights == 0 and plain.linear_backend == model_runner.linear_backend
+        if plain.linear_backend == "c":
+            packed = plain.model.packed_weights()
+            assert len(packed) == 121 and all(isinstance(p, gemm.PackedWeight) for p in packed)
     elif setting == "cpu_fused_ops":
         assert not plain.fused_ops and plain.linear_backend == model_runner.linear_backend
     else:

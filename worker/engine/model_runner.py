@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from config.settings import Settings
-from kernels import fused, reference
+from kernels import fused, gemm, reference
 from worker.engine.models.linear import choose_backend
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
@@ -96,12 +96,16 @@ class ModelRunner:
                                                      (head_dim, num_heads, self.block_size), self.kv_dtype)
         self.linear_backend = "torch"
         backend = choose_backend(settings.model.cpu_linear) if self.device.type == "cpu" else "torch"
-        if backend != "torch" and self.model.pack_linears(backend):
+        codes = settings.model.cpu_weight_codes == "auto"
+        if backend != "torch" and self.model.pack_linears(backend, codes):
             self.linear_backend = backend
+        # weights the C GEMM keeps as 8-bit codes (exact: kernels/gemm.py), of all packed ones
+        self.coded_weights = sum(isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights())
         self.fused_ops = settings.model.cpu_fused_ops == "auto" and fused.available(self.device, self.dtype)
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
                  num_blocks=self.num_blocks,
                  block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend,
+                 coded_weights=self.coded_weights,
                  fused_ops="c" if self.fused_ops else "torch")
 
     def claim(self) -> object:

@@ -46,8 +46,8 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# What `packed` may be: oneDNN's packed tensor, or the C GEMM's panels.
-Packed = torch.Tensor | gemm.PackedWeight
+# What `packed` may be: oneDNN's packed tensor, or the C GEMM's panels (fp32 or 8-bit codes).
+Packed = torch.Tensor | gemm.PackedWeight | gemm.CodedWeight
 BACKENDS = ("c", "onednn")
 
 
@@ -64,13 +64,16 @@ def choose_backend(setting: str) -> str:
     return setting
 
 
-def pack_weight(weight: torch.Tensor, backend: str = "onednn") -> Packed | None:
+def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
     """The packed copy of a CPU fp32 `weight` [out, in] for `backend` (BACKENDS); None where that
-    does not apply (other devices and dtypes, a PyTorch built without oneDNN)."""
+    does not apply (other devices and dtypes, a PyTorch built without oneDNN). `codes`: the C GEMM
+    keeps the weight as 8-bit codes where they give it back exactly (kernels/gemm.py), else fp32."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if backend == "c":
-        return gemm.pack(weight) if gemm.available() else None
+        if not gemm.available():
+            return None
+        return (codes and gemm.pack_codes(weight)) or gemm.pack(weight)
     assert backend == "onednn", f"backend must be one of {BACKENDS}, got {backend!r}"
     if not onednn_available():
         return None
@@ -90,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     copy of `weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, gemm.PackedWeight):
+    if isinstance(packed, (gemm.PackedWeight, gemm.CodedWeight)):
         return gemm.gemm(x, packed, bias)
     if x.dim() == 2 and x.shape[0] == 1 and not lone_row_exact(weight, packed):
         return _onednn(x.expand(2, -1), packed, bias)[:1]  # computed as in a batch: see above
@@ -119,9 +122,9 @@ class Linear(nn.Linear):
 
     packed: Packed | None = None
 
-    def pack(self, backend: str = "onednn") -> bool:
+    def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Make the packed copy (call after the weights are final); False where none applies."""
-        self.packed = pack_weight(self.weight, backend)
+        self.packed = pack_weight(self.weight, backend, codes)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

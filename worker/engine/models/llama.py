@@ -205,14 +205,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_packed: Packed | None = None
 
-    def pack_linears(self, backend: str = "onednn") -> bool:
+    def pack_linears(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Give every linear layer and the LM head a packed copy of its weight for `backend`
-        (models/linear.py); call once the weights are loaded. False where packing does not apply
-        (not CPU fp32)."""
-        packed = [m.pack(backend) for m in self.modules() if isinstance(m, Linear)]
+        (models/linear.py; `codes`: as 8-bit codes where exact); call once the weights are loaded.
+        False where packing does not apply (not CPU fp32)."""
+        packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, Linear)]
         tied = self.tie_word_embeddings  # the embedding has no Linear: pack it for the head here
-        self.lm_head_packed = pack_weight(self.embed_tokens.weight, backend) if tied else self.lm_head.packed
+        self.lm_head_packed = (pack_weight(self.embed_tokens.weight, backend, codes) if tied
+                               else self.lm_head.packed)
         return all(packed) and self.lm_head_packed is not None
+
+    def packed_weights(self) -> list:
+        """Every packed copy: the linear layers' and the LM head's."""
+        linears = [m.packed for m in self.modules() if isinstance(m, Linear)]
+        return linears + ([self.lm_head_packed] if self.tie_word_embeddings else [])
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
