@@ -11,6 +11,10 @@
  * spread over the threads; within a thread each panel is read from memory once and from cache
  * for its other row tiles.
  *
+ * A weight quantized before it reached us (a GGUF model's) may come as 8-bit codes instead of
+ * fp32 panels, widened to the same fp32 values as they are used (below: "weights stored as 8-bit
+ * codes"): a third of the bytes, the same bits.
+ *
  * Every output is one chain of FMAs over k = 0, 1, ..., K - 1 from 0 (the bias added last),
  * whatever the number of rows, the tile a row falls in, the row block or the thread count: a
  * row gets the same bits alone or in any batch, by construction (tests/test_gemm.py checks it).
