@@ -104,8 +104,8 @@ def codes_block() -> int:
 
 # The block's step between levels, for the formats whose values are such codes: (max - min) / levels
 # for the ones with an offset (GGUF Q4_1: 15 levels, Q5_1: 31), max |w| / steps for the symmetric ones
-# (Q8_0: 127, Q4_0: 8, Q5_0: 16; their offset is then the block's minimum, a code of 0). Tried in
-# this order, each on the blocks the ones before did not fit.
+# (Q8_0: 127, Q4_0: 8, Q5_0: 16; their offset is then the block's minimum, a code of 0). Each is
+# tried on the blocks the ones before did not fit, those that fit a sample of blocks best first.
 _STEPS = (("range", 15), ("abs", 127), ("range", 31), ("abs", 8), ("abs", 16))
 
 

@@ -37,7 +37,11 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count():
     position of any batch, with one thread or two (what batch invariance of the engine needs)."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(70, 1536, generator=gen), torch.randn(600, 1536, generator=gen)
-    packed = gemm.pack(w)
+    assert_row_bits_invariant(x, gemm.pack(w))
+
+
+def assert_row_bits_invariant(x: torch.Tensor, packed) -> None:
+    """gemm(x, packed)'s rows are the same bits in slices of x and with 1 or 3 threads."""
     full = gemm.gemm(x, packed)
     for start, rows in ((0, 1), (0, 5), (3, 7), (11, 13), (40, 30)):
         assert torch.equal(gemm.gemm(x[start:start + rows], packed), full[start:start + rows]), (start, rows)

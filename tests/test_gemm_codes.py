@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu, gemm
+from tests.test_gemm import assert_row_bits_invariant
 from worker.engine.models import linear as linear_module
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build (no C compiler?)")
@@ -15,23 +16,23 @@ BLOCK = 32
 
 
 # Each dequantized as ggml does it: fp16 scale (and min) widened, times the code (plus the min).
-def q4_1(x: torch.Tensor) -> torch.Tensor:
-    """ggml's quantize_row_q4_1_ref then dequantize: 16 levels from each block's min to its max."""
+def q_min_max(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """ggml's quantize_row_q4_1_ref (levels 15) or q5_1's (31), then dequantize: codes 0..levels
+    from each block's min to its max."""
     b = x.reshape(-1, BLOCK)
     low, high = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    d = (high - low) / 15
+    d = (high - low) / levels
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = ((b - low) * inv + 0.5).trunc().clamp(0, 15)
+    q = ((b - low) * inv + 0.5).trunc().clamp(0, levels)
     return (d.half().float() * q + low.half().float()).reshape(x.shape)
+
+
+def q4_1(x: torch.Tensor) -> torch.Tensor:
+    return q_min_max(x, 15)
 
 
 def q5_1(x: torch.Tensor) -> torch.Tensor:
-    b = x.reshape(-1, BLOCK)
-    low, high = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    d = (high - low) / 31
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = ((b - low) * inv + 0.5).trunc().clamp(0, 31)
-    return (d.half().float() * q + low.half().float()).reshape(x.shape)
+    return q_min_max(x, 31)
 
 
 def q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -124,18 +125,8 @@ def test_gemm_over_codes_gives_the_bits_of_the_fp32_panels(quantize, out_feature
 
 
 def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count():
-    gen = torch.Generator().manual_seed(0)
-    x, coded = torch.randn(70, 1536, generator=gen), gemm.pack_codes(weight(600, 1536, q4_1))
-    full = gemm.gemm(x, coded)
-    for start, rows in ((0, 1), (3, 7), (40, 30)):
-        assert torch.equal(gemm.gemm(x[start:start + rows], coded), full[start:start + rows]), (start, rows)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            assert torch.equal(gemm.gemm(x, coded), full), n
-    finally:
-        torch.set_num_threads(threads)
+    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(0))
+    assert_row_bits_invariant(x, gemm.pack_codes(weight(600, 1536, q4_1)))
 
 
 def test_pack_weight_keeps_codes_only_where_asked_and_exact():
