@@ -156,10 +156,11 @@ def _half_and_neighbours(step: torch.Tensor) -> list[torch.Tensor]:
     return [(bits + delta).clamp(min=0).view(torch.float16).float() for delta in (0, 1, -1)]
 
 
-def pack_codes(weight: torch.Tensor) -> CodedWeight | None:
-    """The coded copy of a CPU fp32 weight [out, in] (exact_codes), or None where it has none."""
+def pack_codes(weight: torch.Tensor, width: int | None = None) -> CodedWeight | None:
+    """The coded copy of a CPU fp32 weight [out, in] (exact_codes), or None where it has none;
+    in panels of `width` outputs (default: this machine's build's)."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
-    block, width = codes_block(), panel_width()
+    block, width = codes_block(), width or panel_width()
     found = exact_codes(weight, block)
     if found is None:
         return None

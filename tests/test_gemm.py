@@ -121,14 +121,7 @@ def test_the_16_float_layout_equals_f_linear_too(tmp_path):
     """The library's own build has 8-float vectors on AVX2 (tiles of 6 x 16) and 16-float ones
     with AVX-512 or without AVX2 (tiles of 8 x 32): CI's machine runs one. This builds gemm.c for
     plain x86-64 (no AVX2: the same C path as AVX-512, in SSE registers) and checks it runs right."""
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in cpu.FLAGS]
-    lib_path = tmp_path / "gemm_x86_64.so"
-    done = subprocess.run(["cc", *flags, "-shared", "-I", str(cpu.CSRC), str(cpu.CSRC / "gemm.c"), "-o", str(lib_path)],
-                          capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lib = ctypes.CDLL(str(lib_path))
-    lib.gemm_panel_width.restype = ctypes.c_int64
-    lib.gemm_f32.argtypes = cpu._FUNCTIONS["gemm_f32"][0]
+    lib = build_x86_64(tmp_path)
     width = lib.gemm_panel_width()
     assert width == 32
     gen = torch.Generator().manual_seed(1)
@@ -145,3 +138,16 @@ def test_the_16_float_layout_equals_f_linear_too(tmp_path):
             outs.append(y)
         torch.testing.assert_close(outs[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         assert torch.equal(outs[1], outs[0][:1]) and torch.equal(outs[2], outs[0][:8])
+
+
+def build_x86_64(tmp_path) -> ctypes.CDLL:
+    """gemm.c built for plain x86-64 (16-float vectors in SSE registers), its functions typed."""
+    flags = [f if f != "-march=native" else "-march=x86-64" for f in cpu.FLAGS]
+    lib_path = tmp_path / "gemm_x86_64.so"
+    done = subprocess.run(["cc", *flags, "-shared", "-I", str(cpu.CSRC), str(cpu.CSRC / "gemm.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ("gemm_panel_width", "gemm_f32", "gemm_codes_block", "gemm_codes_f32"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = cpu._FUNCTIONS[name]
+    return lib

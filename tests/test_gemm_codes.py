@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu, gemm
-from tests.test_gemm import assert_row_bits_invariant
+from tests.test_gemm import assert_row_bits_invariant, build_x86_64
 from worker.engine.models import linear as linear_module
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build (no C compiler?)")
@@ -141,3 +141,28 @@ def test_pack_weight_keeps_codes_only_where_asked_and_exact():
     expected = layer(x)
     assert layer.pack("c", codes=True) and isinstance(layer.packed, gemm.CodedWeight)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_16_float_layout_widens_codes_to_the_same_bits_too(tmp_path):
+    """gemm.c for plain x86-64 (the AVX-512 builds' 16-float layout; codes widened by its plain C
+    loop instead of AVX2's byte loads): over codes, the bits of its own fp32 panels."""
+    lib = build_x86_64(tmp_path)
+    width = lib.gemm_panel_width()
+    assert width == 32 and lib.gemm_codes_block() == BLOCK
+    gen = torch.Generator().manual_seed(2)
+    for out_features, in_features, quantize in ((32, 64, q4_1), (70, 576, q8_0)):
+        w = weight(out_features, in_features, quantize, seed=out_features)
+        b = torch.randn(out_features, generator=gen)
+        padded = torch.nn.functional.pad(w, (0, 0, 0, -out_features % width))
+        panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+        coded = gemm.pack_codes(w, width=width)
+        assert coded.blocks.shape[-1] == BLOCK * width + 8 * width
+        for rows in (19, 1):  # tiles of 8, 8 and 3 rows (widened into the buffer); one row
+            x = torch.randn(rows, in_features, generator=gen)
+            y_panels, y_codes = torch.empty(rows, out_features), torch.empty(rows, out_features)
+            lib.gemm_f32(x.data_ptr(), in_features, panels.data_ptr(), b.data_ptr(), y_panels.data_ptr(), out_features,
+                         rows, out_features, in_features, 2)
+            assert lib.gemm_codes_f32(x.data_ptr(), in_features, coded.blocks.data_ptr(), b.data_ptr(),
+                                      y_codes.data_ptr(), out_features, rows, out_features, in_features, 2) == 0
+            torch.testing.assert_close(y_panels, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            assert torch.equal(y_codes, y_panels), (out_features, rows)
