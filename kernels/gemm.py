@@ -79,8 +79,9 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
     args = (None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
             torch.get_num_threads())
     if isinstance(packed, CodedWeight):
-        if cpu.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args):
-            raise MemoryError("gemm_codes_f32: no memory for a widened panel")
+        err = cpu.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args)
+        if err:  # -1: no memory for a widened panel; -3: inputs not a multiple of the block (pack_codes prevents it)
+            raise RuntimeError(f"gemm_codes_f32 failed ({err})")
     else:
         cpu.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(), *args)
     return y
