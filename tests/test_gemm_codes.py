@@ -166,3 +166,9 @@ def test_the_16_float_layout_widens_codes_to_the_same_bits_too(tmp_path):
                                       y_codes.data_ptr(), out_features, rows, out_features, in_features, 2) == 0
             torch.testing.assert_close(y_panels, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
             assert torch.equal(y_codes, y_panels), (out_features, rows)
+
+
+def test_the_c_entry_point_refuses_inputs_not_a_multiple_of_the_block():
+    x, y = torch.randn(2, 48), torch.empty(2, 16)
+    codes = torch.zeros(1, 2, BLOCK * 16 + 8 * 16, dtype=torch.uint8)
+    assert cpu.lib().gemm_codes_f32(x.data_ptr(), 48, codes.data_ptr(), None, y.data_ptr(), 16, 2, 16, 48, 1) == -3
