@@ -246,14 +246,13 @@ def linears_unpacked(eng):
 def linears_packed_for(eng, backend: str):
     """The current path with the linear layers on `backend`'s packed weights (c: kernels/gemm.py,
     onednn), whichever the runner chose; the copies are made at first use and kept."""
-    from worker.engine.models.linear import Linear, pack_weight
+    from worker.engine.models.linear import Linear
 
     copies = eng.runner.__dict__.setdefault("_bench_packed", {})
     if backend not in copies:
         model = eng.runner.model
         weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight()]
-        name, _, codes = backend.partition("+")  # "c+codes": the C GEMM over 8-bit codes where exact
-        copies[backend] = [pack_weight(w, name, codes=bool(codes)) for w in weights]
+        copies[backend] = [roofline.pack_for(w, backend) for w in weights]  # "c+codes" too
     return linears_on(eng, copies[backend])
 
 

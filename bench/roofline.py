@@ -37,11 +37,17 @@ def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Pa
     are none."""
     layers, head = linear_weights(model)
     if backend is not None:
-        name, _, codes = backend.partition("+")
-        return [(w, pack_weight(w, name, codes=bool(codes))) for w in layers + [head]]
+        return [(w, pack_for(w, backend)) for w in layers + [head]]
     packed = [m.packed for layer in model.layers
               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     return list(zip(layers + [head], packed + [model.lm_head_packed]))
+
+
+def pack_for(weight: torch.Tensor, backend: str) -> Packed | None:
+    """pack_weight for a backend name of the benchmarks: linear.BACKENDS, or "c+codes" (the C GEMM
+    over 8-bit codes where the weight has exact ones)."""
+    name, _, codes = backend.partition("+")
+    return pack_weight(weight, name, codes=codes == "codes")
 
 
 def flops_per_token(model) -> dict[str, float]:
@@ -95,7 +101,7 @@ def _packing_backends(model) -> list[str]:
     the C GEMM keeps the weights as 8-bit codes (the same fp32 values: kernels/gemm.py)."""
     head = model.lm_head_weight()
     backends = [b for b in BACKENDS if pack_weight(head[:16], b) is not None]
-    if "c" in backends and isinstance(pack_weight(head[:16], "c", codes=True), CodedWeight):
+    if "c" in backends and isinstance(pack_for(head[:16], "c+codes"), CodedWeight):
         backends.append("c+codes")
     return backends
 
