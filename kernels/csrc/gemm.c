@@ -75,16 +75,13 @@ int64_t gemm_panel_width(void) { return NR; }
 /* NVEC codes (bytes) as floats. GCC 12 scalarizes __builtin_convertvector from bytes (a
  * vcvtsi2ss per code: widening SmolLM2's weights took ~60 ms, more than reading them in fp32),
  * so x86 goes through the zero-extending load and the int-to-float conversion. */
-#if defined(__AVX512F__) && NVEC == 16
+#if (defined(__AVX512F__) && NVEC == 16) || (defined(__AVX2__) && NVEC == 8)
 INLINE vn load_codes(const uint8_t *p) {
+#if NVEC == 16
     __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    vn v;
-    memcpy(&v, &x, sizeof v);
-    return v;
-}
-#elif defined(__AVX2__) && NVEC == 8
-INLINE vn load_codes(const uint8_t *p) {
+#else
     __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
     vn v;
     memcpy(&v, &x, sizeof v);
     return v;
