@@ -9,7 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# A C compiler: the CPU decode-attention kernel (kernels/cpu.py) and Triton's GPU launcher are
+# A C compiler: the CPU decode-attention kernel (kernels/cpu/) and Triton's GPU launcher are
 # both compiled on first use. Without it the CPU path falls back to plain PyTorch.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -21,7 +21,8 @@ import time
 import torch
 
 from bench import roofline
-from kernels import cpu, reference
+from kernels import reference
+from kernels.cpu import attention, build
 
 
 def make_step(args, gen):
@@ -43,9 +44,9 @@ def make_step(args, gen):
 
 def variants(args, cache):
     """name: (attention function, the cache it reads)."""
-    out = {"cpu": (cpu.paged_decode_attention_cpu, cache)}
+    out = {"cpu": (attention.paged_decode_attention_cpu, cache)}
     if not args.skip_fp16:
-        out["cpu-fp16"] = (cpu.paged_decode_attention_cpu, cache.half())
+        out["cpu-fp16"] = (attention.paged_decode_attention_cpu, cache.half())
     if not args.skip_torch:
         out["torch"] = (reference.paged_decode_attention, cache)
     return out
@@ -107,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not cpu.available():
+    if not build.available():
         raise SystemExit("the C kernel could not be built here (no C compiler?): nothing to measure")
     res = roofline.in_thread(lambda: measure(args), args.threads)
     report(args, res)

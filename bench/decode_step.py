@@ -13,14 +13,14 @@ forward, logits, sampling, update) that decode one token per sequence. The machi
 noisy: `--compare` interleaves the variants step by step (ABCD DCBA) in one process, on one
 batch, and reports medians and ratios: v0 (the model code before issue #3, kept below), the
 current code with decode attention in PyTorch (`torch`, kernels/reference.py) and in the compiled
-C kernel (`cpu`, kernels/cpu.py), the latter with the linear layers on F.linear instead of
+C kernel (`cpu`, kernels/cpu/), the latter with the linear layers on F.linear instead of
 the packed weights (`mkl`, models/linear.py), with norms, SiLU and rope as PyTorch ops instead of
 kernels/fused.py's C kernels (`unfused`), and with decode attention skipped (outputs zeros; the step
 minus it is what attention costs). `--kv-fp16` compares the default fp32 K/V cache (`cpu`) with an
 fp16 copy of it (`cpu-fp16`, INFERLINE_CACHE__DTYPE=float16) on the same batch. `--linears`
 compares the linear backends (INFERLINE_MODEL__CPU_LINEAR): the C GEMM over 8-bit codes (`c-codes`,
 where the weights have exact ones: INFERLINE_MODEL__CPU_WEIGHT_CODES) and over fp32 panels (`c-gemm`,
-kernels/gemm.py), oneDNN (`onednn`) and F.linear (`mkl`). The matmul floor
+kernels/cpu/gemm.py), oneDNN (`onednn`) and F.linear (`mkl`). The matmul floor
 (bench/roofline.py: the step's own linear layers alone, at this batch) is timed in between. Steps
 run on a thread of their own, as in the worker (see docs/benchmarks.md on OpenMP threads called
 from the main thread).
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import threading
 import time
@@ -206,14 +207,14 @@ def attention_skipped(eng):
 
 
 @contextlib.contextmanager
-def decode_backend(eng, name: str):
-    """The current model code with decode attention on `name` (kernels.decode_backend)."""
-    saved = eng.runner.decode_backend
-    eng.runner.decode_backend = name  # read by prepare(): the torch path also gets its plan
+def attention_on(eng, name: str):
+    """The current model code with attention on `name` (KernelBackends.attention)."""
+    saved = eng.runner.backends
+    eng.runner.backends = dataclasses.replace(saved, attention=name)  # read by prepare(): torch gets its plan
     try:
         yield
     finally:
-        eng.runner.decode_backend = saved
+        eng.runner.backends = saved
 
 
 @contextlib.contextmanager
@@ -244,7 +245,7 @@ def linears_unpacked(eng):
 
 
 def linears_packed_for(eng, backend: str):
-    """The current path with the linear layers on `backend`'s packed weights (c: kernels/gemm.py,
+    """The current path with the linear layers on `backend`'s packed weights (c: kernels/cpu/gemm.py,
     onednn), whichever the runner chose; the copies are made at first use and kept."""
     from worker.engine.models.linear import Linear
 
@@ -260,12 +261,12 @@ def linears_packed_for(eng, backend: str):
 def ops_unfused(eng):
     """The current path with RMSNorm, SiLU-and-mul and rope + K/V store as PyTorch ops instead of
     the C kernels of kernels/fused.py."""
-    saved = eng.runner.fused_ops
-    eng.runner.fused_ops = False  # read by prepare() into each step's AttentionMetadata
+    saved = eng.runner.backends
+    eng.runner.backends = dataclasses.replace(saved, fused_ops="torch")  # read by prepare() every step
     try:
         yield
     finally:
-        eng.runner.fused_ops = saved
+        eng.runner.backends = saved
 
 
 @contextlib.contextmanager
@@ -294,8 +295,8 @@ def kv_fp16(eng):
 
 VARIANTS = {
     "v0": v0_patched,
-    "torch": lambda eng: decode_backend(eng, "torch"),
-    "cpu": lambda eng: decode_backend(eng, "cpu"),
+    "torch": lambda eng: attention_on(eng, "torch"),
+    "cpu": lambda eng: attention_on(eng, "cpu"),
     "mkl": linears_unpacked,
     "unfused": ops_unfused,
     "no-attn": attention_skipped,
@@ -309,7 +310,7 @@ VARIANTS = {
 def measure(args) -> dict:
     eng = build_engine(args)
     lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
-    names = ["v0", "torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else [eng.runner.decode_backend]
+    names = ["v0", "torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else [eng.runner.backends.attention]
     if args.kv_fp16:
         names = ["cpu", "cpu-fp16"]
     if args.linears:

@@ -156,8 +156,8 @@ def rel_err(out, ref) -> float:
 
 
 def check_correctness(report: Report, quick: bool) -> int:
-    from kernels.paged_decode_attention import paged_decode_attention_triton
-    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+    from kernels.triton.decode import paged_decode_attention_triton
+    from kernels.triton.prefill import paged_prefill_attention_triton
 
     os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # launchers check index ranges (syncs; fine here)
     torch.manual_seed(0)
@@ -226,7 +226,7 @@ def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables,
 
 def _check_store(rows, dtype) -> int:
     from kernels import reference
-    from kernels.store_kv import store_kv_triton
+    from kernels.triton.store import store_kv_triton
 
     shape = (64, 16, 8, 128)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
@@ -246,9 +246,9 @@ def _check_store(rows, dtype) -> int:
 def _check_int64(rows) -> int:
     """A bf16 cache of > 2^31 elements; the sequence's blocks sit at its far end."""
     from kernels import reference
-    from kernels.paged_decode_attention import paged_decode_attention_triton
-    from kernels.paged_prefill_attention import paged_prefill_attention_triton
-    from kernels.store_kv import store_kv_triton
+    from kernels.triton.decode import paged_decode_attention_triton
+    from kernels.triton.prefill import paged_prefill_attention_triton
+    from kernels.triton.store import store_kv_triton
 
     bs, kvh, dim = 16, 8, 128
     per_block = bs * kvh * dim
@@ -326,7 +326,7 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     import torch.nn.functional as F
 
     from kernels import reference
-    from kernels.paged_decode_attention import paged_decode_attention_triton
+    from kernels.triton.decode import paged_decode_attention_triton
 
     lens = [ctx_len] * batch
     k_cache, v_cache, tables, ctx = paged_cache(
@@ -376,7 +376,7 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     import torch.nn.functional as F
 
     from kernels import reference
-    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+    from kernels.triton.prefill import paged_prefill_attention_triton
 
     k_cache, v_cache, tables, ctx = paged_cache(
         [ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0

@@ -1,6 +1,6 @@
 """The linear layers' backends side by side: one pass over every linear weight of the model (30
 decoder layers + the LM head, as one step computes them) at a given number of rows, on the C
-GEMM (kernels/gemm.py) over fp32 panels and over 8-bit codes (where the weights have exact ones,
+GEMM (kernels/cpu/gemm.py) over fp32 panels and over 8-bit codes (where the weights have exact ones,
 as a GGUF model's do), oneDNN and F.linear (MKL), alternated (ABCD DCBA ...) in one process.
 
     python -m bench.linear_backends                       # rows 1 8 16 32 64 128 512, 2 threads
@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench import roofline
-from kernels.gemm import CodedWeight
+from kernels.cpu.gemm import CodedWeight
 
 
 def pass_seconds(ops, x_by_in: dict[int, torch.Tensor]) -> float:

@@ -20,7 +20,8 @@ import time
 import torch
 
 from bench import roofline
-from kernels import cpu, reference
+from kernels import reference
+from kernels.cpu import attention, build
 
 
 def make_prompt(args, n: int, gen):
@@ -40,10 +41,10 @@ def variants(args, n: int, gen) -> dict:
     scale = args.head_dim ** -0.5
 
     def rows():
-        return [cpu.paged_decode_attention_cpu(q, k, v, row_tables, ctx, scale) for k, v in caches]
+        return [attention.paged_decode_attention_cpu(q, k, v, row_tables, ctx, scale) for k, v in caches]
 
     def tiles():
-        return [cpu.paged_decode_attention_cpu(q, k, v, table, ctx, scale, cu) for k, v in caches]
+        return [attention.paged_decode_attention_cpu(q, k, v, table, ctx, scale, cu) for k, v in caches]
 
     def torch_path():
         lens = torch.tensor([n], dtype=torch.int32)
@@ -103,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    assert cpu.available(), "the C kernels did not build (see the log)"
+    assert build.available(), "the C kernels did not build (see the log)"
     res = roofline.in_thread(lambda: measure(args), args.threads)
     report(args, res)
     return res

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.gemm import CodedWeight
+from kernels.cpu.gemm import CodedWeight
 from worker.engine.models.linear import BACKENDS, Packed, linear, pack_weight
 
 
@@ -98,7 +98,7 @@ def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
 def _packing_backends(model) -> list[str]:
     """The packed backends that apply to the model's weights on this machine (not where there is
     no oneDNN or no compiled kernels; F.linear is never faster than either), and "c+codes" where
-    the C GEMM keeps the weights as 8-bit codes (the same fp32 values: kernels/gemm.py)."""
+    the C GEMM keeps the weights as 8-bit codes (the same fp32 values: kernels/cpu/gemm.py)."""
     head = model.lm_head_weight()
     backends = [b for b in BACKENDS if pack_weight(head[:16], b) is not None]
     if "c" in backends and isinstance(pack_for(head[:16], "c+codes"), CodedWeight):

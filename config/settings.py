@@ -79,21 +79,24 @@ class ModelSettings(BaseModel):
     # CPU only: torch's intra-op threads for the engine's matmuls (0: torch's default, one per
     # core). Fewer than the cores leaves one for the event loop and Kafka clients under load.
     cpu_threads: int = Field(0, ge=0)
-    # Decode attention: `auto` is Triton on CUDA, the compiled C kernel for fp32 on the CPU
-    # (kernels/cpu.py; built with the system C compiler on first use, PyTorch if that fails;
-    # it takes prompt rows too, each over its own causal context), else PyTorch. `torch`
-    # forces the plain-PyTorch path (kernels/reference.py; SDPA for prompts).
+    # Attention (K/V store, prefill, decode): `auto` is Triton on CUDA, the compiled C kernel for
+    # fp32 on the CPU (kernels/cpu/; built with the system C compiler on first use, PyTorch if that
+    # fails; it takes prompt rows too, each over its own causal context), else PyTorch. `torch`
+    # forces the plain-PyTorch path (kernels/reference.py). `triton` on a CPU runs the Triton
+    # interpreter (TRITON_INTERPRET=1, for tests). An explicit choice this machine cannot run stops
+    # the worker at start-up (kernels/backends.py).
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     # Linear layers on the CPU in fp32 (models/linear.py). `c` and `onednn` pack every weight once
-    # at load (a second copy of the weights in memory) for the project's C GEMM (kernels/gemm.py;
-    # a row gets the same bits in any batch) or for oneDNN; both are 1.4-2x faster than `torch`
+    # at load (a second copy of the weights in memory) for the project's C GEMM (kernels/cpu/gemm.py;
+    # a row gets the same bits in any batch) or for oneDNN (an explicit one that cannot run here
+    # stops the worker at start-up); both are 1.4-2x faster than `torch`
     # (F.linear: MKL, which repacks the weight on every call) at decode batch sizes. `auto` is `c`
     # on x86 with AVX2 but no AVX-512, where it was measured faster than oneDNN, else `onednn`.
     cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
     # The `c` GEMM's packed weights: `auto` keeps a weight as 8-bit codes with an fp16 scale and
     # an offset per 32 inputs wherever those give back every fp32 weight exactly (a GGUF file's
     # Q4_1, Q8_0, ... tensors, as the default model's are), widened to fp32 as each panel is
-    # used: the same bits as the fp32 panels, ~3.2x fewer bytes read per step (kernels/gemm.py).
+    # used: the same bits as the fp32 panels, ~3.2x fewer bytes read per step (kernels/cpu/gemm.py).
     # `off`: fp32 panels always. Weights with no exact codes (most safetensors models) stay fp32.
     cpu_weight_codes: Literal["auto", "off"] = "auto"
     # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store

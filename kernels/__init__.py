@@ -1,55 +1,48 @@
-"""Paged-KV attention ops: Triton kernels on CUDA, plain PyTorch (reference.py) elsewhere, and
-for fp32 decode on the CPU a compiled C kernel (cpu.py) when a C compiler is there (the engine
-also sends it prompt rows, each as a decode over its own causal context: ModelRunner._token_tables;
-the C side goes through a prompt chunk's blocks once for up to 16 of its rows).
-The layer's elementwise ops are in fused.py.
+"""Paged-KV attention ops, one public call each, dispatched on `backend`:
+
+    triton   kernels/triton/ (CUDA; CPU tensors under TRITON_INTERPRET=1)
+    cpu      kernels/cpu/ (the C kernel, fp32 decode on the CPU; prompt rows as decodes)
+    torch    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle)
+    auto     what kernels.backends.select_attention picks for the tensors' device and dtype
+
+A model picks its backends once at load (kernels/backends.py) and passes `backend=` on every
+call. The layer's elementwise ops are in fused.py.
 
 Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
-slot = block * block_size + offset. Every op takes backend="auto" | "triton" | "cpu" | "torch";
-"auto" is Triton for CUDA tensors, the C kernel for fp32 CPU decode (if it built), and torch
-otherwise. "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first
-imported (the tests do this).
+slot = block * block_size + offset.
+
+No submodule of this package is named like a function it exports: importing kernels.triton.decode
+must never replace kernels.paged_decode_attention (Python binds a package attribute to each
+submodule it imports).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu, reference
+from kernels import reference
+from kernels.backends import ModelShape, select_attention
+from kernels.cpu import attention as cpu_attention
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "decode_backend"]
-
-_BACKENDS = ("auto", "triton", "cpu", "torch")
-
-
-def _use_triton(backend: str, t: torch.Tensor) -> bool:
-    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
-    return backend == "triton" or (backend == "auto" and t.is_cuda)
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention"]
 
 
-def decode_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto",
-                   shape: tuple[int, int, int] | None = None, kv_dtype: torch.dtype | None = None) -> str:
-    """What paged_decode_attention runs for tensors on `device` of `dtype`: triton, cpu or torch.
-    `shape` = (head_dim, num_heads, block_size), where known: the C kernel takes only some;
-    `kv_dtype`, the cache's element type when it is not `dtype` (fp16 caches for fp32 models)."""
-    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
+def _resolve(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if backend != "auto":
+        assert backend in ("triton", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
         return backend
-    if device.type == "cuda":
-        return "triton"
-    fits = shape is None or cpu.supports(*shape)
-    if kv_dtype is not None and kv_dtype != dtype:
-        fits = fits and kv_dtype == torch.float16 and shape is not None and cpu.supports_kv_half(shape[0])
-    return "cpu" if device.type == "cpu" and dtype == torch.float32 and fits and cpu.available() else "torch"
+    shape = ModelShape(q.shape[-1], q.shape[-2], k_cache.shape[2], k_cache.shape[1])
+    return select_attention(q.device, q.dtype, k_cache.dtype, shape)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping
     (int64 [num_tokens], slot = block * block_size + offset; a negative slot is skipped)."""
-    if _use_triton(backend, k_cache):
-        from kernels.store_kv import store_kv_triton
+    if backend == "triton" or (backend == "auto" and k_cache.is_cuda):
+        from kernels.triton.store import store_kv_triton
 
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    assert backend in ("auto", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -63,18 +56,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     decode over its own context (context_lens [num_rows]): sequence i owns rows cu_seqlens_q[i] ..
     cu_seqlens_q[i + 1] - 1 and block_tables has a row per sequence (prompt chunks on the CPU,
     ModelRunner._token_tables)."""
-    chosen = decode_backend(q.device, q.dtype, backend, (q.shape[2], q.shape[1], k_cache.shape[1]), k_cache.dtype)
+    chosen = _resolve(backend, q, k_cache)
     if cu_seqlens_q is not None:
         if chosen == "cpu":
-            return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q)
+            return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                            cu_seqlens_q)
         rows = torch.repeat_interleave(torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff())
         block_tables, plan = block_tables.index_select(0, rows).contiguous(), None
     if chosen == "triton":
-        from kernels.paged_decode_attention import paged_decode_attention_triton
+        from kernels.triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     if chosen == "cpu":
-        return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
 
 
@@ -83,13 +77,16 @@ def paged_prefill_attention(
 ):
     """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] (int32), the last tokens of its context_lens[i] tokens,
-    all already stored; causal. Returns [total_query_tokens, num_heads, head_dim]."""
-    if _use_triton(backend, q):
-        from kernels.paged_prefill_attention import paged_prefill_attention_triton
+    all already stored; causal. Returns [total_query_tokens, num_heads, head_dim]. The C kernel
+    has no prefill of its own: `cpu` computes prompts on the reference path here (the engine sends
+    them to the decode kernel as rows, cu_seqlens_q given)."""
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from kernels.triton.prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
         )
+    assert backend in ("auto", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
     return reference.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
     )

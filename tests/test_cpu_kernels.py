@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (kernels/cpu.py) against the PyTorch reference on
+"""The compiled CPU decode-attention kernel (kernels/cpu/) against the PyTorch reference on
 random shapes, its checks, its build and its fallback.
 
 Shapes are drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one.
@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu, reference
+from kernels import reference
+from kernels.backends import ModelShape, select_attention
+from kernels.cpu import attention, build
 from tests.paged_cache import PagedCache
 
 SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
@@ -28,6 +30,12 @@ SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine uses the PyTorch path")
 
+
+
+def auto_attention(device, dtype, shape=(64, 8, 16), kv_dtype=None) -> str:
+    """What INFERLINE_MODEL__ATTENTION_BACKEND=auto picks; shape = (head_dim, num_heads, block_size)."""
+    head_dim, num_heads, block_size = shape
+    return select_attention(device, dtype, kv_dtype or dtype, ModelShape(head_dim, num_heads, 1, block_size))
 
 @pytest.fixture
 def gen():
@@ -70,21 +78,21 @@ def test_cpu_decode_over_an_fp16_cache_matches_reference(gen, gqa, head_dim):
     assert cache.k_cache.dtype == torch.float16
     q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim ** -0.5)
-    assert kernels.decode_backend(q.device, q.dtype, "auto", (head_dim, 2 * gqa, 16), torch.float16) == "cpu"
+    assert auto_attention(q.device, q.dtype, (head_dim, 2 * gqa, 16), torch.float16) == "cpu"
     out = kernels.paged_decode_attention(*args)
     ref = reference.paged_decode_attention(*args)
     assert out.dtype == torch.float32 and not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
     for i, n in enumerate(lens):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
-    alone = cpu.paged_decode_attention_cpu(q[-1:], cache.k_cache, cache.v_cache, cache.block_tables[-1:],
+    alone = attention.paged_decode_attention_cpu(q[-1:], cache.k_cache, cache.v_cache, cache.block_tables[-1:],
                                            cache.context_lens[-1:], head_dim ** -0.5)
     assert torch.equal(alone[0], out[-1]), "a sequence's result depends on its batch"
 
 
 def test_fp16_cache_of_a_head_size_the_kernel_does_not_take_goes_to_torch():
-    assert not cpu.supports_kv_half(72) and cpu.supports_kv_half(48)
-    assert kernels.decode_backend(torch.device("cpu"), torch.float32, "auto", (72, 4, 16), torch.float16) == "torch"
-    assert kernels.decode_backend(torch.device("cpu"), torch.float32, "auto", (64, 9, 16), torch.bfloat16) == "torch"
+    assert not attention.supports_kv_half(72) and attention.supports_kv_half(48)
+    assert auto_attention(torch.device("cpu"), torch.float32, (72, 4, 16), torch.float16) == "torch"
+    assert auto_attention(torch.device("cpu"), torch.float32, (64, 9, 16), torch.bfloat16) == "torch"
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -94,10 +102,10 @@ def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
     cache = PagedCache(gen, lens, block_size, 3, 64, torch.float32)
     q = torch.randn(len(lens), 9, 64, generator=gen) * 3
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
-    out, ref = cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
+    out, ref = attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
     for i, n in enumerate(lens):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
-    alone = cpu.paged_decode_attention_cpu(q[:1], cache.k_cache, cache.v_cache, cache.block_tables[:1],
+    alone = attention.paged_decode_attention_cpu(q[:1], cache.k_cache, cache.v_cache, cache.block_tables[:1],
                                            cache.context_lens[:1], 0.125)
     assert torch.equal(alone[0], out[0]), "a sequence's result depends on its batch"
 
@@ -144,19 +152,19 @@ def test_prompt_rows_in_tiles_have_the_bits_of_decodes(gen, dtype, head_dim, thr
     context (tiles share K/V loads and compute scores from transposed K, in the same order of
     additions): a prompt's rows are computed as its decode steps will be, so a sequence
     recomputed after preemption, or whose prefix came from the cache, gets the same tokens."""
-    if dtype == torch.float16 and not cpu.supports_kv_half(head_dim):
+    if dtype == torch.float16 and not attention.supports_kv_half(head_dim):
         pytest.skip("this build has no fp16 conversions")
     lens, q_lens = [40, 700, 33, 1200, 16], [40, 650, 1, 30, 16]
     cache, q, cu, ctx, row_tables = prompt_chunks(gen, lens, q_lens, 16, 3, 3, head_dim, dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        tiled = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu)
-        per_row = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, row_tables, ctx, 0.125)
+        tiled = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu)
+        per_row = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, row_tables, ctx, 0.125)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(tiled, per_row), f"seed {SEED}: rows differ at {(tiled != per_row).nonzero()[:4].tolist()}"
-    alone = cpu.paged_decode_attention_cpu(q[100:101], cache.k_cache, cache.v_cache, row_tables[100:101],
+    alone = attention.paged_decode_attention_cpu(q[100:101], cache.k_cache, cache.v_cache, row_tables[100:101],
                                            ctx[100:101], 0.125)
     assert torch.equal(alone[0], tiled[100])
 
@@ -174,7 +182,7 @@ def test_prompt_rows_refuse_bad_cu_seqlens_before_reading(gen, bad):
     else:
         tables[1, 1] = cache.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, ctx, 0.1, cu)
+        attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, ctx, 0.1, cu)
 
 
 @pytest.mark.parametrize("magnitude", [0.01, 30.0])
@@ -184,7 +192,7 @@ def test_cpu_decode_online_softmax_at_extreme_scores(gen, magnitude):
     cache = PagedCache(gen, [1, 17, 250, 513], 16, 3, 64, torch.float32)
     q = torch.randn(4, 9, 64, generator=gen) * magnitude
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
-    out, ref = cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
+    out, ref = attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
     assert out.isfinite().all()
     assert rel_err(out, ref) < 1e-5, f"seed {SEED}"
 
@@ -193,11 +201,11 @@ def test_shapes_the_c_kernel_does_not_take_go_to_torch(gen):
     cache = PagedCache(gen, [30, 5], 16, 1, 72, torch.float32)
     q = torch.randn(2, 2, 72, generator=gen)  # head_dim 72: not a multiple of 16
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
-    assert not cpu.supports(72, 2, 16) and cpu.supports(64, 2, 16)
-    assert kernels.decode_backend(torch.device("cpu"), torch.float32, shape=(72, 2, 16)) == "torch"
+    assert not attention.supports(72, 2, 16) and attention.supports(64, 2, 16)
+    assert auto_attention(torch.device("cpu"), torch.float32, (72, 2, 16)) == "torch"
     assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))
     with pytest.raises(AssertionError, match="does not take"):
-        cpu.paged_decode_attention_cpu(*args)
+        attention.paged_decode_attention_cpu(*args)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -208,9 +216,9 @@ def test_cpu_decode_same_for_any_thread_count(gen, threads):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu.paged_decode_attention_cpu(*args)
+        one = attention.paged_decode_attention_cpu(*args)
         torch.set_num_threads(threads)
-        many = cpu.paged_decode_attention_cpu(*args)
+        many = attention.paged_decode_attention_cpu(*args)
     finally:
         torch.set_num_threads(before)
     # One (sequence, KV head) is one thread's work, in one order: bitwise the same.
@@ -223,17 +231,17 @@ def test_cpu_decode_reads_q_as_a_view_of_fused_qkv(gen):
     q = qkv[:, :8]
     assert not q.is_contiguous()
     args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
-    out = cpu.paged_decode_attention_cpu(q, *args)
-    assert torch.equal(out, cpu.paged_decode_attention_cpu(q.contiguous(), *args))
+    out = attention.paged_decode_attention_cpu(q, *args)
+    assert torch.equal(out, attention.paged_decode_attention_cpu(q.contiguous(), *args))
     assert rel_err(out, reference.paged_decode_attention(q, *args)) < 1e-5
 
 
 def test_cpu_decode_empty_context_and_empty_batch(gen):
     cache = PagedCache(gen, [0, 5], 16, 1, 64, torch.float32)
     q = torch.randn(2, 2, 64, generator=gen)
-    out = cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    out = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
     assert torch.equal(out[0], torch.zeros(2, 64)), "a context of 0 tokens attends to nothing: 0"
-    none = cpu.paged_decode_attention_cpu(q[:0], cache.k_cache, cache.v_cache, cache.block_tables[:0],
+    none = attention.paged_decode_attention_cpu(q[:0], cache.k_cache, cache.v_cache, cache.block_tables[:0],
                                           cache.context_lens[:0], 0.1)
     assert none.shape == (0, 2, 64)
 
@@ -252,7 +260,7 @@ def test_cpu_decode_refuses_a_bad_table_before_reading(gen, bad):
         lens[1] = -3
     q = torch.randn(2, 2, 64, generator=gen)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, lens, 0.1)
+        attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, tables, lens, 0.1)
 
 
 def test_cpu_decode_asserts_layout(gen):
@@ -260,45 +268,44 @@ def test_cpu_decode_asserts_layout(gen):
     q = torch.randn(1, 2, 64, generator=gen)
     args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
     with pytest.raises(AssertionError):
-        cpu.paged_decode_attention_cpu(q.bfloat16(), *args)
+        attention.paged_decode_attention_cpu(q.bfloat16(), *args)
     with pytest.raises(AssertionError):
-        cpu.paged_decode_attention_cpu(torch.randn(1, 64, 2).transpose(1, 2), *args)  # heads not packed
+        attention.paged_decode_attention_cpu(torch.randn(1, 64, 2).transpose(1, 2), *args)  # heads not packed
     with pytest.raises(AssertionError):
-        cpu.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables.long(),
+        attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables.long(),
                                        cache.context_lens, 0.1)
 
 
 def test_auto_backend_picks_the_cpu_kernel_for_fp32_only():
     cpu_dev = torch.device("cpu")
-    assert kernels.decode_backend(cpu_dev, torch.float32) == "cpu"
-    assert kernels.decode_backend(cpu_dev, torch.bfloat16) == "torch"
-    assert kernels.decode_backend(cpu_dev, torch.float32, "torch") == "torch"
-    assert kernels.decode_backend(torch.device("cuda"), torch.bfloat16) == "triton"
+    assert auto_attention(cpu_dev, torch.float32) == "cpu"
+    assert auto_attention(cpu_dev, torch.bfloat16) == "torch"
+    assert auto_attention(torch.device("cuda"), torch.bfloat16) == "triton"
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """kernels.cpu as on a new machine: nothing built, an empty cache folder."""
     monkeypatch.setenv("INFERLINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu, "_tried", False)
-    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(build, "_tried", False)
+    monkeypatch.setattr(build, "_lib", None)
     return tmp_path
 
 
 def test_first_use_builds_into_the_cache_folder(fresh_build, gen):
-    assert cpu.available()
+    assert build.available()
     (built,) = (fresh_build / "kernels").glob("inferline_cpu-*.so")
     assert not list((fresh_build / "kernels").glob("tmp*")), "the temporary build file was left behind"
     cache = PagedCache(gen, [30], 16, 1, 64, torch.float32)
     q = torch.randn(1, 1, 64, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
-    assert rel_err(cpu.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)) < 1e-5
+    assert rel_err(attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)) < 1e-5
 
 
 def test_failed_build_falls_back_to_torch(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", shutil.which("false"))  # a "compiler" that always fails
-    assert not cpu.available()
-    assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
+    assert not build.available()
+    assert auto_attention(torch.device("cpu"), torch.float32) == "torch"
     assert not list((fresh_build / "kernels").glob("*")), "a failed build left a file behind"
 
 
@@ -310,9 +317,9 @@ def test_build_past_its_time_is_killed_and_falls_back_to_torch(fresh_build, monk
     hang.write_text("#!/bin/sh\nexec sleep 60\n")
     hang.chmod(0o755)
     monkeypatch.setenv("CC", str(hang))
-    monkeypatch.setattr(cpu, "BUILD_TIMEOUT_S", 0.5)
-    assert not cpu.available()
-    assert kernels.decode_backend(torch.device("cpu"), torch.float32) == "torch"
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 0.5)
+    assert not build.available()
+    assert auto_attention(torch.device("cpu"), torch.float32) == "torch"
     assert [p.name for p in (fresh_build / "kernels").iterdir()] == []
 
 
@@ -324,24 +331,24 @@ def test_the_kernels_compile_for_avx2_and_avx512(tmp_path, march):
     another path with AVX-512 (16 floats a register) than without (pairs of 8): CI's machine
     tries one. This compiles every source for both kinds of x86 machine (not run), so a change
     that breaks the other path fails here."""
-    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu.FLAGS]
-    for src in cpu.SOURCES:
+    flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
+    for src in build.SOURCES:
         out = tmp_path / (src.stem + ".o")
-        done = subprocess.run(["cc", *flags, "-I", str(cpu.CSRC), "-c", str(src), "-o", str(out)],
-                              capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
+        done = subprocess.run(["cc", *flags, "-I", str(build.CSRC), "-c", str(src), "-o", str(out)],
+                              capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
         assert done.returncode == 0, f"{src.name} for {march}: {done.stderr[-2000:]}"
 
 
 def test_the_package_ships_every_source_and_header_the_build_reads():
-    """A wheel (not only this checkout) must hold the C sources and headers: kernels/cpu.py
+    """A wheel (not only this checkout) must hold the C sources and headers: kernels/cpu/
     compiles them on the user's machine."""
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
-    for path in cpu.SOURCES + cpu.HEADERS:
-        name = path.relative_to(Path(cpu.__file__).parent).as_posix()
+    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu"]
+    for path in build.SOURCES + build.HEADERS:
+        name = path.relative_to(Path(build.__file__).parent).as_posix()
         assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not in the package data {globs}"
-    on_disk = {p.name for p in cpu.CSRC.iterdir() if p.suffix in (".c", ".h")}
-    assert on_disk == {p.name for p in cpu.SOURCES + cpu.HEADERS}, "a C file the build does not list"
+    on_disk = {p.name for p in build.CSRC.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == {p.name for p in build.SOURCES + build.HEADERS}, "a C file the build does not list"
 
 
 def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
@@ -368,8 +375,8 @@ def test_prompt_attention_benchmark_runs_and_checks_tiles_against_rows(capsys):
 def test_prompt_attention_benchmark_fails_when_tiles_differ_from_rows(monkeypatch):
     from bench import prompt_attention
 
-    real = cpu.paged_decode_attention_cpu
-    monkeypatch.setattr(cpu, "paged_decode_attention_cpu",
+    real = attention.paged_decode_attention_cpu
+    monkeypatch.setattr(attention, "paged_decode_attention_cpu",
                         lambda q, k, v, t, c, s, cu=None: real(q, k, v, t, c, s, cu) + (cu is not None) * 1e-6)
     with pytest.raises(AssertionError, match="tiles differ from rows"):
         prompt_attention.main(["--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"])

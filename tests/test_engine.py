@@ -114,16 +114,18 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
     """The default runner packs its linear weights for the C GEMM (as 8-bit codes: the GGUF's
     weights are Q4_1 and Q8_0) or oneDNN (models/linear.py: `auto`), runs norms, SiLU and rope as
     C kernels (kernels/fused.py) and attention, prompt rows included, in the C kernel
-    (kernels/cpu.py); a runner with any other linear backend, fp32 panels
+    (kernels/cpu/); a runner with any other linear backend, fp32 panels
     (INFERLINE_MODEL__CPU_WEIGHT_CODES=off), or the others on PyTorch (CPU_FUSED_OPS or
     ATTENTION_BACKEND = torch), must give HF's greedy tokens too."""
     from config.settings import Settings
-    from kernels import fused, gemm
+    from kernels import backends, fused
+    from kernels.cpu import gemm
     from worker.engine.model_runner import ModelRunner
-    from worker.engine.models.linear import Linear, choose_backend, onednn_available
+    from worker.engine.models.linear import Linear, onednn_available
 
-    assert model_runner.linear_backend == choose_backend("auto") != "torch"
-    assert model_runner.fused_ops == fused.available(torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    assert model_runner.backends.linear == backends.select_linear(cpu, torch.float32, "auto") != "torch"
+    assert (model_runner.backends.fused_ops == "c") == fused.available(cpu, torch.float32)
     if value == "onednn" and not onednn_available():
         pytest.skip("this PyTorch has no oneDNN")
     settings = Settings()
@@ -131,7 +133,7 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
     settings.cache.num_blocks = 64
     plain = ModelRunner(settings)
     if setting == "cpu_linear":
-        assert plain.linear_backend == value
+        assert plain.backends.linear == value
         packed = [m.packed for m in plain.model.modules() if isinstance(m, Linear)] + [plain.model.lm_head_packed]
         if value == "torch":
             assert all(p is None for p in packed)
@@ -139,14 +141,14 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
             assert all(isinstance(p, gemm.CodedWeight) == (value == "c") and p is not None for p in packed)
             assert plain.coded_weights == (len(packed) if value == "c" else 0)
     elif setting == "cpu_weight_codes":
-        assert plain.coded_weights == 0 and plain.linear_backend == model_runner.linear_backend
-        if plain.linear_backend == "c":
+        assert plain.coded_weights == 0 and plain.backends.linear == model_runner.backends.linear
+        if plain.backends.linear == "c":
             packed = plain.model.packed_weights()
             assert len(packed) == 121 and all(isinstance(p, gemm.PackedWeight) for p in packed)
     elif setting == "cpu_fused_ops":
-        assert not plain.fused_ops and plain.linear_backend == model_runner.linear_backend
+        assert plain.backends.fused_ops == "torch" and plain.backends.linear == model_runner.backends.linear
     else:
-        assert plain.decode_backend == "torch"
+        assert plain.backends.attention == "torch"
     results = run_to_completion(make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]})
     for i in range(4):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]

@@ -1,4 +1,4 @@
-"""kernels/gemm.py (csrc/gemm.c): the linear layers' C GEMM equals F.linear on random shapes, and a
+"""kernels/cpu/gemm.py (csrc/gemm.c): the linear layers' C GEMM equals F.linear on random shapes, and a
 row's bits depend neither on the batch around it nor on the thread count."""
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, gemm
+from kernels import backends
+from kernels.cpu import build, gemm
 from worker.engine.models import linear as linear_module
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build (no C compiler?)")
+pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels did not build (no C compiler?)")
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 5), (16, 96), (17, 96), (200, 577), (1000, 64)])
@@ -90,16 +92,19 @@ def test_wrong_inputs_are_refused():
                                               ("flags : fpu sse2 avx avx2 fma avx512f avx512bw", False),
                                               ("Features : fp asimd", False)])
 def test_auto_picks_the_c_gemm_only_where_it_was_measured_faster(monkeypatch, flags, preferred):
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
     assert gemm.preferred() == preferred
-    expected = "c" if preferred else ("onednn" if linear_module.onednn_available() else "torch")
-    assert linear_module.choose_backend("auto") == expected
+    expected = "c" if preferred else ("onednn" if backends.onednn_available() else "torch")
+    assert backends.select_linear(CPU, torch.float32, "auto") == expected
 
 
-def test_an_explicit_backend_the_machine_cannot_run_falls_back_to_f_linear(monkeypatch):
-    assert linear_module.choose_backend("c") == "c" and linear_module.choose_backend("torch") == "torch"
+def test_an_explicit_backend_the_machine_cannot_run_stops_at_load(monkeypatch):
+    assert backends.select_linear(CPU, torch.float32, "c") == "c"
+    assert backends.select_linear(CPU, torch.float32, "torch") == "torch"
     monkeypatch.setattr(gemm, "available", lambda: False)
-    assert linear_module.choose_backend("c") == "torch"
+    with pytest.raises(backends.BackendUnavailable, match="cpu_linear=c but the C kernels did not build"):
+        backends.select_linear(CPU, torch.float32, "c")
+    assert backends.select_linear(CPU, torch.float32, "auto") in ("onednn", "torch")
     assert linear_module.pack_weight(torch.randn(4, 8), "c") is None
 
 
@@ -142,12 +147,12 @@ def test_the_16_float_layout_equals_f_linear_too(tmp_path):
 
 def build_x86_64(tmp_path) -> ctypes.CDLL:
     """gemm.c built for plain x86-64 (16-float vectors in SSE registers), its functions typed."""
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in cpu.FLAGS]
+    flags = [f if f != "-march=native" else "-march=x86-64" for f in build.FLAGS]
     lib_path = tmp_path / "gemm_x86_64.so"
-    done = subprocess.run(["cc", *flags, "-shared", "-I", str(cpu.CSRC), str(cpu.CSRC / "gemm.c"), "-o", str(lib_path)],
-                          capture_output=True, text=True, timeout=cpu.BUILD_TIMEOUT_S)
+    done = subprocess.run(["cc", *flags, "-shared", "-I", str(build.CSRC), str(build.CSRC / "gemm.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-2000:]
     lib = ctypes.CDLL(str(lib_path))
     for name in ("gemm_panel_width", "gemm_f32", "gemm_codes_block", "gemm_codes_f32"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = cpu._FUNCTIONS[name]
+        getattr(lib, name).argtypes, getattr(lib, name).restype = build._FUNCTIONS[name]
     return lib

@@ -1,4 +1,4 @@
-"""kernels/gemm.py's 8-bit codes (csrc/gemm.c): the codes are found exactly where a weight was
+"""kernels/cpu/gemm.py's 8-bit codes (csrc/gemm.c): the codes are found exactly where a weight was
 quantized (GGUF's Q4_1, Q8_0, ...), never where it was not, and the GEMM over them gives the same
 bits as over the fp32 panels, in any batch and with any thread count."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, gemm
+from kernels.cpu import build, gemm
 from tests.test_gemm import assert_row_bits_invariant, build_x86_64
 from worker.engine.models import linear as linear_module
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels did not build (no C compiler?)")
+pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels did not build (no C compiler?)")
 
 BLOCK = 32
 
@@ -171,4 +171,4 @@ def test_the_16_float_layout_widens_codes_to_the_same_bits_too(tmp_path):
 def test_the_c_entry_point_refuses_inputs_not_a_multiple_of_the_block():
     x, y = torch.randn(2, 48), torch.empty(2, 16)
     codes = torch.zeros(1, 2, BLOCK * 16 + 8 * 16, dtype=torch.uint8)
-    assert cpu.lib().gemm_codes_f32(x.data_ptr(), 48, codes.data_ptr(), None, y.data_ptr(), 16, 2, 16, 48, 1) == -3
+    assert build.lib().gemm_codes_f32(x.data_ptr(), 48, codes.data_ptr(), None, y.data_ptr(), 16, 2, 16, 48, 1) == -3

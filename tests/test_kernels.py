@@ -116,8 +116,8 @@ def test_reference_store_kv_writes_slots_and_skips_negative(gen):
 
 
 def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypatch):
-    # (with it, fp32 decode goes to kernels/cpu.py: tests/test_cpu_kernels.py)
-    monkeypatch.setattr(kernels.cpu, "available", lambda: False)
+    # (with it, fp32 decode goes to kernels/cpu/: tests/test_cpu_kernels.py)
+    monkeypatch.setattr(kernels.cpu.build, "available", lambda: False)
     calls = []
     monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
     monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))

@@ -32,8 +32,8 @@ def test_the_cache_holds_halves_and_twice_the_blocks(fp16_runner, model_runner):
     assert fp16_runner.bytes_per_block() * 2 == model_runner.bytes_per_block()
     assert fp16_runner.num_blocks == int(0.1e9 // fp16_runner.bytes_per_block())
     assert fp16_runner.num_blocks >= 2 * int(0.1e9 // model_runner.bytes_per_block())
-    if model_runner.decode_backend == "cpu":  # the C kernels read and write the halves themselves
-        assert fp16_runner.decode_backend == "cpu" and fp16_runner.fused_ops
+    if model_runner.backends.attention == "cpu":  # the C kernels read and write the halves themselves
+        assert fp16_runner.backends.attention == "cpu" and fp16_runner.backends.fused_ops == "c"
 
 
 def test_greedy_stays_close_to_hf_fp32(fp16_runner, prompts, hf_outputs):

@@ -1,7 +1,8 @@
 """`python -m worker` / `inferline-worker`: load settings, build the engine, serve until a signal.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 on a start-up failure (no model, no
-broker), 2 on a bad setting (one line naming the INFERLINE_* variable).
+broker), 2 on a bad setting (one line naming the INFERLINE_* variable), a kernel backend this
+machine cannot run included (kernels/backends.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ def main() -> int:
     try:
         asyncio.run(serve(settings))
     except Exception as exc:  # start-up failures: one logged line with the cause, not a hang
+        from kernels.backends import BackendUnavailable  # torch is loaded by now
+
+        if isinstance(exc, BackendUnavailable):  # a kernel setting this machine cannot run
+            print(f"inferline-worker: {exc}", file=sys.stderr)
+            return 2
         structlog.get_logger("worker").exception("worker.failed", error=repr(exc))
         return 1
     return 0

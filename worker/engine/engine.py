@@ -298,7 +298,7 @@ class EngineLoop:
 
     Give it a built engine, or a function that builds one: then the model is loaded on the loop's
     own thread, and `wait_ready()` returns the engine once it is. Load on this thread where you
-    can. Each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu.py) keeps its
+    can. Each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu/) keeps its
     own pool of OpenMP threads for the life of the process; once there are more of those than
     CPUs, libgomp stops spinning between parallel regions and every region pays a futex wake-up
     (~75 us on the 2-core dev VM). A model loaded on another thread left such a pool behind:

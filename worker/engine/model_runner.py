@@ -6,65 +6,24 @@ model, computes logits only for the rows that sample, and samples.
 """
 from __future__ import annotations
 
-import contextlib
-import math
-import mmap
 from dataclasses import dataclass
 
 import structlog
 import torch
 
-import kernels
 from config.settings import Settings
-from kernels import fused, gemm, reference
-from worker.engine.models.linear import choose_backend
+from kernels import reference
+from kernels.backends import KernelBackends, ModelShape, select_backends
+from kernels.cpu import gemm
+from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
+    free_device_memory, host_to_device, huge_page_tensor, kv_cache_tensor, num_kv_blocks, pick_device,
+    pick_dtype, pick_kv_dtype)
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledSequence
 
 log = structlog.get_logger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 matmuls are ~5x slower than fp32 on these CPUs; on a GPU bf16 is the norm.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The K/V cache's element type (settings.cache.dtype)."""
-    if name == "auto" or getattr(torch, name) == model_dtype:
-        return model_dtype
-    if device.type != "cpu" or model_dtype != torch.float32:
-        raise ValueError(f"cache.dtype={name} is for fp32 models on the CPU (this one: {model_dtype} on "
-                         f"{device.type}); set INFERLINE_CACHE__DTYPE=auto")
-    return getattr(torch, name)
-
-
-def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in an anonymous mapping of its own, advised onto 2 MB pages
-    (transparent huge pages, when the host's THP mode is `madvise` or `always`). Decode attention
-    reads K/V blocks scattered over the whole cache; on 4 KB pages every 12 KB block is several
-    TLB misses (the C kernel, batch 32: 29.5 -> 27.3 ms a step on 2 MB pages). Where THP is off
-    the advice is ignored: 4 KB pages, as torch.empty's.
-
-    Every page is written here, once: the memory is the KV budget, taken at start-up (a host that
-    cannot give it fails now, not mid-request), and no step pays the first touch of a page (the
-    kernel zeroing 2 MB inside a K/V store: ~2% of a decode benchmark's samples, in bursts)."""
-    # Private and anonymous (mmap's default, MAP_SHARED, is shmem: THP there follows another setting).
-    buf = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
 
 
 @dataclass
@@ -91,22 +50,24 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
-        head_dim, num_heads = self._kv_shape()[2], self.config.num_attention_heads
-        self.decode_backend = kernels.decode_backend(self.device, self.dtype, settings.model.attention_backend,
-                                                     (head_dim, num_heads, self.block_size), self.kv_dtype)
-        self.linear_backend = "torch"
-        backend = choose_backend(settings.model.cpu_linear) if self.device.type == "cpu" else "torch"
-        codes = settings.model.cpu_weight_codes == "auto"
-        if backend != "torch" and self.model.pack_linears(backend, codes):
-            self.linear_backend = backend
-        # weights the C GEMM keeps as 8-bit codes (exact: kernels/gemm.py), of all packed ones
+        self.backends = self._select_backends(settings)
+        if self.backends.linear != "torch":
+            packed = self.model.pack_linears(self.backends.linear, settings.model.cpu_weight_codes == "auto")
+            assert packed, f"{self.backends.linear} could not pack this model's weights"
+        # weights the C GEMM keeps as 8-bit codes (exact: kernels/cpu/gemm.py), of all packed ones
         self.coded_weights = sum(isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights())
-        self.fused_ops = settings.model.cpu_fused_ops == "auto" and fused.available(self.device, self.dtype)
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
-                 num_blocks=self.num_blocks,
-                 block_size=self.block_size, decode_attention=self.decode_backend, linear=self.linear_backend,
-                 coded_weights=self.coded_weights,
-                 fused_ops="c" if self.fused_ops else "torch")
+                 num_blocks=self.num_blocks, block_size=self.block_size, attention=self.backends.attention,
+                 triton_target=self.backends.triton_target, linear=self.backends.linear,
+                 fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights)
+
+    def _select_backends(self, settings: Settings) -> KernelBackends:
+        """The kernels, once: kernels.backends raises BackendUnavailable for an impossible setting."""
+        block_size, num_kv_heads, head_dim = self._kv_shape()
+        shape = ModelShape(head_dim, self.config.num_attention_heads, num_kv_heads, block_size)
+        m = settings.model
+        return select_backends(self.device, self.dtype, self.kv_dtype, shape, m.attention_backend, m.cpu_linear,
+                               m.cpu_fused_ops)
 
     def claim(self) -> object:
         """Make the caller the KV cache's only user; returns its token for run(). An engine built
@@ -127,21 +88,14 @@ class ModelRunner:
         return per_layer * self.config.num_hidden_layers
 
     def _num_blocks(self, settings: Settings) -> int:
-        if settings.cache.num_blocks:
-            return settings.cache.num_blocks
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * settings.cache.gpu_memory_utilization
-        else:
-            budget = settings.cache.kv_memory_gb * 1e9
-        return max(1, int(budget // self.bytes_per_block()))
+        cache = settings.cache  # called after the model has loaded: free memory is what is left for K/V
+        return num_kv_blocks(self.bytes_per_block(), self.device.type, num_blocks=cache.num_blocks,
+                             kv_memory_gb=cache.kv_memory_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
+                             free_bytes=free_device_memory(self.device))
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.config.num_hidden_layers, 2, self.num_blocks, *self._kv_shape())
-        if self.device.type == "cpu":
-            cache = huge_page_tensor(shape, self.kv_dtype)
-        else:
-            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        cache = kv_cache_tensor(shape, self.kv_dtype, self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape[0])]
 
     # ---- one step -------------------------------------------------------------------------------
@@ -185,8 +139,9 @@ class ModelRunner:
                 logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
         positions = self._tensor(positions, torch.long)
         meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
-                                 decode_backend=self.decode_backend, fused_ops=self.fused_ops)
-        if self.decode_backend == "cpu" and prefills:  # one C call attends every row
+                                 attention_backend=self.backends.attention,
+                                 fused_ops=self.backends.fused_ops == "c")
+        if self.backends.attention == "cpu" and prefills:  # one C call attends every row
             meta.token_block_tables, meta.token_cu_seqlens, meta.token_context_lens = \
                 self._token_tables(ordered, positions)
         else:
@@ -209,7 +164,7 @@ class ModelRunner:
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = self._context_lens(decodes)
-            if self.decode_backend == "torch":  # the decode index math, once for all layers
+            if self.backends.attention == "torch":  # the decode index math, once for all layers
                 meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
                                                          self.block_size, self.config.num_key_value_heads)
         if prefills:
@@ -233,5 +188,4 @@ class ModelRunner:
         return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in chunks], torch.int32)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        return host_to_device(data, dtype, self.device)

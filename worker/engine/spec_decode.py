@@ -10,7 +10,7 @@ decoding would pick after draft i-1. The drafts are accepted while they equal th
 and the first row that disagrees gives its own argmax instead, so every step still yields at
 least one token, and the tokens are exactly greedy decoding's: a draft only decides how many of
 them one step computes. (Exact to the bit where the rows of a chunk are computed as decode rows
-are: the CPU path, kernels/cpu.py, and oneDNN's row-invariant linear layers.)
+are: the CPU path, kernels/cpu/, and oneDNN's row-invariant linear layers.)
 
 Code, quoted passages, lists and the loops of a small model's greedy text repeat themselves; free
 prose does not, and then a draft costs its rows' compute for nothing. Only greedy sequences

@@ -1,7 +1,7 @@
 """Linear layers for the engine's models: on the CPU in fp32 over a weight packed once at load,
-by the project's own GEMM (kernels/gemm.py: `c`) or oneDNN (`onednn`); else F.linear (`torch`).
+by the project's own GEMM (kernels/cpu/gemm.py: `c`) or oneDNN (`onednn`); else F.linear (`torch`).
 INFERLINE_MODEL__CPU_LINEAR chooses; `auto` is `c` where that was measured faster (AVX2 without
-AVX-512: kernels/gemm.py), else `onednn`. What follows is about oneDNN.
+AVX-512: kernels/cpu/gemm.py), else `onednn`. What follows is about oneDNN.
 
 F.linear on the CPU is MKL's sgemm, which copies ("packs") the weight into its blocked layout on
 every call. For the few rows of a decode step that packing is most of the work, and MKL also
@@ -35,15 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm
+from kernels.backends import onednn_available
+from kernels.cpu import gemm
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not once per weight
 _lone_row_exact: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> lone_row_exact's answer
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 # What `packed` may be: oneDNN's packed tensor, or the C GEMM's panels (fp32 or 8-bit codes).
@@ -51,23 +48,10 @@ Packed = torch.Tensor | gemm.PackedWeight | gemm.CodedWeight
 BACKENDS = ("c", "onednn")
 
 
-def choose_backend(setting: str) -> str:
-    """INFERLINE_MODEL__CPU_LINEAR -> the backend linear layers get on the CPU in fp32: c, onednn
-    or torch (F.linear). An explicit choice the machine cannot run falls back to torch."""
-    if setting == "auto":
-        setting = "c" if gemm.preferred() else "onednn"
-    if setting == "c" and not gemm.available():
-        log.warning("cpu_linear=c but the CPU kernels are not built; linear layers stay on F.linear")
-        return "torch"
-    if setting == "onednn" and not onednn_available():
-        return "torch"
-    return setting
-
-
 def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
     """The packed copy of a CPU fp32 `weight` [out, in] for `backend` (BACKENDS); None where that
     does not apply (other devices and dtypes, a PyTorch built without oneDNN). `codes`: the C GEMM
-    keeps the weight as 8-bit codes where they give it back exactly (kernels/gemm.py), else fp32."""
+    keeps the weight as 8-bit codes where they give it back exactly (kernels/cpu/gemm.py), else fp32."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if backend == "c":

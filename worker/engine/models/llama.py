@@ -39,7 +39,7 @@ class AttentionMetadata:
     token_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
     token_cu_seqlens: torch.Tensor | None = None  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
     token_context_lens: torch.Tensor | None = None  # int32 [num_tokens]
-    decode_backend: str = "auto"  # kernels.decode_backend: triton | cpu | torch
+    attention_backend: str = "auto"  # kernels.backends.KernelBackends.attention: triton | cpu | torch
     fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
 
 
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self._norm_qk(qkv)
         q = rope_store_kv(qkv, self.num_heads, self.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping,
-                          fused=meta.fused_ops)
+                          fused=meta.fused_ops, backend=meta.attention_backend)
         out = self._attend(q, k_cache, v_cache, meta)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -136,14 +136,14 @@ class Attention(nn.Module):
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.token_block_tables is not None:
             return kernels.paged_decode_attention(q, k_cache, v_cache, meta.token_block_tables,
-                                                  meta.token_context_lens, self.scale, backend=meta.decode_backend,
+                                                  meta.token_context_lens, self.scale, backend=meta.attention_backend,
                                                   cu_seqlens_q=meta.token_cu_seqlens)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta)
         prefill = kernels.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens, self.scale)
+            meta.prefill_context_lens, self.scale, backend=meta.attention_backend)
         if nd == 0:
             return prefill
         return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta), prefill))
@@ -151,7 +151,7 @@ class Attention(nn.Module):
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-            backend=meta.decode_backend, plan=meta.decode_plan)
+            backend=meta.attention_backend, plan=meta.decode_plan)
 
 
 class MLP(nn.Module):

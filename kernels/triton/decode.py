@@ -17,17 +17,21 @@ block_tables[seq, t // block_size] * block_size + t % block_size, so a tile may 
           [S, H, splits] (fp32); stage 2, grid (num_seqs, num_heads), rescales and sums the
           cdiv(context_len, split_len) valid splits.
 
-num_splits depends only on host shapes (max_blocks * block_size bounds every context), so the
-launch never syncs: splits past a sequence's context exit at once.
+num_splits depends only on host shapes (max_blocks * block_size bounds every context) and the
+target's SM count, so the launch never syncs: splits past a sequence's context exit at once.
+plan_decode is the pure part (shapes, dtype, target -> DecodePlan); launch_decode runs a plan.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_cache, check_out, check_tables, dot_in_fp32, dot_precision, interpreting
+from kernels.triton.checks import check_cache, check_out, check_tables
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
@@ -136,24 +140,54 @@ def _decode_stage2_kernel(
     )
 
 
-def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device) -> tuple[int, int]:
-    """(num_splits, split_len): enough programs to fill the GPU, splits of >= MIN_SPLIT_TOKENS."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 1  # the interpreter runs programs one by one: more programs only cost time
-    want = triton.cdiv(target, max(1, num_seqs * num_kv_heads))
-    most = max(1, min(MAX_SPLITS, max_len // MIN_SPLIT_TOKENS))
-    num_splits = max(1, min(want, most))
+@dataclass(frozen=True)
+class DecodePlan:
+    stage1: LaunchPlan
+    stage2: LaunchPlan | None  # None: one split, stage 1 writes the output itself
+    num_splits: int
+    split_len: int
+
+
+def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                max_blocks: int, dtype: torch.dtype, target: Target, *, num_splits: int | None = None,
+                block_n: int | None = None) -> DecodePlan:
+    """The launches for these shapes on `target` (pure: no tensors). num_splits and block_n
+    override the heuristics (the tests' extra cases)."""
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    if block_n is None:
+        block_n = max(block_size, 64 if head_dim <= 128 else 32)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
+    max_len = max(max_blocks * block_size, 1)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, num_kv_heads, max_len, target.num_sms)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    return triton.cdiv(max_len, split_len), split_len
+    num_splits = triton.cdiv(max_len, split_len)
+    group = num_heads // num_kv_heads
+    dim_p2 = triton.next_power_of_2(head_dim)
+    stage1 = LaunchPlan("_decode_stage1_kernel", (num_seqs, num_kv_heads, num_splits), (
+        ("NUM_HEADS", num_heads), ("GROUP", group), ("GROUP_P2", max(MIN_GROUP_ROWS, triton.next_power_of_2(group))),
+        ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2), ("BLOCK_SIZE", block_size), ("BLOCK_N", block_n),
+        ("DIRECT", num_splits == 1), ("DOT_F32", dot_in_fp32(dtype, target)), ("PRECISION", dot_precision(dtype)),
+    ), num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+    stage2 = None if num_splits == 1 else LaunchPlan("_decode_stage2_kernel", (num_seqs, num_heads), (
+        ("NUM_HEADS", num_heads), ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2),
+        ("SPLITS_P2", triton.next_power_of_2(num_splits)),
+    ), num_warps=4, num_stages=1)
+    return DecodePlan(stage1, stage2, num_splits, split_len)
 
 
-def paged_decode_attention_triton(
-    q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None, block_n=None, out=None
-):
-    """Launcher; num_splits and block_n override the heuristics, out is written in place
-    (the tests pass a NaN-poisoned one)."""
+def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Enough programs to fill the GPU (4 per SM), splits of at least MIN_SPLIT_TOKENS."""
+    want = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
+    most = max(1, min(MAX_SPLITS, max_len // MIN_SPLIT_TOKENS))
+    return max(1, min(want, most))
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, *,
+                                  plan: DecodePlan | None = None, out=None, **overrides):
+    """Launcher: checks the inputs, plans for q's device unless given a plan (`overrides`:
+    plan_decode's num_splits, block_n), launches it. `out` is written in place (the tests pass a
+    NaN-poisoned one)."""
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -165,36 +199,30 @@ def paged_decode_attention_triton(
     out = check_out(out, q)
     if num_seqs == 0:
         return out
-    if block_n is None:
-        block_n = max(block_size, 128 if interpreting() else 64 if head_dim <= 128 else 32)
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
-    max_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits, split_len = choose_splits(num_seqs, num_kv_heads, max_len, block_n, q.device)
-    else:
-        split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
-        num_splits = triton.cdiv(max(max_len, 1), split_len)
-    group = num_heads // num_kv_heads
-    direct = num_splits == 1
+    if plan is None:
+        plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+                           q.dtype, target_of(q.device), **overrides)
+    assert plan.stage1.grid[:2] == (num_seqs, num_kv_heads), (plan.stage1.grid, q.shape, k_cache.shape)
+    launch_decode(plan, q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    return out
+
+
+def launch_decode(plan: DecodePlan, q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+    num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, num_splits, head_dim), **f32)
-    part_m = torch.empty((0,) if direct else (num_seqs, num_heads, num_splits), **f32)
+    direct = plan.stage2 is None
+    part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits, head_dim), **f32)
+    part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
-    dim_p2 = triton.next_power_of_2(head_dim)
-    _decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_stage1_kernel[plan.stage1.grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, split_len, num_splits,
+        scale * LOG2E, plan.split_len, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DIRECT=direct, DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=4 if head_dim <= 128 else 8,
+        **plan.stage1.options(),
     )  # fmt: skip
     if not direct:
-        _decode_stage2_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_m, part_l, context_lens, split_len, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_P2=dim_p2,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
+        _decode_stage2_kernel[plan.stage2.grid](
+            out, part_acc, part_m, part_l, context_lens, plan.split_len, plan.num_splits,
+            out.stride(0), out.stride(1), **plan.stage2.options(),
         )  # fmt: skip
-    return out

@@ -121,7 +121,7 @@ INLINE void rotate_head(float *x, const float *cos, const float *sin, int64_t ha
     }
 }
 
-/* 1 if this build reads and writes fp16 K/V caches (kernels/cpu.py supports_kv_half). */
+/* 1 if this build reads and writes fp16 K/V caches (kernels/cpu/ supports_kv_half). */
 int kv_half_supported(void) { return HAVE_F16; }
 
 /* n floats into an fp16 cache row, rounded to the nearest half (n a multiple of VEC). */

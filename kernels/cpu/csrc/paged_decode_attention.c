@@ -57,7 +57,7 @@
  *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
- * the shape is not one it takes (kernels/cpu.py supports(): head_dim a multiple of 16 up to 256).
+ * the shape is not one it takes (kernels/cpu/ supports(): head_dim a multiple of 16 up to 256).
  */
 #include "attention.h"
 

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_cache, check_ranges
+from kernels.triton.checks import check_cache, check_ranges
+from kernels.triton.launch import LaunchPlan
 
 
 @triton.jit
@@ -57,11 +58,18 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         return
     if check_ranges(k_cache):
         assert int(slot_mapping.max()) < k_cache.shape[0] * k_cache.shape[1], "slot out of range"
-    _store_kv_kernel[(num_tokens,)](
+    plan = plan_store(num_tokens, num_kv_heads, head_dim, k_cache.shape[1])
+    _store_kv_kernel[plan.grid](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads), DIM_P2=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
+        **plan.options(),
     )  # fmt: skip
+
+
+def plan_store(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> LaunchPlan:
+    """One program per token; the same on every target (a copy: no dtype-dependent math)."""
+    return LaunchPlan("_store_kv_kernel", (num_tokens,), (
+        ("NUM_KV_HEADS", num_kv_heads), ("HEAD_DIM", head_dim), ("HEADS_P2", triton.next_power_of_2(num_kv_heads)),
+        ("DIM_P2", triton.next_power_of_2(head_dim)), ("BLOCK_SIZE", block_size),
+    ), num_warps=4, num_stages=1)

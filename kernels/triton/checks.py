@@ -1,4 +1,4 @@
-"""Launcher-side checks and settings shared by the Triton kernels (host code only).
+"""Launcher-side checks shared by the Triton kernels (host code only).
 
 Shape, dtype and stride asserts are free (host metadata) and always run. Index-range checks
 read tensor values, which on CUDA is a device sync per call, so they run on CPU tensors (the
@@ -15,23 +15,8 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_ranges(t: torch.Tensor) -> bool:
     return not t.is_cuda or os.environ.get("INFERLINE_KERNEL_CHECKS", "0") == "1"
-
-
-def dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Upcast dot operands to fp32? Always under the interpreter (its bf16 math is wrong) and
-    for fp32 inputs; on a GPU 16-bit operands stay 16-bit for the tensor cores."""
-    return interpreting() or dtype == torch.float32
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 x fp32 must not silently become tf32 (1e-3 error): the fp32 tolerance is 1e-4.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

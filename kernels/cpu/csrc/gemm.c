@@ -1,5 +1,5 @@
 /* y = x . W^T (+ bias) for the linear layers on the CPU, fp32: a register-tiled GEMM over weights
- * packed once at load (kernels/gemm.py), for the few rows of a decode step.
+ * packed once at load (kernels/cpu/gemm.py), for the few rows of a decode step.
  *
  * Why not oneDNN or MKL: a decode step multiplies ~30 rows by every weight of the model, and
  * the weights (540 MB for SmolLM2-135M) come from memory each step. Below ~100 rows the
@@ -55,7 +55,7 @@ int64_t gemm_panel_width(void) { return NR; }
  *
  * A model quantized before it reached us (a GGUF file's Q4_1 or Q8_0 tensors) arrives as fp32
  * weights that are each scale * code + offset, with one (scale, offset) per column and block of
- * Q_BLOCK inputs. kernels/gemm.py finds those codes where they reproduce every weight exactly
+ * Q_BLOCK inputs. kernels/cpu/gemm.py finds those codes where they reproduce every weight exactly
  * (and the scale is an fp16 value, so scale * code is exact in fp32 and FMA-contracted or not
  * gives the same bits) and packs them in the panels' order: per panel and block of Q_BLOCK
  * inputs, Q_BLOCK x NR codes (k-major), then NR scales and NR offsets (fp32), Q_BLOCK_BYTES
@@ -184,7 +184,7 @@ static float *panel_buffer(int64_t k) {
 }
 
 /* y[m, n] (rows ldy floats apart) = x[m, k] (rows ldx apart) . W^T + bias (NULL: none), W [n, k]
- * packed by kernels/gemm.py into ceil(n / NR) panels: k x NR floats each (packed), or the panel's
+ * packed by kernels/cpu/gemm.py into ceil(n / NR) panels: k x NR floats each (packed), or the panel's
  * codes (codes, k a multiple of Q_BLOCK; packed NULL). Returns 0, or -1 if a buffer for a panel's
  * widened weights could not be allocated (codes and more than MR rows only). */
 static int gemm(const float *x, int64_t ldx, const float *packed, const uint8_t *codes, const float *bias,
@@ -228,7 +228,7 @@ void gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bia
 
 int64_t gemm_codes_block(void) { return Q_BLOCK; }
 
-/* gemm_f32 over a weight kept as codes (kernels/gemm.py's CodedWeight). Returns 0, -1 (no memory)
+/* gemm_f32 over a weight kept as codes (kernels/cpu/gemm.py's CodedWeight). Returns 0, -1 (no memory)
  * or -3 (k not a multiple of Q_BLOCK). */
 int gemm_codes_f32(const float *x, int64_t ldx, const uint8_t *codes, const float *bias, float *y, int64_t ldy,
                    int64_t m, int64_t n, int64_t k, int threads) {

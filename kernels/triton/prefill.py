@@ -24,15 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
-    check_cache,
-    check_out,
-    check_ranges,
-    check_tables,
-    dot_in_fp32,
-    dot_precision,
-    interpreting,
-)
+from kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
 
 LOG2E = 1.4426950408889634
 
@@ -128,21 +121,27 @@ def _prefill_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def paged_prefill_attention_triton(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    cu_seqlens_q,
-    context_lens,
-    scale,
-    *,
-    block_m=None,
-    block_n=None,
-    out=None,
-):
-    """Launcher; block_m and block_n override the tile sizes, out is written in place (the
-    tests pass a NaN-poisoned one)."""
+def plan_prefill(total_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, target: Target, *, block_m: int | None = None,
+                 block_n: int | None = None) -> LaunchPlan:
+    """The launch for these shapes on `target` (pure: no tensors). block_m and block_n override
+    the tile sizes (the tests' extra cases)."""
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    block_m = block_m or (64 if head_dim <= 128 else 32)
+    block_n = block_n or (64 if head_dim <= 128 else 32)
+    assert block_m >= 16 and block_n >= 16, (block_m, block_n)
+    return LaunchPlan("_prefill_kernel", (total_tokens // block_m + num_seqs, num_heads), (
+        ("GROUP", num_heads // num_kv_heads), ("HEAD_DIM", head_dim), ("DIM_P2", triton.next_power_of_2(head_dim)),
+        ("BLOCK_SIZE", block_size), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
+        ("DOT_F32", dot_in_fp32(dtype, target)), ("PRECISION", dot_precision(dtype)),
+    ), num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
+                                   plan: LaunchPlan | None = None, out=None, **overrides):
+    """Launcher: checks the inputs, plans for q's device unless given a plan (`overrides`:
+    plan_prefill's block_m, block_n), launches it. `out` is written in place (the tests pass a
+    NaN-poisoned one)."""
     check_cache(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -165,19 +164,15 @@ def paged_prefill_attention_triton(
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
         return out
-    if block_m is None:
-        block_m = 64 if head_dim <= 128 else 32
-    if block_n is None:
-        block_n = 128 if interpreting() else 64 if head_dim <= 128 else 32
-    assert block_m >= 16 and block_n >= 16, (block_m, block_n)
-    _prefill_kernel[(total // block_m + num_seqs, num_heads)](
+    if plan is None:
+        plan = plan_prefill(total, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype,
+                            target_of(q.device), **overrides)
+    assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (plan.grid, q.shape)
+    _prefill_kernel[plan.grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_F32=dot_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=4 if head_dim <= 128 else 8,
+        **plan.options(),
     )  # fmt: skip
     return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from kernels.cpu import build
 
 _F32 = torch.float32
 
@@ -37,18 +37,18 @@ class PackedWeight:
 
 def available() -> bool:
     """The compiled kernels are built (built now if needed)."""
-    return cpu.available()
+    return build.available()
 
 
 def preferred() -> bool:
     """Whether INFERLINE_MODEL__CPU_LINEAR=auto uses this GEMM rather than oneDNN on this machine:
     where it was measured faster (AVX2 without AVX-512)."""
-    flags = cpu.cpu_flags().split()
+    flags = build.cpu_flags().split()
     return "avx2" in flags and "avx512f" not in flags and available()
 
 
 def panel_width() -> int:
-    return int(cpu.lib().gemm_panel_width())
+    return int(build.lib().gemm_panel_width())
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
@@ -64,7 +64,7 @@ def pack(weight: torch.Tensor) -> PackedWeight:
 
 def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU; x's rows may be apart.
-    ~120 calls a decode step: the checks are kept to attribute reads (cpu.call says why)."""
+    ~120 calls a decode step: the checks are kept to attribute reads (build.call says why)."""
     if x.dim() != 2:
         return gemm(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
     if x.stride(1) != 1:
@@ -79,11 +79,11 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
     args = (None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
             torch.get_num_threads())
     if isinstance(packed, CodedWeight):
-        err = cpu.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args)
+        err = build.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args)
         if err:  # -1: no memory for a widened panel; -3: inputs not a multiple of the block (pack_codes prevents it)
             raise RuntimeError(f"gemm_codes_f32 failed ({err})")
     else:
-        cpu.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(), *args)
+        build.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(), *args)
     return y
 
 
@@ -100,7 +100,7 @@ class CodedWeight:
 
 
 def codes_block() -> int:
-    return int(cpu.lib().gemm_codes_block())
+    return int(build.lib().gemm_codes_block())
 
 
 # The block's step between levels, for the formats whose values are such codes: (max - min) / levels

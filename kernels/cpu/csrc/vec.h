@@ -1,6 +1,6 @@
 /* Vectors of 16 floats for the CPU kernels (GCC/Clang vector extensions: one AVX-512 register,
  * or a pair of AVX2 ones): loads, stores, the sum of the lanes and exp, shared by
- * paged_decode_attention.c and fused_ops.c (built together into one library, kernels/cpu.py). */
+ * paged_decode_attention.c and fused_ops.c (built together into one library, kernels/cpu/). */
 #ifndef INFERLINE_VEC_H
 #define INFERLINE_VEC_H
 

@@ -1,7 +1,7 @@
 /* Paged attention for head sizes other than 64 and 128 (any multiple of 16 up to 256), called
  * from paged_decode_attention.c: the same loops (attention.h) with the head size a run-time
  * value, so its loops over a head's vectors stay rolled, and one query head at a time. Built
- * as its own object, alongside the constant-size one (kernels/cpu.py compiles them in parallel):
+ * as its own object, alongside the constant-size one (kernels/cpu/ compiles them in parallel):
  * nested and unrolled 16 times each, these loops were most of the library's build time (four
  * minutes of GCC on an AVX2 machine) for shapes the default models do not have. */
 #define MAX_G 1

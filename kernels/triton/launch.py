@@ -1,0 +1,75 @@
+"""What every Triton launch is made of: a Target (the GPU it runs on, or the interpreter) and a
+LaunchPlan (grid, constexprs, num_warps, num_stages), computed by a pure function of shapes,
+dtypes and target in each kernel's module and then launched as is.
+
+The interpreter runs the plans of an H200 (sm_90, 132 SMs): the tile sizes, warps and split counts
+that a GPU would use. One constexpr differs: DOT_F32 is always on under the interpreter, whose
+bf16 arithmetic is wrong (it treats the bits as integers), so the operands are cast to fp32 there.
+`make gpu-compile` compiles the very same plans for sm_80 / sm_90a (kernels/triton/compile_check.py).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    arch: int = 90  # compute capability, major * 10 + minor: 80 (A100), 90 (H100/H200), 100 (B200)
+    num_sms: int = 132
+    interpreter: bool = False
+
+    @property
+    def name(self) -> str:
+        return "interpreter" if self.interpreter else f"sm_{self.arch}"
+
+
+INTERPRETER = Target(interpreter=True)  # an H200's plans, run by the interpreter
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def target_of(device: torch.device) -> Target:
+    """The target of tensors on `device`: the CUDA GPU itself, or the interpreter for CPU tensors."""
+    if device.type != "cuda":
+        assert interpreting(), "Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        return INTERPRETER
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_target(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    return Target(props.major * 10 + props.minor, props.multi_processor_count)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    kernel: str  # the @triton.jit function's name, for tables and the compile check
+    grid: tuple[int, ...]
+    constexprs: tuple[tuple[str, object], ...]  # (name, value) pairs: hashable, frozen
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def options(self) -> dict:
+        """Keyword arguments of the launch: the constexprs and the compile options."""
+        return {**dict(self.constexprs), "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def constexpr(self, name: str):
+        return dict(self.constexprs)[name]
+
+
+def dot_in_fp32(dtype: torch.dtype, target: Target) -> bool:
+    """Upcast dot operands to fp32? Under the interpreter always (its bf16 math is wrong) and for
+    fp32 inputs; on a GPU 16-bit operands stay 16-bit for the tensor cores."""
+    return target.interpreter or dtype == torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 x fp32 must not silently become tf32 (1e-3 error): the fp32 tolerance is 1e-4.
+    return "ieee" if dtype == torch.float32 else "tf32"
