@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine_fixtures import prompt_ids
+from tests.worker_fixtures import topics  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16  # Settings().cache.block_size, which the subprocess keeps
