@@ -23,6 +23,10 @@ class KafkaSettings(BaseModel):
     request_topic: str = "llm.requests"
     cancel_topic: str = "llm.cancel"
     dlq_topic: str = "llm.requests.dlq"
+    # Replies go only to existing topics whose names start with this (never to the request,
+    # cancel or dead-letter topic, nor a `__` internal one); a request naming any other reply
+    # topic is dead-lettered with the reason (worker/reply_topics.py). "" allows every other topic.
+    reply_topic_prefix: str = "inferline.reply."
     group_id: str = "inferline-workers"
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
@@ -48,6 +52,13 @@ class KafkaSettings(BaseModel):
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+
+    @field_validator("reply_topic_prefix")
+    @classmethod
+    def _topic_chars(cls, value: str) -> str:
+        if value and not all(c.isascii() and (c.isalnum() or c in "._-") for c in value):
+            raise ValueError("must be empty or the start of a topic name (a-z, A-Z, 0-9, '.', '_', '-')")
+        return value
 
     def password(self) -> str | None:
         if self.sasl_password_file is not None:

@@ -34,9 +34,35 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
 MAX_ID_LEN = 128
 MAX_TOPIC_LEN = 249
+# Caps on every list and string a producer controls (issue 25): over a cap is a `rejected` done
+# naming the field. `prompt` and message `content` need none of their own: the message size
+# bounds them, and the engine rejects text too long to fit max_model_len before tokenizing it.
+# OpenAI and TGI (by default) allow 4 stop strings, vLLM any number; 16 leaves room.
 MAX_STOP = 16
+# Practical stop markers are short; the held-prefix check costs O(length^2) per token at worst.
+MAX_STOP_LEN = 128
+# vLLM has no cap; 1024 covers a whole class of tokens (every newline or end-of-turn variant).
+MAX_STOP_TOKEN_IDS = 1024
+# The longest context windows offered (1M tokens); the worker's max_model_len is the real limit.
+MAX_PROMPT_TOKEN_IDS = 1_048_576
+# A long agent conversation with tool calls; every message costs template tokens anyway.
+MAX_MESSAGES = 2048
+# Roles are words (system, user, assistant, tool, ...); the chat template prints them.
+MAX_ROLE_LEN = 64
+# No vocabulary comes near it (the largest have ~256K ids); ids fit an int32 in every client.
+MAX_TOKEN_ID = 2**31 - 1
+# What torch.Generator.manual_seed takes: int64 (as vLLM) and uint64 (as TGI); all msgpack carries.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# A documented range for scheduling classes; per-tenant clamps narrow it further.
+PRIORITY_RANGE = (-1000, 1000)
+# A day: a request still waiting after that is lost, not late.
+MAX_TIMEOUT_S = 86_400.0
+# Far above any real topic's partition count; a bound that JSON clients can check.
+MAX_REPLY_PARTITION = 99_999
 # metadata size = sum of the UTF-8 byte lengths of every key and every value.
 MAX_METADATA_BYTES = 4096
+# Trace ids, user ids, tags: a few dozen keys; the byte cap alone would allow thousands of tiny ones.
+MAX_METADATA_KEYS = 64
 MAX_TENANT_LEN = 256
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
@@ -49,6 +75,8 @@ ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
 EVENT_TYPES: tuple[str, ...] = EventType.__args__
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Tenants key rate limits, logs and (multi-tenant) topic prefixes: the id characters only.
+TENANT_PATTERN = r"^[A-Za-z0-9._:-]+$"
 TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 
@@ -133,7 +161,7 @@ Utf8Text = Annotated[str, AfterValidator(_utf8)]
 Version = Annotated[Literal[1], BeforeValidator(_not_bool)]
 RequestId = Annotated[str, AfterValidator(_legal_id)]
 TopicName = Annotated[str, AfterValidator(_legal_topic)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Seconds = Annotated[float, Field(ge=0)]
 
 
@@ -158,7 +186,7 @@ class _Wire(BaseModel):
 
 
 class ChatMessage(_Wire):
-    role: NonEmptyText
+    role: Annotated[NonEmptyText, Field(max_length=MAX_ROLE_LEN)]
     content: Utf8Text
 
 
@@ -170,11 +198,11 @@ class Request(_Wire):
     v: Version = PROTOCOL_VERSION
     id: RequestId
     reply_topic: TopicName
-    reply_partition: Annotated[int, Field(ge=0)] | None = None
+    reply_partition: Annotated[int, Field(ge=0, le=MAX_REPLY_PARTITION)] | None = None
     # An empty prompt gives the model nothing to continue from: rejected like a missing one.
     prompt: NonEmptyText | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] = 256
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -183,17 +211,17 @@ class Request(_Wire):
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     # An empty stop string would match before the first token.
-    stop: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] = []
-    stop_token_ids: list[TokenId] = []
+    stop: Annotated[list[Annotated[NonEmptyText, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
-    priority: int = 0
-    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    priority: Annotated[int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])] = 0
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
     created_at: Annotated[float, Field(ge=0)] | None = None
-    tenant: Annotated[NonEmptyText, Field(max_length=MAX_TENANT_LEN)] = "default"
+    tenant: Annotated[str, Field(min_length=1, max_length=MAX_TENANT_LEN, pattern=TENANT_PATTERN)] = "default"
     stream: bool = True
-    metadata: dict[Utf8Text, Utf8Text] = {}
+    metadata: Annotated[dict[Utf8Text, Utf8Text], Field(max_length=MAX_METADATA_KEYS)] = {}
 
     @field_validator("metadata")
     @classmethod
@@ -340,7 +368,7 @@ def _check_routing(obj: dict) -> tuple[str, str, int | None]:
     if not is_legal_topic(reply_topic):
         raise UndecodableMessage("no usable reply_topic (a legal Kafka topic name)")
     partition = obj.get("reply_partition")
-    partition = partition if type(partition) is int and partition >= 0 else None
+    partition = partition if type(partition) is int and 0 <= partition <= MAX_REPLY_PARTITION else None
     return request_id, reply_topic, partition
 
 
@@ -352,16 +380,33 @@ def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] 
     problem = prompt_fields_problem([f for f in PROMPT_FIELDS if obj.get(f) is not None])
     if problem:
         return problem[0], f"{problem[0]}: {problem[1]}", "invalid_request"
-    ids = obj.get("prompt_token_ids")
+    return _prompt_too_long(obj, max_prompt_tokens) or _over_count_cap(obj)
+
+
+def _prompt_too_long(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] | None:
     # Cheap: a len() before pydantic walks a million-element list.
-    if max_prompt_tokens is not None and isinstance(ids, list) and len(ids) > max_prompt_tokens:
-        return ("prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {max_prompt_tokens} allowed",
-                "prompt_too_long")
+    limit = MAX_PROMPT_TOKEN_IDS if max_prompt_tokens is None else min(max_prompt_tokens, MAX_PROMPT_TOKEN_IDS)
+    ids = obj.get("prompt_token_ids")
+    if isinstance(ids, list) and len(ids) > limit:
+        return "prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {limit} allowed", "prompt_too_long"
     messages = obj.get("messages")
     # Every chat message costs at least one token: a 50,000-message list cannot fit either.
     if max_prompt_tokens is not None and isinstance(messages, list) and len(messages) > max_prompt_tokens:
         return ("messages", f"messages: {len(messages)} messages cannot fit in {max_prompt_tokens} tokens",
                 "prompt_too_long")
+    return None
+
+
+# (field, cap, unit): counted with a len() before pydantic validates each element.
+_COUNT_CAPS = (("messages", MAX_MESSAGES, "messages"), ("stop", MAX_STOP, "strings"),
+               ("stop_token_ids", MAX_STOP_TOKEN_IDS, "ids"), ("metadata", MAX_METADATA_KEYS, "keys"))
+
+
+def _over_count_cap(obj: dict) -> tuple[str, str, str] | None:
+    for field, cap, unit in _COUNT_CAPS:
+        value = obj.get(field)
+        if isinstance(value, (list, dict)) and len(value) > cap:
+            return field, f"{field}: {len(value)} {unit}, at most {cap} allowed", "invalid_request"
     return None
 
 
@@ -435,7 +480,9 @@ def decode_cancel(data: bytes, max_bytes: int = 64 * 1024) -> Cancel:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_STOP",
+    "PROTOCOL_VERSION", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_METADATA_KEYS", "MAX_STOP",
+    "MAX_STOP_LEN", "MAX_STOP_TOKEN_IDS", "MAX_PROMPT_TOKEN_IDS", "MAX_MESSAGES", "MAX_ROLE_LEN", "MAX_TOKEN_ID",
+    "SEED_RANGE", "PRIORITY_RANGE", "MAX_TIMEOUT_S", "MAX_REPLY_PARTITION", "MAX_TENANT_LEN",
     "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
     "ChatMessage", "Request", "Cancel", "Usage", "Timing", "ErrorInfo",
     "StartedEvent", "TokensEvent", "DoneEvent", "Event",

@@ -48,7 +48,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
     "Request": {
         "v": "Protocol version: 1 (required).",
         "id": "Unique per request; the Kafka key of the request and of every event.",
-        "reply_topic": "Where the events go: a legal Kafka topic name.",
+        "reply_topic": "Where the events go: a legal Kafka topic name. The worker answers only on an existing "
+                       "topic under its reply prefix (INFERLINE_KAFKA__REPLY_TOPIC_PREFIX, default inferline.reply.), "
+                       "never on its own or internal topics; any other is dead-lettered.",
         "reply_partition": "If set, every event goes to this partition (else by key).",
         "prompt": "Text to continue. Exactly one of prompt, messages, prompt_token_ids.",
         "messages": "Chat messages: the model's chat template is applied, generation prompt added.",
@@ -168,12 +170,12 @@ REQUEST_EXAMPLES = [
      "payload": {"v": 1, "id": "req-0001", "reply_topic": "inferline.reply.3f2a", "prompt": "Explain Kafka in one sentence",
                  "max_tokens": 64, "temperature": 0.7, "seed": 42, "created_at": 1767225600.0}},
     {"name": "chat", "summary": "Chat messages, greedy, whole text in done",
-     "payload": {"v": 1, "id": "req-0002", "reply_topic": "replies", "reply_partition": 0,
+     "payload": {"v": 1, "id": "req-0002", "reply_topic": "inferline.reply.batch", "reply_partition": 0,
                  "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
                  "temperature": 0, "stream": False, "priority": -1, "tenant": "acme",
                  "metadata": {"trace": "abc123"}}},
     {"name": "tokens", "summary": "Pre-tokenized prompt with stops and a deadline",
-     "payload": {"v": 1, "id": "req-0003", "reply_topic": "replies", "prompt_token_ids": [1, 9690, 198],
+     "payload": {"v": 1, "id": "req-0003", "reply_topic": "inferline.reply.batch", "prompt_token_ids": [1, 9690, 198],
                  "max_tokens": 16, "stop": ["\n\n"], "stop_token_ids": [2], "timeout_s": 30}},
 ]
 EVENT_EXAMPLES = {
@@ -229,10 +231,11 @@ def messages() -> dict:
         "cancel": _message("cancel", "Cancel", "Stop a request, wherever it runs.", "Cancel", CANCEL_EXAMPLES),
         "deadLetter": {
             "name": "deadLetter", "title": "Dead letter", "contentType": "application/octet-stream",
-            "summary": "A request record that could not be decoded far enough to answer its sender.",
+            "summary": "A request record that could not be decoded far enough to answer its sender, or that "
+                       "names a reply topic the worker may not write to.",
             "headers": {"type": "object", "required": ["error", "source-topic", "source-partition", "source-offset"],
                         "properties": {
-                            "error": {"type": "string", "description": "Why it could not be decoded."},
+                            "error": {"type": "string", "description": "Why it could not be answered."},
                             "source-topic": {"type": "string"},
                             "source-partition": {"type": "string", "pattern": "^[0-9]+$"},
                             "source-offset": {"type": "string", "pattern": "^[0-9]+$"}}},
@@ -282,7 +285,8 @@ def document() -> dict:
             "replies": {
                 "address": None,
                 "title": "Reply topic",
-                "description": "The topic named by the request's reply_topic. All events of one request go "
+                "description": "The topic named by the request's reply_topic: an existing topic under the reply "
+                               "prefix (default inferline.reply.). All events of one request go "
                                "to one partition (by key, or reply_partition), so they arrive in order.",
                 "messages": {"started": {"$ref": "#/components/messages/started"},
                              "tokens": {"$ref": "#/components/messages/tokens"},
@@ -298,7 +302,8 @@ def document() -> dict:
             "deadLetters": {
                 "address": "llm.requests.dlq",
                 "title": "Dead-letter topic",
-                "description": f"Undecodable request records. {default} INFERLINE_KAFKA__DLQ_TOPIC.",
+                "description": f"Undecodable request records, and requests naming a reply topic the worker may not "
+                               f"write to. {default} INFERLINE_KAFKA__DLQ_TOPIC.",
                 "messages": {"deadLetter": {"$ref": "#/components/messages/deadLetter"}},
                 "bindings": {"kafka": {"topic": "llm.requests.dlq", "bindingVersion": KAFKA_BINDING}},
             },
@@ -309,8 +314,9 @@ def document() -> dict:
                 "title": "Run a request",
                 "summary": "Workers consume the request topic as one consumer group and answer on the reply "
                            "topic: started, then tokens (unless stream is false), then done.",
-                "description": "A request that is decodable and has a usable id and reply_topic but breaks "
-                               "another rule gets a done with finish_reason rejected naming the field.",
+                "description": "A request that is decodable and has a usable id and reply_topic (one the worker "
+                               "may write to) but breaks another rule gets a done with finish_reason rejected "
+                               "naming the field.",
                 "channel": {"$ref": "#/channels/requests"},
                 "messages": _refs("requests", ["request"]),
                 "bindings": {"kafka": {"groupId": {"type": "string", "default": "inferline-workers",

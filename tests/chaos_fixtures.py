@@ -199,6 +199,13 @@ def special_messages(reply_topic: str) -> list[tuple[str, bytes]]:
         ("bad_topic", pack({**base, "id": "sp-bad-topic", "reply_topic": "a/b"})),
         ("dot_topic", pack({**base, "id": "sp-dot-topic", "reply_topic": ".."})),
     ]
+    # Legal topic names the worker must never write to (worker/reply_topics.py): the default
+    # cancel and request topics, internal topics, and names outside the reply prefix.
+    for i, topic in enumerate(["llm.cancel", "llm.requests", "llm.requests.dlq", "__consumer_offsets",
+                               "__transaction_state", "other-tenant.replies", "inferline.replyX", "inferline"]):
+        out.append((f"reply_topic_{topic}", pack({**base, "id": f"sp-rt-{i}", "reply_topic": topic})))
+        out.append((f"reply_topic_invalid_{topic}", pack({**base, "id": f"sp-rti-{i}", "reply_topic": topic,
+                                                          "max_tokens": -1})))
     out.append(("deep_nesting_in_field",
                 pack({**base, "id": "sp-deep-in-field"})[:-len(pack(2))] + b"\x91" * 5000 + b"\x02"))
     for name, req in [
@@ -275,12 +282,16 @@ class IntakeHarness:
         from aiokafka import TopicPartition
 
         from worker.app import Worker
+        from worker.reply_topics import refusal
 
         self.tp = TopicPartition(settings.kafka.request_topic, 0)
         self.worker = Worker(settings)
         self.worker.intake._consumer = FakeConsumer([self.tp])
         self.worker.engine_loop = FakeEngineLoop()
         self.worker.publisher._enqueue = self._enqueue
+        # Every topic the policy allows exists (worker/reply_topics.py asks no broker here).
+        kafka = settings.kafka
+        self.worker.intake.reply_topics.verdict = lambda topic: refusal(topic, kafka) or "ok"
         self.sent: list = []
         self.offset = 0
 

@@ -38,6 +38,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
+from producer.replies import REPLY_TOPIC_PREFIX
+
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
 # The broker scripts/kafka.sh runs (INFERLINE_KAFKA_PORT moves it, for a private test broker).
@@ -153,9 +155,11 @@ async def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest):
     created: list[str] = []
 
     async def make(
-        partitions: int = 1, *, prefix: str | None = None, config: dict[str, str] | None = None
+        partitions: int = 1, *, prefix: str | None = None, config: dict[str, str] | None = None,
+        reply: bool = False,
     ) -> str:
-        name = unique_topic_name(prefix or request.node.name)
+        # reply=True: under the reply prefix, where a worker (worker/reply_topics.py) may answer
+        name = (REPLY_TOPIC_PREFIX if reply else "") + unique_topic_name(prefix or request.node.name)
         topic = NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=config or {})
         _raise_topic_errors(await admin.create_topics([topic]), "creating")
         created.append(name)

@@ -356,7 +356,7 @@ async def test_per_request_reply_topics(kafka_bootstrap, kafka_topics):
 
 @pytest.mark.kafka
 async def test_named_reply_topic_shared_by_two_clients(kafka_bootstrap, kafka_topics, new_topic):
-    shared = await new_topic(3, prefix="shared-replies")
+    shared = await new_topic(3, prefix="shared-replies", reply=True)
     async with scripted(kafka_bootstrap, kafka_topics, reply_topic=shared) as (a, _):
         async with InferenceClient(kafka_bootstrap, request_topic=kafka_topics["requests"], reply_topic=shared) as b:
             ha = [await a.submit("x", max_tokens=2) for _ in range(5)]
@@ -453,7 +453,7 @@ async def real_worker(kafka_bootstrap, new_topic, tmp_path):
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
     topics = Topics(requests=await new_topic(1, prefix="wreq"), cancel=await new_topic(1, prefix="wcancel"),
-                    dlq=await new_topic(1, prefix="wdlq"), replies=await new_topic(1, prefix="wrep"))
+                    dlq=await new_topic(1, prefix="wdlq"), replies=await new_topic(1, prefix="wrep", reply=True))
     procs = []
     group = f"g-{uuid.uuid4().hex[:8]}"
 

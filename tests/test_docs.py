@@ -23,7 +23,7 @@ from worker.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-OWN_DOCS = [DOCS / "architecture.md", DOCS / "operations.md", DOCS / "configuration.md"]
+OWN_DOCS = [DOCS / "architecture.md", DOCS / "operations.md", DOCS / "configuration.md", DOCS / "security.md"]
 
 
 def load_script(name: str):

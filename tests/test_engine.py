@@ -307,6 +307,23 @@ def test_engine_loop_build_error_reaches_wait_ready():
     assert not loop._thread.is_alive()
 
 
+def test_stop_token_checks_are_set_lookups():
+    """Every generated token is looked up in the stop ids and the EOS ids: sets, so a request's
+    1024 stop ids cost what one does. No model: the check alone, on stand-ins."""
+    from types import SimpleNamespace
+
+    from worker.engine.engine import LLMEngine, eos_token_ids
+
+    params = SamplingParams(max_tokens=100, stop_token_ids=tuple(range(1000, 2024)))
+    assert isinstance(params.stop_token_ids, frozenset) and len(params.stop_token_ids) == 1024
+    eos = eos_token_ids(SimpleNamespace(eos_token_id=[2, 3]), None)
+    assert eos == frozenset({2, 3})
+    engine = SimpleNamespace(eos_token_ids=eos, max_model_len=4096)
+    seq = SimpleNamespace(sampling=params, num_output_tokens=1, num_tokens=10)
+    reasons = {t: LLMEngine._stop_reason(engine, seq, t) for t in (999, 1000, 2023, 2024, 3)}
+    assert reasons == {999: None, 1000: "stop", 2023: "stop", 2024: None, 3: "stop"}
+
+
 def test_cpu_threads_setting_sets_torch_threads(monkeypatch):
     """INFERLINE_MODEL__CPU_THREADS reaches torch before the model is built."""
     import worker.engine.engine as engine_module

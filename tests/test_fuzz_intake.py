@@ -37,7 +37,7 @@ from tests.chaos_fixtures import (
 
 SCALE = max(1, int(os.environ.get("INFERLINE_FUZZ_SCALE", "1")))
 MUTATIONS_PER_EXAMPLE = 9
-REPLY = "fuzz-replies"
+REPLY = "inferline.reply.fuzz"  # under the default reply prefix
 DLQ = "fuzz-dlq"
 MAX_ERROR_MESSAGE = 1024  # a rejection names the field; it never echoes the input
 
@@ -94,9 +94,21 @@ class Checker:
         else:
             assert out.value == value
         assert 0 < len(headers["error"]) <= 400
+        if headers["error"].startswith(b"reply_topic "):  # decodable, but not to be answered there
+            return self._refused_topic(value)
         with pytest.raises(UndecodableMessage):
             decode_request(value, 1_048_576, 256)
         return "dead_letter"
+
+    def _refused_topic(self, value: bytes) -> str:
+        from worker.reply_topics import refusal
+
+        try:
+            topic = decode_request(value, 1_048_576, 256).reply_topic
+        except InvalidRequest as exc:
+            topic = exc.reply_topic
+        assert refusal(topic, self.h.worker.settings.kafka), topic
+        return "reply_topic_refused"
 
     def _answered(self, out) -> str:
         ev = decode_event(out.value)  # the bytes a client reads back
@@ -213,6 +225,8 @@ def test_special_attacks(tokenizer, name, value):
         assert kind == "rejected:prompt_too_long"
     if name in ("ancient_created_at",):
         assert kind == "timeout:timeout"
+    if name.startswith("reply_topic_"):  # valid or not, never answered on a forbidden topic
+        assert kind == "reply_topic_refused", (name, kind)
 
 
 def test_rate_limited_and_cancelled_paths_echo_metadata(tokenizer):
@@ -267,7 +281,7 @@ async def test_hostile_messages_into_a_running_worker(kafka_bootstrap, new_topic
     from tests.worker_fixtures import Topics, check_attempts, final_done, request
 
     topics = Topics(requests=await new_topic(2, prefix="req"), cancel=await new_topic(1, prefix="cancel"),
-                    dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(2, prefix="reply"))
+                    dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(2, prefix="reply", reply=True))
     worker = await start_worker(topics, limits={"max_tokens_cap": 4})
     max_bytes, max_len = worker.settings.kafka.max_message_bytes, worker.settings.model.max_model_len
     candidates = hostile_messages(random.Random(2024), topics.replies, 300 * SCALE)

@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from tests.kafka_fixtures import KAFKA_SH, LOCAL_BOOTSTRAP, consume_until, free_port_pair, produce_raw
 
@@ -126,6 +126,12 @@ async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tm
     try:
         log = Path(kafka_sh("start").stdout.strip())
         assert log.exists() and "Kafka Server started" in log.read_text()
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)  # the broker creates no topic by itself
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic("kept", 1, 1)])
+        finally:
+            await admin.close()
         await produce_raw(bootstrap, "kept", [b"before restart"])
 
         kafka_sh("restart")

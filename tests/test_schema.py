@@ -15,7 +15,21 @@ from producer.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ERROR_CODES,
     FINISH_REASONS,
+    MAX_MESSAGES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_KEYS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_REPLY_PARTITION,
+    MAX_ROLE_LEN,
+    MAX_STOP,
+    MAX_STOP_LEN,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TENANT_LEN,
+    MAX_TIMEOUT_S,
+    MAX_TOKEN_ID,
+    PRIORITY_RANGE,
     PROTOCOL_VERSION,
+    SEED_RANGE,
     Cancel,
     ChatMessage,
     DoneEvent,
@@ -219,6 +233,96 @@ def test_million_token_prompt_is_cheap_to_reject():
     assert info.value.code == "prompt_too_long"
 
 
+# --- caps on every list and string (issue 25) ---------------------------------------------------
+
+
+def chat(n: int, role: str = "user") -> list[dict]:
+    return [{"role": role, "content": ""}] * n
+
+
+def keys(n: int) -> dict[str, str]:
+    return {f"k{i}": "" for i in range(n)}
+
+
+# (field, changes at the cap, the same one over it): the first accepted, the second rejected.
+CAPS = [
+    ("reply_partition", {"reply_partition": MAX_REPLY_PARTITION}, {"reply_partition": MAX_REPLY_PARTITION + 1}),
+    ("messages", {"prompt": ..., "messages": chat(MAX_MESSAGES)}, {"prompt": ..., "messages": chat(MAX_MESSAGES + 1)}),
+    ("messages", {"prompt": ..., "messages": chat(1, "r" * MAX_ROLE_LEN)},
+     {"prompt": ..., "messages": chat(1, "r" * (MAX_ROLE_LEN + 1))}),
+    ("prompt_token_ids", {"prompt": ..., "prompt_token_ids": [1] * MAX_PROMPT_TOKEN_IDS},
+     {"prompt": ..., "prompt_token_ids": [1] * (MAX_PROMPT_TOKEN_IDS + 1)}),
+    ("prompt_token_ids", {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID]},
+     {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID + 1]}),
+    ("stop", {"stop": ["s"] * MAX_STOP}, {"stop": ["s"] * (MAX_STOP + 1)}),
+    ("stop", {"stop": ["s" * MAX_STOP_LEN]}, {"stop": ["s" * (MAX_STOP_LEN + 1)]}),
+    ("stop_token_ids", {"stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}, {"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}),
+    ("stop_token_ids", {"stop_token_ids": [MAX_TOKEN_ID]}, {"stop_token_ids": [MAX_TOKEN_ID + 1]}),
+    ("priority", {"priority": PRIORITY_RANGE[1]}, {"priority": PRIORITY_RANGE[1] + 1}),
+    ("priority", {"priority": PRIORITY_RANGE[0]}, {"priority": PRIORITY_RANGE[0] - 1}),
+    ("timeout_s", {"timeout_s": MAX_TIMEOUT_S}, {"timeout_s": MAX_TIMEOUT_S + 0.5}),
+    ("tenant", {"tenant": "t" * MAX_TENANT_LEN}, {"tenant": "t" * (MAX_TENANT_LEN + 1)}),
+    ("metadata", {"metadata": keys(MAX_METADATA_KEYS)}, {"metadata": keys(MAX_METADATA_KEYS + 1)}),
+    ("metadata", {"metadata": {"k": "x" * (MAX_METADATA_BYTES - 1)}}, {"metadata": {"k": "x" * MAX_METADATA_BYTES}}),
+]
+# The longest prompt_token_ids at the cap is a few bytes over the default message size.
+BIG = 4 * DEFAULT_MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize("field,at_cap,over", CAPS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(CAPS)])
+def test_at_the_cap_accepted_one_over_rejected(field, at_cap, over):
+    assert decode_request(pack(request(**at_cap)), max_bytes=BIG) is not None
+    with pytest.raises(InvalidRequest) as info:
+        decode_request(pack(request(**over)), max_bytes=BIG)
+    assert info.value.field == field and info.value.message.startswith(field), info.value.message
+    assert len(info.value.message) < 300
+
+
+def test_every_list_and_string_field_has_a_cap():
+    # prompt (and message content) are bounded by the message size alone; id and reply_topic by
+    # their patterns (a request without them is dead-lettered, not rejected).
+    by_size = {"prompt", "id", "reply_topic"}
+    capped = {field for field, _, _ in CAPS}
+    for field, prop in Request.model_json_schema()["properties"].items():
+        kinds = {alt.get("type") for alt in prop.get("anyOf", [prop])}
+        if kinds & {"array", "string", "object"} and field not in by_size:
+            assert field in capped, f"{field}: no cap, or no test of it in CAPS"
+
+
+def test_seed_range_is_what_msgpack_and_torch_take():
+    for seed in SEED_RANGE:
+        assert decode_request(pack(request(seed=seed))).seed == seed
+    # One past either end cannot be packed; a Python-side construction is refused.
+    for seed in (SEED_RANGE[0] - 1, SEED_RANGE[1] + 1):
+        with pytest.raises(ValidationError) as info:
+            Request(id="a", reply_topic="t", prompt="x", seed=seed)
+        assert info.value.errors()[0]["loc"] == ("seed",)
+
+
+def test_reply_partition_over_the_cap_replies_by_key():
+    assert reject("reply_partition", reply_partition=MAX_REPLY_PARTITION + 1).reply_partition is None
+
+
+def test_million_stop_token_ids_are_rejected_by_count():
+    data = pack(request(stop_token_ids=[5] * 1_000_000))
+    assert len(data) < DEFAULT_MAX_MESSAGE_BYTES
+    with pytest.raises(InvalidRequest) as info:
+        decode_request(data)
+    assert info.value.field == "stop_token_ids" and "1000000 ids" in info.value.message
+
+
+@pytest.mark.parametrize("field,value", [
+    ("messages", chat(50_000)), ("stop", ["s"] * 200_000), ("metadata", keys(100_000)),
+], ids=["messages", "stop", "metadata"])
+def test_huge_lists_are_rejected_by_count(field, value):
+    changes = {field: value, **({"prompt": ...} if field == "messages" else {})}
+    data = pack(request(**changes))
+    assert len(data) < DEFAULT_MAX_MESSAGE_BYTES
+    with pytest.raises(InvalidRequest) as info:
+        decode_request(data)
+    assert info.value.field == field and f"{len(value)} " in info.value.message
+
+
 # --- sampling parameters -----------------------------------------------------------------------
 
 NAN, INF = float("nan"), float("inf")
@@ -239,7 +343,7 @@ GOOD = [
     ("priority", [0, -5, 10]),
     ("timeout_s", [None, 0.001, 30, 600.0]),
     ("created_at", [None, 0, 1_700_000_000.5]),
-    ("tenant", ["default", "acme", "t" * 256]),
+    ("tenant", ["default", "acme", "t" * 256, "a.b_c:d-9"]),
     ("stream", [True, False]),
     ("metadata", [{}, {"k": "v"}, {"a": "x" * 4095}, {"é": "x" * 4094}]),
 ]
@@ -260,7 +364,7 @@ BAD = [
     ("priority", [1.0, "0", True, None]),
     ("timeout_s", [0, 0.0, -1, NAN, INF, "10", True]),
     ("created_at", [-1, NAN, INF, "now", True]),
-    ("tenant", ["", 5, b"acme", "t" * 257, None]),
+    ("tenant", ["", 5, b"acme", "t" * 257, None, "a b", "a/b", "é", "acme\n"]),
     ("stream", [0, 1, "false", None]),
     ("metadata", [{"a": "x" * 4096}, {"é": "x" * 4095}, {"k": 1}, {"k": None}, {"k": b"v"}, ["k", "v"], None]),
 ]

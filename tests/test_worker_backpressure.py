@@ -1,4 +1,5 @@
-"""A reply topic the broker refuses: dones are retried, the backlog pauses intake, nothing wedges."""
+"""A reply topic the broker refuses: dones are retried, the topic is failing and its backlog does
+not pause intake for the others, nothing wedges."""
 import asyncio
 
 import pytest
@@ -11,19 +12,18 @@ from tests.worker_fixtures import (  # noqa: F401 - fixtures
 pytestmark = pytest.mark.kafka
 
 
-async def test_refused_replies_back_up_into_paused_intake(kafka_bootstrap, topics, start_worker, new_topic,
-                                                          monkeypatch):
+async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootstrap, topics, start_worker,
+                                                                    new_topic, monkeypatch):
     import worker.publisher as publisher
 
     monkeypatch.setattr(publisher, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
-    refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "64"})  # every batch is larger
+    refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "64"}, reply=True)  # every batch is larger
     worker = await start_worker(topics, kafka={"max_pending_replies": 10})
-    seen_paused = []
+    seen = []  # (backlog, full) while the refused topic's dones are retried
 
     async def watch():
         while True:
-            if worker.intake._consumer.paused():
-                seen_paused.append(worker.publisher.backlog)
+            seen.append((worker.publisher.backlog, worker.publisher.full()))
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -35,7 +35,8 @@ async def test_refused_replies_back_up_into_paused_intake(kafka_bootstrap, topic
     watcher.cancel()
     check_attempts(events[good["id"]])
     assert final_done(events[good["id"]]).finish_reason == "length"
-    assert seen_paused and max(seen_paused) >= 10  # the reply backlog paused intake
+    assert worker.publisher.failing(refused) and max(b for b, _ in seen) >= 10  # over max_pending_replies
+    assert not any(full for _, full in seen)  # ... all of it the failing topic's: intake never paused
     # Given up after MAX_ATTEMPTS and committed: one unreachable topic does not wedge a partition.
     for _ in range(100):
         if not worker.tracker.to_commit() and not worker.jobs:

@@ -48,7 +48,7 @@ class Topics:
 @pytest.fixture
 async def topics(new_topic) -> Topics:
     return Topics(requests=await new_topic(2, prefix="req"), cancel=await new_topic(1, prefix="cancel"),
-                  dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(2, prefix="reply"))
+                  dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(2, prefix="reply", reply=True))
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -83,7 +83,8 @@ class Worker:
         self.tracker = OffsetTracker()
         self.limiter = RateLimiter(settings.limits)
         self.cancels = RecentCancels()
-        self.publisher = Publisher(settings, self.metrics, self.name)
+        self.publisher = Publisher(settings, self.metrics, self.name,
+                                   on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
         self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels)
         self.cancel_listener = CancelListener(settings, self.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)

@@ -10,6 +10,8 @@ Each record is decoded here (bounded by max_message_bytes, so a 100 MB message c
 and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission,
 or (a record below the partition's end offset at assignment, which the previous owner may have
 finished) skipped because its final `done` is already on the reply topic (worker/redelivery.py).
+A request whose reply topic the worker may not write to, or which does not exist, is a dead
+letter (worker/reply_topics.py): the broker's topic list is read once for the whole batch.
 Offsets are committed by the Committer (worker/offsets.py) from the OffsetTracker only.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from worker.cancels import RecentCancels
@@ -28,6 +31,7 @@ from worker.offsets import Committer, LagGauge, OffsetTracker
 from worker.publisher import client_kwargs
 from worker.ratelimit import RateLimiter
 from worker.redelivery import RedeliveryCheck, Suspect
+from worker.reply_topics import ReplyTopics
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
@@ -49,6 +53,17 @@ def route_of(req: Request) -> InvalidRequest:
     """The reply address of a decoded request, in the shape a rejection needs."""
     return InvalidRequest("", "", request_id=req.id, reply_topic=req.reply_topic,
                           reply_partition=req.reply_partition)
+
+
+@dataclass
+class _Unverified:
+    """A decoded record whose reply topic must be looked up on the broker before it is answered."""
+
+    tp: TopicPartition
+    record: object
+    decoded: Request | InvalidRequest
+    suspect: bool  # goes to the redelivery check once its topic is known good
+    generation: int
 
 
 @dataclass
@@ -95,6 +110,14 @@ class Intake:
         self._redelivery = RedeliveryCheck(settings, metrics) if settings.kafka.redelivery_check else None
         self._boundary: dict[TopicPartition, int] = {}
         self._generation = 0
+        self._admin: AIOKafkaAdminClient | None = None
+        self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
+
+    async def _list_topics(self) -> list[str]:
+        if self._admin is None:
+            self._admin = AIOKafkaAdminClient(**client_kwargs(self._s.kafka))
+            await self._admin.start()
+        return await self._admin.list_topics()
 
     async def start(self) -> None:
         k = self._s.kafka
@@ -126,6 +149,8 @@ class Intake:
             await self._consumer.stop()
         if self._redelivery:
             await self._redelivery.close()
+        if self._admin:
+            await self._admin.close()
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -140,10 +165,13 @@ class Intake:
                 await asyncio.sleep(1.0)
                 continue
             suspects: list[_Pending] = []
+            unverified: list[_Unverified] = []
             for tp, records in batch.items():
                 boundary = self._boundary_of(tp, records)
                 for record in records:
-                    self._handle_safely(tp, record, suspects if record.offset < boundary else None)
+                    self._handle_safely(tp, record, suspects if record.offset < boundary else None, unverified)
+            if unverified:
+                await self._verify_reply_topics(unverified, suspects)
             if suspects:
                 await self._triage_suspects(suspects)
             self.lag.update()
@@ -156,22 +184,56 @@ class Intake:
             self._boundary[tp] = high if high is not None else records[-1].offset + 1
         return self._boundary[tp]
 
-    def _handle_safely(self, tp: TopicPartition, record, suspects: list | None = None) -> None:
+    def _handle_safely(self, tp: TopicPartition, record, suspects: list | None = None,
+                       unverified: list | None = None) -> None:
         try:
-            self._handle(tp, record, suspects)
+            self._handle(tp, record, suspects, unverified)
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
             self._sink.dead_letter(record, f"internal error: {exc!r}"[:300])
 
-    def _handle(self, tp: TopicPartition, record, suspects: list | None = None) -> None:
-        """One record: answered at once, or (a suspect) set aside for the redelivery check."""
-        req = self._decode(tp, record)
-        if req is None:
+    def _handle(self, tp: TopicPartition, record, suspects: list | None = None,
+                unverified: list | None = None) -> None:
+        """One record: answered at once, set aside until its reply topic is looked up, or (a
+        suspect) set aside for the redelivery check."""
+        decoded = self._decode(tp, record)
+        if decoded is None:
             return
-        if suspects is None:
-            self._triage(tp, record.offset, req, time.time())
+        verdict = self.reply_topics.verdict(decoded.reply_topic)
+        if verdict is None and unverified is not None:
+            unverified.append(_Unverified(tp, record, decoded, suspects is not None, self._generation))
+            return
+        self._dispatch(tp, record, decoded, verdict, suspects)
+
+    def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None,
+                  suspects: list | None) -> None:
+        if verdict != "ok":
+            reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
+            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=record.offset, reason=reason)
+            self._m.reply_topic_refusals.inc()
+            self._sink.dead_letter(record, reason)
+        elif isinstance(decoded, InvalidRequest):
+            self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
+        elif suspects is None:
+            self._triage(tp, record.offset, decoded, time.time())
         else:
-            suspects.append(_Pending(tp, record.offset, req, time.time(), record.timestamp, self._generation))
+            suspects.append(_Pending(tp, record.offset, decoded, time.time(), record.timestamp, self._generation))
+
+    async def _verify_reply_topics(self, unverified: list[_Unverified], suspects: list[_Pending]) -> None:
+        """One look at the broker's topic list for every unknown reply topic of the batch."""
+        try:
+            await self.reply_topics.refresh()
+        except Exception as exc:  # noqa: BLE001 - the broker did not answer: refuse, do not guess
+            log.warning("intake.list_topics_failed", error=repr(exc))
+        for u in unverified:
+            if u.generation != self._generation or u.tp in self._revoking:
+                continue  # the partition moved meanwhile: untracked, its new owner reads it
+            try:
+                verdict = self.reply_topics.verdict(u.decoded.reply_topic)
+                self._dispatch(u.tp, u.record, u.decoded, verdict, suspects if u.suspect else None)
+            except Exception as exc:  # noqa: BLE001 - as in _handle_safely
+                log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
+                self._sink.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _triage_suspects(self, pending: list[_Pending]) -> None:
         """Requests that may have run before: skip those whose final `done` exists, triage the rest."""
@@ -217,8 +279,9 @@ class Intake:
             self._consumer.resume(*(self._consumer.paused() - self._revoking))
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
-    def _decode(self, tp: TopicPartition, record) -> Request | None:
-        """Decode a record: a valid request, or None when it was answered (dead letter, rejection)."""
+    def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
+        """Decode a record: a valid request, an invalid one (to reject once its reply topic is
+        known good), or None when it was dead-lettered."""
         if tp in self._revoking or tp not in self._consumer.assignment():
             return None  # being revoked: untracked and uncommitted, so its new owner reads it
         self._tracker.add(tp, record.offset)
@@ -231,8 +294,7 @@ class Intake:
         except InvalidRequest as exc:
             log.info("intake.invalid", request_id=exc.request_id, partition=tp.partition,
                      offset=record.offset, field=exc.field)
-            self._sink.reject(tp, record.offset, exc, exc.code, exc.message)
-            return None
+            return exc
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
@@ -296,8 +358,9 @@ class Intake:
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
-    """Unix time by which the request must be done: from created_at, else from receipt."""
-    start = req.created_at if req.created_at is not None else received
+    """Unix time by which the request must be done: from created_at, else from receipt. A
+    created_at in the future counts as receipt: it must not stretch a deadline past timeout_s."""
+    start = min(req.created_at, received) if req.created_at is not None else received
     return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
 
 

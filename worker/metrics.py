@@ -30,6 +30,9 @@ class Metrics:
                                   ["reason"], registry=r)
         self.dead_letters = Counter("inferline_dead_letters", "Messages sent to the dead-letter topic",
                                     registry=r)
+        self.reply_topic_refusals = Counter("inferline_reply_topic_refusals",
+                                            "Requests dead-lettered for a reply topic the worker may not write to "
+                                            "or that does not exist", registry=r)
         self.cancels = Counter("inferline_cancels_received", "Cancel messages read", registry=r)
         self.tokens_generated = Counter("inferline_tokens_generated", "Output tokens generated", registry=r)
         self.preemptions = Counter("inferline_preemptions", "Sequences preempted by the scheduler", registry=r)

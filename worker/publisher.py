@@ -8,11 +8,16 @@
 - Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
   un-acked) is what the intake watches to pause itself when the broker falls behind.
 - One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
-  own requests, not every reply of the worker.
+  own requests, not every reply of the worker. A topic whose send just failed (deleted, refusing
+  every batch, no leader) is *failing* for FAILING_FOR_S: its `started`/`tokens` events are
+  dropped at once instead of each waiting out a timeout, and its backlog does not count towards
+  `full()`, so one bad topic never pauses intake for the others.
 """
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +31,7 @@ log = structlog.get_logger(__name__)
 # one unreachable reply topic cannot wedge a partition forever).
 MAX_ATTEMPTS = 5
 RETRY_BACKOFF_S = 0.5
+FAILING_FOR_S = 30.0
 
 
 def client_kwargs(kafka) -> dict:
@@ -64,7 +70,8 @@ class _Outgoing:
 
 
 class Publisher:
-    def __init__(self, settings, metrics, worker_name: str) -> None:
+    def __init__(self, settings, metrics, worker_name: str,
+                 on_send_failed: Callable[[str], None] | None = None) -> None:
         self._kafka = settings.kafka
         self._metrics = metrics
         self.worker_name = worker_name
@@ -74,6 +81,9 @@ class Publisher:
         self._dirty: dict[str, ReplyStream] = {}  # attempt -> stream with buffered tokens
         self._flusher: asyncio.Task | None = None
         self.backlog = 0  # queued or in flight, not yet acked
+        self._topic_backlog: Counter[str] = Counter()
+        self._failing: dict[str, float] = {}  # topic -> monotonic time its failing state ends
+        self._on_send_failed = on_send_failed  # topic -> None: the reply-topic cache forgets it
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -103,7 +113,18 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        return self.backlog >= self._kafka.max_pending_replies
+        """Too many replies wait for the broker: intake pauses. Failing topics do not count."""
+        stuck = sum(self._topic_backlog[t] for t in self._failing_topics())
+        return self.backlog - stuck >= self._kafka.max_pending_replies
+
+    def _failing_topics(self) -> list[str]:
+        now = time.monotonic()
+        for topic in [t for t, until in self._failing.items() if until <= now]:
+            del self._failing[topic]
+        return list(self._failing)
+
+    def failing(self, topic: str) -> bool:
+        return self._failing.get(topic, 0.0) > time.monotonic()
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -177,6 +198,7 @@ class Publisher:
 
     def _enqueue(self, out: _Outgoing) -> None:
         self.backlog += 1
+        self._topic_backlog[out.topic] += 1
         self._idle.clear()
         self._metrics.pending_replies.set(self.backlog)
         lane = self._lanes.get(out.topic)
@@ -191,6 +213,9 @@ class Publisher:
         # The lane ends when drained, so per-request reply topics do not pile up idle tasks.
         while not lane.empty():
             out = lane.get_nowait()
+            if out.on_acked is None and self.failing(topic):  # would only wait out a timeout
+                self._failed(out, RuntimeError(f"reply topic {topic} is failing"))
+                continue
             try:
                 fut = await self._send(out)
             except Exception as exc:  # metadata timeout, message too large, producer closed
@@ -217,6 +242,11 @@ class Publisher:
     def _failed(self, out: _Outgoing, exc: BaseException) -> None:
         out.tries += 1
         self._metrics.send_failures.inc()
+        if not self.failing(out.topic):
+            self._failing[out.topic] = time.monotonic() + FAILING_FOR_S
+            log.warning("publisher.topic_failing", topic=out.topic, error=repr(exc))
+            if self._on_send_failed:
+                self._on_send_failed(out.topic)
         if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
             self._settle(out, False)
             return
@@ -229,10 +259,14 @@ class Publisher:
 
     def _requeue(self, out: _Outgoing) -> None:
         self.backlog -= 1  # _enqueue counts it again
+        self._topic_backlog[out.topic] -= 1
         self._enqueue(out)
 
     def _settle(self, out: _Outgoing, ok: bool) -> None:
         self.backlog -= 1
+        self._topic_backlog[out.topic] -= 1
+        if not self._topic_backlog[out.topic]:
+            del self._topic_backlog[out.topic]
         self._metrics.pending_replies.set(self.backlog)
         if out.on_acked:
             out.on_acked(ok)

@@ -21,8 +21,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    # A set: the engine looks up every generated token in it, so the cost stays O(1) per token.
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Callers may pass any iterable of ids (the wire request holds a list).
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,71 @@
+"""Where the worker may write a request's replies: the reply topic a producer names is untrusted.
+
+A reply topic is allowed when it is under `kafka.reply_topic_prefix` (default `inferline.reply.`),
+is none of the worker's own topics (request, cancel, dead-letter) nor an internal `__` topic, and
+exists. A request that names any other topic is dead-lettered with the reason, never answered
+there and never waited on; the worker never creates topics.
+
+Existence comes from the broker's metadata for all topics (asking for one topic by name could
+auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`,
+and an unknown one makes the cache refresh at most once per `REFRESH_EVERY_S`, however many
+requests name missing topics.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
+REFRESH_EVERY_S = 1.0
+
+
+def refusal(topic: str, kafka) -> str | None:
+    """Why the worker must not write to `topic` (policy only, no broker), or None."""
+    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic):
+        return f"reply_topic {topic!r} is one of the worker's own topics"
+    if topic.startswith("__"):
+        return f"reply_topic {topic!r} is an internal topic"
+    if not topic.startswith(kafka.reply_topic_prefix):
+        return f"reply_topic {topic!r} is not under the reply prefix {kafka.reply_topic_prefix!r}"
+    return None
+
+
+class ReplyTopics:
+    """The allowed-and-existing check, with the broker's topic list cached."""
+
+    def __init__(self, kafka, list_topics: Callable, clock: Callable[[], float] = time.monotonic) -> None:
+        self._kafka = kafka
+        self._list_topics = list_topics  # async () -> iterable of every topic name
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
+        self._refreshed_at = float("-inf")
+
+    def verdict(self, topic: str) -> str | None:
+        """"ok", a reason to refuse, or None when the broker must be asked (refresh())."""
+        reason = refusal(topic, self._kafka)
+        if reason:
+            return reason
+        now = self._clock()
+        if now - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S:
+            return "ok"
+        if now - self._refreshed_at < REFRESH_EVERY_S:
+            return f"reply_topic {topic!r} does not exist (the worker never creates topics)"
+        return None
+
+    async def refresh(self) -> None:
+        """Re-read the broker's topic list (at most once per REFRESH_EVERY_S)."""
+        now = self._clock()
+        if now - self._refreshed_at < REFRESH_EVERY_S:
+            return
+        self._refreshed_at = now
+        topics: Iterable[str] = await self._list_topics()
+        self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
+        log.debug("reply_topics.refreshed", allowed=len(self._seen))
+
+    def forget(self, topic: str) -> None:
+        """The publisher found `topic` gone: the next request naming it asks the broker again."""
+        self._seen.pop(topic, None)
+        self._refreshed_at = float("-inf")
