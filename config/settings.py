@@ -27,6 +27,12 @@ class KafkaSettings(BaseModel):
     # cancel or dead-letter topic, nor a `__` internal one); a request naming any other reply
     # topic is dead-lettered with the reason (worker/reply_topics.py). "" allows every other topic.
     reply_topic_prefix: str = "inferline.reply."
+    # Who a request is from (worker/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
+    # each tenant writes its own `<request_topic>.<tenant>` (and cancels to `<cancel_topic>.<tenant>`),
+    # which Kafka ACLs keep to that tenant; the worker subscribes by pattern, takes the tenant from
+    # the topic, rejects a body `tenant` that disagrees and answers only under
+    # `<reply_topic_prefix><tenant>.`.
+    tenancy: Literal["body", "topic"] = "body"
     group_id: str = "inferline-workers"
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
@@ -176,6 +182,8 @@ class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
     burst_requests: float | None = Field(None, gt=0)
+    min_priority: int | None = None
+    max_priority: int | None = None
 
 
 class LimitsSettings(BaseModel):

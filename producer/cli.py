@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import math
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from producer.client import (
 )
 from producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
 from producer.tail import format_event, tail  # noqa: F401 - re-exported
-from producer.topics import create_topics, kafka_options, topic_configs
+from producer.topics import TENANT_SEGMENT, create_topics, kafka_options, topic_configs
 
 # Exit codes of `submit`: scripts can tell a rejection from a timeout without parsing text.
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
@@ -107,6 +108,9 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
     create.add_argument("--cancel-retention-ms", type=int, default=3_600_000)
     create.add_argument("--dlq-retention-ms", type=int, default=14 * 86_400_000)
     create.add_argument("--dlq-topic", default=None, help="default: INFERLINE_KAFKA__DLQ_TOPIC")
+    create.add_argument("--tenant", action="append", default=[], metavar="NAME",
+                        help="topic tenancy (INFERLINE_KAFKA__TENANCY=topic): also <request topic>.NAME and "
+                             "<cancel topic>.NAME; repeat for more tenants (ACLs: docs/security.md)")
 
 
 def _add_tail(p: argparse.ArgumentParser) -> None:
@@ -241,6 +245,11 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             (client.cancel_topic, 1, args.cancel_retention_ms),
             (args.dlq_topic or client.kafka.dlq_topic, 1, args.dlq_retention_ms),
         ]
+        for tenant in args.tenant:
+            if not re.fullmatch(TENANT_SEGMENT, tenant):
+                raise SystemExit(f"inferline topics create: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
+            plan += [(f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
+                     (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
         for name, partitions, retention in plan:
             created = await create_topics(
                 admin, [(name, partitions)], replication_factor=args.replication_factor, configs=topic_configs(retention)

@@ -11,6 +11,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from config.settings import KafkaSettings
 
+# Topic tenancy (INFERLINE_KAFKA__TENANCY=topic): a tenant is one topic-name segment, no '.', so
+# `<request topic>.<tenant>` and `<reply prefix><tenant>.` cannot be ambiguous.
+TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
+
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36
 UNKNOWN_TOPIC = 3

@@ -87,6 +87,9 @@ MEANINGS = {
     "tenant.tokens_per_min": "Generated tokens per minute, charged at admission with the request's "
                              "`max_tokens` and refunded by what it did not use; unset: no limit.",
     "tenant.burst_requests": "Request bucket size; default `max(1, requests_per_s)`.",
+    "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and may preempt): "
+                           "a tenant cannot jump ahead of others by its own say; unset: no bound.",
+    "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: no bound.",
     "http.host": "Address the HTTP server binds.",
     "http.port": "Port of /healthz, /readyz and /metrics; 0 picks a free one.",
     "log.level": "Lowest level logged.",

@@ -291,7 +291,7 @@ class IntakeHarness:
         self.worker.publisher._enqueue = self._enqueue
         # Every topic the policy allows exists (worker/reply_topics.py asks no broker here).
         kafka = settings.kafka
-        self.worker.intake.reply_topics.verdict = lambda topic: refusal(topic, kafka) or "ok"
+        self.worker.intake.reply_topics.verdict = lambda topic, tenant=None: refusal(topic, kafka, tenant) or "ok"
         self.sent: list = []
         self.offset = 0
 

@@ -253,6 +253,14 @@ async def test_topics_create(kafka_bootstrap, cli_env):
         assert described == {names[0]: 3, names[1]: 1, names[2]: 1}
         rc, out, _ = await run_cli(env, "topics", "create", "--partitions", "3")
         assert rc == 0 and out.count("exists") == 3
+        # topic tenancy: each tenant's own request and cancel topic
+        rc, out, err = await run_cli(env, "topics", "create", "--partitions", "2", "--tenant", "acme")
+        names += [f"{names[0]}.acme", f"{names[1]}.acme"]
+        assert rc == 0 and out.count("created") == 2, err
+        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics() if t["topic"] in names}
+        assert described[names[3]] == 2 and described[names[4]] == 1
+        rc, _, err = await run_cli(env, "topics", "create", "--tenant", "a.b")
+        assert rc != 0 and "must be 1-64 of" in err
     finally:
         await admin.delete_topics(names)
         await admin.close()

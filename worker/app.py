@@ -37,6 +37,7 @@ from worker.metrics import Metrics, priority_label
 from worker.offsets import OffsetTracker
 from worker.publisher import Publisher, ReplyStream
 from worker.ratelimit import RateLimiter
+from worker.tenancy import cancel_key
 
 log = structlog.get_logger(__name__)
 
@@ -232,9 +233,12 @@ class Worker:
         self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
         await self._wait_jobs(lambda: not any(self._unacked[tp] for tp in tps), timeout)
 
-    def cancel(self, request_id: str) -> None:
-        self.cancels.add(request_id)  # the request may not have been read yet
-        attempts = list(self._by_id.get(request_id, ()))
+    def cancel(self, request_id: str, tenant: str | None = None) -> None:
+        """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
+        carried it) limits it to that tenant's requests."""
+        self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
+        attempts = [a for a in self._by_id.get(request_id, ())
+                    if tenant is None or getattr(self.jobs.get(a), "request", None) and self.jobs[a].request.tenant == tenant]
         if attempts:
             log.info("request.cancel", request_id=request_id, attempts=len(attempts))
         self._abort(attempts, "cancelled")

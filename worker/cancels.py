@@ -1,4 +1,6 @@
-"""Cancels: every worker reads the whole cancel topic and aborts what it runs.
+"""Cancels: every worker reads the whole cancel topic (in topic tenancy, every tenant's
+`<cancel_topic>.<tenant>`, a cancel there counting for that tenant's requests only) and aborts
+what it runs.
 
 There is no consumer group and nothing is committed: a worker cannot know which worker runs a
 request, so each must see every cancel, from the end of the topic (a worker that was down
@@ -16,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from producer.schema import UndecodableMessage, decode_cancel
 from worker.publisher import client_kwargs
+from worker.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
 
@@ -62,16 +65,22 @@ class CancelListener:
         if self._consumer:
             await self._consumer.stop()
 
+    def _cancel_topics(self, cluster) -> list[str]:
+        """The cancel topic, or in topic tenancy every tenant's `<cancel_topic>.<tenant>`."""
+        k = self._s.kafka
+        if k.tenancy != "topic":
+            return [k.cancel_topic]
+        return [t for t in cluster.topics() if tenant_of(t, k.cancel_topic)]
+
     async def _assign_all(self, at_start: bool = False) -> None:
         """(Re)assign all partitions. At start-up they are read from their end; a partition
         found later (the topic was created or grew while we ran) holds only cancels sent
         since we started, so it is read from its beginning."""
-        topic = self._s.kafka.cancel_topic
         # consumer.topics() fetches fresh metadata but throws it away (partitions_for_topic reads
         # a cache that only follows subscriptions): read the partitions from the fetched cluster.
         cluster = await self._consumer._client.fetch_all_metadata()
-        parts = cluster.partitions_for_topic(topic) or set()
-        tps = {TopicPartition(topic, p) for p in parts}
+        topics = self._cancel_topics(cluster)
+        tps = {TopicPartition(t, p) for t in topics for p in cluster.partitions_for_topic(t) or ()}
         old = self._consumer.assignment()
         new = tps - old
         if not new:
@@ -87,7 +96,7 @@ class CancelListener:
             await self._consumer.seek_to_beginning(*new)
         for tp in new:  # resolve the end offsets now, so a cancel sent after start() is seen
             await self._consumer.position(tp)
-        log.info("cancels.assigned", topic=topic, partitions=len(tps))
+        log.info("cancels.assigned", topics=len(topics), partitions=len(tps))
 
     async def _loop(self) -> None:
         last_refresh = time.monotonic()
@@ -116,4 +125,5 @@ class CancelListener:
             log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
             return
         self._m.cancels.inc()
-        self._on_cancel(cancel.id)
+        k = self._s.kafka
+        self._on_cancel(cancel.id, tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None)

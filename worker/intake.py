@@ -32,6 +32,7 @@ from worker.publisher import client_kwargs
 from worker.ratelimit import RateLimiter
 from worker.redelivery import RedeliveryCheck, Suspect
 from worker.reply_topics import ReplyTopics
+from worker.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
@@ -126,8 +127,13 @@ class Intake:
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=k.session_timeout_ms, heartbeat_interval_ms=k.session_timeout_ms // 4,
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
+            metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed (pattern)
         )
-        self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
+        if k.tenancy == "topic":  # every tenant's own request topic, new ones found as they appear
+            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic)),
+                                     listener=_Rebalance(self))
+        else:
+            self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
         if self._redelivery:
             await self._redelivery.start()
         await self._consumer.start()
@@ -199,7 +205,7 @@ class Intake:
         decoded = self._decode(tp, record)
         if decoded is None:
             return
-        verdict = self.reply_topics.verdict(decoded.reply_topic)
+        verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
             unverified.append(_Unverified(tp, record, decoded, suspects is not None, self._generation))
             return
@@ -213,6 +219,8 @@ class Intake:
             self._m.reply_topic_refusals.inc()
             self._sink.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
+            self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
+        elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
             self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
         elif suspects is None:
             self._triage(tp, record.offset, decoded, time.time())
@@ -229,7 +237,7 @@ class Intake:
             if u.generation != self._generation or u.tp in self._revoking:
                 continue  # the partition moved meanwhile: untracked, its new owner reads it
             try:
-                verdict = self.reply_topics.verdict(u.decoded.reply_topic)
+                verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp))
                 self._dispatch(u.tp, u.record, u.decoded, verdict, suspects if u.suspect else None)
             except Exception as exc:  # noqa: BLE001 - as in _handle_safely
                 log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
@@ -279,6 +287,25 @@ class Intake:
             self._consumer.resume(*(self._consumer.paused() - self._revoking))
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
+    def _tenant_of(self, tp: TopicPartition) -> str | None:
+        """The tenant Kafka vouches for (topic tenancy: the request topic's suffix), else None."""
+        k = self._s.kafka
+        return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
+
+    def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
+        """The request as the worker will run it: the topic's tenant (a body that claims another
+        is rejected) and the tenant's priority range."""
+        tenant = self._tenant_of(tp)
+        if tenant is not None and "tenant" in req.model_fields_set and req.tenant != tenant:
+            return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
+                                  request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
+        tenant = tenant or req.tenant
+        limits = self._s.limits
+        priority = clamp_priority(req.priority, limits.tenants.get(tenant, limits.default_tenant))
+        if tenant == req.tenant and priority == req.priority:
+            return req
+        return req.model_copy(update={"tenant": tenant, "priority": priority})
+
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
         """Decode a record: a valid request, an invalid one (to reject once its reply topic is
         known good), or None when it was dead-lettered."""
@@ -300,7 +327,7 @@ class Intake:
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
         """A valid request: cancelled already, expired, overloaded, over its limit, or admitted."""
         route, meta = route_of(req), req.metadata
-        if self._cancels.seen(req.id):
+        if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
             self._sink.reject(tp, offset, route, "cancelled", "cancelled before it started",
                               finish_reason="cancelled", metadata=meta)
         elif deadline_of(req, received, self._s.limits.default_timeout_s) <= time.time():

@@ -17,20 +17,28 @@ from typing import Callable, Iterable
 
 import structlog
 
+from worker.tenancy import reply_prefix, tenant_of
+
 log = structlog.get_logger(__name__)
 KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
 REFRESH_EVERY_S = 1.0
 
 
-def refusal(topic: str, kafka) -> str | None:
-    """Why the worker must not write to `topic` (policy only, no broker), or None."""
-    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic):
+def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
+    """Why the worker must not write to `topic` (policy only, no broker), or None. In topic
+    tenancy a request of `tenant` may be answered only under that tenant's own prefix."""
+    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(topic, kafka):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):
         return f"reply_topic {topic!r} is an internal topic"
-    if not topic.startswith(kafka.reply_topic_prefix):
-        return f"reply_topic {topic!r} is not under the reply prefix {kafka.reply_topic_prefix!r}"
+    prefix = reply_prefix(kafka, tenant)
+    if not topic.startswith(prefix):
+        return f"reply_topic {topic!r} is not under the reply prefix {prefix!r}"
     return None
+
+
+def _per_tenant_topic(topic: str, kafka) -> bool:
+    return kafka.tenancy == "topic" and any(tenant_of(topic, base) for base in (kafka.request_topic, kafka.cancel_topic))
 
 
 class ReplyTopics:
@@ -43,9 +51,9 @@ class ReplyTopics:
         self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
         self._refreshed_at = float("-inf")
 
-    def verdict(self, topic: str) -> str | None:
+    def verdict(self, topic: str, tenant: str | None = None) -> str | None:
         """"ok", a reason to refuse, or None when the broker must be asked (refresh())."""
-        reason = refusal(topic, self._kafka)
+        reason = refusal(topic, self._kafka, tenant)
         if reason:
             return reason
         now = self._clock()

@@ -1,0 +1,50 @@
+"""Who a request is from: the body's word (`tenancy=body`), or the topic Kafka let it onto
+(`tenancy=topic`).
+
+In topic mode each tenant has its own request topic `<request_topic>.<tenant>` and cancel topic
+`<cancel_topic>.<tenant>`, which Kafka's ACLs let only that tenant write; the worker subscribes
+by pattern and takes the tenant from the record's topic, never from the body. A body `tenant`
+that disagrees is rejected; the reply topic must be under `<reply_topic_prefix><tenant>.`; a
+cancel counts only for the requests of the tenant whose cancel topic carried it; the priority is
+clamped to the tenant's range (INFERLINE_LIMITS__TENANTS__<name>__MIN_PRIORITY / __MAX_PRIORITY).
+"""
+from __future__ import annotations
+
+import re
+
+from producer.topics import TENANT_SEGMENT
+
+
+def tenant_pattern(base_topic: str, exclude: tuple[str, ...] = ()) -> str:
+    """The regex of the per-tenant topics `<base_topic>.<tenant>`, never matching `exclude`
+    (the dead-letter topic `llm.requests.dlq` would otherwise be tenant `dlq`'s request topic)."""
+    skip = "".join(f"(?!{re.escape(t[len(base_topic) + 1:])}$)" for t in exclude
+                   if t.startswith(base_topic + "."))
+    return f"^{re.escape(base_topic)}\\.{skip}{TENANT_SEGMENT}$"
+
+
+def tenant_of(topic: str, base_topic: str) -> str | None:
+    """The tenant whose per-tenant topic this is, or None."""
+    if not topic.startswith(base_topic + "."):
+        return None
+    tenant = topic[len(base_topic) + 1:]
+    return tenant if re.fullmatch(TENANT_SEGMENT, tenant) else None
+
+
+def reply_prefix(kafka, tenant: str | None) -> str:
+    """Where this tenant's replies may go: its own prefix in topic mode, the shared one otherwise."""
+    return kafka.reply_topic_prefix if tenant is None else f"{kafka.reply_topic_prefix}{tenant}."
+
+
+def clamp_priority(priority: int, limit) -> int:
+    """The tenant's priority range (TenantLimit.min_priority / max_priority), where set."""
+    if limit.min_priority is not None:
+        priority = max(priority, limit.min_priority)
+    if limit.max_priority is not None:
+        priority = min(priority, limit.max_priority)
+    return priority
+
+
+def cancel_key(request_id: str, tenant: str | None) -> str:
+    """How a cancel is remembered: per tenant in topic mode (ids are only unique per tenant there)."""
+    return request_id if tenant is None else f"{tenant}/{request_id}"
