@@ -1,7 +1,6 @@
 """Topic tenancy (worker/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the request
 topic's, never the body's. Offline through the intake harness, then a running worker on the real
-broker with two tenants. (Kafka ACLs, which keep each tenant to its own topics, are not exercised:
-the test broker has no authorizer; docs/security.md.)"""
+broker with two tenants. The ACLs that keep each tenant to its own topics: tests/test_acl_tenancy.py."""
 from __future__ import annotations
 
 import uuid

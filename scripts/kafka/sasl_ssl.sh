@@ -11,6 +11,9 @@
 #   INFERLINE_KAFKA_PORT   client port (default 9094; the controller takes the next one)
 #   INFERLINE_KAFKA_DIR    data, logs, certs and secrets (default <repo>/.kafka-sasl, gitignore it)
 #   INFERLINE_KAFKA_SASL_USER   the client user created at format time (default inferline)
+#   INFERLINE_KAFKA_SASL_EXTRA_USERS   more users created at format time, space-separated (tenants)
+#   INFERLINE_KAFKA_AUTHORIZER  1: KRaft's StandardAuthorizer on, nothing allowed without an ACL
+#                          (`admin` and the controller listener are super users)
 #   INFERLINE_CACHE_DIR, INFERLINE_KAFKA_VERSION, INFERLINE_KAFKA_HEAP, INFERLINE_KAFKA_START_TIMEOUT
 #                          as for scripts/kafka.sh
 #
@@ -32,6 +35,8 @@ CONTROLLER_PORT=$((PORT + 1))
 HEAP_OPTS=${INFERLINE_KAFKA_HEAP:--Xmx384m -Xms128m}
 START_TIMEOUT=${INFERLINE_KAFKA_START_TIMEOUT:-90}
 USER_NAME=${INFERLINE_KAFKA_SASL_USER:-inferline}
+EXTRA_USERS=${INFERLINE_KAFKA_SASL_EXTRA_USERS:-}
+AUTHORIZER=${INFERLINE_KAFKA_AUTHORIZER:-0}
 CACHE=${INFERLINE_CACHE_DIR:-$HOME/.cache/inferline}/kafka-$KAFKA_VERSION
 LIBS=$CACHE/libs
 KDIR=${INFERLINE_KAFKA_DIR:-$REPO/.kafka-sasl}
@@ -118,6 +123,14 @@ num.recovery.threads.per.data.dir=1
 log.retention.hours=24
 EOF
     )
+    if [ "$AUTHORIZER" = 1 ]; then
+        # The controller listener is PLAINTEXT on loopback (principal ANONYMOUS): a super user too.
+        cat >>"$CONFIG" <<EOF
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:admin;User:ANONYMOUS
+EOF
+    fi
 }
 
 java_cp() { java "$@" -Dlog4j2.configurationFile="$HERE/log4j2.properties" -Dkafka.logs.dir="$LOGS" -cp "$LIBS/*"; }
@@ -129,11 +142,14 @@ format_storage() {
         -Dkafka.logs.dir="$LOGS" kafka.tools.StorageTool random-uuid)
     admin_pw=$(password admin)
     user_pw=$(password "$USER_NAME")
-    say "formatting $DATA with SCRAM-SHA-512 users admin and $USER_NAME"
+    local scram=(--add-scram "SCRAM-SHA-512=[name=admin,password=$admin_pw]"
+                 --add-scram "SCRAM-SHA-512=[name=$USER_NAME,password=$user_pw]")
+    for extra in $EXTRA_USERS; do
+        scram+=(--add-scram "SCRAM-SHA-512=[name=$extra,password=$(password "$extra")]")
+    done
+    say "formatting $DATA with SCRAM-SHA-512 users admin, $USER_NAME $EXTRA_USERS"
     java -Xmx256m -cp "$LIBS/*" -Dlog4j2.configurationFile="$HERE/log4j2.properties" -Dkafka.logs.dir="$LOGS" \
-        kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" --standalone \
-        --add-scram "SCRAM-SHA-512=[name=admin,password=$admin_pw]" \
-        --add-scram "SCRAM-SHA-512=[name=$USER_NAME,password=$user_pw]" >>"$OUT" 2>&1 \
+        kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" --standalone "${scram[@]}" >>"$OUT" 2>&1 \
         || { tail -n 20 "$OUT" | grep -v -i password >&2; die "formatting $DATA failed"; }
 }
 
