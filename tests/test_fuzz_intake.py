@@ -329,3 +329,32 @@ async def test_hostile_messages_into_a_running_worker(kafka_bootstrap, new_topic
           f"{sum(answers.values())} answered ({len(answers)} ids), then served a valid request")
     assert worker.engine_loop._thread.is_alive()
     assert all(not t.done() for t in worker.intake._tasks), "the intake stopped"
+
+
+def test_tenant_attacks_in_topic_tenancy():
+    """INFERLINE_KAFKA__TENANCY=topic, records on acme's request topic: whatever the body says
+    (another tenant, another tenant's reply topic, hostile bytes), the worker answers only under
+    acme's reply prefix or dead-letters, and everything it runs runs as acme."""
+    from aiokafka import TopicPartition
+
+    from tests.chaos_fixtures import FakeConsumer, IntakeHarness
+
+    h = IntakeHarness(Settings(kafka={"request_topic": "fuzz-requests", "dlq_topic": DLQ, "tenancy": "topic"},
+                               model={"max_model_len": 256}, limits={"max_tokens_cap": 8}))
+    h.tp = TopicPartition("fuzz-requests.acme", 0)
+    h.worker.intake._consumer = FakeConsumer([h.tp])
+    rng, mine, theirs = random.Random(5), "inferline.reply.acme.fuzz", "inferline.reply.globex.fuzz"
+    attacks = [pack({**valid_request(rng, mine), "tenant": "globex"}), pack(valid_request(rng, theirs)),
+               pack({**valid_request(rng, theirs), "tenant": "globex"}), pack(valid_request(rng, "fuzz-requests.globex")),
+               pack({**valid_request(rng, mine), "priority": -1000})]
+    outcomes = set()
+    for value in hostile_messages(rng, mine, 400 * SCALE) + attacks:
+        sent, added = h.feed(value)
+        for out in sent:
+            assert out.topic == DLQ or out.topic.startswith("inferline.reply.acme."), out.topic
+            outcomes.add("dead_letter" if out.topic == DLQ else "answered")
+        for req in added:
+            job = h.worker.jobs[req.request_id]
+            assert job.request.tenant == "acme"
+            outcomes.add("admitted")
+    assert outcomes == {"dead_letter", "answered", "admitted"}
