@@ -293,12 +293,13 @@ class IntakeHarness:
         kafka = settings.kafka
         self.worker.intake.reply_topics.verdict = lambda topic, tenant=None: refusal(topic, kafka, tenant) or "ok"
         self.sent: list = []
+        self.unreachable: set[str] = set()  # topics whose must-deliver sends are given up
         self.offset = 0
 
     def _enqueue(self, out) -> None:
         self.sent.append(out)
         if out.on_acked:
-            out.on_acked(True)
+            out.on_acked(out.topic not in self.unreachable)  # as the publisher does after its retries
 
     def feed(self, value: bytes | None, key: bytes | None = b"k"):
         """Hands one record to the intake; returns the outgoing messages and admitted requests."""

@@ -199,5 +199,5 @@ def test_relative_links_resolve(doc):
 
 def test_log_events_named_in_the_docs_exist():
     source = "\n".join(p.read_text() for p in (REPO / "worker").rglob("*.py"))
-    for event in ("offset.finished_without_reply", "model ready"):
+    for event in ("request.reply_undeliverable", "model ready"):
         assert f'"{event}"' in source, event

@@ -73,8 +73,10 @@ class Checker:
         sent, added = self.h.feed(value)
         if added:
             kind = self._admitted(value, sent, added)
-        elif not sent and self.h.worker.num_redelivered == redelivered + 1:
-            kind = "redelivery_of_a_finished_request"  # the same request again: its done exists
+        elif self.h.worker.num_redelivered == redelivered + 1:
+            # the same request again: its final done exists, and is sent again as it was
+            assert [decode_event(o.value).type for o in sent] in ([], ["done"]), sent
+            kind = "redelivery_of_a_finished_request"
         else:
             assert len(sent) == 1, f"{len(sent)} outgoing messages for one record: {value[:200]!r}"
             kind = self._dead_letter(value, sent[0]) if sent[0].topic == DLQ else self._answered(sent[0])

@@ -1,5 +1,5 @@
-"""A reply topic the broker refuses: dones are retried, the topic is failing and its backlog does
-not pause intake for the others, nothing wedges."""
+"""A reply topic the broker refuses: dones are retried, then the requests are dead-lettered; the
+topic is failing and its backlog does not pause intake for the others; nothing wedges."""
 import asyncio
 
 import pytest
@@ -19,11 +19,11 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
     monkeypatch.setattr(publisher, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
     refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "64"}, reply=True)  # every batch is larger
     worker = await start_worker(topics, kafka={"max_pending_replies": 10})
-    seen = []  # (backlog, full) while the refused topic's dones are retried
+    seen = []  # (backlog, full, refused topic failing) while the refused topic's dones are retried
 
     async def watch():
         while True:
-            seen.append((worker.publisher.backlog, worker.publisher.full()))
+            seen.append((worker.publisher.backlog, worker.publisher.full(), worker.publisher.failing(refused)))
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -35,9 +35,14 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
     watcher.cancel()
     check_attempts(events[good["id"]])
     assert final_done(events[good["id"]]).finish_reason == "length"
-    assert worker.publisher.failing(refused) and max(b for b, _ in seen) >= 10  # over max_pending_replies
-    assert not any(full for _, full in seen)  # ... all of it the failing topic's: intake never paused
-    # Given up after MAX_ATTEMPTS and committed: one unreachable topic does not wedge a partition.
+    assert max(b for b, _, failing in seen if failing) >= 10  # over max_pending_replies, ...
+    # ... all of it the failing topic's: once its first send failed, intake is never held back
+    assert not any(full for _, full, failing in seen if failing)
+    # Given up after MAX_ATTEMPTS, dead-lettered with the reason, then committed: one unreachable
+    # topic does not wedge a partition, and no request ends unseen.
+    dead = await consume_until(kafka_bootstrap, topics.dlq, lambda rs: len(rs) >= len(bad), timeout=120)
+    assert {r.key.decode() for r in dead} == {r["id"] for r in bad}
+    assert all(dict(r.headers)["error"].startswith(b"the reply could not be delivered") for r in dead)
     for _ in range(100):
         if not worker.tracker.to_commit() and not worker.jobs:
             break

@@ -7,6 +7,13 @@ Life of a request (one `Job` per execution attempt):
     engine output tokens  ─► Publisher buffers, flushes `tokens` events
     engine output finished ─► `done` queued                                  state "finishing"
     `done` acked ─► OffsetTracker.finish ─► commit the contiguous watermark  (job forgotten)
+    `done` given up ─► the original record to the dead-letter topic ─► then the offset
+
+No offset is finished without the request ending where someone can see it: its `done`, or the
+record on the dead-letter topic with the reason (retried until the broker takes it). A job
+carries the intake's assignment generation: one that finishes after its partition was revoked
+publishes `requeued`, never a final result, and finishes no offset of the new assignment. If the
+engine thread dies, every job is handed back (`requeued`), readiness fails and run() raises.
 
 The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the
 same id (a redelivery racing its own requeue) are then two attempts, never one engine entry.
@@ -43,6 +50,13 @@ log = structlog.get_logger(__name__)
 
 # Ids of requests finished here, remembered so a redelivery does not run them twice.
 MAX_REMEMBERED_DONE = 100_000
+# The last final `done`s themselves, sent again when their request comes back (bounded bytes).
+MAX_REMEMBERED_EVENTS = 10_000
+MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
+
+
+class EngineDied(RuntimeError):
+    """The engine thread stopped: the worker hands everything back and exits non-zero."""
 
 
 def engine_settings(settings):
@@ -66,6 +80,7 @@ class Job:
     offset: int
     received: float  # Unix seconds
     max_tokens: int
+    generation: int = 0  # the intake's assignment generation when it was admitted
     state: str = "waiting"  # waiting -> running -> finishing
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -94,6 +109,9 @@ class Worker:
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
         self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, final done acked
+        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, partition, done bytes)
+        self._held: dict[tuple[TopicPartition, int], object] = {}  # records taken, offset not finished
+        self.engine_died: BaseException | None = None
         self.num_redelivered = 0
         # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
         # rejections, dead letters alike); a revocation waits for these to reach zero.
@@ -114,7 +132,8 @@ class Worker:
         # The model loads on the engine's own thread, the one that will run it (EngineLoop says why);
         # minutes on a cold cache, awaited off the event loop so /healthz answers meanwhile.
         source = self.engine if self.engine is not None else (lambda: build_engine(self.settings))
-        engine_loop = EngineLoop(source, lambda outs, st: self._from_engine(loop, outs, st))
+        engine_loop = EngineLoop(source, lambda outs, st: self._from_engine(loop, outs, st),
+                                 on_death=lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
         engine_loop.start()
         self.engine = await asyncio.to_thread(engine_loop.wait_ready)
         if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
@@ -135,6 +154,8 @@ class Worker:
             await self._stop.wait()
         finally:
             await self.shutdown()
+        if self.engine_died is not None:
+            raise EngineDied(f"the engine thread died: {self.engine_died!r}")
 
     def request_stop(self) -> None:
         """SIGTERM/SIGINT: the first drains, a second one stops waiting for running requests."""
@@ -160,8 +181,18 @@ class Worker:
         log.info("worker.stopped", unfinished=len(self.jobs))
 
     def readiness(self) -> dict[str, bool]:
-        return {"model_loaded": self.engine_loop is not None, "in_group": self.intake.joined,
-                "cancel_listener": self.cancel_listener.ready, "not_draining": not self.draining}
+        return {"model_loaded": self.engine_loop is not None, "engine_alive": self.engine_died is None,
+                "in_group": self.intake.joined, "cancel_listener": self.cancel_listener.ready,
+                "not_draining": not self.draining}
+
+    def _on_engine_death(self, exc: BaseException) -> None:
+        """Nothing will answer the jobs now: hand each back (`requeued`: their offsets stay
+        uncommitted, the partitions' next owner runs them), fail readiness, stop."""
+        log.critical("worker.engine_died", error=repr(exc), jobs=len(self.jobs))
+        self.engine_died = exc
+        for job in [j for j in self.jobs.values() if j.state != "finishing"]:
+            self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
+        self.request_stop()
 
     def _last_tick(self) -> float | None:
         return self.engine_loop.last_tick if self.engine_loop else None
@@ -176,8 +207,14 @@ class Worker:
     def pool_full(self) -> bool:
         return self._num_waiting >= self.settings.scheduler.max_waiting
 
+    def hold(self, tp: TopicPartition, record) -> None:
+        """The intake took `record`: kept until its offset is finished, to dead-letter it if its
+        reply can never be delivered."""
+        self._held[(tp, record.offset)] = record
+
     def dead_letter(self, record, reason: str) -> None:
         tp = TopicPartition(record.topic, record.partition)
+        generation = self.intake.generation
         self._unacked[tp] += 1
         headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
                    ("source-partition", str(record.partition).encode()),
@@ -187,15 +224,16 @@ class Worker:
             value = value[: limit - 4096]
             headers.append(("original-size", str(len(record.value)).encode()))
         self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers,
-                                   on_acked=lambda ok: self._offset_done(tp, record.offset, ok))
+                                   on_acked=lambda ok: self._offset_done(tp, record.offset, ok, generation))
 
     def reject(self, tp, offset: int, route: InvalidRequest, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None:
         """Answer a request that will not run: one `done` (seq 0), then its offset is done."""
         rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.reply_topic, route.reply_partition)
+        generation = self.intake.generation
         self._unacked[tp] += 1
         self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
-                            on_acked=lambda ok: self._offset_done(tp, offset, ok))
+                            on_acked=lambda ok: self._replied(tp, offset, ok, rs.topic, generation))
         self.metrics.requests.labels(finish_reason).inc()
         if finish_reason == "rejected":
             self.metrics.rejections.labels(code).inc()
@@ -205,18 +243,22 @@ class Worker:
         is already on the reply topic, so running it again would only duplicate it."""
         log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
         self.num_redelivered += 1
+        self._held.pop((tp, offset), None)
         self.tracker.finish(tp, offset)
         self.intake.request_commit()
 
     def admit(self, tp, offset: int, req: Request, received: float) -> None:
         if self._completed.get(req.id) == fingerprint(req):
             # Finished here before (the reply topic need not be read to know it). The same id
-            # with other content is a new request and runs.
+            # with other content is a new request and runs. Its final `done` goes out again,
+            # where remembered: the requester may have missed it (that is why it came back).
+            if req.id in self._final_events:
+                self.publisher.resend(*self._final_events[req.id][:2], req.id.encode(), self._final_events[req.id][2])
             self.already_done(tp, offset, req)
             return
         max_tokens = capped_max_tokens(req, self.settings)
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
-        job = Job(req, rs, tp, offset, received, max_tokens)
+        job = Job(req, rs, tp, offset, received, max_tokens, self.intake.generation)
         job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
         self.jobs[rs.attempt] = job
         self._unacked[tp] += 1
@@ -232,6 +274,8 @@ class Worker:
             timeout = self.settings.kafka.session_timeout_ms / 2000
         self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
         await self._wait_jobs(lambda: not any(self._unacked[tp] for tp in tps), timeout)
+        for key in [k for k in self._held if k[0] in tps]:  # their next owner reads them again
+            del self._held[key]
 
     def cancel(self, request_id: str, tenant: str | None = None) -> None:
         """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
@@ -303,6 +347,11 @@ class Worker:
             self._num_waiting -= 1
         job.state = "finishing"
         reason = out.finish_reason or "error"
+        if job.generation != self.intake.generation and reason != "requeued":
+            # Its partition moved since it was admitted (and it was handed back then): another
+            # worker runs it now. A final result from here would be a second one.
+            job.log.warning("request.finished_after_revocation", finish_reason=reason)
+            reason, out = "requeued", RequestOutput(request_id=out.request_id, finished=True, finish_reason="requeued")
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
@@ -332,21 +381,44 @@ class Worker:
                 del self._by_id[job.request.id]
         if reason != "requeued":
             if ok:
-                self._remember_completed(job.request)
-            self._offset_done(job.tp, job.offset, ok)
+                self._remember_completed(job)
+            self._replied(job.tp, job.offset, ok, job.reply.topic, job.generation)
         else:
             self._acked(job.tp)
 
-    def _remember_completed(self, req: Request) -> None:
+    def _remember_completed(self, job: Job) -> None:
+        req = job.request
         self._completed[req.id] = fingerprint(req)
         if len(self._completed) > MAX_REMEMBERED_DONE:
             self._completed.popitem(last=False)
+        done = job.reply.final_event
+        if done is not None and len(done) <= MAX_REMEMBERED_EVENT_BYTES:
+            self._final_events[req.id] = (job.reply.topic, job.reply.partition, done)
+            if len(self._final_events) > MAX_REMEMBERED_EVENTS:
+                self._final_events.popitem(last=False)
 
-    def _offset_done(self, tp: TopicPartition, offset: int, ok: bool) -> None:
-        if not ok:  # already logged by the publisher; committing beats wedging the partition
-            log.error("offset.finished_without_reply", partition=tp.partition, offset=offset)
-        self.tracker.finish(tp, offset)
-        self.intake.request_commit()
+    def _replied(self, tp: TopicPartition, offset: int, ok: bool, topic: str, generation: int) -> None:
+        """A request's `done` is acked (ok), or was given up: then the record goes to the
+        dead-letter topic, and its offset is finished once that is acked."""
+        if ok:
+            self._offset_done(tp, offset, True, generation)
+            return
+        record = self._held.get((tp, offset))
+        if record is None or generation != self.intake.generation:
+            self._acked(tp)  # revoked meanwhile: unfinished here, its new owner reads it again
+            return
+        log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic)
+        self.dead_letter(record, f"the reply could not be delivered to {topic!r}")
+        self._acked(tp)
+
+    def _offset_done(self, tp: TopicPartition, offset: int, ok: bool, generation: int) -> None:
+        # Not ok: a dead letter never gives up (publisher), so the worker is stopping: leave the
+        # offset unfinished for the partition's next owner. A stale generation: a partition state
+        # this offset is not in.
+        if ok and generation == self.intake.generation:
+            self._held.pop((tp, offset), None)
+            self.tracker.finish(tp, offset)
+            self.intake.request_commit()
         self._acked(tp)
 
     def _acked(self, tp: TopicPartition) -> None:

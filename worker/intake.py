@@ -42,6 +42,7 @@ OVERLOAD_BATCH = 64
 class Sink(Protocol):
     def room(self) -> int: ...
     def pool_full(self) -> bool: ...
+    def hold(self, tp, record) -> None: ...
     def dead_letter(self, record, reason: str) -> None: ...
     def reject(self, tp, offset, route: InvalidRequest, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None: ...
@@ -113,6 +114,11 @@ class Intake:
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every assignment: work taken under an older one belongs to no partition here."""
+        return self._generation
 
     async def _list_topics(self) -> list[str]:
         if self._admin is None:
@@ -312,6 +318,7 @@ class Intake:
         if tp in self._revoking or tp not in self._consumer.assignment():
             return None  # being revoked: untracked and uncommitted, so its new owner reads it
         self._tracker.add(tp, record.offset)
+        self._sink.hold(tp, record)
         try:
             req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
         except UndecodableMessage as exc:

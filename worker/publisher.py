@@ -27,10 +27,12 @@ from aiokafka import AIOKafkaProducer
 from producer.schema import DoneEvent, ErrorInfo, StartedEvent, Timing, TokensEvent, Usage, encode_event
 
 log = structlog.get_logger(__name__)
-# A done / dead letter is retried this often before the worker gives up on it (and commits, so
-# one unreachable reply topic cannot wedge a partition forever).
+# A done is retried this often before the worker gives up on it and dead-letters the request
+# instead (worker/app.py): one unreachable reply topic cannot wedge a partition, and no request
+# ends unseen. A dead letter itself is retried until the broker takes it.
 MAX_ATTEMPTS = 5
 RETRY_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
 
 
@@ -52,6 +54,7 @@ class ReplyStream:
     token_ids: list[int] = field(default_factory=list)  # produced, not yet in an event
     text: list[str] = field(default_factory=list)
     closed: bool = False
+    final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -67,6 +70,7 @@ class _Outgoing:
     headers: list[tuple[str, bytes]] | None = None
     on_acked: Callable[[bool], None] | None = None  # must-deliver when set: done, dead letter
     tries: int = 0
+    forever: bool = False  # retried until the broker takes it (dead letters: the last resort)
 
 
 class Publisher:
@@ -161,12 +165,14 @@ class Publisher:
             metadata=metadata or {},
         )
         rs.closed = True
-        self._emit(rs, ev, on_acked)
+        rs.final_event = encode_event(ev)
+        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), rs.final_event, None, on_acked))
 
     def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
                     headers: list[tuple[str, bytes]], on_acked: Callable[[bool], None]) -> None:
         # A tombstone (value None) has nothing to dead-letter but the key; keep it a tombstone.
-        self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked))
+        self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked,
+                                forever=True))
         self._metrics.dead_letters.inc()
 
     # -- coalescing -------------------------------------------------------------------------------
@@ -192,9 +198,12 @@ class Publisher:
 
     # -- sending ----------------------------------------------------------------------------------
 
-    def _emit(self, rs: ReplyStream, ev, on_acked=None) -> None:
-        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev),
-                                None, on_acked))
+    def _emit(self, rs: ReplyStream, ev) -> None:
+        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev)))
+
+    def resend(self, topic: str, partition: int | None, key: bytes, value: bytes) -> None:
+        """An event already sent once, again (best effort: the first one was acked)."""
+        self._enqueue(_Outgoing(topic, partition, key, value))
 
     def _enqueue(self, out: _Outgoing) -> None:
         self.backlog += 1
@@ -250,12 +259,13 @@ class Publisher:
         if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
             self._settle(out, False)
             return
-        if out.tries >= MAX_ATTEMPTS:
+        if out.tries >= MAX_ATTEMPTS and not out.forever:
             log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
             self._settle(out, False)
             return
         log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
-        asyncio.get_running_loop().call_later(RETRY_BACKOFF_S * out.tries, self._requeue, out)
+        backoff = min(RETRY_BACKOFF_S * out.tries, MAX_BACKOFF_S)
+        asyncio.get_running_loop().call_later(backoff, self._requeue, out)
 
     def _requeue(self, out: _Outgoing) -> None:
         self.backlog -= 1  # _enqueue counts it again
