@@ -53,7 +53,7 @@ def private_broker(tmp_path_factory):
 async def make_topics(bootstrap: str) -> Topics:
     stem = uuid.uuid4().hex[:8]
     topics = Topics(requests=f"chaos-req-{stem}", cancel=f"chaos-cancel-{stem}", dlq=f"chaos-dlq-{stem}",
-                    replies=f"chaos-reply-{stem}")
+                    replies=f"inferline.reply.chaos-{stem}")
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
