@@ -33,6 +33,11 @@ class KafkaSettings(BaseModel):
     # the topic, rejects a body `tenant` that disagrees and answers only under
     # `<reply_topic_prefix><tenant>.`.
     tenancy: Literal["body", "topic"] = "body"
+    # At start-up the cancel topic is read back this far (and cancels are remembered as long), so
+    # a request still waiting in Kafka when its cancel was sent stays cancelled across restarts;
+    # the longest `timeout_s` a request may ask for. Make the cancel topic compacted (`inferline
+    # topics create` does) so the look-back reads one record per id.
+    cancel_lookback_s: float = Field(86_400.0, gt=0)
     group_id: str = "inferline-workers"
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None

@@ -105,7 +105,8 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
     create.add_argument("--partitions", type=int, default=8, help="of the request topic (the workers' parallelism)")
     create.add_argument("--replication-factor", type=int, default=1)
     create.add_argument("--retention-ms", type=int, default=7 * 86_400_000, help="request topic retention")
-    create.add_argument("--cancel-retention-ms", type=int, default=3_600_000)
+    create.add_argument("--cancel-retention-ms", type=int, default=86_400_000,
+                        help="at least the workers' INFERLINE_KAFKA__CANCEL_LOOKBACK_S (compacted: one record per id)")
     create.add_argument("--dlq-retention-ms", type=int, default=14 * 86_400_000)
     create.add_argument("--dlq-topic", default=None, help="default: INFERLINE_KAFKA__DLQ_TOPIC")
     create.add_argument("--tenant", action="append", default=[], metavar="NAME",
@@ -245,15 +246,18 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             (client.cancel_topic, 1, args.cancel_retention_ms),
             (args.dlq_topic or client.kafka.dlq_topic, 1, args.dlq_retention_ms),
         ]
+        cancel_topics = {client.cancel_topic} | {f"{client.cancel_topic}.{t}" for t in args.tenant}
         for tenant in args.tenant:
             if not re.fullmatch(TENANT_SEGMENT, tenant):
                 raise SystemExit(f"inferline topics create: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
             plan += [(f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
                      (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
         for name, partitions, retention in plan:
-            created = await create_topics(
-                admin, [(name, partitions)], replication_factor=args.replication_factor, configs=topic_configs(retention)
-            )
+            configs = topic_configs(retention)
+            if name in cancel_topics:  # keyed by id: compaction keeps one cancel per request
+                configs["cleanup.policy"] = "compact,delete"
+            created = await create_topics(admin, [(name, partitions)], replication_factor=args.replication_factor,
+                                          configs=configs)
             print(f"{name}: {'created' if created else 'exists'} ({partitions} partitions, retention {retention} ms)")
     finally:
         await admin.close()

@@ -74,3 +74,14 @@ async def test_deadlines_while_running_waiting_and_on_arrival(kafka_bootstrap, t
     await submit(kafka_bootstrap, topics.requests, [after])
     events = await collect(kafka_bootstrap, topics.replies, [after["id"]])
     assert final_done(events[after["id"]]).finish_reason in ("stop", "length")
+
+
+async def test_a_cancel_sent_before_the_worker_started_still_counts(kafka_bootstrap, topics, start_worker):
+    """The request and its cancel both wait in Kafka while no worker runs: the worker that starts
+    reads the cancel topic back (kafka.cancel_lookback_s) and never runs the request."""
+    req = request(topics.replies, max_tokens=50, ignore_eos=True)
+    await submit(kafka_bootstrap, topics.requests, [req])
+    await cancel(kafka_bootstrap, topics.cancel, req["id"])
+    await start_worker(topics)
+    done = final_done((await collect(kafka_bootstrap, topics.replies, [req["id"]], timeout=60))[req["id"]])
+    assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0

@@ -98,7 +98,7 @@ class Worker:
         self.metrics = Metrics()
         self.tracker = OffsetTracker()
         self.limiter = RateLimiter(settings.limits)
-        self.cancels = RecentCancels()
+        self.cancels = RecentCancels(ttl_s=settings.kafka.cancel_lookback_s)
         self.publisher = Publisher(settings, self.metrics, self.name,
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
         self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels)

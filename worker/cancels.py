@@ -3,9 +3,10 @@
 what it runs.
 
 There is no consumer group and nothing is committed: a worker cannot know which worker runs a
-request, so each must see every cancel, from the end of the topic (a worker that was down
-runs nothing that could be cancelled). Ids are remembered for a while, so a cancel that
-overtakes its request (lag on the request topic) still wins when the request arrives.
+request, so each must see every cancel. At start-up each partition is read from
+`kafka.cancel_lookback_s` ago (the longest deadline a request may have), so a cancel sent while
+its request waited in Kafka, or while this worker was down, still counts; ids are remembered as
+long, so a cancel that overtakes its request (lag on the request topic) wins when it arrives.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ log = structlog.get_logger(__name__)
 
 
 class RecentCancels:
-    """Ids cancelled lately, so a cancel that overtakes its request still wins. Bounded."""
+    """Ids cancelled lately, so a cancel that overtakes its request still wins. Bounded: past
+    `max_ids` the stalest go first."""
 
     def __init__(self, ttl_s: float = 600.0, max_ids: int = 50_000) -> None:
         self._ids: OrderedDict[str, float] = OrderedDict()
@@ -91,12 +93,21 @@ class CancelListener:
         for tp, offset in positions.items():
             self._consumer.seek(tp, offset)
         if at_start:
-            await self._consumer.seek_to_end(*new)
+            await self._seek_to_lookback(new)
         else:
             await self._consumer.seek_to_beginning(*new)
         for tp in new:  # resolve the end offsets now, so a cancel sent after start() is seen
             await self._consumer.position(tp)
         log.info("cancels.assigned", topics=len(topics), partitions=len(tps))
+
+    async def _seek_to_lookback(self, tps: set[TopicPartition]) -> None:
+        since_ms = int((time.time() - self._s.kafka.cancel_lookback_s) * 1000)
+        found = await self._consumer.offsets_for_times({tp: max(since_ms, 0) for tp in tps})
+        for tp in tps:
+            if found.get(tp) is None:  # nothing that recent: only new cancels
+                await self._consumer.seek_to_end(tp)
+            else:
+                self._consumer.seek(tp, found[tp].offset)
 
     async def _loop(self) -> None:
         last_refresh = time.monotonic()
