@@ -67,6 +67,8 @@ def test_the_topic_names_the_tenant_and_a_body_that_disagrees_is_rejected():
     assert h.worker.jobs[admitted.request_id].request.tenant == "globex"
     _, (admitted,) = h.feed(body(tenant="globex", priority=-1000))
     assert admitted.priority == 0  # clamped into globex's range
+    _, (admitted,) = h.feed(body(tenant="default"))  # what clients send unasked: no claim
+    assert h.worker.jobs[admitted.request_id].request.tenant == "globex"
     (reply,), added = h.feed(body(tenant="acme"))
     assert not added and reply.topic == "inferline.reply.globex.c"
     assert msgpack.unpackb(reply.value)["error"]["message"].startswith("tenant:")

@@ -302,7 +302,8 @@ class Intake:
         """The request as the worker will run it: the topic's tenant (a body that claims another
         is rejected) and the tenant's priority range."""
         tenant = self._tenant_of(tp)
-        if tenant is not None and "tenant" in req.model_fields_set and req.tenant != tenant:
+        # "default" (the contract's default, which clients send unasked) claims nothing
+        if tenant is not None and req.tenant not in (tenant, "default"):
             return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
                                   request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
         tenant = tenant or req.tenant
