@@ -219,6 +219,25 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0)
 
 
+class GatewaySettings(BaseModel):
+    host: str = "0.0.0.0"
+    # `inferline gateway --port` overrides it; 0 picks a free one.
+    port: int = Field(8000, ge=0, le=65535)
+    # API key -> tenant, as a JSON object. Empty (and no `api_keys_file`): no keys asked, every
+    # request goes as the contract's default tenant (body tenancy only).
+    api_keys: dict[str, str] = {}
+    # The same JSON object from a file (a mounted secret); merged with `api_keys`.
+    api_keys_file: Path | None = None
+    # The name /v1/models lists; a request naming another model gets 404, as from vLLM.
+    model_name: str = "SmolLM2-135M-Instruct"
+    # Each request's deadline (`timeout_s` on the wire); past it the worker answers `timeout` (504).
+    request_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    # Seconds the 429 answers ask a client to wait (`Retry-After`).
+    retry_after_s: int = Field(1, ge=0)
+    # Partitions of each reply topic the gateway creates (one per tenant per instance).
+    reply_partitions: int = Field(4, ge=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, extra="ignore"
@@ -233,6 +252,7 @@ class Settings(BaseSettings):
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()
     worker: WorkerSettings = WorkerSettings()
+    gateway: GatewaySettings = GatewaySettings()
 
 
 class SettingsError(SystemExit):

@@ -1,4 +1,4 @@
-"""The ``inferline`` command: submit, cancel, topics create, tail, bench.
+"""The ``inferline`` command: submit, cancel, topics create, tail, bench, gateway.
 
     inferline submit "Explain Kafka in one sentence"     stream the answer
     echo "Hi" | inferline submit - --chat --json          raw events, one JSON object a line
@@ -6,6 +6,7 @@
     inferline topics create --partitions 8 --retention-ms 86400000
     inferline tail TOPIC                                  decode and print reply events
     inferline bench -n 64 --output-len uniform:8,256      load test through Kafka
+    inferline gateway --port 8000                         OpenAI-compatible HTTP API (docs/gateway.md)
 
 Connection settings come from the same ``INFERLINE_`` environment as the worker
 (INFERLINE_KAFKA__BOOTSTRAP_SERVERS, ...); ``--bootstrap-servers`` etc. override them.
@@ -70,7 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topics(sub.add_parser("topics", help="manage the request, cancel and dead-letter topics"))
     _add_tail(sub.add_parser("tail", help="decode and print the events on a reply topic"))
     _add_bench(sub.add_parser("bench", help="load generator: latency and throughput through Kafka"))
+    _add_gateway(sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API (docs/gateway.md)"))
     return parser
+
+
+def _add_gateway(p: argparse.ArgumentParser) -> None:
+    from producer.gateway.__main__ import add_arguments  # no FastAPI import until it serves
+
+    add_arguments(p)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -283,7 +291,14 @@ async def cmd_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "tail": cmd_tail, "bench": cmd_bench}
+async def cmd_gateway(args: argparse.Namespace) -> int:
+    from producer.gateway.__main__ import serve
+
+    return await serve(args)
+
+
+COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "tail": cmd_tail, "bench": cmd_bench,
+            "gateway": cmd_gateway}
 
 
 def main(argv: list[str] | None = None) -> int:

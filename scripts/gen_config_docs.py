@@ -42,6 +42,8 @@ SECTIONS = {
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",
     "worker": "Identity and shutdown.",
+    "gateway": "The OpenAI-compatible HTTP gateway (`inferline gateway`, docs/gateway.md); it reads the "
+               "`kafka` section too.",
 }
 
 # For fields without a comment in config/settings.py, or whose comment needs the context of its
@@ -94,6 +96,7 @@ MEANINGS = {
     "http.port": "Port of /healthz, /readyz and /metrics; 0 picks a free one.",
     "log.level": "Lowest level logged.",
     "log.format": "`auto`: console on a terminal, JSON lines otherwise.",
+    "gateway.host": "Address the gateway binds.",
     "worker.drain_timeout_s": "On SIGTERM or SIGINT: seconds running requests get to finish before they "
                               "are requeued (a second signal stops waiting).",
 }
@@ -205,9 +208,11 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
         annotation = field.annotation
         if typing.get_origin(annotation) is dict:
             sub = typing.get_args(annotation)[1]
+            # Variable names are lower-cased: a per-key variable only suits models keyed by name.
+            per_key = (f" Or one variable per value: `{env(*prefix, name)}__<NAME>__<FIELD>` (see below)."
+                       if issubclass(sub, BaseModel) else "")
             out.append(f"| `{env(*prefix, name)}` | JSON object: name → {sub.__name__} | `{{}}` | "
-                       f"{meaning(model, key, name, comments)} Or one variable per value: "
-                       f"`{env(*prefix, name)}__<NAME>__<FIELD>` (see below). |")
+                       f"{meaning(model, key, name, comments)}{per_key} |")
             continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             out += rows(annotation, (*prefix, name), "tenant" if annotation.__name__ == "TenantLimit" else key, comments)

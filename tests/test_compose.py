@@ -95,7 +95,7 @@ def test_docker_compose_config_accepts_the_file(profile):
 def test_docker_compose_resolves_the_services():
     default = docker_compose("config", "--services")
     assert default.returncode == 0, default.stderr
-    assert set(default.stdout.split()) == {"kafka", "kafka-init", "worker", "prometheus", "grafana"}
+    assert set(default.stdout.split()) == {"kafka", "kafka-init", "worker", "gateway", "prometheus", "grafana"}
     gpu = docker_compose("--profile", "gpu", "config", "--format", "json")
     assert gpu.returncode == 0, gpu.stderr
     resolved = json.loads(gpu.stdout)["services"]

@@ -1,0 +1,54 @@
+"""API keys -> tenants. Keys come from INFERLINE_GATEWAY__API_KEYS and the JSON file named by
+INFERLINE_GATEWAY__API_KEYS_FILE; with none configured, no key is asked for."""
+from __future__ import annotations
+
+import hmac
+import json
+import re
+
+from config.settings import GatewaySettings
+from producer.gateway.errors import OpenAIError
+from producer.schema import TENANT_PATTERN
+from producer.topics import TENANT_SEGMENT
+
+
+def load_keys(settings: GatewaySettings, topic_tenancy: bool) -> dict[str, str]:
+    """Every key with its tenant; a tenant name the tenancy cannot carry stops start-up."""
+    keys = dict(settings.api_keys)
+    if settings.api_keys_file is not None:
+        keys.update(json.loads(settings.api_keys_file.read_text()))
+    # Topic tenancy puts the tenant into topic names: one segment, no '.'.
+    pattern = f"^{TENANT_SEGMENT}$" if topic_tenancy else TENANT_PATTERN
+    for tenant in keys.values():
+        if not isinstance(tenant, str) or not re.match(pattern, tenant):
+            raise SystemExit(f"invalid setting INFERLINE_GATEWAY__API_KEYS: tenant {tenant!r} must match {pattern}")
+    if topic_tenancy and not keys:
+        raise SystemExit("INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: keys name the tenants")
+    return keys
+
+
+class ApiKeys:
+    def __init__(self, keys: dict[str, str]):
+        self._keys = keys
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    @property
+    def tenants(self) -> set[str]:
+        return set(self._keys.values())
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant of the request's bearer key (None when keys are off); 401 otherwise."""
+        if not self._keys:
+            return None
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        key = key.strip()
+        # Compare with every key in constant time: no timing hint of how much of a key matched.
+        found = [t for k, t in self._keys.items() if hmac.compare_digest(k.encode(), key.encode())]
+        if not found:
+            raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
+        return found[0]

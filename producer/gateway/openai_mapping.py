@@ -1,0 +1,127 @@
+"""OpenAI request bodies -> the contract's request fields (PROTOCOL.md, "Request").
+
+Only shapes are handled here (a `stop` string becomes a list, content parts become text,
+`max_completion_tokens` becomes `max_tokens`); values are checked by the contract's own
+validation when the request is built, so a bad one fails with the same rule as on Kafka.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer.gateway.errors import bad_request
+from producer.schema import ChatMessage
+
+# Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, as vLLM takes
+# them; the openai SDK sends `extra_body` there).
+PASSTHROUGH = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+               "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
+# Features the engine does not have: refused by name rather than silently ignored.
+UNSUPPORTED = ("tools", "functions", "suffix")
+
+
+@dataclass
+class Mapped:
+    """What one OpenAI request asks of the fleet."""
+
+    fields: dict[str, Any]  # keyword arguments of InferenceClient.submit
+    stream: bool
+    include_usage: bool
+    # contract field -> the OpenAI parameter it came from, for error messages
+    rename: dict[str, str] = field(default_factory=dict)
+
+
+def chat_request(body: dict) -> Mapped:
+    """POST /v1/chat/completions."""
+    mapped = _common(body)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad_request("logprobs", "logprobs are not supported")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        raise bad_request("response_format", "only response_format type 'text' is supported")
+    mapped.fields["messages"] = _messages(body.get("messages"))
+    return mapped
+
+
+def completion_request(body: dict) -> Mapped:
+    """POST /v1/completions (legacy)."""
+    mapped = _common(body)
+    if body.get("logprobs") is not None:
+        raise bad_request("logprobs", "logprobs are not supported")
+    if body.get("echo"):
+        raise bad_request("echo", "echo is not supported")
+    if (body.get("best_of") or 1) != 1:
+        raise bad_request("best_of", "best_of must be 1")
+    mapped.fields.update(_prompt(body.get("prompt")))
+    mapped.rename["prompt_token_ids"] = "prompt"
+    return mapped
+
+
+def _common(body: dict) -> Mapped:
+    for name in UNSUPPORTED:
+        if body.get(name):
+            raise bad_request(name, f"{name} is not supported")
+    if (body.get("n") or 1) != 1:
+        raise bad_request("n", "only n=1 is supported")
+    fields = {k: body[k] for k in PASSTHROUGH if body.get(k) is not None}
+    rename = {}
+    for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as at OpenAI
+        if body.get(name) is not None:
+            fields["max_tokens"], rename["max_tokens"] = body[name], name
+    stop = body.get("stop")
+    if stop is not None:
+        fields["stop"] = [stop] if isinstance(stop, str) else stop
+    if body.get("user") is not None:
+        fields["metadata"] = {"user": body["user"]}
+        rename["metadata"] = "user"
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request("stream", "stream: must be a boolean")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options", "stream_options: must be an object")
+    # No tokens events for a whole answer: it arrives in `done`, one event instead of many.
+    fields["stream"] = stream
+    return Mapped(fields, stream, stream and bool(options.get("include_usage")), rename)
+
+
+def _messages(messages: Any) -> list[ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "messages: must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request("messages", f"messages.{i}: must be an object with role and content")
+        try:  # the contract's message rules, located in the list
+            out.append(ChatMessage.model_validate({"role": m.get("role"), "content": _content(m.get("content"), i)}))
+        except ValidationError as exc:
+            err = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(p) for p in (i, *err["loc"]))
+            raise bad_request("messages", f"messages.{where}: {err['msg']}") from None
+    return out
+
+
+def _content(content: Any, i: int) -> Any:
+    if content is None:  # an assistant turn that only called tools
+        return ""
+    if not isinstance(content, list):
+        return content  # a str, or a wrong type the contract names
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise bad_request("messages", f"messages.{i}.content: only text parts are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    # One prompt per request: a string, token ids, or a list holding exactly one of either.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return {"prompt_token_ids": prompt}
+    raise bad_request("prompt", "prompt: must be one string or one list of token ids (batches are not supported)")

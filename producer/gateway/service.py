@@ -1,0 +1,178 @@
+"""One OpenAI request's life: check the key and the body, publish the contract request, then
+answer with the whole text or an SSE stream, and cancel the request if the client hangs up."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+from pydantic import ValidationError
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
+from config.settings import Settings
+from producer.client import InferenceError, RequestHandle
+from producer.gateway.auth import ApiKeys
+from producer.gateway.clients import ClientPool
+from producer.gateway.errors import OpenAIError, bad_request, from_inference, from_validation
+from producer.gateway.follower import Diverged, TextFollower
+from producer.gateway.metrics import GatewayMetrics
+from producer.gateway.openai_mapping import Mapped, chat_request, completion_request
+from producer.gateway.openai_responses import DONE, Shape, sse
+from producer.gateway.sse import SSEResponse
+from producer.schema import DoneEvent
+
+log = structlog.get_logger(__name__)
+
+# How often a request still waiting on the fleet checks whether its client hung up.
+DISCONNECT_POLL_S = 0.25
+# nginx's code for "client closed the request": counted in metrics, never seen by anyone.
+CLIENT_CLOSED = 499
+
+
+class Gateway:
+    def __init__(self, settings: Settings, keys: ApiKeys, pool: ClientPool, metrics: GatewayMetrics):
+        self.settings, self.keys, self.pool, self.metrics = settings, keys, pool, metrics
+        self.model = settings.gateway.model_name
+
+    async def complete(self, request: HttpRequest, chat: bool) -> Response:
+        """POST /v1/chat/completions (``chat``) or /v1/completions."""
+        t0 = time.monotonic()
+        endpoint = "chat" if chat else "completions"
+        try:
+            tenant = self.keys.tenant_of(request.headers.get("authorization"))
+            mapped = (chat_request if chat else completion_request)(await self._body(request))
+            handle = await self._submit(tenant, mapped)
+        except OpenAIError as exc:
+            return self._answer(endpoint, t0, exc.response())
+        self.metrics.in_flight.inc()
+        shape = Shape(chat, handle.id, self.model)
+        if mapped.stream:
+            return await self._stream(request, handle, shape, mapped, endpoint, t0)
+        try:
+            response = await self._whole(request, handle, shape)
+        except OpenAIError as exc:
+            response = exc.response()
+        finally:
+            self._release(handle)
+        return self._answer(endpoint, t0, response)
+
+    async def _body(self, request: HttpRequest) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise bad_request(None, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request(None, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise OpenAIError(404, f"the model {model!r} does not exist (this gateway serves {self.model!r})",
+                              param="model", code="model_not_found")
+        return body
+
+    async def _submit(self, tenant: str | None, mapped: Mapped) -> RequestHandle:
+        try:
+            return await self.pool.submit(tenant, dict(mapped.fields))
+        except ValidationError as exc:  # the contract's own rules, before anything is sent
+            raise from_validation(exc, mapped.rename) from None
+        except ValueError as exc:  # over the message size limit
+            raise bad_request(None, str(exc)) from None
+        except Exception as exc:  # the broker did not take it
+            log.warning("submit failed", error=repr(exc))
+            raise OpenAIError(503, "the request could not be queued", type="server_error", code="unavailable") from None
+
+    async def _whole(self, request: HttpRequest, handle: RequestHandle, shape: Shape) -> Response:
+        if not await self._until(request, handle.wait()):
+            return Response(status_code=CLIENT_CLOSED)
+        try:
+            result = await handle.result()
+        except InferenceError as exc:
+            raise self._failure(exc, shape) from None
+        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage))
+
+    async def _until(self, request: HttpRequest, waiting) -> object | bool:
+        """``waiting``'s result, or False when the client hung up first."""
+        task = asyncio.ensure_future(waiting)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result() if task.result() is not None else True
+            if await request.is_disconnected():
+                task.cancel()
+                return False
+
+    # --- streams ---------------------------------------------------------------------------
+
+    async def _stream(self, request: HttpRequest, handle: RequestHandle, shape: Shape, mapped: Mapped,
+                      endpoint: str, t0: float) -> Response:
+        # Headers wait for the first event: a rejection (rate limit, bad prompt, deadline in the
+        # queue) then still gets its own status instead of an error inside a 200 stream.
+        events = handle.events()
+        try:
+            first = await self._until(request, anext(events))
+        except InferenceError as exc:  # no event at all: a client-side timeout or shutdown
+            first, failure = None, exc
+        else:
+            failure = handle.failure if isinstance(first, DoneEvent) else None
+        if first is False or failure is not None:
+            self._release(handle)
+            response = (Response(status_code=CLIENT_CLOSED) if first is False else
+                        self._failure(failure, shape).response())
+            return self._answer(endpoint, t0, response)
+
+        def closed() -> None:
+            self._release(handle)
+            self._answer(endpoint, t0, None)
+
+        return SSEResponse(self._chunks(handle, events, first, shape, mapped.include_usage, t0), closed)
+
+    async def _chunks(self, handle: RequestHandle, events: AsyncIterator, first, shape: Shape,
+                      include_usage: bool, t0: float) -> AsyncIterator[str]:
+        follower, ev = TextFollower(), first
+        if shape.chat:
+            yield shape.chunk("", first=True, include_usage=include_usage)
+        try:
+            while ev is not None:
+                text = follower.feed(ev)
+                if text:
+                    if follower.sent == text:
+                        self.metrics.ttft.observe(time.monotonic() - t0)
+                    yield shape.chunk(text, include_usage=include_usage)
+                ev = await anext(events, None)
+        except (InferenceError, Diverged) as exc:
+            yield self._stream_error(exc, shape)
+            return
+        if handle.failure is not None:  # ended by the worker after it started (timeout, error)
+            yield self._stream_error(handle.failure, shape)
+            return
+        done = handle.done_event
+        yield shape.chunk(None, done.finish_reason, include_usage=include_usage)
+        if include_usage:
+            yield shape.usage_chunk(done.usage)
+        yield DONE
+
+    def _failure(self, exc: InferenceError, shape: Shape) -> OpenAIError:
+        return from_inference(exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt")
+
+    def _stream_error(self, exc: Exception, shape: Shape) -> str:
+        # Headers are sent: the status goes into the event, as vLLM does; the SDKs raise on it.
+        error = (self._failure(exc, shape) if isinstance(exc, InferenceError)
+                 else OpenAIError(500, str(exc), type="server_error", code="diverged"))
+        return sse(error.body()) + DONE
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def _release(self, handle: RequestHandle) -> None:
+        if handle.id not in self.pool.in_flight:
+            return
+        self.metrics.in_flight.dec()
+        if not handle.finished:
+            self.metrics.cancels.inc()
+        self.pool.release(handle)
+
+    def _answer(self, endpoint: str, t0: float, response: Response | None) -> Response | None:
+        status = response.status_code if response is not None else 200
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.duration.observe(time.monotonic() - t0)
+        return response
