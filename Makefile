@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast kafka kafka-stop bench chaos clean
+.PHONY: install demo test kafka kafka-stop bench chaos gpu-compile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench: install
 
 chaos: install
 	scripts/test.sh -m chaos --chaos-long
+
+# Every Triton launch plan compiled for sm_80 / sm_90a / sm_100a, no GPU needed: fails on a
+# compile error, a register spill or too much shared memory (kernels/triton/compile_check.py).
+gpu-compile: install
+	$(BIN)/python -m kernels.triton.compile_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

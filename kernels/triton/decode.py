@@ -37,6 +37,9 @@ LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh the parallelism it adds
+# BLOCK_N * DIM_P2: the same K/V tile (16 KB in 16-bit) at every head size, which keeps every
+# plan free of register spills on sm_80..sm_100 (`make gpu-compile` checks).
+TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -154,8 +157,10 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     """The launches for these shapes on `target` (pure: no tensors). num_splits and block_n
     override the heuristics (the tests' extra cases)."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    if block_n is None:
-        block_n = max(block_size, 64 if head_dim <= 128 else 32)
+    dim_p2 = triton.next_power_of_2(head_dim)
+    # Not widened to block_size: a tile may be part of a page, and registers then do not grow
+    # with the page size.
+    block_n = block_n or max(16, TILE_ELEMENTS // dim_p2)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     max_len = max(max_blocks * block_size, 1)
     if num_splits is None:
@@ -163,12 +168,12 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_len, split_len)
     group = num_heads // num_kv_heads
-    dim_p2 = triton.next_power_of_2(head_dim)
+    # 8 warps for rows wider than 128: each thread's share of acc stays what it is at 128.
     stage1 = LaunchPlan("_decode_stage1_kernel", (num_seqs, num_kv_heads, num_splits), (
         ("NUM_HEADS", num_heads), ("GROUP", group), ("GROUP_P2", max(MIN_GROUP_ROWS, triton.next_power_of_2(group))),
         ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2), ("BLOCK_SIZE", block_size), ("BLOCK_N", block_n),
         ("DIRECT", num_splits == 1), ("DOT_F32", dot_in_fp32(dtype, target)), ("PRECISION", dot_precision(dtype)),
-    ), num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+    ), num_warps=4 if dim_p2 <= 128 else 8, num_stages=2)
     stage2 = None if num_splits == 1 else LaunchPlan("_decode_stage2_kernel", (num_seqs, num_heads), (
         ("NUM_HEADS", num_heads), ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2),
         ("SPLITS_P2", triton.next_power_of_2(num_splits)),

@@ -1,0 +1,322 @@
+"""Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
+
+The plans come from the real plan_* functions with a GPU Target and representative batches, so
+what compiles here is what the launchers launch; each is compiled to PTX and assembled with the
+ptxas that Triton itself runs for that arch, whose -v report gives registers and spills.
+
+    python -m kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
+
+Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
+arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
+constant, an int divisible by 16 and every pointer get divisibility 16. What differs from a real
+launch: pointers are assumed 16-byte aligned (torch allocations and the head-sized views we pass
+are), and strides are those of contiguous tensors; a launch on odd views would compile its own
+(less aligned) variant. Runtime correctness, races and speed are beyond what a compile can show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from kernels.triton import decode, prefill, store
+from kernels.triton.launch import LaunchPlan, Target
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # the --gpu-name ptxas gets: Triton compiles sm_90 and up as the "a" variant
+    num_sms: int
+    max_shared: int  # bytes of shared memory one block may opt in to
+
+
+ARCHS = {
+    80: Arch("sm_80", 108, 163 * 1024),  # A100
+    90: Arch("sm_90a", 132, 227 * 1024),  # H100 / H200
+    100: Arch("sm_100a", 148, 227 * 1024),  # B200
+}
+KERNELS = {
+    "_decode_stage1_kernel": decode._decode_stage1_kernel,
+    "_decode_stage2_kernel": decode._decode_stage2_kernel,
+    "_prefill_kernel": prefill._prefill_kernel,
+    "_store_kv_kernel": store._store_kv_kernel,
+}
+TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# The supported models (Llama, Mistral, Qwen2/3, SmolLM): head sizes, GQA groups, cache pages.
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 8)
+BLOCK_SIZES = (16, 32)
+DTYPES = (torch.float16, torch.bfloat16)
+NUM_KV_HEADS = 8
+# (num_seqs, context tokens): one split per sequence (DIRECT); a few splits; the most splits.
+DECODE_BATCHES = ((256, 2048), (8, 4096), (1, 32768))
+# (num_seqs, query tokens): one prompt (num_seqs == 1 reaches the JIT as a constant); a batch.
+PREFILL_BATCHES = ((1, 2048), (7, 4096))
+# (constexpr, label) shown in the table's shape column
+SHOWN = (
+    ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"), ("SPLITS_P2", "SPLITS_P2"),
+    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compile: equal Jobs are one kernel binary (the grid is not part of it)."""
+
+    kernel: str
+    arch: int
+    dtype: str
+    constexprs: tuple[tuple[str, object], ...]
+    params: tuple[tuple[str, str, bool], ...]  # (name, type, divisible by 16) of the other arguments
+    num_warps: int
+    num_stages: int
+
+    @property
+    def shape(self) -> str:
+        cx = dict(self.constexprs)
+        parts = [f"{label}={cx[name]}" for name, label in SHOWN if name in cx]
+        if "DIRECT" in cx:
+            parts.insert(0, "direct" if cx["DIRECT"] else "split")
+        if cx.get("num_seqs") == 1:
+            parts.append("seqs=1")  # one prompt: num_seqs is a constant (another binary)
+        if ("num_splits", "i32", True) in self.params:
+            parts.append("splits%16=0")  # num_splits divisible by 16 (another binary)
+        return " ".join(parts + [f"warps={self.num_warps}", f"stages={self.num_stages}"])
+
+
+@dataclass(frozen=True)
+class Row:
+    job: Job
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    shared: int = 0
+    error: str = ""
+
+    def problems(self) -> list[str]:
+        if self.error:
+            return [f"compile error: {self.error}"]
+        out = []
+        if self.spill_stores or self.spill_loads:
+            out.append(f"spills {self.spill_stores} B stores / {self.spill_loads} B loads")
+        if self.shared > ARCHS[self.job.arch].max_shared:
+            out.append(f"shared memory {self.shared} B > {ARCHS[self.job.arch].max_shared} B")
+        return out
+
+
+# --- the plans, as the launchers build them ----------------------------------------------------
+
+
+def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
+    """The compile a launch of `plan` with these runtime `args` (a "*type" string for a pointer,
+    else the value) triggers, specialized like the JIT does."""
+    fn = KERNELS[plan.kernel]
+    constexprs = dict(plan.constexprs)
+    assert set(args) | set(constexprs) == set(fn.arg_names), (plan.kernel, set(fn.arg_names) ^ set(args))
+    params = []
+    for name in fn.arg_names:
+        if name in constexprs:
+            continue
+        type_, aligned = specialize(args[name])
+        if type_ == "constexpr":
+            constexprs[name] = args[name]
+        else:
+            params.append((name, type_, aligned))
+    return Job(plan.kernel, arch, TYPE_NAMES[dtype], tuple(constexprs.items()), tuple(params), plan.num_warps,
+               plan.num_stages)  # fmt: skip
+
+
+def specialize(value) -> tuple[str, bool]:
+    """(type, divisible by 16) as the JIT specializes one argument."""
+    if isinstance(value, str):
+        return value, True  # a pointer; assumed 16-byte aligned (see the module docstring)
+    if isinstance(value, float):
+        return "fp32", False
+    if value == 1:
+        return "constexpr", False
+    return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+
+
+def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
+    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
+    for num_seqs, context in DECODE_BATCHES:
+        max_blocks = context // block_size
+        plan = decode.plan_decode(num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size, max_blocks, dtype,
+                                  target(arch))  # fmt: skip
+        # the arguments of launch_decode, for contiguous q/out [S, H, D] and the paged caches
+        yield job_of(plan.stage1, arch, dtype, dict(
+            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", context_lens_ptr="*i32",
+            out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+            qk_scale=0.125, split_len=plan.split_len, num_splits=plan.num_splits,
+            stride_qs=num_heads * head_dim, stride_qh=head_dim, stride_cb=block_size * NUM_KV_HEADS * head_dim,
+            stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim, stride_bt=max_blocks,
+            stride_os=num_heads * head_dim, stride_oh=head_dim,
+        ))  # fmt: skip
+        if plan.stage2 is not None:
+            yield job_of(plan.stage2, arch, dtype, dict(
+                out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", context_lens_ptr="*i32",
+                split_len=plan.split_len, num_splits=plan.num_splits,
+                stride_os=num_heads * head_dim, stride_oh=head_dim,
+            ))  # fmt: skip
+
+
+def prefill_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int, **tiles):
+    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
+    for num_seqs, total in PREFILL_BATCHES:
+        plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size, dtype,
+                                    target(arch), **tiles)  # fmt: skip
+        yield job_of(plan, arch, dtype, dict(
+            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", cu_seqlens_ptr="*i32",
+            context_lens_ptr="*i32", out_ptr=ptr, qk_scale=0.125, num_seqs=num_seqs,
+            stride_qt=num_heads * head_dim, stride_qh=head_dim, stride_cb=block_size * NUM_KV_HEADS * head_dim,
+            stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim, stride_bt=(total + block_size - 1) // block_size,
+            stride_ot=num_heads * head_dim, stride_oh=head_dim,
+        ))  # fmt: skip
+
+
+def store_jobs(head_dim: int, block_size: int, dtype: torch.dtype, arch: int):
+    ptr, row = "*" + TYPE_NAMES[dtype], NUM_KV_HEADS * head_dim
+    plan = store.plan_store(4096, NUM_KV_HEADS, head_dim, block_size)
+    yield job_of(plan, arch, dtype, dict(
+        k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, slot_ptr="*i64",
+        stride_kt=row, stride_kh=head_dim, stride_vt=row, stride_vh=head_dim,
+        stride_cb=block_size * row, stride_cs=row, stride_ch=head_dim,
+    ))  # fmt: skip
+
+
+def target(arch: int) -> Target:
+    return Target(arch, ARCHS[arch].num_sms)
+
+
+def all_jobs(archs, quick: bool = False) -> list[Job]:
+    """Every distinct compile of the matrix (quick: head_dim 128, GQA 4, bf16, block size 16)."""
+    axes = ((128,), (4,), (16,), (torch.bfloat16,)) if quick else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
+    jobs = {}  # a dict: duplicates go, the first-seen order stays
+    for arch, (d, g, bs, dt) in itertools.product(archs, itertools.product(*axes)):
+        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch)):
+            jobs.setdefault(job, None)
+    return list(jobs)
+
+
+# --- compiling and assembling ------------------------------------------------------------------
+
+
+def compile_job(job: Job) -> Row:
+    """Compile `job` for its arch and read registers, spills and shared memory; errors become a Row."""
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the default (on) is what launches get
+    fn = KERNELS[job.kernel]
+    signature = {name: "constexpr" for name, _ in job.constexprs}
+    signature.update({name: type_ for name, type_, _ in job.params})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, _, aligned in job.params if aligned}
+    source = ASTSource(fn, {n: signature[n] for n in fn.arg_names}, dict(job.constexprs), attrs)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", job.arch, 32),
+                                  options={"num_warps": job.num_warps, "num_stages": job.num_stages})  # fmt: skip
+        regs, stores, loads = assemble(compiled.asm["ptx"], job.arch)
+    except Exception as exc:  # noqa: BLE001 - a failed compile is a row of the report, not a crash
+        cause = exc.__cause__ or exc  # a CompilationError's own text is the source excerpt
+        return Row(job, error=f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}")
+    return Row(job, regs, stores, loads, compiled.metadata.shared)
+
+
+def assemble(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from `ptxas -v`, run as Triton runs it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas_path(arch), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={ARCHS[arch].name}", src,
+               "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        raise RuntimeError(f"{os.path.basename(cmd[0])} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return parse_ptxas(proc.stderr)
+
+
+def ptxas_path(arch: int) -> str:
+    # Triton picks the assembler by arch (the CUDA 12.9 ptxas below sm_90, ptxas-blackwell from
+    # sm_90); the two allocate registers differently, so we ask the one that made the cubin.
+    return get_ptxas(arch).path
+
+
+def parse_ptxas(log: str) -> tuple[int, int, int]:
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert regs and spills, f"unexpected ptxas -v output:\n{log}"
+    return int(regs[1]), int(spills[1]), int(spills[2])
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+HEADER = ("kernel", "arch", "dtype", "shape", "regs", "spill B (st/ld)", "smem B", "")
+
+
+def table_row(row: Row) -> tuple[str, ...]:
+    job = row.job
+    fields = (job.kernel.strip("_").removesuffix("_kernel"), ARCHS[job.arch].name, job.dtype, job.shape)
+    if row.error:
+        return (*fields, "-", "-", "-", "ERROR")
+    flag = "FAIL" if row.problems() else ""
+    return (*fields, str(row.registers), f"{row.spill_stores}/{row.spill_loads}", str(row.shared), flag)
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [HEADER, *(table_row(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def run(jobs: list[Job], workers: int) -> list[Row]:
+    """Compile in `workers` processes (spawned: a fresh Triton in each), printing progress."""
+    rows, start = {}, time.monotonic()
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(compile_job, job): job for job in jobs}
+        for n, future in enumerate(as_completed(futures), 1):
+            row = future.result()
+            rows[row.job] = row
+            note = "; ".join(row.problems()) or f"{row.registers} regs"
+            print(f"[{n}/{len(jobs)} {time.monotonic() - start:5.0f} s] {' '.join(table_row(row)[:4])}: {note}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return [rows[job] for job in jobs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default="80,90,100", help="compute capabilities, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="head_dim 128, GQA 4, bf16, block size 16 only")
+    parser.add_argument("--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)")
+    args = parser.parse_args(argv)
+    archs = [int(a) for a in args.archs.split(",")]
+    if not set(archs) <= set(ARCHS):
+        parser.error(f"--archs takes {','.join(map(str, ARCHS))}, got {args.archs}")
+    jobs = all_jobs(archs, args.quick)
+    print(f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}", file=sys.stderr)
+    rows = run(jobs, max(1, args.jobs))
+    print(format_table(rows))
+    failed = [r for r in rows if r.problems()]
+    worst = max((r.registers for r in rows if not r.error), default=0)
+    for row in failed:
+        print(f"FAIL {' '.join(table_row(row)[:4])}: {'; '.join(row.problems())}")
+    print(f"\n{len(rows)} plans, {len(failed)} failed, at most {worst} registers")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`make gpu-compile` on a few plans (no GPU needed): the launch plans at head_dim 128 in bf16
+compile for sm_90a without spills and within shared memory, and the check does catch a plan
+that is too large. The whole matrix is `make gpu-compile` (minutes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.triton import compile_check as cc
+from kernels.triton.decode import plan_decode
+
+ARCH = 90
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, cc.Row]:
+    decode = list(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH))
+    picks = {
+        "direct": next(j for j in decode if dict(j.constexprs).get("DIRECT") is True),
+        "split": next(j for j in decode if dict(j.constexprs).get("DIRECT") is False),
+        "stage2": next(j for j in decode if j.kernel == "_decode_stage2_kernel"),
+        "prefill": next(iter(cc.prefill_jobs(128, 4, 16, torch.bfloat16, ARCH))),
+    }
+    return {name: cc.compile_job(job) for name, job in picks.items()}
+
+
+def test_the_plans_compile_without_spills_within_shared_memory(rows):
+    for name, row in rows.items():
+        assert not row.error, (name, row.error)
+        assert 0 < row.registers <= 255, (name, row)
+        assert row.spill_stores == row.spill_loads == 0, (name, row)
+        assert row.shared <= cc.ARCHS[ARCH].max_shared and row.problems() == [], (name, row)
+    assert rows["split"].shared > 0 and rows["prefill"].shared > 0  # tl.dot operands staged in shared memory
+
+
+def test_a_table_row_has_the_expected_fields(rows):
+    row = rows["direct"]
+    kernel, arch, dtype, shape, regs, spills, shared, flag = cc.table_row(row)
+    assert (kernel, arch, dtype, flag) == ("decode_stage1", "sm_90a", "bf16", "")
+    assert shape.startswith("direct d=128 gqa=4 bs=16 BLOCK_N=") and f"warps={row.job.num_warps}" in shape
+    assert (regs, spills, shared) == (str(row.registers), "0/0", str(row.shared))
+    assert cc.format_table(list(rows.values())).count("\n") == len(rows)  # a header and a line per plan
+
+
+def test_jobs_are_the_launchers_plans():
+    """What compiles is plan_decode's own plan, plus the JIT's constants (num_splits == 1)."""
+    plan = plan_decode(256, 32, 8, 128, 16, 2048 // 16, torch.bfloat16, cc.target(ARCH))
+    job = next(iter(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH)))
+    assert job.constexprs == (*plan.stage1.constexprs, ("num_splits", 1))
+    assert (job.num_warps, job.num_stages) == (plan.stage1.num_warps, plan.stage1.num_stages)
+
+
+def test_arguments_are_specialized_like_the_jit():
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    for value in (0, 1, 16, 17, 4096, -5, 2**31, 0.5):
+        type_, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+        assert cc.specialize(value)[0] == type_, value
+        if type_ != "constexpr":
+            assert cc.specialize(value)[1] == (attr == "D"), value
+    bf16 = native_specialize_impl(BaseBackend, torch.empty(8, dtype=torch.bfloat16), False, True, True)
+    assert cc.specialize("*bf16") == (bf16[0], True)
+
+
+def test_a_plan_too_large_is_reported():
+    """128 x 128 tiles at head_dim 256: more registers than a thread has, more shared memory than
+    a block may have; the check must say both and flag the row."""
+    job = next(iter(cc.prefill_jobs(256, 4, 16, torch.bfloat16, ARCH, block_m=128, block_n=128)))
+    row = cc.compile_job(job)
+    problems = row.problems()
+    assert any(p.startswith("spills") for p in problems), row
+    assert any(p.startswith("shared memory") for p in problems), row
+    assert cc.table_row(row)[-1] == "FAIL"
+
+
+def test_a_compile_error_is_a_failed_row():
+    job = next(iter(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH)))
+    bad = dataclasses.replace(job, constexprs=tuple({**dict(job.constexprs), "BLOCK_N": 48}.items()))
+    row = cc.compile_job(bad)
+    assert row.problems() == ["compile error: ValueError: arange's range must be a power of 2"], row
+    assert cc.table_row(row)[-1] == "ERROR"
