@@ -86,8 +86,17 @@ async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:
     finally:
         await admin.close()
     acls = confluent_admin.AdminClient(broker.confluent("admin"))  # held until every result is in
-    for f in acls.create_acls(recipe(group)).values():
+    rules = recipe(group)
+    for f in acls.create_acls(rules).values():
         await asyncio.to_thread(f.result, 30)
+    # The authorizer learns ACLs from the metadata log: wait until it answers with all of them.
+    everything = confluent_admin.AclBindingFilter(
+        confluent_admin.ResourceType.ANY, None, confluent_admin.ResourcePatternType.ANY, None, None,
+        confluent_admin.AclOperation.ANY, confluent_admin.AclPermissionType.ANY)
+    for _ in range(60):
+        if len(await asyncio.to_thread(acls.describe_acls(everything).result, 30)) >= len(rules):
+            break
+        await asyncio.sleep(0.5)
     del acls
 
 

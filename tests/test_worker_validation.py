@@ -65,7 +65,8 @@ async def test_malformed_messages_are_dead_lettered_or_rejected(kafka_bootstrap,
 
 
 async def test_a_redelivered_finished_request_is_not_run_twice(kafka_bootstrap, topics, start_worker):
-    """A lost commit (broker restart, rebalance) redelivers finished requests: no second `done`."""
+    """A lost commit (broker restart, rebalance) redelivers finished requests: not run again; its
+    final `done` is sent again as it was (same attempt, same bytes) for a requester that missed it."""
     from tests.worker_fixtures import collect as collect_replies
 
     worker = await start_worker(topics)
@@ -77,5 +78,7 @@ async def test_a_redelivered_finished_request_is_not_run_twice(kafka_bootstrap, 
     marker = request(topics.replies, max_tokens=2)
     await submit(kafka_bootstrap, topics.requests, [marker])
     events = await collect_replies(kafka_bootstrap, topics.replies, [req["id"], marker["id"]], timeout=60)
-    assert len([e for e in events[req["id"]] if e.type == "done"]) == 1
+    dones = [e for e in events[req["id"]] if e.type == "done"]
+    assert len(dones) == 2 and dones[0] == dones[1]  # one attempt: the same final result twice
+    assert len({e.attempt for e in events[req["id"]]}) == 1
     assert worker.tracker.pending(next(iter(worker.tracker.partitions()))) == 0
