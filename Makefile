@@ -30,6 +30,7 @@ test: install
 
 bench: install
 	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.block_size
 
 chaos: install
 	scripts/test.sh -m chaos --chaos-long

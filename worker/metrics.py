@@ -54,6 +54,9 @@ class Metrics:
         self.waiting = Gauge("inferline_waiting_requests", "Requests waiting for the engine", registry=r)
         self.kv_cache_usage = Gauge("inferline_kv_cache_usage", "Fraction of KV cache blocks in use (0..1)",
                                     registry=r)
+        self.kv_cache_waste = Gauge("inferline_kv_cache_waste",
+                                    "Fraction of the KV slots in use that hold no token: the empty end of each "
+                                    "sequence's last block, blocks taken for rejected drafts (0..1)", registry=r)
         self.batch_size = Gauge("inferline_batch_size", "Sequences in the last engine step", registry=r)
         self.batched_tokens = Gauge("inferline_batched_tokens", "Tokens in the last engine step", registry=r)
         self.iteration = Histogram("inferline_iteration_seconds", "Engine step latency", buckets=_STEP,
@@ -89,6 +92,7 @@ class Metrics:
         self.running.set(st.num_running)
         self.waiting.set(num_waiting)
         self.kv_cache_usage.set(st.kv_cache_usage)
+        self.kv_cache_waste.set(st.kv_cache_waste)
         self.batch_size.set(st.batch_size)
         self.batched_tokens.set(st.num_batched_tokens)
         if st.num_steps > prev.num_steps and st.batch_size:

@@ -50,6 +50,23 @@ class BlockManager:
         """Fraction of blocks in use, 0..1 (free blocks that still hold cached K/V count as free)."""
         return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
+    @property
+    def num_allocated_slots(self) -> int:
+        """Token slots of the blocks in use (a block shared by several sequences counts once)."""
+        return (self.num_blocks - self.num_free_blocks) * self.block_size
+
+    def num_wasted_slots(self, seqs: list[Sequence]) -> int:
+        """Slots in `seqs`' blocks that hold none of their known tokens (prompt and output so far,
+        computed or not): the empty end of each last block, and blocks taken for drafts that were
+        rejected. Only full blocks are ever shared, so no empty slot is counted twice."""
+        return sum(len(s.block_table) * self.block_size - min(s.num_tokens, len(s.block_table) * self.block_size)
+                   for s in seqs)
+
+    def waste(self, seqs: list[Sequence]) -> float:
+        """Fraction of allocated slots that hold no token, 0..1 (`seqs`: every owner of a block)."""
+        allocated = self.num_allocated_slots
+        return self.num_wasted_slots(seqs) / allocated if allocated else 0.0
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

@@ -45,6 +45,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
+    kv_cache_waste: float = 0.0  # of the slots in use, the fraction holding no token (0..1)
     num_preemptions: int = 0  # total since start
     batch_size: int = 0  # sequences in the last step
     num_batched_tokens: int = 0  # tokens in the last step (drafts included)
@@ -56,6 +57,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which found there (not computed again), total
     spec_draft_tokens: int = 0  # speculative drafts computed, total
     spec_accepted_tokens: int = 0  # of which accepted (tokens a step gained), total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries since start (Prometheus takes the ratio of the counters' rates)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -257,6 +263,7 @@ class LLMEngine:
         s = self._stats
         s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         s.kv_cache_usage = self.block_manager.usage
+        s.kv_cache_waste = self.block_manager.waste(self.scheduler.running + self.scheduler.waiting)
         s.num_preemptions = self.scheduler.num_preemptions
         s.batch_size, s.num_batched_tokens = len(sched.scheduled), sched.num_batched_tokens
         s.num_draft_tokens = sum(len(c.spec_token_ids) for c in sched.scheduled)
