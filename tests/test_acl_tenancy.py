@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.test_security import SaslBroker, worker_kwargs
+from tests.test_security import SaslBroker, running, worker_kwargs
 from config.settings import Settings
 from producer.schema import decode_event
 from tests.worker_fixtures import Topics, check_attempts, final_done, request, wait_ready, worker_config
@@ -70,12 +70,7 @@ def recipe(group: str) -> list:
 
 @pytest.fixture(scope="module")
 def acl_broker(tmp_path_factory):
-    broker = AclBroker(tmp_path_factory.mktemp("kafka-acl"))
-    broker.sh("start")
-    try:
-        yield broker
-    finally:
-        broker.sh("stop")
+    yield from running(AclBroker(tmp_path_factory.mktemp("kafka-acl")))
 
 
 async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:

@@ -65,14 +65,18 @@ class SaslBroker:
                 "sasl_password": self.password, "ssl_cafile": str(self.cafile), **overrides}
 
 
-@pytest.fixture(scope="module")
-def sasl_broker(tmp_path_factory):
-    broker = SaslBroker(tmp_path_factory.mktemp("kafka-sasl"))
+def running(broker: SaslBroker):
+    """A module fixture's body: the broker started, yielded, stopped."""
     broker.sh("start")
     try:
         yield broker
     finally:
         broker.sh("stop")
+
+
+@pytest.fixture(scope="module")
+def sasl_broker(tmp_path_factory):
+    yield from running(SaslBroker(tmp_path_factory.mktemp("kafka-sasl")))
 
 
 def worker_kwargs(kafka: dict) -> dict:
