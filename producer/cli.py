@@ -120,6 +120,11 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
     create.add_argument("--tenant", action="append", default=[], metavar="NAME",
                         help="topic tenancy (INFERLINE_KAFKA__TENANCY=topic): also <request topic>.NAME and "
                              "<cancel topic>.NAME; repeat for more tenants (ACLs: docs/security.md)")
+    acls = tsub.add_parser("acls", help="the ACLs of topic tenancy: print them as kafka-acls.sh commands, or --apply")
+    acls.add_argument("--tenant", action="append", default=[], metavar="NAME", help="repeat for more tenants")
+    acls.add_argument("--worker-principal", default="User:inferline", help="the workers' SASL principal")
+    acls.add_argument("--apply", action="store_true",
+                      help="create them on the broker (needs confluent-kafka and an admin principal's settings)")
 
 
 def _add_tail(p: argparse.ArgumentParser) -> None:
@@ -242,6 +247,8 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 async def cmd_topics(args: argparse.Namespace) -> int:
+    if args.topics_command == "acls":
+        return await cmd_acls(args)
     from aiokafka.admin import AIOKafkaAdminClient
 
     client = make_client(args)
@@ -269,6 +276,21 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             print(f"{name}: {'created' if created else 'exists'} ({partitions} partitions, retention {retention} ms)")
     finally:
         await admin.close()
+    return EXIT_OK
+
+
+async def cmd_acls(args: argparse.Namespace) -> int:
+    from producer.acls import apply, recipe
+
+    kafka = make_client(args).kafka
+    for tenant in args.tenant:
+        if not re.fullmatch(TENANT_SEGMENT, tenant):
+            raise SystemExit(f"inferline topics acls: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
+    rules = recipe(kafka, args.worker_principal, args.tenant)
+    if args.apply:
+        await apply(kafka, rules)
+    for rule in rules:
+        print(("created: " if args.apply else "") + rule.command(kafka.bootstrap_servers))
     return EXIT_OK
 
 

@@ -18,7 +18,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from tests.test_security import SaslBroker, running, worker_kwargs
-from config.settings import Settings
+from config.settings import KafkaSettings, Settings
+from producer import acls
 from producer.schema import decode_event
 from tests.worker_fixtures import Topics, check_attempts, final_done, request, wait_ready, worker_config
 from worker.app import Worker, engine_settings
@@ -44,28 +45,14 @@ class AclBroker(SaslBroker):
         """aiokafka options of `user`."""
         return worker_kwargs(self.kafka(sasl_username=user, sasl_password=self.secret(user)))
 
-    def confluent(self, user: str) -> dict:
-        return {"bootstrap.servers": self.bootstrap, "security.protocol": "SASL_SSL",
-                "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": user, "sasl.password": self.secret(user),
-                "ssl.ca.location": str(self.cafile)}
-
-
-def acl(user: str, operation: str, topic: str, prefixed: bool = False, kind: str = "TOPIC"):
-    a = confluent_admin
-    return a.AclBinding(getattr(a.ResourceType, kind), topic,
-                        a.ResourcePatternType.PREFIXED if prefixed else a.ResourcePatternType.LITERAL,
-                        f"User:{user}", "*", getattr(a.AclOperation, operation), a.AclPermissionType.ALLOW)
+    def settings(self, user: str) -> KafkaSettings:
+        return KafkaSettings(**self.kafka(sasl_username=user, sasl_password=self.secret(user)))
 
 
 def recipe(group: str) -> list:
-    """docs/security.md, "What the operator must configure", topic tenancy."""
-    rules = [acl("inferline", "READ", f"{REQ}.", prefixed=True), acl("inferline", "READ", f"{CANCEL}.", prefixed=True),
-             acl("inferline", "READ", group, kind="GROUP"), acl("inferline", "WRITE", REPLY, prefixed=True),
-             acl("inferline", "WRITE", DLQ), acl("inferline", "READ", REPLY, prefixed=True)]
-    for tenant in ("acme", "globex"):
-        rules += [acl(tenant, "WRITE", f"{REQ}.{tenant}"), acl(tenant, "WRITE", f"{CANCEL}.{tenant}"),
-                  acl(tenant, "READ", f"{REPLY}{tenant}.", prefixed=True)]
-    return rules
+    """docs/security.md's rules, as `inferline topics acls` makes them (producer/acls.py)."""
+    kafka = KafkaSettings(request_topic=REQ, cancel_topic=CANCEL, dlq_topic=DLQ, group_id=group)
+    return acls.recipe(kafka, "User:inferline", ["acme", "globex"])
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +67,17 @@ async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:
         await admin.create_topics([NewTopic(t, 1, 1) for t in topics])
     finally:
         await admin.close()
-    acls = confluent_admin.AdminClient(broker.confluent("admin"))  # held until every result is in
     rules = recipe(group)
-    for f in acls.create_acls(rules).values():
-        await asyncio.to_thread(f.result, 30)
+    await acls.apply(broker.settings("admin"), rules)  # what `inferline topics acls --apply` does
     # The authorizer learns ACLs from the metadata log: wait until it answers with all of them.
+    admin_client = confluent_admin.AdminClient(acls.confluent_config(broker.settings("admin")))
     everything = confluent_admin.AclBindingFilter(
         confluent_admin.ResourceType.ANY, None, confluent_admin.ResourcePatternType.ANY, None, None,
         confluent_admin.AclOperation.ANY, confluent_admin.AclPermissionType.ANY)
     for _ in range(60):
-        if len(await asyncio.to_thread(acls.describe_acls(everything).result, 30)) >= len(rules):
+        if len(await asyncio.to_thread(admin_client.describe_acls(everything).result, 30)) >= len(rules):
             break
         await asyncio.sleep(0.5)
-    del acls
 
 
 async def produce(kwargs: dict, topic: str, value: bytes, key: bytes) -> None:

@@ -306,3 +306,21 @@ async def test_bench_writes_report_and_plots(kafka_bootstrap, cli_env, tmp_path)
     assert (out_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     assert "TTFT" in out and "p99" in out and "req/s" in out
     assert all(r.temperature == 0 and r.ignore_eos and len(r.prompt_token_ids) == 4 for r in worker.requests)
+
+
+async def test_topics_acls_prints_the_recipe():
+    """`inferline topics acls`: topic tenancy's ACLs as kafka-acls.sh commands (the rule set that
+    tests/test_acl_tenancy.py applies to a broker with an authorizer)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")}
+    env.update(INFERLINE_KAFKA__BOOTSTRAP_SERVERS="broker:9092")
+    rc, out, err = await run_cli(env, "topics", "acls", "--tenant", "acme", "--worker-principal", "User:w")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert ("kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme --operation Write "
+            "--topic llm.requests.acme") in lines
+    assert ("kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme --operation Read "
+            "--topic inferline.reply.acme. --resource-pattern-type prefixed") in lines
+    assert not [ln for ln in lines if "User:acme" in ln and "llm.requests." in ln and "acme" not in ln.split()[-1]]
+    assert sum("User:w " in ln for ln in lines) == 6
+    rc, _, err = await run_cli(env, "topics", "acls", "--tenant", "a.b")
+    assert rc != 0 and "must be 1-64 of" in err

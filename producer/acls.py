@@ -1,0 +1,77 @@
+"""The Kafka ACLs of topic tenancy (docs/security.md): who may read and write which topic.
+
+`recipe()` is the rule set as data; `inferline topics acls` prints it as `kafka-acls.sh` commands
+or, with `--apply`, creates it through confluent-kafka's admin client (aiokafka has no ACL API).
+tests/test_acl_tenancy.py applies exactly this recipe to a broker with an authorizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AclRule:
+    principal: str  # e.g. User:acme
+    operation: str  # READ, WRITE, CREATE, ...
+    resource: str  # TOPIC or GROUP
+    name: str
+    prefixed: bool = False
+
+    def command(self, bootstrap: str) -> str:
+        """The same rule as a `kafka-acls.sh` command line."""
+        kind = "--topic" if self.resource == "TOPIC" else "--group"
+        pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
+        return (f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
+                f"--operation {self.operation.capitalize()} {kind} {self.name}{pattern}")
+
+
+def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
+    """Workers read every tenant's request and cancel topics and write replies and dead letters;
+    each tenant writes only its own request and cancel topic and reads and creates only topics
+    under its own reply prefix (the client makes its reply topic there)."""
+    req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
+    rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
+             AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
+             AclRule(worker, "READ", "GROUP", kafka.group_id),
+             AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
+             AclRule(worker, "READ", "TOPIC", reply, prefixed=True),  # the redelivery check
+             AclRule(worker, "WRITE", "TOPIC", kafka.dlq_topic)]
+    for tenant in tenants:
+        principal = f"User:{tenant}"
+        rules += [AclRule(principal, "WRITE", "TOPIC", f"{req}.{tenant}"),
+                  AclRule(principal, "WRITE", "TOPIC", f"{cancel}.{tenant}"),
+                  AclRule(principal, "READ", "TOPIC", f"{reply}{tenant}.", prefixed=True),
+                  AclRule(principal, "CREATE", "TOPIC", f"{reply}{tenant}.", prefixed=True)]
+    return rules
+
+
+async def apply(kafka, rules: list[AclRule]) -> None:
+    """Create the rules on the broker, as the principal of `kafka`'s settings (an admin)."""
+    import asyncio
+
+    from confluent_kafka.admin import AdminClient
+
+    client = AdminClient(confluent_config(kafka))  # held until every result is in
+    for future in client.create_acls(confluent_bindings(rules)).values():
+        await asyncio.to_thread(future.result, 30)
+
+
+def confluent_config(kafka) -> dict:
+    """librdkafka's names for the connection settings (KafkaSettings)."""
+    config = {"bootstrap.servers": kafka.bootstrap_servers, "security.protocol": kafka.security_protocol}
+    if kafka.sasl_mechanism:
+        config.update({"sasl.mechanism": kafka.sasl_mechanism, "sasl.username": kafka.sasl_username,
+                       "sasl.password": kafka.password()})
+    if kafka.ssl_cafile:
+        config["ssl.ca.location"] = str(kafka.ssl_cafile)
+    return config
+
+
+def confluent_bindings(rules: list[AclRule]) -> list:
+    """The rules as confluent-kafka AclBindings (confluent-kafka must be installed)."""
+    from confluent_kafka import admin
+
+    return [admin.AclBinding(getattr(admin.ResourceType, r.resource), r.name,
+                             admin.ResourcePatternType.PREFIXED if r.prefixed else admin.ResourcePatternType.LITERAL,
+                             r.principal, "*", getattr(admin.AclOperation, r.operation), admin.AclPermissionType.ALLOW)
+            for r in rules]
