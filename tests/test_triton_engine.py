@@ -69,6 +69,17 @@ def test_smollm2_on_triton_kernels_equals_hf_generate(model_runner, hf_model):
 
 
 @pytest.mark.slow
+def test_smollm2_on_triton_kernels_with_32_token_blocks(model_runner, hf_model):
+    """Pages of 32 (the decode tile then holds part of a page): a prompt of 30 tokens decodes
+    across the first block boundary and gives HF's tokens."""
+    ids = prompt_ids(model_runner.tokenizer, 1)[:30]
+    expected = hf_greedy(hf_model, ids, 4)
+    cases = {"block_size": 32, "runs": [{"name": "bs32", "arrivals": {0: [["a", ids, 4]]}}]}
+    _, run = run_cases(["smollm2"], json.dumps(cases))
+    assert run["tokens"] == {"a": expected}
+
+
+@pytest.mark.slow
 def test_llama_shaped_bf16_on_triton_kernels_matches_the_torch_path(tmp_path):
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
