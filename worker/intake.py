@@ -36,6 +36,7 @@ from worker.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
+LIST_TOPICS_TRIES = 3
 OVERLOAD_BATCH = 64
 
 
@@ -234,16 +235,22 @@ class Intake:
             suspects.append(_Pending(tp, record.offset, decoded, time.time(), record.timestamp, self._generation))
 
     async def _verify_reply_topics(self, unverified: list[_Unverified], suspects: list[_Pending]) -> None:
-        """One look at the broker's topic list for every unknown reply topic of the batch."""
-        try:
-            await self.reply_topics.refresh()
-        except Exception as exc:  # noqa: BLE001 - the broker did not answer: refuse, do not guess
-            log.warning("intake.list_topics_failed", error=repr(exc))
+        """One look at the broker's topic list for every unknown reply topic of the batch (a few
+        tries: a request is dead-lettered as unanswerable only when the broker cannot be asked)."""
+        listed = False
+        for attempt in range(LIST_TOPICS_TRIES):
+            try:
+                await self.reply_topics.refresh()
+                listed = True
+                break
+            except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
+                log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
         for u in unverified:
             if u.generation != self._generation or u.tp in self._revoking:
                 continue  # the partition moved meanwhile: untracked, its new owner reads it
             try:
-                verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp))
+                verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed)
                 self._dispatch(u.tp, u.record, u.decoded, verdict, suspects if u.suspect else None)
             except Exception as exc:  # noqa: BLE001 - as in _handle_safely
                 log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)

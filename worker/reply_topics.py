@@ -6,9 +6,10 @@ exists. A request that names any other topic is dead-lettered with the reason, n
 there and never waited on; the worker never creates topics.
 
 Existence comes from the broker's metadata for all topics (asking for one topic by name could
-auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`,
-and an unknown one makes the cache refresh at most once per `REFRESH_EVERY_S`, however many
-requests name missing topics.
+auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`;
+a fetched batch with a request naming an unknown topic reads the list again, once for the whole
+batch, and only a topic missing from a list read after the request was fetched (so after its
+producer made the topic) is missing.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from worker.tenancy import reply_prefix, tenant_of
 
 log = structlog.get_logger(__name__)
 KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
-REFRESH_EVERY_S = 1.0
 
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
@@ -49,26 +49,21 @@ class ReplyTopics:
         self._list_topics = list_topics  # async () -> iterable of every topic name
         self._clock = clock
         self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
-        self._refreshed_at = float("-inf")
 
-    def verdict(self, topic: str, tenant: str | None = None) -> str | None:
-        """"ok", a reason to refuse, or None when the broker must be asked (refresh())."""
+    def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
+        """"ok", a reason to refuse, or None when the broker must be asked (refresh()).
+        `listed_after`: the last listing was taken after the request was read, so after its
+        producer made its reply topic: a topic missing from it does not exist."""
         reason = refusal(topic, self._kafka, tenant)
         if reason:
             return reason
-        now = self._clock()
-        if now - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S:
+        if self._clock() - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S:
             return "ok"
-        if now - self._refreshed_at < REFRESH_EVERY_S:
-            return f"reply_topic {topic!r} does not exist (the worker never creates topics)"
-        return None
+        return f"reply_topic {topic!r} does not exist (the worker never creates topics)" if listed_after else None
 
     async def refresh(self) -> None:
-        """Re-read the broker's topic list (at most once per REFRESH_EVERY_S)."""
+        """Re-read the broker's topic list (raises what the broker lookup raised)."""
         now = self._clock()
-        if now - self._refreshed_at < REFRESH_EVERY_S:
-            return
-        self._refreshed_at = now
         topics: Iterable[str] = await self._list_topics()
         self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
         log.debug("reply_topics.refreshed", allowed=len(self._seen))
@@ -76,4 +71,3 @@ class ReplyTopics:
     def forget(self, topic: str) -> None:
         """The publisher found `topic` gone: the next request naming it asks the broker again."""
         self._seen.pop(topic, None)
-        self._refreshed_at = float("-inf")
