@@ -111,7 +111,9 @@ class InferenceClient:
         self.cancel_topic = cancel_topic or kafka.cancel_topic
         self.client_uid = uuid.uuid4().hex[:12]
         self._own_reply_topic = reply_topic is None
-        self.reply_topic = REPLY_TOPIC_PREFIX + self.client_uid if reply_topic is None else reply_topic
+        # under the prefix the workers answer on (INFERLINE_KAFKA__REPLY_TOPIC_PREFIX)
+        self.reply_prefix = kafka.reply_topic_prefix
+        self.reply_topic = self.reply_prefix + self.client_uid if reply_topic is None else reply_topic
         self.timeout_s = timeout_s
         self.reply_partitions = reply_partitions
         self.reply_retention_ms = reply_retention_ms
@@ -175,7 +177,7 @@ class InferenceClient:
             await asyncio.gather(self._consumer_task, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         watched = self._replies.watched if self._replies else set()
-        drop = [t for t in watched if t.startswith(REPLY_TOPIC_PREFIX) and (self._own_reply_topic or t != self.reply_topic)]
+        drop = [t for t in watched if t.startswith(self.reply_prefix) and (self._own_reply_topic or t != self.reply_topic)]
         if drop and self._admin:
             with contextlib.suppress(Exception):
                 await self._admin.delete_topics(drop)
@@ -208,7 +210,7 @@ class InferenceClient:
         assert self._producer is not None, "client not started"
         rid = request_id or uuid.uuid4().hex
         per_request = (reply_topic or self.reply_topic) == PER_REQUEST
-        topic = per_request_topic(rid) if per_request else reply_topic or self.reply_topic
+        topic = per_request_topic(rid, self.reply_prefix) if per_request else reply_topic or self.reply_topic
         req = Request(
             id=rid, reply_topic=topic, prompt=prompt, prompt_token_ids=prompt_token_ids,
             messages=[m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages] if messages else None,
@@ -259,5 +261,5 @@ class InferenceClient:
     def _finished(self, handle: RequestHandle) -> None:
         self._handles.pop(handle.id, None)
         topic = handle.request.reply_topic
-        if topic == per_request_topic(handle.id):
+        if topic == per_request_topic(handle.id, self.reply_prefix):
             self._replies.retire(topic)

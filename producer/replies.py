@@ -25,9 +25,9 @@ PER_REQUEST = "per-request"
 REPLY_TOPIC_PREFIX = "inferline.reply."
 
 
-def per_request_topic(request_id: str) -> str:
-    # ':' is legal in ids but not in topic names; 16 + 128 chars stays under 249.
-    return REPLY_TOPIC_PREFIX + request_id.replace(":", "_")
+def per_request_topic(request_id: str, prefix: str = REPLY_TOPIC_PREFIX) -> str:
+    # ':' is legal in ids but not in topic names; a 16-char prefix + 128 chars stays under 249.
+    return prefix + request_id.replace(":", "_")
 
 
 class ReplyRouter:

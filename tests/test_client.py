@@ -244,6 +244,17 @@ def test_per_request_topic_names_are_legal():
     assert is_legal_topic(per_request_topic("a:b.c-" + "x" * 122))
 
 
+def test_reply_topics_follow_the_workers_reply_prefix():
+    """The client's own and per-request reply topics go under INFERLINE_KAFKA__REPLY_TOPIC_PREFIX:
+    the only topics a worker answers on."""
+    from config.settings import Settings
+
+    client = InferenceClient(settings=Settings(kafka={"reply_topic_prefix": "acme.replies."}))
+    assert client.reply_topic == "acme.replies." + client.client_uid
+    assert per_request_topic("r:1", client.reply_prefix) == "acme.replies.r_1"
+    assert InferenceClient(settings=Settings()).reply_topic.startswith("inferline.reply.")
+
+
 # --------------------------------------------------------------------------- scripted stand-in worker
 
 Script = Callable[[Request], list]
