@@ -30,8 +30,8 @@ class KafkaSettings(BaseModel):
     # Who a request is from (worker/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
     # each tenant writes its own `<request_topic>.<tenant>` (and cancels to `<cancel_topic>.<tenant>`),
     # which Kafka ACLs keep to that tenant; the worker subscribes by pattern, takes the tenant from
-    # the topic, rejects a body `tenant` that disagrees and answers only under
-    # `<reply_topic_prefix><tenant>.`.
+    # the topic, rejects a body `tenant` naming another (`default` claims nothing) and answers only
+    # under `<reply_topic_prefix><tenant>.`.
     tenancy: Literal["body", "topic"] = "body"
     # At start-up the cancel topic is read back this far (and cancels are remembered as long), so
     # a request still waiting in Kafka when its cancel was sent stays cancelled across restarts;
@@ -111,14 +111,14 @@ class ModelSettings(BaseModel):
     # Linear layers on the CPU in fp32 (models/linear.py). `c` and `onednn` pack every weight once
     # at load (a second copy of the weights in memory) for the project's C GEMM (kernels/cpu/gemm.py;
     # a row gets the same bits in any batch) or for oneDNN (an explicit one that cannot run here
-    # stops the worker at start-up); both are 1.4-2x faster than `torch`
-    # (F.linear: MKL, which repacks the weight on every call) at decode batch sizes. `auto` is `c`
-    # on x86 with AVX2 but no AVX-512, where it was measured faster than oneDNN, else `onednn`.
+    # stops the worker at start-up); both beat `torch` (F.linear: MKL, which repacks the weight on
+    # every call) at decode batch sizes (docs/benchmarks.md). `auto` is `c` on x86 with AVX2 but
+    # no AVX-512, where it was measured faster than oneDNN, else `onednn`.
     cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
     # The `c` GEMM's packed weights: `auto` keeps a weight as 8-bit codes with an fp16 scale and
     # an offset per 32 inputs wherever those give back every fp32 weight exactly (a GGUF file's
     # Q4_1, Q8_0, ... tensors, as the default model's are), widened to fp32 as each panel is
-    # used: the same bits as the fp32 panels, ~3.2x fewer bytes read per step (kernels/cpu/gemm.py).
+    # used: the same bits as the fp32 panels, a third of the bytes read per step (kernels/cpu/gemm.py).
     # `off`: fp32 panels always. Weights with no exact codes (most safetensors models) stay fp32.
     cpu_weight_codes: Literal["auto", "off"] = "auto"
     # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store

@@ -35,14 +35,19 @@ def _resolve(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return select_attention(q.device, q.dtype, k_cache.dtype, shape)
 
 
+def _on_triton(backend: str, t: torch.Tensor) -> bool:
+    """For the ops the C kernels leave to PyTorch (store, prefill): only Triton or the reference."""
+    assert backend in ("auto", "triton", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping
     (int64 [num_tokens], slot = block * block_size + offset; a negative slot is skipped)."""
-    if backend == "triton" or (backend == "auto" and k_cache.is_cuda):
+    if _on_triton(backend, k_cache):
         from kernels.triton.store import store_kv_triton
 
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    assert backend in ("auto", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -80,13 +85,12 @@ def paged_prefill_attention(
     all already stored; causal. Returns [total_query_tokens, num_heads, head_dim]. The C kernel
     has no prefill of its own: `cpu` computes prompts on the reference path here (the engine sends
     them to the decode kernel as rows, cu_seqlens_q given)."""
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
+    if _on_triton(backend, q):
         from kernels.triton.prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
         )
-    assert backend in ("auto", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
     return reference.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
     )

@@ -12,13 +12,13 @@ stops at start-up, never failing every request later.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import build, gemm
+from kernels.triton.launch import interpreting
 
 
 class BackendUnavailable(RuntimeError):
@@ -49,11 +49,6 @@ def select_backends(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
     target = None if chosen != "triton" else "cuda" if device.type == "cuda" else "interpreter"
     return KernelBackends(chosen, select_linear(device, dtype, linear), select_fused_ops(device, dtype, fused_ops),
                           target)
-
-
-def interpreting() -> bool:
-    """Triton runs on CPU tensors only under its interpreter, switched on before triton is imported."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def select_attention(device, dtype, kv_dtype, shape: ModelShape, setting: str = "auto") -> str:

@@ -246,6 +246,14 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def checked_tenants(args: argparse.Namespace) -> list[str]:
+    """--tenant names: each one topic-name segment (it becomes `<topic>.<tenant>`)."""
+    for tenant in args.tenant:
+        if not re.fullmatch(TENANT_SEGMENT, tenant):
+            raise SystemExit(f"inferline topics {args.topics_command}: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
+    return args.tenant
+
+
 async def cmd_topics(args: argparse.Namespace) -> int:
     if args.topics_command == "acls":
         return await cmd_acls(args)
@@ -262,9 +270,7 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             (args.dlq_topic or client.kafka.dlq_topic, 1, args.dlq_retention_ms),
         ]
         cancel_topics = {client.cancel_topic} | {f"{client.cancel_topic}.{t}" for t in args.tenant}
-        for tenant in args.tenant:
-            if not re.fullmatch(TENANT_SEGMENT, tenant):
-                raise SystemExit(f"inferline topics create: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
+        for tenant in checked_tenants(args):
             plan += [(f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
                      (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
         for name, partitions, retention in plan:
@@ -283,10 +289,7 @@ async def cmd_acls(args: argparse.Namespace) -> int:
     from producer.acls import apply, recipe
 
     kafka = make_client(args).kafka
-    for tenant in args.tenant:
-        if not re.fullmatch(TENANT_SEGMENT, tenant):
-            raise SystemExit(f"inferline topics acls: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
-    rules = recipe(kafka, args.worker_principal, args.tenant)
+    rules = recipe(kafka, args.worker_principal, checked_tenants(args))
     if args.apply:
         await apply(kafka, rules)
     for rule in rules:

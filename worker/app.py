@@ -281,11 +281,14 @@ class Worker:
         """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
         carried it) limits it to that tenant's requests."""
         self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
-        attempts = [a for a in self._by_id.get(request_id, ())
-                    if tenant is None or getattr(self.jobs.get(a), "request", None) and self.jobs[a].request.tenant == tenant]
+        attempts = [a for a in self._by_id.get(request_id, ()) if tenant is None or self._tenant_of_attempt(a) == tenant]
         if attempts:
             log.info("request.cancel", request_id=request_id, attempts=len(attempts))
         self._abort(attempts, "cancelled")
+
+    def _tenant_of_attempt(self, attempt: str) -> str | None:
+        job = self.jobs.get(attempt)
+        return job.request.tenant if job is not None else None
 
     def _abort(self, attempts: list[str], reason: str) -> None:
         for attempt in attempts:

@@ -31,6 +31,7 @@ INTERPRETER = Target(interpreter=True)  # an H200's plans, run by the interprete
 
 
 def interpreting() -> bool:
+    """Triton runs on CPU tensors only under its interpreter, switched on before triton is imported."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
