@@ -13,12 +13,12 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 
 from config.settings import Settings
 from producer.gateway.server import GatewayServer, make_server
 from producer.replies import REPLY_TOPIC_PREFIX
-from tests.kafka_fixtures import wait_topic_ready
+from tests.kafka_fixtures import create_named_topics
 from tests.worker_fixtures import Topics, wait_ready, worker_config
 from worker.app import Worker, engine_settings
 from worker.engine.engine import LLMEngine
@@ -70,14 +70,7 @@ async def make_topics(bootstrap: str, tenants: tuple[str, ...] = ()) -> Topics:
     parts = {names.requests: 2, names.cancel: 1, names.dlq: 1, names.replies: 1}
     for t in tenants:
         parts.update({f"{names.requests}.{t}": 2, f"{names.cancel}.{t}": 1})
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(t, n, 1) for t, n in parts.items()])
-        for t, n in parts.items():
-            await wait_topic_ready(admin, t, n)
-    finally:
-        await admin.close()
+    await create_named_topics(parts, bootstrap_servers=bootstrap)
     return names
 
 

@@ -128,6 +128,19 @@ def _raise_topic_errors(response, action: str) -> None:
             raise RuntimeError(f"{action} topic {topic!r} failed: error code {code} {message or ''}")
 
 
+async def create_named_topics(partitions: dict[str, int], **admin_options) -> None:
+    """Creates topics of exactly these names ({name: partitions}) and waits until all are ready;
+    `admin_options`: the admin client's connection (bootstrap_servers, security)."""
+    admin = AIOKafkaAdminClient(**admin_options)
+    await admin.start()
+    try:
+        _raise_topic_errors(await admin.create_topics([NewTopic(t, n, 1) for t, n in partitions.items()]), "creating")
+        for t, n in partitions.items():
+            await wait_topic_ready(admin, t, n)
+    finally:
+        await admin.close()
+
+
 async def wait_topic_ready(
     admin: AIOKafkaAdminClient, topic: str, partitions: int, timeout_s: float = 30.0
 ) -> None:

@@ -15,7 +15,7 @@ import uuid
 import msgpack
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from tests.kafka_fixtures import create_named_topics
 
 from tests.test_security import SaslBroker, running, worker_kwargs
 from config.settings import KafkaSettings, Settings
@@ -61,12 +61,7 @@ def acl_broker(tmp_path_factory):
 
 
 async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:
-    admin = AIOKafkaAdminClient(**broker.client("admin"))
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(t, 1, 1) for t in topics])
-    finally:
-        await admin.close()
+    await create_named_topics({t: 1 for t in topics}, **broker.client("admin"))
     rules = recipe(group)
     await acls.apply(broker.settings("admin"), rules)  # what `inferline topics acls --apply` does
     # The authorizer learns ACLs from the metadata log: wait until it answers with all of them.

@@ -20,11 +20,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from producer.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile
-from tests.kafka_fixtures import wait_topic_ready
+from tests.kafka_fixtures import create_named_topics
 from tests.worker_fixtures import Topics, check_attempts, submit
 from tests.worker_fixtures import request as make_request
 
@@ -54,15 +53,8 @@ async def make_topics(bootstrap: str) -> Topics:
     stem = uuid.uuid4().hex[:8]
     topics = Topics(requests=f"chaos-req-{stem}", cancel=f"chaos-cancel-{stem}", dlq=f"chaos-dlq-{stem}",
                     replies=f"inferline.reply.chaos-{stem}")
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        parts = {topics.requests: PARTITIONS, topics.cancel: 1, topics.dlq: 1, topics.replies: PARTITIONS}
-        await admin.create_topics([NewTopic(t, n, 1) for t, n in parts.items()])
-        for t, n in parts.items():
-            await wait_topic_ready(admin, t, n)
-    finally:
-        await admin.close()
+    await create_named_topics({topics.requests: PARTITIONS, topics.cancel: 1, topics.dlq: 1,
+                               topics.replies: PARTITIONS}, bootstrap_servers=bootstrap)
     return topics
 
 

@@ -8,11 +8,11 @@ import uuid
 import msgpack
 import pytest
 from aiokafka import TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 
 from config.settings import KafkaSettings, Settings
 from tests.chaos_fixtures import FakeConsumer, IntakeHarness
-from tests.kafka_fixtures import consume_until, produce_raw
+from tests.kafka_fixtures import consume_until, create_named_topics, produce_raw
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
@@ -98,10 +98,10 @@ async def test_two_tenants_on_a_running_worker(kafka_bootstrap, topics, start_wo
     base, cancel = topics.requests, topics.cancel
     names = [f"{base}.acme", f"{base}.globex", f"{cancel}.acme", f"{cancel}.globex",
              "inferline.reply.acme.t-" + uuid.uuid4().hex[:6], "inferline.reply.globex.t-" + uuid.uuid4().hex[:6]]
+    await create_named_topics({n: 1 for n in names}, bootstrap_servers=kafka_bootstrap)
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
         acme_replies, globex_replies = names[4], names[5]
         worker = await start_worker(topics, kafka={"tenancy": "topic"},
                                     limits={"tenants": {"globex": {"requests_per_s": 0.01, "burst_requests": 1}}})
