@@ -49,11 +49,13 @@ class KafkaSettings(BaseModel):
     flush_interval_ms: float = Field(20.0, ge=0)
     # Replies waiting for the broker; past this, intake pauses instead of memory growing.
     max_pending_replies: int = Field(10_000, ge=10)
-    # Before rerunning a request that may have run under a partition's previous owner, look
-    # for its final `done` on the reply topic (no second final result after a crash).
-    redelivery_check: bool = True
-    # How long that look may take per fetched batch; past it the requests run again.
-    redelivery_check_timeout_s: float = Field(30.0, gt=0)
+    # A worker's final results commit in Kafka transactions (worker/transactions.py). One left
+    # open by a dead worker is aborted by the broker after this long (or at once when the
+    # partition's next owner starts); until then read_committed readers of its reply partitions
+    # wait, so keep it short: a transaction lasts milliseconds.
+    transaction_timeout_ms: int = Field(10_000, ge=1_000)
+    # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
+    offset_metadata_max_bytes: int = Field(4096, ge=64)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None

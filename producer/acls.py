@@ -13,28 +13,29 @@ from dataclasses import dataclass
 class AclRule:
     principal: str  # e.g. User:acme
     operation: str  # READ, WRITE, CREATE, ...
-    resource: str  # TOPIC or GROUP
+    resource: str  # TOPIC, GROUP or TRANSACTIONAL_ID
     name: str
     prefixed: bool = False
 
     def command(self, bootstrap: str) -> str:
         """The same rule as a `kafka-acls.sh` command line."""
-        kind = "--topic" if self.resource == "TOPIC" else "--group"
+        kind = {"TOPIC": "--topic", "GROUP": "--group", "TRANSACTIONAL_ID": "--transactional-id"}[self.resource]
         pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
         return (f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
                 f"--operation {self.operation.capitalize()} {kind} {self.name}{pattern}")
 
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
-    """Workers read every tenant's request and cancel topics and write replies and dead letters;
-    each tenant writes only its own request and cancel topic and reads and creates only topics
+    """Workers read every tenant's request and cancel topics and write replies and dead letters,
+    in transactions whose ids start with the group id (worker/transactions.py); each tenant writes only its own request and cancel topic and reads and creates only topics
     under its own reply prefix (the client makes its reply topic there)."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
     rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
              AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
              AclRule(worker, "READ", "GROUP", kafka.group_id),
              AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
-             AclRule(worker, "READ", "TOPIC", reply, prefixed=True),  # the redelivery check
+             AclRule(worker, "WRITE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
+             AclRule(worker, "DESCRIBE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
              AclRule(worker, "WRITE", "TOPIC", kafka.dlq_topic)]
     for tenant in tenants:
         principal = f"User:{tenant}"

@@ -157,6 +157,7 @@ class InferenceClient:
         self._consumer = AIOKafkaConsumer(
             **opts, client_id=f"{self.kafka.client_id}-replies", group_id=None, enable_auto_commit=False,
             auto_offset_reset="earliest",
+            isolation_level="read_committed",  # a `done` counts once its worker committed it
         )
         await self._consumer.start()
         self._replies = ReplyRouter(

@@ -18,6 +18,7 @@ async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:
     consumer = AIOKafkaConsumer(
         **kafka_options(kafka), group_id=None, enable_auto_commit=False,
         auto_offset_reset="earliest" if args.from_beginning else "latest",
+        isolation_level="read_committed",  # no `done` of an aborted transaction
     )
     await consumer.start()
     try:

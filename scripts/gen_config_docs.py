@@ -105,6 +105,9 @@ MEANINGS = {
 OTHER_VARIABLES = {
     "INFERLINE_CACHE_DIR": ("`~/.cache/inferline`", "Where converted model weights (and the local "
                             "broker's jars) are cached. Read by `config.settings.cache_dir()`."),
+    "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
+                                           "its Nth transaction's records reach the broker and before the "
+                                           "commit (worker/transactions.py; tests and `make chaos`)."),
     "INFERLINE_KERNEL_CHECKS": ("`0`", "`1` turns on the kernels' shape, dtype and stride assertions "
                                 "on CUDA tensors (always on for CPU tensors)."),
 }

@@ -274,7 +274,7 @@ class FakeEngineLoop:
 class IntakeHarness:
     """A real Worker (intake triage, rate limiter, reply building and encoding, offset tracking)
     with Kafka I/O replaced at the last step: `Publisher._enqueue` records each outgoing message and
-    acknowledges it at once; the engine loop records each admitted request, which `finish_admitted`
+    acknowledges it at once (a final one as its transaction would: committed with its offset); the engine loop records each admitted request, which `finish_admitted`
     completes through the Worker's own engine-output path. So every record goes through the same
     code as on a live worker, from `Intake._handle` to the bytes handed to aiokafka."""
 
@@ -297,9 +297,13 @@ class IntakeHarness:
         self.offset = 0
 
     def _enqueue(self, out) -> None:
-        self.sent.append(out)
+        if out.topic:  # a final with no record (a resubmitted request) only commits its offset
+            self.sent.append(out)
+        failed = out.topic in self.unreachable  # as the publisher does after its retries
+        if out.source is not None and not failed:  # as the transaction does once committed
+            self.worker.tracker.finish(*out.source)
         if out.on_acked:
-            out.on_acked(out.topic not in self.unreachable)  # as the publisher does after its retries
+            out.on_acked("failed" if failed else "ok")
 
     def feed(self, value: bytes | None, key: bytes | None = b"k"):
         """Hands one record to the intake; returns the outgoing messages and admitted requests."""
@@ -386,7 +390,8 @@ class ReplyWatcher:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
-                                          enable_auto_commit=False, auto_offset_reset="earliest")
+                                          enable_auto_commit=False, auto_offset_reset="earliest",
+                                          isolation_level="read_committed")
         await self._consumer.start()
         tps = [TopicPartition(self.topic, p) for p in range(self.partitions)]
         self._consumer.assign(tps)
@@ -457,12 +462,12 @@ class WorkerProcess:
         self.incarnation = 0
         self.log_path = None
 
-    def spawn(self) -> None:
+    def spawn(self, env_extra: dict | None = None) -> None:
         from tests.worker_fixtures import spawn_worker
 
         self.incarnation += 1
         self.log_path = self.log_dir / f"{self.name}-{self.incarnation}.log"
-        self.proc = spawn_worker(self.bootstrap, self.topics, self.log_path, **self.config)
+        self.proc = spawn_worker(self.bootstrap, self.topics, self.log_path, env_extra, **self.config)
 
     async def wait_started(self, timeout: float = 180.0) -> None:
         from tests.worker_fixtures import wait_log

@@ -245,7 +245,8 @@ async def consume_until(
     from_beginning: bool = True,
     raise_on_timeout: bool = True,
 ) -> list[ConsumerRecord]:
-    """Reads `topic` (all partitions, no consumer group, nothing committed) and returns the records.
+    """Reads `topic` (all partitions, no consumer group, nothing committed, read_committed) and
+    returns the records.
 
     With a predicate: reads until ``predicate(records_so_far)`` is true. Without one: reads up to
     the end offsets the topic had when reading began ("everything there now"). A topic that does
@@ -260,6 +261,7 @@ async def consume_until(
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest" if from_beginning else "latest",
+        isolation_level="read_committed",  # as clients read: no result of an aborted transaction
     )
     await consumer.start()
     records: list[ConsumerRecord] = []

@@ -29,7 +29,9 @@ class Peaks:
         w = self.worker
         while True:
             self.waiting = max(self.waiting, w._num_waiting)
-            self.jobs = max(self.jobs, len(w.jobs))
+            # Jobs in the engine (waiting or running); a finished one waiting for its transaction
+            # holds no engine resources and is bounded by max_pending_replies instead.
+            self.jobs = max(self.jobs, sum(1 for j in w.jobs.values() if j.state != "finishing"))
             self.paused = max(self.paused, len(w.intake._consumer.paused()))
             await asyncio.sleep(0.005)
 

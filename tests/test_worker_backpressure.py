@@ -14,10 +14,12 @@ pytestmark = pytest.mark.kafka
 
 async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootstrap, topics, start_worker,
                                                                     new_topic, monkeypatch):
-    import worker.publisher as publisher
+    import worker.transactions as transactions
 
-    monkeypatch.setattr(publisher, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
-    refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "64"}, reply=True)  # every batch is larger
+    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
+    # Every batch of events is larger; a transaction marker is not (below ~80 bytes a topic would
+    # refuse the markers too, and the broker could never finish a transaction that touched it).
+    refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "100"}, reply=True)
     worker = await start_worker(topics, kafka={"max_pending_replies": 10})
     seen = []  # (backlog, full, refused topic failing) while the refused topic's dones are retried
 
@@ -48,7 +50,7 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
             break
         await asyncio.sleep(0.1)
     assert not worker.jobs and worker.publisher.backlog == 0
-    assert worker.metrics.send_failures._value.get() >= 24 * publisher.MAX_ATTEMPTS
+    assert worker.metrics.send_failures._value.get() >= 24 * transactions.MAX_ATTEMPTS
     assert all(worker.tracker.pending(tp) == 0 for tp in worker.tracker.partitions())
     assert not await consume_until(kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False,
                                    predicate=lambda rs: bool(rs))

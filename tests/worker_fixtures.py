@@ -113,11 +113,14 @@ async def wait_ready(worker: Worker, task: asyncio.Task, timeout: float = 60.0) 
         await asyncio.sleep(0.05)
 
 
-def spawn_worker(bootstrap: str, topics: Topics, log_path: Path, **overrides) -> subprocess.Popen:
-    """`python -m worker` with INFERLINE_* settings; its logs (JSON lines) go to log_path."""
+def spawn_worker(bootstrap: str, topics: Topics, log_path: Path, env_extra: dict | None = None,
+                 **overrides) -> subprocess.Popen:
+    """`python -m worker` with INFERLINE_* settings (and `env_extra`); its logs (JSON lines) go
+    to log_path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")}
     env.update(config_env(worker_config(bootstrap, topics, **overrides)))
     env["INFERLINE_LOG__FORMAT"] = "json"
+    env.update(env_extra or {})
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)

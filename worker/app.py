@@ -6,14 +6,15 @@ Life of a request (one `Job` per execution attempt):
     engine output started ─► `started`                                       state "running"
     engine output tokens  ─► Publisher buffers, flushes `tokens` events
     engine output finished ─► `done` queued                                  state "finishing"
-    `done` acked ─► OffsetTracker.finish ─► commit the contiguous watermark  (job forgotten)
-    `done` given up ─► the original record to the dead-letter topic ─► then the offset
+    `done` + input offset committed in one transaction (worker/transactions.py)  (job forgotten)
+    `done` given up ─► the original record to the dead-letter topic, with the offset
 
 No offset is finished without the request ending where someone can see it: its `done`, or the
 record on the dead-letter topic with the reason (retried until the broker takes it). A job
 carries the intake's assignment generation: one that finishes after its partition was revoked
-publishes `requeued`, never a final result, and finishes no offset of the new assignment. If the
-engine thread dies, every job is handed back (`requeued`), readiness fails and run() raises.
+publishes `requeued`, never a final result; one whose partition's transactional id was taken
+by another worker (fenced) commits nothing. If the engine thread dies, every job is handed back
+(`requeued`), readiness fails and run() raises.
 
 The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the
 same id (a redelivery racing its own requeue) are then two attempts, never one engine entry.
@@ -45,6 +46,7 @@ from worker.offsets import OffsetTracker
 from worker.publisher import Publisher, ReplyStream
 from worker.ratelimit import RateLimiter
 from worker.tenancy import cancel_key
+from worker.transactions import Outcome, Transactions
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +59,10 @@ MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
 
 class EngineDied(RuntimeError):
     """The engine thread stopped: the worker hands everything back and exits non-zero."""
+
+
+class WorkerFailed(RuntimeError):
+    """The worker cannot serve its partitions (their transactional ids could not be taken)."""
 
 
 def engine_settings(settings):
@@ -99,9 +105,11 @@ class Worker:
         self.tracker = OffsetTracker()
         self.limiter = RateLimiter(settings.limits)
         self.cancels = RecentCancels(ttl_s=settings.kafka.cancel_lookback_s)
-        self.publisher = Publisher(settings, self.metrics, self.name,
+        self.transactions = Transactions(settings, self.tracker, self.metrics)
+        self.publisher = Publisher(settings, self.metrics, self.name, self.transactions,
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
-        self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels)
+        self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels,
+                             self.transactions)
         self.cancel_listener = CancelListener(settings, self.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine
@@ -112,7 +120,8 @@ class Worker:
         self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, partition, done bytes)
         self._held: dict[tuple[TopicPartition, int], object] = {}  # records taken, offset not finished
         self.engine_died: BaseException | None = None
-        self.num_redelivered = 0
+        self.failed: BaseException | None = None
+        self.num_resubmitted = 0
         # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
         # rejections, dead letters alike); a revocation waits for these to reach zero.
         self._unacked: Counter[TopicPartition] = Counter()
@@ -156,6 +165,8 @@ class Worker:
             await self.shutdown()
         if self.engine_died is not None:
             raise EngineDied(f"the engine thread died: {self.engine_died!r}")
+        if self.failed is not None:
+            raise WorkerFailed(f"cannot serve the assigned partitions: {self.failed!r}")
 
     def request_stop(self) -> None:
         """SIGTERM/SIGINT: the first drains, a second one stops waiting for running requests."""
@@ -175,6 +186,7 @@ class Worker:
         await _bounded(self.intake.close(), 15.0, "intake.close")  # final commit, leave the group
         await _bounded(self.cancel_listener.close(), 5.0, "cancels.close")
         await _bounded(self.publisher.stop(), 15.0, "publisher.stop")
+        await _bounded(self.transactions.close_all(), 15.0, "transactions.close")
         if self.engine_loop:
             await asyncio.to_thread(self.engine_loop.stop, 10.0)
         await self.http.stop()
@@ -192,6 +204,11 @@ class Worker:
         self.engine_died = exc
         for job in [j for j in self.jobs.values() if j.state != "finishing"]:
             self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
+        self.request_stop()
+
+    def fatal(self, exc: BaseException) -> None:
+        log.critical("worker.failed", error=repr(exc))
+        self.failed = exc
         self.request_stop()
 
     def _last_tick(self) -> float | None:
@@ -223,8 +240,8 @@ class Worker:
         if value is not None and len(value) > limit:  # could never be produced: keep the head
             value = value[: limit - 4096]
             headers.append(("original-size", str(len(record.value)).encode()))
-        self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers,
-                                   on_acked=lambda ok: self._offset_done(tp, record.offset, ok, generation))
+        self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers, (tp, record.offset),
+                                   on_acked=lambda outcome: self._offset_done(tp, record.offset, outcome, generation))
 
     def reject(self, tp, offset: int, route: InvalidRequest, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None:
@@ -233,19 +250,20 @@ class Worker:
         generation = self.intake.generation
         self._unacked[tp] += 1
         self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
-                            on_acked=lambda ok: self._replied(tp, offset, ok, rs.topic, generation))
+                            source=(tp, offset),
+                            on_acked=lambda outcome: self._replied(tp, offset, outcome, rs.topic, generation))
         self.metrics.requests.labels(finish_reason).inc()
         if finish_reason == "rejected":
             self.metrics.rejections.labels(code).inc()
 
     def already_done(self, tp, offset: int, req: Request) -> None:
-        """Redelivered after a lost commit (crash, broker restart, rebalance): its final `done`
-        is already on the reply topic, so running it again would only duplicate it."""
-        log.warning("request.redelivered_after_done", request_id=req.id, partition=tp.partition, offset=offset)
-        self.num_redelivered += 1
-        self._held.pop((tp, offset), None)
-        self.tracker.finish(tp, offset)
-        self.intake.request_commit()
+        """The same request again (resubmitted after its final `done`): running it again would
+        only duplicate that `done`. Its offset is committed with no new record."""
+        log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+        self.num_resubmitted += 1
+        generation = self.intake.generation
+        self._unacked[tp] += 1
+        self.publisher.finish_offset((tp, offset), lambda outcome: self._offset_done(tp, offset, outcome, generation))
 
     def admit(self, tp, offset: int, req: Request, received: float) -> None:
         if self._completed.get(req.id) == fingerprint(req):
@@ -363,7 +381,8 @@ class Worker:
             completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
             ttft_s=out.ttft_s, total_s=out.total_s,
             text=out.text, error=error, metadata=job.request.metadata,
-            on_acked=lambda ok: self._settle(job, reason, ok))
+            source=None if reason == "requeued" else (job.tp, job.offset),
+            on_acked=lambda outcome: self._settle(job, reason, outcome))
         self.limiter.refund(job.request.tenant, job.max_tokens - out.num_output_tokens)
         itl = None
         if out.num_output_tokens > 1 and job.first_token_at and job.last_token_at:
@@ -374,8 +393,8 @@ class Worker:
                      prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                      total_s=round(out.total_s, 3))
 
-    def _settle(self, job: Job, reason: str, ok: bool) -> None:
-        """`done` is durable: forget the job; its offset counts as finished unless requeued."""
+    def _settle(self, job: Job, reason: str, outcome: Outcome) -> None:
+        """`done` is committed (or given up, or fenced): forget the job."""
         self.jobs.pop(job.attempt, None)
         attempts = self._by_id.get(job.request.id)
         if attempts is not None:
@@ -383,9 +402,9 @@ class Worker:
             if not attempts:
                 del self._by_id[job.request.id]
         if reason != "requeued":
-            if ok:
+            if outcome == "ok":
                 self._remember_completed(job)
-            self._replied(job.tp, job.offset, ok, job.reply.topic, job.generation)
+            self._replied(job.tp, job.offset, outcome, job.reply.topic, job.generation)
         else:
             self._acked(job.tp)
 
@@ -400,28 +419,25 @@ class Worker:
             if len(self._final_events) > MAX_REMEMBERED_EVENTS:
                 self._final_events.popitem(last=False)
 
-    def _replied(self, tp: TopicPartition, offset: int, ok: bool, topic: str, generation: int) -> None:
-        """A request's `done` is acked (ok), or was given up: then the record goes to the
-        dead-letter topic, and its offset is finished once that is acked."""
-        if ok:
-            self._offset_done(tp, offset, True, generation)
+    def _replied(self, tp: TopicPartition, offset: int, outcome: Outcome, topic: str, generation: int) -> None:
+        """A request's `done` is committed with its offset, or was given up: then the record goes
+        to the dead-letter topic instead. Fenced: another worker owns the partition now."""
+        if outcome != "failed":
+            self._offset_done(tp, offset, outcome, generation)
             return
         record = self._held.get((tp, offset))
-        if record is None or generation != self.intake.generation:
+        if record is None or generation != self.intake.generation or self.transactions.fenced(tp):
             self._acked(tp)  # revoked meanwhile: unfinished here, its new owner reads it again
             return
         log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic)
         self.dead_letter(record, f"the reply could not be delivered to {topic!r}")
         self._acked(tp)
 
-    def _offset_done(self, tp: TopicPartition, offset: int, ok: bool, generation: int) -> None:
-        # Not ok: a dead letter never gives up (publisher), so the worker is stopping: leave the
-        # offset unfinished for the partition's next owner. A stale generation: a partition state
-        # this offset is not in.
-        if ok and generation == self.intake.generation:
+    def _offset_done(self, tp: TopicPartition, offset: int, outcome: Outcome, generation: int) -> None:
+        # The transaction finished the offset in the tracker. Otherwise (fenced, or the worker
+        # stopping) the offset stays unfinished for the partition's next owner.
+        if outcome == "ok" and generation == self.intake.generation:
             self._held.pop((tp, offset), None)
-            self.tracker.finish(tp, offset)
-            self.intake.request_commit()
         self._acked(tp)
 
     def _acked(self, tp: TopicPartition) -> None:

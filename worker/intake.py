@@ -7,12 +7,13 @@ that stopped fetching would silently fall out of the group. Pauses are forgotten
 rebalance, so `on_partitions_assigned` pauses again when the pool is full.
 
 Each record is decoded here (bounded by max_message_bytes, so a 100 MB message costs a len())
-and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission,
-or (a record below the partition's end offset at assignment, which the previous owner may have
-finished) skipped because its final `done` is already on the reply topic (worker/redelivery.py).
-A request whose reply topic the worker may not write to, or which does not exist, is a dead
-letter (worker/reply_topics.py): the broker's topic list is read once for the whole batch.
-Offsets are committed by the Committer (worker/offsets.py) from the OffsetTracker only.
+and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission.
+A record the partition's offset ledger lists as final (its result was committed by a previous
+owner) is skipped. A request whose reply topic the worker may not write to, or which does not
+exist, is a dead letter (worker/reply_topics.py): the broker's topic list is read once for the
+whole batch. Offsets are committed only inside the transactions that carry the final results
+(worker/transactions.py); on assignment a partition's transactional id is taken first (fencing
+its previous owner), then its ledger is read and the consumer seeks to it.
 """
 from __future__ import annotations
 
@@ -27,16 +28,17 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from worker.cancels import RecentCancels
-from worker.offsets import Committer, LagGauge, OffsetTracker
+from worker.offsets import LagGauge, OffsetTracker
 from worker.publisher import client_kwargs
 from worker.ratelimit import RateLimiter
-from worker.redelivery import RedeliveryCheck, Suspect
 from worker.reply_topics import ReplyTopics
+from worker.transactions import Transactions
 from worker.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
 LIST_TOPICS_TRIES = 3
+TAKE_OVER_TRIES = 5
 OVERLOAD_BATCH = 64
 
 
@@ -48,8 +50,8 @@ class Sink(Protocol):
     def reject(self, tp, offset, route: InvalidRequest, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None: ...
     def admit(self, tp, offset, request: Request, received: float) -> None: ...
-    def already_done(self, tp, offset, request: Request) -> None: ...
     async def requeue(self, tps: set[TopicPartition]) -> None: ...
+    def fatal(self, exc: BaseException) -> None: ...
 
 
 def route_of(req: Request) -> InvalidRequest:
@@ -65,20 +67,7 @@ class _Unverified:
     tp: TopicPartition
     record: object
     decoded: Request | InvalidRequest
-    suspect: bool  # goes to the redelivery check once its topic is known good
     generation: int
-
-
-@dataclass
-class _Pending:
-    """A decoded request that may have run under the partition's previous owner."""
-
-    tp: TopicPartition
-    offset: int
-    request: Request
-    received: float
-    timestamp_ms: int
-    generation: int  # the assignment it was read under
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -90,28 +79,24 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned) -> None:
         self._intake.on_assigned(set(assigned))
-        await self._intake.learn_boundaries(set(assigned))
+        await self._intake.take_over(set(assigned))
 
 
 class Intake:
     def __init__(self, settings, sink: Sink, tracker: OffsetTracker, limiter: RateLimiter, metrics,
-                 cancels: RecentCancels) -> None:
+                 cancels: RecentCancels, transactions: Transactions) -> None:
         self._s = settings
         self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
-        self._cancels = cancels
+        self._cancels, self._txns = cancels, transactions
         self._consumer: AIOKafkaConsumer | None = None
         self.joined = False
         self.fetching = True  # False once draining: the loop keeps polling, takes nothing
         self._full_since: float | None = None
         self._overloading = False  # this batch was fetched past the pool's room, to reject
         self._revoking: set[TopicPartition] = set()
-        self.committer = Committer(tracker)
+        self._taking_over: set[TopicPartition] = set()  # assigned, ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
-        # Records below a partition's boundary (its end offset when it was assigned) may have
-        # run under the previous owner: see worker/redelivery.py.
-        self._redelivery = RedeliveryCheck(settings, metrics) if settings.kafka.redelivery_check else None
-        self._boundary: dict[TopicPartition, int] = {}
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
@@ -121,11 +106,14 @@ class Intake:
         """Bumped by every assignment: work taken under an older one belongs to no partition here."""
         return self._generation
 
-    async def _list_topics(self) -> list[str]:
+    async def _admin_client(self) -> AIOKafkaAdminClient:
         if self._admin is None:
             self._admin = AIOKafkaAdminClient(**client_kwargs(self._s.kafka))
             await self._admin.start()
-        return await self._admin.list_topics()
+        return self._admin
+
+    async def _list_topics(self) -> list[str]:
+        return await (await self._admin_client()).list_topics()
 
     async def start(self) -> None:
         k = self._s.kafka
@@ -141,27 +129,19 @@ class Intake:
                                      listener=_Rebalance(self))
         else:
             self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
-        if self._redelivery:
-            await self._redelivery.start()
         await self._consumer.start()
-        self.committer.consumer = self.lag.consumer = self._consumer
+        self.lag.consumer = self._consumer
         self._tasks = [asyncio.create_task(self._fetch_loop(), name="intake-fetch"),
-                       asyncio.create_task(self.committer.run(), name="intake-commit"),
                        asyncio.create_task(self.lag.run(), name="intake-lag")]
 
     async def close(self) -> None:
-        """Final commit, then leave the group (on_partitions_revoked is not called by stop())."""
+        """Leave the group (on_partitions_revoked is not called by stop()). Nothing is left to
+        commit: offsets are committed with their final results (worker/transactions.py)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:
-            await asyncio.wait_for(self.committer.commit(), 5.0)
-        except asyncio.TimeoutError:
-            log.warning("intake.final_commit_timeout")
         if self._consumer:
             await self._consumer.stop()
-        if self._redelivery:
-            await self._redelivery.close()
         if self._admin:
             await self._admin.close()
 
@@ -177,49 +157,33 @@ class Intake:
                 log.warning("intake.fetch_error", error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
-            suspects: list[_Pending] = []
             unverified: list[_Unverified] = []
             for tp, records in batch.items():
-                boundary = self._boundary_of(tp, records)
                 for record in records:
-                    self._handle_safely(tp, record, suspects if record.offset < boundary else None, unverified)
+                    self._handle_safely(tp, record, unverified)
             if unverified:
-                await self._verify_reply_topics(unverified, suspects)
-            if suspects:
-                await self._triage_suspects(suspects)
+                await self._verify_reply_topics(unverified)
             self.lag.update()
 
-    def _boundary_of(self, tp: TopicPartition, records) -> int:
-        if self._redelivery is None:
-            return -1
-        if tp not in self._boundary:  # the high watermark now is at least the one at assignment
-            high = self._consumer.highwater(tp)
-            self._boundary[tp] = high if high is not None else records[-1].offset + 1
-        return self._boundary[tp]
-
-    def _handle_safely(self, tp: TopicPartition, record, suspects: list | None = None,
-                       unverified: list | None = None) -> None:
+    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
         try:
-            self._handle(tp, record, suspects, unverified)
+            self._handle(tp, record, unverified)
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
             self._sink.dead_letter(record, f"internal error: {exc!r}"[:300])
 
-    def _handle(self, tp: TopicPartition, record, suspects: list | None = None,
-                unverified: list | None = None) -> None:
-        """One record: answered at once, set aside until its reply topic is looked up, or (a
-        suspect) set aside for the redelivery check."""
+    def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+        """One record: answered at once, or set aside until its reply topic is looked up."""
         decoded = self._decode(tp, record)
         if decoded is None:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(_Unverified(tp, record, decoded, suspects is not None, self._generation))
+            unverified.append(_Unverified(tp, record, decoded, self._generation))
             return
-        self._dispatch(tp, record, decoded, verdict, suspects)
+        self._dispatch(tp, record, decoded, verdict)
 
-    def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None,
-                  suspects: list | None) -> None:
+    def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None) -> None:
         if verdict != "ok":
             reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
             log.warning("intake.reply_topic_refused", partition=tp.partition, offset=record.offset, reason=reason)
@@ -229,12 +193,10 @@ class Intake:
             self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
         elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
             self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
-        elif suspects is None:
-            self._triage(tp, record.offset, decoded, time.time())
         else:
-            suspects.append(_Pending(tp, record.offset, decoded, time.time(), record.timestamp, self._generation))
+            self._triage(tp, record.offset, decoded, time.time())
 
-    async def _verify_reply_topics(self, unverified: list[_Unverified], suspects: list[_Pending]) -> None:
+    async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
         """One look at the broker's topic list for every unknown reply topic of the batch (a few
         tries: a request is dead-lettered as unanswerable only when the broker cannot be asked)."""
         listed = False
@@ -251,27 +213,10 @@ class Intake:
                 continue  # the partition moved meanwhile: untracked, its new owner reads it
             try:
                 verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed)
-                self._dispatch(u.tp, u.record, u.decoded, verdict, suspects if u.suspect else None)
+                self._dispatch(u.tp, u.record, u.decoded, verdict)
             except Exception as exc:  # noqa: BLE001 - as in _handle_safely
                 log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
                 self._sink.dead_letter(u.record, f"internal error: {exc!r}"[:300])
-
-    async def _triage_suspects(self, pending: list[_Pending]) -> None:
-        """Requests that may have run before: skip those whose final `done` exists, triage the rest."""
-        found = await self._redelivery.finished(
-            [Suspect(p.request.id, p.request.reply_topic, p.request.reply_partition, p.timestamp_ms)
-             for p in pending])
-        for p in pending:
-            if p.generation != self._generation or p.tp in self._revoking:
-                continue  # the partition moved meanwhile: untracked, its new owner reads it
-            try:
-                if p.request.id in found:
-                    self._sink.already_done(p.tp, p.offset, p.request)
-                else:
-                    self._triage(p.tp, p.offset, p.request, p.received)
-            except Exception:  # noqa: BLE001 - as in _handle_safely; the request is decoded
-                log.exception("intake.triage_failed", partition=p.tp.partition, offset=p.offset)
-                self._sink.reject(p.tp, p.offset, route_of(p.request), "internal", "internal error")
 
     async def _fetch_once(self) -> dict:
         room = self._sink.room() if self.fetching else 0
@@ -296,8 +241,8 @@ class Intake:
             todo = assigned - self._consumer.paused()
             if todo:
                 self._consumer.pause(*todo)
-        elif self._consumer.paused() - self._revoking:
-            self._consumer.resume(*(self._consumer.paused() - self._revoking))
+        elif self._consumer.paused() - self._revoking - self._taking_over:
+            self._consumer.resume(*(self._consumer.paused() - self._revoking - self._taking_over))
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
@@ -323,9 +268,11 @@ class Intake:
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
         """Decode a record: a valid request, an invalid one (to reject once its reply topic is
         known good), or None when it was dead-lettered."""
-        if tp in self._revoking or tp not in self._consumer.assignment():
-            return None  # being revoked: untracked and uncommitted, so its new owner reads it
-        self._tracker.add(tp, record.offset)
+        if tp in self._revoking or tp in self._taking_over or tp not in self._consumer.assignment():
+            return None  # untracked: read again by the next owner, or after the seek to the ledger
+        if not self._tracker.add(tp, record.offset):
+            self._m.redeliveries.labels("already_final").inc()
+            return None  # final already (the ledger lists it), or read before
         self._sink.hold(tp, record)
         try:
             req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
@@ -360,14 +307,14 @@ class Intake:
     # -- rebalance --------------------------------------------------------------------------------
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Requeue what runs from these partitions, commit their watermark, forget them."""
+        """Requeue what runs from these partitions, commit what finished, let them go."""
         if revoked:
             log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked))
             # The fetch loop runs on while we wait: it must not start new work on these.
             self._revoking = set(revoked)
             self._consumer.pause(*revoked)
             await self._sink.requeue(revoked)
-            await self.committer.commit_before_forgetting(revoked)
+            await self._txns.close(revoked)
         self._tracker.forget(revoked)
         self.lag.remove(revoked)
 
@@ -375,28 +322,38 @@ class Intake:
         self.joined = True
         self._revoking = set()
         self._generation += 1
-        self._boundary = {}
-        if self._redelivery:
-            self._redelivery.forget()
         log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned))
-        # The new assignment starts unpaused: pause before the fetcher races ahead of the pool.
-        if assigned and (not self.fetching or self._sink.room() <= 0):
+        # Nothing is read from a new partition before take_over() has read its ledger.
+        self._taking_over = set(assigned)
+        if assigned:
             self._consumer.pause(*assigned)
 
-    async def learn_boundaries(self, assigned: set[TopicPartition]) -> None:
-        """The end offsets now: records below them may have run under the previous owner.
-        If the broker does not answer soon, the first fetch's high watermark stands in."""
-        if self._redelivery is None or not assigned:
-            return
-        try:
-            ends = await asyncio.wait_for(self._consumer.end_offsets(list(assigned)), 5.0)
-        except Exception as exc:  # noqa: BLE001 - the lazy boundary is a safe over-estimate
-            log.warning("intake.end_offsets_failed", error=repr(exc))
-            return
-        self._boundary.update({tp: end for tp, end in ends.items() if tp in assigned})
-
-    def request_commit(self) -> None:
-        self.committer.request()
+    async def take_over(self, assigned: set[TopicPartition]) -> None:
+        """Fence the partitions' previous owners (their transactional ids), then resume each
+        partition from its committed offset and ledger. A worker that cannot do that for its
+        partitions cannot serve them: it stops (its orchestrator restarts it)."""
+        generation = self._generation
+        for attempt in range(TAKE_OVER_TRIES):
+            try:
+                await self._txns.open(assigned)
+                committed = await (await self._admin_client()).list_consumer_group_offsets(
+                    self._s.kafka.group_id, partitions=list(assigned))
+                break
+            except Exception as exc:  # noqa: BLE001 - coordinator moving, broker restarting
+                log.warning("intake.take_over_failed", error=repr(exc), attempt=attempt + 1)
+                if attempt + 1 == TAKE_OVER_TRIES:
+                    self._sink.fatal(exc)
+                    return
+                await asyncio.sleep(1.0 * (attempt + 1))
+        if generation != self._generation:
+            return  # reassigned meanwhile: that assignment takes over on its own
+        for tp in assigned:
+            meta = committed.get(tp)
+            offset = meta.offset if meta is not None and meta.offset >= 0 else None
+            self._tracker.resume(tp, offset, meta.metadata if meta is not None else None)
+            if offset is not None:
+                self._consumer.seek(tp, offset)
+        self._taking_over = set()
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:

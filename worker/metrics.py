@@ -68,9 +68,14 @@ class Metrics:
         self.consumer_lag = Gauge("inferline_consumer_lag", "Records behind the high watermark, per partition",
                                   ["partition"], registry=r)
         self.redeliveries = Counter("inferline_redeliveries",
-                                    "Requests read again after another owner may have run them, by outcome "
-                                    "(already_done: skipped; rerun: no final done found; unchecked: check failed)",
+                                    "Records read again whose result is final already (the offset ledger "
+                                    "lists them), skipped", ["outcome"], registry=r)
+        self.transactions = Counter("inferline_transactions", "Transactions of final results, by outcome "
+                                    "(committed, aborted: retried, fenced: another worker owns the partition)",
                                     ["outcome"], registry=r)
+        self.transaction_seconds = Histogram("inferline_transaction_seconds",
+                                             "Begin to commit of one transaction of final results",
+                                             buckets=_STEP, registry=r)
         self.intake_paused = Gauge("inferline_intake_paused", "1 while intake is paused (backpressure)",
                                    registry=r)
 

@@ -1,41 +1,73 @@
-"""Per-partition commit watermarks: commit only the contiguous run of finished requests.
+"""Per-partition offset ledgers: what may be committed, and which later offsets are final.
 
-A request's offset may be committed only after its `done` is acknowledged by the broker, and
-only once every earlier offset of the partition is finished too; otherwise a crash would lose
-the unfinished ones. Offsets need not be consecutive (compaction, transaction markers), so the
-tracker works on the offsets it has actually seen:
+A request's offset is finished when its outcome (a `done`, or the record on the dead-letter
+topic) is committed in the same Kafka transaction as the offset itself (worker/transactions.py).
+Requests finish out of order, so a commit says two things:
 
     seen:      100 101 102 103 105        (104 was a transaction marker)
-    finished:   x   x       x
-    commit ->  102  (the lowest unfinished offset: Kafka's "next offset to read")
+    finished:   x   x       x   x
+    commit ->  102, metadata "done above: 103 105"
 
-When every seen offset is finished the watermark is last_seen + 1.
-
-The Committer sends those watermarks, batched over a short window and retried: never
-`consumer.commit()` without arguments, which would commit every record fetched, finished or not.
+The offset is Kafka's "next offset to read" (the lowest unfinished one); the commit's metadata
+string lists the finished offsets above it (the ledger). A partition's next owner resumes from
+both: it reads again from 102 and skips 103 and 105, whose final results are already committed.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import heapq
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 
 log = structlog.get_logger(__name__)
-COMMIT_EVERY_S = 0.2  # commits batch the acks of this window
-REVOKE_COMMIT_RETRIES = 4
 LAG_EVERY_S = 5.0  # how often the lag of paused partitions is refreshed
+_PLAIN, _PACKED = "1:", "2:"
+_PACK_ABOVE = 256  # characters: longer ledgers are zlib-packed
+
+
+def encode_ledger(mark: int, done: Iterable[int]) -> str:
+    """The finished offsets above `mark` as runs (gap, length) relative to the previous run, hex."""
+    runs, prev_end = [], mark
+    for o in sorted(o for o in done if o > mark):
+        if runs and o == prev_end:
+            runs[-1][1] += 1
+        else:
+            runs.append([o - prev_end, 1])
+        prev_end = o + 1
+    text = ",".join(f"{gap:x}" if n == 1 else f"{gap:x}+{n:x}" for gap, n in runs)
+    if len(text) > _PACK_ABOVE:
+        return _PACKED + base64.b64encode(zlib.compress(text.encode(), 9)).decode()
+    return _PLAIN + text
+
+
+def decode_ledger(mark: int, metadata: str | None) -> set[int]:
+    """The offsets encode_ledger(mark, ...) listed; a commit not made by a ledger lists none."""
+    if not metadata or metadata[:2] not in (_PLAIN, _PACKED):
+        return set()
+    text = metadata[2:]
+    if metadata.startswith(_PACKED):
+        text = zlib.decompress(base64.b64decode(text)).decode()
+    done, prev_end = set(), mark
+    for run in filter(None, text.split(",")):
+        gap, _, n = run.partition("+")
+        start = prev_end + int(gap, 16)
+        prev_end = start + (int(n, 16) if n else 1)
+        done.update(range(start, prev_end))
+    return done
 
 
 @dataclass
 class _PartitionState:
     unfinished: list[int] = field(default_factory=list)  # min-heap, may hold finished offsets
     finished: set[int] = field(default_factory=set)  # finished but still inside the heap
+    ahead: set[int] = field(default_factory=set)  # final before this owner read them (ledger)
     last_seen: int = -1
-    committed: int | None = None  # the last watermark handed to commit()
+    committed: int | None = None  # the last watermark committed
 
     def watermark(self) -> int | None:
         # Lazily drop finished offsets from the top of the heap: O(log n) amortised per offset.
@@ -47,22 +79,33 @@ class _PartitionState:
 
 
 class OffsetTracker:
-    """Tracks taken and finished offsets; says what may be committed."""
+    """Tracks taken and finished offsets; says what a commit may say."""
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartition, _PartitionState] = {}
 
-    def add(self, tp: TopicPartition, offset: int) -> None:
-        """An offset was taken from the consumer; it blocks the watermark until finished."""
+    def resume(self, tp: TopicPartition, committed: int | None, metadata: str | None) -> None:
+        """A newly assigned partition starts from its last commit and that commit's ledger."""
+        st = self._parts[tp] = _PartitionState()
+        if committed is not None:
+            st.last_seen, st.committed = committed - 1, committed
+            st.ahead = decode_ledger(committed, metadata)
+
+    def add(self, tp: TopicPartition, offset: int) -> bool:
+        """An offset was taken from the consumer; it blocks the watermark until finished.
+        False when there is nothing to do: read before, or final already (the ledger says so)."""
         st = self._parts.setdefault(tp, _PartitionState())
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
         if offset <= st.last_seen:
-            return
-        heapq.heappush(st.unfinished, offset)
+            return False
         st.last_seen = offset
+        if offset in st.ahead:  # stays listed until the watermark passes it
+            return False
+        heapq.heappush(st.unfinished, offset)
+        return True
 
     def finish(self, tp: TopicPartition, offset: int) -> None:
-        """The offset's outcome is durable (done acked, or dead-lettered)."""
+        """The offset's outcome is committed."""
         st = self._parts.get(tp)
         if st is None:  # the partition was revoked and forgotten meanwhile
             return
@@ -78,8 +121,21 @@ class OffsetTracker:
         st = self._parts.get(tp)
         return None if st is None else st.watermark()
 
+    def ledger(self, tp: TopicPartition, finishing: Iterable[int] = ()) -> tuple[int, str] | None:
+        """(offset, metadata) a commit would carry once `finishing` are finished too."""
+        st = self._parts.get(tp)
+        if st is None:
+            return None
+        finishing = set(finishing)
+        mark = next((o for o in sorted(st.unfinished) if o not in st.finished and o not in finishing),
+                    st.last_seen + 1)
+        if st.last_seen < 0 and st.committed is None:
+            return None
+        done = {o for o in st.finished | finishing | st.ahead if o > mark}
+        return mark, encode_ledger(mark, done)
+
     def to_commit(self, tps=None) -> dict[TopicPartition, int]:
-        """Watermarks that moved since the last call (all partitions, or only `tps`)."""
+        """Watermarks that moved since the last commit (all partitions, or only `tps`)."""
         out = {}
         for tp in self._parts if tps is None else tps:
             st = self._parts.get(tp)
@@ -94,7 +150,9 @@ class OffsetTracker:
         """The broker accepted these watermarks."""
         for tp, mark in offsets.items():
             if tp in self._parts:
-                self._parts[tp].committed = mark
+                st = self._parts[tp]
+                st.committed = mark
+                st.ahead = {o for o in st.ahead if o > mark}
 
     def forget(self, tps) -> None:
         """Drop partitions that moved to another worker."""
@@ -103,52 +161,6 @@ class OffsetTracker:
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)
-
-
-class Committer:
-    """Commits the tracker's watermarks through the group consumer (set once it exists)."""
-
-    def __init__(self, tracker: OffsetTracker) -> None:
-        self._tracker = tracker
-        self.consumer = None
-        self._wanted = asyncio.Event()
-
-    def request(self) -> None:
-        self._wanted.set()
-
-    async def run(self) -> None:
-        while True:
-            await self._wanted.wait()
-            self._wanted.clear()
-            try:
-                await self.commit()
-            except Exception:  # noqa: BLE001 - retried below
-                log.exception("intake.commit_error")
-            await asyncio.sleep(COMMIT_EVERY_S)
-            if self._tracker.to_commit():
-                self._wanted.set()  # a failed commit is retried, not left for the next finish
-
-    async def commit(self, tps=None) -> bool:
-        """Commit the watermarks that moved; False if the broker refused (try again later)."""
-        marks = self._tracker.to_commit(tps)
-        if not marks or self.consumer is None:
-            return True
-        try:
-            await self.consumer.commit(marks)
-        except KafkaError as exc:  # rebalancing or coordinator moved: retried
-            log.warning("intake.commit_failed", error=repr(exc), partitions=len(marks))
-            return False
-        self._tracker.committed(marks)
-        return True
-
-    async def commit_before_forgetting(self, tps) -> None:
-        # A watermark lost here means the partition's next owner reads finished requests again
-        # (the redelivery check then has to find their `done`s): worth a few retries.
-        for attempt in range(REVOKE_COMMIT_RETRIES):
-            if await self.commit(tps):
-                return
-            await asyncio.sleep(0.5 * (attempt + 1))
-        log.error("intake.revoke_commit_lost", partitions=sorted(tp.partition for tp in tps))
 
 
 class LagGauge:

@@ -1,10 +1,13 @@
-"""Reply events and dead letters, through one idempotent producer.
+"""Reply events through one idempotent producer; final results through transactions.
 
 - Every event of one attempt gets the next `seq` at the moment it is queued, and a topic's
   events are sent by one lane task in queue order; the idempotent producer keeps that order
   within a partition, so a client sees seq 0, 1, 2, ... with no gaps.
 - Tokens are coalesced: `tokens()` only buffers; a flusher turns each stream's buffer into one
   `tokens` event every `flush_interval_ms`. `done` flushes the buffer first.
+- A final result (a `done` that ends a request, a dead letter) is not sent here: once every
+  earlier event of its attempt is acked (so it lands after them), it goes to the input
+  partition's transaction with its offset (worker/transactions.py).
 - Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
   un-acked) is what the intake watches to pause itself when the broker falls behind.
 - One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
@@ -22,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import structlog
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from producer.schema import DoneEvent, ErrorInfo, StartedEvent, Timing, TokensEvent, Usage, encode_event
+from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions
 
 log = structlog.get_logger(__name__)
-# A done is retried this often before the worker gives up on it and dead-letters the request
-# instead (worker/app.py): one unreachable reply topic cannot wedge a partition, and no request
-# ends unseen. A dead letter itself is retried until the broker takes it.
+# A `requeued` done (not final: no transaction) is retried this often.
 MAX_ATTEMPTS = 5
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -53,12 +55,27 @@ class ReplyStream:
     seq: int = 0
     token_ids: list[int] = field(default_factory=list)  # produced, not yet in an event
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # aligned with token_ids when the request asked for them
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
+    in_flight: int = 0  # events queued or sent, not acked yet
+    _drained: asyncio.Event | None = field(default=None, repr=False)
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq - 1
+
+    async def drained(self) -> None:
+        """Every event queued so far is acked (or given up)."""
+        if self.in_flight:
+            self._drained = self._drained or asyncio.Event()
+            self._drained.clear()
+            await self._drained.wait()
+
+    def settled_one(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight and self._drained is not None:
+            self._drained.set()
 
 
 @dataclass
@@ -68,15 +85,18 @@ class _Outgoing:
     key: bytes | None
     value: bytes
     headers: list[tuple[str, bytes]] | None = None
-    on_acked: Callable[[bool], None] | None = None  # must-deliver when set: done, dead letter
+    on_acked: Callable[[Outcome], None] | None = None  # must-deliver when set
     tries: int = 0
     forever: bool = False  # retried until the broker takes it (dead letters: the last resort)
+    stream: ReplyStream | None = None  # a streamed event: its attempt's `done` waits for its ack
+    source: tuple[TopicPartition, int] | None = None  # final: committed with this input offset
 
 
 class Publisher:
-    def __init__(self, settings, metrics, worker_name: str,
+    def __init__(self, settings, metrics, worker_name: str, transactions: Transactions,
                  on_send_failed: Callable[[str], None] | None = None) -> None:
         self._kafka = settings.kafka
+        self._txns = transactions
         self._metrics = metrics
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
@@ -137,11 +157,13 @@ class Publisher:
                           worker=self.worker_name, queue_s=max(0.0, queue_s))
         self._emit(rs, ev)
 
-    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str) -> None:
+    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str, logprobs: list[dict] | None = None) -> None:
         if not rs.stream or not token_ids and not text:
             return
         rs.token_ids.extend(token_ids)
         rs.text.append(text)
+        if logprobs is not None:
+            rs.logprobs = (rs.logprobs or []) + logprobs
         # The first tokens go at once (time to first token is what users feel); later ones are
         # coalesced over the flush interval to keep the event rate sane.
         if self._kafka.flush_interval_ms <= 0 or rs.seq <= 1:
@@ -152,8 +174,10 @@ class Publisher:
     def done(self, rs: ReplyStream, *, finish_reason: str, prompt_tokens: int = 0,
              completion_tokens: int = 0, queue_s: float = 0.0, ttft_s: float | None = None,
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
-             metadata: dict[str, str] | None = None, on_acked: Callable[[bool], None]) -> None:
-        """The last event of the attempt; `on_acked(ok)` runs once the broker has it (or gave up)."""
+             metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int] | None = None,
+             on_acked: Callable[[Outcome], None]) -> None:
+        """The last event of the attempt. With `source` (the input offset it ends) it is final and
+        committed with that offset; `on_acked(outcome)` says how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(
@@ -166,14 +190,20 @@ class Publisher:
         )
         rs.closed = True
         rs.final_event = encode_event(ev)
-        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), rs.final_event, None, on_acked))
+        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), rs.final_event, None, on_acked,
+                                stream=rs, source=source))
 
     def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
-                    headers: list[tuple[str, bytes]], on_acked: Callable[[bool], None]) -> None:
+                    headers: list[tuple[str, bytes]], source: tuple[TopicPartition, int],
+                    on_acked: Callable[[Outcome], None]) -> None:
         # A tombstone (value None) has nothing to dead-letter but the key; keep it a tombstone.
         self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked,
-                                forever=True))
+                                forever=True, source=source))
         self._metrics.dead_letters.inc()
+
+    def finish_offset(self, source: tuple[TopicPartition, int], on_acked: Callable[[Outcome], None]) -> None:
+        """Commit an input offset whose request needs no new record (answered before)."""
+        self._enqueue(_Outgoing("", None, None, b"", None, on_acked, source=source))
 
     # -- coalescing -------------------------------------------------------------------------------
 
@@ -183,7 +213,7 @@ class Publisher:
             return
         ev = TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
                          token_ids=rs.token_ids, text="".join(rs.text))
-        rs.token_ids, rs.text = [], []
+        rs.token_ids, rs.text, rs.logprobs = [], [], None
         self._emit(rs, ev)
 
     def flush_all(self) -> None:
@@ -199,7 +229,7 @@ class Publisher:
     # -- sending ----------------------------------------------------------------------------------
 
     def _emit(self, rs: ReplyStream, ev) -> None:
-        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev)))
+        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev), stream=rs))
 
     def resend(self, topic: str, partition: int | None, key: bytes, value: bytes) -> None:
         """An event already sent once, again (best effort: the first one was acked)."""
@@ -210,6 +240,11 @@ class Publisher:
         self._topic_backlog[out.topic] += 1
         self._idle.clear()
         self._metrics.pending_replies.set(self.backlog)
+        if out.source is not None:
+            asyncio.get_running_loop().create_task(self._to_transaction(out))
+            return
+        if out.stream is not None:
+            out.stream.in_flight += 1
         lane = self._lanes.get(out.topic)
         if lane is None:
             lane = self._lanes[out.topic] = asyncio.Queue()
@@ -232,6 +267,22 @@ class Publisher:
                 continue
             fut.add_done_callback(lambda f, out=out: self._acked(out, f))
         del self._lanes[topic]
+        self._prune_metadata()
+
+    def _prune_metadata(self) -> None:
+        # aiokafka's producer refreshes metadata for every topic it ever sent to: with a reply
+        # topic per client (or per request) that grows without end. Keep the ones in use.
+        client = self._producer.client
+        if len(client._topics) > MAX_PRODUCER_TOPICS:
+            client.set_topics(set(self._lanes) | set(self._topic_backlog) | {self._kafka.dlq_topic})
+
+    async def _to_transaction(self, out: _Outgoing) -> None:
+        if out.stream is not None:
+            await out.stream.drained()  # the done must land after the attempt's tokens
+        records = [(out.topic, out.partition, out.key, out.value, out.headers)] if out.topic else []
+        tp, offset = out.source
+        self._txns.submit(tp, Final(offset, records, lambda outcome: self._settle(out, outcome),
+                                    forever=out.forever))
 
     async def _send(self, out: _Outgoing):
         try:
@@ -246,7 +297,7 @@ class Publisher:
         if fut.cancelled() or fut.exception() is not None:
             self._failed(out, fut.exception() if not fut.cancelled() else asyncio.CancelledError())
             return
-        self._settle(out, True)
+        self._settle(out, "ok")
 
     def _failed(self, out: _Outgoing, exc: BaseException) -> None:
         out.tries += 1
@@ -257,11 +308,11 @@ class Publisher:
             if self._on_send_failed:
                 self._on_send_failed(out.topic)
         if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
-            self._settle(out, False)
+            self._settle(out, "failed")
             return
         if out.tries >= MAX_ATTEMPTS and not out.forever:
             log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
-            self._settle(out, False)
+            self._settle(out, "failed")
             return
         log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
         backoff = min(RETRY_BACKOFF_S * out.tries, MAX_BACKOFF_S)
@@ -270,15 +321,19 @@ class Publisher:
     def _requeue(self, out: _Outgoing) -> None:
         self.backlog -= 1  # _enqueue counts it again
         self._topic_backlog[out.topic] -= 1
+        if out.stream is not None:
+            out.stream.in_flight -= 1
         self._enqueue(out)
 
-    def _settle(self, out: _Outgoing, ok: bool) -> None:
+    def _settle(self, out: _Outgoing, outcome: Outcome) -> None:
+        if out.stream is not None and out.source is None:
+            out.stream.settled_one()
         self.backlog -= 1
         self._topic_backlog[out.topic] -= 1
         if not self._topic_backlog[out.topic]:
             del self._topic_backlog[out.topic]
         self._metrics.pending_replies.set(self.backlog)
         if out.on_acked:
-            out.on_acked(ok)
+            out.on_acked(outcome)
         if self.backlog == 0:
             self._idle.set()
