@@ -164,6 +164,7 @@ async def test_health_ready_and_metrics(fleet):
     root = fleet.url.removesuffix("/v1")
     async with httpx.AsyncClient(base_url=root) as http:
         assert (await http.get("/healthz")).json() == {"status": "ok"}
+        assert (await http.get("/health")).json() == {"status": "ok"}  # vLLM's name, which guidellm probes
         assert (await http.get("/readyz")).status_code == 200
         metrics = (await http.get("/metrics")).text
     assert 'inferline_gateway_requests_total{endpoint="chat",status="200"}' in metrics

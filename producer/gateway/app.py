@@ -58,6 +58,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name: OpenAI benchmark clients (guidellm) probe it first
     async def healthz() -> Response:
         return JSONResponse({"status": "ok"})
 

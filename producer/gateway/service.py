@@ -121,14 +121,19 @@ class Gateway:
                         self._failure(failure, shape).response())
             return self._answer(endpoint, t0, response)
 
-        def closed() -> None:
-            self._release(handle)
-            self._answer(endpoint, t0, None)
+        # Counted when the stream closes: a hang-up (499), an error inside the stream (its status).
+        outcome = {"status": 200}
 
-        return SSEResponse(self._chunks(handle, events, first, shape, mapped.include_usage, t0), closed)
+        def closed() -> None:
+            status = CLIENT_CLOSED if not handle.finished else outcome["status"]
+            self._release(handle)
+            self._answer(endpoint, t0, None, status)
+
+        chunks = self._chunks(handle, events, first, shape, mapped.include_usage, t0, outcome)
+        return SSEResponse(chunks, closed)
 
     async def _chunks(self, handle: RequestHandle, events: AsyncIterator, first, shape: Shape,
-                      include_usage: bool, t0: float) -> AsyncIterator[str]:
+                      include_usage: bool, t0: float, outcome: dict) -> AsyncIterator[str]:
         follower, ev = TextFollower(), first
         if shape.chat:
             yield shape.chunk("", first=True, include_usage=include_usage)
@@ -141,10 +146,10 @@ class Gateway:
                     yield shape.chunk(text, include_usage=include_usage)
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
-            yield self._stream_error(exc, shape)
+            yield self._stream_error(exc, shape, outcome)
             return
         if handle.failure is not None:  # ended by the worker after it started (timeout, error)
-            yield self._stream_error(handle.failure, shape)
+            yield self._stream_error(handle.failure, shape, outcome)
             return
         done = handle.done_event
         yield shape.chunk(None, done.finish_reason, include_usage=include_usage)
@@ -155,10 +160,11 @@ class Gateway:
     def _failure(self, exc: InferenceError, shape: Shape) -> OpenAIError:
         return from_inference(exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt")
 
-    def _stream_error(self, exc: Exception, shape: Shape) -> str:
+    def _stream_error(self, exc: Exception, shape: Shape, outcome: dict) -> str:
         # Headers are sent: the status goes into the event, as vLLM does; the SDKs raise on it.
         error = (self._failure(exc, shape) if isinstance(exc, InferenceError)
                  else OpenAIError(500, str(exc), type="server_error", code="diverged"))
+        outcome["status"] = error.status
         return sse(error.body()) + DONE
 
     # --- bookkeeping -----------------------------------------------------------------------
@@ -171,8 +177,8 @@ class Gateway:
             self.metrics.cancels.inc()
         self.pool.release(handle)
 
-    def _answer(self, endpoint: str, t0: float, response: Response | None) -> Response | None:
-        status = response.status_code if response is not None else 200
+    def _answer(self, endpoint: str, t0: float, response: Response | None, status: int = 200) -> Response | None:
+        status = response.status_code if response is not None else status
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.duration.observe(time.monotonic() - t0)
         return response
