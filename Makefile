@@ -31,6 +31,7 @@ test: install
 bench: install
 	$(BIN)/python -m bench.engine
 	$(BIN)/python -m bench.block_size
+	$(BIN)/python -m bench.reply_topics
 	$(BIN)/python -m bench.gateway
 
 chaos: install

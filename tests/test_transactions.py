@@ -79,7 +79,8 @@ class RecordingProducer:
         self.transactions: list[dict] = []
         self.fail_topics: set[str] = set()
         self.fenced = False
-        self.client = type("Client", (), {"_topics": set(), "set_topics": lambda s, t: None})()
+        self.client = type("Client", (), {"_topics": set(), "set_topics": lambda s, t: None,
+                                          "add_topic": lambda s, t: s._topics.add(t)})()
         self._open: dict | None = None
 
     async def start(self) -> None: ...

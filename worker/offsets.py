@@ -127,8 +127,8 @@ class OffsetTracker:
         if st is None:
             return None
         finishing = set(finishing)
-        mark = next((o for o in sorted(st.unfinished) if o not in st.finished and o not in finishing),
-                    st.last_seen + 1)
+        open_ = [o for o in st.unfinished if o not in st.finished and o not in finishing]
+        mark = min(open_, default=st.last_seen + 1)
         if st.last_seen < 0 and st.committed is None:
             return None
         done = {o for o in st.finished | finishing | st.ahead if o > mark}

@@ -28,7 +28,7 @@ import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
 from producer.schema import DoneEvent, ErrorInfo, StartedEvent, Timing, TokensEvent, Usage, encode_event
-from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions
+from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
 
 log = structlog.get_logger(__name__)
 # A `requeued` done (not final: no transaction) is retried this often.
@@ -274,7 +274,7 @@ class Publisher:
         # topic per client (or per request) that grows without end. Keep the ones in use.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
-            client.set_topics(set(self._lanes) | set(self._topic_backlog) | {self._kafka.dlq_topic})
+            client.set_topics({t for t in (*self._lanes, *self._topic_backlog) if t} | {self._kafka.dlq_topic})
 
     async def _to_transaction(self, out: _Outgoing) -> None:
         if out.stream is not None:
@@ -285,6 +285,7 @@ class Publisher:
                                     forever=out.forever))
 
     async def _send(self, out: _Outgoing):
+        listed(self._producer, out.topic)
         try:
             return await self._producer.send(out.topic, out.value, key=out.key, partition=out.partition,
                                              headers=out.headers)

@@ -59,6 +59,15 @@ class Final:
         return {r[0] for r in self.records}
 
 
+def listed(producer, topic: str) -> None:
+    """Put `topic` on the producer's metadata list before sending to it. aiokafka lists a topic
+    only when its cache lacks it: one cached by an all-topic fetch (a refresh with the list still
+    empty) or kept from before a prune would go out unlisted, and a later refresh would drop it."""
+    client = producer.client
+    if topic not in client._topics:
+        client.add_topic(topic)
+
+
 def transactional_id(group_id: str, tp: TopicPartition) -> str:
     return f"{group_id}.{tp.topic}.{tp.partition}"
 
@@ -141,6 +150,9 @@ class PartitionTxn:
     def _fitting(self, batch: list[Final]) -> list[Final]:
         """The finals whose ledger fits the broker's metadata limit, lowest offsets first (the
         lowest unfinished offset always fits: finishing it shortens the ledger)."""
+        whole = self._tracker.ledger(self.tp, [f.offset for f in batch])
+        if whole is None or len(whole[1]) <= self._metadata_max:
+            return batch
         chosen: list[Final] = []
         for f in sorted(batch, key=lambda f: f.offset):
             ledger = self._tracker.ledger(self.tp, [c.offset for c in chosen] + [f.offset])
@@ -201,6 +213,7 @@ class PartitionTxn:
         return batch
 
     async def _partitions(self, topic: str) -> set[int] | None:
+        listed(self._producer, topic)
         try:
             return await asyncio.wait_for(self._producer.partitions_for(topic), METADATA_WAIT_S)
         except Exception:  # noqa: BLE001 - missing, unauthorized or slow: all mean "not now"
@@ -249,8 +262,7 @@ class PartitionTxn:
         # topic per client that grows without end. Between transactions nothing is in flight.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
-            keep = set().union(*(f.topics for f in self._queue)) or {next(iter(client._topics))}
-            client.set_topics(keep)
+            client.set_topics(set().union(*(f.topics for f in self._queue)) or {self.tp.topic})
 
 
 async def _fault_point() -> None:
