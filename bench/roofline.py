@@ -121,7 +121,7 @@ def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) 
 def torch_threads(num: int | None):
     """Run with `num` torch threads (None/0: torch's choice), then restore: main() also runs in pytest.
     One thread is the better choice on a busy 2-core machine: two OpenMP threads stall at every
-    op's barrier whenever the other one is descheduled (measured 2-5x slower there)."""
+    op's barrier whenever the other one is descheduled (docs/benchmarks.md)."""
     before = torch.get_num_threads()
     if num:
         torch.set_num_threads(num)
@@ -133,8 +133,8 @@ def torch_threads(num: int | None):
 
 def in_thread(fn, threads: int = 0):
     """`fn()` in a thread of its own, as the worker's EngineLoop runs the engine: where torch
-    runs matters on a busy machine (see docs/benchmarks.md: on the main thread, two OpenMP
-    threads ran the model's matmuls ~8x slower than on a second thread under load)."""
+    runs matters on a busy machine: OpenMP on the main thread behaved differently under load
+    (docs/benchmarks.md)."""
     box: dict = {}
 
     def target():

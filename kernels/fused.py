@@ -3,9 +3,8 @@ silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
 
 Each has a PyTorch path (any device and dtype: what HF computes, op by op) and, for fp32 CPU
 tensors, a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by cpu/build.py) that
-does the same arithmetic in one pass over the rows. The C path pays off where the ops are small:
-a decode step of SmolLM2 at batch 29 spent ~16 ms of ~94 in these ops, mostly dispatch and
-OpenMP fork/join rather than arithmetic. `fused=True` asks for the C path; a caller decides once
+does the same arithmetic in one pass over the rows: at decode sizes these ops cost dispatch and
+OpenMP fork/join more than arithmetic (figures: docs/benchmarks.md). `fused=True` asks for the C path; a caller decides once
 (`available`) and passes it down: the model gets it in its AttentionMetadata every step.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Plain PyTorch paged-attention ops: the CPU production path and the tests' oracle.
+"""Plain PyTorch paged-attention ops: the fallback where neither Triton nor the C kernels run
+(kernels/backends.py), and the tests' oracle.
 
 Cache layout (per layer, K and V alike):
 
@@ -53,7 +54,7 @@ def gather_kv(cache, block_tables, num_tokens: int) -> torch.Tensor:
     table = block_tables[:, :num_blocks].long()
     assert table.shape[1] == num_blocks, "block table shorter than the context"
     # Whole blocks as 2-D rows: index_select copies each row with one memcpy only on 2-D input
-    # (on the 4-D cache it takes a strided path, measured ~2x slower).
+    # (on the 4-D cache it takes a strided path).
     gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, table.flatten())
     return gathered.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 

@@ -95,7 +95,6 @@ def test_external_broker_is_left_alone():
     assert "not starting a local one" in done.stderr
 
 
-@pytest.mark.slow
 def running(pid: str) -> bool:
     """Alive, not a zombie (an orphan's zombie lingers where pid 1 does not reap)."""
     try:
@@ -105,6 +104,7 @@ def running(pid: str) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tmp_path):
     """A second broker (own port and folder), so that stopping it disturbs no other test."""
     port = free_port_pair()

@@ -53,22 +53,19 @@ async def test_deadlines_while_running_waiting_and_on_arrival(kafka_bootstrap, t
     running = request(topics.replies, max_tokens=400, ignore_eos=True, timeout_s=6.0)
     waiting = request(topics.replies, max_tokens=8, timeout_s=1.0)
     stale = request(topics.replies, created_at=time.time() - 100, timeout_s=10.0)
-    t0 = time.monotonic()
     await submit(kafka_bootstrap, topics.requests, [running])
     await first_tokens(kafka_bootstrap, topics.replies, running["id"])
     await submit(kafka_bootstrap, topics.requests, [waiting, stale])
     events = await collect(kafka_bootstrap, topics.replies, [running["id"], waiting["id"], stale["id"]])
-    elapsed = time.monotonic() - t0
 
     for r in (running, waiting, stale):
         check_attempts(events[r["id"]])
         done = final_done(events[r["id"]])
         assert done.finish_reason == "timeout" and done.error.code == "timeout", done
     assert isinstance(events[running["id"]][0], StartedEvent)
-    assert 0 < final_done(events[running["id"]]).usage.completion_tokens < 400
+    assert 0 < final_done(events[running["id"]]).usage.completion_tokens < 400  # ended by the deadline
     assert len(events[waiting["id"]]) == 1 and len(events[stale["id"]]) == 1
     assert final_done(events[waiting["id"]]).timing.total_s >= 1.0
-    assert elapsed < 30  # ended by the deadline, not by max_tokens
 
     after = request(topics.replies)  # the blocks were freed: the next request runs
     await submit(kafka_bootstrap, topics.requests, [after])

@@ -41,10 +41,11 @@ async def test_priority_under_load(kafka_bootstrap, topics, start_worker):
     high = [request(topics.replies, max_tokens=6, ignore_eos=True, priority=0) for _ in range(10)]
     ids = await submit(kafka_bootstrap, topics.requests, [*low, *high])  # the urgent ones come last
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
-    queue = {p: [final_done(events[r["id"]]).timing.queue_s for r in reqs] for p, reqs in ((0, high), (10, low))}
-    mean0, mean10 = statistics.mean(queue[0]), statistics.mean(queue[10])
-    print(f"mean queue time: priority 0 {mean0:.2f}s, priority 10 {mean10:.2f}s")
-    assert mean0 < 0.5 * mean10
+    # An ordering, not a speed: rank the requests by when they were first scheduled (all were
+    # submitted in one batch); the urgent ones, though submitted last, mostly start first.
+    started = sorted(low + high, key=lambda r: final_done(events[r["id"]]).timing.queue_s)
+    rank = {r["id"]: i for i, r in enumerate(started)}
+    assert statistics.median(rank[r["id"]] for r in high) < statistics.median(rank[r["id"]] for r in low)
 
 
 async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):

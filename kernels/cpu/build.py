@@ -36,8 +36,8 @@ SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c",
            CSRC / "gemm.c")
 HEADERS = (CSRC / "vec.h", CSRC / "attention.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
-# Seconds the whole build may take before the PyTorch path is used instead: far past the ~20 s
-# of a 2-core AVX2 machine, still short of a test's or a worker start's patience.
+# Seconds the whole build may take before the PyTorch path is used instead: far past a normal
+# build, still short of a test's or a worker start's patience.
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -69,10 +69,8 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 
 def call(function: str, *args):
     """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables
-    (bench/engine.py --profile-steps) only while a profiler runs. A decode step makes ~150 of
-    these calls, so the path without a profiler is kept to a lookup and the call: Python around
-    a C call ran 1-3x the C time itself in a decode step at batch 29 (caches cold from the
-    matmuls in between)."""
+    (bench/engine.py --profile-steps) only while a profiler runs. A decode step makes a few
+    hundred of these calls, so without a profiler this is a lookup and the call, nothing more."""
     fn = getattr(_lib if _lib is not None else lib(), function)
     if _profiler_enabled():
         with torch.profiler.record_function("inferline::" + function):

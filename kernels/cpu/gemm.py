@@ -5,8 +5,8 @@ One of the three ways models/linear.py computes a linear layer on the CPU
 (INFERLINE_MODEL__CPU_LINEAR): this one, oneDNN on its own packed copy, or F.linear. Each output
 is one FMA chain over the inputs in order, so a row's result is the same bits alone, in any
 batch and with any thread count (oneDNN needs a probe and a padded row for that: linear.py).
-`auto` picks it where it was measured faster than oneDNN: x86 with AVX2 and without AVX-512 (an
-AMD Zen 3: docs/benchmarks.md). Its AVX-512 build is tested for correctness, not tuned.
+`auto` picks it where it beat oneDNN, x86 with AVX2 and without AVX-512 (docs/benchmarks.md);
+its AVX-512 build is tested for correctness, not tuned.
 
 A weight that was quantized before it reached us (a GGUF file's Q4_1, Q8_0, ... tensors, dequantized
 to fp32 by transformers) can instead be kept as 8-bit codes with a scale and an offset per block of

@@ -10,11 +10,10 @@ cached K/V and be found again, until it is handed out for new tokens. Free block
 out least recently freed first, so what was used last stays findable longest.
 
 Placement: a sequence's blocks are read in order by the decode kernel, which goes faster when
-they sit side by side in memory (the C kernel alone, batch 32: 30.1 ms a step with every block
-scattered, 26.5 with runs of 4 adjacent blocks, 25.6 all adjacent). So a sequence's next block
-is the one right after its last when that one is free (and holds no cached prefix), and a block
-taken from the front of the free list sends the few free blocks after it to the back, where
-they wait for the same sequence's next blocks instead of going to another sequence first.
+they sit side by side in memory (docs/benchmarks.md). So a sequence's next block is the one right
+after its last when that one is free (and holds no cached prefix), and a block taken from the
+front of the free list sends the few free blocks after it to the back, where they wait for the
+same sequence's next blocks instead of going to another sequence first.
 """
 from __future__ import annotations
 

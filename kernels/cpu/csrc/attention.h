@@ -44,7 +44,7 @@ INLINE vn load_kv_n(const char *p, int64_t i, const int half) {
     return load_n((const float *)p + i);
 }
 
-/* Into L2 (locality 1): into L1 measured slower, the block is used once a block later. */
+/* Into L2 (locality 1), not L1: the block is used once, a block later. */
 INLINE void prefetch_rows(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
@@ -73,7 +73,7 @@ INLINE const char *block_rows(const decode_args *a, const void *cache, const int
 /* k * q and acc + k * q (one rounding, as the contracted acc += q * k of chunk_scores) with q a
  * float broadcast to every lane. With AVX-512 the broadcast is the instruction's memory operand:
  * GCC would rather load k there (once per head) and broadcast q apart, one more instruction per
- * FMA on the same pipes (tile_scores at ~60% of the FMA rate). */
+ * FMA on the same pipes. */
 #if defined(__AVX512F__) && VEC == 16
 INLINE vf mul_bcast(vf k, const float *q) {
     vf r;
@@ -94,8 +94,7 @@ INLINE int64_t score_stride(int64_t block_size) { return (block_size + VEC - 1) 
 
 /* Query heads go through a block G at a time with their q rows (scores) or their output rows
  * (values) held in registers: G * D / VEC vectors, at most 16 of the 32 AVX-512 registers, or 8
- * (16 halves) of the 16 AVX2 ones. On a Zen 3 (AVX2) 8 and 16 ran within the noise (ABBA of two
- * builds, +-7%) and 8 builds in 2/3 of the time; 4 was slower (--hot: 18.5 vs 15.4 ms). */
+ * (16 halves) of the 16 AVX2 ones: on AVX2, 8 is as fast as 16 and builds faster; 4 is slower. */
 #if defined(__AVX512F__)
 #define REG_VECTORS 16
 #else
@@ -380,7 +379,7 @@ INLINE void tile_scores(const float *q, const float *kt, int64_t n, float *s, in
                         const int64_t d) {
     for (int64_t t0 = 0; t0 < n; t0 += VEC, kt += d * VEC) {
         /* q's broadcasts stay loads inside the loop (FMA operands): hoisted, GCC keeps G * d of
-         * them live across the loops around, far more than 32 registers (spilled: ~1.5x slower). */
+         * them live across the loops around, far more than 32 registers, and spills. */
         __asm__("" : "+r"(q));
         vf x[MAX_G], y[MAX_G];
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12 /* hsum adds the lanes in order */

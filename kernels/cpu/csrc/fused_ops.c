@@ -2,9 +2,8 @@
  * silu_and_mul, and rotary_embedding fused with the K/V store (reshape_and_cache).
  *
  * Why: each of these is several PyTorch ops (rms_norm alone is pow, mean, add, rsqrt, mul, mul),
- * and every op is a dispatch plus an OpenMP fork and join over a few KB of data. A decode step
- * of SmolLM2 at batch 29 spent ~16 ms of its ~94 in them (matmuls ~54, attention ~24); one pass
- * over the rows here does the same arithmetic in a fraction of that. The arithmetic follows
+ * and every op is a dispatch plus an OpenMP fork and join over a few KB of data; one pass over
+ * the rows here does the same arithmetic for a fraction of that. The arithmetic follows
  * HF's: x * rsqrt(mean(x^2) + eps) * weight; silu(g) * u = g * sigmoid(g) * u;
  * x * cos + rotate_half(x) * sin (sums may round differently from PyTorch's, by an ulp or so).
  *
@@ -26,9 +25,8 @@ static int threads_for(int64_t floats, int threads) { return floats >= PAR_MIN ?
 /* Rows are requested PF rows ahead of their use. Between two calls of one of these ops a decode
  * step streams megabytes of weights and K/V through the caches, so the rows they read (the
  * residual stream) and the freshly allocated rows they write start in memory, and this machine's
- * hardware prefetchers barely help: fused_add_rms_norm at 29 rows spent ~39 us a call, most of
- * it in the residual's loads (perf annotate); with this, ~28 (one row ahead: ~30). `write` 1
- * asks for the lines to be written (an output row). */
+ * hardware prefetchers barely help: without this, most of the time goes to the residual's
+ * loads. `write` 1 asks for the lines to be written (an output row). */
 INLINE void prefetch_row(const float *p, int64_t floats, int write) {
     for (int64_t off = 0; off < floats; off += 64 / sizeof(float)) {
         if (write)
@@ -40,7 +38,7 @@ INLINE void prefetch_row(const float *p, int64_t floats, int write) {
 
 /* 1 / sqrt(mean(x^2) + eps) of one row: 16 partial sums (lane j over elements j, j + 16, ...),
  * then their sum (hsum). The partial sums live in the machine's vectors (VEC / NVEC of them):
- * as one 16-float vector, AVX2 builds kept it on the stack (~3 cycles a float on a Zen 3). */
+ * as one 16-float vector, AVX2 builds kept it on the stack. */
 INLINE float rms_scale(const float *x, int64_t n, float eps) {
     vn acc[VEC / NVEC];
     for (int j = 0; j < VEC / NVEC; j++) acc[j] = splat_n(0.0f);

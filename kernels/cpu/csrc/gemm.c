@@ -31,8 +31,7 @@
 #define NR_VECS 2            /* vectors of output columns in a panel */
 #define NR (NR_VECS * NVEC)  /* output columns in a panel: 16 with AVX2, 32 with AVX-512 */
 /* Rows in a tile. AVX2: 12 of the 16 registers hold the sums, 2 the panel's k step, 1 the
- * broadcast (measured on a Zen 3: tiles of 4 x 24 ran 1.3-1.45x slower, rows spread evenly over
- * the tiles (6 6 5 5 5 5 for 32, not 6 6 6 6 6 2) 4-13% slower at 8-32 rows). AVX-512 (and builds
+ * broadcast (the other shapes tried ran slower: docs/benchmarks.md). AVX-512 (and builds
  * without AVX2: generic 16-float vectors): 16 of its 32 registers; correct, not tuned (no machine). */
 #if NVEC == 16
 #define MR 8
@@ -40,12 +39,11 @@
 #define MR 6
 #endif
 /* Rows of x a pass over the panels takes at once: their K values must stay in the L2 cache
- * (512 KB a core on a Zen 3) next to the panel being read; longer prompt chunks take passes. */
+ * next to the panel being read; longer prompt chunks take passes. */
 #define X_BLOCK_BYTES (192 * 1024)
 /* A call of few rows (STREAM_ROWS or fewer) waits on the weights: its first row tile of each
- * panel requests the panel STREAM_AHEAD k steps (cache lines, with AVX2) ahead of its loads.
- * Measured on a Zen 3 (30 layers of weights from memory): 4-12 rows 1.06-1.25x faster, 1 row the
- * same or slower (left to the hardware), 32-60 rows the same or slower (they wait on the FMAs). */
+ * panel requests the panel STREAM_AHEAD k steps (cache lines, with AVX2) ahead of its loads. One
+ * row is left to the hardware prefetcher, and so are many rows, which wait on the FMAs instead. */
 #define STREAM_ROWS (2 * MR)
 #define STREAM_AHEAD 16
 
@@ -62,18 +60,16 @@ int64_t gemm_panel_width(void) { return NR; }
  * in all: 10 bits a weight instead of 32. A panel's first row tile widens them back to fp32 as
  * it goes (and leaves them in a per-thread buffer when the panel has more row tiles, which read
  * that), so every output is the same FMA chain over the same fp32 weights as over fp32 panels:
- * the same bits. What it saves is the memory traffic that a decode step of few rows waits on
- * (538 MB of weights a step for SmolLM2-135M in fp32, 168 MB so). */
+ * the same bits. What it saves is the memory traffic that a decode step of few rows waits on. */
 #define Q_BLOCK 32
 #define Q_BLOCK_BYTES (Q_BLOCK * NR + 2 * NR * (int64_t)sizeof(float))
 /* A lone row reads the codes faster than the hardware prefetcher brings them: its tile requests
- * them CODES_AHEAD bytes (~3 blocks) ahead, a line every 4 k steps. Zen 3, one row over SmolLM2's
- * weights (A/B of two builds): 1.14-1.15x faster (4 KB: 1.13-1.16x; 8 KB: 1.02-1.16x); with 2 or
- * more rows it was the same or slower (4 rows 0.87-0.96x), so they leave it to the hardware. */
+ * them CODES_AHEAD bytes (~3 blocks) ahead, a line every 4 k steps. More rows gain nothing from
+ * it, so they leave it to the hardware. */
 #define CODES_AHEAD 2048
 
 /* NVEC codes (bytes) as floats. GCC 12 scalarizes __builtin_convertvector from bytes (a
- * vcvtsi2ss per code: widening SmolLM2's weights took ~60 ms, more than reading them in fp32),
+ * vcvtsi2ss per code: slower than reading the weights in fp32),
  * so x86 goes through the zero-extending load and the int-to-float conversion. */
 #if (defined(__AVX512F__) && NVEC == 16) || (defined(__AVX2__) && NVEC == 8)
 INLINE vn load_codes(const uint8_t *p) {

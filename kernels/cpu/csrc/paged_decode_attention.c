@@ -24,27 +24,19 @@
  * so the result does not depend on the thread count. A context of 0 tokens gives 0, as in
  * reference.py.
  *
- * Speed notes (2-core dev machine, batch 32, contexts 173-440, 30 layers: ~450 MB of K/V read
- * per step; a pass that only reads those bytes the same way takes 19-22 ms):
+ * Why it is built this way (figures: docs/benchmarks.md, "Figures behind code comments"):
  * - blocks are scattered over the cache and the hardware prefetcher does not follow the block
  *   table, so the next block's rows are requested while this one is computed, a few lines at
  *   every token of every head chunk's loops (attention.h, prefetcher): a burst of a whole block
- *   at once stalled on the memory queues (~10% slower), and a token's rows at each step of the
- *   first head chunk alone (until stop 20) left memory idle for the rest of the block: on a Zen 3,
- *   batch 32 from memory 45 -> 33 ms, a whole decode step at batch 60 0.93x (A/B of two builds);
+ *   at once stalls on the memory queues, and requests from the first head chunk alone leave
+ *   memory idle for the rest of the block;
  * - on AVX2 the scores of 8 tokens are summed across lanes together (hsum_each8: hsum's tree in
- *   shuffles of 8 vectors, the same bits); alone, within the noise, it is what the spread prefetch
- *   was measured on;
+ *   shuffles of 8 vectors, the same bits);
  * - vectors of 16 floats (GCC/Clang vector extensions: AVX-512, or pairs of AVX2 registers),
  *   the head size a compile-time constant for 64 and 128, the q rows (scores) and output rows
  *   (values) of up to 4 heads held in registers, exp computed 16 lanes at a time, FMA
- *   contraction on (-ffp-contract=fast; ISO C mode forbids it otherwise): with the data in
- *   cache the whole step's attention computes in 9 ms, the previous scalar two-pass version in
- *   22 ms; from memory 28.8 vs 33.6 ms (median of 12, same process). On a Zen 3 (AVX2: each
- *   vector a pair of registers, and the lane-wise loops in 8-float ones, vec.h's vn) 15.4 ms
- *   in cache, 40.2 ms from memory;
- * - the split of long contexts: one sequence of 4000 tokens alone, 20.3 -> 12.1 ms a step (both
- *   threads at work); batch 32 at the contexts above is unchanged (nothing to split).
+ *   contraction on (-ffp-contract=fast; ISO C mode forbids it otherwise);
+ * - long contexts are split so that one long sequence alone keeps every thread at work.
  *
  * The engine sends prompt rows here too (ModelRunner._token_tables): a prompt token is a query
  * whose context is the first position + 1 tokens of its sequence, so one call attends every row
@@ -52,8 +44,8 @@
  * cu_seqlens (int32 [num_seqs + 1]) gives sequence s the rows cu[s] .. cu[s + 1] - 1 (q, out
  * and context_lens have a row each, block_tables a row per sequence), and the rows of a
  * sequence go in tiles of 16 (attend_tile_d below): each block's K/V once per tile, scores 16
- * tokens a vector, with a decode's bits (tested: tests/test_cpu_kernels.py). One layer of one
- * 2048-token prompt: 84 ms a row at a time, 68 ms in tiles (bench/prompt_attention.py).
+ * tokens a vector, with a decode's bits (tested: tests/test_cpu_kernels.py; timed by
+ * bench/prompt_attention.py).
  *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
@@ -72,7 +64,7 @@
 
 /* One function per element type (each with its head sizes as constants, so the inner loops unroll
  * completely): kept apart, the fp32 one compiles as before the fp16 variant existed (one function
- * holding both ran ~3% slower over fp32, its code twice the size). Other head sizes go to the
+ * holding both ran slower over fp32, its code twice the size). Other head sizes go to the
  * rolled loops of attention_any_head_dim.c. */
 #define HEAD_SIZES(fn, any, half, ...)                                                      \
     switch (a->head_dim) {                                                                   \

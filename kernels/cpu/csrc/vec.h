@@ -23,8 +23,7 @@ INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x,
 INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
 /* a > b, a >= b, a <= b lane by lane: all ones or 0. GCC 12 scalarizes a comparison of vectors
- * wider than the machine's (16 floats on AVX2: a vcomiss and a cmov per lane; vexp was 410
- * instructions, 143 this way, and decode attention 8% faster on a Zen 3), so without AVX-512
+ * wider than the machine's (16 floats on AVX2: a vcomiss and a cmov per lane), so without AVX-512
  * the two halves of 8 are compared apart (where __builtin_shufflevector exists: GCC 12+, Clang). */
 #if defined(__AVX512F__) || (defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12)
 #define VCMP(name, op) \
@@ -100,7 +99,7 @@ INLINE void store_h(uint16_t *p, vf v) { vh h = __builtin_convertvector(v, vh); 
 /* The machine's own vector, for loops whose every lane is computed on its own (so their bits do
  * not depend on the width): 16 floats with AVX-512, 8 with AVX2. GCC keeps an array of 16-float
  * vectors that a loop updates in memory where the machine has no such register, moving each
- * through general registers in 8-byte pieces (chunk_values on a Zen 3: ~50 moves per 8 FMAs). */
+ * through general registers in 8-byte pieces. */
 #if defined(__AVX512F__) || !defined(__AVX2__)
 #define NVEC VEC
 typedef vf vn;
@@ -199,8 +198,7 @@ INLINE vn vselect_n(vin mask, vn a, vn b) { return (vn)((mask & (vin)a) | (~mask
  * coefficients, ~1 ulp), times 2^n built in the exponent bits. Below -87.3 the result is 0
  * (-inf gives 0); above 88 it is exp(88), finite (so g / (1 + exp(-g)) stays a number).
  * In the machine's vectors: written over 16-float vectors, AVX2 builds kept every intermediate
- * on the stack (silu_and_mul at ~3.6 cycles a float on a Zen 3, 337 -> 93 us for 60 rows of
- * SmolLM2). Every lane is computed on its own, so the bits do not depend on the width (the
+ * on the stack. Every lane is computed on its own, so the bits do not depend on the width (the
  * 16-float version and this one gave equal outputs on 10^6 inputs, both ends of the range too). */
 INLINE vn vexp_n(vn x) {
     x = vselect_n(vgt_n(x, splat_n(88.0f)), splat_n(88.0f), x);

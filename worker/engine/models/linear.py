@@ -1,32 +1,13 @@
-"""Linear layers for the engine's models: on the CPU in fp32 over a weight packed once at load,
-by the project's own GEMM (kernels/cpu/gemm.py: `c`) or oneDNN (`onednn`); else F.linear (`torch`).
-INFERLINE_MODEL__CPU_LINEAR chooses; `auto` is `c` where that was measured faster (AVX2 without
-AVX-512: kernels/cpu/gemm.py), else `onednn`. What follows is about oneDNN.
+"""Linear layers for the engine's models. On the CPU in fp32 each weight is packed once at load,
+for the project's C GEMM (`c`, kernels/cpu/gemm.py) or oneDNN (`onednn`), because F.linear (MKL)
+repacks it on every call, which is most of a decode step's work; elsewhere F.linear (`torch`).
+INFERLINE_MODEL__CPU_LINEAR chooses (kernels/backends.py); figures: docs/benchmarks.md.
 
-F.linear on the CPU is MKL's sgemm, which copies ("packs") the weight into its blocked layout on
-every call. For the few rows of a decode step that packing is most of the work, and MKL also
-runs far below the machine's rate on AMD CPUs. oneDNN (bundled with PyTorch) can pack each
-weight once, at load, and then multiply any number of rows against the packed copy. Every linear
-layer of SmolLM2 (decoder only), fp32, 2 threads, GFLOP/s on an AMD Zen 4 (`python -m
-bench.decode_step --compare` shows the effect on whole steps; bench/linear_backends.py compares
-the three backends):
-
-    rows                 1     8    16    29    64   256
-    F.linear (MKL)      18    63   105   119   157   167
-    oneDNN, prepacked   30   137   173   194   203   213
-
-and the LM head [49152 x 576] at 29 rows: 28.5 ms -> 11.5 ms. A row's result does not depend
-on the other rows (the same kernel runs every row, checked in tests/test_linear.py), so a prompt
-gives the same tokens alone or in a batch; the sums differ from MKL's in the last bits, as
-between any two GEMM kernels. One exception, seen on an Intel Xeon with AVX-512 (not on AMD
-Zen 4): a lone row of more than 1024 inputs (SmolLM2's down projection, 1536) goes to another
-kernel, whose sums differ from the same row's in any batch. So each weight shape is probed once
-(`lone_row_exact`), and where a lone row's bits differ it is computed as two (itself twice):
-a sequence decoding alone gets the bits it gets in a batch. Probing, not always padding: two
-rows cost ~14% more than one on shapes that need no padding (SmolLM2's 30 layers at one row on
-that Xeon: 29.7 ms alone, 33.9 padded everywhere, 30.5 padded where the probe says). The packed
-copy (either backend's) is kept next to the weight (the weight stays the model's parameter: state
-dict, tied embeddings): it doubles the linears' memory on the CPU.
+A row's result must not depend on the rows beside it, so that a prompt gives the same tokens
+alone or in a batch (tests/test_linear.py). oneDNN breaks that on some CPUs for a lone row of
+many inputs, so each weight shape is probed once (`lone_row_exact`) and, where it must be, a lone
+row is computed as two. The packed copy sits beside the weight, which stays the model's
+parameter (state dict, tied embeddings): it doubles the linears' memory on the CPU.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Weights in: a local HF directory (safetensors), a GGUF file, or random (`load_format=dummy`).
 
-A GGUF file is dequantized once through transformers (~15 s for SmolLM2) and cached as a plain
-HF directory (config, tokenizer, safetensors) under the cache folder; every later start, test
-and benchmark loads that directory in well under a second.
+A GGUF file is dequantized once through transformers (slow) and cached as a plain HF directory
+(config, tokenizer, safetensors) under the cache folder, which every later start, test and
+benchmark loads quickly.
 """
 from __future__ import annotations
 
