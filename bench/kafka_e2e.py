@@ -232,9 +232,8 @@ class Topics:
 async def _admin(settings, fn):
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from producer.client import kafka_options
 
-    admin = AIOKafkaAdminClient(**kafka_options(settings.kafka))
+    admin = AIOKafkaAdminClient(**settings.kafka.connection_options())
     await admin.start()
     try:
         return await fn(admin)

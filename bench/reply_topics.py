@@ -283,10 +283,9 @@ async def run_baseline(args, names: Names) -> dict:
     """One plain idempotent producer for every event, no pruning: the worker before."""
     from aiokafka import AIOKafkaProducer
 
-    from worker.publisher import client_kwargs
 
     kafka = settings_for(args.bootstrap, names).kafka
-    producer = AIOKafkaProducer(**client_kwargs(kafka), enable_idempotence=True, acks="all", linger_ms=5,
+    producer = AIOKafkaProducer(**kafka.client_options(), enable_idempotence=True, acks="all", linger_ms=5,
                                 max_request_size=kafka.max_message_bytes + 64 * 1024)
     await producer.start()
     _, warmup = events(-1)

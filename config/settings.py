@@ -78,8 +78,23 @@ class KafkaSettings(BaseModel):
             return self.sasl_password_file.read_text().strip()
         return self.sasl_password.get_secret_value() if self.sasl_password else None
 
+    def client_options(self) -> dict:
+        """aiokafka options of one of the worker's clients: connection_options() and its client id."""
+        return {**self.connection_options(), "client_id": self.client_id}
+
+    def librdkafka_config(self) -> dict:
+        """The same connection in librdkafka's names (confluent-kafka: the ACL admin calls)."""
+        config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            config.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
+                           "sasl.password": self.password()})
+        if self.ssl_cafile:
+            config["ssl.ca.location"] = str(self.ssl_cafile)
+        return config
+
     def connection_options(self) -> dict:
-        """aiokafka options shared by every client (servers and security), worker and producer."""
+        """aiokafka options shared by every client (servers and security), worker and producer:
+        the one place Kafka client options are built."""
         opts: dict = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.security_protocol}
         if self.sasl_mechanism:
             opts.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,

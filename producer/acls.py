@@ -52,20 +52,9 @@ async def apply(kafka, rules: list[AclRule]) -> None:
 
     from confluent_kafka.admin import AdminClient
 
-    client = AdminClient(confluent_config(kafka))  # held until every result is in
+    client = AdminClient(kafka.librdkafka_config())  # held until every result is in
     for future in client.create_acls(confluent_bindings(rules)).values():
         await asyncio.to_thread(future.result, 30)
-
-
-def confluent_config(kafka) -> dict:
-    """librdkafka's names for the connection settings (KafkaSettings)."""
-    config = {"bootstrap.servers": kafka.bootstrap_servers, "security.protocol": kafka.security_protocol}
-    if kafka.sasl_mechanism:
-        config.update({"sasl.mechanism": kafka.sasl_mechanism, "sasl.username": kafka.sasl_username,
-                       "sasl.password": kafka.password()})
-    if kafka.ssl_cafile:
-        config["ssl.ca.location"] = str(kafka.ssl_cafile)
-    return config
 
 
 def confluent_bindings(rules: list[AclRule]) -> list:

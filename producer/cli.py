@@ -40,7 +40,7 @@ from producer.client import (
 )
 from producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
 from producer.tail import format_event, tail  # noqa: F401 - re-exported
-from producer.topics import TENANT_SEGMENT, create_topics, kafka_options, topic_configs
+from producer.topics import TENANT_SEGMENT, create_topics, topic_configs
 
 # Exit codes of `submit`: scripts can tell a rejection from a timeout without parsing text.
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
@@ -236,7 +236,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     from producer.schema import Cancel, encode_cancel
 
     client = make_client(args)  # for its settings only: no reply topic is needed to cancel
-    producer = AIOKafkaProducer(**kafka_options(client.kafka), enable_idempotence=True)
+    producer = AIOKafkaProducer(**client.kafka.connection_options(), enable_idempotence=True)
     await producer.start()
     try:
         await producer.send_and_wait(client.cancel_topic, encode_cancel(Cancel(id=args.id)), key=args.id.encode())
@@ -260,7 +260,7 @@ async def cmd_topics(args: argparse.Namespace) -> int:
     from aiokafka.admin import AIOKafkaAdminClient
 
     client = make_client(args)
-    admin = AIOKafkaAdminClient(**kafka_options(client.kafka))
+    admin = AIOKafkaAdminClient(**client.kafka.connection_options())
     await admin.start()
     try:
         plan = [

@@ -56,7 +56,6 @@ from producer.topics import (
     TOPIC_ALREADY_EXISTS,
     UNKNOWN_TOPIC,
     create_topics,
-    kafka_options,
     topic_configs,
     topic_partitions,
     wait_for_topics,
@@ -70,7 +69,7 @@ __all__ = [
     "ERRORS_BY_CODE", "error_for",
     # producer.replies, producer.topics
     "PER_REQUEST", "REPLY_TOPIC_PREFIX", "per_request_topic", "TOPIC_ALREADY_EXISTS", "UNKNOWN_TOPIC",
-    "kafka_options", "topic_configs", "create_topics", "topic_partitions", "wait_for_topics",
+    "topic_configs", "create_topics", "topic_partitions", "wait_for_topics",
 ]
 
 # The worker's deadline counts from created_at; past it plus this grace, `done` is overdue.
@@ -145,7 +144,7 @@ class InferenceClient:
 
     async def start(self) -> None:
         """Connect, make the reply topic exist and start reading it."""
-        opts = kafka_options(self.kafka)
+        opts = self.kafka.connection_options()
         self._admin = AIOKafkaAdminClient(**opts, client_id=f"{self.kafka.client_id}-admin")
         await self._admin.start()
         # Idempotent (acks=all): a retried send cannot duplicate a request on the log.

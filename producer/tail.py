@@ -10,13 +10,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from config.settings import KafkaSettings
 from producer.schema import UndecodableMessage, decode_event
-from producer.topics import kafka_options
 
 
 async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:
     """Print ``args.topic``'s events until ``args.limit`` or ``args.idle_timeout``, or forever."""
     consumer = AIOKafkaConsumer(
-        **kafka_options(kafka), group_id=None, enable_auto_commit=False,
+        **kafka.connection_options(), group_id=None, enable_auto_commit=False,
         auto_offset_reset="earliest" if args.from_beginning else "latest",
         isolation_level="read_committed",  # no `done` of an aborted transaction
     )

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from config.settings import KafkaSettings
 
 # Topic tenancy (INFERLINE_KAFKA__TENANCY=topic): a tenant is one topic-name segment, no '.', so
 # `<request topic>.<tenant>` and `<reply prefix><tenant>.` cannot be ambiguous.
@@ -18,11 +16,6 @@ TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36
 UNKNOWN_TOPIC = 3
-
-
-def kafka_options(kafka: KafkaSettings) -> dict[str, Any]:
-    """aiokafka connection options (servers, security) from the settings tree."""
-    return kafka.connection_options()
 
 
 def topic_configs(retention_ms: int | None) -> dict[str, str]:

@@ -332,7 +332,7 @@ class IntakeHarness:
     def settled(self) -> bool:
         """Nothing in flight: every record fed is finished in the offset tracker."""
         w = self.worker
-        return (not w.jobs and not w._unacked and not w._by_id and w._num_waiting == 0
+        return (w.ledger.empty() and w._num_waiting == 0
                 and w.tracker.pending(self.tp) == 0
                 and w.tracker.to_commit().get(self.tp, self.offset) == self.offset)
 

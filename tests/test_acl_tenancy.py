@@ -65,7 +65,7 @@ async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:
     rules = recipe(group)
     await acls.apply(broker.settings("admin"), rules)  # what `inferline topics acls --apply` does
     # The authorizer learns ACLs from the metadata log: wait until it answers with all of them.
-    admin_client = confluent_admin.AdminClient(acls.confluent_config(broker.settings("admin")))
+    admin_client = confluent_admin.AdminClient(broker.settings("admin").librdkafka_config())
     everything = confluent_admin.AclBindingFilter(
         confluent_admin.ResourceType.ANY, None, confluent_admin.ResourcePatternType.ANY, None, None,
         confluent_admin.AclOperation.ANY, confluent_admin.AclPermissionType.ANY)

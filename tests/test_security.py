@@ -5,7 +5,7 @@ scripts/gen_test_certs.sh, SCRAM users created at format time) on a free port:
 
 - clients without credentials, with a wrong password, without TLS, or not trusting the broker's
   CA are refused; one with the credentials produces and consumes. The clients are built by the
-  project's own option builders (worker.publisher.client_kwargs, producer.client.kafka_options)
+  project's own option builders (KafkaSettings.client_options, KafkaSettings.connection_options)
   from a Settings tree, so the path tested is the one the worker and the client use.
 - `python -m worker` configured only through INFERLINE_KAFKA__* (password from the environment)
   serves a request sent by InferenceClient over SASL_SSL, and its logs (DEBUG) never contain the
@@ -80,9 +80,8 @@ def sasl_broker(tmp_path_factory):
 
 
 def worker_kwargs(kafka: dict) -> dict:
-    from worker.publisher import client_kwargs
 
-    return client_kwargs(Settings(kafka=kafka).kafka)
+    return Settings(kafka=kafka).kafka.client_options()
 
 
 async def round_trip(kwargs: dict, topic: str, timeout: float = 20.0) -> bytes:
@@ -132,9 +131,8 @@ async def test_sasl_ssl_refuses_strangers_and_admits_the_credentialed(sasl_broke
     assert await round_trip(ok, topic)
 
     # The producer client's own option builder, same settings, same result.
-    from producer.client import kafka_options
 
-    assert await round_trip(kafka_options(Settings(kafka=sasl_broker.kafka()).kafka), topic)
+    assert await round_trip(Settings(kafka=sasl_broker.kafka()).kafka.connection_options(), topic)
 
     outcomes = {
         "no credentials (TLS only)": await refused(worker_kwargs(sasl_broker.kafka(

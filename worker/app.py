@@ -24,37 +24,29 @@ call_soon_threadsafe; everything below runs on the loop and never blocks.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import socket
 import time
 import uuid
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import TopicPartition
 
-from producer.schema import InvalidRequest, Request
+from producer.schema import Request
 from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
 from worker.engine.request import EngineRequest, RequestOutput, SamplingParams
 from worker.http import HttpServer
 from worker.cancels import CancelListener, RecentCancels
-from worker.intake import Intake, capped_max_tokens, deadline_of
+from worker.intake import Admission, Intake
+from worker.jobs import Job, JobLedger
 from worker.metrics import Metrics, priority_label
 from worker.offsets import OffsetTracker
-from worker.publisher import Publisher, ReplyStream
+from worker.publisher import Publisher, ReplyRoute, ReplyStream
 from worker.ratelimit import RateLimiter
 from worker.tenancy import cancel_key
 from worker.transactions import Outcome, Transactions
 
 log = structlog.get_logger(__name__)
-
-# Ids of requests finished here, remembered so a redelivery does not run them twice.
-MAX_REMEMBERED_DONE = 100_000
-# The last final `done`s themselves, sent again when their request comes back (bounded bytes).
-MAX_REMEMBERED_EVENTS = 10_000
-MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
 
 
 class EngineDied(RuntimeError):
@@ -78,25 +70,6 @@ def build_engine(settings) -> LLMEngine:
     return LLMEngine.from_settings(engine_settings(settings))
 
 
-@dataclass
-class Job:
-    request: Request
-    reply: ReplyStream
-    tp: TopicPartition
-    offset: int
-    received: float  # Unix seconds
-    max_tokens: int
-    generation: int = 0  # the intake's assignment generation when it was admitted
-    state: str = "waiting"  # waiting -> running -> finishing
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    log: structlog.BoundLogger = field(default=None, repr=False)
-
-    @property
-    def attempt(self) -> str:
-        return self.reply.attempt
-
-
 class Worker:
     def __init__(self, settings, engine: LLMEngine | None = None) -> None:
         self.settings = settings
@@ -114,23 +87,20 @@ class Worker:
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine
         self.engine_loop: EngineLoop | None = None
-        self.jobs: dict[str, Job] = {}  # attempt -> job
-        self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
-        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, final done acked
-        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, partition, done bytes)
-        self._held: dict[tuple[TopicPartition, int], object] = {}  # records taken, offset not finished
+        self.ledger = JobLedger()
         self.engine_died: BaseException | None = None
         self.failed: BaseException | None = None
         self.num_resubmitted = 0
-        # Per partition: records taken whose reply / dead letter is not acked yet (jobs,
-        # rejections, dead letters alike); a revocation waits for these to reach zero.
-        self._unacked: Counter[TopicPartition] = Counter()
         self._num_waiting = 0
         self._stats = EngineStats()
-        self._settled = asyncio.Event()  # pulses whenever a job leaves `jobs`
         self._stop = asyncio.Event()
         self._hurry = False  # a second signal: skip the drain wait
         self.draining = False
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """attempt -> job, for every request running or waiting here."""
+        return self.ledger.jobs
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -172,7 +142,7 @@ class Worker:
         """SIGTERM/SIGINT: the first drains, a second one stops waiting for running requests."""
         if self._stop.is_set():
             self._hurry = True
-            self._settled.set()
+            self.ledger.settled.set()
         self._stop.set()
 
     async def shutdown(self) -> None:
@@ -181,7 +151,7 @@ class Worker:
         # Waiting requests would only start now to be cut off: hand them back at once.
         self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
         await self._wait_jobs(lambda: not self.jobs, self.settings.worker.drain_timeout_s)
-        await self.requeue(set(self._unacked) | {j.tp for j in self.jobs.values()}, timeout=10.0)
+        await self.requeue(self.ledger.busy_partitions(), timeout=10.0)
         # Each step is bounded: with the broker gone, aiokafka would retry for minutes.
         await _bounded(self.intake.close(), 15.0, "intake.close")  # final commit, leave the group
         await _bounded(self.cancel_listener.close(), 5.0, "cancels.close")
@@ -227,12 +197,12 @@ class Worker:
     def hold(self, tp: TopicPartition, record) -> None:
         """The intake took `record`: kept until its offset is finished, to dead-letter it if its
         reply can never be delivered."""
-        self._held[(tp, record.offset)] = record
+        self.ledger.hold(tp, record)
 
     def dead_letter(self, record, reason: str) -> None:
         tp = TopicPartition(record.topic, record.partition)
         generation = self.intake.generation
-        self._unacked[tp] += 1
+        self.ledger.taken(tp)
         headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
                    ("source-partition", str(record.partition).encode()),
                    ("source-offset", str(record.offset).encode())]
@@ -243,12 +213,12 @@ class Worker:
         self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers, (tp, record.offset),
                                    on_acked=lambda outcome: self._offset_done(tp, record.offset, outcome, generation))
 
-    def reject(self, tp, offset: int, route: InvalidRequest, code: str, message: str,
+    def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None:
         """Answer a request that will not run: one `done` (seq 0), then its offset is done."""
-        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.reply_topic, route.reply_partition)
+        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
         generation = self.intake.generation
-        self._unacked[tp] += 1
+        self.ledger.taken(tp)
         self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
                             source=(tp, offset),
                             on_acked=lambda outcome: self._replied(tp, offset, outcome, rs.topic, generation))
@@ -262,28 +232,25 @@ class Worker:
         log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
         self.num_resubmitted += 1
         generation = self.intake.generation
-        self._unacked[tp] += 1
+        self.ledger.taken(tp)
         self.publisher.finish_offset((tp, offset), lambda outcome: self._offset_done(tp, offset, outcome, generation))
 
-    def admit(self, tp, offset: int, req: Request, received: float) -> None:
-        if self._completed.get(req.id) == fingerprint(req):
-            # Finished here before (the reply topic need not be read to know it). The same id
-            # with other content is a new request and runs. Its final `done` goes out again,
-            # where remembered: the requester may have missed it (that is why it came back).
-            if req.id in self._final_events:
-                self.publisher.resend(*self._final_events[req.id][:2], req.id.encode(), self._final_events[req.id][2])
+    def admit(self, adm: Admission) -> None:
+        req, tp, offset = adm.request, adm.tp, adm.offset
+        if self.ledger.finished(req):
+            # Finished here before. The same id with other content is a new request and runs.
+            # Its final `done` goes out again, where remembered: the requester may have missed
+            # it (that is why it came back).
+            if (final := self.ledger.final_event(req.id)) is not None:
+                self.publisher.resend(final[0], final[1], req.id.encode(), final[2])
             self.already_done(tp, offset, req)
             return
-        max_tokens = capped_max_tokens(req, self.settings)
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
-        job = Job(req, rs, tp, offset, received, max_tokens, self.intake.generation)
+        job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self.intake.generation)
         job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
-        self.jobs[rs.attempt] = job
-        self._unacked[tp] += 1
-        self._by_id.setdefault(req.id, set()).add(rs.attempt)
+        self.ledger.add(job)
         self._num_waiting += 1
-        self.engine_loop.add_request(engine_request(req, rs.attempt, max_tokens, received,
-                                                    deadline_of(req, received, self.settings.limits.default_timeout_s)))
+        self.engine_loop.add_request(engine_request(req, rs.attempt, adm.max_tokens, adm.received, adm.deadline))
         job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
 
     async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:
@@ -291,15 +258,15 @@ class Worker:
         if timeout is None:  # within the rebalance timeout, leaving time to commit and rejoin
             timeout = self.settings.kafka.session_timeout_ms / 2000
         self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
-        await self._wait_jobs(lambda: not any(self._unacked[tp] for tp in tps), timeout)
-        for key in [k for k in self._held if k[0] in tps]:  # their next owner reads them again
-            del self._held[key]
+        await self._wait_jobs(lambda: not self.ledger.unacked(tps), timeout)
+        self.ledger.release_partitions(tps)
 
     def cancel(self, request_id: str, tenant: str | None = None) -> None:
         """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
         carried it) limits it to that tenant's requests."""
         self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
-        attempts = [a for a in self._by_id.get(request_id, ()) if tenant is None or self._tenant_of_attempt(a) == tenant]
+        attempts = [a for a in self.ledger.attempts(request_id)
+                    if tenant is None or self._tenant_of_attempt(a) == tenant]
         if attempts:
             log.info("request.cancel", request_id=request_id, attempts=len(attempts))
         self._abort(attempts, "cancelled")
@@ -320,9 +287,9 @@ class Worker:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            self._settled.clear()
+            self.ledger.settled.clear()
             try:
-                await asyncio.wait_for(self._settled.wait(), left)
+                await asyncio.wait_for(self.ledger.settled.wait(), left)
             except asyncio.TimeoutError:
                 return
 
@@ -395,29 +362,13 @@ class Worker:
 
     def _settle(self, job: Job, reason: str, outcome: Outcome) -> None:
         """`done` is committed (or given up, or fenced): forget the job."""
-        self.jobs.pop(job.attempt, None)
-        attempts = self._by_id.get(job.request.id)
-        if attempts is not None:
-            attempts.discard(job.attempt)
-            if not attempts:
-                del self._by_id[job.request.id]
+        self.ledger.forget(job)
         if reason != "requeued":
             if outcome == "ok":
-                self._remember_completed(job)
+                self.ledger.remember(job)
             self._replied(job.tp, job.offset, outcome, job.reply.topic, job.generation)
         else:
             self._acked(job.tp)
-
-    def _remember_completed(self, job: Job) -> None:
-        req = job.request
-        self._completed[req.id] = fingerprint(req)
-        if len(self._completed) > MAX_REMEMBERED_DONE:
-            self._completed.popitem(last=False)
-        done = job.reply.final_event
-        if done is not None and len(done) <= MAX_REMEMBERED_EVENT_BYTES:
-            self._final_events[req.id] = (job.reply.topic, job.reply.partition, done)
-            if len(self._final_events) > MAX_REMEMBERED_EVENTS:
-                self._final_events.popitem(last=False)
 
     def _replied(self, tp: TopicPartition, offset: int, outcome: Outcome, topic: str, generation: int) -> None:
         """A request's `done` is committed with its offset, or was given up: then the record goes
@@ -425,7 +376,7 @@ class Worker:
         if outcome != "failed":
             self._offset_done(tp, offset, outcome, generation)
             return
-        record = self._held.get((tp, offset))
+        record = self.ledger.held(tp, offset)
         if record is None or generation != self.intake.generation or self.transactions.fenced(tp):
             self._acked(tp)  # revoked meanwhile: unfinished here, its new owner reads it again
             return
@@ -437,18 +388,11 @@ class Worker:
         # The transaction finished the offset in the tracker. Otherwise (fenced, or the worker
         # stopping) the offset stays unfinished for the partition's next owner.
         if outcome == "ok" and generation == self.intake.generation:
-            self._held.pop((tp, offset), None)
+            self.ledger.release(tp, offset)
         self._acked(tp)
 
     def _acked(self, tp: TopicPartition) -> None:
-        self._unacked[tp] -= 1
-        if self._unacked[tp] <= 0:
-            del self._unacked[tp]
-        self._settled.set()
-
-
-def fingerprint(req: Request) -> str:
-    return hashlib.blake2b(req.model_dump_json().encode(), digest_size=16).hexdigest()
+        self.ledger.acked(tp)
 
 
 async def _bounded(coro, timeout: float, what: str) -> None:

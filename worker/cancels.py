@@ -18,7 +18,6 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from producer.schema import UndecodableMessage, decode_cancel
-from worker.publisher import client_kwargs
 from worker.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
@@ -53,7 +52,7 @@ class CancelListener:
         self.ready = False
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(**client_kwargs(self._s.kafka), group_id=None,
+        self._consumer = AIOKafkaConsumer(**self._s.kafka.client_options(), group_id=None,
                                           enable_auto_commit=False)
         await self._consumer.start()
         await self._assign_all(at_start=True)

@@ -29,7 +29,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from worker.cancels import RecentCancels
 from worker.offsets import LagGauge, OffsetTracker
-from worker.publisher import client_kwargs
+from worker.publisher import ReplyRoute
 from worker.ratelimit import RateLimiter
 from worker.reply_topics import ReplyTopics
 from worker.transactions import Transactions
@@ -47,17 +47,24 @@ class Sink(Protocol):
     def pool_full(self) -> bool: ...
     def hold(self, tp, record) -> None: ...
     def dead_letter(self, record, reason: str) -> None: ...
-    def reject(self, tp, offset, route: InvalidRequest, code: str, message: str,
+    def reject(self, tp, offset, route: ReplyRoute, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None: ...
-    def admit(self, tp, offset, request: Request, received: float) -> None: ...
+    def admit(self, admission: "Admission") -> None: ...
     async def requeue(self, tps: set[TopicPartition]) -> None: ...
     def fatal(self, exc: BaseException) -> None: ...
 
 
-def route_of(req: Request) -> InvalidRequest:
-    """The reply address of a decoded request, in the shape a rejection needs."""
-    return InvalidRequest("", "", request_id=req.id, reply_topic=req.reply_topic,
-                          reply_partition=req.reply_partition)
+@dataclass(frozen=True)
+class Admission:
+    """A request the intake admitted, with what it may cost: its capped token budget and its
+    deadline, computed once here."""
+
+    tp: TopicPartition
+    offset: int
+    request: Request
+    received: float  # Unix seconds
+    max_tokens: int
+    deadline: float  # Unix seconds
 
 
 @dataclass
@@ -108,7 +115,7 @@ class Intake:
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
         if self._admin is None:
-            self._admin = AIOKafkaAdminClient(**client_kwargs(self._s.kafka))
+            self._admin = AIOKafkaAdminClient(**self._s.kafka.client_options())
             await self._admin.start()
         return self._admin
 
@@ -118,7 +125,7 @@ class Intake:
     async def start(self) -> None:
         k = self._s.kafka
         self._consumer = AIOKafkaConsumer(
-            **client_kwargs(k), group_id=k.group_id, group_instance_id=k.group_instance_id,
+            **k.client_options(), group_id=k.group_id, group_instance_id=k.group_instance_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=k.session_timeout_ms, heartbeat_interval_ms=k.session_timeout_ms // 4,
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
@@ -190,9 +197,9 @@ class Intake:
             self._m.reply_topic_refusals.inc()
             self._sink.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
-            self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
+            self._sink.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
         elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._sink.reject(tp, record.offset, decoded, decoded.code, decoded.message)
+            self._sink.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
@@ -288,21 +295,23 @@ class Intake:
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
         """A valid request: cancelled already, expired, overloaded, over its limit, or admitted."""
-        route, meta = route_of(req), req.metadata
+        route, meta = ReplyRoute.of(req), req.metadata
+        deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
+        max_tokens = capped_max_tokens(req, self._s)
         if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
             self._sink.reject(tp, offset, route, "cancelled", "cancelled before it started",
                               finish_reason="cancelled", metadata=meta)
-        elif deadline_of(req, received, self._s.limits.default_timeout_s) <= time.time():
+        elif deadline <= time.time():
             self._sink.reject(tp, offset, route, "timeout", "deadline passed before it was read",
                               finish_reason="timeout", metadata=meta)
         elif self._overloading and self._sink.room() <= 0:
             self._sink.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
                               metadata=meta)
-        elif not self._limiter.admit(req.tenant, capped_max_tokens(req, self._s)):
+        elif not self._limiter.admit(req.tenant, max_tokens):
             self._sink.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
                               metadata=meta)
         else:
-            self._sink.admit(tp, offset, req, received)
+            self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
 
     # -- rebalance --------------------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from typing import Callable
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from producer.schema import DoneEvent, ErrorInfo, StartedEvent, Timing, TokensEvent, Usage, encode_event
+from producer.schema import (
+    DoneEvent, ErrorInfo, InvalidRequest, Request, StartedEvent, Timing, TokensEvent, Usage, encode_event)
 from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
 
 log = structlog.get_logger(__name__)
@@ -38,9 +39,19 @@ MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
 
 
-def client_kwargs(kafka) -> dict:
-    """Connection settings shared by every Kafka client of the worker (security included)."""
-    return {**kafka.connection_options(), "client_id": kafka.client_id}
+@dataclass(frozen=True)
+class ReplyRoute:
+    """Where a request's reply goes: all a rejection needs, decoded request or not."""
+
+    request_id: str
+    topic: str
+    partition: int | None
+
+    @classmethod
+    def of(cls, req: Request | InvalidRequest) -> "ReplyRoute":
+        """Of a request, or of an invalid one (which carries the id and reply address it read)."""
+        rid = req.request_id if isinstance(req, InvalidRequest) else req.id
+        return cls(rid, req.reply_topic, req.reply_partition)
 
 
 @dataclass
@@ -113,7 +124,7 @@ class Publisher:
 
     async def start(self) -> None:
         self._producer = AIOKafkaProducer(
-            **client_kwargs(self._kafka),
+            **self._kafka.client_options(),
             enable_idempotence=True,  # forces acks=all; one batch in flight per partition
             acks="all",
             linger_ms=5,  # a few ms of batching turns many small events into few requests

@@ -285,10 +285,8 @@ class Transactions:
         self._parts: dict[TopicPartition, PartitionTxn] = {}
 
     def _producer(self, tp: TopicPartition) -> AIOKafkaProducer:
-        from worker.publisher import client_kwargs
-
         return AIOKafkaProducer(
-            **client_kwargs(self._k), transactional_id=transactional_id(self._k.group_id, tp),
+            **self._k.client_options(), transactional_id=transactional_id(self._k.group_id, tp),
             transaction_timeout_ms=self._k.transaction_timeout_ms, enable_idempotence=True, acks="all",
             max_request_size=self._k.max_message_bytes + 64 * 1024)
 

@@ -18,7 +18,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from config.settings import Settings
 from producer.client import InferenceClient, RequestHandle
-from producer.topics import kafka_options
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +92,7 @@ class ClientPool:
 
     async def _delete_reply_topics(self) -> None:
         # The clients keep named reply topics (they may be shared); these are this instance's own.
-        admin = AIOKafkaAdminClient(**kafka_options(self.settings.kafka))
+        admin = AIOKafkaAdminClient(**self.settings.kafka.connection_options())
         with contextlib.suppress(Exception):
             await admin.start()
             await admin.delete_topics([c.reply_topic for c in self.clients.values()])

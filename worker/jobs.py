@@ -1,0 +1,137 @@
+"""The job ledger: every request a worker holds, from its record's intake to its committed outcome.
+
+- `Job`: one execution attempt of a request (the engine's request id is the attempt).
+- Records taken whose offset is not finished are *held*, to dead-letter one whose reply can never
+  be delivered; outcomes not yet committed are counted per partition (*unacked*), which is what a
+  revocation or a drain waits for.
+- Ids finished here are remembered (bounded), with their final `done` where small: the same
+  request coming back (a resubmission) is answered from here instead of running twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import structlog
+from aiokafka import TopicPartition
+
+from producer.schema import Request
+from worker.publisher import ReplyStream
+
+# Ids of requests finished here, remembered so a resubmission does not run them twice.
+MAX_REMEMBERED_DONE = 100_000
+# The last final `done`s themselves, sent again when their request comes back (bounded bytes).
+MAX_REMEMBERED_EVENTS = 10_000
+MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
+
+
+@dataclass
+class Job:
+    request: Request
+    reply: ReplyStream
+    tp: TopicPartition
+    offset: int
+    received: float  # Unix seconds
+    max_tokens: int
+    generation: int = 0  # the intake's assignment generation when it was admitted
+    state: str = "waiting"  # waiting -> running -> finishing
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    log: structlog.BoundLogger = field(default=None, repr=False)
+
+    @property
+    def attempt(self) -> str:
+        return self.reply.attempt
+
+
+def fingerprint(req: Request) -> str:
+    return hashlib.blake2b(req.model_dump_json().encode(), digest_size=16).hexdigest()
+
+
+class JobLedger:
+    def __init__(self) -> None:
+        self.jobs: dict[str, Job] = {}  # attempt -> job
+        self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
+        self._held: dict[tuple[TopicPartition, int], object] = {}  # records taken, offset not finished
+        self._unacked: Counter[TopicPartition] = Counter()  # outcomes not committed yet
+        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, final done committed
+        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, partition, done bytes)
+        self.settled = asyncio.Event()  # pulses whenever an outcome is acked
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def add(self, job: Job) -> None:
+        self.jobs[job.attempt] = job
+        self._by_id.setdefault(job.request.id, set()).add(job.attempt)
+        self.taken(job.tp)
+
+    def forget(self, job: Job) -> None:
+        self.jobs.pop(job.attempt, None)
+        attempts = self._by_id.get(job.request.id)
+        if attempts is not None:
+            attempts.discard(job.attempt)
+            if not attempts:
+                del self._by_id[job.request.id]
+
+    def attempts(self, request_id: str) -> list[str]:
+        return list(self._by_id.get(request_id, ()))
+
+    def empty(self) -> bool:
+        return not self.jobs and not self._unacked and not self._by_id
+
+    # -- records whose offsets are not finished ---------------------------------------------------
+
+    def hold(self, tp: TopicPartition, record) -> None:
+        self._held[(tp, record.offset)] = record
+
+    def held(self, tp: TopicPartition, offset: int):
+        return self._held.get((tp, offset))
+
+    def release(self, tp: TopicPartition, offset: int) -> None:
+        self._held.pop((tp, offset), None)
+
+    def release_partitions(self, tps) -> None:
+        """Their next owner reads these records again."""
+        for key in [k for k in self._held if k[0] in tps]:
+            del self._held[key]
+
+    # -- outcomes in flight -----------------------------------------------------------------------
+
+    def taken(self, tp: TopicPartition) -> None:
+        self._unacked[tp] += 1
+
+    def acked(self, tp: TopicPartition) -> None:
+        self._unacked[tp] -= 1
+        if self._unacked[tp] <= 0:
+            del self._unacked[tp]
+        self.settled.set()
+
+    def unacked(self, tps=None) -> bool:
+        """Outcomes not committed yet (of `tps`, or of any partition)."""
+        return any(self._unacked[tp] for tp in tps) if tps is not None else bool(self._unacked)
+
+    def busy_partitions(self) -> set[TopicPartition]:
+        return set(self._unacked) | {j.tp for j in self.jobs.values()}
+
+    # -- requests finished here -------------------------------------------------------------------
+
+    def remember(self, job: Job) -> None:
+        req = job.request
+        self._completed[req.id] = fingerprint(req)
+        if len(self._completed) > MAX_REMEMBERED_DONE:
+            self._completed.popitem(last=False)
+        done = job.reply.final_event
+        if done is not None and len(done) <= MAX_REMEMBERED_EVENT_BYTES:
+            self._final_events[req.id] = (job.reply.topic, job.reply.partition, done)
+            if len(self._final_events) > MAX_REMEMBERED_EVENTS:
+                self._final_events.popitem(last=False)
+
+    def finished(self, req: Request) -> bool:
+        """This very request (same id, same content) was answered here before."""
+        return self._completed.get(req.id) == fingerprint(req)
+
+    def final_event(self, request_id: str) -> tuple | None:
+        """(topic, partition, done bytes) of a request finished here, if still remembered."""
+        return self._final_events.get(request_id)
