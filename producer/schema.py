@@ -13,6 +13,7 @@ Decoding a request sorts every failure into one of two exceptions:
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -64,6 +65,14 @@ MAX_METADATA_BYTES = 4096
 # Trace ids, user ids, tags: a few dozen keys; the byte cap alone would allow thousands of tiny ones.
 MAX_METADATA_KEYS = 64
 MAX_TENANT_LEN = 256
+# A JSON schema (as compact JSON), a regex or an EBNF grammar: compile time grows with its size, and
+# real extraction schemas are a few KiB.
+MAX_GRAMMAR_BYTES = 65_536
+# vLLM's choice is a label set (classification); each option becomes one grammar alternative.
+MAX_CHOICES = 256
+MAX_CHOICE_LEN = 1024
+# OpenAI's cap on top_logprobs.
+MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
@@ -190,6 +199,72 @@ class ChatMessage(_Wire):
     content: Utf8Text
 
 
+def _grammar_size(text: str) -> str:
+    size = len(text.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"is {size} bytes, at most {MAX_GRAMMAR_BYTES} allowed")
+    return text
+
+
+def _json_text(value: dict) -> str:
+    """The schema as canonical compact JSON: the grammar cache's key and the compiler's input."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"must be JSON ({exc})"[:200]) from None
+
+
+GrammarText = Annotated[Utf8Text, Field(min_length=1), AfterValidator(_grammar_size)]
+
+
+class JsonSchemaFormat(_Wire):
+    """OpenAI's ``response_format.json_schema``: the output is JSON valid against ``schema``."""
+
+    # `schema` would shadow a BaseModel attribute: an alias keeps the wire name.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: Annotated[dict, Field(alias="schema")] = {}
+    strict: bool | None = None
+    description: Annotated[Utf8Text, Field(max_length=MAX_CHOICE_LEN)] | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_size(cls, value: dict) -> dict:
+        _grammar_size(_json_text(value))
+        return value
+
+
+class ResponseFormat(_Wire):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object)
+    or ``json_schema`` (``json_schema`` required)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(_Wire):
+    """vLLM's structured outputs: exactly one of ``regex``, ``choice`` (one of these strings) and
+    ``grammar`` (EBNF, xgrammar's GBNF dialect)."""
+
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[NonEmptyText, AfterValidator(_utf8), Field(max_length=MAX_CHOICE_LEN)]],
+                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: GrammarText | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        if sum(getattr(self, f) is not None for f in ("regex", "choice", "grammar")) != 1:
+            raise ValueError("exactly one of regex, choice, grammar is required")
+        return self
+
+
 class Request(_Wire):
     """One generation request (PROTOCOL.md, "Request"). Exactly one of ``prompt``,
     ``messages``, ``prompt_token_ids`` is set. Defaults are the contract's defaults; None means
@@ -222,6 +297,40 @@ class Request(_Wire):
     tenant: Annotated[str, Field(min_length=1, max_length=MAX_TENANT_LEN, pattern=TENANT_PATTERN)] = "default"
     stream: bool = True
     metadata: Annotated[dict[Utf8Text, Utf8Text], Field(max_length=MAX_METADATA_KEYS)] = {}
+    response_format: ResponseFormat | None = None
+    structured: StructuredOutputs | None = None  # after response_format: its validator reads it
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # after logprobs
+
+    @field_validator("structured")
+    @classmethod
+    def _one_constraint(cls, value, info):
+        fmt = info.data.get("response_format")
+        if value is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("only one of response_format and structured may constrain the output")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _logprobs_on(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs: true")
+        return value
+
+    def output_constraint(self) -> tuple[str, str, str] | None:
+        """(field, kind, text) of the grammar the output must follow, or None. ``kind`` is one of
+        json_schema, json_object, regex, choice, grammar; ``text`` the schema as canonical JSON,
+        the regex, the choices as a JSON list, or the EBNF; ``field`` the request field it came from."""
+        fmt, s = self.response_format, self.structured
+        if fmt is not None and fmt.type == "json_schema":
+            return "response_format", "json_schema", _json_text(fmt.json_schema.schema_)
+        if fmt is not None and fmt.type == "json_object":
+            return "response_format", "json_object", ""
+        if s is None:
+            return None
+        if s.choice is not None:
+            return "structured", "choice", json.dumps(s.choice, ensure_ascii=False)
+        return ("structured", "regex", s.regex) if s.regex is not None else ("structured", "grammar", s.grammar)
 
     @field_validator("metadata")
     @classmethod
@@ -296,12 +405,26 @@ class StartedEvent(_EventBase):
     queue_s: Seconds
 
 
+class TopLogprob(_Wire):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(_Wire):
+    """One generated token's log-probability and the most likely alternatives (best first)."""
+
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokensEvent(_EventBase):
-    """New tokens of one attempt and the text they add (only the new text)."""
+    """New tokens of one attempt and the text they add (only the new text). ``logprobs`` is
+    aligned with ``token_ids`` when the request asked for them, else nil."""
 
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class DoneEvent(_EventBase):
@@ -484,7 +607,9 @@ __all__ = [
     "MAX_STOP_LEN", "MAX_STOP_TOKEN_IDS", "MAX_PROMPT_TOKEN_IDS", "MAX_MESSAGES", "MAX_ROLE_LEN", "MAX_TOKEN_ID",
     "SEED_RANGE", "PRIORITY_RANGE", "MAX_TIMEOUT_S", "MAX_REPLY_PARTITION", "MAX_TENANT_LEN",
     "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
-    "ChatMessage", "Request", "Cancel", "Usage", "Timing", "ErrorInfo",
+    "MAX_GRAMMAR_BYTES", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
+    "ChatMessage", "JsonSchemaFormat", "ResponseFormat", "StructuredOutputs", "Request", "Cancel",
+    "TopLogprob", "TokenLogprob", "Usage", "Timing", "ErrorInfo",
     "StartedEvent", "TokensEvent", "DoneEvent", "Event",
     "UndecodableMessage", "InvalidRequest",
     "decode_request", "encode_request", "encode_event", "decode_event", "encode_cancel", "decode_cancel",

@@ -210,10 +210,11 @@ def mismatches(where: str, annotation, node: dict, components: dict) -> list[str
 def model_mismatches(model: type[BaseModel], node: dict, components: dict) -> list[str]:
     props = node["properties"]
     problems = []
-    if set(props) != set(model.model_fields):
-        problems.append(f"{model.__name__}: only in the model {sorted(set(model.model_fields) - set(props))}, "
-                        f"only in the schema {sorted(set(props) - set(model.model_fields))}")
-    for field, info in model.model_fields.items():
+    wire = {info.alias or name: info for name, info in model.model_fields.items()}  # `schema` has an alias
+    if set(props) != set(wire):
+        problems.append(f"{model.__name__}: only in the model {sorted(set(wire) - set(props))}, "
+                        f"only in the schema {sorted(set(props) - set(wire))}")
+    for field, info in wire.items():
         if field in props:
             problems += mismatches(f"{model.__name__}.{field}", info.annotation, props[field], components)
     return problems
@@ -234,6 +235,7 @@ def test_enums_are_the_contract_lists(components):
 def test_defaults_are_the_models_defaults(components):
     for name, node in components.items():
         for field, info in getattr(schema, name).model_fields.items():
+            field = info.alias or field
             if not info.is_required():
                 assert node["properties"][field].get("default") == info.get_default(), f"{name}.{field}"
 
@@ -257,7 +259,8 @@ FULL_REQUEST = {
     "max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 1, "stop": ["x"], "stop_token_ids": [2],
     "ignore_eos": True, "priority": 3, "timeout_s": 5.0, "created_at": 1.0, "tenant": "t", "stream": False,
-    "metadata": {"k": "v"},
+    "metadata": {"k": "v"}, "response_format": {"type": "json_object"}, "structured": None,
+    "logprobs": True, "top_logprobs": None,  # set, it needs logprobs: not independent of it
 }
 
 

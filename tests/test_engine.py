@@ -44,17 +44,17 @@ def test_alone_equals_inside_a_batch_of_30(model_runner, prompts):
 
 def logits_rows_of(model_runner, prompt: list[int], arrivals) -> list[torch.Tensor]:
     """Every logits row the sampler got for the request whose prompt is `prompt`, step by step."""
-    rows, sampler = [], model_runner.sampler
+    rows, sample = [], model_runner.sampler.sample
 
-    def capture(logits, params, prompt_ids, output_ids, generators):
+    def capture(logits, params, prompt_ids, *rest):
         rows.extend(logits[i].clone() for i, ids in enumerate(prompt_ids) if ids == prompt)
-        return sampler(logits, params, prompt_ids, output_ids, generators)
+        return sample(logits, params, prompt_ids, *rest)
 
-    model_runner.sampler = capture
+    model_runner.sampler.sample = capture  # an instance attribute over the method
     try:
         run_to_completion(make_engine(model_runner), arrivals)
     finally:
-        model_runner.sampler = sampler
+        del model_runner.sampler.sample
     return rows
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_scheduler import FakeKV, check, seq
+from tests.test_scheduler import FakeKV, check, fits, seq
 from tests.test_spec_decode import greedy, spec_step
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineStats
@@ -108,7 +108,7 @@ def test_waste_under_random_traffic_at_every_block_size(block_size, reqs, pool_b
             _, i, p, n, tail, m, pr = pending.pop(0)
             ids = prefixes[p][:n * block_size] + [i % 3] * max(1, int(tail * block_size))
             s = Sequence(f"r{i}", ids, greedy(m), priority=pr, arrival_time=float(step))
-            if sched.blocks_to_finish(s) <= pool_blocks:
+            if fits(sched, s):
                 sched.add(s)
         spec_step(sched, kv, outputs)
         check(sched)

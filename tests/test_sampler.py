@@ -36,6 +36,16 @@ def test_greedy_equals_argmax_and_leaves_logits_alone(dtype):
     assert torch.equal(logits, before)
 
 
+def test_one_definition_of_greedy():
+    """A near-zero temperature is greedy for the sampler and for speculative decoding alike."""
+    from worker.engine.spec_decode import can_speculate
+
+    tiny, small = SamplingParams(temperature=1e-6, seed=1), SamplingParams(temperature=0.01, seed=1)
+    assert tiny.greedy and can_speculate(tiny) and not small.greedy and not can_speculate(small)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    assert call(logits, [tiny, tiny], generators=[make_generator(1)] * 2) == logits.argmax(-1).tolist()
+
+
 def test_non_contiguous_logits():
     # e.g. a padded LM head sliced to the tokenizer's vocab
     wide = torch.randn(6, VOCAB + 7, generator=torch.Generator().manual_seed(6))

@@ -16,6 +16,12 @@ def seq(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: 
                     sampling=SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival)
 
 
+def fits(sched: Scheduler, s: Sequence) -> bool:
+    """Can `s` ever finish in this pool? The engine rejects the rest (prompt_too_long) before the scheduler sees them."""
+    bm = sched.block_manager
+    return bm.num_blocks_for(s.num_prompt_tokens + s.sampling.max_tokens) <= bm.num_blocks
+
+
 def fake_step(sched: Scheduler) -> list[Sequence]:
     """One step: advance the counters, sample a token where due, retire what is done."""
     out = sched.schedule()
@@ -58,7 +64,7 @@ def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budge
         while pending and pending[0][0] <= step:
             _, i, p, m, pr = pending.pop(0)
             s = seq(f"r{i}", p, m, pr, arrival=float(step))
-            if sched.blocks_to_finish(s) > num_blocks:
+            if not fits(sched, s):
                 done.add(s.request_id)  # the engine rejects these at once
                 continue
             alive[s.request_id] = s
@@ -238,7 +244,7 @@ def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(reqs, num_blo
             _, i, k, n, tail, m, pr = pending.pop(0)
             s = Sequence(request_id=f"r{i}", prompt_token_ids=prefixes[k][:n] + [i] * tail,
                          sampling=SamplingParams(max_tokens=m), priority=pr, arrival_time=float(step))
-            if sched.blocks_to_finish(s) <= num_blocks:
+            if fits(sched, s):
                 alive[s.request_id] = s
                 sched.add(s)
         for s in cached_step(sched, kv, rng_token=lambda s: len(s.output_token_ids) % 3):

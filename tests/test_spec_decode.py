@@ -16,7 +16,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import NgramProposer, accept, can_speculate, find_last
 from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
-from tests.test_scheduler import FakeKV, check
+from tests.test_scheduler import FakeKV, check, fits
 
 NGRAM = {"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
@@ -301,7 +301,7 @@ def run_traffic(reqs, num_blocks: int, budget: int, max_seqs: int, policy: str, 
             _, i, plen, m, pr = pending.pop(0)
             s = Sequence(f"r{i}", [(i + j) % 3 for j in range(plen)], greedy(m), priority=pr,
                          arrival_time=float(step))
-            if sched.blocks_to_finish(s) <= num_blocks:
+            if fits(sched, s):
                 sched.add(s)
         spec_step(sched, kv, outputs)
         check(sched)

@@ -34,7 +34,7 @@ from aiokafka import TopicPartition
 
 from producer.schema import Request
 from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
-from worker.engine.request import EngineRequest, RequestOutput, SamplingParams
+from worker.engine.request import EngineRequest, RequestOutput, SamplingParams, StructuredSpec
 from worker.http import HttpServer
 from worker.cancels import CancelListener, RecentCancels
 from worker.intake import Admission, Intake
@@ -327,7 +327,7 @@ class Worker:
             job.first_token_at = now
             self.metrics.ttft.labels(priority_label(job.request.priority)).observe(now - job.received)
         job.last_token_at = now
-        self.publisher.tokens(job.reply, out.new_token_ids, out.text_delta)
+        self.publisher.tokens(job.reply, out.new_token_ids, out.text_delta, out.logprobs)
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         ran = job.state == "running"
@@ -409,7 +409,8 @@ def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos)
+        ignore_eos=req.ignore_eos, structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
     return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
                          prompt_token_ids=req.prompt_token_ids, priority=req.priority,

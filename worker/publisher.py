@@ -223,7 +223,7 @@ class Publisher:
         if not rs.token_ids and not rs.text:
             return
         ev = TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
-                         token_ids=rs.token_ids, text="".join(rs.text))
+                         token_ids=rs.token_ids, text="".join(rs.text), logprobs=rs.logprobs)
         rs.token_ids, rs.text, rs.logprobs = [], [], None
         self._emit(rs, ev)
 

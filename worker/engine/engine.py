@@ -11,6 +11,7 @@ import gc
 import queue
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,16 +23,19 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, RequestOutput
-from worker.engine.sampler import make_generator
+from worker.engine.sampler import SamplerOutput, make_generator
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import NgramProposer, accept
+from worker.engine.structured_output import GrammarCompiler, new_matcher
 
 log = structlog.get_logger(__name__)
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 # A generous bound on the characters of one token (BPE vocabularies top out around 16-128).
 MAX_CHARS_PER_TOKEN = 256
+# An engine with nothing to do but grammars to compile waits this long for one, not spinning.
+GRAMMAR_WAIT_S = 0.01
 
 
 class Rejected(Exception):
@@ -83,6 +87,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, Sequence] = {}
+        self._grammars: GrammarCompiler | None = None  # built by the first constrained request
+        # Constrained sequences whose grammar still compiles: in no queue, holding no block.
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
 
@@ -110,13 +117,53 @@ class LLMEngine:
                                                   f"prompt could not be tokenized ({type(exc).__name__})"))
             return
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.sampling.structured is not None:
+            self._compile(seq)
+        else:
+            self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _compile(self, seq: Sequence) -> None:
+        """The grammar compiles on GrammarCompiler's thread; the sequence joins the queue once it
+        is ready (_admit_compiled), so the batch never waits for a compile."""
+        field = seq.sampling.structured.field
+        try:
+            future = self.grammars.compile(seq.sampling.structured)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
+            log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
+            self.requests.pop(seq.request_id, None)
+            self._finished.append(rejected_output(seq.request_id, "invalid_request",
+                                                  f"{field}: structured outputs are unavailable on this worker"))
+            return
+        self._compiling[seq.request_id] = (seq, future)
+
+    def _admit_compiled(self) -> None:
+        if self._compiling and not self._finished and not self.scheduler.has_unfinished():
+            wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.grammar = new_matcher(future.result())
+            except ValueError as exc:
+                self.requests.pop(request_id, None)
+                field = seq.sampling.structured.field
+                self._finished.append(rejected_output(request_id, "invalid_request", f"{field}: {exc}"))
+                continue
+            self.scheduler.add(seq)
 
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
         self._check_fits(prompt_ids, req.sampling.max_tokens)
         # Preempted sequences wait too, but were admitted once: only new arrivals count.
-        if sum(s.first_scheduled_time is None for s in self.scheduler.waiting) >= self.max_waiting:
+        num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(self._compiling)
+        if num_new >= self.max_waiting:
             raise Rejected("overloaded", f"waiting pool full ({self.max_waiting})")
         return Sequence(
             request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
@@ -156,17 +203,19 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return  # unknown or already finished: aborts race with completion
+        self._compiling.pop(request_id, None)
         self.scheduler.remove(seq)
         seq.finish(reason, message)
         self._finished.append(self._output(seq, finished=True))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._finished) or self.scheduler.has_unfinished()
+        return bool(self._finished) or self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         self._expire_deadlines()
+        self._admit_compiled()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs = {o.request_id: o for o in self._finished}
@@ -182,7 +231,7 @@ class LLMEngine:
         for seq in [s for s in self.requests.values() if s.deadline is not None and s.deadline <= now]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
-    def _update(self, sched: SchedulerOutput, sampled: list[list[int]], outputs: dict) -> None:
+    def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
         now = time.time()
         for seq in sched.started:
             seq.first_scheduled_time = now
@@ -190,27 +239,32 @@ class LLMEngine:
         sampled_iter = iter(sampled)
         for chunk in sched.scheduled:
             seq, drafts = chunk.seq, chunk.spec_token_ids
-            new_tokens = accept(drafts, next(sampled_iter)) if chunk.samples else []  # before the counter moves
+            drawn = next(sampled_iter) if chunk.samples else None
+            new_tokens = accept(drafts, drawn.token_ids) if drawn is not None else []  # before the counter moves
             # K/V is valid for the known tokens and the accepted drafts, not for rejected ones.
             num_accepted = max(0, len(new_tokens) - 1)
             seq.num_computed_tokens += chunk.num_new_tokens - len(drafts) + num_accepted
             self._stats.spec_draft_tokens += len(drafts)
             self._stats.spec_accepted_tokens += num_accepted
             self.block_manager.cache_computed_blocks(seq)
-            for token_id in new_tokens:
-                self._append_token(seq, token_id, now, outputs)
+            for token_id, logprobs in zip(new_tokens, drawn.logprobs if drawn is not None else []):
+                self._append_token(seq, token_id, now, outputs, logprobs)
                 if seq.is_finished:
                     break  # a stop among the accepted tokens: the rest were never generated
 
-    def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict,
+                      logprobs: dict | None = None) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token_id)
         self._stats.num_generated_tokens += 1
         out = outputs.setdefault(seq.request_id, self._output(seq))
         out.new_token_ids.append(token_id)
+        if seq.sampling.logprobs is not None:
+            out.logprobs = out.logprobs if out.logprobs is not None else []
+            out.logprobs.append(logprobs)
         out.num_output_tokens = seq.num_output_tokens  # a step may append several (accepted drafts)
-        reason = self._stop_reason(seq, token_id)
+        reason = self._grammar_stop(seq, token_id) or self._stop_reason(seq, token_id)
         if token_id not in self.eos_token_ids and token_id not in seq.sampling.stop_token_ids:
             delta, stopped = seq.detokenizer.add(token_id)
             out.text_delta += delta
@@ -218,6 +272,15 @@ class LLMEngine:
         if reason is not None:
             out.text_delta += seq.detokenizer.flush()
             self._retire(seq, reason, out)
+
+    def _grammar_stop(self, seq: Sequence, token_id: int) -> str | None:
+        """`stop` once the grammar is complete (it then allows only a stop token)."""
+        if seq.grammar is None:
+            return None
+        if not seq.grammar.accept_token(token_id):  # the mask allowed it: a bug, not the user's
+            log.error("engine.grammar_rejected_token", request_id=seq.request_id, token_id=token_id)
+            return "error"
+        return "stop" if seq.grammar.is_terminated() else None
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling
@@ -261,7 +324,8 @@ class LLMEngine:
 
     def _record_stats(self, sched: SchedulerOutput, step_time: float) -> None:
         s = self._stats
-        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting) + len(self._compiling)
         s.kv_cache_usage = self.block_manager.usage
         s.kv_cache_waste = self.block_manager.waste(self.scheduler.running + self.scheduler.waiting)
         s.num_preemptions = self.scheduler.num_preemptions
@@ -305,12 +369,9 @@ class EngineLoop:
 
     Give it a built engine, or a function that builds one: then the model is loaded on the loop's
     own thread, and `wait_ready()` returns the engine once it is. Load on this thread where you
-    can. Each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu/) keeps its
-    own pool of OpenMP threads for the life of the process; once there are more of those than
-    CPUs, libgomp stops spinning between parallel regions and every region pays a futex wake-up
-    (~75 us on the 2-core dev VM). A model loaded on another thread left such a pool behind:
-    decode steps of SmolLM2 were 13-15% slower than with the same model loaded on the thread
-    that steps it (`python -m bench.load_thread`, docs/benchmarks.md)."""
+    can: each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu/) keeps its own
+    OpenMP pool for the life of the process, and once those pools hold more threads than there
+    are CPUs every parallel region pays a futex wake-up (`python -m bench.load_thread`)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],
@@ -358,9 +419,8 @@ class EngineLoop:
                 self._build_error = exc
                 self._ready.set()
                 return
-        # The ~340k objects alive now (model, tokenizer, config: SmolLM2) live as long as the
-        # engine; frozen until stop(), no garbage collection traverses them (a full one took
-        # ~190 ms, a pause inside some step).
+        # The objects alive now (model, tokenizer, config) live as long as the engine; frozen
+        # until stop(), no full garbage collection traverses them, a pause inside some step.
         gc.freeze()
         self._ready.set()
         try:

@@ -20,8 +20,9 @@ from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and be
     pick_dtype, pick_kv_dtype)
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
+from worker.engine.structured_output import TokenBitmask
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
         if self.backends.linear != "torch":
@@ -101,11 +103,11 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[list[int]]:
+    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[SamplerOutput]:
         """Run one forward over `scheduled`; for each chunk that samples, in the order of
-        `[s for s in scheduled if s.samples]`, its sampled tokens: one, or with drafts one per
-        row (the argmax after each known token and draft, for spec_decode.accept to check).
-        `owner`: claim()'s token, if any."""
+        `[s for s in scheduled if s.samples]`, its sampled tokens (and logprobs): one, or with
+        drafts one per row (the argmax after each known token and draft, for spec_decode.accept
+        to check). `owner`: claim()'s token, if any."""
         if owner is not None and owner is not self.owner:
             raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
                                "its KV cache no longer holds this engine's blocks")
@@ -115,10 +117,19 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [s.seq for s in batch.sampling for _ in range(1 + len(s.spec_token_ids))]
-        tokens = iter(self.sampler(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
-                                   [s.output_token_ids for s in rows], [s.generator for s in rows]))
+        # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
+        grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
+        bitmask = self.token_bitmask.fill([rows[i].grammar for i in grammar_rows]) if grammar_rows else None
+        out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
+                                  [s.output_token_ids for s in rows], [s.generator for s in rows],
+                                  bitmask, grammar_rows)
+        tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
         # The batch put decodes first; hand the tokens back in the scheduler's order.
-        by_seq = {id(s.seq): [next(tokens) for _ in range(1 + len(s.spec_token_ids))] for s in batch.sampling}
+        by_seq = {}
+        for s in batch.sampling:
+            num_rows = 1 + len(s.spec_token_ids)
+            by_seq[id(s.seq)] = SamplerOutput([next(tokens) for _ in range(num_rows)],
+                                              [next(logprobs) for _ in range(num_rows)])
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:

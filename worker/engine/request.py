@@ -8,6 +8,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy: dividing logits by them would overflow fp32.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """The grammar a request's output must follow (producer.schema.Request.output_constraint):
+    `kind` is json_schema, json_object, regex, choice or grammar; `text` its source, which is
+    also the compiled grammar's cache key; `field` the wire field a rejection names."""
+
+    field: str
+    kind: str
+    text: str
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +38,8 @@ class SamplingParams:
     # A set: the engine looks up every generated token in it, so the cost stays O(1) per token.
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    structured: StructuredSpec | None = None
+    logprobs: int | None = None  # None: off; k: the token's logprob and the k most likely (k <= 20)
 
     def __post_init__(self) -> None:
         # Callers may pass any iterable of ids (the wire request holds a list).
@@ -31,7 +47,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The one definition of greedy (argmax): the sampler, speculative decoding and the tests use it."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass
@@ -58,6 +75,8 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
+    # Aligned with new_token_ids when the request asked for logprobs: wire-shaped TokenLogprob dicts.
+    logprobs: list[dict] | None = None
     text_delta: str = ""
     started: bool = False
     finished: bool = False

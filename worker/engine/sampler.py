@@ -1,26 +1,28 @@
 """Batched sampling: one call turns a step's logits into one next token per sequence.
 
-Pipeline, per row (HF `generate` order): penalties -> temperature -> top-k -> top-p -> min-p ->
-draw. Every stage runs on the whole sub-batch of rows that need it, never row by row, except the
+Pipeline, per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k ->
+top-p -> min-p -> draw. Log-probabilities, for the rows that ask, are log_softmax of the logits
+after penalties and the grammar mask, before temperature (what vLLM reports).
+Every stage runs on the whole sub-batch of rows that need it, never row by row, except the
 seeded draws: a seeded row takes its random number from its own generator, and every stage is a
 function of the row's own values, so its tokens do not depend on which requests share the batch
 (given the same logits row: the model's batch-invariance is the runner's business).
 
-Cost on CPU (2 cores, 64 x 49152 fp32): a pass over the logits costs about as much as a max.
-Greedy is one argmax; temperature sampling is ~5 passes; top-k / top-p add a topk of a few
+Cost, in passes over the logits (one pass costs about as much as a max): greedy is one argmax; temperature sampling is ~5 passes; top-k / top-p add a topk of a few
 hundred candidates instead of a full sort (~30 passes); penalties touch only the seen tokens.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
 import torch.nn.functional as F
 
 from worker.engine.request import SamplingParams
+from worker.engine.structured_output import apply_token_bitmask
 
-# Temperatures below this are treated as greedy: dividing by them overflows fp32 logits.
-_MIN_TEMPERATURE = 1e-5
 # Top-p looks at this many candidates first; a row whose nucleus is wider retries with 16x more.
 _TOP_P_CANDIDATES = 256
 # The draw picks a block of this many tokens, then a token inside it (see _draw).
@@ -40,10 +42,6 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     return generator
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _MIN_TEMPERATURE
-
-
 def has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -52,41 +50,92 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None, or for rows whose params ask for logprobs the wire's TokenLogprob shape,
+    # {"logprob": float, "top_logprobs": [{"token_id": int, "logprob": float}, ...]} (best first).
+    logprobs: list[dict | None]
+
+
 class Sampler:
     """Picks the next token of every sequence in a batch.
 
     Stateless: the per-request random state lives in the generators the caller passes. The
     caller's `logits` are never modified (work happens on fp32 copies)."""
 
-    def __call__(
+    def __call__(self, logits, params, prompt_ids, output_ids, generators, bitmask=None,
+                 grammar_rows: list[int] = ()) -> list[int]:
+        """The token ids of `sample`."""
+        return self.sample(logits, params, prompt_ids, output_ids, generators, bitmask, grammar_rows).token_ids
+
+    def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
-    ) -> list[int]:
+        bitmask: torch.Tensor | None = None,
+        grammar_rows: list[int] = (),
+    ) -> SamplerOutput:
         """logits: [num_seqs, vocab], fp32/bf16/fp16, any device; one row per sequence, aligned
         with params, prompt_ids, output_ids (tokens generated so far) and generators.
-        Temperature < 1e-5 is greedy (argmax after penalties; other params and the seed unused).
-        Returns one token id per row."""
+        `bitmask` [len(grammar_rows), words] int32 on the logits' device: the tokens allowed in
+        those rows (structured_output.py). A greedy row (SamplingParams.greedy) takes the argmax
+        after penalties and mask; its other params and seed are unused.
+        Returns one token id per row, and the logprobs of the rows that ask for them."""
         num_seqs = logits.shape[0]
         assert logits.dim() == 2, logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == num_seqs
-        if all(is_greedy(p) and not has_penalties(p) for p in params):
-            return logits.argmax(dim=-1).tolist()  # the common serving case: one kernel
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if not grammar_rows and not wants_logprobs and all(p.greedy and not has_penalties(p) for p in params):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)  # one kernel
         # Rows are viewed flat and in blocks below; a padded-vocab slice would not view.
         work = _penalized(logits.contiguous(), params, prompt_ids, output_ids)
-        greedy = [i for i, p in enumerate(params) if is_greedy(p)]
-        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        next_ids = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
+        if grammar_rows:
+            work = _masked(work, logits, list(grammar_rows), bitmask)
+        next_ids = self._pick(work, params, generators)
+        logprobs = _logprobs(work, next_ids, params) if wants_logprobs else [None] * num_seqs
+        return SamplerOutput(next_ids.tolist(), logprobs)
+
+    def _pick(self, work: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+        num_seqs = work.shape[0]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        next_ids = torch.empty(num_seqs, dtype=torch.int64, device=work.device)
         if greedy:
             _put_rows(next_ids, greedy, _rows(work, greedy).argmax(dim=-1))
         if sampled:
             rows = [params[i] for i in sampled]
             draws = _sample(_rows(work, sampled), rows, [generators[i] for i in sampled])
             _put_rows(next_ids, sampled, draws)
-        return next_ids.tolist()
+        return next_ids
+
+
+def _masked(work: torch.Tensor, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """`work` with the grammar's forbidden tokens at -inf in `rows`; never the caller's `logits`."""
+    if work.data_ptr() == logits.data_ptr():
+        work = work.clone()
+    return _put_rows(work, rows, apply_token_bitmask(_rows(work, rows), bitmask))
+
+
+def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingParams]) -> list[dict | None]:
+    """The sampled token's log-probability and the top-k of its row, for rows that ask; tokens
+    the grammar forbids (-inf) are left out of the top list."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    index = torch.tensor(rows, device=work.device)
+    logprobs = torch.log_softmax(_rows(work, rows), dim=-1)
+    chosen = logprobs.gather(1, next_ids.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in rows)
+    top = logprobs.topk(k, dim=-1) if k else None
+    values, ids = (top.values.tolist(), top.indices.tolist()) if k else ([[]] * len(rows), [[]] * len(rows))
+    out: list[dict | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        k_i = params[i].logprobs
+        out[i] = {"logprob": chosen[j], "top_logprobs": [
+            {"token_id": t, "logprob": v} for t, v in zip(ids[j][:k_i], values[j][:k_i]) if v != -math.inf]}
+    return out
 
 
 def _penalized(logits, params, prompt_ids, output_ids) -> torch.Tensor:
@@ -127,7 +176,7 @@ def apply_penalties(
         ))
         penalties = _column(params, "repetition_penalty", out.device).flatten()
         penalty = penalties.index_select(0, seen // vocab)
-        values = flat.index_select(0, seen)  # index_select: advanced indexing is ~50x slower on CPU
+        values = flat.index_select(0, seen)  # index_select: advanced indexing is far slower on CPU
         flat.index_copy_(0, seen, torch.where(values > 0, values / penalty, values * penalty))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         counted, counts = torch.unique(_flat_index(output_ids, vocab, out.device), return_counts=True)

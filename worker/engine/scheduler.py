@@ -87,10 +87,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def blocks_to_finish(self, seq: Sequence) -> int:
-        """Blocks the sequence holds at its longest (prompt + every allowed new token)."""
-        return self.block_manager.num_blocks_for(seq.num_prompt_tokens + seq.sampling.max_tokens)
-
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

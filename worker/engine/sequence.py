@@ -36,6 +36,7 @@ class Sequence:
     deadline: float | None = None
     generator: torch.Generator | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer; None when text is not needed
+    grammar: object | None = None  # xgrammar GrammarMatcher of a constrained request, once compiled
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -50,7 +51,6 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    text: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,36 +1,30 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): guesses to verify, never to trust.
+"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`): guesses to verify,
+never to trust.
 
-A decode step reads every weight of the model to compute one token per sequence; for a few
-sequences that step is bound by memory, and verifying several tokens of one sequence costs
-about what computing one does. So before a step, a greedy sequence's last few tokens are
-looked up earlier in its own text (prompt and output): if they occurred before, the tokens that
-followed them then are proposed as its next tokens ("drafts"). The step computes the sequence's
-last token and the drafts as one chunk, one row each; row i's argmax is the token greedy
-decoding would pick after draft i-1. The drafts are accepted while they equal those argmaxes,
-and the first row that disagrees gives its own argmax instead, so every step still yields at
-least one token, and the tokens are exactly greedy decoding's: a draft only decides how many of
-them one step computes. (Exact to the bit where the rows of a chunk are computed as decode rows
-are: the CPU path, kernels/cpu/, and oneDNN's row-invariant linear layers.)
-
-Code, quoted passages, lists and the loops of a small model's greedy text repeat themselves; free
-prose does not, and then a draft costs its rows' compute for nothing. Only greedy sequences
-without penalties are drafted for (a sampled token cannot be checked against one argmax).
-
-vLLM's `ngram` method (prompt lookup decoding, Saxena 2023) is the same idea.
+A decode step of few sequences is bound by reading the weights, so verifying several tokens of
+one sequence costs about what computing one does. A greedy sequence's last few tokens are looked
+up earlier in its own text; the tokens that followed them there are its drafts. The step computes
+the last token and the drafts as one chunk, row i's argmax being greedy's token after draft i-1;
+drafts are accepted while they equal those argmaxes, and the first row that disagrees gives its
+own. So every step yields at least one token, and the tokens are exactly greedy decoding's (to
+the bit where a chunk's rows compute as decode rows do: kernels/cpu/, oneDNN's row-invariant
+linears). Only greedy sequences without penalties are drafted for (`can_speculate`).
 """
 from __future__ import annotations
 
 from array import array
 
 from worker.engine.request import SamplingParams
-from worker.engine.sampler import has_penalties, is_greedy
+from worker.engine.sampler import has_penalties
 
 _ITEM = array("i").itemsize  # token ids are searched as packed int32 bytes
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Drafts are checked against argmaxes: greedy rows whose logits nothing else changes."""
-    return is_greedy(params) and not has_penalties(params)
+    """Drafts are checked against argmaxes: greedy rows whose logits nothing else changes (no
+    penalties, no grammar mask), and whose tokens need no logprobs."""
+    return (params.greedy and not has_penalties(params) and params.structured is None
+            and params.logprobs is None)
 
 
 class NgramProposer:
