@@ -57,18 +57,18 @@ def run_smollm2(cases: dict) -> None:
 
 
 def logits_rows(runner: ModelRunner, prompt: list[int], max_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
-    rows, sampler = [], runner.sampler
+    rows, sample = [], runner.sampler.sample
 
-    def capture(logits, *args):
+    def capture(logits, *args, **kwargs):
         rows.extend(logits.float().clone())
-        return sampler(logits, *args)
+        return sample(logits, *args, **kwargs)
 
-    runner.sampler = capture
+    runner.sampler.sample = capture  # an instance attribute over the method
     try:
         result = run_to_completion(make_engine(runner), {0: [EngineRequest(
             request_id="r", prompt_token_ids=prompt, sampling=greedy(max_tokens))]})
     finally:
-        runner.sampler = sampler
+        del runner.sampler.sample
     return rows, result["r"]["tokens"]
 
 
