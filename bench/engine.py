@@ -329,7 +329,7 @@ def labelled_phases(eng):
                wrap(eng.runner, "prepare", "phase: prepare batch"),
                wrap(eng.runner.model, "forward", "phase: model forward"),
                wrap(eng.runner.model, "compute_logits", "phase: lm_head logits"),
-               wrap(eng.runner, "sampler", "phase: sample"),
+               wrap(eng.runner.sampler, "sample", "phase: sample"),
                wrap(eng, "_update", "phase: update/detokenize")]
     try:
         yield
