@@ -112,7 +112,7 @@ class Publisher:
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
         self._lanes: dict[str, asyncio.Queue[_Outgoing]] = {}
-        self._lane_tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # lanes and finals waiting to be handed off
         self._dirty: dict[str, ReplyStream] = {}  # attempt -> stream with buffered tokens
         self._flusher: asyncio.Task | None = None
         self.backlog = 0  # queued or in flight, not yet acked
@@ -142,7 +142,7 @@ class Publisher:
             log.warning("publisher.stop_timeout", backlog=self.backlog)
         if self._flusher:
             self._flusher.cancel()
-        for task in list(self._lane_tasks):
+        for task in list(self._tasks):
             task.cancel()
         if self._producer:
             await self._producer.stop()
@@ -252,7 +252,10 @@ class Publisher:
         self._idle.clear()
         self._metrics.pending_replies.set(self.backlog)
         if out.source is not None:
-            asyncio.get_running_loop().create_task(self._to_transaction(out))
+            # The loop keeps only weak references to tasks: hold this one until it has handed off.
+            task = asyncio.get_running_loop().create_task(self._to_transaction(out))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         if out.stream is not None:
             out.stream.in_flight += 1
@@ -260,8 +263,8 @@ class Publisher:
         if lane is None:
             lane = self._lanes[out.topic] = asyncio.Queue()
             task = asyncio.create_task(self._lane(out.topic, lane), name=f"lane-{out.topic}")
-            self._lane_tasks.add(task)
-            task.add_done_callback(self._lane_tasks.discard)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         lane.put_nowait(out)
 
     async def _lane(self, topic: str, lane: asyncio.Queue) -> None:
