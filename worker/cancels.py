@@ -4,8 +4,9 @@ what it runs.
 
 There is no consumer group and nothing is committed: a worker cannot know which worker runs a
 request, so each must see every cancel. At start-up each partition is read from
-`kafka.cancel_lookback_s` ago (the longest deadline a request may have), so a cancel sent while
-its request waited in Kafka, or while this worker was down, still counts; ids are remembered as
+`kafka.cancel_lookback_s` ago (the longest deadline a request may have), and that backlog is read
+before intake starts, so a cancel sent while its request waited in Kafka, or while this worker was
+down, still counts; ids are remembered as
 long, so a cancel that overtakes its request (lag on the request topic) wins when it arrives.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ from producer.schema import UndecodableMessage, decode_cancel
 from worker.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
+
+CATCH_UP_WAIT_S = 15.0  # past this the worker starts anyway; a late cancel still aborts the run
 
 
 class RecentCancels:
@@ -56,6 +59,7 @@ class CancelListener:
                                           enable_auto_commit=False)
         await self._consumer.start()
         await self._assign_all(at_start=True)
+        await self._catch_up()
         self.ready = True
         self._task = asyncio.create_task(self._loop(), name="cancel-listener")
 
@@ -107,6 +111,24 @@ class CancelListener:
                 await self._consumer.seek_to_end(tp)
             else:
                 self._consumer.seek(tp, found[tp].offset)
+
+    async def _catch_up(self) -> None:
+        """Read the backlog up to the end offsets of now before the worker takes requests, so a
+        cancel that waited in Kafka beside its request is known before the request runs."""
+        tps = list(self._consumer.assignment())
+        if not tps:
+            return
+        ends = await self._consumer.end_offsets(tps)
+        until = time.monotonic() + CATCH_UP_WAIT_S
+        while time.monotonic() < until:
+            positions = {tp: await self._consumer.position(tp) for tp in tps}
+            if all(positions[tp] >= ends[tp] for tp in tps):
+                return
+            batch = await self._consumer.getmany(timeout_ms=200)
+            for records in batch.values():
+                for record in records:
+                    self._handle(record)
+        log.warning("cancels.catch_up_incomplete", wait_s=CATCH_UP_WAIT_S)
 
     async def _loop(self) -> None:
         last_refresh = time.monotonic()
