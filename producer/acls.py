@@ -2,7 +2,7 @@
 
 `recipe()` is the rule set as data; `inferline topics acls` prints it as `kafka-acls.sh` commands
 or, with `--apply`, creates it through confluent-kafka's admin client (aiokafka has no ACL API).
-tests/test_acl_tenancy.py applies exactly this recipe to a broker with an authorizer.
+tests/kafka/test_acl_tenancy.py applies exactly this recipe to a broker with an authorizer.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 
 Names, types, defaults and bounds come from the pydantic models; each meaning comes from the
 comment above the field in config/settings.py, else from MEANINGS below. A field with neither
-stops this script, so a new setting cannot go undocumented. tests/test_docs.py checks the file.
+stops this script, so a new setting cannot go undocumented. tests/unit/test_docs.py checks the file.
 """
 from __future__ import annotations
 

@@ -17,9 +17,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`-m "not kafka"` must leave out every test that needs the broker: a test whose fixtures
-    reach kafka_bootstrap without the `kafka` marker is an error, not a silent broker start."""
-    unmarked = [i.nodeid for i in items if "kafka_bootstrap" in getattr(i, "fixturenames", ())
-                and i.get_closest_marker("kafka") is None]
-    if unmarked:
-        raise pytest.UsageError("these tests use the broker but lack @pytest.mark.kafka: " + ", ".join(unmarked))
+    """The directory is the marker: tests/kafka/ holds every test that needs a broker (the shared
+    one or a private one) and gets `kafka`, tests/kernels/ gets `kernels`, tests/unit/ needs
+    neither. A test outside tests/kafka/ that reaches the broker is an error, not a silent start."""
+    misplaced = []
+    for item in items:
+        room = item.path.parent.name
+        if room == "kafka":
+            item.add_marker(pytest.mark.kafka)
+        elif room == "kernels":
+            item.add_marker(pytest.mark.kernels)
+        if room != "kafka" and ("kafka_bootstrap" in getattr(item, "fixturenames", ())
+                                or item.get_closest_marker("kafka") is not None):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("these tests use the broker but are not in tests/kafka/: " + ", ".join(misplaced))

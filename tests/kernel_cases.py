@@ -2,7 +2,7 @@
 
     python tests/kernel_cases.py GROUP SEED
 
-An out-of-range load kills the interpreter's process (signal 11), so tests/test_kernels.py
+An out-of-range load kills the interpreter's process (signal 11), so tests/kernels/test_kernels.py
 runs this script in a subprocess and reads one JSON line per finished case; a case that never
 reports is a failure too. TRITON_INTERPRET must be set before triton is first imported.
 

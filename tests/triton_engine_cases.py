@@ -4,7 +4,7 @@
     python tests/triton_engine_cases.py dummy-bf16 CONFIG_DIR   logits: Triton vs the torch path
 
 TRITON_INTERPRET must be set before triton is first imported (and an out-of-range load kills the
-process), so tests/test_triton_engine.py runs this script in a subprocess and reads JSON lines.
+process), so tests/kernels/test_triton_engine.py runs this script in a subprocess and reads JSON lines.
 The runner is set up as `auto` sets it up on CUDA: attention on Triton (K/V store, prefill,
 decode), linear layers and elementwise ops on PyTorch.
 """

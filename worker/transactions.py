@@ -38,7 +38,7 @@ METADATA_WAIT_S = 5.0
 TRANSACTION_WAIT_S = 30.0
 # Reply topics a producer keeps metadata for; past it, topics idle now are dropped.
 MAX_PRODUCER_TOPICS = 512
-# Test hook (tests/test_transactions.py, make chaos): SIGKILL this process after the Nth
+# Test hook (tests/kafka/test_transactions.py, make chaos): SIGKILL this process after the Nth
 # transaction's records are on the broker and before its commit.
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
 

@@ -2,7 +2,7 @@
 
 Every choice that differs between a GPU and the CPU is a pure function of plain values here
 (a device's type, byte counts, setting names), so the CUDA arm of each runs in the CPU tests
-(tests/test_device.py). What only a GPU can answer (free memory, pinned host pages) is a thin
+(tests/unit/test_device.py). What only a GPU can answer (free memory, pinned host pages) is a thin
 call beside it; docs/gpu.md lists those calls and what exercises them.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@
  *
  * Every output is one chain of FMAs over k = 0, 1, ..., K - 1 from 0 (the bias added last),
  * whatever the number of rows, the tile a row falls in, the row block or the thread count: a
- * row gets the same bits alone or in any batch, by construction (tests/test_gemm.py checks it).
+ * row gets the same bits alone or in any batch, by construction (tests/kernels/test_gemm.py checks it).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -4,7 +4,7 @@ repacks it on every call, which is most of a decode step's work; elsewhere F.lin
 INFERLINE_MODEL__CPU_LINEAR chooses (kernels/backends.py); figures: docs/benchmarks.md.
 
 A row's result must not depend on the rows beside it, so that a prompt gives the same tokens
-alone or in a batch (tests/test_linear.py). oneDNN breaks that on some CPUs for a lone row of
+alone or in a batch (tests/kernels/test_linear.py). oneDNN breaks that on some CPUs for a lone row of
 many inputs, so each weight shape is probed once (`lone_row_exact`) and, where it must be, a lone
 row is computed as two. The packed copy sits beside the weight, which stays the model's
 parameter (state dict, tied embeddings): it doubles the linears' memory on the CPU.

@@ -1,0 +1,43 @@
+"""Smoke test of the gateway benchmark (bench/gateway.py) on the real broker: 3 requests x 4
+tokens straight onto Kafka and through the gateway with the openai SDK. Shapes and sanity
+only, never a speed. (The guidellm report parsing, offline: tests/unit/test_bench_gateway.py.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gateway
+
+
+@pytest.fixture(scope="module")
+def results(kafka_bootstrap, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-gateway") / "gateway.json"
+    gateway.main(["--quick", "--num-requests", "3", "--max-output", "4", "--concurrency", "2",
+                  "--clients", "kafka,sdk", "--threads", "1", "--probe", "2", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.kafka
+def test_both_loads_complete_with_every_token(results):
+    assert [r["client"] for r in results["runs"]] == ["kafka", "sdk"]
+    assert results["workload"]["num_requests"] == 3 and results["workload"]["output_tokens"]["total"] == 12
+    for run in results["runs"]:
+        assert run["complete"] and run["useful_tokens"] == 12, run["label"]
+        assert run["ttft_s"]["n"] == 3 and 0 < run["ttft_s"]["p50"] <= run["wall_s"], run["label"]
+        assert run["cpu_s"]["gateway"] is not None and run["cpu_s"]["worker"] > 0, run["label"]
+    kafka, sdk = results["runs"]
+    # The gateway's own TTFT histogram moved for the sdk load only.
+    assert kafka["gateway_ttft_mean_s"] is None and 0 < sdk["gateway_ttft_mean_s"] <= sdk["wall_s"]
+
+
+@pytest.mark.kafka
+def test_the_comparison_is_the_ratio_of_the_runs(results):
+    kafka, sdk = results["runs"]
+    c = results["comparison"]["sdk"]
+    assert c["throughput_ratio"] == pytest.approx(sdk["tokens_per_s"] / kafka["tokens_per_s"])
+    assert c["ttft_p50_diff_ms"] == pytest.approx(1e3 * (sdk["ttft_s"]["p50"] - kafka["ttft_s"]["p50"]))
+    probe = results["idle_probe"]
+    assert probe["kafka_ttft_s"]["n"] == probe["sdk_ttft_s"]["n"] == probe["paired_diff_ms"]["n"] == 2
+
+

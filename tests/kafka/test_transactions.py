@@ -1,0 +1,148 @@
+"""Exactly one final result per request, against the broker: a zombie is fenced, a new owner skips
+what the ledger lists, and a worker SIGKILLed between a `done`'s send and its commit (a test hook,
+not luck) leaves a `done` that read_committed readers never see; the request's rerun is its only
+final result. The ledger and PartitionTxn offline: tests/unit/test_transactions.py."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from config.settings import Settings
+from producer.schema import DoneEvent, Timing, Usage, decode_event, encode_event
+from tests.kafka_fixtures import consume_until
+from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
+    Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
+from worker.app import Worker, engine_settings
+from worker.engine.engine import LLMEngine
+from worker.metrics import Metrics
+from worker.offsets import OffsetTracker
+from worker.transactions import Final, Transactions
+from tests.unit.test_transactions import _final, _until  # noqa: F401
+
+
+def _settings(bootstrap: str, topics: Topics, group: str) -> Settings:
+    return Settings(**worker_config(bootstrap, topics, kafka={"group_id": group}))
+
+
+@pytest.mark.kafka
+async def test_a_new_owner_fences_the_old_one(kafka_bootstrap, topics):
+    settings = _settings(kafka_bootstrap, topics, f"g-{uuid.uuid4().hex[:8]}")
+    tp = TopicPartition(topics.requests, 0)
+    old_tracker, new_tracker, outcomes = OffsetTracker(), OffsetTracker(), {}
+    old, new = (Transactions(settings, t, Metrics()) for t in (old_tracker, new_tracker))
+    for t in (old_tracker, new_tracker):
+        t.add(tp, 0)
+    await old.open([tp])
+    await new.open([tp])  # same transactional id: the old owner is fenced now
+    try:
+        old.submit(tp, _final(0, outcomes, topic=topics.replies))
+        await _until(lambda: 0 in outcomes, 30)
+        assert outcomes[0] == "fenced" and old.fenced(tp)
+        new.submit(tp, Final(0, [(topics.replies, None, b"k", b"from the new owner", None)],
+                             lambda outcome: outcomes.__setitem__("new", outcome)))
+        await _until(lambda: "new" in outcomes, 30)
+        assert outcomes["new"] == "ok"
+    finally:
+        await old.close_all()
+        await new.close_all()
+    records = await consume_until(kafka_bootstrap, topics.replies)
+    assert [r.value for r in records] == [b"from the new owner"]
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(settings.kafka.group_id, partitions=[tp])
+    finally:
+        await admin.close()
+    assert committed[tp].offset == 1
+
+
+@pytest.mark.kafka
+async def test_a_worker_skips_what_the_previous_owners_ledger_lists(kafka_bootstrap, new_topic, model_runner):
+    """The previous owner committed the results of offsets 0, 2 and 3 (not 1): the next worker
+    runs request 1 only."""
+    t = Topics(requests=await new_topic(1, prefix="req"), cancel=await new_topic(1, prefix="cancel"),
+               dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(1, prefix="reply", reply=True))
+    settings = _settings(kafka_bootstrap, t, f"g-{uuid.uuid4().hex[:8]}")
+    reqs = [request(t.replies, f"Say the number {n}.", max_tokens=2) for n in range(4)]
+    await submit(kafka_bootstrap, t.requests, reqs)
+    tp, tracker, outcomes = TopicPartition(t.requests, 0), OffsetTracker(), {}
+    previous = Transactions(settings, tracker, Metrics())
+    await previous.open([tp])
+    for o in range(4):
+        tracker.add(tp, o)
+    for o in (0, 2, 3):
+        done = encode_event(DoneEvent(id=reqs[o]["id"], attempt="previous", seq=0, finish_reason="length",
+                                      usage=Usage(prompt_tokens=1, completion_tokens=2),
+                                      timing=Timing(queue_s=0, ttft_s=0, total_s=0), text="x"))
+        previous.submit(tp, Final(o, [(t.replies, None, reqs[o]["id"].encode(), done, None)],
+                                  lambda outcome, o=o: outcomes.__setitem__(o, outcome)))
+    await _until(lambda: len(outcomes) == 3, 30)
+    await previous.close_all()
+
+    worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_ready(worker, task)
+        events = await collect(kafka_bootstrap, t.replies, [reqs[1]["id"]], timeout=90)
+        await _until(lambda: not worker.jobs and worker.tracker.pending(tp) == 0, 30)
+        metrics = worker.metrics.render().decode()
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    assert len(final_dones(events[reqs[1]["id"]])) == 1
+    assert 'inferline_redeliveries_total{outcome="already_final"} 2.0' in metrics
+    assert sum(1 for r in await consume_until(kafka_bootstrap, t.replies)
+               if decode_event(r.value).type == "done") == 4  # 3 by the previous owner, 1 rerun
+
+
+@pytest.mark.kafka
+async def test_sigkill_between_a_dones_send_and_its_commit(kafka_bootstrap, topics, model_runner, tmp_path):
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    reqs = [request(topics.replies, f"Say the number {n}.", max_tokens=2) for n in range(3)]
+    killed = spawn_worker(kafka_bootstrap, topics, tmp_path / "killed.log",
+                          {"INFERLINE_FAULT_KILL_BEFORE_COMMIT": "1"}, kafka={"group_id": group})
+    await submit(kafka_bootstrap, topics.requests, reqs)
+    try:
+        await asyncio.wait_for(asyncio.to_thread(killed.wait), 180)
+    finally:
+        killed.kill()
+    assert killed.returncode == -9, (tmp_path / "killed.log").read_text()[-2000:]
+    assert "txn.fault_kill_before_commit" in (tmp_path / "killed.log").read_text()
+    uncommitted = await _read_uncommitted(kafka_bootstrap, topics.replies)
+    orphans = {e.attempt for e in uncommitted if isinstance(e, DoneEvent)}
+    assert orphans, "the killed worker's done was not on the broker: the window was not hit"
+
+    settings = _settings(kafka_bootstrap, topics, group)
+    worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_ready(worker, task, timeout=90)
+        events = await collect(kafka_bootstrap, topics.replies, [r["id"] for r in reqs], timeout=120)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+    for r in reqs:
+        finals = final_dones(events[r["id"]])
+        assert len(finals) == 1, finals  # read_committed: the killed worker's done never counts
+        assert finals[0].attempt not in orphans
+
+
+async def _read_uncommitted(bootstrap: str, topic: str) -> list:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+                                isolation_level="read_uncommitted")
+    await consumer.start()
+    try:
+        consumer.subscribe([topic])
+        events = []
+        for _ in range(3):
+            batches = await consumer.getmany(timeout_ms=2000)
+            events += [decode_event(r.value) for rs in batches.values() for r in rs]
+        return events
+    finally:
+        await consumer.stop()

@@ -1,0 +1,159 @@
+"""Kernels: the PyTorch reference against dense attention (in process), and the Triton kernels
+against the reference under TRITON_INTERPRET=1 (in a subprocess: an out-of-range load kills
+the interpreter's process; see tests/kernel_cases.py).
+
+Shapes are drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.reference import dense_causal_attention
+from tests.paged_cache import PagedCache
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(SEED)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+# --- the reference (the CPU production path) ---------------------------------------------
+
+
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_decode_matches_dense_attention(gen, gqa, block_size):
+    lens = [1, block_size - 1, block_size + 1, int(torch.randint(150, 400, (1,), generator=gen))]
+    cache = PagedCache(gen, lens, block_size, 2, 64, torch.float32)
+    q = torch.randn(len(lens), 2 * gqa, 64, generator=gen)
+    out = kernels.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125
+    )
+    assert not out.isnan().any(), f"seed {SEED}: NaN from unused cache slots leaked"
+    for i in range(len(lens)):
+        dense = dense_causal_attention(q[i : i + 1], cache.k[i], cache.v[i], 0.125)
+        assert rel_err(out[i : i + 1], dense) < 1e-5, f"seed {SEED}, seq {i}, len {lens[i]}"
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_reference_prefill_matches_dense_attention(gen, gqa, block_size):
+    # plain prefill, chunk on cached context, one-token chunk, a long chunk on a long context
+    pairs = [(block_size - 1, block_size - 1), (block_size + 1, 3), (5, 1), (300, 70)]
+    cache = PagedCache(gen, [c for c, _ in pairs], block_size, 2, 64, torch.float32)
+    cu = torch.tensor([0] + [sum(n for _, n in pairs[: i + 1]) for i in range(len(pairs))], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 2 * gqa, 64, generator=gen)
+    out = kernels.paged_prefill_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, 0.125
+    )
+    for i in range(len(pairs)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        dense = dense_causal_attention(q[rows], cache.k[i], cache.v[i], 0.125)
+        assert rel_err(out[rows], dense) < 1e-5, f"seed {SEED}, seq {i}, (ctx, q_len) {pairs[i]}"
+
+
+def test_reference_last_prefill_row_equals_decode(gen):
+    cache = PagedCache(gen, [40, 9], 16, 2, 64, torch.float32)
+    q = torch.randn(2, 8, 64, generator=gen)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables)
+    pre = kernels.paged_prefill_attention(q, *args, cu, cache.context_lens, 0.1)
+    dec = kernels.paged_decode_attention(q, *args, cache.context_lens, 0.1)
+    assert rel_err(pre, dec) < 1e-6
+
+
+def test_reference_decode_chunks_large_batches(gen, monkeypatch):
+    cache = PagedCache(gen, [3, 100, 17, 64, 250], 16, 1, 64, torch.float32)
+    q = torch.randn(5, 3, 64, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    whole = reference.paged_decode_attention(*args)
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_SEQS", 1)  # one sequence per chunk
+    assert rel_err(reference.paged_decode_attention(*args), whole) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
+def test_reference_low_precision_close_to_fp32(gen, dtype, tol):
+    cache = PagedCache(gen, [33, 200], 16, 2, 64, dtype)
+    q = torch.randn(2, 8, 64, generator=gen).to(dtype)
+    out = kernels.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125
+    )
+    assert out.dtype == dtype
+    for i in range(2):
+        dense = dense_causal_attention(q[i : i + 1].float(), cache.k[i].float(), cache.v[i].float(), 0.125)
+        assert rel_err(out[i : i + 1], dense) < tol
+
+
+def test_reference_store_kv_writes_slots_and_skips_negative(gen):
+    k_cache = torch.full((4, 8, 2, 16), float("nan"))
+    v_cache = k_cache.clone()
+    k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    slots = torch.tensor([3, -1, 31, 8, -1])
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(32, 2, 16), v_cache.view(32, 2, 16)
+    assert torch.equal(flat_k[[3, 31, 8]], k[[0, 2, 3]]) and torch.equal(flat_v[[3, 31, 8]], v[[0, 2, 3]])
+    assert flat_k.isnan().all(-1).all(-1).sum() == 29, "a skipped or foreign slot was written"
+    kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])  # empty batch is a no-op
+
+
+def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypatch):
+    # (with it, fp32 decode goes to kernels/cpu/: tests/kernels/test_cpu_kernels.py)
+    monkeypatch.setattr(kernels.cpu.build, "available", lambda: False)
+    calls = []
+    monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
+    monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))
+    q, cache = torch.randn(1, 2, 16), torch.empty(4, 16, 2, 16)  # a shape the C kernel takes
+    kernels.paged_decode_attention(q, cache, cache, None, None, 1.0)
+    kernels.store_kv(q, q, None, None, None, backend="torch")
+    assert calls == ["decode", "store"]
+    with pytest.raises(AssertionError):
+        kernels.paged_decode_attention(q, cache, cache, None, None, 1.0, backend="cuda")
+
+
+# --- the Triton kernels under the interpreter ---------------------------------------------
+
+
+def run_cases(group: str) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(ROOT / "tests" / "kernel_cases.py"), group, str(SEED)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in results if not r["ok"]]
+    report = "\n".join(json.dumps(r) for r in failed)
+    assert proc.returncode == 0, (
+        f"seed {SEED}: kernel_cases.py {group} exited {proc.returncode} after {len(results)} cases "
+        f"(-11 is an out-of-range load)\n{report}\n{proc.stderr[-4000:]}"
+    )
+    assert results and not failed, f"seed {SEED} (INFERLINE_KERNEL_SEED={SEED} replays):\n{report}"
+    return results
+
+
+@pytest.mark.parametrize("group", ["store", "checks", "decode", "prefill"])
+def test_triton_kernel_matches_reference(group):
+    run_cases(group)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", ["decode_full", "prefill_full"])
+def test_triton_kernel_full_matrix(group):
+    """Every dtype x GQA ratio x block size (36 cases per kernel)."""
+    run_cases(group)

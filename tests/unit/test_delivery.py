@@ -1,0 +1,120 @@
+"""Every request ends where someone can see it (worker/app.py): a `done` that cannot be delivered
+dead-letters the request; work from a revoked assignment publishes nothing final and finishes no
+offset; a resubmitted finished id gets its final `done` again; a dead engine hands everything back
+and stops the worker. Offline through the intake harness (real Worker, Kafka I/O recorded);
+the dead engine on the real broker: tests/kafka/test_delivery.py."""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import msgpack
+
+from config.settings import Settings
+from tests.chaos_fixtures import IntakeHarness
+from tests.worker_fixtures import topics  # noqa: F401 - a fixture
+from worker.engine.engine import EngineLoop
+
+REPLY, DLQ = "inferline.reply.delivery", "delivery-dlq"
+
+
+def harness() -> IntakeHarness:
+    return IntakeHarness(Settings(kafka={"request_topic": "delivery-requests", "dlq_topic": DLQ},
+                                  model={"max_model_len": 256}))
+
+
+def body(**fields) -> bytes:
+    return msgpack.packb({"v": 1, "id": f"r-{uuid.uuid4().hex[:8]}", "reply_topic": REPLY, "prompt": "Hi.",
+                          "max_tokens": 2, **fields})
+
+
+def committed(h: IntakeHarness) -> int:
+    return h.worker.tracker.to_commit().get(h.tp, 0)
+
+
+def test_an_undeliverable_done_dead_letters_the_request_then_finishes_its_offset():
+    h = harness()
+    h.unreachable.add(REPLY)
+    value = body()
+    _, (admitted,) = h.feed(value)
+    sent = h.finish_admitted(admitted)
+    dead = [o for o in sent if o.topic == DLQ]
+    assert len(dead) == 1 and dead[0].value == value
+    assert dict(dead[0].headers)["error"] == f"the reply could not be delivered to {REPLY!r}".encode()
+    assert committed(h) == 1 and h.settled()
+
+
+def test_an_undeliverable_rejection_dead_letters_the_request_too():
+    h = harness()
+    h.unreachable.add(REPLY)
+    value = body(max_tokens=-1)
+    sent, _ = h.feed(value)
+    assert [o.topic for o in sent] == [REPLY, DLQ] and sent[1].value == value
+    assert committed(h) == 1 and h.settled()
+
+
+def test_while_the_dead_letter_is_not_acked_the_offset_stays_unfinished():
+    h = harness()
+    h.unreachable.update({REPLY, DLQ})  # (the publisher retries a dead letter forever: never False)
+    _, (admitted,) = h.feed(body())
+    h.finish_admitted(admitted)
+    assert committed(h) == 0  # nothing lost: the partition's next owner reads it again
+
+
+def test_a_job_of_a_revoked_assignment_publishes_requeued_and_finishes_no_offset():
+    h = harness()
+    _, (admitted,) = h.feed(body())
+    h.worker.intake._generation += 1  # a rebalance happened since (it was handed back then)
+    (done,) = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
+    assert msgpack.unpackb(done.value)["finish_reason"] == "requeued"
+    assert committed(h) == 0 and not h.worker.jobs
+
+
+def test_a_resubmitted_finished_request_gets_its_final_done_again():
+    h = harness()
+    value = body()
+    _, (admitted,) = h.feed(value)
+    (first,) = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
+    sent, added = h.feed(value)  # the same request again (a lost commit, or the client resubmits)
+    assert not added and [(o.topic, o.key, o.value) for o in sent] == [(REPLY, first.key, first.value)]
+    assert committed(h) == 2
+
+
+def test_a_dead_engine_hands_every_job_back_and_stops_the_worker():
+    h = harness()
+    for _ in range(3):
+        h.feed(body())
+    h.worker._on_engine_death(RuntimeError("boom"))
+    dones = [msgpack.unpackb(o.value) for o in h.sent if msgpack.unpackb(o.value).get("type") == "done"]
+    assert [d["finish_reason"] for d in dones] == ["requeued"] * 3
+    assert committed(h) == 0 and not h.worker.jobs  # uncommitted: the next owner runs them
+    assert h.worker.readiness()["engine_alive"] is False and h.worker._stop.is_set()
+
+
+class BrokenEngine:
+    """An engine whose every step fails, so the loop's own recovery (fail_all, step again) fails too."""
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def step(self):
+        raise RuntimeError("step failed")
+
+    def fail_all(self, reason: str) -> None:
+        pass
+
+    def stats(self):
+        return None
+
+
+def test_the_engine_loop_reports_its_death():
+    died = threading.Event()
+    errors = []
+    loop = EngineLoop.__new__(EngineLoop)
+    EngineLoop.__init__(loop, lambda: BrokenEngine(), lambda *a: None,
+                        on_death=lambda exc: (errors.append(exc), died.set()))
+    loop.start()
+    assert died.wait(30) and isinstance(errors[0], RuntimeError)
+    loop.stop(5)
+
+

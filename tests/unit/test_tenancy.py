@@ -1,0 +1,90 @@
+"""Topic tenancy (worker/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the request
+topic's, never the body's. Offline through the intake harness; on the broker:
+tests/kafka/test_tenancy.py."""
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+from aiokafka import TopicPartition
+
+from config.settings import KafkaSettings, Settings
+from tests.chaos_fixtures import FakeConsumer, IntakeHarness
+from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    check_attempts, collect, final_done, request, start_worker, submit, topics,
+)
+from worker.reply_topics import refusal
+from worker.tenancy import clamp_priority, tenant_of, tenant_pattern
+
+TOPIC_MODE = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="reqs.dlq", tenancy="topic")
+
+
+def test_tenant_topics_and_the_pattern():
+    import re
+
+    pattern = re.compile(tenant_pattern("reqs", ("reqs.dlq", "cancels")))
+    assert pattern.match("reqs.acme") and pattern.match("reqs.a-b_9")
+    assert not pattern.match("reqs.dlq") and not pattern.match("reqs") and not pattern.match("reqs.a.b")
+    assert not pattern.match("reqsX.acme") and not pattern.match("xreqs.acme")
+    assert tenant_of("reqs.acme", "reqs") == "acme" and tenant_of("reqs.a.b", "reqs") is None
+    assert tenant_of("other.acme", "reqs") is None
+
+
+def test_replies_only_under_the_tenants_own_prefix():
+    assert refusal("inferline.reply.acme.c1", TOPIC_MODE, "acme") is None
+    assert "inferline.reply.acme." in refusal("inferline.reply.globex.c1", TOPIC_MODE, "acme")
+    assert "inferline.reply.acme." in refusal("inferline.reply.acmeX.c1", TOPIC_MODE, "acme")
+    assert "own topics" in refusal("reqs.globex", TOPIC_MODE, "acme")
+    assert "own topics" in refusal("cancels.acme", TOPIC_MODE, "acme")
+
+
+def test_priority_clamp():
+    limit = Settings(limits={"tenants": {"t": {"min_priority": 0, "max_priority": 5}}}).limits.tenants["t"]
+    assert [clamp_priority(p, limit) for p in (-1000, 0, 3, 5, 1000)] == [0, 0, 3, 5, 5]
+    assert clamp_priority(-7, Settings().limits.default_tenant) == -7
+
+
+def harness(**limits) -> tuple[IntakeHarness, TopicPartition]:
+    settings = Settings(kafka={"request_topic": "reqs", "cancel_topic": "cancels", "dlq_topic": "reqs.dlq",
+                               "tenancy": "topic"}, limits=limits)
+    h = IntakeHarness(settings)
+    h.tp = TopicPartition("reqs.globex", 0)
+    h.worker.intake._consumer = FakeConsumer([h.tp])
+    return h, h.tp
+
+
+def body(**fields) -> bytes:
+    return msgpack.packb({"v": 1, "id": f"r-{uuid.uuid4().hex[:8]}", "reply_topic": "inferline.reply.globex.c",
+                          "prompt": "Hi.", "max_tokens": 2, **fields})
+
+
+def test_the_topic_names_the_tenant_and_a_body_that_disagrees_is_rejected():
+    h, _ = harness(tenants={"globex": {"min_priority": 0}})
+    _, (admitted,) = h.feed(body())
+    assert h.worker.jobs[admitted.request_id].request.tenant == "globex"
+    _, (admitted,) = h.feed(body(tenant="globex", priority=-1000))
+    assert admitted.priority == 0  # clamped into globex's range
+    _, (admitted,) = h.feed(body(tenant="default"))  # what clients send unasked: no claim
+    assert h.worker.jobs[admitted.request_id].request.tenant == "globex"
+    (reply,), added = h.feed(body(tenant="acme"))
+    assert not added and reply.topic == "inferline.reply.globex.c"
+    assert msgpack.unpackb(reply.value)["error"]["message"].startswith("tenant:")
+    (dead,), added = h.feed(body(reply_topic="inferline.reply.acme.c"))  # another tenant's replies
+    assert not added and dead.topic == "reqs.dlq" and b"inferline.reply.globex." in dict(dead.headers)["error"]
+
+
+def test_a_cancel_counts_only_for_its_own_tenant():
+    h, _ = harness()
+    _, (admitted,) = h.feed(body(id="shared-id"))
+    h.worker.cancel("shared-id", tenant="acme")  # another tenant's cancel topic
+    assert h.worker.engine_loop.aborted == []
+    h.worker.cancel("shared-id", tenant="globex")
+    assert h.worker.engine_loop.aborted == [(admitted.request_id, "cancelled")]
+    h.worker.cancel("early", tenant="acme")  # read before its request: remembered per tenant
+    sent, added = h.feed(body(id="early"))
+    assert added and not sent  # globex's "early" runs
+    h.worker.cancel("early2", tenant="globex")
+    (reply,), added = h.feed(body(id="early2"))
+    assert not added and msgpack.unpackb(reply.value)["finish_reason"] == "cancelled"
+
+

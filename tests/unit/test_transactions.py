@@ -1,0 +1,169 @@
+"""Exactly one final result per request: final results and their input offsets commit in one
+Kafka transaction per owned partition (worker/transactions.py), with the offset ledger of
+worker/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker resuming
+from it, and PartitionTxn's batching, retries and fencing over a recording producer. Against the
+broker: tests/kafka/test_transactions.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import TopicPartition
+from aiokafka.errors import ProducerFenced
+from hypothesis import given, strategies as st
+
+from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
+    Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
+from worker import transactions
+from worker.metrics import Metrics
+from worker.offsets import OffsetTracker, decode_ledger, encode_ledger
+from worker.transactions import Final, PartitionTxn
+
+TP = TopicPartition("requests", 0)
+
+
+# ------------------------------------------------------------------------------------ the ledger
+
+@given(st.integers(0, 10**12), st.sets(st.integers(1, 5000), max_size=400))
+def test_the_ledger_lists_exactly_the_finished_offsets_above_the_mark(mark, above):
+    done = {mark + o for o in above}
+    text = encode_ledger(mark, done | {mark - 1, mark})  # at or below the mark: not listed
+    assert decode_ledger(mark, text) == done
+
+
+def test_a_long_ledger_is_packed_and_foreign_metadata_lists_nothing():
+    every_other = set(range(1, 4000, 2))
+    text = encode_ledger(0, every_other)
+    assert text.startswith("2:") and len(text) < 200 and decode_ledger(0, text) == every_other
+    assert decode_ledger(5, "") == set() and decode_ledger(5, "written by another tool") == set()
+
+
+def test_a_new_owner_resumes_from_the_commit_and_skips_what_the_ledger_lists():
+    tracker = OffsetTracker()
+    tracker.resume(TP, 10, encode_ledger(10, {12, 13}))
+    assert tracker.add(TP, 9) is False  # below the commit: finished long ago
+    assert [tracker.add(TP, o) for o in (10, 11, 12, 13, 14)] == [True, True, False, False, True]
+    assert tracker.ledger(TP, [14]) == (10, encode_ledger(10, {12, 13, 14}))
+    tracker.finish(TP, 10)
+    tracker.finish(TP, 14)
+    assert tracker.ledger(TP, [11]) == (15, encode_ledger(15, set()))
+
+
+def test_a_partition_never_committed_starts_with_an_empty_ledger():
+    tracker = OffsetTracker()
+    tracker.resume(TP, None, None)
+    assert tracker.ledger(TP) is None
+    assert tracker.add(TP, 0) and tracker.ledger(TP, [0]) == (1, "1:")
+
+
+# ----------------------------------------------------------------------- PartitionTxn, offline
+
+class RecordingProducer:
+    """The transactional producer's calls, recorded; `fail_topics` fail their sends, `fenced`
+    fails the next commit as a newer owner's producer would make it fail."""
+
+    def __init__(self) -> None:
+        self.transactions: list[dict] = []
+        self.fail_topics: set[str] = set()
+        self.fenced = False
+        self.client = type("Client", (), {"_topics": set(), "set_topics": lambda s, t: None,
+                                          "add_topic": lambda s, t: s._topics.add(t)})()
+        self._open: dict | None = None
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def flush(self) -> None: ...
+
+    async def partitions_for(self, topic):
+        return {0}
+
+    async def begin_transaction(self) -> None:
+        self._open = {"records": [], "offsets": None}
+
+    async def abort_transaction(self) -> None:
+        self._open = None
+
+    async def send(self, topic, value, key=None, partition=None, headers=None):
+        if topic in self.fail_topics:
+            raise RuntimeError(f"{topic} refuses")
+        self._open["records"].append((topic, value))
+        acked = asyncio.get_running_loop().create_future()
+        acked.set_result(None)
+        return acked
+
+    async def send_offsets_to_transaction(self, offsets, group_id) -> None:
+        self._open["offsets"] = offsets
+
+    async def commit_transaction(self) -> None:
+        if self.fenced:
+            raise ProducerFenced()
+        self.transactions.append(self._open)
+        self._open = None
+
+
+async def _partition(tracker: OffsetTracker, offsets) -> tuple[PartitionTxn, RecordingProducer]:
+    producer = RecordingProducer()
+    part = PartitionTxn(TP, lambda tp: producer, tracker, "group", Metrics(), 4096)
+    for o in offsets:
+        tracker.add(TP, o)
+    await part.start()
+    return part, producer
+
+
+def _final(offset: int, outcomes: dict, topic: str = "replies", forever: bool = False) -> Final:
+    return Final(offset, [(topic, None, b"k", f"done {offset}".encode(), None)],
+                 lambda outcome: outcomes.__setitem__(offset, outcome), forever=forever)
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_finals_queued_together_commit_in_one_transaction_with_the_ledger():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(4))
+    for o in (0, 2, 3):
+        part.submit(_final(o, outcomes))
+    await _until(lambda: len(outcomes) == 3)
+    await part.stop()
+    assert outcomes == {0: "ok", 2: "ok", 3: "ok"}
+    (txn,) = producer.transactions
+    assert [v for _, v in txn["records"]] == [b"done 0", b"done 2", b"done 3"]
+    assert txn["offsets"] == {TP: (1, encode_ledger(1, {2, 3}))}  # 1 runs on: the ledger skips 2, 3
+    assert tracker.watermark(TP) == 1
+
+
+async def test_a_final_that_keeps_failing_is_given_up_alone_and_a_dead_letter_never(monkeypatch):
+    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(3))
+    producer.fail_topics = {"deleted", "dlq"}
+    part.submit(_final(0, outcomes, topic="deleted"))
+    part.submit(_final(1, outcomes))
+    part.submit(_final(2, outcomes, topic="dlq", forever=True))
+    await _until(lambda: 0 in outcomes and 1 in outcomes)
+    assert outcomes == {0: "failed", 1: "ok"}  # 1 retried on its own after the shared abort
+    assert all(len(t["records"]) == 1 for t in producer.transactions)
+    producer.fail_topics = {"deleted"}  # the dead-letter topic comes back
+    await _until(lambda: 2 in outcomes)
+    await part.stop()
+    assert outcomes[2] == "ok" and tracker.watermark(TP) == 0  # 0 is for the dead letter of worker/app.py
+
+
+async def test_a_fenced_partition_commits_nothing_and_says_so():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(2))
+    producer.fenced = True
+    part.submit(_final(0, outcomes))
+    await _until(lambda: 0 in outcomes)
+    part.submit(_final(1, outcomes))  # after the fence: refused at once
+    await part.stop()
+    assert outcomes == {0: "fenced", 1: "fenced"}
+    assert producer.transactions == [] and tracker.watermark(TP) == 0
+
+
+# ----------------------------------------------------------------------------- with the broker
+
