@@ -2,6 +2,7 @@
 
     inferline submit "Explain Kafka in one sentence"     stream the answer
     echo "Hi" | inferline submit - --chat --json          raw events, one JSON object a line
+    inferline submit "Is Kafka a queue?" --choice yes --choice no --logprobs --json
     inferline cancel ID
     inferline topics create --partitions 8 --retention-ms 86400000
     inferline tail TOPIC                                  decode and print reply events
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import random
 import re
@@ -105,6 +107,19 @@ def _add_submit(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the answer (default: the worker's deadline plus a grace period)")
     p.add_argument("--id", default=None, help="request id (default: random)")
     p.add_argument("--json", action="store_true", help="print raw events, one JSON object per line")
+    _add_output_constraints(p)
+
+
+def _add_output_constraints(p: argparse.ArgumentParser) -> None:
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON Schema file")
+    shape.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF grammar file")
+    p.add_argument("--logprobs", action="store_true", default=None, help="each token's log-probability (see --json)")
+    p.add_argument("--top-logprobs", type=int, default=None, metavar="K",
+                   help="also the K most likely tokens at each step (implies --logprobs)")
 
 
 def _add_topics(p: argparse.ArgumentParser) -> None:
@@ -161,7 +176,31 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         params["stream"] = False
     if getattr(args, "timeout", None) is not None:
         params["timeout_s"] = args.timeout
-    return params
+    return params | output_constraint(args)
+
+
+def output_constraint(args: argparse.Namespace) -> dict[str, Any]:
+    """response_format / structured / logprobs fields from --json-schema, --json-object, --regex,
+    --choice, --grammar, --logprobs and --top-logprobs (files are read here, not by the worker)."""
+    fields: dict[str, Any] = {}
+    if getattr(args, "json_schema", None):
+        path = Path(args.json_schema)
+        schema = json.loads(path.read_text())
+        fields["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": path.stem, "schema": schema, "strict": True}}
+    elif getattr(args, "json_object", False):
+        fields["response_format"] = {"type": "json_object"}
+    elif getattr(args, "regex", None) is not None:
+        fields["structured"] = {"regex": args.regex}
+    elif getattr(args, "choice", None):
+        fields["structured"] = {"choice": args.choice}
+    elif getattr(args, "grammar", None):
+        fields["structured"] = {"grammar": Path(args.grammar).read_text()}
+    if getattr(args, "top_logprobs", None) is not None:
+        fields |= {"logprobs": True, "top_logprobs": args.top_logprobs}
+    elif getattr(args, "logprobs", None):
+        fields["logprobs"] = True
+    return fields
 
 
 def prompt_fields(args: argparse.Namespace, stdin=None) -> dict[str, Any]:

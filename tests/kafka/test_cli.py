@@ -43,7 +43,8 @@ async def test_submit_streams_text(kafka_bootstrap, cli_env):
         assert out == "w0 w1 w2 \n"
         assert "stop" in err and "2+3 tokens" in err
         rc, out, err = await run_cli(cli_env, "submit", "-", "--system", "sys", "--max-tokens", "2", "--json",
-                                     "--reply-topic", "per-request", stdin="from stdin")
+                                     "--reply-topic", "per-request", "--regex", "(w[0-9] )+", "--top-logprobs", "2",
+                                     stdin="from stdin")
         assert rc == 0, err
         events = [json.loads(line) for line in out.splitlines()]
         assert [e["type"] for e in events] == ["started", "tokens", "tokens", "done"]
@@ -51,6 +52,7 @@ async def test_submit_streams_text(kafka_bootstrap, cli_env):
     first, second = worker.requests
     assert (first.prompt, first.max_tokens, first.temperature) == ("hello there", 3, 0.0)
     assert [m.content for m in second.messages] == ["sys", "from stdin"] and second.prompt is None
+    assert (second.structured.regex, second.logprobs, second.top_logprobs) == ("(w[0-9] )+", True, 2)
 
 
 @pytest.mark.kafka

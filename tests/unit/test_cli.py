@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from producer.cli import (
     throughput_series,
 )
 from producer.client import ClientTimeout, PromptTooLong, RequestCancelled, WorkerError
+from producer.schema import Request
 from tests.unit.test_client import done, started, tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +50,33 @@ def test_submit_flags_become_request_fields():
     assert sampling_params(args) == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.9, "seed": 7,
                                      "stop": ["\n", "END"], "priority": -1, "stream": False, "timeout_s": 30.0}
     assert prompt_fields(args) == {"prompt": "hi"}
+
+
+def test_output_constraints_become_request_fields_the_contract_accepts(tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}}}))
+    grammar = tmp_path / "yn.ebnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    cases = {
+        ("--json-schema", str(schema)): {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "person", "schema": {"type": "object", "properties": {"name": {"type": "string"}}},
+            "strict": True}}},
+        ("--json-object",): {"response_format": {"type": "json_object"}},
+        ("--regex", "[0-9]+"): {"structured": {"regex": "[0-9]+"}},
+        ("--choice", "yes", "--choice", "no"): {"structured": {"choice": ["yes", "no"]}},
+        ("--grammar", str(grammar)): {"structured": {"grammar": 'root ::= "yes" | "no"'}},
+        ("--logprobs",): {"logprobs": True},
+        ("--top-logprobs", "3"): {"logprobs": True, "top_logprobs": 3},
+    }
+    for flags, fields in cases.items():
+        assert sampling_params(parse("submit", "hi", *flags)) == fields, flags
+        Request(id="r", reply_topic="inferline.reply.x", prompt="hi", **fields)  # the contract takes them
+
+
+def test_one_output_constraint_at_a_time(capsys):
+    with pytest.raises(SystemExit):
+        parse("submit", "hi", "--regex", "a", "--choice", "b")
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_unset_flags_keep_contract_defaults():
