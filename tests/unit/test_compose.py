@@ -105,19 +105,21 @@ def test_docker_compose_resolves_the_services():
 
 # --------------------------------------------------------------------------- settings
 
-def is_settings_field(parts: list[str]) -> bool:
-    """Does INFERLINE_<PARTS joined by __> name a field of Settings (a dict field takes any key)?"""
+def is_settings_field(parts: list[str], section: bool = False) -> bool:
+    """Does INFERLINE_<PARTS joined by __> name a field of Settings (a dict field takes any key)?
+    With `section`, the last part must be a section or a dict (names like INFERLINE_LIMITS__*)."""
     model: type[BaseModel] = Settings
     for i, part in enumerate(parts):
         field = model.model_fields.get(part)
         if field is None:
             return False
-        if i == len(parts) - 1:
-            return True
         annotation = field.annotation
         if typing.get_origin(annotation) is dict:
             return True
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if i == len(parts) - 1:
+            return is_section or not section
+        if not is_section:
             return False
         model = annotation
     return False

@@ -122,22 +122,6 @@ def test_operations_describes_every_metric():
 
 # --------------------------------------------------------------------------- names in the docs
 
-def is_model_path(parts: list[str]) -> bool:
-    """A section or dict of the tree (for names like INFERLINE_LIMITS__DEFAULT_TENANT__*)."""
-    model: type[BaseModel] = Settings
-    for part in parts:
-        field = model.model_fields.get(part)
-        if field is None:
-            return False
-        ann = field.annotation
-        if typing.get_origin(ann) is dict:
-            return True
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return False
-        model = ann
-    return True
-
-
 # README.md and every docs/*.md: each file path, module, `Class.member`, class name, INFERLINE_*
 # setting, `make` target, `inferline` subcommand and inferline_* metric a doc names must exist.
 # test_the_name_check_catches_each_kind shows each check failing on a made-up name.
@@ -308,7 +292,7 @@ def unknown_variables(text: str, gen) -> list[str]:
     for name in re.findall(r"INFERLINE_[A-Z0-9_]*[A-Z0-9](?:__<NAME>__<FIELD>|__\*|_\*)?", text):
         base = re.sub(r"(__<NAME>__<FIELD>|_?_\*)$", "", name)
         parts = base[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
-        if name.endswith("__<NAME>__<FIELD>") or name.endswith("__*") and is_model_path(parts):
+        if name.endswith("__<NAME>__<FIELD>") or name.endswith("__*") and is_settings_field(parts, section=True):
             continue
         if name.endswith("_*"):
             if not any(v.startswith(base + "_") for v in settings | tools):
