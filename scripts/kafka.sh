@@ -19,6 +19,8 @@
 #                           INFERLINE_KAFKA_DIR, a second private broker, e.g. for tests that kill it
 #   INFERLINE_KAFKA_HEAP    JVM heap flags (default -Xmx512m -Xms256m)
 #   INFERLINE_KAFKA_START_TIMEOUT  seconds to wait for the broker to answer (default 90)
+#   INFERLINE_KAFKA_FEATURES  space-separated features set when storage is formatted, e.g.
+#                           "share.version=1" (share groups, KIP-932; off by default on 4.1)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,6 +34,7 @@ CONTROLLER_PORT=$((PORT + 1))
 HEAP_OPTS=${INFERLINE_KAFKA_HEAP:--Xmx512m -Xms256m}
 START_TIMEOUT=${INFERLINE_KAFKA_START_TIMEOUT:-90}
 STOP_TIMEOUT=30
+FEATURES=${INFERLINE_KAFKA_FEATURES:-}
 
 CACHE=${INFERLINE_CACHE_DIR:-$HOME/.cache/inferline}/kafka-$KAFKA_VERSION
 LIBS=$CACHE/libs
@@ -135,9 +138,11 @@ format_storage() {
         echo "$cluster_id" >"$KDIR/cluster.id"
     fi
     say "formatting KRaft storage in $DATA (cluster id $cluster_id)"
+    local feature features=()
+    for feature in $FEATURES; do features+=(--feature "$feature"); done
     java -Xmx256m -cp "$LIBS/*" -Dlog4j2.configurationFile="$HERE/log4j2.properties" \
         -Dkafka.logs.dir="$LOGS" kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" \
-        --standalone >>"$OUT" 2>&1 || { tail -n 20 "$OUT" >&2; die "formatting $DATA failed"; }
+        --standalone "${features[@]}" >>"$OUT" 2>&1 || { tail -n 20 "$OUT" >&2; die "formatting $DATA failed"; }
 }
 
 show_failure() {
