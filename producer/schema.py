@@ -438,6 +438,8 @@ class DoneEvent(_EventBase):
     text: str | None = None
     error: ErrorInfo | None = None
     metadata: dict[str, str] = {}
+    # Who answered (optional: older workers leave it out): operators see who served what.
+    worker: str | None = None
 
 
 Event = Annotated[Union[StartedEvent, TokensEvent, DoneEvent], Field(discriminator="type")]

@@ -114,7 +114,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                   "text": "The whole output (nil when the request was rejected before it ran); "
                           "always set when stream was false.",
                   "error": "Set for rejected, cancelled, timeout and error outcomes; nil otherwise.",
-                  "metadata": "The request's metadata, echoed."},
+                  "metadata": "The request's metadata, echoed.",
+                  "worker": "The name of the worker that answered (INFERLINE_WORKER__NAME or host:pid); "
+                            "optional: absent from older workers."},
     "Usage": {"prompt_tokens": "Tokens in the prompt.", "completion_tokens": "Tokens generated."},
     "Timing": {"queue_s": "Receipt to first schedule.", "ttft_s": "Receipt to first token; nil if none.",
                "total_s": "Receipt to done."},
@@ -230,13 +232,13 @@ EVENT_EXAMPLES = {
                      "usage": {"prompt_tokens": 31, "completion_tokens": 23},
                      "timing": {"queue_s": 0.012, "ttft_s": 0.051, "total_s": 0.48},
                      "text": "Kafka is a distributed log that stores streams of records.", "error": None,
-                     "metadata": {}}},
+                     "metadata": {}, "worker": "gpu-3:4121"}},
         {"name": "rejected", "summary": "Rejected before it ran",
          "payload": {"v": 1, "type": "done", "id": "req-0004", "attempt": "c7d2aa", "seq": 0,
                      "finish_reason": "rejected", "usage": {"prompt_tokens": 0, "completion_tokens": 0},
                      "timing": {"queue_s": 0.0, "ttft_s": None, "total_s": 0.0}, "text": None,
                      "error": {"code": "invalid_request", "message": "temperature: Input should be greater than or equal to 0"},
-                     "metadata": {}}},
+                     "metadata": {}, "worker": "gpu-3:4121"}},
     ],
 }
 CANCEL_EXAMPLES = [{"name": "cancel", "payload": {"v": 1, "id": "req-0001"}}]

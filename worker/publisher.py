@@ -197,7 +197,7 @@ class Publisher:
             timing=Timing(queue_s=max(0.0, queue_s), ttft_s=None if ttft_s is None else max(0.0, ttft_s),
                           total_s=max(0.0, total_s)),
             text=text, error=ErrorInfo(code=error[0], message=error[1]) if error else None,
-            metadata=metadata or {},
+            metadata=metadata or {}, worker=self.worker_name,
         )
         rs.closed = True
         rs.final_event = encode_event(ev)
