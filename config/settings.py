@@ -39,6 +39,21 @@ class KafkaSettings(BaseModel):
     # topics create` does) so the look-back reads one record per id.
     cancel_lookback_s: float = Field(86_400.0, gt=0)
     group_id: str = "inferline-workers"
+    # How requests are taken (docs/operations.md). `group`: a consumer group, partitions owned
+    # by one worker each, one final result per request (transactions). `share`: a Kafka share
+    # group (KIP-932; broker 4.2+), any idle worker takes any record, at-least-once.
+    intake: Literal["group", "share"] = "group"
+    # Share mode: a record delivered more often than this (its workers died or gave it back)
+    # goes to the dead-letter topic. Keep the broker's group.share.delivery.count.limit above it,
+    # or the broker archives the record silently first.
+    max_deliveries: int = Field(5, ge=1)
+    # Share mode: how long a taken record stays locked to its worker (the share group's
+    # share.record.lock.duration.ms, set at start-up); past it the broker hands it to another.
+    # Longer than the longest request. None leaves the group's setting as it is.
+    share_lock_ms: int | None = Field(None, ge=1_000)
+    # Share mode: share consumers per worker. The client takes no new records until every record
+    # of its last poll is acknowledged, so a second consumer keeps records coming meanwhile.
+    share_consumers: int = Field(2, ge=1, le=16)
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
     client_id: str = "inferline"
@@ -83,13 +98,17 @@ class KafkaSettings(BaseModel):
         return {**self.connection_options(), "client_id": self.client_id}
 
     def librdkafka_config(self) -> dict:
-        """The same connection in librdkafka's names (confluent-kafka: the ACL admin calls)."""
-        config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol}
+        """client_options() in librdkafka's names (confluent-kafka: the ACL admin calls, the
+        share consumers of INFERLINE_KAFKA__INTAKE=share)."""
+        config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol,
+                  "client.id": self.client_id}
         if self.sasl_mechanism:
             config.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
                            "sasl.password": self.password()})
-        if self.ssl_cafile:
-            config["ssl.ca.location"] = str(self.ssl_cafile)
+        for name, path in (("ssl.ca.location", self.ssl_cafile), ("ssl.certificate.location", self.ssl_certfile),
+                           ("ssl.key.location", self.ssl_keyfile)):
+            if path is not None:
+                config[name] = str(path)
         return config
 
     def connection_options(self) -> dict:

@@ -16,6 +16,10 @@ publishes `requeued`, never a final result; one whose partition's transactional 
 by another worker (fenced) commits nothing. If the engine thread dies, every job is handed back
 (`requeued`), readiness fails and run() raises.
 
+Share mode (INFERLINE_KAFKA__INTAKE=share, worker/share_intake.py): no transactions and no
+offsets; each record is acknowledged on its own once its outcome is on the broker: ACCEPT (its
+final `done`), REJECT (dead-lettered), RELEASE (`requeued`: another worker takes it).
+
 The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the
 same id (a redelivery racing its own requeue) are then two attempts, never one engine entry.
 Engine outputs arrive on the engine thread and hop to the event loop with
@@ -43,6 +47,7 @@ from worker.metrics import Metrics, priority_label
 from worker.offsets import OffsetTracker
 from worker.publisher import Publisher, ReplyRoute, ReplyStream
 from worker.ratelimit import RateLimiter
+from worker.share_intake import ShareIntake
 from worker.tenancy import cancel_key
 from worker.transactions import Outcome, Transactions
 
@@ -81,8 +86,10 @@ class Worker:
         self.transactions = Transactions(settings, self.tracker, self.metrics)
         self.publisher = Publisher(settings, self.metrics, self.name, self.transactions,
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
-        self.intake = Intake(settings, self, self.tracker, self.limiter, self.metrics, self.cancels,
-                             self.transactions)
+        self.share = settings.kafka.intake == "share"
+        intake_class = ShareIntake if self.share else Intake
+        self.intake = intake_class(settings, self, self.tracker, self.limiter, self.metrics, self.cancels,
+                                   self.transactions)
         self.cancel_listener = CancelListener(settings, self.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine
@@ -211,7 +218,8 @@ class Worker:
             value = value[: limit - 4096]
             headers.append(("original-size", str(len(record.value)).encode()))
         self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers, (tp, record.offset),
-                                   on_acked=lambda outcome: self._offset_done(tp, record.offset, outcome, generation))
+                                   on_acked=lambda outcome: self._offset_done(tp, record.offset, outcome, generation,
+                                                                              verdict="reject"))
 
     def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str,
                finish_reason: str = "rejected", metadata: dict | None = None) -> None:
@@ -368,6 +376,7 @@ class Worker:
                 self.ledger.remember(job)
             self._replied(job.tp, job.offset, outcome, job.reply.topic, job.generation)
         else:
+            self._decide(job.tp, job.offset, "release")
             self._acked(job.tp)
 
     def _replied(self, tp: TopicPartition, offset: int, outcome: Outcome, topic: str, generation: int) -> None:
@@ -378,18 +387,27 @@ class Worker:
             return
         record = self.ledger.held(tp, offset)
         if record is None or generation != self.intake.generation or self.transactions.fenced(tp):
+            self._decide(tp, offset, "release")
             self._acked(tp)  # revoked meanwhile: unfinished here, its new owner reads it again
             return
         log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic)
         self.dead_letter(record, f"the reply could not be delivered to {topic!r}")
         self._acked(tp)
 
-    def _offset_done(self, tp: TopicPartition, offset: int, outcome: Outcome, generation: int) -> None:
+    def _offset_done(self, tp: TopicPartition, offset: int, outcome: Outcome, generation: int,
+                     verdict: str = "accept") -> None:
         # The transaction finished the offset in the tracker. Otherwise (fenced, or the worker
         # stopping) the offset stays unfinished for the partition's next owner.
         if outcome == "ok" and generation == self.intake.generation:
             self.ledger.release(tp, offset)
+        self._decide(tp, offset, verdict if outcome == "ok" else "release")
         self._acked(tp)
+
+    def _decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
+        """Share mode: the record's acknowledgement (accept, reject, release); group mode: none."""
+        if self.share:
+            self.ledger.release(tp, offset)
+            self.intake.decide(tp, offset, verdict)
 
     def _acked(self, tp: TopicPartition) -> None:
         self.ledger.acked(tp)

@@ -8,6 +8,9 @@
 - A final result (a `done` that ends a request, a dead letter) is not sent here: once every
   earlier event of its attempt is acked (so it lands after them), it goes to the input
   partition's transaction with its offset (worker/transactions.py).
+- In share mode (INFERLINE_KAFKA__INTAKE=share) there are no transactions: a final result goes
+  through the idempotent producer like any event, and its record is acknowledged to the share
+  group once the broker has it (worker/share_intake.py).
 - Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
   un-acked) is what the intake watches to pause itself when the broker falls behind.
 - One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
@@ -108,6 +111,7 @@ class Publisher:
                  on_send_failed: Callable[[str], None] | None = None) -> None:
         self._kafka = settings.kafka
         self._txns = transactions
+        self._transactional = settings.kafka.intake == "group"
         self._metrics = metrics
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
@@ -252,11 +256,16 @@ class Publisher:
         self._idle.clear()
         self._metrics.pending_replies.set(self.backlog)
         if out.source is not None:
-            # The loop keeps only weak references to tasks: hold this one until it has handed off.
-            task = asyncio.get_running_loop().create_task(self._to_transaction(out))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
+            if self._transactional:
+                # The loop keeps only weak references to tasks: hold this one until it has handed off.
+                task = asyncio.get_running_loop().create_task(self._to_transaction(out))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
+            out.source = None  # share mode: sent like any other event, final once acked
+            if not out.topic:  # no record to send (answered before): nothing to wait for
+                asyncio.get_running_loop().call_soon(self._settle, out, "ok")
+                return
         if out.stream is not None:
             out.stream.in_flight += 1
         lane = self._lanes.get(out.topic)

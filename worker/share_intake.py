@@ -1,0 +1,286 @@
+"""Share intake: the request topic read through a Kafka share group (KIP-932, "queues").
+
+Every worker of the share group reads every partition; the broker hands each record to one of
+them and locks it there until the worker acknowledges it: ACCEPT (its final `done` is on the
+broker), REJECT (dead-lettered: undecodable, or delivered more than `max_deliveries` times) or
+RELEASE (given back: shutdown, requeued by the engine). A worker that dies holds its records
+only until their locks expire; then another worker gets them, with a higher delivery count.
+
+The client is confluent-kafka's ShareConsumer, which blocks and is not thread-safe: each one
+lives on a thread of its own (`_Lane`) and hands records to the event loop. In explicit
+acknowledgement mode it refuses to poll again before every record of its last poll is
+acknowledged, so a worker runs `share_consumers` of them: one takes new records while another
+waits for its batch to finish. A lane polls only for room the waiting pool has, reserved on the
+loop. Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import structlog
+from aiokafka import TopicPartition
+
+from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from worker.intake import Intake
+
+log = structlog.get_logger(__name__)
+POLL_S = 0.1  # how soon a freed slot in the pool is noticed
+COMMIT_TIMEOUT_S = 10.0
+VERDICTS = ("accept", "release", "reject")
+
+
+@dataclass
+class ShareRecord:
+    """A polled record, in the shape the intake and the worker's dead-letter path read."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list | None
+    delivery_count: int
+
+
+def client_config(kafka, group_id: str, max_poll_records: int) -> dict:
+    """librdkafka settings of a share consumer: the worker's connection (KafkaSettings), explicit acks."""
+    return {**kafka.librdkafka_config(), "group.id": group_id, "share.acknowledgement.mode": "explicit",
+            "max.poll.records": max_poll_records}
+
+
+def group_configs(kafka) -> dict[str, str]:
+    """The share group's settings the worker relies on. A new share group starts at the end of
+    the topic by default: requests already waiting would never be read."""
+    configs = {"share.auto.offset.reset": "earliest"}
+    if kafka.share_lock_ms is not None:
+        configs["share.record.lock.duration.ms"] = str(kafka.share_lock_ms)
+    return configs
+
+
+def set_group_configs(kafka) -> None:
+    """Blocking (run it off the loop): apply group_configs() to the share group."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+
+    admin = AdminClient(kafka.librdkafka_config())
+    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in group_configs(kafka).items()]
+    resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=entries)
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=30)
+
+
+class _Lane:
+    """One ShareConsumer on its own thread. It polls only when every record of its last poll
+    is acknowledged (the client's rule) and the pool has room; verdicts come from the loop."""
+
+    def __init__(self, intake: "ShareIntake", index: int, conf: dict) -> None:
+        self._intake, self._conf = intake, conf
+        self.verdicts: queue.SimpleQueue = queue.SimpleQueue()  # (topic, partition, offset, verdict)
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"share-intake-{index}", daemon=True)
+
+    def _run(self) -> None:
+        from confluent_kafka import ShareConsumer
+
+        consumer = ShareConsumer(self._conf)
+        consumer.subscribe(self._intake.topics)
+        held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet
+        try:
+            while not self.closing.is_set():
+                if held:
+                    self._acknowledge(consumer, held, wait=POLL_S)
+                else:
+                    self._take(consumer, held)
+        except Exception as exc:  # noqa: BLE001 - a dead lane takes nothing: the worker must stop
+            log.exception("share_intake.lane_failed")
+            self._intake.lane_failed(exc)
+        finally:
+            self._close(consumer, held)
+
+    def _take(self, consumer, held: set) -> None:
+        want = self._intake.reserve()
+        if want <= 0:
+            time.sleep(POLL_S)
+            return
+        records = []
+        try:
+            records = self._poll(consumer)
+        finally:
+            held.update((r.topic, r.partition, r.offset) for r in records)
+            self._intake.hand_over(self, records, want)
+
+    def _poll(self, consumer) -> list[ShareRecord]:
+        from confluent_kafka import KafkaException
+
+        records = []
+        try:
+            polled = consumer.poll(POLL_S)
+        except KafkaException as exc:  # broker restarting, coordinator moving: try again
+            log.warning("share_intake.poll_failed", error=str(exc))
+            time.sleep(1.0)
+            return records
+        for msg in polled:
+            if msg.error() is not None:
+                log.warning("share_intake.poll_error", error=str(msg.error()))
+                continue
+            records.append(ShareRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(),
+                                       msg.headers(), msg.delivery_count() or 1))
+        return records
+
+    def _acknowledge(self, consumer, held: set, wait: float | None) -> None:
+        """Acknowledge the verdicts that came (waiting `wait` s for the first), then send them."""
+        types = _ack_types()
+        sent = 0
+        while True:
+            try:
+                topic, partition, offset, verdict = (self.verdicts.get(timeout=wait) if wait and not sent
+                                                     else self.verdicts.get_nowait())
+            except queue.Empty:
+                break
+            if (topic, partition, offset) in held:
+                consumer.acknowledge_offset(topic, partition, offset, types[verdict])
+                held.discard((topic, partition, offset))
+                sent += 1
+        if sent:
+            self._commit(consumer)
+
+    def _commit(self, consumer) -> None:
+        for tp, error in (consumer.commit_sync(COMMIT_TIMEOUT_S) or {}).items():
+            if error is not None:  # e.g. the lock expired first: the record went to another worker
+                log.warning("share_intake.ack_failed", topic=tp.topic, partition=tp.partition, error=str(error))
+
+    def _close(self, consumer, held: set) -> None:
+        """Verdicts that came, then RELEASE for the rest (another worker takes them), leave."""
+        try:
+            self._acknowledge(consumer, held, wait=None)
+            for topic, partition, offset in held:
+                consumer.acknowledge_offset(topic, partition, offset, _ack_types()["release"])
+            if held:
+                log.info("share_intake.released", records=len(held))
+                self._commit(consumer)
+        finally:
+            consumer.close()
+
+
+def _ack_types() -> dict:
+    # Imported here: confluent-kafka is needed in share mode only (the `share` extra).
+    from confluent_kafka import AcknowledgeType
+
+    return {"accept": AcknowledgeType.ACCEPT, "release": AcknowledgeType.RELEASE, "reject": AcknowledgeType.REJECT}
+
+
+class ShareIntake(Intake):
+    """The intake of share mode: the same Sink calls as Intake, records from a share group."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lanes: list[_Lane] = []
+        self._owner: dict[tuple[TopicPartition, int], _Lane] = {}  # taken record -> its lane
+        self._in_transit = 0  # pool room reserved by lanes whose poll has not been handed over
+        self._verifying: set[asyncio.Task] = set()
+
+    @property
+    def topics(self) -> list[str]:
+        return [self._s.kafka.request_topic]
+
+    async def start(self) -> None:
+        k = self._s.kafka
+        assert k.tenancy == "body", "share mode reads one request topic (tenancy=topic is group mode only)"
+        self._loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(set_group_configs, k)
+        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right: the group's own settings stand
+            log.warning("share_intake.group_config_failed", group=k.group_id, error=repr(exc))
+        per_poll = max(1, self._s.scheduler.max_waiting // k.share_consumers)
+        self._lanes = [_Lane(self, i, client_config(k, k.group_id, per_poll)) for i in range(k.share_consumers)]
+        for lane in self._lanes:
+            lane.thread.start()
+        self.joined = True
+        log.info("share_intake.started", group=k.group_id, consumers=len(self._lanes))
+
+    async def close(self) -> None:
+        """Release what was taken and not answered, leave the share group."""
+        for lane in self._lanes:
+            lane.closing.set()
+        await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
+        for task in self._verifying:
+            task.cancel()
+        if self._admin:
+            await self._admin.close()
+
+    # -- lanes (their threads call these) ---------------------------------------------------------
+
+    def reserve(self) -> int:
+        """Room in the pool for this lane's next poll, taken out of what the others may take."""
+        # No timeout: a reservation given up here would stay counted on the loop.
+        return asyncio.run_coroutine_threadsafe(self._reserve(), self._loop).result()
+
+    async def _reserve(self) -> int:
+        room = self._sink.room() if self.fetching else 0
+        want = room - self._in_transit
+        if want <= 0:
+            return 0
+        self._in_transit += want
+        return want
+
+    def hand_over(self, lane: _Lane, records: list[ShareRecord], reserved: int) -> None:
+        self._loop.call_soon_threadsafe(self._take, lane, records, reserved)
+
+    def lane_failed(self, exc: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._sink.fatal, exc)
+
+    # -- the loop's side --------------------------------------------------------------------------
+
+    def _take(self, lane: _Lane, records: list[ShareRecord], reserved: int) -> None:
+        # Records beyond the reservation (the client's max.poll.records is best-effort) are
+        # taken too: the engine's waiting queue has headroom past max_waiting.
+        self._in_transit -= reserved
+        unverified = []
+        for record in records:
+            tp = TopicPartition(record.topic, record.partition)
+            earlier = self._owner.get((tp, record.offset))
+            self._owner[(tp, record.offset)] = lane
+            if earlier is not None:
+                self._taken_again(tp, record, earlier)
+                continue
+            self._handle_safely(tp, record, unverified)
+        if unverified:
+            task = asyncio.create_task(self._verify_reply_topics(unverified))
+            self._verifying.add(task)
+            task.add_done_callback(self._verifying.discard)
+
+    def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
+        """A record still running here came back (its lock expired first): this delivery's lock
+        is the live one, so the running job's verdict goes to it; the stale one is let go."""
+        log.warning("share_intake.lock_expired", partition=tp.partition, offset=record.offset,
+                    delivery_count=record.delivery_count)
+        earlier.verdicts.put((tp.topic, tp.partition, record.offset, "release"))
+
+    def decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
+        """The worker's verdict on a record it was handed: sent to the broker by its lane."""
+        assert verdict in VERDICTS, verdict
+        lane = self._owner.pop((tp, offset), None)
+        if lane is not None:
+            lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
+
+    def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
+        """As Intake._decode, with no offsets to track; too many deliveries is a dead letter."""
+        self._sink.hold(tp, record)
+        limit = self._s.kafka.max_deliveries
+        if record.delivery_count > limit:
+            reason = f"delivered {record.delivery_count} times (max_deliveries {limit}): its workers died or gave it up"
+            log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason)
+            self._sink.dead_letter(record, reason)
+            return None
+        try:
+            return decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
+        except UndecodableMessage as exc:
+            log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
+            self._sink.dead_letter(record, exc.reason)
+            return None
+        except InvalidRequest as exc:
+            return exc
