@@ -19,6 +19,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import structlog
@@ -181,6 +182,10 @@ class ShareIntake(Intake):
         self._lanes: list[_Lane] = []
         self._owner: dict[tuple[TopicPartition, int], _Lane] = {}  # taken record -> its lane
         self._in_transit = 0  # pool room reserved by lanes whose poll has not been handed over
+        # Polled, not yet handed to the worker: a poll may return more than it asked for (the
+        # client's max.poll.records is best-effort: the broker hands out whole producer batches).
+        # They wait here, still locked to this worker, instead of going back with a higher count.
+        self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
         self._verifying: set[asyncio.Task] = set()
 
     @property
@@ -199,6 +204,7 @@ class ShareIntake(Intake):
         self._lanes = [_Lane(self, i, client_config(k, k.group_id, per_poll)) for i in range(k.share_consumers)]
         for lane in self._lanes:
             lane.thread.start()
+        self._tasks = [asyncio.create_task(self._hand_out_loop(), name="share-intake-hand-out")]
         self.joined = True
         log.info("share_intake.started", group=k.group_id, consumers=len(self._lanes))
 
@@ -207,7 +213,7 @@ class ShareIntake(Intake):
         for lane in self._lanes:
             lane.closing.set()
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
-        for task in self._verifying:
+        for task in [*self._tasks, *self._verifying]:
             task.cancel()
         if self._admin:
             await self._admin.close()
@@ -220,7 +226,8 @@ class ShareIntake(Intake):
         return asyncio.run_coroutine_threadsafe(self._reserve(), self._loop).result()
 
     async def _reserve(self) -> int:
-        room = self._sink.room() if self.fetching else 0
+        self._hand_out()
+        room = self._sink.room() if self.fetching and not self._polled else 0
         want = room - self._in_transit
         if want <= 0:
             return 0
@@ -236,11 +243,20 @@ class ShareIntake(Intake):
     # -- the loop's side --------------------------------------------------------------------------
 
     def _take(self, lane: _Lane, records: list[ShareRecord], reserved: int) -> None:
-        # Records beyond the reservation (the client's max.poll.records is best-effort) are
-        # taken too: the engine's waiting queue has headroom past max_waiting.
         self._in_transit -= reserved
+        self._polled.extend((lane, record) for record in records)
+        self._hand_out()
+
+    async def _hand_out_loop(self) -> None:
+        while True:  # room frees as requests start: polled records waiting for it go in then
+            await asyncio.sleep(POLL_S)
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Polled records to the worker, while its pool has room (the group intake's rule)."""
         unverified = []
-        for record in records:
+        while self._polled and self.fetching and self._sink.room() - self._in_transit > 0:
+            lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
             earlier = self._owner.get((tp, record.offset))
             self._owner[(tp, record.offset)] = lane

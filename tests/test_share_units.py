@@ -1,0 +1,107 @@
+"""Share mode's bookkeeping without a broker (worker/share_intake.py): what is handed to the
+worker and when, where a verdict goes, when a record is dead-lettered, the client settings.
+The broker-backed behaviour is tests/test_share_intake.py."""
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from config.settings import Settings
+from worker.cancels import RecentCancels
+from worker.metrics import Metrics
+from worker.offsets import OffsetTracker
+from worker.ratelimit import RateLimiter
+from worker.share_intake import ShareIntake, ShareRecord, _Lane, client_config, group_configs
+from worker.transactions import Transactions
+
+TOPIC = "llm.requests"
+
+
+class FakeSink:
+    def __init__(self, room: int) -> None:
+        self.capacity, self.handled, self.dead = room, [], []
+
+    def room(self) -> int:
+        return self.capacity - len(self.handled)
+
+    def hold(self, tp, record) -> None:
+        pass
+
+    def dead_letter(self, record, reason: str) -> None:
+        self.dead.append((record.offset, reason))
+
+
+def make_intake(room: int, **kafka) -> ShareIntake:
+    settings = Settings(kafka={"intake": "share", **kafka})
+    tracker, metrics = OffsetTracker(), Metrics()
+    intake = ShareIntake(settings, FakeSink(room), tracker, RateLimiter(settings.limits), metrics,
+                         RecentCancels(ttl_s=60), Transactions(settings, tracker, metrics))
+    intake._handle_safely = lambda tp, record, unverified=None: intake._sink.handled.append(record.offset)
+    return intake
+
+
+def record(offset: int, delivery_count: int = 1) -> ShareRecord:
+    return ShareRecord(TOPIC, 0, offset, b"k", b"v", None, delivery_count)
+
+
+def test_a_poll_larger_than_the_room_waits_for_room():
+    intake = make_intake(room=2)
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(o) for o in range(5)], reserved=0)
+    assert intake._sink.handled == [0, 1]
+    intake._sink.capacity = 4  # two requests started: room for two more
+    intake._hand_out()
+    assert intake._sink.handled == [0, 1, 2, 3]
+
+
+async def test_no_new_poll_while_polled_records_wait():
+    intake = make_intake(room=1)
+    intake._take(_Lane(intake, 0, {}), [record(0), record(1)], reserved=0)
+    assert intake._polled and await intake._reserve() == 0
+    intake._sink.capacity = 5  # room again: the waiting record goes in first, then polls resume
+    assert await intake._reserve() == 3 and not intake._polled
+
+
+def test_verdicts_go_to_the_lane_that_holds_the_record():
+    intake = make_intake(room=4)
+    a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
+    intake._take(a, [record(0)], reserved=0)
+    intake._take(b, [record(1)], reserved=0)
+    intake.decide(TopicPartition(TOPIC, 0), 1, "accept")
+    intake.decide(TopicPartition(TOPIC, 0), 0, "release")
+    assert b.verdicts.get_nowait() == (TOPIC, 0, 1, "accept")
+    assert a.verdicts.get_nowait() == (TOPIC, 0, 0, "release")
+    intake.decide(TopicPartition(TOPIC, 0), 0, "accept")  # decided already: nothing more
+    assert a.verdicts.empty()
+
+
+def test_a_record_back_while_it_runs_keeps_running_under_the_new_lock():
+    intake = make_intake(room=4)
+    a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
+    intake._take(a, [record(0)], reserved=0)
+    intake._take(b, [record(0, delivery_count=2)], reserved=0)  # its lock expired on a
+    assert intake._sink.handled == [0]  # not run twice
+    assert a.verdicts.get_nowait() == (TOPIC, 0, 0, "release")  # the stale acquisition let go
+    intake.decide(TopicPartition(TOPIC, 0), 0, "accept")
+    assert b.verdicts.get_nowait() == (TOPIC, 0, 0, "accept")
+
+
+def test_past_max_deliveries_is_a_dead_letter():
+    intake = make_intake(room=4, max_deliveries=3)
+    assert intake._decode(TopicPartition(TOPIC, 0), record(7, delivery_count=4)) is None
+    ((offset, reason),) = intake._sink.dead
+    assert offset == 7 and "delivered 4 times" in reason
+    intake._sink.dead.clear()
+    intake._decode(TopicPartition(TOPIC, 0), record(8, delivery_count=3))  # b"v": not a request
+    ((offset, reason),) = intake._sink.dead
+    assert offset == 8 and "delivered" not in reason
+
+
+def test_client_and_group_settings():
+    kafka = Settings(kafka={"intake": "share", "group_id": "g", "security_protocol": "SASL_SSL",
+                            "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p",
+                            "ssl_cafile": "/ca.pem", "share_lock_ms": 120_000}).kafka
+    conf = client_config(kafka, "g", 8)
+    assert conf["share.acknowledgement.mode"] == "explicit" and conf["max.poll.records"] == 8
+    assert conf["sasl.password"] == "p" and conf["ssl.ca.location"] == "/ca.pem"
+    assert group_configs(kafka) == {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": "120000"}
+    assert "share.record.lock.duration.ms" not in group_configs(Settings().kafka)
