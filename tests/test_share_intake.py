@@ -1,0 +1,160 @@
+"""Share mode (INFERLINE_KAFKA__INTAKE=share, worker/share_intake.py) against a real broker.
+
+Three workers in one share group on a one-partition request topic all serve requests; one of
+them is SIGKILLed while it runs requests, whose records come back to the others when their locks
+expire, and every request still ends with a final `done`. A request delivered more often than
+`max_deliveries` goes to the dead-letter topic while the fleet keeps serving.
+
+Share groups need Kafka 4.2+ (on 4.1.1 with share.version=1, the broker cannot parse the member
+ids librdkafka makes): these tests run their own broker, SHARE_KAFKA_VERSION from Maven Central.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+
+import pytest
+
+from producer.schema import DoneEvent, StartedEvent
+from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess
+from tests.kafka_fixtures import consume_until, create_named_topics
+from tests.worker_fixtures import Topics, check_attempts, submit
+from tests.worker_fixtures import request as make_request
+
+pytest.importorskip("confluent_kafka", minversion="2.16")
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+SHARE_KAFKA_VERSION = "4.2.0"
+LOCK_MS = 20_000  # a killed worker's records come back after this; longer than a request here
+
+
+@pytest.fixture(scope="module")
+def share_broker(tmp_path_factory):
+    broker = PrivateBroker(tmp_path_factory.mktemp("kafka-share"))
+    broker.env["INFERLINE_KAFKA_VERSION"] = SHARE_KAFKA_VERSION
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+async def make_topics(bootstrap: str) -> Topics:
+    stem = uuid.uuid4().hex[:8]
+    topics = Topics(requests=f"share-req-{stem}", cancel=f"share-cancel-{stem}", dlq=f"share-dlq-{stem}",
+                    replies=f"inferline.reply.share-{stem}")
+    await create_named_topics({topics.requests: 1, topics.cancel: 1, topics.dlq: 1, topics.replies: 2},
+                              bootstrap_servers=bootstrap)
+    return topics
+
+
+def share_worker(name: str, bootstrap: str, topics: Topics, log_dir, group: str, **kafka) -> WorkerProcess:
+    # A small pool: a worker takes a few records at a time, so the others get some too.
+    return WorkerProcess(name, bootstrap, topics, log_dir, worker={"name": name, "drain_timeout_s": 20},
+                         kafka={"intake": "share", "group_id": group, "share_lock_ms": LOCK_MS, **kafka},
+                         scheduler={"max_num_seqs": 4, "max_waiting": 4})
+
+
+async def submit_each(bootstrap: str, topic: str, requests: list[dict]) -> list[str]:
+    """One produce per request, as independent clients send them: the broker hands a share
+    consumer whole producer batches, so one batch of many requests would go to one worker."""
+    return [(await submit(bootstrap, topic, [r]))[0] for r in requests]
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def workers_of(events: list) -> tuple[set[str], set[str]]:
+    """(workers that started an attempt, workers that sent a final done)."""
+    started = {e.worker for e in events if isinstance(e, StartedEvent)}
+    final = {e.worker for e in events if isinstance(e, DoneEvent) and e.finish_reason != "requeued"}
+    return started, final
+
+
+async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker, tmp_path):
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    group = f"share-{uuid.uuid4().hex[:8]}"
+    workers = [share_worker(f"w{i}", bootstrap, topics, tmp_path, group) for i in range(3)]
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        for w in workers:
+            w.spawn()
+        await asyncio.gather(*(w.wait_started(600) for w in workers))
+        # Wave 1: every worker serves some of the requests of the one partition.
+        ids = await submit_each(bootstrap, topics.requests,
+                                [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=6, ignore_eos=True)
+                                 for i in range(24)])
+        await wait_until(lambda: watcher.finished(ids) == len(ids), 240, "wave 1")
+        events = watcher.events()
+        served = set().union(*(workers_of([e for _, e in events[i]])[1] for i in ids))
+        assert served == {"w0", "w1", "w2"}, f"workers that served: {served}"
+        # Wave 2: w0 dies while it runs requests; the others finish them, none lost.
+        ids2 = await submit_each(bootstrap, topics.requests,
+                                 [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=48, ignore_eos=True)
+                             for i in range(12)])
+        victim_started = lambda: [i for i, evs in watcher.events().items()  # noqa: E731
+                                  if i in ids2 and "w0" in workers_of([e for _, e in evs])[0]]
+        await wait_until(lambda: victim_started(), 240, "w0 to start a request")
+        workers[0].kill()
+        cut = set(victim_started())
+        await wait_until(lambda: watcher.finished(ids2) == len(ids2), 240, "wave 2")
+        events = watcher.events()
+        for i in ids2:
+            check_attempts([e for _, e in events[i]], allow_cut=True)
+            finals = [e for _, e in events[i] if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
+            assert finals and all(d.finish_reason == "length" for d in finals), (i, finals)
+        rerun = [i for i in cut if "w0" not in workers_of([e for _, e in events[i]])[1]]
+        assert rerun, "no request that w0 had started was completed by another worker"
+        for i in rerun:
+            assert workers_of([e for _, e in events[i]])[1] <= {"w1", "w2"}
+    finally:
+        await watcher.stop()
+        for w in workers:
+            if w.alive():
+                await w.terminate()
+
+
+async def test_a_request_past_max_deliveries_is_dead_lettered(share_broker, tmp_path):
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    group = f"share-{uuid.uuid4().hex[:8]}"
+    # max_deliveries 1: the first worker to take the request dies with it; its second delivery
+    # is one too many (a poison request that kills every worker stops after the limit).
+    first = share_worker("first", bootstrap, topics, tmp_path, group, max_deliveries=1)
+    second = share_worker("second", bootstrap, topics, tmp_path, group, max_deliveries=1)
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        first.spawn()
+        await first.wait_started(600)
+        (poison,) = await submit(bootstrap, topics.requests,
+                                 [make_request(topics.replies, prompt="Count slowly.", max_tokens=400,
+                                               ignore_eos=True)])
+        await wait_until(lambda: watcher.started([poison]) == 1, 240, "the request to start")
+        first.kill()
+        second.spawn()
+        await second.wait_started(600)
+        dead = await consume_until(bootstrap, topics.dlq, lambda recs: len(recs) >= 1, timeout=120)
+        headers = dict(dead[0].headers)
+        assert dead[0].key == poison.encode()
+        # At least 2: as a worker dies, its other consumer may take the record in the moment
+        # between the first one's connection closing (a release) and its own.
+        delivered = re.match(rb"delivered (\d+) times", headers["error"])
+        assert delivered and int(delivered[1]) >= 2, headers
+        # The fleet keeps serving.
+        ids = await submit(bootstrap, topics.requests, [make_request(topics.replies, max_tokens=4)])
+        await wait_until(lambda: watcher.finished(ids) == 1, 120, "a request after the poison one")
+        assert watcher.finished([poison]) == 0
+    finally:
+        await watcher.stop()
+        for w in (first, second):
+            if w.alive():
+                await w.terminate()
