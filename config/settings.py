@@ -49,7 +49,8 @@ class KafkaSettings(BaseModel):
     max_deliveries: int = Field(5, ge=1)
     # Share mode: how long a taken record stays locked to its worker (the share group's
     # share.record.lock.duration.ms, set at start-up); past it the broker hands it to another.
-    # Longer than the longest request. None leaves the group's setting as it is.
+    # Longer than the longest request; at most the broker's group.share.max.record.lock.duration.ms
+    # (60 s by default). None leaves the group's setting as it is.
     share_lock_ms: int | None = Field(None, ge=1_000)
     # Share mode: share consumers per worker. The client takes no new records until every record
     # of its last poll is acknowledged, so a second consumer keeps records coming meanwhile.

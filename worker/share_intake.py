@@ -63,14 +63,20 @@ def group_configs(kafka) -> dict[str, str]:
 
 
 def set_group_configs(kafka) -> None:
-    """Blocking (run it off the loop): apply group_configs() to the share group."""
+    """Blocking (run it off the loop): apply group_configs() to the share group, one at a time
+    (a lock the broker refuses, e.g. over group.share.max.record.lock.duration.ms, must not
+    stop the offset reset), logging each refusal."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
     admin = AdminClient(kafka.librdkafka_config())
-    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in group_configs(kafka).items()]
-    resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=entries)
-    for future in admin.incremental_alter_configs([resource]).values():
-        future.result(timeout=30)
+    for name, value in group_configs(kafka).items():
+        entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+        resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=[entry])
+        try:
+            for future in admin.incremental_alter_configs([resource]).values():
+                future.result(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right, a value out of range
+            log.warning("share_intake.group_config_failed", group=kafka.group_id, config=name, error=repr(exc))
 
 
 class _Lane:
@@ -196,10 +202,7 @@ class ShareIntake(Intake):
         k = self._s.kafka
         assert k.tenancy == "body", "share mode reads one request topic (tenancy=topic is group mode only)"
         self._loop = asyncio.get_running_loop()
-        try:
-            await asyncio.to_thread(set_group_configs, k)
-        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right: the group's own settings stand
-            log.warning("share_intake.group_config_failed", group=k.group_id, error=repr(exc))
+        await asyncio.to_thread(set_group_configs, k)
         per_poll = max(1, self._s.scheduler.max_waiting // k.share_consumers)
         self._lanes = [_Lane(self, i, client_config(k, k.group_id, per_poll)) for i in range(k.share_consumers)]
         for lane in self._lanes:
