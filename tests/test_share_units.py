@@ -46,26 +46,25 @@ def record(offset: int, delivery_count: int = 1) -> ShareRecord:
 def test_a_poll_larger_than_the_room_waits_for_room():
     intake = make_intake(room=2)
     lane = _Lane(intake, 0, {})
-    intake._take(lane, [record(o) for o in range(5)], reserved=0)
+    intake._take(lane, [record(o) for o in range(5)])
     assert intake._sink.handled == [0, 1]
     intake._sink.capacity = 4  # two requests started: room for two more
     intake._hand_out()
     assert intake._sink.handled == [0, 1, 2, 3]
 
 
-async def test_no_new_poll_while_polled_records_wait():
-    intake = make_intake(room=1)
-    intake._take(_Lane(intake, 0, {}), [record(0), record(1)], reserved=0)
-    assert intake._polled and await intake._reserve() == 0
-    intake._sink.capacity = 5  # room again: the waiting record goes in first, then polls resume
-    assert await intake._reserve() == 3 and not intake._polled
+def test_nothing_is_handed_out_while_draining():
+    intake = make_intake(room=4)
+    intake.fetching = False
+    intake._take(_Lane(intake, 0, {}), [record(0)])
+    assert intake._sink.handled == [] and intake._polled  # released by its lane on close
 
 
 def test_verdicts_go_to_the_lane_that_holds_the_record():
     intake = make_intake(room=4)
     a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
-    intake._take(a, [record(0)], reserved=0)
-    intake._take(b, [record(1)], reserved=0)
+    intake._take(a, [record(0)])
+    intake._take(b, [record(1)])
     intake.decide(TopicPartition(TOPIC, 0), 1, "accept")
     intake.decide(TopicPartition(TOPIC, 0), 0, "release")
     assert b.verdicts.get_nowait() == (TOPIC, 0, 1, "accept")
@@ -77,8 +76,8 @@ def test_verdicts_go_to_the_lane_that_holds_the_record():
 def test_a_record_back_while_it_runs_keeps_running_under_the_new_lock():
     intake = make_intake(room=4)
     a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
-    intake._take(a, [record(0)], reserved=0)
-    intake._take(b, [record(0, delivery_count=2)], reserved=0)  # its lock expired on a
+    intake._take(a, [record(0)])
+    intake._take(b, [record(0, delivery_count=2)])  # its lock expired on a
     assert intake._sink.handled == [0]  # not run twice
     assert a.verdicts.get_nowait() == (TOPIC, 0, 0, "release")  # the stale acquisition let go
     intake.decide(TopicPartition(TOPIC, 0), 0, "accept")

@@ -10,8 +10,11 @@ The client is confluent-kafka's ShareConsumer, which blocks and is not thread-sa
 lives on a thread of its own (`_Lane`) and hands records to the event loop. In explicit
 acknowledgement mode it refuses to poll again before every record of its last poll is
 acknowledged, so a worker runs `share_consumers` of them: one takes new records while another
-waits for its batch to finish. A lane polls only for room the waiting pool has, reserved on the
-loop. Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
+waits for its batch to finish. Records go to the worker only while its waiting pool has room;
+the rest wait here, in order. A lane polls whenever it holds nothing, room or not: the client
+fetches (and so locks) records in the background even while the application does not poll, and
+a record it fetched but nobody polled would stay locked, unseen, until its lock expires.
+Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
 """
 from __future__ import annotations
 
@@ -108,16 +111,13 @@ class _Lane:
             self._close(consumer, held)
 
     def _take(self, consumer, held: set) -> None:
-        want = self._intake.reserve()
-        if want <= 0:
+        if not self._intake.fetching:  # draining: nothing new
             time.sleep(POLL_S)
             return
-        records = []
-        try:
-            records = self._poll(consumer)
-        finally:
+        records = self._poll(consumer)
+        if records:
             held.update((r.topic, r.partition, r.offset) for r in records)
-            self._intake.hand_over(self, records, want)
+            self._intake.hand_over(self, records)
 
     def _poll(self, consumer) -> list[ShareRecord]:
         from confluent_kafka import KafkaException
@@ -187,10 +187,9 @@ class ShareIntake(Intake):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[_Lane] = []
         self._owner: dict[tuple[TopicPartition, int], _Lane] = {}  # taken record -> its lane
-        self._in_transit = 0  # pool room reserved by lanes whose poll has not been handed over
-        # Polled, not yet handed to the worker: a poll may return more than it asked for (the
-        # client's max.poll.records is best-effort: the broker hands out whole producer batches).
-        # They wait here, still locked to this worker, instead of going back with a higher count.
+        # Polled, not yet handed to the worker: waiting for room in the pool (a poll may also
+        # return more than max.poll.records: the broker hands out whole producer batches). They
+        # wait here, locked to this worker, rather than go back with a higher delivery count.
         self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
         self._verifying: set[asyncio.Task] = set()
 
@@ -223,30 +222,15 @@ class ShareIntake(Intake):
 
     # -- lanes (their threads call these) ---------------------------------------------------------
 
-    def reserve(self) -> int:
-        """Room in the pool for this lane's next poll, taken out of what the others may take."""
-        # No timeout: a reservation given up here would stay counted on the loop.
-        return asyncio.run_coroutine_threadsafe(self._reserve(), self._loop).result()
-
-    async def _reserve(self) -> int:
-        self._hand_out()
-        room = self._sink.room() if self.fetching and not self._polled else 0
-        want = room - self._in_transit
-        if want <= 0:
-            return 0
-        self._in_transit += want
-        return want
-
-    def hand_over(self, lane: _Lane, records: list[ShareRecord], reserved: int) -> None:
-        self._loop.call_soon_threadsafe(self._take, lane, records, reserved)
+    def hand_over(self, lane: _Lane, records: list[ShareRecord]) -> None:
+        self._loop.call_soon_threadsafe(self._take, lane, records)
 
     def lane_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._sink.fatal, exc)
 
     # -- the loop's side --------------------------------------------------------------------------
 
-    def _take(self, lane: _Lane, records: list[ShareRecord], reserved: int) -> None:
-        self._in_transit -= reserved
+    def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._polled.extend((lane, record) for record in records)
         self._hand_out()
 
@@ -258,7 +242,7 @@ class ShareIntake(Intake):
     def _hand_out(self) -> None:
         """Polled records to the worker, while its pool has room (the group intake's rule)."""
         unverified = []
-        while self._polled and self.fetching and self._sink.room() - self._in_transit > 0:
+        while self._polled and self.fetching and self._sink.room() > 0:
             lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
             earlier = self._owner.get((tp, record.offset))
