@@ -77,6 +77,7 @@ def workers_of(events: list) -> tuple[set[str], set[str]]:
     return started, final
 
 
+@pytest.mark.chaos  # `make chaos` runs it too: the share-mode kill
 async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker, tmp_path):
     bootstrap = share_broker.bootstrap
     topics = await make_topics(bootstrap)
