@@ -84,7 +84,7 @@ def set_group_configs(kafka) -> None:
 
 class _Lane:
     """One ShareConsumer on its own thread. It polls only when every record of its last poll
-    is acknowledged (the client's rule) and the pool has room; verdicts come from the loop."""
+    is acknowledged (the client's rule); verdicts come from the loop."""
 
     def __init__(self, intake: "ShareIntake", index: int, conf: dict) -> None:
         self._intake, self._conf = intake, conf
