@@ -40,8 +40,9 @@ class KafkaSettings(BaseModel):
     cancel_lookback_s: float = Field(86_400.0, gt=0)
     group_id: str = "inferline-workers"
     # How requests are taken (docs/operations.md). `group`: a consumer group, partitions owned
-    # by one worker each, one final result per request (transactions). `share`: a Kafka share
-    # group (KIP-932; broker 4.2+), any idle worker takes any record, at-least-once.
+    # by one worker each, exactly one final result per request (transactions). `share`: a Kafka
+    # share group (KIP-932; broker 4.2+), any idle worker takes any record, at-least-once with
+    # delivery counts (no transactions); body tenancy only.
     intake: Literal["group", "share"] = "group"
     # Share mode: a record delivered more often than this (its workers died or gave it back)
     # goes to the dead-letter topic. Keep the broker's group.share.delivery.count.limit above it,
@@ -81,6 +82,12 @@ class KafkaSettings(BaseModel):
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+
+    @model_validator(mode="after")
+    def _share_reads_one_topic(self) -> "KafkaSettings":
+        if self.intake == "share" and self.tenancy != "body":
+            raise ValueError("intake=share reads one request topic: tenancy must be body")
+        return self
 
     @field_validator("reply_topic_prefix")
     @classmethod

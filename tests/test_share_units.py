@@ -1,12 +1,19 @@
-"""Share mode's bookkeeping without a broker (worker/share_intake.py): what is handed to the
-worker and when, where a verdict goes, when a record is dead-lettered, the client settings.
-The broker-backed behaviour is tests/test_share_intake.py."""
+"""Share mode's bookkeeping without a broker (worker/share_intake.py; the Worker's verdicts in
+worker/app.py): what is handed to the worker and when, where a verdict goes, which verdict each
+outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
+is tests/test_share_intake.py."""
 from __future__ import annotations
 
+import time
+
+import pytest
 from aiokafka import TopicPartition
+from pydantic import ValidationError
 
 from config.settings import Settings
+from producer.schema import Request
 from worker.cancels import RecentCancels
+from worker.intake import Admission
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.ratelimit import RateLimiter
@@ -104,3 +111,113 @@ def test_client_and_group_settings():
     assert conf["sasl.password"] == "p" and conf["ssl.ca.location"] == "/ca.pem"
     assert group_configs(kafka) == {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": "120000"}
     assert "share.record.lock.duration.ms" not in group_configs(Settings().kafka)
+    assert conf["client.id"] == kafka.client_id  # KafkaSettings.librdkafka_config: the one place
+
+
+def test_share_mode_is_body_tenancy_only():
+    with pytest.raises(ValidationError, match="tenancy must be body"):
+        Settings(kafka={"intake": "share", "tenancy": "topic"})
+
+
+# -- the Worker's verdicts: which acknowledgement each outcome sends (worker/app.py) ----------------
+
+
+class AckingPublisher:
+    """Stands in for the Publisher: each final outcome is on the broker at once (or `failed` for
+    the `done`s, when told so)."""
+
+    def __init__(self, done_outcome: str = "ok") -> None:
+        self.done_outcome, self.sent = done_outcome, []
+
+    def dead_letter(self, topic, key, value, headers, source, on_acked) -> None:
+        self.sent.append(("dead_letter", source[1]))
+        on_acked("ok")
+
+    def done(self, rs, *, finish_reason: str, source=None, on_acked, **fields) -> None:
+        self.sent.append((finish_reason, source and source[1]))
+        on_acked(self.done_outcome)
+
+    def finish_offset(self, source, on_acked) -> None:
+        on_acked("ok")
+
+    def resend(self, *args) -> None:
+        pass
+
+
+class FakeEngineLoop:
+    def add_request(self, request) -> None:
+        pass
+
+    def abort(self, attempt: str, reason: str) -> None:
+        pass
+
+
+def share_worker(done_outcome: str = "ok"):
+    from worker.app import Worker
+
+    worker = Worker(Settings(kafka={"intake": "share"}))
+    worker.publisher, worker.engine_loop = AckingPublisher(done_outcome), FakeEngineLoop()
+    decided = []
+    worker.intake.decide = lambda tp, offset, verdict: decided.append((offset, verdict))
+    return worker, decided
+
+
+def make_request(offset: int) -> Request:
+    return Request.model_validate({"v": 1, "id": f"r-{offset}", "reply_topic": "inferline.reply.t", "prompt": "hi"})
+
+
+def admit(worker, offset: int) -> str:
+    req = make_request(offset)
+    worker.admit(Admission(TopicPartition(TOPIC, 0), offset, req, time.time(), 8, time.time() + 60))
+    (attempt,) = worker.ledger.attempts(req.id)
+    return attempt
+
+
+def test_share_verdicts_follow_each_outcome():
+    from worker.engine.request import RequestOutput
+    from worker.publisher import ReplyRoute
+
+    worker, decided = share_worker()
+    tp = TopicPartition(TOPIC, 0)
+    worker.hold(tp, record(1))
+    worker.dead_letter(record(1), "undecodable")  # dead-lettered: REJECT once the DLQ has it
+    worker.reject(tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad")
+    finished, requeued = admit(worker, 3), admit(worker, 4)
+    worker._finish(worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop"))
+    worker._finish(worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued"))
+    assert decided == [(1, "reject"), (2, "accept"), (3, "accept"), (4, "release")]
+    assert ("requeued", None) in worker.publisher.sent  # no source: a requeued done ends nothing
+    assert worker.ledger.empty()
+
+
+def test_share_a_request_answered_here_before_is_accepted_without_running():
+    from worker.engine.request import RequestOutput
+
+    worker, decided = share_worker()
+    attempt = admit(worker, 3)
+    worker._finish(worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop"))
+    # The same record again (its lock expired just after the done): answered from the ledger.
+    worker.admit(Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60))
+    assert decided == [(3, "accept"), (3, "accept")] and not worker.jobs
+
+
+def test_share_an_undeliverable_done_dead_letters_the_record():
+    from worker.publisher import ReplyRoute
+
+    worker, decided = share_worker(done_outcome="failed")
+    tp = TopicPartition(TOPIC, 0)
+    worker.hold(tp, record(6))
+    worker.reject(tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad")
+    assert ("dead_letter", 6) in worker.publisher.sent
+    assert decided == [(6, "reject")]
+
+
+def test_group_mode_sends_no_verdicts():
+    from worker.app import Worker
+
+    worker = Worker(Settings())
+    worker.publisher = AckingPublisher()
+    assert not hasattr(worker.intake, "decide")
+    worker.hold(TopicPartition(TOPIC, 0), record(1))
+    worker.dead_letter(record(1), "undecodable")
+    assert worker.ledger.empty()
