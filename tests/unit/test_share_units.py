@@ -1,7 +1,7 @@
 """Share mode's bookkeeping without a broker (worker/share_intake.py; the Worker's verdicts in
 worker/app.py): what is handed to the worker and when, where a verdict goes, which verdict each
 outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
-is tests/test_share_intake.py."""
+is tests/kafka/test_share_intake.py."""
 from __future__ import annotations
 
 import time
