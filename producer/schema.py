@@ -408,6 +408,7 @@ class StartedEvent(_EventBase):
 class TopLogprob(_Wire):
     token_id: int
     logprob: float
+    token: str | None = None  # the token's own text (None from workers older than this field)
 
 
 class TokenLogprob(_Wire):
@@ -415,6 +416,7 @@ class TokenLogprob(_Wire):
 
     logprob: float
     top_logprobs: list[TopLogprob] = []
+    token: str | None = None  # the generated token's own text
 
 
 class TokensEvent(_EventBase):

@@ -95,8 +95,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                                      "most 64 KiB)."},
     "TokenLogprob": {"logprob": "Log-probability of the generated token, after penalties and the grammar "
                                 "mask, before temperature.",
-                     "top_logprobs": "The top_logprobs most likely tokens, best first."},
-    "TopLogprob": {"token_id": "A token id.", "logprob": "Its log-probability."},
+                     "top_logprobs": "The top_logprobs most likely tokens, best first.",
+                     "token": "The generated token's own text (U+FFFD for part of a multi-byte character)."},
+    "TopLogprob": {"token_id": "A token id.", "logprob": "Its log-probability.", "token": "Its own text."},
     "ChatMessage": {"role": "e.g. system, user, assistant.", "content": "The message text."},
     "Cancel": {"v": "Protocol version, 1 (the worker also accepts it absent).",
                "id": "The request to stop."},

@@ -315,6 +315,9 @@ def test_logprobs_equal_hf_log_softmax(model_runner, hf_model):
             top = expected[j].topk(5)
             assert [e["logprob"] for e in lp["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-4)
             assert lp["top_logprobs"][0]["token_id"] == token == top.indices[0].item()
+            assert lp["token"] == lp["top_logprobs"][0]["token"] == model_runner.tokenizer.decode([token])
+        # the tokens' own texts spell the output (ASCII here: no character split across tokens)
+        assert "".join(lp["token"] for lp in logprobs) == model_runner.tokenizer.decode(tokens)
 
 
 def test_an_uncompilable_grammar_is_rejected_naming_its_field(model_runner):

@@ -70,6 +70,28 @@ class StopChecker:
         return held
 
 
+class TokenTexts:
+    """Each token's own text, the name logprobs give it (OpenAI's `token`), decoded once per id.
+    A token holding part of a UTF-8 character reads as U+FFFD here; the stream's text is exact."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # at most the vocabulary
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text
+
+    def name(self, logprobs: dict) -> dict:
+        """The sampler's logprobs entry with `token` set on it and on each top entry."""
+        for top in logprobs["top_logprobs"]:
+            top["token"] = self(top["token_id"])
+        return logprobs
+
+
 class IncrementalDetokenizer:
     """Turns a sequence's output token ids into text deltas, one token at a time.
 

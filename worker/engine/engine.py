@@ -20,7 +20,7 @@ import torch
 
 from config.settings import Settings
 from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, RequestOutput
 from worker.engine.sampler import SamplerOutput, make_generator
@@ -92,6 +92,7 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
+        self._token_texts = TokenTexts(self.tokenizer)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "LLMEngine":
@@ -262,7 +263,7 @@ class LLMEngine:
         out.new_token_ids.append(token_id)
         if seq.sampling.logprobs is not None:
             out.logprobs = out.logprobs if out.logprobs is not None else []
-            out.logprobs.append(logprobs)
+            out.logprobs.append({"token": self._token_texts(token_id), **self._token_texts.name(logprobs)})
         out.num_output_tokens = seq.num_output_tokens  # a step may append several (accepted drafts)
         reason = self._grammar_stop(seq, token_id) or self._stop_reason(seq, token_id)
         if token_id not in self.eos_token_ids and token_id not in seq.sampling.stop_token_ids:
