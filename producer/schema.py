@@ -73,6 +73,8 @@ MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
 # OpenAI's cap on top_logprobs.
 MAX_TOP_LOGPROBS = 20
+# Samples per request: each costs its own decode tokens (the prompt is computed once).
+MAX_N = 16
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
@@ -301,6 +303,7 @@ class Request(_Wire):
     structured: StructuredOutputs | None = None  # after response_format: its validator reads it
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # after logprobs
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
 
     @field_validator("structured")
     @classmethod

@@ -428,7 +428,7 @@ def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos, structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n)
     messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
     return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
                          prompt_token_ids=req.prompt_token_ids, priority=req.priority,

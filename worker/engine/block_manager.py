@@ -88,29 +88,39 @@ class BlockManager:
     # ---- admission with cached prefixes -------------------------------------------------------
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks `seq` (not yet admitted, nothing computed) can start from; [] without a cache."""
-        assert not seq.block_table and seq.num_computed_tokens == 0, "only a sequence with no blocks"
-        return self.prefix_cache.match(seq) if self.prefix_cache else []
+        """Cached blocks `seq` (not yet admitted) can start from; [] without a cache, and for a
+        fork, which holds its shared prefix already."""
+        assert seq.num_computed_tokens == len(seq.block_table) * self.block_size, "only an unadmitted sequence"
+        return self.prefix_cache.match(seq) if self.prefix_cache and not seq.block_table else []
 
     def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
         """Free blocks that admitting `seq` over `cached` takes: the new ones, and the cached
         ones nobody owns right now (they leave the free pool)."""
-        fresh = self.num_blocks_for(seq.num_tokens) - len(cached)
+        fresh = self.num_blocks_for(seq.num_tokens) - len(cached) - len(seq.block_table)
         return fresh + sum(self.ref_counts[b] == 0 for b in cached)
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
         """Admit `seq`: share the `cached` blocks (their tokens count as computed), then reserve
         blocks for every remaining known token."""
-        for block_id in cached:
+        if self.prefix_cache and not seq.block_table:  # a fork's shared prefix was no lookup
+            self.prefix_cache.record_lookup(seq.num_tokens, len(cached) * self.block_size)
+        self._share(cached, seq)
+        self.append(seq, seq.num_uncomputed_tokens)
+
+    def fork(self, blocks: list[int], seq: Sequence) -> None:
+        """Start `seq` (no blocks yet) on `blocks`, full computed blocks of another sequence
+        with the same leading tokens: shared, never written (new tokens go after them)."""
+        assert not seq.block_table and all(self.ref_counts[b] > 0 for b in blocks)
+        self._share(blocks, seq)
+
+    def _share(self, blocks: list[int], seq: Sequence) -> None:
+        for block_id in blocks:
             if self.ref_counts[block_id] == 0:
                 del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
-        seq.block_table = list(cached)
-        seq.num_cached_blocks = len(cached)
-        seq.num_computed_tokens = len(cached) * self.block_size
-        if self.prefix_cache:
-            self.prefix_cache.record_lookup(seq.num_tokens, seq.num_computed_tokens)
-        self.append(seq, seq.num_uncomputed_tokens)
+        seq.block_table += blocks
+        seq.num_cached_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: enter the blocks whose K/V `seq` has now fully computed."""

@@ -22,10 +22,10 @@ from config.settings import Settings
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.engine.model_runner import ModelRunner
-from worker.engine.request import EngineRequest, RequestOutput
+from worker.engine.request import EngineRequest, RequestOutput, SampleResult
 from worker.engine.sampler import SamplerOutput, make_generator
 from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import ERROR_CODE_OF, Sequence
 from worker.engine.spec_decode import NgramProposer, accept
 from worker.engine.structured_output import GrammarCompiler, new_matcher
 
@@ -61,6 +61,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which found there (not computed again), total
     spec_draft_tokens: int = 0  # speculative drafts computed, total
     spec_accepted_tokens: int = 0  # of which accepted (tokens a step gained), total
+    num_forks: int = 0  # samples 1..n-1 started on a prompt computed once, total
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -86,7 +87,9 @@ class LLMEngine:
                                    proposer, spec.disable_by_batch_size)
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # every sample of a request, by index
+        # Samples 1..n-1 of a request whose sample 0 still computes the prompt (see _fork).
+        self._unforked: dict[str, list[Sequence]] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         # Constrained sequences whose grammar still compiles: in no queue, holding no block.
         self._compiling: dict[str, tuple[Sequence, Future]] = {}
@@ -117,7 +120,10 @@ class LLMEngine:
             self._finished.append(rejected_output(req.request_id, "invalid_request",
                                                   f"prompt could not be tokenized ({type(exc).__name__})"))
             return
-        self.requests[seq.request_id] = seq
+        samples = [seq] + [self._sample(seq, i) for i in range(1, seq.sampling.n)]
+        self.requests[seq.request_id] = samples
+        if len(samples) > 1:
+            self._unforked[seq.request_id] = samples[1:]
         if seq.sampling.structured is not None:
             self._compile(seq)
         else:
@@ -137,7 +143,7 @@ class LLMEngine:
             future = self.grammars.compile(seq.sampling.structured)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
             log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
-            self.requests.pop(seq.request_id, None)
+            self._forget(seq.request_id)
             self._finished.append(rejected_output(seq.request_id, "invalid_request",
                                                   f"{field}: structured outputs are unavailable on this worker"))
             return
@@ -151,9 +157,10 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                seq.grammar = new_matcher(future.result())
+                for sample in self.requests[request_id]:  # each sample follows the grammar on its own
+                    sample.grammar = new_matcher(future.result())
             except ValueError as exc:
-                self.requests.pop(request_id, None)
+                self._forget(request_id)
                 field = seq.sampling.structured.field
                 self._finished.append(rejected_output(request_id, "invalid_request", f"{field}: {exc}"))
                 continue
@@ -171,6 +178,33 @@ class LLMEngine:
             priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline,
             generator=make_generator(req.sampling.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop))
+
+    def _sample(self, seq: Sequence, index: int) -> Sequence:
+        """Sample `index` of `seq`'s request: the same prompt and params, its own random stream
+        (seed + index) and text. It joins the queue once sample 0 has computed the prompt."""
+        return Sequence(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
+            priority=seq.priority, arrival_time=seq.arrival_time, deadline=seq.deadline, index=index,
+            generator=make_generator(sample_seed(seq.sampling.seed, index), self.runner.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling.stop))
+
+    def _fork(self, seq: Sequence) -> None:
+        """Sample 0 has computed the prompt: its other samples share the prompt's full blocks
+        (reference counts) and compute only the partial last block themselves."""
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            return
+        children = self._unforked.pop(seq.request_id)
+        num_shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        for child in children:
+            self.block_manager.fork(seq.block_table[:num_shared], child)
+            child.first_scheduled_time = seq.first_scheduled_time  # the request started once
+            self.scheduler.add(child)
+        self._stats.num_forks += len(children)
+
+    def _forget(self, request_id: str) -> list[Sequence]:
+        self._unforked.pop(request_id, None)
+        self._compiling.pop(request_id, None)
+        return self.requests.pop(request_id, [])
 
     def tokenize(self, req: EngineRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -201,13 +235,14 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
         """Finish a waiting or running request now; its blocks are freed at once."""
         assert reason in ABORT_REASONS, reason
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        samples = self._forget(request_id)
+        if not samples:
             return  # unknown or already finished: aborts race with completion
-        self._compiling.pop(request_id, None)
-        self.scheduler.remove(seq)
-        seq.finish(reason, message)
-        self._finished.append(self._output(seq, finished=True))
+        for seq in samples:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish(reason, message)
+        self._finished.append(self._final_output(samples, reason, message))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._finished) or self.scheduler.has_unfinished() or bool(self._compiling)
@@ -219,7 +254,7 @@ class LLMEngine:
         self._admit_compiled()
         started = time.perf_counter()
         sched = self.scheduler.schedule()
-        outputs = {o.request_id: o for o in self._finished}
+        outputs = {(o.request_id, o.index): o for o in self._finished}
         self._finished = []
         if not sched.is_empty or sched.started:
             sampled = self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
@@ -229,14 +264,14 @@ class LLMEngine:
 
     def _expire_deadlines(self) -> None:
         now = time.time()
-        for seq in [s for s in self.requests.values() if s.deadline is not None and s.deadline <= now]:
+        for seq in [s[0] for s in self.requests.values() if s[0].deadline is not None and s[0].deadline <= now]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
     def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
         now = time.time()
         for seq in sched.started:
             seq.first_scheduled_time = now
-            outputs[seq.request_id] = self._output(seq, started=True)
+            outputs[(seq.request_id, 0)] = self._output(seq, started=True)
         sampled_iter = iter(sampled)
         for chunk in sched.scheduled:
             seq, drafts = chunk.seq, chunk.spec_token_ids
@@ -248,6 +283,8 @@ class LLMEngine:
             self._stats.spec_draft_tokens += len(drafts)
             self._stats.spec_accepted_tokens += num_accepted
             self.block_manager.cache_computed_blocks(seq)
+            if seq.request_id in self._unforked:  # only sample 0 runs before the fork
+                self._fork(seq)  # before its first token, which may end it and free its blocks
             for token_id, logprobs in zip(new_tokens, drawn.logprobs if drawn is not None else []):
                 self._append_token(seq, token_id, now, outputs, logprobs)
                 if seq.is_finished:
@@ -259,7 +296,7 @@ class LLMEngine:
             seq.first_token_time = now
         seq.output_token_ids.append(token_id)
         self._stats.num_generated_tokens += 1
-        out = outputs.setdefault(seq.request_id, self._output(seq))
+        out = outputs.setdefault((seq.request_id, seq.index), self._output(seq))
         out.new_token_ids.append(token_id)
         if seq.sampling.logprobs is not None:
             out.logprobs = out.logprobs if out.logprobs is not None else []
@@ -294,11 +331,16 @@ class LLMEngine:
         return None
 
     def _retire(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
+        """`seq` ended; its request ends with its last sample."""
         self.scheduler.remove(seq)
-        self.requests.pop(seq.request_id, None)
         seq.finish(reason)
-        final = self._output(seq, finished=True)
-        out.finished, out.finish_reason, out.text = True, reason, final.text
+        samples = self.requests[seq.request_id]
+        if not all(s.is_finished for s in samples):
+            return
+        del self.requests[seq.request_id]
+        final = self._final_output(samples)
+        out.finished, out.finish_reason, out.text, out.samples = True, final.finish_reason, final.text, final.samples
+        out.error_code, out.error_message = final.error_code, final.error_message
         out.num_output_tokens, out.ttft_s, out.total_s = final.num_output_tokens, final.ttft_s, final.total_s
 
     def fail_all(self, message: str) -> None:
@@ -309,7 +351,7 @@ class LLMEngine:
     # ---- outputs and stats ---------------------------------------------------------------------
 
     def _output(self, seq: Sequence, started: bool = False, finished: bool = False) -> RequestOutput:
-        out = RequestOutput(request_id=seq.request_id, started=started,
+        out = RequestOutput(request_id=seq.request_id, index=seq.index, started=started,
                             num_prompt_tokens=seq.num_prompt_tokens,
                             num_output_tokens=seq.num_output_tokens)
         if seq.first_scheduled_time is not None:
@@ -321,6 +363,21 @@ class LLMEngine:
             out.total_s = (seq.finish_time or time.time()) - seq.arrival_time
             if seq.first_token_time is not None:
                 out.ttft_s = seq.first_token_time - seq.arrival_time
+        return out
+
+    def _final_output(self, samples: list[Sequence], reason: str | None = None,
+                      message: str | None = None) -> RequestOutput:
+        """A request's final output: sample 0's text and finish reason (or `reason`, when the
+        request was ended as a whole), the tokens of every sample, and with n > 1 each sample."""
+        out = self._output(samples[0], finished=True)
+        if len(samples) == 1:
+            return out
+        if reason is not None:
+            out.finish_reason, out.error_code, out.error_message = reason, ERROR_CODE_OF.get(reason), message
+        out.num_output_tokens = sum(s.num_output_tokens for s in samples)
+        out.total_s = max(s.finish_time for s in samples) - samples[0].arrival_time
+        out.samples = [SampleResult(s.index, s.detokenizer.text if s.detokenizer else "", s.finish_reason,
+                                    s.num_output_tokens) for s in samples]
         return out
 
     def _record_stats(self, sched: SchedulerOutput, step_time: float) -> None:
@@ -349,6 +406,13 @@ def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
     if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
         raise Rejected("prompt_too_long", f"{field}: {num_chars} characters cannot fit in "
                        f"{max_model_len} tokens")
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: seed + index, wrapped into torch's seed range (up to 2**64 - 1)."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed + index - 2**64
 
 
 def rejected_output(request_id: str, code: str, message: str) -> RequestOutput:

@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: StructuredSpec | None = None
     logprobs: int | None = None  # None: off; k: the token's logprob and the k most likely (k <= 20)
+    n: int = 1  # samples of one prompt (the prompt is computed once); sample i draws with seed + i
 
     def __post_init__(self) -> None:
         # Callers may pass any iterable of ids (the wire request holds a list).
@@ -66,14 +67,27 @@ class EngineRequest:
     deadline: float | None = None  # Unix seconds
 
 
+@dataclass(frozen=True)
+class SampleResult:
+    """One sample's outcome, in the final output of a request with n > 1."""
+
+    index: int
+    text: str
+    finish_reason: str
+    num_output_tokens: int
+
+
 @dataclass
 class RequestOutput:
     """What one engine step did to one request.
 
     `started` is True in the output of the step that first scheduled the request (a `started`
-    event); `finished` is True exactly once, with `finish_reason` from the wire contract."""
+    event); `finished` is True exactly once, with `finish_reason` from the wire contract.
+    With n > 1 a step gives one output per sample that moved (`index`); the final one also
+    lists every sample (`samples`) and counts their tokens together (`num_output_tokens`)."""
 
     request_id: str
+    index: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     # Aligned with new_token_ids when the request asked for logprobs: wire-shaped TokenLogprob dicts.
     logprobs: list[dict] | None = None
@@ -89,3 +103,4 @@ class RequestOutput:
     queue_s: float = 0.0
     ttft_s: float | None = None
     total_s: float = 0.0
+    samples: list[SampleResult] | None = None  # n > 1, when finished: every sample, by index

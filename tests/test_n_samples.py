@@ -1,0 +1,179 @@
+"""n > 1 samples of one prompt (issue #28): the prompt is computed once and its full KV blocks
+are shared; sample i draws with seed + i and equals that sample run alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from producer.schema import MAX_N, InvalidRequest, Request, decode_request, encode_request
+from tests.engine_fixtures import make_engine
+from worker.engine.engine import LLMEngine, sample_seed
+from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+
+HOT = dict(temperature=0.9, top_p=0.95, top_k=50)
+
+
+def run(engine: LLMEngine, *reqs: EngineRequest, abort_after: int | None = None) -> dict:
+    """Step until idle; per request: tokens and text per sample index, the final output, the
+    prompt tokens computed (all steps' batched tokens) and how often it started."""
+    for req in reqs:
+        engine.add_request(req)
+    results: dict[str, dict] = {}
+    computed, step = 0, 0
+    while engine.has_unfinished_requests():
+        if step == abort_after:
+            for req in reqs:
+                engine.abort(req.request_id, "cancelled")
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": {}, "text": {}, "logprobs": {}, "final": None,
+                                                    "started": 0})
+            r["tokens"].setdefault(out.index, []).extend(out.new_token_ids)
+            r["text"][out.index] = r["text"].get(out.index, "") + out.text_delta
+            r["logprobs"].setdefault(out.index, []).extend(out.logprobs or [])
+            r["started"] += out.started
+            if out.finished:
+                assert r["final"] is None, "finished twice"
+                r["final"] = out
+        computed += engine.stats().num_batched_tokens
+        engine.check_integrity()
+        step += 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    results["computed"] = computed
+    return results
+
+
+def req(rid: str, ids: list[int], **sampling) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(**sampling))
+
+
+@pytest.fixture(scope="module")
+def prompt(prompts) -> list[int]:
+    return prompts[7]  # ~40 tokens: a few full blocks and a partial one
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_each_sample_equals_its_seed_alone_and_the_prompt_runs_once(model_runner, prompt, prefix_caching):
+    n, seed, max_tokens = 4, 1234, 16
+    engine = make_engine(model_runner, enable_prefix_caching=prefix_caching)
+    r = run(engine, req("r", prompt, n=n, seed=seed, max_tokens=max_tokens, ignore_eos=True, **HOT))["r"]
+    final = r["final"]
+    assert r["started"] == 1 and sorted(r["tokens"]) == list(range(n))
+    assert [s.index for s in final.samples] == list(range(n))
+    for i in range(n):
+        alone = run(make_engine(model_runner, enable_prefix_caching=prefix_caching),
+                    req("a", prompt, seed=seed + i, max_tokens=max_tokens, ignore_eos=True, **HOT))["a"]
+        assert r["tokens"][i] == alone["tokens"][0], f"sample {i} differs from seed {seed + i} alone"
+        assert final.samples[i].text == r["text"][i] == alone["final"].text
+        assert final.samples[i].finish_reason == "length" and final.samples[i].num_output_tokens == max_tokens
+    assert len({tuple(t) for t in r["tokens"].values()}) > 1, "the samples should differ at temperature 0.9"
+    assert final.finish_reason == "length" and final.text == r["text"][0]
+    assert final.num_output_tokens == n * max_tokens and final.num_prompt_tokens == len(prompt)
+
+
+def test_the_prompt_is_computed_once(model_runner, prompt):
+    # Without the prefix cache, only the fork can share: samples 1..n-1 compute the partial
+    # last block alone, not the prompt.
+    n, max_tokens = 4, 8
+    engine = make_engine(model_runner, enable_prefix_caching=False)
+    bs = engine.block_manager.block_size
+    results = run(engine, req("r", prompt, n=n, seed=1, max_tokens=max_tokens, ignore_eos=True, **HOT))
+    tail = len(prompt) - (len(prompt) - 1) // bs * bs
+    decoded = n * (max_tokens - 1)  # each sampled token but the last is computed once
+    assert results["computed"] == len(prompt) + (n - 1) * tail + decoded
+    assert engine.stats().num_forks == n - 1
+
+
+def test_greedy_samples_are_identical_and_equal_hf_generate(model_runner, hf_model, prompt):
+    max_tokens = 24
+    r = run(make_engine(model_runner), req("g", prompt, n=2, max_tokens=max_tokens, temperature=0.0))["g"]
+    with torch.inference_mode():
+        x = torch.tensor([prompt])
+        y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=0)
+    expected = y[0, len(prompt):].tolist()
+    assert r["tokens"][0] == r["tokens"][1] == expected[:len(r["tokens"][0])]
+    assert r["final"].samples[0].text == r["final"].samples[1].text
+
+
+def test_cancel_ends_every_sample(model_runner, prompt):
+    engine = make_engine(model_runner)
+    r = run(engine, req("c", prompt, n=3, seed=5, max_tokens=200, ignore_eos=True, **HOT), abort_after=4)["c"]
+    final = r["final"]
+    assert final.finish_reason == "cancelled" and final.error_code == "cancelled"
+    assert [s.finish_reason for s in final.samples] == ["cancelled"] * 3
+    assert all(0 < s.num_output_tokens < 200 for s in final.samples)  # all were running
+    assert not engine.has_unfinished_requests()
+
+
+def test_cancel_before_the_fork_ends_samples_that_never_ran(model_runner, prompt):
+    engine = make_engine(model_runner)
+    r = run(engine, req("c", prompt, n=3, max_tokens=50, **HOT), abort_after=0)["c"]
+    assert [(s.finish_reason, s.text) for s in r["final"].samples] == [("cancelled", "")] * 3
+
+
+def test_deadline_ends_every_sample(model_runner, prompt):
+    import time
+
+    engine = make_engine(model_runner)
+    engine.add_request(EngineRequest(request_id="t", prompt_token_ids=prompt, deadline=time.time() + 3600,
+                                     sampling=SamplingParams(n=2, max_tokens=200, ignore_eos=True, **HOT)))
+    for _ in range(3):
+        engine.step()
+    engine.requests["t"][0].deadline = time.time() - 1  # the deadline passes mid-run
+    (out,) = [o for o in engine.step() if o.finished]
+    assert out.finish_reason == "timeout" and [s.finish_reason for s in out.samples] == ["timeout"] * 2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_samples_survive_preemption(model_runner, prompt):
+    # A pool too small for every sample at once: samples preempt each other and recompute.
+    n, max_tokens = 4, 40
+    params = dict(n=n, seed=77, max_tokens=max_tokens, ignore_eos=True, **HOT)
+    roomy = run(make_engine(model_runner), req("p", prompt, **params))["p"]
+    engine = make_engine(model_runner, num_blocks=12)
+    tight = run(engine, req("p", prompt, **params))["p"]
+    assert engine.scheduler.num_preemptions > 0
+    assert tight["tokens"] == roomy["tokens"]
+
+
+def test_structured_output_and_logprobs_per_sample(model_runner, prompt):
+    choices = ["positive", "negative", "neutral"]
+    spec = StructuredSpec("structured", "choice", json.dumps(choices))
+    r = run(make_engine(model_runner), req("s", prompt, n=3, seed=3, max_tokens=16, structured=spec,
+                                           logprobs=2, **HOT))["s"]
+    assert all(s.text in choices and s.finish_reason == "stop" for s in r["final"].samples)
+    for i in range(3):
+        # Tokens the grammar forbids are never listed: at most 2 alternatives, often fewer.
+        assert len(r["logprobs"][i]) == len(r["tokens"][i]) and all(1 <= len(lp["top_logprobs"]) <= 2
+                                                                     for lp in r["logprobs"][i])
+
+
+def test_n_1_output_has_no_samples(model_runner, prompt):
+    r = run(make_engine(model_runner), req("one", prompt, max_tokens=4, temperature=0.0))["one"]
+    assert r["final"].samples is None and set(r["tokens"]) == {0}
+
+
+def test_sample_seeds_wrap_into_torch_range():
+    assert sample_seed(None, 3) is None and sample_seed(7, 0) == 7 and sample_seed(7, 2) == 9
+    assert sample_seed(2**64 - 1, 1) == 0
+    torch.Generator().manual_seed(sample_seed(2**64 - 2, 1))
+
+
+# ---- the wire -----------------------------------------------------------------------------------
+
+def wire(**fields) -> bytes:
+    return encode_request(Request(id="x", reply_topic="inferline.reply.t", prompt="hi", **fields))
+
+
+def test_n_is_on_the_wire_with_a_cap():
+    assert decode_request(wire(n=3)).n == 3 and decode_request(wire()).n == 1
+    import msgpack
+
+    for bad in (0, MAX_N + 1):
+        raw = msgpack.unpackb(wire())
+        raw["n"] = bad
+        with pytest.raises(InvalidRequest) as info:
+            decode_request(msgpack.packb(raw))
+        assert info.value.field == "n"
