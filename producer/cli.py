@@ -101,6 +101,7 @@ def _add_submit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message (implies --chat)")
     _add_sampling(p)
     p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("-n", "--n", type=int, default=None, help="samples of the prompt (printed when done)")
     p.add_argument("--no-stream", action="store_true", help="ask for the whole text in done (no tokens events)")
     p.add_argument("--timeout", type=float, default=None, help="seconds: the worker's deadline; the client waits a grace period longer")
     p.add_argument("--client-timeout", type=float, default=None,
@@ -170,7 +171,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     """The request fields set on the command line (unset ones keep the contract's defaults)."""
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority", "tenant", "ignore_eos")
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority", "tenant", "ignore_eos", "n")
     params = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "no_stream", False):
         params["stream"] = False
@@ -228,7 +229,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         handle = await client.submit(request_id=args.id, timeout=args.client_timeout, **fields)
         print(f"[request {handle.id}]", file=sys.stderr, flush=True)
         try:
-            await (_print_events(handle) if args.json else _print_text(handle))
+            await (_print_events(handle) if args.json else _print_samples(handle) if (args.n or 1) > 1
+                   else _print_text(handle))
         except (KeyboardInterrupt, asyncio.CancelledError):
             await client.cancel(handle.id)
             raise
@@ -246,6 +248,13 @@ async def _print_text(handle: RequestHandle) -> None:
                 print(f"\n[worker lost: restarting as attempt {delta.attempt}]", file=sys.stderr, flush=True)
             print(delta, end="", flush=True)
     print()
+
+
+async def _print_samples(handle: RequestHandle) -> None:
+    result = await handle.result(check=False)
+    for sample in result.samples or []:
+        print(f"[sample {sample.index} · {sample.finish_reason} · {sample.completion_tokens} tokens]", file=sys.stderr)
+        print(sample.text, flush=True)
 
 
 async def _print_events(handle: RequestHandle) -> None:

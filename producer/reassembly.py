@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
-from producer.schema import DoneEvent, ErrorInfo, Request, StartedEvent, Timing, TokensEvent, Usage
+from producer.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
 
 if TYPE_CHECKING:
     from producer.client import InferenceClient
@@ -42,7 +42,8 @@ class TextDelta(str):
 @dataclass
 class Result:
     """The outcome of one request: the final attempt's text and the worker's accounting, plus
-    what this client measured (``client_*``, seconds since submit, monotonic clock)."""
+    what this client measured (``client_*``, seconds since submit, monotonic clock). With n > 1,
+    ``text`` and ``token_ids`` are sample 0's and ``samples`` lists every sample."""
 
     id: str
     text: str
@@ -58,6 +59,7 @@ class Result:
     gaps: int = 0
     client_ttft_s: float | None = None
     client_total_s: float | None = None
+    samples: list[Sample] | None = None
 
 
 class RequestHandle:
@@ -123,8 +125,9 @@ class RequestHandle:
             if self.t_first_token is None and ev.token_ids:
                 self.t_first_token = now
             self.token_times.append((now, len(ev.token_ids)))
-            self._parts.append(ev.text)
-            self.token_ids.extend(ev.token_ids)
+            if ev.index == 0:  # n > 1: the other samples' texts arrive whole in `done`
+                self._parts.append(ev.text)
+                self.token_ids.extend(ev.token_ids)
         elif isinstance(ev, DoneEvent):
             if ev.finish_reason == "requeued":
                 self._dead.add(ev.attempt)  # another attempt follows
@@ -174,6 +177,7 @@ class RequestHandle:
             attempt=self.attempt, attempts=self.attempts, duplicates=self.duplicates, gaps=self.gaps,
             client_ttft_s=self.t_first_token - since if self.t_first_token else None,
             client_total_s=self.t_done - since if self.t_done else None,
+            samples=list(done.samples) if done and done.samples else None,
         )
 
     async def events(self) -> AsyncIterator[Event]:
@@ -192,7 +196,7 @@ class RequestHandle:
             raise self.failure
 
     async def text(self) -> AsyncIterator[TextDelta]:
-        """Text deltas as they arrive; see TextDelta.restart. Raises the request's
+        """Text deltas (of sample 0, with n > 1) as they arrive; see TextDelta.restart. Raises the request's
         InferenceError at the end when it did not finish with ``stop`` or ``length``."""
         attempt = None
         streamed = False
@@ -201,7 +205,7 @@ class RequestHandle:
                 if attempt is not None:
                     yield TextDelta("", ev.attempt, restart=True)
                 attempt, streamed = ev.attempt, False
-            if isinstance(ev, TokensEvent) and ev.text:
+            if isinstance(ev, TokensEvent) and ev.text and ev.index == 0:
                 streamed = True
                 yield TextDelta(ev.text, ev.attempt)
             elif isinstance(ev, DoneEvent) and not streamed and ev.text:

@@ -424,12 +424,23 @@ class TokenLogprob(_Wire):
 
 class TokensEvent(_EventBase):
     """New tokens of one attempt and the text they add (only the new text). ``logprobs`` is
-    aligned with ``token_ids`` when the request asked for them, else nil."""
+    aligned with ``token_ids`` when the request asked for them, else nil. ``index`` is the
+    sample they belong to (0..n-1; always 0 when n is 1)."""
 
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    index: Annotated[int, Field(ge=0)] = 0
+
+
+class Sample(_Wire):
+    """One sample's outcome in the ``done`` of a request with n > 1."""
+
+    index: Annotated[int, Field(ge=0)]
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: Annotated[int, Field(ge=0)]
 
 
 class DoneEvent(_EventBase):
@@ -445,6 +456,7 @@ class DoneEvent(_EventBase):
     metadata: dict[str, str] = {}
     # Who answered (optional: older workers leave it out): operators see who served what.
     worker: str | None = None
+    samples: list[Sample] | None = None  # n > 1: every sample, by index
 
 
 Event = Annotated[Union[StartedEvent, TokensEvent, DoneEvent], Field(discriminator="type")]

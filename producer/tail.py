@@ -69,7 +69,8 @@ def format_event(ev) -> str:
     if ev.type == "started":
         return f"{head} worker={ev.worker} queue={ev.queue_s:.3f}s"
     if ev.type == "tokens":
-        return f"{head} {len(ev.token_ids)} tok {ev.text!r}"
+        sample = f" [{ev.index}]" if ev.index else ""
+        return f"{head}{sample} {len(ev.token_ids)} tok {ev.text!r}"
     err = f" error={ev.error.code}: {ev.error.message}" if ev.error else ""
     return (f"{head} {ev.finish_reason} {ev.usage.prompt_tokens}+{ev.usage.completion_tokens} tok "
             f"total={ev.timing.total_s:.3f}s{err}")

@@ -35,7 +35,7 @@ MESSAGE_MODELS = {"Request": schema.Request, "Cancel": schema.Cancel, "StartedEv
 PART_MODELS = {"ChatMessage": schema.ChatMessage, "Usage": schema.Usage, "Timing": schema.Timing,
                "ErrorInfo": schema.ErrorInfo, "ResponseFormat": schema.ResponseFormat,
                "JsonSchemaFormat": schema.JsonSchemaFormat, "StructuredOutputs": schema.StructuredOutputs,
-               "TokenLogprob": schema.TokenLogprob, "TopLogprob": schema.TopLogprob}
+               "TokenLogprob": schema.TokenLogprob, "TopLogprob": schema.TopLogprob, "Sample": schema.Sample}
 EVENT_MODELS = ("StartedEvent", "TokensEvent", "DoneEvent")
 
 _EVENT_COMMON = {
@@ -82,6 +82,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                       "with a constraining response_format.",
         "logprobs": "true: every tokens event carries logprobs aligned with token_ids.",
         "top_logprobs": "With logprobs: also the k most likely tokens of each step (0-20).",
+        "n": "Samples of the prompt (1-16): computed once, sampled n times; sample i draws with seed + i. "
+             "Each sample may use max_tokens, so the request costs up to n x max_tokens.",
     },
     "ResponseFormat": {"type": "text, json_object or json_schema.",
                        "json_schema": "Required with type json_schema, and only then."},
@@ -105,19 +107,26 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                      "queue_s": "Seconds from receipt to entering the running batch."},
     "TokensEvent": {**_EVENT_COMMON, "token_ids": "The new token ids (one event may carry several).",
                     "text": "The new text only.",
-                    "logprobs": "Aligned with token_ids when the request set logprobs; nil otherwise."},
+                    "logprobs": "Aligned with token_ids when the request set logprobs; nil otherwise.",
+                    "index": "The sample these tokens belong to, 0..n-1 (always 0 when n is 1)."},
+    "Sample": {"index": "The sample, 0..n-1.", "text": "Its whole output.",
+               "finish_reason": "Its own: stop, length, or the request's reason when it was ended as a whole.",
+               "completion_tokens": "Tokens it generated."},
     "DoneEvent": {**_EVENT_COMMON,
                   "finish_reason": "stop: EOS, stop string or stop token; length; cancelled; timeout; "
                                    "rejected: never ran; requeued: this worker gave the request up and "
                                    "another attempt follows; error.",
-                  "usage": "Token counts of this attempt.",
+                  "usage": "Token counts of this attempt (with n > 1: completion_tokens of every sample).",
                   "timing": "Seconds, measured by the worker from receipt.",
                   "text": "The whole output (nil when the request was rejected before it ran); "
                           "always set when stream was false.",
                   "error": "Set for rejected, cancelled, timeout and error outcomes; nil otherwise.",
                   "metadata": "The request's metadata, echoed.",
                   "worker": "The name of the worker that answered (INFERLINE_WORKER__NAME or host:pid); "
-                            "optional: absent from older workers."},
+                            "optional: absent from older workers.",
+                  "samples": "n > 1: every sample's text, finish_reason and completion_tokens, by index "
+                             "(text and finish_reason above are sample 0's, or the request's when it was "
+                             "ended as a whole); nil when n is 1."},
     "Usage": {"prompt_tokens": "Tokens in the prompt.", "completion_tokens": "Tokens generated."},
     "Timing": {"queue_s": "Receipt to first schedule.", "ttft_s": "Receipt to first token; nil if none.",
                "total_s": "Receipt to done."},
@@ -185,7 +194,7 @@ def schemas() -> dict[str, dict]:
     for name in EVENT_MODELS:
         out[name] = event_schema(name)
     for name in ("Usage", "Timing", "ErrorInfo", "ResponseFormat", "JsonSchemaFormat", "StructuredOutputs",
-                 "TokenLogprob", "TopLogprob"):
+                 "TokenLogprob", "TopLogprob", "Sample"):
         out[name] = model_schema(name, PART_MODELS[name])
     return out
 
@@ -214,6 +223,9 @@ REQUEST_EXAMPLES = [
     {"name": "choice", "summary": "Classification: the output is one of the choices",
      "payload": {"v": 1, "id": "req-0006", "reply_topic": "inferline.reply.batch", "prompt": "Ticket: refund please. Queue:",
                  "structured": {"choice": ["billing", "support", "sales"]}}},
+    {"name": "samples", "summary": "Three samples of one prompt, reproducible",
+     "payload": {"v": 1, "id": "req-0007", "reply_topic": "inferline.reply.batch", "prompt": "A name for a cat:",
+                 "max_tokens": 8, "temperature": 0.9, "seed": 7, "n": 3}},
 ]
 EVENT_EXAMPLES = {
     "StartedEvent": [{"name": "started", "payload": {"v": 1, "type": "started", "id": "req-0001",
@@ -221,25 +233,35 @@ EVENT_EXAMPLES = {
                                                      "queue_s": 0.012}}],
     "TokensEvent": [{"name": "tokens", "payload": {"v": 1, "type": "tokens", "id": "req-0001", "attempt": "9b1c0e",
                                                    "seq": 1, "token_ids": [42798, 314], "text": "Kafka is",
-                                                   "logprobs": None}},
+                                                   "logprobs": None, "index": 0}},
                     {"name": "logprobs", "summary": "With logprobs: true, top_logprobs: 2",
                      "payload": {"v": 1, "type": "tokens", "id": "req-0005", "attempt": "4e0f1d", "seq": 1,
                                  "token_ids": [5248], "text": "yes", "logprobs": [
                                      {"logprob": -0.105, "top_logprobs": [{"token_id": 5248, "logprob": -0.105},
-                                                                          {"token_id": 1279, "logprob": -2.31}]}]}}],
+                                                                          {"token_id": 1279, "logprob": -2.31}]}],
+                                 "index": 0}}],
     "DoneEvent": [
         {"name": "stop", "summary": "Finished normally",
          "payload": {"v": 1, "type": "done", "id": "req-0001", "attempt": "9b1c0e", "seq": 7, "finish_reason": "stop",
                      "usage": {"prompt_tokens": 31, "completion_tokens": 23},
                      "timing": {"queue_s": 0.012, "ttft_s": 0.051, "total_s": 0.48},
                      "text": "Kafka is a distributed log that stores streams of records.", "error": None,
-                     "metadata": {}, "worker": "gpu-3:4121"}},
+                     "metadata": {}, "worker": "gpu-3:4121", "samples": None}},
+        {"name": "samples", "summary": "n: 3, each sample's outcome",
+         "payload": {"v": 1, "type": "done", "id": "req-0007", "attempt": "5a61b3", "seq": 9, "finish_reason": "length",
+                     "usage": {"prompt_tokens": 6, "completion_tokens": 21},
+                     "timing": {"queue_s": 0.004, "ttft_s": 0.03, "total_s": 0.21}, "text": " Whiskers McFluff",
+                     "error": None, "metadata": {}, "worker": "gpu-3:4121",
+                     "samples": [{"index": 0, "text": " Whiskers McFluff", "finish_reason": "length", "completion_tokens": 8},
+                                 {"index": 1, "text": " Luna", "finish_reason": "stop", "completion_tokens": 5},
+                                 {"index": 2, "text": " Sir Pounce-a-lot", "finish_reason": "length",
+                                  "completion_tokens": 8}]}},
         {"name": "rejected", "summary": "Rejected before it ran",
          "payload": {"v": 1, "type": "done", "id": "req-0004", "attempt": "c7d2aa", "seq": 0,
                      "finish_reason": "rejected", "usage": {"prompt_tokens": 0, "completion_tokens": 0},
                      "timing": {"queue_s": 0.0, "ttft_s": None, "total_s": 0.0}, "text": None,
                      "error": {"code": "invalid_request", "message": "temperature: Input should be greater than or equal to 0"},
-                     "metadata": {}, "worker": "gpu-3:4121"}},
+                     "metadata": {}, "worker": "gpu-3:4121", "samples": None}},
     ],
 }
 CANCEL_EXAMPLES = [{"name": "cancel", "payload": {"v": 1, "id": "req-0001"}}]

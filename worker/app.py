@@ -36,7 +36,7 @@ import uuid
 import structlog
 from aiokafka import TopicPartition
 
-from producer.schema import Request
+from producer.schema import Request, Sample
 from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
 from worker.engine.request import EngineRequest, RequestOutput, SamplingParams, StructuredSpec
 from worker.http import HttpServer
@@ -335,7 +335,7 @@ class Worker:
             job.first_token_at = now
             self.metrics.ttft.labels(priority_label(job.request.priority)).observe(now - job.received)
         job.last_token_at = now
-        self.publisher.tokens(job.reply, out.new_token_ids, out.text_delta, out.logprobs)
+        self.publisher.tokens(job.reply, out.new_token_ids, out.text_delta, out.logprobs, out.index)
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         ran = job.state == "running"
@@ -355,13 +355,15 @@ class Worker:
             job.reply, finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
             ttft_s=out.ttft_s, total_s=out.total_s,
-            text=out.text, error=error, metadata=job.request.metadata,
+            text=out.text, error=error, metadata=job.request.metadata, samples=wire_samples(out),
             source=None if reason == "requeued" else (job.tp, job.offset),
             on_acked=lambda outcome: self._settle(job, reason, outcome))
-        self.limiter.refund(job.request.tenant, job.max_tokens - out.num_output_tokens)
+        self.limiter.refund(job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens)
         itl = None
-        if out.num_output_tokens > 1 and job.first_token_at and job.last_token_at:
-            itl = (job.last_token_at - job.first_token_at) / (out.num_output_tokens - 1)
+        # Samples stream side by side: the gaps are those of the longest one.
+        num_tokens = max((s.num_output_tokens for s in out.samples), default=0) if out.samples else out.num_output_tokens
+        if num_tokens > 1 and job.first_token_at and job.last_token_at:
+            itl = (job.last_token_at - job.first_token_at) / (num_tokens - 1)
         self.metrics.observe_finish(reason, out.error_code, job.request.priority,
                                     time.time() - job.received, itl)
         job.log.info("request.done", finish_reason=reason, error=error and error[0],
@@ -418,6 +420,13 @@ async def _bounded(coro, timeout: float, what: str) -> None:
         await asyncio.wait_for(coro, timeout)
     except Exception as exc:  # noqa: BLE001 - shutting down: log and go on to the next step
         log.warning("worker.shutdown_step_failed", step=what, error=repr(exc))
+
+
+def wire_samples(out: RequestOutput) -> list[Sample] | None:
+    if out.samples is None or out.finish_reason == "requeued":
+        return None
+    return [Sample(index=s.index, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.num_output_tokens)
+            for s in out.samples]
 
 
 def engine_request(req: Request, attempt: str, max_tokens: int, received: float,

@@ -307,7 +307,7 @@ class Intake:
         elif self._overloading and self._sink.room() <= 0:
             self._sink.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
                               metadata=meta)
-        elif not self._limiter.admit(req.tenant, max_tokens):
+        elif not self._limiter.admit(req.tenant, max_tokens * req.n):  # each sample may use them all
             self._sink.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
                               metadata=meta)
         else:

@@ -31,7 +31,7 @@ import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
 from producer.schema import (
-    DoneEvent, ErrorInfo, InvalidRequest, Request, StartedEvent, Timing, TokensEvent, Usage, encode_event)
+    DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
 from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
 
 log = structlog.get_logger(__name__)
@@ -67,9 +67,7 @@ class ReplyStream:
     partition: int | None
     stream: bool = True
     seq: int = 0
-    token_ids: list[int] = field(default_factory=list)  # produced, not yet in an event
-    text: list[str] = field(default_factory=list)
-    logprobs: list[dict] | None = None  # aligned with token_ids when the request asked for them
+    pending: dict[int, "_Pending"] = field(default_factory=dict)  # by sample index: not yet in an event
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
     in_flight: int = 0  # events queued or sent, not acked yet
@@ -90,6 +88,15 @@ class ReplyStream:
         self.in_flight -= 1
         if not self.in_flight and self._drained is not None:
             self._drained.set()
+
+
+@dataclass
+class _Pending:
+    """One sample's tokens produced and not yet in an event."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # aligned with token_ids when the request asked for them
 
 
 @dataclass
@@ -172,13 +179,15 @@ class Publisher:
                           worker=self.worker_name, queue_s=max(0.0, queue_s))
         self._emit(rs, ev)
 
-    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str, logprobs: list[dict] | None = None) -> None:
+    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str, logprobs: list[dict] | None = None,
+               index: int = 0) -> None:
         if not rs.stream or not token_ids and not text:
             return
-        rs.token_ids.extend(token_ids)
-        rs.text.append(text)
+        pending = rs.pending.setdefault(index, _Pending())
+        pending.token_ids.extend(token_ids)
+        pending.text.append(text)
         if logprobs is not None:
-            rs.logprobs = (rs.logprobs or []) + logprobs
+            pending.logprobs = (pending.logprobs or []) + logprobs
         # The first tokens go at once (time to first token is what users feel); later ones are
         # coalesced over the flush interval to keep the event rate sane.
         if self._kafka.flush_interval_ms <= 0 or rs.seq <= 1:
@@ -190,7 +199,7 @@ class Publisher:
              completion_tokens: int = 0, queue_s: float = 0.0, ttft_s: float | None = None,
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
              metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int] | None = None,
-             on_acked: Callable[[Outcome], None]) -> None:
+             samples: list[Sample] | None = None, on_acked: Callable[[Outcome], None]) -> None:
         """The last event of the attempt. With `source` (the input offset it ends) it is final and
         committed with that offset; `on_acked(outcome)` says how it went."""
         assert not rs.closed, "done twice for one attempt"
@@ -201,7 +210,7 @@ class Publisher:
             timing=Timing(queue_s=max(0.0, queue_s), ttft_s=None if ttft_s is None else max(0.0, ttft_s),
                           total_s=max(0.0, total_s)),
             text=text, error=ErrorInfo(code=error[0], message=error[1]) if error else None,
-            metadata=metadata or {}, worker=self.worker_name,
+            metadata=metadata or {}, worker=self.worker_name, samples=samples,
         )
         rs.closed = True
         rs.final_event = encode_event(ev)
@@ -224,12 +233,10 @@ class Publisher:
 
     def _flush(self, rs: ReplyStream) -> None:
         self._dirty.pop(rs.attempt, None)
-        if not rs.token_ids and not rs.text:
-            return
-        ev = TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
-                         token_ids=rs.token_ids, text="".join(rs.text), logprobs=rs.logprobs)
-        rs.token_ids, rs.text, rs.logprobs = [], [], None
-        self._emit(rs, ev)
+        pending, rs.pending = rs.pending, {}
+        for index, p in sorted(pending.items()):  # one event per sample: an event has one index
+            self._emit(rs, TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), index=index,
+                                       token_ids=p.token_ids, text="".join(p.text), logprobs=p.logprobs))
 
     def flush_all(self) -> None:
         for rs in list(self._dirty.values()):

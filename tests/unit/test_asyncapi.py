@@ -261,6 +261,7 @@ FULL_REQUEST = {
     "ignore_eos": True, "priority": 3, "timeout_s": 5.0, "created_at": 1.0, "tenant": "t", "stream": False,
     "metadata": {"k": "v"}, "response_format": {"type": "json_object"}, "structured": None,
     "logprobs": True, "top_logprobs": None,  # set, it needs logprobs: not independent of it
+    "n": 2,
 }
 
 
@@ -354,6 +355,7 @@ REQUEST_CASES = [
     ({"priority": 1.5}, False), ({"timeout_s": 0}, False), ({"created_at": -1}, False),
     ({"tenant": ""}, False), ({"tenant": "t" * 257}, False), ({"stream": "no"}, False),
     ({"metadata": {"k": 1}}, False), ({"metadata": {"k": "v"}}, True), ({"unknown_field": [1]}, True),
+    ({"n": 0}, False), ({"n": 16}, True), ({"n": 17}, False), ({"n": 1.5}, False),
 ]
 
 
