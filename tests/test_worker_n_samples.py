@@ -24,7 +24,7 @@ async def test_samples_stream_by_index_and_done_lists_them(kafka_bootstrap, topi
     three = request(topics.replies, max_tokens=12, temperature=0.9, seed=11, n=3, ignore_eos=True)
     whole = request(topics.replies, max_tokens=6, temperature=0.9, seed=11, n=2, stream=False)
     too_many = request(topics.replies, n=MAX_N + 1)
-    await start_worker(topics)
+    worker = await start_worker(topics)
     ids = await submit(kafka_bootstrap, topics.requests, [three, whole, too_many])
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
 
@@ -42,6 +42,8 @@ async def test_samples_stream_by_index_and_done_lists_them(kafka_bootstrap, topi
     whole_done = final_done(events[whole["id"]])
     assert not [e for e in events[whole["id"]] if isinstance(e, TokensEvent)]
     assert len(whole_done.samples) == 2 and whole_done.text == whole_done.samples[0].text
+
+    assert worker.metrics.forked_samples._value.get() == 2 + 1  # samples 1..n-1 of each request
 
     rejected = final_done(events[too_many["id"]])
     assert rejected.finish_reason == "rejected" and rejected.error.code == "invalid_request"

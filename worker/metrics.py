@@ -45,6 +45,9 @@ class Metrics:
         self.spec_accepted = Counter("inferline_spec_accepted_tokens",
                                      "Of those, drafts accepted: tokens gained beyond one per sequence and step",
                                      registry=r)
+        self.forked_samples = Counter("inferline_forked_samples",
+                                      "Samples 1..n-1 of requests with n > 1, started on the prompt's shared "
+                                      "KV blocks (the prompt computed once)", registry=r)
         self.queue_time = self._hist("inferline_queue_time_seconds", "Receipt to first schedule")
         self.ttft = self._hist("inferline_ttft_seconds", "Receipt to first token")
         self.itl = self._hist("inferline_inter_token_latency_seconds",
@@ -108,6 +111,7 @@ class Metrics:
         self.prefix_hits.inc(max(0, st.prefix_cache_hits - prev.prefix_cache_hits))
         self.spec_drafts.inc(max(0, st.spec_draft_tokens - prev.spec_draft_tokens))
         self.spec_accepted.inc(max(0, st.spec_accepted_tokens - prev.spec_accepted_tokens))
+        self.forked_samples.inc(max(0, st.num_forks - prev.num_forks))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
