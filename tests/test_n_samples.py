@@ -177,3 +177,22 @@ def test_n_is_on_the_wire_with_a_cap():
         with pytest.raises(InvalidRequest) as info:
             decode_request(msgpack.packb(raw))
         assert info.value.field == "n"
+
+
+def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(model_runner, prompt, prompts):
+    # Forks of `r` wait holding its prompt's blocks; `h` (a better priority) preempts `r` and then
+    # needs every other block. Nothing running could free them: the forks must let go.
+    engine = make_engine(model_runner, num_blocks=12)
+    engine.add_request(req("r", prompt, n=4, seed=1, max_tokens=8, ignore_eos=True, **HOT))
+    engine.step()  # r computes its prompt; samples 1..3 fork onto its blocks
+    assert sum(bool(s.block_table) for s in engine.scheduler.waiting) == 3
+    long_prompt = (prompts[4] * 3)[:150]
+    engine.add_request(EngineRequest(request_id="h", prompt_token_ids=long_prompt, priority=-1,
+                                     sampling=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    finished = set()
+    for _ in range(400):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {"r", "h"}

@@ -11,6 +11,8 @@ Memory policy:
   sequence, possibly itself, never a better one;
 - a waiting sequence that cannot be admitted may preempt running sequences that are strictly
   worse in priority (vLLM only preempts on a failed append);
+- a forked sample (n > 1) waits holding its prompt's shared blocks, and lets go of them when
+  nothing runs and the head of the queue cannot be admitted without them;
 - speculative drafts (spec_decode.py) ride along only where token budget and KV slots are left
   over: a draft never preempts anybody, nor takes a block a waiting request could be admitted to.
 
@@ -169,10 +171,21 @@ class Scheduler:
         while (len(self.running) >= self.max_num_seqs
                or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)
-            if victim is None or victim.priority <= seq.priority:
+            if victim is not None and victim.priority > seq.priority:
+                out.scheduled = [c for c in out.scheduled if c.seq is not victim]
+                self._preempt(victim, out)
+            elif self.running or not self._release_held(seq):
                 return False
-            out.scheduled = [c for c in out.scheduled if c.seq is not victim]
-            self._preempt(victim, out)
+        return True
+
+    def _release_held(self, seq: Sequence) -> bool:
+        """Nothing runs, so nothing will free memory: the worst waiting fork (a sample holding
+        its prompt's shared blocks, engine.py) lets go of them and will compute them again."""
+        holders = [s for s in self.waiting if s.block_table and s is not seq]
+        if not holders:
+            return False
+        self.block_manager.free(holders[-1])
+        holders[-1].num_computed_tokens = 0
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
