@@ -196,3 +196,25 @@ def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
         if not engine.has_unfinished_requests():
             break
     assert finished == {"r", "h"}
+
+
+# ---- the gateway's mapping (no broker) ------------------------------------------------------------
+
+def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
+    from producer.gateway.follower import TextFollower
+    from producer.gateway.openai_mapping import chat_request
+    from producer.gateway.openai_responses import Shape
+    from producer.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
+
+    assert chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3}).fields["n"] == 3
+    samples = [Sample(index=i, text=t, finish_reason=r, completion_tokens=2)
+               for i, (t, r) in enumerate([("a", "stop"), ("b", "length")])]
+    body = Shape(True, "r", "m").whole("a", "stop", Usage(prompt_tokens=1, completion_tokens=4), samples)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "a", "stop"), (1, "b", "length")]
+    second = TextFollower(1)
+    assert second.feed(TokensEvent(id="r", attempt="a", seq=1, token_ids=[1], text="x", index=0)) == ""
+    assert second.feed(TokensEvent(id="r", attempt="a", seq=2, token_ids=[1], text="b", index=1)) == "b"
+    done = DoneEvent(id="r", attempt="a", seq=3, finish_reason="stop", text="a", samples=samples,
+                     usage=Usage(prompt_tokens=1, completion_tokens=4), timing=Timing(queue_s=0, ttft_s=0, total_s=0))
+    assert second.feed(done) == "" and TextFollower(0).feed(done) == "a"

@@ -4,6 +4,7 @@ from collections import defaultdict
 import pytest
 
 from producer.schema import MAX_N, TokensEvent
+from tests.gateway_fixtures import fleet  # noqa: F401 - fixture
 from tests.test_worker_cancel_deadline import first_tokens
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     cancel, check_attempts, collect, final_done, request, start_worker, submit, topics,
@@ -62,3 +63,27 @@ async def test_a_cancel_ends_every_sample(kafka_bootstrap, topics, start_worker)
     assert done.finish_reason == "cancelled" and done.error.code == "cancelled"
     assert [s.finish_reason for s in done.samples] == ["cancelled"] * 3
     assert done.usage.completion_tokens < 3 * 400
+
+
+async def test_the_gateway_returns_n_choices_whole_and_streamed(fleet):
+    import openai
+
+    aio = openai.AsyncOpenAI(base_url=fleet.url, api_key="sk-acme", max_retries=0)
+    ask = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name a colour."}],
+               max_tokens=8, temperature=0.9, seed=5, n=3)
+    whole = await aio.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    chunks = [c async for c in await aio.chat.completions.create(**ask, stream=True)]
+    streamed = defaultdict(str)
+    finish = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    # Seeded: the stream and the whole answer are the same three samples.
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    legacy = await aio.completions.create(model=ask["model"], prompt="Colours:", max_tokens=4, n=2, seed=1,
+                                          temperature=0.9)
+    assert [c.index for c in legacy.choices] == [0, 1]

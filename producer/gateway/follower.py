@@ -15,7 +15,10 @@ class Diverged(Exception):
 
 
 class TextFollower:
-    def __init__(self) -> None:
+    """Follows the text of one sample (`index`: 0..n-1 of a request with n samples)."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.sent = ""
         self._attempt: str | None = None
         self._text = ""  # the current attempt's text so far
@@ -24,10 +27,11 @@ class TextFollower:
         """The new text to send for this event ("" if none); Diverged when it cannot be sent."""
         if ev.attempt != self._attempt:
             self._attempt, self._text = ev.attempt, ""
-        if isinstance(ev, TokensEvent):
+        whole = _whole_text(ev, self.index) if isinstance(ev, DoneEvent) else None
+        if isinstance(ev, TokensEvent) and ev.index == self.index:
             self._text += ev.text
-        elif isinstance(ev, DoneEvent) and ev.text is not None:
-            self._text = ev.text  # the whole text: also repairs a gap in the events
+        elif whole is not None:
+            self._text = whole  # the whole text: also repairs a gap in the events
         else:
             return ""
         if self._text.startswith(self.sent):
@@ -36,3 +40,10 @@ class TextFollower:
         if self.sent.startswith(self._text):
             return ""  # a rerun still catching up
         raise Diverged("the request was run again after a worker was lost, and the rerun's text differs")
+
+
+def _whole_text(done: DoneEvent, index: int) -> str | None:
+    """Sample `index`'s whole text in `done` (sample 0's is the top-level text)."""
+    if done.samples:
+        return next((s.text for s in done.samples if s.index == index), None)
+    return done.text if index == 0 else None

@@ -16,7 +16,7 @@ from producer.schema import ChatMessage
 
 # Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, as vLLM takes
 # them; the openai SDK sends `extra_body` there).
-PASSTHROUGH = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+PASSTHROUGH = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
 # Features the engine does not have: refused by name rather than silently ignored.
 UNSUPPORTED = ("tools", "functions", "suffix")
@@ -64,8 +64,6 @@ def _common(body: dict) -> Mapped:
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad_request(name, f"{name} is not supported")
-    if (body.get("n") or 1) != 1:
-        raise bad_request("n", "only n=1 is supported")
     fields = {k: body[k] for k in PASSTHROUGH if body.get(k) is not None}
     rename = {}
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as at OpenAI

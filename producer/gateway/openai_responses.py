@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from producer.schema import Usage
+from producer.schema import Sample, Usage
 
 # OpenAI's finish reasons are `stop` and `length` (errors never reach a body).
 FINISH = {"stop": "stop", "length": "length"}
@@ -27,26 +27,29 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage | None) -> dict:
-        """The non-streamed answer."""
-        finish = FINISH.get(finish_reason, finish_reason)
+    def whole(self, text: str, finish_reason: str, usage: Usage | None, samples: list[Sample] | None = None) -> dict:
+        """The non-streamed answer: one choice, or one per sample (n > 1)."""
+        outcomes = [(s.index, s.text, s.finish_reason) for s in samples] if samples else [(0, text, finish_reason)]
+        choices = [self._choice(i, t, FINISH.get(r, r)) for i, t, r in outcomes]
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage_body(usage)}
+
+    def _choice(self, index: int, text: str, finish: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage_body(usage)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage_body(usage)}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-              include_usage: bool = False) -> str:
-        """One SSE event with new text (chat: ``first`` also carries the role)."""
+              include_usage: bool = False, index: int = 0) -> str:
+        """One SSE event with new text of choice `index` (chat: ``first`` also carries the role)."""
         finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = {**self._head("text_completion"), "choices": [choice]}
         if include_usage:
             body["usage"] = None  # as OpenAI: null on every chunk but the last

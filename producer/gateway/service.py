@@ -89,7 +89,7 @@ class Gateway:
             result = await handle.result()
         except InferenceError as exc:
             raise self._failure(exc, shape) from None
-        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage))
+        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage, result.samples))
 
     async def _until(self, request: HttpRequest, waiting) -> object | bool:
         """``waiting``'s result, or False when the client hung up first."""
@@ -134,16 +134,19 @@ class Gateway:
 
     async def _chunks(self, handle: RequestHandle, events: AsyncIterator, first, shape: Shape,
                       include_usage: bool, t0: float, outcome: dict) -> AsyncIterator[str]:
-        follower, ev = TextFollower(), first
+        followers, ev, quiet = [TextFollower(i) for i in range(handle.request.n)], first, True
         if shape.chat:
-            yield shape.chunk("", first=True, include_usage=include_usage)
+            for f in followers:
+                yield shape.chunk("", first=True, include_usage=include_usage, index=f.index)
         try:
             while ev is not None:
-                text = follower.feed(ev)
-                if text:
-                    if follower.sent == text:
-                        self.metrics.ttft.observe(time.monotonic() - t0)
-                    yield shape.chunk(text, include_usage=include_usage)
+                for f in followers:
+                    text = f.feed(ev)
+                    if text:
+                        if quiet:
+                            quiet = False
+                            self.metrics.ttft.observe(time.monotonic() - t0)
+                        yield shape.chunk(text, include_usage=include_usage, index=f.index)
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
             yield self._stream_error(exc, shape, outcome)
@@ -152,7 +155,9 @@ class Gateway:
             yield self._stream_error(handle.failure, shape, outcome)
             return
         done = handle.done_event
-        yield shape.chunk(None, done.finish_reason, include_usage=include_usage)
+        reasons = {s.index: s.finish_reason for s in done.samples or []}
+        for f in followers:
+            yield shape.chunk(None, reasons.get(f.index, done.finish_reason), include_usage=include_usage, index=f.index)
         if include_usage:
             yield shape.usage_chunk(done.usage)
         yield DONE

@@ -88,7 +88,7 @@ async def test_bad_requests_name_the_field(fleet):
         await asyncio.to_thread(sync.completions.create, model=MODEL, prompt="x", max_tokens=0)
     assert err.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as err:
-        await aio.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+        await aio.chat.completions.create(model=MODEL, messages=CHAT, n=17)
     assert err.value.param == "n"
     with pytest.raises(openai.BadRequestError) as err:
         await aio.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 5}])

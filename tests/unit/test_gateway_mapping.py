@@ -33,7 +33,6 @@ def test_chat_body_maps_to_contract_fields():
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
 ])
