@@ -361,7 +361,7 @@ class Worker:
         self.limiter.refund(job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens)
         itl = None
         # Samples stream side by side: the gaps are those of the longest one.
-        num_tokens = max((s.num_output_tokens for s in out.samples), default=0) if out.samples else out.num_output_tokens
+        num_tokens = max(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
         if num_tokens > 1 and job.first_token_at and job.last_token_at:
             itl = (job.last_token_at - job.first_token_at) / (num_tokens - 1)
         self.metrics.observe_finish(reason, out.error_code, job.request.priority,
