@@ -54,7 +54,7 @@ def prompt(prompts) -> list[int]:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_each_sample_equals_its_seed_alone_and_the_prompt_runs_once(model_runner, prompt, prefix_caching):
+def test_each_sample_equals_its_seed_alone(model_runner, prompt, prefix_caching):
     n, seed, max_tokens = 4, 1234, 16
     engine = make_engine(model_runner, enable_prefix_caching=prefix_caching)
     r = run(engine, req("r", prompt, n=n, seed=seed, max_tokens=max_tokens, ignore_eos=True, **HOT))["r"]
