@@ -5,7 +5,7 @@ import pytest
 
 from producer.schema import MAX_N, TokensEvent
 from tests.gateway_fixtures import fleet  # noqa: F401 - fixture
-from tests.test_worker_cancel_deadline import first_tokens
+from tests.kafka.test_worker_cancel_deadline import first_tokens
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     cancel, check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
