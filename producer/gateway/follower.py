@@ -23,6 +23,11 @@ class TextFollower:
         self._attempt: str | None = None
         self._text = ""  # the current attempt's text so far
 
+    @property
+    def caught_up(self) -> bool:
+        """Everything the current attempt said is sent (False while a rerun catches up)."""
+        return self._text == self.sent
+
     def feed(self, ev) -> str:
         """The new text to send for this event ("" if none); Diverged when it cannot be sent."""
         if ev.attempt != self._attempt:

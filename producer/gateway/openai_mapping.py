@@ -20,6 +20,7 @@ PASSTHROUGH = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequen
                "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
 # Features the engine does not have: refused by name rather than silently ignored.
 UNSUPPORTED = ("tools", "functions", "suffix")
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 
 
 @dataclass
@@ -31,15 +32,17 @@ class Mapped:
     include_usage: bool
     # contract field -> the OpenAI parameter it came from, for error messages
     rename: dict[str, str] = field(default_factory=dict)
+    logprobs: bool = False  # the answer carries logprobs (OpenAI's shape of the endpoint)
 
 
 def chat_request(body: dict) -> Mapped:
     """POST /v1/chat/completions."""
     mapped = _common(body)
-    # The responses cannot carry logprobs yet (the gateway has no tokenizer for OpenAI's `token`
-    # strings): refused, rather than asked of the worker and dropped.
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs", "logprobs are not supported by the gateway yet")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs", "logprobs: must be a boolean")
+    if logprobs or body.get("top_logprobs") is not None:  # the contract checks the pair
+        _ask_logprobs(mapped, bool(logprobs), body.get("top_logprobs"))
     if body.get("response_format") is not None:  # the contract's name and rules
         mapped.fields["response_format"] = body["response_format"]
     mapped.fields["messages"] = _messages(body.get("messages"))
@@ -49,8 +52,12 @@ def chat_request(body: dict) -> Mapped:
 def completion_request(body: dict) -> Mapped:
     """POST /v1/completions (legacy)."""
     mapped = _common(body)
-    if body.get("logprobs") is not None:
-        raise bad_request("logprobs", "logprobs are not supported")
+    top = body.get("logprobs")  # legacy: the number of alternatives, 0 for the token's own only
+    if top is not None:
+        if type(top) is not int or not 0 <= top <= MAX_LEGACY_LOGPROBS:
+            raise bad_request("logprobs", f"logprobs: must be an integer from 0 to {MAX_LEGACY_LOGPROBS}")
+        _ask_logprobs(mapped, True, top)
+        mapped.rename["top_logprobs"] = "logprobs"
     if body.get("echo"):
         raise bad_request("echo", "echo is not supported")
     if (body.get("best_of") or 1) != 1:
@@ -58,6 +65,14 @@ def completion_request(body: dict) -> Mapped:
     mapped.fields.update(_prompt(body.get("prompt")))
     mapped.rename["prompt_token_ids"] = "prompt"
     return mapped
+
+
+def _ask_logprobs(mapped: Mapped, logprobs: bool, top: Any) -> None:
+    # Logprobs travel in `tokens` events only, so a whole answer is streamed from the worker too.
+    mapped.fields.update(logprobs=logprobs, stream=True)
+    if top is not None:
+        mapped.fields["top_logprobs"] = top
+    mapped.logprobs = True
 
 
 def _common(body: dict) -> Mapped:

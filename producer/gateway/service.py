@@ -21,7 +21,7 @@ from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.openai_mapping import Mapped, chat_request, completion_request
 from producer.gateway.openai_responses import DONE, Shape, sse
 from producer.gateway.sse import SSEResponse
-from producer.schema import DoneEvent
+from producer.schema import DoneEvent, TokenLogprob, TokensEvent
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +51,7 @@ class Gateway:
         if mapped.stream:
             return await self._stream(request, handle, shape, mapped, endpoint, t0)
         try:
-            response = await self._whole(request, handle, shape)
+            response = await self._whole(request, handle, shape, mapped.logprobs)
         except OpenAIError as exc:
             response = exc.response()
         finally:
@@ -82,14 +82,15 @@ class Gateway:
             log.warning("submit failed", error=repr(exc))
             raise OpenAIError(503, "the request could not be queued", type="server_error", code="unavailable") from None
 
-    async def _whole(self, request: HttpRequest, handle: RequestHandle, shape: Shape) -> Response:
+    async def _whole(self, request: HttpRequest, handle: RequestHandle, shape: Shape, logprobs: bool) -> Response:
         if not await self._until(request, handle.wait()):
             return Response(status_code=CLIENT_CLOSED)
         try:
             result = await handle.result()
         except InferenceError as exc:
             raise self._failure(exc, shape) from None
-        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage, result.samples))
+        by_sample = logprobs_by_sample(handle) if logprobs else None
+        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage, result.samples, by_sample))
 
     async def _until(self, request: HttpRequest, waiting) -> object | bool:
         """``waiting``'s result, or False when the client hung up first."""
@@ -129,12 +130,14 @@ class Gateway:
             self._release(handle)
             self._answer(endpoint, t0, None, status)
 
-        chunks = self._chunks(handle, events, first, shape, mapped.include_usage, t0, outcome)
+        chunks = self._chunks(handle, events, first, shape, mapped, t0, outcome)
         return SSEResponse(chunks, closed)
 
     async def _chunks(self, handle: RequestHandle, events: AsyncIterator, first, shape: Shape,
-                      include_usage: bool, t0: float, outcome: dict) -> AsyncIterator[str]:
+                      mapped: Mapped, t0: float, outcome: dict) -> AsyncIterator[str]:
+        include_usage = mapped.include_usage
         followers, ev, quiet = [TextFollower(i) for i in range(handle.request.n)], first, True
+        offsets = [0] * len(followers)  # legacy logprobs' text_offset, per choice
         if shape.chat:
             for f in followers:
                 yield shape.chunk("", first=True, include_usage=include_usage, index=f.index)
@@ -142,11 +145,16 @@ class Gateway:
             while ev is not None:
                 for f in followers:
                     text = f.feed(ev)
-                    if text:
-                        if quiet:
-                            quiet = False
-                            self.metrics.ttft.observe(time.monotonic() - t0)
-                        yield shape.chunk(text, include_usage=include_usage, index=f.index)
+                    logprobs = None
+                    if mapped.logprobs and isinstance(ev, TokensEvent) and ev.index == f.index and ev.logprobs \
+                            and f.caught_up:  # a rerun's tokens already sent are not sent again
+                        logprobs = shape.logprobs(ev.logprobs, offsets[f.index])
+                        offsets[f.index] += sum(len(e.token or "") for e in ev.logprobs)
+                    if text and quiet:
+                        quiet = False
+                        self.metrics.ttft.observe(time.monotonic() - t0)
+                    if text or logprobs:
+                        yield shape.chunk(text, include_usage=include_usage, index=f.index, logprobs=logprobs)
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
             yield self._stream_error(exc, shape, outcome)
@@ -187,3 +195,12 @@ class Gateway:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.duration.observe(time.monotonic() - t0)
         return response
+
+
+def logprobs_by_sample(handle: RequestHandle) -> dict[int, list[TokenLogprob]]:
+    """The final attempt's logprobs, by sample, from its `tokens` events."""
+    out: dict[int, list[TokenLogprob]] = {}
+    for ev in handle.log:
+        if isinstance(ev, TokensEvent) and ev.attempt == handle.attempt and ev.logprobs:
+            out.setdefault(ev.index, []).extend(ev.logprobs)
+    return out

@@ -78,6 +78,33 @@ async def test_legacy_completions(fleet):
     assert ids.usage.prompt_tokens == 3
 
 
+async def test_logprobs_whole_and_streamed(fleet):
+    _, aio = clients(fleet.url)
+    whole = await aio.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    choice = whole.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert "".join(e.token for e in content) == choice.message.content  # ASCII: tokens spell the text
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob) and e.logprob >= e.top_logprobs[1].logprob - 1e-6
+        assert bytes(e.bytes).decode() == e.token
+    chunks = [c async for c in await aio.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True)]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = await aio.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+    legacy = await aio.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                          temperature=0, logprobs=1)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == legacy.usage.completion_tokens
+    assert "".join(lp.tokens) == legacy.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
 async def test_bad_requests_name_the_field(fleet):
     sync, aio = clients(fleet.url)
     with pytest.raises(openai.BadRequestError) as err:

@@ -70,7 +70,7 @@ def failing_engine(fleet, monkeypatch):
     step = engine.step
 
     def failing_step():
-        if any(seq.num_output_tokens >= 2 for seq in list(engine.requests.values())):
+        if any(seq.num_output_tokens >= 2 for samples in list(engine.requests.values()) for seq in samples):
             raise RuntimeError("injected step failure")
         return step()
 

@@ -7,7 +7,8 @@ import pytest
 from producer.gateway.errors import OpenAIError
 from producer.gateway.follower import Diverged, TextFollower
 from producer.gateway.openai_mapping import chat_request, completion_request
-from producer.schema import DoneEvent, Timing, TokensEvent, Usage
+from producer.gateway.openai_responses import Shape
+from producer.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
 
 
 def tokens(attempt: str, seq: int, text: str) -> TokensEvent:
@@ -40,6 +41,39 @@ def test_bad_chat_bodies_name_the_parameter(body, param):
     with pytest.raises(OpenAIError) as err:
         chat_request(body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_logprobs_are_asked_of_the_worker_with_tokens_events():
+    chat = chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2})
+    assert (chat.fields["logprobs"], chat.fields["top_logprobs"], chat.fields["stream"]) == (True, 2, True)
+    assert chat.logprobs and not chat.stream  # the worker streams, the HTTP answer stays whole
+    legacy = completion_request({"prompt": "x", "logprobs": 3})
+    assert (legacy.fields["logprobs"], legacy.fields["top_logprobs"], legacy.fields["stream"]) == (True, 3, True)
+    assert legacy.rename["top_logprobs"] == "logprobs"
+    assert not chat_request({"messages": [{"role": "user", "content": "x"}]}).logprobs
+    for bad in ({"logprobs": "yes"}, ):
+        with pytest.raises(OpenAIError) as err:
+            chat_request({"messages": [{"role": "user", "content": "x"}], **bad})
+        assert err.value.param == "logprobs"
+    for bad in (6, -1, True, "2"):
+        with pytest.raises(OpenAIError) as err:
+            completion_request({"prompt": "x", "logprobs": bad})
+        assert err.value.param == "logprobs"
+
+
+def test_logprobs_in_openai_shapes():
+    entries = [TokenLogprob(token=" Par", logprob=-0.5, top_logprobs=[TopLogprob(token_id=1, token=" Par", logprob=-0.5),
+                                                                       TopLogprob(token_id=2, token=" the", logprob=-1.5)]),
+               TokenLogprob(token="is", logprob=-0.25, top_logprobs=[TopLogprob(token_id=3, token="is", logprob=-0.25)]),
+               TokenLogprob(token="\ufffd", logprob=-3.0)]
+    chat = Shape(True, "r", "m").logprobs(entries)
+    assert [e["token"] for e in chat["content"]] == [" Par", "is", "\ufffd"]
+    assert chat["content"][0]["bytes"] == list(b" Par") and chat["content"][2]["bytes"] is None
+    assert chat["content"][0]["top_logprobs"] == [{"token": " Par", "logprob": -0.5, "bytes": list(b" Par")},
+                                                  {"token": " the", "logprob": -1.5, "bytes": list(b" the")}]
+    legacy = Shape(False, "r", "m").logprobs(entries, offset=10)
+    assert legacy["tokens"] == [" Par", "is", "\ufffd"] and legacy["token_logprobs"] == [-0.5, -0.25, -3.0]
+    assert legacy["top_logprobs"][0] == {" Par": -0.5, " the": -1.5} and legacy["text_offset"] == [10, 14, 16]
 
 
 def test_completion_prompts():
