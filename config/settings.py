@@ -156,9 +156,13 @@ class ModelSettings(BaseModel):
     # at load (a second copy of the weights in memory) for the project's C GEMM (kernels/cpu/gemm.py;
     # a row gets the same bits in any batch) or for oneDNN (an explicit one that cannot run here
     # stops the worker at start-up); both beat `torch` (F.linear: MKL, which repacks the weight on
-    # every call) at decode batch sizes (docs/benchmarks.md). `auto` is `c` on x86 with AVX2 but
-    # no AVX-512, where it was measured faster than oneDNN, else `onednn`.
+    # every call) at decode batch sizes (docs/benchmarks.md). `auto` times `c` and `onednn` on the
+    # model's own weights at load and keeps the faster (worker/engine/models/calibration.py; the
+    # choice is cached per CPU, threads and shapes, so only the first start pays ~1-2 s).
     cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
+    # `false`: `auto` takes the fixed rule instead of timing (`c` on x86 with AVX2 but no
+    # AVX-512, else `onednn`): no timing at load, the same choice on every run of a machine.
+    cpu_linear_calibrate: bool = True
     # The `c` GEMM's packed weights: `auto` keeps a weight as 8-bit codes with an fp16 scale and
     # an offset per 32 inputs wherever those give back every fp32 weight exactly (a GGUF file's
     # Q4_1, Q8_0, ... tensors, as the default model's are), widened to fp32 as each panel is

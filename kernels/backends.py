@@ -6,7 +6,9 @@ then and logged once by the runner.
     fused_ops   c | torch              norms, SiLU-and-mul, rope + K/V store (c: CPU fp32 only)
 
 `auto` picks Triton on CUDA, and on a CPU in fp32 the C kernels where they built (attention:
-also the shape and K/V dtype must suit them), else PyTorch. An explicit choice this machine cannot
+also the shape and K/V dtype must suit them), else PyTorch; for the linear layers on a CPU in
+fp32 it is a rule here (the C GEMM on AVX2 without AVX-512, else oneDNN) that ModelRunner replaces
+by timing every candidate on the model at load (linear_candidates; models/calibration.py). An explicit choice this machine cannot
 run raises BackendUnavailable with one line that says why and what to set instead: the worker
 stops at start-up, never failing every request later.
 """
@@ -94,7 +96,7 @@ def select_linear(device, dtype, setting: str = "auto") -> str:
     if setting == "auto":
         if gemm.preferred():
             return "c"
-        return "onednn" if onednn_available() else "torch"
+        return "onednn" if onednn_available() else "c" if gemm.available() else "torch"
     if setting == "c":
         _require(gemm.available(), "cpu_linear=c but the C kernels did not build (no C compiler, or the build "
                                    "failed: see the log); set INFERLINE_MODEL__CPU_LINEAR=auto")
@@ -103,6 +105,17 @@ def select_linear(device, dtype, setting: str = "auto") -> str:
     _require(onednn_available(), "cpu_linear=onednn but this PyTorch has no oneDNN linear; "
                                  "set INFERLINE_MODEL__CPU_LINEAR=auto")
     return "onednn"
+
+
+def linear_candidates(device, dtype, setting: str = "auto") -> tuple[str, ...]:
+    """The linear backends `setting` may run here: for `auto` on a CPU in fp32, every packed one
+    that runs (ModelRunner times them on the model and keeps the fastest:
+    worker/engine/models/calibration.py), select_linear's rule first; else select_linear's one."""
+    chosen = select_linear(device, dtype, setting)
+    if setting != "auto" or chosen == "torch":
+        return (chosen,)
+    others = [b for b, ok in (("c", gemm.available()), ("onednn", onednn_available())) if ok and b != chosen]
+    return (chosen, *others)
 
 
 def onednn_available() -> bool:

@@ -122,6 +122,8 @@ class Worker:
                                  on_death=lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
         engine_loop.start()
         self.engine = await asyncio.to_thread(engine_loop.wait_ready)
+        runner = self.engine.runner
+        self.metrics.set_backends(runner.backends, getattr(runner, "linear_calibration", None))
         if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
             await asyncio.to_thread(engine_loop.stop, 10.0)
             log.info("worker.stopped_before_start")

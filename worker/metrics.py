@@ -60,6 +60,10 @@ class Metrics:
         self.kv_cache_waste = Gauge("inferline_kv_cache_waste",
                                     "Fraction of the KV slots in use that hold no token: the empty end of each "
                                     "sequence's last block, blocks taken for rejected drafts (0..1)", registry=r)
+        self.kernel_backend = Gauge("inferline_kernel_backend_info",
+                                    "1 for each kernel backend the model runs (kernels/backends.py); "
+                                    "how: set (explicit or the rule), timed or cached (auto's calibration)",
+                                    ["kind", "backend", "how"], registry=r)
         self.batch_size = Gauge("inferline_batch_size", "Sequences in the last engine step", registry=r)
         self.batched_tokens = Gauge("inferline_batched_tokens", "Tokens in the last engine step", registry=r)
         self.iteration = Histogram("inferline_iteration_seconds", "Engine step latency", buckets=_STEP,
@@ -84,6 +88,12 @@ class Metrics:
 
     def _hist(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, ["priority"], buckets=_LATENCY, registry=self.registry)
+
+    def set_backends(self, backends, calibration=None) -> None:
+        """The loaded model's KernelBackends; `calibration`: the linear layers' (models/calibration.py)."""
+        how = "set" if calibration is None or not calibration.seconds else "cached" if calibration.cached else "timed"
+        for kind in ("attention", "linear", "fused_ops"):
+            self.kernel_backend.labels(kind, getattr(backends, kind), how if kind == "linear" else "set").set(1)
 
     def observe_finish(self, reason: str, error_code: str | None, priority: int, e2e_s: float,
                        itl_s: float | None) -> None:

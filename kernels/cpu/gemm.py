@@ -5,8 +5,9 @@ One of the three ways models/linear.py computes a linear layer on the CPU
 (INFERLINE_MODEL__CPU_LINEAR): this one, oneDNN on its own packed copy, or F.linear. Each output
 is one FMA chain over the inputs in order, so a row's result is the same bits alone, in any
 batch and with any thread count (oneDNN needs a probe and a padded row for that: linear.py).
-`auto` picks it where it beat oneDNN, x86 with AVX2 and without AVX-512 (docs/benchmarks.md);
-its AVX-512 build is tested for correctness, not tuned.
+`auto` times it against oneDNN on the model at load and keeps the faster (models/calibration.py);
+`preferred()` is the fixed rule used without timing. Its AVX2 and AVX-512 builds are each tested for
+bits (tests/test_gemm.py), the AVX-512 one not tuned.
 
 A weight that was quantized before it reached us (a GGUF file's Q4_1, Q8_0, ... tensors, dequantized
 to fp32 by transformers) can instead be kept as 8-bit codes with a scale and an offset per block of
@@ -41,8 +42,9 @@ def available() -> bool:
 
 
 def preferred() -> bool:
-    """Whether INFERLINE_MODEL__CPU_LINEAR=auto uses this GEMM rather than oneDNN on this machine:
-    where it was measured faster (AVX2 without AVX-512)."""
+    """Whether INFERLINE_MODEL__CPU_LINEAR=auto's fixed rule (no timing: CPU_LINEAR_CALIBRATE=false)
+    uses this GEMM rather than oneDNN on this machine: where it was first measured faster (AVX2
+    without AVX-512)."""
     flags = build.cpu_flags().split()
     return "avx2" in flags and "avx512f" not in flags and available()
 

@@ -145,10 +145,11 @@ def test_the_16_float_layout_equals_f_linear_too(tmp_path):
         assert torch.equal(outs[1], outs[0][:1]) and torch.equal(outs[2], outs[0][:8])
 
 
-def build_x86_64(tmp_path) -> ctypes.CDLL:
-    """gemm.c built for plain x86-64 (16-float vectors in SSE registers), its functions typed."""
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in build.FLAGS]
-    lib_path = tmp_path / "gemm_x86_64.so"
+def build_x86_64(tmp_path, march: str = "x86-64") -> ctypes.CDLL:
+    """gemm.c built for `march` (default plain x86-64: 16-float vectors in SSE registers), its
+    functions typed."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
+    lib_path = tmp_path / f"gemm_{march}.so"
     done = subprocess.run(["cc", *flags, "-shared", "-I", str(build.CSRC), str(build.CSRC / "gemm.c"), "-o", str(lib_path)],
                           capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -156,3 +157,72 @@ def build_x86_64(tmp_path) -> ctypes.CDLL:
     for name in ("gemm_panel_width", "gemm_f32", "gemm_codes_block", "gemm_codes_f32"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = build._FUNCTIONS[name]
     return lib
+
+
+# The SIMD builds `-march=native` gives on x86 (AVX2 + FMA: 8-float vectors, tiles of 6 x 16;
+# AVX-512: 16-float vectors, tiles of 8 x 32), each built explicitly so that a machine with
+# AVX-512 tests its AVX2 build too; the CPU flags each needs to run.
+SIMD_BUILDS = {"x86-64-v3": (16, ("avx2", "fma", "f16c")),
+               "x86-64-v4": (32, ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"))}
+
+
+def runs_here(march: str) -> bool:
+    have = build.cpu_flags().split()
+    return platform.machine() in ("x86_64", "AMD64") and bool(shutil.which("cc")) and \
+        all(f in have for f in SIMD_BUILDS[march][1])
+
+
+def lib_gemm(lib, x, panels, bias, out_features, threads=2, codes=False) -> torch.Tensor:
+    rows, in_features = x.shape
+    y = torch.empty(rows, out_features)
+    fn = lib.gemm_codes_f32 if codes else lib.gemm_f32
+    err = fn(x.data_ptr(), in_features, panels.data_ptr(), bias.data_ptr(), y.data_ptr(), out_features, rows,
+             out_features, in_features, threads)
+    assert not err
+    return y
+
+
+def simd_case(width: int, out_features: int, in_features: int, seed: int):
+    """A Q8_0-like weight (exact 8-bit codes), its fp32 panels and codes for `width`, bias, rows."""
+    from tests.test_gemm_codes import q8_0, weight
+
+    gen = torch.Generator().manual_seed(seed)
+    w = weight(out_features, in_features, q8_0, seed=seed)
+    panels = F.pad(w, (0, 0, 0, -out_features % width)).view(-1, width, in_features).transpose(1, 2).contiguous()
+    return w, panels, gemm.pack_codes(w, width=width).blocks, torch.randn(out_features, generator=gen), \
+        torch.randn(45, in_features, generator=gen)
+
+
+@pytest.mark.parametrize("march", list(SIMD_BUILDS))
+def test_each_simd_build_gives_a_row_the_same_bits_in_any_batch_and_thread_count(tmp_path, march):
+    """The AVX2 and the AVX-512 build of gemm.c, on whichever this machine can run: equal to
+    F.linear; a row's bits the same alone, in any slice of the batch and with 1-3 threads; codes
+    widened to the bits of the fp32 panels."""
+    if not runs_here(march):
+        pytest.skip(f"this CPU cannot run a {march} build")
+    lib = build_x86_64(tmp_path, march)
+    width = SIMD_BUILDS[march][0]
+    assert lib.gemm_panel_width() == width
+    for out_features, in_features in ((33, 64), (200, 576), (70, 1536)):
+        w, panels, codes, b, x = simd_case(width, out_features, in_features, seed=out_features)
+        full = lib_gemm(lib, x, panels, b, out_features)
+        torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        for start, rows in ((0, 1), (0, 5), (3, 7), (11, 13), (40, 5), (7, 1)):
+            part = lib_gemm(lib, x[start:start + rows].contiguous(), panels, b, out_features)
+            assert torch.equal(part, full[start:start + rows]), (march, out_features, start, rows)
+        for threads in (1, 3):
+            assert torch.equal(lib_gemm(lib, x, panels, b, out_features, threads), full), (march, threads)
+        assert torch.equal(lib_gemm(lib, x, codes, b, out_features, codes=True), full), (march, "codes")
+
+
+def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
+    """Each output is one FMA chain over the inputs in order in both builds: a model's tokens do
+    not depend on which of the two a machine runs (where both run here)."""
+    if not (runs_here("x86-64-v3") and runs_here("x86-64-v4")):
+        pytest.skip("needs a CPU with AVX-512")
+    outs = {}
+    for march, (width, _flags) in SIMD_BUILDS.items():
+        lib = build_x86_64(tmp_path, march)
+        w, panels, _codes, b, x = simd_case(width, 200, 576, seed=5)
+        outs[march] = lib_gemm(lib, x, panels, b, 200)
+    assert torch.equal(outs["x86-64-v3"], outs["x86-64-v4"])

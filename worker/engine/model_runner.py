@@ -6,18 +6,19 @@ model, computes logits only for the rows that sample, and samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
 
 from config.settings import Settings
 from kernels import reference
-from kernels.backends import KernelBackends, ModelShape, select_backends
+from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from kernels.cpu import gemm
 from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
     free_device_memory, host_to_device, huge_page_tensor, kv_cache_tensor, num_kv_blocks, pick_device,
     pick_dtype, pick_kv_dtype)
+from worker.engine.models.calibration import Calibration, choose_linear_backend
 from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler, SamplerOutput
@@ -53,15 +54,20 @@ class ModelRunner:
         self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
+        codes = settings.model.cpu_weight_codes == "auto"
+        self.linear_calibration = self._calibrate_linear(settings, codes)
+        self.backends = replace(self.backends, linear=self.linear_calibration.backend)
         if self.backends.linear != "torch":
-            packed = self.model.pack_linears(self.backends.linear, settings.model.cpu_weight_codes == "auto")
+            packed = self.model.pack_linears(self.backends.linear, codes)
             assert packed, f"{self.backends.linear} could not pack this model's weights"
         # weights the C GEMM keeps as 8-bit codes (exact: kernels/cpu/gemm.py), of all packed ones
         self.coded_weights = sum(isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights())
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
                  num_blocks=self.num_blocks, block_size=self.block_size, attention=self.backends.attention,
                  triton_target=self.backends.triton_target, linear=self.backends.linear,
-                 fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights)
+                 fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights,
+                 linear_timed={k: round(v * 1e6, 2) for k, v in self.linear_calibration.seconds.items()} or None,
+                 linear_cached=self.linear_calibration.cached)
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
         """The kernels, once: kernels.backends raises BackendUnavailable for an impossible setting."""
@@ -70,6 +76,14 @@ class ModelRunner:
         m = settings.model
         return select_backends(self.device, self.dtype, self.kv_dtype, shape, m.attention_backend, m.cpu_linear,
                                m.cpu_fused_ops)
+
+    def _calibrate_linear(self, settings: Settings, codes: bool) -> Calibration:
+        """`cpu_linear=auto` with more than one candidate (and calibration on): the fastest here,
+        timed on this model (models/calibration.py); else the rule's (or the explicit) choice."""
+        candidates = linear_candidates(self.device, self.dtype, settings.model.cpu_linear)
+        if not settings.model.cpu_linear_calibrate:
+            candidates = candidates[:1]
+        return choose_linear_backend(self.model, candidates, codes)
 
     def claim(self) -> object:
         """Make the caller the KV cache's only user; returns its token for run(). An engine built
