@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test kafka kafka-stop bench chaos gpu-compile clean
+.PHONY: install demo test kafka kafka-stop bench bench-peer chaos gpu-compile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench: install
 	$(BIN)/python -m bench.block_size
 	$(BIN)/python -m bench.reply_topics
 	$(BIN)/python -m bench.gateway
+
+# llama.cpp's llama-server (built once from the llama-cpp-python sdist, cached) against inferline
+# through Kafka on the same GGUF file and workload: bench/peer_llamacpp.sh, docs/benchmarks.md.
+bench-peer: install
+	PYTHON=$(BIN)/python bench/peer_llamacpp.sh
 
 chaos: install
 	scripts/test.sh -m chaos --chaos-long

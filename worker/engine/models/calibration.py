@@ -9,7 +9,8 @@ at `ROWS` rows (a decode batch and a prefill chunk), candidates alternated round
 the first round a warm-up; a step's estimate is the layers' time scaled to every layer plus the
 head's, per row, summed over ROWS; the smallest median wins. A second or two on an idle 2-core
 machine, once: the choice is remembered per CPU model and flags, thread count, torch version,
-candidates and weight shapes in `cache_dir()/linear_calibration.json`, and later starts read it.
+candidates, weight shapes and gemm.c's source in `cache_dir()/linear_calibration.json`, and later
+starts read it (delete the file to time again, e.g. after a run on a machine busy with other work).
 Every backend `auto` may choose is tested against HF's greedy output (tests/test_linear.py).
 """
 from __future__ import annotations
@@ -75,7 +76,13 @@ def calibration_key(model, candidates: tuple[str, ...], codes: bool) -> dict:
     shapes = sorted({tuple(w.shape) for w in _layer_weights(model)} | {tuple(model.lm_head_weight().shape)})
     return {"cpu": cpu_model(), "cpu_flags": hashlib.sha256(build.cpu_flags().encode()).hexdigest()[:12],
             "threads": torch.get_num_threads(), "torch": torch.__version__, "candidates": list(candidates),
-            "codes": codes, "num_layers": len(model.layers), "shapes": [list(s) for s in shapes]}
+            "codes": codes, "num_layers": len(model.layers), "shapes": [list(s) for s in shapes],
+            "gemm_c": _source_hash(build.CSRC / "gemm.c"), "sample": [SAMPLE_LAYERS, list(ROWS)]}
+
+
+def _source_hash(path: Path) -> str:
+    """A new GEMM (or a new way of timing) is timed again, not trusted to the old choice."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def key_id(key: dict) -> str:
