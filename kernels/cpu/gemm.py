@@ -7,7 +7,7 @@ is one FMA chain over the inputs in order, so a row's result is the same bits al
 batch and with any thread count (oneDNN needs a probe and a padded row for that: linear.py).
 `auto` times it against oneDNN on the model at load and keeps the faster (models/calibration.py);
 `preferred()` is the fixed rule used without timing. Its AVX2 and AVX-512 builds are each tested for
-bits (tests/test_gemm.py), the AVX-512 one not tuned.
+bits (tests/kernels/test_gemm.py), the AVX-512 one not tuned.
 
 A weight that was quantized before it reached us (a GGUF file's Q4_1, Q8_0, ... tensors, dequantized
 to fp32 by transformers) can instead be kept as 8-bit codes with a scale and an offset per block of

@@ -11,7 +11,7 @@ head's, per row, summed over ROWS; the smallest median wins. A second or two on 
 machine, once: the choice is remembered per CPU model and flags, thread count, torch version,
 candidates, weight shapes and gemm.c's source in `cache_dir()/linear_calibration.json`, and later
 starts read it (delete the file to time again, e.g. after a run on a machine busy with other work).
-Every backend `auto` may choose is tested against HF's greedy output (tests/test_linear.py).
+Every backend `auto` may choose is tested against HF's greedy output (tests/kernels/test_linear.py, tests/unit/test_engine.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """models/calibration.py: `cpu_linear=auto` times its candidates on the model and keeps the fastest,
 remembered per machine and shapes. The timings here are faked (a test never asserts a wall-clock
-time); every backend it may choose is checked against HF in tests/test_engine.py."""
+time); every backend it may choose is checked against HF in tests/unit/test_engine.py."""
 from __future__ import annotations
 
 import json
