@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -288,12 +287,8 @@ def main(argv=None) -> dict:
         if args.probe:
             print("idle probe...", file=sys.stderr)
             results["idle_probe"] = probe(fleet, items, args.probe)
-    results.update(runs=runs, comparison=compare(runs), elapsed_s=time.time() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print_report(results)
-    print(f"\nwrote {args.out} ({results['elapsed_s']:.0f} s)")
-    return results
+    results.update(runs=runs, comparison=compare(runs))
+    return e2e.save(results, args.out, started, print_report)
 
 
 if __name__ == "__main__":

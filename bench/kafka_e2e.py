@@ -637,11 +637,16 @@ def run(args, argv) -> dict:
         delete_topics(settings, topics)
         if leased:
             release_broker()
+    return save(results, args.out, started, print_report)
+
+
+def save(results: dict, out: Path, started: float, report) -> dict:
+    """Stamp the run's length, write the JSON, print the report and where it went."""
     results["elapsed_s"] = time.time() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print_report(results)
-    print(f"\nwrote {args.out} ({results['elapsed_s']:.0f} s)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    report(results)
+    print(f"\nwrote {out} ({results['elapsed_s']:.0f} s)")
     return results
 
 

@@ -327,12 +327,7 @@ def main(argv=None) -> dict:
             server.wait(30)
         if leased:
             e2e.release_broker()
-    results["elapsed_s"] = time.time() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print_report(results)
-    print(f"\nwrote {args.out} ({results['elapsed_s']:.0f} s)")
-    return results
+    return e2e.save(results, args.out, started, print_report)
 
 
 if __name__ == "__main__":

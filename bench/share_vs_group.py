@@ -23,8 +23,7 @@ import uuid
 from pathlib import Path
 
 from producer.schema import DoneEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile
-from tests.kafka_fixtures import create_named_topics
+from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.worker_fixtures import Topics, submit, wait_log
 from tests.worker_fixtures import request as make_request
 
@@ -36,12 +35,7 @@ SCHEDULERS = {"fast": {"max_num_seqs": 16, "max_waiting": 16}, "slow": {"max_num
 
 
 async def make_topics(bootstrap: str) -> Topics:
-    stem = uuid.uuid4().hex[:8]
-    topics = Topics(requests=f"svg-req-{stem}", cancel=f"svg-cancel-{stem}", dlq=f"svg-dlq-{stem}",
-                    replies=f"inferline.reply.svg-{stem}")
-    await create_named_topics({topics.requests: 2, topics.cancel: 1, topics.dlq: 1, topics.replies: 2},
-                              bootstrap_servers=bootstrap)
-    return topics
+    return await private_topics(bootstrap, "svg", 2, 2)
 
 
 async def start_workers(mode: str, bootstrap: str, topics: Topics, log_dir: Path) -> list[WorkerProcess]:

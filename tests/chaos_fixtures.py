@@ -24,7 +24,8 @@ from pathlib import Path
 
 import msgpack
 
-from tests.kafka_fixtures import free_port_pair
+from tests.kafka_fixtures import create_named_topics, free_port_pair
+from tests.worker_fixtures import Topics
 
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
@@ -338,6 +339,16 @@ class IntakeHarness:
 
 
 # ------------------------------------------------------------------------------ a private broker
+
+
+async def private_topics(bootstrap: str, prefix: str, request_partitions: int, reply_partitions: int) -> Topics:
+    """Fresh request, cancel, dead-letter and reply topics on a private broker."""
+    stem = uuid.uuid4().hex[:8]
+    topics = Topics(requests=f"{prefix}-req-{stem}", cancel=f"{prefix}-cancel-{stem}", dlq=f"{prefix}-dlq-{stem}",
+                    replies=f"inferline.reply.{prefix}-{stem}")
+    await create_named_topics({topics.requests: request_partitions, topics.cancel: 1, topics.dlq: 1,
+                               topics.replies: reply_partitions}, bootstrap_servers=bootstrap)
+    return topics
 
 
 class PrivateBroker:

@@ -28,7 +28,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producer.schema import DoneEvent, StartedEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile
+from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit
 from tests.worker_fixtures import request as make_request
@@ -57,12 +57,7 @@ def private_broker(tmp_path_factory):
 
 
 async def make_topics(bootstrap: str) -> Topics:
-    stem = uuid.uuid4().hex[:8]
-    topics = Topics(requests=f"chaos-req-{stem}", cancel=f"chaos-cancel-{stem}", dlq=f"chaos-dlq-{stem}",
-                    replies=f"inferline.reply.chaos-{stem}")
-    await create_named_topics({topics.requests: PARTITIONS, topics.cancel: 1, topics.dlq: 1,
-                               topics.replies: PARTITIONS}, bootstrap_servers=bootstrap)
-    return topics
+    return await private_topics(bootstrap, "chaos", PARTITIONS, PARTITIONS)
 
 
 async def submit_wave(bootstrap: str, topics: Topics, n: int, rng: random.Random, submitted: dict,

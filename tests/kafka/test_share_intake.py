@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from producer.schema import DoneEvent, StartedEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess
-from tests.kafka_fixtures import consume_until, create_named_topics
+from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, private_topics
+from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import Topics, check_attempts, submit
 from tests.worker_fixtures import request as make_request
 
@@ -45,12 +45,7 @@ def share_broker(tmp_path_factory):
 
 
 async def make_topics(bootstrap: str) -> Topics:
-    stem = uuid.uuid4().hex[:8]
-    topics = Topics(requests=f"share-req-{stem}", cancel=f"share-cancel-{stem}", dlq=f"share-dlq-{stem}",
-                    replies=f"inferline.reply.share-{stem}")
-    await create_named_topics({topics.requests: 1, topics.cancel: 1, topics.dlq: 1, topics.replies: 2},
-                              bootstrap_servers=bootstrap)
-    return topics
+    return await private_topics(bootstrap, "share", 1, 2)
 
 
 def share_worker(name: str, bootstrap: str, topics: Topics, log_dir, group: str, **kafka) -> WorkerProcess:
