@@ -11,9 +11,14 @@ lives on a thread of its own (`_Lane`) and hands records to the event loop. In e
 acknowledgement mode it refuses to poll again before every record of its last poll is
 acknowledged, so a worker runs `share_consumers` of them: one takes new records while another
 waits for its batch to finish. Records go to the worker only while its waiting pool has room;
-the rest wait here, in order. A lane polls whenever it holds nothing, room or not: the client
-fetches (and so locks) records in the background even while the application does not poll, and
-a record it fetched but nobody polled would stay locked, unseen, until its lock expires.
+the rest wait here, in order.
+
+A full worker stops fetching: a lane polls only for room nobody else has claimed, and a lane that
+holds nothing and may not poll unsubscribes until room returns. The client fetches (and the
+broker locks to it) records in the background, not only inside poll(): a subscribed consumer of a
+busy worker would take records it cannot run for a while (or, unpolled, until their locks
+expire), while another worker sits idle. Unsubscribing acquires nothing, and releases nothing
+that was handed out: only a lane holding nothing leaves.
 Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
 """
 from __future__ import annotations
@@ -90,13 +95,15 @@ class _Lane:
         self._intake, self._conf = intake, conf
         self.verdicts: queue.SimpleQueue = queue.SimpleQueue()  # (topic, partition, offset, verdict)
         self.closing = threading.Event()
+        self.claim_size = conf.get("max.poll.records", 1)  # room a poll of this lane may fill
+        self.claimed = 0  # room claimed for a poll whose records are not in the intake's queue yet
+        self.subscribed = False
         self.thread = threading.Thread(target=self._run, name=f"share-intake-{index}", daemon=True)
 
     def _run(self) -> None:
         from confluent_kafka import ShareConsumer
 
         consumer = ShareConsumer(self._conf)
-        consumer.subscribe(self._intake.topics)
         held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet
         try:
             while not self.closing.is_set():
@@ -114,10 +121,21 @@ class _Lane:
         if not self._intake.fetching:  # draining: nothing new
             time.sleep(POLL_S)
             return
+        if not self._intake.claim_room(self):  # full: fetch nothing (see the module docstring)
+            if self.subscribed:
+                consumer.unsubscribe()
+                self.subscribed = False
+            time.sleep(POLL_S)
+            return
+        if not self.subscribed:
+            consumer.subscribe(self._intake.topics)
+            self.subscribed = True
         records = self._poll(consumer)
         if records:
             held.update((r.topic, r.partition, r.offset) for r in records)
-            self._intake.hand_over(self, records)
+            self._intake.hand_over(self, records)  # the loop frees the claim once they are queued
+        else:
+            self._intake.free_claim(self)
 
     def _poll(self, consumer) -> list[ShareRecord]:
         from confluent_kafka import KafkaException
@@ -192,6 +210,10 @@ class ShareIntake(Intake):
         # wait here, locked to this worker, rather than go back with a higher delivery count.
         self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
         self._verifying: set[asyncio.Task] = set()
+        # Room for records nobody polled yet: the pool's room less the polled records waiting for
+        # it, set by the loop; lanes claim from it before they poll (under _claims).
+        self.free_room = 0
+        self._claims = threading.Lock()
 
     @property
     def topics(self) -> list[str]:
@@ -225,6 +247,17 @@ class ShareIntake(Intake):
     def hand_over(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._loop.call_soon_threadsafe(self._take, lane, records)
 
+    def claim_room(self, lane: _Lane) -> bool:
+        """May `lane` poll? Yes while room is left that no other lane's poll has claimed."""
+        with self._claims:
+            if not lane.claimed and self.free_room - sum(other.claimed for other in self._lanes) > 0:
+                lane.claimed = lane.claim_size
+            return lane.claimed > 0
+
+    def free_claim(self, lane: _Lane) -> None:
+        with self._claims:
+            lane.claimed = 0
+
     def lane_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._sink.fatal, exc)
 
@@ -233,6 +266,7 @@ class ShareIntake(Intake):
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._polled.extend((lane, record) for record in records)
         self._hand_out()
+        self.free_claim(lane)  # after _hand_out: free_room counts these records now
 
     async def _hand_out_loop(self) -> None:
         while True:  # room frees as requests start: polled records waiting for it go in then
@@ -251,6 +285,7 @@ class ShareIntake(Intake):
                 self._taken_again(tp, record, earlier)
                 continue
             self._handle_safely(tp, record, unverified)
+        self.free_room = self._sink.room() - len(self._polled) if self.fetching else 0
         if unverified:
             task = asyncio.create_task(self._verify_reply_topics(unverified))
             self._verifying.add(task)

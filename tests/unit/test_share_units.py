@@ -67,6 +67,81 @@ def test_nothing_is_handed_out_while_draining():
     assert intake._sink.handled == [] and intake._polled  # released by its lane on close
 
 
+class FakeShareConsumer:
+    def __init__(self, records: list[ShareRecord]) -> None:
+        self.records, self.subscribed, self.polls = records, False, 0
+
+    def subscribe(self, topics) -> None:
+        self.subscribed = True
+
+    def unsubscribe(self) -> None:
+        self.subscribed = False
+
+    def poll(self, timeout):
+        assert self.subscribed
+        self.polls += 1
+        batch, self.records = self.records[:1], self.records[1:]
+        return [FakeMessage(r) for r in batch]
+
+
+class FakeMessage:
+    def __init__(self, r: ShareRecord) -> None:
+        self.r = r
+
+    def error(self):
+        return None
+
+    def topic(self):
+        return self.r.topic
+
+    def partition(self):
+        return self.r.partition
+
+    def offset(self):
+        return self.r.offset
+
+    def key(self):
+        return self.r.key
+
+    def value(self):
+        return self.r.value
+
+    def headers(self):
+        return self.r.headers
+
+    def delivery_count(self):
+        return self.r.delivery_count
+
+
+def test_a_full_worker_stops_fetching_until_room_returns():
+    intake = make_intake(room=1)
+    intake._hand_out()  # the loop measures the room: 1
+    intake.hand_over = intake._take  # no event loop here: the lane's records go straight in
+    a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
+    intake._lanes = [a, b]
+    ca, cb = FakeShareConsumer([record(0), record(1)]), FakeShareConsumer([record(2)])
+    held_a, held_b = set(), set()
+    a._take(ca, held_a)  # room for one: a polls it
+    assert intake._sink.handled == [0] and ca.subscribed and ca.polls == 1
+    b._take(cb, held_b)  # full: b fetches nothing, and leaves the share group meanwhile
+    assert cb.polls == 0 and not cb.subscribed and intake.free_room == 0 and not a.claimed
+    intake._sink.handled.clear()  # the request finished: room again
+    intake._hand_out()
+    b._take(cb, held_b)
+    assert cb.subscribed and cb.polls == 1 and intake._sink.handled == [2]
+
+
+def test_lanes_claim_room_before_they_poll():
+    intake = make_intake(room=3)
+    intake._hand_out()
+    a, b, c = _Lane(intake, 0, {"max.poll.records": 2}), _Lane(intake, 1, {}), _Lane(intake, 2, {})
+    intake._lanes = [a, b, c]
+    assert intake.claim_room(a) and intake.claim_room(b)
+    assert not intake.claim_room(c)  # a may bring 2, b 1: the 3 free places are spoken for
+    intake.free_claim(b)  # b's poll came back empty
+    assert intake.claim_room(c)
+
+
 def test_verdicts_go_to_the_lane_that_holds_the_record():
     intake = make_intake(room=4)
     a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
