@@ -32,6 +32,8 @@ OUT = REPO / "bench" / "results" / "share_vs_group.json"
 KAFKA_VERSION = "4.2.0"
 MODES = ("group", "share")
 SCHEDULERS = {"fast": {"max_num_seqs": 16, "max_waiting": 16}, "slow": {"max_num_seqs": 1, "max_waiting": 1}}
+# The slow worker is throttled too: one request at a time alone is not slow on 2 shared cores.
+THROTTLE = {"slow": {"INFERLINE_FAULT_STEP_DELAY_S": "0.25"}}
 
 
 async def make_topics(bootstrap: str) -> Topics:
@@ -43,7 +45,7 @@ async def start_workers(mode: str, bootstrap: str, topics: Topics, log_dir: Path
     workers = [WorkerProcess(name, bootstrap, topics, log_dir, worker={"name": name}, kafka=kafka, scheduler=sched)
                for name, sched in SCHEDULERS.items()]
     for w in workers:
-        w.spawn()
+        w.spawn(THROTTLE.get(w.name))
     await asyncio.gather(*(w.wait_started(600) for w in workers))
     if mode == "group":  # both must own a partition before the clock starts
         await asyncio.gather(*(wait_log(w.log_path, '"partitions": [', w.proc, 120) for w in workers))

@@ -108,6 +108,8 @@ OTHER_VARIABLES = {
     "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
                                            "its Nth transaction's records reach the broker and before the "
                                            "commit (worker/transactions.py; tests and `make chaos`)."),
+    "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Benchmark hook: the engine thread sleeps this many seconds "
+                                     "before each step, a throttled worker (bench/share_vs_group.py)."),
     "INFERLINE_KERNEL_CHECKS": ("`0`", "`1` turns on the kernels' shape, dtype and stride assertions "
                                 "on CUDA tensors (always on for CPU tensors)."),
 }

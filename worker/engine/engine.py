@@ -8,6 +8,7 @@ exactly two channels: an inbox of commands and the `on_outputs` callback.
 from __future__ import annotations
 
 import gc
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,9 @@ from worker.engine.spec_decode import NgramProposer, accept
 from worker.engine.structured_output import GrammarCompiler, new_matcher
 
 log = structlog.get_logger(__name__)
+
+# Benchmark hook (bench/share_vs_group.py): a throttled worker sleeps this long before each step.
+_STEP_DELAY_S = float(os.environ.get("INFERLINE_FAULT_STEP_DELAY_S", "0"))
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 # A generous bound on the characters of one token (BPE vocabularies top out around 16-128).
@@ -517,6 +521,8 @@ class EngineLoop:
             self.engine.abort(cmd[1], cmd[2])
 
     def _step(self) -> None:
+        if _STEP_DELAY_S:
+            time.sleep(_STEP_DELAY_S)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bad batch must not take the worker down
