@@ -184,7 +184,7 @@ def lib_gemm(lib, x, panels, bias, out_features, threads=2, codes=False) -> torc
 
 def simd_case(width: int, out_features: int, in_features: int, seed: int):
     """A Q8_0-like weight (exact 8-bit codes), its fp32 panels and codes for `width`, bias, rows."""
-    from tests.test_gemm_codes import q8_0, weight
+    from tests.kernels.test_gemm_codes import q8_0, weight
 
     gen = torch.Generator().manual_seed(seed)
     w = weight(out_features, in_features, q8_0, seed=seed)
