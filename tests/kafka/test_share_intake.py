@@ -2,7 +2,8 @@
 
 Three workers in one share group on a one-partition request topic all serve requests; one of
 them is SIGKILLed while it runs requests, whose records come back to the others when their locks
-expire, and every request still ends with a final `done`. A request delivered more often than
+expire, and every request still ends with a final `done`; a worker that joins mid-run takes
+requests while the others go on serving. A request delivered more often than
 `max_deliveries` goes to the dead-letter topic while the fleet keeps serving.
 
 Share groups need Kafka 4.2+ (on 4.1.1 with share.version=1, the broker cannot parse the member
@@ -114,6 +115,24 @@ async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker
         assert rerun, "no request that w0 had started was completed by another worker"
         for i in rerun:
             assert workers_of([e for _, e in events[i]])[1] <= {"w1", "w2"}
+        # Wave 3: w3 joins mid-run. The others keep finishing requests while it starts (no
+        # rebalance stops them), and it takes requests as soon as it is up.
+        wave = lambda n, tokens: submit_each(bootstrap, topics.requests, [  # noqa: E731
+            make_request(topics.replies, prompt=f"Count: {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)])
+        ids3 = await wave(12, 12)
+        joiner = share_worker("w3", bootstrap, topics, tmp_path, group)
+        workers.append(joiner)
+        spawned = time.time()
+        joiner.spawn()
+        await joiner.wait_started(600)
+        up = time.time()
+        ids4 = await wave(24, 6)
+        await wait_until(lambda: watcher.finished(ids3 + ids4) == len(ids3 + ids4), 420, "wave 3")
+        events = watcher.events()
+        finals = {i: [(t, e.worker) for t, e in events[i] if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
+                  for i in ids3 + ids4}
+        assert any(spawned < t < up for i in ids3 for t, _ in finals[i]), "nothing finished while w3 started"
+        assert any(w == "w3" for i in ids4 for _, w in finals[i]), "w3 took no request"
     finally:
         await watcher.stop()
         for w in workers:
