@@ -351,6 +351,17 @@ async def private_topics(bootstrap: str, prefix: str, request_partitions: int, r
     return topics
 
 
+def running_private_broker(kdir: Path, **env: str):
+    """A module fixture's body: a PrivateBroker started in `kdir` (with extra `env`), stopped after."""
+    broker = PrivateBroker(kdir)
+    broker.env.update(env)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
 class PrivateBroker:
     """A broker of this test's own, run by scripts/kafka.sh on a free port with its own data dir."""
 

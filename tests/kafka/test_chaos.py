@@ -28,7 +28,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producer.schema import DoneEvent, StartedEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
+from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, percentile, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit
 from tests.worker_fixtures import request as make_request
@@ -48,12 +48,7 @@ LONG = [(42, ["kill"]), (42, ["join_b", "kill"]), (42, ["broker_restart"]), (42,
 
 @pytest.fixture(scope="module")
 def private_broker(tmp_path_factory):
-    broker = PrivateBroker(tmp_path_factory.mktemp("kafka-chaos"))
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
+    yield from running_private_broker(tmp_path_factory.mktemp("kafka-chaos"))
 
 
 async def make_topics(bootstrap: str) -> Topics:

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from producer.schema import DoneEvent, StartedEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, private_topics
+from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import Topics, check_attempts, submit
 from tests.worker_fixtures import request as make_request
@@ -36,13 +36,8 @@ LOCK_MS = 60_000
 
 @pytest.fixture(scope="module")
 def share_broker(tmp_path_factory):
-    broker = PrivateBroker(tmp_path_factory.mktemp("kafka-share"))
-    broker.env["INFERLINE_KAFKA_VERSION"] = SHARE_KAFKA_VERSION
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
+    yield from running_private_broker(tmp_path_factory.mktemp("kafka-share"),
+                                      INFERLINE_KAFKA_VERSION=SHARE_KAFKA_VERSION)
 
 
 async def make_topics(bootstrap: str) -> Topics:
