@@ -11,8 +11,8 @@ on a free port with a temporary data dir, stopped and removed at the end; the sh
 1. creates N reply topics (1 partition each, `inferline.reply.bench-<stem>-<i>`) in batches with
    aiokafka's admin client, plus an input topic, a dead-letter topic and a warm-up reply topic,
    and waits until the broker leads every new partition;
-2. (a) `worker`: the worker's own Publisher and Transactions (worker/publisher.py,
-   worker/transactions.py) send, per topic, one request's events as worker/app.py does:
+2. (a) `worker`: the worker's own Publisher and Transactions (worker/delivery/publisher.py,
+   worker/delivery/transactions.py) send, per topic, one request's events as worker/app.py does:
    `started`, `tokens`, then the final `done` committed with its input offset in the input
    partition's transaction (one partition opened, offsets tracked by a real OffsetTracker);
 3. (b) `baseline`: one plain idempotent AIOKafkaProducer sends the same three events per topic
@@ -156,7 +156,7 @@ def metadata_report(client, refresh: float) -> dict:
 
 def events(i: int):
     """One request's three events, as the worker encodes them."""
-    from producer.schema import DoneEvent, StartedEvent, Timing, TokensEvent, Usage, encode_event
+    from contract.schema import DoneEvent, StartedEvent, Timing, TokensEvent, Usage, encode_event
 
     rid, attempt = f"bench-{i}", uuid.uuid4().hex
     return rid, [
@@ -216,10 +216,10 @@ async def run_worker(args, names: Names) -> dict:
     """The worker's Publisher and Transactions, called as worker/app.py calls them."""
     from aiokafka import TopicPartition
 
-    from worker.metrics import Metrics
-    from worker.offsets import OffsetTracker
-    from worker.publisher import Publisher, ReplyStream
-    from worker.transactions import Transactions
+    from worker.service.metrics import Metrics
+    from worker.delivery.offsets import OffsetTracker
+    from worker.delivery.publisher import Publisher, ReplyStream
+    from worker.delivery.transactions import Transactions
 
     settings = settings_for(args.bootstrap, names)
     metrics, tracker = Metrics(), OffsetTracker()
@@ -494,7 +494,7 @@ def main(argv=None) -> dict | None:
     results = {"command": "python -m bench.reply_topics " + " ".join(argv if argv is not None else sys.argv[1:]),
                "machine": machine_info(),
                "settings": {"topics": args.topics, "concurrency": args.concurrency, "order": args.order}}
-    from worker.transactions import MAX_PRODUCER_TOPICS
+    from worker.delivery.transactions import MAX_PRODUCER_TOPICS
 
     results["settings"]["max_producer_topics"] = MAX_PRODUCER_TOPICS
     results["open_files"] = check_open_files(args.topics)

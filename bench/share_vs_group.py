@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from producer.schema import DoneEvent
+from contract.schema import DoneEvent
 from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.worker_fixtures import Topics, submit, wait_log
 from tests.worker_fixtures import request as make_request

@@ -1,5 +1,5 @@
 """What a final result costs in a transaction: a worker's `done`s committed with their input offsets
-(worker/transactions.py, one transaction per partition at a time, everything queued going in the
+(worker/delivery/transactions.py, one transaction per partition at a time, everything queued going in the
 next one) against the at-least-once path it replaced (the `done` through the idempotent producer,
 the offset committed by the consumer group every 200 ms), side by side on the same broker.
 
@@ -25,10 +25,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.kafka_e2e import acquire_broker, release_broker
 from config.settings import Settings
-from producer.schema import DoneEvent, Timing, Usage, encode_event
-from worker.metrics import Metrics
-from worker.offsets import OffsetTracker
-from worker.transactions import Final, Transactions
+from contract.schema import DoneEvent, Timing, Usage, encode_event
+from worker.service.metrics import Metrics
+from worker.delivery.offsets import OffsetTracker
+from worker.delivery.transactions import Final, Transactions
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -25,9 +25,9 @@ class KafkaSettings(BaseModel):
     dlq_topic: str = "llm.requests.dlq"
     # Replies go only to existing topics whose names start with this (never to the request,
     # cancel or dead-letter topic, nor a `__` internal one); a request naming any other reply
-    # topic is dead-lettered with the reason (worker/reply_topics.py). "" allows every other topic.
+    # topic is dead-lettered with the reason (worker/intake/reply_topics.py). "" allows every other topic.
     reply_topic_prefix: str = "inferline.reply."
-    # Who a request is from (worker/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
+    # Who a request is from (worker/service/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
     # each tenant writes its own `<request_topic>.<tenant>` (and cancels to `<cancel_topic>.<tenant>`),
     # which Kafka ACLs keep to that tenant; the worker subscribes by pattern, takes the tenant from
     # the topic, rejects a body `tenant` naming another (`default` claims nothing) and answers only
@@ -66,7 +66,7 @@ class KafkaSettings(BaseModel):
     flush_interval_ms: float = Field(20.0, ge=0)
     # Replies waiting for the broker; past this, intake pauses instead of memory growing.
     max_pending_replies: int = Field(10_000, ge=10)
-    # A worker's final results commit in Kafka transactions (worker/transactions.py). One left
+    # A worker's final results commit in Kafka transactions (worker/delivery/transactions.py). One left
     # open by a dead worker is aborted by the broker after this long (or at once when the
     # partition's next owner starts); until then read_committed readers of its reply partitions
     # wait, so keep it short: a transaction lasts milliseconds.

@@ -27,7 +27,7 @@ class AclRule:
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
     """Workers read every tenant's request and cancel topics and write replies and dead letters,
-    in transactions whose ids start with the group id (worker/transactions.py); each tenant writes only its own request and cancel topic and reads and creates only topics
+    in transactions whose ids start with the group id (worker/delivery/transactions.py); each tenant writes only its own request and cancel topic and reads and creates only topics
     under its own reply prefix (the client makes its reply topic there)."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
     rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),

@@ -281,7 +281,7 @@ def _summary_line(result: Result, failure: InferenceError | None) -> str:
 async def cmd_cancel(args: argparse.Namespace) -> int:
     from aiokafka import AIOKafkaProducer
 
-    from producer.schema import Cancel, encode_cancel
+    from contract.schema import Cancel, encode_cancel
 
     client = make_client(args)  # for its settings only: no reply topic is needed to cancel
     producer = AIOKafkaProducer(**client.kafka.connection_options(), enable_idempotence=True)

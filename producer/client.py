@@ -51,7 +51,7 @@ from producer.errors import (
 )
 from producer.reassembly import Event, RequestHandle, Result, TextDelta
 from producer.replies import PER_REQUEST, REPLY_TOPIC_PREFIX, ReplyRouter, per_request_topic
-from producer.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
+from contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
 from producer.topics import (
     TOPIC_ALREADY_EXISTS,
     UNKNOWN_TOPIC,

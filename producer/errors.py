@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from producer.schema import DoneEvent, ErrorCode
+from contract.schema import DoneEvent, ErrorCode
 
 if TYPE_CHECKING:
     from producer.reassembly import Result

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
-from producer.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
+from contract.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
 
 if TYPE_CHECKING:
     from producer.client import InferenceClient

@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producer.reassembly import RequestHandle
-from producer.schema import UndecodableMessage, decode_event
+from contract.schema import UndecodableMessage, decode_event
 from producer.topics import create_topics, topic_configs, topic_partitions
 
 log = structlog.get_logger(__name__)

@@ -9,7 +9,7 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from config.settings import KafkaSettings
-from producer.schema import UndecodableMessage, decode_event
+from contract.schema import UndecodableMessage, decode_event
 
 
 async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:

@@ -8,10 +8,7 @@ from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-
-# Topic tenancy (INFERLINE_KAFKA__TENANCY=topic): a tenant is one topic-name segment, no '.', so
-# `<request topic>.<tenant>` and `<reply prefix><tenant>.` cannot be ambiguous.
-TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
+from contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
 
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36

@@ -107,7 +107,7 @@ OTHER_VARIABLES = {
                             "broker's jars) are cached. Read by `config.settings.cache_dir()`."),
     "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
                                            "its Nth transaction's records reach the broker and before the "
-                                           "commit (worker/transactions.py; tests and `make chaos`)."),
+                                           "commit (worker/delivery/transactions.py; tests and `make chaos`)."),
     "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Benchmark hook: the engine thread sleeps this many seconds "
                                      "before each step, a throttled worker (bench/share_vs_group.py)."),
     "INFERLINE_KERNEL_CHECKS": ("`0`", "`1` turns on the kernels' shape, dtype and stride assertions "

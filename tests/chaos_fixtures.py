@@ -200,7 +200,7 @@ def special_messages(reply_topic: str) -> list[tuple[str, bytes]]:
         ("bad_topic", pack({**base, "id": "sp-bad-topic", "reply_topic": "a/b"})),
         ("dot_topic", pack({**base, "id": "sp-dot-topic", "reply_topic": ".."})),
     ]
-    # Legal topic names the worker must never write to (worker/reply_topics.py): the default
+    # Legal topic names the worker must never write to (worker/intake/reply_topics.py): the default
     # cancel and request topics, internal topics, and names outside the reply prefix.
     for i, topic in enumerate(["llm.cancel", "llm.requests", "llm.requests.dlq", "__consumer_offsets",
                                "__transaction_state", "other-tenant.replies", "inferline.replyX", "inferline"]):
@@ -283,14 +283,14 @@ class IntakeHarness:
         from aiokafka import TopicPartition
 
         from worker.app import Worker
-        from worker.reply_topics import refusal
+        from worker.intake.reply_topics import refusal
 
         self.tp = TopicPartition(settings.kafka.request_topic, 0)
         self.worker = Worker(settings)
         self.worker.intake._consumer = FakeConsumer([self.tp])
         self.worker.engine_loop = FakeEngineLoop()
         self.worker.publisher._enqueue = self._enqueue
-        # Every topic the policy allows exists (worker/reply_topics.py asks no broker here).
+        # Every topic the policy allows exists (worker/intake/reply_topics.py asks no broker here).
         kafka = settings.kafka
         self.worker.intake.reply_topics.verdict = lambda topic, tenant=None: refusal(topic, kafka, tenant) or "ok"
         self.sent: list = []
@@ -445,7 +445,7 @@ class ReplyWatcher:
 
     def events(self) -> dict[str, list]:
         """request id -> [(record timestamp s, event)] in partition order."""
-        from producer.schema import decode_event
+        from contract.schema import decode_event
 
         out: dict[str, list] = {}
         for r in list(self.records):
@@ -455,7 +455,7 @@ class ReplyWatcher:
 
     def finished(self, ids) -> int:
         """How many of ids have a final (non-requeued) done."""
-        from producer.schema import DoneEvent
+        from contract.schema import DoneEvent
 
         done = {ev.id for ev in (self._decode(r) for r in list(self.records))
                 if isinstance(ev, DoneEvent) and ev.finish_reason != "requeued"}
@@ -463,14 +463,14 @@ class ReplyWatcher:
 
     def started(self, ids) -> int:
         """How many of ids have a `started` event (in any attempt)."""
-        from producer.schema import StartedEvent
+        from contract.schema import StartedEvent
 
         seen = {ev.id for ev in (self._decode(r) for r in list(self.records)) if isinstance(ev, StartedEvent)}
         return len(seen & set(ids))
 
     @staticmethod
     def _decode(record):
-        from producer.schema import decode_event
+        from contract.schema import decode_event
 
         return decode_event(record.value)
 

@@ -171,7 +171,7 @@ async def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest):
         partitions: int = 1, *, prefix: str | None = None, config: dict[str, str] | None = None,
         reply: bool = False,
     ) -> str:
-        # reply=True: under the reply prefix, where a worker (worker/reply_topics.py) may answer
+        # reply=True: under the reply prefix, where a worker (worker/intake/reply_topics.py) may answer
         name = (REPLY_TOPIC_PREFIX if reply else "") + unique_topic_name(prefix or request.node.name)
         topic = NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=config or {})
         _raise_topic_errors(await admin.create_topics([topic]), "creating")

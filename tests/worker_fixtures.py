@@ -26,7 +26,7 @@ import msgpack
 import pytest
 
 from config.settings import Settings
-from producer.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
+from contract.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until, produce_raw
 from worker.app import Worker, engine_settings
 from worker.engine.engine import LLMEngine

@@ -6,7 +6,7 @@ Life of a request (one `Job` per execution attempt):
     engine output started ─► `started`                                       state "running"
     engine output tokens  ─► Publisher buffers, flushes `tokens` events
     engine output finished ─► `done` queued                                  state "finishing"
-    `done` + input offset committed in one transaction (worker/transactions.py)  (job forgotten)
+    `done` + input offset committed in one transaction (worker/delivery/transactions.py)  (job forgotten)
     `done` given up ─► the original record to the dead-letter topic, with the offset
 
 No offset is finished without the request ending where someone can see it: its `done`, or the
@@ -16,7 +16,7 @@ publishes `requeued`, never a final result; one whose partition's transactional 
 by another worker (fenced) commits nothing. If the engine thread dies, every job is handed back
 (`requeued`), readiness fails and run() raises.
 
-Share mode (INFERLINE_KAFKA__INTAKE=share, worker/share_intake.py): no transactions and no
+Share mode (INFERLINE_KAFKA__INTAKE=share, worker/intake/share.py): no transactions and no
 offsets; each record is acknowledged on its own once its outcome is on the broker: ACCEPT (its
 final `done`), REJECT (dead-lettered), RELEASE (`requeued`: another worker takes it).
 
@@ -36,20 +36,20 @@ import uuid
 import structlog
 from aiokafka import TopicPartition
 
-from producer.schema import Request, Sample
+from contract.schema import Request, Sample
 from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
 from worker.engine.request import EngineRequest, RequestOutput, SamplingParams, StructuredSpec
-from worker.http import HttpServer
-from worker.cancels import CancelListener, RecentCancels
-from worker.intake import Admission, Intake
-from worker.jobs import Job, JobLedger
-from worker.metrics import Metrics, priority_label
-from worker.offsets import OffsetTracker
-from worker.publisher import Publisher, ReplyRoute, ReplyStream
-from worker.ratelimit import RateLimiter
-from worker.share_intake import ShareIntake
-from worker.tenancy import cancel_key
-from worker.transactions import Outcome, Transactions
+from worker.service.http import HttpServer
+from worker.intake.cancels import CancelListener, RecentCancels
+from worker.intake.group import Admission, Intake
+from worker.delivery.ledger import Job, JobLedger
+from worker.service.metrics import Metrics, priority_label
+from worker.delivery.offsets import OffsetTracker
+from worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
+from worker.service.ratelimit import RateLimiter
+from worker.intake.share import ShareIntake
+from worker.service.tenancy import cancel_key
+from worker.delivery.transactions import Outcome, Transactions
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP gateway in front of the Kafka fleet (docs/gateway.md).
 
 A trusted producer: it checks API keys, maps each key to a tenant, turns OpenAI requests into
-contract requests (producer.schema) and reply events back into OpenAI responses and SSE chunks.
+contract requests (contract.schema) and reply events back into OpenAI responses and SSE chunks.
 Each instance reads one reply topic of its own per tenant; instances run side by side.
 
     app.py              FastAPI routes and the lifespan

@@ -8,7 +8,7 @@ import re
 
 from config.settings import GatewaySettings
 from producer.gateway.errors import OpenAIError
-from producer.schema import TENANT_PATTERN
+from contract.schema import TENANT_PATTERN
 from producer.topics import TENANT_SEGMENT
 
 

@@ -41,7 +41,7 @@ class ClientPool:
             request_topic, cancel_topic = f"{request_topic}.{tenant}", f"{cancel_topic}.{tenant}"
         return InferenceClient(
             request_topic=request_topic, cancel_topic=cancel_topic, settings=self.settings,
-            # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.` (worker/tenancy.py).
+            # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.` (worker/service/tenancy.py).
             reply_topic=kafka.reply_topic_prefix + (f"{tenant}." if tenant else "") + self.instance,
             reply_partitions=self.settings.gateway.reply_partitions,
         )

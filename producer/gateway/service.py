@@ -21,7 +21,7 @@ from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.openai_mapping import Mapped, chat_request, completion_request
 from producer.gateway.openai_responses import DONE, Shape, sse
 from producer.gateway.sse import SSEResponse
-from producer.schema import DoneEvent, TokenLogprob, TokensEvent
+from contract.schema import DoneEvent, TokenLogprob, TokensEvent
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,7 @@ from tests.kafka_fixtures import create_named_topics
 from tests.kafka.test_security import SaslBroker, running, worker_kwargs
 from config.settings import KafkaSettings, Settings
 from producer import acls
-from producer.schema import decode_event
+from contract.schema import decode_event
 from tests.worker_fixtures import Topics, check_attempts, final_done, request, wait_ready, worker_config
 from worker.app import Worker, engine_settings
 from worker.engine.engine import LLMEngine

@@ -27,7 +27,7 @@ import pytest
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from producer.schema import DoneEvent, StartedEvent
+from contract.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, percentile, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit
@@ -294,7 +294,7 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     (out / f"chaos-{report['form']}.json").write_text(json.dumps(report, indent=2))
     assert report["lost"] == 0, report
     assert report["conflicting_final_results"] == 0, report
-    # A final `done` and its offset commit in one transaction (worker/transactions.py): a SIGKILL
+    # A final `done` and its offset commit in one transaction (worker/delivery/transactions.py): a SIGKILL
     # at any point leaves both or neither, so read_committed sees one final result per request.
     assert report["duplicated_final_results"] == 0, report
     assert not report["not_length"], report

@@ -23,7 +23,7 @@ from producer.client import (
     RequestCancelled,
     per_request_topic,
 )
-from producer.schema import (
+from contract.schema import (
     Request,
     decode_cancel,
     decode_request,

@@ -1,4 +1,4 @@
-"""Share mode (INFERLINE_KAFKA__INTAKE=share, worker/share_intake.py) against a real broker.
+"""Share mode (INFERLINE_KAFKA__INTAKE=share, worker/intake/share.py) against a real broker.
 
 Three workers in one share group on a one-partition request topic all serve requests; one of
 them is SIGKILLed while it runs requests, whose records come back to the others when their locks
@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from producer.schema import DoneEvent, StartedEvent
+from contract.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import Topics, check_attempts, submit

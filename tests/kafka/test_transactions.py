@@ -12,15 +12,15 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from config.settings import Settings
-from producer.schema import DoneEvent, Timing, Usage, decode_event, encode_event
+from contract.schema import DoneEvent, Timing, Usage, decode_event, encode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
 from worker.app import Worker, engine_settings
 from worker.engine.engine import LLMEngine
-from worker.metrics import Metrics
-from worker.offsets import OffsetTracker
-from worker.transactions import Final, Transactions
+from worker.service.metrics import Metrics
+from worker.delivery.offsets import OffsetTracker
+from worker.delivery.transactions import Final, Transactions
 from tests.unit.test_transactions import _final, _until  # noqa: F401
 
 

@@ -17,7 +17,7 @@ async def test_worker_on_triton_kernels_answers_through_kafka(kafka_bootstrap, t
                                                               model_runner, hf_model):
     """`python -m worker` with TRITON_INTERPRET=1 and INFERLINE_MODEL__ATTENTION_BACKEND=triton
     (plus linears and elementwise ops on PyTorch, as on CUDA) answers with HF's greedy tokens."""
-    from producer.schema import TokensEvent
+    from contract.schema import TokensEvent
     from tests.worker_fixtures import collect, final_done, request, spawn_worker, submit, wait_log
 
     ids = prompt_ids(model_runner.tokenizer, 0)

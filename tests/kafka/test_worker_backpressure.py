@@ -14,7 +14,7 @@ pytestmark = pytest.mark.kafka
 
 async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootstrap, topics, start_worker,
                                                                     new_topic, monkeypatch):
-    import worker.transactions as transactions
+    import worker.delivery.transactions as transactions
 
     monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
     # Every batch of events is larger; a transaction marker is not (below ~80 bytes a topic would
@@ -64,7 +64,7 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(kafka_bootstra
                                                                  monkeypatch):
     """A paused partition is not fetched, so fetch responses no longer bring its high watermark:
     the lag gauge must still grow with the records that pile up (the operator's signal to scale)."""
-    import worker.offsets as offsets
+    import worker.delivery.offsets as offsets
 
     monkeypatch.setattr(offsets, "LAG_EVERY_S", 0.3)
     worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 1})

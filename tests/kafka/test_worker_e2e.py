@@ -2,7 +2,7 @@
 import pytest
 
 from config.settings import Settings
-from producer.schema import Request, StartedEvent, TokensEvent
+from contract.schema import Request, StartedEvent, TokensEvent
 from tests.engine_fixtures import run_to_completion
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     PROMPTS, check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from producer.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
+from contract.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     attempts_of, check_attempts, collect, final_done, final_dones, request, spawn_worker, start_worker,

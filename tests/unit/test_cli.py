@@ -32,7 +32,7 @@ from producer.cli import (
     throughput_series,
 )
 from producer.client import ClientTimeout, PromptTooLong, RequestCancelled, WorkerError
-from producer.schema import Request
+from contract.schema import Request
 from tests.unit.test_client import done, started, tokens
 
 REPO = Path(__file__).resolve().parents[2]

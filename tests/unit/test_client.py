@@ -21,7 +21,7 @@ from producer.client import (
     error_for,
     per_request_topic,
 )
-from producer.schema import (
+from contract.schema import (
     DoneEvent,
     ErrorInfo,
     Request,
@@ -228,7 +228,7 @@ async def test_client_side_failure_ends_readers():
 
 
 def test_per_request_topic_names_are_legal():
-    from producer.schema import is_legal_topic
+    from contract.schema import is_legal_topic
 
     assert is_legal_topic(per_request_topic("a:b.c-" + "x" * 122))
 

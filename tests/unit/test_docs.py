@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings
 from tests.unit.test_compose import is_settings_field
 from tests.unit.test_dashboard import SUFFIXES, metric_families
-from worker.metrics import Metrics
+from worker.service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -408,12 +408,12 @@ def test_the_readme_settings_table_shows_the_defaults(monkeypatch):
 
 
 def test_the_module_map_covers_every_module():
-    """Every module of the four packages is in architecture.md's module map, by path or folder."""
+    """Every module of the five packages is in architecture.md's module map, by path or folder."""
     text = (DOCS / "architecture.md").read_text()
     table = text[text.index("## Modules"):text.index("\n## ", text.index("## Modules") + 1)]
     named = set(re.findall(r"`((?:[\w.]+/)+[\w.]*)`", table))
     missing = []
-    for top in ("config", "worker", "producer", "kernels"):
+    for top in ("config", "contract", "worker", "producer", "kernels"):
         for path in sorted((REPO / top).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
             folders = {rel.rsplit("/", k)[0] + "/" for k in range(1, rel.count("/") + 1)}

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from config.settings import Settings
-from producer.schema import (
+from contract.schema import (
     ERROR_CODES, DoneEvent, InvalidRequest, StartedEvent, UndecodableMessage, decode_event, decode_request,
 )
 from tests.worker_fixtures import start_worker  # noqa: F401 - fixture
@@ -103,7 +103,7 @@ class Checker:
         return "dead_letter"
 
     def _refused_topic(self, value: bytes) -> str:
-        from worker.reply_topics import refusal
+        from worker.intake.reply_topics import refusal
 
         try:
             topic = decode_request(value, 1_048_576, 256).reply_topic

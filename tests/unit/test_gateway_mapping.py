@@ -8,7 +8,7 @@ from producer.gateway.errors import OpenAIError
 from producer.gateway.follower import Diverged, TextFollower
 from producer.gateway.openai_mapping import chat_request, completion_request
 from producer.gateway.openai_responses import Shape
-from producer.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
+from contract.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
 
 
 def tokens(attempt: str, seq: int, text: str) -> TokensEvent:

@@ -14,7 +14,7 @@ from worker.engine.engine import EngineStats
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import NgramProposer
-from worker.metrics import Metrics
+from worker.service.metrics import Metrics
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 

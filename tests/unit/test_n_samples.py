@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from producer.schema import MAX_N, InvalidRequest, Request, decode_request, encode_request
+from contract.schema import MAX_N, InvalidRequest, Request, decode_request, encode_request
 from tests.engine_fixtures import make_engine
 from worker.engine.engine import LLMEngine, sample_seed
 from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
@@ -204,7 +204,7 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
     from producer.gateway.follower import TextFollower
     from producer.gateway.openai_mapping import chat_request
     from producer.gateway.openai_responses import Shape
-    from producer.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
+    from contract.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
 
     assert chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3}).fields["n"] == 3
     samples = [Sample(index=i, text=t, finish_reason=r, completion_tokens=2)

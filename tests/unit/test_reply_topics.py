@@ -1,4 +1,4 @@
-"""Where the worker may write (worker/reply_topics.py): the policy and its cache, offline. On the
+"""Where the worker may write (worker/intake/reply_topics.py): the policy and its cache, offline. On the
 real broker: tests/kafka/test_reply_topics.py."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from config.settings import KafkaSettings
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
-from worker.reply_topics import ReplyTopics, refusal
+from worker.intake.reply_topics import ReplyTopics, refusal
 
 KAFKA = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="inferline.reply.dlq")
 

@@ -1,4 +1,4 @@
-"""Share mode's bookkeeping without a broker (worker/share_intake.py; the Worker's verdicts in
+"""Share mode's bookkeeping without a broker (worker/intake/share.py; the Worker's verdicts in
 worker/app.py): what is handed to the worker and when, where a verdict goes, which verdict each
 outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
 is tests/kafka/test_share_intake.py."""
@@ -11,14 +11,14 @@ from aiokafka import TopicPartition
 from pydantic import ValidationError
 
 from config.settings import Settings
-from producer.schema import Request
-from worker.cancels import RecentCancels
-from worker.intake import Admission
-from worker.metrics import Metrics
-from worker.offsets import OffsetTracker
-from worker.ratelimit import RateLimiter
-from worker.share_intake import ShareIntake, ShareRecord, _Lane, client_config, group_configs
-from worker.transactions import Transactions
+from contract.schema import Request
+from worker.intake.cancels import RecentCancels
+from worker.intake.group import Admission
+from worker.service.metrics import Metrics
+from worker.delivery.offsets import OffsetTracker
+from worker.service.ratelimit import RateLimiter
+from worker.intake.share import ShareIntake, ShareRecord, _Lane, client_config, group_configs
+from worker.delivery.transactions import Transactions
 
 TOPIC = "llm.requests"
 
@@ -250,7 +250,7 @@ def admit(worker, offset: int) -> str:
 
 def test_share_verdicts_follow_each_outcome():
     from worker.engine.request import RequestOutput
-    from worker.publisher import ReplyRoute
+    from worker.delivery.publisher import ReplyRoute
 
     worker, decided = share_worker()
     tp = TopicPartition(TOPIC, 0)
@@ -277,7 +277,7 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
 
 
 def test_share_an_undeliverable_done_dead_letters_the_record():
-    from worker.publisher import ReplyRoute
+    from worker.delivery.publisher import ReplyRoute
 
     worker, decided = share_worker(done_outcome="failed")
     tp = TopicPartition(TOPIC, 0)

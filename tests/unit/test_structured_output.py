@@ -13,7 +13,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from producer.schema import InvalidRequest, decode_request
+from contract.schema import InvalidRequest, decode_request
 from tests.engine_fixtures import greedy, make_engine, prompt_ids
 from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 from worker.engine.sampler import Sampler

@@ -1,4 +1,4 @@
-"""Topic tenancy (worker/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the request
+"""Topic tenancy (worker/service/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the request
 topic's, never the body's. Offline through the intake harness; on the broker:
 tests/kafka/test_tenancy.py."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from tests.chaos_fixtures import FakeConsumer, IntakeHarness
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
-from worker.reply_topics import refusal
-from worker.tenancy import clamp_priority, tenant_of, tenant_pattern
+from worker.intake.reply_topics import refusal
+from worker.service.tenancy import clamp_priority, tenant_of, tenant_pattern
 
 TOPIC_MODE = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="reqs.dlq", tenancy="topic")
 

@@ -1,6 +1,6 @@
 """Exactly one final result per request: final results and their input offsets commit in one
-Kafka transaction per owned partition (worker/transactions.py), with the offset ledger of
-worker/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker resuming
+Kafka transaction per owned partition (worker/delivery/transactions.py), with the offset ledger of
+worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker resuming
 from it, and PartitionTxn's batching, retries and fencing over a recording producer. Against the
 broker: tests/kafka/test_transactions.py."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import given, strategies as st
 
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
-from worker import transactions
-from worker.metrics import Metrics
-from worker.offsets import OffsetTracker, decode_ledger, encode_ledger
-from worker.transactions import Final, PartitionTxn
+from worker.delivery import transactions
+from worker.service.metrics import Metrics
+from worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
+from worker.delivery.transactions import Final, PartitionTxn
 
 TP = TopicPartition("requests", 0)
 

@@ -14,7 +14,7 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """The grammar a request's output must follow (producer.schema.Request.output_constraint):
+    """The grammar a request's output must follow (contract.schema.Request.output_constraint):
     `kind` is json_schema, json_object, regex, choice or grammar; `text` its source, which is
     also the compiled grammar's cache key; `field` the wire field a rejection names."""
 

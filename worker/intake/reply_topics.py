@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import structlog
 
-from worker.tenancy import reply_prefix, tenant_of
+from worker.service.tenancy import reply_prefix, tenant_of
 
 log = structlog.get_logger(__name__)
 KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile

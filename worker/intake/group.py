@@ -10,9 +10,9 @@ Each record is decoded here (bounded by max_message_bytes, so a 100 MB message c
 and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission.
 A record the partition's offset ledger lists as final (its result was committed by a previous
 owner) is skipped. A request whose reply topic the worker may not write to, or which does not
-exist, is a dead letter (worker/reply_topics.py): the broker's topic list is read once for the
+exist, is a dead letter (worker/intake/reply_topics.py): the broker's topic list is read once for the
 whole batch. Offsets are committed only inside the transactions that carry the final results
-(worker/transactions.py); on assignment a partition's transactional id is taken first (fencing
+(worker/delivery/transactions.py); on assignment a partition's transactional id is taken first (fencing
 its previous owner), then its ledger is read and the consumer seeks to it.
 """
 from __future__ import annotations
@@ -26,14 +26,14 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from producer.schema import InvalidRequest, Request, UndecodableMessage, decode_request
-from worker.cancels import RecentCancels
-from worker.offsets import LagGauge, OffsetTracker
-from worker.publisher import ReplyRoute
-from worker.ratelimit import RateLimiter
-from worker.reply_topics import ReplyTopics
-from worker.transactions import Transactions
-from worker.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
+from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from worker.intake.cancels import RecentCancels
+from worker.delivery.offsets import LagGauge, OffsetTracker
+from worker.delivery.publisher import ReplyRoute
+from worker.service.ratelimit import RateLimiter
+from worker.intake.reply_topics import ReplyTopics
+from worker.delivery.transactions import Transactions
+from worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed
@@ -143,7 +143,7 @@ class Intake:
 
     async def close(self) -> None:
         """Leave the group (on_partitions_revoked is not called by stop()). Nothing is left to
-        commit: offsets are committed with their final results (worker/transactions.py)."""
+        commit: offsets are committed with their final results (worker/delivery/transactions.py)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

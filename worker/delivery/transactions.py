@@ -6,7 +6,7 @@ Each owned request partition has its own transactional producer, `transactional_
 id, which aborts whatever the old owner left open and fences it (its later commits fail with
 ProducerFenced). A final outcome (a `done`, a rejection, a dead letter) is queued here with its
 input offset; the partition's task takes everything queued and commits it in one transaction
-with the offset ledger (worker/offsets.py). A read_committed reader sees the records and the
+with the offset ledger (worker/delivery/offsets.py). A read_committed reader sees the records and the
 offset together or not at all, so a request is rerun only if its final result was never visible.
 `started`/`tokens` stay outside, streamed at once by the Publisher's idempotent producer.
 """

@@ -7,10 +7,10 @@
   `tokens` event every `flush_interval_ms`. `done` flushes the buffer first.
 - A final result (a `done` that ends a request, a dead letter) is not sent here: once every
   earlier event of its attempt is acked (so it lands after them), it goes to the input
-  partition's transaction with its offset (worker/transactions.py).
+  partition's transaction with its offset (worker/delivery/transactions.py).
 - In share mode (INFERLINE_KAFKA__INTAKE=share) there are no transactions: a final result goes
   through the idempotent producer like any event, and its record is acknowledged to the share
-  group once the broker has it (worker/share_intake.py).
+  group once the broker has it (worker/intake/share.py).
 - Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
   un-acked) is what the intake watches to pause itself when the broker falls behind.
 - One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
@@ -30,9 +30,9 @@ from typing import Callable
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from producer.schema import (
+from contract.schema import (
     DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
-from worker.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
+from worker.delivery.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
 
 log = structlog.get_logger(__name__)
 # A `requeued` done (not final: no transaction) is retried this often.

@@ -18,8 +18,8 @@ from collections import OrderedDict
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from producer.schema import UndecodableMessage, decode_cancel
-from worker.tenancy import tenant_of
+from contract.schema import UndecodableMessage, decode_cancel
+from worker.service.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
 

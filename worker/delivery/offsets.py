@@ -1,7 +1,7 @@
 """Per-partition offset ledgers: what may be committed, and which later offsets are final.
 
 A request's offset is finished when its outcome (a `done`, or the record on the dead-letter
-topic) is committed in the same Kafka transaction as the offset itself (worker/transactions.py).
+topic) is committed in the same Kafka transaction as the offset itself (worker/delivery/transactions.py).
 Requests finish out of order, so a commit says two things:
 
     seen:      100 101 102 103 105        (104 was a transaction marker)
