@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from producer.topics import TENANT_SEGMENT
+from contract.topics import TENANT_SEGMENT
 
 
 def tenant_pattern(base_topic: str, exclude: tuple[str, ...] = ()) -> str:
