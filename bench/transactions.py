@@ -96,7 +96,7 @@ async def run_transactional(bootstrap: str, topics: dict, args) -> dict[str, flo
     def submit(offset: int, rid: str) -> None:
         tracker.add(tp, offset)
         txns.submit(tp, Final(offset, [(topics["tx"], 0, rid.encode(), done_value(rid), None)],
-                              lambda outcome: committed.append(outcome)))
+                              lambda outcome, error=None: committed.append(outcome)))
 
     queued = await paced(args.dones, args.rate, submit)
     while len(committed) < args.dones:

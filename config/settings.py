@@ -62,6 +62,14 @@ class KafkaSettings(BaseModel):
     session_timeout_ms: int = Field(10_000, ge=1_000)
     # No request message over this size is decoded (the broker default max is 1 MiB).
     max_message_bytes: int = Field(1_048_576, ge=1_024)
+    # A reply topic must accept records of this size (`max.message.bytes`), else its requests are
+    # dead-lettered at intake: a topic that refuses a transaction's markers wedges the transaction
+    # (worker/intake/reply_topics.py).
+    min_reply_message_bytes: int = Field(65_536, ge=100)
+    # A final result that fails for a cause that may pass (broker down, no leader, timeouts) is
+    # retried this long before its request is dead-lettered; a permanent refusal (the reply topic
+    # is gone, refuses the record, or is not the worker's to write) dead-letters it at once.
+    final_retry_s: float = Field(300.0, ge=1.0)
     # Tokens of one request produced within this interval travel in one `tokens` event.
     flush_interval_ms: float = Field(20.0, ge=0)
     # Replies waiting for the broker; past this, intake pauses instead of memory growing.

@@ -22,7 +22,7 @@ class AclRule:
         kind = {"TOPIC": "--topic", "GROUP": "--group", "TRANSACTIONAL_ID": "--transactional-id"}[self.resource]
         pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
         return (f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
-                f"--operation {self.operation.capitalize()} {kind} {self.name}{pattern}")
+                f"--operation {''.join(w.capitalize() for w in self.operation.split('_'))} {kind} {self.name}{pattern}")
 
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
@@ -34,6 +34,8 @@ def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
              AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
              AclRule(worker, "READ", "GROUP", kafka.group_id),
              AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
+             # A reply topic's limits are read before a transaction may touch it (worker/intake/reply_topics.py)
+             AclRule(worker, "DESCRIBE_CONFIGS", "TOPIC", reply, prefixed=True),
              AclRule(worker, "WRITE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
              AclRule(worker, "DESCRIBE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
              AclRule(worker, "WRITE", "TOPIC", kafka.dlq_topic)]

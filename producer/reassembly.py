@@ -98,7 +98,11 @@ class RequestHandle:
         if self.finished or ev.attempt in self._dead:
             return False
         if ev.attempt != self.attempt:
+            if not self._takes_over(ev):
+                return False
             self._new_attempt(ev.attempt)
+            if isinstance(ev, DoneEvent):
+                self._next_seq = ev.seq  # a final done alone (re-sent) is whole: no gap before it
         if ev.seq < self._next_seq:
             self.duplicates += 1
             return False
@@ -110,6 +114,16 @@ class RequestHandle:
         self._apply(ev)
         self._wake()
         return True
+
+    def _takes_over(self, ev: Event) -> bool:
+        """Whether an event of another attempt makes that attempt the live one, whatever order the
+        attempts' events arrive in: a new attempt's first event does, and so does a final `done`
+        (its result is committed: a worker re-sends one to a resubmitted request); an older
+        attempt's late `requeued` or stray tokens never end the live one."""
+        if isinstance(ev, DoneEvent) and ev.finish_reason == "requeued":
+            self._dead.add(ev.attempt)
+            return False
+        return self.attempt is None or ev.seq == 0 or isinstance(ev, DoneEvent)
 
     def _new_attempt(self, attempt: str) -> None:
         # At least once: the old attempt's worker is gone (or a zombie); its text is void.

@@ -302,7 +302,7 @@ class IntakeHarness:
             self.sent.append(out)
         failed = out.topic in self.unreachable  # as the publisher does after its retries
         if out.source is not None and not failed:  # as the transaction does once committed
-            self.worker.tracker.finish(*out.source)
+            self.worker.tracker.finish(*out.source[:2])
         if out.on_acked:
             out.on_acked("failed" if failed else "ok")
 

@@ -6,19 +6,14 @@ Life of a request (one `Job` per execution attempt):
     engine output started ─► `started`                                       state "running"
     engine output tokens  ─► Publisher buffers, flushes `tokens` events
     engine output finished ─► `done` queued                                  state "finishing"
-    `done` + input offset committed in one transaction (worker/delivery/transactions.py)  (job forgotten)
-    `done` given up ─► the original record to the dead-letter topic, with the offset
+    engine output finished ─► Delivery.finish: the final `done` (worker/delivery/finals.py)
 
-No offset is finished without the request ending where someone can see it: its `done`, or the
-record on the dead-letter topic with the reason (retried until the broker takes it). A job
-carries the intake's assignment generation: one that finishes after its partition was revoked
-publishes `requeued`, never a final result; one whose partition's transactional id was taken
-by another worker (fenced) commits nothing. If the engine thread dies, every job is handed back
-(`requeued`), readiness fails and run() raises.
-
-Share mode (INFERLINE_KAFKA__INTAKE=share, worker/intake/share.py): no transactions and no
-offsets; each record is acknowledged on its own once its outcome is on the broker: ACCEPT (its
-final `done`), REJECT (dead-lettered), RELEASE (`requeued`: another worker takes it).
+The Worker is wiring: it builds the parts, keeps the jobs' states and metrics, and hands every
+result to the Delivery, the one place a result becomes final (committed with its offset, or
+acknowledged in share mode), is dead-lettered, or is given back. A job carries the intake's
+assignment generation: one that finishes after its partition was revoked publishes `requeued`,
+never a final result. If the engine thread dies, every job is handed back (`requeued`),
+readiness fails and run() raises.
 
 The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the
 same id (a redelivery racing its own requeue) are then two attempts, never one engine entry.
@@ -36,20 +31,21 @@ import uuid
 import structlog
 from aiokafka import TopicPartition
 
-from contract.schema import Request, Sample
 from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
-from worker.engine.request import EngineRequest, RequestOutput, SamplingParams, StructuredSpec
+from worker.engine.request import RequestOutput
 from worker.service.http import HttpServer
 from worker.intake.cancels import CancelListener, RecentCancels
-from worker.intake.group import Admission, Intake
+from worker.intake.admission import Admission
+from worker.intake.group import Intake
+from worker.delivery.finals import AcknowledgedDelivery, Delivery
 from worker.delivery.ledger import Job, JobLedger
 from worker.service.metrics import Metrics, priority_label
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
+from worker.delivery.publisher import Publisher, ReplyStream
 from worker.service.ratelimit import RateLimiter
 from worker.intake.share import ShareIntake
 from worker.service.tenancy import cancel_key
-from worker.delivery.transactions import Outcome, Transactions
+from worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
 
@@ -86,18 +82,22 @@ class Worker:
         self.transactions = Transactions(settings, self.tracker, self.metrics)
         self.publisher = Publisher(settings, self.metrics, self.name, self.transactions,
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
-        self.share = settings.kafka.intake == "share"
-        intake_class = ShareIntake if self.share else Intake
-        self.intake = intake_class(settings, self, self.tracker, self.limiter, self.metrics, self.cancels,
-                                   self.transactions)
+        self.ledger = JobLedger()
+        share = settings.kafka.intake == "share"
+        generation = lambda: self.intake.generation  # noqa: E731
+        if share:
+            self.delivery = AcknowledgedDelivery(settings, self.publisher, self.ledger, self.metrics, generation,
+                                                 decide=lambda tp, offset, verdict: self.intake.decide(tp, offset, verdict))
+        else:
+            self.delivery = Delivery(settings, self.publisher, self.ledger, self.metrics, generation)
+        self.intake = (ShareIntake if share else Intake)(settings, self, self.tracker, self.limiter, self.metrics,
+                                                         self.cancels, self.transactions, self.delivery)
         self.cancel_listener = CancelListener(settings, self.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine
         self.engine_loop: EngineLoop | None = None
-        self.ledger = JobLedger()
         self.engine_died: BaseException | None = None
         self.failed: BaseException | None = None
-        self.num_resubmitted = 0
         self._num_waiting = 0
         self._stats = EngineStats()
         self._stop = asyncio.Event()
@@ -115,6 +115,7 @@ class Worker:
         await self.http.start()
         log.info("worker.starting", worker=self.name, http_port=self.http.port)
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_loop_exception)
         # The model loads on the engine's own thread, the one that will run it (EngineLoop says why);
         # minutes on a cold cache, awaited off the event loop so /healthz answers meanwhile.
         source = self.engine if self.engine is not None else (lambda: build_engine(self.settings))
@@ -203,64 +204,16 @@ class Worker:
     def pool_full(self) -> bool:
         return self._num_waiting >= self.settings.scheduler.max_waiting
 
-    def hold(self, tp: TopicPartition, record) -> None:
-        """The intake took `record`: kept until its offset is finished, to dead-letter it if its
-        reply can never be delivered."""
-        self.ledger.hold(tp, record)
-
-    def dead_letter(self, record, reason: str) -> None:
-        tp = TopicPartition(record.topic, record.partition)
-        generation = self.intake.generation
-        self.ledger.taken(tp)
-        headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
-                   ("source-partition", str(record.partition).encode()),
-                   ("source-offset", str(record.offset).encode())]
-        value, limit = record.value, self.settings.kafka.max_message_bytes
-        if value is not None and len(value) > limit:  # could never be produced: keep the head
-            value = value[: limit - 4096]
-            headers.append(("original-size", str(len(record.value)).encode()))
-        self.publisher.dead_letter(self.settings.kafka.dlq_topic, record.key, value, headers, (tp, record.offset),
-                                   on_acked=lambda outcome: self._offset_done(tp, record.offset, outcome, generation,
-                                                                              verdict="reject"))
-
-    def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str,
-               finish_reason: str = "rejected", metadata: dict | None = None) -> None:
-        """Answer a request that will not run: one `done` (seq 0), then its offset is done."""
-        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
-        generation = self.intake.generation
-        self.ledger.taken(tp)
-        self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
-                            source=(tp, offset),
-                            on_acked=lambda outcome: self._replied(tp, offset, outcome, rs.topic, generation))
-        self.metrics.requests.labels(finish_reason).inc()
-        if finish_reason == "rejected":
-            self.metrics.rejections.labels(code).inc()
-
-    def already_done(self, tp, offset: int, req: Request) -> None:
-        """The same request again (resubmitted after its final `done`): running it again would
-        only duplicate that `done`. Its offset is committed with no new record."""
-        log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
-        self.num_resubmitted += 1
-        generation = self.intake.generation
-        self.ledger.taken(tp)
-        self.publisher.finish_offset((tp, offset), lambda outcome: self._offset_done(tp, offset, outcome, generation))
-
     def admit(self, adm: Admission) -> None:
         req, tp, offset = adm.request, adm.tp, adm.offset
-        if self.ledger.finished(req):
-            # Finished here before. The same id with other content is a new request and runs.
-            # Its final `done` goes out again, where remembered: the requester may have missed
-            # it (that is why it came back).
-            if (final := self.ledger.final_event(req.id)) is not None:
-                self.publisher.resend(final[0], final[1], req.id.encode(), final[2])
-            self.already_done(tp, offset, req)
+        if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
             return
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self.intake.generation)
         job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
         self.ledger.add(job)
         self._num_waiting += 1
-        self.engine_loop.add_request(engine_request(req, rs.attempt, adm.max_tokens, adm.received, adm.deadline))
+        self.engine_loop.add_request(adm.engine_request(rs.attempt))
         job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
 
     async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:
@@ -345,22 +298,17 @@ class Worker:
             self._num_waiting -= 1
         job.state = "finishing"
         reason = out.finish_reason or "error"
-        if job.generation != self.intake.generation and reason != "requeued":
-            # Its partition moved since it was admitted (and it was handed back then): another
-            # worker runs it now. A final result from here would be a second one.
+        if reason != "requeued" and self.delivery.stale(job):
             job.log.warning("request.finished_after_revocation", finish_reason=reason)
             reason, out = "requeued", RequestOutput(request_id=out.request_id, finished=True, finish_reason="requeued")
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
-        self.publisher.done(
-            job.reply, finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
-            ttft_s=out.ttft_s, total_s=out.total_s,
-            text=out.text, error=error, metadata=job.request.metadata, samples=wire_samples(out),
-            source=None if reason == "requeued" else (job.tp, job.offset),
-            on_acked=lambda outcome: self._settle(job, reason, outcome))
+        self.delivery.finish(job, out, reason, error, ran)
         self.limiter.refund(job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens)
+        self._observe_finish(job, out, reason, error)
+
+    def _observe_finish(self, job: Job, out: RequestOutput, reason: str, error) -> None:
         itl = None
         # Samples stream side by side: the gaps are those of the longest one.
         num_tokens = max(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
@@ -372,49 +320,14 @@ class Worker:
                      prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                      total_s=round(out.total_s, 3))
 
-    def _settle(self, job: Job, reason: str, outcome: Outcome) -> None:
-        """`done` is committed (or given up, or fenced): forget the job."""
-        self.ledger.forget(job)
-        if reason != "requeued":
-            if outcome == "ok":
-                self.ledger.remember(job)
-            self._replied(job.tp, job.offset, outcome, job.reply.topic, job.generation)
-        else:
-            self._decide(job.tp, job.offset, "release")
-            self._acked(job.tp)
 
-    def _replied(self, tp: TopicPartition, offset: int, outcome: Outcome, topic: str, generation: int) -> None:
-        """A request's `done` is committed with its offset, or was given up: then the record goes
-        to the dead-letter topic instead. Fenced: another worker owns the partition now."""
-        if outcome != "failed":
-            self._offset_done(tp, offset, outcome, generation)
-            return
-        record = self.ledger.held(tp, offset)
-        if record is None or generation != self.intake.generation or self.transactions.fenced(tp):
-            self._decide(tp, offset, "release")
-            self._acked(tp)  # revoked meanwhile: unfinished here, its new owner reads it again
-            return
-        log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic)
-        self.dead_letter(record, f"the reply could not be delivered to {topic!r}")
-        self._acked(tp)
-
-    def _offset_done(self, tp: TopicPartition, offset: int, outcome: Outcome, generation: int,
-                     verdict: str = "accept") -> None:
-        # The transaction finished the offset in the tracker. Otherwise (fenced, or the worker
-        # stopping) the offset stays unfinished for the partition's next owner.
-        if outcome == "ok" and generation == self.intake.generation:
-            self.ledger.release(tp, offset)
-        self._decide(tp, offset, verdict if outcome == "ok" else "release")
-        self._acked(tp)
-
-    def _decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
-        """Share mode: the record's acknowledgement (accept, reject, release); group mode: none."""
-        if self.share:
-            self.ledger.release(tp, offset)
-            self.intake.decide(tp, offset, verdict)
-
-    def _acked(self, tp: TopicPartition) -> None:
-        self.ledger.acked(tp)
+def _loop_exception(loop, context: dict) -> None:
+    """The event loop's unhandled errors, logged without formatting a traceback: a failed future
+    is reported when collected, on whatever thread collects it, possibly in the middle of
+    another parse, and Python 3.11's traceback formatting parses source (the CPython 3.11 AST
+    counter is not re-entrant: a nested parse breaks every later one in the process)."""
+    exc = context.get("exception")
+    log.warning("loop.unhandled", message=context.get("message"), error=repr(exc) if exc else None)
 
 
 async def _bounded(coro, timeout: float, what: str) -> None:
@@ -422,25 +335,3 @@ async def _bounded(coro, timeout: float, what: str) -> None:
         await asyncio.wait_for(coro, timeout)
     except Exception as exc:  # noqa: BLE001 - shutting down: log and go on to the next step
         log.warning("worker.shutdown_step_failed", step=what, error=repr(exc))
-
-
-def wire_samples(out: RequestOutput) -> list[Sample] | None:
-    if out.samples is None or out.finish_reason == "requeued":
-        return None
-    return [Sample(index=s.index, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.num_output_tokens)
-            for s in out.samples]
-
-
-def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
-                   deadline: float) -> EngineRequest:
-    sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos, structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n)
-    messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
-    return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
-                         prompt_token_ids=req.prompt_token_ids, priority=req.priority,
-                         arrival_time=received, deadline=deadline)

@@ -20,12 +20,17 @@ from worker.app import Worker, engine_settings
 from worker.engine.engine import LLMEngine
 from worker.service.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Final, Transactions
+from worker.delivery.transactions import Final, Owner, Transactions
 from tests.unit.test_transactions import _final, _until  # noqa: F401
 
 
 def _settings(bootstrap: str, topics: Topics, group: str) -> Settings:
     return Settings(**worker_config(bootstrap, topics, kafka={"group_id": group}))
+
+
+class Evicted(Owner):
+    async def confirm(self, tp) -> bool:
+        return False
 
 
 @pytest.mark.kafka
@@ -34,6 +39,7 @@ async def test_a_new_owner_fences_the_old_one(kafka_bootstrap, topics):
     tp = TopicPartition(topics.requests, 0)
     old_tracker, new_tracker, outcomes = OffsetTracker(), OffsetTracker(), {}
     old, new = (Transactions(settings, t, Metrics()) for t in (old_tracker, new_tracker))
+    old.owner = Evicted()  # the group moved the partition: the coordinator no longer lists it as old's
     for t in (old_tracker, new_tracker):
         t.add(tp, 0)
     await old.open([tp])
@@ -43,7 +49,7 @@ async def test_a_new_owner_fences_the_old_one(kafka_bootstrap, topics):
         await _until(lambda: 0 in outcomes, 30)
         assert outcomes[0] == "fenced" and old.fenced(tp)
         new.submit(tp, Final(0, [(topics.replies, None, b"k", b"from the new owner", None)],
-                             lambda outcome: outcomes.__setitem__("new", outcome)))
+                             lambda outcome, error=None: outcomes.__setitem__("new", outcome)))
         await _until(lambda: "new" in outcomes, 30)
         assert outcomes["new"] == "ok"
     finally:
@@ -79,7 +85,7 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(kafka_bootst
                                       usage=Usage(prompt_tokens=1, completion_tokens=2),
                                       timing=Timing(queue_s=0, ttft_s=0, total_s=0), text="x"))
         previous.submit(tp, Final(o, [(t.replies, None, reqs[o]["id"].encode(), done, None)],
-                                  lambda outcome, o=o: outcomes.__setitem__(o, outcome)))
+                                  lambda outcome, error=None, o=o: outcomes.__setitem__(o, outcome)))
     await _until(lambda: len(outcomes) == 3, 30)
     await previous.close_all()
 

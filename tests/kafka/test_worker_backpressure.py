@@ -1,5 +1,5 @@
-"""A reply topic the broker refuses: dones are retried, then the requests are dead-lettered; the
-topic is failing and its backlog does not pause intake for the others; nothing wedges."""
+"""A reply topic the broker refuses: the requests are dead-lettered (a permanent refusal, at once);
+the topic is failing and its backlog does not pause intake for the others; nothing wedges."""
 import asyncio
 
 import pytest
@@ -14,13 +14,10 @@ pytestmark = pytest.mark.kafka
 
 async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootstrap, topics, start_worker,
                                                                     new_topic, monkeypatch):
-    import worker.delivery.transactions as transactions
-
-    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.4)  # each done lingers ~4 s, then is given up
     # Every batch of events is larger; a transaction marker is not (below ~80 bytes a topic would
     # refuse the markers too, and the broker could never finish a transaction that touched it).
     refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "100"}, reply=True)
-    worker = await start_worker(topics, kafka={"max_pending_replies": 10})
+    worker = await start_worker(topics, kafka={"max_pending_replies": 10, "min_reply_message_bytes": 100})
     seen = []  # (backlog, full, refused topic failing) while the refused topic's dones are retried
 
     async def watch():
@@ -40,17 +37,18 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
     assert max(b for b, _, failing in seen if failing) >= 10  # over max_pending_replies, ...
     # ... all of it the failing topic's: once its first send failed, intake is never held back
     assert not any(full for _, full, failing in seen if failing)
-    # Given up after MAX_ATTEMPTS, dead-lettered with the reason, then committed: one unreachable
-    # topic does not wedge a partition, and no request ends unseen.
+    # Refused for good, dead-lettered with the reason, then committed: one unreachable topic does
+    # not wedge a partition, and no request ends unseen.
     dead = await consume_until(kafka_bootstrap, topics.dlq, lambda rs: len(rs) >= len(bad), timeout=120)
     assert {r.key.decode() for r in dead} == {r["id"] for r in bad}
     assert all(dict(r.headers)["error"].startswith(b"the reply could not be delivered") for r in dead)
+    assert all(b"MessageSizeTooLarge" in dict(r.headers)["error"] for r in dead)
     for _ in range(100):
         if not worker.tracker.to_commit() and not worker.jobs:
             break
         await asyncio.sleep(0.1)
     assert not worker.jobs and worker.publisher.backlog == 0
-    assert worker.metrics.send_failures._value.get() >= 24 * transactions.MAX_ATTEMPTS
+    assert worker.metrics.send_failures._value.get() >= 24
     assert all(worker.tracker.pending(tp) == 0 for tp in worker.tracker.partitions())
     assert not await consume_until(kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False,
                                    predicate=lambda rs: bool(rs))

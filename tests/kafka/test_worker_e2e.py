@@ -7,7 +7,8 @@ from tests.engine_fixtures import run_to_completion
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     PROMPTS, check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,
 )
-from worker.app import engine_request, engine_settings
+from worker.app import engine_settings
+from worker.intake.admission import engine_request
 from worker.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.kafka

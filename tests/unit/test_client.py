@@ -134,6 +134,24 @@ async def test_requeued_done_waits_for_the_next_attempt():
     assert (r.text, r.attempts, r.finish_reason) == ("y", 2, "stop")
 
 
+async def test_a_late_requeued_of_an_older_attempt_never_ends_the_live_one():
+    h = new_handle()
+    h.feed(started("r1", "a2"))  # a2 runs; a1's `requeued` arrives late (another partition order)
+    assert not h.feed(done("r1", 3, "a1", reason="requeued"))
+    assert not h.feed(tokens("r1", "stray", 2, "a1"))  # an older attempt's tail: never a new start
+    for ev in stream("r1", ["live"], attempt="a2")[1:]:
+        assert h.feed(ev)
+    r = await h.result()
+    assert (r.text, r.attempt, r.attempts, r.finish_reason) == ("live", "a2", 1, "stop")
+
+
+async def test_a_resent_final_done_alone_is_the_answer():
+    h = new_handle()
+    assert h.feed(done("r1", 4, "a1", text="answered before"))  # a resubmission's re-sent final
+    r = await h.result()
+    assert (r.text, r.attempt, r.gaps, r.finish_reason) == ("answered before", "a1", 0, "stop")
+
+
 async def test_gap_repaired_by_done_text():
     h = new_handle()
     evs = stream("r1", ["a", "b", "c"])

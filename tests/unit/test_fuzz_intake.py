@@ -69,11 +69,11 @@ class Checker:
         self.kinds: dict[str, int] = {}
 
     def check(self, value: bytes) -> str:
-        redelivered = self.h.worker.num_resubmitted
+        redelivered = self.h.worker.delivery.num_resubmitted
         sent, added = self.h.feed(value)
         if added:
             kind = self._admitted(value, sent, added)
-        elif self.h.worker.num_resubmitted == redelivered + 1:
+        elif self.h.worker.delivery.num_resubmitted == redelivered + 1:
             # the same request again: its final done exists, and is sent again as it was
             assert [decode_event(o.value).type for o in sent] in ([], ["done"]), sent
             kind = "redelivery_of_a_finished_request"

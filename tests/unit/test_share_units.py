@@ -1,5 +1,5 @@
-"""Share mode's bookkeeping without a broker (worker/intake/share.py; the Worker's verdicts in
-worker/app.py): what is handed to the worker and when, where a verdict goes, which verdict each
+"""Share mode's bookkeeping without a broker (worker/intake/share.py; the verdicts in
+worker/delivery/finals.py): what is handed to the worker and when, where a verdict goes, which verdict each
 outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
 is tests/kafka/test_share_intake.py."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from config.settings import Settings
 from contract.schema import Request
 from worker.intake.cancels import RecentCancels
-from worker.intake.group import Admission
+from worker.intake.admission import Admission
 from worker.service.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker
 from worker.service.ratelimit import RateLimiter
@@ -40,8 +40,9 @@ class FakeSink:
 def make_intake(room: int, **kafka) -> ShareIntake:
     settings = Settings(kafka={"intake": "share", **kafka})
     tracker, metrics = OffsetTracker(), Metrics()
-    intake = ShareIntake(settings, FakeSink(room), tracker, RateLimiter(settings.limits), metrics,
-                         RecentCancels(ttl_s=60), Transactions(settings, tracker, metrics))
+    sink = FakeSink(room)
+    intake = ShareIntake(settings, sink, tracker, RateLimiter(settings.limits), metrics,
+                         RecentCancels(ttl_s=60), Transactions(settings, tracker, metrics), sink)
     intake._handle_safely = lambda tp, record, unverified=None: intake._sink.handled.append(record.offset)
     return intake
 
@@ -194,7 +195,7 @@ def test_share_mode_is_body_tenancy_only():
         Settings(kafka={"intake": "share", "tenancy": "topic"})
 
 
-# -- the Worker's verdicts: which acknowledgement each outcome sends (worker/app.py) ----------------
+# -- the verdicts: which acknowledgement each outcome sends (worker/delivery/finals.py) ----------------
 
 
 class AckingPublisher:
@@ -212,11 +213,8 @@ class AckingPublisher:
         self.sent.append((finish_reason, source and source[1]))
         on_acked(self.done_outcome)
 
-    def finish_offset(self, source, on_acked) -> None:
+    def finish_offset(self, source, record, on_acked) -> None:
         on_acked("ok")
-
-    def resend(self, *args) -> None:
-        pass
 
 
 class FakeEngineLoop:
@@ -231,7 +229,8 @@ def share_worker(done_outcome: str = "ok"):
     from worker.app import Worker
 
     worker = Worker(Settings(kafka={"intake": "share"}))
-    worker.publisher, worker.engine_loop = AckingPublisher(done_outcome), FakeEngineLoop()
+    worker.publisher = worker.delivery.publisher = AckingPublisher(done_outcome)
+    worker.engine_loop = FakeEngineLoop()
     decided = []
     worker.intake.decide = lambda tp, offset, verdict: decided.append((offset, verdict))
     return worker, decided
@@ -254,9 +253,9 @@ def test_share_verdicts_follow_each_outcome():
 
     worker, decided = share_worker()
     tp = TopicPartition(TOPIC, 0)
-    worker.hold(tp, record(1))
-    worker.dead_letter(record(1), "undecodable")  # dead-lettered: REJECT once the DLQ has it
-    worker.reject(tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad")
+    worker.delivery.hold(tp, record(1))
+    worker.delivery.dead_letter(record(1), "undecodable")  # dead-lettered: REJECT once the DLQ has it
+    worker.delivery.reject(tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad")
     finished, requeued = admit(worker, 3), admit(worker, 4)
     worker._finish(worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop"))
     worker._finish(worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued"))
@@ -281,8 +280,8 @@ def test_share_an_undeliverable_done_dead_letters_the_record():
 
     worker, decided = share_worker(done_outcome="failed")
     tp = TopicPartition(TOPIC, 0)
-    worker.hold(tp, record(6))
-    worker.reject(tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad")
+    worker.delivery.hold(tp, record(6))
+    worker.delivery.reject(tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad")
     assert ("dead_letter", 6) in worker.publisher.sent
     assert decided == [(6, "reject")]
 
@@ -291,8 +290,8 @@ def test_group_mode_sends_no_verdicts():
     from worker.app import Worker
 
     worker = Worker(Settings())
-    worker.publisher = AckingPublisher()
+    worker.publisher = worker.delivery.publisher = AckingPublisher()
     assert not hasattr(worker.intake, "decide")
-    worker.hold(TopicPartition(TOPIC, 0), record(1))
-    worker.dead_letter(record(1), "undecodable")
+    worker.delivery.hold(TopicPartition(TOPIC, 0), record(1))
+    worker.delivery.dead_letter(record(1), "undecodable")
     assert worker.ledger.empty()

@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from aiokafka import TopicPartition
-from aiokafka.errors import ProducerFenced
+from aiokafka.errors import MessageSizeTooLargeError, ProducerFenced
 from hypothesis import given, strategies as st
 
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
@@ -64,8 +64,9 @@ class RecordingProducer:
 
     def __init__(self) -> None:
         self.transactions: list[dict] = []
-        self.fail_topics: set[str] = set()
+        self.fail_topics: dict[str, type] = {}  # topic -> the exception its sends fail with
         self.fenced = False
+        self.lose_commit_answer = False  # the commit happens, its answer is lost (a timeout)
         self.client = type("Client", (), {"_topics": set(), "set_topics": lambda s, t: None,
                                           "add_topic": lambda s, t: s._topics.add(t)})()
         self._open: dict | None = None
@@ -85,7 +86,7 @@ class RecordingProducer:
 
     async def send(self, topic, value, key=None, partition=None, headers=None):
         if topic in self.fail_topics:
-            raise RuntimeError(f"{topic} refuses")
+            raise self.fail_topics[topic](f"{topic} refuses")
         self._open["records"].append((topic, value))
         acked = asyncio.get_running_loop().create_future()
         acked.set_result(None)
@@ -99,11 +100,40 @@ class RecordingProducer:
             raise ProducerFenced()
         self.transactions.append(self._open)
         self._open = None
+        if self.lose_commit_answer:
+            self.lose_commit_answer = False
+            raise asyncio.TimeoutError()
 
 
-async def _partition(tracker: OffsetTracker, offsets) -> tuple[PartitionTxn, RecordingProducer]:
+class FakeOwner:
+    """Ownership as the intake answers it: `owner` is what the coordinator says; `committed`
+    what the group's offsets say (from the recording producer's transactions)."""
+
+    def __init__(self, producer: RecordingProducer, owner: bool = True) -> None:
+        self.producer, self.owner, self.given_up = producer, owner, []
+
+    def owns(self, tp, generation) -> bool:
+        return True
+
+    async def confirm(self, tp) -> bool:
+        return self.owner
+
+    async def committed(self, tp):
+        offsets = [t["offsets"][tp] for t in self.producer.transactions if t["offsets"]]
+        return offsets[-1] if offsets else None
+
+    async def gone(self, topic) -> bool:
+        return topic == "deleted"
+
+    def give_up(self, tp) -> None:
+        self.given_up.append(tp)
+
+
+async def _partition(tracker: OffsetTracker, offsets, owner: bool = True,
+                     retry_s: float = 300.0) -> tuple[PartitionTxn, RecordingProducer]:
     producer = RecordingProducer()
-    part = PartitionTxn(TP, lambda tp: producer, tracker, "group", Metrics(), 4096)
+    part = PartitionTxn(TP, lambda tp: producer, tracker, "group", Metrics(), 4096,
+                        owner=FakeOwner(producer, owner), retry_s=retry_s)
     for o in offsets:
         tracker.add(TP, o)
     await part.start()
@@ -112,7 +142,7 @@ async def _partition(tracker: OffsetTracker, offsets) -> tuple[PartitionTxn, Rec
 
 def _final(offset: int, outcomes: dict, topic: str = "replies", forever: bool = False) -> Final:
     return Final(offset, [(topic, None, b"k", f"done {offset}".encode(), None)],
-                 lambda outcome: outcomes.__setitem__(offset, outcome), forever=forever)
+                 lambda outcome, error=None: outcomes.__setitem__(offset, outcome), forever=forever)
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
@@ -136,33 +166,98 @@ async def test_finals_queued_together_commit_in_one_transaction_with_the_ledger(
     assert tracker.watermark(TP) == 1
 
 
-async def test_a_final_that_keeps_failing_is_given_up_alone_and_a_dead_letter_never(monkeypatch):
+async def test_a_refused_record_costs_only_its_own_final_and_a_dead_letter_is_never_given_up(monkeypatch):
     monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
     tracker, outcomes = OffsetTracker(), {}
     part, producer = await _partition(tracker, range(3))
-    producer.fail_topics = {"deleted", "dlq"}
-    part.submit(_final(0, outcomes, topic="deleted"))
-    part.submit(_final(1, outcomes))
-    part.submit(_final(2, outcomes, topic="dlq", forever=True))
+    producer.fail_topics = {"tiny": MessageSizeTooLargeError, "dlq": RuntimeError}
+    for final in (_final(0, outcomes, topic="tiny"), _final(1, outcomes),
+                  _final(2, outcomes, topic="dlq", forever=True)):
+        part.submit(final)
     await _until(lambda: 0 in outcomes and 1 in outcomes)
-    assert outcomes == {0: "failed", 1: "ok"}  # 1 retried on its own after the shared abort
-    assert all(len(t["records"]) == 1 for t in producer.transactions)
-    producer.fail_topics = {"deleted"}  # the dead-letter topic comes back
+    # A permanent refusal is not retried; 1 went again at once, as if it had never failed.
+    assert outcomes == {0: "failed", 1: "ok"} and part._queue and part._queue[0].offset == 2
+    producer.fail_topics = {}  # the dead-letter topic comes back
     await _until(lambda: 2 in outcomes)
     await part.stop()
-    assert outcomes[2] == "ok" and tracker.watermark(TP) == 0  # 0 is for the dead letter of worker/app.py
+    assert outcomes[2] == "ok" and tracker.watermark(TP) == 0  # 0 waits for its dead letter
 
 
-async def test_a_fenced_partition_commits_nothing_and_says_so():
+async def test_a_passing_cause_is_retried_for_retry_s_and_a_gone_topic_not_at_all(monkeypatch):
+    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(transactions, "METADATA_WAIT_S", 0.01)
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(2), retry_s=0.5)
+    producer.fail_topics = {"flaky": RuntimeError}
+    producer.partitions_for = lambda topic: _never() if topic == "deleted" else _partitions()
+    started = time.monotonic()
+    part.submit(_final(0, outcomes, topic="flaky"))
+    part.submit(_final(1, outcomes, topic="deleted"))
+    await _until(lambda: 1 in outcomes)
+    assert outcomes == {1: "failed"}  # the broker lists no such topic: at once
+    await _until(lambda: 0 in outcomes)
+    await part.stop()
+    assert outcomes[0] == "failed" and time.monotonic() - started >= 0.5
+
+
+async def _never():
+    await asyncio.sleep(3600)
+
+
+async def _partitions():
+    return {0}
+
+
+async def test_a_fence_of_a_partition_still_owned_takes_the_id_back_and_commits():
     tracker, outcomes = OffsetTracker(), {}
     part, producer = await _partition(tracker, range(2))
+    producer.fenced = True  # the broker fenced it (a timed-out transaction), nobody else owns it
+
+    async def unfence():
+        producer.fenced = False
+    producer.start = unfence  # the new InitProducerId takes the id back
+    part.submit(_final(0, outcomes))
+    await _until(lambda: 0 in outcomes)
+    part.submit(_final(1, outcomes))
+    await _until(lambda: 1 in outcomes)
+    await part.stop()
+    assert outcomes == {0: "ok", 1: "ok"} and not part._owner.given_up
+
+
+async def test_a_fenced_partition_owned_elsewhere_is_given_up_and_commits_nothing():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(2), owner=False)
     producer.fenced = True
     part.submit(_final(0, outcomes))
     await _until(lambda: 0 in outcomes)
     part.submit(_final(1, outcomes))  # after the fence: refused at once
     await part.stop()
-    assert outcomes == {0: "fenced", 1: "fenced"}
+    assert outcomes == {0: "fenced", 1: "fenced"} and part._owner.given_up == [TP]
     assert producer.transactions == [] and tracker.watermark(TP) == 0
+
+
+async def test_a_final_of_another_assignment_is_never_committed_in_this_one():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(1))
+    part.generation = 2  # the partition came back to this worker
+    stale = _final(0, outcomes)
+    stale.generation = 1
+    part.submit(stale)
+    await part.stop()
+    assert outcomes == {0: "fenced"} and producer.transactions == []
+
+
+async def test_a_commit_whose_answer_was_lost_is_resolved_not_sent_again():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(2))
+    producer.lose_commit_answer = True
+    part.submit(_final(0, outcomes))
+    await _until(lambda: 0 in outcomes)
+    part.submit(_final(1, outcomes))
+    await _until(lambda: 1 in outcomes)
+    await part.stop()
+    assert outcomes == {0: "ok", 1: "ok"}
+    assert [[v for _, v in t["records"]] for t in producer.transactions] == [[b"done 0"], [b"done 1"]]
 
 
 # ----------------------------------------------------------------------------- with the broker

@@ -32,11 +32,9 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 
 from contract.schema import (
     DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
-from worker.delivery.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed
+from worker.delivery.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed, permanent
 
 log = structlog.get_logger(__name__)
-# A `requeued` done (not final: no transaction) is retried this often.
-MAX_ATTEMPTS = 5
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
@@ -108,9 +106,10 @@ class _Outgoing:
     headers: list[tuple[str, bytes]] | None = None
     on_acked: Callable[[Outcome], None] | None = None  # must-deliver when set
     tries: int = 0
+    first_failed: float | None = None
     forever: bool = False  # retried until the broker takes it (dead letters: the last resort)
     stream: ReplyStream | None = None  # a streamed event: its attempt's `done` waits for its ack
-    source: tuple[TopicPartition, int] | None = None  # final: committed with this input offset
+    source: tuple[TopicPartition, int, int] | None = None  # final: committed with (tp, offset, generation)
 
 
 class Publisher:
@@ -198,10 +197,11 @@ class Publisher:
     def done(self, rs: ReplyStream, *, finish_reason: str, prompt_tokens: int = 0,
              completion_tokens: int = 0, queue_s: float = 0.0, ttft_s: float | None = None,
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
-             metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int] | None = None,
-             samples: list[Sample] | None = None, on_acked: Callable[[Outcome], None]) -> None:
-        """The last event of the attempt. With `source` (the input offset it ends) it is final and
-        committed with that offset; `on_acked(outcome)` says how it went."""
+             metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int, int] | None = None,
+             samples: list[Sample] | None = None, on_acked: Callable[..., None]) -> None:
+        """The last event of the attempt. With `source` (the input it ends: partition, offset,
+        assignment generation) it is final and committed with that offset; `on_acked(outcome,
+        error)` says how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(
@@ -218,16 +218,19 @@ class Publisher:
                                 stream=rs, source=source))
 
     def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
-                    headers: list[tuple[str, bytes]], source: tuple[TopicPartition, int],
-                    on_acked: Callable[[Outcome], None]) -> None:
+                    headers: list[tuple[str, bytes]], source: tuple[TopicPartition, int, int],
+                    on_acked: Callable[..., None]) -> None:
         # A tombstone (value None) has nothing to dead-letter but the key; keep it a tombstone.
         self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked,
                                 forever=True, source=source))
         self._metrics.dead_letters.inc()
 
-    def finish_offset(self, source: tuple[TopicPartition, int], on_acked: Callable[[Outcome], None]) -> None:
-        """Commit an input offset whose request needs no new record (answered before)."""
-        self._enqueue(_Outgoing("", None, None, b"", None, on_acked, source=source))
+    def finish_offset(self, source: tuple[TopicPartition, int, int], record: tuple | None,
+                      on_acked: Callable[..., None]) -> None:
+        """Finish an input whose request was answered before: with its remembered `done`
+        (topic, partition, key, value) sent again in the same transaction, or with no record."""
+        topic, partition, key, value = record if record is not None else ("", None, None, b"")
+        self._enqueue(_Outgoing(topic, partition, key, value, None, on_acked, source=source))
 
     # -- coalescing -------------------------------------------------------------------------------
 
@@ -252,10 +255,6 @@ class Publisher:
 
     def _emit(self, rs: ReplyStream, ev) -> None:
         self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev), stream=rs))
-
-    def resend(self, topic: str, partition: int | None, key: bytes, value: bytes) -> None:
-        """An event already sent once, again (best effort: the first one was acked)."""
-        self._enqueue(_Outgoing(topic, partition, key, value))
 
     def _enqueue(self, out: _Outgoing) -> None:
         self.backlog += 1
@@ -310,9 +309,9 @@ class Publisher:
         if out.stream is not None:
             await out.stream.drained()  # the done must land after the attempt's tokens
         records = [(out.topic, out.partition, out.key, out.value, out.headers)] if out.topic else []
-        tp, offset = out.source
-        self._txns.submit(tp, Final(offset, records, lambda outcome: self._settle(out, outcome),
-                                    forever=out.forever))
+        tp, offset, generation = out.source
+        self._txns.submit(tp, Final(offset, records, lambda outcome, error=None: self._settle(out, outcome, error),
+                                    forever=out.forever, generation=generation))
 
     async def _send(self, out: _Outgoing):
         listed(self._producer, out.topic)
@@ -341,9 +340,11 @@ class Publisher:
         if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
             self._settle(out, "failed")
             return
-        if out.tries >= MAX_ATTEMPTS and not out.forever:
+        # Like a final in a transaction: a permanent refusal at once, a passing cause after a while.
+        out.first_failed = out.first_failed or time.monotonic()
+        if not out.forever and (permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s):
             log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
-            self._settle(out, "failed")
+            self._settle(out, "failed", repr(exc))
             return
         log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
         backoff = min(RETRY_BACKOFF_S * out.tries, MAX_BACKOFF_S)
@@ -356,7 +357,7 @@ class Publisher:
             out.stream.in_flight -= 1
         self._enqueue(out)
 
-    def _settle(self, out: _Outgoing, outcome: Outcome) -> None:
+    def _settle(self, out: _Outgoing, outcome: Outcome, error: str | None = None) -> None:
         if out.stream is not None and out.source is None:
             out.stream.settled_one()
         self.backlog -= 1
@@ -365,6 +366,6 @@ class Publisher:
             del self._topic_backlog[out.topic]
         self._metrics.pending_replies.set(self.backlog)
         if out.on_acked:
-            out.on_acked(outcome)
+            out.on_acked(outcome, error)
         if self.backlog == 0:
             self._idle.set()

@@ -17,24 +17,28 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import ProducerFenced
+from aiokafka.errors import (
+    CorruptRecordException, InvalidTopicError, MessageSizeTooLargeError, ProducerFenced, RecordListTooLargeError,
+    RecordTooLargeError, TopicAuthorizationFailedError, UnsupportedForMessageFormatError)
+
+from worker.delivery.offsets import decode_ledger
 
 log = structlog.get_logger(__name__)
 Outcome = Literal["ok", "failed", "fenced"]  # ok: committed (or, not final, acked)
-# A final result is tried this often before its request is dead-lettered instead (worker/app.py);
-# a dead letter is tried until the broker takes it.
-MAX_ATTEMPTS = 5
+# Refusals that no retry changes: the record, or the topic, is not this worker's to write.
+PERMANENT = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError,
+             InvalidTopicError, CorruptRecordException, UnsupportedForMessageFormatError)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 # A reply topic's metadata is awaited this long before the transaction begins: a deleted topic
 # then costs a retry, not an open transaction that holds back every read_committed reader.
 METADATA_WAIT_S = 5.0
 # A transaction that has not committed by then is given up: the producer is replaced (its new
-# InitProducerId aborts the transaction on the broker) and the finals are retried.
+# InitProducerId aborts the transaction on the broker, or waits for its commit to finish).
 TRANSACTION_WAIT_S = 30.0
 # Reply topics a producer keeps metadata for; past it, topics idle now are dropped.
 MAX_PRODUCER_TOPICS = 512
@@ -43,15 +47,54 @@ MAX_PRODUCER_TOPICS = 512
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
 
 
+class Gone(RuntimeError):
+    """The broker answers, and the reply topic is not there: a permanent refusal."""
+
+
+def permanent(exc: BaseException) -> bool:
+    return isinstance(exc, PERMANENT + (Gone,))
+
+
+class Ownership(Protocol):
+    """What PartitionTxn asks the intake before it acts for a partition (worker/intake/group.py)."""
+
+    def owns(self, tp: TopicPartition, generation: int) -> bool: ...  # this assignment, locally
+    async def confirm(self, tp: TopicPartition) -> bool: ...  # the group coordinator agrees
+    async def committed(self, tp: TopicPartition) -> tuple[int, str | None] | None: ...  # offset, ledger
+    async def gone(self, topic: str) -> bool: ...  # the broker answers and lists no such topic
+    def give_up(self, tp: TopicPartition) -> None: ...  # another owner: stop taking, requeue
+
+
+class Owner:
+    """Ownership of a lone PartitionTxn (tests, benchmarks): every partition is its own."""
+
+    def owns(self, tp, generation) -> bool:
+        return True
+
+    async def confirm(self, tp) -> bool:
+        return True
+
+    async def committed(self, tp):
+        return None
+
+    async def gone(self, topic) -> bool:
+        return False
+
+    def give_up(self, tp) -> None:
+        pass
+
+
 @dataclass
 class Final:
     """One request's final records (none for a request already answered) and its input offset."""
 
     offset: int
     records: list[tuple]  # (topic, partition, key, value, headers)
-    on_done: Callable[[Outcome], None]
+    on_done: Callable[..., None]  # (outcome, error: str | None)
     forever: bool = False  # a dead letter: retried until the broker takes it
+    generation: int = 0  # the assignment it was taken under: never committed in another
     tries: int = 0
+    first_failed: float | None = None
     not_before: float = 0.0
 
     @property
@@ -72,18 +115,33 @@ def transactional_id(group_id: str, tp: TopicPartition) -> str:
     return f"{group_id}.{tp.topic}.{tp.partition}"
 
 
+class _Unresolved(RuntimeError):
+    """A commit was sent and its outcome is not known yet."""
+
+
 class PartitionTxn:
-    """The transactional producer of one owned input partition and its queue of finals."""
+    """The transactional producer of one owned input partition and its queue of finals.
+
+    A batch's failure is charged to what caused it: a record the broker refused costs its own
+    final (dead-lettered at once when the refusal is permanent), the other finals of the batch go
+    again at once. Causes that may pass are retried until `retry_s` after a final's first
+    failure. A commit whose outcome is unknown is resolved from the group's committed offsets
+    before anything is retried, and nothing re-takes the transactional id (InitProducerId, which
+    fences whoever holds it) unless the group coordinator confirms this worker owns the partition.
+    """
 
     def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
-                 metadata_max_bytes: int) -> None:
+                 metadata_max_bytes: int, *, generation: int = 0, owner: Ownership | None = None,
+                 retry_s: float = 300.0) -> None:
         self.tp, self._factory, self._tracker = tp, producer_factory, tracker
         self._group, self._m, self._metadata_max = group_id, metrics, metadata_max_bytes
+        self.generation, self._owner, self._retry_s = generation, owner or Owner(), retry_s
         self._producer: AIOKafkaProducer | None = None
         self._queue: list[Final] = []
         self._committing: list[Final] = []  # taken from the queue, outcome not known yet
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._commit_sent = False
         self.fenced = False
 
     async def start(self) -> None:
@@ -99,8 +157,8 @@ class PartitionTxn:
         await self._producer.abort_transaction()  # empty: nothing goes to the broker
 
     def submit(self, final: Final) -> None:
-        if self.fenced:
-            final.on_done("fenced")
+        if self.fenced or final.generation != self.generation:
+            final.on_done("fenced")  # another owner, or another assignment: its owner reads it again
             return
         self._queue.append(final)
         self._wake.set()
@@ -167,17 +225,46 @@ class PartitionTxn:
             return
         ledger = self._tracker.ledger(self.tp, [f.offset for f in batch])
         started = time.perf_counter()
+        self._commit_sent = False
         try:
-            await asyncio.wait_for(self._transact(batch, ledger), TRANSACTION_WAIT_S)
+            refused = await asyncio.wait_for(self._transact(batch, ledger), TRANSACTION_WAIT_S)
         except ProducerFenced as exc:
-            self._fence(batch, exc)
+            await self._fenced(batch, exc)
             return
-        except Exception as exc:  # noqa: BLE001 - abort, then retry each final on its own
-            await self._abort(exc)
-            self._retry(batch, exc)
+        except Exception as exc:  # noqa: BLE001 - abort; resolve a commit that may have happened
+            await self._resolve(batch, ledger, exc)
             return
-        self._m.transactions.labels("committed").inc()
+        fence = next((exc for _, exc in refused if isinstance(exc, ProducerFenced)), None)
+        if fence is not None:  # the records were refused because the id was taken, not for themselves
+            await self._fenced(batch, fence)
+            return
+        if refused:
+            await self._refused(batch, refused)
+            return
         self._m.transaction_seconds.observe(time.perf_counter() - started)
+        self._committed(batch, ledger)
+
+    async def _transact(self, batch: list[Final], ledger) -> list[tuple[Final, BaseException]]:
+        """One transaction; the finals whose records the broker refused (then nothing commits)."""
+        p = self._producer
+        await p.begin_transaction()
+        sent = [(f, await _sent(p, topic, value, key, partition, headers))
+                for f in batch for topic, partition, key, value, headers in f.records]
+        # aiokafka would commit around a record the broker refused: every one must be in first.
+        results = await asyncio.gather(*(fut for _, fut in sent), return_exceptions=True)
+        refused = [(f, r) for (f, _), r in zip(sent, results) if isinstance(r, BaseException)]
+        if refused:
+            return refused
+        if ledger is not None:
+            await p.send_offsets_to_transaction({self.tp: ledger}, self._group)
+        await _fault_point()
+        self._commit_sent = True
+        await p.commit_transaction()
+        await after_commit()
+        return []
+
+    def _committed(self, batch: list[Final], ledger) -> None:
+        self._m.transactions.labels("committed").inc()
         for f in batch:
             self._tracker.finish(self.tp, f.offset)
         if ledger is not None:
@@ -186,31 +273,60 @@ class PartitionTxn:
             f.on_done("ok")
         self._prune_metadata()
 
-    async def _transact(self, batch: list[Final], ledger: tuple[int, str] | None) -> None:
-        p = self._producer
-        await p.begin_transaction()
-        sent = [await p.send(topic, value, key=key, partition=partition, headers=headers)
-                for f in batch for topic, partition, key, value, headers in f.records]
-        if ledger is not None:
-            await p.send_offsets_to_transaction({self.tp: ledger}, self._group)
-        # aiokafka would commit around a record the broker refused: every one must be in first.
-        await asyncio.gather(*sent)
-        await _fault_point()
-        await p.commit_transaction()
+    async def _refused(self, batch: list[Final], refused: list[tuple[Final, BaseException]]) -> None:
+        """Some records were refused: each costs its own final; the rest go again at once."""
+        await self._reopen(refused[0][1])
+        guilty = {id(f): exc for f, exc in refused}
+        for f in batch:
+            if id(f) in guilty or self.fenced:
+                self._retry([f], guilty[id(f)])
+            else:
+                self._queue.insert(0, f)
+        self._wake.set()
+
+    async def _resolve(self, batch: list[Final], ledger, exc: BaseException) -> None:
+        """The transaction failed. A commit that was sent may have happened: after the producer is
+        replaced (its InitProducerId waits for that transaction to end), the group's committed
+        offsets say whether it did. Until they can be read, nothing is retried."""
+        sent = self._commit_sent
+        await self._reopen(exc)
+        if self.fenced or not sent or ledger is None:
+            self._retry(batch, exc)
+            return
+        while not self.fenced:
+            try:
+                committed = await self._owner.committed(self.tp)
+            except Exception as again:  # noqa: BLE001 - the broker may be away: ask again
+                log.warning("txn.outcome_unknown", partition=self.tp.partition, error=repr(again))
+                await asyncio.sleep(RETRY_BACKOFF_S)
+                continue
+            if committed is not None and _covers(committed, batch):
+                log.warning("txn.commit_confirmed", partition=self.tp.partition, error=repr(exc))
+                self._committed(batch, ledger)
+            else:
+                self._retry(batch, exc)
+            return
 
     async def _with_metadata(self, batch: list[Final]) -> list[Final]:
         """The finals whose topics this producer knows now (or within METADATA_WAIT_S); a named
         partition the topic does not have gives way to the key's (better a done by key than none)."""
         topics = sorted(set().union(*(f.topics for f in batch)))
         known = dict(zip(topics, await asyncio.gather(*(self._partitions(t) for t in topics))))
-        missing = {t for t, parts in known.items() if parts is None}
-        if missing:
-            bad = [f for f in batch if f.topics & missing]
-            self._retry(bad, RuntimeError(f"no metadata for {sorted(missing)}"))
-            batch = [f for f in batch if not f.topics & missing]
+        for topic in [t for t, parts in known.items() if parts is None]:
+            bad = [f for f in batch if topic in f.topics]
+            gone = await self._gone(topic)
+            self._retry(bad, Gone(f"reply topic {topic!r} does not exist") if gone
+                        else RuntimeError(f"no metadata for {topic!r}"))
+            batch = [f for f in batch if topic not in f.topics]
         for f in batch:
             f.records = [(t, p if p is None or p in known[t] else None, *rest) for t, p, *rest in f.records]
         return batch
+
+    async def _gone(self, topic: str) -> bool:
+        try:
+            return await self._owner.gone(topic)
+        except Exception:  # noqa: BLE001 - the broker does not answer: not known to be gone
+            return False
 
     async def _partitions(self, topic: str) -> set[int] | None:
         listed(self._producer, topic)
@@ -219,10 +335,13 @@ class PartitionTxn:
         except Exception:  # noqa: BLE001 - missing, unauthorized or slow: all mean "not now"
             return None
 
-    async def _abort(self, exc: BaseException) -> None:
+    # -- failures -----------------------------------------------------------------------------------
+
+    async def _reopen(self, exc: BaseException) -> None:
         """After a failed transaction the producer is replaced, not reused: aiokafka does not reset
         its sequence numbers after a refused batch, so the next send to that partition would be
-        retried forever. The new producer's InitProducerId aborts the transaction on the broker."""
+        retried forever. The new producer's InitProducerId aborts the transaction on the broker,
+        and fences whoever holds the id: only an owner the coordinator confirms may do that."""
         self._m.transactions.labels("aborted").inc()
         log.warning("txn.aborted", partition=self.tp.partition, error=repr(exc))
         old, self._producer = self._producer, self._factory(self.tp)
@@ -230,30 +349,64 @@ class PartitionTxn:
             await asyncio.wait_for(old.stop(), 5.0)
         except Exception:  # noqa: BLE001 - closing a broken producer
             pass
+        _read_failures(old)
+        if not await self._confirmed():
+            return
         try:
             await asyncio.wait_for(self._take_id(), TRANSACTION_WAIT_S)
         except Exception as again:  # noqa: BLE001 - the next transaction tries again
             log.warning("txn.reopen_failed", partition=self.tp.partition, error=repr(again))
 
-    def _fence(self, batch: list[Final], exc: BaseException) -> None:
-        """Another worker owns the partition now: nothing final from here, nothing committed."""
+    async def _confirmed(self) -> bool:
+        """This worker still owns the partition, locally and by the group coordinator's word;
+        otherwise the partition is given up (fenced: its finals go back, intake stops taking it)."""
+        for attempt in range(3):
+            if not self._owner.owns(self.tp, self.generation):
+                break
+            try:
+                if await self._owner.confirm(self.tp):
+                    return True
+                break
+            except Exception as exc:  # noqa: BLE001 - ask again, then give up the partition
+                log.warning("txn.confirm_failed", partition=self.tp.partition, error=repr(exc))
+                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
+        self._give_up()
+        return False
+
+    async def _fenced(self, batch: list[Final], exc: BaseException) -> None:
+        """Someone took the transactional id. If the coordinator says the partition is still this
+        worker's (the broker fences a producer itself when it aborts a timed-out transaction), the
+        id is taken back and the finals go again; otherwise the partition is given up."""
         self._m.transactions.labels("fenced").inc()
         log.warning("txn.fenced", partition=self.tp.partition, error=repr(exc))
+        await self._reopen(exc)
+        self._retry(batch, exc)
+
+    def _give_up(self) -> None:
+        if self.fenced:
+            return
+        log.warning("txn.partition_given_up", partition=self.tp.partition)
         self.fenced = True
-        for f in batch + self._queue:
+        queued, self._queue = self._queue, []
+        for f in queued:
             f.on_done("fenced")
-        self._queue = []
+        self._owner.give_up(self.tp)
 
     def _retry(self, batch: list[Final], exc: BaseException) -> None:
+        now = time.monotonic()
         for f in batch:
+            if self.fenced:
+                f.on_done("fenced")
+                continue
             f.tries += 1
+            f.first_failed = f.first_failed or now
             self._m.send_failures.inc()
-            if f.tries >= MAX_ATTEMPTS and not f.forever:
+            if not f.forever and (permanent(exc) or now - f.first_failed >= self._retry_s):
                 log.error("txn.gave_up", partition=self.tp.partition, offset=f.offset, error=repr(exc))
-                f.on_done("failed")
+                f.on_done("failed", _cause(exc))
                 continue
             delay = min(RETRY_BACKOFF_S * f.tries, MAX_BACKOFF_S)
-            f.not_before = time.monotonic() + delay
+            f.not_before = now + delay
             self._queue.append(f)
             asyncio.get_running_loop().call_later(delay, self._wake.set)
 
@@ -263,6 +416,43 @@ class PartitionTxn:
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
             client.set_topics(set().union(*(f.topics for f in self._queue)) or {self.tp.topic})
+
+
+async def _sent(producer, topic, value, key, partition, headers) -> asyncio.Future:
+    """The send's delivery future; a send refused before it was queued, as a failed future."""
+    listed(producer, topic)
+    try:
+        return await producer.send(topic, value, key=key, partition=partition, headers=headers)
+    except Exception as exc:  # noqa: BLE001 - charged to this record's final
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(exc)
+        return failed
+
+
+def _read_failures(producer) -> None:
+    """Mark the failed futures a replaced aiokafka producer keeps inside (its transaction waiters,
+    its sender task, its batches) as read: unread, each would log "Future exception was never
+    retrieved" when collected, from whatever thread the collector runs on."""
+    tm, sender, acc = (getattr(producer, a, None) for a in ("_txn_manager", "_sender", "_message_accumulator"))
+    futures = [getattr(tm, a, None) for a in ("_transaction_waiter", "_pid_waiter", "_task_waiter")]
+    futures.append(getattr(sender, "sender_task", None))
+    if acc is not None:
+        futures += [b.future for batches in acc._batches.values() for b in batches]
+        futures += [b.future for b in acc._pending_batches]
+    for fut in futures:
+        if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
+            fut.exception()
+
+
+def _covers(committed: tuple[int, str | None], batch: list[Final]) -> bool:
+    """The group's committed offset and ledger say every final of the batch is committed."""
+    mark, metadata = committed
+    done = decode_ledger(mark, metadata)
+    return all(f.offset < mark or f.offset in done for f in batch)
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 async def _fault_point() -> None:
@@ -275,6 +465,11 @@ async def _fault_point() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+async def after_commit() -> None:
+    """Test hook (tests/kafka/test_delivery_faults.py): runs once a commit returned; a test makes it
+    raise, as a commit whose answer was lost would."""
+
+
 class Transactions:
     """The PartitionTxn of every owned request partition."""
 
@@ -283,6 +478,7 @@ class Transactions:
         self._tracker, self._m = tracker, metrics
         self._factory = producer_factory or self._producer
         self._parts: dict[TopicPartition, PartitionTxn] = {}
+        self.owner: Ownership = Owner()  # the intake, once wired
 
     def _producer(self, tp: TopicPartition) -> AIOKafkaProducer:
         return AIOKafkaProducer(
@@ -290,10 +486,13 @@ class Transactions:
             transaction_timeout_ms=self._k.transaction_timeout_ms, enable_idempotence=True, acks="all",
             max_request_size=self._k.max_message_bytes + 64 * 1024)
 
-    async def open(self, tps) -> None:
-        """Take these partitions' transactional ids (fencing their previous owners)."""
+    async def open(self, tps, generation: int = 0) -> None:
+        """Take these partitions' transactional ids (fencing their previous owners) for the
+        assignment `generation`."""
         new = [PartitionTxn(tp, self._factory, self._tracker, self._k.group_id, self._m,
-                            self._k.offset_metadata_max_bytes) for tp in tps if tp not in self._parts]
+                            self._k.offset_metadata_max_bytes, generation=generation, owner=self.owner,
+                            retry_s=self._k.final_retry_s)
+               for tp in tps if tp not in self._parts]
         await asyncio.gather(*(p.start() for p in new))
         self._parts.update({p.tp: p for p in new})
 

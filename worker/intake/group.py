@@ -25,13 +25,16 @@ from typing import Protocol
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.coordinator.protocol import ConsumerProtocol
 
 from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from worker.intake.cancels import RecentCancels
 from worker.delivery.offsets import LagGauge, OffsetTracker
 from worker.delivery.publisher import ReplyRoute
 from worker.service.ratelimit import RateLimiter
-from worker.intake.reply_topics import ReplyTopics
+from worker.intake.admission import Admission, capped_max_tokens, deadline_of
+from worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from worker.delivery.transactions import Transactions
 from worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
@@ -43,28 +46,13 @@ OVERLOAD_BATCH = 64
 
 
 class Sink(Protocol):
+    """Where admitted requests go (the Worker); what ends without running goes to the Delivery."""
+
     def room(self) -> int: ...
     def pool_full(self) -> bool: ...
-    def hold(self, tp, record) -> None: ...
-    def dead_letter(self, record, reason: str) -> None: ...
-    def reject(self, tp, offset, route: ReplyRoute, code: str, message: str,
-               finish_reason: str = "rejected", metadata: dict | None = None) -> None: ...
     def admit(self, admission: "Admission") -> None: ...
     async def requeue(self, tps: set[TopicPartition]) -> None: ...
     def fatal(self, exc: BaseException) -> None: ...
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A request the intake admitted, with what it may cost: its capped token budget and its
-    deadline, computed once here."""
-
-    tp: TopicPartition
-    offset: int
-    request: Request
-    received: float  # Unix seconds
-    max_tokens: int
-    deadline: float  # Unix seconds
 
 
 @dataclass
@@ -91,9 +79,10 @@ class _Rebalance(ConsumerRebalanceListener):
 
 class Intake:
     def __init__(self, settings, sink: Sink, tracker: OffsetTracker, limiter: RateLimiter, metrics,
-                 cancels: RecentCancels, transactions: Transactions) -> None:
+                 cancels: RecentCancels, transactions: Transactions, delivery) -> None:
         self._s = settings
         self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
+        self._delivery = delivery  # dead letters, rejections (worker/delivery/finals.py)
         self._cancels, self._txns = cancels, transactions
         self._consumer: AIOKafkaConsumer | None = None
         self.joined = False
@@ -101,12 +90,15 @@ class Intake:
         self._full_since: float | None = None
         self._overloading = False  # this batch was fetched past the pool's room, to reject
         self._revoking: set[TopicPartition] = set()
+        self._given_up: set[TopicPartition] = set()  # assigned, but another worker holds its transactional id
         self._taking_over: set[TopicPartition] = set()  # assigned, ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
-        self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
+        self._replicas: dict[str, int] = {}  # topic -> replicas per partition, from the last listing
+        self.reply_topics = ReplyTopics(settings.kafka, self._list_topics, check_topics=self._check_topics)
+        transactions.owner = self
 
     @property
     def generation(self) -> int:
@@ -120,7 +112,28 @@ class Intake:
         return self._admin
 
     async def _list_topics(self) -> list[str]:
-        return await (await self._admin_client()).list_topics()
+        # Every topic's metadata (asking for one by name could auto-create it), replicas kept.
+        described = await (await self._admin_client()).describe_topics()
+        self._replicas = {t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
+                          for t in described if t["error_code"] == 0}
+        return list(self._replicas)
+
+    async def _check_topics(self, topics: list[str]) -> dict[str, str | None]:
+        """Why each topic cannot take the worker's replies (unsafe_limits), or None."""
+        names = {"max.message.bytes": None, "min.insync.replicas": None}
+        responses = await (await self._admin_client()).describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics])
+        reasons: dict[str, str | None] = {}
+        for response in responses:
+            for res in response.to_object()["resources"]:
+                topic = res["resource_name"]
+                if res["error_code"]:  # e.g. no DescribeConfigs ACL: refused, with the reason
+                    reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
+                    continue
+                configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
+                reasons[topic] = unsafe_limits(configs, self._replicas.get(topic, 0),
+                                               self._s.kafka.min_reply_message_bytes)
+        return reasons
 
     async def start(self) -> None:
         k = self._s.kafka
@@ -177,7 +190,7 @@ class Intake:
             self._handle(tp, record, unverified)
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
-            self._sink.dead_letter(record, f"internal error: {exc!r}"[:300])
+            self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
 
     def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
         """One record: answered at once, or set aside until its reply topic is looked up."""
@@ -195,11 +208,11 @@ class Intake:
             reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
             log.warning("intake.reply_topic_refused", partition=tp.partition, offset=record.offset, reason=reason)
             self._m.reply_topic_refusals.inc()
-            self._sink.dead_letter(record, reason)
+            self._delivery.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
-            self._sink.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
+            self._delivery.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
         elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._sink.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
+            self._delivery.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
@@ -209,7 +222,7 @@ class Intake:
         listed = False
         for attempt in range(LIST_TOPICS_TRIES):
             try:
-                await self.reply_topics.refresh()
+                await self.reply_topics.refresh({u.decoded.reply_topic for u in unverified})
                 listed = True
                 break
             except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
@@ -223,7 +236,7 @@ class Intake:
                 self._dispatch(u.tp, u.record, u.decoded, verdict)
             except Exception as exc:  # noqa: BLE001 - as in _handle_safely
                 log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
-                self._sink.dead_letter(u.record, f"internal error: {exc!r}"[:300])
+                self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _fetch_once(self) -> dict:
         room = self._sink.room() if self.fetching else 0
@@ -248,8 +261,8 @@ class Intake:
             todo = assigned - self._consumer.paused()
             if todo:
                 self._consumer.pause(*todo)
-        elif self._consumer.paused() - self._revoking - self._taking_over:
-            self._consumer.resume(*(self._consumer.paused() - self._revoking - self._taking_over))
+        elif resumable := self._consumer.paused() - self._revoking - self._taking_over - self._given_up:
+            self._consumer.resume(*resumable)
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
@@ -275,17 +288,17 @@ class Intake:
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
         """Decode a record: a valid request, an invalid one (to reject once its reply topic is
         known good), or None when it was dead-lettered."""
-        if tp in self._revoking or tp in self._taking_over or tp not in self._consumer.assignment():
+        if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self._generation):
             return None  # untracked: read again by the next owner, or after the seek to the ledger
         if not self._tracker.add(tp, record.offset):
             self._m.redeliveries.labels("already_final").inc()
             return None  # final already (the ledger lists it), or read before
-        self._sink.hold(tp, record)
+        self._delivery.hold(tp, record)
         try:
             req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
         except UndecodableMessage as exc:
             log.warning("intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
-            self._sink.dead_letter(record, exc.reason)
+            self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:
             log.info("intake.invalid", request_id=exc.request_id, partition=tp.partition,
@@ -299,16 +312,16 @@ class Intake:
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
         if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
-            self._sink.reject(tp, offset, route, "cancelled", "cancelled before it started",
+            self._delivery.reject(tp, offset, route, "cancelled", "cancelled before it started",
                               finish_reason="cancelled", metadata=meta)
         elif deadline <= time.time():
-            self._sink.reject(tp, offset, route, "timeout", "deadline passed before it was read",
+            self._delivery.reject(tp, offset, route, "timeout", "deadline passed before it was read",
                               finish_reason="timeout", metadata=meta)
         elif self._overloading and self._sink.room() <= 0:
-            self._sink.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
+            self._delivery.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
                               metadata=meta)
         elif not self._limiter.admit(req.tenant, max_tokens * req.n):  # each sample may use them all
-            self._sink.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
+            self._delivery.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
                               metadata=meta)
         else:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
@@ -330,6 +343,7 @@ class Intake:
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self.joined = True
         self._revoking = set()
+        self._given_up = set()
         self._generation += 1
         log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned))
         # Nothing is read from a new partition before take_over() has read its ledger.
@@ -344,7 +358,7 @@ class Intake:
         generation = self._generation
         for attempt in range(TAKE_OVER_TRIES):
             try:
-                await self._txns.open(assigned)
+                await self._txns.open(assigned, generation)
                 committed = await (await self._admin_client()).list_consumer_group_offsets(
                     self._s.kafka.group_id, partitions=list(assigned))
                 break
@@ -364,13 +378,41 @@ class Intake:
                 self._consumer.seek(tp, offset)
         self._taking_over = set()
 
+    # -- ownership, as the transactions ask it (worker/delivery/transactions.py: Ownership) ------------
 
-def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
-    """Unix time by which the request must be done: from created_at, else from receipt. A
-    created_at in the future counts as receipt: it must not stretch a deadline past timeout_s."""
-    start = min(req.created_at, received) if req.created_at is not None else received
-    return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
+    def owns(self, tp: TopicPartition, generation: int) -> bool:
+        return generation == self._generation and tp in self._consumer.assignment() and tp not in self._given_up
 
+    async def confirm(self, tp: TopicPartition) -> bool:
+        """The group coordinator lists this member, in a stable group, with `tp` assigned."""
+        member = self._consumer._coordinator.member_id
+        (response,) = await (await self._admin_client()).describe_consumer_groups([self._s.kafka.group_id])
+        for group in response.groups:
+            error, state, members = group[0], group[2], group[5]
+            if error or state != "Stable":
+                return False
+            for m in members:
+                if m[0] == member:
+                    assignment = ConsumerProtocol.ASSIGNMENT.decode(m[-1])
+                    return any(topic == tp.topic and tp.partition in parts
+                               for topic, parts in assignment.assignment)
+        return False
 
-def capped_max_tokens(req: Request, settings) -> int:
-    return min(req.max_tokens, settings.limits.max_tokens_cap)
+    async def committed(self, tp: TopicPartition) -> tuple[int, str | None] | None:
+        offsets = await (await self._admin_client()).list_consumer_group_offsets(
+            self._s.kafka.group_id, partitions=[tp])
+        meta = offsets.get(tp)
+        return (meta.offset, meta.metadata) if meta is not None and meta.offset >= 0 else None
+
+    async def gone(self, topic: str) -> bool:
+        return topic not in await self._list_topics()
+
+    def give_up(self, tp: TopicPartition) -> None:
+        """Another worker holds the partition's transactional id: take nothing more from it and
+        hand back what runs from it (its new owner reads those requests again)."""
+        log.warning("intake.partition_given_up", partition=tp.partition)
+        self._given_up.add(tp)
+        if tp in self._consumer.assignment():
+            self._consumer.pause(tp)
+        task = asyncio.get_running_loop().create_task(self._sink.requeue({tp}))
+        self._tasks.append(task)

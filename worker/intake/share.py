@@ -307,18 +307,18 @@ class ShareIntake(Intake):
 
     def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
         """As Intake._decode, with no offsets to track; too many deliveries is a dead letter."""
-        self._sink.hold(tp, record)
+        self._delivery.hold(tp, record)
         limit = self._s.kafka.max_deliveries
         if record.delivery_count > limit:
             reason = f"delivered {record.delivery_count} times (max_deliveries {limit}): its workers died or gave it up"
             log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason)
-            self._sink.dead_letter(record, reason)
+            self._delivery.dead_letter(record, reason)
             return None
         try:
             return decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
         except UndecodableMessage as exc:
             log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
-            self._sink.dead_letter(record, exc.reason)
+            self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:
             return exc

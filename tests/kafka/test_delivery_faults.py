@@ -1,0 +1,100 @@
+"""Faults inside the transactional delivery path, against the broker, each on a partition the
+worker still owns: its transactional id fenced from outside (as the broker itself fences a producer
+whose transaction timed out), a commit whose answer is lost, a finished request resubmitted.
+Every request ends with exactly one final `done`, read with read_committed. Offline, over a
+recording producer: tests/unit/test_transactions.py."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgpack
+import pytest
+from aiokafka import AIOKafkaProducer, TopicPartition
+
+from tests.kafka_fixtures import consume_until, produce_raw
+from tests.worker_fixtures import (  # noqa: F401 - topics, start_worker are fixtures
+    check_attempts, collect, final_dones, request, start_worker, topics)
+from worker.delivery import transactions
+from worker.delivery.transactions import transactional_id
+
+pytestmark = pytest.mark.kafka
+
+
+async def _submit_to(bootstrap: str, topic: str, partition: int, reqs: list[dict]) -> None:
+    await produce_raw(bootstrap, topic, [(r["id"].encode(), msgpack.packb(r)) for r in reqs], partition=partition)
+
+
+async def _one_final_each(bootstrap: str, reply_topic: str, reqs: list[dict]) -> dict:
+    events = await collect(bootstrap, reply_topic, [r["id"] for r in reqs], timeout=120)
+    for r in reqs:
+        check_attempts(events[r["id"]])
+        assert len(final_dones(events[r["id"]])) == 1, events[r["id"]]
+    return events
+
+
+async def test_a_fenced_producer_of_an_owned_partition_takes_its_id_back(kafka_bootstrap, topics, start_worker):
+    worker = await start_worker(topics)
+    tp = TopicPartition(topics.requests, 0)
+    first = [request(topics.replies, f"Say the number {n}.", max_tokens=2) for n in range(2)]
+    await _submit_to(kafka_bootstrap, topics.requests, 0, first)
+    await _one_final_each(kafka_bootstrap, topics.replies, first)
+
+    # Another producer takes the partition's transactional id: the worker's producer is fenced,
+    # although the group still assigns the partition to the worker.
+    intruder = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap,
+                                transactional_id=transactional_id(worker.settings.kafka.group_id, tp))
+    await intruder.start()
+    await intruder.begin_transaction()
+    await intruder.abort_transaction()
+    await intruder.stop()
+
+    after = [request(topics.replies, f"Name the colour {n}.", max_tokens=2) for n in range(3)]
+    await _submit_to(kafka_bootstrap, topics.requests, 0, after)
+    await _one_final_each(kafka_bootstrap, topics.replies, after)
+    metrics = worker.metrics.render().decode()
+    assert 'inferline_transactions_total{outcome="fenced"} 1.0' in metrics
+    assert tp not in worker.intake._given_up and not await _dead_letters(kafka_bootstrap, topics.dlq)
+
+
+async def test_a_commit_whose_answer_is_lost_is_not_committed_twice(kafka_bootstrap, topics, start_worker,
+                                                                    monkeypatch):
+    lost = []
+
+    async def lose_the_first_answer():
+        if not lost:
+            lost.append(True)
+            raise asyncio.TimeoutError("the commit's answer never came")
+    monkeypatch.setattr(transactions, "after_commit", lose_the_first_answer)
+    worker = await start_worker(topics)
+    reqs = [request(topics.replies, f"Say the number {n}.", max_tokens=2) for n in range(3)]
+    await _submit_to(kafka_bootstrap, topics.requests, 0, reqs)
+    await _one_final_each(kafka_bootstrap, topics.replies, reqs)
+    assert lost
+    for _ in range(100):  # everything settled: nothing retried behind the test's back
+        if not worker.jobs and not worker.ledger.unacked():
+            break
+        await asyncio.sleep(0.1)
+    records = await consume_until(kafka_bootstrap, topics.replies)
+    dones = [r for r in records if msgpack.unpackb(r.value)["type"] == "done"]
+    assert len(dones) == len(reqs)
+
+
+async def test_a_resubmitted_finished_request_gets_its_final_again_not_a_rerun(kafka_bootstrap, topics,
+                                                                              start_worker):
+    worker = await start_worker(topics)
+    req = request(topics.replies, "Say hello.", max_tokens=2, id=f"r-{uuid.uuid4().hex[:8]}")
+    await _submit_to(kafka_bootstrap, topics.requests, 0, [req])
+    (first,) = final_dones((await _one_final_each(kafka_bootstrap, topics.replies, [req]))[req["id"]])
+    await _submit_to(kafka_bootstrap, topics.requests, 0, [req])  # the client never saw it: again
+
+    def two_dones(records) -> bool:
+        return sum(msgpack.unpackb(r.value)["type"] == "done" for r in records) == 2
+    records = await consume_until(kafka_bootstrap, topics.replies, two_dones, timeout=60)
+    dones = [msgpack.unpackb(r.value) for r in records if msgpack.unpackb(r.value)["type"] == "done"]
+    assert dones[0] == dones[1] and dones[0]["attempt"] == first.attempt  # the same final, committed again
+    assert worker.delivery.num_resubmitted == 1
+
+
+async def _dead_letters(bootstrap: str, topic: str) -> list:
+    return await consume_until(bootstrap, topic, timeout=1, raise_on_timeout=False, predicate=lambda rs: bool(rs))

@@ -1,0 +1,171 @@
+"""Delivery: the one place where a request's result becomes final.
+
+Every record the intake takes ends here as exactly one of:
+
+    answer        its final `done` (a run's, a rejection's, or a remembered one re-sent)
+    dead letter   the original record on the dead-letter topic, with the reason
+    give back     `requeued`: this worker lets go of it, the partition's next owner runs it
+
+and only then is its input finished: in group mode its offset commits in the same Kafka
+transaction as the final record (worker/delivery/transactions.py); in share mode the record is
+acknowledged once its final record is on the broker (ACCEPT, REJECT for a dead letter, RELEASE for a
+give-back). An answer the broker refuses for good (the reply topic is gone, refuses the record, or
+is not the worker's) becomes a dead letter; one that only waits for the broker is retried
+(`INFERLINE_KAFKA__FINAL_RETRY_S`). Work taken under an older assignment is never made final
+under a newer one: it is given back.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+import structlog
+from aiokafka import TopicPartition
+
+from contract.schema import Request, Sample
+from worker.delivery.ledger import Job, JobLedger
+from worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
+from worker.engine.request import RequestOutput
+
+log = structlog.get_logger(__name__)
+
+
+class Delivery:
+    """Answers, dead letters and give-backs, and what finishes their input (group mode: the
+    offsets commit inside the transactions, nothing more to say to the intake)."""
+
+    def __init__(self, settings, publisher: Publisher, ledger: JobLedger, metrics,
+                 generation: Callable[[], int]) -> None:
+        self._k = settings.kafka
+        self.publisher, self.ledger, self._m = publisher, ledger, metrics
+        self._generation = generation  # the intake's current assignment generation
+        self.num_resubmitted = 0
+
+    # -- what the intake hands over ---------------------------------------------------------------
+
+    def hold(self, tp: TopicPartition, record) -> None:
+        """The intake took `record`: kept until its input is finished, to dead-letter it if its
+        answer can never be delivered."""
+        self.ledger.hold(tp, record)
+
+    def dead_letter(self, record, reason: str) -> None:
+        tp, generation = TopicPartition(record.topic, record.partition), self._generation()
+        self.ledger.taken(tp)
+        headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
+                   ("source-partition", str(record.partition).encode()),
+                   ("source-offset", str(record.offset).encode())]
+        value, limit = record.value, self._k.max_message_bytes
+        if value is not None and len(value) > limit:  # could never be produced: keep the head
+            value = value[: limit - 4096]
+            headers.append(("original-size", str(len(record.value)).encode()))
+        self.publisher.dead_letter(
+            self._k.dlq_topic, record.key, value, headers, (tp, record.offset, generation),
+            on_acked=lambda outcome, error=None: self._input_done(tp, record.offset, outcome, generation, "reject"))
+
+    def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str,
+               finish_reason: str = "rejected", metadata: dict | None = None) -> None:
+        """Answer a request that will not run: one `done` (seq 0)."""
+        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
+        generation = self._generation()
+        self.ledger.taken(tp)
+        self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
+                            source=(tp, offset, generation),
+                            on_acked=lambda outcome, error=None: self._answered(tp, offset, outcome, rs.topic,
+                                                                                generation, error))
+        self._m.requests.labels(finish_reason).inc()
+        if finish_reason == "rejected":
+            self._m.rejections.labels(code).inc()
+
+    def answered_before(self, tp, offset: int, req: Request) -> bool:
+        """The same request again after its final `done` (same id, same content): running it
+        again would only duplicate that `done`. Its remembered `done` goes out again (the requester
+        may have missed it: that is why it came back), in the same transaction as its offset."""
+        if not self.ledger.finished(req):
+            return False
+        log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+        self.num_resubmitted += 1
+        generation = self._generation()
+        self.ledger.taken(tp)
+        final = self.ledger.final_event(req.id)
+        record = (final[0], final[1], req.id.encode(), final[2]) if final is not None else None
+        self.publisher.finish_offset(
+            (tp, offset, generation), record,
+            lambda outcome, error=None: self._input_done(tp, offset, outcome, generation))
+        return True
+
+    # -- what the engine finished -----------------------------------------------------------------
+
+    def finish(self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None,
+               ran: bool) -> None:
+        """The attempt's last event. A final one ends its input; `requeued` gives it back."""
+        final = reason != "requeued"
+        self.publisher.done(
+            job.reply, finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
+            ttft_s=out.ttft_s, total_s=out.total_s, text=out.text, error=error, metadata=job.request.metadata,
+            samples=wire_samples(out) if final else None,
+            source=(job.tp, job.offset, job.generation) if final else None,
+            on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err))
+
+    def stale(self, job: Job) -> bool:
+        """Its partition moved since it was admitted (and it was handed back then): a final
+        result from here would be a second one."""
+        return job.generation != self._generation()
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def _settle(self, job: Job, final: bool, outcome: str, error: str | None) -> None:
+        self.ledger.forget(job)
+        if not final:
+            self._verdict(job.tp, job.offset, "release")
+            self.ledger.acked(job.tp)
+            return
+        if outcome == "ok":
+            self.ledger.remember(job)
+        self._answered(job.tp, job.offset, outcome, job.reply.topic, job.generation, error)
+
+    def _answered(self, tp: TopicPartition, offset: int, outcome: str, topic: str, generation: int,
+                  error: str | None) -> None:
+        """A `done` is final (committed or acked), or refused for good: then the record goes to
+        the dead-letter topic instead. Fenced: another worker owns the partition now."""
+        if outcome != "failed":
+            self._input_done(tp, offset, outcome, generation)
+            return
+        record = self.ledger.held(tp, offset)
+        if record is None or generation != self._generation():
+            self._input_done(tp, offset, "fenced", generation)  # its new owner reads it again
+            return
+        log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic, error=error)
+        self.dead_letter(record, f"the reply could not be delivered to {topic!r}" + (f": {error}" if error else ""))
+        self.ledger.acked(tp)
+
+    def _input_done(self, tp: TopicPartition, offset: int, outcome: str, generation: int,
+                    verdict: str = "accept") -> None:
+        # Committed with its offset (the transaction finished it in the tracker), or, fenced or
+        # stopping, left unfinished for the partition's next owner.
+        if outcome == "ok" and generation == self._generation():
+            self.ledger.release(tp, offset)
+        self._verdict(tp, offset, verdict if outcome == "ok" else "release")
+        self.ledger.acked(tp)
+
+    def _verdict(self, tp: TopicPartition, offset: int, verdict: str) -> None:
+        """Group mode: nothing (the offset committed in the transaction)."""
+
+
+class AcknowledgedDelivery(Delivery):
+    """Share mode: no offsets; each record is acknowledged once its outcome is on the broker."""
+
+    def __init__(self, *args, decide: Callable[[TopicPartition, int, str], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._decide = decide  # the share intake's acknowledgement: accept, reject, release
+
+    def _verdict(self, tp: TopicPartition, offset: int, verdict: str) -> None:
+        self.ledger.release(tp, offset)
+        self._decide(tp, offset, verdict)
+
+
+def wire_samples(out: RequestOutput) -> list[Sample] | None:
+    if out.samples is None:
+        return None
+    return [Sample(index=s.index, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.num_output_tokens)
+            for s in out.samples]
