@@ -1,9 +1,11 @@
 """Chaos: requests flow while the worker is SIGKILLed at random points and restarted, the broker is
 restarted, and a second worker joins and leaves. The long form adds a SIGKILL between a `done`'s
 send and its commit (the worker's test hook, INFERLINE_FAULT_KILL_BEFORE_COMMIT), a restart after
-cancels were sent while no worker ran, and a reply topic deleted mid-stream. At the end every
-request has exactly one final `done` that is not `requeued` (read with read_committed), or, for the
-deleted reply topic, that or its record on the dead-letter topic; none is lost. Prints (and writes
+cancels were sent while no worker ran, a poisoned reply topic (under the prefix, refusing every
+write) named by requests interleaved with honest ones, and a reply topic deleted mid-stream. At the
+end every request has exactly one final `done` that is not `requeued` (read with read_committed),
+or, for the deleted reply topic, that or its record on the dead-letter topic; every poisoned request
+is dead-lettered, no honest one; none is lost. Prints (and writes
 to bench/results/chaos-<form>.json) a report: requests, kills, broker restarts, lost, duplicated
 final results, dead letters by reason, attempts per request, latency.
 
@@ -43,7 +45,7 @@ PARTITIONS = 4
 SHORT = [(15, ["kill"]), (15, ["broker_restart"])]
 LONG = [(42, ["kill"]), (42, ["join_b", "kill"]), (42, ["broker_restart"]), (42, ["leave_b", "kill"]),
         (42, ["kill"]), (30, ["kill_before_commit"]), (30, ["cancel_while_down"]),
-        (20, ["delete_reply_topic"])]
+        (20, ["poisoned_reply_topic", "kill"]), (20, ["delete_reply_topic"])]
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +185,18 @@ async def delete_topic(bootstrap: str, topic: str) -> None:
         await admin.close()
 
 
+async def create_poisoned_topic(bootstrap: str, topic: str) -> None:
+    """A topic under the reply prefix that refuses every write, as a hostile producer may create."""
+    from aiokafka.admin import NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "1"})])
+    finally:
+        await admin.close()
+
+
 async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path, request):
     long = request.config.getoption("--chaos-long")
     plan = LONG if long else SHORT
@@ -199,7 +213,8 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     b = WorkerProcess("b", bootstrap, topics, tmp_path, **common)  # dynamic member: leaving rebalances
     watcher = ReplyWatcher(bootstrap, topics.replies, PARTITIONS)
     stats = {"kills": 0, "kills_before_commit": 0, "broker_restarts": 0, "b_joined": 0, "b_left": 0,
-             "broker_restart_s": [], "cancelled_while_down": 0, "reply_topic_deleted": 0}
+             "broker_restart_s": [], "cancelled_while_down": 0, "reply_topic_deleted": 0, "poisoned_requests": 0}
+    poisoned_ids: set[str] = set()
     doomed = f"{topics.replies}-doomed"  # a reply topic deleted mid-stream
     await create_named_topics({doomed: PARTITIONS}, bootstrap_servers=bootstrap)
     doomed_watcher = ReplyWatcher(bootstrap, doomed, PARTITIONS)
@@ -219,9 +234,19 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
             if actions == ["cancel_while_down"]:  # no worker runs while the wave and its cancels are sent
                 assert await a.terminate() == 0, "worker a did not drain cleanly"
             reply_topic = doomed if actions == ["delete_reply_topic"] else None
+            if "poisoned_reply_topic" in actions:  # poisoned requests ahead of the honest wave
+                poisoned = f"{topics.replies}-poisoned"
+                await create_poisoned_topic(bootstrap, poisoned)
+                bad = await submit_wave(bootstrap, topics, n, rng, submitted, expected, poisoned)
+                poisoned_ids |= set(bad)
+                ids += bad
+                stats["poisoned_requests"] += n
+                timeline.append((round(time.time(), 2), "poisoned_reply_topic"))
             wave = await submit_wave(bootstrap, topics, n, rng, submitted, expected, reply_topic)
             ids += wave
             for action in actions:
+                if action == "poisoned_reply_topic":
+                    continue
                 if action == "cancel_while_down":
                     for i in wave[::2]:
                         await cancel(bootstrap, topics.cancel, i)
@@ -260,7 +285,7 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
             assert a.alive(), f"worker a died: {a.log_path.read_text()[-3000:]}"
             seen = {i for i, evs in {**doomed_watcher.events(), **watcher.events()}.items()
                     if any(isinstance(ev, DoneEvent) and ev.finish_reason != "requeued" for _, ev in evs)}
-            if stats["reply_topic_deleted"]:
+            if stats["reply_topic_deleted"] or poisoned_ids:
                 dead = await dead_letters(bootstrap, topics.dlq)
                 seen |= done_before(worker_logs(a, b), doomed_ids - seen - set(dead), deleted_at)
             if len(seen | set(dead)) >= len(ids):
@@ -287,6 +312,8 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     dead.update({i: "done committed before the topic was deleted, not read" for i in answered_unread})
     report = {"form": "long" if long else "short", "seed": seed, **stats,
               **analyse(ids, submitted, expected, events, dead), "timeline": timeline,
+              "poisoned_dead_lettered": len(poisoned_ids & set(dead)),
+              "honest_dead_lettered": len(set(dead) - doomed_ids - poisoned_ids),
               "wall_s": round(time.monotonic() - t0, 1), "max_tokens": list(MAX_TOKENS)}
     print("\nchaos report: " + json.dumps(report))
     out = REPO / "bench" / "results"
@@ -300,6 +327,7 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     assert not report["not_length"], report
     assert rc == 0 and rc_b == 0
     assert stats["kills"] >= (4 if long else 1) and stats["broker_restarts"] >= 1
-    assert set(dead) <= doomed_ids, "dead letters of requests whose reply topic was not deleted"
+    assert report["honest_dead_lettered"] == 0, "dead letters of requests whose reply topic was fine"
+    assert poisoned_ids <= set(dead), "a poisoned request was not dead-lettered"
     if long:
         assert stats["kills_before_commit"] >= 1, "the hook never fired: the window was not hit"
