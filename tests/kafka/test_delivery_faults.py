@@ -98,3 +98,40 @@ async def test_a_resubmitted_finished_request_gets_its_final_again_not_a_rerun(k
 
 async def _dead_letters(bootstrap: str, topic: str) -> list:
     return await consume_until(bootstrap, topic, timeout=1, raise_on_timeout=False, predicate=lambda rs: bool(rs))
+
+
+async def test_a_partition_taken_away_and_handed_back_mid_run_answers_each_request_once(
+        kafka_bootstrap, new_topic, start_worker):
+    """Another member joins the group and leaves while the worker streams and commits: the
+    partition is revoked (and maybe moved) and handed back to the same worker. Finals of the old
+    assignment are never committed in the new one; every request ends with one final `done`."""
+    from aiokafka import AIOKafkaConsumer
+
+    from tests.worker_fixtures import Topics
+
+    t = Topics(requests=await new_topic(1, prefix="req"), cancel=await new_topic(1, prefix="cancel"),
+               dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(1, prefix="reply", reply=True))
+    worker = await start_worker(t)
+    reqs = [request(t.replies, f"Count to {n}.", max_tokens=24, ignore_eos=True) for n in range(32)]
+    await _submit_to(kafka_bootstrap, t.requests, 0, reqs)
+    while not any(j.state == "finishing" for j in worker.jobs.values()):  # finals in flight
+        await asyncio.sleep(0.01)
+    generation = worker.intake.generation
+    member = AIOKafkaConsumer(t.requests, bootstrap_servers=kafka_bootstrap, group_id=worker.settings.kafka.group_id,
+                              enable_auto_commit=False, session_timeout_ms=6000)
+    await member.start()
+    try:
+        for _ in range(30):  # joined once the group rebalanced around it
+            await member.getmany(timeout_ms=100, max_records=1)
+            if worker.intake.generation > generation:
+                break
+    finally:
+        await member.stop()  # leaves: the partition comes back to the worker
+    for _ in range(300):
+        if worker.intake.generation >= generation + 2:
+            break
+        await asyncio.sleep(0.1)
+    assert worker.intake.generation >= generation + 2
+    events = await _one_final_each(kafka_bootstrap, t.replies, reqs)
+    assert any(len({e.attempt for e in evs}) > 1 for evs in events.values()), "nothing was running then"
+    assert not await _dead_letters(kafka_bootstrap, t.dlq)

@@ -344,7 +344,7 @@ class PartitionTxn:
         and fences whoever holds the id: only an owner the coordinator confirms may do that."""
         self._m.transactions.labels("aborted").inc()
         log.warning("txn.aborted", partition=self.tp.partition, error=repr(exc))
-        old, self._producer = self._producer, self._factory(self.tp)
+        old, self._producer = self._producer, None
         try:
             await asyncio.wait_for(old.stop(), 5.0)
         except Exception:  # noqa: BLE001 - closing a broken producer
@@ -352,6 +352,7 @@ class PartitionTxn:
         _read_failures(old)
         if not await self._confirmed():
             return
+        self._producer = self._factory(self.tp)
         try:
             await asyncio.wait_for(self._take_id(), TRANSACTION_WAIT_S)
         except Exception as again:  # noqa: BLE001 - the next transaction tries again
