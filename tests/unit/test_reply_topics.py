@@ -9,7 +9,7 @@ from config.settings import KafkaSettings
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
-from worker.intake.reply_topics import ReplyTopics, refusal
+from worker.intake.reply_topics import ReplyTopics, refusal, unsafe_limits
 
 KAFKA = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="inferline.reply.dlq")
 
@@ -58,3 +58,35 @@ async def test_a_topic_is_missing_only_from_a_list_read_after_the_request():
     assert rt.verdict("inferline.reply.a") is None
 
 
+
+
+@pytest.mark.parametrize("configs, replicas, why", [
+    ({"max.message.bytes": "1"}, 1, "max.message.bytes=1 is below"),
+    ({"max.message.bytes": "65535"}, 1, "is below the 65536"),
+    ({"min.insync.replicas": "2"}, 1, "min.insync.replicas=2 exceeds its 1 replicas"),
+])
+def test_limits_that_would_wedge_a_transaction_are_named(configs, replicas, why):
+    assert why in unsafe_limits(configs, replicas, 65_536)
+
+
+def test_limits_a_transaction_can_live_with():
+    assert unsafe_limits({"max.message.bytes": "1048588", "min.insync.replicas": "1"}, 1, 65_536) is None
+    assert unsafe_limits({"max.message.bytes": "65536", "min.insync.replicas": "2"}, 3, 65_536) is None
+
+
+async def test_an_existing_topic_is_refused_when_its_limits_would_wedge_transactions():
+    broker = FakeBroker({"inferline.reply.ok", "inferline.reply.tiny"})
+    checked = []
+
+    async def check(topics):
+        checked.append(list(topics))
+        return {t: ("max.message.bytes=1 is below" if t.endswith("tiny") else None) for t in topics}
+    rt = ReplyTopics(KAFKA, broker.list_topics, clock=lambda: broker.now, check_topics=check)
+    assert rt.verdict("inferline.reply.tiny") is None
+    await rt.refresh({"inferline.reply.ok", "inferline.reply.tiny"})
+    assert rt.verdict("inferline.reply.ok") == "ok"
+    assert "would wedge transactions: max.message.bytes=1" in rt.verdict("inferline.reply.tiny")
+    await rt.refresh({"inferline.reply.ok"})  # checked lately: not asked again
+    assert checked == [["inferline.reply.ok", "inferline.reply.tiny"]]
+    broker.now += 61  # a producer may alter a topic's limits: they are read again
+    assert rt.verdict("inferline.reply.ok") is None
