@@ -239,17 +239,17 @@ async def run_worker(args, names: Names) -> dict:
         publisher.started(rs, 0.001)
         publisher.tokens(rs, [42, 43], "ok")
         publisher.done(rs, finish_reason="length", prompt_tokens=3, completion_tokens=2, queue_s=0.001,
-                       ttft_s=0.002, total_s=0.003, text="ok", source=(tp, offset), on_acked=on_acked)
+                       ttft_s=0.002, total_s=0.003, text="ok", source=(tp, offset, 0), on_acked=on_acked)
 
     warm = asyncio.get_running_loop().create_future()
-    request(-1, names.warmup, warm.set_result)
+    request(-1, names.warmup, lambda outcome, error=None: warm.set_result(outcome))
     if await warm != "ok":
         raise RuntimeError(f"the warm-up request failed: {warm.result()}")
     rss0, _ = rss_mb()
     clock = Clock("worker", args.topics, not args.no_progress)
     slots = asyncio.Semaphore(args.concurrency)
 
-    def acked(outcome: str) -> None:
+    def acked(outcome: str, error: str | None = None) -> None:
         slots.release()
         clock.done(outcome)
 
