@@ -1,8 +1,8 @@
 """The Helm chart's autoscaling policy over one day of load, against a fixed fleet sized for the peak.
 
-    python -m bench.k8s_scaling                 # the policy of deploy/helm/inferline/values.yaml (~1 min)
-    python -m bench.k8s_scaling --sweep         # lag thresholds x utilization targets x scale-down windows
-    python -m bench.k8s_scaling --quick         # two hours, for the test
+    python -m bench.k8s_scaling                 # the policy of deploy/helm/inferline/values.yaml (~5 min)
+    python -m bench.k8s_scaling --sweep         # and 9 variants, one change each (~16 min)
+    python -m bench.k8s_scaling --quick         # one hour, for the test
 
 A simulation, not a cluster: one-second steps over 24 hours of diurnal load with spikes and
 batch dumps, through what the chart configures (docs/operations.md, "Autoscaling"):
@@ -21,8 +21,8 @@ batch dumps, through what the chart configures (docs/operations.md, "Autoscaling
   pools, running), as the workers' committed watermark counts it.
 - **KEDA and the HPA**: every `sync_s` (the HPA's 15 s), desired = max(ceil(lag / lag
   threshold), capped at P, and ceil(sum of utilization / target)), each kept when within the HPA's
-  10% tolerance; utilization = running / max_num_seqs + waiting / max_num_seqs, averaged over
-  1 min and 15 s old (a scrape); scale-up at most +100% or +4 per 60 s; scale-down the highest
+  10% tolerance; utilization = max(running / max_num_seqs, KV usage) + waiting / max_num_seqs,
+  averaged over 1 min and 15 s old (a scrape); scale-up at most +100% or +4 per 60 s; scale-down the highest
   desired of the stabilization window, at most one worker per period.
 - **What a step costs**: a new worker is ready `startup_s` after its pod is created (model load
   ~10-15 s on the dev VM, docs/reliability.md, plus scheduling and start), then joins: a
@@ -459,14 +459,14 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two hours around the peak")
-    ap.add_argument("--sweep", action="store_true", help="thresholds x targets x scale-down windows")
+    ap.add_argument("--quick", action="store_true", help="one hour near the peak, one spike and one batch job")
+    ap.add_argument("--sweep", action="store_true", help="also the variants of SWEEP, one change each")
     ap.add_argument("--rebalance", choices=("eager", "incremental"), default="eager")
     ap.add_argument("--startup-s", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
-    day = Day(seed=args.seed, hours=2.0 if args.quick else 24.0, spikes=1 if args.quick else 6,
+    day = Day(seed=args.seed, hours=1.0 if args.quick else 24.0, spikes=1 if args.quick else 6,
               dumps=1 if args.quick else 2, trough_rps=10.0 if args.quick else 1.5)
     worker = Worker()
     base = Policy(rebalance=args.rebalance, startup_s=args.startup_s)

@@ -1,5 +1,5 @@
 """bench/k8s_scaling.py: the simulation's parts (the assignors, the HPA's limits, the worker model)
-and a two-hour run; and its policy is the chart's (values.yaml). No times asserted."""
+and a one-hour run; and its policy is the chart's (values.yaml). No times asserted."""
 from __future__ import annotations
 
 import json
@@ -59,7 +59,7 @@ def test_the_hpa_limits_and_the_stabilization_window():
     assert hpa.decide(61 + p.down_window_s + 30, lag=10, current=11) == 11
 
 
-def test_a_two_hour_day(tmp_path, capsys):
+def test_an_hour(tmp_path, capsys):
     out = ks.main(["--quick", "--out-dir", str(tmp_path)])
     runs = out["runs"]
     fixed = [r for name, r in runs.items() if name.startswith("fixed")]
