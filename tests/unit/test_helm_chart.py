@@ -13,6 +13,7 @@ metrics; the guards (partitions, drain, share mode) hold.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -104,7 +105,7 @@ def kubeconform(k8s, path: Path) -> subprocess.CompletedProcess:
 
 def test_make_k8s_check_passes(k8s, tmp_path):
     res = subprocess.run([str(HELM_DIR / "check.sh")], capture_output=True, text=True, cwd=REPO,
-                         env={**__import__("os").environ, "K8S_CHECK_OUT": str(tmp_path)})
+                         env={**os.environ, "K8S_CHECK_OUT": str(tmp_path)})
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"Invalid: 0, Errors: 0, Skipped: 0", res.stdout), res.stdout
     for name in ["default", *(p.stem for p in EXAMPLES)]:
@@ -175,7 +176,7 @@ def test_the_secrets_are_files_never_values(k8s, tmp_path):
 def test_the_rendered_environment_loads_as_settings(k8s, values, monkeypatch):
     docs = render(k8s, files=(values,) if values else ())
     for workload in ("StatefulSet", "Deployment", "Job"):
-        for var in [v for v in __import__("os").environ if v.startswith(ENV_PREFIX)]:
+        for var in [v for v in os.environ if v.startswith(ENV_PREFIX)]:
             monkeypatch.delenv(var)
         for e in container_env(docs, workload):
             monkeypatch.setenv(e["name"], e.get("value") or f"from-{e['valueFrom']['fieldRef']['fieldPath']}")
