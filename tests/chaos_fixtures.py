@@ -288,7 +288,7 @@ class IntakeHarness:
         self.tp = TopicPartition(settings.kafka.request_topic, 0)
         self.worker = Worker(settings)
         self.worker.intake._consumer = FakeConsumer([self.tp])
-        self.worker.engine_loop = FakeEngineLoop()
+        self.worker.engine_loop = self.worker.requests.engine_loop = FakeEngineLoop()
         self.worker.publisher._enqueue = self._enqueue
         # Every topic the policy allows exists (worker/intake/reply_topics.py asks no broker here).
         kafka = settings.kafka
@@ -327,13 +327,13 @@ class IntakeHarness:
                             started=True, finished=True, finish_reason="length", text="ok",
                             num_prompt_tokens=3, num_output_tokens=tokens, queue_s=0.01, ttft_s=0.02,
                             total_s=0.03)
-        self.worker._on_outputs([out], EngineStats())
+        self.worker.requests.on_outputs([out], EngineStats())
         return self.sent[sent_before:]
 
     def settled(self) -> bool:
         """Nothing in flight: every record fed is finished in the offset tracker."""
         w = self.worker
-        return (w.ledger.empty() and w._num_waiting == 0
+        return (w.ledger.empty() and w.requests._num_waiting == 0
                 and w.tracker.pending(self.tp) == 0
                 and w.tracker.to_commit().get(self.tp, self.offset) == self.offset)
 

@@ -28,7 +28,7 @@ class Peaks:
     async def _watch(self) -> None:
         w = self.worker
         while True:
-            self.waiting = max(self.waiting, w._num_waiting)
+            self.waiting = max(self.waiting, w.requests._num_waiting)
             # Jobs in the engine (waiting or running); a finished one waiting for its transaction
             # holds no engine resources and is bounded by max_pending_replies instead.
             self.jobs = max(self.jobs, sum(1 for j in w.jobs.values() if j.state != "finishing"))

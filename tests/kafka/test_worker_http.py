@@ -37,8 +37,8 @@ async def test_health_ready_and_metrics(kafka_bootstrap, topics, start_worker):
         async with http.get(f"{base}/healthz") as resp:
             assert resp.status == 503 and (await resp.json())["status"] == "stalled"
     worker.settings.http.stall_threshold_s = threshold
-    worker.draining = True
+    worker.requests.draining = True
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{base}/readyz") as resp:
             assert resp.status == 503
-    worker.draining = False
+    worker.requests.draining = False

@@ -67,7 +67,7 @@ async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_wor
 
     async def watch():
         while True:
-            peak["waiting"] = max(peak["waiting"], worker._num_waiting)
+            peak["waiting"] = max(peak["waiting"], worker.requests._num_waiting)
             peak["jobs"] = max(peak["jobs"], len(worker.jobs))
             peak["paused"] = max(peak["paused"], len(worker.intake._consumer.paused()))
             await asyncio.sleep(0.005)

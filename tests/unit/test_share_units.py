@@ -230,7 +230,7 @@ def share_worker(done_outcome: str = "ok"):
 
     worker = Worker(Settings(kafka={"intake": "share"}))
     worker.publisher = worker.delivery.publisher = AckingPublisher(done_outcome)
-    worker.engine_loop = FakeEngineLoop()
+    worker.engine_loop = worker.requests.engine_loop = FakeEngineLoop()
     decided = []
     worker.intake.decide = lambda tp, offset, verdict: decided.append((offset, verdict))
     return worker, decided
@@ -242,7 +242,7 @@ def make_request(offset: int) -> Request:
 
 def admit(worker, offset: int) -> str:
     req = make_request(offset)
-    worker.admit(Admission(TopicPartition(TOPIC, 0), offset, req, time.time(), 8, time.time() + 60))
+    worker.requests.admit(Admission(TopicPartition(TOPIC, 0), offset, req, time.time(), 8, time.time() + 60))
     (attempt,) = worker.ledger.attempts(req.id)
     return attempt
 
@@ -257,8 +257,8 @@ def test_share_verdicts_follow_each_outcome():
     worker.delivery.dead_letter(record(1), "undecodable")  # dead-lettered: REJECT once the DLQ has it
     worker.delivery.reject(tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad")
     finished, requeued = admit(worker, 3), admit(worker, 4)
-    worker._finish(worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop"))
-    worker._finish(worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued"))
+    worker.requests._finish(worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop"))
+    worker.requests._finish(worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued"))
     assert decided == [(1, "reject"), (2, "accept"), (3, "accept"), (4, "release")]
     assert ("requeued", None) in worker.publisher.sent  # no source: a requeued done ends nothing
     assert worker.ledger.empty()
@@ -269,9 +269,9 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
 
     worker, decided = share_worker()
     attempt = admit(worker, 3)
-    worker._finish(worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop"))
+    worker.requests._finish(worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop"))
     # The same record again (its lock expired just after the done): answered from the ledger.
-    worker.admit(Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60))
+    worker.requests.admit(Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60))
     assert decided == [(3, "accept"), (3, "accept")] and not worker.jobs
 
 

@@ -76,14 +76,14 @@ def test_the_topic_names_the_tenant_and_a_body_that_disagrees_is_rejected():
 def test_a_cancel_counts_only_for_its_own_tenant():
     h, _ = harness()
     _, (admitted,) = h.feed(body(id="shared-id"))
-    h.worker.cancel("shared-id", tenant="acme")  # another tenant's cancel topic
+    h.worker.requests.cancel("shared-id", tenant="acme")  # another tenant's cancel topic
     assert h.worker.engine_loop.aborted == []
-    h.worker.cancel("shared-id", tenant="globex")
+    h.worker.requests.cancel("shared-id", tenant="globex")
     assert h.worker.engine_loop.aborted == [(admitted.request_id, "cancelled")]
-    h.worker.cancel("early", tenant="acme")  # read before its request: remembered per tenant
+    h.worker.requests.cancel("early", tenant="acme")  # read before its request: remembered per tenant
     sent, added = h.feed(body(id="early"))
     assert added and not sent  # globex's "early" runs
-    h.worker.cancel("early2", tenant="globex")
+    h.worker.requests.cancel("early2", tenant="globex")
     (reply,), added = h.feed(body(id="early2"))
     assert not added and msgpack.unpackb(reply.value)["finish_reason"] == "cancelled"
 

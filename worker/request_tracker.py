@@ -1,0 +1,189 @@
+"""The RequestTracker: every request this worker holds, from admission to its hand-over to the
+Delivery, and the engine outputs that move it along.
+
+    Intake.admit ─► Job (state "waiting") ─► EngineLoop.add_request
+    engine output started ─► `started`                        state "running"
+    engine output tokens  ─► Publisher buffers, flushes `tokens` events
+    engine output finished ─► Delivery.finish: the `done`     state "finishing", until it is final
+
+The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the same
+id (a redelivery racing its own requeue) are then two attempts, never one engine entry. Engine
+outputs arrive on the engine thread and hop to the event loop (Worker); everything here runs on
+the loop and never blocks. The intake's Sink: room, pool_full, admit, requeue, fatal.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Callable
+
+import structlog
+from aiokafka import TopicPartition
+
+from worker.delivery.finals import Delivery
+from worker.delivery.ledger import Job, JobLedger
+from worker.delivery.publisher import ReplyStream
+from worker.engine.engine import EngineStats
+from worker.engine.request import RequestOutput
+from worker.intake.admission import Admission
+from worker.intake.cancels import RecentCancels
+from worker.service.metrics import priority_label
+from worker.service.tenancy import cancel_key
+
+log = structlog.get_logger(__name__)
+
+
+class RequestTracker:
+    def __init__(self, settings, ledger: JobLedger, delivery: Delivery, metrics, limiter,
+                 cancels: RecentCancels, generation: Callable[[], int], fatal: Callable[[BaseException], None]) -> None:
+        self.settings = settings
+        self.ledger, self.delivery, self.publisher = ledger, delivery, delivery.publisher
+        self.metrics, self.limiter, self.cancels = metrics, limiter, cancels
+        self._generation, self.fatal = generation, fatal
+        self.engine_loop = None  # set once the model is loaded
+        self.draining = False
+        self.hurry = False  # a second signal: skip the drain wait
+        self._num_waiting = 0
+        self._stats = EngineStats()
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        return self.ledger.jobs
+
+    def start(self, engine_loop, stats: EngineStats) -> None:
+        self.engine_loop, self._stats = engine_loop, stats  # totals are deltas from here
+
+    # -- intake sink ------------------------------------------------------------------------------
+
+    def room(self) -> int:
+        if self.draining or self.delivery.publisher.full():
+            return 0
+        return max(0, self.settings.scheduler.max_waiting - self._num_waiting)
+
+    def pool_full(self) -> bool:
+        return self._num_waiting >= self.settings.scheduler.max_waiting
+
+    def admit(self, adm: Admission) -> None:
+        req, tp, offset = adm.request, adm.tp, adm.offset
+        if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
+            return
+        rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
+        job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation())
+        job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
+        self.ledger.add(job)
+        self._num_waiting += 1
+        self.engine_loop.add_request(adm.engine_request(rs.attempt))
+        job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
+
+    async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:
+        """Give up the requests of these partitions (`requeued`) and wait until their `done`s are acked."""
+        if timeout is None:  # within the rebalance timeout, leaving time to commit and rejoin
+            timeout = self.settings.kafka.session_timeout_ms / 2000
+        self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
+        await self._wait_jobs(lambda: not self.ledger.unacked(tps), timeout)
+        self.ledger.release_partitions(tps)
+
+    def cancel(self, request_id: str, tenant: str | None = None) -> None:
+        """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
+        carried it) limits it to that tenant's requests."""
+        self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
+        attempts = [a for a in self.ledger.attempts(request_id)
+                    if tenant is None or self._tenant_of_attempt(a) == tenant]
+        if attempts:
+            log.info("request.cancel", request_id=request_id, attempts=len(attempts))
+        self._abort(attempts, "cancelled")
+
+    def _tenant_of_attempt(self, attempt: str) -> str | None:
+        job = self.jobs.get(attempt)
+        return job.request.tenant if job is not None else None
+
+    def _abort(self, attempts: list[str], reason: str) -> None:
+        for attempt in attempts:
+            job = self.jobs.get(attempt)
+            if job is not None and job.state != "finishing":
+                self.engine_loop.abort(attempt, reason)
+
+    async def _wait_jobs(self, done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done() and not self.hurry:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.ledger.settled.clear()
+            try:
+                await asyncio.wait_for(self.ledger.settled.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    # -- engine outputs ---------------------------------------------------------------------------
+
+    def hand_back_all(self) -> None:
+        """The engine died: nothing will answer the jobs now. Each is handed back (`requeued`:
+        its input stays unfinished, the partition's next owner runs it)."""
+        for job in [j for j in self.jobs.values() if j.state != "finishing"]:
+            self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
+
+    async def drain(self, timeout: float) -> None:
+        """Hand back what waits (it would only start to be cut off), let what runs finish (bounded),
+        then hand back the rest and wait for their `requeued` to be acked."""
+        self.draining = True
+        self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
+        await self._wait_jobs(lambda: not self.jobs, timeout)
+        await self.requeue(self.ledger.busy_partitions(), timeout=10.0)
+
+    def on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        now = time.time()
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None or job.state == "finishing":
+                continue
+            if out.started:
+                self._started(job, out)
+            if out.new_token_ids or out.text_delta:
+                self._tokens(job, out, now)
+            if out.finished:
+                self._finish(job, out)
+        self.metrics.observe_engine(stats, self._stats, self._num_waiting)
+        self._stats = stats
+
+    def _started(self, job: Job, out: RequestOutput) -> None:
+        job.state = "running"
+        self._num_waiting -= 1
+        self.delivery.publisher.started(job.reply, out.queue_s)
+        self.metrics.queue_time.labels(priority_label(job.request.priority)).observe(out.queue_s)
+
+    def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
+        if job.first_token_at is None:
+            job.first_token_at = now
+            self.metrics.ttft.labels(priority_label(job.request.priority)).observe(now - job.received)
+        job.last_token_at = now
+        self.delivery.publisher.tokens(job.reply, out.new_token_ids, out.text_delta, out.logprobs, out.index)
+
+    def _finish(self, job: Job, out: RequestOutput) -> None:
+        ran = job.state == "running"
+        if job.state == "waiting":
+            self._num_waiting -= 1
+        job.state = "finishing"
+        reason = out.finish_reason or "error"
+        if reason != "requeued" and self.delivery.stale(job):
+            job.log.warning("request.finished_after_revocation", finish_reason=reason)
+            reason, out = "requeued", RequestOutput(request_id=out.request_id, finished=True, finish_reason="requeued")
+        error = None
+        if out.error_code and reason != "requeued":
+            error = (out.error_code, out.error_message or out.error_code)
+        self.delivery.finish(job, out, reason, error, ran)
+        self.limiter.refund(job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens)
+        self._observe_finish(job, out, reason, error)
+
+    def _observe_finish(self, job: Job, out: RequestOutput, reason: str, error) -> None:
+        itl = None
+        # Samples stream side by side: the gaps are those of the longest one.
+        num_tokens = max(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
+        if num_tokens > 1 and job.first_token_at and job.last_token_at:
+            itl = (job.last_token_at - job.first_token_at) / (num_tokens - 1)
+        self.metrics.observe_finish(reason, out.error_code, job.request.priority,
+                                    time.time() - job.received, itl)
+        job.log.info("request.done", finish_reason=reason, error=error and error[0],
+                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                     total_s=round(out.total_s, 3))
