@@ -65,13 +65,16 @@ class BatchRunner:
     def __init__(self, client: InferenceClient, batch_id: str, lines: Iterable[BatchLine], sink: Sink, *,
                  max_in_flight: int = 64, sent: Iterable[str] = (), on_sent: Callable[[str], None] | None = None,
                  model: str = "inferline", timeout_s: float | None = None, retry_after_s: int = 1,
-                 extra_fields: dict | None = None):
+                 extra_fields: dict | None = None, collect_only: bool = False):
         assert max_in_flight >= 1
         self.client, self.batch_id, self.sink = client, batch_id, sink
         self.lines = list(lines)
         self.max_in_flight, self.sent, self.on_sent = max_in_flight, set(sent), on_sent or (lambda _id: None)
         self.model, self.timeout_s, self.retry_after_s = model, timeout_s, retry_after_s
         self.extra_fields = extra_fields or {}
+        self.collect_only = collect_only  # write what earlier runs got back; send nothing (a cancel)
+        self.written: set[str] = set()  # keys of the lines written
+        self.request_ids: dict[str, BatchLine] = {}
         self.progress = Progress()
         self._requests: dict[str, Request] = {}
 
@@ -84,7 +87,7 @@ class BatchRunner:
             if line.error is not None:
                 self._write(line, error_line(line, "invalid_request", line.error), 0)
         good = [ln for ln in self.lines if ln.error is None]
-        ids = {request_id(self.batch_id, ln): ln for ln in good}
+        ids = self.request_ids = {request_id(self.batch_id, ln): ln for ln in good}
         self._requests = {rid: self._request(rid, ln) for rid, ln in ids.items()}
         # Followed before the history is read: an answer landing meanwhile reaches one or the other.
         followed = {rid: self.client.follow(self._requests[rid]) for rid in ids if rid in self.sent}
@@ -105,6 +108,8 @@ class BatchRunner:
         self.progress.followed = sum(1 for _, h in work if h is not None)
         log.info("batch run", batch_id=self.batch_id, lines=len(self.lines), found=self.progress.found,
                  followed=self.progress.followed, to_send=len(work) - self.progress.followed)
+        if self.collect_only:
+            return self.progress
         async with asyncio.TaskGroup() as group:  # one failing (the broker is gone) stops them all
             for _ in range(min(self.max_in_flight, len(work))):
                 group.create_task(self._drain(work))
@@ -143,6 +148,10 @@ class BatchRunner:
     def _request(self, rid: str, line: BatchLine) -> Request:
         return Request(id=rid, reply_topic=self.client.reply_topic, **line.fields)
 
+    def unanswered(self) -> list[str]:
+        """Request ids of the lines not written yet (sent or not)."""
+        return [rid for rid, ln in self.request_ids.items() if ln.key not in self.written]
+
     # --- answers -----------------------------------------------------------------------------
 
     def _from_history(self, rid: str, events: list[Event]) -> RequestHandle | None:
@@ -177,6 +186,7 @@ class BatchRunner:
 
     def _write(self, line: BatchLine, out: dict, tokens: int) -> None:
         ok = out["error"] is None and out["response"]["status_code"] == 200
+        self.written.add(line.key)
         self.progress.done += 1
         self.progress.failed += not ok
         self.progress.completion_tokens += tokens
