@@ -114,3 +114,17 @@ def test_the_answer_an_earlier_run_left_behind():
     assert _best_attempt([_done("a1", "stop"), _done("a2", "rejected")]) == "a1"
     assert _best_attempt([_done("a1", "rejected"), _done("a2", "length")]) == "a2"
     assert _best_attempt([_done("a1", "timeout")]) == "a1"
+
+
+def test_multipart_upload_is_parsed_without_python_multipart():
+    from producer.gateway.errors import OpenAIError
+    from producer.gateway.files import parse_upload
+
+    body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--XX\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            b'Content-Type: application/jsonl\r\n\r\n{"a": 1}\n{"b": 2}\n\r\n--XX--\r\n')
+    assert parse_upload("multipart/form-data; boundary=XX", body) == (b'{"a": 1}\n{"b": 2}\n', "in.jsonl", "batch")
+    with pytest.raises(OpenAIError, match="purpose: must be batch"):
+        parse_upload("multipart/form-data; boundary=XX", body.replace(b"\r\nbatch\r\n", b"\r\nfine-tune\r\n"))
+    with pytest.raises(OpenAIError, match="multipart"):
+        parse_upload("application/json", b"{}")
