@@ -125,9 +125,8 @@ class BatchService:
         if rec["status"] in TERMINAL:
             raise OpenAIError(409, f"cannot cancel a batch with status {rec['status']}", code="conflict")
         if rec["status"] != "cancelling":
-            rec = {**rec, "status": "cancelling", "cancelling_at": int(time.time())}
-            if batch_id in self.live:
-                self.live[batch_id] = rec
+            # In place when this instance runs it: every save writes the one dict its run updates.
+            rec.update(status="cancelling", cancelling_at=int(time.time()))
             await self._save(rec, heartbeat=batch_id in self.running)
             self._changed(batch_id, json.dumps(rec).encode())
         return self.public(rec)
