@@ -129,7 +129,9 @@ async def run_all(args, settings, topics) -> dict:
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
         print(f"interactive beside the batch: {fmt(beside)}", file=sys.stderr)
-    batch_tps = mixed.tokens_between(beside["t0"], beside["t1"]) / (beside["t1"] - beside["t0"])
+    # Over the overlap only: a batch that ends inside the interactive window leaves idle time after.
+    end = min(beside["t1"], mixed.finished[-1][0]) if batch_done_first else beside["t1"]
+    batch_tps = mixed.tokens_between(beside["t0"], end + 1e-9) / (end - beside["t0"])
     idle = capacity - alone["output_tokens_per_s"]
     report = {
         "config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
