@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await gateway.pool.start()
-        await batches.start()
+        await batches.start()  # a broker that refuses its topics leaves the Batch API off (503), not the gateway
         yield
         await batches.close()
         await gateway.pool.close()
@@ -85,6 +85,9 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
     async def answer(request: Request, work) -> Response:
         try:
             tenant = gateway.keys.tenant_of(request.headers.get("authorization"))
+            if not batches.available:
+                raise OpenAIError(503, "the Batch API is unavailable: its Kafka topics could not be set up "
+                                  "(see the gateway's log)", type="server_error", code="unavailable")
             result = await work(tenant)
         except OpenAIError as exc:
             return exc.response()

@@ -62,10 +62,20 @@ class BatchService:
         self.live: dict[str, dict] = {}  # the records of the batches this instance runs
         self._cancels: dict[str, asyncio.Event] = {}
         self._leases: asyncio.Task | None = None
+        self.available = False
 
     async def start(self) -> None:
-        await self.files.table.start()
-        await self.table.start()
+        """Read the files and batches; on a broker that refuses their topics (ACLs), the Batch
+        API stays off (``available`` False) and the rest of the gateway serves on."""
+        try:
+            await self.files.table.start()
+            await self.table.start()
+        except Exception as exc:
+            log.warning("batch api unavailable", error=repr(exc), topics=[self.files.table.topic, self.table.topic])
+            await self.table.close()
+            await self.files.table.close()
+            return
+        self.available = True
         self._leases = asyncio.create_task(self._lease_loop(), name="batch-leases")
 
     async def close(self) -> None:
