@@ -2,6 +2,7 @@
 end-to-end, queue), throughput over time, the text summary, bench.json and the PNG plots."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -123,7 +124,9 @@ def write_outputs(out: Path, report: dict[str, Any], samples: list[Sample], t0: 
     report = {**report, "throughput_over_time": throughput_series(samples, t0)}
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     written = [out / "bench.json"]
-    if plots:
+    if plots and importlib.util.find_spec("matplotlib") is None:  # the light client has no plotting
+        print("no plots: matplotlib is not installed (pip install 'inferline[plots]')", file=sys.stderr)
+    elif plots:
         written += plot(out, samples, report["throughput_over_time"])
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
 

@@ -1,4 +1,4 @@
-"""The ``inferline`` command: submit, cancel, topics create, tail, bench, gateway.
+"""The ``inferline`` command: submit, cancel, topics create, tail, bench, gateway, batch.
 
     inferline submit "Explain Kafka in one sentence"     stream the answer
     echo "Hi" | inferline submit - --chat --json          raw events, one JSON object a line
@@ -8,6 +8,7 @@
     inferline tail TOPIC                                  decode and print reply events
     inferline bench -n 64 --output-len uniform:8,256      load test through Kafka
     inferline gateway --port 8000                         OpenAI-compatible HTTP API (docs/gateway.md)
+    inferline batch run requests.jsonl -o results.jsonl   OpenAI batch format; run again to resume (docs/batch.md)
 
 Connection settings come from the same ``INFERLINE_`` environment as the worker
 (INFERLINE_KAFKA__BOOTSTRAP_SERVERS, ...); ``--bootstrap-servers`` etc. override them.
@@ -74,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tail(sub.add_parser("tail", help="decode and print the events on a reply topic"))
     _add_bench(sub.add_parser("bench", help="load generator: latency and throughput through Kafka"))
     _add_gateway(sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API (docs/gateway.md)"))
+    _add_batch(sub.add_parser("batch", help="run a file of requests in OpenAI's batch format, resumably (docs/batch.md)"))
     return parser
+
+
+def _add_batch(p: argparse.ArgumentParser) -> None:
+    from producer.batch.local import add_arguments
+
+    add_arguments(p)
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
@@ -370,8 +378,14 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     return await serve(args)
 
 
+async def cmd_batch(args: argparse.Namespace) -> int:
+    from producer.batch.local import cmd_batch as run_batch
+
+    return await run_batch(args, make_client)
+
+
 COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "tail": cmd_tail, "bench": cmd_bench,
-            "gateway": cmd_gateway}
+            "gateway": cmd_gateway, "batch": cmd_batch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,6 +235,27 @@ class InferenceClient:
         self._arm_timer(handle, timeout)
         return handle
 
+    async def partitions_of(self, topic: str) -> list[int] | None:
+        """Partition ids of ``topic``, or None when it does not exist (or has no leaders yet)."""
+        assert self._admin is not None, "client not started"
+        return await topic_partitions(self._admin, topic)
+
+    def follow(self, request: Request, *, timeout: float | None = None) -> RequestHandle:
+        """A handle for a request sent before (by an earlier run: a batch resuming), fed by this
+        client's reply topics like any other; nothing is sent. Its client-side limit starts now
+        (``timeout``, as in ``submit``)."""
+        handle = RequestHandle(request, self)
+        handle._on_finish = self._finished
+        self._handles[request.id] = handle
+        self._arm_timer(handle, timeout)
+        return handle
+
+    def forget(self, request_id: str) -> None:
+        """Stop following a request (its events are skipped from now on); nothing is cancelled."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None and handle._timer:
+            handle._timer.cancel()
+
     def _arm_timer(self, handle: RequestHandle, timeout: float | None) -> None:
         limit = timeout if timeout is not None else self.timeout_s
         if limit is None:

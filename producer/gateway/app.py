@@ -13,7 +13,9 @@ from starlette.responses import JSONResponse, Response
 from config.settings import Settings, load_settings
 from producer.gateway.auth import ApiKeys, load_keys
 from producer.gateway.clients import ClientPool
-from producer.gateway.errors import OpenAIError
+from producer.gateway.batches import BatchService
+from producer.gateway.errors import OpenAIError, bad_request
+from producer.gateway.files import parse_upload
 from producer.gateway.metrics import GatewayMetrics
 from producer.gateway.service import Gateway
 
@@ -23,16 +25,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     keys = ApiKeys(load_keys(settings.gateway, settings.kafka.tenancy == "topic"))
     gateway = Gateway(settings, keys, ClientPool(settings, keys.tenants), GatewayMetrics())
+    batches = BatchService(settings, gateway.pool.instance)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await gateway.pool.start()
+        await batches.start()  # a broker that refuses its topics leaves the Batch API off (503), not the gateway
         yield
+        await batches.close()
         await gateway.pool.close()
 
     app = FastAPI(title="inferline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
+    app.state.batches = batches
     _add_routes(app, gateway)
+    _add_batch_routes(app, gateway, batches)
     _add_error_handlers(app)
     return app
 
@@ -70,6 +77,70 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> None:
+    """OpenAI's Files and Batch API (docs/batch.md): files and batches are the key's tenant's."""
+
+    async def answer(request: Request, work) -> Response:
+        try:
+            tenant = gateway.keys.tenant_of(request.headers.get("authorization"))
+            if not batches.available:
+                raise OpenAIError(503, "the Batch API is unavailable: its Kafka topics could not be set up "
+                                  "(see the gateway's log)", type="server_error", code="unavailable")
+            result = await work(tenant)
+        except OpenAIError as exc:
+            return exc.response()
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    async def json_body(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise bad_request(None, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request(None, "the body must be a JSON object")
+        return body
+
+    @app.post("/v1/files")
+    async def upload(request: Request) -> Response:
+        async def work(tenant):
+            data, filename, purpose = parse_upload(request.headers.get("content-type", ""), await request.body())
+            return await batches.files.put(data, filename, purpose, tenant)
+        return await answer(request, work)
+
+    @app.get("/v1/files/{file_id}")
+    async def file_meta(request: Request, file_id: str) -> Response:
+        return await answer(request, lambda tenant: _now(batches.files.meta(file_id, tenant)))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        return await answer(request, lambda tenant: _now(
+            Response(batches.files.content(file_id, tenant), media_type="application/octet-stream")))
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> Response:
+        return await answer(request, lambda tenant: _then(json_body(request), lambda b: batches.create(tenant, b)))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(request: Request, batch_id: str) -> Response:
+        return await answer(request, lambda tenant: _now(batches.public(batches.record(batch_id, tenant))))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
+        return await answer(request, lambda tenant: _now(batches.list(tenant, max(1, min(limit, 100)), after)))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> Response:
+        return await answer(request, lambda tenant: batches.cancel(tenant, batch_id))
+
+
+async def _now(value):
+    return value
+
+
+async def _then(first, then):
+    return await then(await first)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

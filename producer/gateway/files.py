@@ -1,0 +1,67 @@
+"""The Batch API's files (`/v1/files`): kept in a compacted topic (table.py), each file as its
+chunks (`<id>/<n>`, under a broker message each) then its metadata (`<id>`): a file whose
+metadata is there is whole. Files belong to the tenant of the key that uploaded them."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from email import policy
+from email.parser import BytesParser
+
+from producer.gateway.errors import OpenAIError, bad_request
+from producer.gateway.table import TopicTable
+
+CHUNK_BYTES = 512 * 1024
+MAX_FILE_BYTES = 100 * 1024 * 1024  # OpenAI's cap for batch input files is 200 MB; these live in memory
+PURPOSES = ("batch", "batch_output")
+
+
+class FileStore:
+    def __init__(self, table: TopicTable):
+        self.table = table
+
+    def meta(self, file_id: str, tenant: str | None) -> dict:
+        """The file object (OpenAI's shape); 404 for a file that is not there or not the tenant's."""
+        raw = self.table.data.get(file_id)
+        record = json.loads(raw) if raw is not None else None
+        if record is None or record.get("tenant") != tenant:
+            raise OpenAIError(404, f"no such file: {file_id}", param="file_id", code="not_found")
+        return {k: v for k, v in record.items() if k not in ("tenant", "chunks")}
+
+    def content(self, file_id: str, tenant: str | None) -> bytes:
+        self.meta(file_id, tenant)
+        record = json.loads(self.table.data[file_id])
+        return b"".join(self.table.data[f"{file_id}/{n}"] for n in range(record["chunks"]))
+
+    async def put(self, data: bytes, filename: str, purpose: str, tenant: str | None) -> dict:
+        if len(data) > MAX_FILE_BYTES:
+            raise bad_request("file", f"file: {len(data)} bytes, at most {MAX_FILE_BYTES}")
+        file_id = f"file-{uuid.uuid4().hex}"
+        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+        for n, chunk in enumerate(chunks):
+            await self.table.put(f"{file_id}/{n}", chunk)
+        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+                  "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
+                  "status_details": None, "tenant": tenant, "chunks": len(chunks)}
+        await self.table.put(file_id, json.dumps(record).encode())  # last: the file is whole now
+        return self.meta(file_id, tenant)
+
+
+def parse_upload(content_type: str, body: bytes) -> tuple[bytes, str, str]:
+    """(data, filename, purpose) of a multipart/form-data upload (OpenAI's `file` and `purpose`)."""
+    if not content_type.startswith("multipart/form-data"):
+        raise bad_request(None, "the upload must be multipart/form-data with `file` and `purpose`")
+    message = BytesParser(policy=policy.HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    fields: dict[str, tuple[bytes, str | None]] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name:
+            fields[name] = (part.get_payload(decode=True) or b"", part.get_filename())
+    if "file" not in fields:
+        raise bad_request("file", "file: required")
+    purpose = fields.get("purpose", (b"", None))[0].decode(errors="replace")
+    if purpose != "batch":
+        raise bad_request("purpose", "purpose: must be batch (the only use of files here)")
+    data, filename = fields["file"]
+    return data, filename or "upload.jsonl", purpose
