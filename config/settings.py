@@ -235,8 +235,16 @@ class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
     burst_requests: float | None = Field(None, gt=0)
-    min_priority: int | None = None
-    max_priority: int | None = None
+    # The tenant's priority range (lower runs first): a request's `priority` is clamped into it
+    # in every tenancy mode. None: LimitsSettings.min_priority / max_priority.
+    min_priority: int | None = Field(None, ge=-1000, le=1000)
+    max_priority: int | None = Field(None, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> "TenantLimit":
+        if None not in (self.min_priority, self.max_priority) and self.min_priority > self.max_priority:
+            raise ValueError("min_priority must not exceed max_priority")
+        return self
 
 
 class LimitsSettings(BaseModel):
@@ -247,6 +255,18 @@ class LimitsSettings(BaseModel):
     tenants: dict[str, TenantLimit] = {}
     # Reject with `overloaded` when the pool has been full for this long; None keeps waiting.
     overload_reject_after_s: float | None = Field(None, gt=0)
+    # The priority range of a tenant whose own entry (or default_tenant) sets none: `priority` is
+    # producer-declared, so by default nobody may claim better (lower) than the contract's default
+    # 0; an operator opens lower values to a tenant with its MIN_PRIORITY.
+    min_priority: int = Field(0, ge=-1000, le=1000)
+    # The worst (highest) priority of such a tenant: a larger `priority` is lowered to it.
+    max_priority: int = Field(1000, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> "LimitsSettings":
+        if self.min_priority > self.max_priority:
+            raise ValueError("min_priority must not exceed max_priority")
+        return self
 
 
 class HttpSettings(BaseModel):
@@ -276,6 +296,10 @@ class GatewaySettings(BaseModel):
     api_keys: dict[str, str] = {}
     # The same JSON object from a file (a mounted secret); merged with `api_keys`.
     api_keys_file: Path | None = None
+    # Tenants whose API keys may set `priority` (the worker still clamps it into the tenant's
+    # range, INFERLINE_LIMITS__TENANTS__<name>__MIN_PRIORITY). From any other caller (and from
+    # everyone while no keys are configured) a body's `priority` is dropped, not forwarded.
+    priority_tenants: list[str] = []
     # The name /v1/models lists; a request naming another model gets 404, as from vLLM.
     model_name: str = "SmolLM2-135M-Instruct"
     # Each request's deadline (`timeout_s` on the wire); past it the worker answers `timeout` (504).

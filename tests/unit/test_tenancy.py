@@ -39,9 +39,36 @@ def test_replies_only_under_the_tenants_own_prefix():
 
 
 def test_priority_clamp():
-    limit = Settings(limits={"tenants": {"t": {"min_priority": 0, "max_priority": 5}}}).limits.tenants["t"]
-    assert [clamp_priority(p, limit) for p in (-1000, 0, 3, 5, 1000)] == [0, 0, 3, 5, 5]
-    assert clamp_priority(-7, Settings().limits.default_tenant) == -7
+    limits = Settings(limits={"tenants": {"t": {"min_priority": 0, "max_priority": 5}}}).limits
+    assert [clamp_priority(p, limits, "t") for p in (-1000, 0, 3, 5, 1000)] == [0, 0, 3, 5, 5]
+    # By default no producer outranks the default class (0); an operator opens lower values.
+    assert clamp_priority(-7, Settings().limits, "anyone") == 0
+    assert clamp_priority(7, Settings().limits, "anyone") == 7
+    opened = Settings(limits={"tenants": {"ops": {"min_priority": -100}}, "default_tenant": {"min_priority": -3}}).limits
+    assert clamp_priority(-1000, opened, "ops") == -100 and clamp_priority(-1000, opened, "other") == -3
+    assert clamp_priority(-1000, Settings(limits={"min_priority": -10}).limits, "x") == -10
+
+
+def test_priority_range_settings_are_checked():
+    import pytest
+
+    from config.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError):
+        load_settings(limits={"tenants": {"t": {"min_priority": 5, "max_priority": 0}}})
+    with pytest.raises(SettingsError):
+        load_settings(limits={"min_priority": -5000})
+
+
+def test_body_tenancy_clamps_priority_by_default():
+    """Body tenancy (the default) trusts the body's tenant, not its priority: -1000 runs as 0."""
+    h = IntakeHarness(Settings())
+    _, (admitted,) = h.feed(msgpack.packb({"v": 1, "id": "p-1", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
+                                           "max_tokens": 2, "priority": -1000}))
+    assert admitted.priority == 0
+    _, (admitted,) = h.feed(msgpack.packb({"v": 1, "id": "p-2", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
+                                           "max_tokens": 2, "priority": 9}))
+    assert admitted.priority == 9  # lowering one's own priority is always allowed
 
 
 def harness(**limits) -> tuple[IntakeHarness, TopicPartition]:

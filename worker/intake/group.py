@@ -266,8 +266,7 @@ class Intake:
             return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
                                   request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
         tenant = tenant or req.tenant
-        limits = self._s.limits
-        priority = clamp_priority(req.priority, limits.tenants.get(tenant, limits.default_tenant))
+        priority = clamp_priority(req.priority, self._s.limits, tenant)
         if tenant == req.tenant and priority == req.priority:
             return req
         return req.model_copy(update={"tenant": tenant, "priority": priority})

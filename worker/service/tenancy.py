@@ -36,13 +36,20 @@ def reply_prefix(kafka, tenant: str | None) -> str:
     return kafka.reply_topic_prefix if tenant is None else f"{kafka.reply_topic_prefix}{tenant}."
 
 
-def clamp_priority(priority: int, limit) -> int:
-    """The tenant's priority range (TenantLimit.min_priority / max_priority), where set."""
-    if limit.min_priority is not None:
-        priority = max(priority, limit.min_priority)
-    if limit.max_priority is not None:
-        priority = min(priority, limit.max_priority)
-    return priority
+def priority_range(limits, tenant: str) -> tuple[int, int]:
+    """(best, worst) priority `tenant` may claim: its own entry's MIN_PRIORITY / MAX_PRIORITY (or
+    default_tenant's), else LimitsSettings.min_priority / max_priority (by default [0, 1000]: no
+    producer outranks the default class unless an operator says so)."""
+    limit = limits.tenants.get(tenant, limits.default_tenant)
+    low = limit.min_priority if limit.min_priority is not None else limits.min_priority
+    high = limit.max_priority if limit.max_priority is not None else limits.max_priority
+    return low, max(low, high)
+
+
+def clamp_priority(priority: int, limits, tenant: str) -> int:
+    """`priority` clamped into the tenant's range (priority_range), in every tenancy mode."""
+    low, high = priority_range(limits, tenant)
+    return min(max(priority, low), high)
 
 
 def cancel_key(request_id: str, tenant: str | None) -> str:
