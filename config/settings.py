@@ -250,6 +250,11 @@ class TenantLimit(BaseModel):
 class LimitsSettings(BaseModel):
     # Every request's max_tokens is capped at this.
     max_tokens_cap: int = Field(1024, ge=1)
+    # The tokens one request may ask for over all its samples: n x max_tokens (max_tokens after
+    # max_tokens_cap). Over it the request is rejected (`invalid_request`, naming `n`): each sample
+    # costs its own decode steps and KV blocks. The default admits n=16 at the contract's
+    # default max_tokens (256), or n=4 at the default cap (1024).
+    max_request_tokens: int = Field(4096, ge=1)
     default_timeout_s: float = Field(600.0, gt=0)
     default_tenant: TenantLimit = TenantLimit()
     tenants: dict[str, TenantLimit] = {}

@@ -172,7 +172,7 @@ class LLMEngine:
 
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
-        self._check_fits(prompt_ids, req.sampling.max_tokens)
+        self._check_fits(prompt_ids, req.sampling.max_tokens, req.sampling.n)
         # Preempted sequences wait too, but were admitted once: only new arrivals count.
         num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(self._compiling)
         if num_new >= self.max_waiting:
@@ -227,14 +227,24 @@ class LLMEngine:
             raise Rejected("invalid_request", "prompt: empty after tokenization")
         return ids
 
-    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
         total = len(prompt_ids) + max_tokens
         if total > self.max_model_len:
             raise Rejected("prompt_too_long", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
                            f"({max_tokens}) exceeds the model length {self.max_model_len}")
-        if self.block_manager.num_blocks_for(total) > self.block_manager.num_blocks:
-            raise Rejected("prompt_too_long", f"prompt + max_tokens ({total} tokens) exceeds the "
-                           f"whole KV cache ({self.block_manager.num_blocks} blocks)")
+        needed = self.num_blocks_needed(len(prompt_ids), max_tokens, n)
+        if needed > self.block_manager.num_blocks:
+            what = "prompt + max_tokens" if n == 1 else f"n ({n}) samples of prompt + max_tokens"
+            raise Rejected("prompt_too_long", f"{what} ({total} tokens each) need {needed} KV blocks, "
+                           f"more than the whole KV cache ({self.block_manager.num_blocks} blocks)")
+
+    def num_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """KV blocks of a request whose n samples all run to max_tokens at once: the prompt's full
+        blocks are shared by every sample (_fork), the rest is each sample's own. A request that
+        needs more than the whole cache could only run by preempting its own samples over and over."""
+        bm = self.block_manager
+        shared = (num_prompt_tokens - 1) // bm.block_size if n > 1 else 0
+        return shared + n * (bm.num_blocks_for(num_prompt_tokens + max_tokens) - shared)
 
     def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
         """Finish a waiting or running request now; its blocks are freed at once."""

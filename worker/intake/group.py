@@ -297,7 +297,9 @@ class Intake:
         route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
-        if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
+        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+            self._sink.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
+        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
             self._sink.reject(tp, offset, route, "cancelled", "cancelled before it started",
                               finish_reason="cancelled", metadata=meta)
         elif deadline <= time.time():
@@ -373,3 +375,12 @@ def deadline_of(req: Request, received: float, default_timeout_s: float) -> floa
 
 def capped_max_tokens(req: Request, settings) -> int:
     return min(req.max_tokens, settings.limits.max_tokens_cap)
+
+
+def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
+    """Why n x max_tokens (capped) is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
+    if req.n * max_tokens <= limits.max_request_tokens:
+        return None
+    field = "n" if req.n > 1 else "max_tokens"
+    return (f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, at most "
+            f"{limits.max_request_tokens} per request")
