@@ -115,3 +115,47 @@ def test_a_cancel_counts_only_for_its_own_tenant():
     assert not added and msgpack.unpackb(reply.value)["finish_reason"] == "cancelled"
 
 
+
+
+RESERVED_CASES = ["dlq", "DLQ", "Dlq", "cancel", "requests", "llm", "default", "reply", "inferline", "_x", "__c",
+                  "changelog", "retry"]
+
+
+def test_tenant_names_that_name_internal_topics_are_refused():
+    """A tenant named like an internal topic or suffix (issue 38): `dlq` would own
+    `llm.requests.dlq`, the dead-letter topic, and `inferline topics acls` would grant it write there."""
+    from contract.topics import tenant_problem
+
+    kafka = KafkaSettings()
+    for name in RESERVED_CASES:
+        assert tenant_problem(name, kafka), name
+    for name in ("acme", "globex-2", "a_b", "dlq2", "my-cancel"):
+        assert tenant_problem(name, kafka) is None, name
+    assert "1-64" in tenant_problem("a.b", kafka)
+    # A deployment's own names count, and '.' versus '_' collisions too.
+    custom = KafkaSettings(request_topic="jobs", cancel_topic="stop", dlq_topic="jobs.quarantine")
+    assert tenant_problem("quarantine", custom) and tenant_problem("stop", custom)
+    assert tenant_problem("parked", KafkaSettings(request_topic="jobs", dlq_topic="jobs_parked"))
+
+
+def test_the_worker_never_takes_a_reserved_tenant_topic():
+    import re
+
+    pattern = re.compile(tenant_pattern("llm.requests", ("llm.requests.dlq", "llm.cancel", "inferline.reply.")))
+    for name in [n for n in RESERVED_CASES if n != "inferline"]:
+        assert not pattern.match(f"llm.requests.{name}") and tenant_of(f"llm.requests.{name}", "llm.requests") is None
+    assert not pattern.match("llm.requests.inferline")  # a word of the reply prefix
+    assert pattern.match("llm.requests.acme") and tenant_of("llm.requests.acme", "llm.requests") == "acme"
+    # Such a topic is still never a reply topic.
+    assert "own topics" in refusal("llm.requests.default", KafkaSettings(tenancy="topic", reply_topic_prefix=""))
+
+
+def test_the_gateway_refuses_keys_of_reserved_tenants():
+    import pytest
+
+    from config.settings import GatewaySettings
+    from producer.gateway.auth import load_keys
+
+    with pytest.raises(SystemExit, match="reserved"):
+        load_keys(GatewaySettings(api_keys={"k": "dlq"}), topic_tenancy=True, kafka=KafkaSettings())
+    assert load_keys(GatewaySettings(api_keys={"k": "acme"}), topic_tenancy=True, kafka=KafkaSettings()) == {"k": "acme"}

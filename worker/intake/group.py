@@ -132,7 +132,8 @@ class Intake:
             metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed (pattern)
         )
         if k.tenancy == "topic":  # every tenant's own request topic, new ones found as they appear
-            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic)),
+            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic,
+                                                                           k.reply_topic_prefix)),
                                      listener=_Rebalance(self))
         else:
             self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))

@@ -13,12 +13,14 @@ producer made the topic) is missing.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Iterable
 
 import structlog
 
-from worker.service.tenancy import reply_prefix, tenant_of
+from contract.topics import TENANT_SEGMENT
+from worker.service.tenancy import reply_prefix
 
 log = structlog.get_logger(__name__)
 KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
@@ -38,7 +40,9 @@ def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
 
 
 def _per_tenant_topic(topic: str, kafka) -> bool:
-    return kafka.tenancy == "topic" and any(tenant_of(topic, base) for base in (kafka.request_topic, kafka.cancel_topic))
+    # Any `<base>.<segment>`, reserved tenant names included: never a reply topic.
+    return kafka.tenancy == "topic" and any(re.fullmatch(f"{re.escape(base)}\\.{TENANT_SEGMENT}", topic)
+                                            for base in (kafka.request_topic, kafka.cancel_topic))
 
 
 class ReplyTopics:

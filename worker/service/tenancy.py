@@ -11,24 +11,25 @@ clamped to the tenant's range (INFERLINE_LIMITS__TENANTS__<name>__MIN_PRIORITY /
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
-from contract.topics import TENANT_SEGMENT
+from contract.topics import TENANT_SEGMENT, reserved_words
 
 
+@lru_cache(maxsize=64)
 def tenant_pattern(base_topic: str, exclude: tuple[str, ...] = ()) -> str:
     """The regex of the per-tenant topics `<base_topic>.<tenant>`, never matching `exclude`
-    (the dead-letter topic `llm.requests.dlq` would otherwise be tenant `dlq`'s request topic)."""
+    (the dead-letter topic `llm.requests.dlq` would otherwise be tenant `dlq`'s request topic)
+    nor a reserved tenant name (contract.topics.reserved_words, any case, or a leading '_')."""
     skip = "".join(f"(?!{re.escape(t[len(base_topic) + 1:])}$)" for t in exclude
                    if t.startswith(base_topic + "."))
-    return f"^{re.escape(base_topic)}\\.{skip}{TENANT_SEGMENT}$"
+    words = "|".join(re.escape(w) for w in sorted(reserved_words(base_topic, *exclude)))
+    return f"^{re.escape(base_topic)}\\.{skip}(?!(?i:{words})$)(?!_){TENANT_SEGMENT}$"
 
 
-def tenant_of(topic: str, base_topic: str) -> str | None:
-    """The tenant whose per-tenant topic this is, or None."""
-    if not topic.startswith(base_topic + "."):
-        return None
-    tenant = topic[len(base_topic) + 1:]
-    return tenant if re.fullmatch(TENANT_SEGMENT, tenant) else None
+def tenant_of(topic: str, base_topic: str, exclude: tuple[str, ...] = ()) -> str | None:
+    """The tenant whose per-tenant topic this is (as tenant_pattern matches it), or None."""
+    return topic[len(base_topic) + 1:] if re.match(tenant_pattern(base_topic, exclude), topic) else None
 
 
 def reply_prefix(kafka, tenant: str | None) -> str:
