@@ -27,6 +27,11 @@ class KafkaSettings(BaseModel):
     # cancel or dead-letter topic, nor a `__` internal one); a request naming any other reply
     # topic is dead-lettered with the reason (worker/intake/reply_topics.py). "" allows every other topic.
     reply_topic_prefix: str = "inferline.reply."
+    # A reply topic found missing (absent from a topic list read after its request was fetched)
+    # is remembered missing this long: further requests naming it are dead-lettered without
+    # another lookup (worker/intake/reply_topics.py). A client that creates its topic late waits
+    # this long at most; a flood naming distinct missing topics costs one lookup each per TTL.
+    missing_reply_topic_ttl_s: float = Field(10.0, gt=0)
     # Who a request is from (worker/service/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
     # each tenant writes its own `<request_topic>.<tenant>` (and cancels to `<cancel_topic>.<tenant>`),
     # which Kafka ACLs keep to that tenant; the worker subscribes by pattern, takes the tenant from

@@ -75,6 +75,7 @@ class _Unverified:
     record: object
     decoded: Request | InvalidRequest
     generation: int
+    since: float = float("-inf")  # when it was read (ReplyTopics.clock): a list after it decides
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -104,6 +105,8 @@ class Intake:
         self._taking_over: set[TopicPartition] = set()  # assigned, ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
+        self._verifying: set[asyncio.Task] = set()  # reply-topic lookups under way
+        self._num_verifying = 0  # records they hold
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
@@ -145,9 +148,9 @@ class Intake:
     async def close(self) -> None:
         """Leave the group (on_partitions_revoked is not called by stop()). Nothing is left to
         commit: offsets are committed with their final results (worker/delivery/transactions.py)."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._verifying]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
         if self._consumer:
             await self._consumer.stop()
         if self._admin:
@@ -169,8 +172,8 @@ class Intake:
             for tp, records in batch.items():
                 for record in records:
                     self._handle_safely(tp, record, unverified)
-            if unverified:
-                await self._verify_reply_topics(unverified)
+            if unverified:  # off the fetch loop: a slow or failing lookup holds up no other request
+                self._verify_in_background(unverified)
             self.lag.update()
 
     def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
@@ -187,7 +190,7 @@ class Intake:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(_Unverified(tp, record, decoded, self._generation))
+            unverified.append(_Unverified(tp, record, decoded, self._generation, self.reply_topics.clock()))
             return
         self._dispatch(tp, record, decoded, verdict)
 
@@ -204,13 +207,26 @@ class Intake:
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
+    def _verify_in_background(self, unverified: list[_Unverified]) -> None:
+        """Look the batch's unknown reply topics up in a task; they count against the pool's
+        room meanwhile (_fetch_once), so lookups never let the intake read without bound."""
+        self._num_verifying += len(unverified)
+        task = asyncio.create_task(self._verify_reply_topics(unverified))
+        self._verifying.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._verifying.discard(t)
+            self._num_verifying -= len(unverified)
+        task.add_done_callback(done)
+
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One look at the broker's topic list for every unknown reply topic of the batch (a few
-        tries: a request is dead-lettered as unanswerable only when the broker cannot be asked)."""
+        """One look at the broker's topic list for every unknown reply topic of the batch,
+        shared with every other lookup under way (ReplyTopics.refresh_after; a few tries: a
+        request is dead-lettered as unanswerable only when the broker cannot be asked)."""
         listed = False
         for attempt in range(LIST_TOPICS_TRIES):
             try:
-                await self.reply_topics.refresh()
+                await self.reply_topics.refresh_after(max(u.since for u in unverified))
                 listed = True
                 break
             except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
@@ -227,7 +243,7 @@ class Intake:
                 self._sink.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _fetch_once(self) -> dict:
-        room = self._sink.room() if self.fetching else 0
+        room = self._sink.room() - self._num_verifying if self.fetching else 0
         self._overloading = self.fetching and room <= 0 and self._overloaded()
         take = room > 0 or self._overloading
         self._set_paused(not take)
