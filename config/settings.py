@@ -236,6 +236,18 @@ class SpeculativeSettings(BaseModel):
         return self
 
 
+class StructuredSettings(BaseModel):
+    # A request's grammar (response_format, structured) must compile within this many seconds of
+    # its arrival at the engine, queueing included; past it the request is rejected naming the
+    # field, and a compile nobody else waits for is abandoned (worker/engine/structured_output.py).
+    compile_timeout_s: float = Field(5.0, gt=0)
+    # Grammars compiled at once. Jobs are taken from each tenant in turn and no tenant holds more
+    # than compile_threads - 1 of them, so one tenant's heavy grammars never hold up another's.
+    compile_threads: int = Field(2, ge=1, le=32)
+    # Compiled grammars kept for reuse, in bytes (xgrammar's own sizes); least recently used go first.
+    cache_bytes: int = Field(256 * 2**20, ge=0)
+
+
 class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
@@ -330,6 +342,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
+    structured: StructuredSettings = StructuredSettings()
     limits: LimitsSettings = LimitsSettings()
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()

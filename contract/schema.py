@@ -68,7 +68,8 @@ MAX_TENANT_LEN = 256
 # A JSON schema (as compact JSON), a regex or an EBNF grammar: compile time grows with its size, and
 # real extraction schemas are a few KiB.
 MAX_GRAMMAR_BYTES = 65_536
-# vLLM's choice is a label set (classification); each option becomes one grammar alternative.
+# vLLM's choice is a label set (classification); each option becomes one grammar alternative, and
+# all of them together (as a JSON list) count against MAX_GRAMMAR_BYTES.
 MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
 # OpenAI's cap on top_logprobs.
@@ -259,6 +260,14 @@ class StructuredOutputs(_Wire):
     choice: Annotated[list[Annotated[NonEmptyText, AfterValidator(_utf8), Field(max_length=MAX_CHOICE_LEN)]],
                       Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: GrammarText | None = None
+
+    @field_validator("choice")
+    @classmethod
+    def _choice_size(cls, value: list[str] | None) -> list[str] | None:
+        # The options become one grammar: they count against the grammar size cap together.
+        if value is not None:
+            _grammar_size(json.dumps(value, ensure_ascii=False))
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":

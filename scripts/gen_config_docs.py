@@ -38,6 +38,8 @@ SECTIONS = {
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and the waiting pool.",
     "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, verified in the "
                    "same step; greedy output is unchanged.",
+    "structured": "Structured outputs (grammars): the compile time budget, the compile pool and the compiled-grammar "
+                  "cache (docs/security.md).",
     "limits": "Per-request caps, deadlines, per-tenant rate limits, and load shedding.",
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",

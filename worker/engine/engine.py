@@ -95,8 +95,10 @@ class LLMEngine:
         # Samples 1..n-1 of a request whose sample 0 still computes the prompt (see _fork).
         self._unforked: dict[str, list[Sequence]] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
-        # Constrained sequences whose grammar still compiles: in no queue, holding no block.
-        self._compiling: dict[str, tuple[Sequence, Future]] = {}
+        self._structured = settings.structured
+        # Constrained sequences whose grammar still compiles (with when they asked, monotonic
+        # seconds): in no queue, holding no block.
+        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
         self._token_texts = TokenTexts(self.tokenizer)
@@ -129,35 +131,42 @@ class LLMEngine:
         if len(samples) > 1:
             self._unforked[seq.request_id] = samples[1:]
         if seq.sampling.structured is not None:
-            self._compile(seq)
+            self._compile(seq, req.tenant)
         else:
             self.scheduler.add(seq)
 
     @property
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                             self._structured.compile_threads, self._structured.cache_bytes)
         return self._grammars
 
-    def _compile(self, seq: Sequence) -> None:
-        """The grammar compiles on GrammarCompiler's thread; the sequence joins the queue once it
+    def _compile(self, seq: Sequence, tenant: str | None = None) -> None:
+        """The grammar compiles on GrammarCompiler's threads; the sequence joins the queue once it
         is ready (_admit_compiled), so the batch never waits for a compile."""
         field = seq.sampling.structured.field
         try:
-            future = self.grammars.compile(seq.sampling.structured)
+            future = self.grammars.compile(seq.sampling.structured, tenant)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
             log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
             self._forget(seq.request_id)
             self._finished.append(rejected_output(seq.request_id, "invalid_request",
                                                   f"{field}: structured outputs are unavailable on this worker"))
             return
-        self._compiling[seq.request_id] = (seq, future)
+        self._compiling[seq.request_id] = (seq, future, time.monotonic())
 
     def _admit_compiled(self) -> None:
         if self._compiling and not self._finished and not self.scheduler.has_unfinished():
-            wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        for request_id, (seq, future) in list(self._compiling.items()):
+            wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        budget, now = self._structured.compile_timeout_s, time.monotonic()
+        for request_id, (seq, future, since) in list(self._compiling.items()):
             if not future.done():
+                if now - since > budget:  # rejected; the compile is abandoned (_forget)
+                    self._forget(request_id)
+                    self._finished.append(rejected_output(
+                        request_id, "invalid_request", f"{seq.sampling.structured.field}: the grammar did not "
+                        f"compile within {budget:g} s (INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)"))
                 continue
             del self._compiling[request_id]
             try:
@@ -207,7 +216,9 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> list[Sequence]:
         self._unforked.pop(request_id, None)
-        self._compiling.pop(request_id, None)
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None and all(f is not compiling[1] for _, f, _ in self._compiling.values()):
+            self.grammars.abandon(compiling[1])  # nobody else waits for it: not started, never starts
         return self.requests.pop(request_id, [])
 
     def tokenize(self, req: EngineRequest) -> list[int]:
