@@ -68,6 +68,10 @@ MAX_TENANT_LEN = 256
 # A JSON schema (as compact JSON), a regex or an EBNF grammar: compile time grows with its size, and
 # real extraction schemas are a few KiB.
 MAX_GRAMMAR_BYTES = 65_536
+# Containers nested in a JSON schema: compile time and grammar size grow with nesting, real
+# extraction schemas nest a handful of levels (each property level is two: the `properties` map
+# and the property's own schema).
+MAX_SCHEMA_DEPTH = 64
 # vLLM's choice is a label set (classification); each option becomes one grammar alternative, and
 # all of them together (as a JSON list) count against MAX_GRAMMAR_BYTES.
 MAX_CHOICES = 256
@@ -234,6 +238,9 @@ class JsonSchemaFormat(_Wire):
     @field_validator("schema_")
     @classmethod
     def _schema_size(cls, value: dict) -> dict:
+        depth = json_depth(value, MAX_SCHEMA_DEPTH)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
         _grammar_size(_json_text(value))
         return value
 
@@ -365,6 +372,19 @@ class Cancel(_Wire):
 
     v: Version = PROTOCOL_VERSION
     id: RequestId
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """Nesting depth of dicts and lists in `value` (a scalar is 0), level by level without
+    recursion, and no further than `stop` + 1."""
+    depth, level = 0, [value]
+    while depth <= stop:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def metadata_bytes(metadata: dict[str, str]) -> int:
@@ -635,7 +655,7 @@ __all__ = [
     "MAX_STOP_LEN", "MAX_STOP_TOKEN_IDS", "MAX_PROMPT_TOKEN_IDS", "MAX_MESSAGES", "MAX_ROLE_LEN", "MAX_TOKEN_ID",
     "SEED_RANGE", "PRIORITY_RANGE", "MAX_TIMEOUT_S", "MAX_REPLY_PARTITION", "MAX_TENANT_LEN",
     "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
-    "MAX_GRAMMAR_BYTES", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
+    "MAX_GRAMMAR_BYTES", "MAX_SCHEMA_DEPTH", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
     "ChatMessage", "JsonSchemaFormat", "ResponseFormat", "StructuredOutputs", "Request", "Cancel",
     "TopLogprob", "TokenLogprob", "Usage", "Timing", "ErrorInfo",
     "StartedEvent", "TokensEvent", "DoneEvent", "Event",

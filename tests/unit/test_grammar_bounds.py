@@ -4,14 +4,19 @@ JSON without whitespace runs. Real xgrammar compiles over a tiny vocabulary (no 
 the engine's time budget is in tests/unit/test_structured_output.py."""
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections import Counter
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import msgpack
 import pytest
 import xgrammar as xgr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from contract.schema import MAX_GRAMMAR_BYTES, InvalidRequest, decode_request
+from contract.schema import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH, InvalidRequest, decode_request
 from worker.engine import structured_output
 from worker.engine.request import StructuredSpec
 from worker.engine.structured_output import GrammarCompiler
@@ -103,3 +108,93 @@ def test_json_grammars_allow_no_whitespace_between_tokens():
         assert matcher.accept_string("{")
         assert not matcher.accept_string(" ") and not matcher.accept_string("\n")
     compiler.shutdown()
+
+
+# ---- fuzz: hostile grammars ------------------------------------------------------------------------
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE = [  # (field, kind, text): depth, huge repetition counts, ambiguity, many alternatives
+    ("regex", "a{1,100000}"), ("regex", "((a|b){50}){50}"), ("regex", "((a|ab)*)*b"), ("regex", "(a?){300}a{300}"),
+    ("regex", "a{99999999}"), ("regex", "(" * 2000 + "a" + ")" * 2000), ("regex", "[^x]{1,65000}"),
+    ("json_schema", json.dumps(nested_schema(30))), ("json_schema", '{"type":"string","maxLength":10000000}'),
+    ("json_schema", '{"type":"array","minItems":100000,"items":{"type":"integer"}}'),
+    ("json_schema", '{"type":"object","properties":{"a":{"$ref":"#"}}}'),
+    ("json_schema", json.dumps({"anyOf": [{"const": f"v{i}"} for i in range(2000)]})),
+    ("json_schema", '{"type":"string","pattern":"(a|a)*b"}'),
+    ("grammar", 'root ::= x\nx ::= x x | "a" | "ab" | "b"'), ("grammar", 'root ::= r\nr ::= r "a" | "a"'),
+    ("choice", json.dumps(["a" * 200 + str(i) for i in range(250)])),
+]
+
+
+def test_hostile_grammars_are_rejected_or_compiled_and_never_hold_up_others():
+    """Each hostile grammar either compiles, fails with a reason (ValueError), or is still
+    compiling when its budget is spent (then it is abandoned, as the engine does); an honest
+    tenant's grammar compiles meanwhile, whatever the hostile tenant has queued."""
+    compiler = tiny_compiler(threads=2)
+    hostile = [compiler.compile(StructuredSpec("structured", kind, text), tenant="mallory") for kind, text in HOSTILE]
+    honest = compiler.compile(regex("[01]{8}"), tenant="alice")
+    assert honest.result(timeout=60) is not None
+    outcomes = Counter()
+    for future in hostile:
+        try:
+            future.result(timeout=2.0)  # the engine's budget, shortened
+            outcomes["compiled"] += 1
+        except ValueError as exc:
+            assert str(exc).startswith("cannot be compiled: "), exc
+            outcomes["invalid"] += 1
+        except FuturesTimeout:
+            compiler.abandon(future)
+            outcomes["over_budget"] += 1
+    assert sum(outcomes.values()) == len(HOSTILE) and outcomes["invalid"] >= 1, outcomes
+    compiler.shutdown()
+
+
+repetition = st.builds(lambda lo, hi: f"{{{lo},{lo + hi}}}", st.integers(0, 10**6), st.integers(0, 10**6))
+regexes = st.recursive(
+    st.sampled_from(["a", "b", "ab", "[ab]", ".", "\\d", "[^a]", "(a|ab)"]),
+    lambda inner: st.one_of(
+        st.builds(lambda r, q: f"({r}){q}", inner, st.sampled_from(["*", "+", "?"]) | repetition),
+        st.builds(lambda a, b: f"{a}|{b}", inner, inner), st.builds(lambda a, b: a + b, inner, inner)),
+    max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=regexes)
+def test_fuzz_hostile_regexes_end_in_a_bounded_outcome(pattern):
+    """Random regexes with nested and huge repetition counts: through the contract (a field
+    error, or a request), then the compiler: compiled, refused with a reason, or over budget."""
+    data = msgpack.packb({"v": 1, "id": "re", "reply_topic": "t", "prompt": "x", "structured": {"regex": pattern}})
+    try:
+        req = decode_request(data)
+    except InvalidRequest as exc:
+        assert exc.field == "structured"
+        return
+    compiler = FUZZ_COMPILER
+    future = compiler.compile(StructuredSpec(*req.output_constraint()), tenant="fuzz")
+    try:
+        future.result(timeout=2.0)
+    except ValueError as exc:
+        assert str(exc).startswith("cannot be compiled: ")
+    except FuturesTimeout:
+        compiler.abandon(future)
+
+
+FUZZ_COMPILER = tiny_compiler(threads=2, cache_bytes=4 * 2**20)
+
+
+@pytest.mark.parametrize("depth, ok", [(10, True), (31, True), (32, False), (500, False)])
+def test_schema_nesting_is_capped(depth, ok):
+    data = msgpack.packb({"v": 1, "id": "d", "reply_topic": "t", "prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": nested_schema(depth)}}})
+    if ok:
+        assert decode_request(data).response_format.json_schema.schema_
+    else:
+        with pytest.raises(InvalidRequest, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels") as exc:
+            decode_request(data)
+        assert exc.value.field == "response_format"
