@@ -127,7 +127,7 @@ def test_operations_describes_every_metric():
 # test_the_name_check_catches_each_kind shows each check failing on a made-up name.
 
 ALL_DOCS = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
-SOURCE_DIRS = ("config", "worker", "producer", "kernels", "bench", "scripts", "tests", "deploy", "docs")
+SOURCE_DIRS = ("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests", "deploy", "docs")
 FILE_EXT = r"(?:py|md|yaml|yml|sh|c|h|toml|json|txt|in|properties|cfg|ini|gguf)"
 # Files and names from outside the repository that the docs may name: Kafka's tools, what a
 # benchmark writes (bench/results/ is its output folder), library and model names.
@@ -157,7 +157,7 @@ def definitions() -> tuple[dict[str, set[str]], dict[str, list[str]], set[str], 
     bases: dict[str, list[str]] = {}
     names: set[str] = set()
     modules: dict[str, set[str]] = {}
-    for top in ("config", "worker", "producer", "kernels", "bench", "scripts", "tests"):
+    for top in ("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests"):
         for path in (REPO / top).rglob("*.py"):
             tree = ast.parse(path.read_text())
             module = path.relative_to(REPO).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")

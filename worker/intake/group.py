@@ -40,6 +40,7 @@ POLL_MS = 100  # how soon a freed slot in the pool is noticed
 LIST_TOPICS_TRIES = 3
 TAKE_OVER_TRIES = 5
 OVERLOAD_BATCH = 64
+REFUSAL_LOG_S = 1.0
 
 
 class Sink(Protocol):
@@ -107,6 +108,7 @@ class Intake:
         self._tasks: list[asyncio.Task] = []
         self._verifying: set[asyncio.Task] = set()  # reply-topic lookups under way
         self._num_verifying = 0  # records they hold
+        self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics)
@@ -197,7 +199,7 @@ class Intake:
     def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None) -> None:
         if verdict != "ok":
             reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
-            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=record.offset, reason=reason)
+            self._log_refusal(tp, record.offset, reason)
             self._m.reply_topic_refusals.inc()
             self._sink.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
@@ -206,6 +208,17 @@ class Intake:
             self._sink.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
         else:
             self._triage(tp, record.offset, decoded, time.time())
+
+    def _log_refusal(self, tp, offset: int, reason: str) -> None:
+        """At most one line per REFUSAL_LOG_S (a flood of refusals must not flood the log and
+        the loop): the metric counts them all; the line says how many went unlogged."""
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_S:
+            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=offset, reason=reason,
+                        unlogged=self._refusals_unlogged)
+            self._refusal_logged_at, self._refusals_unlogged = now, 0
+        else:
+            self._refusals_unlogged += 1
 
     def _verify_in_background(self, unverified: list[_Unverified]) -> None:
         """Look the batch's unknown reply topics up in a task; they count against the pool's
