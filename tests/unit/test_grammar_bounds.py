@@ -198,3 +198,21 @@ def test_schema_nesting_is_capped(depth, ok):
         with pytest.raises(InvalidRequest, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels") as exc:
             decode_request(data)
         assert exc.value.field == "response_format"
+
+
+def test_rows_whose_mask_is_over_budget_are_found():
+    """TokenBitmask times each row alone when the batch's fill is over the budget (same bits);
+    budget 0 makes every row slow, no budget none (the engine ends a request after 3 such steps)."""
+    import torch
+
+    from worker.engine.structured_output import TokenBitmask
+
+    compiler = tiny_compiler(threads=1)
+    matchers = [xgr.GrammarMatcher(compiler.compile(regex(r)).result(timeout=30)) for r in ("[ab]+", "c", "[01]{2}")]
+    plain = TokenBitmask(len(VOCAB), torch.device("cpu")).fill(matchers).clone()
+    timed = TokenBitmask(len(VOCAB), torch.device("cpu"), budget_s=0.0)
+    assert torch.equal(timed.fill(matchers), plain) and timed.slow == [0, 1, 2]
+    never = TokenBitmask(len(VOCAB), torch.device("cpu"), budget_s=None)
+    never.fill(matchers)
+    assert never.slow == []
+    compiler.shutdown()

@@ -416,3 +416,21 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_abandoned(model_runne
         assert final.error_message.startswith("structured: the grammar did not compile within 0.3 s")
     assert results["honest"]["final"].finish_reason == "stop" and results["plain"]["final"].finish_reason == "length"
     assert engine.grammars.compile(spec("regex", "slowb[0-9]")).cancelled() is False  # abandoned: asked afresh
+
+
+def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(model_runner):
+    """Issue 38: a row whose token mask alone is over INFERLINE_STRUCTURED__MASK_BUDGET_MS in 3
+    steps ends its request (`error`, naming the field); the rest of the batch goes on. A budget
+    of 0 makes every constrained row over it."""
+    engine = make_engine(model_runner)
+    budget, model_runner.token_bitmask.budget_s = model_runner.token_bitmask.budget_s, 0.0
+    try:
+        results = run(engine, [EngineRequest("costly", greedy(16, structured=spec("regex", "[a-z ]{10,40}")),
+                                             prompt="Say hello."),
+                               EngineRequest("plain", greedy(8, ignore_eos=True), prompt="Say hello.")])
+    finally:
+        model_runner.token_bitmask.budget_s = budget
+    final = results["costly"]["final"]
+    assert final.finish_reason == "error" and final.error_message.startswith("structured: the grammar's token mask")
+    assert len(results["costly"]["tokens"]) == 3  # ended after its third step
+    assert results["plain"]["final"].finish_reason == "length"

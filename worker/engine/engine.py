@@ -40,6 +40,9 @@ ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 MAX_CHARS_PER_TOKEN = 256
 # An engine with nothing to do but grammars to compile waits this long for one, not spinning.
 GRAMMAR_WAIT_S = 0.01
+# Steps in which a row's token mask alone took over INFERLINE_STRUCTURED__MASK_BUDGET_MS before its
+# request is ended: one slow step can be the machine's, three are the grammar's.
+MASK_STRIKES = 3
 
 
 class Rejected(Exception):
@@ -284,8 +287,18 @@ class LLMEngine:
         if not sched.is_empty or sched.started:
             sampled = self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
             self._update(sched, sampled, outputs)
+            self._end_costly_grammars(sched)
         self._record_stats(sched, time.perf_counter() - started)
         return list(outputs.values())
+
+    def _end_costly_grammars(self, sched: SchedulerOutput) -> None:
+        """A request whose grammar's token mask keeps costing the whole batch over the budget
+        ends with `error` naming its field (reported by the next step)."""
+        for seq in {id(c.seq): c.seq for c in sched.scheduled if c.seq.mask_strikes >= MASK_STRIKES}.values():
+            if seq.request_id in self.requests and not seq.is_finished:
+                budget = self.runner.token_bitmask.budget_s
+                self.abort(seq.request_id, "error", f"{seq.sampling.structured.field}: the grammar's token mask "
+                           f"took over {budget * 1e3:g} ms per step (INFERLINE_STRUCTURED__MASK_BUDGET_MS)")
 
     def _expire_deadlines(self) -> None:
         now = time.time()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 
@@ -187,11 +188,13 @@ class TokenBitmask:
     device. The bitmask covers the tokenizer's vocabulary as the engine gave it to the compiler
     (the model's logits width)."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256):
+    def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256, budget_s: float | None = None):
         self.vocab_size = vocab_size
         self.device = device
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the engine thread's own core
         self._host = self._allocate(max_rows)
+        self.budget_s = budget_s  # StructuredSettings.mask_budget_ms; None: never timed
+        self.slow: list[int] = []  # rows of the last fill that alone took over budget_s
 
     def _allocate(self, rows: int) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned: the copy to the GPU can run asynchronously
@@ -202,8 +205,22 @@ class TokenBitmask:
         if len(matchers) > self._host.shape[0]:
             self._host = self._allocate(len(matchers))
         host = self._host[:len(matchers)]
+        started = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, host)
+        self.slow = []
+        if self.budget_s is not None and time.perf_counter() - started > self.budget_s:
+            self.slow = self._time_rows(matchers, host)
         return host.to(self.device, non_blocking=True)
+
+    def _time_rows(self, matchers: list[xgr.GrammarMatcher], host: torch.Tensor) -> list[int]:
+        """The rows whose mask alone takes over budget_s (filled again, one by one: same bits)."""
+        slow = []
+        for i, matcher in enumerate(matchers):
+            started = time.perf_counter()
+            matcher.fill_next_token_bitmask(host, i)
+            if time.perf_counter() - started > self.budget_s:
+                slow.append(i)
+        return slow
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
