@@ -248,8 +248,8 @@ class StructuredSettings(BaseModel):
     cache_bytes: int = Field(256 * 2**20, ge=0)
     # The token mask of one constrained row is filled for every step of the whole batch: a step
     # whose masks take longer than this has each row timed alone, and a request whose row took
-    # longer than this alone in 3 steps is ended (`error`, naming its field), so an ambiguous
-    # grammar costs the batch a few steps, not its whole output.
+    # longer than this alone in 3 steps in a row is ended (`error`, naming its field), so an
+    # ambiguous grammar costs the batch a few steps, not its whole output.
     mask_budget_ms: float = Field(10.0, gt=0)
 
 

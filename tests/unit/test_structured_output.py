@@ -420,7 +420,7 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_abandoned(model_runne
 
 def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(model_runner):
     """Issue 38: a row whose token mask alone is over INFERLINE_STRUCTURED__MASK_BUDGET_MS in 3
-    steps ends its request (`error`, naming the field); the rest of the batch goes on. A budget
+    steps in a row ends its request (`error`, naming the field); the rest of the batch goes on. A budget
     of 0 makes every constrained row over it."""
     engine = make_engine(model_runner)
     budget, model_runner.token_bitmask.budget_s = model_runner.token_bitmask.budget_s, 0.0

@@ -40,8 +40,8 @@ ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 MAX_CHARS_PER_TOKEN = 256
 # An engine with nothing to do but grammars to compile waits this long for one, not spinning.
 GRAMMAR_WAIT_S = 0.01
-# Steps in which a row's token mask alone took over INFERLINE_STRUCTURED__MASK_BUDGET_MS before its
-# request is ended: one slow step can be the machine's, three are the grammar's.
+# Steps in a row in which a row's token mask alone took over INFERLINE_STRUCTURED__MASK_BUDGET_MS
+# before its request is ended: one slow step can be the machine's, three in a row are the grammar's.
 MASK_STRIKES = 3
 
 

@@ -135,8 +135,9 @@ class ModelRunner:
         # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
         bitmask = self.token_bitmask.fill([rows[i].grammar for i in grammar_rows]) if grammar_rows else None
-        for i in self.token_bitmask.slow if grammar_rows else ():
-            rows[grammar_rows[i]].mask_strikes += 1  # the engine ends it after MASK_STRIKES
+        slow = set(self.token_bitmask.slow) if grammar_rows else set()
+        for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget; MASK_STRIKES end it
+            rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
         out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
                                   [s.output_token_ids for s in rows], [s.generator for s in rows],
                                   bitmask, grammar_rows)
