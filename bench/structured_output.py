@@ -80,10 +80,12 @@ class Run:
 
     def summary(self) -> dict:
         tokens = self.engine.stats().num_generated_tokens
+        nan = float("nan")  # no full-batch step (bench.hostile_grammar: its hostile request ends early)
         return {"mode": self.mode, "tokens_per_s": tokens / self.seconds, "tokens": tokens,
-                "full_steps": len(self.full_steps), "full_step_ms": 1e3 * statistics.fmean(self.full_steps),
-                "median_step_ms": 1e3 * statistics.median(self.full_steps),
-                "fill_ms": 1e3 * statistics.fmean(self.fills),
+                "full_steps": len(self.full_steps),
+                "full_step_ms": 1e3 * statistics.fmean(self.full_steps) if self.full_steps else nan,
+                "median_step_ms": 1e3 * statistics.median(self.full_steps) if self.full_steps else nan,
+                "fill_ms": 1e3 * statistics.fmean(self.fills) if self.fills else nan,
                 "stopped": sum(reason == "stop" for reason, _ in self.finals.values()),
                 "valid": sum(valid(text) for _, text in self.finals.values())}
 

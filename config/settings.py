@@ -27,6 +27,11 @@ class KafkaSettings(BaseModel):
     # cancel or dead-letter topic, nor a `__` internal one); a request naming any other reply
     # topic is dead-lettered with the reason (worker/intake/reply_topics.py). "" allows every other topic.
     reply_topic_prefix: str = "inferline.reply."
+    # A reply topic found missing (absent from a topic list read after its request was fetched)
+    # is remembered missing this long: further requests naming it are dead-lettered without
+    # another lookup (worker/intake/reply_topics.py). A client that creates its topic late waits
+    # this long at most; a flood naming distinct missing topics costs one lookup each per TTL.
+    missing_reply_topic_ttl_s: float = Field(10.0, gt=0)
     # Who a request is from (worker/service/tenancy.py). `body`: its `tenant` field, trusted. `topic`:
     # each tenant writes its own `<request_topic>.<tenant>` (and cancels to `<cancel_topic>.<tenant>`),
     # which Kafka ACLs keep to that tenant; the worker subscribes by pattern, takes the tenant from
@@ -239,22 +244,64 @@ class SpeculativeSettings(BaseModel):
         return self
 
 
+class StructuredSettings(BaseModel):
+    # A request's grammar (response_format, structured) must compile within this many seconds of
+    # its arrival at the engine, queueing included; past it the request is rejected naming the
+    # field, and a compile nobody else waits for is abandoned (worker/engine/structured_output.py).
+    compile_timeout_s: float = Field(5.0, gt=0)
+    # Grammars compiled at once. Jobs are taken from each tenant in turn and no tenant holds more
+    # than compile_threads - 1 of them, so one tenant's heavy grammars never hold up another's.
+    compile_threads: int = Field(2, ge=1, le=32)
+    # Compiled grammars kept for reuse, in bytes (xgrammar's own sizes); least recently used go first.
+    cache_bytes: int = Field(256 * 2**20, ge=0)
+    # The token mask of one constrained row is filled for every step of the whole batch: a step
+    # whose masks take longer than this has each row timed alone, and a request whose row took
+    # longer than this alone in 3 steps in a row is ended (`error`, naming its field), so an
+    # ambiguous grammar costs the batch a few steps, not its whole output.
+    mask_budget_ms: float = Field(10.0, gt=0)
+
+
 class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
     burst_requests: float | None = Field(None, gt=0)
-    min_priority: int | None = None
-    max_priority: int | None = None
+    # The tenant's priority range (lower runs first): a request's `priority` is clamped into it
+    # in every tenancy mode. None: LimitsSettings.min_priority / max_priority.
+    min_priority: int | None = Field(None, ge=-1000, le=1000)
+    max_priority: int | None = Field(None, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> "TenantLimit":
+        if None not in (self.min_priority, self.max_priority) and self.min_priority > self.max_priority:
+            raise ValueError("min_priority must not exceed max_priority")
+        return self
 
 
 class LimitsSettings(BaseModel):
     # Every request's max_tokens is capped at this.
     max_tokens_cap: int = Field(1024, ge=1)
+    # The tokens one request may ask for over all its samples: n x max_tokens (max_tokens after
+    # max_tokens_cap). Over it the request is rejected (`invalid_request`, naming `n`): each sample
+    # costs its own decode steps and KV blocks. The default admits n=16 at the contract's
+    # default max_tokens (256), or n=4 at the default cap (1024).
+    max_request_tokens: int = Field(4096, ge=1)
     default_timeout_s: float = Field(600.0, gt=0)
     default_tenant: TenantLimit = TenantLimit()
     tenants: dict[str, TenantLimit] = {}
     # Reject with `overloaded` when the pool has been full for this long; None keeps waiting.
     overload_reject_after_s: float | None = Field(None, gt=0)
+    # The priority range of a tenant whose own entry (or default_tenant) sets none: `priority` is
+    # producer-declared, so by default nobody may claim better (lower) than the contract's default
+    # 0; an operator opens lower values to a tenant with its MIN_PRIORITY.
+    min_priority: int = Field(0, ge=-1000, le=1000)
+    # The worst (highest) priority of such a tenant: a larger `priority` is lowered to it.
+    max_priority: int = Field(1000, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> "LimitsSettings":
+        if self.min_priority > self.max_priority:
+            raise ValueError("min_priority must not exceed max_priority")
+        return self
 
 
 class HttpSettings(BaseModel):
@@ -284,6 +331,10 @@ class GatewaySettings(BaseModel):
     api_keys: dict[str, str] = {}
     # The same JSON object from a file (a mounted secret); merged with `api_keys`.
     api_keys_file: Path | None = None
+    # Tenants whose API keys may set `priority` (the worker still clamps it into the tenant's
+    # range, INFERLINE_LIMITS__TENANTS__<name>__MIN_PRIORITY). From any other caller (and from
+    # everyone while no keys are configured) a body's `priority` is dropped, not forwarded.
+    priority_tenants: list[str] = []
     # The name /v1/models lists; a request naming another model gets 404, as from vLLM.
     model_name: str = "SmolLM2-135M-Instruct"
     # Each request's deadline (`timeout_s` on the wire); past it the worker answers `timeout` (504).
@@ -304,6 +355,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
+    structured: StructuredSettings = StructuredSettings()
     limits: LimitsSettings = LimitsSettings()
     http: HttpSettings = HttpSettings()
     log: LogSettings = LogSettings()

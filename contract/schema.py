@@ -68,7 +68,12 @@ MAX_TENANT_LEN = 256
 # A JSON schema (as compact JSON), a regex or an EBNF grammar: compile time grows with its size, and
 # real extraction schemas are a few KiB.
 MAX_GRAMMAR_BYTES = 65_536
-# vLLM's choice is a label set (classification); each option becomes one grammar alternative.
+# Containers nested in a JSON schema: compile time and grammar size grow with nesting, real
+# extraction schemas nest a handful of levels (each property level is two: the `properties` map
+# and the property's own schema).
+MAX_SCHEMA_DEPTH = 64
+# vLLM's choice is a label set (classification); each option becomes one grammar alternative, and
+# all of them together (as a JSON list) count against MAX_GRAMMAR_BYTES.
 MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
 # OpenAI's cap on top_logprobs.
@@ -233,6 +238,9 @@ class JsonSchemaFormat(_Wire):
     @field_validator("schema_")
     @classmethod
     def _schema_size(cls, value: dict) -> dict:
+        depth = json_depth(value, MAX_SCHEMA_DEPTH)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
         _grammar_size(_json_text(value))
         return value
 
@@ -259,6 +267,14 @@ class StructuredOutputs(_Wire):
     choice: Annotated[list[Annotated[NonEmptyText, AfterValidator(_utf8), Field(max_length=MAX_CHOICE_LEN)]],
                       Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: GrammarText | None = None
+
+    @field_validator("choice")
+    @classmethod
+    def _choice_size(cls, value: list[str] | None) -> list[str] | None:
+        # The options become one grammar: they count against the grammar size cap together.
+        if value is not None:
+            _grammar_size(json.dumps(value, ensure_ascii=False))
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":
@@ -356,6 +372,19 @@ class Cancel(_Wire):
 
     v: Version = PROTOCOL_VERSION
     id: RequestId
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """Nesting depth of dicts and lists in `value` (a scalar is 0), level by level without
+    recursion, and no further than `stop` + 1."""
+    depth, level = 0, [value]
+    while depth <= stop:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def metadata_bytes(metadata: dict[str, str]) -> int:
@@ -626,7 +655,7 @@ __all__ = [
     "MAX_STOP_LEN", "MAX_STOP_TOKEN_IDS", "MAX_PROMPT_TOKEN_IDS", "MAX_MESSAGES", "MAX_ROLE_LEN", "MAX_TOKEN_ID",
     "SEED_RANGE", "PRIORITY_RANGE", "MAX_TIMEOUT_S", "MAX_REPLY_PARTITION", "MAX_TENANT_LEN",
     "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
-    "MAX_GRAMMAR_BYTES", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
+    "MAX_GRAMMAR_BYTES", "MAX_SCHEMA_DEPTH", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
     "ChatMessage", "JsonSchemaFormat", "ResponseFormat", "StructuredOutputs", "Request", "Cancel",
     "TopLogprob", "TokenLogprob", "Usage", "Timing", "ErrorInfo",
     "StartedEvent", "TokensEvent", "DoneEvent", "Event",

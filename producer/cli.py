@@ -43,7 +43,8 @@ from producer.client import (
 )
 from producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
 from producer.tail import format_event, tail  # noqa: F401 - re-exported
-from producer.topics import TENANT_SEGMENT, create_topics, topic_configs
+from contract.topics import tenant_problem
+from producer.topics import create_topics, topic_configs
 
 # Exit codes of `submit`: scripts can tell a rejection from a timeout without parsing text.
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
@@ -302,11 +303,13 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def checked_tenants(args: argparse.Namespace) -> list[str]:
-    """--tenant names: each one topic-name segment (it becomes `<topic>.<tenant>`)."""
+def checked_tenants(args: argparse.Namespace, kafka) -> list[str]:
+    """--tenant names: each one topic-name segment (it becomes `<topic>.<tenant>`), and none that
+    names or collides with an internal topic (`dlq` would make and grant `<request topic>.dlq`)."""
     for tenant in args.tenant:
-        if not re.fullmatch(TENANT_SEGMENT, tenant):
-            raise SystemExit(f"inferline topics {args.topics_command}: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_-]")
+        problem = tenant_problem(tenant, kafka, getattr(args, "dlq_topic", None))
+        if problem:
+            raise SystemExit(f"inferline topics {args.topics_command}: tenant {tenant!r} {problem}")
     return args.tenant
 
 
@@ -316,6 +319,8 @@ async def cmd_topics(args: argparse.Namespace) -> int:
     from aiokafka.admin import AIOKafkaAdminClient
 
     client = make_client(args)
+    tenants = checked_tenants(args, client.kafka.model_copy(
+        update={"request_topic": client.request_topic, "cancel_topic": client.cancel_topic}))
     admin = AIOKafkaAdminClient(**client.kafka.connection_options())
     await admin.start()
     try:
@@ -326,7 +331,7 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             (args.dlq_topic or client.kafka.dlq_topic, 1, args.dlq_retention_ms),
         ]
         cancel_topics = {client.cancel_topic} | {f"{client.cancel_topic}.{t}" for t in args.tenant}
-        for tenant in checked_tenants(args):
+        for tenant in tenants:
             plan += [(f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
                      (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
         for name, partitions, retention in plan:
@@ -345,7 +350,7 @@ async def cmd_acls(args: argparse.Namespace) -> int:
     from producer.acls import apply, recipe
 
     kafka = make_client(args).kafka
-    rules = recipe(kafka, args.worker_principal, checked_tenants(args))
+    rules = recipe(kafka, args.worker_principal, checked_tenants(args, kafka))
     if args.apply:
         await apply(kafka, rules)
     for rule in rules:

@@ -38,6 +38,8 @@ SECTIONS = {
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and the waiting pool.",
     "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, verified in the "
                    "same step; greedy output is unchanged.",
+    "structured": "Structured outputs (grammars): the compile time budget, the compile pool and the compiled-grammar "
+                  "cache (docs/security.md).",
     "limits": "Per-request caps, deadlines, per-tenant rate limits, and load shedding.",
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",
@@ -89,9 +91,10 @@ MEANINGS = {
     "tenant.tokens_per_min": "Generated tokens per minute, charged at admission with the request's "
                              "`max_tokens` and refunded by what it did not use; unset: no limit.",
     "tenant.burst_requests": "Request bucket size; default `max(1, requests_per_s)`.",
-    "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and may preempt): "
-                           "a tenant cannot jump ahead of others by its own say; unset: no bound.",
-    "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: no bound.",
+    "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and may preempt), "
+                           "in every tenancy mode: a tenant cannot jump ahead of others by its own say; unset: "
+                           "`INFERLINE_LIMITS__MIN_PRIORITY`.",
+    "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: `INFERLINE_LIMITS__MAX_PRIORITY`.",
     "http.host": "Address the HTTP server binds.",
     "http.port": "Port of /healthz, /readyz and /metrics; 0 picks a free one.",
     "log.level": "Lowest level logged.",
@@ -218,6 +221,10 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
                        if issubclass(sub, BaseModel) else "")
             out.append(f"| `{env(*prefix, name)}` | JSON object: name → {sub.__name__} | `{{}}` | "
                        f"{meaning(model, key, name, comments)}{per_key} |")
+            continue
+        if typing.get_origin(annotation) is list:
+            out.append(f"| `{env(*prefix, name)}` | JSON list of {type_text(typing.get_args(annotation)[0])}s | "
+                       f"`{field.get_default()}` | {meaning(model, key, name, comments)} |")
             continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             out += rows(annotation, (*prefix, name), "tenant" if annotation.__name__ == "TenantLimit" else key, comments)

@@ -23,7 +23,7 @@ from producer.gateway.service import Gateway
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app; its lifespan connects to Kafka and, at shutdown, cancels what is in flight."""
     settings = settings or load_settings()
-    keys = ApiKeys(load_keys(settings.gateway, settings.kafka.tenancy == "topic"))
+    keys = ApiKeys(load_keys(settings.gateway, settings.kafka.tenancy == "topic", settings.kafka))
     gateway = Gateway(settings, keys, ClientPool(settings, keys.tenants), GatewayMetrics())
     batches = BatchService(settings, gateway.pool.instance)
 

@@ -6,22 +6,26 @@ import hmac
 import json
 import re
 
-from config.settings import GatewaySettings
+from config.settings import GatewaySettings, KafkaSettings
 from producer.gateway.errors import OpenAIError
 from contract.schema import TENANT_PATTERN
-from producer.topics import TENANT_SEGMENT
+from contract.topics import tenant_problem
 
 
-def load_keys(settings: GatewaySettings, topic_tenancy: bool) -> dict[str, str]:
-    """Every key with its tenant; a tenant name the tenancy cannot carry stops start-up."""
+def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dict[str, str]:
+    """Every key with its tenant; a tenant name the tenancy cannot carry stops start-up. Topic
+    tenancy puts the tenant into topic names (`kafka`'s): one segment, no '.', and no name of an
+    internal topic (contract.topics.tenant_problem)."""
     keys = dict(settings.api_keys)
     if settings.api_keys_file is not None:
         keys.update(json.loads(settings.api_keys_file.read_text()))
-    # Topic tenancy puts the tenant into topic names: one segment, no '.'.
-    pattern = f"^{TENANT_SEGMENT}$" if topic_tenancy else TENANT_PATTERN
     for tenant in keys.values():
-        if not isinstance(tenant, str) or not re.match(pattern, tenant):
-            raise SystemExit(f"invalid setting INFERLINE_GATEWAY__API_KEYS: tenant {tenant!r} must match {pattern}")
+        if topic_tenancy:
+            problem = tenant_problem(tenant, kafka if kafka is not None else KafkaSettings())
+        else:
+            problem = None if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant) else f"must match {TENANT_PATTERN}"
+        if problem:
+            raise SystemExit(f"invalid setting INFERLINE_GATEWAY__API_KEYS: tenant {tenant!r} {problem}")
     if topic_tenancy and not keys:
         raise SystemExit("INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: keys name the tenants")
     return keys

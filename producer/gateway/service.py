@@ -72,8 +72,11 @@ class Gateway:
         return body
 
     async def _submit(self, tenant: str | None, mapped: Mapped) -> RequestHandle:
+        fields = dict(mapped.fields)
+        if tenant is None or tenant not in self.settings.gateway.priority_tenants:
+            fields.pop("priority", None)  # only keys allowed to set it may (docs/security.md)
         try:
-            return await self.pool.submit(tenant, dict(mapped.fields))
+            return await self.pool.submit(tenant, fields)
         except ValidationError as exc:  # the contract's own rules, before anything is sent
             raise from_validation(exc, mapped.rename) from None
         except ValueError as exc:  # over the message size limit

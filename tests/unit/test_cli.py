@@ -218,3 +218,8 @@ async def test_topics_acls_prints_the_recipe():
             "--transactional-id inferline-workers. --resource-pattern-type prefixed") in lines
     rc, _, err = await run_cli(env, "topics", "acls", "--tenant", "a.b")
     assert rc != 0 and "must be 1-64 of" in err
+    # Tenants named like internal topics (issue 38): refused before anything is printed or created.
+    for command in ("acls", "create"):
+        for name in ("dlq", "DLQ", "cancel", "default"):
+            rc, out, err = await run_cli(env, "topics", command, "--tenant", "acme", "--tenant", name)
+            assert rc != 0 and "reserved" in err and not out, (command, name, err)

@@ -300,3 +300,35 @@ def test_tenant_attacks_in_topic_tenancy():
             assert job.request.tenant == "acme"
             outcomes.add("admitted")
     assert outcomes == {"dead_letter", "answered", "admitted"}
+
+
+def test_fuzz_priorities_and_sample_counts():
+    """Hostile `priority` and `n` (issue 38), any int or not an int at all: each request is
+    rejected naming its field, or admitted with its priority inside the default range [0, 1000]
+    (no producer outranks the default class) and n x max_tokens within the request bound."""
+    h = IntakeHarness(Settings())
+    limits = h.worker.settings.limits
+    ints = st.integers(-(2**63), 2**64 - 1) | st.integers(-2000, 2000) | st.sampled_from([0, 1, 16, 17, -1])
+    outcomes: Counter[str] = Counter()
+
+    @settings(max_examples=600 * SCALE, deadline=None, database=None)
+    @given(priority=ints | st.floats() | st.none() | st.text(max_size=3), n=ints | st.floats(),
+           max_tokens=st.integers(1, 5000))
+    def run(priority, n, max_tokens):
+        req = {"v": 1, "id": f"pn-{h.offset}", "reply_topic": REPLY, "prompt": "Hi.", "max_tokens": max_tokens,
+               "priority": priority, "n": n}
+        sent, added = h.feed(msgpack.packb(req, use_bin_type=True))
+        if added:
+            (engine_req,) = added
+            assert limits.min_priority <= engine_req.priority <= limits.max_priority
+            assert engine_req.sampling.n * engine_req.sampling.max_tokens <= limits.max_request_tokens
+            outcomes["admitted"] += 1
+            return
+        (done,) = sent
+        error = msgpack.unpackb(done.value)["error"]
+        assert error["code"] == "invalid_request" and error["message"].split(".")[0].split(":")[0] in (
+            "priority", "n", "max_tokens"), error
+        outcomes["rejected"] += 1
+
+    run()
+    assert outcomes["admitted"] > 20 and outcomes["rejected"] > 20, outcomes

@@ -92,3 +92,28 @@ def test_follower_holds_a_rerun_back_until_it_passes_what_was_sent():
     assert f.feed(done("a2", 3, "Hello world!")) == "!"  # done's whole text also fills a gap
     with pytest.raises(Diverged):
         f.feed(tokens("a3", 1, "Goodbye"))
+
+
+@pytest.mark.parametrize("tenant, forwarded", [("ops", True), ("acme", False), (None, False)])
+def test_priority_is_forwarded_only_for_keys_allowed_to_set_it(tenant, forwarded):
+    """A body's `priority` reaches Kafka only from an API key whose tenant is in
+    INFERLINE_GATEWAY__PRIORITY_TENANTS; from any other caller it is dropped (issue 38)."""
+    import asyncio
+
+    from config.settings import Settings
+    from producer.gateway.auth import ApiKeys
+    from producer.gateway.metrics import GatewayMetrics
+    from producer.gateway.service import Gateway
+
+    class Pool:
+        sent: list = []
+
+        async def submit(self, tenant, fields):
+            self.sent.append(fields)
+
+    settings = Settings(gateway={"api_keys": {"k1": "ops", "k2": "acme"}, "priority_tenants": ["ops"]})
+    pool = Pool()
+    gateway = Gateway(settings, ApiKeys({"k1": "ops", "k2": "acme"}), pool, GatewayMetrics())
+    mapped = chat_request({"messages": [{"role": "user", "content": "hi"}], "priority": -1000})
+    asyncio.run(gateway._submit(tenant, mapped))
+    assert ("priority" in pool.sent[-1]) is forwarded

@@ -128,14 +128,39 @@ def test_deadline_ends_every_sample(model_runner, prompt):
 
 
 def test_samples_survive_preemption(model_runner, prompt):
-    # A pool too small for every sample at once: samples preempt each other and recompute.
+    # A pool that holds every sample of `p` (the fit check counts n), but not `p` and `q` at
+    # once: sequences preempt each other and recompute.
     n, max_tokens = 4, 40
     params = dict(n=n, seed=77, max_tokens=max_tokens, ignore_eos=True, **HOT)
     roomy = run(make_engine(model_runner), req("p", prompt, **params))["p"]
-    engine = make_engine(model_runner, num_blocks=12)
-    tight = run(engine, req("p", prompt, **params))["p"]
+    engine = make_engine(model_runner, num_blocks=engine_blocks(model_runner, len(prompt), max_tokens, n))
+    tight = run(engine, req("p", prompt, **params), req("q", prompt[::-1], n=2, seed=5, max_tokens=max_tokens,
+                                                         ignore_eos=True, **HOT))["p"]
     assert engine.scheduler.num_preemptions > 0
     assert tight["tokens"] == roomy["tokens"]
+
+
+def engine_blocks(model_runner, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+    """The prompt's full blocks once, each sample's own blocks n times."""
+    bs = model_runner.block_size
+    shared = (num_prompt_tokens - 1) // bs if n > 1 else 0
+    return shared + n * (-(-(num_prompt_tokens + max_tokens) // bs) - shared)
+
+
+def test_the_fit_check_counts_every_sample(model_runner, prompt):
+    """A request whose n samples cannot all be in the KV cache at once is rejected at once
+    (naming n), instead of thrashing by recompute; one block more and it runs (issue 38)."""
+    n, max_tokens = 4, 40
+    needed = engine_blocks(model_runner, len(prompt), max_tokens, n)
+    engine = make_engine(model_runner, num_blocks=needed - 1)
+    assert engine.num_blocks_needed(len(prompt), max_tokens, n) == needed > engine_blocks(model_runner, len(prompt),
+                                                                                           max_tokens, 1)
+    final = run(engine, req("p", prompt, n=n, max_tokens=max_tokens, ignore_eos=True, **HOT))["p"]["final"]
+    assert final.finish_reason == "rejected" and final.error_code == "prompt_too_long"
+    assert final.error_message.startswith(f"n ({n}) samples")
+    engine = make_engine(model_runner, num_blocks=needed)
+    r = run(engine, req("p", prompt, n=n, max_tokens=max_tokens, ignore_eos=True, **HOT))["p"]
+    assert r["final"].finish_reason == "length" and engine.scheduler.num_preemptions == 0
 
 
 def test_structured_output_and_logprobs_per_sample(model_runner, prompt):
@@ -218,3 +243,31 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
     done = DoneEvent(id="r", attempt="a", seq=3, finish_reason="stop", text="a", samples=samples,
                      usage=Usage(prompt_tokens=1, completion_tokens=4), timing=Timing(queue_s=0, ttft_s=0, total_s=0))
     assert second.feed(done) == "" and TextFollower(0).feed(done) == "a"
+
+
+# ---- the intake's bound on n x max_tokens (no model) -----------------------------------------------
+
+@pytest.mark.parametrize("n, max_tokens, limits, admitted", [
+    (16, 256, {}, True),  # the default bound admits n=16 at the contract's default max_tokens
+    (16, 1024, {}, False),
+    (4, 5000, {}, True),  # max_tokens is capped to 1024 first: 4 x 1024 fits
+    (5, 1024, {}, False),
+    (2, 100, {"max_request_tokens": 150}, False),
+    (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, True),
+])
+def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitted):
+    """INFERLINE_LIMITS__MAX_REQUEST_TOKENS bounds n x max_tokens: over it the request is
+    rejected naming `n` (issue 38); the rate limiter already charged every sample."""
+    import msgpack
+
+    from config.settings import Settings
+    from tests.chaos_fixtures import IntakeHarness
+
+    h = IntakeHarness(Settings(limits=limits))
+    sent, added = h.feed(msgpack.packb({"v": 1, "id": "big-n", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
+                                        "n": n, "max_tokens": max_tokens}))
+    assert bool(added) is admitted
+    if not admitted:
+        (done,) = sent
+        error = msgpack.unpackb(done.value)["error"]
+        assert error["code"] == "invalid_request" and error["message"].startswith("n: ")

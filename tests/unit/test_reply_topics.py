@@ -83,10 +83,113 @@ async def test_an_existing_topic_is_refused_when_its_limits_would_wedge_transact
         return {t: ("max.message.bytes=1 is below" if t.endswith("tiny") else None) for t in topics}
     rt = ReplyTopics(KAFKA, broker.list_topics, clock=lambda: broker.now, check_topics=check)
     assert rt.verdict("inferline.reply.tiny") is None
-    await rt.refresh({"inferline.reply.ok", "inferline.reply.tiny"})
+    await rt.refresh()
+    await rt.check({"inferline.reply.ok", "inferline.reply.tiny"})
     assert rt.verdict("inferline.reply.ok") == "ok"
     assert "would wedge transactions: max.message.bytes=1" in rt.verdict("inferline.reply.tiny")
-    await rt.refresh({"inferline.reply.ok"})  # checked lately: not asked again
+    await rt.check({"inferline.reply.ok"})  # checked lately: not asked again
     assert checked == [["inferline.reply.ok", "inferline.reply.tiny"]]
     broker.now += 61  # a producer may alter a topic's limits: they are read again
     assert rt.verdict("inferline.reply.ok") is None
+
+
+class SlowBroker(FakeBroker):
+    """A broker whose topic list takes until `gate` opens (a cluster with very many topics)."""
+
+    def __init__(self, topics):
+        super().__init__(topics)
+        import asyncio
+
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def list_topics(self):
+        await self.gate.wait()
+        return await super().list_topics()
+
+
+async def test_lookups_are_coalesced_and_a_missing_topic_is_remembered_for_its_ttl():
+    """Issue 38: any number of unknown reply topics cost one list in flight at a time, and a
+    topic found missing is refused without another lookup for missing_reply_topic_ttl_s."""
+    import asyncio
+
+    broker = SlowBroker({"inferline.reply.a"})
+    rt = ReplyTopics(KAFKA.model_copy(update={"missing_reply_topic_ttl_s": 10.0}), broker.list_topics,
+                     clock=lambda: broker.now)
+    broker.gate.clear()
+    waiters = [asyncio.create_task(rt.refresh_after(broker.now)) for _ in range(1000)]
+    await asyncio.sleep(0)
+    broker.gate.set()
+    await asyncio.gather(*waiters)
+    assert broker.calls == 1
+    missing = [f"inferline.reply.x{i}" for i in range(1000)]
+    assert all("does not exist" in rt.verdict(t, listed_after=True) for t in missing)
+    broker.now += 5
+    assert all("does not exist" in rt.verdict(t) for t in missing) and broker.calls == 1  # no lookup
+    broker.now += 6  # past the TTL: asked again
+    assert rt.verdict(missing[0]) is None
+    broker.topics.add(missing[1])  # made since: the next list clears it at once
+    broker.now -= 6
+    await rt.refresh_after(broker.now)
+    assert rt.verdict(missing[1]) == "ok" and "does not exist" in rt.verdict(missing[2])
+
+
+async def test_reply_topic_lookups_run_off_the_fetch_loop():
+    """While the broker's topic list is slow to come, requests naming known reply topics are
+    still read and admitted (before issue 38 the fetch loop awaited every lookup)."""
+    import asyncio
+    import time
+
+    import msgpack
+    from aiokafka.structs import ConsumerRecord
+
+    from config.settings import Settings
+    from tests.chaos_fixtures import IntakeHarness
+
+    h = IntakeHarness(Settings())
+    broker = SlowBroker({"inferline.reply.honest"})
+    intake = h.worker.intake
+    intake.reply_topics = ReplyTopics(h.worker.settings.kafka, broker.list_topics)
+    await intake.reply_topics.refresh()
+
+    def record(offset: int, reply_topic: str) -> ConsumerRecord:
+        value = msgpack.packb({"v": 1, "id": f"r{offset}", "reply_topic": reply_topic, "prompt": "Hi.", "max_tokens": 2})
+        return ConsumerRecord(h.tp.topic, 0, offset, int(time.time() * 1000), 0, b"k", value, None, 1, len(value), [])
+
+    batches = [{h.tp: [record(0, "inferline.reply.missing")]}, {h.tp: [record(1, "inferline.reply.honest")]}]
+
+    class Consumer:
+        def assignment(self):
+            return {h.tp}
+
+        def paused(self):
+            return set()
+
+        def pause(self, *tps):
+            pass
+
+        def resume(self, *tps):
+            pass
+
+        async def getmany(self, timeout_ms, max_records):
+            await asyncio.sleep(0.001)
+            return batches.pop(0) if batches else {}
+
+    intake._consumer = Consumer()
+    intake.lag.update = lambda: None  # no broker to ask for lag
+    broker.gate.clear()
+    loop_task = asyncio.create_task(intake._fetch_loop())
+    for _ in range(2000):
+        await asyncio.sleep(0.001)
+        if h.worker.engine_loop.added:
+            break
+    assert [r.request_id for r in h.worker.engine_loop.added] and not batches  # honest admitted, lookup pending
+    assert intake._verifying and intake._num_verifying == 1
+    broker.gate.set()
+    for _ in range(2000):
+        await asyncio.sleep(0.001)
+        if not intake._verifying:
+            break
+    loop_task.cancel()
+    dead = [o for o in h.sent if o.topic == h.worker.settings.kafka.dlq_topic]
+    assert len(dead) == 1 and b"does not exist" in dict(dead[0].headers)["error"]

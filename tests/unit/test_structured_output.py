@@ -339,6 +339,7 @@ def test_a_compiling_grammar_never_stalls_the_batch(model_runner, monkeypatch):
     release, real = threading.Event(), structured_output.compile_spec
     monkeypatch.setattr(structured_output, "compile_spec", lambda *a: (release.wait(30), real(*a))[1])
     engine = make_engine(model_runner)
+    engine._structured = engine._structured.model_copy(update={"compile_timeout_s": 3600.0})  # no budget here
     engine.add_request(EngineRequest("free", greedy(6), prompt="Say hello."))
     engine.add_request(EngineRequest("slow", greedy(8, structured=spec("regex", "slow[0-9]")), prompt="Say hello."))
     done = {}
@@ -390,3 +391,46 @@ def test_no_grammar_engine_rejects_the_request_not_the_engine(model_runner, monk
     assert results["c"]["final"].finish_reason == "rejected"
     assert results["c"]["final"].error_message.startswith("structured: ")
     assert results["p"]["final"].finish_reason == "length"
+
+
+def test_a_grammar_over_its_compile_budget_is_rejected_and_abandoned(model_runner, monkeypatch):
+    """Issue 38: a grammar that does not compile within INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S
+    gets its request rejected naming the field; the others, constrained or not, go on."""
+    from config.settings import StructuredSettings
+    from worker.engine import structured_output
+
+    release, real = threading.Event(), structured_output.compile_spec
+    monkeypatch.setattr(structured_output, "compile_spec",
+                        lambda c, s: (release.wait(30) if s.text.startswith("slow") else None, real(c, s))[1])
+    engine = make_engine(model_runner)
+    engine._structured = StructuredSettings(compile_timeout_s=0.3, compile_threads=2)
+    reqs = [EngineRequest("hostile", greedy(4, structured=spec("regex", "slow[0-9]")), prompt="Hi.", tenant="m"),
+            EngineRequest("queued", greedy(4, structured=spec("regex", "slowb[0-9]")), prompt="Hi.", tenant="m"),
+            EngineRequest("honest", greedy(4, structured=spec("regex", "[0-9]{2}")), prompt="Hi.", tenant="a"),
+            EngineRequest("plain", greedy(4), prompt="Hi.")]
+    results = run(engine, reqs)
+    release.set()
+    for rid in ("hostile", "queued"):
+        final = results[rid]["final"]
+        assert final.finish_reason == "rejected" and final.error_code == "invalid_request"
+        assert final.error_message.startswith("structured: the grammar did not compile within 0.3 s")
+    assert results["honest"]["final"].finish_reason == "stop" and results["plain"]["final"].finish_reason == "length"
+    assert engine.grammars.compile(spec("regex", "slowb[0-9]")).cancelled() is False  # abandoned: asked afresh
+
+
+def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(model_runner):
+    """Issue 38: a row whose token mask alone is over INFERLINE_STRUCTURED__MASK_BUDGET_MS in 3
+    steps in a row ends its request (`error`, naming the field); the rest of the batch goes on. A budget
+    of 0 makes every constrained row over it."""
+    engine = make_engine(model_runner)
+    budget, model_runner.token_bitmask.budget_s = model_runner.token_bitmask.budget_s, 0.0
+    try:
+        results = run(engine, [EngineRequest("costly", greedy(16, structured=spec("regex", "[a-z ]{10,40}")),
+                                             prompt="Say hello."),
+                               EngineRequest("plain", greedy(8, ignore_eos=True), prompt="Say hello.")])
+    finally:
+        model_runner.token_bitmask.budget_s = budget
+    final = results["costly"]["final"]
+    assert final.finish_reason == "error" and final.error_message.startswith("structured: the grammar's token mask")
+    assert len(results["costly"]["tokens"]) == 3  # ended after its third step
+    assert results["plain"]["final"].finish_reason == "length"

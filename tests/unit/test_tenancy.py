@@ -39,9 +39,36 @@ def test_replies_only_under_the_tenants_own_prefix():
 
 
 def test_priority_clamp():
-    limit = Settings(limits={"tenants": {"t": {"min_priority": 0, "max_priority": 5}}}).limits.tenants["t"]
-    assert [clamp_priority(p, limit) for p in (-1000, 0, 3, 5, 1000)] == [0, 0, 3, 5, 5]
-    assert clamp_priority(-7, Settings().limits.default_tenant) == -7
+    limits = Settings(limits={"tenants": {"t": {"min_priority": 0, "max_priority": 5}}}).limits
+    assert [clamp_priority(p, limits, "t") for p in (-1000, 0, 3, 5, 1000)] == [0, 0, 3, 5, 5]
+    # By default no producer outranks the default class (0); an operator opens lower values.
+    assert clamp_priority(-7, Settings().limits, "anyone") == 0
+    assert clamp_priority(7, Settings().limits, "anyone") == 7
+    opened = Settings(limits={"tenants": {"ops": {"min_priority": -100}}, "default_tenant": {"min_priority": -3}}).limits
+    assert clamp_priority(-1000, opened, "ops") == -100 and clamp_priority(-1000, opened, "other") == -3
+    assert clamp_priority(-1000, Settings(limits={"min_priority": -10}).limits, "x") == -10
+
+
+def test_priority_range_settings_are_checked():
+    import pytest
+
+    from config.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError):
+        load_settings(limits={"tenants": {"t": {"min_priority": 5, "max_priority": 0}}})
+    with pytest.raises(SettingsError):
+        load_settings(limits={"min_priority": -5000})
+
+
+def test_body_tenancy_clamps_priority_by_default():
+    """Body tenancy (the default) trusts the body's tenant, not its priority: -1000 runs as 0."""
+    h = IntakeHarness(Settings())
+    _, (admitted,) = h.feed(msgpack.packb({"v": 1, "id": "p-1", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
+                                           "max_tokens": 2, "priority": -1000}))
+    assert admitted.priority == 0
+    _, (admitted,) = h.feed(msgpack.packb({"v": 1, "id": "p-2", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
+                                           "max_tokens": 2, "priority": 9}))
+    assert admitted.priority == 9  # lowering one's own priority is always allowed
 
 
 def harness(**limits) -> tuple[IntakeHarness, TopicPartition]:
@@ -88,3 +115,47 @@ def test_a_cancel_counts_only_for_its_own_tenant():
     assert not added and msgpack.unpackb(reply.value)["finish_reason"] == "cancelled"
 
 
+
+
+RESERVED_CASES = ["dlq", "DLQ", "Dlq", "cancel", "requests", "llm", "default", "reply", "inferline", "_x", "__c",
+                  "changelog", "retry"]
+
+
+def test_tenant_names_that_name_internal_topics_are_refused():
+    """A tenant named like an internal topic or suffix (issue 38): `dlq` would own
+    `llm.requests.dlq`, the dead-letter topic, and `inferline topics acls` would grant it write there."""
+    from contract.topics import tenant_problem
+
+    kafka = KafkaSettings()
+    for name in RESERVED_CASES:
+        assert tenant_problem(name, kafka), name
+    for name in ("acme", "globex-2", "a_b", "dlq2", "my-cancel"):
+        assert tenant_problem(name, kafka) is None, name
+    assert "1-64" in tenant_problem("a.b", kafka)
+    # A deployment's own names count, and '.' versus '_' collisions too.
+    custom = KafkaSettings(request_topic="jobs", cancel_topic="stop", dlq_topic="jobs.quarantine")
+    assert tenant_problem("quarantine", custom) and tenant_problem("stop", custom)
+    assert tenant_problem("parked", KafkaSettings(request_topic="jobs", dlq_topic="jobs_parked"))
+
+
+def test_the_worker_never_takes_a_reserved_tenant_topic():
+    import re
+
+    pattern = re.compile(tenant_pattern("llm.requests", ("llm.requests.dlq", "llm.cancel", "inferline.reply.")))
+    for name in [n for n in RESERVED_CASES if n != "inferline"]:
+        assert not pattern.match(f"llm.requests.{name}") and tenant_of(f"llm.requests.{name}", "llm.requests") is None
+    assert not pattern.match("llm.requests.inferline")  # a word of the reply prefix
+    assert pattern.match("llm.requests.acme") and tenant_of("llm.requests.acme", "llm.requests") == "acme"
+    # Such a topic is still never a reply topic.
+    assert "own topics" in refusal("llm.requests.default", KafkaSettings(tenancy="topic", reply_topic_prefix=""))
+
+
+def test_the_gateway_refuses_keys_of_reserved_tenants():
+    import pytest
+
+    from config.settings import GatewaySettings
+    from producer.gateway.auth import load_keys
+
+    with pytest.raises(SystemExit, match="reserved"):
+        load_keys(GatewaySettings(api_keys={"k": "dlq"}), topic_tenancy=True, kafka=KafkaSettings())
+    assert load_keys(GatewaySettings(api_keys={"k": "acme"}), topic_tenancy=True, kafka=KafkaSettings()) == {"k": "acme"}

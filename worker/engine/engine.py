@@ -40,6 +40,9 @@ ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 MAX_CHARS_PER_TOKEN = 256
 # An engine with nothing to do but grammars to compile waits this long for one, not spinning.
 GRAMMAR_WAIT_S = 0.01
+# Steps in a row in which a row's token mask alone took over INFERLINE_STRUCTURED__MASK_BUDGET_MS
+# before its request is ended: one slow step can be the machine's, three in a row are the grammar's.
+MASK_STRIKES = 3
 
 
 class Rejected(Exception):
@@ -95,8 +98,10 @@ class LLMEngine:
         # Samples 1..n-1 of a request whose sample 0 still computes the prompt (see _fork).
         self._unforked: dict[str, list[Sequence]] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
-        # Constrained sequences whose grammar still compiles: in no queue, holding no block.
-        self._compiling: dict[str, tuple[Sequence, Future]] = {}
+        self._structured = settings.structured
+        # Constrained sequences whose grammar still compiles (with when they asked, monotonic
+        # seconds): in no queue, holding no block.
+        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
         self._token_texts = TokenTexts(self.tokenizer)
@@ -129,35 +134,42 @@ class LLMEngine:
         if len(samples) > 1:
             self._unforked[seq.request_id] = samples[1:]
         if seq.sampling.structured is not None:
-            self._compile(seq)
+            self._compile(seq, req.tenant)
         else:
             self.scheduler.add(seq)
 
     @property
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                             self._structured.compile_threads, self._structured.cache_bytes)
         return self._grammars
 
-    def _compile(self, seq: Sequence) -> None:
-        """The grammar compiles on GrammarCompiler's thread; the sequence joins the queue once it
+    def _compile(self, seq: Sequence, tenant: str | None = None) -> None:
+        """The grammar compiles on GrammarCompiler's threads; the sequence joins the queue once it
         is ready (_admit_compiled), so the batch never waits for a compile."""
         field = seq.sampling.structured.field
         try:
-            future = self.grammars.compile(seq.sampling.structured)
+            future = self.grammars.compile(seq.sampling.structured, tenant)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
             log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
             self._forget(seq.request_id)
             self._finished.append(rejected_output(seq.request_id, "invalid_request",
                                                   f"{field}: structured outputs are unavailable on this worker"))
             return
-        self._compiling[seq.request_id] = (seq, future)
+        self._compiling[seq.request_id] = (seq, future, time.monotonic())
 
     def _admit_compiled(self) -> None:
         if self._compiling and not self._finished and not self.scheduler.has_unfinished():
-            wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        for request_id, (seq, future) in list(self._compiling.items()):
+            wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        budget, now = self._structured.compile_timeout_s, time.monotonic()
+        for request_id, (seq, future, since) in list(self._compiling.items()):
             if not future.done():
+                if now - since > budget:  # rejected; the compile is abandoned (_forget)
+                    self._forget(request_id)
+                    self._finished.append(rejected_output(
+                        request_id, "invalid_request", f"{seq.sampling.structured.field}: the grammar did not "
+                        f"compile within {budget:g} s (INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)"))
                 continue
             del self._compiling[request_id]
             try:
@@ -172,7 +184,7 @@ class LLMEngine:
 
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
-        self._check_fits(prompt_ids, req.sampling.max_tokens)
+        self._check_fits(prompt_ids, req.sampling.max_tokens, req.sampling.n)
         # Preempted sequences wait too, but were admitted once: only new arrivals count.
         num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(self._compiling)
         if num_new >= self.max_waiting:
@@ -207,7 +219,9 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> list[Sequence]:
         self._unforked.pop(request_id, None)
-        self._compiling.pop(request_id, None)
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None and all(f is not compiling[1] for _, f, _ in self._compiling.values()):
+            self.grammars.abandon(compiling[1])  # nobody else waits for it: not started, never starts
         return self.requests.pop(request_id, [])
 
     def tokenize(self, req: EngineRequest) -> list[int]:
@@ -227,14 +241,24 @@ class LLMEngine:
             raise Rejected("invalid_request", "prompt: empty after tokenization")
         return ids
 
-    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
         total = len(prompt_ids) + max_tokens
         if total > self.max_model_len:
             raise Rejected("prompt_too_long", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
                            f"({max_tokens}) exceeds the model length {self.max_model_len}")
-        if self.block_manager.num_blocks_for(total) > self.block_manager.num_blocks:
-            raise Rejected("prompt_too_long", f"prompt + max_tokens ({total} tokens) exceeds the "
-                           f"whole KV cache ({self.block_manager.num_blocks} blocks)")
+        needed = self.num_blocks_needed(len(prompt_ids), max_tokens, n)
+        if needed > self.block_manager.num_blocks:
+            what = "prompt + max_tokens" if n == 1 else f"n ({n}) samples of prompt + max_tokens"
+            raise Rejected("prompt_too_long", f"{what} ({total} tokens each) need {needed} KV blocks, "
+                           f"more than the whole KV cache ({self.block_manager.num_blocks} blocks)")
+
+    def num_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """KV blocks of a request whose n samples all run to max_tokens at once: the prompt's full
+        blocks are shared by every sample (_fork), the rest is each sample's own. A request that
+        needs more than the whole cache could only run by preempting its own samples over and over."""
+        bm = self.block_manager
+        shared = (num_prompt_tokens - 1) // bm.block_size if n > 1 else 0
+        return shared + n * (bm.num_blocks_for(num_prompt_tokens + max_tokens) - shared)
 
     def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
         """Finish a waiting or running request now; its blocks are freed at once."""
@@ -263,8 +287,18 @@ class LLMEngine:
         if not sched.is_empty or sched.started:
             sampled = self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
             self._update(sched, sampled, outputs)
+            self._end_costly_grammars(sched)
         self._record_stats(sched, time.perf_counter() - started)
         return list(outputs.values())
+
+    def _end_costly_grammars(self, sched: SchedulerOutput) -> None:
+        """A request whose grammar's token mask keeps costing the whole batch over the budget
+        ends with `error` naming its field (reported by the next step)."""
+        for seq in {id(c.seq): c.seq for c in sched.scheduled if c.seq.mask_strikes >= MASK_STRIKES}.values():
+            if seq.request_id in self.requests and not seq.is_finished:
+                budget = self.runner.token_bitmask.budget_s
+                self.abort(seq.request_id, "error", f"{seq.sampling.structured.field}: the grammar's token mask "
+                           f"took over {budget * 1e3:g} ms per step (INFERLINE_STRUCTURED__MASK_BUDGET_MS)")
 
     def _expire_deadlines(self) -> None:
         now = time.time()

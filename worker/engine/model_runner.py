@@ -51,7 +51,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
-        self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device)
+        self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device,
+                                          budget_s=settings.structured.mask_budget_ms / 1000)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
         codes = settings.model.cpu_weight_codes == "auto"
@@ -134,6 +135,9 @@ class ModelRunner:
         # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
         bitmask = self.token_bitmask.fill([rows[i].grammar for i in grammar_rows]) if grammar_rows else None
+        slow = set(self.token_bitmask.slow) if grammar_rows else set()
+        for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget; MASK_STRIKES end it
+            rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
         out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
                                   [s.output_token_ids for s in rows], [s.generator for s in rows],
                                   bitmask, grammar_rows)

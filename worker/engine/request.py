@@ -65,6 +65,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)  # Unix seconds
     deadline: float | None = None  # Unix seconds
+    tenant: str | None = None  # whose grammar compiles take turns with whose (None: unknown)
 
 
 @dataclass(frozen=True)

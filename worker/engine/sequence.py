@@ -37,6 +37,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer; None when text is not needed
     grammar: object | None = None  # xgrammar GrammarMatcher of a constrained request, once compiled
+    mask_strikes: int = 0  # steps in a row whose token mask for this row alone took over the mask budget
     index: int = 0  # which of the request's n samples
 
     status: SequenceStatus = SequenceStatus.WAITING

@@ -37,6 +37,15 @@ def capped_max_tokens(req: Request, settings) -> int:
     return min(req.max_tokens, settings.limits.max_tokens_cap)
 
 
+def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
+    """Why n x max_tokens (capped) is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
+    if req.n * max_tokens <= limits.max_request_tokens:
+        return None
+    field = "n" if req.n > 1 else "max_tokens"
+    return (f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, at most "
+            f"{limits.max_request_tokens} per request")
+
+
 def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
                    deadline: float) -> EngineRequest:
     sampling = SamplingParams(
@@ -49,4 +58,4 @@ def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
     messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
     return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
                          prompt_token_ids=req.prompt_token_ids, priority=req.priority,
-                         arrival_time=received, deadline=deadline)
+                         arrival_time=received, deadline=deadline, tenant=req.tenant)

@@ -33,7 +33,7 @@ from worker.intake.cancels import RecentCancels
 from worker.delivery.offsets import LagGauge, OffsetTracker
 from worker.delivery.publisher import ReplyRoute
 from worker.service.ratelimit import RateLimiter
-from worker.intake.admission import Admission, capped_max_tokens, deadline_of
+from worker.intake.admission import Admission, capped_max_tokens, deadline_of, sample_budget_problem
 from worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from worker.delivery.transactions import Transactions
 from worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
@@ -43,6 +43,7 @@ POLL_MS = 100  # how soon a freed slot in the pool is noticed
 LIST_TOPICS_TRIES = 3
 TAKE_OVER_TRIES = 5
 OVERLOAD_BATCH = 64
+REFUSAL_LOG_S = 1.0
 
 
 class Sink(Protocol):
@@ -63,6 +64,7 @@ class _Unverified:
     record: object
     decoded: Request | InvalidRequest
     generation: int
+    since: float = float("-inf")  # when it was read (ReplyTopics.clock): a list after it decides
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -94,6 +96,9 @@ class Intake:
         self._taking_over: set[TopicPartition] = set()  # assigned, ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
+        self._verifying: set[asyncio.Task] = set()  # reply-topic lookups under way
+        self._num_verifying = 0  # records they hold
+        self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
         self._admin: AIOKafkaAdminClient | None = None
         self._replicas: dict[str, int] = {}  # topic -> replicas per partition, from the last listing
@@ -145,7 +150,8 @@ class Intake:
             metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed (pattern)
         )
         if k.tenancy == "topic":  # every tenant's own request topic, new ones found as they appear
-            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic)),
+            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic,
+                                                                           k.reply_topic_prefix)),
                                      listener=_Rebalance(self))
         else:
             self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
@@ -157,9 +163,9 @@ class Intake:
     async def close(self) -> None:
         """Leave the group (on_partitions_revoked is not called by stop()). Nothing is left to
         commit: offsets are committed with their final results (worker/delivery/transactions.py)."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._verifying]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
         if self._consumer:
             await self._consumer.stop()
         if self._admin:
@@ -181,8 +187,8 @@ class Intake:
             for tp, records in batch.items():
                 for record in records:
                     self._handle_safely(tp, record, unverified)
-            if unverified:
-                await self._verify_reply_topics(unverified)
+            if unverified:  # off the fetch loop: a slow or failing lookup holds up no other request
+                self._verify_in_background(unverified)
             self.lag.update()
 
     def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
@@ -199,14 +205,14 @@ class Intake:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(_Unverified(tp, record, decoded, self._generation))
+            unverified.append(_Unverified(tp, record, decoded, self._generation, self.reply_topics.clock()))
             return
         self._dispatch(tp, record, decoded, verdict)
 
     def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None) -> None:
         if verdict != "ok":
             reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
-            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=record.offset, reason=reason)
+            self._log_refusal(tp, record.offset, reason)
             self._m.reply_topic_refusals.inc()
             self._delivery.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
@@ -216,13 +222,38 @@ class Intake:
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
+    def _log_refusal(self, tp, offset: int, reason: str) -> None:
+        """At most one line per REFUSAL_LOG_S (a flood of refusals must not flood the log and
+        the loop): the metric counts them all; the line says how many went unlogged."""
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_S:
+            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=offset, reason=reason,
+                        unlogged=self._refusals_unlogged)
+            self._refusal_logged_at, self._refusals_unlogged = now, 0
+        else:
+            self._refusals_unlogged += 1
+
+    def _verify_in_background(self, unverified: list[_Unverified]) -> None:
+        """Look the batch's unknown reply topics up in a task; they count against the pool's
+        room meanwhile (_fetch_once), so lookups never let the intake read without bound."""
+        self._num_verifying += len(unverified)
+        task = asyncio.create_task(self._verify_reply_topics(unverified))
+        self._verifying.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._verifying.discard(t)
+            self._num_verifying -= len(unverified)
+        task.add_done_callback(done)
+
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One look at the broker's topic list for every unknown reply topic of the batch (a few
-        tries: a request is dead-lettered as unanswerable only when the broker cannot be asked)."""
+        """One look at the broker's topic list for every unknown reply topic of the batch,
+        shared with every other lookup under way (ReplyTopics.refresh_after; a few tries: a
+        request is dead-lettered as unanswerable only when the broker cannot be asked)."""
         listed = False
         for attempt in range(LIST_TOPICS_TRIES):
             try:
-                await self.reply_topics.refresh({u.decoded.reply_topic for u in unverified})
+                await self.reply_topics.refresh_after(max(u.since for u in unverified))
+                await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
                 listed = True
                 break
             except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
@@ -239,7 +270,7 @@ class Intake:
                 self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _fetch_once(self) -> dict:
-        room = self._sink.room() if self.fetching else 0
+        room = self._sink.room() - self._num_verifying if self.fetching else 0
         self._overloading = self.fetching and room <= 0 and self._overloaded()
         take = room > 0 or self._overloading
         self._set_paused(not take)
@@ -279,8 +310,7 @@ class Intake:
             return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
                                   request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
         tenant = tenant or req.tenant
-        limits = self._s.limits
-        priority = clamp_priority(req.priority, limits.tenants.get(tenant, limits.default_tenant))
+        priority = clamp_priority(req.priority, self._s.limits, tenant)
         if tenant == req.tenant and priority == req.priority:
             return req
         return req.model_copy(update={"tenant": tenant, "priority": priority})
@@ -311,7 +341,9 @@ class Intake:
         route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
-        if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
+        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+            self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
+        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
             self._delivery.reject(tp, offset, route, "cancelled", "cancelled before it started",
                               finish_reason="cancelled", metadata=meta)
         elif deadline <= time.time():

@@ -6,10 +6,13 @@ exists. A request that names any other topic is dead-lettered with the reason, n
 there and never waited on; the worker never creates topics.
 
 Existence comes from the broker's metadata for all topics (asking for one topic by name could
-auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`;
-a fetched batch with a request naming an unknown topic reads the list again, once for the whole
-batch, and only a topic missing from a list read after the request was fetched (so after its
-producer made the topic) is missing.
+auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`.
+A request naming an unknown topic waits (off the fetch loop) for a list read after it was fetched
+(`refresh_after`): lists are coalesced, one in flight at a time, so any number of unknown topics
+cost one list; only a topic missing from such a list (read after its producer made the topic) is
+missing, and it is remembered missing for `missing_ttl_s` (INFERLINE_KAFKA__MISSING_REPLY_TOPIC_TTL_S):
+more requests naming it are dead-lettered without another lookup. So a flood of requests naming
+distinct missing topics costs one lookup per distinct topic per TTL, all of them shared lists.
 
 An existing topic is also checked for what would wedge a transaction: the broker writes each
 transaction's commit or abort marker into every partition the transaction wrote, and a marker the
@@ -20,16 +23,19 @@ topic under the reply prefix; its requests are dead-lettered here, before any tr
 """
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from typing import Callable, Iterable
 
 import structlog
 
-from worker.service.tenancy import reply_prefix, tenant_of
+from contract.topics import TENANT_SEGMENT
+from worker.service.tenancy import reply_prefix
 
 log = structlog.get_logger(__name__)
-KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
 CHECKED_FOR_S = 60.0  # a topic's limits are read again after this (a producer may alter them)
+KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
 
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
@@ -46,7 +52,9 @@ def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
 
 
 def _per_tenant_topic(topic: str, kafka) -> bool:
-    return kafka.tenancy == "topic" and any(tenant_of(topic, base) for base in (kafka.request_topic, kafka.cancel_topic))
+    # Any `<base>.<segment>`, reserved tenant names included: never a reply topic.
+    return kafka.tenancy == "topic" and any(re.fullmatch(f"{re.escape(base)}\\.{TENANT_SEGMENT}", topic)
+                                            for base in (kafka.request_topic, kafka.cancel_topic))
 
 
 def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int) -> str | None:
@@ -62,26 +70,31 @@ def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int
 
 
 class ReplyTopics:
-    """The allowed-and-existing check, with the broker's topic list cached; with `check_topics`,
-    existing topics' limits too (unsafe_limits)."""
+    """The allowed-and-existing check, with the broker's topic list cached."""
 
     def __init__(self, kafka, list_topics: Callable, clock: Callable[[], float] = time.monotonic,
-                 check_topics: Callable | None = None) -> None:
+                 missing_ttl_s: float | None = None, check_topics: Callable | None = None) -> None:
         self._kafka = kafka
         self._list_topics = list_topics  # async () -> iterable of every topic name
-        self._check_topics = check_topics  # async (topics) -> {topic: reason or None}
-        self._clock = clock
-        self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
+        self._check_topics = check_topics  # async (topics) -> {topic: reason or None} (unsafe_limits)
         self._checked: dict[str, tuple[float, str | None]] = {}  # topic -> (when, reason or None)
+        self.clock = clock
+        self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
+        self._missing: dict[str, float] = {}  # topic -> when a list read after its request lacked it
+        ttl = getattr(kafka, "missing_reply_topic_ttl_s", 10.0)
+        self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
+        self._listed_at = float("-inf")  # when the last good list was asked for
+        self._inflight: asyncio.Future | None = None
+        self.num_lists = 0  # lists read (metrics, benchmarks)
 
     def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
-        """"ok", a reason to refuse, or None when the broker must be asked (refresh()).
+        """"ok", a reason to refuse, or None when the broker must be asked (refresh_after()).
         `listed_after`: the last listing was taken after the request was read, so after its
         producer made its reply topic: a topic missing from it does not exist."""
         reason = refusal(topic, self._kafka, tenant)
         if reason:
             return reason
-        now = self._clock()
+        now = self.clock()
         if now - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S:
             if self._check_topics is None:
                 return "ok"
@@ -89,26 +102,47 @@ class ReplyTopics:
             if now - when < CHECKED_FOR_S:
                 return f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
             return None
-        return f"reply_topic {topic!r} does not exist (the worker never creates topics)" if listed_after else None
+        if listed_after:
+            self._missing[topic] = now
+        elif now - self._missing.get(topic, float("-inf")) >= self.missing_ttl_s:
+            return None
+        return f"reply_topic {topic!r} does not exist (the worker never creates topics)"
 
-    async def refresh(self, wanted: Iterable[str] = ()) -> None:
-        """Re-read the broker's topic list, and the limits of the `wanted` topics that exist
-        (raises what the broker lookup raised)."""
-        now = self._clock()
+    async def refresh_after(self, since: float) -> None:
+        """Return once a list read no earlier than `since` (this clock) is in: the one in flight
+        if it started late enough, else the next, which waits for the one in flight (never two
+        at once). Raises what the broker lookup raised."""
+        while self._listed_at < since:
+            if self._inflight is None or self._inflight.done():
+                self._inflight = asyncio.ensure_future(self.refresh())
+            await asyncio.shield(self._inflight)
+
+    async def refresh(self) -> None:
+        """Re-read the broker's topic list (raises what the broker lookup raised)."""
+        asked = self.clock()
         topics: Iterable[str] = await self._list_topics()
+        self.num_lists += 1
+        now = self.clock()
         self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
-        log.debug("reply_topics.refreshed", allowed=len(self._seen))
-        if self._check_topics is not None:
-            stale = sorted({t for t in wanted if t in self._seen
-                            and now - self._checked.get(t, (float("-inf"), None))[0] >= CHECKED_FOR_S})
-            if stale:
-                reasons = await self._check_topics(stale)
-                self._checked.update({t: (now, reasons.get(t)) for t in stale})
-                for t in stale:
-                    if reasons.get(t):
-                        log.warning("reply_topics.unsafe", topic=t, reason=reasons[t])
-            if len(self._checked) > 4 * len(self._seen) + 1024:  # deleted topics' entries
-                self._checked = {t: c for t, c in self._checked.items() if t in self._seen}
+        self._missing = {t: at for t, at in self._missing.items()
+                         if t not in self._seen and now - at < self.missing_ttl_s}
+        self._listed_at = max(self._listed_at, asked)
+        log.debug("reply_topics.refreshed", allowed=len(self._seen), missing=len(self._missing))
+
+    async def check(self, wanted) -> None:
+        """Read the limits of the `wanted` topics that exist and were not read lately."""
+        if self._check_topics is None:
+            return
+        now = self.clock()
+        stale = sorted({t for t in wanted if t in self._seen
+                        and now - self._checked.get(t, (float("-inf"), None))[0] >= CHECKED_FOR_S})
+        if stale:
+            reasons = await self._check_topics(stale)
+            self._checked.update({t: (now, reasons.get(t)) for t in stale})
+            for t in [t for t in stale if reasons.get(t)]:
+                log.warning("reply_topics.unsafe", topic=t, reason=reasons[t])
+        if len(self._checked) > 4 * len(self._seen) + 1024:  # deleted topics' entries
+            self._checked = {t: c for t, c in self._checked.items() if t in self._seen}
 
     def forget(self, topic: str) -> None:
         """The publisher found `topic` gone: the next request naming it asks the broker again."""

@@ -287,9 +287,7 @@ class ShareIntake(Intake):
             self._handle_safely(tp, record, unverified)
         self.free_room = self._sink.room() - len(self._polled) if self.fetching else 0
         if unverified:
-            task = asyncio.create_task(self._verify_reply_topics(unverified))
-            self._verifying.add(task)
-            task.add_done_callback(self._verifying.discard)
+            self._verify_in_background(unverified)
 
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
         """A record still running here came back (its lock expired first): this delivery's lock
