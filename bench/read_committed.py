@@ -160,7 +160,10 @@ class Reader:
             now = time.monotonic()
             for tp, records in batch.items():
                 for r in records:
-                    ev = decode_event(r.value)
+                    try:
+                        ev = decode_event(r.value)
+                    except Exception:  # noqa: BLE001 - not an event (the replay's warm-up record)
+                        continue
                     kind = type(ev).__name__.removesuffix("Event").lower()
                     if isinstance(ev, DoneEvent) and ev.finish_reason == "requeued":
                         kind = "requeued"
@@ -345,7 +348,7 @@ async def replay(settings, run: Run, records: list[tuple], t0: float, args, span
         await r.start(base.partitions)
     p = AIOKafkaProducer(**settings.kafka.connection_options(), enable_idempotence=True, acks="all", linger_ms=5)
     await p.start()
-    await p.send_and_wait(base.replies, b"\x80", partition=0)  # metadata and connection, unmeasured
+    await p.send_and_wait(base.replies, b"", partition=0)  # metadata and connection, unmeasured; readers skip it
     await asyncio.sleep(1.0)
     cpu_idle = await idle_cpu(args.idle_s)
     plan = sorted([(t - t0, base.requests, None, k, v) for t, k, v in run.sent]
@@ -449,6 +452,12 @@ async def killed(settings, args, mode: str) -> dict:
         killed_t = time.monotonic()
         started_before = len({e.id for e in readers[0].events if e.kind == "started" and e.id in run.submitted})
         await submitter
+        # A second wave once A is dead: what lands on B's request partition streams at once onto
+        # the shared reply partitions, behind A's open transaction until B or the broker aborts it.
+        wave = Run(run.prefix + "x", run.partitions)
+        wave.requests, wave.replies = run.requests, run.replies
+        await submit_all(settings, wave, n, args.max_tokens, args.rate)
+        run.submitted.update(wave.submitted)
         ok = await wait_finals(readers, run.submitted, args.timeout)
     finally:
         for proc in (a, b):
@@ -467,7 +476,7 @@ async def killed(settings, args, mode: str) -> dict:
         worst["ended_after_kill_s"] = worst["committed_t"] - killed_t
     unc, com = (per_request(run.submitted, r.events) for r in readers)
     await drop_topics(settings, [t for t, _ in run.specs()])
-    return {"mode": mode, "requests": n, "complete": ok, "started_before_kill": started_before,
+    return {"mode": mode, "requests": 2 * n, "complete": ok, "started_before_kill": started_before,
             "transaction_timeout_ms": settings.kafka.transaction_timeout_ms,
             "session_timeout_ms": settings.kafka.session_timeout_ms, "holds": h, "load_after": load(),
             "read_uncommitted": unc, "read_committed": com, "worker_log": str(log)}
@@ -485,8 +494,10 @@ def fx(x) -> str:
 
 
 def print_report(res: dict) -> None:
-    s = res["steady"]
     print(f"\n{res['settings']}  CPU: {res['cpu_model']}")
+    s = res.get("steady")
+    if s is None:
+        return print_killed(res)
     print(f"\nscenario 1: one worker, {res['settings']['num_requests']} requests, load {s['load_before']} -> {s['load_after']}"
           f", {s['transactions']['committed']:.0f} transactions, mean open {fx(s['transactions']['mean_open_ms'])} ms")
     head = f"{'reader':<18}{'TTFT p50':>9}{'p99':>7}{'gap p50':>9}{'p99':>7}{'max':>7}{'final p50':>10}"
@@ -508,12 +519,16 @@ def print_report(res: dict) -> None:
             print(f"  {name:<14} {fx(r['per_request_ms'])} CPU-ms/request raw, "
                   f"{fx(r['per_request_net_ms'])} net   ({r['what']})")
         print(f"  transactional / baseline: raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}")
+    print_killed(res)
+
+
+def print_killed(res: dict) -> None:
     for k in res.get("killed", []):
         if "error" in k:
             print(f"\nscenario 2 ({k['mode']}): failed: {k['error']} (load {k['load_after']})")
             continue
         w = k["holds"].get("worst", {})
-        print(f"\nscenario 2 ({k['mode']}): {k['requests']} requests on workers A and B, complete {k['complete']}, "
+        print(f"\nscenario 2 ({k['mode']}): {k['requests']} requests on workers A and B (half after A died), complete {k['complete']}, "
               f"{k['started_before_kill']} started before A died, load {k['load_after']}")
         print(f"  read_committed longest hold {ms(k['holds']['hold_s']['max'])} ms (p99 {ms(k['holds']['hold_s']['p99'])});"
               f" it ended {fx(w.get('ended_after_kill_s'))} s after A died; events only read_uncommitted saw: {k['holds']['only_uncommitted']}")
@@ -561,6 +576,7 @@ def parse_args(argv=None):
     p.add_argument("--kill-txn", type=int, default=1, help="before-commit: die in this transaction")
     p.add_argument("--kill-modes", default="before-commit,sigkill")
     p.add_argument("--no-kill", action="store_true")
+    p.add_argument("--only-kill", action="store_true", help="scenario 2 only")
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
@@ -572,11 +588,12 @@ async def amain(args, settings, runner) -> dict:
                         "flush_interval_ms": settings.kafka.flush_interval_ms,
                         "transaction_timeout_ms": settings.kafka.transaction_timeout_ms},
            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "load_at_start": load()}
-    steady_res, run, records, t0 = await steady(settings, runner, args)
-    res["steady"] = steady_res
-    base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
-    res["baseline"] = base
-    res["broker_cpu"] = cpu_rows(steady_res, base, args.num_requests)
+    if not args.only_kill:
+        steady_res, run, records, t0 = await steady(settings, runner, args)
+        res["steady"] = steady_res
+        base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
+        res["baseline"] = base
+        res["broker_cpu"] = cpu_rows(steady_res, base, args.num_requests)
     if not args.no_kill:
         res["killed"] = []
         for mode in (m for m in args.kill_modes.split(",") if m):
@@ -600,7 +617,7 @@ def main(argv=None) -> dict:
     settings = settings.model_copy(update={"scheduler": sched})
     leased = acquire_broker(settings)
     try:
-        runner = in_thread(lambda: ModelRunner(settings))
+        runner = None if args.only_kill else in_thread(lambda: ModelRunner(settings))
         res = asyncio.run(amain(args, settings, runner))
     finally:
         if leased:
