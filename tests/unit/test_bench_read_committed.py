@@ -1,0 +1,58 @@
+"""The statistics of bench/read_committed.py, offline."""
+from bench.read_committed import Event, compare, cpu_rows, dist, holds, pct, per_request
+
+
+def test_pct_nearest_rank():
+    assert pct([], 50) is None
+    assert pct([3.0], 99) == 3.0
+    vals = [float(i) for i in range(1, 101)]
+    assert pct(vals, 50) == 50.0
+    assert pct(vals, 99) == 99.0
+    assert pct(vals, 100) == 100.0
+    assert dist([1.0, 2.0, 3.0]) == {"n": 3, "p50": 2.0, "p99": 3.0, "max": 3.0, "mean": 2.0}
+
+
+def ev(rid, seq, kind, t, attempt="a", part=0):
+    return Event(rid, attempt, seq, kind, part, t)
+
+
+def test_per_request_ttft_gaps_and_final():
+    submitted = {"r1": 10.0, "r2": 11.0}
+    events = [ev("r1", 0, "started", 10.1), ev("r1", 1, "tokens", 10.3), ev("r1", 2, "tokens", 10.5),
+              ev("r1", 3, "done", 10.6), ev("r2", 0, "started", 11.2), ev("r2", 1, "tokens", 11.4),
+              ev("r2", 2, "tokens", 12.4), ev("x", 1, "tokens", 0.0)]  # an id not submitted: ignored
+    r = per_request(submitted, events)
+    assert r["requests_with_tokens"] == 2
+    assert r["ttft_s"]["n"] == 2 and abs(r["ttft_s"]["max"] - 0.4) < 1e-9
+    assert sorted(round(g, 6) for g in [r["gap_s"]["p50"], r["gap_s"]["max"]]) == [0.2, 1.0]
+    assert r["final_s"]["n"] == 1 and abs(r["final_s"]["p50"] - 0.6) < 1e-9
+
+
+def test_gaps_do_not_span_attempts():
+    events = [ev("r", 1, "tokens", 1.0, "a"), ev("r", 1, "tokens", 9.0, "b"), ev("r", 2, "tokens", 9.5, "b")]
+    r = per_request({"r": 0.0}, events)
+    assert r["gap_s"]["n"] == 1 and abs(r["gap_s"]["max"] - 0.5) < 1e-9
+    assert r["ttft_s"]["p50"] == 1.0  # the first tokens of any attempt
+
+
+def test_holds_worst_and_aborted():
+    unc = [ev("r", 1, "tokens", 1.0), ev("r", 2, "tokens", 2.0, part=3), ev("r", 3, "done", 2.5, "dead")]
+    com = [ev("r", 1, "tokens", 1.01), ev("r", 2, "tokens", 7.0, part=3)]
+    h = holds(unc, com)
+    assert h["hold_s"]["n"] == 2 and abs(h["hold_s"]["max"] - 5.0) < 1e-9
+    assert h["only_uncommitted"] == 1  # the aborted done
+    assert h["worst"]["seq"] == 2 and h["worst"]["partition"] == 3
+
+
+def test_compare_and_cpu_rows():
+    unc = {"ttft_s": {"p50": 0.1, "p99": 0.2}, "gap_s": {"p50": 0.02, "p99": 0.05}}
+    com = {"ttft_s": {"p50": 0.2, "p99": 0.2}, "gap_s": {"p50": 0.02, "p99": 0.5}}
+    c = compare(unc, com)
+    assert c["ttft_s_p50"] == 2.0 and c["ttft_s_p99"] == 1.0 and abs(c["gap_s_p99"] - 10.0) < 1e-9
+    tx = {"broker_cpu_s": 4.0, "wall_s": 10.0, "idle": {"window_s": 5.0, "broker_cpu_s": 0.5}}
+    base = {"broker_cpu_s": 2.0, "wall_s": 10.0, "idle": {"window_s": 5.0, "broker_cpu_s": 0.5}}
+    rows = cpu_rows(tx, base, 10)
+    assert rows["transactional"]["per_request_ms"] == 400.0
+    assert rows["transactional"]["per_request_net_ms"] == 300.0  # 4.0 - 0.5 * 10/5 over 10 requests
+    assert rows["baseline"]["per_request_net_ms"] == 100.0
+    assert rows["ratio_net"] == 3.0 and rows["ratio_raw"] == 2.0
