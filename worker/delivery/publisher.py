@@ -158,8 +158,10 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses. Failing topics do not count."""
-        stuck = sum(self._topic_backlog[t] for t in self._failing_topics())
+        """Too many replies wait for the broker: intake pauses. Failing topics do not count, nor
+        dead letters (one per record taken, so bounded by the pool already): a burst of requests
+        refused for their reply topic must not pause intake for everyone else."""
+        stuck = sum(self._topic_backlog[t] for t in self._failing_topics()) + self._topic_backlog[self._kafka.dlq_topic]
         return self.backlog - stuck >= self._kafka.max_pending_replies
 
     def _failing_topics(self) -> list[str]:
