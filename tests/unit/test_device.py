@@ -116,6 +116,16 @@ def test_no_free_memory_is_asked_off_cuda():
     assert free_device_memory(CPU) is None and free_device_memory(META) is None
 
 
+def test_free_memory_is_read_after_the_allocator_cache_is_emptied(monkeypatch):
+    """The CUDA arm's calls, recorded: blocks the caching allocator keeps from the load are
+    handed back before the driver is asked, or the KV pool is sized as if they were in use."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: calls.append(("mem_get_info", device)) or (7, 9))
+    assert free_device_memory(CUDA) == 7
+    assert calls == ["empty_cache", ("mem_get_info", CUDA)]
+
+
 # ---- where the KV cache lives ---------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ call beside it; docs/gpu.md lists those calls and what exercises them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import mmap
 from dataclasses import dataclass
@@ -74,9 +75,12 @@ def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | N
 
 def free_device_memory(device: torch.device) -> int | None:
     """Free bytes on a CUDA device (measured now: call it after the model has loaded); None on
-    devices whose KV budget is a setting."""
+    devices whose KV budget is a setting. The caching allocator's unused blocks (the load's
+    temporaries) are handed back first: the driver counts them as taken."""
     if device.type != "cuda":
         return None
+    gc.collect()  # tensors only a reference cycle still holds
+    torch.cuda.empty_cache()  # CUDA only: docs/gpu.md
     return torch.cuda.mem_get_info(device)[0]  # CUDA only: docs/gpu.md
 
 

@@ -88,10 +88,26 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, params))
+        self.max_positions = max_positions
+        with torch.device("cpu"):  # fp32 on the CPU, whatever device the model is built on (meta too)
+            self.inv_freq = rope_inv_freq(head_dim, params)  # an attribute: never cast or moved
+        cos, sin = self._tables(torch.empty(0).device, torch.float32)  # the device being built on
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device),
+                            self.inv_freq.to(device))
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def fill(self) -> None:
+        """Compute the tables into the buffers where they are now: a model built on the meta
+        device and given memory by to_empty has them unset. Rounded to the buffers' dtype, as
+        `.to(dtype)` rounds fp32 tables."""
+        cos, sin = self._tables(self.cos.device, self.cos.dtype)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [num_tokens, 1, head_dim]: the same for every layer."""
