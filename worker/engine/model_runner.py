@@ -12,14 +12,13 @@ import structlog
 import torch
 
 from config.settings import Settings
-from kernels import reference
+from kernels.attention import AttentionBackend, AttentionMetadata, StepTables, make_attention
 from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from kernels.cpu import gemm
 from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
     free_device_memory, host_to_device, huge_page_tensor, kv_cache_tensor, num_kv_blocks, pick_device,
     pick_dtype, pick_kv_dtype)
 from worker.engine.models.calibration import Calibration, choose_linear_backend
-from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
@@ -54,6 +53,8 @@ class ModelRunner:
         self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
+        self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
+                                                          self.config.num_key_value_heads)
         codes = settings.model.cpu_weight_codes == "auto"
         self.linear_calibration = self._calibrate_linear(settings, codes)
         self.backends = replace(self.backends, linear=self.linear_calibration.backend)
@@ -162,40 +163,13 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if s.samples:  # the last row; with drafts, the last known token's row and theirs
                 logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
-        positions = self._tensor(positions, torch.long)
-        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
-                                 attention_backend=self.backends.attention,
-                                 fused_ops=self.backends.fused_ops == "c")
-        if self.backends.attention == "cpu" and prefills:  # one C call attends every row
-            meta.token_block_tables, meta.token_cu_seqlens, meta.token_context_lens = \
-                self._token_tables(ordered, positions)
-        else:
-            self._split_metadata(meta, decodes, prefills)
+        step = StepTables(self._tensor(slots, torch.long), self._tensor(positions, torch.long),
+                          self._context_lens(ordered), self._cu_seqlens(ordered), len(decodes),
+                          lambda first, stop: self._block_tables(ordered[first:stop]))
+        meta = self.attention.prepare(step, fused_ops=self.backends.fused_ops == "c")
         sampling = [s for s in ordered if s.samples]
-        return Batch(self._tensor(input_ids, torch.long), positions, meta,
+        return Batch(self._tensor(input_ids, torch.long), step.positions, meta,
                      self._tensor(logits_indices, torch.long), sampling)
-
-    def _token_tables(self, ordered: list[ScheduledSequence], positions: torch.Tensor):
-        """For the C kernel, prompt rows too attend as decodes do: row t over its own causal
-        context, the first positions[t] + 1 tokens of its sequence, with the bits a decode of it
-        gets (K/V blocks read in place: no gathered copy, as SDPA needs; a prompt chunk's blocks
-        once per tile of 16 rows). So a prompt's rows are computed exactly as its decode steps
-        will be, and a sequence recomputed after preemption gets its first pass's tokens back.
-        Returns (block tables, a row per sequence; cu_seqlens; each row's context length)."""
-        return self._block_tables(ordered), self._cu_seqlens(ordered), (positions + 1).to(torch.int32)
-
-    def _split_metadata(self, meta: AttentionMetadata, decodes, prefills) -> None:
-        """Decode rows for the decode kernel, prompt chunks for the prefill kernel (or SDPA)."""
-        if decodes:
-            meta.decode_block_tables = self._block_tables(decodes)
-            meta.decode_context_lens = self._context_lens(decodes)
-            if self.backends.attention == "torch":  # the decode index math, once for all layers
-                meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
-                                                         self.block_size, self.config.num_key_value_heads)
-        if prefills:
-            meta.prefill_block_tables = self._block_tables(prefills)
-            meta.prefill_context_lens = self._context_lens(prefills)
-            meta.prefill_cu_seqlens_q = self._cu_seqlens(prefills)
 
     def _cu_seqlens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
         """int32 [len(chunks) + 1]: chunk i's rows are cu[i] .. cu[i + 1] - 1 of the flat batch."""
