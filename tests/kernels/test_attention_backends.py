@@ -74,3 +74,39 @@ def test_names_and_classes():
                                                             "torch": TorchAttention}
     with pytest.raises(AssertionError, match="auto"):
         make_attention("auto", BLOCK, KV_HEADS)  # resolved once, by kernels.backends, never here
+
+
+TRITON_CASE = """
+import torch
+from kernels.attention import make_attention
+from tests.kernels.test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, expected, step_tables
+gen = torch.Generator().manual_seed(0)
+k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
+step = step_tables()
+backend = make_attention("triton", BLOCK, KV_HEADS)
+k, v = (torch.randn(step.slot_mapping.shape[0], KV_HEADS, DIM, generator=gen) for _ in range(2))
+want_k, want_v = k_cache.clone(), v_cache.clone()
+make_attention("torch", BLOCK, KV_HEADS).store_kv(k, v, want_k, want_v, step.slot_mapping)
+backend.store_kv(k, v, k_cache, v_cache, step.slot_mapping)
+assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+q = torch.randn(step.slot_mapping.shape[0], HEADS, DIM, generator=gen)
+meta = backend.prepare(step)
+torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 0.125), expected(q, k_cache, v_cache, step),
+                           rtol=1e-4, atol=1e-4)
+print("triton ok")
+"""
+
+
+@pytest.mark.kernels
+def test_the_triton_backend_computes_the_reference_under_the_interpreter():
+    """Its metadata (decode rows, prompt chunks' cu_seqlens rebased to 0) fits its kernels: a
+    mixed step under TRITON_INTERPRET=1, in a subprocess (set before triton is imported)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", TRITON_CASE], capture_output=True, text=True, cwd=root, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and "triton ok" in proc.stdout, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine.device import (
-    HostCopy, free_device_memory, host_copy, host_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
+    HostCopy, free_device_memory, host_copy, host_to_device, tensor_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
     pick_device, pick_dtype, pick_kv_dtype,
 )
 
@@ -182,6 +182,24 @@ def test_host_to_device_pins_and_enqueues_for_cuda(monkeypatch):
     monkeypatch.setattr(torch, "tensor", fake_tensor)
     assert host_to_device([1, 2], torch.int32, CUDA) == "on device"
     assert calls == {"tensor": ([1, 2], torch.int32, True), "to": (CUDA, True)}
+
+
+def test_a_host_tensor_goes_to_cuda_from_pinned_memory(monkeypatch):
+    """The step's tensors (step_inputs.py) and the sampler's: pinned, then an enqueued copy (the
+    CUDA arm's calls recorded; on the CPU the tensor itself)."""
+    host = torch.arange(4)
+    assert tensor_to_device(host, CPU) is host
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking):
+            calls.append(("to", device, non_blocking))
+            return "on device"
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or Pinned())
+    assert tensor_to_device(host, CUDA) == "on device"
+    assert calls == ["pin_memory", ("to", CUDA, True)]
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------

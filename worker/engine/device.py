@@ -131,3 +131,13 @@ def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tens
     copy = host_copy(device.type)
     host = torch.tensor(data, dtype=dtype, pin_memory=copy.pin_memory)  # pinned: CUDA only, docs/gpu.md
     return host.to(device, non_blocking=copy.non_blocking)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: the tensor itself on the CPU; on CUDA copied from pinned memory
+    (pinned first if it is not), enqueued on the stream."""
+    if device.type != "cuda":
+        return host.to(device)
+    if not host.is_pinned():
+        host = host.pin_memory()  # CUDA only: docs/gpu.md
+    return host.to(device, non_blocking=True)

@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens.
 
 The runner computes and never decides policy: it flattens the scheduled chunks into one batch
-(decodes first, then prefill chunks), builds positions / slot_mapping / block tables, runs the
-model, computes logits only for the rows that sample, and samples.
+(decodes first, then prefill chunks: step_inputs.py, from persistent block-table rows), lets the
+attention backend chosen at load prepare its metadata (kernels/attention.py), runs the model,
+computes logits only for the rows that sample, and samples.
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import structlog
 import torch
 
 from config.settings import Settings
-from kernels.attention import AttentionBackend, AttentionMetadata, StepTables, make_attention
+from kernels.attention import AttentionBackend, AttentionMetadata, make_attention
 from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from kernels.cpu import gemm
 from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
-    free_device_memory, host_to_device, huge_page_tensor, kv_cache_tensor, num_kv_blocks, pick_device,
+    free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks, pick_device,
     pick_dtype, pick_kv_dtype)
 from worker.engine.models.calibration import Calibration, choose_linear_backend
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
+from worker.engine.step_inputs import StepBuilder
 from worker.engine.structured_output import TokenBitmask
 
 log = structlog.get_logger(__name__)
@@ -55,6 +57,9 @@ class ModelRunner:
         self.backends = self._select_backends(settings)
         self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
                                                           self.config.num_key_value_heads)
+        copy = host_copy(self.device.type)
+        self.step_builder = StepBuilder(self.block_size, -(-self.max_model_len // self.block_size),
+                                        self._to_device, pin_memory=copy.pin_memory)
         codes = settings.model.cpu_weight_codes == "auto"
         self.linear_calibration = self._calibrate_linear(settings, codes)
         self.backends = replace(self.backends, linear=self.linear_calibration.backend)
@@ -148,43 +153,10 @@ class ModelRunner:
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
-        # Decodes (one new token) first: they go to the decode kernel as one block, shortest
-        # context first (the CPU path attends in chunks of similar length: no reordering there).
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, slots, logits_indices = [], [], [], []
-        for s in ordered:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids += (seq.token_ids + s.spec_token_ids)[start:end] if s.spec_token_ids else seq.token_ids[start:end]
-            positions += range(start, end)
-            table, bs = seq.block_table, self.block_size
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if s.samples:  # the last row; with drafts, the last known token's row and theirs
-                logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
-        step = StepTables(self._tensor(slots, torch.long), self._tensor(positions, torch.long),
-                          self._context_lens(ordered), self._cu_seqlens(ordered), len(decodes),
-                          lambda first, stop: self._block_tables(ordered[first:stop]))
-        meta = self.attention.prepare(step, fused_ops=self.backends.fused_ops == "c")
-        sampling = [s for s in ordered if s.samples]
-        return Batch(self._tensor(input_ids, torch.long), step.positions, meta,
-                     self._tensor(logits_indices, torch.long), sampling)
+        step = self.step_builder.build(scheduled)
+        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops == "c")
+        return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
+                     [s for s in step.ordered if s.samples])
 
-    def _cu_seqlens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        """int32 [len(chunks) + 1]: chunk i's rows are cu[i] .. cu[i + 1] - 1 of the flat batch."""
-        cu = [0]
-        for s in chunks:
-            cu.append(cu[-1] + s.num_new_tokens)
-        return self._tensor(cu, torch.int32)
-
-    def _block_tables(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        width = max(len(s.seq.block_table) for s in chunks)
-        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks]
-        return self._tensor(rows, torch.int32)
-
-    def _context_lens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in chunks], torch.int32)
-
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        return host_to_device(data, dtype, self.device)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return tensor_to_device(host, self.device)
