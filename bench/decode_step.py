@@ -116,8 +116,9 @@ def _attention_forward_v0(self, rope, hidden, k_cache, v_cache, meta):
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     assert nd == num_tokens, "v0 is timed on decode-only steps"
-    out = paged_decode_attention_v0(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                    self.scale)
+    tables = (meta.block_tables, meta.context_lens) if hasattr(meta, "block_tables") else \
+        (meta.decode_block_tables, meta.decode_context_lens)  # kernels/attention.py: cpu's or the split metadata
+    out = paged_decode_attention_v0(q, k_cache, v_cache, *tables, self.scale)
     return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -195,26 +196,28 @@ def matmul_floor(eng, batch: int) -> float:
 
 @contextlib.contextmanager
 def attention_skipped(eng):
-    """The current path with decode attention replaced by zeros: what the rest of the step costs."""
-    import kernels
-
-    saved = kernels.paged_decode_attention
-    kernels.paged_decode_attention = lambda q, *args, **kw: torch.zeros_like(q)
+    """The current path with attention replaced by zeros: what the rest of the step costs."""
+    backend = eng.runner.attention
+    backend.forward = lambda q, *args, **kw: torch.zeros_like(q)  # over the method, on this object
     try:
         yield
     finally:
-        kernels.paged_decode_attention = saved
+        del backend.forward
 
 
 @contextlib.contextmanager
 def attention_on(eng, name: str):
-    """The current model code with attention on `name` (KernelBackends.attention)."""
-    saved = eng.runner.backends
-    eng.runner.backends = dataclasses.replace(saved, attention=name)  # read by prepare(): torch gets its plan
+    """The current model code with attention on `name` (kernels/attention.py's backends)."""
+    from kernels.attention import make_attention
+
+    runner = eng.runner
+    saved = runner.backends, runner.attention
+    runner.backends = dataclasses.replace(saved[0], attention=name)
+    runner.attention = make_attention(name, runner.block_size, runner.config.num_key_value_heads)
     try:
         yield
     finally:
-        eng.runner.backends = saved
+        runner.backends, runner.attention = saved
 
 
 @contextlib.contextmanager

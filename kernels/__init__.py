@@ -5,8 +5,9 @@
     torch    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle)
     auto     what kernels.backends.select_attention picks for the tensors' device and dtype
 
-A model picks its backends once at load (kernels/backends.py) and passes `backend=` on every
-call. The layer's elementwise ops are in fused.py.
+These are the functional forms, for tests and benchmarks. The model never calls them: it gets
+one backend object at load (kernels/attention.py, named by kernels/backends.py), which owns its
+step metadata and calls the kernels directly. The layer's elementwise ops are in fused.py.
 
 Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
 slot = block * block_size + offset.

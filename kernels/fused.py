@@ -5,7 +5,7 @@ Each has a PyTorch path (any device and dtype: what HF computes, op by op) and, 
 tensors, a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by cpu/build.py) that
 does the same arithmetic in one pass over the rows: at decode sizes these ops cost dispatch and
 OpenMP fork/join more than arithmetic (figures: docs/benchmarks.md). `fused=True` asks for the C path; a caller decides once
-(`available`) and passes it down: the model gets it in its AttentionMetadata every step.
+(`available`) and passes it down: the model gets it in its AttentionMetadata (kernels/attention.py) every step.
 """
 from __future__ import annotations
 
@@ -109,18 +109,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  fused: bool = False, backend: str = "auto") -> torch.Tensor:
+                  fused: bool = False, store=None) -> torch.Tensor:
     """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] (cos/sin
     [tokens, 1, head_dim], the positions' rows), store k and v at slot_mapping in the caches
     ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is skipped) and return the
     rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view;
-    the other stores through kernels.store_kv on the attention `backend`."""
+    the other stores through `store` (the attention backend's store_kv: kernels/attention.py;
+    None: kernels.store_kv for the tensors' device)."""
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if not fused or (k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)):
         qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
-        kernels.store_kv(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping, backend)
+        (store or kernels.store_kv)(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
         return qk[:, :num_heads]
     _check(qkv, cos, sin)
     assert k_cache.dtype in attention.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu, k_cache.dtype

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine.device import (
-    HostCopy, free_device_memory, host_copy, host_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
+    HostCopy, free_device_memory, host_copy, host_to_device, tensor_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
     pick_device, pick_dtype, pick_kv_dtype,
 )
 
@@ -116,6 +116,16 @@ def test_no_free_memory_is_asked_off_cuda():
     assert free_device_memory(CPU) is None and free_device_memory(META) is None
 
 
+def test_free_memory_is_read_after_the_allocator_cache_is_emptied(monkeypatch):
+    """The CUDA arm's calls, recorded: blocks the caching allocator keeps from the load are
+    handed back before the driver is asked, or the KV pool is sized as if they were in use."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: calls.append(("mem_get_info", device)) or (7, 9))
+    assert free_device_memory(CUDA) == 7
+    assert calls == ["empty_cache", ("mem_get_info", CUDA)]
+
+
 # ---- where the KV cache lives ---------------------------------------------------------------------
 
 
@@ -172,6 +182,24 @@ def test_host_to_device_pins_and_enqueues_for_cuda(monkeypatch):
     monkeypatch.setattr(torch, "tensor", fake_tensor)
     assert host_to_device([1, 2], torch.int32, CUDA) == "on device"
     assert calls == {"tensor": ([1, 2], torch.int32, True), "to": (CUDA, True)}
+
+
+def test_a_host_tensor_goes_to_cuda_from_pinned_memory(monkeypatch):
+    """The step's tensors (step_inputs.py) and the sampler's: pinned, then an enqueued copy (the
+    CUDA arm's calls recorded; on the CPU the tensor itself)."""
+    host = torch.arange(4)
+    assert tensor_to_device(host, CPU) is host
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking):
+            calls.append(("to", device, non_blocking))
+            return "on device"
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or Pinned())
+    assert tensor_to_device(host, CUDA) == "on device"
+    assert calls == ["pin_memory", ("to", CUDA, True)]
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------

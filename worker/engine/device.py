@@ -8,6 +8,7 @@ call beside it; docs/gpu.md lists those calls and what exercises them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import mmap
 from dataclasses import dataclass
@@ -74,9 +75,12 @@ def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | N
 
 def free_device_memory(device: torch.device) -> int | None:
     """Free bytes on a CUDA device (measured now: call it after the model has loaded); None on
-    devices whose KV budget is a setting."""
+    devices whose KV budget is a setting. The caching allocator's unused blocks (the load's
+    temporaries) are handed back first: the driver counts them as taken."""
     if device.type != "cuda":
         return None
+    gc.collect()  # tensors only a reference cycle still holds
+    torch.cuda.empty_cache()  # CUDA only: docs/gpu.md
     return torch.cuda.mem_get_info(device)[0]  # CUDA only: docs/gpu.md
 
 
@@ -127,3 +131,13 @@ def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tens
     copy = host_copy(device.type)
     host = torch.tensor(data, dtype=dtype, pin_memory=copy.pin_memory)  # pinned: CUDA only, docs/gpu.md
     return host.to(device, non_blocking=copy.non_blocking)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: the tensor itself on the CPU; on CUDA copied from pinned memory
+    (pinned first if it is not), enqueued on the stream."""
+    if device.type != "cuda":
+        return host.to(device)
+    if not host.is_pinned():
+        host = host.pin_memory()  # CUDA only: docs/gpu.md
+    return host.to(device, non_blocking=True)

@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens.
 
 The runner computes and never decides policy: it flattens the scheduled chunks into one batch
-(decodes first, then prefill chunks), builds positions / slot_mapping / block tables, runs the
-model, computes logits only for the rows that sample, and samples.
+(decodes first, then prefill chunks: step_inputs.py, from persistent block-table rows), lets the
+attention backend chosen at load prepare its metadata (kernels/attention.py), runs the model,
+computes logits only for the rows that sample, and samples.
 """
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ import structlog
 import torch
 
 from config.settings import Settings
-from kernels import reference
+from kernels.attention import AttentionBackend, AttentionMetadata, make_attention
 from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from kernels.cpu import gemm
 from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
-    free_device_memory, host_to_device, huge_page_tensor, kv_cache_tensor, num_kv_blocks, pick_device,
+    free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks, pick_device,
     pick_dtype, pick_kv_dtype)
 from worker.engine.models.calibration import Calibration, choose_linear_backend
-from worker.engine.models.llama import AttentionMetadata
 from worker.engine.models.loader import load_model
 from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
+from worker.engine.step_inputs import StepBuilder
 from worker.engine.structured_output import TokenBitmask
 
 log = structlog.get_logger(__name__)
@@ -55,6 +56,11 @@ class ModelRunner:
                                           budget_s=settings.structured.mask_budget_ms / 1000)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
+        self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
+                                                          self.config.num_key_value_heads)
+        copy = host_copy(self.device.type)
+        self.step_builder = StepBuilder(self.block_size, -(-self.max_model_len // self.block_size),
+                                        self._to_device, pin_memory=copy.pin_memory)
         codes = settings.model.cpu_weight_codes == "auto"
         self.linear_calibration = self._calibrate_linear(settings, codes)
         self.backends = replace(self.backends, linear=self.linear_calibration.backend)
@@ -151,70 +157,10 @@ class ModelRunner:
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
-        # Decodes (one new token) first: they go to the decode kernel as one block, shortest
-        # context first (the CPU path attends in chunks of similar length: no reordering there).
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, slots, logits_indices = [], [], [], []
-        for s in ordered:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids += (seq.token_ids + s.spec_token_ids)[start:end] if s.spec_token_ids else seq.token_ids[start:end]
-            positions += range(start, end)
-            table, bs = seq.block_table, self.block_size
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if s.samples:  # the last row; with drafts, the last known token's row and theirs
-                logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
-        positions = self._tensor(positions, torch.long)
-        meta = AttentionMetadata(self._tensor(slots, torch.long), len(decodes), None, None, None, None, None,
-                                 attention_backend=self.backends.attention,
-                                 fused_ops=self.backends.fused_ops == "c")
-        if self.backends.attention == "cpu" and prefills:  # one C call attends every row
-            meta.token_block_tables, meta.token_cu_seqlens, meta.token_context_lens = \
-                self._token_tables(ordered, positions)
-        else:
-            self._split_metadata(meta, decodes, prefills)
-        sampling = [s for s in ordered if s.samples]
-        return Batch(self._tensor(input_ids, torch.long), positions, meta,
-                     self._tensor(logits_indices, torch.long), sampling)
+        step = self.step_builder.build(scheduled)
+        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops == "c")
+        return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
+                     [s for s in step.ordered if s.samples])
 
-    def _token_tables(self, ordered: list[ScheduledSequence], positions: torch.Tensor):
-        """For the C kernel, prompt rows too attend as decodes do: row t over its own causal
-        context, the first positions[t] + 1 tokens of its sequence, with the bits a decode of it
-        gets (K/V blocks read in place: no gathered copy, as SDPA needs; a prompt chunk's blocks
-        once per tile of 16 rows). So a prompt's rows are computed exactly as its decode steps
-        will be, and a sequence recomputed after preemption gets its first pass's tokens back.
-        Returns (block tables, a row per sequence; cu_seqlens; each row's context length)."""
-        return self._block_tables(ordered), self._cu_seqlens(ordered), (positions + 1).to(torch.int32)
-
-    def _split_metadata(self, meta: AttentionMetadata, decodes, prefills) -> None:
-        """Decode rows for the decode kernel, prompt chunks for the prefill kernel (or SDPA)."""
-        if decodes:
-            meta.decode_block_tables = self._block_tables(decodes)
-            meta.decode_context_lens = self._context_lens(decodes)
-            if self.backends.attention == "torch":  # the decode index math, once for all layers
-                meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
-                                                         self.block_size, self.config.num_key_value_heads)
-        if prefills:
-            meta.prefill_block_tables = self._block_tables(prefills)
-            meta.prefill_context_lens = self._context_lens(prefills)
-            meta.prefill_cu_seqlens_q = self._cu_seqlens(prefills)
-
-    def _cu_seqlens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        """int32 [len(chunks) + 1]: chunk i's rows are cu[i] .. cu[i + 1] - 1 of the flat batch."""
-        cu = [0]
-        for s in chunks:
-            cu.append(cu[-1] + s.num_new_tokens)
-        return self._tensor(cu, torch.int32)
-
-    def _block_tables(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        width = max(len(s.seq.block_table) for s in chunks)
-        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks]
-        return self._tensor(rows, torch.int32)
-
-    def _context_lens(self, chunks: list[ScheduledSequence]) -> torch.Tensor:
-        return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in chunks], torch.int32)
-
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        return host_to_device(data, dtype, self.device)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return tensor_to_device(host, self.device)

@@ -20,6 +20,7 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from worker.engine.device import host_to_device, tensor_to_device
 from worker.engine.request import SamplingParams
 from worker.engine.structured_output import apply_token_bitmask
 
@@ -124,7 +125,7 @@ def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingP
     """The sampled token's log-probability and the top-k of its row, for rows that ask; tokens
     the grammar forbids (-inf) are left out of the top list."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    index = torch.tensor(rows, device=work.device)
+    index = host_to_device(rows, torch.int64, work.device)
     logprobs = torch.log_softmax(_rows(work, rows), dim=-1)
     chosen = logprobs.gather(1, next_ids.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs for i in rows)
@@ -297,12 +298,12 @@ def _top_k_top_p_threshold(
     num_candidates = min(vocab, max(max(top_k), num_candidates))
     values = logits.topk(num_candidates, dim=-1).values  # sorted descending
     ranks = torch.arange(num_candidates, device=device).unsqueeze(0)
-    k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
+    k = host_to_device([k or vocab for k in top_k], torch.int64, device).unsqueeze(1)
     values = values.masked_fill(ranks >= k, float("-inf"))
     probs = (values - values[:, :1]).exp()
     probs = probs / _top_p_normaliser(logits, values, probs, top_k)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor([tp if tp < 1.0 else 2.0 for tp in top_p], device=device).unsqueeze(1)
+    p = host_to_device([tp if tp < 1.0 else 2.0 for tp in top_p], torch.float32, device).unsqueeze(1)
     num_kept = ((mass_before < p) & (ranks < k)).sum(dim=-1, keepdim=True)  # a prefix, >= 1
     threshold = values.gather(1, num_kept - 1)
     unresolved = ((num_kept == num_candidates) & (k == vocab)).squeeze(1).nonzero().flatten().tolist()
@@ -332,14 +333,14 @@ def _flat_index(token_ids: list[list[int]], vocab: int, device: torch.device) ->
     tokens = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
-    return (rows * vocab + tokens).to(device)
+    return tensor_to_device(rows * vocab + tokens, device)
 
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     # Selecting copies; skip it when every row is wanted (the common all-sampled batch).
     if len(rows) == tensor.shape[0]:
         return tensor
-    return tensor.index_select(0, torch.tensor(rows, device=tensor.device))
+    return tensor.index_select(0, host_to_device(rows, torch.int64, tensor.device))
 
 
 def _put_rows(tensor: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
@@ -347,10 +348,10 @@ def _put_rows(tensor: torch.Tensor, rows: list[int], values: torch.Tensor) -> to
         if values is not tensor:
             tensor.copy_(values)
         return tensor
-    return tensor.index_copy_(0, torch.tensor(rows, device=tensor.device), values)
+    return tensor.index_copy_(0, host_to_device(rows, torch.int64, tensor.device), values)
 
 
 def _column(params: list[SamplingParams], name: str, device: torch.device) -> torch.Tensor:
     """One field of every row as an fp32 [n, 1] column, for broadcasting against [n, vocab]."""
     values = [float(getattr(p, name)) for p in params]
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return host_to_device(values, torch.float32, device).unsqueeze(1)

@@ -13,34 +13,13 @@ gate/up fused into one matmul each (fewer, larger GEMMs are what a CPU and a GPU
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-import kernels
+from kernels.attention import AttentionMetadata
 from kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
-from kernels.reference import DecodePlan
 from worker.engine.models.linear import Linear, Packed, linear, pack_weight
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    num_decode_tokens: int  # the first rows are decodes, one token per sequence
-    decode_block_tables: torch.Tensor | None  # int32 [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None  # int32 [num_decodes]
-    prefill_block_tables: torch.Tensor | None  # int32 [num_prefills, max_blocks]
-    prefill_cu_seqlens_q: torch.Tensor | None  # int32 [num_prefills + 1]
-    prefill_context_lens: torch.Tensor | None  # int32 [num_prefills]
-    decode_plan: DecodePlan | None = None  # torch backend: the decode index math, made once per step
-    # cpu backend: every row, decode or prefill, attends like a decode over its own causal context
-    # (its sequence's block table, position + 1 tokens): one C kernel call for the whole step.
-    token_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
-    token_cu_seqlens: torch.Tensor | None = None  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
-    token_context_lens: torch.Tensor | None = None  # int32 [num_tokens]
-    attention_backend: str = "auto"  # kernels.backends.KernelBackends.attention: triton | cpu | torch
-    fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
 
 
 def rope_parameters(config) -> dict:
@@ -88,10 +67,26 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, params))
+        self.max_positions = max_positions
+        with torch.device("cpu"):  # fp32 on the CPU, whatever device the model is built on (meta too)
+            self.inv_freq = rope_inv_freq(head_dim, params)  # an attribute: never cast or moved
+        cos, sin = self._tables(torch.empty(0).device, torch.float32)  # the device being built on
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device),
+                            self.inv_freq.to(device))
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def fill(self) -> None:
+        """Compute the tables into the buffers where they are now: a model built on the meta
+        device and given memory by to_empty has them unset. Rounded to the buffers' dtype, as
+        `.to(dtype)` rounds fp32 tables."""
+        cos, sin = self._tables(self.cos.device, self.cos.dtype)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [num_tokens, 1, head_dim]: the same for every layer."""
@@ -122,8 +117,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             self._norm_qk(qkv)
         q = rope_store_kv(qkv, self.num_heads, self.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping,
-                          fused=meta.fused_ops, backend=meta.attention_backend)
-        out = self._attend(q, k_cache, v_cache, meta)
+                          fused=meta.fused_ops, store=meta.backend.store_kv)
+        out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -132,26 +127,6 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], heads + self.num_kv_heads, self.head_dim)
         qk[:, :heads] = rms_norm(qk[:, :heads], self.q_norm, self.eps)
         qk[:, heads:] = rms_norm(qk[:, heads:], self.k_norm, self.eps)
-
-    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.token_block_tables is not None:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, meta.token_block_tables,
-                                                  meta.token_context_lens, self.scale, backend=meta.attention_backend,
-                                                  cu_seqlens_q=meta.token_cu_seqlens)
-        nd = meta.num_decode_tokens
-        if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta)
-        prefill = kernels.paged_prefill_attention(
-            q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens, self.scale, backend=meta.attention_backend)
-        if nd == 0:
-            return prefill
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta), prefill))
-
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-            backend=meta.attention_backend, plan=meta.decode_plan)
 
 
 class MLP(nn.Module):

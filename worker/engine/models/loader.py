@@ -7,9 +7,12 @@ benchmark loads quickly.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -94,10 +97,43 @@ def load_model(path: str, load_format: str, dtype: torch.dtype, device: torch.de
         return load_dummy(path, dtype, device, max_positions)
     model_dir = resolve_model_dir(path or None)
     config = load_config(model_dir)
-    with torch.device(device):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
-    model.load_state_dict(fused_state_dict(read_safetensors(model_dir), config), strict=True)
-    return model.eval(), config, load_tokenizer(model_dir)
+    return load_weights(model_dir, config, dtype, device, max_positions), config, load_tokenizer(model_dir)
+
+
+def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
+                 max_positions: int) -> LlamaForCausalLM:
+    """The model in `dtype` on `device`, its weights read from the checkpoint's safetensors
+    straight into their places (q/k/v and gate/up into row ranges of the fused weights), a chunk
+    at a time: memory peaks at the weights in `dtype` plus one chunk (bench/load_memory.py)."""
+    model = empty_model(config, max_positions, dtype, device)
+    index = safetensors_index(model_dir)
+    targets = destinations(model)
+    missing = [name for name in targets if name not in index]
+    if missing:
+        raise KeyError(f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
+    handles: dict[Path, object] = {}
+    scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    try:
+        for name in sorted(targets, key=lambda n: (index[n].file, index[n].offset)):  # sequential reads
+            stored = index[name]
+            if stored.file not in handles:
+                handles[stored.file] = open(stored.file, "rb", buffering=0)
+            read_into(handles[stored.file], stored, targets[name], name, scratch)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return model.eval()
+
+
+def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with its parameters in `dtype` on `device`, unset (the rotary tables computed):
+    built on the meta device, which holds no memory, so no fp32 copy of the weights ever exists
+    (fp32 construction then a cast peaked at twice the bf16 weights)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary.fill()
+    return model
 
 
 def load_dummy(path: str, dtype, device, max_positions):
@@ -107,50 +143,108 @@ def load_dummy(path: str, dtype, device, max_positions):
         config = LlamaConfig(**DUMMY_PRESETS[path])
     else:
         config = load_config(resolve_model_dir(path or None))
+    model = empty_model(config, max_positions, dtype, device)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() > 1:
-                param.data.normal_(0.0, 0.02)
+                param.normal_(0.0, 0.02)
+            else:  # norms' weights 1, biases 0
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
     return model.eval(), config, load_tokenizer(None)
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+# ---- safetensors, read in place ---------------------------------------------------------------------
 
-    files = sorted(model_dir.glob("*.safetensors"))
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+CHUNK_BYTES = 8 << 20  # what a read holds beside the model when it must cast or copy to a device
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    offset: int  # of its first byte in the file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def safetensors_index(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the directory's .safetensors files, from their headers (8 bytes of
+    little-endian length, then JSON: name -> dtype, shape, data_offsets after the header)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
+    index: dict[str, StoredTensor] = {}
     for file in files:
-        weights.update(load_file(str(file)))
-    return weights
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            stored = StoredTensor(file, 8 + length + begin, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
+            assert end - begin == math.prod(stored.shape) * stored.dtype.itemsize, (file, name, info)
+            index[name] = stored
+    return index
 
 
-def fused_state_dict(hf: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """HF names -> this model's names, with q/k/v and gate/up concatenated."""
-    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
-    if not getattr(config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        out.update(fused_layer(hf, f"model.layers.{i}.", f"layers.{i}."))
+def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratch: torch.Tensor | None = None) -> None:
+    """Copy `stored` into `dst` (same shape; contiguous; any dtype and device). A CPU destination
+    of the stored dtype is read into directly; otherwise a chunk at a time through `scratch`
+    (uint8, CHUNK_BYTES: one buffer for the whole load, so the allocator has nothing to hoard)."""
+    if tuple(dst.shape) != stored.shape:
+        raise ValueError(f"{name}: the checkpoint holds {stored.shape}, the model wants {tuple(dst.shape)}")
+    assert dst.is_contiguous(), name
+    flat = dst.detach().view(-1)
+    direct = dst.device.type == "cpu" and dst.dtype == stored.dtype
+    if not direct and scratch is None:
+        scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    step = flat.numel() if direct else max(1, CHUNK_BYTES // stored.dtype.itemsize)
+    f.seek(stored.offset)
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step]
+        buffer = part if direct else scratch[: part.numel() * stored.dtype.itemsize].view(stored.dtype)
+        raw = buffer.view(torch.uint8).numpy()
+        if f.readinto(raw) != raw.nbytes:
+            raise EOFError(f"{stored.file}: {name} is cut short")
+        if not direct:
+            part.copy_(buffer)
+
+
+def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """HF checkpoint name -> the part of this model's parameters it fills (q, k, v and gate, up
+    are row ranges of one fused weight). Together they cover every parameter exactly once."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm"]}
+    if not model.tie_word_embeddings:
+        out["lm_head.weight"] = params["lm_head.weight"]
+    for i, layer in enumerate(model.layers):
+        out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}."))
+    covered = sum(t.numel() for t in out.values())
+    assert covered == sum(p.numel() for p in params.values()), "a parameter no checkpoint tensor fills"
     return out
 
 
-def fused_layer(hf: dict, src: str, dst: str) -> dict[str, torch.Tensor]:
-    attn, mlp = src + "self_attn.", src + "mlp."
-    out = {
-        dst + "self_attn.qkv_proj.weight": torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"]),
-        dst + "self_attn.o_proj.weight": hf[attn + "o_proj.weight"],
-        dst + "mlp.gate_up_proj.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
-        dst + "mlp.down_proj.weight": hf[mlp + "down_proj.weight"],
-        dst + "input_layernorm": hf[src + "input_layernorm.weight"],
-        dst + "post_attention_layernorm": hf[src + "post_attention_layernorm.weight"],
-    }
-    if attn + "q_proj.bias" in hf:
-        out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[f"{attn}{p}_proj.bias"] for p in "qkv"])
-    if attn + "q_norm.weight" in hf:
-        out[dst + "self_attn.q_norm"] = hf[attn + "q_norm.weight"]
-        out[dst + "self_attn.k_norm"] = hf[attn + "k_norm.weight"]
+def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, torch.Tensor]:
+    attn, q, kv, inter = layer.self_attn, layer.self_attn.q_size, layer.self_attn.kv_size, layer.mlp.intermediate_size
+    out = {}
+    for part, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
+        out[f"{src}self_attn.{part}_proj.weight"] = params[dst + "self_attn.qkv_proj.weight"][a:b]
+        if attn.qkv_proj.bias is not None:
+            out[f"{src}self_attn.{part}_proj.bias"] = params[dst + "self_attn.qkv_proj.bias"][a:b]
+    gate_up = params[dst + "mlp.gate_up_proj.weight"]
+    out.update({
+        src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
+        src + "mlp.gate_proj.weight": gate_up[:inter],
+        src + "mlp.up_proj.weight": gate_up[inter:],
+        src + "mlp.down_proj.weight": params[dst + "mlp.down_proj.weight"],
+        src + "input_layernorm.weight": params[dst + "input_layernorm"],
+        src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
+    })
+    if attn.qk_norm:
+        out[src + "self_attn.q_norm.weight"] = params[dst + "self_attn.q_norm"]
+        out[src + "self_attn.k_norm.weight"] = params[dst + "self_attn.k_norm"]
     return out

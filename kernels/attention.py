@@ -1,0 +1,190 @@
+"""Paged attention backends as objects: one class per backend, each owning the metadata it needs
+for a step (`prepare`) and its K/V store and attention (`store_kv`, `forward`). The runner makes
+one at load (`make_attention`, from the name kernels/backends.py chose); the model calls only
+`meta.backend.store_kv` and `meta.backend.forward`, whatever the backend.
+
+    TritonAttention   kernels/triton/ (CUDA; CPU tensors under TRITON_INTERPRET=1): decode rows to
+                      the decode kernel, prompt chunks to the prefill kernel
+    CpuAttention      kernels/cpu/ (the C kernel, fp32 on the CPU): every row, decode or prompt,
+                      attends as a decode over its own causal context, one call a step
+    TorchAttention    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle),
+                      split as Triton's, with the decode index math made once a step
+
+A step reaches `prepare` as StepTables: the runner's per-sequence tables, decodes first, on the
+device. Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import reference
+from kernels.cpu import attention as cpu_attention
+
+
+@dataclass
+class StepTables:
+    """One step's batch as the attention sees it. Sequences in batch order: the first
+    `num_decodes` decode one token each, the rest are prompt chunks."""
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V goes
+    positions: torch.Tensor  # int64 [num_tokens]
+    context_lens: torch.Tensor  # int32 [num_seqs]: tokens of context once this step's are stored
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
+    num_decodes: int
+    block_tables: Callable[[int, int], torch.Tensor]  # (first, stop) -> int32 [stop - first, its widest]
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer gets for a step; each backend's subclass adds its own fields."""
+    backend: "AttentionBackend"
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_decode_tokens: int  # the first rows are decodes, one token per sequence
+    fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
+
+
+@dataclass
+class SplitMetadata(AttentionMetadata):
+    """Decode rows for a decode kernel, prompt chunks for a prefill kernel."""
+    decode_block_tables: torch.Tensor | None = None  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor | None = None  # int32 [num_prefills, max_blocks]
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # int32 [num_prefills + 1]
+    prefill_context_lens: torch.Tensor | None = None  # int32 [num_prefills]
+    decode_plan: reference.DecodePlan | None = None  # torch: the decode index math, once a step
+
+
+@dataclass
+class TokenMetadata(AttentionMetadata):
+    """Every row attends as a decode over its own causal context (the C kernel)."""
+    block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
+    cu_seqlens: torch.Tensor | None = None  # int32 [num_seqs + 1]
+    context_lens: torch.Tensor | None = None  # int32 [num_tokens]: positions + 1
+
+
+class AttentionBackend:
+    """The interface: `prepare` once a step, `store_kv` and `forward` once a layer."""
+    name = ""
+
+    def __init__(self, block_size: int, num_kv_heads: int):
+        self.block_size, self.num_kv_heads = block_size, num_kv_heads
+
+    def prepare(self, step: StepTables, fused_ops: bool = False) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (a negative slot is skipped)."""
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] (K/V of every token already stored) -> the same shape."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+
+class _SplitBackend(AttentionBackend):
+    """Decodes to `_decode`, prompt chunks to `_prefill`, concatenated in batch order."""
+
+    def prepare(self, step: StepTables, fused_ops: bool = False) -> SplitMetadata:
+        nd, num_seqs = step.num_decodes, step.context_lens.shape[0]
+        meta = SplitMetadata(self, step.slot_mapping, nd, fused_ops)
+        if nd:
+            meta.decode_block_tables = step.block_tables(0, nd)
+            meta.decode_context_lens = step.context_lens[:nd]
+        if nd < num_seqs:
+            cu = step.cu_seqlens_q[nd:]
+            meta.prefill_block_tables = step.block_tables(nd, num_seqs)
+            meta.prefill_context_lens = step.context_lens[nd:]
+            meta.prefill_cu_seqlens_q = cu - cu[:1] if nd else cu
+        return meta
+
+    def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        prefill = self._prefill(q[nd:], k_cache, v_cache, meta, scale)
+        if nd == 0:
+            return prefill
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale), prefill))
+
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(_SplitBackend):
+    name = "torch"
+
+    def prepare(self, step: StepTables, fused_ops: bool = False) -> SplitMetadata:
+        meta = super().prepare(step, fused_ops)
+        if meta.decode_block_tables is not None:  # the decode index math, once for all layers
+            meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
+                                                     self.block_size, self.num_kv_heads)
+        return meta
+
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        return reference.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, scale, plan=meta.decode_plan)
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        return reference.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+
+
+class TritonAttention(_SplitBackend):
+    name = "triton"
+
+    def __init__(self, block_size: int, num_kv_heads: int):
+        super().__init__(block_size, num_kv_heads)
+        # Imported here: TRITON_INTERPRET must be set before triton is, and only this backend needs it.
+        from kernels.triton.decode import paged_decode_attention_triton
+        from kernels.triton.prefill import paged_prefill_attention_triton
+        from kernels.triton.store import store_kv_triton
+
+        self._decode_kernel, self._prefill_kernel = paged_decode_attention_triton, paged_prefill_attention_triton
+        self._store_kernel = store_kv_triton
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
+
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        return self._prefill_kernel(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                    meta.prefill_context_lens, scale)
+
+
+class CpuAttention(AttentionBackend):
+    """The C kernel has no prefill of its own: a step with prompt chunks attends every row as a
+    decode over its causal context (position + 1 tokens of its sequence's block table), with the
+    bits a decode of it gets: a prompt's rows are computed exactly as its decode steps will be,
+    and a sequence recomputed after preemption gets its first pass's tokens back."""
+    name = "cpu"
+
+    def prepare(self, step: StepTables, fused_ops: bool = False) -> TokenMetadata:
+        num_seqs = step.context_lens.shape[0]
+        if step.num_decodes == num_seqs:
+            return TokenMetadata(self, step.slot_mapping, num_seqs, fused_ops, step.block_tables(0, num_seqs),
+                                 None, step.context_lens)
+        return TokenMetadata(self, step.slot_mapping, step.num_decodes, fused_ops, step.block_tables(0, num_seqs),
+                             step.cu_seqlens_q, (step.positions + 1).to(torch.int32))
+
+    def forward(self, q, k_cache, v_cache, meta: TokenMetadata, scale: float) -> torch.Tensor:
+        return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                        scale, meta.cu_seqlens)
+
+
+BACKENDS = {b.name: b for b in (TritonAttention, CpuAttention, TorchAttention)}
+
+
+def make_attention(name: str, block_size: int, num_kv_heads: int) -> AttentionBackend:
+    """The backend kernels.backends.select_attention chose (never `auto`: that is resolved once, there)."""
+    assert name in BACKENDS, f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}"
+    return BACKENDS[name](block_size, num_kv_heads)

@@ -1,0 +1,166 @@
+"""A step's inputs from the scheduler's chunks: token ids, positions, slot mapping, context
+lengths, cu_seqlens and block tables, with as little Python per step as the step's changes need.
+
+Block tables are the costly part (a row of up to max_model_len / block_size ids per sequence):
+each scheduled sequence owns a row of one persistent int32 table (in pinned memory on CUDA),
+written as its block table grows (a decode adds a block every block_size steps), rewritten only
+when the block manager gave it a new list (a free after preemption, a fork). A step's tables are
+then one index_select of the scheduled rows. The rest is one pass over the sequences (a decode
+costs a few list operations: less than one vectorized op's dispatch) and three host tensors.
+Rows of sequences not scheduled in a step go back to the pool (a sequence that returns is
+written again: correct, only slower). Figures: bench/step_prep.py, docs/benchmarks.md.
+
+The step's host tensors are new each step except the persistent table, so a non_blocking copy
+to the device never races the next step's writes (the sampler's sync ends every step anyway).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import StepTables
+from worker.engine.scheduler import ScheduledSequence
+
+
+@dataclass
+class _Row:
+    index: int  # of the persistent table
+    table: list[int]  # the sequence's block_table list the row mirrors (kept: its id stays unique)
+    written: int  # of its entries copied into the row
+    step: int  # the last step that used it
+
+
+class BlockTableRows:
+    """Each scheduled sequence's block table as a row of one persistent int32 tensor."""
+
+    def __init__(self, max_blocks: int, pin_memory: bool = False, rows: int = 64):
+        self.max_blocks, self.pin_memory = max_blocks, pin_memory
+        self.table = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin_memory)
+        self.rows: dict[int, _Row] = {}  # id(seq) -> its row, for the sequences of the last step
+        self.free = list(range(rows))[::-1]
+        self.extent = [0] * rows  # of each row, the entries written since it was last zeroed
+        self.step = 0
+
+    def assign(self, seqs) -> list[int]:
+        """The row of each sequence, written up to its block table's end; rows of sequences not
+        in `seqs` are freed."""
+        self.step += 1
+        rows, indices = self.rows, []
+        for seq in seqs:
+            row, table = rows.get(id(seq)), seq.block_table
+            if row is None or row.table is not table or row.written > len(table):
+                row = rows[id(seq)] = self._fresh(row, table)
+            if row.written < len(table):
+                assert len(table) <= self.max_blocks, f"{len(table)} blocks: more than max_model_len holds"
+                self.table[row.index, row.written:len(table)] = torch.tensor(table[row.written:], dtype=torch.int32)
+                row.written = self.extent[row.index] = len(table)
+            row.step = self.step
+            indices.append(row.index)
+        if len(rows) > len(seqs):
+            for key in [k for k, r in rows.items() if r.step != self.step]:
+                self.free.append(rows.pop(key).index)
+        return indices
+
+    def _fresh(self, row: _Row | None, table: list[int]) -> _Row:
+        """A zeroed row for `table`: the sequence's own again (a new list: freed, reallocated), or one from the pool."""
+        index = row.index if row is not None else self._take()
+        self.table[index, :self.extent[index]] = 0  # a table's padding is zeros, as before
+        self.extent[index] = 0
+        return _Row(index, table, 0, self.step)
+
+    def _take(self) -> int:
+        if not self.free:
+            stale = [k for k, r in self.rows.items() if r.step != self.step]
+            if stale:  # a row this step does not use: reclaim it now
+                return self.rows.pop(stale[0]).index
+            self._grow()
+        return self.free.pop()
+
+    def _grow(self) -> None:
+        rows = self.table.shape[0]
+        grown = torch.zeros(2 * rows, self.max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
+        grown[:rows] = self.table
+        self.table = grown
+        self.extent += [0] * rows
+        self.free += list(range(2 * rows - 1, rows - 1, -1))
+
+    def gather(self, indices: torch.Tensor, width: int) -> torch.Tensor:
+        """int32 [len(indices), width]: the rows, cut to `width` blocks (zeros past each table's end
+        read nothing: context_lens bound every read)."""
+        out = torch.empty((indices.shape[0], width), dtype=torch.int32, pin_memory=self.pin_memory)
+        return torch.index_select(self.table[:, :width], 0, indices, out=out)
+
+
+def token_slice(seq, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building prompt + output (2k tokens a sequence a step)."""
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    n = len(prompt)
+    if start >= n:
+        return output[start - n:end - n]
+    if end <= n:
+        return prompt[start:end]
+    return prompt[start:] + output[:end - n]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [num_tokens], on the device
+    tables: StepTables  # on the device
+    logits_indices: torch.Tensor  # int64: rows whose next-token logits are sampled
+    ordered: list[ScheduledSequence]  # batch order: decodes (shortest context first), then prompt chunks
+
+
+class StepBuilder:
+    """Builds StepInputs; `to_device(host_tensor)` moves a host tensor (the runner's: a no-op on the CPU)."""
+
+    def __init__(self, block_size: int, max_blocks: int, to_device, pin_memory: bool = False):
+        self.block_size = block_size
+        self.rows = BlockTableRows(max_blocks, pin_memory)
+        self.to_device, self.pin_memory = to_device, pin_memory
+
+    def build(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        # Decodes (one new token) first: they go to the decode kernel as one block, shortest
+        # context first (the CPU path attends in chunks of similar length: no reordering there).
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+        ordered = decodes + [s for s in scheduled if s.num_new_tokens > 1]
+        per_token, per_seq, widths, logits_indices = self._lists(ordered)
+        tokens = self._host(per_token, torch.int64)  # [3, num_tokens]: ids, positions, slots
+        seqs = self._host(per_seq, torch.int32)  # context lens, then cu_seqlens_q
+        rows = self._host(self.rows.assign([s.seq for s in ordered]), torch.int64)
+        n, dev = len(ordered), self.to_device
+
+        def block_tables(first: int, stop: int) -> torch.Tensor:
+            return dev(self.rows.gather(rows[first:stop], max(widths[first:stop])))
+
+        tables = StepTables(dev(tokens[2]), dev(tokens[1]), dev(seqs[:n]), dev(seqs[n:]), len(decodes), block_tables)
+        return StepInputs(dev(tokens[0]), tables, dev(self._host(logits_indices, torch.int64)), ordered)
+
+    def _lists(self, ordered: list[ScheduledSequence]):
+        """([input ids, positions, slots], context lens + cu_seqlens_q, block-table widths, logits
+        rows) as lists: one pass, the step's only per-sequence Python besides BlockTableRows.assign
+        (a decode's few list operations cost less than a vectorized op's dispatch)."""
+        bs = self.block_size
+        input_ids, positions, slots, context_lens, cu, widths, logits_indices = [], [], [], [], [0], [], []
+        for s in ordered:
+            seq, new, drafts = s.seq, s.num_new_tokens, s.spec_token_ids
+            start, table, prompt = seq.num_computed_tokens, seq.block_table, seq.prompt_token_ids
+            end = start + new - len(drafts)  # of the known tokens; the drafts follow
+            if new == 1:  # a decode: one token
+                input_ids.append(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += token_slice(seq, start, end)
+                input_ids += drafts
+                positions += range(start, start + new)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + new)]
+            context_lens.append(start + new)
+            cu.append(cu[-1] + new)
+            widths.append(len(table))
+            if end == len(prompt) + len(seq.output_token_ids):  # s.samples: the last row; with drafts, theirs too
+                logits_indices += range(len(input_ids) - 1 - len(drafts), len(input_ids))
+        return [input_ids, positions, slots], context_lens + cu, widths, logits_indices
+
+    def _host(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype)
