@@ -213,7 +213,7 @@ async def test_topics_acls_prints_the_recipe():
     assert ("kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme --operation Read "
             "--topic inferline.reply.acme. --resource-pattern-type prefixed") in lines
     assert not [ln for ln in lines if "User:acme" in ln and "llm.requests." in ln and "acme" not in ln.split()[-1]]
-    assert sum("User:w " in ln for ln in lines) == 7
+    assert sum("User:w " in ln for ln in lines) == 8
     assert ("kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:w --operation Write "
             "--transactional-id inferline-workers. --resource-pattern-type prefixed") in lines
     rc, _, err = await run_cli(env, "topics", "acls", "--tenant", "a.b")
