@@ -14,10 +14,10 @@ from config.settings import Settings, load_settings
 from producer.gateway.auth import ApiKeys, load_keys
 from producer.gateway.clients import ClientPool
 from producer.gateway.batches import BatchService
-from producer.gateway.errors import OpenAIError, bad_request
+from producer.gateway.errors import OpenAIError
 from producer.gateway.files import parse_upload
 from producer.gateway.metrics import GatewayMetrics
-from producer.gateway.service import Gateway
+from producer.gateway.service import Gateway, json_object
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -93,15 +93,6 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
             return exc.response()
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    async def json_body(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise bad_request(None, "the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request(None, "the body must be a JSON object")
-        return body
-
     @app.post("/v1/files")
     async def upload(request: Request) -> Response:
         async def work(tenant):
@@ -120,7 +111,7 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        return await answer(request, lambda tenant: _then(json_body(request), lambda b: batches.create(tenant, b)))
+        return await answer(request, lambda tenant: _then(json_object(request), lambda b: batches.create(tenant, b)))
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:

@@ -59,12 +59,7 @@ class Gateway:
         return self._answer(endpoint, t0, response)
 
     async def _body(self, request: HttpRequest) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise bad_request(None, "the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request(None, "the body must be a JSON object")
+        body = await json_object(request)
         model = body.get("model")
         if model is not None and model != self.model:
             raise OpenAIError(404, f"the model {model!r} does not exist (this gateway serves {self.model!r})",
@@ -207,3 +202,14 @@ def logprobs_by_sample(handle: RequestHandle) -> dict[int, list[TokenLogprob]]:
         if isinstance(ev, TokensEvent) and ev.attempt == handle.attempt and ev.logprobs:
             out.setdefault(ev.index, []).extend(ev.logprobs)
     return out
+
+
+async def json_object(request: HttpRequest) -> dict:
+    """The request's body as a JSON object, or the OpenAI-shaped 400 saying why not."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request(None, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    return body
