@@ -247,11 +247,15 @@ class SpeculativeSettings(BaseModel):
 class StructuredSettings(BaseModel):
     # A request's grammar (response_format, structured) must compile within this many seconds of
     # its arrival at the engine, queueing included; past it the request is rejected naming the
-    # field, and a compile nobody else waits for is abandoned (worker/engine/structured_output.py).
+    # field and its compile is stopped (worker/engine/structured_output.py).
     compile_timeout_s: float = Field(5.0, gt=0)
     # Grammars compiled at once. Jobs are taken from each tenant in turn and no tenant holds more
     # than compile_threads - 1 of them, so one tenant's heavy grammars never hold up another's.
     compile_threads: int = Field(2, ge=1, le=32)
+    # Each compile thread compiles in a child process of its own, so a compile past its budget is
+    # killed (xgrammar cannot be stopped inside a thread). Off: compiles run in the threads and one
+    # past its budget runs to its end (its request is still rejected).
+    compile_processes: bool = True
     # Compiled grammars kept for reuse, in bytes (xgrammar's own sizes); least recently used go first.
     cache_bytes: int = Field(256 * 2**20, ge=0)
     # The token mask of one constrained row is filled for every step of the whole batch: a step

@@ -25,6 +25,9 @@ VOCAB = ["<eos>", "a", "b", "c", "0", "1", "{", "}", '"', ":", ",", " ", "\n", "
 
 
 def tiny_compiler(**kw) -> GrammarCompiler:
+    """In-thread compiles by default: these tests patch compile_spec, which a child process would
+    not see (the processes have tests of their own below)."""
+    kw.setdefault("processes", False)
     return GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[0]), len(VOCAB), [0], **kw)
 
 
@@ -216,3 +219,29 @@ def test_rows_whose_mask_is_over_budget_are_found():
     never.fill(matchers)
     assert never.slow == []
     compiler.shutdown()
+
+
+def test_a_compile_process_that_died_is_replaced_and_the_grammar_not_blamed():
+    """A child process killed from outside (the OOM killer, say) between compiles: the next
+    grammar is compiled by a fresh process, not refused as if it had crashed the compiler."""
+    compiler = tiny_compiler(threads=1, processes=True)
+    assert compiler.compile(regex("[ab]")).result(timeout=300) is not None
+    (first,) = compiler._children
+    first.kill()
+    assert compiler.compile(regex("[ab]{3}")).result(timeout=300) is not None
+    assert [p.pid for p in compiler._children] != [first.pid]
+    compiler.shutdown()
+
+
+def test_compile_processes_end_with_their_compiler():
+    """An engine dropped without shutdown leaves no child processes behind (the threads hold
+    the compiler weakly; its finalizer kills them)."""
+    import gc
+
+    compiler = tiny_compiler(threads=2, processes=True)
+    assert compiler.compile(regex("[ab]")).result(timeout=300) is not None
+    processes = list(compiler._children)
+    del compiler
+    gc.collect()
+    for process in processes:
+        assert process._proc.wait(timeout=30) is not None

@@ -142,7 +142,8 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-                                             self._structured.compile_threads, self._structured.cache_bytes)
+                                             self._structured.compile_threads, self._structured.cache_bytes,
+                                             self._structured.compile_processes)
         return self._grammars
 
     def _compile(self, seq: Sequence, tenant: str | None = None) -> None:
@@ -163,13 +164,18 @@ class LLMEngine:
         if self._compiling and not self._finished and not self.scheduler.has_unfinished():
             wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         budget, now = self._structured.compile_timeout_s, time.monotonic()
+        # The compiler's own start-up is not the grammar's cost.
+        ready_since = self._grammars.ready_since if self._compiling else None
         for request_id, (seq, future, since) in list(self._compiling.items()):
             if not future.done():
-                if now - since > budget:  # rejected; the compile is abandoned (_forget)
+                if ready_since is not None and now - max(since, ready_since) > budget:
+                    # Rejected, and the compile stopped (its process killed): it costs nobody more.
+                    reason = (f"the grammar did not compile within {budget:g} s "
+                              "(INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)")
+                    self.grammars.give_up(future, reason)
                     self._forget(request_id)
                     self._finished.append(rejected_output(
-                        request_id, "invalid_request", f"{seq.sampling.structured.field}: the grammar did not "
-                        f"compile within {budget:g} s (INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)"))
+                        request_id, "invalid_request", f"{seq.sampling.structured.field}: {reason}"))
                 continue
             del self._compiling[request_id]
             try:

@@ -8,8 +8,9 @@ samples only tokens that keep its output a prefix of some string of the grammar.
   requests, not everyone's), and keeps the results (or the errors) by their text, in a cache
   bounded in bytes, so a schema shared by many requests compiles once. The engine gives each
   request's compile a time budget (INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S): past it the request
-  is rejected naming its field, and a compile nobody waits for any more is abandoned (dropped
-  before it starts; one already running cannot be interrupted, and finishes into the cache);
+  is rejected naming its field and the compile is given up: dropped if it has not started, its
+  child process killed if it has (each thread compiles in a process of its own, because
+  xgrammar cannot be interrupted inside a thread), and remembered as failed;
 - each running sequence holds a `GrammarMatcher` (xgrammar's), advanced by every accepted token;
 - `TokenBitmask` fills one bit per vocabulary id per constrained row for the whole batch with
   one xgrammar call, which the sampler applies to the logits before anything else.
@@ -23,6 +24,7 @@ import json
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 
@@ -30,6 +32,7 @@ import structlog
 import torch
 import xgrammar as xgr
 
+from worker.engine.grammar_process import CompilerDied, CompilerProcess
 from worker.engine.request import StructuredSpec
 
 log = structlog.get_logger(__name__)
@@ -37,6 +40,8 @@ log = structlog.get_logger(__name__)
 # Bytes of compiled grammars kept by default (INFERLINE_STRUCTURED__CACHE_BYTES); xgrammar reports
 # each one's size (token mask caches: tens of KB to a few MB on a 49K vocabulary).
 CACHE_BYTES = 256 * 2**20
+# How often an idle compile thread checks whether its compiler still exists.
+IDLE_CHECK_S = 1.0
 # What a failed compile is counted as in the cache (its message).
 _FAILURE_BYTES = 1024
 # xgrammar's messages start with "[07:32:22] /project/cpp/regex_converter.cc:94: ": not the user's business.
@@ -52,13 +57,19 @@ class GrammarCompiler:
     grammar is invalid. Futures are cached by (kind, text), failures included, up to
     `cache_bytes` of compiled grammars (least recently used go first). `threads` compile at
     once; jobs are taken from each tenant in turn, and no tenant has more than `threads - 1` of
-    them running, so another tenant's grammar always finds a thread (tenant None: no bound)."""
+    them running, so another tenant's grammar always finds a thread (tenant None: no bound).
+
+    With `processes` (the default) each thread compiles in a child process of its own
+    (worker/engine/grammar_process.py), so `give_up` stops a running compile at once; without,
+    the compile runs in the thread and can only be dropped before it starts. The threads hold
+    the compiler only weakly: when it is garbage, they and their processes end."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
-                 cache_bytes: int = CACHE_BYTES):
+                 cache_bytes: int = CACHE_BYTES, processes: bool = True):
         self.info = tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._compiler = None if processes else xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._info_json = self.info.serialize_json() if processes else None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # of the finished entries
@@ -67,8 +78,16 @@ class GrammarCompiler:
         self._running: dict[str | None, int] = {}
         self._lock = threading.Condition()  # the cache and the queues; workers wait on it
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"inferline-grammar-{i}", daemon=True)
-                         for i in range(max(1, threads))]
+        self._processes: dict[Future, CompilerProcess] = {}  # running compiles -> their process
+        self._given_up: dict[Future, str] = {}  # running compiles killed by give_up -> why
+        self._children: list[CompilerProcess] = []  # every live process, for the finalizer
+        # When the first process could compile (None: still starting); waits before it are not
+        # the grammar's doing (LLMEngine counts a compile's time budget from then at the earliest).
+        self.ready_since: float | None = None if processes else float("-inf")
+        ref = weakref.ref(self)
+        self._threads = [threading.Thread(target=_work, args=(ref, self._lock), name=f"inferline-grammar-{i}",
+                                          daemon=True) for i in range(max(1, threads))]
+        weakref.finalize(self, _close, self._lock, self._children)
         for thread in self._threads:
             thread.start()
 
@@ -87,6 +106,16 @@ class GrammarCompiler:
         """Nobody waits for `future` any more: drop its compile if it has not started."""
         with self._lock:
             return future.cancel()
+
+    def give_up(self, future: Future, reason: str) -> None:
+        """`future`'s compile took too long: dropped if it has not started, else its process is
+        killed and it fails with ValueError(reason), remembered in the cache like any failure (the
+        same grammar again is refused at once). In-thread compiles cannot be stopped: they finish."""
+        with self._lock:
+            if future.cancel() or future not in self._processes:
+                return
+            self._given_up[future] = reason
+            self._processes[future].kill()
 
     def _next_job(self):
         """The first queued job of the tenant next in turn that may run one more (lock held)."""
@@ -110,32 +139,78 @@ class GrammarCompiler:
             return tenant, job
         return None
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and (picked := self._next_job()) is None:
-                    self._lock.wait()
-                if self._closed:
-                    return
-            tenant, (key, spec, future) = picked
+    def _start_process(self) -> CompilerProcess | None:
+        """A ready child process, or None (compile in the thread) when none can start."""
+        process = None
+        if self._info_json is not None:
             try:
-                if future.set_running_or_notify_cancel():
-                    self._run(key, spec, future)
-            finally:
+                process = CompilerProcess(self._info_json)
                 with self._lock:
-                    self._running[tenant] -= 1
-                    self._lock.notify_all()
+                    self._children.append(process)
+                process.wait_ready()
+            except (OSError, CompilerDied) as exc:
+                log.error("grammar.process_failed", error=str(exc)[:200])
+                self._end_process(process)
+                process = None
+        with self._lock:
+            if self.ready_since is None:
+                self.ready_since = time.monotonic()
+        return process
 
-    def _run(self, key, spec: StructuredSpec, future: Future) -> None:
-        try:
-            compiled = compile_spec(self._compiler, spec)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
-            reason = _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
-            future.set_exception(ValueError(f"cannot be compiled: {reason}"[:300]))
-            self._account(key, future, _FAILURE_BYTES)
-            return
+    def _end_process(self, process: CompilerProcess | None) -> None:
+        if process is not None:
+            with self._lock:
+                if process in self._children:
+                    self._children.remove(process)
+            process.close()
+
+    def _run(self, key, spec: StructuredSpec, future: Future, process: CompilerProcess | None):
+        """Compiles one job into its future; returns the process to use next (a new one if this
+        one died). A process found dead is replaced and the job tried once more before the
+        grammar is blamed for it."""
+        for attempt in range(2):
+            try:
+                compiled = self._compile(spec, future, process)
+                break
+            except CompilerDied:
+                reason = self._given_up.pop(future, None)
+                self._end_process(process)
+                process = self._start_process()
+                if reason is None and attempt == 0:
+                    continue
+                future.set_exception(ValueError(reason or "cannot be compiled: it crashed the grammar compiler"))
+                self._account(key, future, _FAILURE_BYTES)
+                return process
+            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
+                reason = _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+                future.set_exception(ValueError(f"cannot be compiled: {reason}"[:300]))
+                self._account(key, future, _FAILURE_BYTES)
+                return process
+        if self._given_up.pop(future, None) is not None:  # killed just after it answered
+            self._end_process(process)
+            process = self._start_process()
         future.set_result(compiled)
         self._account(key, future, int(getattr(compiled, "memory_size_bytes", 0)) + len(spec.text))
+        return process
+
+    def _compile(self, spec: StructuredSpec, future: Future, process: CompilerProcess | None):
+        if process is None:
+            return compile_spec(self._compiler or self._thread_compiler(), spec)
+        with self._lock:
+            self._processes[future] = process
+        try:
+            text = process.compile(spec.kind, spec.text)
+        finally:
+            with self._lock:
+                del self._processes[future]
+        return xgr.CompiledGrammar.deserialize_json(text, self.info)
+
+    def _thread_compiler(self):
+        """The in-thread compiler of a process pool whose processes cannot start."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
     def _account(self, key, future: Future, size: int) -> None:
         """A finished entry counts its bytes; the least recently used go until they fit."""
@@ -159,6 +234,47 @@ class GrammarCompiler:
                     future.cancel()
             self._queues.clear()
             self._lock.notify_all()
+        _close(self._lock, self._children)
+
+
+def _work(ref: weakref.ref, lock: threading.Condition) -> None:
+    """A compile thread: takes jobs while its compiler lives and is open. It holds the compiler
+    only while it picks or runs a job, so an engine that is dropped ends its threads."""
+    compiler = ref()
+    process = compiler._start_process() if compiler is not None else None
+    del compiler
+    try:
+        while True:
+            with lock:
+                compiler = ref()
+                if compiler is None or compiler._closed:
+                    return
+                picked = compiler._next_job()
+                if picked is None:
+                    del compiler
+                    lock.wait(IDLE_CHECK_S)
+                    continue
+            tenant, (key, spec, future) = picked
+            try:
+                if future.set_running_or_notify_cancel():
+                    process = compiler._run(key, spec, future, process)
+            finally:
+                with lock:
+                    compiler._running[tenant] -= 1
+                    lock.notify_all()
+                del compiler
+    finally:
+        if process is not None:
+            process.close()
+
+
+def _close(lock: threading.Condition, children: list) -> None:
+    """Kills every child process and wakes the threads (which then see the compiler closed or gone)."""
+    with lock:
+        doomed, children[:] = list(children), []
+        lock.notify_all()
+    for process in doomed:
+        process.kill()
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec):

@@ -1,0 +1,140 @@
+"""A grammar compiler in a child process, so that a compile can be stopped.
+
+xgrammar compiles in C++ and cannot be interrupted inside a thread: a hostile grammar (a JSON
+schema of many long patterns, a regex with large repetition counts) can hold a core for minutes
+after its request was rejected. In a child process it is killed the moment its time budget is
+over, and a grammar that crashes xgrammar takes down only the child.
+
+Parent and child speak length-prefixed msgpack frames over the child's stdin and stdout:
+parent -> child: {"info": TokenizerInfo JSON} once, then {"kind", "text"} per compile;
+child -> parent: {"ready": true} once, then {"compiled": CompiledGrammar JSON} or {"error": message}.
+The child exits when its stdin closes (the parent went away), and ignores the terminal's Ctrl-C
+(its own session): the worker decides when it stops.
+
+Run as `python -m worker.engine.grammar_process` (CompilerProcess does that).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+import msgpack
+
+_HEADER = struct.Struct(">I")
+_REPO = str(Path(__file__).resolve().parents[2])  # where `worker` is importable from
+
+
+class CompilerDied(Exception):
+    """The child process exited (killed on purpose, or crashed) before it answered."""
+
+
+def write_frame(stream: BinaryIO, message: dict) -> None:
+    body = msgpack.packb(message, use_bin_type=True)
+    stream.write(_HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> dict | None:
+    """The next message, or None at the end of the stream."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (size,) = _HEADER.unpack(header)
+    body = stream.read(size)
+    if len(body) < size:
+        return None
+    return msgpack.unpackb(body, raw=False)
+
+
+class CompilerProcess:
+    """One child process that compiles one grammar at a time. `compile` blocks its caller (a
+    GrammarCompiler thread); `kill` from any thread ends a compile at once (CompilerDied)."""
+
+    def __init__(self, tokenizer_info_json: str):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
+        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine.grammar_process"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                      start_new_session=True)
+        self._ready = False
+        self._send({"info": tokenizer_info_json})
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def wait_ready(self) -> None:
+        """Blocks until the child has imported xgrammar and read the tokenizer (seconds)."""
+        if not self._ready:
+            if self._receive() != {"ready": True}:
+                raise CompilerDied("the grammar compiler process did not start")
+            self._ready = True
+
+    def compile(self, kind: str, text: str) -> str:
+        """The compiled grammar as xgrammar's JSON; ValueError(xgrammar's message) when the grammar
+        is invalid; CompilerDied when the process was killed or crashed meanwhile."""
+        self.wait_ready()
+        self._send({"kind": kind, "text": text})
+        reply = self._receive()
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["compiled"]
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def close(self) -> None:
+        """Ends the child: at once if it is compiling (its stdin closing would wait for that)."""
+        self._proc.kill()
+        for stream in (self._proc.stdin, self._proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self._proc.wait()
+
+    def _send(self, message: dict) -> None:
+        try:
+            write_frame(self._proc.stdin, message)
+        except (OSError, ValueError) as exc:  # ValueError: the pipe was closed by close()
+            raise CompilerDied(str(exc)) from exc
+
+    def _receive(self) -> dict:
+        try:
+            reply = read_frame(self._proc.stdout)
+        except (OSError, ValueError) as exc:
+            raise CompilerDied(str(exc)) from exc
+        if reply is None:
+            raise CompilerDied(f"the grammar compiler process exited ({self._proc.poll()})")
+        return reply
+
+
+def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
+    """The child's loop: compile what the parent sends until its stdin closes."""
+    import xgrammar as xgr
+
+    from worker.engine.request import StructuredSpec
+    from worker.engine.structured_output import compile_spec
+
+    first = read_frame(stdin)
+    if first is None:
+        return
+    info = xgr.TokenizerInfo.deserialize_json(first["info"])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    write_frame(stdout, {"ready": True})
+    while (job := read_frame(stdin)) is not None:
+        try:
+            compiled = compile_spec(compiler, StructuredSpec("", job["kind"], job["text"]))
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
+            write_frame(stdout, {"error": str(exc) or type(exc).__name__})
+            continue
+        write_frame(stdout, {"compiled": compiled.serialize_json()})
+
+
+if __name__ == "__main__":
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print must not corrupt the frames
+    serve(sys.stdin.buffer, protocol)
