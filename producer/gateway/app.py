@@ -109,6 +109,10 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
         return await answer(request, lambda tenant: _now(
             Response(batches.files.content(file_id, tenant), media_type="application/octet-stream")))
 
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> Response:
+        return await answer(request, lambda tenant: batches.delete_file(tenant, file_id))
+
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
         return await answer(request, lambda tenant: _then(json_object(request), lambda b: batches.create(tenant, b)))

@@ -141,6 +141,18 @@ class BatchService:
             self._changed(batch_id, json.dumps(rec).encode())
         return self.public(rec)
 
+    async def delete_file(self, tenant: str | None, file_id: str) -> dict:
+        """Deletes a file, unless it is the input of one of the tenant's unfinished batches (a
+        gateway that resumes the batch reads it again): 409 until that batch ends."""
+        self.files.meta(file_id, tenant)
+        recs = [json.loads(raw) for raw in list(self.table.data.values())]
+        for rec in (self.live.get(r["id"], r) for r in recs):
+            if rec.get("input_file_id") == file_id and rec["status"] not in TERMINAL:
+                raise OpenAIError(409, f"file {file_id} is the input of batch {rec['id']}, which is "
+                                  f"{rec['status']}: cancel it or wait for it to end", param="file_id",
+                                  code="file_in_use")
+        return await self.files.delete(file_id, tenant)
+
     def list(self, tenant: str | None, limit: int = 20, after: str | None = None) -> dict:
         recs = [json.loads(v) for v in self.table.data.values()]
         mine = sorted((self.live.get(r["id"], r) for r in recs if r.get("tenant") == tenant),

@@ -34,6 +34,16 @@ class FileStore:
         record = json.loads(self.table.data[file_id])
         return b"".join(self.table.data[f"{file_id}/{n}"] for n in range(record["chunks"]))
 
+    async def delete(self, file_id: str, tenant: str | None) -> dict:
+        """OpenAI's deletion object. The metadata goes first: a file without it is gone even if
+        the gateway stops before its chunks' tombstones are written."""
+        self.meta(file_id, tenant)  # 404 unless it is there and the tenant's
+        record = json.loads(self.table.data[file_id])
+        await self.table.delete(file_id)
+        for n in range(record["chunks"]):
+            await self.table.delete(f"{file_id}/{n}")
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def put(self, data: bytes, filename: str, purpose: str, tenant: str | None) -> dict:
         if len(data) > MAX_FILE_BYTES:
             raise bad_request("file", f"file: {len(data)} bytes, at most {MAX_FILE_BYTES}")

@@ -68,9 +68,12 @@ class TopicTable:
     async def _read(self, timeout_ms: int) -> None:
         for records in (await self._consumer.getmany(timeout_ms=timeout_ms, max_records=1000)).values():
             for r in records:
-                if r.key is None or r.value is None:
+                if r.key is None:
                     continue
                 key = r.key.decode()
+                if r.value is None:  # a tombstone: deleted (by this replica or another)
+                    self.data.pop(key, None)
+                    continue
                 self.data[key] = r.value
                 if self.on_change:
                     self.on_change(key, r.value)
@@ -80,6 +83,12 @@ class TopicTable:
         assert len(value) <= MAX_VALUE_BYTES, f"{len(value)} bytes: split it"
         await self._producer.send_and_wait(self.topic, value, key=key.encode())
         self.data[key] = value
+
+    async def delete(self, key: str) -> None:
+        """A tombstone: compaction drops the key's records, and every replica forgets it."""
+        assert self._producer is not None, "table not started"
+        await self._producer.send_and_wait(self.topic, None, key=key.encode())
+        self.data.pop(key, None)
 
     async def close(self) -> None:
         if self._task:

@@ -125,3 +125,39 @@ async def test_a_stopped_gateways_batch_is_resumed_by_another(fleet):
     assert sorted(o["custom_id"] for o in outs) == sorted(f"r{i}" for i in range(n))
     for out in outs:
         check_format(out)
+
+
+async def test_a_deleted_file_is_gone_from_every_replica_but_a_running_batchs_input_stays(fleet):
+    """DELETE /v1/files/{id}: the file is gone here and, once it follows the topic, from another
+    replica; another tenant cannot delete it; the input of an unfinished batch is refused (409:
+    a gateway resuming the batch reads it again) until the batch ends."""
+    server, task, url_b = await start_gateway(fleet.settings)
+    api, api_b = client(fleet.url), client(url_b)
+    try:
+        spare = await upload(api, [chat_line("d0", "Hi.", max_tokens=4)])
+        busy = await upload(api, [chat_line(f"b{i}", f"Count to {i}.", max_tokens=32) for i in range(40)])
+        with pytest.raises(openai.NotFoundError):
+            await client(fleet.url, key="sk-slow").files.delete(spare.id)
+        deleted = await api.files.delete(spare.id)
+        assert deleted.id == spare.id and deleted.deleted is True
+        with pytest.raises(openai.NotFoundError):
+            await api.files.retrieve(spare.id)
+        deadline = time.monotonic() + 60
+        while True:  # replica B follows the tombstone
+            try:
+                await api_b.files.retrieve(spare.id)
+            except openai.NotFoundError:
+                break
+            assert time.monotonic() < deadline, "replica B still serves a deleted file"
+            await asyncio.sleep(0.3)
+
+        batch = await api.batches.create(input_file_id=busy.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        await wait_status(api, batch.id, ("in_progress",))
+        with pytest.raises(openai.ConflictError):
+            await api.files.delete(busy.id)
+        await api.batches.cancel(batch.id)
+        await wait_status(api, batch.id)
+        assert (await api.files.delete(busy.id)).deleted is True
+    finally:
+        await stop_gateway(server, task)
