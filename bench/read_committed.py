@@ -46,6 +46,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.broker import broker_cpu, idle_cpu
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "read_committed.json"
 PROMPTS = ["Explain Kafka in one sentence.", "What is 2+2?", "Name a colour.", "Say hello.",
@@ -261,20 +263,6 @@ async def wait_finals(readers: list[Reader], ids, timeout: float) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
-
-
-def broker_cpu() -> float | None:
-    from bench.kafka_e2e import broker_pid, thread_cpu
-
-    pid = broker_pid()
-    return thread_cpu(pid).get("total") if pid else None
-
-
-async def idle_cpu(seconds: float) -> float | None:
-    b0 = broker_cpu()
-    await asyncio.sleep(seconds)
-    b1 = broker_cpu()
-    return None if b0 is None or b1 is None else b1 - b0
 
 
 def load() -> list[float]:
@@ -606,7 +594,8 @@ async def amain(args, settings, runner) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from bench.kafka_e2e import acquire_broker, release_broker, save
+    from bench.broker import acquire_broker, release_broker
+    from bench.kafka_e2e import save
     from bench.roofline import in_thread
     from config.settings import load_settings
     from worker.engine.model_runner import ModelRunner
