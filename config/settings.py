@@ -88,7 +88,7 @@ class KafkaSettings(BaseModel):
     # A partition's transactions begin at most once per this interval (0: as soon as the last one
     # commits): under load the finals of several cycles share one transaction, whose cost on the
     # broker is fixed; a final of an idle partition still goes at once.
-    transaction_interval_ms: float = Field(100.0, ge=0)
+    transaction_interval_ms: float = Field(250.0, ge=0)
     # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
     offset_metadata_max_bytes: int = Field(4096, ge=64)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
