@@ -51,13 +51,13 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.broker import (  # noqa: F401 - other benches reach these through this module
+    acquire_broker, broker_cpu, broker_pid, cpu_delta, per_request_ms, release_broker, thread_cpu)
 from bench.workload import add_workload_args, apply_quick
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "kafka_e2e.json"
-KAFKA_SH = REPO / "scripts" / "kafka.sh"
 TARGETS = {"throughput_ratio_min": 0.9, "ttft_p50_diff_max_ms": 50.0}
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # ---- arguments and settings ------------------------------------------------------------------------
@@ -187,39 +187,6 @@ def step_all(runner, settings, items, progress: bool) -> dict:
 # ---- path 2: broker, worker subprocess, client ------------------------------------------------------
 
 
-def acquire_broker(settings) -> bool:
-    """Start the local broker if needed and hold a lease on it; False when it is someone else's."""
-    from config.settings import is_local_broker
-
-    if not is_local_broker(settings) or lease_path().exists():
-        return False  # another broker, or this process holds a lease already (a pytest session)
-    res = subprocess.run([str(KAFKA_SH), "acquire", str(os.getpid())], capture_output=True, text=True, timeout=300)
-    if res.returncode != 0:
-        raise RuntimeError(f"scripts/kafka.sh acquire failed:\n{res.stderr[-2000:]}")
-    return res.stdout.strip() != "external"
-
-
-def release_broker() -> None:
-    subprocess.run([str(KAFKA_SH), "release", str(os.getpid())], capture_output=True, text=True, timeout=120)
-
-
-def kafka_dir() -> Path:
-    return Path(os.environ.get("INFERLINE_KAFKA_DIR", REPO / ".kafka"))
-
-
-def lease_path() -> Path:
-    return kafka_dir() / "leases" / str(os.getpid())
-
-
-def broker_pid() -> int | None:
-    path = kafka_dir() / "kafka.pid"
-    try:
-        pid = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if Path(f"/proc/{pid}").exists() else None
-
-
 class Topics:
     def __init__(self, prefix: str):
         self.requests, self.cancel, self.dlq = f"{prefix}.requests", f"{prefix}.cancel", f"{prefix}.dlq"
@@ -338,31 +305,6 @@ def metric_values(port: int) -> dict[str, float]:
     return out
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process: its main thread (the worker's asyncio loop) and all the others
-    (the engine thread and torch's pool). Empty where /proc is missing."""
-    main = other = 0.0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return {}
-    for tid in tids:
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # a thread that just ended
-        secs = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-        if int(tid) == pid:
-            main += secs
-        else:
-            other += secs
-    return {"main_thread": main, "other_threads": other, "total": main + other}
-
-
-def cpu_delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
 class RecordingClient:
     """What run_load needs of a client (`submit`), keeping every handle for the token check."""
 
@@ -424,6 +366,7 @@ async def kafka_run(settings, topics: Topics, items, probe_items, run_tag: str, 
                    "generated_tokens": m1.get("inferline_tokens_generated_total", 0)
                    - m0.get("inferline_tokens_generated_total", 0)},
         "cpu_s": cpu, "tokens_per_cpu_s": useful / on_model if on_model else None,
+        "broker_cpu_ms_per_request": per_request_ms(cpu["broker"], len(items)),
         "cpu_share_of_wall": {k: (v / wall_s if v is not None else None) for k, v in cpu.items()},
         "_token_ids": tokens,
     }
@@ -450,11 +393,6 @@ def probe_in_process(runner, settings, probe_items, threads: int) -> dict:
     from bench.roofline import in_thread
 
     return dist(in_thread(probe, threads))
-
-
-def broker_cpu() -> float | None:
-    pid = broker_pid()
-    return thread_cpu(pid).get("total") if pid else None
 
 
 # ---- statistics and report --------------------------------------------------------------------------
@@ -535,7 +473,7 @@ def print_report(results: dict) -> None:
             print(f"  {r['label']} CPU s: worker asyncio thread {fmt(c['worker_asyncio_thread'], '.1f')} "
                   f"({fmt(share['worker_asyncio_thread'], '.0%')} of a core), worker engine threads "
                   f"{fmt(c['worker_engine_threads'], '.1f')}, broker {fmt(c['broker'], '.1f')} "
-                  f"({fmt(share['broker'], '.0%')}), client {fmt(c['client'], '.1f')} ({fmt(share['client'], '.0%')})")
+                  f"({fmt(share['broker'], '.0%')}; {fmt(r['broker_cpu_ms_per_request'], '.1f')} CPU-ms per request), client {fmt(c['client'], '.1f')} ({fmt(share['client'], '.0%')})")
     c = results["comparison"]
     print(f"\nthroughput  in-process {c['in_process_tokens_per_s']:.1f} tok/s, kafka {c['kafka_tokens_per_s']:.1f} tok/s:"
           f" ratio {c['throughput_ratio']:.2f}x (target >= {TARGETS['throughput_ratio_min']}x)"

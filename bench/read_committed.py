@@ -1,33 +1,44 @@
-"""What read_committed costs a streaming reader, and what transactions cost the broker (issue 36).
+"""What read_committed costs a streaming reader, and what delivery costs the broker (issue 36).
 
-    python -m bench.read_committed                  # 32 requests x 32 tokens, 4 reply partitions
+    python -m bench.read_committed                  # scenario 1 before and after, then scenario 2
     python -m bench.read_committed --no-kill        # scenario 1 and the broker CPU only
+    python -m bench.read_committed --engine model   # the real model instead of the paced engine
 
-Scenario 1, steady: one Worker in this process (group mode, transactions as they are) serves
-`--num-requests` streaming requests submitted at `--rate` per second (0: all at once), each
-`--max-tokens` long, all answering on one reply topic of `--reply-partitions` partitions (keyed
-by request id, so every partition carries many requests' tokens and finals). Two readers read the
-reply topic side by side with the project client's consumer settings, one read_uncommitted, one
-read_committed. Per reader: TTFT (submit -> first `tokens` event) and the gaps between one
-request's `tokens` events (p50/p99/max), and the ratio committed/uncommitted; per event seen by
-both, the hold (committed arrival - uncommitted arrival).
+The engine is bench/paced_engine.py unless `--engine model`: a token per running request every
+`--step-ms` (a GPU's decode pace), nothing computed, so the broker's CPU is measured at a real
+event rate and the two cores stay the broker's; everything else is the real worker and broker.
 
-Broker CPU per request (from /proc, as bench/kafka_e2e.py): around scenario 1 (transactional
-group mode as is), and around a baseline that replays the same records with no transaction:
-every request record and every reply record scenario 1 produced (same keys, values, partitions,
-same relative send times) through one idempotent producer (acks=all, linger 5 ms, as the
-Publisher), with the same two readers attached; no consumer group, no transactions. Each is also
-given with an idle window of the same length subtracted (worker and readers connected, nothing
-sent; readers only, for the baseline).
+Scenario 1, steady: one Worker in this process (group mode) serves `--num-requests` streaming
+requests submitted at `--rate` per second (0: all at once), each `--max-tokens` long, all
+answering on one reply topic of `--reply-partitions` partitions (keyed by request id, so every
+partition carries many requests' tokens and finals). It runs once per `--delivery` config, in
+order: `before` (tokens every 20 ms, a partition's next transaction as soon as the last commits:
+what #36 found) and `after` (the settings as they are). Two readers read the reply topic side by
+side with the project client's consumer settings, one read_uncommitted, one read_committed. Per
+reader: TTFT (submit -> first `tokens` event) and the gaps between one request's `tokens` events
+(p50/p99/max), and the ratio committed/uncommitted; per event seen by both, the hold (committed
+arrival - uncommitted arrival); reply records per request, transactions and finals per
+transaction.
 
-Scenario 2, a worker dies: two `python -m worker` subprocesses, A and B, in one group (one request
-partition each, default session and transaction timeouts), `--kill-requests` requests, every reply
-partition shared. A dies; B keeps streaming onto the same reply partitions, so what B's tokens wait
-behind A's open transaction is what a read_committed reader of a fleet sees (B, or the broker's
-transaction timeout, ends it). Two modes, one run each: `before-commit` (A SIGKILLs itself with a
-transaction open, the hook INFERLINE_FAULT_KILL_BEFORE_COMMIT=`--kill-txn`: the worst case) and
-`sigkill` (this process SIGKILLs A once `--kill-after` requests started: an open transaction only if
-the kill hits one). Reports the longest hold a read_committed reader saw and when it ended.
+Broker CPU per request (bench/broker.py: /proc, as bench/kafka_e2e.py), per config: around
+scenario 1 (transactional group mode), and around a baseline that replays the same records with no
+transaction: every request record and every reply record scenario 1 produced (same keys, values,
+partitions, same relative send times) through one idempotent producer (acks=all, linger 5 ms, as
+the Publisher), with the same two readers attached; no consumer group, no transactions. Each is
+also given with an idle window of the same length subtracted (worker and readers connected,
+nothing sent; readers only, for the baseline).
+
+Scenario 2, a worker dies: two worker subprocesses (`python -m bench.paced_engine`, or `python -m
+worker` with `--engine model`), A and B, in one group (one request partition each, default session
+and transaction timeouts), `--kill-requests` requests, one reply topic of
+`--kill-reply-partitions` (1) partitions that both write. A dies; B keeps streaming onto the same
+reply partition, so what B's tokens wait behind A's open transaction is what a read_committed reader
+of a fleet sees (B, or the broker's transaction timeout, ends it). Two modes, one run each:
+`before-commit` (A SIGKILLs itself with a transaction open, the hook
+INFERLINE_FAULT_KILL_BEFORE_COMMIT=`--kill-txn`: the worst case) and `sigkill` (this process
+SIGKILLs A once `--kill-after` requests started: an open transaction only if the kill hits one).
+Reports the longest hold a read_committed reader saw, when it ended, and the TTFT and gaps of B's
+streams on the held partition meanwhile, per reader.
 
 Prints a table, writes bench/results/read_committed.json (--out).
 """
@@ -46,8 +57,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.broker import broker_cpu, idle_cpu
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "read_committed.json"
+# Scenario 1's delivery settings: `before` is what #36 found (tokens every 20 ms, a partition's
+# next transaction as soon as the last commits); `after` is the settings as they are.
+DELIVERY = {"before": {"flush_interval_ms": 20.0, "transaction_interval_ms": 0.0}, "after": {}}
 PROMPTS = ["Explain Kafka in one sentence.", "What is 2+2?", "Name a colour.", "Say hello.",
            "Write a haiku about the sea.", "What is the capital of France?", "Count to five.",
            "Why is the sky blue?"]
@@ -116,6 +132,16 @@ def holds(uncommitted: list[Event], committed: list[Event]) -> dict:
         out["worst"] = {"id": k[0], "seq": k[2], "kind": e.kind, "partition": e.partition,
                         "uncommitted_t": seen[k], "committed_t": e.t}
     return out
+
+
+def beside(submitted: dict[str, float], uncommitted: list[Event], committed: list[Event], partition: int,
+           t0: float, t1: float) -> dict:
+    """The streams that wrote to `partition` while it was held (t0..t1, as the uncommitted reader
+    saw them): their TTFT and gaps per reader, what a read_committed client of a live stream sees."""
+    ids = {e.id for e in uncommitted if e.partition == partition and t0 <= e.t <= t1 and e.kind == "tokens"}
+    subset = {i: t for i, t in submitted.items() if i in ids}
+    return {"requests": len(subset), "read_uncommitted": per_request(subset, uncommitted),
+            "read_committed": per_request(subset, committed)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -263,20 +289,6 @@ async def wait_finals(readers: list[Reader], ids, timeout: float) -> bool:
     return False
 
 
-def broker_cpu() -> float | None:
-    from bench.kafka_e2e import broker_pid, thread_cpu
-
-    pid = broker_pid()
-    return thread_cpu(pid).get("total") if pid else None
-
-
-async def idle_cpu(seconds: float) -> float | None:
-    b0 = broker_cpu()
-    await asyncio.sleep(seconds)
-    b1 = broker_cpu()
-    return None if b0 is None or b1 is None else b1 - b0
-
-
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -284,16 +296,27 @@ def load() -> list[float]:
 # ---- scenario 1: one in-process worker, two readers; the broker's CPU -------------------------------
 
 
-async def steady(settings, runner, args) -> dict:
-    from worker.app import Worker, engine_settings
+def engine_for(s, runner, args):
+    """The real model (`--engine model`) or the paced stand-in (bench/paced_engine.py)."""
+    from bench.paced_engine import PacedEngine
+    from worker.app import engine_settings
     from worker.engine.engine import LLMEngine
+
+    if args.engine == "model":
+        return LLMEngine(runner, engine_settings(s))
+    return lambda: PacedEngine(args.step_ms / 1000, s.scheduler.max_num_seqs)
+
+
+async def steady(settings, runner, args, delivery: dict) -> dict:
+    """One in-process worker under `delivery` (KafkaSettings overrides: a config of DELIVERY)."""
+    from worker.app import Worker
 
     run = Run(f"rc-{uuid.uuid4().hex[:6]}", args.reply_partitions)
     await make_topics(settings, run.specs())
     k = settings.kafka.model_copy(update={"request_topic": run.requests, "cancel_topic": run.cancel,
-                                          "dlq_topic": run.dlq, "group_id": run.group})
+                                          "dlq_topic": run.dlq, "group_id": run.group, **delivery})
     s = settings.model_copy(update={"kafka": k})
-    worker = Worker(s, LLMEngine(runner, engine_settings(s)))
+    worker = Worker(s, engine_for(s, runner, args))
     task = asyncio.create_task(worker.run())
     readers = [Reader(s, run.replies, "read_uncommitted", raw=True), Reader(s, run.replies, "read_committed")]
     try:
@@ -324,14 +347,17 @@ async def steady(settings, runner, args) -> dict:
     unc, com = (per_request(run.submitted, r.events) for r in readers)
     span = t1 - t0
     ntx = tx1[0] - tx0[0]
+    records = [rec for rec in readers[0].records if rec[0] >= t0 - 1e-3]
     out = {"complete": ok, "wall_s": span, "load_before": l0, "load_after": load(),
+           "delivery": {"flush_interval_ms": k.flush_interval_ms, "transaction_interval_ms": k.transaction_interval_ms},
+           "reply_records_per_request": len(records) / args.num_requests,
+           "finals_per_transaction": args.num_requests / ntx if ntx else None,
            "read_uncommitted": unc, "read_committed": com, "committed_over_uncommitted": compare(unc, com),
            "holds": holds(readers[0].events, readers[1].events),
            "transactions": {"committed": ntx, "mean_open_ms": 1e3 * (tx1[1] - tx0[1]) / ntx if ntx else None},
            "broker_cpu_s": None if b0 is None or b1 is None else b1 - b0,
            "idle": {"window_s": args.idle_s, "broker_cpu_s": cpu_idle}}
     # The baseline replays these records: requests and every reply record the run produced.
-    records = [rec for rec in readers[0].records if rec[0] >= t0 - 1e-3]
     await drop_topics(settings, [t for t, _ in run.specs()])
     return out, run, records, t0
 
@@ -402,12 +428,13 @@ def worker_env(settings, run: Run, port: int, extra: dict | None = None) -> dict
     return env
 
 
-async def spawn_ready(env: dict, log: Path, timeout: float = 300.0) -> tuple[subprocess.Popen, float]:
+async def spawn_ready(env: dict, log: Path, module: str = "worker",
+                      timeout: float = 300.0) -> tuple[subprocess.Popen, float]:
     from bench.kafka_e2e import http_get
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", module], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     start = time.monotonic()
     port = int(env["INFERLINE_HTTP__PORT"])
     while (await asyncio.to_thread(http_get, port, "/readyz", 2.0))[0] != 200:
@@ -426,13 +453,16 @@ async def killed(settings, args, mode: str) -> dict:
     open transaction is what a read_committed reader of a fleet sees."""
     from bench.kafka_e2e import free_port
 
-    run = Run(f"rck-{uuid.uuid4().hex[:6]}", args.reply_partitions)
+    run = Run(f"rck-{uuid.uuid4().hex[:6]}", args.kill_reply_partitions)
     await make_topics(settings, run.specs())
     log = args.out.with_name(f"read_committed.{mode}.worker.log")
     log.unlink(missing_ok=True)
     extra = {"INFERLINE_FAULT_KILL_BEFORE_COMMIT": str(args.kill_txn)} if mode == "before-commit" else {}
-    (a, _), (b, _) = await asyncio.gather(spawn_ready(worker_env(settings, run, free_port(), extra), log),
-                                          spawn_ready(worker_env(settings, run, free_port()), log))
+    module = "worker" if args.engine == "model" else "bench.paced_engine"
+    extra["INFERLINE_BENCH_STEP_MS"] = str(args.step_ms)
+    (a, _), (b, _) = await asyncio.gather(spawn_ready(worker_env(settings, run, free_port(), extra), log, module),
+                                          spawn_ready(worker_env(settings, run, free_port(), extra | {
+                                              "INFERLINE_FAULT_KILL_BEFORE_COMMIT": "0"}), log, module))
     await asyncio.sleep(3.0)  # the group settles: one request partition each
     readers = [Reader(settings, run.replies, "read_uncommitted"), Reader(settings, run.replies, "read_committed")]
     n = args.kill_requests
@@ -474,6 +504,8 @@ async def killed(settings, args, mode: str) -> dict:
     worst = h.get("worst")
     if worst:
         worst["ended_after_kill_s"] = worst["committed_t"] - killed_t
+        h["beside"] = beside(run.submitted, *(r.events for r in readers), worst["partition"], killed_t,
+                             worst["committed_t"])
     unc, com = (per_request(run.submitted, r.events) for r in readers)
     await drop_topics(settings, [t for t, _ in run.specs()])
     return {"mode": mode, "requests": 2 * n, "complete": ok, "started_before_kill": started_before,
@@ -495,31 +527,43 @@ def fx(x) -> str:
 
 def print_report(res: dict) -> None:
     print(f"\n{res['settings']}  CPU: {res['cpu_model']}")
-    s = res.get("steady")
-    if s is None:
-        return print_killed(res)
-    print(f"\nscenario 1: one worker, {res['settings']['num_requests']} requests, load {s['load_before']} -> {s['load_after']}"
-          f", {s['transactions']['committed']:.0f} transactions, mean open {fx(s['transactions']['mean_open_ms'])} ms")
+    for name, block in res.get("delivery", {}).items():
+        print_steady(name, block, res["settings"]["num_requests"])
+    rows = [(name, b["broker_cpu"]) for name, b in res.get("delivery", {}).items()]
+    if rows:
+        print("\nbroker CPU-ms per request, raw / net of an idle window (transactional: the worker as configured;"
+              " replay: its records again, idempotent producer, no transaction, no group)")
+        for name, cpu in rows:
+            t, b = cpu["transactional"], cpu["baseline"]
+            print(f"  {name:<8} transactional {fx(t['per_request_ms'])} / {fx(t['per_request_net_ms'])}   "
+                  f"replay {fx(b['per_request_ms'])} / {fx(b['per_request_net_ms'])}   "
+                  f"ratio raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}")
+        if len(rows) == 2:
+            (a, ca), (b, cb) = rows
+            print(f"  {b} / {a}: transactional raw x{fx(ratio(cb['transactional']['per_request_ms'], ca['transactional']['per_request_ms']))}"
+                  f", net x{fx(ratio(cb['transactional']['per_request_net_ms'], ca['transactional']['per_request_net_ms']))}")
+    print_killed(res)
+
+
+def print_steady(name: str, block: dict, n: int) -> None:
+    s = block["steady"]
+    d = s["delivery"]
+    print(f"\nscenario 1, {name} (flush {d['flush_interval_ms']:g} ms, transaction interval "
+          f"{d['transaction_interval_ms']:g} ms): {n} requests, complete {s['complete']}, load {s['load_before']} -> "
+          f"{s['load_after']}, {s['transactions']['committed']:.0f} transactions ({fx(s['finals_per_transaction'])} finals"
+          f" each, open {fx(s['transactions']['mean_open_ms'])} ms), {fx(s['reply_records_per_request'])} reply records"
+          f" per request")
     head = f"{'reader':<18}{'TTFT p50':>9}{'p99':>7}{'gap p50':>9}{'p99':>7}{'max':>7}{'final p50':>10}"
     print(head + "  (ms)\n" + "-" * len(head))
-    for name in ("read_uncommitted", "read_committed"):
-        r = s[name]
-        print(f"{name:<18}{ms(r['ttft_s']['p50']):>9}{ms(r['ttft_s']['p99']):>7}{ms(r['gap_s']['p50']):>9}"
+    for reader in ("read_uncommitted", "read_committed"):
+        r = s[reader]
+        print(f"{reader:<18}{ms(r['ttft_s']['p50']):>9}{ms(r['ttft_s']['p99']):>7}{ms(r['gap_s']['p50']):>9}"
               f"{ms(r['gap_s']['p99']):>7}{ms(r['gap_s']['max']):>7}{ms(r['final_s']['p50']):>10}")
     c = s["committed_over_uncommitted"]
     print(f"{'committed/uncomm.':<18}{fx(c['ttft_s_p50']):>9}{fx(c['ttft_s_p99']):>7}{fx(c['gap_s_p50']):>9}{fx(c['gap_s_p99']):>7}")
     hd = s["holds"]["hold_s"]
     print(f"hold per event (committed - uncommitted arrival): p50 {ms(hd['p50'])} ms, p99 {ms(hd['p99'])} ms, "
           f"max {ms(hd['max'])} ms over {hd['n']} events")
-    cpu = res.get("broker_cpu")
-    if cpu:
-        print("\nbroker CPU-seconds per request (raw / minus an idle window of the same length)")
-        for name in ("transactional", "baseline"):
-            r = cpu[name]
-            print(f"  {name:<14} {fx(r['per_request_ms'])} CPU-ms/request raw, "
-                  f"{fx(r['per_request_net_ms'])} net   ({r['what']})")
-        print(f"  transactional / baseline: raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}")
-    print_killed(res)
 
 
 def print_killed(res: dict) -> None:
@@ -535,6 +579,13 @@ def print_killed(res: dict) -> None:
         print(f"  TTFT p99 uncommitted {ms(k['read_uncommitted']['ttft_s']['p99'])} / committed "
               f"{ms(k['read_committed']['ttft_s']['p99'])} ms; gap max {ms(k['read_uncommitted']['gap_s']['max'])} / "
               f"{ms(k['read_committed']['gap_s']['max'])} ms")
+        bs = k["holds"].get("beside")
+        if bs:
+            u, c = bs["read_uncommitted"], bs["read_committed"]
+            print(f"  live streams on the held partition {w.get('partition')} meanwhile: {bs['requests']} requests; "
+                  f"TTFT p50/max uncommitted {ms(u['ttft_s']['p50'])}/{ms(u['ttft_s']['max'])} ms, committed "
+                  f"{ms(c['ttft_s']['p50'])}/{ms(c['ttft_s']['max'])} ms; gap max {ms(u['gap_s']['max'])} / "
+                  f"{ms(c['gap_s']['max'])} ms; final p50 {ms(u['final_s']['p50'])} / {ms(c['final_s']['p50'])} ms")
 
 
 def cpu_rows(steady_res: dict, base: dict, n: int) -> dict:
@@ -566,10 +617,18 @@ def cpu_model() -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.read_committed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rate", type=float, default=8.0, help="requests submitted per second (0: all at once)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rate", type=float, default=20.0, help="requests submitted per second (0: all at once)")
+    p.add_argument("--engine", choices=("paced", "model"), default="paced",
+                   help="paced: bench/paced_engine.py, a token per request every --step-ms; model: the real model")
+    p.add_argument("--step-ms", type=float, default=25.0, help="the paced engine's step time")
+    p.add_argument("--delivery", default="before,after",
+                   help="scenario 1 runs, in this order: " + "; ".join(f"{k}: {v or 'the settings as they are'}"
+                                                                      for k, v in DELIVERY.items()))
     p.add_argument("--reply-partitions", type=int, default=4)
+    p.add_argument("--kill-reply-partitions", type=int, default=1,
+                   help="scenario 2's reply partitions (1: every live stream shares the dead worker's)")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle window for the broker's background CPU")
     p.add_argument("--kill-requests", type=int, default=12, help="requests of each scenario-2 run")
     p.add_argument("--kill-after", type=int, default=8, help="sigkill: requests started before the kill")
@@ -584,16 +643,17 @@ def parse_args(argv=None):
 
 async def amain(args, settings, runner) -> dict:
     res = {"settings": {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "rate": args.rate,
-                        "reply_partitions": args.reply_partitions,
-                        "flush_interval_ms": settings.kafka.flush_interval_ms,
+                        "reply_partitions": args.reply_partitions, "engine": args.engine,
+                        "step_ms": args.step_ms if args.engine == "paced" else None,
                         "transaction_timeout_ms": settings.kafka.transaction_timeout_ms},
            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "load_at_start": load()}
     if not args.only_kill:
-        steady_res, run, records, t0 = await steady(settings, runner, args)
-        res["steady"] = steady_res
-        base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
-        res["baseline"] = base
-        res["broker_cpu"] = cpu_rows(steady_res, base, args.num_requests)
+        res["delivery"] = {}
+        for name in (c for c in args.delivery.split(",") if c):
+            steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[name])
+            base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
+            res["delivery"][name] = {"steady": steady_res, "baseline": base,
+                                     "broker_cpu": cpu_rows(steady_res, base, args.num_requests)}
     if not args.no_kill:
         res["killed"] = []
         for mode in (m for m in args.kill_modes.split(",") if m):
@@ -606,7 +666,8 @@ async def amain(args, settings, runner) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from bench.kafka_e2e import acquire_broker, release_broker, save
+    from bench.broker import acquire_broker, release_broker
+    from bench.kafka_e2e import save
     from bench.roofline import in_thread
     from config.settings import load_settings
     from worker.engine.model_runner import ModelRunner
@@ -617,7 +678,7 @@ def main(argv=None) -> dict:
     settings = settings.model_copy(update={"scheduler": sched})
     leased = acquire_broker(settings)
     try:
-        runner = None if args.only_kill else in_thread(lambda: ModelRunner(settings))
+        runner = None if args.only_kill or args.engine != "model" else in_thread(lambda: ModelRunner(settings))
         res = asyncio.run(amain(args, settings, runner))
     finally:
         if leased:

@@ -23,7 +23,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from bench.kafka_e2e import acquire_broker, release_broker
+from bench.broker import acquire_broker, release_broker
 from config.settings import Settings
 from contract.schema import DoneEvent, Timing, Usage, encode_event
 from worker.service.metrics import Metrics

@@ -75,8 +75,9 @@ class KafkaSettings(BaseModel):
     # retried this long before its request is dead-lettered; a permanent refusal (the reply topic
     # is gone, refuses the record, or is not the worker's to write) dead-letters it at once.
     final_retry_s: float = Field(300.0, ge=1.0)
-    # Tokens of one request produced within this interval travel in one `tokens` event.
-    flush_interval_ms: float = Field(20.0, ge=0)
+    # Tokens of one request produced within this interval travel in one `tokens` event (the first
+    # go at once): every event costs the broker a record and a fetch, whatever its size.
+    flush_interval_ms: float = Field(100.0, ge=0)
     # Replies waiting for the broker; past this, intake pauses instead of memory growing.
     max_pending_replies: int = Field(10_000, ge=10)
     # A worker's final results commit in Kafka transactions (worker/delivery/transactions.py). One left
@@ -84,6 +85,10 @@ class KafkaSettings(BaseModel):
     # partition's next owner starts); until then read_committed readers of its reply partitions
     # wait, so keep it short: a transaction lasts milliseconds.
     transaction_timeout_ms: int = Field(10_000, ge=1_000)
+    # A partition's transactions begin at most once per this interval (0: as soon as the last one
+    # commits): under load the finals of several cycles share one transaction, whose cost on the
+    # broker is fixed; a final of an idle partition still goes at once.
+    transaction_interval_ms: float = Field(250.0, ge=0)
     # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
     offset_metadata_max_bytes: int = Field(4096, ge=64)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"

@@ -67,6 +67,41 @@ async def test_a_new_owner_fences_the_old_one(kafka_bootstrap, topics):
 
 
 @pytest.mark.kafka
+async def test_finals_sharing_transactions_commit_once_each_and_a_refused_one_costs_only_itself(kafka_bootstrap, topics):
+    settings = Settings(**worker_config(kafka_bootstrap, topics, kafka={
+        "group_id": f"g-{uuid.uuid4().hex[:8]}", "transaction_interval_ms": 500}))
+    tps = [TopicPartition(topics.requests, p) for p in (0, 1)]
+    tracker, metrics, outcomes = OffsetTracker(), Metrics(), {}
+    txns = Transactions(settings, tracker, metrics)
+    for tp in tps:
+        for o in range(6):
+            tracker.add(tp, o)
+    await txns.open(tps)
+    try:
+        for o in range(6):  # a burst over both partitions: each partition's finals share transactions
+            for tp in tps:
+                refused = (tp.partition, o) == (1, 3)  # over the producer's max_request_size: refused for good
+                value = b"x" * 2 * settings.kafka.max_message_bytes if refused else f"{tp.partition}:{o}".encode()
+                txns.submit(tp, Final(o, [(topics.replies, None, b"k", value, None)],
+                                      lambda outcome, error=None, k=(tp.partition, o): outcomes.__setitem__(k, outcome)))
+                await asyncio.sleep(0)
+        await _until(lambda: len(outcomes) == 12, 60)
+    finally:
+        await txns.close_all()
+    assert outcomes.pop((1, 3)) == "failed" and set(outcomes.values()) == {"ok"}
+    records = await consume_until(kafka_bootstrap, topics.replies)  # read_committed
+    assert sorted(r.value for r in records) == sorted(f"{p}:{o}".encode() for p, o in outcomes)  # each once
+    assert metrics.registry.get_sample_value("inferline_transactions_total", {"outcome": "committed"}) < 11
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(settings.kafka.group_id, partitions=tps)
+    finally:
+        await admin.close()
+    assert committed[tps[0]].offset == 6 and committed[tps[1]].offset == 3  # 3 waits for its dead letter
+
+
+@pytest.mark.kafka
 async def test_a_worker_skips_what_the_previous_owners_ledger_lists(kafka_bootstrap, new_topic, model_runner):
     """The previous owner committed the results of offsets 0, 2 and 3 (not 1): the next worker
     runs request 1 only."""

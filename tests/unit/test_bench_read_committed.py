@@ -56,3 +56,31 @@ def test_compare_and_cpu_rows():
     assert rows["transactional"]["per_request_net_ms"] == 300.0  # 4.0 - 0.5 * 10/5 over 10 requests
     assert rows["baseline"]["per_request_net_ms"] == 100.0
     assert rows["ratio_net"] == 3.0 and rows["ratio_raw"] == 2.0
+
+
+def test_beside_takes_the_streams_of_the_held_partition_during_the_hold():
+    from bench.read_committed import beside
+
+    unc = [ev("a", 1, "tokens", 1.0, part=0), ev("a", 2, "tokens", 1.1, part=0),
+           ev("b", 1, "tokens", 1.05, part=1), ev("c", 1, "tokens", 9.0, part=0)]
+    com = [ev("a", 1, "tokens", 1.0, part=0), ev("a", 2, "tokens", 8.0, part=0)]
+    b = beside({"a": 0.5, "b": 0.5, "c": 0.5}, unc, com, partition=0, t0=0.9, t1=8.0)
+    assert b["requests"] == 1  # b wrote elsewhere, c after the hold
+    assert abs(b["read_committed"]["gap_s"]["max"] - 7.0) < 1e-9
+    assert abs(b["read_uncommitted"]["gap_s"]["max"] - 0.1) < 1e-9
+
+
+def test_the_paced_engine_yields_a_token_per_step_and_finishes_at_max_tokens():
+    from bench.paced_engine import PacedEngine
+    from worker.engine.request import EngineRequest, SamplingParams
+
+    eng = PacedEngine(step_s=0.0)
+    eng.add_request(EngineRequest("r", SamplingParams(max_tokens=3), prompt="one two"))
+    eng.add_request(EngineRequest("s", SamplingParams(max_tokens=9), prompt="x"))
+    outs = [eng.step() for _ in range(3)]
+    r = [o for step in outs for o in step if o.request_id == "r"]
+    assert [o.started for o in r] == [True, False, False] and [o.finished for o in r] == [False, False, True]
+    assert r[-1].finish_reason == "length" and r[-1].num_output_tokens == 3 and r[-1].num_prompt_tokens == 2
+    eng.abort("s", "cancelled")
+    (last,) = eng.step()
+    assert (last.request_id, last.finish_reason) == ("s", "cancelled") and not eng.has_unfinished_requests()

@@ -118,3 +118,29 @@ def test_the_engine_loop_reports_its_death():
     loop.stop(5)
 
 
+
+
+# ------------------------------------------------------------------------ coalescing of tokens
+
+def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_event():
+    from contract.schema import decode_event
+    from worker.delivery.publisher import Publisher, ReplyStream
+    from worker.service.metrics import Metrics
+
+    pub = Publisher(Settings(), Metrics(), "w", transactions=None)
+    sent = []
+    pub._enqueue = sent.append  # recorded, never acked: the stream's last event stays in flight
+    rs = ReplyStream("r", "a", REPLY, None, seq=2, in_flight=1)  # `started` and the first tokens out
+    pub.tokens(rs, [1], "a")
+    pub.tokens(rs, [2], "b")
+    pub.flush_all()
+    assert sent == []
+    rs.in_flight = 0  # acked
+    pub.tokens(rs, [3], "c")
+    pub.flush_all()
+    (ev,) = [decode_event(o.value) for o in sent]
+    assert (ev.seq, ev.token_ids, ev.text) == (2, [1, 2, 3], "abc")
+    rs.in_flight = 1
+    pub.tokens(rs, [4], "d")
+    pub.flush_all(force=True)  # stop(): everything goes
+    assert decode_event(sent[-1].value).seq == 3 and rs.seq == 4

@@ -129,11 +129,11 @@ class FakeOwner:
         self.given_up.append(tp)
 
 
-async def _partition(tracker: OffsetTracker, offsets, owner: bool = True,
-                     retry_s: float = 300.0) -> tuple[PartitionTxn, RecordingProducer]:
+async def _partition(tracker: OffsetTracker, offsets, owner: bool = True, retry_s: float = 300.0,
+                     interval_s: float = 0.0) -> tuple[PartitionTxn, RecordingProducer]:
     producer = RecordingProducer()
     part = PartitionTxn(TP, lambda tp: producer, tracker, "group", Metrics(), 4096,
-                        owner=FakeOwner(producer, owner), retry_s=retry_s)
+                        owner=FakeOwner(producer, owner), retry_s=retry_s, interval_s=interval_s)
     for o in offsets:
         tracker.add(TP, o)
     await part.start()
@@ -164,6 +164,39 @@ async def test_finals_queued_together_commit_in_one_transaction_with_the_ledger(
     assert [v for _, v in txn["records"]] == [b"done 0", b"done 2", b"done 3"]
     assert txn["offsets"] == {TP: (1, encode_ledger(1, {2, 3}))}  # 1 runs on: the ledger skips 2, 3
     assert tracker.watermark(TP) == 1
+
+
+async def test_finals_of_several_cycles_share_one_transaction_within_the_interval_each_once():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(5), interval_s=0.5)
+    part.submit(_final(0, outcomes))  # an idle partition: at once
+    await _until(lambda: 0 in outcomes)
+    for o in (1, 3, 2, 4):  # the partition's task runs between them: each would have been a cycle
+        part.submit(_final(o, outcomes))
+        await asyncio.sleep(0)
+    await _until(lambda: len(outcomes) == 5)
+    await part.stop()
+    assert outcomes == dict.fromkeys(range(5), "ok")
+    assert [[v for _, v in t["records"]] for t in producer.transactions] == [
+        [b"done 0"], [b"done 1", b"done 3", b"done 2", b"done 4"]]
+    assert producer.transactions[1]["offsets"] == {TP: (5, encode_ledger(5, set()))}
+    assert tracker.watermark(TP) == 5
+
+
+async def test_within_the_interval_a_refused_record_still_costs_only_its_own_final():
+    tracker, outcomes = OffsetTracker(), {}
+    part, producer = await _partition(tracker, range(4), interval_s=0.5)
+    producer.fail_topics = {"tiny": MessageSizeTooLargeError}
+    part.submit(_final(0, outcomes))
+    await _until(lambda: 0 in outcomes)
+    for final in (_final(1, outcomes), _final(2, outcomes, topic="tiny"), _final(3, outcomes)):
+        part.submit(final)
+    await _until(lambda: len(outcomes) == 4)
+    await part.stop()
+    assert outcomes == {0: "ok", 1: "ok", 2: "failed", 3: "ok"}
+    committed = [v for t in producer.transactions for _, v in t["records"]]
+    assert sorted(committed) == [b"done 0", b"done 1", b"done 3"]  # each once
+    assert tracker.watermark(TP) == 2  # 2 waits for its dead letter (the Publisher's part)
 
 
 async def test_a_refused_record_costs_only_its_own_final_and_a_dead_letter_is_never_given_up(monkeypatch):

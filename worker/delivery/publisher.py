@@ -4,7 +4,8 @@
   events are sent by one lane task in queue order; the idempotent producer keeps that order
   within a partition, so a client sees seq 0, 1, 2, ... with no gaps.
 - Tokens are coalesced: `tokens()` only buffers; a flusher turns each stream's buffer into one
-  `tokens` event every `flush_interval_ms`. `done` flushes the buffer first.
+  `tokens` event every `flush_interval_ms`, and not while that stream's last event is unacked
+  (a slow broker gets fewer, larger events, not a queue). `done` flushes the buffer first.
 - A final result (a `done` that ends a request, a dead letter) is not sent here: once every
   earlier event of its attempt is acked (so it lands after them), it goes to the input
   partition's transaction with its offset (worker/delivery/transactions.py).
@@ -32,7 +33,8 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 
 from contract.schema import (
     DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
-from worker.delivery.transactions import MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed, permanent
+from worker.delivery.transactions import (
+    MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed, permanent, reply_batch_bytes)
 
 log = structlog.get_logger(__name__)
 RETRY_BACKOFF_S = 0.5
@@ -139,13 +141,14 @@ class Publisher:
             acks="all",
             linger_ms=5,  # a few ms of batching turns many small events into few requests
             max_request_size=self._kafka.max_message_bytes + 64 * 1024,
+            max_batch_size=reply_batch_bytes(self._kafka),
         )
         await self._producer.start()
         self._flusher = asyncio.create_task(self._flush_loop(), name="publisher-flush")
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Flush buffered tokens, wait (bounded) for every queued event to be acked, close."""
-        self.flush_all()
+        self.flush_all(force=True)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
@@ -243,9 +246,12 @@ class Publisher:
             self._emit(rs, TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), index=index,
                                        token_ids=p.token_ids, text="".join(p.text), logprobs=p.logprobs))
 
-    def flush_all(self) -> None:
+    def flush_all(self, force: bool = False) -> None:
+        """Every stream's buffered tokens as one event each; a stream whose last event the broker
+        has not acked yet keeps buffering (one event in flight per stream), unless `force`."""
         for rs in list(self._dirty.values()):
-            self._flush(rs)
+            if force or not rs.in_flight:
+                self._flush(rs)
 
     async def _flush_loop(self) -> None:
         interval = max(self._kafka.flush_interval_ms, 1.0) / 1000

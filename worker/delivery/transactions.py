@@ -111,6 +111,12 @@ def listed(producer, topic: str) -> None:
         client.add_topic(topic)
 
 
+def reply_batch_bytes(kafka) -> int:
+    """Batches as large as every reply topic takes (intake refuses topics whose
+    `max.message.bytes` is below it): fewer, larger produce batches than aiokafka's 16 KiB."""
+    return kafka.min_reply_message_bytes
+
+
 def transactional_id(group_id: str, tp: TopicPartition) -> str:
     return f"{group_id}.{tp.topic}.{tp.partition}"
 
@@ -132,8 +138,9 @@ class PartitionTxn:
 
     def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
                  metadata_max_bytes: int, *, generation: int = 0, owner: Ownership | None = None,
-                 retry_s: float = 300.0) -> None:
+                 retry_s: float = 300.0, interval_s: float = 0.0) -> None:
         self.tp, self._factory, self._tracker = tp, producer_factory, tracker
+        self._interval, self._last_begin = interval_s, float("-inf")
         self._group, self._m, self._metadata_max = group_id, metrics, metadata_max_bytes
         self.generation, self._owner, self._retry_s = generation, owner or Owner(), retry_s
         self._producer: AIOKafkaProducer | None = None
@@ -185,7 +192,7 @@ class PartitionTxn:
         while not self.fenced:
             await self._wake.wait()
             self._wake.clear()
-            while (batch := self._take()) and not self.fenced:
+            while not self.fenced and (batch := await self._next_batch()):
                 self._committing = batch
                 try:
                     await self._commit(batch)
@@ -193,6 +200,16 @@ class PartitionTxn:
                     log.exception("txn.unexpected", partition=self.tp.partition)
                     self._retry(batch, exc)
                 self._committing = []
+
+    async def _next_batch(self) -> list[Final]:
+        """What the next transaction carries. Transactions of a partition begin at most once per
+        `interval_s`: a transaction costs the broker the same for one final as for a hundred, so
+        under load the finals of several cycles share one; an idle partition's final goes at once."""
+        await asyncio.sleep(max(0.0, self._last_begin + self._interval - time.monotonic()))
+        batch = self._take()
+        if batch:
+            self._last_begin = time.monotonic()
+        return batch
 
     def _take(self) -> list[Final]:
         """Everything due, fresh ones together; one that failed before goes alone, so a bad
@@ -485,14 +502,14 @@ class Transactions:
         return AIOKafkaProducer(
             **self._k.client_options(), transactional_id=transactional_id(self._k.group_id, tp),
             transaction_timeout_ms=self._k.transaction_timeout_ms, enable_idempotence=True, acks="all",
-            max_request_size=self._k.max_message_bytes + 64 * 1024)
+            max_request_size=self._k.max_message_bytes + 64 * 1024, max_batch_size=reply_batch_bytes(self._k))
 
     async def open(self, tps, generation: int = 0) -> None:
         """Take these partitions' transactional ids (fencing their previous owners) for the
         assignment `generation`."""
         new = [PartitionTxn(tp, self._factory, self._tracker, self._k.group_id, self._m,
                             self._k.offset_metadata_max_bytes, generation=generation, owner=self.owner,
-                            retry_s=self._k.final_retry_s)
+                            retry_s=self._k.final_retry_s, interval_s=self._k.transaction_interval_ms / 1000)
                for tp in tps if tp not in self._parts]
         await asyncio.gather(*(p.start() for p in new))
         self._parts.update({p.tp: p for p in new})
