@@ -302,3 +302,32 @@ async def test_a_record_on_the_brokers_last_delivery_is_dead_lettered(share_brok
         await watcher.stop()
         if worker.alive():
             await worker.terminate()
+
+
+async def test_long_requests_do_not_stall_intake(share_broker, tmp_path):
+    """A share consumer whose requests still run cannot poll (explicit acknowledgement): two long
+    requests pin two consumers. Short requests sent after them must still be taken and finish
+    while the long ones run: the worker opens another consumer."""
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    worker = share_worker("w", bootstrap, topics, tmp_path, f"share-{uuid.uuid4().hex[:8]}")
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        worker.spawn()
+        await worker.wait_started(600)
+        longs = []
+        for i in range(2):  # one at a time: each is its own poll, on its own consumer
+            longs += await submit(bootstrap, topics.requests, [make_request(
+                topics.replies, prompt=f"Count slowly: {i}", max_tokens=200, ignore_eos=True)])
+            await wait_until(lambda: watcher.started(longs) == len(longs), 240, "a long request to start")
+        shorts = await submit_each(bootstrap, topics.requests,
+                                   [make_request(topics.replies, prompt=f"Hi {i}", max_tokens=2) for i in range(2)])
+        await wait_until(lambda: watcher.finished(shorts + longs) == 4, 600, "every request")
+        events = watcher.events()
+        end = {i: max(ts for ts, e in events[i] if isinstance(e, DoneEvent)) for i in shorts + longs}
+        assert max(end[i] for i in shorts) < min(end[i] for i in longs), end
+    finally:
+        await watcher.stop()
+        if worker.alive():
+            await worker.terminate()
