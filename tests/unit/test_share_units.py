@@ -69,6 +69,14 @@ def test_a_poll_larger_than_the_room_releases_the_rest():
     assert released(lane) == [2, 3, 4] and not intake._polled  # for a worker with room
 
 
+def test_records_whose_reply_topics_are_looked_up_take_room():
+    intake = make_intake(room=3)
+    intake._num_verifying = 2  # admitted once the broker's topic list answers
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(o) for o in range(3)])
+    assert intake._sink.handled == [0] and released(lane) == [1, 2]
+
+
 def test_a_record_on_its_last_delivery_here_waits_for_room():
     intake = make_intake(room=1, max_deliveries=3)
     intake.max_deliveries = 3

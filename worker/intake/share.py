@@ -355,17 +355,23 @@ class ShareIntake(Intake):
         if len(keep) < len(self._polled):
             log.info("share_intake.overflow_released", records=len(self._polled) - len(keep), kept=len(keep))
         self._polled = keep
-        self.free_room = self._sink.room() - len(self._polled) if self.fetching else 0
+        self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
     async def _hand_out_loop(self) -> None:
         while True:  # room frees as requests start: polled records waiting for it go in then
             await asyncio.sleep(POLL_S)
             self._hand_out()
 
+    def _room(self) -> int:
+        """The pool's room less the records whose reply topics are being looked up: those are
+        admitted once the lookup answers (before #37 they were not counted, and a whole batch went
+        to the engine, which rejected what its pool could not hold as `overloaded`)."""
+        return self._sink.room() - self._num_verifying
+
     def _hand_out(self) -> None:
         """Polled records to the worker, while its pool has room (the group intake's rule)."""
         unverified = []
-        while self._polled and self.fetching and self._sink.room() > 0:
+        while self._polled and self.fetching and self._room() > 0:
             lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
             earlier = self._owner.get((tp, record.offset))
@@ -374,7 +380,7 @@ class ShareIntake(Intake):
                 self._taken_again(tp, record, earlier)
                 continue
             self._handle_safely(tp, record, unverified)
-        self.free_room = self._sink.room() - len(self._polled) if self.fetching else 0
+        self.free_room = self._room() - len(self._polled) if self.fetching else 0
         if unverified:
             self._verify_in_background(unverified)
         self._lanes_wanted()
