@@ -77,6 +77,15 @@ def test_records_whose_reply_topics_are_looked_up_take_room():
     assert intake._sink.handled == [0] and released(lane) == [1, 2]
 
 
+def test_a_batch_set_aside_for_a_reply_topic_lookup_takes_room():
+    intake = make_intake(room=2)
+    intake._handle_safely = lambda tp, record, unverified=None: unverified.append(record.offset)
+    intake._verify_in_background = lambda unverified: None
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(o) for o in range(5)])
+    assert released(lane) == [2, 3, 4]  # before: the whole batch went to the lookup, then the engine
+
+
 def test_a_record_on_its_last_delivery_here_waits_for_room():
     intake = make_intake(room=1, max_deliveries=3)
     intake.max_deliveries = 3

@@ -370,8 +370,8 @@ class ShareIntake(Intake):
 
     def _hand_out(self) -> None:
         """Polled records to the worker, while its pool has room (the group intake's rule)."""
-        unverified = []
-        while self._polled and self.fetching and self._room() > 0:
+        unverified = []  # set aside for a reply-topic lookup: they take room as admitted ones do
+        while self._polled and self.fetching and self._room() - len(unverified) > 0:
             lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
             earlier = self._owner.get((tp, record.offset))
