@@ -204,6 +204,15 @@ def test_a_record_back_while_it_runs_keeps_running_under_the_new_lock():
     assert b.verdicts.get_nowait() == (TOPIC, 0, 0, "accept")
 
 
+def test_a_record_back_while_it_runs_is_no_overflow():
+    intake = make_intake(room=1)
+    a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
+    intake._take(a, [record(0)])
+    intake._take(b, [record(0, delivery_count=2)])  # the pool is full now: still not released
+    assert intake._sink.handled == [0] and b.verdicts.empty()
+    assert a.verdicts.get_nowait() == (TOPIC, 0, 0, "release")
+
+
 def test_past_max_deliveries_is_a_dead_letter():
     intake = make_intake(room=4, max_deliveries=3)
     assert intake._decode(TopicPartition(TOPIC, 0), record(7, delivery_count=4)) is None

@@ -336,7 +336,7 @@ class ShareIntake(Intake):
     # -- the loop's side --------------------------------------------------------------------------
 
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
-        self._polled.extend((lane, record) for record in records)
+        self._polled.extend((lane, record) for record in records if not self._running_here(lane, record))
         self._hand_out()
         self._release_overflow()
         self.free_claim(lane)  # after _hand_out: free_room counts these records now
@@ -384,6 +384,16 @@ class ShareIntake(Intake):
         if unverified:
             self._verify_in_background(unverified)
         self._lanes_wanted()
+
+    def _running_here(self, lane: _Lane, record: ShareRecord) -> bool:
+        """A record back while it still runs here needs no room: never released as overflow."""
+        tp = TopicPartition(record.topic, record.partition)
+        earlier = self._owner.get((tp, record.offset))
+        if earlier is None:
+            return False
+        self._owner[(tp, record.offset)] = lane
+        self._taken_again(tp, record, earlier)
+        return True
 
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
         """A record still running here came back (its lock expired first): this delivery's lock
