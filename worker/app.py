@@ -68,7 +68,7 @@ class Worker:
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
         self.ledger = JobLedger()
         share = settings.kafka.intake == "share"
-        generation = lambda: self.intake.generation  # noqa: E731
+        generation = lambda tp: self.intake.epoch(tp)  # noqa: E731
         if share:
             self.delivery = AcknowledgedDelivery(settings, self.publisher, self.ledger, self.metrics, generation,
                                                  decide=lambda tp, offset, verdict: self.intake.decide(tp, offset, verdict))
