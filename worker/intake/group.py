@@ -91,7 +91,7 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._intake.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
-        kept, moved = self._intake.on_assigned(set(assigned))
+        kept, moved = self._intake.on_assigned(set(assigned), await self._intake.kept(set(assigned)))
         await self._intake.take_over(set(assigned) - kept, moved=moved, kept=kept)
 
 
@@ -118,7 +118,6 @@ class Intake:
         self._generation = 0
         self._epochs: dict[TopicPartition, int] = {}  # partition -> the generation it was taken in
         self._holding: set[TopicPartition] = set()  # revoked, work held until the assignment is known
-        self._held_at: int | None = None  # the group generation they were owned in
         self._rebalanced = asyncio.Event()  # set while no revocation waits for its assignment
         self._rebalanced.set()
         self._admin: AIOKafkaAdminClient | None = None
@@ -409,24 +408,25 @@ class Intake:
         run and commit (each still holds its transactional id: a new owner's fences it first)."""
         if not revoked:
             return
-        log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True)
-        if not self._holding:
-            self._held_at = self._consumer._coordinator.generation
+        log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True,
+                 group_generation=self._consumer._coordinator.generation)
         self._holding |= revoked
         self._revoking = set(revoked)
         self._rebalanced.clear()
         self._consumer.pause(*revoked)
 
-    def _kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
-        """Held partitions assigned here again in the very next group generation (so no other
-        worker owned them in between) whose transactional ids were not taken: their work goes on."""
-        if self._held_at is None or self._consumer._coordinator.generation != self._held_at + 1:
-            return set()
-        return {tp for tp in self._holding & assigned if tp not in self._given_up and not self._txns.fenced(tp)}
+    async def kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
+        """Held partitions assigned here again whose transactional ids this worker still holds,
+        checked by a round trip: whoever owned one in between (aiokafka's sticky rebalances
+        take two group generations, so a gap says nothing) took its id before reading a record
+        from it, and did so before this assignment formed. Their work goes on."""
+        candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
+        return await self._txns.holds_ids(candidates) if candidates else set()
 
-    def on_assigned(self, assigned: set[TopicPartition]) -> tuple[set[TopicPartition], set[TopicPartition]]:
+    def on_assigned(self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
+                    ) -> tuple[set[TopicPartition], set[TopicPartition]]:
         """A new assignment: which held partitions stay here (kept) and which moved."""
-        kept = self._kept(assigned)
+        kept = set(kept) & self._holding & assigned
         moved = self._holding - kept
         self.joined = True
         self._revoking = set()
@@ -434,10 +434,11 @@ class Intake:
         self._generation += 1
         self._epochs = {tp: self._epochs.get(tp, self._generation) if tp in kept else self._generation
                         for tp in assigned}
-        self._holding, self._held_at = set(), None
+        self._holding = set()
         self._rebalanced.set()
         log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned),
-                 kept=sorted(tp.partition for tp in kept), moved=sorted(tp.partition for tp in moved))
+                 kept=sorted(tp.partition for tp in kept), moved=sorted(tp.partition for tp in moved),
+                 group_generation=self._consumer._coordinator.generation)
         # Nothing is read from a new partition before take_over() has read its ledger.
         self._taking_over = set(assigned)
         if assigned:
@@ -450,7 +451,9 @@ class Intake:
         reads on from where it was."""
         generation = self._generation
         await self._let_go(moved & assigned)  # back after a generation elsewhere: taken over anew
-        _, ready = await asyncio.gather(self._let_go(moved - assigned), self._take_over(assigned, generation))
+        if moved - assigned:  # no heartbeats while this callback runs: requeue beside it
+            self._tasks.append(asyncio.create_task(self._let_go(moved - assigned)))
+        ready = await self._take_over(assigned, generation)
         if not ready or generation != self._generation:
             return
         for tp in kept:
@@ -466,8 +469,9 @@ class Intake:
             return
         await self._txns.close(moved, timeout=0)
         await self._sink.requeue(moved)
-        self._tracker.forget(moved)
-        self.lag.remove(moved)
+        gone = {tp for tp in moved if tp not in self._epochs}  # not assigned back meanwhile
+        self._tracker.forget(gone)
+        self.lag.remove(gone)
 
     async def _take_over(self, assigned: set[TopicPartition], generation: int) -> bool:
         """Fence the partitions' previous owners (their transactional ids), then resume each
