@@ -58,6 +58,9 @@ class Load:
     drain_timeout_s: float = 5.0
 
 
+QUICK = Load(initial=1, max_tokens=32, interval_s=3.0, max_num_seqs=4)  # also tests/kafka/test_scaling_step.py
+
+
 @dataclass
 class StepRun:
     """What a step did: owners before/after, every request's partition, its submit time, its events."""
@@ -311,10 +314,10 @@ async def main() -> None:
     p.add_argument("--rebalance", choices=["requeue", "hold"], nargs="+", default=["requeue", "hold"])
     p.add_argument("--bootstrap", help="a running broker (default: a private one, started and stopped here)")
     p.add_argument("--max-tokens", type=int, default=Load.max_tokens)
-    p.add_argument("--quick", action="store_true", help="1 initial request per partition, 48 tokens")
+    p.add_argument("--quick", action="store_true", help="the tests' load: 1 request per partition, 32 tokens")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
-    load = Load(initial=1, max_tokens=48) if args.quick else Load(max_tokens=args.max_tokens)
+    load = QUICK if args.quick else Load(max_tokens=args.max_tokens)
     results = []
     with tempfile.TemporaryDirectory(prefix="scaling-step-") as tmp:
         broker = None

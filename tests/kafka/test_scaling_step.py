@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scaling_step import PARTITIONS, Load, run_step
+from bench.scaling_step import PARTITIONS, QUICK, run_step
 from tests.worker_fixtures import attempts_of, check_attempts
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 @pytest.mark.parametrize("step", ["join", "leave"])
 async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(kafka_bootstrap, tmp_path, step):
-    run = await run_step(kafka_bootstrap, step, "hold", tmp_path, Load(initial=2, max_tokens=96, interval_s=2.0))
+    run = await run_step(kafka_bootstrap, step, "hold", tmp_path, QUICK)
     assert 0 < len(run.moved) < PARTITIONS, (run.before, run.after)
     requeued = run.requeued()
     print(f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {len(run.running_at(run.begin))} "
