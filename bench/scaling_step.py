@@ -244,7 +244,7 @@ async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path, loa
                 await w.terminate()
 
 
-async def _all_final(watcher: ReplyWatcher, ids, timeout: float = 600.0) -> None:
+async def _all_final(watcher: ReplyWatcher, ids, timeout: float = 1200.0) -> None:
     deadline = time.monotonic() + timeout
     while watcher.finished(ids) < len(ids):
         assert time.monotonic() < deadline, f"{len(ids) - watcher.finished(ids)} requests never finished"
