@@ -5,7 +5,7 @@ while long streaming requests run on an 8-partition request topic.
     python -m bench.scaling_step --step join --rebalance hold --quick
     python -m bench.scaling_step --bootstrap localhost:9512   # a running broker, not a private one
 
-`--rebalance requeue` is the behaviour before #37 (range assignor, every revoked partition's
+`--rebalance requeue` is the behaviour before #37 (round-robin assignor, every revoked partition's
 requests requeued); `hold` the default now. `--mode group` only: share mode's step is left to
 `--mode share` (not built here). Per run it reports the running requests at the step, how many
 were requeued (and on how many of the partitions that moved), the tokens computed twice (output

@@ -52,7 +52,7 @@ class KafkaSettings(BaseModel):
     # Group mode, what a rebalance does to running requests (docs/operations.md, "Scaling").
     # `hold`: the sticky assignor, and running requests keep streaming through the revocation;
     # only those of partitions that moved to another worker are requeued. `requeue`: every
-    # revoked partition's requests are requeued (the range assignor; the behaviour before #37).
+    # revoked partition's requests are requeued (round robin; the behaviour before #37).
     rebalance: Literal["hold", "requeue"] = "hold"
     # Share mode: a record delivered more often than this (its workers died or gave it back)
     # goes to the dead-letter topic. Keep the broker's group.share.delivery.count.limit above it,

@@ -32,7 +32,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocol
 
@@ -76,11 +76,12 @@ class _Unverified:
 
 
 def assignors(rebalance: str) -> tuple:
-    """`hold`: sticky first (range is still agreed with members that know only range, as mid-way
-    through an upgrade). A class per consumer: aiokafka keeps the sticky assignor's state on it."""
+    """`hold`: sticky first (round robin, aiokafka's default, is still agreed with members that know
+    only it, as mid-way through an upgrade). A class per consumer: aiokafka keeps the sticky
+    assignor's state on it."""
     if rebalance == "requeue":
-        return (RangePartitionAssignor,)
-    return (type("StickyAssignor", (StickyPartitionAssignor,), {}), RangePartitionAssignor)
+        return (RoundRobinPartitionAssignor,)
+    return (type("StickyAssignor", (StickyPartitionAssignor,), {}), RoundRobinPartitionAssignor)
 
 
 class _Rebalance(ConsumerRebalanceListener):
