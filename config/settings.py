@@ -49,6 +49,11 @@ class KafkaSettings(BaseModel):
     # share group (KIP-932; broker 4.2+), any idle worker takes any record, at-least-once with
     # delivery counts (no transactions); body tenancy only.
     intake: Literal["group", "share"] = "group"
+    # Group mode, what a rebalance does to running requests (docs/operations.md, "Scaling").
+    # `hold`: the sticky assignor, and running requests keep streaming through the revocation;
+    # only those of partitions that moved to another worker are requeued. `requeue`: every
+    # revoked partition's requests are requeued (round robin; the behaviour before #37).
+    rebalance: Literal["hold", "requeue"] = "hold"
     # Share mode: a record delivered more often than this (its workers died or gave it back)
     # goes to the dead-letter topic. The worker lowers it to one below the broker's
     # group.share.delivery.count.limit (read at start-up; Kafka's default 5): on that last delivery

@@ -108,6 +108,9 @@ MEANINGS = {
 OTHER_VARIABLES = {
     "INFERLINE_CACHE_DIR": ("`~/.cache/inferline`", "Where converted model weights (and the local "
                             "broker's jars) are cached. Read by `config.settings.cache_dir()`."),
+    "INFERLINE_FAULT_JOIN_GATE": ("unset", "Benchmark hook: a path; the worker loads its model, then joins "
+                                  "the group only once the file exists (bench/scaling_step.py times a "
+                                  "scaling step apart from the model load)."),
     "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
                                            "its Nth transaction's records reach the broker and before the "
                                            "commit (worker/delivery/transactions.py; tests and `make chaos`)."),

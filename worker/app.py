@@ -32,6 +32,9 @@ from worker.intake.share import ShareIntake
 from worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
+# Test hook (bench/scaling_step.py): join the group only once this file exists, so a scaling
+# step can be timed apart from the model load.
+_JOIN_GATE = os.environ.get("INFERLINE_FAULT_JOIN_GATE")
 
 
 class EngineDied(RuntimeError):
@@ -68,7 +71,7 @@ class Worker:
                                    on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
         self.ledger = JobLedger()
         share = settings.kafka.intake == "share"
-        generation = lambda: self.intake.generation  # noqa: E731
+        generation = lambda tp: self.intake.epoch(tp)  # noqa: E731
         if share:
             self.delivery = AcknowledgedDelivery(settings, self.publisher, self.ledger, self.metrics, generation,
                                                  decide=lambda tp, offset, verdict: self.intake.decide(tp, offset, verdict))
@@ -115,6 +118,7 @@ class Worker:
         self.engine_loop = engine_loop
         await self.publisher.start()
         await self.cancel_listener.start()
+        await _join_gate()
         await self.intake.start()
         log.info("worker.started", topic=self.settings.kafka.request_topic, group=self.settings.kafka.group_id)
 
@@ -188,6 +192,13 @@ def _loop_exception(loop, context: dict) -> None:
     counter is not re-entrant: a nested parse breaks every later one in the process)."""
     exc = context.get("exception")
     log.warning("loop.unhandled", message=context.get("message"), error=repr(exc) if exc else None)
+
+
+async def _join_gate() -> None:
+    if _JOIN_GATE:
+        log.info("worker.join_gate", path=_JOIN_GATE)
+        while not os.path.exists(_JOIN_GATE):
+            await asyncio.sleep(0.05)
 
 
 async def _bounded(coro, timeout: float, what: str) -> None:

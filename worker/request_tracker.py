@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 
 class RequestTracker:
     def __init__(self, settings, ledger: JobLedger, delivery: Delivery, metrics, limiter,
-                 cancels: RecentCancels, generation: Callable[[], int], fatal: Callable[[BaseException], None]) -> None:
+                 cancels: RecentCancels, generation: Callable[[TopicPartition], int], fatal: Callable[[BaseException], None]) -> None:
         self.settings = settings
         self.ledger, self.delivery, self.publisher = ledger, delivery, delivery.publisher
         self.metrics, self.limiter, self.cancels = metrics, limiter, cancels
@@ -69,7 +69,7 @@ class RequestTracker:
         if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
             return
         rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
-        job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation())
+        job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
         job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
         self.ledger.add(job)
         self._num_waiting += 1

@@ -187,3 +187,43 @@ async def _read_uncommitted(bootstrap: str, topic: str) -> list:
         return events
     finally:
         await consumer.stop()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("lead_s", [0.0, 0.02, 0.1, 0.5])
+async def test_a_final_committed_while_its_partition_moves_is_seen_by_the_new_owner_or_never(
+        kafka_bootstrap, topics, lead_s):
+    """A worker holding its partitions through a rebalance (#37) commits a final while the partition
+    moves: its commit races the new owner's InitProducerId. Either it committed first and the
+    new owner's take-over (committed offset + ledger) skips the request, or it is fenced and
+    read_committed readers never see it: one final either way, never none, never two."""
+    settings = _settings(kafka_bootstrap, topics, f"g-{uuid.uuid4().hex[:8]}")
+    tp = TopicPartition(topics.requests, 0)
+    old_tracker, new_tracker, outcomes = OffsetTracker(), OffsetTracker(), {}
+    old, new = (Transactions(settings, t, Metrics()) for t in (old_tracker, new_tracker))
+    old.owner = Evicted()
+    for offset in (0, 1):  # 0 still runs: the commit's ledger lists 1 above the mark 0
+        old_tracker.add(tp, offset)
+    await old.open([tp])
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        old.submit(tp, _final(1, outcomes, topic=topics.replies))
+        await asyncio.sleep(lead_s)
+        await new.open([tp])  # the new owner's take-over: fence, then read the commit
+        committed = (await admin.list_consumer_group_offsets(settings.kafka.group_id, partitions=[tp])).get(tp)
+        await _until(lambda: 1 in outcomes, 30)
+    finally:
+        await admin.close()
+        await old.close_all()
+        await new.close_all()
+    has_commit = committed is not None and committed.offset >= 0
+    new_tracker.resume(tp, committed.offset if has_commit else None, committed.metadata if has_commit else None)
+    visible = await consume_until(kafka_bootstrap, topics.replies, timeout=2, raise_on_timeout=False,
+                                  predicate=lambda rs: bool(rs))
+    print(f"lead {lead_s}s: old owner's final {outcomes[1]}")
+    assert new_tracker.add(tp, 0)  # the request still running is the new owner's to run
+    if outcomes[1] == "ok":
+        assert [r.value for r in visible] == [b"done 1"] and not new_tracker.add(tp, 1)
+    else:
+        assert outcomes[1] == "fenced" and not visible and new_tracker.add(tp, 1)

@@ -35,10 +35,10 @@ class Delivery:
     offsets commit inside the transactions, nothing more to say to the intake)."""
 
     def __init__(self, settings, publisher: Publisher, ledger: JobLedger, metrics,
-                 generation: Callable[[], int]) -> None:
+                 generation: Callable[[TopicPartition], int]) -> None:
         self._k = settings.kafka
         self.publisher, self.ledger, self._m = publisher, ledger, metrics
-        self._generation = generation  # the intake's current assignment generation
+        self._generation = generation  # the intake's assignment generation of a partition (Intake.epoch)
         self.num_resubmitted = 0
 
     # -- what the intake hands over ---------------------------------------------------------------
@@ -49,7 +49,8 @@ class Delivery:
         self.ledger.hold(tp, record)
 
     def dead_letter(self, record, reason: str) -> None:
-        tp, generation = TopicPartition(record.topic, record.partition), self._generation()
+        tp = TopicPartition(record.topic, record.partition)
+        generation = self._generation(tp)
         self.ledger.taken(tp)
         headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
                    ("source-partition", str(record.partition).encode()),
@@ -66,7 +67,7 @@ class Delivery:
                finish_reason: str = "rejected", metadata: dict | None = None) -> None:
         """Answer a request that will not run: one `done` (seq 0)."""
         rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
-        generation = self._generation()
+        generation = self._generation(tp)
         self.ledger.taken(tp)
         self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
                             source=(tp, offset, generation),
@@ -84,7 +85,7 @@ class Delivery:
             return False
         log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
         self.num_resubmitted += 1
-        generation = self._generation()
+        generation = self._generation(tp)
         self.ledger.taken(tp)
         final = self.ledger.final_event(req.id)
         record = (final[0], final[1], req.id.encode(), final[2]) if final is not None else None
@@ -110,7 +111,7 @@ class Delivery:
     def stale(self, job: Job) -> bool:
         """Its partition moved since it was admitted (and it was handed back then): a final
         result from here would be a second one."""
-        return job.generation != self._generation()
+        return job.generation != self._generation(job.tp)
 
     # -- outcomes ---------------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Delivery:
             self._input_done(tp, offset, outcome, generation)
             return
         record = self.ledger.held(tp, offset)
-        if record is None or generation != self._generation():
+        if record is None or generation != self._generation(tp):
             self._input_done(tp, offset, "fenced", generation)  # its new owner reads it again
             return
         log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic, error=error)
@@ -143,7 +144,7 @@ class Delivery:
                     verdict: str = "accept") -> None:
         # Committed with its offset (the transaction finished it in the tracker), or, fenced or
         # stopping, left unfinished for the partition's next owner.
-        if outcome == "ok" and generation == self._generation():
+        if outcome == "ok" and generation == self._generation(tp):
             self.ledger.release(tp, offset)
         self._verdict(tp, offset, verdict if outcome == "ok" else "release")
         self.ledger.acked(tp)

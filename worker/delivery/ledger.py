@@ -35,7 +35,7 @@ class Job:
     offset: int
     received: float  # Unix seconds
     max_tokens: int
-    generation: int = 0  # the intake's assignment generation when it was admitted
+    generation: int = 0  # its partition's assignment generation when it was admitted (Intake.epoch)
     state: str = "waiting"  # waiting -> running -> finishing
     first_token_at: float | None = None
     last_token_at: float | None = None

@@ -111,6 +111,11 @@ class OffsetTracker:
             return
         st.finished.add(offset)
 
+    def next_offset(self, tp: TopicPartition) -> int | None:
+        """The first offset not taken yet (where a partition kept through a rebalance reads on)."""
+        st = self._parts.get(tp)
+        return None if st is None or st.last_seen < 0 else st.last_seen + 1
+
     def pending(self, tp: TopicPartition) -> int:
         """How many taken offsets of `tp` are not finished."""
         st = self._parts.get(tp)

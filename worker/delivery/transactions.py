@@ -149,6 +149,7 @@ class PartitionTxn:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._commit_sent = False
+        self._busy = asyncio.Lock()  # one transaction at a time on the producer
         self.fenced = False
 
     async def start(self) -> None:
@@ -162,6 +163,26 @@ class PartitionTxn:
         await self._producer.start()
         await self._producer.begin_transaction()  # waits for InitProducerId: the fencing
         await self._producer.abort_transaction()  # empty: nothing goes to the broker
+
+    async def holds_id(self) -> bool:
+        """A round trip as this producer: an offsets-only transaction that commits the ledger again.
+        False once another producer took the transactional id (or the broker cannot say now)."""
+        async with self._busy:
+            ledger = self._tracker.ledger(self.tp)
+            if self.fenced or self._producer is None or ledger is None:
+                return False
+            try:
+                await asyncio.wait_for(self._commit_offsets(ledger), TRANSACTION_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - fenced, or not known: not kept
+                log.warning("txn.id_not_held", partition=self.tp.partition, error=repr(exc))
+                return False
+            self._tracker.committed({self.tp: ledger[0]})
+            return True
+
+    async def _commit_offsets(self, ledger) -> None:
+        await self._producer.begin_transaction()
+        await self._producer.send_offsets_to_transaction({self.tp: ledger}, self._group)
+        await self._producer.commit_transaction()
 
     def submit(self, final: Final) -> None:
         if self.fenced or final.generation != self.generation:
@@ -195,7 +216,8 @@ class PartitionTxn:
             while not self.fenced and (batch := await self._next_batch()):
                 self._committing = batch
                 try:
-                    await self._commit(batch)
+                    async with self._busy:
+                        await self._commit(batch)
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
                     log.exception("txn.unexpected", partition=self.tp.partition)
                     self._retry(batch, exc)
@@ -520,6 +542,12 @@ class Transactions:
             final.on_done("fenced")
             return
         part.submit(final)
+
+    async def holds_ids(self, tps) -> set[TopicPartition]:
+        """Those of `tps` whose transactional ids this worker's producers still hold (PartitionTxn.holds_id)."""
+        parts = [self._parts[tp] for tp in tps if tp in self._parts]
+        held = await asyncio.gather(*(p.holds_id() for p in parts))
+        return {p.tp for p, ok in zip(parts, held) if ok}
 
     def fenced(self, tp: TopicPartition) -> bool:
         """Another worker took this partition's transactional id."""

@@ -14,6 +14,12 @@ exist, is a dead letter (worker/intake/reply_topics.py): the broker's topic list
 whole batch. Offsets are committed only inside the transactions that carry the final results
 (worker/delivery/transactions.py); on assignment a partition's transactional id is taken first (fencing
 its previous owner), then its ledger is read and the consumer seeks to it.
+
+aiokafka's rebalances are eager: every member is told that all its partitions are revoked, even
+those the new assignment gives straight back. With `rebalance = "hold"` (the sticky assignor)
+running requests keep streaming through the revocation; the assignment then shows which
+partitions moved, and only their requests are requeued. A kept partition keeps its offsets, its
+transactional producer and its assignment generation (`epoch`), so its finals commit as before.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocol
 
 from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
@@ -67,6 +75,15 @@ class _Unverified:
     since: float = float("-inf")  # when it was read (ReplyTopics.clock): a list after it decides
 
 
+def assignors(rebalance: str) -> tuple:
+    """`hold`: sticky first (round robin, aiokafka's default, is still agreed with members that know
+    only it, as mid-way through an upgrade). A class per consumer: aiokafka keeps the sticky
+    assignor's state on it."""
+    if rebalance == "requeue":
+        return (RoundRobinPartitionAssignor,)
+    return (type("StickyAssignor", (StickyPartitionAssignor,), {}), RoundRobinPartitionAssignor)
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, intake: "Intake") -> None:
         self._intake = intake
@@ -75,8 +92,8 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._intake.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
-        self._intake.on_assigned(set(assigned))
-        await self._intake.take_over(set(assigned))
+        kept, moved = self._intake.on_assigned(set(assigned), await self._intake.kept(set(assigned)))
+        await self._intake.take_over(set(assigned) - kept, moved=moved, kept=kept)
 
 
 class Intake:
@@ -100,6 +117,10 @@ class Intake:
         self._num_verifying = 0  # records they hold
         self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
+        self._epochs: dict[TopicPartition, int] = {}  # partition -> the generation it was taken in
+        self._holding: set[TopicPartition] = set()  # revoked, work held until the assignment is known
+        self._rebalanced = asyncio.Event()  # set while no revocation waits for its assignment
+        self._rebalanced.set()
         self._admin: AIOKafkaAdminClient | None = None
         self._replicas: dict[str, int] = {}  # topic -> replicas per partition, from the last listing
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics, check_topics=self._check_topics)
@@ -107,8 +128,13 @@ class Intake:
 
     @property
     def generation(self) -> int:
-        """Bumped by every assignment: work taken under an older one belongs to no partition here."""
+        """Bumped by every assignment."""
         return self._generation
+
+    def epoch(self, tp: TopicPartition) -> int:
+        """The generation `tp` was taken over in, kept while the partition stays here: work taken
+        under another belongs to no partition here (a partition not owned has the newest one)."""
+        return self._epochs.get(tp, self._generation)
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
         if self._admin is None:
@@ -145,6 +171,7 @@ class Intake:
         self._consumer = AIOKafkaConsumer(
             **k.client_options(), group_id=k.group_id, group_instance_id=k.group_instance_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
+            partition_assignment_strategy=assignors(k.rebalance),
             session_timeout_ms=k.session_timeout_ms, heartbeat_interval_ms=k.session_timeout_ms // 4,
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
             metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed (pattern)
@@ -205,7 +232,7 @@ class Intake:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(_Unverified(tp, record, decoded, self._generation, self.reply_topics.clock()))
+            unverified.append(_Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock()))
             return
         self._dispatch(tp, record, decoded, verdict)
 
@@ -259,8 +286,9 @@ class Intake:
             except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
                 log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
                 await asyncio.sleep(0.5 * (attempt + 1))
+        await self._rebalanced.wait()  # a held partition may stay here: then its records are ours
         for u in unverified:
-            if u.generation != self._generation or u.tp in self._revoking:
+            if u.generation != self.epoch(u.tp) or u.tp in self._revoking:
                 continue  # the partition moved meanwhile: untracked, its new owner reads it
             try:
                 verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed)
@@ -318,7 +346,7 @@ class Intake:
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
         """Decode a record: a valid request, an invalid one (to reject once its reply topic is
         known good), or None when it was dead-lettered."""
-        if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self._generation):
+        if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self.epoch(tp)):
             return None  # untracked: read again by the next owner, or after the seek to the ledger
         if not self._tracker.add(tp, record.offset):
             self._m.redeliveries.labels("already_final").inc()
@@ -361,7 +389,11 @@ class Intake:
     # -- rebalance --------------------------------------------------------------------------------
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Requeue what runs from these partitions, commit what finished, let them go."""
+        """Requeue what runs from these partitions, commit what finished, let them go; or, to
+        hold, only stop taking from them."""
+        if self._s.kafka.rebalance == "hold":
+            self._hold(revoked)
+            return
         if revoked:
             log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked))
             # The fetch loop runs on while we wait: it must not start new work on these.
@@ -372,22 +404,82 @@ class Intake:
         self._tracker.forget(revoked)
         self.lag.remove(revoked)
 
-    def on_assigned(self, assigned: set[TopicPartition]) -> None:
+    def _hold(self, revoked: set[TopicPartition]) -> None:
+        """Eager revocation: take nothing more from these partitions, but let what runs from them
+        run and commit (each still holds its transactional id: a new owner's fences it first)."""
+        if not revoked:
+            return
+        log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True,
+                 group_generation=self._consumer._coordinator.generation)
+        self._holding |= revoked
+        self._revoking = set(revoked)
+        self._rebalanced.clear()
+        self._consumer.pause(*revoked)
+
+    async def kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
+        """Held partitions assigned here again whose transactional ids this worker still holds,
+        checked by a round trip: whoever owned one in between (aiokafka's sticky rebalances
+        take two group generations, so a gap says nothing) took its id before reading a record
+        from it, and did so before this assignment formed. Their work goes on."""
+        candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
+        return await self._txns.holds_ids(candidates) if candidates else set()
+
+    def on_assigned(self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
+                    ) -> tuple[set[TopicPartition], set[TopicPartition]]:
+        """A new assignment: which held partitions stay here (kept) and which moved."""
+        kept = set(kept) & self._holding & assigned
+        moved = self._holding - kept
         self.joined = True
         self._revoking = set()
         self._given_up = set()
         self._generation += 1
-        log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned))
+        self._epochs = {tp: self._epochs.get(tp, self._generation) if tp in kept else self._generation
+                        for tp in assigned}
+        self._holding = set()
+        self._rebalanced.set()
+        log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned),
+                 kept=sorted(tp.partition for tp in kept), moved=sorted(tp.partition for tp in moved),
+                 group_generation=self._consumer._coordinator.generation)
         # Nothing is read from a new partition before take_over() has read its ledger.
         self._taking_over = set(assigned)
         if assigned:
             self._consumer.pause(*assigned)
+        return kept, moved
 
-    async def take_over(self, assigned: set[TopicPartition]) -> None:
+    async def take_over(self, assigned: set[TopicPartition], moved: set[TopicPartition] = frozenset(),
+                        kept: set[TopicPartition] = frozenset()) -> None:
+        """Let go of held partitions that moved while taking over the new ones; a kept partition
+        reads on from where it was."""
+        generation = self._generation
+        await self._let_go(moved & assigned)  # back after a generation elsewhere: taken over anew
+        if moved - assigned:  # no heartbeats while this callback runs: requeue beside it
+            self._tasks.append(asyncio.create_task(self._let_go(moved - assigned)))
+        ready = await self._take_over(assigned, generation)
+        if not ready or generation != self._generation:
+            return
+        for tp in kept:
+            offset = self._tracker.next_offset(tp)
+            if offset is not None:
+                self._consumer.seek(tp, offset)
+        self._taking_over = set()
+
+    async def _let_go(self, moved: set[TopicPartition]) -> None:
+        """Held partitions that moved: their finals must not commit now (their transactional
+        producers stop), and what runs from them is requeued (their new owner runs it again)."""
+        if not moved:
+            return
+        await self._txns.close(moved, timeout=0)
+        await self._sink.requeue(moved)
+        gone = {tp for tp in moved if tp not in self._epochs}  # not assigned back meanwhile
+        self._tracker.forget(gone)
+        self.lag.remove(gone)
+
+    async def _take_over(self, assigned: set[TopicPartition], generation: int) -> bool:
         """Fence the partitions' previous owners (their transactional ids), then resume each
         partition from its committed offset and ledger. A worker that cannot do that for its
         partitions cannot serve them: it stops (its orchestrator restarts it)."""
-        generation = self._generation
+        if not assigned:
+            return True
         for attempt in range(TAKE_OVER_TRIES):
             try:
                 await self._txns.open(assigned, generation)
@@ -398,22 +490,22 @@ class Intake:
                 log.warning("intake.take_over_failed", error=repr(exc), attempt=attempt + 1)
                 if attempt + 1 == TAKE_OVER_TRIES:
                     self._sink.fatal(exc)
-                    return
+                    return False
                 await asyncio.sleep(1.0 * (attempt + 1))
         if generation != self._generation:
-            return  # reassigned meanwhile: that assignment takes over on its own
+            return False  # reassigned meanwhile: that assignment takes over on its own
         for tp in assigned:
             meta = committed.get(tp)
             offset = meta.offset if meta is not None and meta.offset >= 0 else None
             self._tracker.resume(tp, offset, meta.metadata if meta is not None else None)
             if offset is not None:
                 self._consumer.seek(tp, offset)
-        self._taking_over = set()
+        return True
 
     # -- ownership, as the transactions ask it (worker/delivery/transactions.py: Ownership) ------------
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
-        return generation == self._generation and tp in self._consumer.assignment() and tp not in self._given_up
+        return generation == self.epoch(tp) and tp in self._consumer.assignment() and tp not in self._given_up
 
     async def confirm(self, tp: TopicPartition) -> bool:
         """The group coordinator lists this member, in a stable group, with `tp` assigned."""

@@ -1,0 +1,30 @@
+"""A scaling step under load (issue 37): two workers serve long streaming requests on 8
+partitions and a third joins, or one of three leaves with a SIGTERM drain. Only the requests of
+partitions that moved to another worker are requeued; the others stream on through the step;
+every request ends with exactly one final `done`, read with read_committed. The scenario is
+bench/scaling_step.py's (`python -m bench.scaling_step` measures it); each worker is a process."""
+from __future__ import annotations
+
+import pytest
+
+from bench.scaling_step import PARTITIONS, QUICK, run_step
+from tests.worker_fixtures import attempts_of, check_attempts
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("step", ["join", "leave"])
+async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(kafka_bootstrap, tmp_path, step):
+    run = await run_step(kafka_bootstrap, step, "hold", tmp_path, QUICK)
+    assert 0 < len(run.moved) < PARTITIONS, (run.before, run.after)
+    requeued = run.requeued()
+    print(f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {len(run.running_at(run.begin))} "
+          f"running, on partitions {sorted(set(requeued.values()))}")
+    assert {p for p in requeued.values()} <= run.moved
+    through = {i for i in run.ran_through() if run.partition_of[i] not in run.moved}
+    assert through, "no request of a kept partition was running through the step"
+    for i in through:  # kept streaming: one attempt, never paused into a new one
+        assert len(attempts_of([e for _, e in run.events[i]])) == 1
+    for i in run.sent_at:
+        check_attempts([e for _, e in run.events[i]])
+        assert len(run.finals(i)) == 1, run.events[i]
