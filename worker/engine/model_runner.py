@@ -158,7 +158,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
         step = self.step_builder.build(scheduled)
-        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops == "c")
+        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops)
         return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
                      [s for s in step.ordered if s.samples])
 
