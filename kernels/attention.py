@@ -153,12 +153,22 @@ class TritonAttention(_SplitBackend):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
-        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        """Each kernel writes its rows of one output: a mixed step needs no concatenation (a launch)."""
+        nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        if nd < q.shape[0]:
+            self._prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        return out
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
+        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                   out=out)
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
         return self._prefill_kernel(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                    meta.prefill_context_lens, scale)
+                                    meta.prefill_context_lens, scale, out=out)
 
 
 class CpuAttention(AttentionBackend):

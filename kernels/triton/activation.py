@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import FLOAT_DTYPES
-from kernels.triton.launch import LaunchPlan
+from kernels.triton.launch import LaunchPlan, launch
 from kernels.triton.numerics import rounded
 
 BLOCK = 1024
@@ -46,5 +46,5 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     plan = plan_silu_and_mul(rows, inter)
-    _silu_and_mul_kernel[plan.grid](x, out, x.stride(0), out.stride(0), **plan.options())
+    launch(_silu_and_mul_kernel, plan, x, out, x.stride(0), out.stride(0))
     return out

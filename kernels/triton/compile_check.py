@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from kernels.triton import decode, prefill, store
+from kernels.triton import activation, decode, norm, prefill, rotary, store
 from kernels.triton.launch import LaunchPlan, Target
 
 
@@ -56,6 +56,9 @@ KERNELS = {
     "_decode_stage2_kernel": decode._decode_stage2_kernel,
     "_prefill_kernel": prefill._prefill_kernel,
     "_store_kv_kernel": store._store_kv_kernel,
+    "_rms_norm_kernel": norm._rms_norm_kernel,
+    "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
+    "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
 }
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -69,10 +72,13 @@ NUM_KV_HEADS = 8
 DECODE_BATCHES = ((256, 2048), (8, 4096), (1, 32768))
 # (num_seqs, query tokens): one prompt (num_seqs == 1 reaches the JIT as a constant); a batch.
 PREFILL_BATCHES = ((1, 2048), (7, 4096))
+# The layer's elementwise kernels: (hidden, intermediate) of SmolLM2-135M, Llama-3-8B, Llama-3-70B.
+LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # (constexpr, label) shown in the table's shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"), ("SPLITS_P2", "SPLITS_P2"),
-    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"),
+    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"), ("INTER", "inter"), ("HAS_RESIDUAL", "residual"),
+    ("HEADS_BLOCK", "heads/program"),
 )  # fmt: skip
 
 
@@ -201,6 +207,27 @@ def store_jobs(head_dim: int, block_size: int, dtype: torch.dtype, arch: int):
     ))  # fmt: skip
 
 
+def rope_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
+    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
+    plan = rotary.plan_rope_store_kv(4096, num_heads, NUM_KV_HEADS, head_dim, block_size)
+    yield job_of(plan, arch, dtype, dict(
+        qkv_ptr=ptr, cos_ptr=ptr, sin_ptr=ptr, slot_ptr="*i64", k_cache_ptr=ptr, v_cache_ptr=ptr,
+        stride_t=(num_heads + 2 * NUM_KV_HEADS) * head_dim, stride_cos=head_dim,
+        stride_cb=block_size * NUM_KV_HEADS * head_dim, stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim,
+    ))  # fmt: skip
+
+
+def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
+    """RMSNorm alone and with the residual add, SiLU-and-mul: rows of contiguous activations."""
+    ptr = "*" + TYPE_NAMES[dtype]
+    for residual in (False, True):
+        plan = norm.plan_rms_norm(4096, hidden, residual)
+        yield job_of(plan, arch, dtype, dict(x_ptr=ptr, residual_ptr=ptr, weight_ptr=ptr, out_ptr=ptr,
+                                             stride_x=hidden, stride_r=hidden, stride_o=hidden, eps=1e-5))
+    plan = activation.plan_silu_and_mul(4096, inter)
+    yield job_of(plan, arch, dtype, dict(x_ptr=ptr, out_ptr=ptr, stride_x=2 * inter, stride_o=inter))
+
+
 def target(arch: int) -> Target:
     return Target(arch, ARCHS[arch].num_sms)
 
@@ -210,7 +237,12 @@ def all_jobs(archs, quick: bool = False) -> list[Job]:
     axes = ((128,), (4,), (16,), (torch.bfloat16,)) if quick else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
     jobs = {}  # a dict: duplicates go, the first-seen order stays
     for arch, (d, g, bs, dt) in itertools.product(archs, itertools.product(*axes)):
-        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch)):
+        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch),
+                    *rope_jobs(d, g, bs, dt, arch)):
+            jobs.setdefault(job, None)
+    sizes = LAYER_SIZES[1:2] if quick else LAYER_SIZES
+    for arch, (hidden, inter), dt in itertools.product(archs, sizes, axes[3]):
+        for job in elementwise_jobs(hidden, inter, dt, arch):
             jobs.setdefault(job, None)
     return list(jobs)
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_out, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
@@ -219,15 +219,12 @@ def launch_decode(plan: DecodePlan, q, k_cache, v_cache, block_tables, context_l
     part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits, head_dim), **f32)
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
-    _decode_stage1_kernel[plan.stage1.grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, plan.split_len, plan.num_splits,
+    launch(
+        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m,
+        part_l, scale * LOG2E, plan.split_len, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.stage1.options(),
     )  # fmt: skip
     if not direct:
-        _decode_stage2_kernel[plan.stage2.grid](
-            out, part_acc, part_m, part_l, context_lens, plan.split_len, plan.num_splits,
-            out.stride(0), out.stride(1), **plan.stage2.options(),
-        )  # fmt: skip
+        launch(_decode_stage2_kernel, plan.stage2, out, part_acc, part_m, part_l, context_lens, plan.split_len,
+               plan.num_splits, out.stride(0), out.stride(1))

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import FLOAT_DTYPES
-from kernels.triton.launch import LaunchPlan
+from kernels.triton.launch import LaunchPlan, launch
 from kernels.triton.numerics import rounded
 
 
@@ -64,5 +64,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return out
     plan = plan_rms_norm(rows, cols, residual is not None)
     r = residual if residual is not None else x  # unread without HAS_RESIDUAL
-    _rms_norm_kernel[plan.grid](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), eps, **plan.options())
+    launch(_rms_norm_kernel, plan, x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), eps)
     return out

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 
@@ -181,11 +181,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         plan = plan_prefill(total, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype,
                             target_of(q.device), **overrides)
     assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (plan.grid, q.shape)
-    _prefill_kernel[plan.grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+    launch(
+        _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.options(),
     )  # fmt: skip
     return out

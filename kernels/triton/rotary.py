@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_ranges
-from kernels.triton.launch import LaunchPlan
+from kernels.triton.launch import LaunchPlan, launch
 from kernels.triton.numerics import rounded
 
 HALF_TILE = 1024  # HEADS_BLOCK * head_dim / 2: the same tile at every head size
@@ -98,9 +98,6 @@ def rope_store_kv_triton(qkv, num_heads: int, num_kv_heads: int, cos, sin, k_cac
     if check_ranges(k_cache):
         assert int(slot_mapping.max()) < k_cache.shape[0] * k_cache.shape[1], "slot out of range"
     plan = plan_rope_store_kv(tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1])
-    _rope_store_kv_kernel[plan.grid](
-        qkv, cos, sin, slot_mapping, k_cache, v_cache,
-        qkv.stride(0), head_dim, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        **plan.options(),
-    )  # fmt: skip
+    launch(_rope_store_kv_kernel, plan, qkv, cos, sin, slot_mapping, k_cache, v_cache,
+           qkv.stride(0), head_dim, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     return q

@@ -1,5 +1,6 @@
 """`make gpu-compile` on a few plans (no GPU needed): the launch plans at head_dim 128 in bf16
-compile for sm_90a without spills and within shared memory, and the check does catch a plan
+(attention, rotary with the K/V store; RMSNorm and SiLU-and-mul at Llama-3-8B's sizes) compile
+for sm_90a without spills and within shared memory, and the check does catch a plan
 that is too large. The whole matrix is `make gpu-compile` (minutes)."""
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def rows() -> dict[str, cc.Row]:
         "split": next(j for j in decode if dict(j.constexprs).get("DIRECT") is False),
         "stage2": next(j for j in decode if j.kernel == "_decode_stage2_kernel"),
         "prefill": next(iter(cc.prefill_jobs(128, 4, 16, torch.bfloat16, ARCH))),
+        "rope": next(iter(cc.rope_jobs(128, 4, 16, torch.bfloat16, ARCH))),
+        **dict(zip(("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
+                   cc.elementwise_jobs(4096, 14336, torch.bfloat16, ARCH))),
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -43,6 +47,14 @@ def test_a_table_row_has_the_expected_fields(rows):
     assert shape.startswith("direct d=128 gqa=4 bs=16 BLOCK_N=") and f"warps={row.job.num_warps}" in shape
     assert (regs, spills, shared) == (str(row.registers), "0/0", str(row.shared))
     assert cc.format_table(list(rows.values())).count("\n") == len(rows)  # a header and a line per plan
+
+
+def test_every_kernel_is_in_the_matrix():
+    """`make gpu-compile` covers each @triton.jit kernel of kernels/triton/ (the fused ones too)."""
+    kernels = {job.kernel for job in cc.all_jobs([ARCH], quick=True)}
+    assert kernels == set(cc.KERNELS) == {"_decode_stage1_kernel", "_decode_stage2_kernel", "_prefill_kernel",
+                                          "_store_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
+                                          "_rope_store_kv_kernel"}
 
 
 def test_jobs_are_the_launchers_plans():
