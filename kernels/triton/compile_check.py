@@ -8,7 +8,8 @@ ptxas that Triton itself runs for that arch, whose -v report gives registers and
 
 Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
 arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
-constant, an int divisible by 16 and every pointer get divisibility 16. What differs from a real
+constant, an int divisible by 16 and every pointer get divisibility 16, except the arguments a
+kernel exempts (do_not_specialize: what changes from step to step). What differs from a real
 launch: pointers are assumed 16-byte aligned (torch allocations and the head-sized views we pass
 are), and strides are those of contiguous tensors; a launch on odd views would compile its own
 (less aligned) variant. Runtime correctness, races and speed are beyond what a compile can show.
@@ -37,6 +38,7 @@ from triton.compiler import ASTSource
 
 from kernels.triton import activation, decode, norm, prefill, rotary, store
 from kernels.triton.launch import LaunchPlan, Target
+from kernels.triton.variants import exemptions
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,6 @@ class Job:
         parts = [f"{label}={cx[name]}" for name, label in SHOWN if name in cx]
         if "DIRECT" in cx:
             parts.insert(0, "direct" if cx["DIRECT"] else "split")
-        if cx.get("num_seqs") == 1:
-            parts.append("seqs=1")  # one prompt: num_seqs is a constant (another binary)
-        if ("num_splits", "i32", True) in self.params:
-            parts.append("splits%16=0")  # num_splits divisible by 16 (another binary)
         return " ".join(parts + [f"warps={self.num_warps}", f"stages={self.num_stages}"])
 
 
@@ -136,11 +134,12 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
     fn = KERNELS[plan.kernel]
     constexprs = dict(plan.constexprs)
     assert set(args) | set(constexprs) == set(fn.arg_names), (plan.kernel, set(fn.arg_names) ^ set(args))
+    exempt, unaligned = exemptions(fn)
     params = []
     for name in fn.arg_names:
         if name in constexprs:
             continue
-        type_, aligned = specialize(args[name])
+        type_, aligned = specialize(args[name], name not in exempt, name not in unaligned)
         if type_ == "constexpr":
             constexprs[name] = args[name]
         else:
@@ -149,15 +148,16 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
                plan.num_stages)  # fmt: skip
 
 
-def specialize(value) -> tuple[str, bool]:
-    """(type, divisible by 16) as the JIT specializes one argument."""
+def specialize(value, values: bool = True, alignment: bool = True) -> tuple[str, bool]:
+    """(type, divisible by 16) as the JIT specializes one argument (`values`, `alignment`: False
+    for an argument the kernel exempts)."""
     if isinstance(value, str):
-        return value, True  # a pointer; assumed 16-byte aligned (see the module docstring)
+        return value, alignment  # a pointer; assumed 16-byte aligned (see the module docstring)
     if isinstance(value, float):
         return "fp32", False
-    if value == 1:
+    if value == 1 and values:
         return "constexpr", False
-    return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    return ("i32" if -(2**31) <= value < 2**31 else "i64"), values and value % 16 == 0
 
 
 def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):

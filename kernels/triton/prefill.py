@@ -61,7 +61,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# num_seqs and the table width change from step to step; context_lens and cu_seqlens of a mixed
+# step's prompts are views at any offset: exempt from specialization, one binary per plan.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_seqs,

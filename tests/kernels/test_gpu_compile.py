@@ -58,11 +58,15 @@ def test_every_kernel_is_in_the_matrix():
 
 
 def test_jobs_are_the_launchers_plans():
-    """What compiles is plan_decode's own plan, plus the JIT's constants (num_splits == 1)."""
+    """What compiles is plan_decode's own plan; what changes from step to step (num_splits,
+    split_len, the table's width) is not specialized: num_splits == 1 is no constant."""
     plan = plan_decode(256, 32, 8, 128, 16, 2048 // 16, torch.bfloat16, cc.target(ARCH))
     job = next(iter(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH)))
-    assert job.constexprs == (*plan.stage1.constexprs, ("num_splits", 1))
+    assert plan.num_splits == 1 and job.constexprs == plan.stage1.constexprs
+    assert ("num_splits", "i32", False) in job.params and ("stride_bt", "i32", False) in job.params
     assert (job.num_warps, job.num_stages) == (plan.stage1.num_warps, plan.stage1.num_stages)
+    prefill = [j for j in cc.all_jobs([ARCH], quick=True) if j.kernel == "_prefill_kernel"]
+    assert len(prefill) == 1, "one prompt or many: one binary"
 
 
 def test_arguments_are_specialized_like_the_jit():
@@ -70,10 +74,11 @@ def test_arguments_are_specialized_like_the_jit():
     from triton.backends.compiler import BaseBackend
 
     for value in (0, 1, 16, 17, 4096, -5, 2**31, 0.5):
-        type_, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
-        assert cc.specialize(value)[0] == type_, value
-        if type_ != "constexpr":
-            assert cc.specialize(value)[1] == (attr == "D"), value
+        for values in (True, False):
+            type_, attr = native_specialize_impl(BaseBackend, value, False, values, True)[:2]
+            assert cc.specialize(value, values)[0] == type_, (value, values)
+            if type_ != "constexpr":
+                assert cc.specialize(value, values)[1] == (attr == "D"), (value, values)
     bf16 = native_specialize_impl(BaseBackend, torch.empty(8, dtype=torch.bfloat16), False, True, True)
     assert cc.specialize("*bf16") == (bf16[0], True)
 
