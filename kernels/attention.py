@@ -42,7 +42,7 @@ class AttentionMetadata:
     backend: "AttentionBackend"
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_decode_tokens: int  # the first rows are decodes, one token per sequence
-    fused_ops: bool = False  # kernels/fused.py: the C kernels (fp32 CPU) instead of PyTorch ops
+    fused_ops: str = "torch"  # kernels/fused.py's `ops`: c | triton | torch
 
 
 @dataclass
@@ -71,7 +71,7 @@ class AttentionBackend:
     def __init__(self, block_size: int, num_kv_heads: int):
         self.block_size, self.num_kv_heads = block_size, num_kv_heads
 
-    def prepare(self, step: StepTables, fused_ops: bool = False) -> AttentionMetadata:
+    def prepare(self, step: StepTables, fused_ops: str = "torch") -> AttentionMetadata:
         raise NotImplementedError
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -89,7 +89,7 @@ class AttentionBackend:
 class _SplitBackend(AttentionBackend):
     """Decodes to `_decode`, prompt chunks to `_prefill`, concatenated in batch order."""
 
-    def prepare(self, step: StepTables, fused_ops: bool = False) -> SplitMetadata:
+    def prepare(self, step: StepTables, fused_ops: str = "torch") -> SplitMetadata:
         nd, num_seqs = step.num_decodes, step.context_lens.shape[0]
         meta = SplitMetadata(self, step.slot_mapping, nd, fused_ops)
         if nd:
@@ -121,7 +121,7 @@ class _SplitBackend(AttentionBackend):
 class TorchAttention(_SplitBackend):
     name = "torch"
 
-    def prepare(self, step: StepTables, fused_ops: bool = False) -> SplitMetadata:
+    def prepare(self, step: StepTables, fused_ops: str = "torch") -> SplitMetadata:
         meta = super().prepare(step, fused_ops)
         if meta.decode_block_tables is not None:  # the decode index math, once for all layers
             meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
@@ -153,12 +153,22 @@ class TritonAttention(_SplitBackend):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
-        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+        """Each kernel writes its rows of one output: a mixed step needs no concatenation (a launch)."""
+        nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        if nd < q.shape[0]:
+            self._prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        return out
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
+        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                   out=out)
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
         return self._prefill_kernel(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                    meta.prefill_context_lens, scale)
+                                    meta.prefill_context_lens, scale, out=out)
 
 
 class CpuAttention(AttentionBackend):
@@ -168,7 +178,7 @@ class CpuAttention(AttentionBackend):
     and a sequence recomputed after preemption gets its first pass's tokens back."""
     name = "cpu"
 
-    def prepare(self, step: StepTables, fused_ops: bool = False) -> TokenMetadata:
+    def prepare(self, step: StepTables, fused_ops: str = "torch") -> TokenMetadata:
         num_seqs = step.context_lens.shape[0]
         if step.num_decodes == num_seqs:
             return TokenMetadata(self, step.slot_mapping, num_seqs, fused_ops, step.block_tables(0, num_seqs),

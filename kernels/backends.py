@@ -3,9 +3,11 @@ then and logged once by the runner.
 
     attention   triton | cpu | torch   store_kv, paged decode and prefill attention
     linear      c | onednn | torch     the linear layers (c and onednn: CPU fp32 only)
-    fused_ops   c | torch              norms, SiLU-and-mul, rope + K/V store (c: CPU fp32 only)
+    fused_ops   c | triton | torch     norms, SiLU-and-mul, rope + K/V store (c: CPU fp32 only;
+                                       triton: with the Triton attention)
 
-`auto` picks Triton on CUDA, and on a CPU in fp32 the C kernels where they built (attention:
+`auto` picks Triton on CUDA (the fused ops follow the attention onto Triton, under the
+interpreter too), and on a CPU in fp32 the C kernels where they built (attention:
 also the shape and K/V dtype must suit them), else PyTorch; for the linear layers on a CPU in
 fp32 it is a rule here (the C GEMM on AVX2 without AVX-512, else oneDNN) that ModelRunner replaces
 by timing every candidate on the model at load (linear_candidates; models/calibration.py). An explicit choice this machine cannot
@@ -49,8 +51,8 @@ def select_backends(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
     for this device, dtypes and shape; raises BackendUnavailable for an explicit impossible one."""
     chosen = select_attention(device, dtype, kv_dtype, shape, attention)
     target = None if chosen != "triton" else "cuda" if device.type == "cuda" else "interpreter"
-    return KernelBackends(chosen, select_linear(device, dtype, linear), select_fused_ops(device, dtype, fused_ops),
-                          target)
+    return KernelBackends(chosen, select_linear(device, dtype, linear),
+                          select_fused_ops(device, dtype, fused_ops, chosen), target)
 
 
 def select_attention(device, dtype, kv_dtype, shape: ModelShape, setting: str = "auto") -> str:
@@ -122,10 +124,14 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def select_fused_ops(device, dtype, setting: str = "auto") -> str:
-    if setting == "auto" and device.type == "cpu" and dtype == torch.float32 and build.available():
-        return "c"
-    return "torch"
+def select_fused_ops(device, dtype, setting: str = "auto", attention: str = "torch") -> str:
+    """`auto`: Triton with the Triton attention (what a GPU runs; the interpreter runs it too), the
+    C kernels for CPU fp32, else PyTorch; `torch` always PyTorch."""
+    if setting != "auto":
+        return "torch"
+    if attention == "triton":
+        return "triton"
+    return "c" if device.type == "cpu" and dtype == torch.float32 and build.available() else "torch"
 
 
 def _require(ok: bool, message: str) -> None:

@@ -1,19 +1,27 @@
 """Fused elementwise ops of the decoder layer, under vLLM's names: rms_norm, fused_add_rms_norm,
 silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
 
-Each has a PyTorch path (any device and dtype: what HF computes, op by op) and, for fp32 CPU
-tensors, a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by cpu/build.py) that
-does the same arithmetic in one pass over the rows: at decode sizes these ops cost dispatch and
-OpenMP fork/join more than arithmetic (figures: docs/benchmarks.md). `fused=True` asks for the C path; a caller decides once
-(`available`) and passes it down: the model gets it in its AttentionMetadata (kernels/attention.py) every step.
+Each runs one of three ways, `ops` naming which (kernels/backends.py chooses once, at load; the
+model gets it in its AttentionMetadata every step):
+
+    torch    PyTorch ops, any device and dtype: what HF computes, op by op (the reference)
+    c        fp32 CPU tensors: a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by
+             cpu/build.py), one pass over the rows: at decode sizes these ops cost dispatch and
+             OpenMP fork/join more than arithmetic (figures: docs/benchmarks.md)
+    triton   with the Triton attention (CUDA; the interpreter on CPU tensors): one launch each
+             (kernels/triton/norm.py, activation.py, rotary.py) instead of 2-9 PyTorch kernels
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+import functools
+
 import kernels
 from kernels.cpu import attention, build
+
+OPS = ("c", "triton", "torch")
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -32,6 +40,14 @@ def _rows(x: torch.Tensor) -> int:
     return x.stride(0)
 
 
+@functools.cache
+def _triton():
+    """The Triton launchers, imported on first use: TRITON_INTERPRET must be set before triton is."""
+    from kernels.triton import activation, norm, rotary
+
+    return activation, norm, rotary
+
+
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
         assert t.dtype is _F32 and t.is_cpu, (t.dtype, t.device)
@@ -40,10 +56,13 @@ def _check(*tensors: torch.Tensor) -> None:
 # ---- RMSNorm -------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torch") -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (HF's LlamaRMSNorm), x [rows, hidden]
     or any shape on the torch path."""
-    if not fused:
+    if ops == "triton":
+        return _triton()[1].rms_norm_triton(x, weight, eps)
+    if ops != "c":
+        assert ops == "torch", f"ops must be one of {OPS}, got {ops!r}"
         return rms_norm_torch(x, weight, eps)
     _check(x, weight)
     rows, cols = x.shape
@@ -63,10 +82,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       ops: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a sublayer's output joins the residual stream and
-    the sum is normalized for the next sublayer. The C path updates `residual` in place."""
-    if not fused:
+    the sum is normalized for the next sublayer. The C and Triton paths update `residual` in place."""
+    if ops == "triton":
+        return _triton()[1].rms_norm_triton(x, weight, eps, residual), residual
+    if ops != "c":
+        assert ops == "torch", f"ops must be one of {OPS}, got {ops!r}"
         residual = x + residual
         return rms_norm_torch(residual, weight, eps), residual
     _check(x, residual, weight)
@@ -81,9 +103,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # ---- MLP activation ------------------------------------------------------------------------------
 
 
-def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up projection)."""
-    if not fused:
+    if ops == "triton":
+        return _triton()[0].silu_and_mul_triton(x)
+    if ops != "c":
+        assert ops == "torch", f"ops must be one of {OPS}, got {ops!r}"
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
     _check(x)
@@ -109,16 +134,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  fused: bool = False, store=None) -> torch.Tensor:
+                  ops: str = "torch", store=None) -> torch.Tensor:
     """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] (cos/sin
     [tokens, 1, head_dim], the positions' rows), store k and v at slot_mapping in the caches
     ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is skipped) and return the
-    rotated q [tokens, num_heads, head_dim]. The C path rotates in place in qkv and returns a view;
-    the other stores through `store` (the attention backend's store_kv: kernels/attention.py;
-    None: kernels.store_kv for the tensors' device)."""
+    rotated q [tokens, num_heads, head_dim]. The C and Triton paths rotate in place in qkv and
+    return a view; the torch path stores through `store` (the attention backend's store_kv:
+    kernels/attention.py; None: kernels.store_kv for the tensors' device)."""
+    if ops == "triton":
+        return _triton()[2].rope_store_kv_triton(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                                 slot_mapping)
+    assert ops in OPS, f"ops must be one of {OPS}, got {ops!r}"
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if not fused or (k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)):
+    if ops == "torch" or (k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)):
         qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
         (store or kernels.store_kv)(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)

@@ -5,8 +5,9 @@
 
 TRITON_INTERPRET must be set before triton is first imported (and an out-of-range load kills the
 process), so tests/kernels/test_triton_engine.py runs this script in a subprocess and reads JSON lines.
-The runner is set up as `auto` sets it up on CUDA: attention on Triton (K/V store, prefill,
-decode), linear layers and elementwise ops on PyTorch.
+The runner is set up as `auto` sets it up on CUDA: attention (prefill, decode) and the fused
+elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary with the K/V store) on
+Triton, linear layers on PyTorch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
     settings = Settings()
     settings.model.attention_backend = attention
     settings.model.cpu_linear = "torch"
-    settings.model.cpu_fused_ops = "torch"
+    settings.model.cpu_fused_ops = "auto"  # Triton, with the Triton attention
     for key, value in model.items():
         setattr(settings.model, key, value)
     settings.cache.num_blocks = 64

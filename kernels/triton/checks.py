@@ -3,7 +3,8 @@
 Shape, dtype and stride asserts are free (host metadata) and always run. Index-range checks
 read tensor values, which on CUDA is a device sync per call, so they run on CPU tensors (the
 interpreter, where a bad index kills the process) and on CUDA only with
-INFERLINE_KERNEL_CHECKS=1 (the GPU check script turns them on).
+INFERLINE_KERNEL_CHECKS=1 (the GPU check script turns them on); INFERLINE_KERNEL_CHECKS=0 turns
+them off on CPU tensors too (a test that counts what a CUDA step launches).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_ranges(t: torch.Tensor) -> bool:
-    return not t.is_cuda or os.environ.get("INFERLINE_KERNEL_CHECKS", "0") == "1"
+    setting = os.environ.get("INFERLINE_KERNEL_CHECKS")
+    return not t.is_cuda if setting is None else setting == "1"
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

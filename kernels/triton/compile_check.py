@@ -8,7 +8,8 @@ ptxas that Triton itself runs for that arch, whose -v report gives registers and
 
 Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
 arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
-constant, an int divisible by 16 and every pointer get divisibility 16. What differs from a real
+constant, an int divisible by 16 and every pointer get divisibility 16, except the arguments a
+kernel exempts (do_not_specialize: what changes from step to step). What differs from a real
 launch: pointers are assumed 16-byte aligned (torch allocations and the head-sized views we pass
 are), and strides are those of contiguous tensors; a launch on odd views would compile its own
 (less aligned) variant. Runtime correctness, races and speed are beyond what a compile can show.
@@ -35,8 +36,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from kernels.triton import decode, prefill, store
+from kernels.triton import activation, decode, norm, prefill, rotary, store
 from kernels.triton.launch import LaunchPlan, Target
+from kernels.triton.variants import exemptions
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ KERNELS = {
     "_decode_stage2_kernel": decode._decode_stage2_kernel,
     "_prefill_kernel": prefill._prefill_kernel,
     "_store_kv_kernel": store._store_kv_kernel,
+    "_rms_norm_kernel": norm._rms_norm_kernel,
+    "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
+    "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
 }
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -69,10 +74,13 @@ NUM_KV_HEADS = 8
 DECODE_BATCHES = ((256, 2048), (8, 4096), (1, 32768))
 # (num_seqs, query tokens): one prompt (num_seqs == 1 reaches the JIT as a constant); a batch.
 PREFILL_BATCHES = ((1, 2048), (7, 4096))
+# The layer's elementwise kernels: (hidden, intermediate) of SmolLM2-135M, Llama-3-8B, Llama-3-70B.
+LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # (constexpr, label) shown in the table's shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"), ("SPLITS_P2", "SPLITS_P2"),
-    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"),
+    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"), ("INTER", "inter"), ("HAS_RESIDUAL", "residual"),
+    ("HEADS_BLOCK", "heads/program"),
 )  # fmt: skip
 
 
@@ -94,10 +102,6 @@ class Job:
         parts = [f"{label}={cx[name]}" for name, label in SHOWN if name in cx]
         if "DIRECT" in cx:
             parts.insert(0, "direct" if cx["DIRECT"] else "split")
-        if cx.get("num_seqs") == 1:
-            parts.append("seqs=1")  # one prompt: num_seqs is a constant (another binary)
-        if ("num_splits", "i32", True) in self.params:
-            parts.append("splits%16=0")  # num_splits divisible by 16 (another binary)
         return " ".join(parts + [f"warps={self.num_warps}", f"stages={self.num_stages}"])
 
 
@@ -130,11 +134,12 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
     fn = KERNELS[plan.kernel]
     constexprs = dict(plan.constexprs)
     assert set(args) | set(constexprs) == set(fn.arg_names), (plan.kernel, set(fn.arg_names) ^ set(args))
+    exempt, unaligned = exemptions(fn)
     params = []
     for name in fn.arg_names:
         if name in constexprs:
             continue
-        type_, aligned = specialize(args[name])
+        type_, aligned = specialize(args[name], name not in exempt, name not in unaligned)
         if type_ == "constexpr":
             constexprs[name] = args[name]
         else:
@@ -143,15 +148,16 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
                plan.num_stages)  # fmt: skip
 
 
-def specialize(value) -> tuple[str, bool]:
-    """(type, divisible by 16) as the JIT specializes one argument."""
+def specialize(value, values: bool = True, alignment: bool = True) -> tuple[str, bool]:
+    """(type, divisible by 16) as the JIT specializes one argument (`values`, `alignment`: False
+    for an argument the kernel exempts)."""
     if isinstance(value, str):
-        return value, True  # a pointer; assumed 16-byte aligned (see the module docstring)
+        return value, alignment  # a pointer; assumed 16-byte aligned (see the module docstring)
     if isinstance(value, float):
         return "fp32", False
-    if value == 1:
+    if value == 1 and values:
         return "constexpr", False
-    return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    return ("i32" if -(2**31) <= value < 2**31 else "i64"), values and value % 16 == 0
 
 
 def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
@@ -201,6 +207,27 @@ def store_jobs(head_dim: int, block_size: int, dtype: torch.dtype, arch: int):
     ))  # fmt: skip
 
 
+def rope_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
+    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
+    plan = rotary.plan_rope_store_kv(4096, num_heads, NUM_KV_HEADS, head_dim, block_size)
+    yield job_of(plan, arch, dtype, dict(
+        qkv_ptr=ptr, cos_ptr=ptr, sin_ptr=ptr, slot_ptr="*i64", k_cache_ptr=ptr, v_cache_ptr=ptr,
+        stride_t=(num_heads + 2 * NUM_KV_HEADS) * head_dim, stride_cos=head_dim,
+        stride_cb=block_size * NUM_KV_HEADS * head_dim, stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim,
+    ))  # fmt: skip
+
+
+def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
+    """RMSNorm alone and with the residual add, SiLU-and-mul: rows of contiguous activations."""
+    ptr = "*" + TYPE_NAMES[dtype]
+    for residual in (False, True):
+        plan = norm.plan_rms_norm(4096, hidden, residual)
+        yield job_of(plan, arch, dtype, dict(x_ptr=ptr, residual_ptr=ptr, weight_ptr=ptr, out_ptr=ptr,
+                                             stride_x=hidden, stride_r=hidden, stride_o=hidden, eps=1e-5))
+    plan = activation.plan_silu_and_mul(4096, inter)
+    yield job_of(plan, arch, dtype, dict(x_ptr=ptr, out_ptr=ptr, stride_x=2 * inter, stride_o=inter))
+
+
 def target(arch: int) -> Target:
     return Target(arch, ARCHS[arch].num_sms)
 
@@ -210,7 +237,12 @@ def all_jobs(archs, quick: bool = False) -> list[Job]:
     axes = ((128,), (4,), (16,), (torch.bfloat16,)) if quick else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
     jobs = {}  # a dict: duplicates go, the first-seen order stays
     for arch, (d, g, bs, dt) in itertools.product(archs, itertools.product(*axes)):
-        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch)):
+        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch),
+                    *rope_jobs(d, g, bs, dt, arch)):
+            jobs.setdefault(job, None)
+    sizes = LAYER_SIZES[1:2] if quick else LAYER_SIZES
+    for arch, (hidden, inter), dt in itertools.product(archs, sizes, axes[3]):
+        for job in elementwise_jobs(hidden, inter, dt, arch):
             jobs.setdefault(job, None)
     return list(jobs)
 

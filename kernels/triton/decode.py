@@ -19,6 +19,9 @@ block_tables[seq, t // block_size] * block_size + t % block_size, so a tile may 
 
 num_splits depends only on host shapes (max_blocks * block_size bounds every context) and the
 target's SM count, so the launch never syncs: splits past a sequence's context exit at once.
+What changes from step to step (split_len, num_splits, the block table's width) is exempt from
+the JIT's specialization (do_not_specialize): one binary per plan, all compiled at start-up
+(worker/engine/warmup.py), none mid-serving.
 plan_decode is the pure part (shapes, dtype, target -> DecodePlan); launch_decode runs a plan.
 """
 
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_out, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
@@ -42,7 +45,7 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh the parallel
 TILE_ELEMENTS = 8192
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt"])
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -111,7 +114,7 @@ def _decode_stage1_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _decode_stage2_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr,
     split_len, num_splits, stride_os, stride_oh,
@@ -165,8 +168,7 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     max_len = max(max_blocks * block_size, 1)
     if num_splits is None:
         num_splits = choose_splits(num_seqs, num_kv_heads, max_len, target.num_sms)
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_len, split_len)
+    num_splits, split_len = split_tokens(max_len, num_splits, block_n)
     group = num_heads // num_kv_heads
     # 8 warps for rows wider than 128: each thread's share of acc stays what it is at 128.
     stage1 = LaunchPlan("_decode_stage1_kernel", (num_seqs, num_kv_heads, num_splits), (
@@ -179,6 +181,13 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
         ("SPLITS_P2", triton.next_power_of_2(num_splits)),
     ), num_warps=4, num_stages=1)
     return DecodePlan(stage1, stage2, num_splits, split_len)
+
+
+def split_tokens(max_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(num_splits, split_len): splits of whole BLOCK_N tiles covering max_len (fewer than asked
+    where the tiles round up)."""
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    return triton.cdiv(max_len, split_len), split_len
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
@@ -219,15 +228,12 @@ def launch_decode(plan: DecodePlan, q, k_cache, v_cache, block_tables, context_l
     part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits, head_dim), **f32)
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
-    _decode_stage1_kernel[plan.stage1.grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, plan.split_len, plan.num_splits,
+    launch(
+        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m,
+        part_l, scale * LOG2E, plan.split_len, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.stage1.options(),
     )  # fmt: skip
     if not direct:
-        _decode_stage2_kernel[plan.stage2.grid](
-            out, part_acc, part_m, part_l, context_lens, plan.split_len, plan.num_splits,
-            out.stride(0), out.stride(1), **plan.stage2.options(),
-        )  # fmt: skip
+        launch(_decode_stage2_kernel, plan.stage2, out, part_acc, part_m, part_l, context_lens, plan.split_len,
+               plan.num_splits, out.stride(0), out.stride(1))

@@ -6,14 +6,23 @@ The interpreter runs the plans of an H200 (sm_90, 132 SMs): the tile sizes, warp
 that a GPU would use. One constexpr differs: DOT_F32 is always on under the interpreter, whose
 bf16 arithmetic is wrong (it treats the bits as integers), so the operands are cast to fp32 there.
 `make gpu-compile` compiles the very same plans for sm_80 / sm_90a (kernels/triton/compile_check.py).
+
+Every launcher launches through `launch`, the one place a Triton kernel starts: observers added
+there see each launch's kernel, plan and arguments (the tests count a layer's launches and
+record what start-up must have compiled).
 """
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+# Called before every launch with (kernel, plan, args); empty while serving.
+OBSERVERS: list[Callable] = []
+_running = 0  # launches under way: the interpreter's own torch calls happen inside one
 
 
 @dataclass(frozen=True)
@@ -74,3 +83,20 @@ def dot_in_fp32(dtype: torch.dtype, target: Target) -> bool:
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 x fp32 must not silently become tf32 (1e-3 error): the fp32 tolerance is 1e-4.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch(kernel, plan: LaunchPlan, *args) -> None:
+    """kernel[plan.grid](*args, **plan.options()), seen first by every observer."""
+    global _running
+    for observe in OBSERVERS:
+        observe(kernel, plan, args)
+    _running += 1
+    try:
+        kernel[plan.grid](*args, **plan.options())
+    finally:
+        _running -= 1
+
+
+def launching() -> bool:
+    """Inside a launch (under the interpreter, the kernel's own work runs here)."""
+    return _running > 0

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, target_of
+from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 
@@ -61,7 +61,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# num_seqs and the table width change from step to step; context_lens and cu_seqlens of a mixed
+# step's prompts are views at any offset: exempt from specialization, one binary per plan.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_seqs,
@@ -181,11 +184,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         plan = plan_prefill(total, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype,
                             target_of(q.device), **overrides)
     assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (plan.grid, q.shape)
-    _prefill_kernel[plan.grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+    launch(
+        _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        **plan.options(),
     )  # fmt: skip
     return out

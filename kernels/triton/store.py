@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import check_cache, check_ranges
-from kernels.triton.launch import LaunchPlan
+from kernels.triton.launch import LaunchPlan, launch
 
 
 @triton.jit
@@ -59,11 +59,10 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     if check_ranges(k_cache):
         assert int(slot_mapping.max()) < k_cache.shape[0] * k_cache.shape[1], "slot out of range"
     plan = plan_store(num_tokens, num_kv_heads, head_dim, k_cache.shape[1])
-    _store_kv_kernel[plan.grid](
-        k, v, k_cache, v_cache, slot_mapping,
+    launch(
+        _store_kv_kernel, plan, k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        **plan.options(),
     )  # fmt: skip
 
 

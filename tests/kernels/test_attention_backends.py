@@ -63,8 +63,8 @@ def test_each_backend_owns_its_metadata():
     step = step_tables()
     torch_meta = TorchAttention(BLOCK, KV_HEADS).prepare(step)
     assert torch_meta.decode_plan is not None and torch_meta.prefill_cu_seqlens_q.tolist() == [0, 5, 12]
-    cpu_meta = CpuAttention(BLOCK, KV_HEADS).prepare(step, fused_ops=True)
-    assert isinstance(cpu_meta, TokenMetadata) and cpu_meta.fused_ops
+    cpu_meta = CpuAttention(BLOCK, KV_HEADS).prepare(step, fused_ops="c")
+    assert isinstance(cpu_meta, TokenMetadata) and cpu_meta.fused_ops == "c"
     assert cpu_meta.context_lens.tolist() == [p + 1 for p in step.positions.tolist()]  # a row per token
     assert cpu_meta.block_tables.shape == (4, 3)
 

@@ -16,9 +16,10 @@ SMOLLM2 = ModelShape(head_dim=64, num_heads=9, num_kv_heads=3, block_size=16)
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def test_auto_on_cuda_is_triton_attention_and_torch_for_the_rest():
+def test_auto_on_cuda_is_triton_attention_and_fused_ops_and_torch_linears():
     chosen = select_backends(CUDA, BF16, BF16, SMOLLM2)
-    assert chosen == KernelBackends("triton", "torch", "torch", "cuda")
+    assert chosen == KernelBackends("triton", "torch", "triton", "cuda")
+    assert select_backends(CUDA, BF16, BF16, SMOLLM2, fused_ops="torch").fused_ops == "torch"
 
 
 def test_auto_on_a_cpu_in_fp32_is_the_c_kernels_where_they_built(monkeypatch):
@@ -41,6 +42,8 @@ def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     chosen = select_backends(CPU, F32, F32, SMOLLM2, attention="triton", linear="torch", fused_ops="torch")
     assert chosen == KernelBackends("triton", "torch", "torch", "interpreter")
+    # auto: the fused ops follow the attention onto Triton, as on a GPU
+    assert select_backends(CPU, F32, F32, SMOLLM2, attention="triton", linear="torch").fused_ops == "triton"
     with pytest.raises(BackendUnavailable, match="K/V cache in the model's dtype"):
         select_backends(CPU, F32, torch.float16, SMOLLM2, attention="triton")
 

@@ -43,7 +43,7 @@ def test_rms_norm_matches_torch(gen, rows, cols):
     wide = torch.randn(rows, cols + 24, generator=gen) * 3
     x = wide[:, 5 : 5 + cols]  # rows apart, as a slice of a wider row is
     w = torch.randn(cols, generator=gen)
-    close(fused.rms_norm(x, w, 1e-5, fused=True), fused.rms_norm(x, w, 1e-5), f"rms_norm {rows}x{cols}")
+    close(fused.rms_norm(x, w, 1e-5, ops="c"), fused.rms_norm(x, w, 1e-5), f"rms_norm {rows}x{cols}")
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -51,7 +51,7 @@ def test_fused_add_rms_norm_updates_the_residual_in_place(gen, rows):
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
     residual = torch.randn(rows, 576, generator=gen)
     want_out, want_residual = fused.fused_add_rms_norm(x, residual.clone(), w, 1e-6)
-    out, new_residual = fused.fused_add_rms_norm(x, residual, w, 1e-6, fused=True)
+    out, new_residual = fused.fused_add_rms_norm(x, residual, w, 1e-6, ops="c")
     assert new_residual is residual, "the C path updates the residual stream in place"
     assert torch.equal(residual, want_residual), "x + residual is one rounding either way"
     close(out, want_out, f"fused_add_rms_norm rows {rows}")
@@ -62,7 +62,7 @@ def test_fused_add_rms_norm_updates_the_residual_in_place(gen, rows):
 def test_silu_and_mul_matches_torch(gen, rows, inter):
     x = torch.randn(rows, 2 * inter, generator=gen) * 4
     x[0, :8] = torch.tensor([-1000.0, -100.0, -88.0, -20.0, 0.0, 20.0, 89.0, 1000.0])  # both ends of exp
-    close(fused.silu_and_mul(x, fused=True), fused.silu_and_mul(x), f"silu_and_mul {rows}x{inter}")
+    close(fused.silu_and_mul(x, ops="c"), fused.silu_and_mul(x), f"silu_and_mul {rows}x{inter}")
 
 
 def rope_inputs(gen, tokens: int, heads: int, kv_heads: int, head_dim: int, num_blocks: int = 40):
@@ -82,7 +82,7 @@ def test_rope_store_kv_matches_torch(gen, tokens, heads, kv_heads, head_dim):
     qkv, cos, sin, slots, cache = rope_inputs(gen, tokens, heads, kv_heads, head_dim)
     k_want, v_want, k_got, v_got = (cache.clone() for _ in range(4))
     q_want = fused.rope_store_kv(qkv.clone(), heads, kv_heads, cos, sin, k_want, v_want, slots)
-    q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, fused=True)
+    q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, ops="c")
     close(q_got, q_want, "rotated q")
     assert q_got.data_ptr() == qkv.data_ptr(), "q is rotated in place in qkv"
     for got, want, name in ((k_got, k_want, "k cache"), (v_got, v_want, "v cache")):
@@ -100,7 +100,7 @@ def test_rope_store_kv_into_an_fp16_cache_matches_torch(gen, tokens, heads, kv_h
     cache = cache.half()
     k_want, v_want, k_got, v_got = (cache.clone() for _ in range(4))
     q_want = fused.rope_store_kv(qkv.clone(), heads, kv_heads, cos, sin, k_want, v_want, slots)
-    q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, fused=True)
+    q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, ops="c")
     close(q_got, q_want, "rotated q")
     kv = qkv[:, heads * head_dim:].view(tokens, 2, kv_heads, head_dim)  # k rotated in place, v as given
     stored = slots >= 0
@@ -118,7 +118,7 @@ def test_rope_store_kv_refuses_a_slot_past_the_cache(gen):
     slots = torch.tensor([0, 1, 2, 3, 4, 2 * 16])  # one past the last slot
     k, v, before = cache.clone(), cache.clone(), qkv.clone()
     with pytest.raises(RuntimeError, match="past the cache"):
-        fused.rope_store_kv(qkv, 9, 3, cos, sin, k, v, slots, fused=True)
+        fused.rope_store_kv(qkv, 9, 3, cos, sin, k, v, slots, ops="c")
     assert k.isnan().all() and v.isnan().all() and torch.equal(qkv, before), "checked before anything is written"
 
 
@@ -128,9 +128,9 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(gen):
     gate_up = torch.randn(513, 3072, generator=gen)
 
     def run():
-        return (fused.rms_norm(x, w, 1e-5, fused=True), fused.silu_and_mul(gate_up, fused=True),
-                [fused.rms_norm(x[i : i + 1], w, 1e-5, fused=True) for i in (0, 200, 512)],
-                [fused.silu_and_mul(gate_up[i : i + 1], fused=True) for i in (0, 200, 512)])
+        return (fused.rms_norm(x, w, 1e-5, ops="c"), fused.silu_and_mul(gate_up, ops="c"),
+                [fused.rms_norm(x[i : i + 1], w, 1e-5, ops="c") for i in (0, 200, 512)],
+                [fused.silu_and_mul(gate_up[i : i + 1], ops="c") for i in (0, 200, 512)])
 
     one, two = in_thread(run, 1), in_thread(run, 2)
     for a, b in zip(one[:2], two[:2]):

@@ -1,5 +1,6 @@
 """`make gpu-compile` on a few plans (no GPU needed): the launch plans at head_dim 128 in bf16
-compile for sm_90a without spills and within shared memory, and the check does catch a plan
+(attention, rotary with the K/V store; RMSNorm and SiLU-and-mul at Llama-3-8B's sizes) compile
+for sm_90a without spills and within shared memory, and the check does catch a plan
 that is too large. The whole matrix is `make gpu-compile` (minutes)."""
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def rows() -> dict[str, cc.Row]:
         "split": next(j for j in decode if dict(j.constexprs).get("DIRECT") is False),
         "stage2": next(j for j in decode if j.kernel == "_decode_stage2_kernel"),
         "prefill": next(iter(cc.prefill_jobs(128, 4, 16, torch.bfloat16, ARCH))),
+        "rope": next(iter(cc.rope_jobs(128, 4, 16, torch.bfloat16, ARCH))),
+        **dict(zip(("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
+                   cc.elementwise_jobs(4096, 14336, torch.bfloat16, ARCH))),
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -45,12 +49,24 @@ def test_a_table_row_has_the_expected_fields(rows):
     assert cc.format_table(list(rows.values())).count("\n") == len(rows)  # a header and a line per plan
 
 
+def test_every_kernel_is_in_the_matrix():
+    """`make gpu-compile` covers each @triton.jit kernel of kernels/triton/ (the fused ones too)."""
+    kernels = {job.kernel for job in cc.all_jobs([ARCH], quick=True)}
+    assert kernels == set(cc.KERNELS) == {"_decode_stage1_kernel", "_decode_stage2_kernel", "_prefill_kernel",
+                                          "_store_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
+                                          "_rope_store_kv_kernel"}
+
+
 def test_jobs_are_the_launchers_plans():
-    """What compiles is plan_decode's own plan, plus the JIT's constants (num_splits == 1)."""
+    """What compiles is plan_decode's own plan; what changes from step to step (num_splits,
+    split_len, the table's width) is not specialized: num_splits == 1 is no constant."""
     plan = plan_decode(256, 32, 8, 128, 16, 2048 // 16, torch.bfloat16, cc.target(ARCH))
     job = next(iter(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH)))
-    assert job.constexprs == (*plan.stage1.constexprs, ("num_splits", 1))
+    assert plan.num_splits == 1 and job.constexprs == plan.stage1.constexprs
+    assert ("num_splits", "i32", False) in job.params and ("stride_bt", "i32", False) in job.params
     assert (job.num_warps, job.num_stages) == (plan.stage1.num_warps, plan.stage1.num_stages)
+    prefill = [j for j in cc.all_jobs([ARCH], quick=True) if j.kernel == "_prefill_kernel"]
+    assert len(prefill) == 1, "one prompt or many: one binary"
 
 
 def test_arguments_are_specialized_like_the_jit():
@@ -58,10 +74,11 @@ def test_arguments_are_specialized_like_the_jit():
     from triton.backends.compiler import BaseBackend
 
     for value in (0, 1, 16, 17, 4096, -5, 2**31, 0.5):
-        type_, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
-        assert cc.specialize(value)[0] == type_, value
-        if type_ != "constexpr":
-            assert cc.specialize(value)[1] == (attr == "D"), value
+        for values in (True, False):
+            type_, attr = native_specialize_impl(BaseBackend, value, False, values, True)[:2]
+            assert cc.specialize(value, values)[0] == type_, (value, values)
+            if type_ != "constexpr":
+                assert cc.specialize(value, values)[1] == (attr == "D"), (value, values)
     bf16 = native_specialize_impl(BaseBackend, torch.empty(8, dtype=torch.bfloat16), False, True, True)
     assert cc.specialize("*bf16") == (bf16[0], True)
 

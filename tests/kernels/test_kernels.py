@@ -133,14 +133,19 @@ def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypat
 
 
 def run_cases(group: str) -> list[dict]:
+    return run_script("kernel_cases.py", group)
+
+
+def run_script(script: str, group: str) -> list[dict]:
+    """tests/<script> GROUP SEED under the interpreter: its JSON lines, each case ok."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, str(ROOT / "tests" / "kernel_cases.py"), group, str(SEED)]
+    cmd = [sys.executable, str(ROOT / "tests" / script), group, str(SEED)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     failed = [r for r in results if not r["ok"]]
     report = "\n".join(json.dumps(r) for r in failed)
     assert proc.returncode == 0, (
-        f"seed {SEED}: kernel_cases.py {group} exited {proc.returncode} after {len(results)} cases "
+        f"seed {SEED}: {script} {group} exited {proc.returncode} after {len(results)} cases "
         f"(-11 is an out-of-range load)\n{report}\n{proc.stderr[-4000:]}"
     )
     assert results and not failed, f"seed {SEED} (INFERLINE_KERNEL_SEED={SEED} replays):\n{report}"

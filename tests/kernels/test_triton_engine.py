@@ -1,7 +1,7 @@
 """The engine on the Triton kernels, under the interpreter, against HF transformers.
 
-What `auto` picks on CUDA (attention on Triton: K/V store, prefill and decode kernels, with the
-launch plans of an H200) runs here on the CPU through the whole model and the engine: SmolLM2 in
+What `auto` picks on CUDA (Triton: rotary with the K/V store, prefill and decode attention,
+RMSNorm with the residual add, SiLU-and-mul, with the launch plans of an H200) runs here on the CPU through the whole model and the engine: SmolLM2 in
 fp32 must give HF's greedy tokens through chunked prefill, prompts on cached prefix blocks, decode
 across block boundaries and a preemption; a Llama-shaped dummy model (head_dim 128, GQA 4) in bf16
 must give the torch path's logits within bf16 tolerance. The runs happen in a subprocess
@@ -61,7 +61,7 @@ def test_smollm2_on_triton_kernels_equals_hf_generate(model_runner, hf_model):
          "arrivals": {0: [["a", a, new_a], ["b", b, new_b]]}},
     ]}
     backends, chunked, preempt = run_cases(["smollm2"], json.dumps(cases))
-    assert backends["backends"] == {"attention": "triton", "linear": "torch", "fused_ops": "torch",
+    assert backends["backends"] == {"attention": "triton", "linear": "torch", "fused_ops": "triton",
                                     "triton_target": "interpreter"}
     assert chunked["tokens"] == {"a": expected["a"], "b": expected["b"], "a2": expected["a"]}
     assert chunked["prefix_cache_hits"] >= (len(a) - 1) // BLOCK * BLOCK > 0

@@ -25,6 +25,7 @@ from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.step_inputs import StepBuilder
 from worker.engine.structured_output import TokenBitmask
+from worker.engine.warmup import WarmupReport, warm_up
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,11 @@ class ModelRunner:
                  fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights,
                  linear_timed={k: round(v * 1e6, 2) for k, v in self.linear_calibration.seconds.items()} or None,
                  linear_cached=self.linear_calibration.cached)
+        # Every Triton binary this model can launch, compiled before the worker is ready (warmup.py);
+        # under the interpreter there is nothing to compile (tests call warm_up themselves).
+        self.warmup: WarmupReport | None = None
+        if self.backends.triton_target == "cuda":
+            self.warmup = warm_up(self, settings.scheduler.max_num_seqs)
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
         """The kernels, once: kernels.backends raises BackendUnavailable for an impossible setting."""
@@ -158,7 +164,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
         step = self.step_builder.build(scheduled)
-        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops == "c")
+        meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops)
         return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
                      [s for s in step.ordered if s.samples])
 

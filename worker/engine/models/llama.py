@@ -117,7 +117,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self._norm_qk(qkv)
         q = rope_store_kv(qkv, self.num_heads, self.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping,
-                          fused=meta.fused_ops, store=meta.backend.store_kv)
+                          ops=meta.fused_ops, store=meta.backend.store_kv)
         out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -136,8 +136,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fused))
+    def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), ops))
 
 
 class DecoderLayer(nn.Module):
@@ -156,14 +156,14 @@ class DecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, k_cache, v_cache, meta: AttentionMetadata):
         """(hidden, residual) -> (this layer's MLP output, the residual stream before it);
         residual None in the first layer, whose input is the embedding."""
-        fused = meta.fused_ops
+        ops = meta.fused_ops
         if residual is None:
-            residual, hidden = hidden, rms_norm(hidden, self.input_layernorm, self.eps, fused)
+            residual, hidden = hidden, rms_norm(hidden, self.input_layernorm, self.eps, ops)
         else:
-            hidden, residual = fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps, fused)
+            hidden, residual = fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps, ops)
         hidden = self.self_attn(rope, hidden, k_cache, v_cache, meta)
-        hidden, residual = fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps, fused)
-        return self.mlp(hidden, fused), residual
+        hidden, residual = fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps, ops)
+        return self.mlp(hidden, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):

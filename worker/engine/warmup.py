@@ -1,0 +1,104 @@
+"""Start-up compiles: before the worker reports ready, every Triton kernel binary the loaded
+model can launch is compiled (or loaded from Triton's cache, ~/.triton/cache), so that no
+request pays a compile (seconds) mid-serving.
+
+What varies between a model's launches, and so what is warmed:
+
+    decode     the plan of a step's batch: one split (stage 1 writes the output: DIRECT) or
+               several (stage 2 reduces them: one binary per SPLITS_P2), from the number of
+               sequences and the widest block table (kernels/triton/decode.py)
+    the rest   one binary each per model and settings: the prefill kernel, rotary with the K/V
+               store (or the store alone), RMSNorm alone (the first layer) and with the residual
+               add, SiLU-and-mul
+
+What changes from step to step inside a plan (split counts, table widths, the number of
+prompts, the offset of a mixed step's prompt rows) is exempt from the JIT's specialization in the
+kernels themselves (do_not_specialize), so it adds no binaries. Warm-up runs the model: one
+prompt step, then one decode step per decode plan, on dummy inputs with every slot -1 (no K/V
+is written) and every block table 0 (block 0 is read, whatever it holds; nothing is kept).
+tests/kernels/test_warmup.py records each launch of a served run under the interpreter and
+checks that warm-up launched the same binary first.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+import triton
+
+from kernels.attention import StepTables
+from kernels.triton.decode import MAX_SPLITS, TILE_ELEMENTS, choose_splits, split_tokens
+from kernels.triton.launch import Target
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    num_seqs: int
+    width: int  # blocks in the widest block table
+
+
+@dataclass
+class WarmupReport:
+    decode_shapes: list[DecodeShape]
+    seconds: float
+
+
+def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_num_seqs: int,
+                  target: Target) -> list[DecodeShape]:
+    """One batch shape per distinct decode plan (stage 1 direct or split, and each SPLITS_P2),
+    the smallest found: num_splits depends on the batch only through choose_splits' wish, which
+    takes few values, and on the widest table."""
+    block_n = max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
+    wishes = {}  # choose_splits' wish -> the fewest sequences that make it (the max_len bound comes after)
+    for num_seqs in range(1, max_num_seqs + 1):
+        wishes.setdefault(choose_splits(num_seqs, num_kv_heads, MAX_SPLITS * 256 * 16, target.num_sms), num_seqs)
+    shapes: dict[int, DecodeShape] = {}  # SPLITS_P2 (1: direct) -> a shape
+    for width in range(1, max_blocks + 1):
+        max_len = width * block_size
+        for num_seqs in wishes.values():
+            wish = choose_splits(num_seqs, num_kv_heads, max_len, target.num_sms)
+            num_splits, _ = split_tokens(max_len, wish, block_n)
+            shapes.setdefault(triton.next_power_of_2(num_splits), DecodeShape(num_seqs, width))
+    return [shapes[k] for k in sorted(shapes)]
+
+
+def warm_up(runner, max_num_seqs: int) -> WarmupReport:
+    """Run the model once on a prompt and once per decode plan (runner: a ModelRunner on the
+    Triton attention)."""
+    from kernels.triton.launch import target_of
+
+    start = time.monotonic()
+    config = runner.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    max_blocks = -(-runner.max_model_len // runner.block_size)
+    shapes = decode_shapes(config.num_key_value_heads, head_dim, runner.block_size, max_blocks, max_num_seqs,
+                           target_of(runner.device))
+    with torch.inference_mode():
+        _forward(runner, [2], 0, 1)  # one prompt of two tokens
+        for shape in shapes:
+            _forward(runner, [1] * shape.num_seqs, shape.num_seqs, shape.width)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    report = WarmupReport(shapes, time.monotonic() - start)
+    log.info("kernels warmed", decode_plans=len(shapes), seconds=round(report.seconds, 2))
+    return report
+
+
+def _forward(runner, new_tokens: list[int], num_decodes: int, width: int) -> None:
+    """One forward over dummy sequences (`new_tokens` each, the first num_decodes decoding) whose
+    tables are `width` blocks wide: slot -1 everywhere, tables all block 0."""
+    dev, i32 = runner.device, torch.int32
+    num_tokens, num_seqs = sum(new_tokens), len(new_tokens)
+    lens = torch.tensor(new_tokens, dtype=i32, device=dev)
+    cu = torch.zeros(num_seqs + 1, dtype=i32, device=dev)
+    cu[1:] = lens.cumsum(0)
+    tables = torch.zeros(num_seqs, width, dtype=i32, device=dev)
+    step = StepTables(torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+                      torch.zeros(num_tokens, dtype=torch.int64, device=dev), lens, cu, num_decodes,
+                      lambda first, stop: tables[first:stop])
+    meta = runner.attention.prepare(step, fused_ops=runner.backends.fused_ops)
+    runner.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), step.positions, runner.kv_cache, meta)
