@@ -405,7 +405,9 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_its_compile_killed(mo
     the others, constrained or not, go on. Default settings: compiles in child processes."""
     from config.settings import StructuredSettings
 
-    heavy = "[a-z]{1,5000}"  # seconds of xgrammar on the model's 49K vocabulary (1,300: ~1.5 s here)
+    # Seconds of xgrammar on the model's 49K vocabulary (19 s on a busy 2-core machine).
+    heavy = json.dumps({"type": "object", "properties": {
+        f"k{i}": {"type": "string", "pattern": "[a-z]{3,90}[0-9]{2,50}"} for i in range(40)}})
     engine = make_engine(model_runner)
     engine._structured = StructuredSettings(compile_timeout_s=0.3, compile_threads=2)
     engine.grammars.compile(spec("regex", "[0-9]")).result(timeout=300)
@@ -415,8 +417,9 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_its_compile_killed(mo
         time.sleep(0.5)
     started = {p.pid for p in engine.grammars._children}
     assert len(started) == 2
-    reqs = [EngineRequest("hostile", greedy(4, structured=spec("regex", heavy)), prompt="Hi.", tenant="m"),
-            EngineRequest("queued", greedy(4, structured=spec("regex", heavy + "x")), prompt="Hi.", tenant="m"),
+    queued = heavy.replace("k0", "q0")
+    reqs = [EngineRequest("hostile", greedy(4, structured=spec("json_schema", heavy)), prompt="Hi.", tenant="m"),
+            EngineRequest("queued", greedy(4, structured=spec("json_schema", queued)), prompt="Hi.", tenant="m"),
             EngineRequest("honest", greedy(4, structured=spec("regex", "[0-9]{2}")), prompt="Hi.", tenant="a"),
             EngineRequest("plain", greedy(4), prompt="Hi.")]
     results = run(engine, reqs)
@@ -425,10 +428,10 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_its_compile_killed(mo
         assert final.finish_reason == "rejected" and final.error_code == "invalid_request"
         assert final.error_message.startswith("structured: the grammar did not compile within 0.3 s")
     assert results["honest"]["final"].finish_reason == "stop" and results["plain"]["final"].finish_reason == "length"
-    again = engine.grammars.compile(spec("regex", heavy))
+    again = engine.grammars.compile(spec("json_schema", heavy))
     with pytest.raises(ValueError, match="did not compile within 0.3 s"):
         again.result(timeout=60)  # remembered: refused at once, never compiled again
-    assert engine.grammars.compile(spec("regex", heavy + "x")).cancelled() is False  # dropped: asked afresh
+    assert engine.grammars.compile(spec("json_schema", queued)).cancelled() is False  # dropped: asked afresh
     killed = started - {p.pid for p in engine.grammars._children}
     assert len(killed) == 1 and not _running(killed.pop())
     engine.grammars.shutdown()

@@ -186,9 +186,12 @@ class GrammarCompiler:
                 future.set_exception(ValueError(f"cannot be compiled: {reason}"[:300]))
                 self._account(key, future, _FAILURE_BYTES)
                 return process
-        if self._given_up.pop(future, None) is not None:  # killed just after it answered
+        reason = self._given_up.pop(future, None)
+        if reason is not None:  # killed just after it answered: given up all the same
             self._end_process(process)
-            process = self._start_process()
+            future.set_exception(ValueError(reason))
+            self._account(key, future, _FAILURE_BYTES)
+            return self._start_process()
         future.set_result(compiled)
         self._account(key, future, int(getattr(compiled, "memory_size_bytes", 0)) + len(spec.text))
         return process
