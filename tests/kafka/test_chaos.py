@@ -86,6 +86,28 @@ async def wait_random_point(watcher: ReplyWatcher, ids: list[str], rng: random.R
     await asyncio.sleep(rng.uniform(0.0, 0.5))
 
 
+def scaling_steps(timeline: list[tuple[float, str]], events: dict[str, list]) -> list[dict]:
+    """What each join or leave of worker b threw away: of the requests running when it happened
+    (started, no final yet), how many were ended `requeued` before the next action."""
+    out = []
+    for k, (at, action) in enumerate(timeline):
+        if action not in ("join_b", "leave_b"):
+            continue
+        until = timeline[k + 1][0] if k + 1 < len(timeline) else float("inf")
+        running = requeued = 0
+        for evs in events.values():
+            started = any(isinstance(ev, StartedEvent) and ts <= at for ts, ev in evs)
+            ended = any(isinstance(ev, DoneEvent) and ts <= at for ts, ev in evs)
+            if not started or ended:
+                continue
+            running += 1
+            requeued += any(isinstance(ev, DoneEvent) and ev.finish_reason == "requeued" and at < ts <= until
+                            for ts, ev in evs)
+        out.append({"step": action, "running": running, "requeued": requeued,
+                    "requeued_share": round(requeued / running, 2) if running else None})
+    return out
+
+
 def analyse(ids: list[str], submitted: dict[str, float], expected: dict[str, int | str], events: dict[str, list],
             dead: dict[str, str]) -> dict:
     """`expected`: id -> its max_tokens (it must end with `length` and that many tokens) or a
@@ -312,6 +334,7 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     dead.update({i: "done committed before the topic was deleted, not read" for i in answered_unread})
     report = {"form": "long" if long else "short", "seed": seed, **stats,
               **analyse(ids, submitted, expected, events, dead), "timeline": timeline,
+              "scaling_steps": scaling_steps(timeline, events),
               "poisoned_dead_lettered": len(poisoned_ids & set(dead)),
               "honest_dead_lettered": len(set(dead) - doomed_ids - poisoned_ids),
               "wall_s": round(time.monotonic() - t0, 1), "max_tokens": list(MAX_TOKENS)}
