@@ -396,7 +396,9 @@ def load_settings(**overrides) -> Settings:
 
 
 def is_local_broker(settings: Settings) -> bool:
-    return settings.kafka.bootstrap_servers in ("localhost:9092", "127.0.0.1:9092")
+    """The broker scripts/kafka.sh runs here (on INFERLINE_KAFKA_PORT, 9092 by default)."""
+    port = os.environ.get("INFERLINE_KAFKA_PORT", "9092")
+    return settings.kafka.bootstrap_servers in (f"localhost:{port}", f"127.0.0.1:{port}")
 
 
 def bundled_model_path() -> Path:

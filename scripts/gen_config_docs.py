@@ -116,6 +116,9 @@ OTHER_VARIABLES = {
                                            "commit (worker/delivery/transactions.py; tests and `make chaos`)."),
     "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Benchmark hook: the engine thread sleeps this many seconds "
                                      "before each step, a throttled worker (bench/share_vs_group.py)."),
+    "INFERLINE_KAFKA_PORT": ("`9092`", "The port of the local broker `scripts/kafka.sh` runs; "
+                             "`localhost:` that port counts as the local broker for the benchmarks, "
+                             "and `scripts/test.sh` points `INFERLINE_KAFKA__BOOTSTRAP_SERVERS` at it."),
     "INFERLINE_KERNEL_CHECKS": ("`0`", "`1` turns on the kernels' shape, dtype and stride assertions "
                                 "on CUDA tensors (always on for CPU tensors)."),
 }

@@ -31,6 +31,9 @@ if ! how=$(scripts/kafka.sh acquire $$); then
     exit 1
 fi
 [ "$how" = external ] || LEASED=1
+# Subprocesses (CLIs, benches, workers) read the settings, whose default is localhost:9092: point
+# them at the broker of INFERLINE_KAFKA_PORT too.
+export INFERLINE_KAFKA__BOOTSTRAP_SERVERS=${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}}
 echo "test.sh: Kafka broker: $how (${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}})" >&2
 
 "$PYTHON" -m pytest "$@"
