@@ -178,6 +178,32 @@ def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
     assert results["r4"]["final"].queue_s >= max(results[f"r{i}"]["final"].total_s for i in range(4)) - 1e-3
 
 
+def test_a_batch_beside_an_interactive_request_yields_its_steps_and_keeps_greedy_output(
+        model_runner, prompts, hf_outputs):
+    """Priority 100 is background work: the interactive prompt's step carries no batch sequence,
+    and beside the interactive request at most background_max_seqs of them run a step."""
+    engine = make_engine(model_runner, max_num_seqs=16, background_max_seqs=2)
+    steps: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append({c.seq.request_id for c in out.scheduled})
+        return out
+
+    engine.scheduler.schedule = recorded
+    batch = [EngineRequest(request_id=f"r{i}", prompt_token_ids=prompts[i], sampling=greedy(NEW_TOKENS),
+                           priority=100) for i in range(1, 6)]
+    chat = request(0, prompts[0])
+    results = run_to_completion(engine, {0: batch, 3: [chat]})
+    for i in range(6):
+        assert results[f"r{i}"]["tokens"] == hf_outputs[i], f"prompt {i} diverged from HF generate"
+    beside = [s for s in steps if "r0" in s]
+    assert beside[0] == {"r0"}, "the interactive prompt's step carried batch sequences"
+    assert all(len(s - {"r0"}) <= 2 for s in beside), beside
+    assert max(len(s) for s in steps[:3]) == 5, "alone, the batch ran at full width"
+
+
 def test_seeded_sampling_is_reproducible_inside_any_batch(model_runner, prompts):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
 

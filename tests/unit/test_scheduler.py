@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import SamplingParams
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import BackgroundLimit, Scheduler
 from worker.engine.sequence import Sequence
 
 
@@ -54,10 +54,13 @@ requests = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(reqs=requests, num_blocks=st.integers(8, 40), budget=st.sampled_from([16, 32, 100]),
        max_seqs=st.integers(1, 8), aborts=st.lists(st.integers(0, 24), max_size=5),
-       policy=st.sampled_from(["continuous", "static"]))
-def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budget, max_seqs, aborts, policy):
+       policy=st.sampled_from(["continuous", "static"]),
+       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2)]))
+def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budget, max_seqs, aborts, policy,
+                                                         background):
     bm = BlockManager(num_blocks, block_size=8)
-    sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
+                      background=background)
     pending = sorted(((t, i, p, m, pr) for i, (p, m, pr, t) in enumerate(reqs)), key=lambda r: r[0])
     alive, done = {}, set()
     for step in range(5000):
@@ -317,3 +320,68 @@ def test_prefix_cache_off_never_shares():
     a.num_computed_tokens = 9
     bm.cache_computed_blocks(a)
     assert bm.cached_prefix(b) == [] and bm.prefix_cache is None
+
+
+# ---- background work (a batch) beside foreground work ----------------------------------------------
+
+
+def background_sched(max_seqs: int = 2) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
+                     background=BackgroundLimit(priority=100, max_seqs=max_seqs))
+
+
+def run_until_decoding(sched: Scheduler, seqs: list[Sequence]) -> None:
+    for s in seqs:
+        sched.add(s)
+    while any(s.num_uncomputed_tokens > 1 or s in sched.waiting for s in seqs):
+        fake_step(sched)
+
+
+def test_alone_a_batch_runs_at_full_width():
+    sched = background_sched()
+    batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(6)]
+    run_until_decoding(sched, batch)
+    assert {c.seq for c in sched.schedule().scheduled} == set(batch)
+
+
+def test_a_foreground_prompt_runs_without_background_then_background_runs_in_turns():
+    sched = background_sched(max_seqs=2)
+    batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(6)]
+    run_until_decoding(sched, batch)
+    chat = seq("chat", 12, 50, priority=0, arrival=10)
+    sched.add(chat)
+    first = fake_step_scheduled(sched)
+    assert first == {"chat"}, "the interactive prompt's step carries no batch sequence"
+    turns = [fake_step_scheduled(sched) for _ in range(3)]
+    for t in turns:
+        assert "chat" in t and len(t - {"chat"}) == 2, t
+    assert set().union(*turns) - {"chat"} == {b.request_id for b in batch}, "every batch sequence got a turn"
+    assert all(s.status.value == "running" for s in batch), "resting is not preemption: their KV stays"
+
+
+def test_background_admissions_wait_for_a_seat_beside_foreground_work():
+    sched = background_sched(max_seqs=1)
+    chat = seq("chat", 4, 50, priority=0)
+    run_until_decoding(sched, [chat])
+    for i in range(3):
+        sched.add(seq(f"b{i}", 4, 50, priority=100, arrival=1 + i))
+    steps = [fake_step_scheduled(sched) for _ in range(3)]
+    assert all(len(s - {"chat"}) <= 1 for s in steps), steps
+    assert [s - {"chat"} for s in steps] == [{"b0"}, {"b1"}, {"b2"}], "admitted one a step, in arrival order"
+
+
+def test_a_limit_past_every_priority_leaves_steps_shared_alike():
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
+                      background=BackgroundLimit(priority=1001, max_seqs=1))
+    batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(4)]
+    run_until_decoding(sched, batch)
+    sched.add(seq("chat", 4, 50, priority=0, arrival=10))
+    assert fake_step_scheduled(sched) == {"chat", "b0", "b1", "b2", "b3"}
+
+
+def fake_step_scheduled(sched: Scheduler) -> set[str]:
+    """One fake step; the ids it scheduled."""
+    before = {s.request_id: s.num_computed_tokens for s in sched.running + sched.waiting}
+    fake_step(sched)
+    return {rid for rid, n in before.items()
+            if any(s.request_id == rid and s.num_computed_tokens != n for s in sched.running + sched.waiting)}

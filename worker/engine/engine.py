@@ -25,7 +25,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, RequestOutput, SampleResult
 from worker.engine.sampler import SamplerOutput, make_generator
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
 from worker.engine.sequence import ERROR_CODE_OF, Sequence
 from worker.engine.spec_decode import NgramProposer, accept
 from worker.engine.structured_output import GrammarCompiler, new_matcher
@@ -89,9 +89,10 @@ class LLMEngine:
         spec = settings.speculative
         proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
                     if spec.method == "ngram" else None)
-        self.scheduler = Scheduler(self.block_manager, settings.scheduler.max_num_seqs,
-                                   settings.scheduler.max_num_batched_tokens, settings.scheduler.policy,
-                                   proposer, spec.disable_by_batch_size)
+        sched = settings.scheduler
+        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.policy, proposer, spec.disable_by_batch_size,
+                                   BackgroundLimit(sched.background_priority, sched.background_max_seqs))
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, list[Sequence]] = {}  # every sample of a request, by index

@@ -16,6 +16,12 @@ Memory policy:
 - speculative drafts (spec_decode.py) ride along only where token budget and KV slots are left
   over: a draft never preempts anybody, nor takes a block a waiting request could be admitted to.
 
+Background work (BackgroundLimit: priority at or past a threshold, a batch's class) shares steps
+with foreground work only narrowly: while a foreground request runs or waits, background
+sequences run in turns, at most `max_seqs` a step, and none in a step that computes a foreground
+prompt. On a CPU a step's length grows with its width, so this bounds what a batch adds to an
+interactive request's first token; with no foreground work the batch runs at full width.
+
 The scheduler decides and never touches tensors.
 """
 from __future__ import annotations
@@ -57,11 +63,26 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class BackgroundLimit:
+    """Sequences of `priority` or worse are background: beside foreground work, at most
+    `max_seqs` of them a step (in turns), and none in a step with a foreground prompt."""
+
+    priority: int
+    max_seqs: int
+
+    def is_background(self, seq: Sequence) -> bool:
+        return seq.priority >= self.priority
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, policy: str = "continuous",
-                 proposer: NgramProposer | None = None, spec_disable_batch_size: int | None = None):
+                 proposer: NgramProposer | None = None, spec_disable_batch_size: int | None = None,
+                 background: BackgroundLimit | None = None):
         assert policy in ("continuous", "static")
+        self.background = background
+        self.num_steps = 0
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -93,19 +114,46 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self.num_steps += 1
+        seats = self._background_seats()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, seats)
         if self.policy == "continuous":
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, seats=seats)
         elif not self.running:
             # Static batching: a new batch forms only when the last one is done; its members
             # are admitted together and their prompts run over the next steps as budget allows.
             self._schedule_waiting(out, budget, whole_batch=True)
+        for c in out.scheduled:
+            c.seq.last_scheduled_step = self.num_steps
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _background_seats(self) -> list[int] | None:
+        """How many background sequences this step may run ([n]: a counter the step spends), or
+        None for no limit: no BackgroundLimit, or no foreground work."""
+        bg = self.background
+        if bg is None or self.policy != "continuous":
+            return None
+        foreground = [s for s in (*self.running, *self.waiting) if not bg.is_background(s)]
+        if not foreground:
+            return None
+        prompt = any(s.num_uncomputed_tokens > 1 or s.status is SequenceStatus.WAITING for s in foreground)
+        return [0 if prompt else bg.max_seqs]
+
+    def _resting(self, seats: list[int] | None) -> set[Sequence]:
+        """The running background sequences that sit this step out: the seats go to the least
+        recently run background sequences, running or waiting (a waiting one never ran: first)."""
+        if seats is None:
+            return set()
+        bg = [s for s in (*self.running, *self.waiting) if self.background.is_background(s)]
+        turn = set(sorted(bg, key=lambda s: (s.last_scheduled_step, s.sort_key))[:seats[0]])
+        return {s for s in self.running if self.background.is_background(s) and s not in turn}
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, seats: list[int] | None = None) -> int:
         self.running.sort(key=lambda s: s.sort_key)
-        queue = list(self.running)  # best first; victims come from the end
-        while queue and budget > 0:
+        resting = self._resting(seats)
+        # Best first, the resting at the end: victims come from the end.
+        queue = [s for s in self.running if s not in resting] + [s for s in self.running if s in resting]
+        while queue and budget > 0 and queue[0] not in resting:
             seq = queue.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_new, queue, out):
@@ -115,7 +163,15 @@ class Scheduler:
             self.block_manager.append(seq, num_new + len(drafts))
             out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
             budget -= num_new + len(drafts)
+            self._take_seat(seq, seats)
         return budget
+
+    def _no_seat(self, seq: Sequence, seats: list[int] | None) -> bool:
+        return seats is not None and self.background.is_background(seq) and seats[0] <= 0
+
+    def _take_seat(self, seq: Sequence, seats: list[int] | None) -> None:
+        if seats is not None and self.background.is_background(seq):
+            seats[0] -= 1
 
     def _drafts(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
         """Drafts for a decoding `seq`, within the leftover token `budget` and the request's own
@@ -145,9 +201,12 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_batch: bool = False) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_batch: bool = False,
+                          seats: list[int] | None = None) -> None:
         while self.waiting and (budget > 0 or whole_batch):
             seq = self.waiting[0]
+            if self._no_seat(seq, seats):
+                break  # the waiting queue is in priority order: only background is left
             cached = self.block_manager.cached_prefix(seq)
             if not self._admit(seq, cached, out):
                 break  # strict (priority, arrival) order: nobody jumps a request that waits for memory
@@ -162,6 +221,7 @@ class Scheduler:
                 out.started.append(seq)
             if num_new:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
+                self._take_seat(seq, seats)
             budget -= num_new
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:

@@ -51,6 +51,7 @@ class Sequence:
     error_code: str | None = None
     error_message: str | None = None
     first_scheduled_time: float | None = None
+    last_scheduled_step: int = 0  # the scheduler's step that last ran it (background turns)
     first_token_time: float | None = None
     finish_time: float | None = None
 
