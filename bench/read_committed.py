@@ -63,7 +63,10 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "read_committed.json"
 # Scenario 1's delivery settings: `before` is what #36 found (tokens every 20 ms, a partition's
 # next transaction as soon as the last commits); `after` is the settings as they are.
-DELIVERY = {"before": {"flush_interval_ms": 20.0, "transaction_interval_ms": 0.0}, "after": {}}
+# `txn-1s`: the lever past the defaults, a partition's transaction at most once a second.
+DELIVERY = {"before": {"flush_interval_ms": 20.0, "transaction_interval_ms": 0.0}, "after": {},
+            "txn-1s": {"transaction_interval_ms": 1000.0}}
+FLEET_RPS = 1e5  # the fleet #36 sizes the broker for
 PROMPTS = ["Explain Kafka in one sentence.", "What is 2+2?", "Name a colour.", "Say hello.",
            "Write a haiku about the sea.", "What is the capital of France?", "Count to five.",
            "Why is the sky blue?"]
@@ -307,7 +310,7 @@ def engine_for(s, runner, args):
     return lambda: PacedEngine(args.step_ms / 1000, s.scheduler.max_num_seqs)
 
 
-async def steady(settings, runner, args, delivery: dict) -> dict:
+async def steady(settings, runner, args, delivery: dict, max_tokens: int) -> dict:
     """One in-process worker under `delivery` (KafkaSettings overrides: a config of DELIVERY)."""
     from worker.app import Worker
 
@@ -333,7 +336,7 @@ async def steady(settings, runner, args, delivery: dict) -> dict:
         tx0 = (reg.get_sample_value("inferline_transactions_total", {"outcome": "committed"}) or 0,
                reg.get_sample_value("inferline_transaction_seconds_sum") or 0)
         l0, b0, t0 = load(), broker_cpu(), time.monotonic()
-        await submit_all(s, run, args.num_requests, args.max_tokens, args.rate)
+        await submit_all(s, run, args.num_requests, max_tokens, args.rate)
         ok = await wait_finals(readers, run.submitted, args.timeout)
         t1, b1 = time.monotonic(), broker_cpu()
         tx1 = (reg.get_sample_value("inferline_transactions_total", {"outcome": "committed"}) or 0,
@@ -349,7 +352,7 @@ async def steady(settings, runner, args, delivery: dict) -> dict:
     ntx = tx1[0] - tx0[0]
     records = [rec for rec in readers[0].records if rec[0] >= t0 - 1e-3]
     out = {"complete": ok, "wall_s": span, "load_before": l0, "load_after": load(),
-           "delivery": {"flush_interval_ms": k.flush_interval_ms, "transaction_interval_ms": k.transaction_interval_ms},
+           "max_tokens": max_tokens, "delivery": {"flush_interval_ms": k.flush_interval_ms, "transaction_interval_ms": k.transaction_interval_ms},
            "reply_records_per_request": len(records) / args.num_requests,
            "finals_per_transaction": args.num_requests / ntx if ntx else None,
            "read_uncommitted": unc, "read_committed": com, "committed_over_uncommitted": compare(unc, com),
@@ -469,7 +472,7 @@ async def killed(settings, args, mode: str) -> dict:
     try:
         for r in readers:
             await r.start(run.partitions)
-        submitter = asyncio.create_task(submit_all(settings, run, n, args.max_tokens, args.rate))
+        submitter = asyncio.create_task(submit_all(settings, run, n, args.max_tokens[0], args.rate))
         if mode == "sigkill":
             while len({e.id for e in readers[0].events if e.kind == "started" and e.id in run.submitted}) < args.kill_after:
                 await asyncio.sleep(0.01)
@@ -486,7 +489,7 @@ async def killed(settings, args, mode: str) -> dict:
         # the shared reply partitions, behind A's open transaction until B or the broker aborts it.
         wave = Run(run.prefix + "x", run.partitions)
         wave.requests, wave.replies = run.requests, run.replies
-        await submit_all(settings, wave, n, args.max_tokens, args.rate)
+        await submit_all(settings, wave, n, args.max_tokens[0], args.rate)
         run.submitted.update(wave.submitted)
         ok = await wait_finals(readers, run.submitted, args.timeout)
     finally:
@@ -535,11 +538,16 @@ def print_report(res: dict) -> None:
               " replay: its records again, idempotent producer, no transaction, no group)")
         for name, cpu in rows:
             t, b = cpu["transactional"], cpu["baseline"]
-            print(f"  {name:<8} transactional {fx(t['per_request_ms'])} / {fx(t['per_request_net_ms'])}   "
+            print(f"  {name:<12} transactional {fx(t['per_request_ms'])} / {fx(t['per_request_net_ms'])}   "
                   f"replay {fx(b['per_request_ms'])} / {fx(b['per_request_net_ms'])}   "
-                  f"ratio raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}")
-        if len(rows) == 2:
-            (a, ca), (b, cb) = rows
+                  f"ratio raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}   "
+                  f"at {FLEET_RPS:.0e} requests/s: {fleet_cores(t['per_request_ms'])} broker cores (raw)")
+        cpus = dict(rows)
+        for b, cb in rows:  # each config against `before` of the same stream length
+            a = "before" + b[len(b.split("/")[0]):]
+            ca = cpus.get(a)
+            if ca is None or a == b:
+                continue
             print(f"  {b} / {a}: transactional raw x{fx(ratio(cb['transactional']['per_request_ms'], ca['transactional']['per_request_ms']))}"
                   f", net x{fx(ratio(cb['transactional']['per_request_net_ms'], ca['transactional']['per_request_net_ms']))}")
     print_killed(res)
@@ -588,6 +596,11 @@ def print_killed(res: dict) -> None:
                   f"{ms(c['gap_s']['max'])} ms; final p50 {ms(u['final_s']['p50'])} / {ms(c['final_s']['p50'])} ms")
 
 
+def fleet_cores(per_request_ms: float | None) -> str:
+    """The broker cores a fleet at FLEET_RPS would spend at this CPU per request, linearly."""
+    return "-" if per_request_ms is None else f"{FLEET_RPS * per_request_ms / 1e3:,.0f}"
+
+
 def cpu_rows(steady_res: dict, base: dict, n: int) -> dict:
     def row(r, what):
         raw, idle = r["broker_cpu_s"], r["idle"]["broker_cpu_s"]
@@ -618,7 +631,8 @@ def cpu_model() -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.read_committed", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[48],
+                   help="each request's tokens; a list (48,256) runs scenario 1 once per length and config")
     p.add_argument("--rate", type=float, default=20.0, help="requests submitted per second (0: all at once)")
     p.add_argument("--engine", choices=("paced", "model"), default="paced",
                    help="paced: bench/paced_engine.py, a token per request every --step-ms; model: the real model")
@@ -641,6 +655,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def configs(args) -> list[tuple[str, int]]:
+    """Scenario 1's runs: (name, max_tokens) per delivery config and stream length, the length
+    in the name when there are several."""
+    names = [c for c in args.delivery.split(",") if c]
+    if len(args.max_tokens) == 1:
+        return [(name, args.max_tokens[0]) for name in names]
+    return [(f"{name}/{mt}", mt) for mt in args.max_tokens for name in names]
+
+
 async def amain(args, settings, runner) -> dict:
     res = {"settings": {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "rate": args.rate,
                         "reply_partitions": args.reply_partitions, "engine": args.engine,
@@ -649,8 +672,8 @@ async def amain(args, settings, runner) -> dict:
            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "load_at_start": load()}
     if not args.only_kill:
         res["delivery"] = {}
-        for name in (c for c in args.delivery.split(",") if c):
-            steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[name])
+        for name, mt in configs(args):
+            steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[name.split("/")[0]], mt)
             base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
             res["delivery"][name] = {"steady": steady_res, "baseline": base,
                                      "broker_cpu": cpu_rows(steady_res, base, args.num_requests)}

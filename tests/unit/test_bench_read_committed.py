@@ -84,3 +84,12 @@ def test_the_paced_engine_yields_a_token_per_step_and_finishes_at_max_tokens():
     eng.abort("s", "cancelled")
     (last,) = eng.step()
     assert (last.request_id, last.finish_reason) == ("s", "cancelled") and not eng.has_unfinished_requests()
+
+
+def test_several_stream_lengths_run_each_config_per_length_and_name_it():
+    from bench.read_committed import configs, fleet_cores, parse_args
+
+    assert configs(parse_args(["--delivery", "before,after"])) == [("before", 48), ("after", 48)]
+    assert configs(parse_args(["--delivery", "before,txn-1s", "--max-tokens", "256,48"])) == [
+        ("before/256", 256), ("txn-1s/256", 256), ("before/48", 48), ("txn-1s/48", 48)]
+    assert fleet_cores(8.7) == "870" and fleet_cores(None) == "-"
