@@ -10,6 +10,7 @@ import torch
 
 from config.settings import Settings, SettingsError, load_settings
 from kernels.attention import TorchAttention
+from kernels.backends import BackendUnavailable
 from tests.engine_fixtures import greedy, make_engine, run_to_completion
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import pick_cuda_graphs
@@ -49,11 +50,19 @@ def test_the_cuda_graphs_setting(monkeypatch):
     assert pick_cuda_graphs("on", "cuda", "triton") == "capture"
     for device, attention in (("cpu", "cpu"), ("cpu", "triton"), ("cuda", "torch")):
         assert pick_cuda_graphs("auto", device, attention) == "off"
-        with pytest.raises(ValueError, match="INFERLINE_MODEL__CUDA_GRAPHS=eager"):
+        with pytest.raises(BackendUnavailable, match="INFERLINE_MODEL__CUDA_GRAPHS=eager"):
             pick_cuda_graphs("on", device, attention)
     for device, attention in (("cpu", "cpu"), ("cuda", "triton"), ("cpu", "torch")):
         assert pick_cuda_graphs("eager", device, attention) == "eager"
         assert pick_cuda_graphs("off", device, attention) == "off"
+
+
+def test_cuda_graphs_on_without_cuda_stops_the_runner_at_start_up():
+    settings = Settings()
+    settings.model.cuda_graphs = "on"
+    settings.cache.num_blocks = 4
+    with pytest.raises(BackendUnavailable, match="cuda_graphs=on captures on CUDA"):
+        ModelRunner(settings)
 
 
 @pytest.fixture(scope="module")

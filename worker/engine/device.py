@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.backends import BackendUnavailable
+
 
 def pick_device(name: str, cuda_available: bool | None = None) -> torch.device:
     """settings.model.device: `auto` is CUDA when there is one (cuda_available=None: ask torch)."""
@@ -48,7 +50,10 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
     """settings.model.cuda_graphs resolved: `capture` (a CUDA graph per decode bucket), `eager`
     (the same padded static-buffer decode steps, launched op by op) or `off` (flat batches).
     Capture needs CUDA and the Triton attention: its metadata are views of the static buffers,
-    while the PyTorch path plans each step on the host from the context lengths' values."""
+    while the PyTorch path plans each step on the host from the context lengths' values. An
+    explicit `on` that cannot capture raises BackendUnavailable: the worker stops at start-up
+    with that one line (worker/__main__.py)."""
+
     if name == "off" or name == "eager":
         return name
     capturable = device_type == "cuda" and attention == "triton"
@@ -56,7 +61,7 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
         return "capture" if capturable else "off"
     assert name == "on", f"cuda_graphs must be auto, on, eager or off, got {name!r}"
     if not capturable:
-        raise ValueError(f"model.cuda_graphs=on captures on CUDA with the Triton attention (this runner: "
+        raise BackendUnavailable(f"model.cuda_graphs=on captures on CUDA with the Triton attention (this runner: "
                          f"{device_type}, attention {attention}); set INFERLINE_MODEL__CUDA_GRAPHS=eager "
                          f"for the padded decode steps without capture, or auto")
     return "capture"
