@@ -6,7 +6,9 @@ A Llama-shaped dummy model (fp32) on the Triton kernels as `auto` sets them up o
 buckets up to 4 (max_num_seqs 4): the same requests run as flat batches, as padded decode steps
 (INFERLINE_MODEL__CUDA_GRAPHS=eager), and through DecodeGraphs with a fake capture (the capture's
 forwards on padding rows first: they must write no K/V). tests/kernels/test_padded_decode_triton.py
-checks the three give the same tokens.
+checks the three give the same tokens. Last, the step a graph captures runs once under a
+TorchDispatchMode that records device syncs (`_local_scalar_dense`: .item(), int(); `nonzero`),
+which a capture refuses, with the launchers' range checks off as on CUDA.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.engine_fixtures import greedy, make_engine, run_to_completion  # noqa: E402
 from tests.triton_engine_cases import cuda_like_settings  # noqa: E402
@@ -42,6 +45,34 @@ class EagerGraph:
 def fake_capture(step, pool):
     step()
     return EagerGraph(step)
+
+
+class Syncs(TorchDispatchMode):
+    """Records the ops that sync a CUDA device with the host. On CPU tensors .tolist() and .cpu()
+    dispatch nothing, so this sees only the syncs that go through an op."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            self.log.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def syncs_in_the_captured_step(padded) -> list[str]:
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "0"  # as on CUDA: the range checks read values
+    log = []
+    try:
+        padded.load_padding(4)
+        with torch.inference_mode(), Syncs(log):
+            padded.forward(4)
+    finally:
+        del os.environ["INFERLINE_KERNEL_CHECKS"]
+    return log
 
 
 def served(runner: ModelRunner) -> tuple[dict, list]:
@@ -77,10 +108,11 @@ def main() -> None:
     untouched = all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_cache, before))
     runner.decode_graphs = graphs
     graph_tokens, graph_steps = served(runner)
+    syncs = syncs_in_the_captured_step(padded)
     print(json.dumps({"backends": runner.backends.__dict__, "buckets": padded.sizes,
                       "captured": report.buckets, "kv_untouched": untouched,
                       "padded": padded_tokens, "flat": flat_tokens, "graphs": graph_tokens,
-                      "padded_steps": padded_steps, "graph_steps": graph_steps}), flush=True)
+                      "padded_steps": padded_steps, "graph_steps": graph_steps, "syncs": syncs}), flush=True)
 
 
 if __name__ == "__main__":

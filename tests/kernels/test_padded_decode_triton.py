@@ -1,6 +1,7 @@
 """Padded decode steps (worker/engine/padded_decode.py) on the Triton kernels, under the
 interpreter: a batch of 3 in bucket 4, then 2 and 1, gives the flat batches' tokens, through
-DecodeGraphs with a fake capture too, and the capture's forwards on padding rows write no K/V.
+DecodeGraphs with a fake capture too, the capture's forwards on padding rows write no K/V, and the
+captured step has no device sync that goes through an op.
 Runs tests/padded_decode_cases.py in a subprocess (TRITON_INTERPRET before triton is imported)."""
 from __future__ import annotations
 
@@ -29,3 +30,4 @@ def test_padded_decode_on_triton_equals_flat_batches(tmp_path):
     assert [len(t) for t in result["flat"].values()] == [6, 4, 3]
     for steps in (result["padded_steps"], result["graph_steps"]):
         assert {(4, 3), (2, 2), (1, 1)} <= {tuple(s) for s in steps}, steps
+    assert result["syncs"] == [], "the captured step syncs with the host: a CUDA graph capture would fail"
