@@ -98,11 +98,22 @@ def run_engine_sections(report: "Report", copy_gbs: float, args) -> int:
 
     os.environ["INFERLINE_KERNEL_CHECKS"] = "0"  # range checks sync: none inside a graph capture
     started = time.perf_counter()
-    engine.bench_load(report, DEV, SMOKE)
-    engine.bench_engine(report, copy_gbs, DEV, SMOKE)
-    failures = 0 if args.skip_hf else engine.check_hf_greedy(report, DEV, SMOKE)
+    failures = guarded(report, "load", engine.bench_load, report, DEV, SMOKE)
+    failures += guarded(report, "engine", engine.bench_engine, report, copy_gbs, DEV, SMOKE)
+    if not args.skip_hf:
+        failures += guarded(report, "HF greedy", engine.check_hf_greedy, report, DEV, SMOKE)
     report.line(f"\nengine sections: {time.perf_counter() - started:.0f} s")
     return failures
+
+
+def guarded(report: "Report", name: str, section, *args) -> int:
+    """A section's failures; one that raises is reported as one and the run goes on, so the
+    tables of the others (and --markdown) still come out."""
+    try:
+        return section(*args) or 0
+    except Exception as e:
+        report.line(f"\n**{name} section failed**: {type(e).__name__}: {str(e)[:300]}")
+        return 1
 
 
 def dry_run(report: "Report", args) -> None:

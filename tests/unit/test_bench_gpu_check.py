@@ -65,3 +65,14 @@ def test_decode_mode_switches_the_runner_and_restores_it():
     with engine.decode_mode(runner, "graphs"):
         assert (runner.padded_decode, runner.decode_graphs) == ("padded", "graphs")
     assert (runner.padded_decode, runner.decode_graphs) == ("padded", "graphs")
+
+
+def test_a_section_that_raises_is_one_failure_and_the_run_goes_on(capsys):
+    def broken():
+        raise RuntimeError("no graph today")
+
+    report = gpu_check.Report()
+    assert gpu_check.guarded(report, "engine", broken) == 1
+    assert gpu_check.guarded(report, "load", lambda: None) == 0
+    assert gpu_check.guarded(report, "HF greedy", lambda: 2) == 2
+    assert "**engine section failed**: RuntimeError: no graph today" in report.text()
