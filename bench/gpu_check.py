@@ -1,22 +1,28 @@
-"""GPU check for the kernels: correctness on CUDA, then timings and bandwidth (issue 4, Measure).
+"""The one prepared GPU check: kernels' correctness on CUDA, their timings and bandwidth, then the
+engine (issue 4, Measure; issue 39, items 6 and 7).
 
-    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine]
+    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf] [--cpu-smoke | --dry-run]
 
 1. Correctness of store_kv, decode (one pass and split-KV) and prefill against kernels/reference.py
    on CUDA: fp32/fp16/bf16, head_dim 64..256, block_size 8..128, GQA 1/4/8, NaN in every unused
    slot, NaN-poisoned outputs, launcher range checks on; plus a cache of more than 2^31
    elements read at its far end (int64 addressing).
 2. Decode timings (triton.testing.do_bench, median ms) at batch 1/16/64/256 x context
-   512/4096/16384, 32 query / 8 KV heads, head_dim 128, bf16, block_size 16, shuffled blocks:
+   512/2048/4096/16384, 32 query / 8 KV heads, head_dim 128, bf16, block_size 16, shuffled blocks:
    the Triton kernel, (a) the reference path on the same paged cache, (b) torch SDPA on the same
    K/V already gathered into dense tensors (gather not timed). Bandwidth = K+V bytes read / time,
    against a measured device-to-device copy (read + write bytes / time). Target: batch 64,
    context 4096 at >= 70% of copy bandwidth.
 3. Prefill timings against SDPA (causal) on dense K/V.
-4. Engine decode tokens/s with a dummy-weight Llama-3-8B-shaped model at batch 1/16/64/256
-   (LLMEngine.from_settings with load_format=dummy, path=llama3-8b; prompts of 512 tokens).
+4. The engine (bench/gpu_engine_check.py): peak memory while Llama-3-8B-shaped dummy weights
+   load; start-up time (load, warm-up, CUDA graph capture) and its peak memory; decode tokens/s at
+   batch 1/16/64, context 2k, with CUDA graphs off, padded eager and on, against the bandwidth
+   limit; SmolLM2's greedy tokens in fp32 against HF generate, graphs on and off.
 
-Without a CUDA device it says so and exits 0. Sized to finish in well under 8 minutes on an H200.
+Without a CUDA device it says so and exits 0. `--dry-run` prints the plan and the paper limits
+(an H200's nominal bandwidth) without CUDA or Triton; `--cpu-smoke` runs the script itself on the
+CPU under the Triton interpreter, tiny shapes, numbers that mean nothing. Sized for under 10
+minutes on one H200 with an empty Triton cache (not yet run on one: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -32,21 +38,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 DEV, SMOKE = "cuda", False  # --cpu-smoke: "cpu", True
+H200_NOMINAL_GBS = 4800  # HBM3e, the data sheet's figure: the dry run's paper limit
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 BENCH_HEADS, BENCH_KV_HEADS, BENCH_DIM, BENCH_BLOCK = 32, 8, 128, 16
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
-    parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument(
+    parser.add_argument("--skip-engine", action="store_true", help="no load, engine or HF section")
+    parser.add_argument("--skip-hf", action="store_true", help="no greedy comparison with HF")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="exercise this script on CPU under the Triton interpreter, tiny shapes",
     )
-    args = parser.parse_args()
+    mode.add_argument("--dry-run", action="store_true", help="print the plan and the paper limits; run nothing")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        report = Report()
+        dry_run(report, args)
+        if args.markdown:
+            args.markdown.write_text(report.text())
+        return 0
     global DEV, SMOKE
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
@@ -64,12 +84,57 @@ def main() -> int:
     copy_gbs = measure_copy_bandwidth(report)
     bench_decode(report, copy_gbs, quick=args.quick)
     bench_prefill(report, quick=args.quick)
+    report.line(f"\nkernel sections: {time.perf_counter() - started:.0f} s")
     if not args.skip_engine:
-        bench_engine(report, quick=args.quick)
+        failures += run_engine_sections(report, copy_gbs, args)
     report.line(f"\ntotal {time.perf_counter() - started:.0f} s; correctness failures: {failures}")
     if args.markdown:
         args.markdown.write_text(report.text())
     return 1 if failures else 0
+
+
+def run_engine_sections(report: "Report", copy_gbs: float, args) -> int:
+    from bench import gpu_engine_check as engine
+
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "0"  # range checks sync: none inside a graph capture
+    started = time.perf_counter()
+    failures = guarded(report, "load", engine.bench_load, report, DEV, SMOKE)
+    failures += guarded(report, "engine", engine.bench_engine, report, copy_gbs, DEV, SMOKE)
+    if not args.skip_hf:
+        failures += guarded(report, "HF greedy", engine.check_hf_greedy, report, DEV, SMOKE)
+    report.line(f"\nengine sections: {time.perf_counter() - started:.0f} s")
+    return failures
+
+
+def guarded(report: "Report", name: str, section, *args) -> int:
+    """A section's failures; one that raises is reported as one and the run goes on, so the
+    tables of the others (and --markdown) still come out."""
+    try:
+        return section(*args) or 0
+    except Exception as e:
+        report.line(f"\n**{name} section failed**: {type(e).__name__}: {str(e)[:300]}")
+        return 1
+
+
+def dry_run(report: "Report", args) -> None:
+    """What a run would do, and the engine's paper limits at an H200's nominal bandwidth."""
+    from bench import gpu_engine_check as engine
+
+    report.line("# GPU check: dry run (nothing launched)")
+    batches, contexts = ((1, 64), (4096,)) if args.quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
+    report.line(f"\n1. correctness: store_kv, decode (1 pass, split, 7 splits), prefill; fp32/fp16/bf16; "
+                f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing")
+    report.line(f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, against the copy bandwidth")
+    report.line("3. prefill attention against SDPA")
+    if args.skip_engine:
+        return
+    report.line(f"4. load: {engine.ENGINE_PRESET} dummy weights; engine start-up; decode at batches "
+                f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, modes {list(engine.MODES)}")
+    if not args.skip_hf:
+        report.line(f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x {engine.HF_NEW_TOKENS} tokens, "
+                    "graphs on and off")
+    report.line(f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s (H200 nominal)\n")
+    report.table(engine.LIMIT_HEADER, engine.limit_rows(H200_NOMINAL_GBS))
 
 
 class Report:
@@ -302,7 +367,7 @@ def measure_copy_bandwidth(report: Report) -> float:
 
 
 def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
-    batches, contexts = ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 4096, 16384))
+    batches, contexts = ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
     if SMOKE:
         batches, contexts = (1, 2), (64,)
     rows = []
@@ -398,87 +463,6 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
         batch, q_len, ctx_len, f"{t_triton:.3f}", f"{t_sdpa:.3f}", _ratio(t_sdpa, t_triton),
         f"{flops / t_triton / 1e9:.0f}",
     ]  # fmt: skip
-
-
-# --- 4. the engine ------------------------------------------------------------------------------
-
-ENGINE_PROMPT_LEN, ENGINE_DECODE_STEPS = 512, 32
-
-
-def bench_engine(report: Report, quick: bool) -> None:
-    """Decode tokens/s of the whole engine (store + prefill + decode kernels, model, sampler)
-    with random Llama-3-8B-shaped weights: the loader's `llama3-8b` dummy preset."""
-    report.line("\n## Engine decode, dummy-weight Llama-3-8B shape (loader preset llama3-8b), bf16\n")
-    batches = (1, 2) if SMOKE else (1, 16) if quick else (1, 16, 64, 256)
-    try:
-        engine = _dummy_engine(max(batches))
-    except Exception as e:  # the engine's API moved, or the model does not fit: say so, go on
-        report.line(f"engine section skipped: building the engine failed: {type(e).__name__}: {e}")
-        return
-    rows = []
-    for batch in batches:
-        try:
-            tps, step_ms = _engine_decode(engine, batch)
-            rows.append([batch, _engine_prompt_len(), f"{tps:.0f}", f"{step_ms:.1f}"])
-        except Exception as e:  # report and carry on: the kernel numbers above still stand
-            rows.append([batch, _engine_prompt_len(), f"failed: {type(e).__name__}: {str(e)[:80]}", "-"])
-    report.table(["batch", "prompt", "decode tokens/s", "ms per decode step"], rows)
-
-
-def _engine_prompt_len() -> int:
-    return 64 if SMOKE else ENGINE_PROMPT_LEN
-
-
-def _dummy_engine(max_batch: int):
-    from config.settings import Settings
-    from worker.engine.engine import LLMEngine
-
-    prompt = _engine_prompt_len()
-    settings = Settings(
-        model={
-            "path": "llama3-8b" if not SMOKE else "smollm2-135m",
-            "load_format": "dummy",
-            "device": DEV,
-            "dtype": "bfloat16" if DEV == "cuda" else "float32",
-            "max_model_len": prompt + 2 * ENGINE_DECODE_STEPS + 16,
-        },
-        scheduler={"max_num_seqs": max_batch, "max_num_batched_tokens": 8192},
-    )
-    return LLMEngine.from_settings(settings)
-
-
-def _engine_decode(engine, batch: int) -> tuple[float, float]:
-    """Prefill `batch` random prompts, then time ENGINE_DECODE_STEPS steps of pure decode."""
-    from worker.engine.request import EngineRequest, SamplingParams
-
-    prompt = _engine_prompt_len()
-    steps = 3 if SMOKE else ENGINE_DECODE_STEPS
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    ids = [f"bench-{batch}-{i}" for i in range(batch)]
-    for request_id in ids:
-        tokens = torch.randint(0, 32000, (prompt,), generator=gen).tolist()
-        engine.add_request(EngineRequest(request_id, sampling=params, prompt_token_ids=tokens))
-    started: set[str] = set()
-    while len(started) < batch:  # prefill (chunked) until every request has its first token
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    engine.step()  # one more so that every sequence is in steady decode
-    _sync()
-    begin, produced = time.perf_counter(), 0
-    for _ in range(steps):
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    _sync()
-    elapsed = time.perf_counter() - begin
-    for request_id in ids:
-        engine.abort(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return produced / elapsed, 1e3 * elapsed / steps
-
-
-def _sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -196,6 +196,13 @@ class ModelSettings(BaseModel):
     # on the CPU in fp32: `auto` runs them as compiled C kernels (kernels/fused.py, built with
     # the decode kernel; one pass each instead of several PyTorch ops), `torch` as PyTorch ops.
     cpu_fused_ops: Literal["auto", "torch"] = "auto"
+    # Decode-only steps on static buffers, the batch padded to a bucket (1, 2, 4, 8, then every 8
+    # up to scheduler.max_num_seqs; worker/engine/padded_decode.py). `on`: one CUDA graph per
+    # bucket, captured at start-up, replayed for each such step (worker/engine/cuda_graphs.py; the
+    # GPU with the Triton attention only: elsewhere the worker stops at start-up). `eager`: the same
+    # padded steps without capture (any device; on a GPU it tells the padding's cost from the
+    # graphs' saving). `auto`: `on` on CUDA with the Triton attention, else `off` (every step a flat batch).
+    cuda_graphs: Literal["auto", "on", "eager", "off"] = "auto"
 
 
 class CacheSettings(BaseModel):

@@ -134,7 +134,8 @@ FILE_EXT = r"(?:py|md|yaml|yml|sh|c|h|toml|json|txt|in|properties|cfg|ini|gguf)"
 EXTERNAL_FILES = {"kafka-acls.sh", "kafka-console-consumer.sh", "bench.json"}
 GENERATED_DIRS = ("bench/results/", ".cache/", ".venv/", ".kafka/")
 EXTERNAL_NAMES = {"OpenAI", "SmolLM2", "SimpleQueue", "TimeoutExpired", "AnonHugePages", "KafkaConnectionError",
-                  "SecretStr", "StorageTool", "StandardAuthorizer", "AIOKafkaConsumer", "AIOKafkaProducer"}
+                  "SecretStr", "StorageTool", "StandardAuthorizer", "AIOKafkaConsumer", "AIOKafkaProducer",
+                  "CUDAGraph"}
 
 
 def repo_paths() -> set[str]:

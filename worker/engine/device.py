@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.backends import BackendUnavailable
+
 
 def pick_device(name: str, cuda_available: bool | None = None) -> torch.device:
     """settings.model.device: `auto` is CUDA when there is one (cuda_available=None: ask torch)."""
@@ -42,6 +44,27 @@ def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> 
         raise ValueError(f"cache.dtype={name} is for fp32 models on the CPU (this one: {model_dtype} on "
                          f"{device.type}); set INFERLINE_CACHE__DTYPE=auto")
     return getattr(torch, name)
+
+
+def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
+    """settings.model.cuda_graphs resolved: `capture` (a CUDA graph per decode bucket), `eager`
+    (the same padded static-buffer decode steps, launched op by op) or `off` (flat batches).
+    Capture needs CUDA and the Triton attention: its metadata are views of the static buffers,
+    while the PyTorch path plans each step on the host from the context lengths' values. An
+    explicit `on` that cannot capture raises BackendUnavailable: the worker stops at start-up
+    with that one line (worker/__main__.py)."""
+
+    if name == "off" or name == "eager":
+        return name
+    capturable = device_type == "cuda" and attention == "triton"
+    if name == "auto":
+        return "capture" if capturable else "off"
+    assert name == "on", f"cuda_graphs must be auto, on, eager or off, got {name!r}"
+    if not capturable:
+        raise BackendUnavailable(f"model.cuda_graphs=on captures on CUDA with the Triton attention (this runner: "
+                         f"{device_type}, attention {attention}); set INFERLINE_MODEL__CUDA_GRAPHS=eager "
+                         f"for the padded decode steps without capture, or auto")
+    return "capture"
 
 
 # ---- KV cache size and memory ---------------------------------------------------------------------
@@ -131,6 +154,15 @@ def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tens
     copy = host_copy(device.type)
     host = torch.tensor(data, dtype=dtype, pin_memory=copy.pin_memory)  # pinned: CUDA only, docs/gpu.md
     return host.to(device, non_blocking=copy.non_blocking)
+
+
+def copy_to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into `dst` (a persistent buffer): on CUDA from pinned memory (pinned
+    first if it is not), enqueued on the stream, so it lands after the work already queued that
+    reads `dst` (the last step's graph replay); on the CPU a plain copy."""
+    if dst.device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()  # CUDA only: docs/gpu.md
+    dst.copy_(host, non_blocking=dst.device.type == "cuda")
 
 
 def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The runner computes and never decides policy: it flattens the scheduled chunks into one batch
 (decodes first, then prefill chunks: step_inputs.py, from persistent block-table rows), lets the
 attention backend chosen at load prepare its metadata (kernels/attention.py), runs the model,
-computes logits only for the rows that sample, and samples.
+computes logits only for the rows that sample, and samples. A decode-only step may instead run
+padded to a bucket on static buffers (padded_decode.py), replayed as a CUDA graph (cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from config.settings import Settings
 from kernels.attention import AttentionBackend, AttentionMetadata, make_attention
 from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from kernels.cpu import gemm
+from worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
 from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
-    free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks, pick_device,
-    pick_dtype, pick_kv_dtype)
+    free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks,
+    pick_cuda_graphs, pick_device, pick_dtype, pick_kv_dtype)
 from worker.engine.models.calibration import Calibration, choose_linear_backend
 from worker.engine.models.loader import load_model
+from worker.engine.padded_decode import PaddedDecode, capture_sizes
 from worker.engine.sampler import Sampler, SamplerOutput
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.step_inputs import StepBuilder
@@ -34,9 +37,10 @@ log = structlog.get_logger(__name__)
 class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None in a padded decode step: PaddedDecode makes its own
     logits_indices: torch.Tensor  # rows whose next-token logits are sampled
     sampling: list[ScheduledSequence]  # in the order of logits_indices (1 + len(drafts) rows each)
+    bucket: int | None = None  # a decode-only step padded to this many rows on the static buffers
 
 
 class ModelRunner:
@@ -57,6 +61,7 @@ class ModelRunner:
                                           budget_s=settings.structured.mask_budget_ms / 1000)
         self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
         self.backends = self._select_backends(settings)
+        self.cuda_graphs = pick_cuda_graphs(settings.model.cuda_graphs, self.device.type, self.backends.attention)
         self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
                                                           self.config.num_key_value_heads)
         copy = host_copy(self.device.type)
@@ -81,6 +86,19 @@ class ModelRunner:
         self.warmup: WarmupReport | None = None
         if self.backends.triton_target == "cuda":
             self.warmup = warm_up(self, settings.scheduler.max_num_seqs)
+        self.padded_decode: PaddedDecode | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graph_capture: CaptureReport | None = None
+        if self.cuda_graphs != "off":
+            self.padded_decode = self._padded_decode(settings.scheduler.max_num_seqs)
+        if self.cuda_graphs == "capture":  # after the warm-up: every binary a graph launches is compiled
+            self.decode_graphs = DecodeGraphs(self.padded_decode)
+            self.graph_capture = self.decode_graphs.capture_all()
+
+    def _padded_decode(self, max_num_seqs: int) -> PaddedDecode:
+        return PaddedDecode(self.model, self.kv_cache, self.attention, self.backends.fused_ops,
+                            capture_sizes(max_num_seqs), self.step_builder.rows.max_blocks,
+                            self.config.vocab_size, self.dtype, self.device)
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
         """The kernels, once: kernels.backends raises BackendUnavailable for an impossible setting."""
@@ -139,10 +157,9 @@ class ModelRunner:
             raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
                                "its KV cache no longer holds this engine's blocks")
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
-        if not batch.sampling:
+        logits = self._forward(batch)
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [s.seq for s in batch.sampling for _ in range(1 + len(s.spec_token_ids))]
         # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
@@ -162,11 +179,31 @@ class ModelRunner:
                                               [next(logprobs) for _ in range(num_rows)])
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
+    def _forward(self, batch: Batch) -> torch.Tensor | None:
+        """The model over the batch; logits of its sampled rows (in logits_indices' order), None
+        if no row samples."""
+        if batch.bucket is not None:
+            run = self.decode_graphs.replay if self.decode_graphs else self.padded_decode.forward
+            logits = run(batch.bucket)
+            return logits[batch.logits_indices] if batch.sampling else None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+        return self.model.compute_logits(hidden[batch.logits_indices]) if batch.sampling else None
+
     def prepare(self, scheduled: list[ScheduledSequence]) -> Batch:
+        bucket = self.padded_decode.bucket(scheduled) if self.padded_decode else None
+        if bucket is not None:
+            return self._prepare_padded(scheduled, bucket)
         step = self.step_builder.build(scheduled)
         meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops)
         return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
                      [s for s in step.ordered if s.samples])
+
+    def _prepare_padded(self, scheduled: list[ScheduledSequence], bucket: int) -> Batch:
+        step = self.step_builder.build_decode(scheduled, bucket)
+        self.padded_decode.load(step)
+        tokens = self.padded_decode.buffers.tokens
+        return Batch(tokens[0, :bucket], tokens[1, :bucket], None, step.logits_indices,
+                     [s for s in step.ordered if s.samples], bucket)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return tensor_to_device(host, self.device)

@@ -111,6 +111,17 @@ class StepInputs:
     ordered: list[ScheduledSequence]  # batch order: decodes (shortest context first), then prompt chunks
 
 
+@dataclass
+class PaddedDecodeInputs:
+    """A decode-only step on the host, padded to a bucket's rows: each padding row is token 0 at
+    position 0 with slot -1 (no K/V written) and context length 0 (attention reads nothing)."""
+    tokens: torch.Tensor  # int64 [3, num_rows]: input ids, positions, slots
+    context_lens: torch.Tensor  # int32 [num_rows]
+    block_tables: torch.Tensor  # int32 [num_seqs, widest]: the real rows only (a padding row's is never read)
+    logits_indices: torch.Tensor  # int64, on the device: rows whose logits are sampled
+    ordered: list[ScheduledSequence]  # the real rows' sequences, in row order
+
+
 class StepBuilder:
     """Builds StepInputs; `to_device(host_tensor)` moves a host tensor (the runner's: a no-op on the CPU)."""
 
@@ -120,10 +131,7 @@ class StepBuilder:
         self.to_device, self.pin_memory = to_device, pin_memory
 
     def build(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        # Decodes (one new token) first: they go to the decode kernel as one block, shortest
-        # context first (the CPU path attends in chunks of similar length: no reordering there).
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-        ordered = decodes + [s for s in scheduled if s.num_new_tokens > 1]
+        decodes, ordered = self._order(scheduled)
         per_token, per_seq, widths, logits_indices = self._lists(ordered)
         tokens = self._host(per_token, torch.int64)  # [3, num_tokens]: ids, positions, slots
         seqs = self._host(per_seq, torch.int32)  # context lens, then cu_seqlens_q
@@ -135,6 +143,28 @@ class StepBuilder:
 
         tables = StepTables(dev(tokens[2]), dev(tokens[1]), dev(seqs[:n]), dev(seqs[n:]), len(decodes), block_tables)
         return StepInputs(dev(tokens[0]), tables, dev(self._host(logits_indices, torch.int64)), ordered)
+
+    def build_decode(self, scheduled: list[ScheduledSequence], num_rows: int) -> PaddedDecodeInputs:
+        """A decode-only step on the host, padded to `num_rows` rows (worker/engine/padded_decode.py
+        copies it into its static buffers)."""
+        _, ordered = self._order(scheduled)
+        assert len(ordered) <= num_rows and all(s.num_new_tokens == 1 for s in ordered), (len(ordered), num_rows)
+        per_token, per_seq, widths, logits_indices = self._lists(ordered)
+        pad, n = num_rows - len(ordered), len(ordered)
+        padding = ([0] * pad, [0] * pad, [-1] * pad)  # token 0 at position 0, stored nowhere
+        tokens = self._host([real + p for real, p in zip(per_token, padding)], torch.int64)
+        context_lens = self._host(per_seq[:n] + [0] * pad, torch.int32)  # 0: attention reads nothing
+        rows = self._host(self.rows.assign([s.seq for s in ordered]), torch.int64)
+        return PaddedDecodeInputs(tokens, context_lens, self.rows.gather(rows, max(widths)),
+                                  self.to_device(self._host(logits_indices, torch.int64)), ordered)
+
+    @staticmethod
+    def _order(scheduled: list[ScheduledSequence]):
+        """(decodes, batch order). Decodes (one new token) first: they go to the decode kernel as
+        one block, shortest context first (the CPU path attends in chunks of similar length: no
+        reordering there)."""
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+        return decodes, decodes + [s for s in scheduled if s.num_new_tokens > 1]
 
     def _lists(self, ordered: list[ScheduledSequence]):
         """([input ids, positions, slots], context lens + cu_seqlens_q, block-table widths, logits
