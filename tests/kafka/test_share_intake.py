@@ -32,6 +32,9 @@ SHARE_KAFKA_VERSION = "4.2.0"
 # 2-core machine (a 48-token request took 75-115 s at load average 12 and every one ran twice
 # under a 20 s lock); the broker's group.share.max.record.lock.duration.ms (60 s) caps it.
 LOCK_MS = 60_000
+# A share member fetches nothing until a heartbeat answer gives it its partitions: the broker's
+# group.share.heartbeat.interval.ms (5 s) after it subscribed, later on a loaded machine.
+ASSIGNMENT_S = 15
 
 
 @pytest.fixture(scope="module")
@@ -187,13 +190,21 @@ async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tm
     bootstrap = share_broker.bootstrap
     topics = await make_topics(bootstrap)
     group = f"share-{uuid.uuid4().hex[:8]}"
-    workers = [share_worker(f"w{i}", bootstrap, topics, tmp_path, group) for i in range(3)]
+    # Every hop of the batch (taken, the overflow released) costs each record still in it a
+    # delivery, and a worker keeps what comes on its last delivery (max_deliveries) whatever its
+    # room: with the default 4, three hops of 4 records leave the other 24 on one worker. 9, under
+    # the test broker's delivery limit of 10, leaves the batch enough hops to spread.
+    workers = [share_worker(f"w{i}", bootstrap, topics, tmp_path, group, max_deliveries=9) for i in range(3)]
     watcher = ReplyWatcher(bootstrap, topics.replies, 2)
     await watcher.start()
     try:
         for w in workers:
             w.spawn()
         await asyncio.gather(*(w.wait_started(600) for w in workers))
+        # A share member is given its partitions in a heartbeat answer (the broker's
+        # group.share.heartbeat.interval.ms, 5 s): until then it fetches nothing, and a batch
+        # submitted earlier would hop between the members already assigned (seen: w2 served none).
+        await asyncio.sleep(ASSIGNMENT_S)
         ids = await submit(bootstrap, topics.requests,
                            [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=8, ignore_eos=True)
                             for i in range(36)])

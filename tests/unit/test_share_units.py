@@ -97,6 +97,19 @@ def test_a_record_on_its_last_delivery_here_waits_for_room():
     assert intake._sink.handled == [0, 1]
 
 
+def test_overflow_kept_on_its_last_delivery_is_logged():
+    """Kept here while other workers may idle: an operator must see it (#37)."""
+    from structlog.testing import capture_logs
+
+    intake = make_intake(room=1, max_deliveries=3)
+    intake.max_deliveries = 3
+    lane = _Lane(intake, 0, {})
+    with capture_logs() as logs:
+        intake._take(lane, [record(0, delivery_count=3), record(1, delivery_count=3)])
+    assert intake._sink.handled == [0] and released(lane) == []
+    assert [(e["event"], e["records"]) for e in logs if "overflow" in e["event"]] == [("share_intake.overflow_kept", 1)]
+
+
 def test_nothing_is_handed_out_while_draining():
     intake = make_intake(room=4)
     intake.fetching = False

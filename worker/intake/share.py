@@ -354,6 +354,8 @@ class ShareIntake(Intake):
                 lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
         if len(keep) < len(self._polled):
             log.info("share_intake.overflow_released", records=len(self._polled) - len(keep), kept=len(keep))
+        elif keep:  # every hop of a big batch cost it a delivery: these wait here, idle workers or not
+            log.warning("share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries)
         self._polled = keep
         self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
