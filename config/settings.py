@@ -55,17 +55,20 @@ class KafkaSettings(BaseModel):
     # revoked partition's requests are requeued (round robin; the behaviour before #37).
     rebalance: Literal["hold", "requeue"] = "hold"
     # Share mode: a record delivered more often than this (its workers died or gave it back)
-    # goes to the dead-letter topic. Keep the broker's group.share.delivery.count.limit above it,
-    # or the broker archives the record silently first.
-    max_deliveries: int = Field(5, ge=1)
+    # goes to the dead-letter topic. The worker lowers it to one below the broker's
+    # group.share.delivery.count.limit (read at start-up; Kafka's default 5): on that last delivery
+    # the broker would otherwise archive the record unseen if it failed again.
+    max_deliveries: int = Field(4, ge=1)
     # Share mode: how long a taken record stays locked to its worker (the share group's
     # share.record.lock.duration.ms, set at start-up); past it the broker hands it to another.
-    # Longer than the longest request; at most the broker's group.share.max.record.lock.duration.ms
-    # (60 s by default). None leaves the group's setting as it is.
+    # None: the request timeout (limits.default_timeout_s) plus a margin, so no request outlives
+    # its lock. Either is capped at the broker's group.share.max.record.lock.duration.ms (60 s by
+    # default, a static broker setting): raise that on the broker for longer requests.
     share_lock_ms: int | None = Field(None, ge=1_000)
-    # Share mode: share consumers per worker. The client takes no new records until every record
-    # of its last poll is acknowledged, so a second consumer keeps records coming meanwhile.
-    share_consumers: int = Field(2, ge=1, le=16)
+    # Share mode: at most this many share consumers per worker. The client takes no new records
+    # until every record of its last poll is acknowledged, so a consumer whose requests still run
+    # is pinned: another opens when every open one is pinned and the pool has room.
+    share_consumers: int = Field(8, ge=1, le=64)
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
     client_id: str = "inferline"

@@ -32,6 +32,9 @@ SHARE_KAFKA_VERSION = "4.2.0"
 # 2-core machine (a 48-token request took 75-115 s at load average 12 and every one ran twice
 # under a 20 s lock); the broker's group.share.max.record.lock.duration.ms (60 s) caps it.
 LOCK_MS = 60_000
+# A share member fetches nothing until a heartbeat answer gives it its partitions: the broker's
+# group.share.heartbeat.interval.ms (5 s) after it subscribed, later on a loaded machine.
+ASSIGNMENT_S = 15
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,171 @@ async def test_a_request_past_max_deliveries_is_dead_lettered(share_broker, tmp_
         for w in (first, second):
             if w.alive():
                 await w.terminate()
+
+
+# -- a full worker hands back what it cannot run (#37) ---------------------------------------------
+
+
+def finals_of(events) -> list[DoneEvent]:
+    return [e for _, e in events if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
+
+
+async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tmp_path):
+    """36 requests in one producer batch (the broker hands a share consumer whole batches) to
+    three workers whose pools hold 8 each: the one that takes the batch keeps what it can run and
+    releases the rest, which the idle workers take. None is rejected, each finishes once."""
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    group = f"share-{uuid.uuid4().hex[:8]}"
+    # Every hop of the batch (taken, the overflow released) costs each record still in it a
+    # delivery, and a worker keeps what comes on its last delivery (max_deliveries) whatever its
+    # room: with the default 4, three hops of 4 records leave the other 24 on one worker. 9, under
+    # the test broker's delivery limit of 10, leaves the batch enough hops to spread.
+    workers = [share_worker(f"w{i}", bootstrap, topics, tmp_path, group, max_deliveries=9) for i in range(3)]
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        for w in workers:
+            w.spawn()
+        await asyncio.gather(*(w.wait_started(600) for w in workers))
+        # A share member is given its partitions in a heartbeat answer (the broker's
+        # group.share.heartbeat.interval.ms, 5 s): until then it fetches nothing, and a batch
+        # submitted earlier would hop between the members already assigned (seen: w2 served none).
+        await asyncio.sleep(ASSIGNMENT_S)
+        ids = await submit(bootstrap, topics.requests,
+                           [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=8, ignore_eos=True)
+                            for i in range(36)])
+        await wait_until(lambda: watcher.finished(ids) == len(ids), 600, "36 requests")
+        events = watcher.events()
+        finals = {i: finals_of(events[i]) for i in ids}
+        assert all(len(f) == 1 for f in finals.values()), {i: len(f) for i, f in finals.items() if len(f) != 1}
+        reasons = {f[0].finish_reason for f in finals.values()}
+        assert reasons == {"length"}, [(i, f[0].error) for i, f in finals.items() if f[0].finish_reason != "length"]
+        served = {f[0].worker for f in finals.values()}
+        assert served == {"w0", "w1", "w2"}, f"workers that served: {served}"
+    finally:
+        await watcher.stop()
+        for w in workers:
+            if w.alive():
+                await w.terminate()
+
+
+async def set_group_lock(bootstrap: str, group: str, lock_ms: int) -> None:
+    from config.settings import KafkaSettings
+    from worker.intake.share import group_configs, set_group_configs
+
+    kafka = KafkaSettings(bootstrap_servers=bootstrap, group_id=group, intake="share")
+    await asyncio.to_thread(set_group_configs, kafka, group_configs(lock_ms))
+
+
+async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp_path):
+    """The share group's lock is 3 s (an operator's, or the broker's default) and a request runs
+    longer: the worker sets the group's lock from its request timeout at start-up, so the idle
+    second worker never gets the record while it runs."""
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    group = f"share-{uuid.uuid4().hex[:8]}"
+    await set_group_lock(bootstrap, group, 3_000)
+    # No share_lock_ms: the lock follows the request timeout (default_timeout_s, capped by the
+    # broker's group.share.max.record.lock.duration.ms, 60 s here). One consumer: its batch pins it.
+    kafka = {"intake": "share", "group_id": group, "share_consumers": 1}
+    workers = [WorkerProcess(name, bootstrap, topics, tmp_path, worker={"name": name, "drain_timeout_s": 20},
+                             kafka=kafka, limits={"default_timeout_s": 50},
+                             scheduler={"max_num_seqs": 1, "max_waiting": 1}) for name in ("a", "b")]
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        for w in workers:
+            w.spawn()
+        await asyncio.gather(*(w.wait_started(600) for w in workers))
+        (long_id,) = await submit(bootstrap, topics.requests,
+                                  [make_request(topics.replies, prompt="Count slowly.", max_tokens=128,
+                                                ignore_eos=True)])
+        await wait_until(lambda: watcher.finished([long_id]) == 1, 300, "the long request")
+        (done,) = finals_of(watcher.events()[long_id])
+        assert done.timing.total_s > 3.0, "the request must outlast the 3 s lock"
+        await asyncio.sleep(5)  # a second run, if any, would have started by now
+        events = [e for _, e in watcher.events()[long_id]]
+        started = [(e.worker, e.attempt) for e in events if isinstance(e, StartedEvent)]
+        assert len(started) == 1, started
+    finally:
+        await watcher.stop()
+        for w in workers:
+            if w.alive():
+                await w.terminate()
+
+
+async def test_a_record_on_the_brokers_last_delivery_is_dead_lettered(share_broker, tmp_path):
+    """The broker archives a record unseen once it has been delivered group.share.delivery.count.limit
+    times (10 on the test broker). A worker whose MAX_DELIVERIES is not below that (10 here) must
+    still dead-letter it on that last delivery instead of running it: if it killed this worker
+    too, nothing would show where it went."""
+    from confluent_kafka import AcknowledgeType, ShareConsumer
+
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    group = f"share-{uuid.uuid4().hex[:8]}"
+    await set_group_lock(bootstrap, group, 60_000)  # and the offset reset to earliest
+    (poison,) = await submit(bootstrap, topics.requests, [make_request(topics.replies, max_tokens=4)])
+
+    def deliver_and_release(times: int) -> list[int]:
+        """Stands in for workers that took the record and died or gave it back."""
+        consumer = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group,
+                                  "share.acknowledgement.mode": "explicit"})
+        consumer.subscribe([topics.requests])
+        counts = []
+        try:
+            while len(counts) < times:
+                for msg in consumer.poll(1.0):
+                    counts.append(msg.delivery_count())
+                    consumer.acknowledge(msg, AcknowledgeType.RELEASE)
+                consumer.commit_sync(10)
+        finally:
+            consumer.close()
+        return counts
+
+    counts = await asyncio.to_thread(deliver_and_release, 9)
+    assert counts == list(range(1, 10)), counts
+    worker = share_worker("last", bootstrap, topics, tmp_path, group, max_deliveries=10)
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        worker.spawn()
+        await worker.wait_started(600)
+        dead = await consume_until(bootstrap, topics.dlq, lambda recs: len(recs) >= 1, timeout=120)
+        assert dead[0].key == poison.encode()
+        assert re.match(rb"delivered 10 times", dict(dead[0].headers)["error"]), dead[0].headers
+        assert watcher.started([poison]) == 0
+    finally:
+        await watcher.stop()
+        if worker.alive():
+            await worker.terminate()
+
+
+async def test_long_requests_do_not_stall_intake(share_broker, tmp_path):
+    """A share consumer whose requests still run cannot poll (explicit acknowledgement): two long
+    requests pin two consumers. Short requests sent after them must still be taken and finish
+    while the long ones run: the worker opens another consumer."""
+    bootstrap = share_broker.bootstrap
+    topics = await make_topics(bootstrap)
+    worker = share_worker("w", bootstrap, topics, tmp_path, f"share-{uuid.uuid4().hex[:8]}")
+    watcher = ReplyWatcher(bootstrap, topics.replies, 2)
+    await watcher.start()
+    try:
+        worker.spawn()
+        await worker.wait_started(600)
+        longs = []
+        for i in range(2):  # one at a time: each is its own poll, on its own consumer
+            longs += await submit(bootstrap, topics.requests, [make_request(
+                topics.replies, prompt=f"Count slowly: {i}", max_tokens=200, ignore_eos=True)])
+            await wait_until(lambda: watcher.started(longs) == len(longs), 240, "a long request to start")
+        shorts = await submit_each(bootstrap, topics.requests,
+                                   [make_request(topics.replies, prompt=f"Hi {i}", max_tokens=2) for i in range(2)])
+        await wait_until(lambda: watcher.finished(shorts + longs) == 4, 600, "every request")
+        events = watcher.events()
+        end = {i: max(ts for ts, e in events[i] if isinstance(e, DoneEvent)) for i in shorts + longs}
+        assert max(end[i] for i in shorts) < min(end[i] for i in longs), end
+    finally:
+        await watcher.stop()
+        if worker.alive():
+            await worker.terminate()

@@ -17,7 +17,8 @@ from worker.intake.admission import Admission
 from worker.service.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker
 from worker.service.ratelimit import RateLimiter
-from worker.intake.share import ShareIntake, ShareRecord, _Lane, client_config, group_configs
+from worker.intake.share import (BrokerLimits, ShareIntake, ShareRecord, _Lane, client_config, group_configs, lock_ms,
+                                 max_deliveries)
 from worker.delivery.transactions import Transactions
 
 TOPIC = "llm.requests"
@@ -51,21 +52,70 @@ def record(offset: int, delivery_count: int = 1) -> ShareRecord:
     return ShareRecord(TOPIC, 0, offset, b"k", b"v", None, delivery_count)
 
 
-def test_a_poll_larger_than_the_room_waits_for_room():
+def released(lane) -> list[int]:
+    out = []
+    while not lane.verdicts.empty():
+        topic, partition, offset, verdict = lane.verdicts.get_nowait()
+        assert verdict == "release"
+        out.append(offset)
+    return out
+
+
+def test_a_poll_larger_than_the_room_releases_the_rest():
     intake = make_intake(room=2)
     lane = _Lane(intake, 0, {})
     intake._take(lane, [record(o) for o in range(5)])
     assert intake._sink.handled == [0, 1]
-    intake._sink.capacity = 4  # two requests started: room for two more
+    assert released(lane) == [2, 3, 4] and not intake._polled  # for a worker with room
+
+
+def test_records_whose_reply_topics_are_looked_up_take_room():
+    intake = make_intake(room=3)
+    intake._num_verifying = 2  # admitted once the broker's topic list answers
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(o) for o in range(3)])
+    assert intake._sink.handled == [0] and released(lane) == [1, 2]
+
+
+def test_a_batch_set_aside_for_a_reply_topic_lookup_takes_room():
+    intake = make_intake(room=2)
+    intake._handle_safely = lambda tp, record, unverified=None: unverified.append(record.offset)
+    intake._verify_in_background = lambda unverified: None
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(o) for o in range(5)])
+    assert released(lane) == [2, 3, 4]  # before: the whole batch went to the lookup, then the engine
+
+
+def test_a_record_on_its_last_delivery_here_waits_for_room():
+    intake = make_intake(room=1, max_deliveries=3)
+    intake.max_deliveries = 3
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(0), record(1, delivery_count=3), record(2, delivery_count=2)])
+    assert intake._sink.handled == [0] and released(lane) == [2]  # released, 2 comes back as 3
+    intake._sink.capacity = 2  # a request started
     intake._hand_out()
-    assert intake._sink.handled == [0, 1, 2, 3]
+    assert intake._sink.handled == [0, 1]
+
+
+def test_overflow_kept_on_its_last_delivery_is_logged():
+    """Kept here while other workers may idle: an operator must see it (#37)."""
+    from structlog.testing import capture_logs
+
+    intake = make_intake(room=1, max_deliveries=3)
+    intake.max_deliveries = 3
+    lane = _Lane(intake, 0, {})
+    with capture_logs() as logs:
+        intake._take(lane, [record(0, delivery_count=3), record(1, delivery_count=3)])
+    assert intake._sink.handled == [0] and released(lane) == []
+    assert [(e["event"], e["records"]) for e in logs if "overflow" in e["event"]] == [("share_intake.overflow_kept", 1)]
 
 
 def test_nothing_is_handed_out_while_draining():
     intake = make_intake(room=4)
     intake.fetching = False
-    intake._take(_Lane(intake, 0, {}), [record(0)])
-    assert intake._sink.handled == [] and intake._polled  # released by its lane on close
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(0)])
+    assert intake._sink.handled == [] and released(lane) == [0]
 
 
 class FakeShareConsumer:
@@ -167,6 +217,15 @@ def test_a_record_back_while_it_runs_keeps_running_under_the_new_lock():
     assert b.verdicts.get_nowait() == (TOPIC, 0, 0, "accept")
 
 
+def test_a_record_back_while_it_runs_is_no_overflow():
+    intake = make_intake(room=1)
+    a, b = _Lane(intake, 0, {}), _Lane(intake, 1, {})
+    intake._take(a, [record(0)])
+    intake._take(b, [record(0, delivery_count=2)])  # the pool is full now: still not released
+    assert intake._sink.handled == [0] and b.verdicts.empty()
+    assert a.verdicts.get_nowait() == (TOPIC, 0, 0, "release")
+
+
 def test_past_max_deliveries_is_a_dead_letter():
     intake = make_intake(room=4, max_deliveries=3)
     assert intake._decode(TopicPartition(TOPIC, 0), record(7, delivery_count=4)) is None
@@ -182,12 +241,44 @@ def test_client_and_group_settings():
     kafka = Settings(kafka={"intake": "share", "group_id": "g", "security_protocol": "SASL_SSL",
                             "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p",
                             "ssl_cafile": "/ca.pem", "share_lock_ms": 120_000}).kafka
-    conf = client_config(kafka, "g", 8)
+    conf = client_config(kafka, "g", 8, 600_000)
     assert conf["share.acknowledgement.mode"] == "explicit" and conf["max.poll.records"] == 8
+    assert conf["max.poll.interval.ms"] > 600_000  # a lane pinned by a request as long as the lock stays
     assert conf["sasl.password"] == "p" and conf["ssl.ca.location"] == "/ca.pem"
-    assert group_configs(kafka) == {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": "120000"}
-    assert "share.record.lock.duration.ms" not in group_configs(Settings().kafka)
+    assert group_configs(120_000) == {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": "120000"}
     assert conf["client.id"] == kafka.client_id  # KafkaSettings.librdkafka_config: the one place
+
+
+def test_the_lock_follows_the_request_timeout_within_the_brokers_cap():
+    settings = Settings(kafka={"intake": "share"}, limits={"default_timeout_s": 50})
+    assert lock_ms(settings, BrokerLimits(max_lock_ms=3_600_000)) == 60_000  # timeout + margin
+    assert lock_ms(settings, BrokerLimits(max_lock_ms=30_000)) == 30_000  # the broker refuses more
+    pinned = Settings(kafka={"intake": "share", "share_lock_ms": 120_000})
+    assert lock_ms(pinned, BrokerLimits(max_lock_ms=3_600_000)) == 120_000
+
+
+def test_max_deliveries_stays_below_the_brokers_limit():
+    kafka = Settings(kafka={"intake": "share", "max_deliveries": 10}).kafka
+    assert max_deliveries(kafka, BrokerLimits(delivery_limit=5)) == 4  # the 5th is dead-lettered, not run
+    assert max_deliveries(kafka, BrokerLimits(delivery_limit=20)) == 10
+    assert max_deliveries(Settings().kafka, BrokerLimits()) == 4  # the defaults agree
+
+
+def test_a_lane_opens_when_every_lane_is_pinned():
+    intake = make_intake(room=4, share_consumers=2)
+    opened = []
+    intake._open_lane = lambda: opened.append(1)
+    a = _Lane(intake, 0, {})
+    intake._lanes = [a]
+    intake._hand_out()
+    assert not opened  # a can poll
+    a.held.add((TOPIC, 0, 0))  # its request runs
+    intake._hand_out()
+    assert opened == [1]
+    intake._lanes.append(_Lane(intake, 1, {}))
+    intake._lanes[1].held.add((TOPIC, 0, 1))
+    intake._hand_out()
+    assert opened == [1]  # share_consumers reached
 
 
 def test_share_mode_is_body_tenancy_only():

@@ -3,27 +3,32 @@
 Every worker of the share group reads every partition; the broker hands each record to one of
 them and locks it there until the worker acknowledges it: ACCEPT (its final `done` is on the
 broker), REJECT (dead-lettered: undecodable, or delivered more than `max_deliveries` times) or
-RELEASE (given back: shutdown, requeued by the engine). A worker that dies holds its records
-only until their locks expire; then another worker gets them, with a higher delivery count.
+RELEASE (given back: no room for it here, shutdown, requeued by the engine). A worker that dies
+holds its records only until their locks expire; then another worker gets them, with a higher
+delivery count.
 
 The client is confluent-kafka's ShareConsumer, which blocks and is not thread-safe: each one
 lives on a thread of its own (`_Lane`) and hands records to the event loop. In explicit
 acknowledgement mode it refuses to poll again before every record of its last poll is
-acknowledged, so a worker runs `share_consumers` of them: one takes new records while another
-waits for its batch to finish. Records go to the worker only while its waiting pool has room;
-the rest wait here, in order.
+acknowledged: a lane whose requests still run is pinned. Lanes open on demand, up to
+`share_consumers`, so that pinned lanes (long requests) do not stall intake.
 
-A full worker stops fetching: a lane polls only for room nobody else has claimed, and a lane that
-holds nothing and may not poll unsubscribes until room returns. The client fetches (and the
-broker locks to it) records in the background, not only inside poll(): a subscribed consumer of a
-busy worker would take records it cannot run for a while (or, unpolled, until their locks
-expire), while another worker sits idle. Unsubscribing acquires nothing, and releases nothing
-that was handed out: only a lane holding nothing leaves.
+A full worker fetches nothing: a lane polls only for room nobody else has claimed, and a lane that
+holds nothing and may not poll unsubscribes until room returns (a subscribed consumer fetches and
+locks records in the background, not only inside poll()). The broker hands out whole producer
+batches whatever `max.poll.records` says, so a poll may bring more than the pool has room for:
+that overflow is RELEASED at once, for a worker with room (it costs each record one delivery),
+except records on the last delivery this worker may run, which wait here for room.
+
+At start-up the worker reads the broker's share limits and sets the group's lock from the
+request timeout (capped by the broker), and keeps `max_deliveries` below the broker's delivery
+limit, so a record that keeps failing is dead-lettered, never archived unseen.
 Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -40,6 +45,8 @@ log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot in the pool is noticed
 COMMIT_TIMEOUT_S = 10.0
 VERDICTS = ("accept", "release", "reject")
+LOCK_MARGIN_S = 10.0  # past a request's deadline: its final `done` and the acknowledgement
+POLL_INTERVAL_MARGIN_MS = 60_000  # a pinned lane polls again within its lock, plus this
 
 
 @dataclass
@@ -55,29 +62,69 @@ class ShareRecord:
     delivery_count: int
 
 
-def client_config(kafka, group_id: str, max_poll_records: int) -> dict:
-    """librdkafka settings of a share consumer: the worker's connection (KafkaSettings), explicit acks."""
+@dataclass(frozen=True)
+class BrokerLimits:
+    """The broker's share-group limits the worker must stay within (Kafka's defaults until read)."""
+
+    delivery_limit: int = 5  # group.share.delivery.count.limit: past it, archived unseen
+    max_lock_ms: int = 60_000  # group.share.max.record.lock.duration.ms (static on the broker)
+
+
+def read_broker_limits(kafka) -> BrokerLimits:
+    """Blocking (run it off the loop): the limits as a broker describes them, or Kafka's defaults
+    when it cannot be asked (no DescribeConfigs right on the cluster)."""
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    admin = AdminClient(kafka.librdkafka_config())
+    try:
+        broker_id = next(iter(admin.list_topics(timeout=30).brokers))
+        resource = ConfigResource(ResourceType.BROKER, str(broker_id))
+        configs = admin.describe_configs([resource])[resource].result(timeout=30)
+        return BrokerLimits(int(configs["group.share.delivery.count.limit"].value),
+                            int(configs["group.share.max.record.lock.duration.ms"].value))
+    except Exception as exc:  # noqa: BLE001 - assume the defaults, say so
+        log.warning("share_intake.broker_limits_unknown", error=repr(exc), assumed=str(BrokerLimits()))
+        return BrokerLimits()
+
+
+def lock_ms(settings, broker: BrokerLimits) -> int:
+    """The group's record lock: longer than the longest request (its timeout and a margin), or
+    share_lock_ms; never over the broker's cap, which the broker would refuse."""
+    k = settings.kafka
+    wanted = k.share_lock_ms or math.ceil((settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000)
+    if wanted > broker.max_lock_ms:
+        log.warning("share_intake.lock_capped", wanted_ms=wanted, broker_max_ms=broker.max_lock_ms,
+                    consequence="a request running longer than the lock is run again by another worker")
+    return min(wanted, broker.max_lock_ms)
+
+
+def max_deliveries(kafka, broker: BrokerLimits) -> int:
+    """Deliveries a record may have here: below the broker's limit, whose last delivery is
+    dead-lettered instead of run (if it failed too, the broker would archive it unseen)."""
+    return max(1, min(kafka.max_deliveries, broker.delivery_limit - 1))
+
+
+def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
+    """librdkafka settings of a share consumer: the worker's connection (KafkaSettings), explicit
+    acks, and a poll interval a pinned lane (its requests run up to the lock) stays within."""
     return {**kafka.librdkafka_config(), "group.id": group_id, "share.acknowledgement.mode": "explicit",
-            "max.poll.records": max_poll_records}
+            "max.poll.records": max_poll_records,
+            "max.poll.interval.ms": max(300_000, lock + POLL_INTERVAL_MARGIN_MS)}
 
 
-def group_configs(kafka) -> dict[str, str]:
+def group_configs(lock: int) -> dict[str, str]:
     """The share group's settings the worker relies on. A new share group starts at the end of
     the topic by default: requests already waiting would never be read."""
-    configs = {"share.auto.offset.reset": "earliest"}
-    if kafka.share_lock_ms is not None:
-        configs["share.record.lock.duration.ms"] = str(kafka.share_lock_ms)
-    return configs
+    return {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(lock)}
 
 
-def set_group_configs(kafka) -> None:
-    """Blocking (run it off the loop): apply group_configs() to the share group, one at a time
-    (a lock the broker refuses, e.g. over group.share.max.record.lock.duration.ms, must not
-    stop the offset reset), logging each refusal."""
+def set_group_configs(kafka, configs: dict[str, str]) -> None:
+    """Blocking (run it off the loop): apply `configs` to the share group, one at a time
+    (a refused lock must not stop the offset reset), logging each refusal."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
     admin = AdminClient(kafka.librdkafka_config())
-    for name, value in group_configs(kafka).items():
+    for name, value in configs.items():
         entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
         resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=[entry])
         try:
@@ -98,13 +145,19 @@ class _Lane:
         self.claim_size = conf.get("max.poll.records", 1)  # room a poll of this lane may fill
         self.claimed = 0  # room claimed for a poll whose records are not in the intake's queue yet
         self.subscribed = False
+        self.held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet: pinned
         self.thread = threading.Thread(target=self._run, name=f"share-intake-{index}", daemon=True)
+
+    @property
+    def pinned(self) -> bool:
+        """Holds records not yet acknowledged: it cannot poll (read by the loop)."""
+        return bool(self.held)
 
     def _run(self) -> None:
         from confluent_kafka import ShareConsumer
 
         consumer = ShareConsumer(self._conf)
-        held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet
+        held = self.held
         try:
             while not self.closing.is_set():
                 if held:
@@ -205,10 +258,12 @@ class ShareIntake(Intake):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[_Lane] = []
         self._owner: dict[tuple[TopicPartition, int], _Lane] = {}  # taken record -> its lane
-        # Polled, not yet handed to the worker: waiting for room in the pool (a poll may also
-        # return more than max.poll.records: the broker hands out whole producer batches). They
-        # wait here, locked to this worker, rather than go back with a higher delivery count.
+        # Polled, not yet handed to the worker: past the pool's room only records on their
+        # last delivery here wait in it (the rest are released: _release_overflow).
         self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
+        self._conf: dict = {}  # a lane's client settings, set at start
+        self.broker = BrokerLimits()
+        self.max_deliveries = self._s.kafka.max_deliveries  # lowered below the broker's limit at start
         self._verifying: set[asyncio.Task] = set()
         # Room for records nobody polled yet: the pool's room less the polled records waiting for
         # it, set by the loop; lanes claim from it before they poll (under _claims).
@@ -223,14 +278,31 @@ class ShareIntake(Intake):
         k = self._s.kafka
         assert k.tenancy == "body", "share mode reads one request topic (tenancy=topic is group mode only)"
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(set_group_configs, k)
-        per_poll = max(1, self._s.scheduler.max_waiting // k.share_consumers)
-        self._lanes = [_Lane(self, i, client_config(k, k.group_id, per_poll)) for i in range(k.share_consumers)]
-        for lane in self._lanes:
-            lane.thread.start()
+        self.broker = await asyncio.to_thread(read_broker_limits, k)
+        self.max_deliveries = max_deliveries(k, self.broker)
+        lock = lock_ms(self._s, self.broker)
+        await asyncio.to_thread(set_group_configs, k, group_configs(lock))
+        per_poll = max(1, self._s.scheduler.max_waiting // 2)
+        self._conf = client_config(k, k.group_id, per_poll, lock)
+        self._open_lane()
         self._tasks = [asyncio.create_task(self._hand_out_loop(), name="share-intake-hand-out")]
         self.joined = True
-        log.info("share_intake.started", group=k.group_id, consumers=len(self._lanes))
+        log.info("share_intake.started", group=k.group_id, lock_ms=lock, max_deliveries=self.max_deliveries,
+                 delivery_limit=self.broker.delivery_limit)
+
+    def _open_lane(self) -> None:
+        lane = _Lane(self, len(self._lanes), self._conf)
+        self._lanes.append(lane)
+        lane.thread.start()
+        if len(self._lanes) > 1:
+            log.info("share_intake.lane_opened", lanes=len(self._lanes))
+
+    def _lanes_wanted(self) -> None:
+        """Room, and every lane pinned by requests still running: open another (a pinned lane
+        cannot poll), up to share_consumers."""
+        if (self._lanes and self.free_room > 0 and len(self._lanes) < self._s.kafka.share_consumers
+                and all(lane.pinned for lane in self._lanes)):
+            self._open_lane()
 
     async def close(self) -> None:
         """Release what was taken and not answered, leave the share group."""
@@ -264,19 +336,44 @@ class ShareIntake(Intake):
     # -- the loop's side --------------------------------------------------------------------------
 
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
-        self._polled.extend((lane, record) for record in records)
+        self._polled.extend((lane, record) for record in records if not self._running_here(lane, record))
         self._hand_out()
+        self._release_overflow()
         self.free_claim(lane)  # after _hand_out: free_room counts these records now
+
+    def _release_overflow(self) -> None:
+        """What the pool has no room for goes back to the share group at once, for a worker
+        with room: held here it would wait behind this worker's requests while others idle. A
+        record on its last delivery here (max_deliveries) waits instead: released, it would come
+        back as a dead letter."""
+        keep: deque[tuple[_Lane, ShareRecord]] = deque()
+        for lane, record in self._polled:
+            if self.fetching and record.delivery_count >= self.max_deliveries:
+                keep.append((lane, record))
+            else:
+                lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
+        if len(keep) < len(self._polled):
+            log.info("share_intake.overflow_released", records=len(self._polled) - len(keep), kept=len(keep))
+        elif keep:  # every hop of a big batch cost it a delivery: these wait here, idle workers or not
+            log.warning("share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries)
+        self._polled = keep
+        self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
     async def _hand_out_loop(self) -> None:
         while True:  # room frees as requests start: polled records waiting for it go in then
             await asyncio.sleep(POLL_S)
             self._hand_out()
 
+    def _room(self) -> int:
+        """The pool's room less the records whose reply topics are being looked up: those are
+        admitted once the lookup answers (before #37 they were not counted, and a whole batch went
+        to the engine, which rejected what its pool could not hold as `overloaded`)."""
+        return self._sink.room() - self._num_verifying
+
     def _hand_out(self) -> None:
         """Polled records to the worker, while its pool has room (the group intake's rule)."""
-        unverified = []
-        while self._polled and self.fetching and self._sink.room() > 0:
+        unverified = []  # set aside for a reply-topic lookup: they take room as admitted ones do
+        while self._polled and self.fetching and self._room() - len(unverified) > 0:
             lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
             earlier = self._owner.get((tp, record.offset))
@@ -285,9 +382,20 @@ class ShareIntake(Intake):
                 self._taken_again(tp, record, earlier)
                 continue
             self._handle_safely(tp, record, unverified)
-        self.free_room = self._sink.room() - len(self._polled) if self.fetching else 0
+        self.free_room = self._room() - len(self._polled) if self.fetching else 0
         if unverified:
             self._verify_in_background(unverified)
+        self._lanes_wanted()
+
+    def _running_here(self, lane: _Lane, record: ShareRecord) -> bool:
+        """A record back while it still runs here needs no room: never released as overflow."""
+        tp = TopicPartition(record.topic, record.partition)
+        earlier = self._owner.get((tp, record.offset))
+        if earlier is None:
+            return False
+        self._owner[(tp, record.offset)] = lane
+        self._taken_again(tp, record, earlier)
+        return True
 
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
         """A record still running here came back (its lock expired first): this delivery's lock
@@ -306,7 +414,7 @@ class ShareIntake(Intake):
     def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
         """As Intake._decode, with no offsets to track; too many deliveries is a dead letter."""
         self._delivery.hold(tp, record)
-        limit = self._s.kafka.max_deliveries
+        limit = self.max_deliveries
         if record.delivery_count > limit:
             reason = f"delivered {record.delivery_count} times (max_deliveries {limit}): its workers died or gave it up"
             log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason)
