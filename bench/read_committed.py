@@ -26,7 +26,11 @@ transaction: every request record and every reply record scenario 1 produced (sa
 partitions, same relative send times) through one idempotent producer (acks=all, linger 5 ms, as
 the Publisher), with the same two readers attached; no consumer group, no transactions. Each is
 also given with an idle window of the same length subtracted (worker and readers connected,
-nothing sent; readers only, for the baseline).
+nothing sent; readers only, for the baseline). The first config runs once unmeasured before them
+(a broker just started spends about twice as much per request for its first minutes), and each
+row says what that CPU per request would be for a fleet at 10^5 requests/s. `--max-tokens 48,256`
+runs every config per stream length; `--delivery` may add `txn-1s` (transactions at most once a
+second per partition).
 
 Scenario 2, a worker dies: two worker subprocesses (`python -m bench.paced_engine`, or `python -m
 worker` with `--engine model`), A and B, in one group (one request partition each, default session
@@ -648,6 +652,8 @@ def parse_args(argv=None):
     p.add_argument("--kill-after", type=int, default=8, help="sigkill: requests started before the kill")
     p.add_argument("--kill-txn", type=int, default=1, help="before-commit: die in this transaction")
     p.add_argument("--kill-modes", default="before-commit,sigkill")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="measure from the first run (else the first config runs once unmeasured)")
     p.add_argument("--no-kill", action="store_true")
     p.add_argument("--only-kill", action="store_true", help="scenario 2 only")
     p.add_argument("--timeout", type=float, default=240.0)
@@ -672,6 +678,9 @@ async def amain(args, settings, runner) -> dict:
            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "load_at_start": load()}
     if not args.only_kill:
         res["delivery"] = {}
+        if args.warm_up:  # a fresh broker JVM spends more per request until its code is compiled
+            name, mt = configs(args)[0]
+            await steady(settings, runner, args, DELIVERY[name.split("/")[0]], mt)
         for name, mt in configs(args):
             steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[name.split("/")[0]], mt)
             base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
