@@ -88,7 +88,9 @@ async def wait_random_point(watcher: ReplyWatcher, ids: list[str], rng: random.R
 
 def scaling_steps(timeline: list[tuple[float, str]], events: dict[str, list]) -> list[dict]:
     """What each join or leave of worker b threw away: of the requests running when it happened
-    (started, no final yet), how many were ended `requeued` before the next action."""
+    (started, no final yet), how many were ended `requeued` before the next action. A lower
+    bound: a kill soon after the step ends the window, and a killed worker sends no `requeued`
+    (bench/scaling_step.py measures a step alone)."""
     out = []
     for k, (at, action) in enumerate(timeline):
         if action not in ("join_b", "leave_b"):
@@ -103,7 +105,7 @@ def scaling_steps(timeline: list[tuple[float, str]], events: dict[str, list]) ->
             running += 1
             requeued += any(isinstance(ev, DoneEvent) and ev.finish_reason == "requeued" and at < ts <= until
                             for ts, ev in evs)
-        out.append({"step": action, "running": running, "requeued": requeued,
+        out.append({"step": action, "running": running, "requeued_before_next_action": requeued,
                     "requeued_share": round(requeued / running, 2) if running else None})
     return out
 
