@@ -10,6 +10,10 @@
 3. both: the batch running, then the same interactive load beside it: the interactive TTFT
    p50/p99 again, and the batch's output tokens/s during the interactive window.
 
+Each round runs on a fresh worker, once per `--background` mode: `off` (every priority shares each
+step alike) and `on` (the scheduler's BackgroundLimit as configured: batch sequences in turns
+beside interactive work), so the two are compared within one command.
+
 Targets (issue 40): interactive TTFT p99 with the batch within +25% of alone; the batch uses at
 least 70% of the idle capacity, (2) minus the interactive load's own tokens/s from (1).
 One broker (`scripts/kafka.sh acquire`), one `python -m worker` subprocess on fresh topics.
@@ -28,6 +32,7 @@ import uuid
 from pathlib import Path
 
 from bench import kafka_e2e as e2e
+from bench.read_committed import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "batch_priority.json"
@@ -45,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="the worker's torch threads (0: torch's choice)")
+    p.add_argument("--background", default="off,on",
+                   help="rounds, each on a fresh worker: the scheduler's background limit off and/or on")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -151,6 +158,31 @@ def fmt(r: dict) -> str:
             f"{r['output_tokens_per_s']:.1f} output tokens/s")
 
 
+# --background: the scheduler's background limit (worker/engine/scheduler.py, BackgroundLimit) on,
+# as configured, or off (every priority sharing each step alike, the scheduler before it).
+BACKGROUND_OFF = {"INFERLINE_SCHEDULER__BACKGROUND_PRIORITY": str(2**31 - 1)}
+
+
+def one_round(args, settings, mode: str) -> dict:
+    """A fresh worker with the background limit `mode` ("on"/"off") and the three loads."""
+    topics = e2e.Topics(f"bench-batch-{uuid.uuid4().hex[:8]}")
+    proc = None
+    try:
+        e2e.create_topics(settings, topics)
+        port = e2e.free_port()
+        log = args.out.parent / f"batch_priority.{mode}.worker.log"
+        env = e2e.worker_env(settings, topics, port, args)
+        env.update(BACKGROUND_OFF if mode == "off" else {})
+        proc = e2e.spawn_worker(env, log)
+        e2e.wait_ready(proc, port, log, args.ready_timeout)
+        print(f"-- background limit {mode}", file=sys.stderr)
+        return asyncio.run(run_all(args, settings, topics))
+    finally:
+        if proc is not None:
+            e2e.stop_worker(proc)
+        e2e.delete_topics(settings, topics)
+
+
 def main(argv=None) -> dict:
     from config.settings import load_settings
 
@@ -158,27 +190,22 @@ def main(argv=None) -> dict:
     settings = load_settings()
     settings = settings.model_copy(update={"scheduler": settings.scheduler.model_copy(update={
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})})
-    topics = e2e.Topics(f"bench-batch-{uuid.uuid4().hex[:8]}")
     leased = e2e.acquire_broker(settings)
-    proc = None
     try:
-        e2e.create_topics(settings, topics)
-        port = e2e.free_port()
-        log = args.out.parent / "batch_priority.worker.log"
-        proc = e2e.spawn_worker(e2e.worker_env(settings, topics, port, args), log)
-        e2e.wait_ready(proc, port, log, args.ready_timeout)
-        report = asyncio.run(run_all(args, settings, topics))
+        rounds = {mode: one_round(args, settings, mode) for mode in args.background.split(",")}
     finally:
-        if proc is not None:
-            e2e.stop_worker(proc)
-        e2e.delete_topics(settings, topics)
         if leased:
             e2e.release_broker()
+    report = {"cpu": cpu_model(), "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"TTFT p50 x{report['ttft_p50_ratio']:.2f}, p99 x{report['ttft_p99_ratio']:.2f} (target <= "
-          f"x{TARGETS['ttft_p99_ratio_max']}); batch used {report['idle_capacity_used']:.0%} of the idle capacity "
-          f"(target >= {TARGETS['idle_capacity_used_min']:.0%}); wrote {args.out}")
+    for mode, r in rounds.items():
+        used = r["idle_capacity_used"]
+        print(f"background limit {mode}: TTFT p50 x{r['ttft_p50_ratio']:.2f}, p99 x{r['ttft_p99_ratio']:.2f} "
+              f"(target <= x{TARGETS['ttft_p99_ratio_max']}); batch used "
+              f"{'-' if used is None else f'{used:.0%}'} of the idle capacity "
+              f"(target >= {TARGETS['idle_capacity_used_min']:.0%})")
+    print(f"wrote {args.out}")
     return report
 
 
