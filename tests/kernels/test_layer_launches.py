@@ -6,24 +6,16 @@ RMSNorms with the residual add, rotary with the K/V store, SiLU-and-mul, the dec
 one or two stages; none is a device sync."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interpreted import run_cases
+
 GEMMS = ["torch:linear.default"] * 4  # qkv, o, gate_up, down
 
 
 @pytest.fixture(scope="module")
 def counts() -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "layer_launch_cases.py")], capture_output=True,
-                          text=True, cwd=ROOT, timeout=1500, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["kind"]: r for r in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
+    return {r["kind"]: r for r in run_cases("layer_launch_cases.py")}
 
 
 def test_a_decode_step_is_at_most_10_launches_per_layer(counts):

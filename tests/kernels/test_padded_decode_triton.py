@@ -6,23 +6,14 @@ Runs tests/padded_decode_cases.py in a subprocess (TRITON_INTERPRET before trito
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+from tests.interpreted import run_cases
 from tests.kernels.test_warmup import CONFIG
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_padded_decode_on_triton_equals_flat_batches(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "padded_decode_cases.py"), str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1500,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (result,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    (result,) = run_cases("padded_decode_cases.py", str(tmp_path))
     assert result["backends"]["attention"] == "triton" and result["backends"]["fused_ops"] == "triton"
     assert result["buckets"] == [1, 2, 4] and result["captured"] == [4, 2, 1]
     assert result["kv_untouched"], "a padding row wrote K/V"

@@ -6,18 +6,14 @@ and the run's must all be the warm-up's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from kernels.triton.decode import plan_decode
 from kernels.triton.launch import Target
+from tests.interpreted import run_cases
 from worker.engine.warmup import decode_shapes
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=49152,
               max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0)
@@ -25,11 +21,7 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
 
 def test_every_binary_a_served_run_launches_was_warmed(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "warmup_cases.py"), str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=3000,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (result,) = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    (result,) = run_cases("warmup_cases.py", str(tmp_path), timeout=3000)
     assert result["missing"] == [], result
     # the run was a real test: prompt chunks, direct and split decode, every layer kernel
     assert result["served_splits"] == [2] and result["direct_served"], result

@@ -11,12 +11,13 @@ import torch
 from config.settings import Settings, SettingsError, load_settings
 from kernels.attention import TorchAttention
 from kernels.backends import BackendUnavailable
-from tests.engine_fixtures import greedy, make_engine, run_to_completion
+from tests.engine_fixtures import make_engine, run_to_completion
+from tests.unit.test_engine import request
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import pick_cuda_graphs
 from worker.engine.model_runner import ModelRunner
 from worker.engine.padded_decode import PaddedDecode, bucket_for, capture_sizes
-from worker.engine.request import EngineRequest, SamplingParams
+from worker.engine.request import SamplingParams
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
 
@@ -71,10 +72,6 @@ def eager_runner() -> ModelRunner:
     settings.model.cuda_graphs = "eager"
     settings.cache.num_blocks = 64
     return ModelRunner(settings)
-
-
-def request(i: int, ids: list[int], max_tokens: int) -> EngineRequest:
-    return EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens))
 
 
 class Recorder:
