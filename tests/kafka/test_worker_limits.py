@@ -48,6 +48,40 @@ async def test_priority_under_load(kafka_bootstrap, topics, start_worker):
     assert statistics.median(rank[r["id"]] for r in high) < statistics.median(rank[r["id"]] for r in low)
 
 
+async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_steps(kafka_bootstrap, topics,
+                                                                                  start_worker):
+    """Priority 100 is background work (scheduler.BackgroundLimit): through Kafka, a batch and
+    interactive requests beside it are each answered once, in full, and while an interactive
+    request runs at most background_max_seqs batch sequences share a step."""
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_seqs": 2})
+    steps: list[tuple[int, int]] = []  # (foreground, background) sequences of each step
+    schedule = worker.engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        bg = sum(c.seq.priority >= 100 for c in out.scheduled)
+        steps.append((len(out.scheduled) - bg, bg))
+        return out
+
+    worker.engine.scheduler.schedule = recorded
+    batch = [request(topics.replies, max_tokens=16, ignore_eos=True, priority=100) for _ in range(8)]
+    chat = [request(topics.replies, max_tokens=4, ignore_eos=True) for _ in range(2)]
+    ids = await submit(kafka_bootstrap, topics.requests, batch)
+    for _ in range(1200):  # the batch is running
+        if any(bg for _, bg in steps):
+            break
+        await asyncio.sleep(0.05)
+    ids += await submit(kafka_bootstrap, topics.requests, chat)
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=180)
+    for r in batch + chat:
+        check_attempts(events[r["id"]])
+        done = final_done(events[r["id"]])
+        assert done.finish_reason == "length" and done.usage.completion_tokens == r["max_tokens"], done
+    beside = [bg for fg, bg in steps if fg]
+    assert beside and max(beside) <= 2, steps
+    assert max(bg for _, bg in steps) == 8, "alone, the batch ran at full width"
+
+
 async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):
     worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 2},
                                 limits={"overload_reject_after_s": 0.3})
