@@ -177,13 +177,16 @@ def _group(records) -> Replies:
     return out
 
 
-async def collect(bootstrap: str, reply_topic: str, ids, timeout: float = 120.0) -> Replies:
-    """Reads the reply topic until every id has a final (non-requeued) `done`."""
-    wanted = set(ids)
+async def collect(bootstrap: str, reply_topic: str, ids, timeout: float = 120.0,
+                  dones: dict[str, int] | None = None) -> Replies:
+    """Reads the reply topic until every id has a final (non-requeued) `done`, and every id of
+    `dones` at least that many `done` events (a final sent again comes on its own partition)."""
+    wanted, dones = set(ids), dones or {}
 
     def complete(records) -> bool:
         events = _group(records)
-        return all(final_done(events.get(i, [])) is not None for i in wanted)
+        return (all(final_done(events.get(i, [])) is not None for i in wanted)
+                and all(sum(isinstance(e, DoneEvent) for e in events.get(i, [])) >= n for i, n in dones.items()))
 
     return _group(await consume_until(bootstrap, reply_topic, complete, timeout=timeout))
 
