@@ -115,8 +115,15 @@ async def drop_topic(bootstrap: str, topic: str) -> None:
 
 
 async def start_cli(env: dict, *argv: str) -> asyncio.subprocess.Process:
+    # A suite started in the background by a shell without job control ignores SIGINT, and so
+    # would the CLI (its Ctrl-C is what the test sends): it gets the default back.
     return await asyncio.create_subprocess_exec(sys.executable, "-m", "producer", *argv, cwd=REPO, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 async def wait_lines(path: Path, n: int, proc: asyncio.subprocess.Process, timeout: float = 300.0) -> None:
