@@ -37,6 +37,7 @@ from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitio
 from aiokafka.coordinator.protocol import ConsumerProtocol
 
 from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from worker.intake import group_join
 from worker.intake.cancels import RecentCancels
 from worker.delivery.offsets import LagGauge, OffsetTracker
 from worker.delivery.publisher import ReplyRoute
@@ -168,6 +169,7 @@ class Intake:
 
     async def start(self) -> None:
         k = self._s.kafka
+        group_join.install()  # hold names two assignors: one JoinGroup for both
         self._consumer = AIOKafkaConsumer(
             **k.client_options(), group_id=k.group_id, group_instance_id=k.group_instance_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
@@ -418,8 +420,8 @@ class Intake:
 
     async def kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
         """Held partitions assigned here again whose transactional ids this worker still holds,
-        checked by a round trip: whoever owned one in between (aiokafka's sticky rebalances
-        take two group generations, so a gap says nothing) took its id before reading a record
+        checked by a round trip: whoever owned one in between (the generation cannot say: an
+        evicted member comes back with none) took its id before reading a record
         from it, and did so before this assignment formed. Their work goes on."""
         candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
         return await self._txns.holds_ids(candidates) if candidates else set()
