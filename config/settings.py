@@ -238,13 +238,14 @@ class SchedulerSettings(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=16)
     max_waiting: int = Field(256, ge=1)
     # Requests of this priority or worse are background work (`inferline batch` and the gateway's
-    # batches send 100): while a better request runs or waits, they run in turns, at most
-    # background_max_seqs a step, and not in a step that computes a better request's prompt, so a
-    # batch adds little to an interactive request's first token; alone, a batch runs at full
-    # width. Set it past limits.max_priority to let every priority share each step alike.
+    # batches send 100): while a better request runs or waits, they run in turns, computing at
+    # most background_max_tokens a step, and not in a step that computes a better request's
+    # prompt, so a batch adds little to an interactive request's first token; alone, a batch runs
+    # at full width. Set it past limits.max_priority to let every priority share each step alike.
     background_priority: int = 100
-    # Background sequences a step may run while foreground work is present (taken in turns).
-    background_max_seqs: int = Field(16, ge=1)
+    # Background tokens a step may compute while foreground work is present (a decoding
+    # sequence's one, a prompt's chunk; taken in turns).
+    background_max_tokens: int = Field(32, ge=1)
 
 
 class SpeculativeSettings(BaseModel):

@@ -52,15 +52,15 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
                                                                                   start_worker):
     """Priority 100 is background work (scheduler.BackgroundLimit): through Kafka, a batch and
     interactive requests beside it are each answered once, in full, and while an interactive
-    request runs at most background_max_seqs batch sequences share a step."""
-    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_seqs": 2})
-    steps: list[tuple[int, int]] = []  # (foreground, background) sequences of each step
+    request runs the batch computes at most background_max_tokens tokens a step."""
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_tokens": 2})
+    steps: list[tuple[int, int, int]] = []  # (foreground sequences, background ones, their tokens) a step
     schedule = worker.engine.scheduler.schedule
 
     def recorded():
         out = schedule()
-        bg = sum(c.seq.priority >= 100 for c in out.scheduled)
-        steps.append((len(out.scheduled) - bg, bg))
+        bg = [c.num_new_tokens for c in out.scheduled if c.seq.priority >= 100]
+        steps.append((len(out.scheduled) - len(bg), len(bg), sum(bg)))
         return out
 
     worker.engine.scheduler.schedule = recorded
@@ -68,7 +68,7 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
     chat = [request(topics.replies, max_tokens=4, ignore_eos=True) for _ in range(2)]
     ids = await submit(kafka_bootstrap, topics.requests, batch)
     for _ in range(1200):  # the batch is running
-        if any(bg for _, bg in steps):
+        if any(bg for _, bg, _ in steps):
             break
         await asyncio.sleep(0.05)
     ids += await submit(kafka_bootstrap, topics.requests, chat)
@@ -77,9 +77,9 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
         check_attempts(events[r["id"]])
         done = final_done(events[r["id"]])
         assert done.finish_reason == "length" and done.usage.completion_tokens == r["max_tokens"], done
-    beside = [bg for fg, bg in steps if fg]
+    beside = [tokens for fg, _, tokens in steps if fg]
     assert beside and max(beside) <= 2, steps
-    assert max(bg for _, bg in steps) == 8, "alone, the batch ran at full width"
+    assert max(bg for _, bg, _ in steps) == 8, "alone, the batch ran at full width"
 
 
 async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):

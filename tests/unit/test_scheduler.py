@@ -55,7 +55,7 @@ requests = st.lists(
 @given(reqs=requests, num_blocks=st.integers(8, 40), budget=st.sampled_from([16, 32, 100]),
        max_seqs=st.integers(1, 8), aborts=st.lists(st.integers(0, 24), max_size=5),
        policy=st.sampled_from(["continuous", "static"]),
-       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2)]))
+       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2), BackgroundLimit(1, 5)]))
 def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budget, max_seqs, aborts, policy,
                                                          background):
     bm = BlockManager(num_blocks, block_size=8)
@@ -325,9 +325,9 @@ def test_prefix_cache_off_never_shares():
 # ---- background work (a batch) beside foreground work ----------------------------------------------
 
 
-def background_sched(max_seqs: int = 2) -> Scheduler:
+def background_sched(max_tokens: int = 2) -> Scheduler:
     return Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
-                     background=BackgroundLimit(priority=100, max_seqs=max_seqs))
+                     background=BackgroundLimit(priority=100, max_tokens=max_tokens))
 
 
 def run_until_decoding(sched: Scheduler, seqs: list[Sequence]) -> None:
@@ -345,7 +345,7 @@ def test_alone_a_batch_runs_at_full_width():
 
 
 def test_a_foreground_prompt_runs_without_background_then_background_runs_in_turns():
-    sched = background_sched(max_seqs=2)
+    sched = background_sched(max_tokens=2)
     batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(6)]
     run_until_decoding(sched, batch)
     chat = seq("chat", 12, 50, priority=0, arrival=10)
@@ -360,19 +360,55 @@ def test_a_foreground_prompt_runs_without_background_then_background_runs_in_tur
 
 
 def test_background_admissions_wait_for_a_seat_beside_foreground_work():
-    sched = background_sched(max_seqs=1)
+    sched = background_sched(max_tokens=4)
     chat = seq("chat", 4, 50, priority=0)
     run_until_decoding(sched, [chat])
     for i in range(3):
         sched.add(seq(f"b{i}", 4, 50, priority=100, arrival=1 + i))
     steps = [fake_step_scheduled(sched) for _ in range(3)]
-    assert all(len(s - {"chat"}) <= 1 for s in steps), steps
     assert [s - {"chat"} for s in steps] == [{"b0"}, {"b1"}, {"b2"}], "admitted one a step, in arrival order"
+
+
+def test_a_background_prompt_beside_foreground_work_is_chunked_to_the_token_limit():
+    """A prompt counts every token it computes: a 10-token batch prompt beside an interactive
+    request takes three steps of at most 4 tokens, and the step's background tokens never pass 4."""
+    sched = background_sched(max_tokens=4)
+    chat = seq("chat", 4, 50, priority=0)
+    run_until_decoding(sched, [chat])
+    batch = [seq("b0", 10, 50, priority=100, arrival=1), seq("b1", 3, 50, priority=100, arrival=2)]
+    for b in batch:
+        sched.add(b)
+    chunks = []
+    for _ in range(6):
+        out = sched.schedule()
+        chunks.append({c.seq.request_id: c.num_new_tokens for c in out.scheduled if c.seq.priority == 100})
+        for c in out.scheduled:
+            samples = c.samples
+            c.seq.num_computed_tokens += c.num_new_tokens
+            if samples:
+                c.seq.output_token_ids.append(7)
+    assert all(sum(c.values()) <= 4 for c in chunks), chunks
+    assert chunks[:3] == [{"b0": 4}, {"b0": 4}, {"b0": 2, "b1": 2}], chunks
+    assert batch[0].num_output_tokens >= 1 and batch[1].num_output_tokens >= 1, "both prompts finished"
+
+
+def test_background_sequences_that_cannot_be_admitted_leave_the_seats_to_running_ones():
+    """The batch is full (max_num_seqs): waiting batch sequences cannot run this step, so the
+    seats go to running ones (before, they sat on the seats and the batch got no token)."""
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=4, max_num_batched_tokens=256,
+                      background=BackgroundLimit(priority=100, max_tokens=2))
+    chat = seq("chat", 4, 50, priority=0)
+    batch = [seq(f"b{i}", 4, 50, priority=100, arrival=1 + i) for i in range(3)]
+    run_until_decoding(sched, [chat, *batch])
+    for i in range(3, 5):
+        sched.add(seq(f"b{i}", 4, 50, priority=100, arrival=1 + i))
+    steps = [fake_step_scheduled(sched) - {"chat"} for _ in range(3)]
+    assert all(len(s) == 2 and s <= {"b0", "b1", "b2"} for s in steps), steps
 
 
 def test_a_limit_past_every_priority_leaves_steps_shared_alike():
     sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
-                      background=BackgroundLimit(priority=1001, max_seqs=1))
+                      background=BackgroundLimit(priority=1001, max_tokens=1))
     batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(4)]
     run_until_decoding(sched, batch)
     sched.add(seq("chat", 4, 50, priority=0, arrival=10))

@@ -18,9 +18,10 @@ Memory policy:
 
 Background work (BackgroundLimit: priority at or past a threshold, a batch's class) shares steps
 with foreground work only narrowly: while a foreground request runs or waits, background
-sequences run in turns, at most `max_seqs` a step, and none in a step that computes a foreground
-prompt. On a CPU a step's length grows with its width, so this bounds what a batch adds to an
-interactive request's first token; with no foreground work the batch runs at full width.
+sequences run in turns, computing at most `max_tokens` a step between them (a prompt is chunked
+to fit), and none in a step that computes a foreground prompt. On a CPU a step's length grows
+with its tokens, so this bounds what a batch adds to an interactive request's first token; with
+no foreground work the batch runs at full width.
 
 The scheduler decides and never touches tensors.
 """
@@ -66,10 +67,12 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class BackgroundLimit:
     """Sequences of `priority` or worse are background: beside foreground work, at most
-    `max_seqs` of them a step (in turns), and none in a step with a foreground prompt."""
+    `max_tokens` of theirs a step (in turns; a prompt counts every token it computes, so it is
+    chunked), and none in a step with a foreground prompt. On a CPU a step's length grows with
+    its tokens, and an interactive request that arrives waits for the step in flight."""
 
     priority: int
-    max_seqs: int
+    max_tokens: int
 
     def is_background(self, seq: Sequence) -> bool:
         return seq.priority >= self.priority
@@ -128,7 +131,7 @@ class Scheduler:
         return out
 
     def _background_seats(self) -> list[int] | None:
-        """How many background sequences this step may run ([n]: a counter the step spends), or
+        """How many background tokens this step may compute ([n]: a counter the step spends), or
         None for no limit: no BackgroundLimit, or no foreground work."""
         bg = self.background
         if bg is None or self.policy != "continuous":
@@ -137,15 +140,24 @@ class Scheduler:
         if not foreground:
             return None
         prompt = any(s.num_uncomputed_tokens > 1 or s.status is SequenceStatus.WAITING for s in foreground)
-        return [0 if prompt else bg.max_seqs]
+        return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
         """The running background sequences that sit this step out: the seats go to the least
-        recently run background sequences, running or waiting (a waiting one never ran: first)."""
+        recently run background sequences, running or waiting (a waiting one first, as many as
+        the batch has free places for: the others could not be admitted), each taking the tokens
+        it needs (a prompt: up to what is left)."""
         if seats is None:
             return set()
-        bg = [s for s in (*self.running, *self.waiting) if self.background.is_background(s)]
-        turn = set(sorted(bg, key=lambda s: (s.last_scheduled_step, s.sort_key))[:seats[0]])
+        free = max(0, self.max_num_seqs - len(self.running))
+        waiting = [s for s in self.waiting if self.background.is_background(s)][:free]
+        running = [s for s in self.running if self.background.is_background(s)]
+        turn, left = set(), seats[0]
+        for s in waiting + sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key)):
+            if left <= 0:
+                break
+            turn.add(s)
+            left -= s.num_uncomputed_tokens
         return {s for s in self.running if self.background.is_background(s) and s not in turn}
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, seats: list[int] | None = None) -> int:
@@ -155,23 +167,29 @@ class Scheduler:
         queue = [s for s in self.running if s not in resting] + [s for s in self.running if s in resting]
         while queue and budget > 0 and queue[0] not in resting:
             seq = queue.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, self._seats_left(seq, seats))
+            if num_new <= 0:
+                continue
             if not self._make_room(seq, num_new, queue, out):
                 continue  # seq preempted itself
             decoding = num_new == seq.num_uncomputed_tokens == 1
-            drafts = self._drafts(seq, budget - num_new, len(queue)) if decoding else []
+            room = min(budget, self._seats_left(seq, seats)) - num_new
+            drafts = self._drafts(seq, room, len(queue)) if decoding else []
             self.block_manager.append(seq, num_new + len(drafts))
             out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
             budget -= num_new + len(drafts)
-            self._take_seat(seq, seats)
+            self._take_seats(seq, seats, num_new + len(drafts))
         return budget
 
-    def _no_seat(self, seq: Sequence, seats: list[int] | None) -> bool:
-        return seats is not None and self.background.is_background(seq) and seats[0] <= 0
+    def _seats_left(self, seq: Sequence, seats: list[int] | None) -> int:
+        """The tokens `seq` may compute this step as far as the background limit goes."""
+        if seats is None or not self.background.is_background(seq):
+            return self.max_num_batched_tokens
+        return seats[0]
 
-    def _take_seat(self, seq: Sequence, seats: list[int] | None) -> None:
+    def _take_seats(self, seq: Sequence, seats: list[int] | None, num_new: int) -> None:
         if seats is not None and self.background.is_background(seq):
-            seats[0] -= 1
+            seats[0] -= num_new
 
     def _drafts(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
         """Drafts for a decoding `seq`, within the leftover token `budget` and the request's own
@@ -205,7 +223,7 @@ class Scheduler:
                           seats: list[int] | None = None) -> None:
         while self.waiting and (budget > 0 or whole_batch):
             seq = self.waiting[0]
-            if self._no_seat(seq, seats):
+            if self._seats_left(seq, seats) <= 0:
                 break  # the waiting queue is in priority order: only background is left
             cached = self.block_manager.cached_prefix(seq)
             if not self._admit(seq, cached, out):
@@ -214,14 +232,14 @@ class Scheduler:
             # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
             self.block_manager.allocate(seq, cached)
             budget = self.max_num_batched_tokens - out.num_batched_tokens  # preemption frees budget
-            num_new = max(0, min(seq.num_uncomputed_tokens, budget))
+            num_new = max(0, min(seq.num_uncomputed_tokens, budget, self._seats_left(seq, seats)))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.first_scheduled_time is None:
                 out.started.append(seq)
             if num_new:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
-                self._take_seat(seq, seats)
+                self._take_seats(seq, seats, num_new)
             budget -= num_new
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
