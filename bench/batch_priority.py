@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="the worker's torch threads (0: torch's choice)")
     p.add_argument("--background", default="off,on",
-                   help="rounds, each on a fresh worker: the scheduler's background limit off and/or on")
+                   help="rounds, each on a fresh worker: the scheduler's background limit off, on (as "
+                        "configured) or on:N (N background tokens a step), comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -163,16 +164,27 @@ def fmt(r: dict) -> str:
 BACKGROUND_OFF = {"INFERLINE_SCHEDULER__BACKGROUND_PRIORITY": str(2**31 - 1)}
 
 
+def limit_env(mode: str) -> dict[str, str]:
+    """The worker's environment for a --background mode: off, on, on:N."""
+    if mode == "off":
+        return BACKGROUND_OFF
+    if mode.startswith("on:"):
+        return {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": str(int(mode[3:]))}
+    if mode != "on":
+        raise SystemExit(f"--background: {mode!r} is not off, on or on:N")
+    return {}
+
+
 def one_round(args, settings, mode: str) -> dict:
-    """A fresh worker with the background limit `mode` ("on"/"off") and the three loads."""
+    """A fresh worker with the background limit `mode` (off, on, on:N) and the three loads."""
     topics = e2e.Topics(f"bench-batch-{uuid.uuid4().hex[:8]}")
     proc = None
     try:
         e2e.create_topics(settings, topics)
         port = e2e.free_port()
-        log = args.out.parent / f"batch_priority.{mode}.worker.log"
+        log = args.out.parent / f"batch_priority.{mode.replace(':', '-')}.worker.log"
         env = e2e.worker_env(settings, topics, port, args)
-        env.update(BACKGROUND_OFF if mode == "off" else {})
+        env.update(limit_env(mode))
         proc = e2e.spawn_worker(env, log)
         e2e.wait_ready(proc, port, log, args.ready_timeout)
         print(f"-- background limit {mode}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""The real Scheduler in virtual time: batch beside interactive work under a step-cost model.
+
+    python -m bench.scheduler_sim                          # CPU costs; limit off, on at 8..64 seats
+    python -m bench.scheduler_sim --cost gpu --seats 16,64
+    python -m bench.scheduler_sim --fixed-ms 30 --row-ms 4.5 --prefill-ms 4.0
+
+bench/batch_priority.py measures the worker through Kafka, 20 minutes a round on a shared machine;
+this replays its workload in seconds through worker/engine/scheduler.py and block_manager.py,
+with no model: a step costs `fixed + row x decode rows + prefill x prompt tokens` milliseconds,
+and the clock moves by that. It shows how the background limit trades interactive TTFT for batch
+throughput under a cost model, so a policy can be chosen before the slow measurement confirms it.
+Not simulated: Kafka and the client (both add the same latency alone and beside), sampling,
+prefix caching, the waiting pool's cap.
+
+Per policy, three loads as in bench/batch_priority.py: interactive alone (Poisson arrivals of short
+chats at priority 0), the batch alone (1,000 lines at priority 100, `--in-flight` at a time), both.
+Idle capacity two ways: the batch's alone rate less the interactive tokens/s (the benchmark's
+reading), and the batch's alone rate times the engine's idle share under the interactive load.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import SamplingParams
+from worker.engine.scheduler import BackgroundLimit, Scheduler
+from worker.engine.sequence import Sequence
+
+# ms per step: fixed, per decode row, per prompt token. cpu: docs/benchmarks.md ("The worker, from
+# figures of this page": 30 ms + 4.5 ms a running sequence, SmolLM2 on the 2-core VM; a prompt
+# token about a row). gpu: an assumption for a small model on one GPU (launch-bound steps), unmeasured.
+COSTS = {"cpu": (30.0, 4.5, 4.0), "gpu": (8.0, 0.05, 0.02)}
+BATCH_PRIORITY = 100
+
+
+@dataclass
+class Load:
+    rate: float = 2.0  # interactive requests/s
+    interactive: int = 120
+    interactive_prompt: int = 30
+    interactive_tokens: int = 16
+    batch_lines: int = 1000  # the batch alone (its rate is the capacity); beside, it never runs out
+    batch_prompt: int = 25
+    batch_tokens: int = 32
+    in_flight: int = 64
+
+
+@dataclass
+class Engine:
+    """A Scheduler and a clock (ms). Arrivals wait in a heap until the clock reaches them."""
+
+    scheduler: Scheduler
+    cost: tuple[float, float, float]
+    now: float = 0.0
+    busy: float = 0.0
+    arrivals: list = field(default_factory=list)  # (time, n, seq)
+    first_token: dict = field(default_factory=dict)  # seq -> ms
+    finished: list = field(default_factory=list)  # (ms, seq)
+
+    def submit(self, at: float, seq: Sequence) -> None:
+        heapq.heappush(self.arrivals, (at, id(seq), seq))
+
+    def step(self) -> list[Sequence]:
+        """One engine step (or a jump to the next arrival when idle); the sequences it finished."""
+        while self.arrivals and self.arrivals[0][0] <= self.now:
+            at, _, seq = heapq.heappop(self.arrivals)
+            seq.arrival_time = at  # a request arriving mid-step waits for the step's end
+            self.scheduler.add(seq)
+        if not self.scheduler.has_unfinished():
+            self.now = max(self.now, self.arrivals[0][0]) if self.arrivals else self.now
+            return []
+        out = self.scheduler.schedule()
+        fixed, row, prefill = self.cost
+        rows = sum(1 for c in out.scheduled if c.num_new_tokens == 1)
+        prompt_tokens = sum(c.num_new_tokens for c in out.scheduled if c.num_new_tokens > 1)
+        took = fixed + row * rows + prefill * prompt_tokens
+        self.now += took
+        self.busy += took
+        return self._advance(out)
+
+    def _advance(self, out) -> list[Sequence]:
+        done = []
+        for chunk in out.scheduled:
+            seq, samples = chunk.seq, chunk.samples
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if not samples:
+                continue
+            seq.output_token_ids.append(1)
+            self.first_token.setdefault(seq, self.now)
+            if seq.num_output_tokens >= seq.sampling.max_tokens:
+                self.scheduler.remove(seq)
+                seq.finish("length")
+                self.finished.append((self.now, seq))
+                done.append(seq)
+        return done
+
+
+def _seq(rid: str, prompt: int, tokens: int, priority: int) -> Sequence:
+    return Sequence(request_id=rid, prompt_token_ids=[1] * prompt, sampling=SamplingParams(max_tokens=tokens),
+                    priority=priority)
+
+
+def run(load: Load, cost, background: BackgroundLimit | None, interactive: bool, batch: bool,
+        seed: int = 0, max_num_seqs: int = 64, budget: int = 512, num_blocks: int = 1356) -> dict:
+    """One load on a fresh engine: with `batch`, the lines run at full width first; with
+    `interactive`, Poisson arrivals start then (after 5 s of batch alone)."""
+    engine = Engine(Scheduler(BlockManager(num_blocks, 16), max_num_seqs, budget, background=background), cost)
+    rng = random.Random(seed)
+    lines = iter(range(load.batch_lines if interactive is False else 10**9))  # beside: outlasts the chats
+
+    def next_line() -> None:
+        i = next(lines, None)
+        if i is not None:
+            engine.submit(engine.now, _seq(f"b{i}", load.batch_prompt, load.batch_tokens, BATCH_PRIORITY))
+
+    for _ in range(load.in_flight if batch else 0):
+        next_line()
+    start = 5000.0 if batch else 0.0
+    chats, t = [], start
+    if interactive:
+        for i in range(load.interactive):
+            chats.append(_seq(f"i{i}", load.interactive_prompt, load.interactive_tokens, 0))
+            engine.submit(t, chats[-1])
+            t += rng.expovariate(load.rate) * 1000
+    end = None
+    while engine.arrivals or engine.scheduler.has_unfinished():
+        for seq in engine.step():
+            if seq.priority == BATCH_PRIORITY:
+                next_line()
+        if interactive and end is None and all(s.is_finished for s in chats):
+            end = engine.now
+            if batch:
+                break
+    window = (start, end if interactive else engine.now)
+    batch_tokens = sum(s.num_output_tokens for t, s in engine.finished
+                       if s.priority == BATCH_PRIORITY and window[0] <= t < window[1])
+    seconds = (window[1] - window[0]) / 1000
+    ttfts = sorted(engine.first_token[s] - s.arrival_time for s in chats)
+    return {"ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
+            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "batch_tokens_per_s": batch_tokens / seconds if seconds else 0.0,
+            "interactive_tokens_per_s": sum(s.num_output_tokens for s in chats) / seconds if chats else 0.0,
+            "busy_share": engine.busy / (engine.now - 0.0) if engine.now else 0.0}
+
+
+def compare(load: Load, cost, background: BackgroundLimit | None, seed: int = 0) -> dict:
+    alone = run(load, cost, None, interactive=True, batch=False, seed=seed)
+    capacity = run(load, cost, None, interactive=False, batch=True, seed=seed)["batch_tokens_per_s"]
+    both = run(load, cost, background, interactive=True, batch=True, seed=seed)
+    by_tokens = capacity - alone["interactive_tokens_per_s"]
+    by_time = capacity * (1 - alone["busy_share"])
+    return {"seats": background.max_tokens if background else None,
+            "ttft_p50_ratio": both["ttft_p50_ms"] / alone["ttft_p50_ms"],
+            "ttft_p99_ratio": both["ttft_p99_ms"] / alone["ttft_p99_ms"],
+            "ttft_p99_ms": (round(alone["ttft_p99_ms"]), round(both["ttft_p99_ms"])),
+            "batch_alone": round(capacity, 1), "batch_beside": round(both["batch_tokens_per_s"], 1),
+            "idle_used_by_tokens": both["batch_tokens_per_s"] / by_tokens,
+            "idle_used_by_time": both["batch_tokens_per_s"] / by_time,
+            "interactive_busy_share": round(alone["busy_share"], 3)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.scheduler_sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cost", choices=sorted(COSTS), default="cpu")
+    p.add_argument("--fixed-ms", type=float)
+    p.add_argument("--row-ms", type=float)
+    p.add_argument("--prefill-ms", type=float)
+    p.add_argument("--seats", default="8,16,24,32,64", help="background_max_tokens values to try (beside 'off')")
+    p.add_argument("--rate", type=float, default=Load.rate)
+    p.add_argument("--interactive", type=int, default=Load.interactive, help="interactive requests per load")
+    p.add_argument("--seeds", type=int, default=3, help="runs per policy (Poisson arrivals); medians")
+    args = p.parse_args(argv)
+    fixed, row, prefill = COSTS[args.cost]
+    cost = (args.fixed_ms or fixed, args.row_ms or row, args.prefill_ms or prefill)
+    load = Load(rate=args.rate, interactive=args.interactive)
+    print(f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, per prompt token {cost[2]}; {load}")
+    for background in [None, *(BackgroundLimit(BATCH_PRIORITY, int(n)) for n in args.seats.split(","))]:
+        runs = [compare(load, cost, background, seed) for seed in range(args.seeds)]
+        row_ = {k: statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else runs[0][k]
+                for k in runs[0]}
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row_.items()}))
+
+
+if __name__ == "__main__":
+    main()
