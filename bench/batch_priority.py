@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
         used = r["idle_capacity_used"]
         print(f"background limit {mode}: TTFT p50 x{r['ttft_p50_ratio']:.2f}, p99 x{r['ttft_p99_ratio']:.2f} "
               f"(target <= x{TARGETS['ttft_p99_ratio_max']}); batch used "
-              f"{'-' if used is None else f'{used:.0%}'} of the idle capacity "
+              f"{_pct(used)} of the idle capacity "
               f"(target >= {TARGETS['idle_capacity_used_min']:.0%}); by engine time "
               f"{_pct(r['idle_capacity_used_by_engine_time'])} (the engine busy "
               f"{_pct(r['interactive_engine_busy_share'])} under the interactive load alone)")

@@ -28,7 +28,7 @@ async def _member(bootstrap: str, topic: str, group: str) -> AIOKafkaConsumer:
 
 async def _poll(consumers: list[AIOKafkaConsumer], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        await asyncio.gather(*(c.getmany(timeout_ms=50) for c in consumers))
+        await asyncio.gather(*(c.getmany(timeout_ms=50) for c in list(consumers)), asyncio.sleep(0.05))
 
 
 async def _settled(consumers: list[AIOKafkaConsumer], partitions: int, timeout: float = 60.0) -> set[int]:
@@ -49,20 +49,14 @@ async def test_each_member_joining_costs_the_group_one_generation(kafka_bootstra
     group = f"join-{uuid.uuid4().hex[:8]}"
     consumers: list[AIOKafkaConsumer] = []
     stop = asyncio.Event()
-    poller = None
+    poller = asyncio.create_task(_poll(consumers, stop))  # polls whoever has joined so far
     try:
         for n in range(1, 4):
-            stop.set()
-            if poller:
-                await poller
             consumers.append(await _member(kafka_bootstrap, topic, group))
-            stop = asyncio.Event()
-            poller = asyncio.create_task(_poll(list(consumers), stop))
             assert await _settled(consumers, 4) == {n}
         await asyncio.sleep(3.0)  # heartbeats go on: nothing starts another rebalance
         assert {c._coordinator.generation for c in consumers} == {3}
     finally:
         stop.set()
-        if poller:
-            await poller
+        await poller
         await asyncio.gather(*(c.stop() for c in consumers))
