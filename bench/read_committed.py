@@ -29,7 +29,9 @@ also given with an idle window of the same length subtracted (worker and readers
 nothing sent; readers only, for the baseline). The first config runs once unmeasured before them
 (a broker just started spends about twice as much per request for its first minutes), and each
 row says what that CPU per request would be for a fleet at 10^5 requests/s. `--max-tokens 48,256`
-runs every config per stream length; `--delivery` may add `txn-1s` (transactions at most once a
+runs every config per stream length and `--rate 20,80` per submission rate (a partition's
+transactions and token flushes are paced by intervals, not by requests, so their cost per request
+falls as the rate a worker serves rises); `--delivery` may add `txn-1s` (transactions at most once a
 second per partition).
 
 Scenario 2, a worker dies: two worker subprocesses (`python -m bench.paced_engine`, or `python -m
@@ -52,12 +54,14 @@ import argparse
 import asyncio
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,6 +217,35 @@ class Reader:
         await self._c.stop()
 
 
+class RequestCounter:
+    """The Kafka requests the worker's own clients send, by API (aiokafka's `AIOKafkaClient.send`,
+    wrapped while the counter is open; the readers and the submitter have other client ids).
+    What the broker handles is mostly per request, so this is its load without the CPU noise of a
+    shared machine."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id, self.counts = client_id, Counter()
+
+    def __enter__(self) -> "RequestCounter":
+        from aiokafka.client import AIOKafkaClient
+
+        self._send, counts, client_id = AIOKafkaClient.send, self.counts, self.client_id
+        original = self._send
+
+        async def send(client, node_id, request, **kw):
+            if client._client_id == client_id:
+                counts[type(request).__name__.rsplit("Request", 1)[0]] += 1
+            return await original(client, node_id, request, **kw)
+
+        AIOKafkaClient.send = send
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from aiokafka.client import AIOKafkaClient
+
+        AIOKafkaClient.send = self._send
+
+
 async def admin(settings, fn):
     from aiokafka.admin import AIOKafkaAdminClient
 
@@ -314,7 +347,7 @@ def engine_for(s, runner, args):
     return lambda: PacedEngine(args.step_ms / 1000, s.scheduler.max_num_seqs)
 
 
-async def steady(settings, runner, args, delivery: dict, max_tokens: int) -> dict:
+async def steady(settings, runner, args, delivery: dict, max_tokens: int, rate: float) -> dict:
     """One in-process worker under `delivery` (KafkaSettings overrides: a config of DELIVERY)."""
     from worker.app import Worker
 
@@ -340,8 +373,9 @@ async def steady(settings, runner, args, delivery: dict, max_tokens: int) -> dic
         tx0 = (reg.get_sample_value("inferline_transactions_total", {"outcome": "committed"}) or 0,
                reg.get_sample_value("inferline_transaction_seconds_sum") or 0)
         l0, b0, t0 = load(), broker_cpu(), time.monotonic()
-        await submit_all(s, run, args.num_requests, max_tokens, args.rate)
-        ok = await wait_finals(readers, run.submitted, args.timeout)
+        with RequestCounter(k.client_id) as sent:
+            await submit_all(s, run, args.num_requests, max_tokens, rate)
+            ok = await wait_finals(readers, run.submitted, args.timeout)
         t1, b1 = time.monotonic(), broker_cpu()
         tx1 = (reg.get_sample_value("inferline_transactions_total", {"outcome": "committed"}) or 0,
                reg.get_sample_value("inferline_transaction_seconds_sum") or 0)
@@ -356,8 +390,9 @@ async def steady(settings, runner, args, delivery: dict, max_tokens: int) -> dic
     ntx = tx1[0] - tx0[0]
     records = [rec for rec in readers[0].records if rec[0] >= t0 - 1e-3]
     out = {"complete": ok, "wall_s": span, "load_before": l0, "load_after": load(),
-           "max_tokens": max_tokens, "delivery": {"flush_interval_ms": k.flush_interval_ms, "transaction_interval_ms": k.transaction_interval_ms},
+           "max_tokens": max_tokens, "rate": rate, "delivery": {"flush_interval_ms": k.flush_interval_ms, "transaction_interval_ms": k.transaction_interval_ms},
            "reply_records_per_request": len(records) / args.num_requests,
+           "worker_kafka_requests_per_request": {api: n / args.num_requests for api, n in sorted(sent.counts.items())},
            "finals_per_transaction": args.num_requests / ntx if ntx else None,
            "read_uncommitted": unc, "read_committed": com, "committed_over_uncommitted": compare(unc, com),
            "holds": holds(readers[0].events, readers[1].events),
@@ -476,7 +511,7 @@ async def killed(settings, args, mode: str) -> dict:
     try:
         for r in readers:
             await r.start(run.partitions)
-        submitter = asyncio.create_task(submit_all(settings, run, n, args.max_tokens[0], args.rate))
+        submitter = asyncio.create_task(submit_all(settings, run, n, args.max_tokens[0], args.rate[0]))
         if mode == "sigkill":
             while len({e.id for e in readers[0].events if e.kind == "started" and e.id in run.submitted}) < args.kill_after:
                 await asyncio.sleep(0.01)
@@ -493,7 +528,7 @@ async def killed(settings, args, mode: str) -> dict:
         # the shared reply partitions, behind A's open transaction until B or the broker aborts it.
         wave = Run(run.prefix + "x", run.partitions)
         wave.requests, wave.replies = run.requests, run.replies
-        await submit_all(settings, wave, n, args.max_tokens[0], args.rate)
+        await submit_all(settings, wave, n, args.max_tokens[0], args.rate[0])
         run.submitted.update(wave.submitted)
         ok = await wait_finals(readers, run.submitted, args.timeout)
     finally:
@@ -547,13 +582,15 @@ def print_report(res: dict) -> None:
                   f"ratio raw x{fx(cpu['ratio_raw'])}, net x{fx(cpu['ratio_net'])}   "
                   f"at {FLEET_RPS:.0e} requests/s: {fleet_cores(t['per_request_ms'])} broker cores (raw)")
         cpus = dict(rows)
-        for b, cb in rows:  # each config against `before` of the same stream length
-            a = "before" + b[len(b.split("/")[0]):]
-            ca = cpus.get(a)
-            if ca is None or a == b:
-                continue
-            print(f"  {b} / {a}: transactional raw x{fx(ratio(cb['transactional']['per_request_ms'], ca['transactional']['per_request_ms']))}"
-                  f", net x{fx(ratio(cb['transactional']['per_request_net_ms'], ca['transactional']['per_request_net_ms']))}")
+        first_rate = f"@{res['settings']['rate'][0]:g}"
+        for b, cb in rows:  # each config against `before` of the same length and rate, each rate against the first
+            at = b.rsplit("@", 1)
+            for a in ("before" + b[len(config_of(b)):], at[0] + first_rate if len(at) == 2 else b):
+                ca = cpus.get(a)
+                if ca is None or a == b:
+                    continue
+                print(f"  {b} / {a}: transactional raw x{fx(ratio(cb['transactional']['per_request_ms'], ca['transactional']['per_request_ms']))}"
+                      f", net x{fx(ratio(cb['transactional']['per_request_net_ms'], ca['transactional']['per_request_net_ms']))}")
     print_killed(res)
 
 
@@ -573,6 +610,9 @@ def print_steady(name: str, block: dict, n: int) -> None:
               f"{ms(r['gap_s']['p99']):>7}{ms(r['gap_s']['max']):>7}{ms(r['final_s']['p50']):>10}")
     c = s["committed_over_uncommitted"]
     print(f"{'committed/uncomm.':<18}{fx(c['ttft_s_p50']):>9}{fx(c['ttft_s_p99']):>7}{fx(c['gap_s_p50']):>9}{fx(c['gap_s_p99']):>7}")
+    sent = s.get("worker_kafka_requests_per_request", {})
+    print(f"the worker's Kafka requests per served request: {sum(sent.values()):.2f} ("
+          + ", ".join(f"{api} {v:.2f}" for api, v in sorted(sent.items(), key=lambda kv: -kv[1])) + ")")
     hd = s["holds"]["hold_s"]
     print(f"hold per event (committed - uncommitted arrival): p50 {ms(hd['p50'])} ms, p99 {ms(hd['p99'])} ms, "
           f"max {ms(hd['max'])} ms over {hd['n']} events")
@@ -637,7 +677,8 @@ def parse_args(argv=None):
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[48],
                    help="each request's tokens; a list (48,256) runs scenario 1 once per length and config")
-    p.add_argument("--rate", type=float, default=20.0, help="requests submitted per second (0: all at once)")
+    p.add_argument("--rate", type=lambda v: [float(x) for x in v.split(",")], default=[20.0],
+                   help="requests submitted per second (0: all at once); a list (20,80) runs scenario 1 per rate")
     p.add_argument("--engine", choices=("paced", "model"), default="paced",
                    help="paced: bench/paced_engine.py, a token per request every --step-ms; model: the real model")
     p.add_argument("--step-ms", type=float, default=25.0, help="the paced engine's step time")
@@ -661,13 +702,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def configs(args) -> list[tuple[str, int]]:
-    """Scenario 1's runs: (name, max_tokens) per delivery config and stream length, the length
-    in the name when there are several."""
+def config_of(name: str) -> str:
+    """The delivery config of a run's name ("after/256@80" -> "after")."""
+    return re.split("[/@]", name)[0]
+
+
+def configs(args) -> list[tuple[str, int, float]]:
+    """Scenario 1's runs: (name, max_tokens, rate) per delivery config, stream length and rate,
+    the length and the rate in the name when there are several."""
     names = [c for c in args.delivery.split(",") if c]
-    if len(args.max_tokens) == 1:
-        return [(name, args.max_tokens[0]) for name in names]
-    return [(f"{name}/{mt}", mt) for mt in args.max_tokens for name in names]
+    out = []
+    for rate in args.rate:
+        for mt in args.max_tokens:
+            for name in names:
+                tail = (f"/{mt}" if len(args.max_tokens) > 1 else "") + (f"@{rate:g}" if len(args.rate) > 1 else "")
+                out.append((name + tail, mt, rate))
+    return out
 
 
 async def amain(args, settings, runner) -> dict:
@@ -679,10 +729,10 @@ async def amain(args, settings, runner) -> dict:
     if not args.only_kill:
         res["delivery"] = {}
         if args.warm_up:  # a fresh broker JVM spends more per request until its code is compiled
-            name, mt = configs(args)[0]
-            await steady(settings, runner, args, DELIVERY[name.split("/")[0]], mt)
-        for name, mt in configs(args):
-            steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[name.split("/")[0]], mt)
+            name, mt, rate = configs(args)[0]
+            await steady(settings, runner, args, DELIVERY[config_of(name)], mt, rate)
+        for name, mt, rate in configs(args):
+            steady_res, run, records, t0 = await steady(settings, runner, args, DELIVERY[config_of(name)], mt, rate)
             base = await replay(settings, run, records, t0, args, steady_res["wall_s"])
             res["delivery"][name] = {"steady": steady_res, "baseline": base,
                                      "broker_cpu": cpu_rows(steady_res, base, args.num_requests)}

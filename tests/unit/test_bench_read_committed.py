@@ -86,10 +86,42 @@ def test_the_paced_engine_yields_a_token_per_step_and_finishes_at_max_tokens():
     assert (last.request_id, last.finish_reason) == ("s", "cancelled") and not eng.has_unfinished_requests()
 
 
-def test_several_stream_lengths_run_each_config_per_length_and_name_it():
-    from bench.read_committed import configs, fleet_cores, parse_args
+def test_several_stream_lengths_and_rates_run_each_config_per_length_and_rate_and_name_it():
+    from bench.read_committed import config_of, configs, fleet_cores, parse_args
 
-    assert configs(parse_args(["--delivery", "before,after"])) == [("before", 48), ("after", 48)]
+    assert configs(parse_args(["--delivery", "before,after"])) == [("before", 48, 20.0), ("after", 48, 20.0)]
     assert configs(parse_args(["--delivery", "before,txn-1s", "--max-tokens", "256,48"])) == [
-        ("before/256", 256), ("txn-1s/256", 256), ("before/48", 48), ("txn-1s/48", 48)]
+        ("before/256", 256, 20.0), ("txn-1s/256", 256, 20.0), ("before/48", 48, 20.0), ("txn-1s/48", 48, 20.0)]
+    assert configs(parse_args(["--delivery", "after", "--max-tokens", "256,48", "--rate", "20,80"])) == [
+        ("after/256@20", 256, 20.0), ("after/48@20", 48, 20.0), ("after/256@80", 256, 80.0), ("after/48@80", 48, 80.0)]
+    assert config_of("txn-1s/256@80") == "txn-1s" and config_of("after") == "after"
     assert fleet_cores(8.7) == "870" and fleet_cores(None) == "-"
+
+
+def test_the_request_counter_counts_only_the_worker_clients_requests_by_api(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiokafka.client import AIOKafkaClient
+
+    from bench.read_committed import RequestCounter
+
+    async def sent(client, node_id, request, **kw):
+        return node_id
+
+    class ProduceRequest_v7: ...  # noqa: N801 - named as aiokafka names its request classes
+
+    class EndTxnRequest: ...
+
+    monkeypatch.setattr(AIOKafkaClient, "send", sent)
+    worker, reader = SimpleNamespace(_client_id="inferline"), SimpleNamespace(_client_id="aiokafka-0.14")
+
+    async def traffic():
+        for client, request in ((worker, ProduceRequest_v7()), (worker, ProduceRequest_v7()),
+                                (worker, EndTxnRequest()), (reader, ProduceRequest_v7())):
+            assert await AIOKafkaClient.send(client, 3, request) == 3
+
+    with RequestCounter("inferline") as counter:
+        asyncio.run(traffic())
+    assert counter.counts == {"Produce": 2, "EndTxn": 1}
+    assert AIOKafkaClient.send is sent
