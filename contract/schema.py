@@ -52,7 +52,7 @@ MAX_MESSAGES = 2048
 MAX_ROLE_LEN = 64
 # No vocabulary comes near it (the largest have ~256K ids); ids fit an int32 in every client.
 MAX_TOKEN_ID = 2**31 - 1
-# What torch.Generator.manual_seed takes: int64 (as vLLM) and uint64 (as TGI); all msgpack carries.
+# int64 (as vLLM) and uint64 (as TGI): all msgpack carries; the sampler reads a seed mod 2**64.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # A documented range for scheduling classes; per-tenant clamps narrow it further.
 PRIORITY_RANGE = (-1000, 1000)

@@ -180,10 +180,10 @@ def test_n_1_output_has_no_samples(model_runner, prompt):
     assert r["final"].samples is None and set(r["tokens"]) == {0}
 
 
-def test_sample_seeds_wrap_into_torch_range():
+def test_sample_seeds_wrap_into_the_seed_range():
     assert sample_seed(None, 3) is None and sample_seed(7, 0) == 7 and sample_seed(7, 2) == 9
-    assert sample_seed(2**64 - 1, 1) == 0
-    torch.Generator().manual_seed(sample_seed(2**64 - 2, 1))
+    assert sample_seed(2**64 - 1, 1) == 0 and sample_seed(2**64 - 2, 1) == 2**64 - 1
+    assert sample_seed(-(2**63), 1) == 1 - 2**63
 
 
 # ---- the wire -----------------------------------------------------------------------------------

@@ -6,21 +6,25 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from worker.engine import sampler
+from worker.engine.device import host_to_device
 from worker.engine.request import SamplingParams
-from worker.engine.sampler import Sampler, apply_filters, apply_penalties, make_generator
+from worker.engine.sampler import Sampler, _uniforms, apply_filters, apply_penalties, counter_uniforms, make_stream
 
 VOCAB = 64
+CPU = torch.device("cpu")
 
 
-def call(logits, params, prompt_ids=None, output_ids=None, generators=None):
+def call(logits, params, prompt_ids=None, output_ids=None, streams=None):
     n = logits.shape[0]
     return Sampler()(
         logits,
         params,
         prompt_ids if prompt_ids is not None else [[] for _ in range(n)],
         output_ids if output_ids is not None else [[] for _ in range(n)],
-        generators if generators is not None else [None] * n,
+        streams if streams is not None else [None] * n,
     )
 
 
@@ -43,7 +47,7 @@ def test_one_definition_of_greedy():
     tiny, small = SamplingParams(temperature=1e-6, seed=1), SamplingParams(temperature=0.01, seed=1)
     assert tiny.greedy and can_speculate(tiny) and not small.greedy and not can_speculate(small)
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
-    assert call(logits, [tiny, tiny], generators=[make_generator(1)] * 2) == logits.argmax(-1).tolist()
+    assert call(logits, [tiny, tiny], streams=[make_stream(1)] * 2) == logits.argmax(-1).tolist()
 
 
 def test_non_contiguous_logits():
@@ -51,24 +55,24 @@ def test_non_contiguous_logits():
     wide = torch.randn(6, VOCAB + 7, generator=torch.Generator().manual_seed(6))
     logits = wide[:, :VOCAB]
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(top_p=0.9, seed=1)] * 3
-    gens = lambda: [make_generator(p.seed) for p in params]  # noqa: E731
+    gens = lambda: [make_stream(p.seed) for p in params]  # noqa: E731
     tokens = call(logits, params, [[1]] * 6, [[2]] * 6, gens())
     assert tokens == call(logits.contiguous(), params, [[1]] * 6, [[2]] * 6, gens())
     assert all(0 <= t < VOCAB for t in tokens)
 
 
 def test_greedy_row_consumes_no_randomness():
-    generator = make_generator(3)
-    state = generator.get_state()
+    stream = make_stream(3)
     params = [SamplingParams(temperature=0.0, presence_penalty=1.0)]
-    call(torch.randn(1, VOCAB), params, generators=[generator])
-    assert torch.equal(generator.get_state(), state)
+    call(torch.randn(1, VOCAB), params, streams=[stream])
+    assert stream.num_draws == 0
 
 
-def test_make_generator_unseeded_is_none():
-    assert make_generator(None) is None
-    a, b = make_generator(11), make_generator(11)
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+def test_make_stream_unseeded_is_none():
+    assert make_stream(None) is None
+    a, b = make_stream(11), make_stream(11)
+    assert [_uniforms([a], CPU).item() for _ in range(4)] == [_uniforms([b], CPU).item() for _ in range(4)]
+    assert a.num_draws == 4
 
 
 # --- penalties ----------------------------------------------------------------------------------
@@ -122,7 +126,7 @@ def test_greedy_with_penalties_in_a_mixed_batch():
     prompts += [[1, 2]] * 6
     outputs += [[3]] * 6
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
-    gens = [None] * 10 + [make_generator(i) for i in range(6)]
+    gens = [None] * 10 + [make_stream(i) for i in range(6)]
     before = logits.clone()
     got = call(logits, params, prompts, outputs, gens)[:10]
     assert torch.equal(logits, before)  # the caller's logits are untouched
@@ -225,8 +229,8 @@ def test_sampling_never_leaves_the_allowed_set():
     params = filter_cases()[:-1] * 300
     base = torch.randn(len(filter_cases()) - 1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
     logits = base.repeat(300, 1)
-    gens = [make_generator(i) if i % 2 else None for i in range(len(params))]
-    tokens = call(logits, params, generators=gens)
+    gens = [make_stream(i) if i % 2 else None for i in range(len(params))]
+    tokens = call(logits, params, streams=gens)
     seen: dict[int, set[int]] = {}
     for i, token in enumerate(tokens):
         _, may = reference_allowed(logits[i].tolist(), params[i])
@@ -241,12 +245,12 @@ def test_sampling_never_leaves_the_allowed_set():
 
 def run_steps(position: int, others: int, seed: int, steps: int, dtype=torch.float32):
     """Tokens of one seeded request at batch row `position` among `others` random requests,
-    over several steps (its generator carries over, as in the engine)."""
+    over several steps (its stream carries over, as in the engine)."""
     target_logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(100)).to(dtype)
     target = SamplingParams(
         temperature=0.9, top_k=30, top_p=0.95, min_p=0.01, presence_penalty=0.3, seed=seed
     )
-    generator = make_generator(seed)
+    stream = make_stream(seed)
     noise_rng = random.Random(position * 1000 + others)
     history: list[int] = []
     for step in range(steps):
@@ -261,8 +265,8 @@ def run_steps(position: int, others: int, seed: int, steps: int, dtype=torch.flo
         params = others_params[:position] + [target] + others_params[position:]
         logits = torch.randn(others + 1, VOCAB).to(dtype)
         logits[position] = target_logits[step]
-        gens = [make_generator(p.seed) for p in params]
-        gens[position] = generator
+        gens = [make_stream(p.seed) for p in params]
+        gens[position] = stream
         outputs = [[noise_rng.randrange(VOCAB)] for _ in params]
         outputs[position] = history
         history = history + [call(logits, params, [[1, 2, 3]] * len(params), outputs, gens)[position]]
@@ -276,6 +280,92 @@ def test_seeded_request_is_reproducible_inside_any_batch(dtype):
     assert run_steps(3, 7, seed=42, steps=20, dtype=dtype) == alone
     assert run_steps(0, 31, seed=42, steps=20, dtype=dtype) == alone
     assert run_steps(9, 9, seed=43, steps=20, dtype=dtype) != alone  # the seed matters
+
+
+# --- the counter stream -------------------------------------------------------------------------
+
+
+def test_a_seeded_rows_uniforms_do_not_depend_on_the_batch():
+    alone = make_stream(42)
+    want = [_uniforms([alone], CPU).item() for _ in range(5)]
+    crowds = [[None] * 3, [make_stream(7), None, make_stream(42)], [make_stream(s) for s in range(40)]]
+    for position, others in enumerate(crowds):
+        stream = make_stream(42)
+        got = [_uniforms(others[:position] + [stream] + others[position:], CPU)[position].item() for _ in range(5)]
+        assert got == want, position
+
+
+def test_the_stream_is_splitmix64_on_a_mixed_seed():
+    """The int64 tensor ops equal exact uint64 arithmetic, over the whole seed range."""
+    def mix(z):
+        z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 % 2**64
+        z = (z ^ z >> 27) * 0x94D049BB133111EB % 2**64
+        return z ^ z >> 31
+
+    pairs = [(0, 0), (1, 0), (42, 7), (2**64 - 1, 3), (-(2**63), 0), (2**63, 5), (12345678901234, 10**9)]
+    want = [(mix((mix(seed % 2**64) + (i + 1) * 0x9E3779B97F4A7C15) % 2**64) >> 11) / 2**53 for seed, i in pairs]
+    seeds = torch.tensor([(seed + 2**63) % 2**64 - 2**63 for seed, _ in pairs])
+    assert counter_uniforms(seeds, torch.tensor([i for _, i in pairs])).tolist() == want
+    assert _uniforms([make_stream(-1)], CPU).item() == _uniforms([make_stream(2**64 - 1)], CPU).item()
+
+
+# Critical values at p = 0.001 (fixed seeds: each test is one deterministic draw, it cannot flake).
+_KS_999 = 1.95  # Kolmogorov-Smirnov, times sqrt(n)
+_CHI2_999_99 = 148.23  # chi-square, 99 degrees of freedom
+
+
+def assert_uniform(u: torch.Tensor):
+    n = u.numel()
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    u = u.sort().values
+    ks = torch.maximum(ranks / n - u, u - (ranks - 1) / n).max().item()
+    assert ks * math.sqrt(n) < _KS_999, ks
+    counts = torch.bincount((u * 100).long(), minlength=100).tolist()
+    assert chi_square(counts, [0.01] * 100) < _CHI2_999_99
+    assert 0.0 <= u.min() and u.max() < 1.0
+
+
+def test_the_stream_is_uniform_and_differs_by_seed_and_index():
+    n = 100_000
+    one_seed = counter_uniforms(torch.full((n,), 7), torch.arange(n))
+    first_draws = counter_uniforms(torch.arange(n), torch.zeros(n, dtype=torch.int64))  # n samples' seeds
+    assert_uniform(one_seed)
+    assert_uniform(first_draws)
+    assert one_seed.unique().numel() == n and first_draws.unique().numel() == n
+    neighbour = counter_uniforms(torch.full((n,), 8), torch.arange(n))
+    shifted = counter_uniforms(torch.full((n,), 7), torch.arange(1, n + 1))
+    for other in (neighbour, shifted):
+        assert not (other == one_seed).any()
+        assert abs(torch.corrcoef(torch.stack([one_seed, other]))[0, 1].item()) < 4 / math.sqrt(n)
+    # Plain splitmix64 would give seed + gamma seed's stream one draw on; the mixed seed does not.
+    gamma_on = counter_uniforms(torch.full((n,), 7 + sampler._GAMMA - 2**64), torch.arange(n))
+    assert not (gamma_on == shifted).any()
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("unseeded", [0, 3])
+def test_uniforms_cost_the_same_ops_for_any_number_of_seeded_rows(unseeded, monkeypatch):
+    copies = []
+    monkeypatch.setattr(sampler, "host_to_device", lambda *a: copies.append(a) or host_to_device(*a))
+
+    def ops(num_seeded):
+        copies.clear()
+        with Ops() as mode:
+            _uniforms([make_stream(s) for s in range(num_seeded)] + [None] * unseeded, CPU)
+        assert len(copies) == 1  # every row's seed and draw index in one host-to-device copy
+        return mode.names
+
+    few, many = ops(2), ops(64)
+    assert few == many and sum("rand" in name for name in many) == (1 if unseeded else 0)
 
 
 # --- distribution -------------------------------------------------------------------------------
@@ -315,8 +405,8 @@ def test_draw_across_blocks_follows_softmax():
 def test_seeded_stream_follows_softmax_and_top_k_renormalises():
     row = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
     params = [SamplingParams(temperature=1.3, top_k=4, seed=5)]
-    generator = make_generator(5)
-    tokens = [call(row, params, generators=[generator])[0] for _ in range(4000)]
+    stream = make_stream(5)
+    tokens = [call(row, params, streams=[stream])[0] for _ in range(4000)]
     kept = [5, 0, 1, 2]  # the four largest logits
     assert set(tokens) <= set(kept)
     probs = torch.softmax(row[0, kept] / 1.3, -1).tolist()
@@ -334,7 +424,10 @@ def test_cuda_greedy_and_seeded():
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.2, seed=3)
     ] * 8
-    gens = lambda: [make_generator(3, "cuda") for _ in range(8)]  # noqa: E731
+    gens = lambda: [make_stream(3) for _ in range(8)]  # noqa: E731
     runs = [call(logits, params, [[1, 2]] * 8, [[3]] * 8, gens()) for _ in range(2)]
     assert runs[0] == runs[1]
     assert len(set(runs[0])) == 1  # same logits, same seed: same token in every row
+    # Integer arithmetic: the stream is the CPU's, bit for bit.
+    seeds, indexes = torch.arange(-500, 500) * 7919, torch.arange(1000) % 37
+    assert torch.equal(counter_uniforms(seeds.cuda(), indexes.cuda()).cpu(), counter_uniforms(seeds, indexes))

@@ -17,7 +17,7 @@ import xgrammar as xgr
 from contract.schema import InvalidRequest, decode_request
 from tests.engine_fixtures import greedy, make_engine, prompt_ids
 from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Sampler, make_stream
 from worker.engine.structured_output import GrammarCompiler, apply_token_bitmask
 
 PERSON = {
@@ -183,7 +183,7 @@ def test_sampler_never_draws_a_forbidden_token():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=3), SamplingParams(temperature=0.0)]
     sampler = Sampler()
     for _ in range(50):
-        tokens = sampler(logits, params, [[]] * 3, [[]] * 3, [None, torch.Generator().manual_seed(_), None],
+        tokens = sampler(logits, params, [[]] * 3, [[]] * 3, [None, make_stream(_), None],
                          bitmask, [0, 1])
         assert allowed[0, tokens[0]] and allowed[1, tokens[1]]
     assert tokens[0] == logits[0].masked_fill(~allowed[0], float("-inf")).argmax()
@@ -195,7 +195,7 @@ def test_sampler_logprobs_are_log_softmax_after_penalties():
     logits = torch.randn(2, 64)
     params = [SamplingParams(temperature=0.7, seed=1, repetition_penalty=1.3, logprobs=5),
               SamplingParams(temperature=0.0, logprobs=0)]
-    out = Sampler().sample(logits, params, [[3, 4], [1]], [[5], []], [torch.Generator().manual_seed(1), None])
+    out = Sampler().sample(logits, params, [[3, 4], [1]], [[5], []], [make_stream(1), None])
     penalized = logits.clone()
     for t in (3, 4, 5):
         v = penalized[0, t]

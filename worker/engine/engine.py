@@ -24,7 +24,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, RequestOutput, SampleResult
-from worker.engine.sampler import SamplerOutput, make_generator
+from worker.engine.sampler import SamplerOutput, make_stream
 from worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
 from worker.engine.sequence import ERROR_CODE_OF, Sequence
 from worker.engine.spec_decode import NgramProposer, accept
@@ -199,7 +199,7 @@ class LLMEngine:
         return Sequence(
             request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
             priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline,
-            generator=make_generator(req.sampling.seed, self.runner.device),
+            stream=make_stream(req.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop))
 
     def _sample(self, seq: Sequence, index: int) -> Sequence:
@@ -208,7 +208,7 @@ class LLMEngine:
         return Sequence(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
             priority=seq.priority, arrival_time=seq.arrival_time, deadline=seq.deadline, index=index,
-            generator=make_generator(sample_seed(seq.sampling.seed, index), self.runner.device),
+            stream=make_stream(sample_seed(seq.sampling.seed, index)),
             detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling.stop))
 
     def _fork(self, seq: Sequence) -> None:
@@ -454,7 +454,7 @@ def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample `index`'s seed: seed + index, wrapped into torch's seed range (up to 2**64 - 1)."""
+    """Sample `index`'s seed: seed + index, wrapped into the seed range (up to 2**64 - 1)."""
     if seed is None:
         return None
     return seed + index if seed + index < 2**64 else seed + index - 2**64

@@ -168,7 +168,7 @@ class ModelRunner:
         for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget; MASK_STRIKES end it
             rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
         out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
-                                  [s.output_token_ids for s in rows], [s.generator for s in rows],
+                                  [s.output_token_ids for s in rows], [s.stream for s in rows],
                                   bitmask, grammar_rows)
         tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
         # The batch put decodes first; hand the tokens back in the scheduler's order.

@@ -3,8 +3,8 @@
 Pipeline, per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k ->
 top-p -> min-p -> draw. Log-probabilities, for the rows that ask, are log_softmax of the logits
 after penalties and the grammar mask, before temperature (what vLLM reports).
-Every stage runs on the whole sub-batch of rows that need it, never row by row, except the
-seeded draws: a seeded row takes its random number from its own generator, and every stage is a
+Every stage runs on the whole sub-batch of rows that need it, never row by row. A seeded row's
+random number is a hash of its seed and draw index (counter_uniforms), and every stage is a
 function of the row's own values, so its tokens do not depend on which requests share the batch
 (given the same logits row: the model's batch-invariance is the runner's business).
 
@@ -30,17 +30,22 @@ _TOP_P_CANDIDATES = 256
 _DRAW_BLOCK = 256
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A generator for one seeded request (None when unseeded: such rows share the global RNG).
+@dataclass(eq=False)
+class SeededStream:
+    """A seeded request's random numbers: draw i is counter_uniforms(seed, i), so the whole state
+    is a count. The engine keeps it with the sequence, so the stream continues across steps and
+    across preemption; each sampled (non-greedy) row takes exactly one draw."""
+    seed: int
+    num_draws: int = 0
 
-    Create it on the device the logits live on; the engine keeps it with the sequence so the
-    random stream continues across steps (and across preemption). Each sampled (non-greedy)
-    step reads exactly one fp64 uniform from it."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    def take(self) -> int:
+        self.num_draws += 1
+        return self.num_draws - 1
+
+
+def make_stream(seed: int | None) -> SeededStream | None:
+    """The stream of one seeded request (None when unseeded: such rows share the global RNG)."""
+    return None if seed is None else SeededStream(seed)
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -62,13 +67,13 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every sequence in a batch.
 
-    Stateless: the per-request random state lives in the generators the caller passes. The
+    Stateless: the per-request random state lives in the streams the caller passes. The
     caller's `logits` are never modified (work happens on fp32 copies)."""
 
-    def __call__(self, logits, params, prompt_ids, output_ids, generators, bitmask=None,
+    def __call__(self, logits, params, prompt_ids, output_ids, streams, bitmask=None,
                  grammar_rows: list[int] = ()) -> list[int]:
         """The token ids of `sample`."""
-        return self.sample(logits, params, prompt_ids, output_ids, generators, bitmask, grammar_rows).token_ids
+        return self.sample(logits, params, prompt_ids, output_ids, streams, bitmask, grammar_rows).token_ids
 
     def sample(
         self,
@@ -76,19 +81,20 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        streams: list[SeededStream | None],
         bitmask: torch.Tensor | None = None,
         grammar_rows: list[int] = (),
     ) -> SamplerOutput:
         """logits: [num_seqs, vocab], fp32/bf16/fp16, any device; one row per sequence, aligned
-        with params, prompt_ids, output_ids (tokens generated so far) and generators.
+        with params, prompt_ids, output_ids (tokens generated so far) and streams (a stream
+        that appears in several sampled rows gives them consecutive draws, in row order).
         `bitmask` [len(grammar_rows), words] int32 on the logits' device: the tokens allowed in
         those rows (structured_output.py). A greedy row (SamplingParams.greedy) takes the argmax
         after penalties and mask; its other params and seed are unused.
         Returns one token id per row, and the logprobs of the rows that ask for them."""
         num_seqs = logits.shape[0]
         assert logits.dim() == 2, logits.shape
-        assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == num_seqs
+        assert len(params) == len(prompt_ids) == len(output_ids) == len(streams) == num_seqs
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not grammar_rows and not wants_logprobs and all(p.greedy and not has_penalties(p) for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)  # one kernel
@@ -96,11 +102,11 @@ class Sampler:
         work = _penalized(logits.contiguous(), params, prompt_ids, output_ids)
         if grammar_rows:
             work = _masked(work, logits, list(grammar_rows), bitmask)
-        next_ids = self._pick(work, params, generators)
+        next_ids = self._pick(work, params, streams)
         logprobs = _logprobs(work, next_ids, params) if wants_logprobs else [None] * num_seqs
         return SamplerOutput(next_ids.tolist(), logprobs)
 
-    def _pick(self, work: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    def _pick(self, work: torch.Tensor, params: list[SamplingParams], streams: list) -> torch.Tensor:
         num_seqs = work.shape[0]
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -109,7 +115,7 @@ class Sampler:
             _put_rows(next_ids, greedy, _rows(work, greedy).argmax(dim=-1))
         if sampled:
             rows = [params[i] for i in sampled]
-            draws = _sample(_rows(work, sampled), rows, [generators[i] for i in sampled])
+            draws = _sample(_rows(work, sampled), rows, [streams[i] for i in sampled])
             _put_rows(next_ids, sampled, draws)
         return next_ids
 
@@ -227,14 +233,14 @@ def filter_thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return threshold
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+def _sample(logits: torch.Tensor, params: list[SamplingParams], streams: list) -> torch.Tensor:
     scaled = logits / _column(params, "temperature", logits.device)
-    return _draw(scaled, filter_thresholds(scaled, params), generators)
+    return _draw(scaled, filter_thresholds(scaled, params), streams)
 
 
-def _draw(logits: torch.Tensor, threshold: torch.Tensor | None, generators: list) -> torch.Tensor:
+def _draw(logits: torch.Tensor, threshold: torch.Tensor | None, streams: list) -> torch.Tensor:
     """Inverse-CDF sampling from softmax(logits) over the tokens at or above `threshold`, one
-    uniform per row (so a seeded row reads one number from its own generator).
+    uniform per row (so a seeded row takes one draw of its stream).
 
     A full-vocab cumsum is serial and slow on CPU, and a Gumbel race needs a noise draw per logit,
     so this goes in two levels: a CDF over block sums picks a block of _DRAW_BLOCK tokens, then the
@@ -248,7 +254,7 @@ def _draw(logits: torch.Tensor, threshold: torch.Tensor | None, generators: list
         weights = F.pad(weights, (0, -vocab % _DRAW_BLOCK))
     blocks = weights.view(num_rows, -1, _DRAW_BLOCK)
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1, dtype=torch.float64)
-    uniform = _uniforms(generators, logits.device)
+    uniform = _uniforms(streams, logits.device)
     block, inner = _search(block_cdf, uniform)
     chosen = blocks.gather(1, block.view(-1, 1, 1).expand(-1, 1, _DRAW_BLOCK)).squeeze(1)
     token, _ = _search(chosen.cumsum(dim=-1, dtype=torch.float64), inner)
@@ -268,19 +274,49 @@ def _search(cdf: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, tor
     return index.squeeze(1), inner
 
 
-def _uniforms(generators: list, device: torch.device) -> torch.Tensor:
-    """[n, 1] fp64 uniforms in [0, 1): seeded rows from their own generator, the rest from one
-    draw of the global RNG."""
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        return torch.rand(len(generators), 1, dtype=torch.float64, device=device)
-    uniforms = torch.empty(len(generators), 1, dtype=torch.float64, device=device)
-    if unseeded:
-        uniforms[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=device)
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniforms[i] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
-    return uniforms
+def _uniforms(streams: list, device: torch.device) -> torch.Tensor:
+    """[n, 1] fp64 uniforms in [0, 1): seeded rows the next draw of their stream, the rest from
+    one draw of the global RNG. Every row's seed and draw index reach the device in one copy."""
+    num_rows = len(streams)
+    if all(s is None for s in streams):
+        return torch.rand(num_rows, 1, dtype=torch.float64, device=device)
+    # Draw index -1 marks an unseeded row; its hash is computed and thrown away.
+    keys = host_to_device([(_int64(s.seed), s.take()) if s else (0, -1) for s in streams], torch.int64, device)
+    uniform = counter_uniforms(keys[:, 0], keys[:, 1]).unsqueeze(1)
+    if any(s is None for s in streams):
+        unseeded = torch.rand(num_rows, 1, dtype=torch.float64, device=device)
+        uniform = torch.where(keys[:, 1:] < 0, unseeded, uniform)
+    return uniform
+
+
+# splitmix64 (Steele, Lea, Flood 2014) with Stafford's "Mix13" finalizer, in int64 tensor ops:
+# add and multiply wrap as uint64 would; >> is arithmetic, so logical shifts mask the sign bits.
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def counter_uniforms(seeds: torch.Tensor, indexes: torch.Tensor) -> torch.Tensor:
+    """fp64 uniforms in [0, 1) with 53 random bits, elementwise over int64 tensors: draw `index`
+    of the splitmix64 stream whose state starts at mix(seed). A pure function of (seed, index)
+    computed in exact integer arithmetic, so the same on every device and in every batch.
+    The seed is mixed first: in plain splitmix64, seed + gamma's stream is seed's one draw on."""
+    state = _mix64(seeds) + (indexes + 1) * _int64(_GAMMA)
+    return _shift_right(_mix64(state), 11).double() * 2.0**-53
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _int64(_MIX[0])
+    z = (z ^ _shift_right(z, 27)) * _int64(_MIX[1])
+    return z ^ _shift_right(z, 31)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _int64(value: int) -> int:
+    """`value` mod 2**64 as a signed int64 (the seed range is [-2**63, 2**64))."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _top_k_top_p_threshold(

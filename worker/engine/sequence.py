@@ -10,10 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from worker.engine.request import SamplingParams
+
+if TYPE_CHECKING:  # the sampler imports torch and xgrammar; a sequence needs neither
+    from worker.engine.sampler import SeededStream
 
 
 class SequenceStatus(enum.Enum):
@@ -34,7 +36,7 @@ class Sequence:
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)
     deadline: float | None = None
-    generator: torch.Generator | None = None
+    stream: SeededStream | None = None  # a seeded request's draws so far: kept through preemption
     detokenizer: object | None = None  # IncrementalDetokenizer; None when text is not needed
     grammar: object | None = None  # xgrammar GrammarMatcher of a constrained request, once compiled
     mask_strikes: int = 0  # steps in a row whose token mask for this row alone took over the mask budget
