@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import step_prep
 from worker.engine.request import SamplingParams
@@ -126,3 +127,31 @@ def test_the_bench_decode_step_equals_v0():
         assert step.tables.slot_mapping.tolist() == slots.tolist() and step.logits_indices.tolist() == logits.tolist()
         assert torch.equal(step.tables.block_tables(0, 8), tables) and torch.equal(step.tables.context_lens, context)
         step_prep.advance(batch, iter(range(1000, 2000)).__next__)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
+    """A torch op costs more than its values at these sizes (docs/benchmarks.md), so a decode
+    step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks included."""
+    def ops(num_seqs: int) -> list[str]:
+        batch = step_prep.make_batch(num_seqs, 512)
+        builder = StepBuilder(step_prep.BLOCK, 64, lambda t: t)
+        builder.build(batch)
+        for s in batch:  # every table grows by a block before the counted step
+            s.seq.block_table.append(10**6 + len(s.seq.block_table))
+        with _Ops() as seen:
+            step = builder.build(batch)
+            step.tables.block_tables(0, num_seqs)
+        return seen.names
+
+    assert ops(4) == ops(64)
+    assert len(ops(64)) <= 8, ops(64)

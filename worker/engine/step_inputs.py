@@ -6,7 +6,9 @@ each scheduled sequence owns a row of one persistent int32 table (in pinned memo
 written as its block table grows (a decode adds a block every block_size steps), rewritten only
 when the block manager gave it a new list (a free after preemption, a fork). A step's tables are
 then one index_select of the scheduled rows. The rest is one pass over the sequences (a decode
-costs a few list operations: less than one vectorized op's dispatch) and three host tensors.
+costs a few list operations: less than one vectorized op's dispatch) and two host tensors, built
+through numpy (torch.tensor of a list is several times slower); the table rows are written through
+numpy too, so a step dispatches only a handful of torch ops.
 Rows of sequences not scheduled in a step go back to the pool (a sequence that returns is
 written again: correct, only slower). Figures: bench/step_prep.py, docs/benchmarks.md.
 
@@ -17,10 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.attention import StepTables
 from worker.engine.scheduler import ScheduledSequence
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 @dataclass
@@ -37,6 +43,7 @@ class BlockTableRows:
     def __init__(self, max_blocks: int, pin_memory: bool = False, rows: int = 64):
         self.max_blocks, self.pin_memory = max_blocks, pin_memory
         self.table = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin_memory)
+        self.entries = self.table.numpy()  # the same memory: a write through numpy dispatches no torch op
         self.rows: dict[int, _Row] = {}  # id(seq) -> its row, for the sequences of the last step
         self.free = list(range(rows))[::-1]
         self.extent = [0] * rows  # of each row, the entries written since it was last zeroed
@@ -53,7 +60,7 @@ class BlockTableRows:
                 row = rows[id(seq)] = self._fresh(row, table)
             if row.written < len(table):
                 assert len(table) <= self.max_blocks, f"{len(table)} blocks: more than max_model_len holds"
-                self.table[row.index, row.written:len(table)] = torch.tensor(table[row.written:], dtype=torch.int32)
+                self.entries[row.index, row.written:len(table)] = table[row.written:]
                 row.written = self.extent[row.index] = len(table)
             row.step = self.step
             indices.append(row.index)
@@ -65,7 +72,7 @@ class BlockTableRows:
     def _fresh(self, row: _Row | None, table: list[int]) -> _Row:
         """A zeroed row for `table`: the sequence's own again (a new list: freed, reallocated), or one from the pool."""
         index = row.index if row is not None else self._take()
-        self.table[index, :self.extent[index]] = 0  # a table's padding is zeros, as before
+        self.entries[index, :self.extent[index]] = 0  # a table's padding is zeros, as before
         self.extent[index] = 0
         return _Row(index, table, 0, self.step)
 
@@ -81,7 +88,7 @@ class BlockTableRows:
         rows = self.table.shape[0]
         grown = torch.zeros(2 * rows, self.max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
         grown[:rows] = self.table
-        self.table = grown
+        self.table, self.entries = grown, grown.numpy()
         self.extent += [0] * rows
         self.free += list(range(2 * rows - 1, rows - 1, -1))
 
@@ -132,17 +139,20 @@ class StepBuilder:
 
     def build(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         decodes, ordered = self._order(scheduled)
-        per_token, per_seq, widths, logits_indices = self._lists(ordered)
-        tokens = self._host(per_token, torch.int64)  # [3, num_tokens]: ids, positions, slots
-        seqs = self._host(per_seq, torch.int32)  # context lens, then cu_seqlens_q
-        rows = self._host(self.rows.assign([s.seq for s in ordered]), torch.int64)
-        n, dev = len(ordered), self.to_device
+        (ids, positions, slots), per_seq, widths, logits_indices = self._lists(ordered)
+        n, num_tokens, dev = len(ordered), len(ids), self.to_device
+        # Two host tensors, cut by one split each: a torch op costs more than its 64 values.
+        rows_of = self.rows.assign([s.seq for s in ordered])
+        flat = self._host(ids + positions + slots + rows_of + logits_indices, torch.int64)
+        ids_t, positions_t, slots_t, rows, logits_rows = flat.split([num_tokens] * 3 + [n, len(logits_indices)])
+        context_lens, cu_seqlens_q = self._host(per_seq, torch.int32).split([n, n + 1])
 
         def block_tables(first: int, stop: int) -> torch.Tensor:
             return dev(self.rows.gather(rows[first:stop], max(widths[first:stop])))
 
-        tables = StepTables(dev(tokens[2]), dev(tokens[1]), dev(seqs[:n]), dev(seqs[n:]), len(decodes), block_tables)
-        return StepInputs(dev(tokens[0]), tables, dev(self._host(logits_indices, torch.int64)), ordered)
+        tables = StepTables(dev(slots_t), dev(positions_t), dev(context_lens), dev(cu_seqlens_q), len(decodes),
+                            block_tables)
+        return StepInputs(dev(ids_t), tables, dev(logits_rows), ordered)
 
     def build_decode(self, scheduled: list[ScheduledSequence], num_rows: int) -> PaddedDecodeInputs:
         """A decode-only step on the host, padded to `num_rows` rows (worker/engine/padded_decode.py
@@ -175,16 +185,22 @@ class StepBuilder:
         for s in ordered:
             seq, new, drafts = s.seq, s.num_new_tokens, s.spec_token_ids
             start, table, prompt = seq.num_computed_tokens, seq.block_table, seq.prompt_token_ids
-            end = start + new - len(drafts)  # of the known tokens; the drafts follow
-            if new == 1:  # a decode: one token
-                input_ids.append(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+            if new == 1:  # a decode: one token, the most common row, kept short
+                num_prompt, output = len(prompt), seq.output_token_ids
+                input_ids.append(prompt[start] if start < num_prompt else output[start - num_prompt])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += token_slice(seq, start, end)
-                input_ids += drafts
-                positions += range(start, start + new)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + new)]
+                context_lens.append(start + 1)
+                cu.append(cu[-1] + 1)
+                widths.append(len(table))
+                if start + 1 == num_prompt + len(output):
+                    logits_indices.append(len(input_ids) - 1)
+                continue
+            end = start + new - len(drafts)  # of the known tokens; the drafts follow
+            input_ids += token_slice(seq, start, end)
+            input_ids += drafts
+            positions += range(start, start + new)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + new)]
             context_lens.append(start + new)
             cu.append(cu[-1] + new)
             widths.append(len(table))
@@ -192,5 +208,7 @@ class StepBuilder:
                 logits_indices += range(len(input_ids) - 1 - len(drafts), len(input_ids))
         return [input_ids, positions, slots], context_lens + cu, widths, logits_indices
 
-    def _host(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype)
+    @staticmethod
+    def _host(data: list, dtype: torch.dtype) -> torch.Tensor:
+        # numpy converts a list of ints several times faster than torch.tensor does.
+        return torch.from_numpy(np.array(data, dtype=_NUMPY[dtype]))
