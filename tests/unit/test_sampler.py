@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.dispatched_ops import DispatchedOps
 from worker.engine import sampler
 from worker.engine.device import host_to_device
 from worker.engine.request import SamplingParams
@@ -342,16 +342,6 @@ def test_the_stream_is_uniform_and_differs_by_seed_and_index():
     assert not (gamma_on == shifted).any()
 
 
-class Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("unseeded", [0, 3])
 def test_uniforms_cost_the_same_ops_for_any_number_of_seeded_rows(unseeded, monkeypatch):
     copies = []
@@ -359,7 +349,7 @@ def test_uniforms_cost_the_same_ops_for_any_number_of_seeded_rows(unseeded, monk
 
     def ops(num_seeded):
         copies.clear()
-        with Ops() as mode:
+        with DispatchedOps() as mode:
             _uniforms([make_stream(s) for s in range(num_seeded)] + [None] * unseeded, CPU)
         assert len(copies) == 1  # every row's seed and draw index in one host-to-device copy
         return mode.names

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import step_prep
+from tests.dispatched_ops import DispatchedOps
 from worker.engine.request import SamplingParams
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
@@ -129,16 +129,6 @@ def test_the_bench_decode_step_equals_v0():
         step_prep.advance(batch, iter(range(1000, 2000)).__next__)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
     """A torch op costs more than its values at these sizes (docs/benchmarks.md), so a decode
     step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks included."""
@@ -148,7 +138,7 @@ def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
         builder.build(batch)
         for s in batch:  # every table grows by a block before the counted step
             s.seq.block_table.append(10**6 + len(s.seq.block_table))
-        with _Ops() as seen:
+        with DispatchedOps() as seen:
             step = builder.build(batch)
             step.tables.block_tables(0, num_seqs)
         return seen.names
