@@ -229,12 +229,11 @@ class RequestCounter:
     def __enter__(self) -> "RequestCounter":
         from aiokafka.client import AIOKafkaClient
 
-        self._send, counts, client_id = AIOKafkaClient.send, self.counts, self.client_id
-        original = self._send
+        original = self._send = AIOKafkaClient.send
 
         async def send(client, node_id, request, **kw):
-            if client._client_id == client_id:
-                counts[type(request).__name__.rsplit("Request", 1)[0]] += 1
+            if client._client_id == self.client_id:
+                self.counts[type(request).__name__.rsplit("Request", 1)[0]] += 1
             return await original(client, node_id, request, **kw)
 
         AIOKafkaClient.send = send
