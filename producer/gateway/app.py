@@ -102,12 +102,13 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
 
     @app.get("/v1/files/{file_id}")
     async def file_meta(request: Request, file_id: str) -> Response:
-        return await answer(request, lambda tenant: _now(batches.files.meta(file_id, tenant)))
+        return await answer(request, lambda tenant: batches.files.meta(file_id, tenant))
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        return await answer(request, lambda tenant: _now(
-            Response(batches.files.content(file_id, tenant), media_type="application/octet-stream")))
+        async def work(tenant):
+            return Response(await batches.files.content(file_id, tenant), media_type="application/octet-stream")
+        return await answer(request, work)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Response:
@@ -119,7 +120,9 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
-        return await answer(request, lambda tenant: _now(batches.public(batches.record(batch_id, tenant))))
+        async def work(tenant):
+            return batches.public(await batches.record(batch_id, tenant))
+        return await answer(request, work)
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:

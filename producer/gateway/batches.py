@@ -89,8 +89,8 @@ class BatchService:
 
     # --- the HTTP side ------------------------------------------------------------------------
 
-    def record(self, batch_id: str, tenant: str | None) -> dict:
-        raw = self.table.data.get(batch_id)
+    async def record(self, batch_id: str, tenant: str | None) -> dict:
+        raw = await self.table.get(batch_id)
         rec = json.loads(raw) if raw is not None else None
         if rec is None or rec.get("tenant") != tenant:
             raise OpenAIError(404, f"no such batch: {batch_id}", param="batch_id", code="not_found")
@@ -105,7 +105,7 @@ class BatchService:
         if not isinstance(file_id, str):
             raise bad_request("input_file_id", "input_file_id: required")
         try:
-            meta = self.files.meta(file_id, tenant)
+            meta = await self.files.meta(file_id, tenant)
         except OpenAIError:
             raise bad_request("input_file_id", f"input_file_id: no such file: {file_id}") from None
         if meta["purpose"] != "batch":
@@ -131,7 +131,7 @@ class BatchService:
 
     async def cancel(self, tenant: str | None, batch_id: str) -> dict:
         """POST /v1/batches/{id}/cancel: the owner (this instance or another) stops it."""
-        rec = self.record(batch_id, tenant)
+        rec = await self.record(batch_id, tenant)
         if rec["status"] in TERMINAL:
             raise OpenAIError(409, f"cannot cancel a batch with status {rec['status']}", code="conflict")
         if rec["status"] != "cancelling":
@@ -144,7 +144,7 @@ class BatchService:
     async def delete_file(self, tenant: str | None, file_id: str) -> dict:
         """Deletes a file, unless it is the input of one of the tenant's unfinished batches (a
         gateway that resumes the batch reads it again): 409 until that batch ends."""
-        self.files.meta(file_id, tenant)
+        await self.files.meta(file_id, tenant)
         recs = [json.loads(raw) for raw in list(self.table.data.values())]
         for rec in (self.live.get(r["id"], r) for r in recs):
             if rec.get("input_file_id") == file_id and rec["status"] not in TERMINAL:
@@ -252,7 +252,7 @@ class BatchService:
     async def _execute(self, rec: dict) -> None:
         batch_id, tenant = rec["id"], rec["tenant"]
         try:
-            lines = parse_lines(self.files.content(rec["input_file_id"], tenant).decode("utf-8"),
+            lines = parse_lines((await self.files.content(rec["input_file_id"], tenant)).decode("utf-8"),
                                 priority=BATCH_PRIORITY)
         except (UnicodeDecodeError, DuplicateCustomIds, OpenAIError) as exc:
             code = "duplicate_custom_id" if isinstance(exc, DuplicateCustomIds) else "invalid_file"

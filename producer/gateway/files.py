@@ -21,24 +21,26 @@ class FileStore:
     def __init__(self, table: TopicTable):
         self.table = table
 
-    def meta(self, file_id: str, tenant: str | None) -> dict:
+    async def meta(self, file_id: str, tenant: str | None) -> dict:
         """The file object (OpenAI's shape); 404 for a file that is not there or not the tenant's."""
-        raw = self.table.data.get(file_id)
+        record = await self._record(file_id, tenant)
+        return {k: v for k, v in record.items() if k not in ("tenant", "chunks")}
+
+    async def content(self, file_id: str, tenant: str | None) -> bytes:
+        record = await self._record(file_id, tenant)
+        return b"".join(self.table.data[f"{file_id}/{n}"] for n in range(record["chunks"]))
+
+    async def _record(self, file_id: str, tenant: str | None) -> dict:
+        raw = await self.table.get(file_id)
         record = json.loads(raw) if raw is not None else None
         if record is None or record.get("tenant") != tenant:
             raise OpenAIError(404, f"no such file: {file_id}", param="file_id", code="not_found")
-        return {k: v for k, v in record.items() if k not in ("tenant", "chunks")}
-
-    def content(self, file_id: str, tenant: str | None) -> bytes:
-        self.meta(file_id, tenant)
-        record = json.loads(self.table.data[file_id])
-        return b"".join(self.table.data[f"{file_id}/{n}"] for n in range(record["chunks"]))
+        return record
 
     async def delete(self, file_id: str, tenant: str | None) -> dict:
         """OpenAI's deletion object. The metadata goes first: a file without it is gone even if
         the gateway stops before its chunks' tombstones are written."""
-        self.meta(file_id, tenant)  # 404 unless it is there and the tenant's
-        record = json.loads(self.table.data[file_id])
+        record = await self._record(file_id, tenant)  # 404 unless it is there and the tenant's
         await self.table.delete(file_id)
         for n in range(record["chunks"]):
             await self.table.delete(f"{file_id}/{n}")
@@ -55,7 +57,7 @@ class FileStore:
                   "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
                   "status_details": None, "tenant": tenant, "chunks": len(chunks)}
         await self.table.put(file_id, json.dumps(record).encode())  # last: the file is whole now
-        return self.meta(file_id, tenant)
+        return await self.meta(file_id, tenant)
 
 
 def parse_upload(content_type: str, body: bytes) -> tuple[bytes, str, str]:

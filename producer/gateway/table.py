@@ -3,7 +3,9 @@ survive a gateway restart and every replica sees them, without a database.
 
 Each instance reads the whole topic at start (until its end), then follows it; a write is
 acknowledged by every in-sync replica (acks=all) before it counts, and shows in the writer's own
-dict at once. Compaction keeps the latest value of every key.
+dict at once. A key another instance wrote may not have been followed yet: `get` reads up to the
+topic's end before it answers "not there", so what one replica acknowledged, every replica finds.
+Compaction keeps the latest value of every key.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from config.settings import KafkaSettings
+from producer.gateway.errors import OpenAIError
 from producer.topics import create_topics
 
 log = structlog.get_logger(__name__)
 
 MAX_VALUE_BYTES = 900_000  # under the broker's default message.max.bytes (1 MiB)
+CATCH_UP_TIMEOUT_S = 10.0
 
 
 class TopicTable:
@@ -33,6 +37,7 @@ class TopicTable:
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task | None = None
+        self._tp = TopicPartition(topic, 0)
 
     async def start(self) -> None:
         """Create the topic if missing, read it to its end, then follow it."""
@@ -47,11 +52,10 @@ class TopicTable:
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(**opts, group_id=None, enable_auto_commit=False)
         await self._consumer.start()
-        tp = TopicPartition(self.topic, 0)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_beginning(tp)
-        end = (await self._consumer.end_offsets([tp]))[tp]
-        while await self._consumer.position(tp) < end:
+        self._consumer.assign([self._tp])
+        await self._consumer.seek_to_beginning(self._tp)
+        end = await self._end()
+        while await self._consumer.position(self._tp) < end:
             await self._read(timeout_ms=500)
         self._task = asyncio.create_task(self._follow(), name=f"table-{self.topic}")
 
@@ -77,6 +81,30 @@ class TopicTable:
                 self.data[key] = r.value
                 if self.on_change:
                     self.on_change(key, r.value)
+
+    async def get(self, key: str) -> bytes | None:
+        """The key's value; on a miss, first follow the topic up to its end (another replica may
+        have just written it)."""
+        if key not in self.data:
+            try:
+                await self.caught_up()
+            except TimeoutError:
+                raise OpenAIError(503, f"could not read {self.topic} to its end in {CATCH_UP_TIMEOUT_S:g} s: "
+                                  "retry", type="server_error", code="unavailable",
+                                  headers={"Retry-After": "1"}) from None
+        return self.data.get(key)
+
+    async def caught_up(self, timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:
+        """Waits until the follower has read every record the topic held when called (a broker
+        round trip); raises TimeoutError past `timeout_s` (a broker that cannot answer)."""
+        assert self._consumer is not None, "table not started"
+        async with asyncio.timeout(timeout_s):
+            end = await self._end()
+            while await self._consumer.position(self._tp) < end:
+                await asyncio.sleep(0.01)
+
+    async def _end(self) -> int:
+        return (await self._consumer.end_offsets([self._tp]))[self._tp]
 
     async def put(self, key: str, value: bytes) -> None:
         assert self._producer is not None, "table not started"
