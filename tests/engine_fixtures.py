@@ -1,6 +1,10 @@
 """Shared, expensive engine objects: one loaded model and one HF reference per test session."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,6 +26,37 @@ def hf_model():
     from worker.engine.models.loader import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).eval()
+
+
+SHALLOW_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def shallow_smollm2(tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first SHALLOW_LAYERS layers, as an HF directory: the Triton interpreter
+    runs every kernel program in Python (seconds a layer), and each layer runs the same kernels."""
+    from safetensors.torch import load_file, save_file
+
+    from worker.engine.models.loader import resolve_model_dir
+
+    full, shallow = resolve_model_dir(), tmp_path_factory.mktemp("smollm2-shallow")
+    kept = tuple(f"model.layers.{i}." for i in range(SHALLOW_LAYERS))
+    state = load_file(str(full / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.startswith("model.layers.") or k.startswith(kept)},
+              str(shallow / "model.safetensors"))
+    config = json.loads((full / "config.json").read_text())
+    (shallow / "config.json").write_text(json.dumps({**config, "num_hidden_layers": SHALLOW_LAYERS}))
+    for other in full.iterdir():
+        if other.name not in ("model.safetensors", "config.json"):
+            shutil.copy(other, shallow / other.name)
+    return shallow
+
+
+@pytest.fixture(scope="session")
+def shallow_hf_model(shallow_smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(shallow_smollm2), dtype=torch.float32).eval()
 
 
 NEW_TOKENS = 48

@@ -39,10 +39,10 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
 
 
 def run_smollm2(cases: dict) -> None:
-    """cases: {"block_size": int (optional), "runs": [{"name", "scheduler": {...}, "arrivals": {step:
+    """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name", "scheduler": {...}, "arrivals": {step:
     [[id, prompt_ids, max_tokens]]}}]}; each run is one engine over the same runner; prints each
     request's tokens and the run's stats."""
-    settings = cuda_like_settings()
+    settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)
     print(json.dumps({"backends": runner.backends.__dict__}), flush=True)
