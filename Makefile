@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install k8s-tools k8s-check demo test kafka kafka-stop bench bench-peer chaos gpu-compile clean
+.PHONY: install k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer chaos gpu-compile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: install
 
 test: install
 	scripts/test.sh
+
+# make test plus the tests marked `full` (exhaustive kernel matrices, the bench scripts' smoke runs).
+test-full: install
+	scripts/test.sh --full
 
 bench: install
 	$(BIN)/python -m bench.engine

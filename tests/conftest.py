@@ -14,6 +14,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the chaos tests at full length (more kills, restarts and requests); "
         "read it with request.config.getoption('--chaos-long')",
     )
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="also run the tests marked `full` (exhaustive matrices, the bench scripts' smoke runs), "
+        "which `make test` leaves out; `make test-full` runs everything",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,3 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             misplaced.append(item.nodeid)
     if misplaced:
         raise pytest.UsageError("these tests use the broker but are not in tests/kafka/: " + ", ".join(misplaced))
+    if not config.getoption("--full") and "full" not in config.getoption("markexpr"):
+        left_out = [item for item in items if item.get_closest_marker("full") is not None]
+        if left_out:  # deselected, not skipped: they are not run, and the summary counts them apart
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker("full") is None]

@@ -19,6 +19,7 @@ def results(kafka_bootstrap, tmp_path_factory):
 
 
 @pytest.mark.kafka
+@pytest.mark.full
 def test_both_loads_complete_with_every_token(results):
     assert [r["client"] for r in results["runs"]] == ["kafka", "sdk"]
     assert results["workload"]["num_requests"] == 3 and results["workload"]["output_tokens"]["total"] == 12
@@ -32,6 +33,7 @@ def test_both_loads_complete_with_every_token(results):
 
 
 @pytest.mark.kafka
+@pytest.mark.full
 def test_the_comparison_is_the_ratio_of_the_runs(results):
     kafka, sdk = results["runs"]
     c = results["comparison"]["sdk"]

@@ -158,7 +158,9 @@ def test_triton_kernel_matches_reference(group):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("group", ["decode_full", "prefill_full"])
 def test_triton_kernel_full_matrix(group):
-    """Every dtype x GQA ratio x block size (36 cases per kernel)."""
+    """Every dtype x GQA ratio x block size (36 cases per kernel); `make test` runs every value of
+    every axis (test_triton_kernel_matches_reference), `make test-full` this cross product too."""
     run_cases(group)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import block_size
 
 
+@pytest.mark.full
 def test_a_tiny_run_at_two_block_sizes(tmp_path, capsys):
     res = block_size.main(["--quick", "--block-sizes", "8", "128", "--threads", "1", "--out-dir", str(tmp_path)])
     runs = res["runs"]

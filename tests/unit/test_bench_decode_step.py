@@ -7,6 +7,7 @@ import torch
 from bench import decode_step, roofline
 
 
+@pytest.mark.full
 def test_kv_fp16_variant_steps_over_an_fp16_copy_of_the_cache(capsys):
     args = decode_step.parse_args(["--kv-fp16", "--batch", "2", "--steps", "2", "--warmup", "1", "--threads", "1"])
 
@@ -27,6 +28,7 @@ def test_kv_fp16_variant_steps_over_an_fp16_copy_of_the_cache(capsys):
     assert "cpu / cpu-fp16" in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_linears_variants_swap_the_packed_copies_and_back(capsys):
     """--linears: the C GEMM's packed weights (codes and fp32) and oneDNN's and F.linear on one batch; the
     runner's own copies are back after each variant, and every variant samples the same tokens
@@ -56,6 +58,7 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
     assert "onednn / c-gemm" in out and "c-gemm / c-codes" in out
 
 
+@pytest.mark.full
 def test_linear_backends_bench_times_every_backend(capsys):
     from bench import linear_backends
     from kernels.cpu import gemm

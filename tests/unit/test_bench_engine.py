@@ -25,6 +25,7 @@ def results(tmp_path_factory):
     return json.loads((out / "engine.json").read_text()), out
 
 
+@pytest.mark.full
 def test_repeats_alternate_the_engine_modes_and_report_the_median(tmp_path):
     data = bench_engine.main(["--quick", "--num-requests", "3", "--max-output", "4", "--skip-hf", "--rate", "0",
                               "--repeats", "3", "--out-dir", str(tmp_path), "--no-progress", "--threads", "1"])
@@ -46,6 +47,7 @@ def test_alternate_modes_runs_forward_then_backward(monkeypatch):
     assert calls == ["s", "c", "c", "s", "s", "c"] and {k: len(v) for k, v in runs.items()} == {"s": 3, "c": 3}
 
 
+@pytest.mark.full
 def test_writes_json_and_plot(results):
     data, out = results
     assert (out / "engine.png").stat().st_size > 1000
@@ -54,6 +56,7 @@ def test_writes_json_and_plot(results):
     assert set(data["poisson"]["runs"]) == {"engine_static", "engine_continuous"}
 
 
+@pytest.mark.full
 def test_every_mode_completes_every_request(results):
     data, _ = results
     total = data["workload"]["output_tokens"]["total"]
@@ -71,11 +74,13 @@ def test_every_mode_completes_every_request(results):
         assert 1 <= run["mean_batch_size"] <= 4
 
 
+@pytest.mark.full
 def test_greedy_tokens_agree_across_modes(results):
     data, _ = results
     assert data["greedy_agreement"] == {"engine_static_vs_hf_static16": 4, "engine_continuous_vs_hf_static16": 4}
 
 
+@pytest.mark.full
 def test_roofline_and_ratios(results):
     data, _ = results
     roof = data["roofline"]
@@ -88,6 +93,7 @@ def test_roofline_and_ratios(results):
     assert data["profile"]["num_steps"] >= 1 and data["profile"]["top_self_cpu"]
 
 
+@pytest.mark.full
 def test_ceiling_counts_prompt_work(results, capsys):
     data, _ = results
     c, w, roof = data["ceiling"], data["workload"], data["roofline"]
@@ -121,6 +127,7 @@ def test_workload_is_deterministic_and_varied():
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
 
 
+@pytest.mark.full
 def test_kv_dtype_option_reaches_every_engine_mode(results):
     data, _ = results
     assert data["kv_dtype"] == "float32", "the default run keeps the model's dtype"

@@ -2,9 +2,12 @@
 step time. Never a speed: which mode is faster is measured by the benchmark, not asserted."""
 from __future__ import annotations
 
+import pytest
+
 from bench import load_thread
 
 
+@pytest.mark.full
 def test_both_modes_report_a_step_time(capsys):
     results = load_thread.main(["--repeats", "1", "--steps", "2", "--batch", "2", "--threads", "1"])
     assert set(results) == set(load_thread.MODES)

@@ -2,9 +2,12 @@
 no times asserted. Greedy tokens must agree for every request: drafts never change them."""
 from __future__ import annotations
 
+import pytest
+
 from bench import spec_decode
 
 
+@pytest.mark.full
 def test_both_ways_run_every_request_twice_with_the_same_tokens(capsys):
     res = spec_decode.main(["--num-requests", "3", "--max-output", "12", "--threads", "1", "--single", "2",
                             "--lookup-min", "1"])
