@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="the worker's torch threads (0: torch's choice)")
     p.add_argument("--background", default="off,on",
                    help="rounds, each on a fresh worker: the scheduler's background limit off, on (as "
-                        "configured) or on:N (N background tokens a step), comma-separated")
+                        "configured), on:N (N background tokens a step beside interactive work), on:N:M "
+                        "(and M a step between interactive requests), on:N:M:Q (until Q s without "
+                        "interactive work), comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -186,14 +188,15 @@ BACKGROUND_OFF = {"INFERLINE_SCHEDULER__BACKGROUND_PRIORITY": str(2**31 - 1)}
 
 
 def limit_env(mode: str) -> dict[str, str]:
-    """The worker's environment for a --background mode: off, on, on:N."""
+    """The worker's environment for a --background mode: off, on, on:N, on:N:M, on:N:M:Q."""
     if mode == "off":
         return BACKGROUND_OFF
-    if mode.startswith("on:"):
-        return {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": str(int(mode[3:]))}
-    if mode != "on":
-        raise SystemExit(f"--background: {mode!r} is not off, on or on:N")
-    return {}
+    names = ("BACKGROUND_MAX_TOKENS", "BACKGROUND_ALONE_MAX_TOKENS", "BACKGROUND_QUIET_S")
+    head, *values = mode.split(":")
+    if head != "on" or len(values) > len(names):
+        raise SystemExit(f"--background: {mode!r} is not off, on, on:N, on:N:M or on:N:M:Q")
+    return {f"INFERLINE_SCHEDULER__{name}": str(float(v) if name.endswith("_S") else int(v))
+            for name, v in zip(names, values)}
 
 
 def one_round(args, settings, mode: str) -> dict:

@@ -110,6 +110,7 @@ def run(load: Load, cost, background: BackgroundLimit | None, interactive: bool,
     """One load on a fresh engine: with `batch`, the lines run at full width first; with
     `interactive`, Poisson arrivals start then (after 5 s of batch alone)."""
     engine = Engine(Scheduler(BlockManager(num_blocks, 16), max_num_seqs, budget, background=background), cost)
+    engine.scheduler.clock = lambda: engine.now / 1000
     rng = random.Random(seed)
     lines = iter(range(load.batch_lines if interactive is False else 10**9))  # beside: outlasts the chats
 
@@ -155,6 +156,7 @@ def compare(load: Load, cost, background: BackgroundLimit | None, seed: int = 0)
     by_tokens = capacity - alone["interactive_tokens_per_s"]
     by_time = capacity * (1 - alone["busy_share"])
     return {"seats": background.max_tokens if background else None,
+            "alone": background.alone_max_tokens if background else None,
             "ttft_p50_ratio": both["ttft_p50_ms"] / alone["ttft_p50_ms"],
             "ttft_p99_ratio": both["ttft_p99_ms"] / alone["ttft_p99_ms"],
             "ttft_p99_ms": (round(alone["ttft_p99_ms"]), round(both["ttft_p99_ms"])),
@@ -171,6 +173,10 @@ def main(argv=None) -> None:
     p.add_argument("--row-ms", type=float)
     p.add_argument("--prefill-ms", type=float)
     p.add_argument("--seats", default="8,16,24,32,64", help="background_max_tokens values to try (beside 'off')")
+    p.add_argument("--alone", default="", help="alone_max_tokens values to try with each --seats value "
+                   "(background tokens a step with no interactive work; empty: none)")
+    p.add_argument("--quiet-s", type=float, default=BackgroundLimit.quiet_s,
+                   help="seconds without interactive work after which --alone no longer applies")
     p.add_argument("--rate", type=float, default=Load.rate)
     p.add_argument("--interactive", type=int, default=Load.interactive, help="interactive requests per load")
     p.add_argument("--seeds", type=int, default=3, help="runs per policy (Poisson arrivals); medians")
@@ -179,7 +185,9 @@ def main(argv=None) -> None:
     cost = (args.fixed_ms or fixed, args.row_ms or row, args.prefill_ms or prefill)
     load = Load(rate=args.rate, interactive=args.interactive)
     print(f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, per prompt token {cost[2]}; {load}")
-    for background in [None, *(BackgroundLimit(BATCH_PRIORITY, int(n)) for n in args.seats.split(","))]:
+    alone = [None, *(int(n) for n in args.alone.split(",") if n)]
+    limits = [BackgroundLimit(BATCH_PRIORITY, int(n), a, args.quiet_s) for n in args.seats.split(",") for a in alone]
+    for background in [None, *limits]:
         runs = [compare(load, cost, background, seed) for seed in range(args.seeds)]
         row_ = {k: statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else runs[0][k]
                 for k in runs[0]}

@@ -246,6 +246,13 @@ class SchedulerSettings(BaseModel):
     # Background tokens a step may compute while foreground work is present (a decoding
     # sequence's one, a prompt's chunk; taken in turns).
     background_max_tokens: int = Field(32, ge=1)
+    # Background tokens a step may compute with no foreground work present but some within the
+    # last background_quiet_s seconds: bounds the step in flight that an interactive request
+    # arriving between others waits for, at some batch throughput (0: no bound, full width).
+    background_alone_max_tokens: int = Field(0, ge=0)
+    # Seconds without foreground work after which background_alone_max_tokens no longer applies
+    # and a batch runs at full width (a fleet that serves only batches loses nothing to it).
+    background_quiet_s: float = Field(10.0, ge=0)
 
 
 class SpeculativeSettings(BaseModel):

@@ -31,11 +31,15 @@ def test_the_background_limit_trades_batch_throughput_for_interactive_latency():
     ("off", {"INFERLINE_SCHEDULER__BACKGROUND_PRIORITY": str(2**31 - 1)}),
     ("on", {}),
     ("on:48", {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": "48"}),
+    ("on:16:32:30", {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": "16",
+                     "INFERLINE_SCHEDULER__BACKGROUND_ALONE_MAX_TOKENS": "32",
+                     "INFERLINE_SCHEDULER__BACKGROUND_QUIET_S": "30.0"}),
 ])
 def test_batch_priority_background_modes(mode, env):
     assert limit_env(mode) == env
 
 
-def test_batch_priority_refuses_an_unknown_mode():
+@pytest.mark.parametrize("mode", ["sometimes", "on:1:2:3:4", "off:3"])
+def test_batch_priority_refuses_an_unknown_mode(mode):
     with pytest.raises(SystemExit):
-        limit_env("sometimes")
+        limit_env(mode)

@@ -2,7 +2,7 @@
 "runner" here appends a fake token whenever a chunk samples)."""
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from worker.engine.block_manager import BlockManager
@@ -52,10 +52,15 @@ requests = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
+# Found by this test: a waiting background request that memory kept out took the one background
+# seat of every step, and nothing ran again.
+@example(reqs=[(6, 1, 0, 0), *[(1, 1, 0, 0)] * 16, (35, 21, 0, 0), (27, 40, 3, 0), (28, 39, 1, 0)], num_blocks=11,
+         budget=16, max_seqs=3, aborts=[], policy="continuous", background=BackgroundLimit(1, 2, alone_max_tokens=1))
 @given(reqs=requests, num_blocks=st.integers(8, 40), budget=st.sampled_from([16, 32, 100]),
        max_seqs=st.integers(1, 8), aborts=st.lists(st.integers(0, 24), max_size=5),
        policy=st.sampled_from(["continuous", "static"]),
-       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2), BackgroundLimit(1, 5)]))
+       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2), BackgroundLimit(1, 5),
+                                      BackgroundLimit(1, 2, alone_max_tokens=1)]))
 def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budget, max_seqs, aborts, policy,
                                                          background):
     bm = BlockManager(num_blocks, block_size=8)
@@ -404,6 +409,29 @@ def test_background_sequences_that_cannot_be_admitted_leave_the_seats_to_running
         sched.add(seq(f"b{i}", 4, 50, priority=100, arrival=1 + i))
     steps = [fake_step_scheduled(sched) - {"chat"} for _ in range(3)]
     assert all(len(s) == 2 and s <= {"b0", "b1", "b2"} for s in steps), steps
+
+
+def test_between_foreground_requests_the_batch_runs_bounded_until_quiet_s_pass():
+    """alone_max_tokens: with no foreground work but some within quiet_s, background steps hold
+    at most that many tokens; past quiet_s (or before any foreground work) full width again."""
+    now = [0.0]
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
+                      background=BackgroundLimit(priority=100, max_tokens=2, alone_max_tokens=3, quiet_s=10.0),
+                      clock=lambda: now[0])
+    batch = [seq(f"b{i}", 4, 200, priority=100, arrival=i) for i in range(6)]
+    run_until_decoding(sched, batch)
+    assert len(fake_step_scheduled(sched)) == 6, "no foreground work seen yet: full width"
+    chat = seq("chat", 4, 2, priority=0, arrival=10)
+    sched.add(chat)
+    while not chat.is_finished:
+        fake_step_scheduled(sched)
+        if chat.num_output_tokens >= chat.sampling.max_tokens:
+            sched.remove(chat)
+            chat.finish("length")
+    now[0] = 9.0
+    assert len(fake_step_scheduled(sched)) == 3, "foreground work 9 s ago: 3 tokens a step"
+    now[0] = 10.5
+    assert len(fake_step_scheduled(sched)) == 6, "quiet for 10 s: full width"
 
 
 def test_a_limit_past_every_priority_leaves_steps_shared_alike():

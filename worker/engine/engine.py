@@ -92,7 +92,9 @@ class LLMEngine:
         sched = settings.scheduler
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.policy, proposer, spec.disable_by_batch_size,
-                                   BackgroundLimit(sched.background_priority, sched.background_max_tokens))
+                                   BackgroundLimit(sched.background_priority, sched.background_max_tokens,
+                                                   sched.background_alone_max_tokens or None,
+                                                   sched.background_quiet_s))
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, list[Sequence]] = {}  # every sample of a request, by index

@@ -20,14 +20,19 @@ Background work (BackgroundLimit: priority at or past a threshold, a batch's cla
 with foreground work only narrowly: while a foreground request runs or waits, background
 sequences run in turns, computing at most `max_tokens` a step between them (a prompt is chunked
 to fit), and none in a step that computes a foreground prompt. On a CPU a step's length grows
-with its tokens, so this bounds what a batch adds to an interactive request's first token; with
-no foreground work the batch runs at full width.
+with its tokens, so this bounds what a batch adds to an interactive request's first token. With
+no foreground work the batch runs at full width, or, with `alone_max_tokens` set, at most that
+many tokens a step until `quiet_s` have passed without foreground work: a request that arrives
+between interactive ones then waits for a short step, not a full-width one.
 
 The scheduler decides and never touches tensors.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
@@ -73,6 +78,8 @@ class BackgroundLimit:
 
     priority: int
     max_tokens: int
+    alone_max_tokens: int | None = None  # None: no bound with no foreground work
+    quiet_s: float = 10.0  # without foreground work this long, alone_max_tokens no longer applies
 
     def is_background(self, seq: Sequence) -> bool:
         return seq.priority >= self.priority
@@ -82,9 +89,11 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, policy: str = "continuous",
                  proposer: NgramProposer | None = None, spec_disable_batch_size: int | None = None,
-                 background: BackgroundLimit | None = None):
+                 background: BackgroundLimit | None = None, clock: Callable[[], float] = time.monotonic):
         assert policy in ("continuous", "static")
         self.background = background
+        self.clock = clock  # seconds; bench/scheduler_sim.py gives it virtual time
+        self.foreground_seen_at: float | None = None
         self.num_steps = 0
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -132,25 +141,31 @@ class Scheduler:
 
     def _background_seats(self) -> list[int] | None:
         """How many background tokens this step may compute ([n]: a counter the step spends), or
-        None for no limit: no BackgroundLimit, or no foreground work."""
+        None for no limit: no BackgroundLimit, or no foreground work (for `quiet_s`, where
+        `alone_max_tokens` is set)."""
         bg = self.background
         if bg is None or self.policy != "continuous":
             return None
         foreground = [s for s in (*self.running, *self.waiting) if not bg.is_background(s)]
         if not foreground:
-            return None
+            seen_at = self.foreground_seen_at
+            recent = seen_at is not None and self.clock() - seen_at < bg.quiet_s
+            return [bg.alone_max_tokens] if recent and bg.alone_max_tokens is not None else None
+        self.foreground_seen_at = self.clock()
         prompt = any(s.num_uncomputed_tokens > 1 or s.status is SequenceStatus.WAITING for s in foreground)
         return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
         """The running background sequences that sit this step out: the seats go to the least
         recently run background sequences, running or waiting (a waiting one first, as many as
-        the batch has free places for: the others could not be admitted), each taking the tokens
-        it needs (a prompt: up to what is left)."""
+        the batch has free places and memory for: a seat given to one that cannot be admitted
+        would stall every background sequence), each taking the tokens it needs (a prompt: up to
+        what is left)."""
         if seats is None:
             return set()
         free = max(0, self.max_num_seqs - len(self.running))
         waiting = [s for s in self.waiting if self.background.is_background(s)][:free]
+        waiting = list(itertools.takewhile(self._fits, waiting))
         running = [s for s in self.running if self.background.is_background(s)]
         turn, left = set(), seats[0]
         for s in waiting + sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key)):
@@ -159,6 +174,10 @@ class Scheduler:
             turn.add(s)
             left -= s.num_uncomputed_tokens
         return {s for s in self.running if self.background.is_background(s) and s not in turn}
+
+    def _fits(self, seq: Sequence) -> bool:
+        bm = self.block_manager
+        return bm.can_allocate(bm.num_blocks_to_admit(seq, bm.cached_prefix(seq)))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, seats: list[int] | None = None) -> int:
         self.running.sort(key=lambda s: s.sort_key)
