@@ -165,10 +165,11 @@ class Scheduler:
             return set()
         free = max(0, self.max_num_seqs - len(self.running))
         waiting = [s for s in self.waiting if self.background.is_background(s)][:free]
-        waiting = list(itertools.takewhile(self._fits, waiting))
         running = [s for s in self.running if self.background.is_background(s)]
         turn, left = set(), seats[0]
-        for s in waiting + sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key)):
+        # lazy: a waiting sequence's memory is checked only when the seats reach it
+        for s in itertools.chain(itertools.takewhile(self._fits, waiting),
+                                 sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key))):
             if left <= 0:
                 break
             turn.add(s)
