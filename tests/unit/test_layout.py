@@ -50,3 +50,14 @@ def test_only_the_delivery_path_commits_or_acknowledges():
     found = [p.relative_to(REPO).as_posix() for p in (REPO / "worker").rglob("*.py")
              if any(c in p.read_text() for c in calls)]
     assert all(f.startswith("worker/delivery/") for f in found), found
+
+
+@pytest.mark.parametrize("top", ["worker", "producer", "contract", "kernels", "config"])
+def test_no_installed_distribution_claims_our_top_level_packages(top):
+    """Two distributions with one top-level name overwrite each other in site-packages, and an
+    import finds whichever comes first on sys.path (transformers 5.25 required Hugging Face's
+    `kernels`, and its `import kernels` found ours: pyproject.toml pins it below)."""
+    import importlib.metadata
+
+    claimants = set(importlib.metadata.packages_distributions().get(top, [])) - {"inferline"}
+    assert claimants == set(), f"{sorted(claimants)} install a top-level `{top}` package as inferline does"
