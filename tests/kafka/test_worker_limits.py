@@ -52,8 +52,11 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
                                                                                   start_worker):
     """Priority 100 is background work (scheduler.BackgroundLimit): through Kafka, a batch and
     interactive requests beside it are each answered once, in full, and while an interactive
-    request runs the batch computes at most background_max_tokens tokens a step."""
-    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_tokens": 2})
+    request runs the batch computes at most background_max_tokens tokens a step; between and after
+    interactive requests, at most background_alone_max_tokens until background_quiet_s pass."""
+    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_tokens": 2,
+                                                   "background_alone_max_tokens": 4,
+                                                   "background_quiet_s": 3600})
     steps: list[tuple[int, int, int]] = []  # (foreground sequences, background ones, their tokens) a step
     schedule = worker.engine.scheduler.schedule
 
@@ -64,11 +67,11 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
         return out
 
     worker.engine.scheduler.schedule = recorded
-    batch = [request(topics.replies, max_tokens=16, ignore_eos=True, priority=100) for _ in range(8)]
+    batch = [request(topics.replies, max_tokens=64, ignore_eos=True, priority=100) for _ in range(8)]
     chat = [request(topics.replies, max_tokens=4, ignore_eos=True) for _ in range(2)]
     ids = await submit(kafka_bootstrap, topics.requests, batch)
-    for _ in range(1200):  # the batch is running
-        if any(bg for _, bg, _ in steps):
+    for _ in range(1200):  # the whole batch is running
+        if any(bg == 8 for _, bg, _ in steps):
             break
         await asyncio.sleep(0.05)
     ids += await submit(kafka_bootstrap, topics.requests, chat)
@@ -79,7 +82,10 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
         assert done.finish_reason == "length" and done.usage.completion_tokens == r["max_tokens"], done
     beside = [tokens for fg, _, tokens in steps if fg]
     assert beside and max(beside) <= 2, steps
-    assert max(bg for _, bg, _ in steps) == 8, "alone, the batch ran at full width"
+    first_fg = next(i for i, (fg, _, _) in enumerate(steps) if fg)
+    assert max(bg for _, bg, _ in steps[:first_fg]) == 8, "before any interactive request, full width"
+    after = [tokens for fg, bg, tokens in steps[first_fg:] if bg and not fg]
+    assert after and max(after) <= 4, steps
 
 
 async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):
