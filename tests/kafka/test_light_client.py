@@ -48,7 +48,8 @@ def light_venv(tmp_path_factory) -> Path:
     src, venv = source_copy(tmp / "src"), tmp / "venv"
 
     for argv in ([sys.executable, "-m", "venv", str(venv)],
-                 [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", str(src)]):
+                 [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                  "-c", str(REPO / "constraints.txt"), str(src)]):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout + done.stderr
     return venv
