@@ -67,7 +67,7 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
         return out
 
     worker.engine.scheduler.schedule = recorded
-    batch = [request(topics.replies, max_tokens=64, ignore_eos=True, priority=100) for _ in range(8)]
+    batch = [request(topics.replies, max_tokens=96, ignore_eos=True, priority=100) for _ in range(8)]
     chat = [request(topics.replies, max_tokens=4, ignore_eos=True) for _ in range(2)]
     ids = await submit(kafka_bootstrap, topics.requests, batch)
     for _ in range(1200):  # the whole batch is running
