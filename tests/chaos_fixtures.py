@@ -258,6 +258,12 @@ class FakeConsumer:
         return set(self._tps)
 
 
+def assign(intake, tps) -> None:
+    """`tps` assigned to `intake` and taken over, as a rebalance leaves them, with no broker."""
+    intake._consumer = FakeConsumer(tps)
+    intake._epochs = {tp: intake.generation for tp in tps}
+
+
 class FakeEngineLoop:
     """Takes requests like EngineLoop; the harness finishes them with a RequestOutput."""
 
@@ -287,7 +293,7 @@ class IntakeHarness:
 
         self.tp = TopicPartition(settings.kafka.request_topic, 0)
         self.worker = Worker(settings)
-        self.worker.intake._consumer = FakeConsumer([self.tp])
+        assign(self.worker.intake, [self.tp])
         self.worker.engine_loop = self.worker.requests.engine_loop = FakeEngineLoop()
         self.worker.publisher._enqueue = self._enqueue
         # Every topic the policy allows exists (worker/intake/reply_topics.py asks no broker here).

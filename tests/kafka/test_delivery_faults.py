@@ -135,3 +135,42 @@ async def test_a_partition_taken_away_and_handed_back_mid_run_answers_each_reque
     events = await _one_final_each(kafka_bootstrap, t.replies, reqs)
     assert any(len({e.attempt for e in evs}) > 1 for evs in events.values()), "nothing was running then"
     assert not await _dead_letters(kafka_bootstrap, t.dlq)
+
+
+async def test_a_partition_fetched_while_its_assignment_is_checked_loses_nothing(kafka_bootstrap, new_topic,
+                                                                                start_worker):
+    """A member leaves; the worker is handed its partition, with requests nobody took, while it
+    checks which held partitions it keeps (Intake.kept: a broker round trip, slowed here) and
+    aiokafka already fetches the new assignment. Nothing may be taken from the new partition
+    before its take-over: a request taken then carried the last assignment's generation, its
+    final became `requeued`, and the take-over forgot its offset, so it was never answered."""
+    from aiokafka import AIOKafkaConsumer
+
+    from tests.worker_fixtures import Topics
+
+    t = Topics(requests=await new_topic(2, prefix="req"), cancel=await new_topic(1, prefix="cancel"),
+               dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(1, prefix="reply", reply=True))
+    worker = await start_worker(t)
+    generation = worker.intake.generation
+    member = AIOKafkaConsumer(t.requests, bootstrap_servers=kafka_bootstrap, group_id=worker.settings.kafka.group_id,
+                              enable_auto_commit=False, session_timeout_ms=6000)
+    await member.start()
+    try:
+        for _ in range(300):  # joined, and the worker has taken over its half
+            await member.getmany(timeout_ms=100, max_records=1)
+            if member.assignment() and worker.intake.generation > generation and not worker.intake._taking_over:
+                break
+        (theirs,) = member.assignment()
+        reqs = [request(t.replies, f"Say the number {n}.", max_tokens=2) for n in range(4)]
+        await _submit_to(kafka_bootstrap, t.requests, theirs.partition, reqs)
+        check = worker.intake.kept
+
+        async def slow_check(assigned):
+            await asyncio.sleep(2.0)  # long enough for the fetcher to read the new partition
+            return await check(assigned)
+        worker.intake.kept = slow_check
+    finally:
+        await member.stop()  # leaves: its partition, requests unread, goes to the worker
+    events = await _one_final_each(kafka_bootstrap, t.replies, reqs)
+    assert all(final_dones(events[r["id"]])[0].finish_reason == "length" for r in reqs)
+    assert not await _dead_letters(kafka_bootstrap, t.dlq)

@@ -11,7 +11,7 @@ import uuid
 import msgpack
 
 from config.settings import Settings
-from tests.chaos_fixtures import IntakeHarness
+from tests.chaos_fixtures import IntakeHarness, assign
 from tests.worker_fixtures import topics  # noqa: F401 - a fixture
 from worker.engine.engine import EngineLoop
 
@@ -65,6 +65,7 @@ def test_a_job_of_a_revoked_assignment_publishes_requeued_and_finishes_no_offset
     h = harness()
     _, (admitted,) = h.feed(body())
     h.worker.intake._generation += 1  # a rebalance happened since (it was handed back then)
+    assign(h.worker.intake, [h.tp])
     (done,) = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
     assert msgpack.unpackb(done.value)["finish_reason"] == "requeued"
     assert committed(h) == 0 and not h.worker.jobs

@@ -279,12 +279,12 @@ def test_tenant_attacks_in_topic_tenancy():
     acme's reply prefix or dead-letters, and everything it runs runs as acme."""
     from aiokafka import TopicPartition
 
-    from tests.chaos_fixtures import FakeConsumer, IntakeHarness
+    from tests.chaos_fixtures import IntakeHarness, assign
 
     h = IntakeHarness(Settings(kafka={"request_topic": "fuzz-requests", "dlq_topic": DLQ, "tenancy": "topic"},
                                model={"max_model_len": 256}, limits={"max_tokens_cap": 8}))
     h.tp = TopicPartition("fuzz-requests.acme", 0)
-    h.worker.intake._consumer = FakeConsumer([h.tp])
+    assign(h.worker.intake, [h.tp])
     rng, mine, theirs = random.Random(5), "inferline.reply.acme.fuzz", "inferline.reply.globex.fuzz"
     attacks = [pack({**valid_request(rng, mine), "tenant": "globex"}), pack(valid_request(rng, theirs)),
                pack({**valid_request(rng, theirs), "tenant": "globex"}), pack(valid_request(rng, "fuzz-requests.globex")),

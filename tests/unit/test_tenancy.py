@@ -9,7 +9,7 @@ import msgpack
 from aiokafka import TopicPartition
 
 from config.settings import KafkaSettings, Settings
-from tests.chaos_fixtures import FakeConsumer, IntakeHarness
+from tests.chaos_fixtures import IntakeHarness, assign
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
@@ -76,7 +76,7 @@ def harness(**limits) -> tuple[IntakeHarness, TopicPartition]:
                                "tenancy": "topic"}, limits=limits)
     h = IntakeHarness(settings)
     h.tp = TopicPartition("reqs.globex", 0)
-    h.worker.intake._consumer = FakeConsumer([h.tp])
+    assign(h.worker.intake, [h.tp])
     return h, h.tp
 
 

@@ -93,8 +93,10 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._intake.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
-        kept, moved = self._intake.on_assigned(set(assigned), await self._intake.kept(set(assigned)))
-        await self._intake.take_over(set(assigned) - kept, moved=moved, kept=kept)
+        assigned = set(assigned)
+        self._intake.assigning(assigned)  # before any await: aiokafka fetches them from here on
+        kept, moved = self._intake.on_assigned(assigned, await self._intake.kept(assigned))
+        await self._intake.take_over(assigned - kept, moved=moved, kept=kept)
 
 
 class Intake:
@@ -426,6 +428,14 @@ class Intake:
         candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
         return await self._txns.holds_ids(candidates) if candidates else set()
 
+    def assigning(self, assigned: set[TopicPartition]) -> None:
+        """aiokafka has the new assignment and may fetch from it while kept() asks the broker:
+        nothing is read from it until take_over() (a record taken now would carry the last
+        assignment's generation, and its partition's take-over would forget it)."""
+        self._taking_over |= assigned
+        if assigned:
+            self._consumer.pause(*assigned)
+
     def on_assigned(self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
                     ) -> tuple[set[TopicPartition], set[TopicPartition]]:
         """A new assignment: which held partitions stay here (kept) and which moved."""
@@ -487,6 +497,9 @@ class Intake:
                 await self._txns.open(assigned, generation)
                 committed = await (await self._admin_client()).list_consumer_group_offsets(
                     self._s.kafka.group_id, partitions=list(assigned))
+                # Where nothing is committed, from the log's start, whatever the fetcher read before.
+                fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
+                starts = await self._consumer.beginning_offsets(fresh) if fresh else {}
                 break
             except Exception as exc:  # noqa: BLE001 - coordinator moving, broker restarting
                 log.warning("intake.take_over_failed", error=repr(exc), attempt=attempt + 1)
@@ -500,14 +513,15 @@ class Intake:
             meta = committed.get(tp)
             offset = meta.offset if meta is not None and meta.offset >= 0 else None
             self._tracker.resume(tp, offset, meta.metadata if meta is not None else None)
-            if offset is not None:
-                self._consumer.seek(tp, offset)
+            self._consumer.seek(tp, offset if offset is not None else starts[tp])
         return True
 
     # -- ownership, as the transactions ask it (worker/delivery/transactions.py: Ownership) ------------
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
-        return generation == self.epoch(tp) and tp in self._consumer.assignment() and tp not in self._given_up
+        """Assigned, taken over in `generation` (on_assigned recorded it), not given up."""
+        return (tp in self._epochs and generation == self._epochs[tp] and tp in self._consumer.assignment()
+                and tp not in self._given_up)
 
     async def confirm(self, tp: TopicPartition) -> bool:
         """The group coordinator lists this member, in a stable group, with `tp` assigned."""
