@@ -137,13 +137,16 @@ async def test_a_partition_taken_away_and_handed_back_mid_run_answers_each_reque
     assert not await _dead_letters(kafka_bootstrap, t.dlq)
 
 
+@pytest.mark.parametrize("guard", ["paused", "fetched"])
 async def test_a_partition_fetched_while_its_assignment_is_checked_loses_nothing(kafka_bootstrap, new_topic,
-                                                                                start_worker):
+                                                                                start_worker, guard):
     """A member leaves; the worker is handed its partition, with requests nobody took, while it
     checks which held partitions it keeps (Intake.kept: a broker round trip, slowed here) and
     aiokafka already fetches the new assignment. Nothing may be taken from the new partition
     before its take-over: a request taken then carried the last assignment's generation, its
-    final became `requeued`, and the take-over forgot its offset, so it was never answered."""
+    final became `requeued`, and the take-over forgot its offset, so it was never answered.
+    `paused`: the listener pauses the new partition first; `fetched`: without that pause the
+    records are read, refused (not owned yet) and read again from the log's start."""
     from aiokafka import AIOKafkaConsumer
 
     from tests.worker_fixtures import Topics
@@ -152,6 +155,11 @@ async def test_a_partition_fetched_while_its_assignment_is_checked_loses_nothing
                dlq=await new_topic(1, prefix="dlq"), replies=await new_topic(1, prefix="reply", reply=True))
     worker = await start_worker(t)
     generation = worker.intake.generation
+    refused = []
+    if guard == "fetched":
+        worker.intake.assigning = lambda assigned: None
+        decode = worker.intake._decode
+        worker.intake._decode = lambda tp, record: decode(tp, record) or refused.append(record.offset)
     member = AIOKafkaConsumer(t.requests, bootstrap_servers=kafka_bootstrap, group_id=worker.settings.kafka.group_id,
                               enable_auto_commit=False, session_timeout_ms=6000)
     await member.start()
@@ -174,3 +182,5 @@ async def test_a_partition_fetched_while_its_assignment_is_checked_loses_nothing
     events = await _one_final_each(kafka_bootstrap, t.replies, reqs)
     assert all(final_dones(events[r["id"]])[0].finish_reason == "length" for r in reqs)
     assert not await _dead_letters(kafka_bootstrap, t.dlq)
+    if guard == "fetched":
+        assert refused, "the fetcher read nothing from the new partition during the check"
