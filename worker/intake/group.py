@@ -520,8 +520,7 @@ class Intake:
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         """Assigned, taken over in `generation` (on_assigned recorded it), not given up."""
-        return (tp in self._epochs and generation == self._epochs[tp] and tp in self._consumer.assignment()
-                and tp not in self._given_up)
+        return self._epochs.get(tp) == generation and tp in self._consumer.assignment() and tp not in self._given_up
 
     async def confirm(self, tp: TopicPartition) -> bool:
         """The group coordinator lists this member, in a stable group, with `tp` assigned."""
