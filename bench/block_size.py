@@ -58,7 +58,7 @@ def settings_for(args, block_size: int):
 
 def run(runner, settings, items: list[WorkItem]) -> RunRecord:
     """All of `items` at t=0, stepped until done; per step, the batch and the KV cache's state."""
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
     rec = RunRecord(f"block{runner.block_size}", {i.request_id: 0.0 for i in items},
@@ -104,7 +104,7 @@ def summary(rec: RunRecord) -> dict:
 
 def run_at(args, block_size: int, items: list[WorkItem] | None) -> tuple[RunRecord, list[WorkItem]]:
     """Load a runner at `block_size`, warm it, run the workload (built from its tokenizer if None)."""
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     settings = settings_for(args, block_size)
     runner = ModelRunner(settings)

@@ -18,7 +18,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def acquire_broker(settings) -> bool:
     """Start the local broker if needed and hold a lease on it; False when it is someone else's."""
-    from config.settings import is_local_broker
+    from inferline.config.settings import is_local_broker
 
     if not is_local_broker(settings) or lease_path().exists():
         return False  # another broker, or this process holds a lease already (a pytest session)

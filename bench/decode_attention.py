@@ -21,8 +21,8 @@ import time
 import torch
 
 from bench import roofline
-from kernels import reference
-from kernels.cpu import attention, build
+from inferline.kernels import reference
+from inferline.kernels.cpu import attention, build
 
 
 def make_step(args, gen):

@@ -104,7 +104,7 @@ def _rotary_v0(rotary, positions, x):
 
 
 def _attention_forward_v0(self, rope, hidden, k_cache, v_cache, meta):
-    import kernels
+    from inferline import kernels
 
     rotary, positions = rope  # the model's RotaryEmbedding (v0 kept it on each layer)
     num_tokens = hidden.shape[0]
@@ -140,7 +140,7 @@ def v0_patched(eng):
     """Swap the pre-#3 versions of the changed model code in (class attributes, restored after),
     linear layers on F.linear. Not swapped: the runner's new per-step work (length-sorted
     decodes, the decode plan it builds)."""
-    from worker.engine.models import llama
+    from inferline.worker.engine.models import llama
 
     patches = [(llama.Attention, "forward", _attention_forward_v0),
                (llama.DecoderLayer, "forward", _layer_forward_v0),
@@ -160,9 +160,9 @@ def v0_patched(eng):
 
 
 def build_engine(args):
-    from worker.engine.engine import LLMEngine
-    from worker.engine.model_runner import ModelRunner
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.engine import LLMEngine
+    from inferline.worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     settings = engine_settings("continuous", args.batch, 512)
     runner = ModelRunner(settings)
@@ -208,7 +208,7 @@ def attention_skipped(eng):
 @contextlib.contextmanager
 def attention_on(eng, name: str):
     """The current model code with attention on `name` (kernels/attention.py's backends)."""
-    from kernels.attention import make_attention
+    from inferline.kernels.attention import make_attention
 
     runner = eng.runner
     saved = runner.backends, runner.attention
@@ -224,7 +224,7 @@ def attention_on(eng, name: str):
 def linears_on(eng, packed: list | None):
     """The current path with the linear layers on `packed` (one copy per Linear module in
     model.modules() order, then the LM head's; None: F.linear everywhere), restored after."""
-    from worker.engine.models.linear import Linear
+    from inferline.worker.engine.models.linear import Linear
 
     model = eng.runner.model
     modules = [m for m in model.modules() if isinstance(m, Linear)]
@@ -250,7 +250,7 @@ def linears_unpacked(eng):
 def linears_packed_for(eng, backend: str):
     """The current path with the linear layers on `backend`'s packed weights (c: kernels/cpu/gemm.py,
     onednn), whichever the runner chose; the copies are made at first use and kept."""
-    from worker.engine.models.linear import Linear
+    from inferline.worker.engine.models.linear import Linear
 
     copies = eng.runner.__dict__.setdefault("_bench_packed", {})
     if backend not in copies:
@@ -277,7 +277,7 @@ def kv_fp16(eng):
     """The current path over an fp16 copy of the K/V cache (INFERLINE_CACHE__DTYPE=float16),
     made at first use. Each variant's steps write their tokens' K/V into their own cache only, so
     the two drift apart in those rows: the timing is the same, the sampled tokens are not checked."""
-    from worker.engine.model_runner import huge_page_tensor
+    from inferline.worker.engine.model_runner import huge_page_tensor
 
     runner = eng.runner
     if not hasattr(runner, "_bench_kv_fp16"):

@@ -149,7 +149,7 @@ def completion_curve(rec: RunRecord, points: int = 200) -> list[list[float]]:
 
 def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True,
                     kv_dtype: str = "auto"):
-    from config.settings import Settings
+    from inferline.config.settings import Settings
 
     s = Settings()
     s.cache.enable_prefix_caching = prefix_caching
@@ -161,7 +161,7 @@ def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int,
 
 
 def engine_request(item: WorkItem, arrival_unix: float):
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     return EngineRequest(request_id=item.request_id, prompt_token_ids=item.prompt_token_ids,
                          sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True),
@@ -170,7 +170,7 @@ def engine_request(item: WorkItem, arrival_unix: float):
 
 def run_engine(runner, settings, items: list[WorkItem], label: str, progress: bool = True) -> RunRecord:
     """Feed `items` at their arrival offsets and step the engine until every one is done."""
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
     rec = RunRecord(label, {i.request_id: i.arrival_s for i in items},
@@ -214,8 +214,8 @@ def run_engine(runner, settings, items: list[WorkItem], label: str, progress: bo
 
 
 def warm_up_engine(runner) -> None:
-    from worker.engine.engine import LLMEngine
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.engine import LLMEngine
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     eng = LLMEngine(runner, engine_settings("continuous", 8, 512))
     for i in range(4):
@@ -248,7 +248,7 @@ class TimingStreamer:
 def load_hf(dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    from worker.engine.models.loader import resolve_model_dir
+    from inferline.worker.engine.models.loader import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=dtype)
     return model.eval()
@@ -344,7 +344,7 @@ def profile_continuous(runner, items: list[WorkItem], num_steps: int, max_num_se
     prefilled (the decode steady state that dominates a run). Top ops by self CPU time, and phases."""
     from torch.profiler import ProfilerActivity, profile
 
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, engine_settings("continuous", max_num_seqs, max_num_batched_tokens))
     now = time.time()
@@ -623,7 +623,7 @@ def main(argv=None) -> dict:
 
 def run_all(args: argparse.Namespace, argv) -> dict:
     progress = not args.no_progress
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     started = time.time()
     caching = not args.no_prefix_caching

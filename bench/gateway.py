@@ -4,7 +4,7 @@
     python -m bench.gateway --quick             # 4 requests x 8 tokens (a smoke run)
     python -m bench.gateway --clients kafka,sdk # without guidellm
 
-One broker (`scripts/kafka.sh acquire`), one `python -m worker` and one `python -m
+One broker (`scripts/kafka.sh acquire`), one `python -m inferline.worker` and one `python -m
 producer.gateway` subprocess on fresh topics; then, back to back, the same requests (bench/workload.py:
 chat messages, greedy, ignore_eos, exact output lengths) at the same concurrency:
 
@@ -96,7 +96,7 @@ def spawn_gateway(env: dict[str, str], log_path: Path):
     import subprocess
 
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "producer.gateway"], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-P", "-m", "inferline.producer.gateway"], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -267,7 +267,7 @@ def order(args) -> list[tuple[int, str]]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from worker.engine.models.loader import load_tokenizer, resolve_model_dir
+    from inferline.worker.engine.models.loader import load_tokenizer, resolve_model_dir
 
     started = time.time()
     settings = e2e.bench_settings(args)

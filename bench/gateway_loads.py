@@ -49,7 +49,7 @@ class KafkaDriver:
     """Requests straight onto the request topic (the project's InferenceClient)."""
 
     def __init__(self, settings, topics):
-        from producer.client import InferenceClient
+        from inferline.producer.client import InferenceClient
 
         self.client = InferenceClient(settings=settings, request_topic=topics.requests, cancel_topic=topics.cancel)
 

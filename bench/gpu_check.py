@@ -33,9 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 DEV, SMOKE = "cuda", False  # --cpu-smoke: "cpu", True
 H200_NOMINAL_GBS = 4800  # HBM3e, the data sheet's figure: the dry run's paper limit
@@ -221,8 +219,8 @@ def rel_err(out, ref) -> float:
 
 
 def check_correctness(report: Report, quick: bool) -> int:
-    from kernels.triton.decode import paged_decode_attention_triton
-    from kernels.triton.prefill import paged_prefill_attention_triton
+    from inferline.kernels.triton.decode import paged_decode_attention_triton
+    from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
     os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # launchers check index ranges (syncs; fine here)
     torch.manual_seed(0)
@@ -262,7 +260,7 @@ def check_correctness(report: Report, quick: bool) -> int:
 
 
 def _reference_decode(q, k_cache, v_cache, tables, ctx, scale):
-    from kernels import reference
+    from inferline.kernels import reference
 
     return reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
 
@@ -275,7 +273,7 @@ def _row(rows, label, dtype, gqa, bs, dim, err) -> int:
 
 
 def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx) -> int:
-    from kernels import reference
+    from inferline.kernels import reference
 
     q_lens = (
         [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]
@@ -290,8 +288,8 @@ def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables,
 
 
 def _check_store(rows, dtype) -> int:
-    from kernels import reference
-    from kernels.triton.store import store_kv_triton
+    from inferline.kernels import reference
+    from inferline.kernels.triton.store import store_kv_triton
 
     shape = (64, 16, 8, 128)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
@@ -310,10 +308,10 @@ def _check_store(rows, dtype) -> int:
 
 def _check_int64(rows) -> int:
     """A bf16 cache of > 2^31 elements; the sequence's blocks sit at its far end."""
-    from kernels import reference
-    from kernels.triton.decode import paged_decode_attention_triton
-    from kernels.triton.prefill import paged_prefill_attention_triton
-    from kernels.triton.store import store_kv_triton
+    from inferline.kernels import reference
+    from inferline.kernels.triton.decode import paged_decode_attention_triton
+    from inferline.kernels.triton.prefill import paged_prefill_attention_triton
+    from inferline.kernels.triton.store import store_kv_triton
 
     bs, kvh, dim = 16, 8, 128
     per_block = bs * kvh * dim
@@ -390,8 +388,8 @@ def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
 def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     import torch.nn.functional as F
 
-    from kernels import reference
-    from kernels.triton.decode import paged_decode_attention_triton
+    from inferline.kernels import reference
+    from inferline.kernels.triton.decode import paged_decode_attention_triton
 
     lens = [ctx_len] * batch
     k_cache, v_cache, tables, ctx = paged_cache(
@@ -440,8 +438,8 @@ def bench_prefill(report: Report, quick: bool) -> None:
 def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     import torch.nn.functional as F
 
-    from kernels import reference
-    from kernels.triton.prefill import paged_prefill_attention_triton
+    from inferline.kernels import reference
+    from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
     k_cache, v_cache, tables, ctx = paged_cache(
         [ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0

@@ -34,7 +34,7 @@ HF_PROMPTS, HF_NEW_TOKENS = 8, 32
 
 
 def llama_shape(preset: str = ENGINE_PRESET) -> dict:
-    from worker.engine.models.loader import DUMMY_PRESETS
+    from inferline.worker.engine.models.loader import DUMMY_PRESETS
 
     return DUMMY_PRESETS[preset]
 
@@ -78,7 +78,7 @@ LIMIT_HEADER = ["batch", "context", "weights GB", "K/V GB", "ms per step at the 
 
 
 def bench_load(report, dev: str, smoke: bool) -> None:
-    from worker.engine.models.loader import load_model
+    from inferline.worker.engine.models.loader import load_model
 
     preset = _preset(smoke)
     device = torch.device(dev)
@@ -150,8 +150,8 @@ def _context(smoke: bool) -> int:
 
 
 def _dummy_engine(max_batch: int, dev: str, smoke: bool):
-    from config.settings import Settings
-    from worker.engine.engine import LLMEngine
+    from inferline.config.settings import Settings
+    from inferline.worker.engine.engine import LLMEngine
 
     settings = Settings(
         model={"path": _preset(smoke), "load_format": "dummy", "device": dev,
@@ -191,7 +191,7 @@ def _decode_row(engine, batch: int, copy_gbs: float, smoke: bool) -> list:
 
 def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, float]:
     """Prefill `batch` random prompts once, then time `steps` decode steps in each mode."""
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     dev = engine.runner.device.type
     params = SamplingParams(max_tokens=len(MODES) * (steps + 1) + 8, temperature=0.0, ignore_eos=True)
@@ -228,9 +228,9 @@ def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, floa
 def check_hf_greedy(report, dev: str, smoke: bool) -> int:
     """SmolLM2 in fp32 through the engine (graphs on where they run, and off) against HF generate
     on the same device; returns the number of prompts whose tokens differ."""
-    from config.settings import Settings
-    from worker.engine.engine import LLMEngine
-    from worker.engine.model_runner import ModelRunner
+    from inferline.config.settings import Settings
+    from inferline.worker.engine.engine import LLMEngine
+    from inferline.worker.engine.model_runner import ModelRunner
 
     num_prompts, new_tokens = (1, 4) if smoke else (HF_PROMPTS, HF_NEW_TOKENS)
     settings = Settings(model={"device": dev, "dtype": "float32", "max_model_len": 512,
@@ -268,7 +268,7 @@ def _chat_prompt(tokenizer, i: int) -> list[int]:
 def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    from worker.engine.models.loader import resolve_model_dir
+    from inferline.worker.engine.models.loader import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).to(dev).eval()
     outs = []
@@ -282,7 +282,7 @@ def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[li
 
 
 def _engine_greedy(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     tokens = {f"p{i}": [] for i in range(len(prompts))}
     for i, ids in enumerate(prompts):

@@ -142,7 +142,7 @@ def walk(engine, compiled, path: list[int], batch: int, steps: int, vocab: int) 
 
 
 def measure(args) -> list[dict]:
-    from worker.engine.models.loader import load_config, load_tokenizer, resolve_model_dir
+    from inferline.worker.engine.models.loader import load_config, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     tokenizer, config = load_tokenizer(model_dir), load_config(model_dir)

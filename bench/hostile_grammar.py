@@ -29,7 +29,7 @@ HOSTILE_EBNF = "root ::= " + " ".join(["x"] * 200) + '\nx ::= x x | [a-z] | " "'
 
 
 def requests(mode: str, n: int, max_tokens: int):
-    from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+    from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 
     schema = StructuredSpec("response_format", "json_schema", json.dumps(SCHEMA))
     hostile = StructuredSpec("structured", "grammar", HOSTILE_EBNF)
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     import bench.structured_output as so
     from bench.engine import engine_settings, warm_up_engine
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     so.requests = requests  # Run builds its requests through this name; "free" is the hostile batch here
     settings = engine_settings("continuous", args.num_requests, 2048)

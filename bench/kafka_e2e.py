@@ -8,7 +8,7 @@ One command, back to back, so that the ratio survives a noisy machine:
 
 1. in-process: an LLMEngine in this process; every request added at t0, `step()` until done.
    Throughput = useful output tokens / (last token - t0); TTFT = first token - t0.
-2. through Kafka: the local broker (`scripts/kafka.sh acquire`), a `python -m worker` subprocess
+2. through Kafka: the local broker (`scripts/kafka.sh acquire`), a `python -m inferline.worker` subprocess
    with the same model, cache and scheduler settings on fresh topics and a fresh group (a unique
    prefix per run), and the producer's InferenceClient submitting every request at once
    (`producer.cli.run_load`). The clock starts after /readyz and one warm-up request through the
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def bench_settings(args):
     """The settings both paths run with: the INFERLINE_* environment plus the scheduler options."""
-    from config.settings import load_settings
+    from inferline.config.settings import load_settings
 
     s = load_settings()
     sched = s.scheduler.model_copy(update={"policy": "continuous", "max_num_seqs": args.max_num_seqs,
@@ -117,14 +117,14 @@ def workload_stats(items) -> dict:
 
 
 def engine_request(item, request_id: str, arrival: float):
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     return EngineRequest(request_id=request_id, prompt_token_ids=item.prompt_token_ids, arrival_time=arrival,
                          sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True))
 
 
 def warm_up_engine(runner, settings) -> None:
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
     for i in range(4):
@@ -142,7 +142,7 @@ def run_in_process(runner, settings, items, progress: bool, threads: int = 0) ->
 
 def step_all(runner, settings, items, progress: bool) -> dict:
     """Every request at t0, step until done; per-request token ids and first-token times."""
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
     want = {i.request_id: i.max_tokens for i in items}
@@ -209,7 +209,7 @@ async def _admin(settings, fn):
 
 
 def create_topics(settings, topics: Topics) -> None:
-    from producer.client import create_topics as create, topic_configs
+    from inferline.producer.client import create_topics as create, topic_configs
 
     async def fn(admin):
         await create(admin, [(topics.requests, 4), (topics.cancel, 1), (topics.dlq, 1)],
@@ -257,7 +257,7 @@ def worker_env(settings, topics: Topics, port: int, args) -> dict[str, str]:
 def spawn_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-P", "-m", "inferline.worker"], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -325,8 +325,8 @@ def kafka_fields(item, request_id: str) -> dict:
 
 async def kafka_run(settings, topics: Topics, items, probe_items, run_tag: str, progress: bool,
                     worker_pid: int, port: int) -> dict:
-    from producer.cli import run_load, summarize
-    from producer.client import InferenceClient
+    from inferline.producer.cli import run_load, summarize
+    from inferline.producer.client import InferenceClient
 
     async with InferenceClient(settings=settings, request_topic=topics.requests, cancel_topic=topics.cancel) as client:
         # Warm-up through the whole path: the worker's first send to this reply topic fetches its
@@ -399,7 +399,7 @@ def probe_in_process(runner, settings, probe_items, threads: int) -> dict:
 
 
 def dist(values: list[float]) -> dict:
-    from producer.cli import percentile
+    from inferline.producer.cli import percentile
 
     return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
             "mean": statistics.fmean(values) if values else None, "n": len(values)}
@@ -515,7 +515,7 @@ def main(argv=None) -> dict:
 
 
 def run(args, argv) -> dict:
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     started = time.time()
     settings = bench_settings(args)

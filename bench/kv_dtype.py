@@ -20,7 +20,7 @@ from bench.workload import make_workload
 
 
 def measure(args) -> dict:
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     settings = {dtype: engine_settings(args.policy, args.seats, 512, True, dtype) for dtype in ("auto", "float16")}
     runners = {dtype: ModelRunner(s) for dtype, s in settings.items()}

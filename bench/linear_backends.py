@@ -20,11 +20,11 @@ import time
 import torch
 
 from bench import roofline
-from kernels.cpu.gemm import CodedWeight
+from inferline.kernels.cpu.gemm import CodedWeight
 
 
 def pass_seconds(ops, x_by_in: dict[int, torch.Tensor]) -> float:
-    from worker.engine.models.linear import linear
+    from inferline.worker.engine.models.linear import linear
 
     start = time.perf_counter()
     for w, packed in ops:
@@ -34,8 +34,8 @@ def pass_seconds(ops, x_by_in: dict[int, torch.Tensor]) -> float:
 
 @torch.inference_mode()
 def measure(args) -> dict:
-    from config.settings import Settings
-    from worker.engine.models.loader import load_model
+    from inferline.config.settings import Settings
+    from inferline.worker.engine.models.loader import load_model
 
     settings = Settings()  # the default model (SmolLM2-135M) or INFERLINE_MODEL__*
     model, _config, _tok = load_model(settings.model.path, settings.model.load_format, torch.float32,

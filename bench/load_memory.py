@@ -70,7 +70,7 @@ def child(folder: Path, dtype: str, loader: str) -> dict:
 
     import torch
 
-    from worker.engine.models import loader as loaders
+    from inferline.worker.engine.models import loader as loaders
 
     torch.set_num_threads(1)
     config = loaders.load_config(folder)
@@ -96,8 +96,8 @@ def warm_up(loader: str) -> None:
     import torch
     from transformers import LlamaConfig
 
-    from worker.engine.models.llama import LlamaForCausalLM
-    from worker.engine.models.loader import empty_model
+    from inferline.worker.engine.models.llama import LlamaForCausalLM
+    from inferline.worker.engine.models.loader import empty_model
 
     tiny = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, vocab_size=128)
@@ -110,7 +110,7 @@ def warm_up(loader: str) -> None:
 def load_now(folder, config, dtype):
     import torch
 
-    from worker.engine.models.loader import load_weights
+    from inferline.worker.engine.models.loader import load_weights
 
     return load_weights(folder, config, dtype, torch.device("cpu"), MAX_POSITIONS)
 
@@ -120,7 +120,7 @@ def load_v0(folder, config, dtype):
     import torch
     from safetensors.torch import load_file
 
-    from worker.engine.models.llama import LlamaForCausalLM
+    from inferline.worker.engine.models.llama import LlamaForCausalLM
 
     with torch.device("cpu"):
         model = LlamaForCausalLM(config, MAX_POSITIONS).to(dtype)

@@ -7,7 +7,7 @@ yields a token per request every second or so, far from a GPU's 20-30 ms, and wo
 cores the broker's CPU is measured on. Everything else is the real worker: intake, admission,
 Publisher, transactions, against the real broker.
 
-    python -m bench.paced_engine          # `python -m worker` with this engine (INFERLINE_* settings)
+    python -m bench.paced_engine          # `python -m inferline.worker` with this engine (INFERLINE_* settings)
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from worker.engine.engine import EngineStats
-from worker.engine.request import EngineRequest, RequestOutput
+from inferline.worker.engine.engine import EngineStats
+from inferline.worker.engine.request import EngineRequest, RequestOutput
 
 TOKEN_ID, TOKEN_TEXT = 42, " x"
 
@@ -97,13 +97,13 @@ class PacedEngine:
 
 
 def main() -> None:
-    """`python -m worker` with a PacedEngine (step from INFERLINE_BENCH_STEP_MS, default 25)."""
+    """`python -m inferline.worker` with a PacedEngine (step from INFERLINE_BENCH_STEP_MS, default 25)."""
     import asyncio
     import signal
 
-    from config.logging import configure_logging
-    from config.settings import load_settings
-    from worker.app import Worker
+    from inferline.config.logging import configure_logging
+    from inferline.config.settings import load_settings
+    from inferline.worker.app import Worker
 
     settings = load_settings()
     configure_logging(settings.log.level, settings.log.format)

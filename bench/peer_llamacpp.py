@@ -10,7 +10,7 @@ The workload: chat requests (bench/workload.py's prompts, the chat template appl
 ids to both), output lengths lognormal (median --median-output, --sigma, clipped to [8,
 --max-output]), greedy, ignore_eos, all submitted at t0. llama-server gets them on /completion
 (`n_predict`, `ignore_eos`, `temperature` 0, `cache_prompt` false, streamed: TTFT is the first
-streamed token); inferline through the local broker (bench/kafka_e2e.py: a `python -m worker`
+streamed token); inferline through the local broker (bench/kafka_e2e.py: a `python -m inferline.worker`
 per --linear value, INFERLINE_MODEL__CPU_LINEAR set to it, its own topics and group).
 Useful tokens/s = the output tokens asked for and received / wall time (first submit to last
 token). Prints tokens/s, TTFT p50/p99 and each inferline run's ratio to llama-server's, the CPU
@@ -94,7 +94,7 @@ def server_ctx(parallel: int, max_prompt_ids: int, max_output: int) -> int:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    from producer.cli import percentile as p
+    from inferline.producer.cli import percentile as p
 
     return p(values, q)
 
@@ -146,8 +146,8 @@ def parse_backend_info(metrics_text: str) -> dict[str, dict[str, str]]:
 
 
 def cpu_info() -> dict:
-    from worker.engine.models.calibration import cpu_model
-    from kernels.cpu.build import cpu_flags
+    from inferline.worker.engine.models.calibration import cpu_model
+    from inferline.kernels.cpu.build import cpu_flags
 
     have = cpu_flags().split()
     return {"model": cpu_model(), "cores": os.cpu_count(),
@@ -220,7 +220,7 @@ def llamacpp_run(port: int, items: list[Item]) -> dict:
 
 
 class Worker:
-    """One `python -m worker` with INFERLINE_MODEL__CPU_LINEAR=linear on its own topics."""
+    """One `python -m inferline.worker` with INFERLINE_MODEL__CPU_LINEAR=linear on its own topics."""
 
     def __init__(self, settings, linear: str, args, log_dir: Path):
         self.linear, self.settings = linear, settings
@@ -257,7 +257,7 @@ class SimpleArgs:  # what kafka_e2e.worker_env reads of its arguments
 
 def make_items(args) -> list[Item]:
     from bench.workload import make_workload
-    from worker.engine.models.loader import load_tokenizer
+    from inferline.worker.engine.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     work = make_workload(tokenizer, num_requests=args.num_requests, max_output=args.max_output,
@@ -286,7 +286,7 @@ def print_report(results: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from bench.workload import make_workload  # noqa: F401 (fail early on a broken install)
-    from config.settings import bundled_model_path
+    from inferline.config.settings import bundled_model_path
 
     started = time.time()
     gguf = args.gguf or bundled_model_path()

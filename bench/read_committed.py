@@ -190,7 +190,7 @@ class Reader:
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
-        from contract.schema import DoneEvent, decode_event
+        from inferline.contract.schema import DoneEvent, decode_event
 
         while True:
             batch = await self._c.getmany(timeout_ms=100)
@@ -257,7 +257,7 @@ async def admin(settings, fn):
 
 
 async def make_topics(settings, specs: list[tuple[str, int]]) -> None:
-    from producer.topics import create_topics, topic_configs
+    from inferline.producer.topics import create_topics, topic_configs
 
     await admin(settings, lambda a: create_topics(a, specs, configs=topic_configs(3_600_000)))
 
@@ -338,8 +338,8 @@ def load() -> list[float]:
 def engine_for(s, runner, args):
     """The real model (`--engine model`) or the paced stand-in (bench/paced_engine.py)."""
     from bench.paced_engine import PacedEngine
-    from worker.app import engine_settings
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.app import engine_settings
+    from inferline.worker.engine.engine import LLMEngine
 
     if args.engine == "model":
         return LLMEngine(runner, engine_settings(s))
@@ -348,7 +348,7 @@ def engine_for(s, runner, args):
 
 async def steady(settings, runner, args, delivery: dict, max_tokens: int, rate: float) -> dict:
     """One in-process worker under `delivery` (KafkaSettings overrides: a config of DELIVERY)."""
-    from worker.app import Worker
+    from inferline.worker.app import Worker
 
     run = Run(f"rc-{uuid.uuid4().hex[:6]}", args.reply_partitions)
     await make_topics(settings, run.specs())
@@ -750,8 +750,8 @@ def main(argv=None) -> dict:
     from bench.broker import acquire_broker, release_broker
     from bench.kafka_e2e import save
     from bench.roofline import in_thread
-    from config.settings import load_settings
-    from worker.engine.model_runner import ModelRunner
+    from inferline.config.settings import load_settings
+    from inferline.worker.engine.model_runner import ModelRunner
 
     started = time.time()
     settings = load_settings()

@@ -94,12 +94,12 @@ def record(tp: TopicPartition, offset: int, request_id: str, reply_topic: str) -
 
 
 async def one_run(settings, honest_topic: str, args, flood: int) -> dict:
-    from worker.delivery.offsets import OffsetTracker
-    from worker.delivery.transactions import Transactions
-    from worker.intake.cancels import RecentCancels
-    from worker.intake.group import Intake
-    from worker.service.metrics import Metrics
-    from worker.service.ratelimit import RateLimiter
+    from inferline.worker.delivery.offsets import OffsetTracker
+    from inferline.worker.delivery.transactions import Transactions
+    from inferline.worker.intake.cancels import RecentCancels
+    from inferline.worker.intake.group import Intake
+    from inferline.worker.service.metrics import Metrics
+    from inferline.worker.service.ratelimit import RateLimiter
 
     tp = TopicPartition(settings.kafka.request_topic, 0)
     span = args.honest / args.rate
@@ -140,7 +140,7 @@ async def one_run(settings, honest_topic: str, args, flood: int) -> dict:
 async def main_async(args) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    from config.settings import Settings
+    from inferline.config.settings import Settings
 
     settings = Settings()
     honest_topic = f"inferline.reply.bench-honest-{uuid.uuid4().hex[:8]}"

@@ -104,7 +104,7 @@ def rss_mb() -> tuple[float, float]:
 
 
 def settings_for(bootstrap: str, names: Names):
-    from config.settings import Settings
+    from inferline.config.settings import Settings
 
     return Settings(kafka={"bootstrap_servers": bootstrap, "request_topic": names.requests,
                            "dlq_topic": names.dlq, "group_id": names.group, "client_id": "bench-reply-topics"})
@@ -156,7 +156,7 @@ def metadata_report(client, refresh: float) -> dict:
 
 def events(i: int):
     """One request's three events, as the worker encodes them."""
-    from contract.schema import DoneEvent, StartedEvent, Timing, TokensEvent, Usage, encode_event
+    from inferline.contract.schema import DoneEvent, StartedEvent, Timing, TokensEvent, Usage, encode_event
 
     rid, attempt = f"bench-{i}", uuid.uuid4().hex
     return rid, [
@@ -216,10 +216,10 @@ async def run_worker(args, names: Names) -> dict:
     """The worker's Publisher and Transactions, called as worker/app.py calls them."""
     from aiokafka import TopicPartition
 
-    from worker.service.metrics import Metrics
-    from worker.delivery.offsets import OffsetTracker
-    from worker.delivery.publisher import Publisher, ReplyStream
-    from worker.delivery.transactions import Transactions
+    from inferline.worker.service.metrics import Metrics
+    from inferline.worker.delivery.offsets import OffsetTracker
+    from inferline.worker.delivery.publisher import Publisher, ReplyStream
+    from inferline.worker.delivery.transactions import Transactions
 
     settings = settings_for(args.bootstrap, names)
     metrics, tracker = Metrics(), OffsetTracker()
@@ -494,7 +494,7 @@ def main(argv=None) -> dict | None:
     results = {"command": "python -m bench.reply_topics " + " ".join(argv if argv is not None else sys.argv[1:]),
                "machine": machine_info(),
                "settings": {"topics": args.topics, "concurrency": args.concurrency, "order": args.order}}
-    from worker.delivery.transactions import MAX_PRODUCER_TOPICS
+    from inferline.worker.delivery.transactions import MAX_PRODUCER_TOPICS
 
     results["settings"]["max_producer_topics"] = MAX_PRODUCER_TOPICS
     results["open_files"] = check_open_files(args.topics)

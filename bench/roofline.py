@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.gemm import CodedWeight
-from worker.engine.models.linear import BACKENDS, Packed, linear, pack_weight
+from inferline.kernels.cpu.gemm import CodedWeight
+from inferline.worker.engine.models.linear import BACKENDS, Packed, linear, pack_weight
 
 
 def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -31,7 +31,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocol
 from aiokafka.errors import KafkaError
 
-from contract.schema import DoneEvent, StartedEvent, TokensEvent
+from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent
 from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.kafka_fixtures import produce_raw
 from tests.worker_fixtures import PROMPTS, Topics, wait_log

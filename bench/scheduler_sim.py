@@ -26,10 +26,10 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import SamplingParams
-from worker.engine.scheduler import BackgroundLimit, Scheduler
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler
+from inferline.worker.engine.sequence import Sequence
 
 # ms per step: fixed, per decode row, per prompt token. cpu: docs/benchmarks.md ("The worker, from
 # figures of this page": 30 ms + 4.5 ms a running sequence, SmolLM2 on the 2-core VM; a prompt

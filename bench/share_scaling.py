@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.schema import DoneEvent, StartedEvent, TokensEvent
+from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent
 from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.worker_fixtures import submit
 from tests.worker_fixtures import request as make_request

@@ -4,7 +4,7 @@
     python -m bench.share_vs_group --quick      # 8 requests x 4 tokens (a smoke run)
 
 Both modes in one command, on a private broker (scripts/kafka.sh, Kafka 4.2.0: share groups).
-Two `python -m worker` processes per mode: "fast" batches up to 16 requests, "slow" runs one at a
+Two `python -m inferline.worker` processes per mode: "fast" batches up to 16 requests, "slow" runs one at a
 time (max_num_seqs 1, max_waiting 1): the same model on the same cores, slowed by giving up
 batching. The request topic has 2 partitions, so in group mode each worker owns one and gets
 about half of the requests, keyed by id; in share mode whichever worker has room takes the next
@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from contract.schema import DoneEvent
+from inferline.contract.schema import DoneEvent
 from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
 from tests.worker_fixtures import Topics, submit, wait_log
 from tests.worker_fixtures import request as make_request

@@ -35,7 +35,7 @@ def settings_for(args, method: str, seats: int):
 
 
 def measure(args) -> dict:
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     runner = ModelRunner(settings_for(args, "none", args.seats))
     items = make_workload(runner.tokenizer, args.num_requests, max_output=args.max_output,

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from worker.engine.request import SamplingParams
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.scheduler import ScheduledSequence
+from inferline.worker.engine.sequence import Sequence
 
 BLOCK = 16
 
@@ -85,8 +85,8 @@ def prepare_now(builder, attention, scheduled):
 
 
 def measure(num_seqs: int, context: int, steps: int = 60, warmup: int = 5) -> dict:
-    from kernels.attention import CpuAttention
-    from worker.engine.step_inputs import StepBuilder
+    from inferline.kernels.attention import CpuAttention
+    from inferline.worker.engine.step_inputs import StepBuilder
 
     batch = make_batch(num_seqs, context)
     counter = iter(range(10**7, 2 * 10**7))

@@ -29,7 +29,7 @@ MODES = ("free", "json")
 
 
 def requests(mode: str, n: int, max_tokens: int):
-    from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+    from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 
     structured = StructuredSpec("response_format", "json_schema", json.dumps(SCHEMA)) if mode == "json" else None
     return [EngineRequest(f"{mode}-{i}", SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=i,
@@ -55,7 +55,7 @@ class Run:
     """One engine and what its steps measured."""
 
     def __init__(self, runner, settings, mode: str, n: int, max_tokens: int):
-        from worker.engine.engine import LLMEngine
+        from inferline.worker.engine.engine import LLMEngine
 
         self.mode, self.n, self.engine = mode, n, LLMEngine(runner, settings)
         for req in requests(mode, n, max_tokens):
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     from bench.engine import engine_settings, warm_up_engine
-    from worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.model_runner import ModelRunner
 
     settings = engine_settings("continuous", args.num_requests, 2048)
     runners = [ModelRunner(settings) for _ in MODES]

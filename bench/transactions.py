@@ -24,11 +24,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.broker import acquire_broker, release_broker
-from config.settings import Settings
-from contract.schema import DoneEvent, Timing, Usage, encode_event
-from worker.service.metrics import Metrics
-from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Final, Transactions
+from inferline.config.settings import Settings
+from inferline.contract.schema import DoneEvent, Timing, Usage, encode_event
+from inferline.worker.service.metrics import Metrics
+from inferline.worker.delivery.offsets import OffsetTracker
+from inferline.worker.delivery.transactions import Final, Transactions
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.backends import ModelShape, select_attention
-from kernels.cpu import attention as cpu_attention
+from inferline.kernels import reference
+from inferline.kernels.backends import ModelShape, select_attention
+from inferline.kernels.cpu import attention as cpu_attention
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention"]
 
@@ -46,7 +46,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> Non
     """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping
     (int64 [num_tokens], slot = block * block_size + offset; a negative slot is skipped)."""
     if _on_triton(backend, k_cache):
-        from kernels.triton.store import store_kv_triton
+        from inferline.kernels.triton.store import store_kv_triton
 
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -70,7 +70,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         rows = torch.repeat_interleave(torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff())
         block_tables, plan = block_tables.index_select(0, rows).contiguous(), None
     if chosen == "triton":
-        from kernels.triton.decode import paged_decode_attention_triton
+        from inferline.kernels.triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     if chosen == "cpu":
@@ -87,7 +87,7 @@ def paged_prefill_attention(
     has no prefill of its own: `cpu` computes prompts on the reference path here (the engine sends
     them to the decode kernel as rows, cu_seqlens_q given)."""
     if _on_triton(backend, q):
-        from kernels.triton.prefill import paged_prefill_attention_triton
+        from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale

@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
-from kernels.cpu import attention as cpu_attention
+from inferline.kernels import reference
+from inferline.kernels.cpu import attention as cpu_attention
 
 
 @dataclass
@@ -143,9 +143,9 @@ class TritonAttention(_SplitBackend):
     def __init__(self, block_size: int, num_kv_heads: int):
         super().__init__(block_size, num_kv_heads)
         # Imported here: TRITON_INTERPRET must be set before triton is, and only this backend needs it.
-        from kernels.triton.decode import paged_decode_attention_triton
-        from kernels.triton.prefill import paged_prefill_attention_triton
-        from kernels.triton.store import store_kv_triton
+        from inferline.kernels.triton.decode import paged_decode_attention_triton
+        from inferline.kernels.triton.prefill import paged_prefill_attention_triton
+        from inferline.kernels.triton.store import store_kv_triton
 
         self._decode_kernel, self._prefill_kernel = paged_decode_attention_triton, paged_prefill_attention_triton
         self._store_kernel = store_kv_triton

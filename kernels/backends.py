@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import build, gemm
-from kernels.triton.launch import interpreting
+from inferline.kernels.cpu import attention as cpu_attention
+from inferline.kernels.cpu import build, gemm
+from inferline.kernels.triton.launch import interpreting
 
 
 class BackendUnavailable(RuntimeError):

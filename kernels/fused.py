@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import functools
 
-import kernels
-from kernels.cpu import attention, build
+from inferline import kernels
+from inferline.kernels.cpu import attention, build
 
 OPS = ("c", "triton", "torch")
 
@@ -43,7 +43,7 @@ def _rows(x: torch.Tensor) -> int:
 @functools.cache
 def _triton():
     """The Triton launchers, imported on first use: TRITON_INTERPRET must be set before triton is."""
-    from kernels.triton import activation, norm, rotary
+    from inferline.kernels.triton import activation, norm, rotary
 
     return activation, norm, rotary
 

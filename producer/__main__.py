@@ -1,6 +1,6 @@
-"""``python -m producer`` is the ``inferline`` command."""
+"""``python -m inferline.producer`` is the ``inferline`` command."""
 import sys
 
-from producer.cli import main
+from inferline.producer.cli import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.reassembly import RequestHandle
+from inferline.producer.reassembly import RequestHandle
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 # bench_report, loadgen and tail hold the bigger commands' parts; their names stay importable here.
-from producer.bench_report import (  # noqa: F401 - re-exported
+from inferline.producer.bench_report import (  # noqa: F401 - re-exported
     Sample, distribution, format_report, inter_token_latencies, percentile, plot, sample_of, summarize,
     throughput_series, write_outputs,
 )
-from producer.client import (
+from inferline.producer.client import (
     ClientTimeout,
     InferenceClient,
     InferenceError,
@@ -41,10 +41,10 @@ from producer.client import (
     RequestTimeout,
     Result,
 )
-from producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
-from producer.tail import format_event, tail  # noqa: F401 - re-exported
-from contract.topics import tenant_problem
-from producer.topics import create_topics, topic_configs
+from inferline.producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
+from inferline.producer.tail import format_event, tail  # noqa: F401 - re-exported
+from inferline.contract.topics import tenant_problem
+from inferline.producer.topics import create_topics, topic_configs
 
 # Exit codes of `submit`: scripts can tell a rejection from a timeout without parsing text.
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
@@ -81,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_batch(p: argparse.ArgumentParser) -> None:
-    from producer.batch.local import add_arguments
+    from inferline.producer.batch.local import add_arguments
 
     add_arguments(p)
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
-    from producer.gateway.__main__ import add_arguments  # no FastAPI import until it serves
+    from inferline.producer.gateway.__main__ import add_arguments  # no FastAPI import until it serves
 
     add_arguments(p)
 
@@ -290,7 +290,7 @@ def _summary_line(result: Result, failure: InferenceError | None) -> str:
 async def cmd_cancel(args: argparse.Namespace) -> int:
     from aiokafka import AIOKafkaProducer
 
-    from contract.schema import Cancel, encode_cancel
+    from inferline.contract.schema import Cancel, encode_cancel
 
     client = make_client(args)  # for its settings only: no reply topic is needed to cancel
     producer = AIOKafkaProducer(**client.kafka.connection_options(), enable_idempotence=True)
@@ -347,7 +347,7 @@ async def cmd_topics(args: argparse.Namespace) -> int:
 
 
 async def cmd_acls(args: argparse.Namespace) -> int:
-    from producer.acls import apply, recipe
+    from inferline.producer.acls import apply, recipe
 
     kafka = make_client(args).kafka
     rules = recipe(kafka, args.worker_principal, checked_tenants(args, kafka))
@@ -378,13 +378,13 @@ async def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def cmd_gateway(args: argparse.Namespace) -> int:
-    from producer.gateway.__main__ import serve
+    from inferline.producer.gateway.__main__ import serve
 
     return await serve(args)
 
 
 async def cmd_batch(args: argparse.Namespace) -> int:
-    from producer.batch.local import cmd_batch as run_batch
+    from inferline.producer.batch.local import cmd_batch as run_batch
 
     return await run_batch(args, make_client)
 
@@ -394,7 +394,7 @@ COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``inferline`` console script and ``python -m producer``."""
+    """Entry point of the ``inferline`` console script and ``python -m inferline.producer``."""
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         # Fail on a bad distribution before connecting to anything.

@@ -32,8 +32,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import Settings, load_settings
-from producer.errors import (
+from inferline.config.settings import Settings, load_settings
+from inferline.producer.errors import (
     ERRORS_BY_CODE,
     ClientClosed,
     ClientTimeout,
@@ -49,10 +49,10 @@ from producer.errors import (
     WorkerError,
     error_for,
 )
-from producer.reassembly import Event, RequestHandle, Result, TextDelta
-from producer.replies import PER_REQUEST, REPLY_TOPIC_PREFIX, ReplyRouter, per_request_topic
-from contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
-from producer.topics import (
+from inferline.producer.reassembly import Event, RequestHandle, Result, TextDelta
+from inferline.producer.replies import PER_REQUEST, REPLY_TOPIC_PREFIX, ReplyRouter, per_request_topic
+from inferline.contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
+from inferline.producer.topics import (
     TOPIC_ALREADY_EXISTS,
     UNKNOWN_TOPIC,
     create_topics,

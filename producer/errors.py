@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from contract.schema import DoneEvent, ErrorCode
+from inferline.contract.schema import DoneEvent, ErrorCode
 
 if TYPE_CHECKING:
-    from producer.reassembly import Result
+    from inferline.producer.reassembly import Result
 
 
 class InferenceError(Exception):

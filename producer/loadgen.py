@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.bench_report import Sample, sample_of
-from producer.client import InferenceClient
+from inferline.producer.bench_report import Sample, sample_of
+from inferline.producer.client import InferenceClient
 
 
 @dataclass

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
-from contract.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
+from inferline.producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
+from inferline.contract.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
 
 if TYPE_CHECKING:
-    from producer.client import InferenceClient
+    from inferline.producer.client import InferenceClient
 
 log = structlog.get_logger(__name__)
 

@@ -15,9 +15,9 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from producer.reassembly import RequestHandle
-from contract.schema import UndecodableMessage, decode_event
-from producer.topics import create_topics, topic_configs, topic_partitions
+from inferline.producer.reassembly import RequestHandle
+from inferline.contract.schema import UndecodableMessage, decode_event
+from inferline.producer.topics import create_topics, topic_configs, topic_partitions
 
 log = structlog.get_logger(__name__)
 

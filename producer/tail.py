@@ -8,8 +8,8 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from config.settings import KafkaSettings
-from contract.schema import UndecodableMessage, decode_event
+from inferline.config.settings import KafkaSettings
+from inferline.contract.schema import UndecodableMessage, decode_event
 
 
 async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:

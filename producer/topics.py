@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
+from inferline.contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
 
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36

@@ -27,7 +27,7 @@ echo "demo: Kafka broker $how" >&2
 "$BIN/inferline" topics create >/dev/null || exit 1
 
 echo "demo: starting the worker (log: $LOG_DIR/worker.log)" >&2
-INFERLINE_LOG__FORMAT=json "$BIN/python" -m worker >"$LOG_DIR/worker.log" 2>&1 &
+INFERLINE_LOG__FORMAT=json "$BIN/inferline-worker" >"$LOG_DIR/worker.log" 2>&1 &
 WORKER_PID=$!
 for _ in $(seq 1 600); do
     curl -fs "http://127.0.0.1:$INFERLINE_HTTP__PORT/readyz" >/dev/null 2>&1 && break

@@ -18,9 +18,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # after site-packages: `scripts` by name, HF `kernels` first
 
-from contract import schema  # noqa: E402
+from inferline.contract import schema  # noqa: E402
 from scripts.generated import cli  # noqa: E402
 
 OUT = REPO / "docs" / "asyncapi.yaml"

@@ -22,10 +22,10 @@ import annotated_types
 from pydantic import BaseModel, SecretStr
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # after site-packages: `scripts` by name, HF `kernels` first
 
-from config import settings as settings_module  # noqa: E402
-from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings  # noqa: E402
+from inferline.config import settings as settings_module  # noqa: E402
+from inferline.config.settings import ENV_DELIMITER, ENV_PREFIX, Settings  # noqa: E402
 from scripts.generated import cli  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"

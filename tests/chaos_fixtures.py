@@ -288,8 +288,8 @@ class IntakeHarness:
     def __init__(self, settings) -> None:
         from aiokafka import TopicPartition
 
-        from worker.app import Worker
-        from worker.intake.reply_topics import refusal
+        from inferline.worker.app import Worker
+        from inferline.worker.intake.reply_topics import refusal
 
         self.tp = TopicPartition(settings.kafka.request_topic, 0)
         self.worker = Worker(settings)
@@ -325,8 +325,8 @@ class IntakeHarness:
 
     def finish_admitted(self, engine_req, tokens: int = 1) -> list:
         """Completes one admitted request as the engine would (started, tokens, done)."""
-        from worker.engine.engine import EngineStats
-        from worker.engine.request import RequestOutput
+        from inferline.worker.engine.engine import EngineStats
+        from inferline.worker.engine.request import RequestOutput
 
         sent_before = len(self.sent)
         out = RequestOutput(request_id=engine_req.request_id, new_token_ids=[42] * tokens, text_delta="ok",
@@ -451,7 +451,7 @@ class ReplyWatcher:
 
     def events(self) -> dict[str, list]:
         """request id -> [(record timestamp s, event)] in partition order."""
-        from contract.schema import decode_event
+        from inferline.contract.schema import decode_event
 
         out: dict[str, list] = {}
         for r in list(self.records):
@@ -461,7 +461,7 @@ class ReplyWatcher:
 
     def finished(self, ids) -> int:
         """How many of ids have a final (non-requeued) done."""
-        from contract.schema import DoneEvent
+        from inferline.contract.schema import DoneEvent
 
         done = {ev.id for ev in (self._decode(r) for r in list(self.records))
                 if isinstance(ev, DoneEvent) and ev.finish_reason != "requeued"}
@@ -469,20 +469,20 @@ class ReplyWatcher:
 
     def started(self, ids) -> int:
         """How many of ids have a `started` event (in any attempt)."""
-        from contract.schema import StartedEvent
+        from inferline.contract.schema import StartedEvent
 
         seen = {ev.id for ev in (self._decode(r) for r in list(self.records)) if isinstance(ev, StartedEvent)}
         return len(seen & set(ids))
 
     @staticmethod
     def _decode(record):
-        from contract.schema import decode_event
+        from inferline.contract.schema import decode_event
 
         return decode_event(record.value)
 
 
 class WorkerProcess:
-    """One logical worker (`python -m worker`), killed and restarted; a fresh log per incarnation."""
+    """One logical worker (`python -m inferline.worker`), killed and restarted; a fresh log per incarnation."""
 
     def __init__(self, name: str, bootstrap: str, topics, log_dir: Path, **config) -> None:
         self.name, self.bootstrap, self.topics, self.log_dir, self.config = name, bootstrap, topics, log_dir, config

@@ -1,7 +1,22 @@
 """Suite-wide pytest set-up. Fixture plugins are listed here; add yours to `pytest_plugins`."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The folders that install as inferline.<name>.
+PACKAGE_FOLDERS = ("worker", "producer", "contract", "kernels", "config")
+
+# bench/__init__.py takes the checkout off sys.path (`python -m pytest` puts it first, and our
+# kernels/ would shadow Hugging Face's `kernels`) and finds `tests`, `bench` and `scripts` by name:
+# a bare `import worker` fails here as it would beside an installed wheel.
+_spec = importlib.util.spec_from_file_location("bench", REPO / "bench" / "__init__.py",
+                                               submodule_search_locations=[str(REPO / "bench")])
+_spec.loader.exec_module(sys.modules.setdefault("bench", importlib.util.module_from_spec(_spec)))
 
 pytest_plugins = ["tests.kafka_fixtures", "tests.engine_fixtures"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.settings import Settings, SpeculativeSettings
-from worker.engine.engine import LLMEngine
-from worker.engine.model_runner import ModelRunner
-from worker.engine.request import EngineRequest, SamplingParams
+from inferline.config.settings import Settings, SpeculativeSettings
+from inferline.worker.engine.engine import LLMEngine
+from inferline.worker.engine.model_runner import ModelRunner
+from inferline.worker.engine.request import EngineRequest, SamplingParams
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +23,7 @@ def model_runner() -> ModelRunner:
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    from worker.engine.models.loader import resolve_model_dir
+    from inferline.worker.engine.models.loader import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).eval()
 
@@ -37,7 +37,7 @@ def shallow_smollm2(tmp_path_factory) -> Path:
     runs every kernel program in Python (seconds a layer), and each layer runs the same kernels."""
     from safetensors.torch import load_file, save_file
 
-    from worker.engine.models.loader import resolve_model_dir
+    from inferline.worker.engine.models.loader import resolve_model_dir
 
     full, shallow = resolve_model_dir(), tmp_path_factory.mktemp("smollm2-shallow")
     kept = tuple(f"model.layers.{i}." for i in range(SHALLOW_LAYERS))

@@ -15,11 +15,15 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
+# it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from kernels import fused  # noqa: E402
+from inferline.kernels import fused  # noqa: E402
 from tests.kernel_cases import DTYPES, bits_equal, expect_assert, pick, randint, report  # noqa: E402
 
 # about two ulps of the dtype (fp32: reduction order and exp only)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import Settings
-from producer.gateway.server import GatewayServer, make_server
-from producer.replies import REPLY_TOPIC_PREFIX
+from inferline.config.settings import Settings
+from inferline.producer.gateway.server import GatewayServer, make_server
+from inferline.producer.replies import REPLY_TOPIC_PREFIX
 from tests.kafka_fixtures import create_named_topics
 from tests.worker_fixtures import Topics, wait_ready, worker_config
-from worker.app import Worker, engine_settings
-from worker.engine.engine import LLMEngine
+from inferline.worker.app import Worker, engine_settings
+from inferline.worker.engine.engine import LLMEngine
 
 KEYS = {"sk-acme": "acme", "sk-slow": "slow"}
 # Tenant `slow` may send one request and then one every 1000 s: its second gets 429.

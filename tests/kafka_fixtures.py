@@ -38,7 +38,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
-from producer.replies import REPLY_TOPIC_PREFIX
+from inferline.producer.replies import REPLY_TOPIC_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"

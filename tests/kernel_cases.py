@@ -18,14 +18,18 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
+# it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.triton.decode import paged_decode_attention_triton  # noqa: E402
-from kernels.triton.prefill import paged_prefill_attention_triton  # noqa: E402
-from kernels.triton.store import store_kv_triton  # noqa: E402
+from inferline.kernels import reference  # noqa: E402
+from inferline.kernels.triton.decode import paged_decode_attention_triton  # noqa: E402
+from inferline.kernels.triton.prefill import paged_prefill_attention_triton  # noqa: E402
+from inferline.kernels.triton.store import store_kv_triton  # noqa: E402
 from tests.paged_cache import PagedCache  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}

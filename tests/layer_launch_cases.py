@@ -18,14 +18,18 @@ from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ["INFERLINE_KERNEL_CHECKS"] = "0"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
+# it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from kernels.attention import StepTables, TritonAttention  # noqa: E402
-from kernels.triton import launch  # noqa: E402
-from worker.engine.models.llama import DecoderLayer, RotaryEmbedding  # noqa: E402
+from inferline.kernels.attention import StepTables, TritonAttention  # noqa: E402
+from inferline.kernels.triton import launch  # noqa: E402
+from inferline.worker.engine.models.llama import DecoderLayer, RotaryEmbedding  # noqa: E402
 
 aten = torch.ops.aten
 FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}  # allocations: no kernel

@@ -17,14 +17,18 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
+# it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from config.settings import Settings  # noqa: E402
+from inferline.config.settings import Settings  # noqa: E402
 from tests.engine_fixtures import greedy, make_engine, run_to_completion  # noqa: E402
-from worker.engine.model_runner import ModelRunner  # noqa: E402
-from worker.engine.request import EngineRequest  # noqa: E402
+from inferline.worker.engine.model_runner import ModelRunner  # noqa: E402
+from inferline.worker.engine.request import EngineRequest  # noqa: E402
 
 
 def cuda_like_settings(attention: str = "triton", **model) -> Settings:

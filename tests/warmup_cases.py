@@ -15,17 +15,21 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
+# it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from kernels.triton import launch  # noqa: E402
-from kernels.triton.variants import variant_of  # noqa: E402
+from inferline.kernels.triton import launch  # noqa: E402
+from inferline.kernels.triton.variants import variant_of  # noqa: E402
 from tests.engine_fixtures import greedy, make_engine, run_to_completion  # noqa: E402
 from tests.triton_engine_cases import cuda_like_settings  # noqa: E402
-from worker.engine.model_runner import ModelRunner  # noqa: E402
-from worker.engine.request import EngineRequest  # noqa: E402
-from worker.engine.warmup import warm_up  # noqa: E402
+from inferline.worker.engine.model_runner import ModelRunner  # noqa: E402
+from inferline.worker.engine.request import EngineRequest  # noqa: E402
+from inferline.worker.engine.warmup import warm_up  # noqa: E402
 
 
 def recorded(fn, *args):

@@ -1,4 +1,4 @@
-"""`python -m worker` / `inferline-worker`: load settings, build the engine, serve until a signal.
+"""`python -m inferline.worker` / `inferline-worker`: load settings, build the engine, serve until a signal.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 on a start-up failure (no model, no
 broker), 2 on a bad setting (one line naming the INFERLINE_* variable), a kernel backend this
@@ -12,12 +12,12 @@ import sys
 
 import structlog
 
-from config.logging import configure_logging
-from config.settings import SettingsError, load_settings
+from inferline.config.logging import configure_logging
+from inferline.config.settings import SettingsError, load_settings
 
 
 async def serve(settings) -> None:
-    from worker.app import Worker  # imports torch: after the settings are known to be good
+    from inferline.worker.app import Worker  # imports torch: after the settings are known to be good
 
     worker = Worker(settings)
     loop = asyncio.get_running_loop()
@@ -36,7 +36,7 @@ def main() -> int:
     try:
         asyncio.run(serve(settings))
     except Exception as exc:  # start-up failures: one logged line with the cause, not a hang
-        from kernels.backends import BackendUnavailable  # torch is loaded by now
+        from inferline.kernels.backends import BackendUnavailable  # torch is loaded by now
 
         if isinstance(exc, BackendUnavailable):  # a kernel setting this machine cannot run
             print(f"inferline-worker: {exc}", file=sys.stderr)

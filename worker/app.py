@@ -16,20 +16,20 @@ import socket
 
 import structlog
 
-from worker.engine.engine import EngineLoop, EngineStats, LLMEngine
-from worker.engine.request import RequestOutput
-from worker.service.http import HttpServer
-from worker.intake.cancels import CancelListener, RecentCancels
-from worker.intake.group import Intake
-from worker.delivery.finals import AcknowledgedDelivery, Delivery
-from worker.delivery.ledger import Job, JobLedger
-from worker.request_tracker import RequestTracker
-from worker.service.metrics import Metrics
-from worker.delivery.offsets import OffsetTracker
-from worker.delivery.publisher import Publisher
-from worker.service.ratelimit import RateLimiter
-from worker.intake.share import ShareIntake
-from worker.delivery.transactions import Transactions
+from inferline.worker.engine.engine import EngineLoop, EngineStats, LLMEngine
+from inferline.worker.engine.request import RequestOutput
+from inferline.worker.service.http import HttpServer
+from inferline.worker.intake.cancels import CancelListener, RecentCancels
+from inferline.worker.intake.group import Intake
+from inferline.worker.delivery.finals import AcknowledgedDelivery, Delivery
+from inferline.worker.delivery.ledger import Job, JobLedger
+from inferline.worker.request_tracker import RequestTracker
+from inferline.worker.service.metrics import Metrics
+from inferline.worker.delivery.offsets import OffsetTracker
+from inferline.worker.delivery.publisher import Publisher
+from inferline.worker.service.ratelimit import RateLimiter
+from inferline.worker.intake.share import ShareIntake
+from inferline.worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
 # Test hook (bench/scaling_step.py): join the group only once this file exists, so a scaling

@@ -21,15 +21,15 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from worker.delivery.finals import Delivery
-from worker.delivery.ledger import Job, JobLedger
-from worker.delivery.publisher import ReplyStream
-from worker.engine.engine import EngineStats
-from worker.engine.request import RequestOutput
-from worker.intake.admission import Admission
-from worker.intake.cancels import RecentCancels
-from worker.service.metrics import priority_label
-from worker.service.tenancy import cancel_key
+from inferline.worker.delivery.finals import Delivery
+from inferline.worker.delivery.ledger import Job, JobLedger
+from inferline.worker.delivery.publisher import ReplyStream
+from inferline.worker.engine.engine import EngineStats
+from inferline.worker.engine.request import RequestOutput
+from inferline.worker.intake.admission import Admission
+from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.service.metrics import priority_label
+from inferline.worker.service.tenancy import cancel_key
 
 log = structlog.get_logger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import build
+from inferline.kernels.cpu import build
 
 _ERRORS = {-1: "could not allocate its work lists", -2: "a block table entry or cu_seqlens_q is out of range",
            -3: "a shape or K/V dtype it does not take (see supports() and supports_kv_half())"}

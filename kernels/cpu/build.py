@@ -27,7 +27,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from config.settings import cache_dir
+from inferline.config.settings import cache_dir
 
 log = structlog.get_logger(__name__)
 

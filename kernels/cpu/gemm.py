@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import build
+from inferline.kernels.cpu import build
 
 _F32 = torch.float32
 

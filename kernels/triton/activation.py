@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import FLOAT_DTYPES
-from kernels.triton.launch import LaunchPlan, launch
-from kernels.triton.numerics import rounded
+from inferline.kernels.triton.checks import FLOAT_DTYPES
+from inferline.kernels.triton.launch import LaunchPlan, launch
+from inferline.kernels.triton.numerics import rounded
 
 BLOCK = 1024
 

@@ -4,7 +4,7 @@ The plans come from the real plan_* functions with a GPU Target and representati
 what compiles here is what the launchers launch; each is compiled to PTX and assembled with the
 ptxas that Triton itself runs for that arch, whose -v report gives registers and spills.
 
-    python -m kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
+    python -m inferline.kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
 
 Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
 arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
@@ -36,9 +36,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from kernels.triton import activation, decode, norm, prefill, rotary, store
-from kernels.triton.launch import LaunchPlan, Target
-from kernels.triton.variants import exemptions
+from inferline.kernels.triton import activation, decode, norm, prefill, rotary, store
+from inferline.kernels.triton.launch import LaunchPlan, Target
+from inferline.kernels.triton.variants import exemptions
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import check_cache, check_out, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
+from inferline.kernels.triton.checks import check_cache, check_out, check_tables
+from inferline.kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs

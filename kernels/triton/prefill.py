@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
-from kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
+from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
+from inferline.kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
 
 LOG2E = 1.4426950408889634
 

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import check_cache, check_ranges
-from kernels.triton.launch import LaunchPlan, launch
-from kernels.triton.numerics import rounded
+from inferline.kernels.triton.checks import check_cache, check_ranges
+from inferline.kernels.triton.launch import LaunchPlan, launch
+from inferline.kernels.triton.numerics import rounded
 
 HALF_TILE = 1024  # HEADS_BLOCK * head_dim / 2: the same tile at every head size
 

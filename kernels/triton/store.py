@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import check_cache, check_ranges
-from kernels.triton.launch import LaunchPlan, launch
+from inferline.kernels.triton.checks import check_cache, check_ranges
+from inferline.kernels.triton.launch import LaunchPlan, launch
 
 
 @triton.jit

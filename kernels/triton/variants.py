@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
-from kernels.triton.launch import LaunchPlan
+from inferline.kernels.triton.launch import LaunchPlan
 
 
 @dataclass(frozen=True)

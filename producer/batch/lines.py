@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from contract.schema import Request
-from producer.gateway.errors import OpenAIError, from_validation
-from producer.gateway.openai_mapping import chat_request, completion_request
+from inferline.contract.schema import Request
+from inferline.producer.gateway.errors import OpenAIError, from_validation
+from inferline.producer.gateway.openai_mapping import chat_request, completion_request
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)

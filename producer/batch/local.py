@@ -22,10 +22,10 @@ from pathlib import Path
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from producer.batch.lines import BATCH_PRIORITY, BatchLine, DuplicateCustomIds, failed, line_key, parse_lines
-from producer.batch.runner import BatchRunner, Progress
-from config.settings import load_settings
-from producer.client import InferenceClient
+from inferline.producer.batch.lines import BATCH_PRIORITY, BatchLine, DuplicateCustomIds, failed, line_key, parse_lines
+from inferline.producer.batch.runner import BatchRunner, Progress
+from inferline.config.settings import load_settings
+from inferline.producer.client import InferenceClient
 
 STATE_SUFFIX = ".state"
 REPLY_RETENTION_MS = 7 * 86_400_000  # answers of an interrupted run wait this long for the next

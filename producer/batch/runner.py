@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from config.settings import KafkaSettings
-from contract.schema import DoneEvent, Request, UndecodableMessage, decode_event
-from producer.batch.lines import BatchLine, error_line, request_id, response_line
-from producer.client import ClientTimeout, InferenceClient, Overloaded, RateLimited, RequestHandle
-from producer.gateway.errors import from_inference
-from producer.gateway.openai_responses import Shape
-from producer.gateway.service import logprobs_by_sample
-from producer.reassembly import Event
+from inferline.config.settings import KafkaSettings
+from inferline.contract.schema import DoneEvent, Request, UndecodableMessage, decode_event
+from inferline.producer.batch.lines import BatchLine, error_line, request_id, response_line
+from inferline.producer.client import ClientTimeout, InferenceClient, Overloaded, RateLimited, RequestHandle
+from inferline.producer.gateway.errors import from_inference
+from inferline.producer.gateway.openai_responses import Shape
+from inferline.producer.gateway.service import logprobs_by_sample
+from inferline.producer.reassembly import Event
 
 log = structlog.get_logger(__name__)
 

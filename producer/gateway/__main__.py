@@ -1,12 +1,12 @@
-"""`inferline-gateway` and `python -m producer.gateway`: serve the OpenAI-compatible API."""
+"""`inferline-gateway` and `python -m inferline.producer.gateway`: serve the OpenAI-compatible API."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
 
-from config.logging import configure_logging
-from config.settings import load_settings
+from inferline.config.logging import configure_logging
+from inferline.config.settings import load_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ async def serve(args: argparse.Namespace) -> int:
     if kafka:
         settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update=kafka)})
     configure_logging(settings.log.level, settings.log.format)
-    from producer.gateway.server import make_server  # FastAPI and uvicorn: only when serving
+    from inferline.producer.gateway.server import make_server  # FastAPI and uvicorn: only when serving
 
     await make_server(settings, args.host, args.port).serve()
     return 0

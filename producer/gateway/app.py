@@ -10,14 +10,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from config.settings import Settings, load_settings
-from producer.gateway.auth import ApiKeys, load_keys
-from producer.gateway.clients import ClientPool
-from producer.gateway.batches import BatchService
-from producer.gateway.errors import OpenAIError
-from producer.gateway.files import parse_upload
-from producer.gateway.metrics import GatewayMetrics
-from producer.gateway.service import Gateway, json_object
+from inferline.config.settings import Settings, load_settings
+from inferline.producer.gateway.auth import ApiKeys, load_keys
+from inferline.producer.gateway.clients import ClientPool
+from inferline.producer.gateway.batches import BatchService
+from inferline.producer.gateway.errors import OpenAIError
+from inferline.producer.gateway.files import parse_upload
+from inferline.producer.gateway.metrics import GatewayMetrics
+from inferline.producer.gateway.service import Gateway, json_object
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

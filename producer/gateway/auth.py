@@ -6,10 +6,10 @@ import hmac
 import json
 import re
 
-from config.settings import GatewaySettings, KafkaSettings
-from producer.gateway.errors import OpenAIError
-from contract.schema import TENANT_PATTERN
-from contract.topics import tenant_problem
+from inferline.config.settings import GatewaySettings, KafkaSettings
+from inferline.producer.gateway.errors import OpenAIError
+from inferline.contract.schema import TENANT_PATTERN
+from inferline.contract.topics import tenant_problem
 
 
 def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dict[str, str]:

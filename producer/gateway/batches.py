@@ -25,13 +25,13 @@ from typing import Any
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import Settings
-from producer.batch.lines import BATCH_PRIORITY, URLS, DuplicateCustomIds, error_line, failed, parse_lines
-from producer.batch.runner import BatchRunner
-from producer.client import InferenceClient
-from producer.gateway.errors import OpenAIError, bad_request
-from producer.gateway.files import FileStore
-from producer.gateway.table import TopicTable
+from inferline.config.settings import Settings
+from inferline.producer.batch.lines import BATCH_PRIORITY, URLS, DuplicateCustomIds, error_line, failed, parse_lines
+from inferline.producer.batch.runner import BatchRunner
+from inferline.producer.client import InferenceClient
+from inferline.producer.gateway.errors import OpenAIError, bad_request
+from inferline.producer.gateway.files import FileStore
+from inferline.producer.gateway.table import TopicTable
 
 log = structlog.get_logger(__name__)
 

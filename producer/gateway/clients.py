@@ -16,8 +16,8 @@ from typing import Any
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import Settings
-from producer.client import InferenceClient, RequestHandle
+from inferline.config.settings import Settings
+from inferline.producer.client import InferenceClient, RequestHandle
 
 log = structlog.get_logger(__name__)
 

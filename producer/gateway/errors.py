@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from producer.errors import (
+from inferline.producer.errors import (
     ClientClosed,
     InferenceError,
     Overloaded,

@@ -9,8 +9,8 @@ import uuid
 from email import policy
 from email.parser import BytesParser
 
-from producer.gateway.errors import OpenAIError, bad_request
-from producer.gateway.table import TopicTable
+from inferline.producer.gateway.errors import OpenAIError, bad_request
+from inferline.producer.gateway.table import TopicTable
 
 CHUNK_BYTES = 512 * 1024
 MAX_FILE_BYTES = 100 * 1024 * 1024  # OpenAI's cap for batch input files is 200 MB; these live in memory

@@ -7,7 +7,7 @@ else cannot be shown, and the stream ends with an error.
 """
 from __future__ import annotations
 
-from contract.schema import DoneEvent, TokensEvent
+from inferline.contract.schema import DoneEvent, TokensEvent
 
 
 class Diverged(Exception):

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from producer.gateway.errors import bad_request
-from contract.schema import ChatMessage
+from inferline.producer.gateway.errors import bad_request
+from inferline.contract.schema import ChatMessage
 
 # Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, as vLLM takes
 # them; the openai SDK sends `extra_body` there).

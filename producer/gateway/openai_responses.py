@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from contract.schema import Sample, TokenLogprob, Usage
+from inferline.contract.schema import Sample, TokenLogprob, Usage
 
 # OpenAI's finish reasons are `stop` and `length` (errors never reach a body).
 FINISH = {"stop": "stop", "length": "length"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uvicorn
 
-from config.settings import Settings
-from producer.gateway.app import create_app
+from inferline.config.settings import Settings
+from inferline.producer.gateway.app import create_app
 
 
 class GatewayServer(uvicorn.Server):

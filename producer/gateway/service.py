@@ -11,17 +11,17 @@ from pydantic import ValidationError
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from config.settings import Settings
-from producer.client import InferenceError, RequestHandle
-from producer.gateway.auth import ApiKeys
-from producer.gateway.clients import ClientPool
-from producer.gateway.errors import OpenAIError, bad_request, from_inference, from_validation
-from producer.gateway.follower import Diverged, TextFollower
-from producer.gateway.metrics import GatewayMetrics
-from producer.gateway.openai_mapping import Mapped, chat_request, completion_request
-from producer.gateway.openai_responses import DONE, Shape, sse
-from producer.gateway.sse import SSEResponse
-from contract.schema import DoneEvent, TokenLogprob, TokensEvent
+from inferline.config.settings import Settings
+from inferline.producer.client import InferenceError, RequestHandle
+from inferline.producer.gateway.auth import ApiKeys
+from inferline.producer.gateway.clients import ClientPool
+from inferline.producer.gateway.errors import OpenAIError, bad_request, from_inference, from_validation
+from inferline.producer.gateway.follower import Diverged, TextFollower
+from inferline.producer.gateway.metrics import GatewayMetrics
+from inferline.producer.gateway.openai_mapping import Mapped, chat_request, completion_request
+from inferline.producer.gateway.openai_responses import DONE, Shape, sse
+from inferline.producer.gateway.sse import SSEResponse
+from inferline.contract.schema import DoneEvent, TokenLogprob, TokensEvent
 
 log = structlog.get_logger(__name__)
 

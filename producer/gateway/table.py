@@ -17,9 +17,9 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import KafkaSettings
-from producer.gateway.errors import OpenAIError
-from producer.topics import create_topics
+from inferline.config.settings import KafkaSettings
+from inferline.producer.gateway.errors import OpenAIError
+from inferline.producer.topics import create_topics
 
 log = structlog.get_logger(__name__)
 

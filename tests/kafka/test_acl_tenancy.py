@@ -18,12 +18,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tests.kafka_fixtures import create_named_topics
 
 from tests.kafka.test_security import SaslBroker, running, worker_kwargs
-from config.settings import KafkaSettings, Settings
-from producer import acls
-from contract.schema import decode_event
+from inferline.config.settings import KafkaSettings, Settings
+from inferline.producer import acls
+from inferline.contract.schema import decode_event
 from tests.worker_fixtures import Topics, check_attempts, final_done, request, wait_ready, worker_config
-from worker.app import Worker, engine_settings
-from worker.engine.engine import LLMEngine
+from inferline.worker.app import Worker, engine_settings
+from inferline.worker.engine.engine import LLMEngine
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 confluent_admin = pytest.importorskip("confluent_kafka.admin")

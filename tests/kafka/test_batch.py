@@ -16,7 +16,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from contract.schema import DoneEvent, decode_event, decode_request
+from inferline.contract.schema import DoneEvent, decode_event, decode_request
 from tests.kafka_fixtures import consume_until
 from tests.unit.test_cli import REPO, run_cli
 from tests.worker_fixtures import PROMPTS, spawn_worker, start_worker, topics, wait_log  # noqa: F401 - fixtures
@@ -117,7 +117,7 @@ async def drop_topic(bootstrap: str, topic: str) -> None:
 async def start_cli(env: dict, *argv: str) -> asyncio.subprocess.Process:
     # A suite started in the background by a shell without job control ignores SIGINT, and so
     # would the CLI (its Ctrl-C is what the test sends): it gets the default back.
-    return await asyncio.create_subprocess_exec(sys.executable, "-m", "producer", *argv, cwd=REPO, env=env,
+    return await asyncio.create_subprocess_exec(sys.executable, "-P", "-m", "inferline.producer", *argv, cwd=REPO, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                 preexec_fn=_default_sigint)
 

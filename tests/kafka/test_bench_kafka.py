@@ -57,7 +57,7 @@ def test_ratio_is_consistent(results):
 def test_both_paths_run_without_prefix_caching(monkeypatch):
     """The worker serves every repeat from one process: with prefix caching its second run would
     find the first run's prompts cached while each in-process run starts cold."""
-    from config.settings import Settings
+    from inferline.config.settings import Settings
 
     args = kafka_e2e.parse_args(["--quick"])
     settings = kafka_e2e.bench_settings(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.delivery.transactions import MAX_PRODUCER_TOPICS
+from inferline.worker.delivery.transactions import MAX_PRODUCER_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -29,7 +29,7 @@ import pytest
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from contract.schema import DoneEvent, StartedEvent
+from inferline.contract.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, percentile, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit

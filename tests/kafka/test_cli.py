@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from producer.cli import (
+from inferline.producer.cli import (
     EXIT_REJECTED,
     EXIT_TIMEOUT,
 )
-from contract.schema import decode_cancel, encode_event
+from inferline.contract.schema import decode_cancel, encode_event
 from tests.kafka.test_client import ScriptedWorker, error_script
 from tests.unit.test_client import done, stream
 from tests.unit.test_cli import REPO, run_cli  # noqa: F401

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from producer.client import (
+from inferline.producer.client import (
     ClientTimeout,
     IncompleteStream,
     InferenceClient,
@@ -23,7 +23,7 @@ from producer.client import (
     RequestCancelled,
     per_request_topic,
 )
-from contract.schema import (
+from inferline.contract.schema import (
     Request,
     decode_cancel,
     decode_request,
@@ -237,7 +237,7 @@ async def test_invalid_request_is_refused_before_sending(kafka_bootstrap, kafka_
 
 @pytest.fixture
 async def real_worker(kafka_bootstrap, new_topic, tmp_path):
-    """Topics and a `python -m worker` subprocess; `spawn()` starts another (for restarts)."""
+    """Topics and a `python -m inferline.worker` subprocess; `spawn()` starts another (for restarts)."""
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
     topics = Topics(requests=await new_topic(1, prefix="wreq"), cancel=await new_topic(1, prefix="wcancel"),

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.worker_fixtures import topics  # noqa: F401 - a fixture
 
 @pytest.mark.kafka
@@ -15,8 +15,8 @@ async def test_a_worker_whose_engine_dies_hands_its_requests_to_the_next(kafka_b
     """The engine thread dies mid-request: the worker publishes `requeued`, fails readiness, stops
     with EngineDied without committing the offset; a new worker in the group then finishes it."""
     from tests.worker_fixtures import collect, final_done, request, submit, wait_ready, worker_config
-    from worker.app import EngineDied, Worker, engine_settings
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.app import EngineDied, Worker, engine_settings
+    from inferline.worker.engine.engine import LLMEngine
 
     settings = Settings(**worker_config(kafka_bootstrap, topics))
 

@@ -15,8 +15,8 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from tests.kafka_fixtures import consume_until, produce_raw
 from tests.worker_fixtures import (  # noqa: F401 - topics, start_worker are fixtures
     check_attempts, collect, final_dones, request, start_worker, topics)
-from worker.delivery import transactions
-from worker.delivery.transactions import transactional_id
+from inferline.worker.delivery import transactions
+from inferline.worker.delivery.transactions import transactional_id
 
 pytestmark = pytest.mark.kafka
 

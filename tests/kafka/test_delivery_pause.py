@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.chaos_fixtures import private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import check_attempts, collect, final_dones, request, submit, wait_ready, worker_config
-from worker.app import Worker, engine_settings
-from worker.engine.engine import LLMEngine
+from inferline.worker.app import Worker, engine_settings
+from inferline.worker.engine.engine import LLMEngine
 
 pytestmark = [pytest.mark.chaos, pytest.mark.kafka, pytest.mark.slow]
 PAUSE_S = 12.0

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from producer.client import InferenceClient
+from inferline.producer.client import InferenceClient
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
@@ -97,7 +97,7 @@ async def test_prompt_at_the_maximum_length_and_one_token_over(kafka_bootstrap, 
     worker.engine.max_model_len = max_len
     tok = model_runner.tokenizer if hasattr(model_runner, "tokenizer") else None
     if tok is None:
-        from worker.engine.models.loader import load_tokenizer, resolve_model_dir
+        from inferline.worker.engine.models.loader import load_tokenizer, resolve_model_dir
 
         tok = load_tokenizer(resolve_model_dir())
     fits = max_len - max_tokens  # the prompt and every token it may generate fit the model length

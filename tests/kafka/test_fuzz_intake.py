@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from contract.schema import (
+from inferline.contract.schema import (
     InvalidRequest, UndecodableMessage, decode_event, decode_request,
 )
 from tests.worker_fixtures import start_worker  # noqa: F401 - fixture

@@ -11,7 +11,7 @@ import msgpack
 import openai
 import pytest
 
-from contract.schema import DoneEvent, decode_event
+from inferline.contract.schema import DoneEvent, decode_event
 from tests.gateway_fixtures import (  # noqa: F401 - fixtures
     delete_topics, fleet, gateway_settings, make_topics, start_gateway, stop_gateway,
 )

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer import client as producer_client
+from inferline.producer import client as producer_client
 from tests.gateway_fixtures import (  # noqa: F401 - fixtures
     delete_topics, fleet, gateway_settings, make_topics, start_gateway, stop_gateway,
 )

@@ -11,8 +11,8 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from worker.intake import group_join
-from worker.intake.group import assignors
+from inferline.worker.intake import group_join
+from inferline.worker.intake.group import assignors
 
 pytestmark = pytest.mark.kafka
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from tests.kafka.test_batch import chat_line, check_format, read_lines
+from tests.unit.test_packaging import source_copy
 from tests.worker_fixtures import start_worker, topics  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -28,17 +27,6 @@ async def run(*argv: str, env: dict | None = None, cwd: Path | None = None, time
                                                 stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     return proc.returncode, out.decode(errors="replace")
-
-
-def source_copy(dst: Path) -> Path:
-    """What an sdist holds (pyproject, README, the packages): pip builds there, not in the checkout."""
-    dst.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, dst / name)
-    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    for package in {p.rstrip("*") for p in include}:
-        shutil.copytree(REPO / package, dst / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +51,8 @@ async def test_the_client_installs_without_the_inference_stack(light_venv):
     rc, out = await run(str(light_venv / "bin" / "inferline"), "--help", cwd=light_venv)
     assert rc == 0 and "batch" in out and "gateway" in out, out
     # The gateway's app builds (FastAPI, uvicorn) and so does the client API.
-    rc, out = await run(python, "-c", "from producer.gateway.app import create_app; create_app(); "
-                        "from producer.client import InferenceClient; print('ok')", cwd=light_venv)
+    rc, out = await run(python, "-c", "from inferline.producer.gateway.app import create_app; create_app(); "
+                        "from inferline.producer.client import InferenceClient; print('ok')", cwd=light_venv)
     assert rc == 0 and out.strip().endswith("ok"), out
     rc, out = await run(str(light_venv / "bin" / "inferline-worker"), cwd=light_venv)
     assert rc != 0 and "torch" in out  # the worker needs the `worker` extra

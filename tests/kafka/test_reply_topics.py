@@ -8,7 +8,7 @@ import uuid
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from contract.schema import decode_event
+from inferline.contract.schema import decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,

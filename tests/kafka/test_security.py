@@ -6,7 +6,7 @@ users created at format time) on a free port:
   CA are refused; one with the credentials produces and consumes. The clients are built by the
   project's own option builders (KafkaSettings.client_options, KafkaSettings.connection_options)
   from a Settings tree, so the path tested is the one the worker and the client use.
-- `python -m worker` configured only through INFERLINE_KAFKA__* (password from the environment)
+- `python -m inferline.worker` configured only through INFERLINE_KAFKA__* (password from the environment)
   serves a request sent by InferenceClient over SASL_SSL, and its logs (DEBUG) never contain the
   password.
 
@@ -25,7 +25,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.kafka_fixtures import free_port_pair
 from tests.unit.test_security import REPO  # noqa: F401
 
@@ -143,7 +143,7 @@ async def test_sasl_ssl_refuses_strangers_and_admits_the_credentialed(sasl_broke
 @pytest.mark.kafka
 @pytest.mark.slow
 async def test_worker_serves_over_sasl_ssl_and_never_logs_the_secret(sasl_broker, tmp_path):
-    from producer.client import InferenceClient
+    from inferline.producer.client import InferenceClient
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
     settings = Settings(kafka=sasl_broker.kafka())

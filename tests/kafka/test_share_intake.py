@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from contract.schema import DoneEvent, StartedEvent
+from inferline.contract.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import Topics, check_attempts, submit
@@ -227,8 +227,8 @@ async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tm
 async def test_the_projects_broker_lets_a_lock_outlast_the_default_request_timeout(share_broker):
     """scripts/kafka.sh's broker caps share locks at an hour, not Kafka's 60 s: the worker's lock
     for the default 600 s timeout is not cut short (it would be, and logged, on a default broker)."""
-    from config.settings import KafkaSettings, Settings
-    from worker.intake.share import lock_ms, read_broker_limits
+    from inferline.config.settings import KafkaSettings, Settings
+    from inferline.worker.intake.share import lock_ms, read_broker_limits
 
     kafka = KafkaSettings(bootstrap_servers=share_broker.bootstrap, intake="share")
     limits = await asyncio.to_thread(read_broker_limits, kafka)
@@ -238,8 +238,8 @@ async def test_the_projects_broker_lets_a_lock_outlast_the_default_request_timeo
 
 
 async def set_group_lock(bootstrap: str, group: str, lock_ms: int) -> None:
-    from config.settings import KafkaSettings
-    from worker.intake.share import group_configs, set_group_configs
+    from inferline.config.settings import KafkaSettings
+    from inferline.worker.intake.share import group_configs, set_group_configs
 
     kafka = KafkaSettings(bootstrap_servers=bootstrap, group_id=group, intake="share")
     await asyncio.to_thread(set_group_configs, kafka, group_configs(lock_ms))

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from config.settings import KafkaSettings
-from producer.gateway.table import TopicTable
+from inferline.config.settings import KafkaSettings
+from inferline.producer.gateway.table import TopicTable
 from tests.kafka_fixtures import unique_topic_name
 
 pytestmark = pytest.mark.kafka

@@ -11,16 +11,16 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from config.settings import Settings
-from contract.schema import DoneEvent, Timing, Usage, decode_event, encode_event
+from inferline.config.settings import Settings
+from inferline.contract.schema import DoneEvent, Timing, Usage, decode_event, encode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
-from worker.app import Worker, engine_settings
-from worker.engine.engine import LLMEngine
-from worker.service.metrics import Metrics
-from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Final, Owner, Transactions
+from inferline.worker.app import Worker, engine_settings
+from inferline.worker.engine.engine import LLMEngine
+from inferline.worker.service.metrics import Metrics
+from inferline.worker.delivery.offsets import OffsetTracker
+from inferline.worker.delivery.transactions import Final, Owner, Transactions
 from tests.unit.test_transactions import _final, _until  # noqa: F401
 
 

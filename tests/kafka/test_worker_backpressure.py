@@ -62,7 +62,7 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(kafka_bootstra
                                                                  monkeypatch):
     """A paused partition is not fetched, so fetch responses no longer bring its high watermark:
     the lag gauge must still grow with the records that pile up (the operator's signal to scale)."""
-    import worker.delivery.offsets as offsets
+    import inferline.worker.delivery.offsets as offsets
 
     monkeypatch.setattr(offsets, "LAG_EVERY_S", 0.3)
     worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 1})

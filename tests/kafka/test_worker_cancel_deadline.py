@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from contract.schema import StartedEvent, TokensEvent, decode_event
+from inferline.contract.schema import StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     cancel, check_attempts, collect, final_done, request, start_worker, submit, topics,

@@ -1,15 +1,15 @@
 """End to end through the real broker and the real engine: the vertical slice."""
 import pytest
 
-from config.settings import Settings
-from contract.schema import Request, StartedEvent, TokensEvent
+from inferline.config.settings import Settings
+from inferline.contract.schema import Request, StartedEvent, TokensEvent
 from tests.engine_fixtures import run_to_completion
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     PROMPTS, check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,
 )
-from worker.app import engine_settings
-from worker.intake.admission import engine_request
-from worker.engine.engine import LLMEngine
+from inferline.worker.app import engine_settings
+from inferline.worker.intake.admission import engine_request
+from inferline.worker.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.kafka
 

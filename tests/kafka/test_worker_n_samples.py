@@ -3,7 +3,7 @@ from collections import defaultdict
 
 import pytest
 
-from contract.schema import MAX_N, TokensEvent
+from inferline.contract.schema import MAX_N, TokensEvent
 from tests.gateway_fixtures import fleet  # noqa: F401 - fixture
 from tests.kafka.test_worker_cancel_deadline import first_tokens
 from tests.worker_fixtures import (  # noqa: F401 - fixtures

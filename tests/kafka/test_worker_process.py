@@ -1,13 +1,13 @@
 """The worker as a process: kill -9 and restart, SIGTERM drain, a second worker joining.
 
-Each of these loads the model in a subprocess (`python -m worker`), so they are `slow`."""
+Each of these loads the model in a subprocess (`python -m inferline.worker`), so they are `slow`."""
 import asyncio
 import signal
 import uuid
 
 import pytest
 
-from contract.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
+from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     attempts_of, check_attempts, collect, final_done, final_dones, request, spawn_worker, start_worker,
@@ -119,10 +119,10 @@ async def test_a_stop_during_model_load_never_joins_the_group(kafka_bootstrap, t
     group (a join and an immediate leave would only make every other worker rebalance)."""
     import threading
 
-    import worker.app as app
-    from config.settings import Settings
+    import inferline.worker.app as app
+    from inferline.config.settings import Settings
     from tests.worker_fixtures import worker_config
-    from worker.engine.engine import LLMEngine
+    from inferline.worker.engine.engine import LLMEngine
 
     loading, release = threading.Event(), threading.Event()
 

@@ -4,7 +4,7 @@ import json
 import jsonschema
 import pytest
 
-from contract.schema import TokensEvent
+from inferline.contract.schema import TokensEvent
 from tests.unit.test_structured_output import PERSON, ASK_PERSON
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,

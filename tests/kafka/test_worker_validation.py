@@ -2,7 +2,7 @@
 import msgpack
 import pytest
 
-from contract.schema import StartedEvent
+from inferline.contract.schema import StartedEvent
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, submit_raw, topics,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.attention import (BACKENDS, CpuAttention, StepTables, TokenMetadata, TorchAttention, TritonAttention,
+from inferline.kernels import reference
+from inferline.kernels.attention import (BACKENDS, CpuAttention, StepTables, TokenMetadata, TorchAttention, TritonAttention,
                                make_attention)
-from kernels.cpu import build
+from inferline.kernels.cpu import build
 
 BLOCK, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 4, 64, 12
 # (num_computed, num_new) per sequence, decodes first; block tables are disjoint runs of blocks
@@ -78,7 +78,7 @@ def test_names_and_classes():
 
 TRITON_CASE = """
 import torch
-from kernels.attention import make_attention
+from inferline.kernels.attention import make_attention
 from tests.kernels.test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, expected, step_tables
 gen = torch.Generator().manual_seed(0)
 k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))

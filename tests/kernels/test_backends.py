@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import backends
-from kernels.backends import BackendUnavailable, KernelBackends, ModelShape, select_backends
-from kernels.cpu import build
+from inferline import kernels
+from inferline.kernels import backends
+from inferline.kernels.backends import BackendUnavailable, KernelBackends, ModelShape, select_backends
+from inferline.kernels.cpu import build
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 SMOLLM2 = ModelShape(head_dim=64, num_heads=9, num_kv_heads=3, block_size=16)
@@ -74,8 +74,8 @@ def test_the_plan_is_frozen():
 @pytest.mark.parametrize("name", ["store_kv", "paged_decode_attention", "paged_prefill_attention"])
 def test_no_submodule_shadows_a_public_call(name):
     """The trap of issue 24: a submodule named like an exported function replaces it on import."""
-    import kernels.triton.decode  # noqa: F401
-    import kernels.triton.prefill  # noqa: F401
-    import kernels.triton.store  # noqa: F401
+    import inferline.kernels.triton.decode  # noqa: F401
+    import inferline.kernels.triton.prefill  # noqa: F401
+    import inferline.kernels.triton.store  # noqa: F401
 
     assert callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels))

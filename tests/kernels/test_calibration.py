@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from kernels import backends
-from kernels.cpu import gemm
-from worker.engine.models import calibration
-from worker.engine.models.linear import onednn_available
+from inferline.kernels import backends
+from inferline.kernels.cpu import gemm
+from inferline.worker.engine.models import calibration
+from inferline.worker.engine.models.linear import onednn_available
 
 needs_both = pytest.mark.skipif(not (gemm.available() and onednn_available()), reason="needs the C GEMM and oneDNN")
 
@@ -19,7 +19,7 @@ needs_both = pytest.mark.skipif(not (gemm.available() and onednn_available()), r
 def tiny_model(num_layers: int = 6):
     from transformers import LlamaConfig
 
-    from worker.engine.models.llama import LlamaForCausalLM
+    from inferline.worker.engine.models.llama import LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)

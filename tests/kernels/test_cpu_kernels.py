@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.backends import ModelShape, select_attention
-from kernels.cpu import attention, build
+from inferline import kernels
+from inferline.kernels import reference
+from inferline.kernels.backends import ModelShape, select_attention
+from inferline.kernels.cpu import attention, build
 from tests.paged_cache import PagedCache
 
 SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
@@ -343,7 +343,7 @@ def test_the_package_ships_every_source_and_header_the_build_reads():
     """A wheel (not only this checkout) must hold the C sources and headers: kernels/cpu/
     compiles them on the user's machine."""
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu"]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["inferline.kernels.cpu"]
     for path in build.SOURCES + build.HEADERS:
         name = path.relative_to(Path(build.__file__).parent).as_posix()
         assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not in the package data {globs}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.roofline import in_thread
-from kernels import fused
+from inferline.kernels import fused
 
 SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import backends
-from kernels.cpu import build, gemm
-from worker.engine.models import linear as linear_module
+from inferline.kernels import backends
+from inferline.kernels.cpu import build, gemm
+from inferline.worker.engine.models import linear as linear_module
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels did not build (no C compiler?)")
 CPU = torch.device("cpu")

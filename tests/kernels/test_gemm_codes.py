@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import build, gemm
+from inferline.kernels.cpu import build, gemm
 from tests.kernels.test_gemm import assert_row_bits_invariant, build_x86_64
-from worker.engine.models import linear as linear_module
+from inferline.worker.engine.models import linear as linear_module
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels did not build (no C compiler?)")
 

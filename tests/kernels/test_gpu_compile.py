@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.triton import compile_check as cc
-from kernels.triton.decode import plan_decode
+from inferline.kernels.triton import compile_check as cc
+from inferline.kernels.triton.decode import plan_decode
 
 ARCH = 90
 

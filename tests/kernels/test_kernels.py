@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.reference import dense_causal_attention
+from inferline import kernels
+from inferline.kernels import reference
+from inferline.kernels.reference import dense_causal_attention
 from tests.paged_cache import PagedCache
 
 ROOT = Path(__file__).resolve().parents[2]

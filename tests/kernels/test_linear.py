@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.models.linear import Linear, linear, onednn_available, pack_weight
+from inferline.worker.engine.models.linear import Linear, linear, onednn_available, pack_weight
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
 
@@ -80,7 +80,7 @@ def test_a_failing_pack_falls_back_to_f_linear(monkeypatch):
         raise RuntimeError("no oneDNN kernel for this CPU")
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
-    monkeypatch.setattr("worker.engine.models.linear.onednn_available", lambda: True)
+    monkeypatch.setattr("inferline.worker.engine.models.linear.onednn_available", lambda: True)
     layer = Linear(8, 4)
     assert pack_weight(layer.weight) is None and not layer.pack() and layer.packed is None
     x = torch.randn(3, 8)

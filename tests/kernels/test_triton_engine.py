@@ -100,7 +100,7 @@ def test_worker_with_triton_on_a_cpu_without_the_interpreter_stops_at_start(tmp_
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERLINE_", "TRITON_"))}
     env.update(INFERLINE_MODEL__DEVICE="cpu", INFERLINE_MODEL__ATTENTION_BACKEND="triton",
                INFERLINE_KAFKA__BOOTSTRAP_SERVERS="127.0.0.1:1")
-    proc = subprocess.run([sys.executable, "-m", "worker"], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-P", "-m", "inferline.worker"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("inferline-worker:")]

@@ -9,10 +9,10 @@ import json
 
 import torch
 
-from kernels.triton.decode import plan_decode
-from kernels.triton.launch import Target
+from inferline.kernels.triton.decode import plan_decode
+from inferline.kernels.triton.launch import Target
 from tests.interpreted import run_cases
-from worker.engine.warmup import decode_shapes
+from inferline.worker.engine.warmup import decode_shapes
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=49152,

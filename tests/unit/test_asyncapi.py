@@ -26,7 +26,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from contract import schema
+from inferline.contract import schema
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILE = REPO / "docs" / "asyncapi.yaml"
@@ -106,7 +106,7 @@ def test_reply_channel_carries_every_event_type(doc, components):
 
 
 def test_topics_are_the_settings_defaults(doc):
-    from config.settings import KafkaSettings
+    from inferline.config.settings import KafkaSettings
 
     k = KafkaSettings()
     addresses = {name: ch["address"] for name, ch in doc["channels"].items()}

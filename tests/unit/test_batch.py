@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from contract.schema import DoneEvent, StartedEvent, Timing, Usage
-from producer.batch.lines import (
+from inferline.contract.schema import DoneEvent, StartedEvent, Timing, Usage
+from inferline.producer.batch.lines import (
     BATCH_PRIORITY, DuplicateCustomIds, error_line, failed, line_key, parse_line, parse_lines, request_id,
     response_line,
 )
-from producer.batch.local import State, read_output
-from producer.batch.runner import _best_attempt
+from inferline.producer.batch.local import State, read_output
+from inferline.producer.batch.runner import _best_attempt
 
 
 def line(custom_id="a", url="/v1/chat/completions", **body) -> str:
@@ -117,8 +117,8 @@ def test_the_answer_an_earlier_run_left_behind():
 
 
 def test_multipart_upload_is_parsed_without_python_multipart():
-    from producer.gateway.errors import OpenAIError
-    from producer.gateway.files import parse_upload
+    from inferline.producer.gateway.errors import OpenAIError
+    from inferline.producer.gateway.files import parse_upload
 
     body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
             b'--XX\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'

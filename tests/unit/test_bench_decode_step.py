@@ -33,8 +33,8 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
     """--linears: the C GEMM's packed weights (codes and fp32) and oneDNN's and F.linear on one batch; the
     runner's own copies are back after each variant, and every variant samples the same tokens
     (greedy, one step from the same state: only the last bits of the sums differ)."""
-    from kernels.cpu import gemm
-    from worker.engine.models.linear import Linear, onednn_available
+    from inferline.kernels.cpu import gemm
+    from inferline.worker.engine.models.linear import Linear, onednn_available
 
     if not (gemm.available() and onednn_available()):
         pytest.skip("needs both packed backends")
@@ -61,7 +61,7 @@ def test_linears_variants_swap_the_packed_copies_and_back(capsys):
 @pytest.mark.full
 def test_linear_backends_bench_times_every_backend(capsys):
     from bench import linear_backends
-    from kernels.cpu import gemm
+    from inferline.kernels.cpu import gemm
 
     if not gemm.available():
         pytest.skip("the CPU kernels did not build")
@@ -73,7 +73,7 @@ def test_linear_backends_bench_times_every_backend(capsys):
 
 def test_the_roofline_takes_the_faster_packed_backend():
     """The roofline is the machine's best rate whichever backend the model runs on."""
-    from worker.engine.models.loader import load_model
+    from inferline.worker.engine.models.loader import load_model
 
     model, _, _ = load_model("", "dummy", torch.float32, torch.device("cpu"), max_positions=64)
     roof = roofline.in_thread(lambda: roofline.measure(model, batches=(4,), repeats=1), 1)

@@ -113,7 +113,7 @@ def test_ceiling_counts_prompt_work(results, capsys):
 
 
 def test_workload_is_deterministic_and_varied():
-    from worker.engine.models.loader import load_tokenizer
+    from inferline.worker.engine.models.loader import load_tokenizer
 
     tok = load_tokenizer(None)
     a = make_workload(tok, 16, seed=3)

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig
 
 from bench import gpu_check, gpu_engine_check as engine
-from worker.engine.models.llama import LlamaForCausalLM
-from worker.engine.models.loader import DUMMY_PRESETS
+from inferline.worker.engine.models.llama import LlamaForCausalLM
+from inferline.worker.engine.models.loader import DUMMY_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 

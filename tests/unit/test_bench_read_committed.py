@@ -72,7 +72,7 @@ def test_beside_takes_the_streams_of_the_held_partition_during_the_hold():
 
 def test_the_paced_engine_yields_a_token_per_step_and_finishes_at_max_tokens():
     from bench.paced_engine import PacedEngine
-    from worker.engine.request import EngineRequest, SamplingParams
+    from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     eng = PacedEngine(step_s=0.0)
     eng.add_request(EngineRequest("r", SamplingParams(max_tokens=3), prompt="one two"))

@@ -6,7 +6,7 @@ import pytest
 
 from bench.batch_priority import limit_env
 from bench.scheduler_sim import Load, compare, run
-from worker.engine.scheduler import BackgroundLimit
+from inferline.worker.engine.scheduler import BackgroundLimit
 
 COST = (30.0, 4.5, 4.0)
 

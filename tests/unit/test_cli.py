@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.cli import (
+from inferline.producer.cli import (
     EXIT_OK,
     EXIT_REJECTED,
     EXIT_TIMEOUT,
@@ -31,8 +31,8 @@ from producer.cli import (
     summarize,
     throughput_series,
 )
-from producer.client import ClientTimeout, PromptTooLong, RequestCancelled, WorkerError
-from contract.schema import Request
+from inferline.producer.client import ClientTimeout, PromptTooLong, RequestCancelled, WorkerError
+from inferline.contract.schema import Request
 from tests.unit.test_client import done, started, tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_length_parse_rejects(spec):
 def test_bad_length_exits_before_connecting():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "producer", "bench", "--output-len", "uniform:9,2"],
+    proc = subprocess.run([sys.executable, "-P", "-m", "inferline.producer", "bench", "--output-len", "uniform:9,2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "bad length" in proc.stderr
 
@@ -193,7 +193,7 @@ def test_format_event():
 
 async def run_cli(env: dict[str, str], *argv: str, stdin: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producer", *argv, cwd=REPO, env=env,
+        sys.executable, "-P", "-m", "inferline.producer", *argv, cwd=REPO, env=env,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), timeout)

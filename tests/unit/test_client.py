@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from producer.client import (
+from inferline.producer.client import (
     ClientTimeout,
     IncompleteStream,
     InferenceClient,
@@ -21,7 +21,7 @@ from producer.client import (
     error_for,
     per_request_topic,
 )
-from contract.schema import (
+from inferline.contract.schema import (
     DoneEvent,
     ErrorInfo,
     Request,
@@ -246,7 +246,7 @@ async def test_client_side_failure_ends_readers():
 
 
 def test_per_request_topic_names_are_legal():
-    from contract.schema import is_legal_topic
+    from inferline.contract.schema import is_legal_topic
 
     assert is_legal_topic(per_request_topic("a:b.c-" + "x" * 122))
 
@@ -254,7 +254,7 @@ def test_per_request_topic_names_are_legal():
 def test_reply_topics_follow_the_workers_reply_prefix():
     """The client's own and per-request reply topics go under INFERLINE_KAFKA__REPLY_TOPIC_PREFIX:
     the only topics a worker answers on."""
-    from config.settings import Settings
+    from inferline.config.settings import Settings
 
     client = InferenceClient(settings=Settings(kafka={"reply_topic_prefix": "acme.replies."}))
     assert client.reply_topic == "acme.replies." + client.client_uid

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings, load_settings
+from inferline.config.settings import ENV_DELIMITER, ENV_PREFIX, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -290,9 +290,9 @@ def test_dockerfile_builds_the_worker():
     }
     assert {"pyproject.toml", "README.md"} <= copied  # pyproject's `readme` must exist to build
     assert "constraints.txt" in copied and "pip install -c constraints.txt -r /tmp/requirements.txt" in runs
-    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
-    assert set(packages) <= copied, f"packages not copied into the image: {set(packages) - copied}"
-    shipped = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu"]
+    packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert packages <= copied, f"packages not copied into the image: {packages - copied}"
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["inferline.kernels.cpu"]
     assert "csrc/*.c" in shipped and list((REPO / "kernels" / "cpu" / "csrc").glob("*.c")), "C sources not installed"
 
 

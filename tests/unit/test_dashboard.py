@@ -18,7 +18,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.service.metrics import Metrics
+from inferline.worker.service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -10,10 +10,10 @@ import uuid
 
 import msgpack
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.chaos_fixtures import IntakeHarness, assign
 from tests.worker_fixtures import topics  # noqa: F401 - a fixture
-from worker.engine.engine import EngineLoop
+from inferline.worker.engine.engine import EngineLoop
 
 REPLY, DLQ = "inferline.reply.delivery", "delivery-dlq"
 
@@ -124,9 +124,9 @@ def test_the_engine_loop_reports_its_death():
 # ------------------------------------------------------------------------ coalescing of tokens
 
 def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_event():
-    from contract.schema import decode_event
-    from worker.delivery.publisher import Publisher, ReplyStream
-    from worker.service.metrics import Metrics
+    from inferline.contract.schema import decode_event
+    from inferline.worker.delivery.publisher import Publisher, ReplyStream
+    from inferline.worker.service.metrics import Metrics
 
     pub = Publisher(Settings(), Metrics(), "w", transactions=None)
     sent = []

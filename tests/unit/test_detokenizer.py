@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from inferline.worker.engine.detokenizer import IncrementalDetokenizer, StopChecker
 
 MULTIBYTE_TEXT = "héllo 😀🎉👍🏽 世界你好 日本語 한국어 ∑≠ naïve café — “quotes” 🇫🇷 \n\t ok."
 
@@ -16,7 +16,7 @@ MULTIBYTE_TEXT = "héllo 😀🎉👍🏽 世界你好 日本語 한국어 ∑�
 def load_tokenizer():
     from transformers import AutoTokenizer
 
-    from config.settings import bundled_model_path
+    from inferline.config.settings import bundled_model_path
 
     path = bundled_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

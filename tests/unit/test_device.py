@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.device import (
+from inferline.worker.engine.device import (
     HostCopy, free_device_memory, host_copy, host_to_device, tensor_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
     pick_device, pick_dtype, pick_kv_dtype,
 )

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings
+from inferline.config.settings import ENV_DELIMITER, ENV_PREFIX, Settings
 from tests.unit.test_compose import is_settings_field
 from tests.unit.test_dashboard import SUFFIXES, metric_families
-from worker.service.metrics import Metrics
+from inferline.worker.service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -73,7 +73,7 @@ def test_configuration_reference_has_every_setting():
 
 
 def test_meanings_name_real_fields(gen):
-    from config.settings import TenantLimit
+    from inferline.config.settings import TenantLimit
 
     for key in gen.MEANINGS:
         head, *rest = key.split(".")
@@ -202,7 +202,7 @@ def cli_commands() -> dict[str, set[str]]:
     """`inferline` subcommand -> its own subcommands (empty when it has none)."""
     import argparse
 
-    from producer.cli import build_parser
+    from inferline.producer.cli import build_parser
 
     def subparsers(parser) -> dict[str, argparse.ArgumentParser]:
         actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -218,7 +218,7 @@ def console_scripts() -> set[str]:
 
 
 def known_metrics() -> set[str]:
-    from producer.gateway.metrics import GatewayMetrics
+    from inferline.producer.gateway.metrics import GatewayMetrics
 
     families = dict(metric_families())
     families |= {fam.name: fam.type for fam in GatewayMetrics().registry.collect()}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
-from worker.engine.request import EngineRequest, SamplingParams
+from inferline.worker.engine.request import EngineRequest, SamplingParams
 
 def request(i: int, ids: list[int], max_tokens: int = NEW_TOKENS, **kw) -> EngineRequest:
     return EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens, **kw))
@@ -117,11 +117,11 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
     (kernels/cpu/); a runner with any other linear backend, fp32 panels
     (INFERLINE_MODEL__CPU_WEIGHT_CODES=off), or the others on PyTorch (CPU_FUSED_OPS or
     ATTENTION_BACKEND = torch), must give HF's greedy tokens too."""
-    from config.settings import Settings
-    from kernels import backends, fused
-    from kernels.cpu import gemm
-    from worker.engine.model_runner import ModelRunner
-    from worker.engine.models.linear import Linear, onednn_available
+    from inferline.config.settings import Settings
+    from inferline.kernels import backends, fused
+    from inferline.kernels.cpu import gemm
+    from inferline.worker.engine.model_runner import ModelRunner
+    from inferline.worker.engine.models.linear import Linear, onednn_available
 
     cpu = torch.device("cpu")
     candidates = backends.linear_candidates(cpu, torch.float32, "auto")  # auto keeps the fastest here
@@ -272,7 +272,7 @@ def test_abort_and_deadline_free_blocks_at_once(model_runner, prompts):
 def test_engine_loop_thread_delivers_everything(model_runner, prompts):
     import threading
 
-    from worker.engine.engine import EngineLoop
+    from inferline.worker.engine.engine import EngineLoop
 
     done, lock, finished = {}, threading.Lock(), threading.Event()
 
@@ -302,7 +302,7 @@ def test_engine_loop_builds_its_engine_on_its_own_thread(model_runner, prompts):
     the engine over once built."""
     import threading
 
-    from worker.engine.engine import EngineLoop
+    from inferline.worker.engine.engine import EngineLoop
 
     built_on, outputs = [], []
 
@@ -326,7 +326,7 @@ def test_engine_loop_builds_its_engine_on_its_own_thread(model_runner, prompts):
 
 
 def test_engine_loop_build_error_reaches_wait_ready():
-    from worker.engine.engine import EngineLoop
+    from inferline.worker.engine.engine import EngineLoop
 
     def build():
         raise FileNotFoundError("no such model")
@@ -344,7 +344,7 @@ def test_stop_token_checks_are_set_lookups():
     1024 stop ids cost what one does. No model: the check alone, on stand-ins."""
     from types import SimpleNamespace
 
-    from worker.engine.engine import LLMEngine, eos_token_ids
+    from inferline.worker.engine.engine import LLMEngine, eos_token_ids
 
     params = SamplingParams(max_tokens=100, stop_token_ids=tuple(range(1000, 2024)))
     assert isinstance(params.stop_token_ids, frozenset) and len(params.stop_token_ids) == 1024
@@ -358,8 +358,8 @@ def test_stop_token_checks_are_set_lookups():
 
 def test_cpu_threads_setting_sets_torch_threads(monkeypatch):
     """INFERLINE_MODEL__CPU_THREADS reaches torch before the model is built."""
-    import worker.engine.engine as engine_module
-    from config.settings import Settings
+    import inferline.worker.engine.engine as engine_module
+    from inferline.config.settings import Settings
 
     seen = {}
 
@@ -400,7 +400,7 @@ def test_the_cpu_kv_cache_is_advised_onto_huge_pages(model_runner):
     and every page resident from the start: no step pays a page's first touch."""
     from pathlib import Path
 
-    from worker.engine.model_runner import huge_page_tensor
+    from inferline.worker.engine.model_runner import huge_page_tensor
 
     t = huge_page_tensor((8, 512, 1024), torch.float32)  # 16 MB
     assert t.shape == (8, 512, 1024) and t.dtype == torch.float32 and t.is_contiguous()

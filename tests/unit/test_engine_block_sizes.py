@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.engine_fixtures import greedy, make_engine
-from worker.engine.model_runner import ModelRunner
-from worker.engine.request import EngineRequest
+from inferline.worker.engine.model_runner import ModelRunner
+from inferline.worker.engine.request import EngineRequest
 
 NEW = 24
 CHOSEN = (0, 4)  # prompts of 41 and 81 tokens

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from config.settings import Settings
-from contract.schema import (
+from inferline.config.settings import Settings
+from inferline.contract.schema import (
     ERROR_CODES, DoneEvent, InvalidRequest, StartedEvent, UndecodableMessage, decode_event, decode_request,
 )
 from tests.worker_fixtures import start_worker  # noqa: F401 - fixture
@@ -52,7 +52,7 @@ def harness_settings(**limits) -> Settings:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from worker.engine.models.loader import load_tokenizer, resolve_model_dir
+    from inferline.worker.engine.models.loader import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir())
 
@@ -61,7 +61,7 @@ class Checker:
     """Feeds one message and asserts that it ends in exactly one well-formed outcome."""
 
     def __init__(self, tokenizer, **limits) -> None:
-        from worker.engine.engine import LLMEngine, Rejected
+        from inferline.worker.engine.engine import LLMEngine, Rejected
 
         self.h = IntakeHarness(harness_settings(**limits))
         self.engine_self = types.SimpleNamespace(tokenizer=tokenizer, vocab_size=49152, max_model_len=2048)
@@ -103,7 +103,7 @@ class Checker:
         return "dead_letter"
 
     def _refused_topic(self, value: bytes) -> str:
-        from worker.intake.reply_topics import refusal
+        from inferline.worker.intake.reply_topics import refusal
 
         try:
             topic = decode_request(value, 1_048_576, 256).reply_topic

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from producer.gateway.errors import OpenAIError
-from producer.gateway.follower import Diverged, TextFollower
-from producer.gateway.openai_mapping import chat_request, completion_request
-from producer.gateway.openai_responses import Shape
-from contract.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
+from inferline.producer.gateway.errors import OpenAIError
+from inferline.producer.gateway.follower import Diverged, TextFollower
+from inferline.producer.gateway.openai_mapping import chat_request, completion_request
+from inferline.producer.gateway.openai_responses import Shape
+from inferline.contract.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
 
 
 def tokens(attempt: str, seq: int, text: str) -> TokensEvent:
@@ -100,10 +100,10 @@ def test_priority_is_forwarded_only_for_keys_allowed_to_set_it(tenant, forwarded
     INFERLINE_GATEWAY__PRIORITY_TENANTS; from any other caller it is dropped (issue 38)."""
     import asyncio
 
-    from config.settings import Settings
-    from producer.gateway.auth import ApiKeys
-    from producer.gateway.metrics import GatewayMetrics
-    from producer.gateway.service import Gateway
+    from inferline.config.settings import Settings
+    from inferline.producer.gateway.auth import ApiKeys
+    from inferline.producer.gateway.metrics import GatewayMetrics
+    from inferline.producer.gateway.service import Gateway
 
     class Pool:
         sent: list = []

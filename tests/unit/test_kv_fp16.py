@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 from tests.engine_fixtures import NEW_TOKENS, make_engine, run_to_completion
 from tests.unit.test_engine import request
-from worker.engine.model_runner import ModelRunner, pick_kv_dtype
+from inferline.worker.engine.model_runner import ModelRunner, pick_kv_dtype
 
 CPU = torch.device("cpu")
 

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from tests.unit.test_scheduler import FakeKV, check, fits, seq
 from tests.unit.test_spec_decode import greedy, spec_step
-from worker.engine.block_manager import BlockManager
-from worker.engine.engine import EngineStats
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.spec_decode import NgramProposer
-from worker.service.metrics import Metrics
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.engine import EngineStats
+from inferline.worker.engine.scheduler import Scheduler
+from inferline.worker.engine.sequence import Sequence
+from inferline.worker.engine.spec_decode import NgramProposer
+from inferline.worker.service.metrics import Metrics
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 

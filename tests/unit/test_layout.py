@@ -4,9 +4,15 @@ client import no torch, and a result becomes final only in worker/delivery/."""
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import PACKAGE_FOLDERS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +33,7 @@ def imported_modules(top: str) -> dict[str, set[str]]:
 
 def offenders(top: str, forbidden: tuple[str, ...]) -> list[str]:
     return sorted(f"{f}: {m}" for f, mods in imported_modules(top).items() for m in mods
-                  if m.split(".")[0] in forbidden or m in forbidden)
+                  if m.removeprefix("inferline.").split(".")[0] in forbidden)
 
 
 def test_the_worker_imports_nothing_from_the_client_side():
@@ -52,12 +58,48 @@ def test_only_the_delivery_path_commits_or_acknowledges():
     assert all(f.startswith("worker/delivery/") for f in found), found
 
 
-@pytest.mark.parametrize("top", ["worker", "producer", "contract", "kernels", "config"])
-def test_no_installed_distribution_claims_our_top_level_packages(top):
-    """Two distributions with one top-level name overwrite each other in site-packages, and an
-    import finds whichever comes first on sys.path (transformers 5.25 required Hugging Face's
-    `kernels`, and its `import kernels` found ours: pyproject.toml pins it below)."""
-    import importlib.metadata
+def tracked_python_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [REPO / f for f in out.stdout.split()]
 
-    claimants = set(importlib.metadata.packages_distributions().get(top, [])) - {"inferline"}
-    assert claimants == set(), f"{sorted(claimants)} install a top-level `{top}` package as inferline does"
+
+def test_no_file_imports_a_package_folder_by_its_bare_name():
+    """worker/, producer/, contract/, kernels/ and config/ install as inferline.<folder>: `import
+    worker` would find a user's own worker.py, or load a second copy of ours."""
+    bare = []
+    for path in tracked_python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            bare += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                     if n.split(".")[0] in PACKAGE_FOLDERS]
+    assert bare == []
+
+
+@pytest.mark.parametrize("name", PACKAGE_FOLDERS)
+def test_a_bare_name_never_finds_the_checkouts_folder(name):
+    """The suite imports as an installed wheel would: `import worker` fails, and `kernels` is
+    Hugging Face's distribution (which transformers imports) or nothing, never our folder."""
+    spec = importlib.util.find_spec(name)
+    assert spec is None or Path(spec.origin or "").resolve() != REPO / name / "__init__.py"
+
+
+def package_folders_on_disk() -> set[str]:
+    return {"inferline." + init.parent.relative_to(REPO).as_posix().replace("/", ".")
+            for top in PACKAGE_FOLDERS for init in (REPO / top).rglob("__init__.py")}
+
+
+def test_pyproject_lists_exactly_the_package_folders_on_disk():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(setuptools["packages"]) == package_folders_on_disk()
+    assert setuptools["package-dir"] == {f"inferline.{n}": n for n in PACKAGE_FOLDERS}
+
+
+def test_the_installed_inferline_is_this_checkout():
+    import inferline.worker
+
+    assert Path(inferline.worker.__file__).resolve() == REPO / "worker" / "__init__.py"

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench import load_memory
-from worker.engine.models.llama import LlamaForCausalLM
-from worker.engine.models.loader import load_config, load_weights, resolve_model_dir
+from inferline.worker.engine.models.llama import LlamaForCausalLM
+from inferline.worker.engine.models.loader import load_config, load_weights, resolve_model_dir
 
 CPU = torch.device("cpu")
 

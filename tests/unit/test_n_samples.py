@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from contract.schema import MAX_N, InvalidRequest, Request, decode_request, encode_request
+from inferline.contract.schema import MAX_N, InvalidRequest, Request, decode_request, encode_request
 from tests.engine_fixtures import make_engine
-from worker.engine.engine import LLMEngine, sample_seed
-from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+from inferline.worker.engine.engine import LLMEngine, sample_seed
+from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 
 HOT = dict(temperature=0.9, top_p=0.95, top_k=50)
 
@@ -226,10 +226,10 @@ def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
 # ---- the gateway's mapping (no broker) ------------------------------------------------------------
 
 def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
-    from producer.gateway.follower import TextFollower
-    from producer.gateway.openai_mapping import chat_request
-    from producer.gateway.openai_responses import Shape
-    from contract.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
+    from inferline.producer.gateway.follower import TextFollower
+    from inferline.producer.gateway.openai_mapping import chat_request
+    from inferline.producer.gateway.openai_responses import Shape
+    from inferline.contract.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
 
     assert chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3}).fields["n"] == 3
     samples = [Sample(index=i, text=t, finish_reason=r, completion_tokens=2)
@@ -260,7 +260,7 @@ def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitt
     rejected naming `n` (issue 38); the rate limiter already charged every sample."""
     import msgpack
 
-    from config.settings import Settings
+    from inferline.config.settings import Settings
     from tests.chaos_fixtures import IntakeHarness
 
     h = IntakeHarness(Settings(limits=limits))

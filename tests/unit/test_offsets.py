@@ -4,7 +4,7 @@ import random
 from aiokafka import TopicPartition
 from hypothesis import given, strategies as st
 
-from worker.delivery.offsets import OffsetTracker
+from inferline.worker.delivery.offsets import OffsetTracker
 
 TP = TopicPartition("t", 0)
 TP1 = TopicPartition("t", 1)

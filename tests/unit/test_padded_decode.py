@@ -8,18 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.settings import Settings, SettingsError, load_settings
-from kernels.attention import TorchAttention
-from kernels.backends import BackendUnavailable
+from inferline.config.settings import Settings, SettingsError, load_settings
+from inferline.kernels.attention import TorchAttention
+from inferline.kernels.backends import BackendUnavailable
 from tests.engine_fixtures import make_engine, run_to_completion
 from tests.unit.test_engine import request
-from worker.engine.cuda_graphs import DecodeGraphs
-from worker.engine.device import pick_cuda_graphs
-from worker.engine.model_runner import ModelRunner
-from worker.engine.padded_decode import PaddedDecode, bucket_for, capture_sizes
-from worker.engine.request import SamplingParams
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.cuda_graphs import DecodeGraphs
+from inferline.worker.engine.device import pick_cuda_graphs
+from inferline.worker.engine.model_runner import ModelRunner
+from inferline.worker.engine.padded_decode import PaddedDecode, bucket_for, capture_sizes
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.scheduler import ScheduledSequence
+from inferline.worker.engine.sequence import Sequence
 
 
 def test_capture_sizes_and_the_bucket_of_a_batch():

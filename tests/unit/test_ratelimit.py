@@ -1,6 +1,6 @@
 """Token buckets per tenant: requests/s and generated tokens/min."""
-from config.settings import LimitsSettings, TenantLimit
-from worker.service.ratelimit import RateLimiter
+from inferline.config.settings import LimitsSettings, TenantLimit
+from inferline.worker.service.ratelimit import RateLimiter
 
 
 class Clock:
@@ -57,7 +57,7 @@ def test_request_larger_than_capacity_needs_a_full_bucket():
 
 
 def test_idle_tenants_are_pruned(monkeypatch):
-    import worker.service.ratelimit as mod
+    import inferline.worker.service.ratelimit as mod
 
     monkeypatch.setattr(mod, "MAX_TENANTS", 10)
     rl, clock = limiter(default_tenant=TenantLimit(requests_per_s=1))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from config.settings import KafkaSettings
+from inferline.config.settings import KafkaSettings
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
-from worker.intake.reply_topics import ReplyTopics, refusal, unsafe_limits
+from inferline.worker.intake.reply_topics import ReplyTopics, refusal, unsafe_limits
 
 KAFKA = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="inferline.reply.dlq")
 
@@ -143,7 +143,7 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
     import msgpack
     from aiokafka.structs import ConsumerRecord
 
-    from config.settings import Settings
+    from inferline.config.settings import Settings
     from tests.chaos_fixtures import IntakeHarness
 
     h = IntakeHarness(Settings())

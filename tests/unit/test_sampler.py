@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.dispatched_ops import DispatchedOps
-from worker.engine import sampler
-from worker.engine.device import host_to_device
-from worker.engine.request import SamplingParams
-from worker.engine.sampler import Sampler, _uniforms, apply_filters, apply_penalties, counter_uniforms, make_stream
+from inferline.worker.engine import sampler
+from inferline.worker.engine.device import host_to_device
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.sampler import Sampler, _uniforms, apply_filters, apply_penalties, counter_uniforms, make_stream
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def test_greedy_equals_argmax_and_leaves_logits_alone(dtype):
 
 def test_one_definition_of_greedy():
     """A near-zero temperature is greedy for the sampler and for speculative decoding alike."""
-    from worker.engine.spec_decode import can_speculate
+    from inferline.worker.engine.spec_decode import can_speculate
 
     tiny, small = SamplingParams(temperature=1e-6, seed=1), SamplingParams(temperature=0.01, seed=1)
     assert tiny.greedy and can_speculate(tiny) and not small.greedy and not can_speculate(small)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import SamplingParams
-from worker.engine.scheduler import BackgroundLimit, Scheduler
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler
+from inferline.worker.engine.sequence import Sequence
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Sequence:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from contract.schema import (
+from inferline.contract.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ERROR_CODES,
     FINISH_REASONS,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-from config.settings import Settings
+from inferline.config.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ["worker", "producer", "config", "kernels"]
@@ -28,7 +28,7 @@ def test_settings_never_show_the_password():
 def test_a_bad_setting_error_does_not_echo_the_password():
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")},
            "INFERLINE_KAFKA__SASL_PASSWORD": "hunter2-secret", "INFERLINE_KAFKA__SECURITY_PROTOCOL": "BOGUS"}
-    done = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-m", "inferline.worker"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2
     assert "INFERLINE_KAFKA__SECURITY_PROTOCOL" in done.stderr
@@ -93,7 +93,7 @@ def test_no_pickle_no_eval_no_templates_from_requests():
 
 def test_request_text_is_data_in_the_chat_template():
     """Template syntax in a message is rendered as text, not evaluated."""
-    from worker.engine.models.loader import load_tokenizer, resolve_model_dir
+    from inferline.worker.engine.models.loader import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir())
     payload = "{{ 7*7 }}{% for x in range(3) %}X{% endfor %}{{ ''.__class__ }}"

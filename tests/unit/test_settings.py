@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.settings import Settings, SettingsError, load_settings
+from inferline.config.settings import Settings, SettingsError, load_settings
 
 
 def test_defaults_match_the_contract(monkeypatch):

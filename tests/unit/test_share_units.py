@@ -10,16 +10,16 @@ import pytest
 from aiokafka import TopicPartition
 from pydantic import ValidationError
 
-from config.settings import Settings
-from contract.schema import Request
-from worker.intake.cancels import RecentCancels
-from worker.intake.admission import Admission
-from worker.service.metrics import Metrics
-from worker.delivery.offsets import OffsetTracker
-from worker.service.ratelimit import RateLimiter
-from worker.intake.share import (BrokerLimits, ShareIntake, ShareRecord, _Lane, client_config, group_configs, lock_ms,
+from inferline.config.settings import Settings
+from inferline.contract.schema import Request
+from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.intake.admission import Admission
+from inferline.worker.service.metrics import Metrics
+from inferline.worker.delivery.offsets import OffsetTracker
+from inferline.worker.service.ratelimit import RateLimiter
+from inferline.worker.intake.share import (BrokerLimits, ShareIntake, ShareRecord, _Lane, client_config, group_configs, lock_ms,
                                  max_deliveries)
-from worker.delivery.transactions import Transactions
+from inferline.worker.delivery.transactions import Transactions
 
 TOPIC = "llm.requests"
 
@@ -317,7 +317,7 @@ class FakeEngineLoop:
 
 
 def share_worker(done_outcome: str = "ok"):
-    from worker.app import Worker
+    from inferline.worker.app import Worker
 
     worker = Worker(Settings(kafka={"intake": "share"}))
     worker.publisher = worker.delivery.publisher = AckingPublisher(done_outcome)
@@ -339,8 +339,8 @@ def admit(worker, offset: int) -> str:
 
 
 def test_share_verdicts_follow_each_outcome():
-    from worker.engine.request import RequestOutput
-    from worker.delivery.publisher import ReplyRoute
+    from inferline.worker.engine.request import RequestOutput
+    from inferline.worker.delivery.publisher import ReplyRoute
 
     worker, decided = share_worker()
     tp = TopicPartition(TOPIC, 0)
@@ -356,7 +356,7 @@ def test_share_verdicts_follow_each_outcome():
 
 
 def test_share_a_request_answered_here_before_is_accepted_without_running():
-    from worker.engine.request import RequestOutput
+    from inferline.worker.engine.request import RequestOutput
 
     worker, decided = share_worker()
     attempt = admit(worker, 3)
@@ -367,7 +367,7 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
 
 
 def test_share_an_undeliverable_done_dead_letters_the_record():
-    from worker.delivery.publisher import ReplyRoute
+    from inferline.worker.delivery.publisher import ReplyRoute
 
     worker, decided = share_worker(done_outcome="failed")
     tp = TopicPartition(TOPIC, 0)
@@ -378,7 +378,7 @@ def test_share_an_undeliverable_done_dead_letters_the_record():
 
 
 def test_group_mode_sends_no_verdicts():
-    from worker.app import Worker
+    from inferline.worker.app import Worker
 
     worker = Worker(Settings())
     worker.publisher = worker.delivery.publisher = AckingPublisher()

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from config.settings import Settings, load_settings
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import EngineRequest, SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.spec_decode import NgramProposer, accept, can_speculate, find_last
+from inferline.config.settings import Settings, load_settings
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.request import EngineRequest, SamplingParams
+from inferline.worker.engine.scheduler import Scheduler
+from inferline.worker.engine.sequence import Sequence
+from inferline.worker.engine.spec_decode import NgramProposer, accept, can_speculate, find_last
 from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
 from tests.unit.test_scheduler import FakeKV, check, fits
 

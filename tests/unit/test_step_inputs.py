@@ -9,10 +9,10 @@ import torch
 
 from bench import step_prep
 from tests.dispatched_ops import DispatchedOps
-from worker.engine.request import SamplingParams
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
-from worker.engine.step_inputs import BlockTableRows, StepBuilder, token_slice
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.scheduler import ScheduledSequence
+from inferline.worker.engine.sequence import Sequence
+from inferline.worker.engine.step_inputs import BlockTableRows, StepBuilder, token_slice
 
 BS = 4
 

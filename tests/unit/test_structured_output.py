@@ -14,11 +14,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from contract.schema import InvalidRequest, decode_request
+from inferline.contract.schema import InvalidRequest, decode_request
 from tests.engine_fixtures import greedy, make_engine, prompt_ids
-from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
-from worker.engine.sampler import Sampler, make_stream
-from worker.engine.structured_output import GrammarCompiler, apply_token_bitmask
+from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+from inferline.worker.engine.sampler import Sampler, make_stream
+from inferline.worker.engine.structured_output import GrammarCompiler, apply_token_bitmask
 
 PERSON = {
     "type": "object",
@@ -337,7 +337,7 @@ def test_an_uncompilable_grammar_is_rejected_naming_its_field(model_runner):
 
 def test_a_compiling_grammar_never_stalls_the_batch(model_runner, monkeypatch):
     """A request whose grammar is still compiling waits outside the batch; the others decode."""
-    from worker.engine import structured_output
+    from inferline.worker.engine import structured_output
 
     release, real = threading.Event(), structured_output.compile_spec
     monkeypatch.setattr(structured_output, "compile_spec", lambda *a: (release.wait(30), real(*a))[1])
@@ -373,7 +373,7 @@ def test_constrained_and_logprob_requests_get_no_drafts(model_runner):
 
 
 def test_the_gateway_maps_response_format_and_logprobs():
-    from producer.gateway.openai_mapping import chat_request
+    from inferline.producer.gateway.openai_mapping import chat_request
 
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
     messages = [{"role": "user", "content": "hi"}]
@@ -384,7 +384,7 @@ def test_the_gateway_maps_response_format_and_logprobs():
 
 
 def test_no_grammar_engine_rejects_the_request_not_the_engine(model_runner, monkeypatch):
-    from worker.engine import engine as engine_module
+    from inferline.worker.engine import engine as engine_module
 
     def broken(*args):
         raise RuntimeError("tokenizer not supported")
@@ -403,7 +403,7 @@ def test_a_grammar_over_its_compile_budget_is_rejected_and_its_compile_killed(mo
     gets its request rejected naming the field; its compile's process is killed (it costs nobody
     more), a grammar queued behind it is dropped, the same grammar again is refused at once, and
     the others, constrained or not, go on. Default settings: compiles in child processes."""
-    from config.settings import StructuredSettings
+    from inferline.config.settings import StructuredSettings
 
     # Seconds of xgrammar on the model's 49K vocabulary (19 s on a busy 2-core machine).
     heavy = json.dumps({"type": "object", "properties": {

@@ -8,13 +8,13 @@ import uuid
 import msgpack
 from aiokafka import TopicPartition
 
-from config.settings import KafkaSettings, Settings
+from inferline.config.settings import KafkaSettings, Settings
 from tests.chaos_fixtures import IntakeHarness, assign
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts, collect, final_done, request, start_worker, submit, topics,
 )
-from worker.intake.reply_topics import refusal
-from worker.service.tenancy import clamp_priority, tenant_of, tenant_pattern
+from inferline.worker.intake.reply_topics import refusal
+from inferline.worker.service.tenancy import clamp_priority, tenant_of, tenant_pattern
 
 TOPIC_MODE = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="reqs.dlq", tenancy="topic")
 
@@ -52,7 +52,7 @@ def test_priority_clamp():
 def test_priority_range_settings_are_checked():
     import pytest
 
-    from config.settings import SettingsError, load_settings
+    from inferline.config.settings import SettingsError, load_settings
 
     with pytest.raises(SettingsError):
         load_settings(limits={"tenants": {"t": {"min_priority": 5, "max_priority": 0}}})
@@ -124,7 +124,7 @@ RESERVED_CASES = ["dlq", "DLQ", "Dlq", "cancel", "requests", "llm", "default", "
 def test_tenant_names_that_name_internal_topics_are_refused():
     """A tenant named like an internal topic or suffix (issue 38): `dlq` would own
     `llm.requests.dlq`, the dead-letter topic, and `inferline topics acls` would grant it write there."""
-    from contract.topics import tenant_problem
+    from inferline.contract.topics import tenant_problem
 
     kafka = KafkaSettings()
     for name in RESERVED_CASES:
@@ -153,8 +153,8 @@ def test_the_worker_never_takes_a_reserved_tenant_topic():
 def test_the_gateway_refuses_keys_of_reserved_tenants():
     import pytest
 
-    from config.settings import GatewaySettings
-    from producer.gateway.auth import load_keys
+    from inferline.config.settings import GatewaySettings
+    from inferline.producer.gateway.auth import load_keys
 
     with pytest.raises(SystemExit, match="reserved"):
         load_keys(GatewaySettings(api_keys={"k": "dlq"}), topic_tenancy=True, kafka=KafkaSettings())

@@ -14,10 +14,10 @@ from hypothesis import given, strategies as st
 
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
-from worker.delivery import transactions
-from worker.service.metrics import Metrics
-from worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
-from worker.delivery.transactions import Final, PartitionTxn
+from inferline.worker.delivery import transactions
+from inferline.worker.service.metrics import Metrics
+from inferline.worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
+from inferline.worker.delivery.transactions import Final, PartitionTxn
 
 TP = TopicPartition("requests", 0)
 

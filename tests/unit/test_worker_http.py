@@ -9,7 +9,7 @@ from tests.worker_fixtures import REPO, collect, request, start_worker, submit, 
 
 def test_bad_setting_exits_2_with_one_line():
     env = {**os.environ, "INFERLINE_SCHEDULER__MAX_NUM_SEQS": "zero"}
-    proc = subprocess.run([sys.executable, "-m", "worker"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-P", "-m", "inferline.worker"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -22,10 +22,10 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from contract.schema import Request, Sample
-from worker.delivery.ledger import Job, JobLedger
-from worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
-from worker.engine.request import RequestOutput
+from inferline.contract.schema import Request, Sample
+from inferline.worker.delivery.ledger import Job, JobLedger
+from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
+from inferline.worker.engine.request import RequestOutput
 
 log = structlog.get_logger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka import TopicPartition
 
-from contract.schema import Request
-from worker.delivery.publisher import ReplyStream
+from inferline.contract.schema import Request
+from inferline.worker.delivery.publisher import ReplyStream
 
 # Ids of requests finished here, remembered so a resubmission does not run them twice.
 MAX_REMEMBERED_DONE = 100_000

@@ -31,9 +31,9 @@ from typing import Callable
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from contract.schema import (
+from inferline.contract.schema import (
     DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
-from worker.delivery.transactions import (
+from inferline.worker.delivery.transactions import (
     MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed, permanent, reply_batch_bytes)
 
 log = structlog.get_logger(__name__)

@@ -25,7 +25,7 @@ from aiokafka.errors import (
     CorruptRecordException, InvalidTopicError, MessageSizeTooLargeError, ProducerFenced, RecordListTooLargeError,
     RecordTooLargeError, TopicAuthorizationFailedError, UnsupportedForMessageFormatError)
 
-from worker.delivery.offsets import decode_ledger
+from inferline.worker.delivery.offsets import decode_ledger
 
 log = structlog.get_logger(__name__)
 Outcome = Literal["ok", "failed", "fenced"]  # ok: committed (or, not final, acked)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from worker.engine.prefix_cache import PrefixCache
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.prefix_cache import PrefixCache
+from inferline.worker.engine.sequence import Sequence
 
 
 RUN_BLOCKS = 4  # blocks kept free after a sequence's newest one, for its next ones

@@ -24,7 +24,7 @@ from typing import Callable
 import structlog
 import torch
 
-from worker.engine.padded_decode import PaddedDecode
+from inferline.worker.engine.padded_decode import PaddedDecode
 
 log = structlog.get_logger(__name__)
 

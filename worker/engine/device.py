@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends import BackendUnavailable
+from inferline.kernels.backends import BackendUnavailable
 
 
 def pick_device(name: str, cuda_available: bool | None = None) -> torch.device:

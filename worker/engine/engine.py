@@ -19,16 +19,16 @@ from typing import Callable
 import structlog
 import torch
 
-from config.settings import Settings
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from worker.engine.model_runner import ModelRunner
-from worker.engine.request import EngineRequest, RequestOutput, SampleResult
-from worker.engine.sampler import SamplerOutput, make_stream
-from worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
-from worker.engine.sequence import ERROR_CODE_OF, Sequence
-from worker.engine.spec_decode import NgramProposer, accept
-from worker.engine.structured_output import GrammarCompiler, new_matcher
+from inferline.config.settings import Settings
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from inferline.worker.engine.model_runner import ModelRunner
+from inferline.worker.engine.request import EngineRequest, RequestOutput, SampleResult
+from inferline.worker.engine.sampler import SamplerOutput, make_stream
+from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
+from inferline.worker.engine.sequence import ERROR_CODE_OF, Sequence
+from inferline.worker.engine.spec_decode import NgramProposer, accept
+from inferline.worker.engine.structured_output import GrammarCompiler, new_matcher
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ child -> parent: {"ready": true} once, then {"compiled": CompiledGrammar JSON} o
 The child exits when its stdin closes (the parent went away), and ignores the terminal's Ctrl-C
 (its own session): the worker decides when it stops.
 
-Run as `python -m worker.engine.grammar_process` (CompilerProcess does that).
+Run as `python -m inferline.worker.engine.grammar_process` (CompilerProcess does that).
 """
 from __future__ import annotations
 
@@ -19,13 +19,11 @@ import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 from typing import BinaryIO
 
 import msgpack
 
 _HEADER = struct.Struct(">I")
-_REPO = str(Path(__file__).resolve().parents[2])  # where `worker` is importable from
 
 
 class CompilerDied(Exception):
@@ -55,9 +53,9 @@ class CompilerProcess:
     GrammarCompiler thread); `kill` from any thread ends a compile at once (CompilerDied)."""
 
     def __init__(self, tokenizer_info_json: str):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine.grammar_process"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        # -P: the working directory stays off sys.path (a user's own `worker.py` cannot shadow us).
+        self._proc = subprocess.Popen([sys.executable, "-P", "-m", "inferline.worker.engine.grammar_process"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       start_new_session=True)
         self._ready = False
         self._send({"info": tokenizer_info_json})
@@ -116,8 +114,8 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     """The child's loop: compile what the parent sends until its stdin closes."""
     import xgrammar as xgr
 
-    from worker.engine.request import StructuredSpec
-    from worker.engine.structured_output import compile_spec
+    from inferline.worker.engine.request import StructuredSpec
+    from inferline.worker.engine.structured_output import compile_spec
 
     first = read_frame(stdin)
     if first is None:

@@ -13,22 +13,22 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
-from config.settings import Settings
-from kernels.attention import AttentionBackend, AttentionMetadata, make_attention
-from kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
-from kernels.cpu import gemm
-from worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
-from worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
+from inferline.config.settings import Settings
+from inferline.kernels.attention import AttentionBackend, AttentionMetadata, make_attention
+from inferline.kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
+from inferline.kernels.cpu import gemm
+from inferline.worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
+from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
     free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks,
     pick_cuda_graphs, pick_device, pick_dtype, pick_kv_dtype)
-from worker.engine.models.calibration import Calibration, choose_linear_backend
-from worker.engine.models.loader import load_model
-from worker.engine.padded_decode import PaddedDecode, capture_sizes
-from worker.engine.sampler import Sampler, SamplerOutput
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.step_inputs import StepBuilder
-from worker.engine.structured_output import TokenBitmask
-from worker.engine.warmup import WarmupReport, warm_up
+from inferline.worker.engine.models.calibration import Calibration, choose_linear_backend
+from inferline.worker.engine.models.loader import load_model
+from inferline.worker.engine.padded_decode import PaddedDecode, capture_sizes
+from inferline.worker.engine.sampler import Sampler, SamplerOutput
+from inferline.worker.engine.scheduler import ScheduledSequence
+from inferline.worker.engine.step_inputs import StepBuilder
+from inferline.worker.engine.structured_output import TokenBitmask
+from inferline.worker.engine.warmup import WarmupReport, warm_up
 
 log = structlog.get_logger(__name__)
 

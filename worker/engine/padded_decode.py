@@ -23,10 +23,10 @@ import bisect
 
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata, StepTables
-from worker.engine.device import copy_to_device
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.step_inputs import PaddedDecodeInputs
+from inferline.kernels.attention import AttentionBackend, AttentionMetadata, StepTables
+from inferline.worker.engine.device import copy_to_device
+from inferline.worker.engine.scheduler import ScheduledSequence
+from inferline.worker.engine.step_inputs import PaddedDecodeInputs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from worker.engine.sequence import Sequence
+from inferline.worker.engine.sequence import Sequence
 
 
 class PrefixCache:

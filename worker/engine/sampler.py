@@ -20,9 +20,9 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
-from worker.engine.device import host_to_device, tensor_to_device
-from worker.engine.request import SamplingParams
-from worker.engine.structured_output import apply_token_bitmask
+from inferline.worker.engine.device import host_to_device, tensor_to_device
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.structured_output import apply_token_bitmask
 
 # Top-p looks at this many candidates first; a row whose nucleus is wider retries with 16x more.
 _TOP_P_CANDIDATES = 256

@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence, SequenceStatus
-from worker.engine.spec_decode import NgramProposer, can_speculate
+from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.sequence import Sequence, SequenceStatus
+from inferline.worker.engine.spec_decode import NgramProposer, can_speculate
 
 
 @dataclass

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.engine.request import SamplingParams
+from inferline.worker.engine.request import SamplingParams
 
 if TYPE_CHECKING:  # the sampler imports torch and xgrammar; a sequence needs neither
-    from worker.engine.sampler import SeededStream
+    from inferline.worker.engine.sampler import SeededStream
 
 
 class SequenceStatus(enum.Enum):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from array import array
 
-from worker.engine.request import SamplingParams
-from worker.engine.sampler import has_penalties
+from inferline.worker.engine.request import SamplingParams
+from inferline.worker.engine.sampler import has_penalties
 
 _ITEM = array("i").itemsize  # token ids are searched as packed int32 bytes
 

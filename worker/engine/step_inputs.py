@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import StepTables
-from worker.engine.scheduler import ScheduledSequence
+from inferline.kernels.attention import StepTables
+from inferline.worker.engine.scheduler import ScheduledSequence
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}

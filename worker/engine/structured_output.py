@@ -32,8 +32,8 @@ import structlog
 import torch
 import xgrammar as xgr
 
-from worker.engine.grammar_process import CompilerDied, CompilerProcess
-from worker.engine.request import StructuredSpec
+from inferline.worker.engine.grammar_process import CompilerDied, CompilerProcess
+from inferline.worker.engine.request import StructuredSpec
 
 log = structlog.get_logger(__name__)
 

@@ -28,9 +28,9 @@ import structlog
 import torch
 import triton
 
-from kernels.attention import StepTables
-from kernels.triton.decode import MAX_SPLITS, TILE_ELEMENTS, choose_splits, split_tokens
-from kernels.triton.launch import Target
+from inferline.kernels.attention import StepTables
+from inferline.kernels.triton.decode import MAX_SPLITS, TILE_ELEMENTS, choose_splits, split_tokens
+from inferline.kernels.triton.launch import Target
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +69,7 @@ def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks:
 def warm_up(runner, max_num_seqs: int) -> WarmupReport:
     """Run the model once on a prompt and once per decode plan (runner: a ModelRunner on the
     Triton attention)."""
-    from kernels.triton.launch import target_of
+    from inferline.kernels.triton.launch import target_of
 
     start = time.monotonic()
     config = runner.config

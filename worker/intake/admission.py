@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from aiokafka import TopicPartition
 
-from contract.schema import Request
-from worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
+from inferline.contract.schema import Request
+from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 
 
 @dataclass(frozen=True)

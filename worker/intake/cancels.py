@@ -18,8 +18,8 @@ from collections import OrderedDict
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from contract.schema import UndecodableMessage, decode_cancel
-from worker.service.tenancy import tenant_of
+from inferline.contract.schema import UndecodableMessage, decode_cancel
+from inferline.worker.service.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
 

@@ -36,16 +36,16 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocol
 
-from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
-from worker.intake import group_join
-from worker.intake.cancels import RecentCancels
-from worker.delivery.offsets import LagGauge, OffsetTracker
-from worker.delivery.publisher import ReplyRoute
-from worker.service.ratelimit import RateLimiter
-from worker.intake.admission import Admission, capped_max_tokens, deadline_of, sample_budget_problem
-from worker.intake.reply_topics import ReplyTopics, unsafe_limits
-from worker.delivery.transactions import Transactions
-from worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
+from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from inferline.worker.intake import group_join
+from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.delivery.offsets import LagGauge, OffsetTracker
+from inferline.worker.delivery.publisher import ReplyRoute
+from inferline.worker.service.ratelimit import RateLimiter
+from inferline.worker.intake.admission import Admission, capped_max_tokens, deadline_of, sample_budget_problem
+from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
+from inferline.worker.delivery.transactions import Transactions
+from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot in the pool is noticed

@@ -30,8 +30,8 @@ from typing import Callable, Iterable
 
 import structlog
 
-from contract.topics import TENANT_SEGMENT
-from worker.service.tenancy import reply_prefix
+from inferline.contract.topics import TENANT_SEGMENT
+from inferline.worker.service.tenancy import reply_prefix
 
 log = structlog.get_logger(__name__)
 CHECKED_FOR_S = 60.0  # a topic's limits are read again after this (a producer may alter them)

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import TopicPartition
 
-from contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
-from worker.intake.group import Intake
+from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from inferline.worker.intake.group import Intake
 
 log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot in the pool is noticed

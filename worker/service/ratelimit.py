@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from config.settings import LimitsSettings, TenantLimit
+from inferline.config.settings import LimitsSettings, TenantLimit
 
 MAX_TENANTS = 10_000
 

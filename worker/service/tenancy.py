@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from contract.topics import TENANT_SEGMENT, reserved_words
+from inferline.contract.topics import TENANT_SEGMENT, reserved_words
 
 
 @lru_cache(maxsize=64)

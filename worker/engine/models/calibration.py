@@ -29,9 +29,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from config.settings import cache_dir
-from kernels.cpu import build
-from worker.engine.models.linear import Linear, linear, pack_weight
+from inferline.config.settings import cache_dir
+from inferline.kernels.cpu import build
+from inferline.worker.engine.models.linear import Linear, linear, pack_weight
 
 log = structlog.get_logger(__name__)
 

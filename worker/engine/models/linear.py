@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.backends import onednn_available
-from kernels.cpu import gemm
+from inferline.kernels.backends import onednn_available
+from inferline.kernels.cpu import gemm
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not once per weight

@@ -17,9 +17,9 @@ import math
 import torch
 from torch import nn
 
-from kernels.attention import AttentionMetadata
-from kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
-from worker.engine.models.linear import Linear, Packed, linear, pack_weight
+from inferline.kernels.attention import AttentionMetadata
+from inferline.kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
+from inferline.worker.engine.models.linear import Linear, Packed, linear, pack_weight
 
 
 def rope_parameters(config) -> dict:

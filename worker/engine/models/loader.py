@@ -19,8 +19,8 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
-from config.settings import bundled_model_path, cache_dir
-from worker.engine.models.llama import LlamaForCausalLM
+from inferline.config.settings import bundled_model_path, cache_dir
+from inferline.worker.engine.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
