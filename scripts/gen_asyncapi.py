@@ -12,13 +12,15 @@ one stops this script. tests/unit/test_asyncapi.py checks the result against the
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))  # after site-packages: `scripts` by name, HF `kernels` first
+if importlib.util.find_spec("scripts") is None:  # run as a script, not imported by the suite
+    sys.path.append(str(REPO))  # after site-packages: HF `kernels` stays first
 
 from inferline.contract import schema  # noqa: E402
 from scripts.generated import cli  # noqa: E402

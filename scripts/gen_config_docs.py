@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import importlib.util
 import sys
 import types
 import typing
@@ -22,7 +23,8 @@ import annotated_types
 from pydantic import BaseModel, SecretStr
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))  # after site-packages: `scripts` by name, HF `kernels` first
+if importlib.util.find_spec("scripts") is None:  # run as a script, not imported by the suite
+    sys.path.append(str(REPO))  # after site-packages: HF `kernels` stays first
 
 from inferline.config import settings as settings_module  # noqa: E402
 from inferline.config.settings import ENV_DELIMITER, ENV_PREFIX, Settings  # noqa: E402

@@ -18,7 +18,7 @@ _spec = importlib.util.spec_from_file_location("bench", REPO / "bench" / "__init
                                                submodule_search_locations=[str(REPO / "bench")])
 _spec.loader.exec_module(sys.modules.setdefault("bench", importlib.util.module_from_spec(_spec)))
 
-pytest_plugins = ["tests.kafka_fixtures", "tests.engine_fixtures"]
+pytest_plugins = ["tests.kafka_fixtures", "tests.engine_fixtures", "tests.time_cap"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c", CSRC / "fused_ops.c",
-           CSRC / "gemm.c")
+           CSRC / "gemm.c", CSRC / "codes.c")
 HEADERS = (CSRC / "vec.h", CSRC / "attention.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
 # Seconds the whole build may take before the PyTorch path is used instead: far past a normal
@@ -55,6 +55,7 @@ _FUNCTIONS = {
     "gemm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], None),
     "gemm_codes_block": ([], _I64),
     "gemm_codes_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], _INT),
+    "gemm_codes_search": ([_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR], _I64),
     "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
 }
 

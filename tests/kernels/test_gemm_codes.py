@@ -91,6 +91,29 @@ def test_constant_and_zero_blocks_get_code_zero():
     assert not codes.any() and not scale.any() and torch.equal(offset[:, 0], w[:, 0])
 
 
+def mixed_weight(seed: int) -> torch.Tensor:
+    """Blocks of every format, constant blocks and, where seed is odd, one block never quantized."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [q(torch.randn(8, 96, generator=gen) * 0.05) for q in QUANTIZERS]
+    w = torch.cat(rows + [torch.full((2, 96), 0.25)]).reshape(-1, BLOCK)
+    w = w[torch.randperm(len(w), generator=gen)].reshape(-1, 96)
+    if seed % 2:
+        w[int(torch.randint(len(w), (1,), generator=gen)), :BLOCK] = torch.randn(BLOCK, generator=gen)
+    return w
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_search_gives_the_reference_codes(seed):
+    """exact_codes (the C search over candidate steps) equals exact_codes_reference (PyTorch, format
+    by format) bit for bit, on blocks of mixed formats, constant blocks and a block never quantized."""
+    for w in (mixed_weight(seed), weight(48, 128, QUANTIZERS[seed % 4], seed)):
+        found, expected = gemm.exact_codes(w, BLOCK), gemm.exact_codes_reference(w, BLOCK)
+        assert (found is None) == (expected is None)
+        if expected is not None:
+            for a, b in zip(found, expected):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_the_codes_are_packed_per_panel_and_block_as_the_c_gemm_reads_them():
     """Per panel of `width` outputs and block of 32 inputs: the codes input-major, then the
     scales, then the offsets (fp32); outputs past the last are zeros."""

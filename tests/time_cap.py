@@ -1,0 +1,40 @@
+"""The suite's time budget, per test: in `make test` a test whose set-up, call and tear-down take
+more than --time-cap seconds (120 by default) fails, saying so. A module or session fixture counts
+toward the first test that sets it up. Off for the long forms (`make chaos`'s
+--chaos-long, --full)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+DEFAULT_CAP_S = 120.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--time-cap", type=float, default=None, metavar="S",
+                     help=f"fail a test that takes more than S seconds in all (default "
+                          f"{DEFAULT_CAP_S:.0f}; 0 turns it off; off with --chaos-long or --full)")
+
+
+def time_cap(config: pytest.Config) -> float:
+    cap = config.getoption("--time-cap")
+    if cap is not None:
+        return cap
+    long_forms = config.getoption("--chaos-long", False) or config.getoption("--full", False)
+    return 0.0 if long_forms else DEFAULT_CAP_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    spent = getattr(item, "_time_cap_spent", 0.0) + call.duration
+    item._time_cap_spent = spent
+    cap = time_cap(item.config)
+    already = getattr(item, "_time_cap_failed", False)
+    if cap and spent > cap and not already and report.when in ("call", "teardown") and report.passed:
+        item._time_cap_failed = True
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {spent:.1f} s (set-up, call and tear-down so far), "
+                           f"over the suite's cap of {cap:.0f} s a test (tests/time_cap.py)")
