@@ -1,10 +1,8 @@
 """The only place structlog is configured.
 
-JSON lines on stderr when stderr is not a terminal (containers, CI, log shippers), a coloured
-console otherwise; `INFERLINE_LOG__FORMAT` forces either. Library loggers that use the standard
-`logging` module (aiokafka, aiohttp) go through the same renderer, so one process writes one
-format. Modules log lifecycle and anomalies bound with request_id/partition/offset; never one
-line per token.
+JSON lines on stderr when it is not a terminal, a coloured console otherwise
+(`INFERLINE_LOG__FORMAT` forces either); stdlib loggers (aiokafka, aiohttp) go through the same
+renderer. Log lifecycle and anomalies with request_id/partition/offset; never a line per token.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
-"""The inferline wire contract, version 1 (PROTOCOL.md): typed models and the msgpack codec.
+"""The inferline wire contract, version 1 (docs/protocol.md): typed models and the msgpack codec.
 
-Both sides import this module: producers encode requests and decode events, workers decode
-requests and encode events. It depends on pydantic and msgpack only (never torch).
-
-Decoding a request sorts every failure into one of two exceptions:
+Both sides import this module; it depends on pydantic and msgpack only (never torch). Decoding a
+request sorts every failure into one of two exceptions:
 
 - ``UndecodableMessage``: not msgpack, not a map, over the size limit, or no usable ``id`` /
-  ``reply_topic``. Nobody can be told, so the worker sends the bytes to the dead-letter topic.
-- ``InvalidRequest``: the requester is known but a rule is broken. The worker answers with a
-  ``done`` event, ``finish_reason="rejected"``, ``error.code`` = ``InvalidRequest.code`` and
-  ``error.message`` = ``InvalidRequest.message`` (which names the field).
+  ``reply_topic``. Nobody can be told, so the worker dead-letters the bytes.
+- ``InvalidRequest``: the requester is known but a rule is broken; the worker answers with a
+  ``rejected`` ``done`` whose error names the field.
 """
 from __future__ import annotations
 
@@ -31,49 +28,44 @@ from pydantic import (
 )
 
 PROTOCOL_VERSION = 1
-# Same default as KafkaSettings.max_message_bytes (the broker's default message.max.bytes).
+# The broker's default message.max.bytes, as KafkaSettings.max_message_bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
 MAX_ID_LEN = 128
 MAX_TOPIC_LEN = 249
-# Caps on every list and string a producer controls (issue 25): over a cap is a `rejected` done
-# naming the field. `prompt` and message `content` need none of their own: the message size
-# bounds them, and the engine rejects text too long to fit max_model_len before tokenizing it.
+# Caps on every list and string a producer controls: over a cap is a `rejected` done naming the
+# field. `prompt` and message `content` are bounded by the message size and max_model_len.
 # OpenAI and TGI (by default) allow 4 stop strings, vLLM any number; 16 leaves room.
 MAX_STOP = 16
-# Practical stop markers are short; the held-prefix check costs O(length^2) per token at worst.
+# Stop markers are short; the held-prefix check costs O(length^2) per token at worst.
 MAX_STOP_LEN = 128
-# vLLM has no cap; 1024 covers a whole class of tokens (every newline or end-of-turn variant).
+# 1024 covers a whole class of tokens (every newline or end-of-turn variant).
 MAX_STOP_TOKEN_IDS = 1024
-# The longest context windows offered (1M tokens); the worker's max_model_len is the real limit.
+# The longest context windows offered (1M tokens); max_model_len is the real limit.
 MAX_PROMPT_TOKEN_IDS = 1_048_576
-# A long agent conversation with tool calls; every message costs template tokens anyway.
+# A long agent conversation with tool calls.
 MAX_MESSAGES = 2048
-# Roles are words (system, user, assistant, tool, ...); the chat template prints them.
+# Roles are words (system, user, assistant, tool, ...).
 MAX_ROLE_LEN = 64
-# No vocabulary comes near it (the largest have ~256K ids); ids fit an int32 in every client.
+# No vocabulary comes near it; ids fit an int32 in every client.
 MAX_TOKEN_ID = 2**31 - 1
-# int64 (as vLLM) and uint64 (as TGI): all msgpack carries; the sampler reads a seed mod 2**64.
+# int64 (as vLLM) and uint64 (as TGI); the sampler reads a seed mod 2**64.
 SEED_RANGE = (-(2**63), 2**64 - 1)
-# A documented range for scheduling classes; per-tenant clamps narrow it further.
+# A documented range for scheduling classes; per-tenant clamps narrow it.
 PRIORITY_RANGE = (-1000, 1000)
 # A day: a request still waiting after that is lost, not late.
 MAX_TIMEOUT_S = 86_400.0
-# Far above any real topic's partition count; a bound that JSON clients can check.
+# Far above any real partition count; a bound JSON clients can check.
 MAX_REPLY_PARTITION = 99_999
-# metadata size = sum of the UTF-8 byte lengths of every key and every value.
+# metadata size = UTF-8 bytes of every key and value.
 MAX_METADATA_BYTES = 4096
-# Trace ids, user ids, tags: a few dozen keys; the byte cap alone would allow thousands of tiny ones.
+# A few dozen keys; the byte cap alone would allow thousands of tiny ones.
 MAX_METADATA_KEYS = 64
 MAX_TENANT_LEN = 256
-# A JSON schema (as compact JSON), a regex or an EBNF grammar: compile time grows with its size, and
-# real extraction schemas are a few KiB.
+# A JSON schema (compact JSON), a regex or an EBNF grammar: compile time grows with its size.
 MAX_GRAMMAR_BYTES = 65_536
-# Containers nested in a JSON schema: compile time and grammar size grow with nesting, real
-# extraction schemas nest a handful of levels (each property level is two: the `properties` map
-# and the property's own schema).
+# Nesting of a JSON schema's containers (each property level is two: `properties` and the schema).
 MAX_SCHEMA_DEPTH = 64
-# vLLM's choice is a label set (classification); each option becomes one grammar alternative, and
-# all of them together (as a JSON list) count against MAX_GRAMMAR_BYTES.
+# vLLM's choice: one grammar alternative each; together they count against MAX_GRAMMAR_BYTES.
 MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
 # OpenAI's cap on top_logprobs.
@@ -91,7 +83,7 @@ ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
 EVENT_TYPES: tuple[str, ...] = EventType.__args__
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# Tenants key rate limits, logs and (multi-tenant) topic prefixes: the id characters only.
+# Tenants key rate limits, logs and topic prefixes: the id characters only.
 TENANT_PATTERN = r"^[A-Za-z0-9._:-]+$"
 TOPIC_RE = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -112,10 +104,9 @@ class UndecodableMessage(Exception):
 class InvalidRequest(Exception):
     """A decodable request with a usable id and reply topic that breaks a rule of the contract.
 
-    ``field`` is the request-table field at fault (top level, e.g. ``"messages"``); ``path`` the
-    full location (e.g. ``"messages.0.role"``); ``message`` a sentence that starts with the path;
-    ``code`` the contract error code (``invalid_request`` or ``prompt_too_long``). ``reply_partition``
-    is None when it was absent or itself invalid (then the reply goes by key)."""
+    ``field`` is the top-level field at fault, ``path`` its full location (``"messages.0.role"``),
+    ``message`` a sentence starting with the path, ``code`` ``invalid_request`` or
+    ``prompt_too_long``; ``reply_partition`` is None when absent or invalid (reply by key)."""
 
     def __init__(
         self,
@@ -143,7 +134,7 @@ class InvalidRequest(Exception):
 
 
 def _not_bool(value: Any) -> Any:
-    # Literal[1] would accept True (True == 1 in Python); the contract's `v` is an int.
+    # Literal[1] would accept True; the contract's `v` is an int.
     if isinstance(value, bool):
         raise ValueError("must be an int, not a bool")
     return value
@@ -156,8 +147,8 @@ def _legal_topic(s: str) -> str:
 
 
 def _utf8(s: str) -> str:
-    # Plain `str` fields accept the lone surrogates that surrogateescape decoding leaves for bad
-    # UTF-8; such a string cannot be encoded again (reply events) nor tokenized.
+    # Plain `str` accepts lone surrogates (bad UTF-8 kept by surrogateescape), which can be
+    # neither encoded again nor tokenized.
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
@@ -182,18 +173,18 @@ Seconds = Annotated[float, Field(ge=0)]
 
 
 def is_legal_id(value: object) -> bool:
-    """True for a str of 1-128 characters of [A-Za-z0-9._:-]."""
+    """A str of 1-128 characters of [A-Za-z0-9._:-]."""
     return type(value) is str and ID_RE.fullmatch(value) is not None
 
 
 def is_legal_topic(value: object) -> bool:
-    """True for a legal Kafka topic name: 1-249 of [a-zA-Z0-9._-], and not "." or ".."."""
+    """A legal Kafka topic name: 1-249 of [a-zA-Z0-9._-], not "." or ".."."""
     return type(value) is str and TOPIC_RE.fullmatch(value) is not None and value not in (".", "..")
 
 
 class _Wire(BaseModel):
-    # strict: no str->int or int->bool coercion, bytes are not str, bool is not int (ints are
-    # still accepted for floats). extra ignored: newer producers may add optional fields.
+    # strict: no coercions (ints still pass for floats); extra ignored: newer producers may add
+    # optional fields.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
@@ -271,7 +262,7 @@ class StructuredOutputs(_Wire):
     @field_validator("choice")
     @classmethod
     def _choice_size(cls, value: list[str] | None) -> list[str] | None:
-        # The options become one grammar: they count against the grammar size cap together.
+        # The options become one grammar: they count against the size cap together.
         if value is not None:
             _grammar_size(json.dumps(value, ensure_ascii=False))
         return value
@@ -284,15 +275,15 @@ class StructuredOutputs(_Wire):
 
 
 class Request(_Wire):
-    """One generation request (PROTOCOL.md, "Request"). Exactly one of ``prompt``,
-    ``messages``, ``prompt_token_ids`` is set. Defaults are the contract's defaults; None means
-    "none" (``timeout_s`` None: the worker's default)."""
+    """One generation request (docs/protocol.md, "Request"). Exactly one of ``prompt``,
+    ``messages``, ``prompt_token_ids`` is set. None means "none" (``timeout_s`` None: the
+    worker's default)."""
 
     v: Version = PROTOCOL_VERSION
     id: RequestId
     reply_topic: TopicName
     reply_partition: Annotated[int, Field(ge=0, le=MAX_REPLY_PARTITION)] | None = None
-    # An empty prompt gives the model nothing to continue from: rejected like a missing one.
+    # An empty prompt gives the model nothing to continue from.
     prompt: NonEmptyText | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
@@ -337,9 +328,8 @@ class Request(_Wire):
         return value
 
     def output_constraint(self) -> tuple[str, str, str] | None:
-        """(field, kind, text) of the grammar the output must follow, or None. ``kind`` is one of
-        json_schema, json_object, regex, choice, grammar; ``text`` the schema as canonical JSON,
-        the regex, the choices as a JSON list, or the EBNF; ``field`` the request field it came from."""
+        """(field, kind, text) of the grammar the output must follow, or None: ``kind`` is
+        json_schema, json_object, regex, choice or grammar; ``text`` its canonical source."""
         fmt, s = self.response_format, self.structured
         if fmt is not None and fmt.type == "json_schema":
             return "response_format", "json_schema", _json_text(fmt.json_schema.schema_)
@@ -375,8 +365,7 @@ class Cancel(_Wire):
 
 
 def json_depth(value: Any, stop: int) -> int:
-    """Nesting depth of dicts and lists in `value` (a scalar is 0), level by level without
-    recursion, and no further than `stop` + 1."""
+    """Nesting depth of dicts and lists in `value` (a scalar is 0), no further than `stop` + 1."""
     depth, level = 0, [value]
     while depth <= stop:
         containers = [v for v in level if isinstance(v, (dict, list))]
@@ -388,13 +377,12 @@ def json_depth(value: Any, stop: int) -> int:
 
 
 def metadata_bytes(metadata: dict[str, str]) -> int:
-    """How metadata is measured against the 4 KiB limit: UTF-8 bytes of all keys and values."""
+    """Metadata size against the 4 KiB limit: UTF-8 bytes of all keys and values."""
     return sum(len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
                for k, v in metadata.items())
 
 
 def prompt_fields_problem(present: list[str]) -> tuple[str, str] | None:
-    """(field, message) when ``present`` is not exactly one of the prompt fields."""
     if not present:
         return "prompt", "one of prompt, messages, prompt_token_ids is required"
     if len(present) > 1:
@@ -483,7 +471,7 @@ class DoneEvent(_EventBase):
     text: str | None = None
     error: ErrorInfo | None = None
     metadata: dict[str, str] = {}
-    # Who answered (optional: older workers leave it out): operators see who served what.
+    # Who answered (optional: older workers leave it out).
     worker: str | None = None
     samples: list[Sample] | None = None  # n > 1: every sample, by index
 
@@ -499,11 +487,9 @@ _EVENT = TypeAdapter(Event)
 def _unpack(data: Any, max_bytes: int) -> Any:
     """msgpack bytes -> Python objects, never decoding more than ``max_bytes``.
 
-    The size is checked before msgpack sees the buffer, and every length limit is bounded by it,
-    so a 100 MB message costs a len(). Nesting deeper than 1024 raises StackError in the C
-    unpacker (RecursionError in the pure-Python fallback): both become UndecodableMessage.
-    Bad UTF-8 is kept (surrogateescape) so that it fails validation of its own field: a bad
-    prompt then gets a `rejected` reply instead of a silent trip to the dead-letter topic."""
+    The size is checked first and bounds every length, so a 100 MB message costs a len(); deep
+    nesting becomes UndecodableMessage. Bad UTF-8 is kept (surrogateescape) so it fails its own
+    field's validation: a `rejected` reply, not a silent dead letter."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise UndecodableMessage(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -519,20 +505,18 @@ def _unpack(data: Any, max_bytes: int) -> Any:
 
 
 def _error_location(loc: tuple) -> str:
-    # A location may hold a producer-chosen map key: bounded, and valid UTF-8 whatever the key.
+    # A location may hold a producer-chosen map key: bounded, valid UTF-8.
     path = ".".join(str(part) for part in loc)
     return path.encode("utf-8", "backslashreplace").decode("utf-8")[:200]
 
 
 def _first_error(exc: ValidationError) -> tuple[tuple, str]:
-    """(location, message) of the first error, without the input: echoing it could put
-    megabytes into an error event."""
+    """(location, message) of the first error, without the input (it could be megabytes)."""
     err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
     return err["loc"], err["msg"].removeprefix("Value error, ")
 
 
 def _check_routing(obj: dict) -> tuple[str, str, int | None]:
-    """The id, reply topic and (valid or None) reply partition, or UndecodableMessage."""
     request_id, reply_topic = obj.get("id"), obj.get("reply_topic")
     if not is_legal_id(request_id):
         raise UndecodableMessage("no usable id (1-128 characters of [A-Za-z0-9._:-])")
@@ -544,7 +528,7 @@ def _check_routing(obj: dict) -> tuple[str, str, int | None]:
 
 
 def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] | None:
-    """Rules checked on the raw map, before pydantic: (field, message, code) of the first broken."""
+    """Rules checked on the raw map before pydantic: (field, message, code) of the first broken."""
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
         return "v", f"v: unsupported protocol version {v!r:.20} (this build speaks {PROTOCOL_VERSION})", "invalid_request"
@@ -561,14 +545,14 @@ def _prompt_too_long(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str
     if isinstance(ids, list) and len(ids) > limit:
         return "prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {limit} allowed", "prompt_too_long"
     messages = obj.get("messages")
-    # Every chat message costs at least one token: a 50,000-message list cannot fit either.
+    # Every chat message costs at least one token.
     if max_prompt_tokens is not None and isinstance(messages, list) and len(messages) > max_prompt_tokens:
         return ("messages", f"messages: {len(messages)} messages cannot fit in {max_prompt_tokens} tokens",
                 "prompt_too_long")
     return None
 
 
-# (field, cap, unit): counted with a len() before pydantic validates each element.
+# (field, cap, unit): a len() before pydantic validates each element.
 _COUNT_CAPS = (("messages", MAX_MESSAGES, "messages"), ("stop", MAX_STOP, "strings"),
                ("stop_token_ids", MAX_STOP_TOKEN_IDS, "ids"), ("metadata", MAX_METADATA_KEYS, "keys"))
 
@@ -586,9 +570,8 @@ def decode_request(
 ) -> Request:
     """Decode and validate one request message.
 
-    Raises UndecodableMessage (dead-letter it) or InvalidRequest (reply ``done``/``rejected``);
-    nothing else, whatever the bytes. ``max_prompt_tokens`` rejects longer ``prompt_token_ids``
-    with code ``prompt_too_long`` before they are validated."""
+    Raises only UndecodableMessage (dead-letter it) or InvalidRequest (reply ``rejected``), whatever
+    the bytes. ``max_prompt_tokens`` rejects longer ``prompt_token_ids`` as ``prompt_too_long``."""
     obj = _unpack(data, max_bytes)
     if not isinstance(obj, dict):
         raise UndecodableMessage(f"not a map: a msgpack {type(obj).__name__}")
@@ -597,7 +580,7 @@ def decode_request(
     broken = _precheck(obj, max_prompt_tokens)
     if broken:
         raise InvalidRequest(broken[0], broken[1], code=broken[2], **route)
-    # Only str keys name fields; anything else is an unknown (ignored) field.
+    # Only str keys name fields; others are unknown (ignored) fields.
     fields = {k: v for k, v in obj.items() if type(k) is str}
     try:
         return Request.model_validate(fields)
@@ -613,13 +596,12 @@ def _pack(model: BaseModel, exclude_none: bool) -> bytes:
 
 
 def encode_request(req: Request) -> bytes:
-    """Request -> msgpack map. Fields that are None ("none" in the contract) are omitted."""
+    """Request -> msgpack map; None fields are omitted."""
     return _pack(req, exclude_none=True)
 
 
 def encode_event(ev: StartedEvent | TokensEvent | DoneEvent) -> bytes:
-    """Event -> msgpack map. Optional fields are written as nil, never omitted
-    (``error: nil`` in a successful ``done``, ``ttft_s: nil`` when no token was produced)."""
+    """Event -> msgpack map; optional fields are written as nil, never omitted."""
     return _pack(ev, exclude_none=False)
 
 

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import re
 
-# Topic tenancy (INFERLINE_KAFKA__TENANCY=topic): a tenant is one topic-name segment, no '.', so
-# `<request topic>.<tenant>` and `<reply prefix><tenant>.` cannot be ambiguous.
+# Topic tenancy: a tenant is one topic-name segment (no '.'), so `<request topic>.<tenant>` and
+# `<reply prefix><tenant>.` cannot be ambiguous.
 TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
-# Names no tenant may take (compared without case), besides every word of the deployment's own
-# topic names (tenant_problem): a tenant `dlq` would own `llm.requests.dlq`, the dead-letter topic,
-# and its ACLs would let it write there; the others are the suffixes internal topics commonly
-# carry (Kafka Streams' -changelog/-repartition, retry and dead-letter topics), and `default`,
-# the contract's tenant that claims nothing.
+# Names no tenant may take (any case), besides every word of the deployment's topic names: `dlq`
+# would own the dead-letter topic `llm.requests.dlq` and its ACLs; the others are common internal
+# topic suffixes, and `default`, the contract's tenant that claims nothing.
 RESERVED_TENANTS = frozenset({
     "dlq", "dlt", "dead-letter", "deadletter", "dead_letter", "retry", "cancel", "cancels", "request",
     "requests", "reply", "replies", "response", "responses", "internal", "changelog", "repartition",
@@ -29,8 +27,7 @@ def _collide(a: str, b: str) -> bool:
 
 
 def tenant_problem(tenant: str, kafka, dlq_topic: str | None = None) -> str | None:
-    """Why `tenant` cannot be a tenant of topic tenancy, or None. `kafka` is a KafkaSettings
-    (request, cancel and dead-letter topics, reply prefix); `dlq_topic` overrides its DLQ."""
+    """Why `tenant` cannot be a topic-tenancy tenant, or None; `dlq_topic` overrides `kafka`'s."""
     if not isinstance(tenant, str) or not re.fullmatch(TENANT_SEGMENT, tenant):
         return "must be 1-64 of [A-Za-z0-9_-]"
     internal = (kafka.request_topic, kafka.cancel_topic, dlq_topic or kafka.dlq_topic)

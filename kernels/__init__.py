@@ -5,16 +5,9 @@
     torch    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle)
     auto     what kernels.backends.select_attention picks for the tensors' device and dtype
 
-These are the functional forms, for tests and benchmarks. The model never calls them: it gets
-one backend object at load (kernels/attention.py, named by kernels/backends.py), which owns its
-step metadata and calls the kernels directly. The layer's elementwise ops are in fused.py.
-
-Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
-slot = block * block_size + offset.
-
-No submodule of this package is named like a function it exports: importing kernels.triton.decode
-must never replace kernels.paged_decode_attention (Python binds a package attribute to each
-submodule it imports).
+Functional forms for tests and benchmarks; the model uses a backend object (kernels/attention.py).
+Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
+No submodule is named like an exported function: importing it would replace the attribute.
 """
 
 from __future__ import annotations
@@ -37,14 +30,14 @@ def _resolve(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 
 def _on_triton(backend: str, t: torch.Tensor) -> bool:
-    """For the ops the C kernels leave to PyTorch (store, prefill): only Triton or the reference."""
+    """For ops the C kernels leave to PyTorch (store, prefill): only Triton or the reference."""
     assert backend in ("auto", "triton", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
     return backend == "triton" or (backend == "auto" and t.is_cuda)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
-    """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping
-    (int64 [num_tokens], slot = block * block_size + offset; a negative slot is skipped)."""
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping (int64,
+    slot = block * block_size + offset; negative: skipped)."""
     if _on_triton(backend, k_cache):
         from inferline.kernels.triton.store import store_kv_triton
 
@@ -54,14 +47,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> Non
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto",
                            plan=None, cu_seqlens_q=None):
-    """q [num_seqs, num_heads, head_dim], one token per sequence (its K/V already stored);
-    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the
-    current token. Returns [num_seqs, num_heads, head_dim]. `plan` (reference.plan_decode) is
-    the torch path's index math, made once per step for all layers; the kernels need none.
-    With cu_seqlens_q (int32 [num_seqs + 1]) q holds rows of several tokens per sequence, each a
-    decode over its own context (context_lens [num_rows]): sequence i owns rows cu_seqlens_q[i] ..
-    cu_seqlens_q[i + 1] - 1 and block_tables has a row per sequence (prompt chunks on the CPU,
-    ModelRunner._token_tables)."""
+    """q [num_seqs, num_heads, head_dim], one token per sequence (K/V stored); block_tables int32
+    [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the current token. Returns
+    [num_seqs, num_heads, head_dim]. `plan`: the torch path's index math (reference.plan_decode).
+    With cu_seqlens_q, q holds several rows per sequence, each a decode over its own context
+    (context_lens [num_rows])."""
     chosen = _resolve(backend, q, k_cache)
     if cu_seqlens_q is not None:
         if chosen == "cpu":
@@ -81,11 +71,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 def paged_prefill_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, backend: str = "auto"
 ):
-    """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows
-    cu_seqlens_q[i]:cu_seqlens_q[i+1] (int32), the last tokens of its context_lens[i] tokens,
-    all already stored; causal. Returns [total_query_tokens, num_heads, head_dim]. The C kernel
-    has no prefill of its own: `cpu` computes prompts on the reference path here (the engine sends
-    them to the decode kernel as rows, cu_seqlens_q given)."""
+    """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows cu_seqlens_q[i]:
+    cu_seqlens_q[i+1], the last tokens of its context_lens[i], all stored; causal. Returns the
+    same shape. `cpu` computes prompts on the reference path."""
     if _on_triton(backend, q):
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 

@@ -1,7 +1,5 @@
-"""Paged attention backends as objects: one class per backend, each owning the metadata it needs
-for a step (`prepare`) and its K/V store and attention (`store_kv`, `forward`). The runner makes
-one at load (`make_attention`, from the name kernels/backends.py chose); the model calls only
-`meta.backend.store_kv` and `meta.backend.forward`, whatever the backend.
+"""Paged attention backends as objects, each owning its step metadata (`prepare`) and its K/V
+store and attention (`store_kv`, `forward`); the model calls only `meta.backend.*`.
 
     TritonAttention   kernels/triton/ (CUDA; CPU tensors under TRITON_INTERPRET=1): decode rows to
                       the decode kernel, prompt chunks to the prefill kernel
@@ -10,8 +8,7 @@ one at load (`make_attention`, from the name kernels/backends.py chose); the mod
     TorchAttention    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle),
                       split as Triton's, with the decode index math made once a step
 
-A step reaches `prepare` as StepTables: the runner's per-sequence tables, decodes first, on the
-device. Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
 """
 from __future__ import annotations
 
@@ -26,14 +23,14 @@ from inferline.kernels.cpu import attention as cpu_attention
 
 @dataclass
 class StepTables:
-    """One step's batch as the attention sees it. Sequences in batch order: the first
-    `num_decodes` decode one token each, the rest are prompt chunks."""
+    """One step's batch as the attention sees it: the first `num_decodes` sequences decode one
+    token each, the rest are prompt chunks."""
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V goes
     positions: torch.Tensor  # int64 [num_tokens]
-    context_lens: torch.Tensor  # int32 [num_seqs]: tokens of context once this step's are stored
+    context_lens: torch.Tensor  # int32 [num_seqs]: context once this step's tokens are stored
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
     num_decodes: int
-    block_tables: Callable[[int, int], torch.Tensor]  # (first, stop) -> int32 [stop - first, its widest]
+    block_tables: Callable[[int, int], torch.Tensor]  # (first, stop) -> int32 rows
 
 
 @dataclass
@@ -41,7 +38,7 @@ class AttentionMetadata:
     """What every layer gets for a step; each backend's subclass adds its own fields."""
     backend: "AttentionBackend"
     slot_mapping: torch.Tensor  # int64 [num_tokens]
-    num_decode_tokens: int  # the first rows are decodes, one token per sequence
+    num_decode_tokens: int  # the first rows are decodes, one token each
     fused_ops: str = "torch"  # kernels/fused.py's `ops`: c | triton | torch
 
 
@@ -75,11 +72,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (a negative slot is skipped)."""
+        """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (negative: skipped)."""
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [num_tokens, num_heads, head_dim] (K/V of every token already stored) -> the same shape."""
+        """q [num_tokens, num_heads, head_dim] (all K/V stored) -> the same shape."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -142,7 +139,7 @@ class TritonAttention(_SplitBackend):
 
     def __init__(self, block_size: int, num_kv_heads: int):
         super().__init__(block_size, num_kv_heads)
-        # Imported here: TRITON_INTERPRET must be set before triton is, and only this backend needs it.
+        # TRITON_INTERPRET must be set before triton is imported.
         from inferline.kernels.triton.decode import paged_decode_attention_triton
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
         from inferline.kernels.triton.store import store_kv_triton
@@ -154,7 +151,7 @@ class TritonAttention(_SplitBackend):
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
-        """Each kernel writes its rows of one output: a mixed step needs no concatenation (a launch)."""
+        """Each kernel writes its rows of one output: a mixed step needs no concatenation."""
         nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
@@ -172,10 +169,8 @@ class TritonAttention(_SplitBackend):
 
 
 class CpuAttention(AttentionBackend):
-    """The C kernel has no prefill of its own: a step with prompt chunks attends every row as a
-    decode over its causal context (position + 1 tokens of its sequence's block table), with the
-    bits a decode of it gets: a prompt's rows are computed exactly as its decode steps will be,
-    and a sequence recomputed after preemption gets its first pass's tokens back."""
+    """The C kernel has no prefill: each prompt row attends as a decode over its causal context,
+    so a prompt's rows get the bits its decode steps will (and a recomputed sequence its tokens)."""
     name = "cpu"
 
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> TokenMetadata:
@@ -195,6 +190,6 @@ BACKENDS = {b.name: b for b in (TritonAttention, CpuAttention, TorchAttention)}
 
 
 def make_attention(name: str, block_size: int, num_kv_heads: int) -> AttentionBackend:
-    """The backend kernels.backends.select_attention chose (never `auto`: that is resolved once, there)."""
+    """The backend kernels.backends.select_attention chose (never `auto`)."""
     assert name in BACKENDS, f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}"
     return BACKENDS[name](block_size, num_kv_heads)

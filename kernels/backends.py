@@ -6,13 +6,10 @@ then and logged once by the runner.
     fused_ops   c | triton | torch     norms, SiLU-and-mul, rope + K/V store (c: CPU fp32 only;
                                        triton: with the Triton attention)
 
-`auto` picks Triton on CUDA (the fused ops follow the attention onto Triton, under the
-interpreter too), and on a CPU in fp32 the C kernels where they built (attention:
-also the shape and K/V dtype must suit them), else PyTorch; for the linear layers on a CPU in
-fp32 it is a rule here (the C GEMM on AVX2 without AVX-512, else oneDNN) that ModelRunner replaces
-by timing every candidate on the model at load (linear_candidates; models/calibration.py). An explicit choice this machine cannot
-run raises BackendUnavailable with one line that says why and what to set instead: the worker
-stops at start-up, never failing every request later.
+`auto`: Triton on CUDA (the fused ops follow the attention); on a CPU in fp32 the C kernels where
+they built and suit the shape, else PyTorch. For CPU fp32 linears the rule here is replaced by
+timing each candidate at load. An explicit choice this machine cannot run raises
+BackendUnavailable saying why and what to set: the worker stops at start-up.
 """
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ class KernelBackends:
     attention: str
     linear: str
     fused_ops: str
-    triton_target: str | None = None  # what Triton compiles for: "cuda" or "interpreter"
+    triton_target: str | None = None  # "cuda" or "interpreter"
 
 
 @dataclass(frozen=True)
@@ -47,8 +44,8 @@ class ModelShape:
 
 def select_backends(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, shape: ModelShape,
                     attention: str = "auto", linear: str = "auto", fused_ops: str = "auto") -> KernelBackends:
-    """The settings (INFERLINE_MODEL__ATTENTION_BACKEND, __CPU_LINEAR, __CPU_FUSED_OPS) resolved
-    for this device, dtypes and shape; raises BackendUnavailable for an explicit impossible one."""
+    """The model settings' backends resolved for this device, dtypes and shape; raises
+    BackendUnavailable for an explicit impossible one."""
     chosen = select_attention(device, dtype, kv_dtype, shape, attention)
     target = None if chosen != "triton" else "cuda" if device.type == "cuda" else "interpreter"
     return KernelBackends(chosen, select_linear(device, dtype, linear),
@@ -90,7 +87,7 @@ def _cpu_attention_fits(device, dtype, kv_dtype, shape: ModelShape) -> bool:
 
 
 def select_linear(device, dtype, setting: str = "auto") -> str:
-    """c or onednn pack the weights for CPU fp32 (worker/engine/models/linear.py); torch is F.linear."""
+    """c or onednn pack the weights for CPU fp32; torch is F.linear."""
     if device.type != "cpu" or dtype != torch.float32 or setting == "torch":
         _require(setting in ("auto", "torch"), f"cpu_linear={setting} is for fp32 models on the CPU "
                                                f"(this one: {dtype} on {device.type}); set INFERLINE_MODEL__CPU_LINEAR=auto")
@@ -110,9 +107,8 @@ def select_linear(device, dtype, setting: str = "auto") -> str:
 
 
 def linear_candidates(device, dtype, setting: str = "auto") -> tuple[str, ...]:
-    """The linear backends `setting` may run here: for `auto` on a CPU in fp32, every packed one
-    that runs (ModelRunner times them on the model and keeps the fastest:
-    worker/engine/models/calibration.py), select_linear's rule first; else select_linear's one."""
+    """The linear backends `setting` may run here: for `auto` on CPU fp32 every packed one that
+    runs (timed at load), select_linear's rule first; else select_linear's one."""
     chosen = select_linear(device, dtype, setting)
     if setting != "auto" or chosen == "torch":
         return (chosen,)
@@ -125,8 +121,7 @@ def onednn_available() -> bool:
 
 
 def select_fused_ops(device, dtype, setting: str = "auto", attention: str = "torch") -> str:
-    """`auto`: Triton with the Triton attention (what a GPU runs; the interpreter runs it too), the
-    C kernels for CPU fp32, else PyTorch; `torch` always PyTorch."""
+    """`auto`: Triton with the Triton attention, the C kernels for CPU fp32, else PyTorch."""
     if setting != "auto":
         return "torch"
     if attention == "triton":

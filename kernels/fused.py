@@ -1,15 +1,12 @@
 """Fused elementwise ops of the decoder layer, under vLLM's names: rms_norm, fused_add_rms_norm,
 silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
 
-Each runs one of three ways, `ops` naming which (kernels/backends.py chooses once, at load; the
-model gets it in its AttentionMetadata every step):
+Each runs one of three ways, `ops` naming which (chosen once, at load):
 
     torch    PyTorch ops, any device and dtype: what HF computes, op by op (the reference)
-    c        fp32 CPU tensors: a C kernel (cpu/csrc/fused_ops.c, built with the other C kernels by
-             cpu/build.py), one pass over the rows: at decode sizes these ops cost dispatch and
-             OpenMP fork/join more than arithmetic (figures: docs/benchmarks.md)
-    triton   with the Triton attention (CUDA; the interpreter on CPU tensors): one launch each
-             (kernels/triton/norm.py, activation.py, rotary.py) instead of 2-9 PyTorch kernels
+    c        fp32 CPU tensors: a C kernel, one pass over the rows (at decode sizes dispatch and
+             OpenMP fork/join cost more than arithmetic: docs/benchmarks.md)
+    triton   with the Triton attention: one launch each instead of 2-9 PyTorch kernels
 """
 from __future__ import annotations
 
@@ -25,24 +22,23 @@ OPS = ("c", "triton", "torch")
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The C kernels take tensors of this device and dtype, and they are built (built now if needed)."""
+    """The C kernels take tensors of this device and dtype, and are built (now if needed)."""
     return device.type == "cpu" and dtype == torch.float32 and build.available()
 
 
-# The C paths below run ~150 times a decode step: their checks are kept to cheap attribute
-# reads (build.call says why the Python around a C call matters).
+# The C paths run ~150 times a decode step: their checks are kept to attribute reads.
 _F32 = torch.float32
 
 
 def _rows(x: torch.Tensor) -> int:
-    """The row stride of a 2-D view whose rows are packed (a slice of a wider row is fine)."""
+    """The row stride of a 2-D view with packed rows (a slice of a wider row is fine)."""
     assert x.dim() == 2 and x.stride(1) == 1, f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
     return x.stride(0)
 
 
 @functools.cache
 def _triton():
-    """The Triton launchers, imported on first use: TRITON_INTERPRET must be set before triton is."""
+    """The Triton launchers, imported on first use: TRITON_INTERPRET must be set first."""
     from inferline.kernels.triton import activation, norm, rotary
 
     return activation, norm, rotary
@@ -57,8 +53,7 @@ def _check(*tensors: torch.Tensor) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torch") -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (HF's LlamaRMSNorm), x [rows, hidden]
-    or any shape on the torch path."""
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (HF's LlamaRMSNorm)."""
     if ops == "triton":
         return _triton()[1].rms_norm_triton(x, weight, eps)
     if ops != "c":
@@ -74,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torc
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
-    if dtype == torch.float32:  # one op, the same arithmetic as below
+    if dtype == torch.float32:  # one op, the same arithmetic
         return F.rms_norm(x, weight.shape, weight, eps)
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -83,8 +78,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        ops: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): a sublayer's output joins the residual stream and
-    the sum is normalized for the next sublayer. The C and Triton paths update `residual` in place."""
+    """(rms_norm(x + residual), x + residual); the C and Triton paths update `residual` in place."""
     if ops == "triton":
         return _triton()[1].rms_norm_triton(x, weight, eps, residual), residual
     if ops != "c":
@@ -104,7 +98,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up projection)."""
+    """silu(gate) * up for x = [gate | up] along the last dim."""
     if ops == "triton":
         return _triton()[0].silu_and_mul_triton(x)
     if ops != "c":
@@ -123,10 +117,8 @@ def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox / HF "rotate_half" layout, x [tokens, heads, head_dim]; cos, sin [tokens, 1, head_dim].
-
-    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); the tables here
-    hold cos = (c, c) and sin = (-s, s) (models/llama.py, RotaryEmbedding), so
-    x * cos + swap_halves(x) * sin makes the very same products and sums (negation is exact)."""
+    With tables cos = (c, c), sin = (-s, s), x * cos + swap_halves(x) * sin makes exactly HF's
+    products and sums (negation is exact)."""
     xf = x.float()
     swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return (xf * cos).add_(swapped * sin).to(x.dtype)
@@ -135,12 +127,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   ops: str = "torch", store=None) -> torch.Tensor:
-    """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] (cos/sin
-    [tokens, 1, head_dim], the positions' rows), store k and v at slot_mapping in the caches
-    ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is skipped) and return the
-    rotated q [tokens, num_heads, head_dim]. The C and Triton paths rotate in place in qkv and
-    return a view; the torch path stores through `store` (the attention backend's store_kv:
-    kernels/attention.py; None: kernels.store_kv for the tensors' device)."""
+    """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim], store k
+    and v at slot_mapping (negative: skipped) and return the rotated q [tokens, num_heads,
+    head_dim]. The C and Triton paths rotate qkv in place and return a view; the torch path stores
+    through `store` (default: kernels.store_kv)."""
     if ops == "triton":
         return _triton()[2].rope_store_kv_triton(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
                                                  slot_mapping)

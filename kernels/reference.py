@@ -1,18 +1,14 @@
-"""Plain PyTorch paged-attention ops: the fallback where neither Triton nor the C kernels run
-(kernels/backends.py), and the tests' oracle.
+"""Plain PyTorch paged-attention ops: the fallback where neither Triton nor the C kernels run, and
+the tests' oracle.
 
 Cache layout (per layer, K and V alike):
 
     k_cache[num_blocks, block_size, num_kv_heads, head_dim]
     slot = block * block_size + offset       (flat index into the first two dims)
 
-A sequence's token t lives at slot  block_tables[s, t // block_size] * block_size + t % block_size.
-Entries of a block table past ceil(context_len / block_size) are padding: never read.
-Unused cache slots may hold garbage (NaN): nothing here reads them into a sum. Prefill slices
-the gathered context to its length; decode reads only context tokens (padding positions
-re-read a real token, and their -inf scores give them weight exactly 0).
-
-GQA: query head h reads KV head h // (num_heads // num_kv_heads), as in Llama's repeat_kv.
+Token t of a sequence lives at slot block_tables[s, t // block_size] * block_size + t % block_size.
+Unused slots may hold garbage (NaN): nothing reads them into a sum. GQA: query head h reads KV
+head h // (num_heads // num_kv_heads).
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Decode attends in chunks of this many sequences, sorted by length: small dense copies that
-# stay in cache, with little padding (see bench/decode_step.py).
+# Decode attends in chunks of this many length-sorted sequences: small dense copies that stay in
+# cache, with little padding.
 _DECODE_CHUNK_SEQS = 8
 
 
@@ -43,7 +39,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
-    # A view, so index_copy_ writes the cache itself (view() raises rather than copies).
+    # A view, so index_copy_ writes the cache itself.
     return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
@@ -53,8 +49,7 @@ def gather_kv(cache, block_tables, num_tokens: int) -> torch.Tensor:
     num_blocks = -(-num_tokens // block_size)
     table = block_tables[:, :num_blocks].long()
     assert table.shape[1] == num_blocks, "block table shorter than the context"
-    # Whole blocks as 2-D rows: index_select copies each row with one memcpy only on 2-D input
-    # (on the 4-D cache it takes a strided path).
+    # Whole blocks as 2-D rows: index_select copies rows with one memcpy only on 2-D input.
     gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, table.flatten())
     return gathered.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
@@ -64,28 +59,26 @@ class DecodeChunk:
     start: int  # rows start:stop of the length-sorted batch
     stop: int
     max_len: int
-    rows: torch.Tensor  # int64 [(stop - start) * KH * max_len]: rows of the cache viewed as [slots * KH, D]
-    bias: torch.Tensor  # fp32 [stop - start, 1, 1, max_len]: 0 for a context token, -inf for padding
+    rows: torch.Tensor  # int64: rows of the cache viewed as [slots * KH, D]
+    bias: torch.Tensor  # fp32: 0 for a context token, -inf for padding
 
 
 @dataclass
 class DecodePlan:
-    """The index math of one decode batch, shared by every layer (the tables do not change
-    between layers): the length order, the chunks, and for each chunk the cache rows to read."""
+    """The index math of one decode batch, shared by every layer: the length order, the chunks,
+    and each chunk's cache rows."""
 
     num_seqs: int
-    order: torch.Tensor | None  # sorted position -> batch row; None when the batch is already sorted
+    order: torch.Tensor | None  # sorted position -> batch row; None when already sorted
     chunks: list[DecodeChunk]
-    empty: torch.Tensor | None  # bool [num_seqs, 1, 1, 1], batch order: context_len 0 (no keys)
+    empty: torch.Tensor | None  # bool, batch order: context_len 0
 
 
 def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
                 chunk_seqs: int | None = None) -> DecodePlan:
-    """Sort by length and cut into chunks of `chunk_seqs` sequences (small dense copies that stay
-    in cache, with little padding). Padding tokens read the sequence's own token 0, a real and
-    finite K/V row, so garbage never enters: their scores get -inf from `bias`, their weights
-    are exactly 0, and 0 * finite adds nothing. A context_len 0 sequence has no token 0: it
-    reads slot 0 and its output is set to 0 by selection (see `empty`)."""
+    """Sort by length and cut into chunks of `chunk_seqs`. Padding tokens re-read the sequence's
+    own token 0 (finite) with a -inf bias, so garbage never enters; a context_len 0 sequence reads
+    slot 0 and its output is set to 0 (`empty`)."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
     lens = context_lens.long()
     num_seqs = lens.shape[0]
@@ -110,9 +103,9 @@ def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
     valid = pos[None, :] < lens[:, None]  # [c, L]
     tok = torch.where(valid, pos[None, :], 0)  # padding -> token 0
     slots = tables.long().gather(1, tok // block_size) * block_size + tok % block_size
-    slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0 to read: any in-range slot
+    slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0: any in-range slot
     heads = torch.arange(num_kv_heads, device=lens.device)
-    # Head-major [c, KH, L]: the gathered rows are the layout the GEMMs want, no permute copy.
+        # Head-major [c, KH, L]: the layout the GEMMs want, no permute copy.
     rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
     bias.masked_fill_(~valid, float("-inf"))
@@ -120,8 +113,8 @@ def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=None) -> torch.Tensor:
-    """One query token per sequence over its paged context; returns [num_seqs, num_heads, head_dim].
-    `plan` (plan_decode of these tables) lets a caller do the index math once for all layers."""
+    """One query token per sequence over its paged context -> [num_seqs, num_heads, head_dim].
+    `plan`: plan_decode of these tables, computed once for all layers."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
@@ -137,7 +130,7 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # 2-D [slots * KH, D] views: index_select takes its row-memcpy fast path only on 2-D input.
+    # 2-D [slots * KH, D] views: index_select's row-memcpy path is 2-D only.
     k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
     if plan.order is not None:
         q = q[plan.order]
@@ -153,7 +146,7 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
     out = out.view(num_seqs, num_heads, head_dim)
     if plan.order is not None:
         out = torch.empty_like(out).index_copy_(0, plan.order, out)
-    if plan.empty is not None:  # context_len 0: a fully masked row (NaN after softmax); defined as 0
+    if plan.empty is not None:  # context_len 0: NaN after softmax; defined as 0
         out = out.masked_fill(plan.empty.view(num_seqs, 1, 1), 0.0)
     return out.to(q.dtype)
 
@@ -161,12 +154,9 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
 def paged_prefill_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
 ) -> torch.Tensor:
-    """Causal attention of each sequence's last query tokens over its paged context.
-
-    Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the last
-    q_len of its context_lens[i] tokens, so query row j sits at absolute position
-    context_len - q_len + j and sees keys 0..that position.
-    """
+    """Causal attention of each sequence's last query tokens over its paged context: rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] are the last q_len of context_lens[i] tokens, so row j sits
+    at position context_len - q_len + j."""
     total, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
@@ -186,11 +176,11 @@ def paged_prefill_attention(
 
 def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale):
     q_len = q.shape[0]
-    # Slicing to ctx tokens drops the unused tail of the last block (and its garbage).
+    # Slicing to ctx tokens drops the last block's unused tail.
     k = gather_kv(k_cache, block_table, ctx)[0].float().transpose(0, 1)  # [KH, ctx, D]
     v = gather_kv(v_cache, block_table, ctx)[0].float().transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, q_len, D]
-    if q_len == ctx:  # a whole prompt: SDPA's own (top-left) causal mask is the same and cheaper
+    if q_len == ctx:  # a whole prompt: SDPA's own causal mask is cheaper
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(ctx - q_len, ctx, device=q.device)

@@ -1,8 +1,7 @@
 """The Kafka ACLs of topic tenancy (docs/security.md): who may read and write which topic.
 
 `recipe()` is the rule set as data; `inferline topics acls` prints it as `kafka-acls.sh` commands
-or, with `--apply`, creates it through confluent-kafka's admin client (aiokafka has no ACL API).
-tests/kafka/test_acl_tenancy.py applies exactly this recipe to a broker with an authorizer.
+or, with `--apply`, creates it through confluent-kafka (aiokafka has no ACL API).
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ class AclRule:
     prefixed: bool = False
 
     def command(self, bootstrap: str) -> str:
-        """The same rule as a `kafka-acls.sh` command line."""
         kind = {"TOPIC": "--topic", "GROUP": "--group", "TRANSACTIONAL_ID": "--transactional-id"}[self.resource]
         pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
         return (f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
@@ -26,15 +24,15 @@ class AclRule:
 
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
-    """Workers read every tenant's request and cancel topics and write replies and dead letters,
-    in transactions whose ids start with the group id (worker/delivery/transactions.py); each tenant writes only its own request and cancel topic and reads and creates only topics
-    under its own reply prefix (the client makes its reply topic there)."""
+    """Workers read every tenant's request and cancel topics and write replies and dead letters, in
+    transactions whose ids start with the group id; each tenant writes only its own request and
+    cancel topics, and reads and creates only topics under its own reply prefix."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
     rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
              AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
              AclRule(worker, "READ", "GROUP", kafka.group_id),
              AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
-             # A reply topic's limits are read before a transaction may touch it (worker/intake/reply_topics.py)
+             # A reply topic's limits are read before a transaction may touch it
              AclRule(worker, "DESCRIBE_CONFIGS", "TOPIC", reply, prefixed=True),
              AclRule(worker, "WRITE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
              AclRule(worker, "DESCRIBE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
@@ -49,7 +47,7 @@ def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
 
 
 async def apply(kafka, rules: list[AclRule]) -> None:
-    """Create the rules on the broker, as the principal of `kafka`'s settings (an admin)."""
+    """Create the rules on the broker, as `kafka`'s principal (an admin)."""
     import asyncio
 
     from confluent_kafka.admin import AdminClient
@@ -60,7 +58,7 @@ async def apply(kafka, rules: list[AclRule]) -> None:
 
 
 def confluent_bindings(rules: list[AclRule]) -> list:
-    """The rules as confluent-kafka AclBindings (confluent-kafka must be installed)."""
+    """The rules as confluent-kafka AclBindings."""
     from confluent_kafka import admin
 
     return [admin.AclBinding(getattr(admin.ResourceType, r.resource), r.name,

@@ -1,5 +1,5 @@
-"""What ``inferline bench`` reports: one Sample per request, latency distributions (TTFT, ITL,
-end-to-end, queue), throughput over time, the text summary, bench.json and the PNG plots."""
+"""What ``inferline bench`` reports: per-request samples, latency distributions, throughput, the
+summary, bench.json and plots."""
 from __future__ import annotations
 
 import importlib.util
@@ -43,7 +43,6 @@ def inter_token_latencies(token_times: list[tuple[float, int]]) -> list[float]:
 
 @dataclass
 class Sample:
-    """What bench keeps of one request."""
 
     ok: bool
     code: str | None
@@ -134,7 +133,7 @@ def write_outputs(out: Path, report: dict[str, Any], samples: list[Sample], t0: 
 def plot(out: Path, samples: list[Sample], series: list[tuple[float, float]]) -> list[Path]:
     import matplotlib
 
-    matplotlib.use("Agg")  # files only, no display
+    matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
     ok = [s for s in samples if s.ok]

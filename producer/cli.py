@@ -10,8 +10,7 @@
     inferline gateway --port 8000                         OpenAI-compatible HTTP API (docs/gateway.md)
     inferline batch run requests.jsonl -o results.jsonl   OpenAI batch format; run again to resume (docs/batch.md)
 
-Connection settings come from the same ``INFERLINE_`` environment as the worker
-(INFERLINE_KAFKA__BOOTSTRAP_SERVERS, ...); ``--bootstrap-servers`` etc. override them.
+Connection settings come from the worker's ``INFERLINE_`` environment; flags override them.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# bench_report, loadgen and tail hold the bigger commands' parts; their names stay importable here.
+# bench_report, loadgen and tail hold the bigger commands' parts, importable from here.
 from inferline.producer.bench_report import (  # noqa: F401 - re-exported
     Sample, distribution, format_report, inter_token_latencies, percentile, plot, sample_of, summarize,
     throughput_series, write_outputs,
@@ -179,7 +178,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
-    """The request fields set on the command line (unset ones keep the contract's defaults)."""
+    """The request fields set on the command line."""
     names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority", "tenant", "ignore_eos", "n")
     params = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "no_stream", False):
@@ -190,8 +189,7 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def output_constraint(args: argparse.Namespace) -> dict[str, Any]:
-    """response_format / structured / logprobs fields from --json-schema, --json-object, --regex,
-    --choice, --grammar, --logprobs and --top-logprobs (files are read here, not by the worker)."""
+    """response_format / structured / logprobs fields from the flags (files are read here)."""
     fields: dict[str, Any] = {}
     if getattr(args, "json_schema", None):
         path = Path(args.json_schema)
@@ -292,7 +290,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
     from inferline.contract.schema import Cancel, encode_cancel
 
-    client = make_client(args)  # for its settings only: no reply topic is needed to cancel
+    client = make_client(args)  # for its settings only
     producer = AIOKafkaProducer(**client.kafka.connection_options(), enable_idempotence=True)
     await producer.start()
     try:
@@ -304,8 +302,8 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def checked_tenants(args: argparse.Namespace, kafka) -> list[str]:
-    """--tenant names: each one topic-name segment (it becomes `<topic>.<tenant>`), and none that
-    names or collides with an internal topic (`dlq` would make and grant `<request topic>.dlq`)."""
+    """--tenant names: each one topic-name segment, none naming or colliding with an internal
+    topic (`dlq` would grant `<request topic>.dlq`)."""
     for tenant in args.tenant:
         problem = tenant_problem(tenant, kafka, getattr(args, "dlq_topic", None))
         if problem:
@@ -336,7 +334,7 @@ async def cmd_topics(args: argparse.Namespace) -> int:
                      (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
         for name, partitions, retention in plan:
             configs = topic_configs(retention)
-            if name in cancel_topics:  # keyed by id: compaction keeps one cancel per request
+            if name in cancel_topics:  # compaction keeps one cancel per request id
                 configs["cleanup.policy"] = "compact,delete"
             created = await create_topics(admin, [(name, partitions)], replication_factor=args.replication_factor,
                                           configs=configs)
@@ -394,7 +392,7 @@ COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``inferline`` console script and ``python -m inferline.producer``."""
+    """Entry point of ``inferline`` and ``python -m inferline.producer``."""
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         # Fail on a bad distribution before connecting to anything.

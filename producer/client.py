@@ -8,18 +8,10 @@
             print(delta, end="")
         result = await handle.result()               # text, finish_reason, usage, timing
 
-Reply topics: by default one topic per client instance (created with short retention, deleted
-on close); ``reply_topic="per-request"`` makes a topic per request and deletes it after ``done``;
-any other string names an existing or new topic shared with others (events are matched by id).
-
-One consumer task reads every reply topic and feeds each event to its handle by id; handles
-reassemble synchronously (no task per event or per request), so one client can keep many
-thousands of requests in flight. Delivery is at least once: a handle drops a superseded
-attempt, ignores duplicates by (attempt, seq) and counts gaps.
-
-This module is the client API's import path; the parts live in producer.errors (exceptions),
-producer.reassembly (RequestHandle, Result, TextDelta), producer.replies (reply topics and
-routing) and producer.topics (Kafka plumbing).
+Reply topics: by default one per client (short retention, deleted on close); ``reply_topic=
+"per-request"`` makes one per request; any other string names a topic shared with others. One
+consumer task reads them and feeds each handle synchronously, so one client can keep thousands of
+requests in flight. Delivery is at least once: handles drop superseded attempts and duplicates.
 """
 from __future__ import annotations
 
@@ -81,11 +73,9 @@ DEADLINE_GRACE_S = 30.0
 class InferenceClient:
     """Submit requests to inferline workers and follow their replies (see module docstring).
 
-    Connection settings, topic names and the message size limit come from ``settings`` (by
-    default ``load_settings()``, i.e. the same ``INFERLINE_`` environment as the worker);
-    keyword arguments override them. ``timeout_s`` is the client-side limit per request; None
-    waits until the worker's own deadline (request ``timeout_s`` or the worker default, from
-    ``created_at``) plus a grace period, after which a ``done`` is overdue."""
+    Settings come from ``settings`` (default: the worker's ``INFERLINE_`` environment); keyword
+    arguments override them. ``timeout_s`` is the client-side limit per request; None waits until
+    the worker's own deadline plus a grace period."""
 
     def __init__(
         self,
@@ -110,7 +100,6 @@ class InferenceClient:
         self.cancel_topic = cancel_topic or kafka.cancel_topic
         self.client_uid = uuid.uuid4().hex[:12]
         self._own_reply_topic = reply_topic is None
-        # under the prefix the workers answer on (INFERLINE_KAFKA__REPLY_TOPIC_PREFIX)
         self.reply_prefix = kafka.reply_topic_prefix
         self.reply_topic = self.reply_prefix + self.client_uid if reply_topic is None else reply_topic
         self.timeout_s = timeout_s
@@ -119,7 +108,7 @@ class InferenceClient:
         self.replication_factor = replication_factor
         self._producer_options = producer_options or {}
         self._handles: dict[str, RequestHandle] = {}
-        self._replies: ReplyRouter | None = None  # from start()
+        self._replies: ReplyRouter | None = None
         self._background: set[asyncio.Task] = set()
         self._consumer_task: asyncio.Task | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -169,7 +158,7 @@ class InferenceClient:
         self._consumer_task = asyncio.create_task(self._replies.run(), name="inferline-replies")
 
     async def close(self) -> None:
-        """Fail what is still in flight (ClientClosed), drop the topics this client made, disconnect."""
+        """Fail what is in flight (ClientClosed), drop the topics this client made, disconnect."""
         for handle in list(self._handles.values()):
             handle.fail(ClientClosed("client closed"))
         if self._consumer_task:
@@ -203,10 +192,9 @@ class InferenceClient:
     ) -> RequestHandle:
         """Publish one request and return its handle once the broker has it (acks=all).
 
-        ``params`` are the request's other fields (max_tokens, temperature, seed, stop, stream,
-        metadata, timeout_s, ...). ``reply_topic`` overrides the client's for this request
-        ("per-request" or a topic name). ``timeout`` is the client-side limit in seconds.
-        Raises pydantic's ValidationError for a request the contract forbids."""
+        ``params`` are the request's other fields; ``reply_topic`` overrides the client's;
+        ``timeout`` is the client-side limit in seconds. Raises ValidationError for a request the
+        contract forbids."""
         assert self._producer is not None, "client not started"
         rid = request_id or uuid.uuid4().hex
         per_request = (reply_topic or self.reply_topic) == PER_REQUEST
@@ -241,9 +229,8 @@ class InferenceClient:
         return await topic_partitions(self._admin, topic)
 
     def follow(self, request: Request, *, timeout: float | None = None) -> RequestHandle:
-        """A handle for a request sent before (by an earlier run: a batch resuming), fed by this
-        client's reply topics like any other; nothing is sent. Its client-side limit starts now
-        (``timeout``, as in ``submit``)."""
+        """A handle for a request sent before (a batch resuming), fed like any other; nothing is
+        sent. Its client-side limit starts now."""
         handle = RequestHandle(request, self)
         handle._on_finish = self._finished
         self._handles[request.id] = handle
@@ -251,7 +238,7 @@ class InferenceClient:
         return handle
 
     def forget(self, request_id: str) -> None:
-        """Stop following a request (its events are skipped from now on); nothing is cancelled."""
+        """Stop following a request; nothing is cancelled."""
         handle = self._handles.pop(request_id, None)
         if handle is not None and handle._timer:
             handle._timer.cancel()
@@ -260,17 +247,17 @@ class InferenceClient:
         limit = timeout if timeout is not None else self.timeout_s
         if limit is None:
             limit = (handle.request.timeout_s or self.settings.limits.default_timeout_s) + DEADLINE_GRACE_S
-        # A timer, not a task: thousands of requests cost thousands of heap entries, nothing more.
+        # A timer, not a task: thousands of requests cost thousands of heap entries.
         handle._timer = asyncio.get_running_loop().call_later(limit, self._expire, handle, limit)
 
     def _expire(self, handle: RequestHandle, limit: float) -> None:
         if handle.finished:
             return
         handle.fail(ClientTimeout(f"timeout: no done within {limit:g} s (client side)"))
-        self._spawn(self.cancel(handle.id))  # the worker need not keep generating for nobody
+        self._spawn(self.cancel(handle.id))  # the worker need not generate for nobody
 
     async def cancel(self, request_id: str) -> None:
-        """Publish a cancel for ``request_id`` to every worker (the cancel topic)."""
+        """Publish a cancel for ``request_id`` to every worker."""
         assert self._producer is not None, "client not started"
         await self._producer.send_and_wait(self.cancel_topic, encode_cancel(Cancel(id=request_id)), key=request_id.encode())
 

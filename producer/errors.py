@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 
 class InferenceError(Exception):
-    """A request that did not end in ``stop`` or ``length``. ``code`` is the contract's error
-    code; ``result`` the partial Result (text so far, usage, timing) when there is one."""
+    """A request that did not end in ``stop`` or ``length``: ``code`` is the contract's error
+    code, ``result`` the partial Result when there is one."""
 
     code: ErrorCode = "internal"
 
@@ -99,8 +99,7 @@ def error_for(done: DoneEvent) -> InferenceError | None:
     if done.finish_reason in ("stop", "length"):
         return None
     code = done.error.code if done.error else _CODE_BY_REASON.get(done.finish_reason, "internal")
-    # The code decides, not the reason: a request rejected because its deadline passed in the
-    # queue is a RequestTimeout to its caller.
+    # The code decides, not the reason: a request whose deadline passed in the queue is a timeout.
     cls = ERRORS_BY_CODE.get(code, WorkerError)
     message = done.error.message if done.error else f"finished with {done.finish_reason}"
     return cls(f"{code}: {message}", request_id=done.id)

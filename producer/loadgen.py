@@ -1,6 +1,5 @@
-"""The ``inferline bench`` load generator: the workload (token-length distributions, synthetic
-prompts or a JSONL dataset, reproducible from a seed) and the run that submits it through one
-InferenceClient, with Poisson arrivals and a progress bar."""
+"""The ``inferline bench`` load generator: a workload reproducible from a seed, submitted through
+one InferenceClient with Poisson arrivals."""
 from __future__ import annotations
 
 import argparse
@@ -68,8 +67,8 @@ def make_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def load_dataset(path: str) -> list[dict[str, Any]]:
-    """JSONL rows: one of prompt / prompt_token_ids / messages, optional max_tokens
-    (or output_len); other keys are ignored."""
+    """JSONL rows: one of prompt / prompt_token_ids / messages, optional max_tokens (or
+    output_len)."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
@@ -88,7 +87,7 @@ async def run_load(
     client: InferenceClient, workload: list[dict[str, Any]], rate: float, rng: random.Random, progress: bool
 ) -> tuple[list[Sample], float, float]:
     """Submit the workload (Poisson arrivals at ``rate``, or all at once) and wait for every
-    result. One task per request (never per event)."""
+    result; one task per request."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(workload), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)

@@ -1,9 +1,7 @@
 """One submitted request's reply events, reassembled: the RequestHandle and what it yields.
 
-Delivery is at least once and a request may run more than once (a worker died, another started
-over under a new ``attempt``). A handle keeps the latest attempt only: it drops a superseded or
-requeued attempt, ignores duplicates by (attempt, seq) and counts gaps. The client's consumer
-task feeds it synchronously; any number of readers follow along.
+Delivery is at least once and a request may run more than once (a new ``attempt``). A handle
+keeps the latest attempt, ignores duplicates by (attempt, seq) and counts gaps.
 """
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ Event = StartedEvent | TokensEvent | DoneEvent
 
 
 class TextDelta(str):
-    """New text of a request. ``restart`` is True on the first delta of a new attempt (a worker
-    died and another started over): discard the text shown so far."""
+    """New text of a request. ``restart`` is True on the first delta of a new attempt: discard
+    the text shown so far."""
 
     attempt: str
     restart: bool
@@ -41,9 +39,9 @@ class TextDelta(str):
 
 @dataclass
 class Result:
-    """The outcome of one request: the final attempt's text and the worker's accounting, plus
-    what this client measured (``client_*``, seconds since submit, monotonic clock). With n > 1,
-    ``text`` and ``token_ids`` are sample 0's and ``samples`` lists every sample."""
+    """The outcome of one request: the final attempt's text and the worker's accounting, plus the
+    client's own timings (``client_*``, seconds since submit). With n > 1, ``text`` and
+    ``token_ids`` are sample 0's and ``samples`` lists every sample."""
 
     id: str
     text: str
@@ -63,14 +61,14 @@ class Result:
 
 
 class RequestHandle:
-    """One submitted request. Events are fed by the client's consumer task; any number of
-    readers (``events()``, ``text()``, ``result()``) may follow along, each from the start."""
+    """One submitted request, fed by the client's consumer task; any number of readers
+    (``events()``, ``text()``, ``result()``) may follow along, each from the start."""
 
     def __init__(self, request: Request, client: InferenceClient | None = None):
         self.request = request
         self.id = request.id
         self._client = client
-        self.log: list[Event] = []  # accepted events, in order, all attempts
+        self.log: list[Event] = []  # accepted events, all attempts
         self.attempt: str | None = None
         self.attempts = 0
         self.duplicates = 0
@@ -85,16 +83,16 @@ class RequestHandle:
         self.t_submit = time.monotonic()
         self.t_first_token: float | None = None
         self.t_done: float | None = None
-        # (monotonic time, tokens) of each tokens event of the current attempt: for ITL stats.
+        # (monotonic time, tokens) of the current attempt's tokens events, for ITL stats.
         self.token_times: list[tuple[float, int]] = []
         self._changed = asyncio.Event()
         self._on_finish: Callable[[RequestHandle], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    # --- fed by the consumer task (synchronous: no await, so no reader sees half a state) ----
+    # --- fed by the consumer task (synchronous: no reader sees half a state) --------------------
 
     def feed(self, ev: Event) -> bool:
-        """Take one event; False when it was stale, a duplicate, or came after the end."""
+        """Take one event; False when stale, a duplicate, or after the end."""
         if self.finished or ev.attempt in self._dead:
             return False
         if ev.attempt != self.attempt:
@@ -102,7 +100,7 @@ class RequestHandle:
                 return False
             self._new_attempt(ev.attempt)
             if isinstance(ev, DoneEvent):
-                self._next_seq = ev.seq  # a final done alone (re-sent) is whole: no gap before it
+                self._next_seq = ev.seq  # a re-sent final done alone is whole: no gap before it
         if ev.seq < self._next_seq:
             self.duplicates += 1
             return False
@@ -116,17 +114,16 @@ class RequestHandle:
         return True
 
     def _takes_over(self, ev: Event) -> bool:
-        """Whether an event of another attempt makes that attempt the live one, whatever order the
-        attempts' events arrive in: a new attempt's first event does, and so does a final `done`
-        (its result is committed: a worker re-sends one to a resubmitted request); an older
-        attempt's late `requeued` or stray tokens never end the live one."""
+        """Whether another attempt's event makes it the live one, whatever the arrival order: its
+        first event does, and so does a final `done` (committed); an older attempt's late
+        `requeued` or stray tokens never do."""
         if isinstance(ev, DoneEvent) and ev.finish_reason == "requeued":
             self._dead.add(ev.attempt)
             return False
         return self.attempt is None or ev.seq == 0 or isinstance(ev, DoneEvent)
 
     def _new_attempt(self, attempt: str) -> None:
-        # At least once: the old attempt's worker is gone (or a zombie); its text is void.
+            # The old attempt's worker is gone (or a zombie): its text is void.
         if self.attempt is not None:
             self._dead.add(self.attempt)
             log.info("new attempt", request_id=self.id, old=self.attempt, new=attempt)
@@ -139,7 +136,7 @@ class RequestHandle:
             if self.t_first_token is None and ev.token_ids:
                 self.t_first_token = now
             self.token_times.append((now, len(ev.token_ids)))
-            if ev.index == 0:  # n > 1: the other samples' texts arrive whole in `done`
+            if ev.index == 0:  # n > 1: other samples' texts arrive whole in `done`
                 self._parts.append(ev.text)
                 self.token_ids.extend(ev.token_ids)
         elif isinstance(ev, DoneEvent):
@@ -160,7 +157,7 @@ class RequestHandle:
         self._wake()
 
     def fail(self, failure: InferenceError) -> None:
-        """End the request on the client side (client timeout, client closed)."""
+        """End the request on the client side (timeout, client closed)."""
         if not self.finished:
             failure.request_id = self.id
             self._finish(None, failure)
@@ -176,11 +173,10 @@ class RequestHandle:
         """The current attempt's text (the whole text once done)."""
         done = self.done_event
         if done is not None and done.text is not None:
-            return done.text  # the worker's whole text also repairs a gap
+            return done.text  # the worker's text also repairs a gap
         return "".join(self._parts)
 
     def partial_result(self) -> Result:
-        """What is known now, finished or not."""
         done = self.done_event
         since = self.t_submit
         return Result(
@@ -195,9 +191,8 @@ class RequestHandle:
         )
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every accepted event (all attempts, in order) until the final ``done``. Raises only
-        for client-side endings (ClientTimeout, ClientClosed); a worker's error arrives as a
-        ``done`` event like any other."""
+        """Every accepted event (all attempts, in order) until the final ``done``. Raises only for
+        client-side endings; a worker's error is a ``done`` like any other."""
         i = 0
         while True:
             while i < len(self.log):
@@ -210,8 +205,8 @@ class RequestHandle:
             raise self.failure
 
     async def text(self) -> AsyncIterator[TextDelta]:
-        """Text deltas (of sample 0, with n > 1) as they arrive; see TextDelta.restart. Raises the request's
-        InferenceError at the end when it did not finish with ``stop`` or ``length``."""
+        """Text deltas (sample 0's) as they arrive; see TextDelta.restart. Raises the request's
+        InferenceError at the end unless it finished with ``stop`` or ``length``."""
         attempt = None
         streamed = False
         async for ev in self.events():
@@ -228,12 +223,11 @@ class RequestHandle:
             raise self.failure
 
     async def wait(self) -> None:
-        """Until the request has finished, one way or another."""
         while not self.finished:
             await self._changed.wait()
 
     async def result(self, check: bool = True) -> Result:
-        """The final Result. With ``check`` (default), raise the InferenceError for anything but
+        """The final Result. With ``check``, raise the InferenceError for anything but
         ``stop``/``length``, and IncompleteStream when a gap left the text unrepairable."""
         await self.wait()
         result = self.partial_result()

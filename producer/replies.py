@@ -1,9 +1,6 @@
-"""Reply topics: their names, and the client's one consumer that reads them and routes each event
-to its request's handle by id.
-
-A shared reply topic (the client's own, or a named one) is read from its end, or from the start
-when this client just created it; a per-request topic is read from the start and retired
-(unassigned and deleted, in batches) once its request has finished.
+"""Reply topics: their names, and the client's one consumer that routes each event to its
+request's handle by id. A shared topic is read from its end (from the start when this client made
+it); a per-request topic from the start, and deleted once its request has finished.
 """
 from __future__ import annotations
 
@@ -26,14 +23,14 @@ REPLY_TOPIC_PREFIX = "inferline.reply."
 
 
 def per_request_topic(request_id: str, prefix: str = REPLY_TOPIC_PREFIX) -> str:
-    # ':' is legal in ids but not in topic names; a 16-char prefix + 128 chars stays under 249.
+    # ':' is legal in ids, not in topic names; a 16-char prefix + 128 chars stays under 249.
     return prefix + request_id.replace(":", "_")
 
 
 class ReplyRouter:
     """Which reply topics the client's consumer reads, from where, and which handle gets each
-    event. ``handles`` is the client's own dict of requests in flight, by id; ``spawn`` starts a
-    background task that the client awaits on close."""
+    event. ``handles``: the client's requests in flight, by id; ``spawn`` starts a task the client
+    awaits on close."""
 
     def __init__(
         self,
@@ -50,7 +47,7 @@ class ReplyRouter:
         self.consumer, self.admin, self.handles, self._spawn = consumer, admin, handles, spawn
         self.partitions, self.retention_ms, self.replication_factor = partitions, retention_ms, replication_factor
         self.max_event_bytes = max_event_bytes
-        self.watched: set[str] = set()  # reply topics the consumer is assigned
+        self.watched: set[str] = set()
         self.undecodable = 0
         self._assign_lock = asyncio.Lock()
         self._retiring: set[str] = set()
@@ -58,7 +55,7 @@ class ReplyRouter:
     # --- which topics, from where -------------------------------------------------------------
 
     async def prepare(self, topic: str, per_request: bool) -> None:
-        """Make the consumer read ``topic`` before a request names it as its reply topic."""
+        """Make the consumer read ``topic`` before a request names it."""
         if per_request:
             await self._add_fresh_topic(topic)
         elif topic not in self.watched:
@@ -66,7 +63,7 @@ class ReplyRouter:
 
     async def watch_shared(self, topic: str, fresh: bool) -> None:
         """Create the topic if missing and read it: from the start when this client created it,
-        else from its end (older events are someone else's)."""
+        else from its end."""
         created = await create_topics(
             self.admin, [(topic, self.partitions)], replication_factor=self.replication_factor,
             configs=self._reply_configs(),
@@ -81,13 +78,12 @@ class ReplyRouter:
         await self._reassign(add=[TopicPartition(topic, 0)], from_start=True)
 
     def _reply_configs(self) -> dict[str, str]:
-        # Reply topics are short-lived and may have fewer replicas than the cluster's
-        # min.insync.replicas: the worker's acks=all must not fail on them.
+        # Short-lived reply topics may have fewer replicas than min.insync.replicas: the worker's
+        # acks=all must not fail on them.
         return {**topic_configs(self.retention_ms), "min.insync.replicas": "1"}
 
     async def _reassign(self, add: list[TopicPartition] = (), remove: set[str] = frozenset(), from_start: bool = True) -> None:
-        """Change the consumer's assignment keeping every kept partition's position
-        (aiokafka's assign() replaces the assignment and forgets positions)."""
+        """Change the assignment keeping kept partitions' positions (assign() forgets them)."""
         consumer = self.consumer
         async with self._assign_lock:
             keep = [tp for tp in consumer.assignment() if tp.topic not in remove]
@@ -100,7 +96,7 @@ class ReplyRouter:
             for tp in add:
                 if from_start:
                     consumer.seek(tp, 0)
-                await consumer.position(tp)  # resolve now: events sent after this are seen
+                await consumer.position(tp)  # resolve now: later events are seen
             self.watched = {tp.topic for tp in consumer.assignment()}
 
     def retire(self, topic: str) -> None:
@@ -111,7 +107,7 @@ class ReplyRouter:
                 self._spawn(self._retire_topics())
 
     async def _retire_topics(self) -> None:
-        # Batched: many per-request topics finishing together cost one reassign, one delete.
+        # Batched: topics finishing together cost one reassign, one delete.
         await asyncio.sleep(0.2)
         topics, self._retiring = set(self._retiring), set()
         await self._reassign(remove=topics)
@@ -137,7 +133,7 @@ class ReplyRouter:
                     self.route(record.key, record.value)
 
     def route(self, key: bytes | None, value: bytes) -> None:
-        # The key is the request id: skip other clients' events on a shared topic undecoded.
+        # The key is the request id: skip other clients' events undecoded.
         if key is not None and key.decode("utf-8", "replace") not in self.handles:
             return
         try:

@@ -29,8 +29,7 @@ async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:
 
 
 async def _partitions(consumer, topic: str) -> set[int]:
-    # All topics' metadata: asking for this one by name would auto-create it on most brokers,
-    # and partitions_for_topic() only knows subscribed topics.
+    # All topics' metadata: asking for one by name would auto-create it on most brokers.
     cluster = await consumer._client.fetch_all_metadata()
     parts = cluster.partitions_for_topic(topic)
     if not parts:
@@ -64,7 +63,6 @@ def _print_record(record, args: argparse.Namespace) -> int:
 
 
 def format_event(ev) -> str:
-    """One human line per event."""
     head = f"{ev.id} {ev.attempt}#{ev.seq} {ev.type}"
     if ev.type == "started":
         return f"{head} worker={ev.worker} queue={ev.queue_s:.3f}s"

@@ -1,5 +1,5 @@
-"""Kafka plumbing shared by the client, the CLI and the benchmarks: connection options from the
-settings, topic retention configs, and creating topics and waiting until they have leaders."""
+"""Kafka plumbing shared by the client, the CLI and the benchmarks: connection options, topic
+retention configs, and creating topics until they have leaders."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,7 @@ UNKNOWN_TOPIC = 3
 
 
 def topic_configs(retention_ms: int | None) -> dict[str, str]:
-    """Retention settings for a topic; data expires per closed segment, so segments roll too."""
+    """Retention settings; data expires per closed segment, so segments roll too."""
     if retention_ms is None:
         return {}
     return {"retention.ms": str(retention_ms), "segment.ms": str(max(60_000, retention_ms // 4))}
@@ -30,9 +30,8 @@ async def create_topics(
     configs: dict[str, str] | None = None,
     wait_s: float = 10.0,
 ) -> list[str]:
-    """Create each (name, partitions) that does not exist yet and wait until every one has
-    leaders (a just-created topic answers UnknownTopicOrPartition for a moment). Returns the
-    names actually created."""
+    """Create each missing (name, partitions) and wait until all have leaders (a new topic answers
+    UnknownTopicOrPartition for a moment). Returns the names created."""
     wanted = list(topics)
     new = [NewTopic(name, n, replication_factor, topic_configs=dict(configs or {})) for name, n in wanted]
     response = await admin.create_topics(new)

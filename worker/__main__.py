@@ -1,8 +1,7 @@
-"""`python -m inferline.worker` / `inferline-worker`: load settings, build the engine, serve until a signal.
+"""`python -m inferline.worker` / `inferline-worker`: load settings, build the engine, serve.
 
-Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 on a start-up failure (no model, no
-broker), 2 on a bad setting (one line naming the INFERLINE_* variable), a kernel backend this
-machine cannot run included (kernels/backends.py).
+Exit codes: 0 after a clean drain, 1 on a start-up failure (no model, no broker), 2 on a bad
+setting or a kernel backend this machine cannot run (one line naming it).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from inferline.config.settings import SettingsError, load_settings
 
 
 async def serve(settings) -> None:
-    from inferline.worker.app import Worker  # imports torch: after the settings are known to be good
+    from inferline.worker.app import Worker  # imports torch: after the settings are good
 
     worker = Worker(settings)
     loop = asyncio.get_running_loop()
@@ -35,10 +34,10 @@ def main() -> int:
     configure_logging(settings.log.level, settings.log.format)
     try:
         asyncio.run(serve(settings))
-    except Exception as exc:  # start-up failures: one logged line with the cause, not a hang
+    except Exception as exc:  # start-up failures: one line with the cause, not a hang
         from inferline.kernels.backends import BackendUnavailable  # torch is loaded by now
 
-        if isinstance(exc, BackendUnavailable):  # a kernel setting this machine cannot run
+        if isinstance(exc, BackendUnavailable):
             print(f"inferline-worker: {exc}", file=sys.stderr)
             return 2
         structlog.get_logger("worker").exception("worker.failed", error=repr(exc))

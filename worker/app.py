@@ -1,12 +1,11 @@
 """The Worker: wiring. It builds the parts, starts them in order, and drains and stops them:
 
-    Intake (worker/intake/) ─► RequestTracker (worker/request_tracker.py) ─► EngineLoop thread
-    engine outputs ─► RequestTracker ─► Delivery (worker/delivery/finals.py): final, dead letter, give back
+    Intake ─► RequestTracker ─► EngineLoop thread
+    engine outputs ─► RequestTracker ─► Delivery: final, dead letter, give back
     CancelListener ─► RequestTracker.cancel;  HttpServer: health, readiness, metrics
 
 If the engine thread dies, every job is handed back (`requeued`), readiness fails and run()
-raises. Engine outputs arrive on the engine thread and hop to the event loop with
-call_soon_threadsafe; everything else runs on the loop and never blocks.
+raises. Engine outputs hop from the engine thread to the loop with call_soon_threadsafe.
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ from inferline.worker.intake.share import ShareIntake
 from inferline.worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
-# Test hook (bench/scaling_step.py): join the group only once this file exists, so a scaling
-# step can be timed apart from the model load.
+# Benchmark hook: join the group only once this file exists, so a scaling step is timed apart
+# from the model load.
 _JOIN_GATE = os.environ.get("INFERLINE_FAULT_JOIN_GATE")
 
 
@@ -46,9 +45,8 @@ class WorkerFailed(RuntimeError):
 
 
 def engine_settings(settings):
-    """The settings the engine is built with. The intake bounds the waiting pool itself;
-    preempted sequences go back to the engine's waiting queue too, so the engine's own
-    max_waiting backstop gets headroom for them instead of rejecting them as overloaded."""
+    """The settings the engine is built with: preempted sequences return to the engine's waiting
+    queue, so its max_waiting backstop gets headroom beyond the intake's bound."""
     sched = settings.scheduler.model_copy(
         update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs})
     return settings.model_copy(update={"scheduler": sched})
@@ -91,7 +89,6 @@ class Worker:
 
     @property
     def jobs(self) -> dict[str, Job]:
-        """attempt -> job, for every request running or waiting here."""
         return self.ledger.jobs
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -101,8 +98,7 @@ class Worker:
         log.info("worker.starting", worker=self.name, http_port=self.http.port)
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_loop_exception)
-        # The model loads on the engine's own thread, the one that will run it (EngineLoop says why);
-        # minutes on a cold cache, awaited off the event loop so /healthz answers meanwhile.
+        # The model loads on the thread that will run it, off the event loop so /healthz answers.
         source = self.engine if self.engine is not None else (lambda: build_engine(self.settings))
         engine_loop = EngineLoop(source, lambda outs, st: self._from_engine(loop, outs, st),
                                  on_death=lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
@@ -110,7 +106,7 @@ class Worker:
         self.engine = await asyncio.to_thread(engine_loop.wait_ready)
         runner = self.engine.runner
         self.metrics.set_backends(runner.backends, getattr(runner, "linear_calibration", None))
-        if self._stop.is_set():  # stopped while loading: joining the group would only rebalance it
+        if self._stop.is_set():  # stopped while loading: joining would only rebalance
             await asyncio.to_thread(engine_loop.stop, 10.0)
             log.info("worker.stopped_before_start")
             return
@@ -135,7 +131,7 @@ class Worker:
             raise WorkerFailed(f"cannot serve the assigned partitions: {self.failed!r}")
 
     def request_stop(self) -> None:
-        """SIGTERM/SIGINT: the first drains, a second one stops waiting for running requests."""
+        """SIGTERM/SIGINT: the first drains, a second stops waiting for running requests."""
         if self._stop.is_set():
             self.requests.hurry = True
             self.ledger.settled.set()
@@ -146,7 +142,7 @@ class Worker:
         self.intake.fetching = False
         await self.requests.drain(self.settings.worker.drain_timeout_s)
         # Each step is bounded: with the broker gone, aiokafka would retry for minutes.
-        await _bounded(self.intake.close(), 15.0, "intake.close")  # final commit, leave the group
+        await _bounded(self.intake.close(), 15.0, "intake.close")
         await _bounded(self.cancel_listener.close(), 5.0, "cancels.close")
         await _bounded(self.publisher.stop(), 15.0, "publisher.stop")
         await _bounded(self.transactions.close_all(), 15.0, "transactions.close")
@@ -161,8 +157,7 @@ class Worker:
                 "not_draining": not self.requests.draining}
 
     def _on_engine_death(self, exc: BaseException) -> None:
-        """Nothing will answer the jobs now: hand each back (`requeued`: their offsets stay
-        uncommitted, the partitions' next owner runs them), fail readiness, stop."""
+        """Nothing will answer the jobs now: hand each back (`requeued`), fail readiness, stop."""
         log.critical("worker.engine_died", error=repr(exc), jobs=len(self.jobs))
         self.engine_died = exc
         self.requests.hand_back_all()
@@ -179,17 +174,16 @@ class Worker:
     # -- engine outputs: engine thread -> event loop ---------------------------------------------
 
     def _from_engine(self, loop, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        try:  # engine thread: hop onto the event loop
+        try:
             loop.call_soon_threadsafe(self.requests.on_outputs, outputs, stats)
         except RuntimeError:  # the loop closed under a stopping engine
             pass
 
 
 def _loop_exception(loop, context: dict) -> None:
-    """The event loop's unhandled errors, logged without formatting a traceback: a failed future
-    is reported when collected, on whatever thread collects it, possibly in the middle of
-    another parse, and Python 3.11's traceback formatting parses source (the CPython 3.11 AST
-    counter is not re-entrant: a nested parse breaks every later one in the process)."""
+    """The event loop's unhandled errors, logged without a traceback: formatting one parses source,
+    and a failed future may be collected mid-parse on any thread (CPython 3.11's parser is not
+    re-entrant: a nested parse breaks every later one)."""
     exc = context.get("exception")
     log.warning("loop.unhandled", message=context.get("message"), error=repr(exc) if exc else None)
 
@@ -204,5 +198,5 @@ async def _join_gate() -> None:
 async def _bounded(coro, timeout: float, what: str) -> None:
     try:
         await asyncio.wait_for(coro, timeout)
-    except Exception as exc:  # noqa: BLE001 - shutting down: log and go on to the next step
+    except Exception as exc:  # noqa: BLE001 - shutting down: log, go on
         log.warning("worker.shutdown_step_failed", step=what, error=repr(exc))

@@ -6,10 +6,8 @@ Delivery, and the engine outputs that move it along.
     engine output tokens  ─► Publisher buffers, flushes `tokens` events
     engine output finished ─► Delivery.finish: the `done`     state "finishing", until it is final
 
-The engine request id is the attempt (a fresh uuid), not the wire id: two messages with the same
-id (a redelivery racing its own requeue) are then two attempts, never one engine entry. Engine
-outputs arrive on the engine thread and hop to the event loop (Worker); everything here runs on
-the loop and never blocks. The intake's Sink: room, pool_full, admit, requeue, fatal.
+The engine request id is the attempt (a fresh uuid), not the wire id: a redelivery racing its own
+requeue is a second attempt. Everything here runs on the event loop.
 """
 from __future__ import annotations
 
@@ -77,7 +75,7 @@ class RequestTracker:
         job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
 
     async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:
-        """Give up the requests of these partitions (`requeued`) and wait until their `done`s are acked."""
+        """Give up these partitions' requests (`requeued`); wait until their `done`s are acked."""
         if timeout is None:  # within the rebalance timeout, leaving time to commit and rejoin
             timeout = self.settings.kafka.session_timeout_ms / 2000
         self._abort([a for a, j in self.jobs.items() if j.tp in tps], "requeued")
@@ -85,8 +83,7 @@ class RequestTracker:
         self.ledger.release_partitions(tps)
 
     def cancel(self, request_id: str, tenant: str | None = None) -> None:
-        """Abort the request wherever it is here; `tenant` (topic tenancy: whose cancel topic
-        carried it) limits it to that tenant's requests."""
+        """Abort the request wherever it is here; `tenant` limits it to that tenant's requests."""
         self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
         attempts = [a for a in self.ledger.attempts(request_id)
                     if tenant is None or self._tenant_of_attempt(a) == tenant]
@@ -119,14 +116,13 @@ class RequestTracker:
     # -- engine outputs ---------------------------------------------------------------------------
 
     def hand_back_all(self) -> None:
-        """The engine died: nothing will answer the jobs now. Each is handed back (`requeued`:
-        its input stays unfinished, the partition's next owner runs it)."""
+        """The engine died: hand each job back (`requeued`) for the partition's next owner."""
         for job in [j for j in self.jobs.values() if j.state != "finishing"]:
             self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
 
     async def drain(self, timeout: float) -> None:
-        """Hand back what waits (it would only start to be cut off), let what runs finish (bounded),
-        then hand back the rest and wait for their `requeued` to be acked."""
+        """Hand back what waits, let what runs finish (bounded), then hand back the rest and wait
+        for their `requeued` acks."""
         self.draining = True
         self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
         await self._wait_jobs(lambda: not self.jobs, timeout)

@@ -1,15 +1,10 @@
-"""The C kernels' build: the sources in kernels/cpu/csrc/ (paged decode attention, attention.py;
-the fused elementwise ops, kernels/fused.py; the linear layers' GEMM, gemm.py), built together into
-one library with the system C compiler on first use and cached, called through ctypes (which
-releases the GIL for the call).
+"""The C kernels' build: the sources in kernels/cpu/csrc/ built into one library with the system
+C compiler on first use, cached, and called through ctypes (which releases the GIL).
 
-The build is `cc -O3 -march=native -ffp-contract=fast -fopenmp`, each source its own object, compiled
-in parallel, then linked `-shared`, cached under `cache_dir()/kernels/` keyed by the sources, the
-flags and this CPU's feature flags (a cache folder shared by different machines never hands one a
-library built for another). Writes go to a temporary name and are renamed into place, so processes
-building at once do not clash. No compiler, or a failed (or over BUILD_TIMEOUT_S) build, is logged
-once and `available()` is False: kernels/backends.py then picks the PyTorch paths under `auto` and
-refuses an explicit `cpu` at start-up.
+`cc -O3 -march=native -ffp-contract=fast -fopenmp`, objects compiled in parallel, linked
+`-shared`, cached under `cache_dir()/kernels/` keyed by the sources, flags and this CPU's feature
+flags; written to a temporary name and renamed, so concurrent builds do not clash. A failed build
+is logged once and `available()` is False: `auto` then picks PyTorch, and an explicit `cpu` fails.
 """
 from __future__ import annotations
 
@@ -36,15 +31,14 @@ SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c",
            CSRC / "gemm.c", CSRC / "codes.c")
 HEADERS = (CSRC / "vec.h", CSRC / "attention.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
-# Seconds the whole build may take before the PyTorch path is used instead: far past a normal
-# build, still short of a test's or a worker start's patience.
+# Seconds the build may take before the PyTorch path is used: far past a normal build.
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-# name: (argtypes, restype) of each function the library exports
+# name: (argtypes, restype) of each exported function
 _FUNCTIONS = {
     "paged_attention_f32": ([_PTR] * 7 + [_I64] * 9 + [_F32, _INT, _INT], _INT),
     "rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
@@ -69,9 +63,8 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def call(function: str, *args):
-    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables
-    (bench/engine.py --profile-steps) only while a profiler runs. A decode step makes a few
-    hundred of these calls, so without a profiler this is a lookup and the call, nothing more."""
+    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables only
+    while a profiler runs; otherwise a lookup and the call (a few hundred a decode step)."""
     fn = getattr(_lib if _lib is not None else lib(), function)
     if _profiler_enabled():
         with torch.profiler.record_function("inferline::" + function):
@@ -80,7 +73,7 @@ def call(function: str, *args):
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library; only after available() said True. ~150 calls a step: once loaded, no lock."""
+    """The loaded library, once available() said True; no lock after loading (~150 calls a step)."""
     loaded = _lib if _lib is not None else _load()
     assert loaded is not None, "the CPU kernels are not built: check kernels.cpu.build.available() first"
     return loaded
@@ -112,7 +105,7 @@ def _build_and_open() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _FUNCTIONS.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    lib.kv_half = bool(lib.kv_half_supported())  # asked once: fused.rope_store_kv checks it every layer
+    lib.kv_half = bool(lib.kv_half_supported())  # asked once; checked every layer
     return lib
 
 
@@ -126,7 +119,7 @@ def _build_key(compiler: str) -> str:
 
 
 def cpu_flags() -> str:
-    """This CPU's feature flags (/proc/cpuinfo's flags line: avx2, avx512f, ...; the platform elsewhere)."""
+    """This CPU's feature flags (/proc/cpuinfo; the platform elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -137,7 +130,7 @@ def cpu_flags() -> str:
 
 
 def _compile(compiler: str, target: Path) -> None:
-    """Each source to an object, all at once (one per core on a 2-core machine), then one link."""
+    """Each source to an object, all at once, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -152,9 +145,8 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def _run_all(commands: list[list[str]], tmp: Path, deadline: float) -> None:
-    """Runs the commands at once; raises as subprocess.run(check=True) would, or TimeoutExpired
-    past the deadline (every one still running is killed). Their messages go to files, not pipes:
-    a compiler's warnings must not fill a pipe that is not being read yet."""
+    """Runs the commands at once; raises like subprocess.run(check=True), or TimeoutExpired past
+    the deadline. Output goes to files: unread warnings must not fill a pipe."""
     logs = [tmp / f"log{i}.txt" for i in range(len(commands))]
     jobs = []
     try:

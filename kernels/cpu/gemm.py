@@ -1,19 +1,10 @@
 """The linear layers' GEMM on the CPU, fp32 (csrc/gemm.c): y = x @ W.T + bias over a weight packed
 once, at load, into panels of `panel_width()` output columns.
 
-One of the three ways models/linear.py computes a linear layer on the CPU
-(INFERLINE_MODEL__CPU_LINEAR): this one, oneDNN on its own packed copy, or F.linear. Each output
-is one FMA chain over the inputs in order, so a row's result is the same bits alone, in any
-batch and with any thread count (oneDNN needs a probe and a padded row for that: linear.py).
-`auto` times it against oneDNN on the model at load and keeps the faster (models/calibration.py);
-`preferred()` is the fixed rule used without timing. Its AVX2 and AVX-512 builds are each tested for
-bits (tests/kernels/test_gemm.py), the AVX-512 one not tuned.
-
-A weight that was quantized before it reached us (a GGUF file's Q4_1, Q8_0, ... tensors, dequantized
-to fp32 by transformers) can instead be kept as 8-bit codes with a scale and an offset per block of
-inputs (`pack_codes`, INFERLINE_MODEL__CPU_WEIGHT_CODES): found only where they give back every fp32
-weight exactly, widened back to those fp32 values inside the GEMM, so the outputs are the same bits
-as over the fp32 panels, with a third of the bytes to read per step.
+Each output is one FMA chain over the inputs in order, so a row's result is the same bits alone,
+in any batch and with any thread count. A weight quantized upstream (GGUF Q4_1, Q8_0, ...) may be
+kept as 8-bit codes with a scale and offset per block (`pack_codes`), only where they give back
+every fp32 weight exactly: same output bits, a third of the bytes to read.
 """
 from __future__ import annotations
 
@@ -29,22 +20,20 @@ _F32 = torch.float32
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out_features, in_features] as the C GEMM reads it: panels [ceil(out / width), in, width],
-    each panel `width` output columns side by side for every input (zeros past out_features)."""
+    """A weight [out, in] as the C GEMM reads it: panels [ceil(out / width), in, width], zeros past
+    out_features."""
     panels: torch.Tensor
     out_features: int
     in_features: int
 
 
 def available() -> bool:
-    """The compiled kernels are built (built now if needed)."""
     return build.available()
 
 
 def preferred() -> bool:
-    """Whether INFERLINE_MODEL__CPU_LINEAR=auto's fixed rule (no timing: CPU_LINEAR_CALIBRATE=false)
-    uses this GEMM rather than oneDNN on this machine: where it was first measured faster (AVX2
-    without AVX-512)."""
+    """Whether `auto`'s fixed rule (no calibration) prefers this GEMM over oneDNN: AVX2 without
+    AVX-512."""
     flags = build.cpu_flags().split()
     return "avx2" in flags and "avx512f" not in flags and available()
 
@@ -54,19 +43,19 @@ def panel_width() -> int:
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """The packed copy of a CPU fp32 weight [out, in] (a second copy: the weight stays the model's)."""
+    """The packed copy of a CPU fp32 weight [out, in]; the weight stays the model's."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
     out_features, in_features = weight.shape
     width = panel_width()
     pad = -out_features % width
-    padded = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()  # no copy that is not needed
+    padded = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
     panels = padded.reshape(-1, width, in_features).transpose(1, 2).contiguous()
     return PackedWeight(panels, out_features, in_features)
 
 
 def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU; x's rows may be apart.
-    ~120 calls a decode step: the checks are kept to attribute reads (build.call says why)."""
+    """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU. Called ~120 times a decode
+    step: checks are kept to attribute reads."""
     if x.dim() != 2:
         return gemm(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
     if x.stride(1) != 1:
@@ -82,7 +71,7 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
             torch.get_num_threads())
     if isinstance(packed, CodedWeight):
         err = build.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args)
-        if err:  # -1: no memory for a widened panel; -3: inputs not a multiple of the block (pack_codes prevents it)
+        if err:  # -1: no memory for a widened panel; -3: inputs not a multiple of the block
             raise RuntimeError(f"gemm_codes_f32 failed ({err})")
     else:
         build.call("gemm_f32", x.data_ptr(), x.stride(0), packed.panels.data_ptr(), *args)
@@ -93,9 +82,9 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
 
 @dataclass(frozen=True)
 class CodedWeight:
-    """A weight [out, in] whose every value is scale * code + offset exactly, with codes 0..255 and one
-    (scale, offset) per output and block of `codes_block()` inputs: as the C GEMM reads it, per panel of
-    `panel_width()` outputs and per block, the block's codes (input-major), then its scales and offsets."""
+    """A weight [out, in] whose every value is scale * code + offset exactly (codes 0..255, one
+    (scale, offset) per output and input block), laid out per panel and block as the C GEMM reads
+    it: codes input-major, then scales and offsets."""
     blocks: torch.Tensor  # uint8 [panels, in / block, block * width + 8 * width]
     out_features: int
     in_features: int
@@ -105,20 +94,17 @@ def codes_block() -> int:
     return int(build.lib().gemm_codes_block())
 
 
-# The block's step between levels, for the formats whose values are such codes: (max - min) / levels
-# for the ones with an offset (GGUF Q4_1: 15 levels, Q5_1: 31), max |w| / steps for the symmetric ones
-# (Q8_0: 127, Q4_0: 8, Q5_0: 16; their offset is then the block's minimum, a code of 0). Each is
-# tried on the blocks the ones before did not fit, those that fit a sample of blocks best first.
+# Each block's step between levels, per format: (max - min) / levels with an offset (Q4_1: 15,
+# Q5_1: 31), max |w| / steps for symmetric ones (Q8_0: 127, Q4_0: 8, Q5_0: 16). Formats are tried
+# on the blocks not fitted yet, best-fitting first.
 _STEPS = (("range", 15), ("abs", 127), ("range", 31), ("abs", 8), ("abs", 16))
 
 
 def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes uint8 [out, in], scale [out, in / block], offset [out, in / block]) with
-    weight == scale * codes + offset exactly in every place, the scales fp16 values (so scale * code is
-    exact in fp32), the offset the block's minimum; None where some block has no such codes (a weight
-    that was never quantized) or `in` is not a multiple of block. The candidate steps are computed
-    here and tried in C, block by block (kernels/cpu/csrc/codes.c): the same result as
-    exact_codes_reference in a fraction of the time (a model's load waited on the search)."""
+    """(codes uint8 [out, in], scale, offset [out, in / block]) with weight == scale * codes +
+    offset exactly, scales fp16 values; None where some block has no such codes. The candidate
+    steps are tried in C (csrc/codes.c): exact_codes_reference's result, without a load waiting
+    a minute on it."""
     out_features, in_features = weight.shape
     if in_features % block or not weight.isfinite().all():
         return None
@@ -137,38 +123,34 @@ def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
 
 
 def exact_codes_reference(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """exact_codes in PyTorch, block format by format: the test oracle of the C search.
-    (codes uint8 [out, in], scale [out, in / block], offset [out, in / block]) with
-    weight == scale * codes + offset exactly in every place, the scales fp16 values (so scale * code is
-    exact in fp32: any FMA contraction gives the same bits), the offset the block's minimum; None where
-    some block has no such codes (a weight that was never quantized) or `in` is not a multiple of block."""
+    """exact_codes in PyTorch, format by format: the C search's test oracle. Scales are fp16
+    values (scale * code is exact in fp32, so any FMA contraction gives the same bits)."""
     out_features, in_features = weight.shape
     if in_features % block or not weight.isfinite().all():
         return None
     w = weight.detach().reshape(-1, block)
     low = w.amin(-1)
     scale, codes = torch.zeros_like(low), torch.zeros(w.shape, dtype=torch.uint8)
-    todo = (w.amax(-1) != low).nonzero().squeeze(-1)  # a constant block: scale 0, codes 0
+    todo = (w.amax(-1) != low).nonzero().squeeze(-1)  # constant block: scale 0, codes 0
     for kind, n in _formats_by_fit(w[todo[:256]], low[todo[:256]]):
         sub, sub_low = (w, low) if len(todo) == len(w) else (w[todo], low[todo])
-        steps = _half_and_neighbours(_step(sub, sub_low, kind, n))  # fp16 values; the quantizer's rounding either way
+        steps = _half_and_neighbours(_step(sub, sub_low, kind, n))  # fp16, rounded either way
         for i in range(len(steps)):
             ok, q = _fit(sub, sub_low, steps[i])
             scale[todo[ok]], codes[todo[ok]] = steps[i][ok], q[ok].to(torch.uint8)
             todo, sub, sub_low, steps = todo[~ok], sub[~ok], sub_low[~ok], [t[~ok] for t in steps]
     if len(todo):
         return None
-    # every block was checked in _fit: scale * codes + low == w, in fp32, value by value
+    # every block was checked in _fit
     return codes.reshape(out_features, in_features), scale.reshape(out_features, -1), low.reshape(out_features, -1)
 
 
 def _formats_by_fit(w: torch.Tensor, low: torch.Tensor) -> list[tuple[str, int]]:
-    """_STEPS, those that fit most of the blocks w first: most weights then take one pass."""
+    """_STEPS ordered by how many blocks each fits: most weights take one pass."""
     return sorted(_STEPS, key=lambda f: -int(_fit(w, low, _half_and_neighbours(_step(w, low, *f))[0])[0].sum()))
 
 
 def _step(w: torch.Tensor, low: torch.Tensor, kind: str, n: int) -> torch.Tensor:
-    """Each block's step between codes if it is of the format (kind, n) of _STEPS."""
     return ((w.amax(-1) - low) if kind == "range" else w.abs().amax(-1)) / n
 
 
@@ -179,14 +161,13 @@ def _fit(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> tuple[torch.
 
 
 def _half_and_neighbours(step: torch.Tensor) -> list[torch.Tensor]:
-    """step rounded to fp16, the next fp16 value up, the one down (as fp32 values; step >= 0)."""
+    """step rounded to fp16, and the fp16 values just above and below (as fp32; step >= 0)."""
     bits = step.half().view(torch.int16)
     return [(bits + delta).clamp(min=0).view(torch.float16).float() for delta in (0, 1, -1)]
 
 
 def pack_codes(weight: torch.Tensor, width: int | None = None) -> CodedWeight | None:
-    """The coded copy of a CPU fp32 weight [out, in] (exact_codes), or None where it has none;
-    in panels of `width` outputs (default: this machine's build's)."""
+    """The coded copy of a CPU fp32 weight [out, in], or None where it has none."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
     block, width = codes_block(), width or panel_width()
     found = exact_codes(weight, block)
@@ -194,10 +175,10 @@ def pack_codes(weight: torch.Tensor, width: int | None = None) -> CodedWeight | 
         return None
     codes, scale, offset = found
     out_features, in_features = weight.shape
-    pad = -out_features % width  # zero codes, scales and offsets: zero weights
+    pad = -out_features % width  # zero codes, scales, offsets: zero weights
     codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
     blocks = in_features // block
-    # [panels, width, blocks, block] -> [panels, blocks, block, width]: a block's codes input-major
+    # [panels, width, blocks, block] -> [panels, blocks, block, width]: codes input-major
     codes = codes.reshape(-1, width, blocks, block).permute(0, 2, 3, 1).reshape(-1, blocks, block * width)
     scale, offset = (t.reshape(-1, width, blocks).transpose(1, 2).contiguous().view(torch.uint8)
                      for t in (scale, offset))

@@ -3,9 +3,8 @@
     x    [rows, 2 * INTER]   [gate | up] along the last dim (contiguous; rows may be a slice)
     out  [rows, INTER]       silu(gate) * up
 
-Grid (rows, cdiv(INTER, BLOCK)): an 8B model's 14,336-wide row is 14 programs, so a decode
-batch of one still spreads over the SMs. silu is rounded to the model's dtype before the
-product, as PyTorch's F.silu(gate) * up rounds it.
+Grid (rows, cdiv(INTER, BLOCK)), so a decode batch of one still spreads over the SMs. silu is
+rounded to the model's dtype before the product, as PyTorch's F.silu(gate) * up.
 """
 from __future__ import annotations
 

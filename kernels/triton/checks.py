@@ -1,10 +1,8 @@
 """Launcher-side checks shared by the Triton kernels (host code only).
 
-Shape, dtype and stride asserts are free (host metadata) and always run. Index-range checks
-read tensor values, which on CUDA is a device sync per call, so they run on CPU tensors (the
-interpreter, where a bad index kills the process) and on CUDA only with
-INFERLINE_KERNEL_CHECKS=1 (the GPU check script turns them on); INFERLINE_KERNEL_CHECKS=0 turns
-them off on CPU tensors too (a test that counts what a CUDA step launches).
+Shape, dtype and stride asserts are free and always run. Index-range checks read values (a device
+sync on CUDA), so they run on CPU tensors, where a bad index kills the interpreter, and on CUDA
+only with INFERLINE_KERNEL_CHECKS=1 (=0 turns them off everywhere).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
 
-The plans come from the real plan_* functions with a GPU Target and representative batches, so
-what compiles here is what the launchers launch; each is compiled to PTX and assembled with the
-ptxas that Triton itself runs for that arch, whose -v report gives registers and spills.
+Plans come from the real plan_* functions with a GPU Target, so what compiles here is what the
+launchers launch; each is compiled to PTX and assembled with the ptxas Triton runs for that arch.
 
     python -m inferline.kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
 
-Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
-arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
-constant, an int divisible by 16 and every pointer get divisibility 16, except the arguments a
-kernel exempts (do_not_specialize: what changes from step to step). What differs from a real
-launch: pointers are assumed 16-byte aligned (torch allocations and the head-sized views we pass
-are), and strides are those of contiguous tensors; a launch on odd views would compile its own
-(less aligned) variant. Runtime correctness, races and speed are beyond what a compile can show.
+Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. Arguments
+are specialized as the JIT does (do_not_specialize exempt); pointers are assumed 16-byte aligned
+and strides contiguous. Runtime correctness, races and speed are beyond what a compile can show.
 """
 
 from __future__ import annotations
@@ -43,9 +38,9 @@ from inferline.kernels.triton.variants import exemptions
 
 @dataclass(frozen=True)
 class Arch:
-    name: str  # the --gpu-name ptxas gets: Triton compiles sm_90 and up as the "a" variant
+    name: str  # the --gpu-name for ptxas: sm_90 and up as the "a" variant
     num_sms: int
-    max_shared: int  # bytes of shared memory one block may opt in to
+    max_shared: int  # bytes of shared memory a block may opt in to
 
 
 ARCHS = {
@@ -76,7 +71,7 @@ DECODE_BATCHES = ((256, 2048), (8, 4096), (1, 32768))
 PREFILL_BATCHES = ((1, 2048), (7, 4096))
 # The layer's elementwise kernels: (hidden, intermediate) of SmolLM2-135M, Llama-3-8B, Llama-3-70B.
 LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
-# (constexpr, label) shown in the table's shape column
+# (constexpr, label) shown in the shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"), ("SPLITS_P2", "SPLITS_P2"),
     ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"), ("INTER", "inter"), ("HAS_RESIDUAL", "residual"),
@@ -86,7 +81,7 @@ SHOWN = (
 
 @dataclass(frozen=True)
 class Job:
-    """One compile: equal Jobs are one kernel binary (the grid is not part of it)."""
+    """One compile: equal Jobs are one binary (the grid is not part of it)."""
 
     kernel: str
     arch: int
@@ -129,8 +124,8 @@ class Row:
 
 
 def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
-    """The compile a launch of `plan` with these runtime `args` (a "*type" string for a pointer,
-    else the value) triggers, specialized like the JIT does."""
+    """The compile a launch of `plan` with these `args` triggers (a "*type" string for a pointer,
+    else the value), specialized as the JIT does."""
     fn = KERNELS[plan.kernel]
     constexprs = dict(plan.constexprs)
     assert set(args) | set(constexprs) == set(fn.arg_names), (plan.kernel, set(fn.arg_names) ^ set(args))
@@ -149,10 +144,9 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
 
 
 def specialize(value, values: bool = True, alignment: bool = True) -> tuple[str, bool]:
-    """(type, divisible by 16) as the JIT specializes one argument (`values`, `alignment`: False
-    for an argument the kernel exempts)."""
+    """(type, divisible by 16) as the JIT specializes one argument (False: exempt)."""
     if isinstance(value, str):
-        return value, alignment  # a pointer; assumed 16-byte aligned (see the module docstring)
+        return value, alignment  # a pointer; assumed 16-byte aligned
     if isinstance(value, float):
         return "fp32", False
     if value == 1 and values:
@@ -233,9 +227,9 @@ def target(arch: int) -> Target:
 
 
 def all_jobs(archs, quick: bool = False) -> list[Job]:
-    """Every distinct compile of the matrix (quick: head_dim 128, GQA 4, bf16, block size 16)."""
+    """Every distinct compile (quick: head_dim 128, GQA 4, bf16, block size 16)."""
     axes = ((128,), (4,), (16,), (torch.bfloat16,)) if quick else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
-    jobs = {}  # a dict: duplicates go, the first-seen order stays
+    jobs = {}  # a dict: duplicates go, first-seen order stays
     for arch, (d, g, bs, dt) in itertools.product(archs, itertools.product(*axes)):
         for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch),
                     *rope_jobs(d, g, bs, dt, arch)):
@@ -251,7 +245,7 @@ def all_jobs(archs, quick: bool = False) -> list[Job]:
 
 
 def compile_job(job: Job) -> Row:
-    """Compile `job` for its arch and read registers, spills and shared memory; errors become a Row."""
+    """Compile `job` and read registers, spills and shared memory; errors become a Row."""
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the default (on) is what launches get
     fn = KERNELS[job.kernel]
     signature = {name: "constexpr" for name, _ in job.constexprs}
@@ -262,14 +256,14 @@ def compile_job(job: Job) -> Row:
         compiled = triton.compile(source, target=GPUTarget("cuda", job.arch, 32),
                                   options={"num_warps": job.num_warps, "num_stages": job.num_stages})  # fmt: skip
         regs, stores, loads = assemble(compiled.asm["ptx"], job.arch)
-    except Exception as exc:  # noqa: BLE001 - a failed compile is a row of the report, not a crash
-        cause = exc.__cause__ or exc  # a CompilationError's own text is the source excerpt
+    except Exception as exc:  # noqa: BLE001 - a failed compile is a report row, not a crash
+        cause = exc.__cause__ or exc  # a CompilationError's text is the source excerpt
         return Row(job, error=f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}")
     return Row(job, regs, stores, loads, compiled.metadata.shared)
 
 
 def assemble(ptx: str, arch: int) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) from `ptxas -v`, run as Triton runs it."""
+    """(registers, spill store bytes, spill load bytes) from `ptxas -v`."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
@@ -283,8 +277,8 @@ def assemble(ptx: str, arch: int) -> tuple[int, int, int]:
 
 
 def ptxas_path(arch: int) -> str:
-    # Triton picks the assembler by arch (the CUDA 12.9 ptxas below sm_90, ptxas-blackwell from
-    # sm_90); the two allocate registers differently, so we ask the one that made the cubin.
+    # Triton picks ptxas by arch (ptxas-blackwell from sm_90), which allocate registers
+    # differently: ask the one that made the cubin.
     return get_ptxas(arch).path
 
 
@@ -316,7 +310,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run(jobs: list[Job], workers: int) -> list[Row]:
-    """Compile in `workers` processes (spawned: a fresh Triton in each), printing progress."""
+    """Compile in `workers` spawned processes (a fresh Triton each), printing progress."""
     rows, start = {}, time.monotonic()
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         futures = {pool.submit(compile_job, job): job for job in jobs}

@@ -5,24 +5,18 @@
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
     out          [num_seqs, num_heads, head_dim]
 
-Stage 1, grid (num_seqs, num_kv_heads, num_splits): a program takes the GROUP query heads that
-share one KV head (GQA packing: they are the rows of one tile, padded to 16 for tl.dot) and one
-split of split_len tokens, so each K/V element is read once for the whole group. It walks its
-split in tiles of BLOCK_N tokens; tile token t lives at
-block_tables[seq, t // block_size] * block_size + t % block_size, so a tile may span pages
-(block_size < BLOCK_N) or be part of one. Online softmax in fp32, exp2 domain.
+Stage 1, grid (num_seqs, num_kv_heads, num_splits): a program takes the GROUP query heads sharing
+one KV head (the rows of one tile, padded to 16 for tl.dot) and one split of split_len tokens, so
+each K/V element is read once per group. Tiles of BLOCK_N tokens may span pages or be part of one.
+Online softmax in fp32, exp2 domain.
 
     num_splits == 1: stage 1 normalizes and writes out itself (no second launch).
     else: stage 1 writes unnormalized acc [S, H, splits, D], running max m and sum l
           [S, H, splits] (fp32); stage 2, grid (num_seqs, num_heads), rescales and sums the
           cdiv(context_len, split_len) valid splits.
 
-num_splits depends only on host shapes (max_blocks * block_size bounds every context) and the
-target's SM count, so the launch never syncs: splits past a sequence's context exit at once.
-What changes from step to step (split_len, num_splits, the block table's width) is exempt from
-the JIT's specialization (do_not_specialize): one binary per plan, all compiled at start-up
-(worker/engine/warmup.py), none mid-serving.
-plan_decode is the pure part (shapes, dtype, target -> DecodePlan); launch_decode runs a plan.
+num_splits depends only on host shapes and the SM count, so the launch never syncs; per-step
+values are do_not_specialize, so there is one binary per plan, all compiled at start-up.
 """
 
 from __future__ import annotations
@@ -39,9 +33,9 @@ from inferline.kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh the parallelism it adds
-# BLOCK_N * DIM_P2: the same K/V tile (16 KB in 16-bit) at every head size, which keeps every
-# plan free of register spills on sm_80..sm_100 (`make gpu-compile` checks).
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
+# BLOCK_N * DIM_P2: the same K/V tile (16 KB in 16-bit) at every head size, free of register
+# spills on sm_80..sm_100 (`make gpu-compile` checks).
 TILE_ELEMENTS = 8192
 
 
@@ -60,8 +54,8 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = split * split_len
-    # A split past the context runs an empty loop and writes m = -inf, l = 0 (cheap); stage 2
-    # skips it anyway. In DIRECT mode context_len 0 gives l = 0 and a zero output.
+    # A split past the context runs an empty loop and writes m = -inf, l = 0; stage 2 skips it.
+    # In DIRECT mode context_len 0 gives l = 0 and a zero output.
     end = tl.minimum(start + split_len, context_len)
     rows = tl.arange(0, GROUP_P2)
     heads = kv_head * GROUP + rows
@@ -73,7 +67,7 @@ def _decode_stage1_kernel(
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     ).to(tl.float32)
-    q = q * qk_scale  # softmax scale and log2(e) folded in: exp2 below
+    q = q * qk_scale  # softmax scale and log2(e) folded in
     if not DOT_F32:
         q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
@@ -136,7 +130,7 @@ def _decode_stage2_kernel(
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    # Clamped so that no valid split (context 0) gives -inf - -inf = NaN: the weights are 0.
+    # Clamped so no valid split (context 0) gives -inf - -inf = NaN.
     m_max = tl.maximum(tl.max(m, 0), -1e30)
     weight = tl.where(split_mask, tl.exp2(m - m_max), 0.0)
     total = tl.sum(weight * l_part, 0)
@@ -157,12 +151,11 @@ class DecodePlan:
 def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 max_blocks: int, dtype: torch.dtype, target: Target, *, num_splits: int | None = None,
                 block_n: int | None = None) -> DecodePlan:
-    """The launches for these shapes on `target` (pure: no tensors). num_splits and block_n
-    override the heuristics (the tests' extra cases)."""
+    """The launches for these shapes on `target` (pure: no tensors); num_splits and block_n
+    override the heuristics."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     dim_p2 = triton.next_power_of_2(head_dim)
-    # Not widened to block_size: a tile may be part of a page, and registers then do not grow
-    # with the page size.
+    # Not widened to block_size: registers do not grow with the page size.
     block_n = block_n or max(16, TILE_ELEMENTS // dim_p2)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     max_len = max(max_blocks * block_size, 1)
@@ -170,7 +163,7 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
         num_splits = choose_splits(num_seqs, num_kv_heads, max_len, target.num_sms)
     num_splits, split_len = split_tokens(max_len, num_splits, block_n)
     group = num_heads // num_kv_heads
-    # 8 warps for rows wider than 128: each thread's share of acc stays what it is at 128.
+    # 8 warps for rows wider than 128: each thread's share of acc stays as at 128.
     stage1 = LaunchPlan("_decode_stage1_kernel", (num_seqs, num_kv_heads, num_splits), (
         ("NUM_HEADS", num_heads), ("GROUP", group), ("GROUP_P2", max(MIN_GROUP_ROWS, triton.next_power_of_2(group))),
         ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2), ("BLOCK_SIZE", block_size), ("BLOCK_N", block_n),
@@ -184,8 +177,7 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def split_tokens(max_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, split_len): splits of whole BLOCK_N tiles covering max_len (fewer than asked
-    where the tiles round up)."""
+    """(num_splits, split_len): splits of whole BLOCK_N tiles covering max_len."""
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     return triton.cdiv(max_len, split_len), split_len
 
@@ -199,9 +191,8 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, *,
                                   plan: DecodePlan | None = None, out=None, **overrides):
-    """Launcher: checks the inputs, plans for q's device unless given a plan (`overrides`:
-    plan_decode's num_splits, block_n), launches it. `out` is written in place (the tests pass a
-    NaN-poisoned one)."""
+    """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
+    is written in place."""
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape

@@ -1,15 +1,9 @@
-"""What every Triton launch is made of: a Target (the GPU it runs on, or the interpreter) and a
-LaunchPlan (grid, constexprs, num_warps, num_stages), computed by a pure function of shapes,
-dtypes and target in each kernel's module and then launched as is.
+"""What every Triton launch is made of: a Target (a GPU, or the interpreter) and a LaunchPlan
+(grid, constexprs, num_warps, num_stages) computed by a pure function in each kernel's module.
 
-The interpreter runs the plans of an H200 (sm_90, 132 SMs): the tile sizes, warps and split counts
-that a GPU would use. One constexpr differs: DOT_F32 is always on under the interpreter, whose
-bf16 arithmetic is wrong (it treats the bits as integers), so the operands are cast to fp32 there.
-`make gpu-compile` compiles the very same plans for sm_80 / sm_90a (kernels/triton/compile_check.py).
-
-Every launcher launches through `launch`, the one place a Triton kernel starts: observers added
-there see each launch's kernel, plan and arguments (the tests count a layer's launches and
-record what start-up must have compiled).
+The interpreter runs an H200's plans (sm_90, 132 SMs), except DOT_F32 is always on there: its
+bf16 arithmetic is wrong. Every launcher goes through `launch`, where observers (tests) see each
+launch's kernel, plan and arguments.
 """
 from __future__ import annotations
 
@@ -22,12 +16,12 @@ import torch
 
 # Called before every launch with (kernel, plan, args); empty while serving.
 OBSERVERS: list[Callable] = []
-_running = 0  # launches under way: the interpreter's own torch calls happen inside one
+_running = 0  # launches under way: the interpreter's torch calls happen inside one
 
 
 @dataclass(frozen=True)
 class Target:
-    arch: int = 90  # compute capability, major * 10 + minor: 80 (A100), 90 (H100/H200), 100 (B200)
+    arch: int = 90  # major * 10 + minor: 80 (A100), 90 (H100/H200), 100 (B200)
     num_sms: int = 132
     interpreter: bool = False
 
@@ -36,16 +30,16 @@ class Target:
         return "interpreter" if self.interpreter else f"sm_{self.arch}"
 
 
-INTERPRETER = Target(interpreter=True)  # an H200's plans, run by the interpreter
+INTERPRETER = Target(interpreter=True)  # an H200's plans, interpreted
 
 
 def interpreting() -> bool:
-    """Triton runs on CPU tensors only under its interpreter, switched on before triton is imported."""
+    """Triton runs on CPU tensors only under its interpreter, switched on before the import."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def target_of(device: torch.device) -> Target:
-    """The target of tensors on `device`: the CUDA GPU itself, or the interpreter for CPU tensors."""
+    """The CUDA GPU of `device`, or the interpreter for CPU tensors."""
     if device.type != "cuda":
         assert interpreting(), "Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
         return INTERPRETER
@@ -60,7 +54,7 @@ def _cuda_target(index: int) -> Target:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    kernel: str  # the @triton.jit function's name, for tables and the compile check
+    kernel: str  # the @triton.jit function's name
     grid: tuple[int, ...]
     constexprs: tuple[tuple[str, object], ...]  # (name, value) pairs: hashable, frozen
     num_warps: int = 4
@@ -75,8 +69,8 @@ class LaunchPlan:
 
 
 def dot_in_fp32(dtype: torch.dtype, target: Target) -> bool:
-    """Upcast dot operands to fp32? Under the interpreter always (its bf16 math is wrong) and for
-    fp32 inputs; on a GPU 16-bit operands stay 16-bit for the tensor cores."""
+    """Upcast dot operands to fp32? Under the interpreter (its bf16 math is wrong) and for fp32
+    inputs; on a GPU 16-bit operands stay 16-bit for the tensor cores."""
     return target.interpreter or dtype == torch.float32
 
 
@@ -98,5 +92,5 @@ def launch(kernel, plan: LaunchPlan, *args) -> None:
 
 
 def launching() -> bool:
-    """Inside a launch (under the interpreter, the kernel's own work runs here)."""
+    """Inside a launch (under the interpreter the kernel's own work runs here)."""
     return _running > 0

@@ -6,9 +6,8 @@ fused_add_rms_norm).
     weight    [COLS]
     out       [rows, COLS]   weight * (s * rsqrt(mean(s^2) + eps)), s = x (+ residual)
 
-One program per row holds the whole row in registers (COLS up to 16k): one read of x and the
-residual, one write of the sum and of the output. The arithmetic is HF's LlamaRMSNorm: in fp32,
-the sum and the normalized row rounded to the model's dtype before the weight multiplies.
+One program per row holds the whole row in registers (COLS up to 16k). HF's LlamaRMSNorm
+arithmetic: fp32, the sum and the normalized row rounded to the model's dtype before the weight.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def _rms_norm_kernel(
         r_ptr = residual_ptr + row * stride_r + cols
         summed = rounded(x + tl.load(r_ptr, mask=mask, other=0.0).to(tl.float32), residual_ptr.dtype.element_ty)
         tl.store(r_ptr, summed, mask=mask)
-        x = summed.to(tl.float32)  # normalized as rounded: what the next layer's add reads back
+        x = summed.to(tl.float32)  # as rounded: what the next layer's add reads back
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / COLS + eps)
     normed = rounded(x * inv_rms, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -42,7 +41,7 @@ def _rms_norm_kernel(
 
 
 def plan_rms_norm(rows: int, cols: int, residual: bool) -> LaunchPlan:
-    """One program per row; warps grow with the row so a thread holds at most 16 elements."""
+    """One program per row; warps grow with the row (at most 16 elements a thread)."""
     block = triton.next_power_of_2(cols)
     return LaunchPlan("_rms_norm_kernel", (rows,), (("COLS", cols), ("BLOCK", block), ("HAS_RESIDUAL", residual)),
                       num_warps=min(16, max(4, block // 512)), num_stages=1)
@@ -50,8 +49,7 @@ def plan_rms_norm(rows: int, cols: int, residual: bool) -> LaunchPlan:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> torch.Tensor:
-    """rms_norm(x) or, with `residual`, rms_norm(x + residual) with the sum written into
-    `residual` in place. Returns a new [rows, cols] tensor."""
+    """rms_norm(x), or rms_norm(x + residual) with the sum written into `residual`."""
     assert x.dim() == 2 and x.stride(1) == 1, f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
     rows, cols = x.shape
     assert x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype and weight.shape == (cols,), (x.dtype, weight.shape)

@@ -1,10 +1,8 @@
 """Rounding the kernels share (device code only).
 
-`rounded(x, dtype)` is x (fp32) rounded to `dtype` to nearest even, the rounding of a GPU's
-`.to(dtype)` and of PyTorch's casts. For bf16 it rounds explicitly in the fp32 bits: the Triton
-interpreter truncates fp32 -> bf16, so a plain `.to` would differ from PyTorch there by an ulp;
-this way the interpreter and a GPU compute the same bits, and the kernels can be tested for
-equality with their PyTorch reference. (NaN stays NaN; a value past bf16's largest becomes inf.)
+`rounded(x, dtype)` rounds fp32 x to `dtype`, nearest even, as a GPU's `.to` and PyTorch do. For
+bf16 it rounds in the fp32 bits, because the interpreter truncates: so interpreter and GPU give
+the same bits, testable for equality. NaN stays NaN; past bf16's largest becomes inf.
 """
 from __future__ import annotations
 
@@ -16,6 +14,6 @@ import triton.language as tl
 def rounded(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # ties to even: the kept bit decides
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # ties to even
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)

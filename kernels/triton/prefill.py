@@ -7,15 +7,10 @@
     context_lens  int32 [num_seqs]; the query rows are the last q_len of these tokens
     out           [total_query_tokens, num_heads, head_dim]
 
-Grid (total_query_tokens // BLOCK_M + num_seqs, num_heads). Query tiles are laid out per
-sequence without a host sync: sequence i's tiles start at cu[i] // BLOCK_M + i, which leaves
-room for cdiv(q_len, BLOCK_M) tiles; a program finds its sequence by binary search and exits
-if its tile lies past that sequence's rows.
-
-Query row r sits at position ctx - q_len + r and sees keys 0..that position. Causal tile
-skipping: keys past the tile's last row's position are never loaded; key tiles wholly at or
-below the tile's first row's position run without the causal mask, only the diagonal tiles
-with it.
+Grid (total_query_tokens // BLOCK_M + num_seqs, num_heads): sequence i's tiles start at
+cu[i] // BLOCK_M + i, so no host sync is needed; a program finds its sequence by binary search.
+Query row r sits at position ctx - q_len + r and sees keys 0..that position; key tiles past the
+tile's last row are skipped, and only diagonal tiles apply the causal mask.
 """
 
 from __future__ import annotations
@@ -61,8 +56,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# num_seqs and the table width change from step to step; context_lens and cu_seqlens of a mixed
-# step's prompts are views at any offset: exempt from specialization, one binary per plan.
+# Values that change per step (num_seqs, table width, views at any offset) are exempt from
+# specialization: one binary per plan.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(
@@ -74,8 +69,8 @@ def _prefill_kernel(
 ):  # fmt: skip
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    # Largest seq in [0, num_seqs) with cu[seq] // BLOCK_M + seq <= tile: binary search. The
-    # bounds are i32 tensors from the start (an int argument equal to 1 arrives as a constant).
+    # Largest seq with cu[seq] // BLOCK_M + seq <= tile, by binary search; the bounds are i32
+    # tensors from the start (an int argument equal to 1 arrives as a constant).
     lo = tl.full([], 0, tl.int32)
     hi = tl.full([], 0, tl.int32) + num_seqs - 1
     while lo < hi:
@@ -105,8 +100,7 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = (head // GROUP) * stride_ch
-        # Keys [0, full_end) are visible to every row of the tile; [full_end, key_end) is the
-        # diagonal band; keys >= key_end are visible to no row and are skipped.
+        # Keys [0, full_end) are visible to every row; [full_end, key_end) is the diagonal band.
         key_end = context_len - q_len + tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len)
         full_end = (context_len - q_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         for key_start in range(0, full_end, BLOCK_N):
@@ -127,8 +121,8 @@ def _prefill_kernel(
 def plan_prefill(total_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, target: Target, *, block_m: int | None = None,
                  block_n: int | None = None) -> LaunchPlan:
-    """The launch for these shapes on `target` (pure: no tensors). block_m and block_n override
-    the tile sizes (the tests' extra cases)."""
+    """The launch for these shapes on `target` (pure: no tensors); block_m and block_n override
+    the tile sizes."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     dim_p2 = triton.next_power_of_2(head_dim)
     tile_m, tile_n, num_warps = prefill_tiles(dim_p2, target)
@@ -142,22 +136,20 @@ def plan_prefill(total_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
 
 
 def prefill_tiles(dim_p2: int, target: Target) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the largest tiles tried that compile without register
-    spills on sm_80, sm_90a and sm_100a (`make gpu-compile` checks every plan)."""
+    """(BLOCK_M, BLOCK_N, num_warps): the largest tiles that compile without register spills on
+    sm_80, sm_90a and sm_100a (`make gpu-compile` checks)."""
     if dim_p2 <= 64:
         return 64, 64, 4
     if dim_p2 <= 128:
-        # sm_100 keeps the tl.dot accumulators in tensor memory: registers for 128 query rows.
-        # Below sm_100 even 64 x 64 needs 8 warps: with 4 it spills on sm_80 and sm_90a.
+        # sm_100 keeps tl.dot accumulators in tensor memory; below it 64 x 64 needs 8 warps.
         return (128, 64, 8) if target.arch >= 100 else (64, 64, 8)
     return 64, 32, 8  # 256-wide rows: a narrow key tile leaves room for 64 query rows
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
                                    plan: LaunchPlan | None = None, out=None, **overrides):
-    """Launcher: checks the inputs, plans for q's device unless given a plan (`overrides`:
-    plan_prefill's block_m, block_n), launches it. `out` is written in place (the tests pass a
-    NaN-poisoned one)."""
+    """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
+    is written in place."""
     check_cache(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape

@@ -5,11 +5,9 @@
     slot_mapping int64 [num_tokens]; slot = block * block_size + offset; slot < 0: not stored
     k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
 
-Grid (num_tokens, cdiv(num_heads + 2 num_kv_heads, HEADS_BLOCK)): a program takes HEADS_BLOCK of
-a token's heads, whichever they are, as two [HEADS_BLOCK, head_dim / 2] halves. q and k heads are
-rotated (Neox layout: x * cos + swap_halves(x) * sin, the products and sum of
-kernels/fused.rotate); q goes back into qkv in place, k and v go to the token's cache slot. One
-read of qkv, one write of each result: the rotation, the store and their temporaries in one launch.
+Grid (num_tokens, cdiv(num_heads + 2 num_kv_heads, HEADS_BLOCK)): a program rotates its heads
+(Neox layout, kernels/fused.rotate's products and sum), writes q back into qkv and stores k and v
+at the token's slot: one read of qkv, one write of each result.
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from inferline.kernels.triton.checks import check_cache, check_ranges
 from inferline.kernels.triton.launch import LaunchPlan, launch
 from inferline.kernels.triton.numerics import rounded
 
-HALF_TILE = 1024  # HEADS_BLOCK * head_dim / 2: the same tile at every head size
+HALF_TILE = 1024  # the same tile at every head size
 
 
 @triton.jit
@@ -35,7 +33,7 @@ def _rope_store_kv_kernel(
     heads = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dims = tl.arange(0, HALF_P2)
     HALF: tl.constexpr = HEAD_DIM // 2
-    ROTATED: tl.constexpr = NUM_HEADS + NUM_KV_HEADS  # q and k heads; v heads after them pass through
+    ROTATED: tl.constexpr = NUM_HEADS + NUM_KV_HEADS  # q and k heads; v heads pass through
     mask = (heads[:, None] < ROTATED + NUM_KV_HEADS) & (dims[None, :] < HALF)
     first = qkv_ptr + token * stride_t + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
@@ -51,8 +49,8 @@ def _rope_store_kv_kernel(
     q_mask = mask & (heads[:, None] < NUM_HEADS)
     tl.store(first, y1, mask=q_mask)
     tl.store(first + HALF, y2, mask=q_mask)
-    # K and V at the token's slot; a negative slot masks every lane (a bound, not `& (slot >= 0)`:
-    # the interpreter turns bool tensor & bool scalar into int32).
+    # A negative slot masks every lane (a bound, not `& (slot >= 0)`: the interpreter turns bool
+    # tensor & bool scalar into int32).
     slot = tl.load(slot_ptr + token)
     half_limit = tl.where(slot >= 0, HALF, 0)
     is_v = heads >= ROTATED
@@ -79,8 +77,8 @@ def plan_rope_store_kv(num_tokens: int, num_heads: int, num_kv_heads: int, head_
 
 def rope_store_kv_triton(qkv, num_heads: int, num_kv_heads: int, cos, sin, k_cache, v_cache,
                          slot_mapping) -> torch.Tensor:
-    """Rotates q in place in qkv and returns it as a view [num_tokens, num_heads, head_dim];
-    k (rotated) and v go to the caches at slot_mapping."""
+    """Rotates q in place in qkv and returns it as a view [num_tokens, num_heads, head_dim]; k
+    (rotated) and v go to the caches at slot_mapping."""
     check_cache(k_cache, v_cache)
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     assert k_cache.shape[2] == num_kv_heads and head_dim % 2 == 0, (k_cache.shape, num_kv_heads)

@@ -4,8 +4,8 @@
     k_cache   [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping int64 [num_tokens]; slot = block * block_size + offset; slot < 0: skip
 
-One program per token copies its [num_kv_heads, head_dim] tile. A plain copy with no
-arithmetic, so bf16 bits pass through the interpreter untouched.
+One program per token copies its [num_kv_heads, head_dim] tile; no arithmetic, so bf16 bits pass
+the interpreter untouched.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + token)
     heads = tl.arange(0, HEADS_P2)
     dims = tl.arange(0, DIM_P2)
-    # slot < 0 masks every lane: nothing is read or written for a skipped token. (As a bound,
-    # not `& (slot >= 0)`: the interpreter turns bool tensor & bool scalar into int32.)
+    # slot < 0 masks every lane (a bound, not `& (slot >= 0)`: the interpreter turns bool tensor
+    # & bool scalar into int32).
     dim_limit = tl.where(slot >= 0, HEAD_DIM, 0)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < dim_limit)
     block = slot // BLOCK_SIZE
@@ -67,7 +67,7 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def plan_store(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> LaunchPlan:
-    """One program per token; the same on every target (a copy: no dtype-dependent math)."""
+    """One program per token; the same on every target."""
     return LaunchPlan("_store_kv_kernel", (num_tokens,), (
         ("NUM_KV_HEADS", num_kv_heads), ("HEAD_DIM", head_dim), ("HEADS_P2", triton.next_power_of_2(num_kv_heads)),
         ("DIM_P2", triton.next_power_of_2(head_dim)), ("BLOCK_SIZE", block_size),

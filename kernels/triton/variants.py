@@ -1,11 +1,7 @@
 """Which compiled binary a launch runs: a kernel's constexprs and compile options, plus how the JIT
-specializes each other argument (triton/runtime/jit.py): an int equal to 1 becomes a constant,
-an int divisible by 16 and a 16-byte-aligned pointer get divisibility 16; none of this for the
-arguments the kernel exempts (`do_not_specialize`, `do_not_specialize_on_alignment`).
-
-Start-up compiles every binary the model can launch (worker/engine/warmup.py); `variant_of`
-names a launch's binary, so that a test can record a served run's launches and check each one
-was compiled before serving, and `make gpu-compile` (compile_check.py) specializes as the JIT does.
+specializes each other argument (an int equal to 1 becomes a constant; ints divisible by 16 and
+16-byte-aligned pointers get divisibility 16), except arguments the kernel exempts. Tests use
+`variant_of` to check every served launch was compiled at start-up.
 """
 from __future__ import annotations
 
@@ -23,12 +19,12 @@ class Variant:
     constexprs: tuple[tuple[str, object], ...]
     num_warps: int
     num_stages: int
-    args: tuple[tuple[str, str], ...]  # (name, "type" or "type:16" or "constexpr=value") of the others
+    args: tuple[tuple[str, str], ...]  # (name, "type", "type:16" or "constexpr=value")
 
 
 def exemptions(kernel) -> tuple[frozenset, frozenset]:
-    """(not specialized, not specialized on alignment): argument names, for a JITFunction or the
-    interpreter's InterpretedFunction (which keeps them in its kwargs)."""
+    """(not specialized, not specialized on alignment) argument names, for a JITFunction or the
+    interpreter's InterpretedFunction."""
     options = getattr(kernel, "kwargs", None) or {}
     names = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ()
     unaligned = (getattr(kernel, "do_not_specialize_on_alignment", None)

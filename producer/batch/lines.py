@@ -11,9 +11,8 @@ Output (one line per input line, in the order they finish)::
     {"id": "batch_req_...", "custom_id": "q1", "error": null,
      "response": {"status_code": 200, "request_id": "<Kafka request id>", "body": {<chat.completion>}}}
 
-A line the fleet answered with an error has the error's status and OpenAI error body in
-`response`; a line that could not be sent at all (bad JSON, a bad field, no answer in time) has
-`response: null` and `error: {"code", "message"}`, the message naming the line and the field.
+An error answer carries its status and OpenAI error body in `response`; a line that could not be
+sent has `response: null` and `error: {"code", "message"}` naming the line and the field.
 """
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ from inferline.producer.gateway.openai_mapping import chat_request, completion_r
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
-MAX_CUSTOM_ID = 512  # characters; OpenAI names no limit, a line key should not be a document
-# Batch work is a lower priority class than interactive work (the contract default 0): lower
-# runs first, and a lower value may preempt a higher one (docs/batch.md, "Priorities").
+MAX_CUSTOM_ID = 512  # characters; a line key should not be a document
+# Batch work is a lower priority class than interactive work (docs/batch.md, "Priorities").
 BATCH_PRIORITY = 100
 
 
@@ -43,8 +41,8 @@ class DuplicateCustomIds(ValueError):
 
 @dataclass
 class BatchLine:
-    """One input line, checked. ``fields`` are InferenceClient.submit's keyword arguments;
-    ``error`` (set instead) says why the line cannot be sent, naming the line and the field."""
+    """One input line, checked: ``fields`` for InferenceClient.submit, or ``error`` saying why it
+    cannot be sent."""
 
     lineno: int
     custom_id: str | None = None
@@ -53,7 +51,7 @@ class BatchLine:
     model: str | None = None
     logprobs: bool = False
     error: str | None = None
-    digest: str = ""  # of the line's custom_id and request: part of its request id
+    digest: str = ""  # of custom_id and request: part of its request id
 
     @property
     def key(self) -> str:
@@ -66,8 +64,8 @@ class BatchLine:
 
 
 def parse_lines(text: str, *, priority: int = BATCH_PRIORITY) -> list[BatchLine]:
-    """Every non-blank line of a batch input file, checked. Raises DuplicateCustomIds when a
-    custom_id is named twice (nothing may be sent then: two answers would share one key)."""
+    """Every non-blank line of a batch input file, checked. Raises DuplicateCustomIds (two answers
+    would share one key)."""
     lines = [parse_line(n, raw, priority=priority) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
     check_unique(lines)
     return lines
@@ -84,7 +82,6 @@ def check_unique(lines: list[BatchLine]) -> None:
 
 
 def parse_line(lineno: int, raw: str, *, priority: int = BATCH_PRIORITY) -> BatchLine:
-    """One input line: a BatchLine with ``fields`` to send, or with ``error``."""
     line = BatchLine(lineno)
     try:
         obj = json.loads(raw)
@@ -121,13 +118,13 @@ def _envelope_problem(obj: dict) -> str | None:
 
 
 def _map_body(line: BatchLine, body: dict, priority: int) -> None:
-    """The gateway's own mapping and the contract's own rules: a line fails here exactly where
-    the same request would fail at /v1/chat/completions (raises OpenAIError naming the field)."""
+    """The gateway's mapping and the contract's rules: a line fails exactly where the same request
+    would fail at /v1/chat/completions (raises OpenAIError naming the field)."""
     mapped = (chat_request if line.chat else completion_request)(body)
     fields = dict(mapped.fields)
     # Batch work never outranks interactive work: a line may ask to be later, not sooner.
     asked = fields.get("priority", 0)
-    if type(asked) is int:  # anything else: the contract's check below names it
+    if type(asked) is int:  # otherwise the contract's check names it
         fields["priority"] = max(asked, priority)
     try:
         Request(id="x", reply_topic="x", **fields)
@@ -159,8 +156,7 @@ def _digest(custom_id: str, url: str, body: dict) -> str:
 
 
 def request_id(batch_id: str, line: BatchLine) -> str:
-    """The line's Kafka request id: the same batch and the same line give the same id, in every
-    run, so a line sent twice (a crash between send and write) is found and answered once."""
+    """The line's Kafka request id: the same in every run, so a line sent twice is answered once."""
     assert line.digest, "a bad line is never sent"
     return f"{batch_id}-{line.digest}"
 
@@ -170,20 +166,19 @@ def _line_id(line: BatchLine) -> str:
 
 
 def response_line(line: BatchLine, request_id: str, status: int, body: dict) -> dict:
-    """The output line of a line the fleet answered (``status`` 200) or refused (an error body)."""
+    """The output line of an answered (``status`` 200) or refused line."""
     return {"id": _line_id(line), "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
 def error_line(line: BatchLine, code: str, message: str) -> dict:
-    """The output line of a line that got no response: bad input, or no answer in time."""
+    """The output line of a line that got no response."""
     return {"id": _line_id(line), "custom_id": line.custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
 def line_key(out: dict) -> str | None:
-    """The key (BatchLine.key) of an output line: its custom_id, or the line number of a bad
-    line that had none."""
+    """The key (BatchLine.key) of an output line."""
     if isinstance(out.get("custom_id"), str):
         return out["custom_id"]
     oid = out.get("id")
@@ -193,6 +188,5 @@ def line_key(out: dict) -> str | None:
 
 
 def failed(out: dict) -> bool:
-    """True for an output line that carries an error rather than an answer."""
     response = out.get("response")
     return out.get("error") is not None or not response or response.get("status_code") != 200

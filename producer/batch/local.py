@@ -1,11 +1,8 @@
 """`inferline batch run IN -o OUT`: a batch input file through the fleet into an output file.
 
-Resuming is running the same command again. The output file says which lines are answered
-(one line each, appended and flushed as answers come; a line cut short by a kill is dropped and
-redone). Beside it, ``OUT.state`` holds the batch id (so every run derives the same request
-ids) and the request ids already sent; the batch's reply topic holds the answers of requests
-that were still running when a run stopped. When every line is answered, the state file and
-the reply topic are deleted.
+Resuming is running the same command again: the output file says which lines are answered, and
+``OUT.state`` holds the batch id (so request ids repeat) and the ids already sent. Answers of
+requests still running wait on the batch's reply topic. Both go once every line is answered.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from inferline.config.settings import load_settings
 from inferline.producer.client import InferenceClient
 
 STATE_SUFFIX = ".state"
-REPLY_RETENTION_MS = 7 * 86_400_000  # answers of an interrupted run wait this long for the next
+REPLY_RETENTION_MS = 7 * 86_400_000  # answers of an interrupted run wait this long
 EXIT_OK, EXIT_FAILED_LINES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -90,8 +87,7 @@ def _json(text: str) -> dict | None:
 
 
 def read_output(path: Path) -> dict[str, dict]:
-    """The output lines already written, by line key. A last line cut short (a kill mid-write)
-    is cut off the file, so appending goes on from a whole line."""
+    """The output lines already written, by key. A last line cut short by a kill is cut off."""
     if not path.exists():
         return {}
     data = path.read_bytes()
@@ -109,7 +105,7 @@ def read_output(path: Path) -> dict[str, dict]:
 
 
 class BatchProgress:
-    """The progress bar: lines done of all, failed, completion tokens/s of this run, ETA."""
+    """The progress bar: lines done, failed, completion tokens/s of this run, ETA."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
         from tqdm import tqdm
@@ -155,7 +151,7 @@ async def cmd_batch(args: argparse.Namespace, make_client) -> int:
           f"{progress.done} lines ({progress.found} answered by an earlier run, {progress.followed} sent by one and "
           f"awaited), {progress.retries} retries, "
           f"{progress.completion_tokens} completion tokens in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    if not args.keep:  # every line is answered: nothing left to resume
+    if not args.keep:  # every line answered: nothing left to resume
         state.path.unlink(missing_ok=True)
         await drop_topic(client, topic)
     return EXIT_FAILED_LINES if bad else EXIT_OK

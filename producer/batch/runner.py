@@ -1,18 +1,10 @@
-"""One batch on the fleet: find what earlier runs already got back, send the rest with a bounded
-number in flight, retry shed load, and hand each finished line's output line to a sink.
+"""One batch on the fleet: find what earlier runs got back, send the rest with bounded
+concurrency, retry shed load, and hand each finished line's output to a sink.
 
-Exactly once, across crashes and interruptions, comes from three things:
-
-- a line's request id is derived from the batch and the line (lines.request_id), so every run
-  sends a line under the same id;
-- every request of a batch is answered on the batch's own reply topic, kept after the run; a
-  run starts by reading it back (``read_history``): a line whose answer is there is written
-  without being sent again, whichever run sent it;
-- a line sent by an earlier run and not answered yet (the sink says which: the state file of
-  `inferline batch run`) is followed, not sent again; its answer arrives on the same topic.
-
-A line sent twice all the same (a crash between the broker's acknowledgement and the record of
-the send) is answered twice on the topic and written once: the first final answer is taken.
+Exactly once across crashes: a line's request id derives from the batch and the line; every
+answer lands on the batch's own reply topic, read back at the start (a line answered there is
+written, not sent); a line sent earlier and unanswered is followed, not resent. A line sent twice
+anyway is written once: the first final answer wins.
 """
 from __future__ import annotations
 
@@ -36,7 +28,7 @@ from inferline.producer.reassembly import Event
 
 log = structlog.get_logger(__name__)
 
-# Shed load (the worker's pool was full, or the tenant over its rate): sent again after a pause.
+# Shed load (pool full, tenant over its rate): sent again after a pause.
 RETRIED = (Overloaded, RateLimited)
 MAX_RETRIES = 8
 RETRY_BASE_S, RETRY_MAX_S = 0.5, 30.0
@@ -47,20 +39,19 @@ SUCCESS = ("stop", "length")
 class Progress:
     done: int = 0
     failed: int = 0
-    completion_tokens: int = 0  # of answers this run received (not those found from earlier runs)
+    completion_tokens: int = 0  # of answers this run received
     found: int = 0  # answered by an earlier run, found on the reply topic
-    followed: int = 0  # sent by an earlier run, still running: its answer awaited, not sent again
+    followed: int = 0  # sent earlier, still running: awaited, not resent
     retries: int = 0
 
 
-# (line, output line, completion tokens): called once per line, in the order lines finish.
+# (line, output line, completion tokens): called once per line, as lines finish.
 Sink = Callable[[BatchLine, dict, int], None]
 
 
 class BatchRunner:
-    """Runs ``lines`` (the ones without an output line yet; bad ones get their error line at
-    once) on ``client``, whose reply topic is the batch's own. ``sent`` are the request ids an
-    earlier run sent; ``on_sent`` hears each id this run sends, once the broker has it."""
+    """Runs ``lines`` (those without output yet) on ``client``, whose reply topic is the batch's.
+    ``sent``: ids an earlier run sent; ``on_sent`` hears each id this run sends."""
 
     def __init__(self, client: InferenceClient, batch_id: str, lines: Iterable[BatchLine], sink: Sink, *,
                  max_in_flight: int = 64, sent: Iterable[str] = (), on_sent: Callable[[str], None] | None = None,
@@ -72,8 +63,8 @@ class BatchRunner:
         self.max_in_flight, self.sent, self.on_sent = max_in_flight, set(sent), on_sent or (lambda _id: None)
         self.model, self.timeout_s, self.retry_after_s = model, timeout_s, retry_after_s
         self.extra_fields = extra_fields or {}
-        self.collect_only = collect_only  # write what earlier runs got back; send nothing (a cancel)
-        self.written: set[str] = set()  # keys of the lines written
+        self.collect_only = collect_only  # write what earlier runs got back, send nothing
+        self.written: set[str] = set()
         self.request_ids: dict[str, BatchLine] = {}
         self.progress = Progress()
         self._requests: dict[str, Request] = {}
@@ -81,15 +72,15 @@ class BatchRunner:
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self) -> Progress:
-        """Until every line has its output line. Cancelling it stops sending; what was sent keeps
-        running on the fleet, and a later run over the same batch collects it."""
+        """Until every line has its output line. Cancelled, it stops sending; a later run over the
+        same batch collects what was sent."""
         for line in self.lines:
             if line.error is not None:
                 self._write(line, error_line(line, "invalid_request", line.error), 0)
         good = [ln for ln in self.lines if ln.error is None]
         ids = self.request_ids = {request_id(self.batch_id, ln): ln for ln in good}
         self._requests = {rid: self._request(rid, ln) for rid, ln in ids.items()}
-        # Followed before the history is read: an answer landing meanwhile reaches one or the other.
+        # Followed before the history is read: an answer landing meanwhile reaches one of them.
         followed = {rid: self.client.follow(self._requests[rid]) for rid in ids if rid in self.sent}
         parts = await self.client.partitions_of(self.client.reply_topic)
         history = await read_history(self.client.kafka, self.client.reply_topic, parts or [], set(ids))
@@ -100,7 +91,7 @@ class BatchRunner:
                 work.append((line, followed.get(rid)))
                 continue
             self.client.forget(rid)
-            if _shed(found):  # refused for load: send it again
+            if _shed(found):  # refused for load: send again
                 work.append((line, None))
             else:
                 self.progress.found += 1
@@ -129,7 +120,7 @@ class BatchRunner:
             again = isinstance(handle.failure, RETRIED) or (isinstance(handle.failure, ClientTimeout) and rid in self.sent)
             if not again or attempt == MAX_RETRIES:
                 break
-            # Shed load, or an earlier run's send that never came back: send it (again), later.
+            # Shed load, or an earlier send that never came back: send it (again), later.
             self.progress.retries += 1
             self.sent.discard(rid)
             handle = None
@@ -149,13 +140,12 @@ class BatchRunner:
         return Request(id=rid, reply_topic=self.client.reply_topic, **line.fields)
 
     def unanswered(self) -> list[str]:
-        """Request ids of the lines not written yet (sent or not)."""
         return [rid for rid, ln in self.request_ids.items() if ln.key not in self.written]
 
     # --- answers -----------------------------------------------------------------------------
 
     def _from_history(self, rid: str, events: list[Event]) -> RequestHandle | None:
-        """A finished handle made of the best attempt an earlier run got back: the last that
+        """A finished handle from the best attempt an earlier run got back: the last that
         succeeded, else the last that ended; None when none ended."""
         attempt = _best_attempt(events)
         if attempt is None:
@@ -205,8 +195,7 @@ def _best_attempt(events: list[Event]) -> str | None:
 
 
 async def read_history(kafka: KafkaSettings, topic: str, partitions: list[int], ids: set[str]) -> dict[str, list[Event]]:
-    """Every event for ``ids`` on ``topic`` (its ``partitions``) up to its end now
-    (read_committed), by request id, in order."""
+    """Every event for ``ids`` on ``topic`` up to its end now (read_committed), by request id."""
     out: dict[str, list[Event]] = {}
     if not partitions:
         return out

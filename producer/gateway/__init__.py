@@ -1,8 +1,7 @@
 """An OpenAI-compatible HTTP gateway in front of the Kafka fleet (docs/gateway.md).
 
-A trusted producer: it checks API keys, maps each key to a tenant, turns OpenAI requests into
-contract requests (contract.schema) and reply events back into OpenAI responses and SSE chunks.
-Each instance reads one reply topic of its own per tenant; instances run side by side.
+A trusted producer: it maps API keys to tenants, OpenAI requests to contract requests, and reply
+events back to OpenAI responses and SSE chunks. Instances run side by side.
 
     app.py              FastAPI routes and the lifespan
     service.py          one request's life: key, body, publish, whole answer or stream, hang-up

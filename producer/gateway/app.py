@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await gateway.pool.start()
-        await batches.start()  # a broker that refuses its topics leaves the Batch API off (503), not the gateway
+        await batches.start()  # a refused topic leaves only the Batch API off (503)
         yield
         await batches.close()
         await gateway.pool.close()
@@ -65,7 +65,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/healthz")
-    @app.get("/health")  # vLLM's name: OpenAI benchmark clients (guidellm) probe it first
+    @app.get("/health")  # vLLM's name: OpenAI benchmark clients probe it first
     async def healthz() -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -80,7 +80,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
 
 def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> None:
-    """OpenAI's Files and Batch API (docs/batch.md): files and batches are the key's tenant's."""
+    """OpenAI's Files and Batch API: files and batches belong to the key's tenant."""
 
     async def answer(request: Request, work) -> Response:
         try:

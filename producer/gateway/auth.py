@@ -13,9 +13,8 @@ from inferline.contract.topics import tenant_problem
 
 
 def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dict[str, str]:
-    """Every key with its tenant; a tenant name the tenancy cannot carry stops start-up. Topic
-    tenancy puts the tenant into topic names (`kafka`'s): one segment, no '.', and no name of an
-    internal topic (contract.topics.tenant_problem)."""
+    """Every key with its tenant; a tenant name topic tenancy cannot carry (not one topic-name
+    segment, or an internal topic's name) stops start-up."""
     keys = dict(settings.api_keys)
     if settings.api_keys_file is not None:
         keys.update(json.loads(settings.api_keys_file.read_text()))
@@ -51,7 +50,7 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not key.strip():
             raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         key = key.strip()
-        # Compare with every key in constant time: no timing hint of how much of a key matched.
+        # Compare with every key in constant time: no hint of how much of a key matched.
         found = [t for k, t in self._keys.items() if hmac.compare_digest(k.encode(), key.encode())]
         if not found:
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key")

@@ -1,17 +1,11 @@
-"""OpenAI's Batch API in the gateway (`/v1/batches`, docs/batch.md): each batch's state is a record
-in a compacted topic (table.py), its input and output are files (files.py), and its lines run on
-the fleet through the same BatchRunner as `inferline batch run` (producer/batch/runner.py).
+"""OpenAI's Batch API in the gateway (`/v1/batches`, docs/batch.md): each batch's state is a
+record in a compacted topic, its input and output are files, and its lines run through the same
+BatchRunner as `inferline batch run`.
 
-One gateway instance runs a batch at a time: the record names its `owner`, which writes the
-record again every HEARTBEAT_S (progress included). A batch whose record has not been written
-for LEASE_S (its gateway stopped or died) is taken over by whichever instance claims it first,
-and resumed: the batch's reply topic holds every answer already given (request ids are derived
-from the batch and the line), so only unanswered lines are sent again.
-
-Statuses: validating -> in_progress -> finalizing -> completed; failed (the input file is not a
-batch: unreadable, duplicate custom_ids); cancelling -> cancelled; expired (the completion window
-passed). A cancelled or expired batch's files hold what was answered; the other lines are in the
-error file.
+One instance runs a batch, rewriting its record every HEARTBEAT_S; a record unwritten for LEASE_S
+is taken over by whichever instance claims it first and resumed from the batch's reply topic.
+Statuses: validating -> in_progress -> finalizing -> completed; failed; cancelling -> cancelled;
+expired.
 """
 from __future__ import annotations
 
@@ -38,15 +32,15 @@ log = structlog.get_logger(__name__)
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 HEARTBEAT_S = 2.0
 LEASE_S = 10.0
-CLAIM_SETTLE_S = 1.0  # after a claim: long enough to read a rival's claim back
+CLAIM_SETTLE_S = 1.0  # long enough to read a rival's claim back
 WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
 MAX_IN_FLIGHT = 64  # per batch
 INTERNAL = ("tenant", "owner", "heartbeat")
 
 
 def state_topics(settings: Settings) -> tuple[str, str]:
-    """(files topic, batches topic): beside the request topic, two segments deep, so topic
-    tenancy never reads them as a tenant's `<request topic>.<tenant>`."""
+    """(files topic, batches topic): two segments deep, so topic tenancy never reads them as a
+    tenant's request topic."""
     base = settings.kafka.request_topic
     return f"{base}.batch.files", f"{base}.batch.state"
 
@@ -59,14 +53,14 @@ class BatchService:
         self.files = FileStore(TopicTable(settings.kafka, files_topic))
         self.table = TopicTable(settings.kafka, state_topic, on_change=self._changed)
         self.running: dict[str, asyncio.Task] = {}
-        self.live: dict[str, dict] = {}  # the records of the batches this instance runs
+        self.live: dict[str, dict] = {}  # records of the batches this instance runs
         self._cancels: dict[str, asyncio.Event] = {}
         self._leases: asyncio.Task | None = None
         self.available = False
 
     async def start(self) -> None:
-        """Read the files and batches; on a broker that refuses their topics (ACLs), the Batch
-        API stays off (``available`` False) and the rest of the gateway serves on."""
+        """Read the files and batches; where ACLs refuse their topics the Batch API stays off and
+        the rest of the gateway serves on."""
         try:
             await self.files.table.start()
             await self.table.start()
@@ -79,7 +73,7 @@ class BatchService:
         self._leases = asyncio.create_task(self._lease_loop(), name="batch-leases")
 
     async def close(self) -> None:
-        """Stop running batches without ending them: another instance (or this one, restarted) resumes them."""
+        """Stop running batches without ending them: another instance resumes them."""
         tasks = [t for t in (self._leases, *self.running.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -135,15 +129,14 @@ class BatchService:
         if rec["status"] in TERMINAL:
             raise OpenAIError(409, f"cannot cancel a batch with status {rec['status']}", code="conflict")
         if rec["status"] != "cancelling":
-            # In place when this instance runs it: every save writes the one dict its run updates.
+            # In place when this instance runs it: every save writes the dict its run updates.
             rec.update(status="cancelling", cancelling_at=int(time.time()))
             await self._save(rec, heartbeat=batch_id in self.running)
             self._changed(batch_id, json.dumps(rec).encode())
         return self.public(rec)
 
     async def delete_file(self, tenant: str | None, file_id: str) -> dict:
-        """Deletes a file, unless it is the input of one of the tenant's unfinished batches (a
-        gateway that resumes the batch reads it again): 409 until that batch ends."""
+        """Delete a file, unless it is an unfinished batch's input: 409 until that batch ends."""
         await self.files.meta(file_id, tenant)
         recs = [json.loads(raw) for raw in list(self.table.data.values())]
         for rec in (self.live.get(r["id"], r) for r in recs):
@@ -196,7 +189,7 @@ class BatchService:
     async def _heartbeats(self) -> None:
         for batch_id, rec in list(self.live.items()):
             stored = json.loads(self.table.data.get(batch_id, b"{}"))
-            if stored.get("owner") not in (None, self.instance):  # another instance took it over
+            if stored.get("owner") not in (None, self.instance):  # taken over by another instance
                 log.warning("batch taken over", batch_id=batch_id, owner=stored.get("owner"))
                 self.running[batch_id].cancel()
                 continue
@@ -208,7 +201,7 @@ class BatchService:
         stale = [r for r in stale if r.get("status") not in TERMINAL and r["id"] not in self.running
                  and now - r.get("heartbeat", 0) > LEASE_S]
         for rec in stale:
-            await self._save(rec)  # the claim
+            await self._save(rec)
         if not stale:
             return
         await asyncio.sleep(CLAIM_SETTLE_S)
@@ -240,7 +233,7 @@ class BatchService:
         try:
             await self._execute(rec)
         except asyncio.CancelledError:
-            raise  # shutdown or taken over: the batch goes on elsewhere
+            raise  # shutdown or taken over: it goes on elsewhere
         except Exception as exc:
             log.exception("batch failed", batch_id=rec["id"])
             await self._fail(rec, "internal", f"the gateway could not run the batch: {exc!r}"[:500])
@@ -280,7 +273,7 @@ class BatchService:
                                  extra_fields={"tenant": tenant} if tenant else None,
                                  collect_only=self._cancels[batch_id].is_set())
             outcome = await self._until_done(runner, rec)
-            if outcome != "completed":  # what is still running is not wanted any more
+            if outcome != "completed":  # what still runs is not wanted any more
                 await asyncio.gather(*(client.cancel(rid) for rid in runner.unanswered()), return_exceptions=True)
         await self._finalize(rec, lines, results, runner.written, outcome)
         await self._drop_topic(client.reply_topic)

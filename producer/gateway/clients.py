@@ -1,10 +1,8 @@
 """The gateway's Kafka side: one InferenceClient per tenant, the requests in flight, and cancels.
 
-Body tenancy: one client; the tenant a key names goes into the request's `tenant` field (the
-gateway is a trusted producer). Topic tenancy: one client per tenant, publishing into
-`<request topic>.<tenant>`, cancelling on `<cancel topic>.<tenant>` and reading a reply topic
-under `<reply prefix><tenant>.`, where the worker answers that tenant. Each gateway instance
-makes its own reply topics (one per tenant) and deletes them when it stops.
+Body tenancy: one client; the key's tenant goes into the request's `tenant` field (the gateway is
+a trusted producer). Topic tenancy: one client per tenant, on that tenant's request, cancel and
+reply topics. Each instance deletes its own reply topics when it stops.
 """
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ class ClientPool:
         self.settings = settings
         self.topic_tenancy = settings.kafka.tenancy == "topic"
         self.instance = f"gateway-{uuid.uuid4().hex[:12]}"
-        # None stands for "no tenant named": the contract's default, body tenancy only.
+        # None: no tenant named (the contract's default, body tenancy only).
         names = sorted(tenants) if self.topic_tenancy else [None]
         self.clients = {t: self._client(t) for t in names}
         self.in_flight: dict[str, tuple[InferenceClient, RequestHandle]] = {}
@@ -41,7 +39,7 @@ class ClientPool:
             request_topic, cancel_topic = f"{request_topic}.{tenant}", f"{cancel_topic}.{tenant}"
         return InferenceClient(
             request_topic=request_topic, cancel_topic=cancel_topic, settings=self.settings,
-            # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.` (worker/service/tenancy.py).
+            # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.`.
             reply_topic=kafka.reply_topic_prefix + (f"{tenant}." if tenant else "") + self.instance,
             reply_partitions=self.settings.gateway.reply_partitions,
         )
@@ -52,12 +50,11 @@ class ClientPool:
         log.info("gateway clients ready", reply_topics=[c.reply_topic for c in self.clients.values()])
 
     async def submit(self, tenant: str | None, fields: dict[str, Any]) -> RequestHandle:
-        """Publish one request for ``tenant``; raises pydantic's ValidationError for a request
-        the contract forbids (nothing is sent then)."""
+        """Publish one request for ``tenant``; raises ValidationError for a request the contract
+        forbids (nothing is sent then)."""
         client = self.clients[tenant if self.topic_tenancy else None]
         if tenant is not None:
-            # Topic tenancy too: the body always carries `tenant` (the contract default when
-            # unset), and the worker rejects one that is not the topic's.
+            # The body always carries `tenant`; the worker rejects one that is not the topic's.
             fields = {**fields, "tenant": tenant}
         fields.setdefault("timeout_s", self.settings.gateway.request_timeout_s)
         handle = await client.submit(request_id=uuid.uuid4().hex, **fields)
@@ -65,7 +62,7 @@ class ClientPool:
         return handle
 
     def release(self, handle: RequestHandle) -> None:
-        """The HTTP side is done with ``handle``: cancel it if it is still running (a hang-up)."""
+        """The HTTP side is done with ``handle``: cancel it if still running (a hang-up)."""
         self.in_flight.pop(handle.id, None)
         if not handle.finished:
             self._spawn_cancel(handle)
@@ -91,7 +88,7 @@ class ClientPool:
         await self._delete_reply_topics()
 
     async def _delete_reply_topics(self) -> None:
-        # The clients keep named reply topics (they may be shared); these are this instance's own.
+        # Named reply topics may be shared; these are this instance's own.
         admin = AIOKafkaAdminClient(**self.settings.kafka.connection_options())
         with contextlib.suppress(Exception):
             await admin.start()

@@ -38,8 +38,8 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> Ope
 
 
 def from_validation(exc: ValidationError, rename: dict[str, str]) -> OpenAIError:
-    """400 naming the field, from the contract's own validation (``rename``: contract field ->
-    the OpenAI parameter it came from)."""
+    """400 naming the field, from the contract's validation (``rename``: contract field -> OpenAI
+    parameter)."""
     err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
     loc = [str(p) for p in err["loc"]]
     if loc:
@@ -50,7 +50,7 @@ def from_validation(exc: ValidationError, rename: dict[str, str]) -> OpenAIError
 
 
 def from_inference(exc: InferenceError, retry_after_s: int, prompt_param: str = "messages") -> OpenAIError:
-    """The status of a request that the worker (or the client side) ended without text."""
+    """The status of a request the worker (or the client side) ended without text."""
     text = exc.message
     if isinstance(exc, (RateLimited, Overloaded)):
         kind = "rate_limit_exceeded" if isinstance(exc, RateLimited) else "overloaded"

@@ -1,6 +1,5 @@
-"""The Batch API's files (`/v1/files`): kept in a compacted topic (table.py), each file as its
-chunks (`<id>/<n>`, under a broker message each) then its metadata (`<id>`): a file whose
-metadata is there is whole. Files belong to the tenant of the key that uploaded them."""
+"""The Batch API's files (`/v1/files`) in a compacted topic: chunks (`<id>/<n>`) then metadata
+(`<id>`), so a file whose metadata is there is whole. Files belong to the uploading key's tenant."""
 from __future__ import annotations
 
 import json
@@ -13,7 +12,7 @@ from inferline.producer.gateway.errors import OpenAIError, bad_request
 from inferline.producer.gateway.table import TopicTable
 
 CHUNK_BYTES = 512 * 1024
-MAX_FILE_BYTES = 100 * 1024 * 1024  # OpenAI's cap for batch input files is 200 MB; these live in memory
+MAX_FILE_BYTES = 100 * 1024 * 1024  # OpenAI allows 200 MB; these live in memory
 PURPOSES = ("batch", "batch_output")
 
 
@@ -22,7 +21,7 @@ class FileStore:
         self.table = table
 
     async def meta(self, file_id: str, tenant: str | None) -> dict:
-        """The file object (OpenAI's shape); 404 for a file that is not there or not the tenant's."""
+        """The file object; 404 unless it is there and the tenant's."""
         record = await self._record(file_id, tenant)
         return {k: v for k, v in record.items() if k not in ("tenant", "chunks")}
 
@@ -38,8 +37,8 @@ class FileStore:
         return record
 
     async def delete(self, file_id: str, tenant: str | None) -> dict:
-        """OpenAI's deletion object. The metadata goes first: a file without it is gone even if
-        the gateway stops before its chunks' tombstones are written."""
+        """OpenAI's deletion object. The metadata goes first: without it the file is gone even if
+        its chunks' tombstones are never written."""
         record = await self._record(file_id, tenant)  # 404 unless it is there and the tenant's
         await self.table.delete(file_id)
         for n in range(record["chunks"]):
@@ -61,7 +60,7 @@ class FileStore:
 
 
 def parse_upload(content_type: str, body: bytes) -> tuple[bytes, str, str]:
-    """(data, filename, purpose) of a multipart/form-data upload (OpenAI's `file` and `purpose`)."""
+    """(data, filename, purpose) of a multipart/form-data upload."""
     if not content_type.startswith("multipart/form-data"):
         raise bad_request(None, "the upload must be multipart/form-data with `file` and `purpose`")
     message = BytesParser(policy=policy.HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)

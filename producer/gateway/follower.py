@@ -1,9 +1,8 @@
 """Reply events of every attempt -> the text an HTTP client has not been sent yet.
 
-An HTTP stream cannot take back what it sent. When a worker dies mid-generation and another
-runs the request again (a new `attempt`), the rerun's text is held back until it passes what
-was already sent (a greedy or seeded rerun gives the same text); a rerun that says something
-else cannot be shown, and the stream ends with an error.
+An HTTP stream cannot take back what it sent: when another worker reruns the request (a new
+`attempt`), its text is held back until it passes what was sent; a rerun that says something else
+ends the stream with an error.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ class TextFollower:
         self.index = index
         self.sent = ""
         self._attempt: str | None = None
-        self._text = ""  # the current attempt's text so far
+        self._text = ""
 
     @property
     def caught_up(self) -> bool:
@@ -36,7 +35,7 @@ class TextFollower:
         if isinstance(ev, TokensEvent) and ev.index == self.index:
             self._text += ev.text
         elif whole is not None:
-            self._text = whole  # the whole text: also repairs a gap in the events
+            self._text = whole  # also repairs a gap
         else:
             return ""
         if self._text.startswith(self.sent):
@@ -48,7 +47,7 @@ class TextFollower:
 
 
 def _whole_text(done: DoneEvent, index: int) -> str | None:
-    """Sample `index`'s whole text in `done` (sample 0's is the top-level text)."""
+    """Sample `index`'s whole text in `done`."""
     if done.samples:
         return next((s.text for s in done.samples if s.index == index), None)
     return done.text if index == 0 else None

@@ -1,5 +1,4 @@
-"""The gateway's Prometheus metrics, in a registry of its own (a worker in the same process keeps
-its own)."""
+"""The gateway's Prometheus metrics, in a registry of its own."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

@@ -1,8 +1,7 @@
-"""OpenAI request bodies -> the contract's request fields (PROTOCOL.md, "Request").
+"""OpenAI request bodies -> the contract's request fields (docs/protocol.md, "Request").
 
-Only shapes are handled here (a `stop` string becomes a list, content parts become text,
-`max_completion_tokens` becomes `max_tokens`); values are checked by the contract's own
-validation when the request is built, so a bad one fails with the same rule as on Kafka.
+Only shapes are handled here; values are checked by the contract's own validation, so a bad one
+fails by the same rule as on Kafka.
 """
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from pydantic import ValidationError
 from inferline.producer.gateway.errors import bad_request
 from inferline.contract.schema import ChatMessage
 
-# Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, as vLLM takes
-# them; the openai SDK sends `extra_body` there).
+# Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, where the
+# openai SDK sends `extra_body`).
 PASSTHROUGH = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
 # Features the engine does not have: refused by name rather than silently ignored.
@@ -27,12 +26,12 @@ MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 class Mapped:
     """What one OpenAI request asks of the fleet."""
 
-    fields: dict[str, Any]  # keyword arguments of InferenceClient.submit
+    fields: dict[str, Any]  # InferenceClient.submit's keyword arguments
     stream: bool
     include_usage: bool
     # contract field -> the OpenAI parameter it came from, for error messages
     rename: dict[str, str] = field(default_factory=dict)
-    logprobs: bool = False  # the answer carries logprobs (OpenAI's shape of the endpoint)
+    logprobs: bool = False  # the answer carries logprobs
 
 
 def chat_request(body: dict) -> Mapped:
@@ -43,7 +42,7 @@ def chat_request(body: dict) -> Mapped:
         raise bad_request("logprobs", "logprobs: must be a boolean")
     if logprobs or body.get("top_logprobs") is not None:  # the contract checks the pair
         _ask_logprobs(mapped, bool(logprobs), body.get("top_logprobs"))
-    if body.get("response_format") is not None:  # the contract's name and rules
+    if body.get("response_format") is not None:
         mapped.fields["response_format"] = body["response_format"]
     mapped.fields["messages"] = _messages(body.get("messages"))
     return mapped
@@ -52,7 +51,7 @@ def chat_request(body: dict) -> Mapped:
 def completion_request(body: dict) -> Mapped:
     """POST /v1/completions (legacy)."""
     mapped = _common(body)
-    top = body.get("logprobs")  # legacy: the number of alternatives, 0 for the token's own only
+    top = body.get("logprobs")  # legacy: the number of alternatives
     if top is not None:
         if type(top) is not int or not 0 <= top <= MAX_LEGACY_LOGPROBS:
             raise bad_request("logprobs", f"logprobs: must be an integer from 0 to {MAX_LEGACY_LOGPROBS}")

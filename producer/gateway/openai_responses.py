@@ -16,7 +16,7 @@ def usage_body(usage: Usage | None) -> dict:
 
 
 class Shape:
-    """How one endpoint's responses look: ``chat`` for /v1/chat/completions, else /v1/completions."""
+    """One endpoint's response shape: ``chat`` for /v1/chat/completions, else /v1/completions."""
 
     def __init__(self, chat: bool, request_id: str, model: str):
         self.chat = chat
@@ -29,8 +29,7 @@ class Shape:
 
     def whole(self, text: str, finish_reason: str, usage: Usage | None, samples: list[Sample] | None = None,
               logprobs: dict[int, list[TokenLogprob]] | None = None) -> dict:
-        """The non-streamed answer: one choice, or one per sample (n > 1); `logprobs` by sample
-        when the request asked for them."""
+        """The non-streamed answer: one choice per sample; `logprobs` by sample when asked."""
         outcomes = [(s.index, s.text, s.finish_reason) for s in samples] if samples else [(0, text, finish_reason)]
         choices = [self._choice(i, t, FINISH.get(r, r), None if logprobs is None else self.logprobs(logprobs.get(i, [])))
                    for i, t, r in outcomes]
@@ -44,7 +43,7 @@ class Shape:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict:
-        """OpenAI's logprobs object of the endpoint; `offset`: the legacy text_offset of the first."""
+        """The endpoint's logprobs object; `offset`: the legacy text_offset of the first."""
         if self.chat:
             return {"content": [_chat_entry(e) for e in entries], "refusal": None}
         tokens = [e.token or "" for e in entries]
@@ -55,7 +54,7 @@ class Shape:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
               include_usage: bool = False, index: int = 0, logprobs: dict | None = None) -> str:
-        """One SSE event with new text of choice `index` (chat: ``first`` also carries the role)."""
+        """One SSE event with new text of choice `index` (chat: ``first`` carries the role)."""
         finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
@@ -81,7 +80,7 @@ def _chat_entry(e: TokenLogprob) -> dict:
 
 
 def _bytes(token: str | None) -> list[int] | None:
-    # A token holding part of a UTF-8 character reads as U+FFFD: its own bytes are not known here.
+    # A token holding part of a UTF-8 character reads as U+FFFD.
     return None if token is None or "\ufffd" in token else list(token.encode())
 
 

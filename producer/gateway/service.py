@@ -69,10 +69,10 @@ class Gateway:
     async def _submit(self, tenant: str | None, mapped: Mapped) -> RequestHandle:
         fields = dict(mapped.fields)
         if tenant is None or tenant not in self.settings.gateway.priority_tenants:
-            fields.pop("priority", None)  # only keys allowed to set it may (docs/security.md)
+            fields.pop("priority", None)  # only keys allowed to set it may
         try:
             return await self.pool.submit(tenant, fields)
-        except ValidationError as exc:  # the contract's own rules, before anything is sent
+        except ValidationError as exc:  # the contract's rules, before anything is sent
             raise from_validation(exc, mapped.rename) from None
         except ValueError as exc:  # over the message size limit
             raise bad_request(None, str(exc)) from None
@@ -105,12 +105,11 @@ class Gateway:
 
     async def _stream(self, request: HttpRequest, handle: RequestHandle, shape: Shape, mapped: Mapped,
                       endpoint: str, t0: float) -> Response:
-        # Headers wait for the first event: a rejection (rate limit, bad prompt, deadline in the
-        # queue) then still gets its own status instead of an error inside a 200 stream.
+        # Headers wait for the first event, so a rejection still gets its own status.
         events = handle.events()
         try:
             first = await self._until(request, anext(events))
-        except InferenceError as exc:  # no event at all: a client-side timeout or shutdown
+        except InferenceError as exc:  # no event at all: client-side timeout or shutdown
             first, failure = None, exc
         else:
             failure = handle.failure if isinstance(first, DoneEvent) else None
@@ -120,7 +119,7 @@ class Gateway:
                         self._failure(failure, shape).response())
             return self._answer(endpoint, t0, response)
 
-        # Counted when the stream closes: a hang-up (499), an error inside the stream (its status).
+        # Counted when the stream closes: a hang-up (499), or the error's status.
         outcome = {"status": 200}
 
         def closed() -> None:
@@ -145,7 +144,7 @@ class Gateway:
                     text = f.feed(ev)
                     logprobs = None
                     if mapped.logprobs and isinstance(ev, TokensEvent) and ev.index == f.index and ev.logprobs \
-                            and f.caught_up:  # a rerun's tokens already sent are not sent again
+                            and f.caught_up:  # a rerun's tokens already sent are not resent
                         logprobs = shape.logprobs(ev.logprobs, offsets[f.index])
                         offsets[f.index] += sum(len(e.token or "") for e in ev.logprobs)
                     if text and quiet:
@@ -157,7 +156,7 @@ class Gateway:
         except (InferenceError, Diverged) as exc:
             yield self._stream_error(exc, shape, outcome)
             return
-        if handle.failure is not None:  # ended by the worker after it started (timeout, error)
+        if handle.failure is not None:  # ended by the worker after it started
             yield self._stream_error(handle.failure, shape, outcome)
             return
         done = handle.done_event
@@ -172,7 +171,7 @@ class Gateway:
         return from_inference(exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt")
 
     def _stream_error(self, exc: Exception, shape: Shape, outcome: dict) -> str:
-        # Headers are sent: the status goes into the event, as vLLM does; the SDKs raise on it.
+        # Headers are sent: the status goes into the event, as vLLM does.
         error = (self._failure(exc, shape) if isinstance(exc, InferenceError)
                  else OpenAIError(500, str(exc), type="server_error", code="diverged"))
         outcome["status"] = error.status
@@ -196,7 +195,7 @@ class Gateway:
 
 
 def logprobs_by_sample(handle: RequestHandle) -> dict[int, list[TokenLogprob]]:
-    """The final attempt's logprobs, by sample, from its `tokens` events."""
+    """The final attempt's logprobs, by sample."""
     out: dict[int, list[TokenLogprob]] = {}
     for ev in handle.log:
         if isinstance(ev, TokensEvent) and ev.attempt == handle.attempt and ev.logprobs:

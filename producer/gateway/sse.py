@@ -1,5 +1,5 @@
-"""A Server-Sent Events response that notices a client hanging up while nothing is being sent
-(a request waiting in the queue, a slow token), and always calls ``on_close`` at the end."""
+"""A Server-Sent Events response that notices a client hanging up while nothing is sent, and
+always calls ``on_close`` at the end."""
 from __future__ import annotations
 
 import contextlib
@@ -14,12 +14,12 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        # no-cache and no proxy buffering: each event must reach the client as it is written.
+        # no-cache, no proxy buffering: each event must reach the client as written.
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Starlette (ASGI 2.4) only sees a hang-up when a write fails; listen for it instead.
+        # Starlette only sees a hang-up when a write fails: listen for it instead.
         try:
             async with anyio.create_task_group() as group:
 

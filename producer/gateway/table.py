@@ -1,11 +1,9 @@
-"""A compacted Kafka topic read into a dict: the Batch API's files and batches live there, so they
-survive a gateway restart and every replica sees them, without a database.
+"""A compacted Kafka topic read into a dict: the Batch API's files and batches survive a gateway
+restart and every replica sees them, without a database.
 
-Each instance reads the whole topic at start (until its end), then follows it; a write is
-acknowledged by every in-sync replica (acks=all) before it counts, and shows in the writer's own
-dict at once. A key another instance wrote may not have been followed yet: `get` reads up to the
-topic's end before it answers "not there", so what one replica acknowledged, every replica finds.
-Compaction keeps the latest value of every key.
+Each instance reads the whole topic at start, then follows it; a write counts once acknowledged
+(acks=all). `get` reads up to the topic's end before it answers "not there", so what one replica
+acknowledged, every replica finds.
 """
 from __future__ import annotations
 
@@ -23,13 +21,13 @@ from inferline.producer.topics import create_topics
 
 log = structlog.get_logger(__name__)
 
-MAX_VALUE_BYTES = 900_000  # under the broker's default message.max.bytes (1 MiB)
+MAX_VALUE_BYTES = 900_000  # under the broker's default message.max.bytes
 CATCH_UP_TIMEOUT_S = 10.0
 
 
 class TopicTable:
     """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears
-    every value read from the topic (its own writes included, when they come back)."""
+    every value read (own writes included)."""
 
     def __init__(self, kafka: KafkaSettings, topic: str, on_change: Callable[[str, bytes], None] | None = None):
         self.kafka, self.topic, self.on_change = kafka, topic, on_change
@@ -75,7 +73,7 @@ class TopicTable:
                 if r.key is None:
                     continue
                 key = r.key.decode()
-                if r.value is None:  # a tombstone: deleted (by this replica or another)
+                if r.value is None:  # a tombstone: deleted
                     self.data.pop(key, None)
                     continue
                 self.data[key] = r.value
@@ -83,8 +81,7 @@ class TopicTable:
                     self.on_change(key, r.value)
 
     async def get(self, key: str) -> bytes | None:
-        """The key's value; on a miss, first follow the topic up to its end (another replica may
-        have just written it)."""
+        """The key's value; on a miss, first follow the topic up to its end."""
         if key not in self.data:
             try:
                 await self.caught_up()
@@ -95,8 +92,8 @@ class TopicTable:
         return self.data.get(key)
 
     async def caught_up(self, timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:
-        """Waits until the follower has read every record the topic held when called (a broker
-        round trip); raises TimeoutError past `timeout_s` (a broker that cannot answer)."""
+        """Wait until the follower has read what the topic held when called; TimeoutError past
+        `timeout_s`."""
         assert self._consumer is not None, "table not started"
         async with asyncio.timeout(timeout_s):
             end = await self._end()
@@ -113,7 +110,7 @@ class TopicTable:
         self.data[key] = value
 
     async def delete(self, key: str) -> None:
-        """A tombstone: compaction drops the key's records, and every replica forgets it."""
+        """A tombstone: every replica forgets the key."""
         assert self._producer is not None, "table not started"
         await self._producer.send_and_wait(self.topic, None, key=key.encode())
         self.data.pop(key, None)

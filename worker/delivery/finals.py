@@ -6,13 +6,7 @@ Every record the intake takes ends here as exactly one of:
     dead letter   the original record on the dead-letter topic, with the reason
     give back     `requeued`: this worker lets go of it, the partition's next owner runs it
 
-and only then is its input finished: in group mode its offset commits in the same Kafka
-transaction as the final record (worker/delivery/transactions.py); in share mode the record is
-acknowledged once its final record is on the broker (ACCEPT, REJECT for a dead letter, RELEASE for a
-give-back). An answer the broker refuses for good (the reply topic is gone, refuses the record, or
-is not the worker's) becomes a dead letter; one that only waits for the broker is retried
-(`INFERLINE_KAFKA__FINAL_RETRY_S`). Work taken under an older assignment is never made final
-under a newer one: it is given back.
+Only then is its input finished (offset committed in the same transaction, or record acknowledged).
 """
 from __future__ import annotations
 
@@ -31,14 +25,13 @@ log = structlog.get_logger(__name__)
 
 
 class Delivery:
-    """Answers, dead letters and give-backs, and what finishes their input (group mode: the
-    offsets commit inside the transactions, nothing more to say to the intake)."""
+    """Answers, dead letters and give-backs, and what finishes their input."""
 
     def __init__(self, settings, publisher: Publisher, ledger: JobLedger, metrics,
                  generation: Callable[[TopicPartition], int]) -> None:
         self._k = settings.kafka
         self.publisher, self.ledger, self._m = publisher, ledger, metrics
-        self._generation = generation  # the intake's assignment generation of a partition (Intake.epoch)
+        self._generation = generation  # a partition's assignment generation (Intake.epoch)
         self.num_resubmitted = 0
 
     # -- what the intake hands over ---------------------------------------------------------------
@@ -78,9 +71,8 @@ class Delivery:
             self._m.rejections.labels(code).inc()
 
     def answered_before(self, tp, offset: int, req: Request) -> bool:
-        """The same request again after its final `done` (same id, same content): running it
-        again would only duplicate that `done`. Its remembered `done` goes out again (the requester
-        may have missed it: that is why it came back), in the same transaction as its offset."""
+        """The same request again after its final `done` (same id and content): its remembered
+        `done` is resent (the requester may have missed it) with its offset."""
         if not self.ledger.finished(req):
             return False
         log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
@@ -109,8 +101,8 @@ class Delivery:
             on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err))
 
     def stale(self, job: Job) -> bool:
-        """Its partition moved since it was admitted (and it was handed back then): a final
-        result from here would be a second one."""
+        """Its partition moved since admission (and it was handed back): a final from here would
+        be a second one."""
         return job.generation != self._generation(job.tp)
 
     # -- outcomes ---------------------------------------------------------------------------------
@@ -127,8 +119,8 @@ class Delivery:
 
     def _answered(self, tp: TopicPartition, offset: int, outcome: str, topic: str, generation: int,
                   error: str | None) -> None:
-        """A `done` is final (committed or acked), or refused for good: then the record goes to
-        the dead-letter topic instead. Fenced: another worker owns the partition now."""
+        """A `done` is final, or refused for good and dead-lettered. Fenced: another worker owns
+        the partition now."""
         if outcome != "failed":
             self._input_done(tp, offset, outcome, generation)
             return
@@ -142,8 +134,7 @@ class Delivery:
 
     def _input_done(self, tp: TopicPartition, offset: int, outcome: str, generation: int,
                     verdict: str = "accept") -> None:
-        # Committed with its offset (the transaction finished it in the tracker), or, fenced or
-        # stopping, left unfinished for the partition's next owner.
+        # Committed with its offset, or (fenced, stopping) left for the partition's next owner.
         if outcome == "ok" and generation == self._generation(tp):
             self.ledger.release(tp, offset)
         self._verdict(tp, offset, verdict if outcome == "ok" else "release")
@@ -154,11 +145,11 @@ class Delivery:
 
 
 class AcknowledgedDelivery(Delivery):
-    """Share mode: no offsets; each record is acknowledged once its outcome is on the broker."""
+    """Share mode: each record is acknowledged once its outcome is on the broker."""
 
     def __init__(self, *args, decide: Callable[[TopicPartition, int, str], None], **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._decide = decide  # the share intake's acknowledgement: accept, reject, release
+        self._decide = decide
 
     def _verdict(self, tp: TopicPartition, offset: int, verdict: str) -> None:
         self.ledger.release(tp, offset)

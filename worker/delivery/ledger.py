@@ -1,11 +1,7 @@
 """The job ledger: every request a worker holds, from its record's intake to its committed outcome.
 
-- `Job`: one execution attempt of a request (the engine's request id is the attempt).
-- Records taken whose offset is not finished are *held*, to dead-letter one whose reply can never
-  be delivered; outcomes not yet committed are counted per partition (*unacked*), which is what a
-  revocation or a drain waits for.
-- Ids finished here are remembered (bounded), with their final `done` where small: the same
-  request coming back (a resubmission) is answered from here instead of running twice.
+A `Job` is one attempt. Records with unfinished offsets are *held* (to dead-letter one whose reply
+cannot be delivered); finished ids are remembered, so a resubmission is answered, not rerun.
 """
 from __future__ import annotations
 
@@ -20,9 +16,9 @@ from aiokafka import TopicPartition
 from inferline.contract.schema import Request
 from inferline.worker.delivery.publisher import ReplyStream
 
-# Ids of requests finished here, remembered so a resubmission does not run them twice.
+# Ids finished here, so a resubmission does not run twice.
 MAX_REMEMBERED_DONE = 100_000
-# The last final `done`s themselves, sent again when their request comes back (bounded bytes).
+# The last final `done`s, resent when their request comes back (bounded bytes).
 MAX_REMEMBERED_EVENTS = 10_000
 MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
 
@@ -35,7 +31,7 @@ class Job:
     offset: int
     received: float  # Unix seconds
     max_tokens: int
-    generation: int = 0  # its partition's assignment generation when it was admitted (Intake.epoch)
+    generation: int = 0  # its partition's generation at admission
     state: str = "waiting"  # waiting -> running -> finishing
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -93,7 +89,6 @@ class JobLedger:
         self._held.pop((tp, offset), None)
 
     def release_partitions(self, tps) -> None:
-        """Their next owner reads these records again."""
         for key in [k for k in self._held if k[0] in tps]:
             del self._held[key]
 
@@ -109,7 +104,6 @@ class JobLedger:
         self.settled.set()
 
     def unacked(self, tps=None) -> bool:
-        """Outcomes not committed yet (of `tps`, or of any partition)."""
         return any(self._unacked[tp] for tp in tps) if tps is not None else bool(self._unacked)
 
     def busy_partitions(self) -> set[TopicPartition]:
@@ -129,9 +123,9 @@ class JobLedger:
                 self._final_events.popitem(last=False)
 
     def finished(self, req: Request) -> bool:
-        """This very request (same id, same content) was answered here before."""
+        """This very request (same id and content) was answered here before."""
         return self._completed.get(req.id) == fingerprint(req)
 
     def final_event(self, request_id: str) -> tuple | None:
-        """(topic, partition, done bytes) of a request finished here, if still remembered."""
+        """(topic, partition, done bytes) of a request finished here, if remembered."""
         return self._final_events.get(request_id)

@@ -1,16 +1,13 @@
 """Per-partition offset ledgers: what may be committed, and which later offsets are final.
 
-A request's offset is finished when its outcome (a `done`, or the record on the dead-letter
-topic) is committed in the same Kafka transaction as the offset itself (worker/delivery/transactions.py).
-Requests finish out of order, so a commit says two things:
+A request's offset is finished when its outcome is committed in the same transaction as the
+offset. Requests finish out of order, so a commit says two things:
 
     seen:      100 101 102 103 105        (104 was a transaction marker)
     finished:   x   x       x   x
     commit ->  102, metadata "done above: 103 105"
 
-The offset is Kafka's "next offset to read" (the lowest unfinished one); the commit's metadata
-string lists the finished offsets above it (the ledger). A partition's next owner resumes from
-both: it reads again from 102 and skips 103 and 105, whose final results are already committed.
+The next owner reads again from 102 and skips 103 and 105, whose results are committed.
 """
 from __future__ import annotations
 
@@ -25,13 +22,13 @@ import structlog
 from aiokafka import TopicPartition
 
 log = structlog.get_logger(__name__)
-LAG_EVERY_S = 5.0  # how often the lag of paused partitions is refreshed
+LAG_EVERY_S = 5.0  # how often paused partitions' lag is refreshed
 _PLAIN, _PACKED = "1:", "2:"
 _PACK_ABOVE = 256  # characters: longer ledgers are zlib-packed
 
 
 def encode_ledger(mark: int, done: Iterable[int]) -> str:
-    """The finished offsets above `mark` as runs (gap, length) relative to the previous run, hex."""
+    """The finished offsets above `mark` as hex runs (gap, length), each relative to the last."""
     runs, prev_end = [], mark
     for o in sorted(o for o in done if o > mark):
         if runs and o == prev_end:
@@ -46,7 +43,7 @@ def encode_ledger(mark: int, done: Iterable[int]) -> str:
 
 
 def decode_ledger(mark: int, metadata: str | None) -> set[int]:
-    """The offsets encode_ledger(mark, ...) listed; a commit not made by a ledger lists none."""
+    """The offsets encode_ledger(mark, ...) listed; none for a commit not made by a ledger."""
     if not metadata or metadata[:2] not in (_PLAIN, _PACKED):
         return set()
     text = metadata[2:]
@@ -64,13 +61,13 @@ def decode_ledger(mark: int, metadata: str | None) -> set[int]:
 @dataclass
 class _PartitionState:
     unfinished: list[int] = field(default_factory=list)  # min-heap, may hold finished offsets
-    finished: set[int] = field(default_factory=set)  # finished but still inside the heap
+    finished: set[int] = field(default_factory=set)  # finished but still in the heap
     ahead: set[int] = field(default_factory=set)  # final before this owner read them (ledger)
     last_seen: int = -1
     committed: int | None = None  # the last watermark committed
 
     def watermark(self) -> int | None:
-        # Lazily drop finished offsets from the top of the heap: O(log n) amortised per offset.
+        # Lazily drop finished offsets from the top of the heap.
         while self.unfinished and self.unfinished[0] in self.finished:
             self.finished.discard(heapq.heappop(self.unfinished))
         if self.unfinished:
@@ -85,15 +82,15 @@ class OffsetTracker:
         self._parts: dict[TopicPartition, _PartitionState] = {}
 
     def resume(self, tp: TopicPartition, committed: int | None, metadata: str | None) -> None:
-        """A newly assigned partition starts from its last commit and that commit's ledger."""
+        """A newly assigned partition starts from its last commit and its ledger."""
         st = self._parts[tp] = _PartitionState()
         if committed is not None:
             st.last_seen, st.committed = committed - 1, committed
             st.ahead = decode_ledger(committed, metadata)
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
-        """An offset was taken from the consumer; it blocks the watermark until finished.
-        False when there is nothing to do: read before, or final already (the ledger says so)."""
+        """An offset was taken; it blocks the watermark until finished. False when read before, or
+        final already."""
         st = self._parts.setdefault(tp, _PartitionState())
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
         if offset <= st.last_seen:
@@ -105,24 +102,22 @@ class OffsetTracker:
         return True
 
     def finish(self, tp: TopicPartition, offset: int) -> None:
-        """The offset's outcome is committed."""
         st = self._parts.get(tp)
-        if st is None:  # the partition was revoked and forgotten meanwhile
+        if st is None:  # revoked and forgotten meanwhile
             return
         st.finished.add(offset)
 
     def next_offset(self, tp: TopicPartition) -> int | None:
-        """The first offset not taken yet (where a partition kept through a rebalance reads on)."""
+        """The first offset not taken yet (where a kept partition reads on)."""
         st = self._parts.get(tp)
         return None if st is None or st.last_seen < 0 else st.last_seen + 1
 
     def pending(self, tp: TopicPartition) -> int:
-        """How many taken offsets of `tp` are not finished."""
         st = self._parts.get(tp)
         return 0 if st is None else len(st.unfinished) - len(st.finished)
 
     def watermark(self, tp: TopicPartition) -> int | None:
-        """The next offset not yet finished (what a commit now would say), if any was seen."""
+        """The next unfinished offset (what a commit now would say), if any was seen."""
         st = self._parts.get(tp)
         return None if st is None else st.watermark()
 
@@ -140,7 +135,7 @@ class OffsetTracker:
         return mark, encode_ledger(mark, done)
 
     def to_commit(self, tps=None) -> dict[TopicPartition, int]:
-        """Watermarks that moved since the last commit (all partitions, or only `tps`)."""
+        """Watermarks that moved since the last commit (all partitions, or `tps`)."""
         out = {}
         for tp in self._parts if tps is None else tps:
             st = self._parts.get(tp)
@@ -152,7 +147,6 @@ class OffsetTracker:
         return out
 
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
-        """The broker accepted these watermarks."""
         for tp, mark in offsets.items():
             if tp in self._parts:
                 st = self._parts[tp]
@@ -160,7 +154,6 @@ class OffsetTracker:
                 st.ahead = {o for o in st.ahead if o > mark}
 
     def forget(self, tps) -> None:
-        """Drop partitions that moved to another worker."""
         for tp in tps:
             self._parts.pop(tp, None)
 
@@ -169,31 +162,30 @@ class OffsetTracker:
 
 
 class LagGauge:
-    """Consumer lag per partition: records behind the end offset, counted from the watermark."""
+    """Consumer lag per partition: records from the watermark to the end offset."""
 
     def __init__(self, tracker: OffsetTracker, gauge) -> None:
         self._tracker, self._gauge = tracker, gauge
         self.consumer = None
 
     def update(self) -> None:
-        """After a fetch: the high watermarks it brought (a paused partition's is stale: run())."""
+        """After a fetch: the high watermarks it brought."""
         for tp in self.consumer.assignment() - self.consumer.paused():
             high = self.consumer.highwater(tp)
             if high is not None:
                 self._set(tp, high, self._tracker.watermark(tp))
 
     async def run(self) -> None:
-        # A paused partition is not fetched, so its high watermark (from fetch responses) stops
-        # moving exactly when the lag matters most: ask for the end offsets now and then.
+        # A paused partition is not fetched, so its high watermark stops moving: ask now and then.
         while True:
             await asyncio.sleep(LAG_EVERY_S)
             try:
                 await self._update_paused()
-            except Exception as exc:  # noqa: BLE001 - a gauge is not worth more than a log line
+            except Exception as exc:  # noqa: BLE001 - a gauge is worth a log line at most
                 log.debug("intake.lag_error", error=repr(exc))
 
     def remove(self, tps) -> None:
-        """Partitions that moved: their new owner reports them (a stale value would win a max())."""
+        """Partitions that moved: their new owner reports them."""
         for tp in tps:
             try:
                 self._gauge.remove(str(tp.partition))

@@ -1,24 +1,10 @@
 """Reply events through one idempotent producer; final results through transactions.
 
-- Every event of one attempt gets the next `seq` at the moment it is queued, and a topic's
-  events are sent by one lane task in queue order; the idempotent producer keeps that order
-  within a partition, so a client sees seq 0, 1, 2, ... with no gaps.
-- Tokens are coalesced: `tokens()` only buffers; a flusher turns each stream's buffer into one
-  `tokens` event every `flush_interval_ms`, and not while that stream's last event is unacked
-  (a slow broker gets fewer, larger events, not a queue). `done` flushes the buffer first.
-- A final result (a `done` that ends a request, a dead letter) is not sent here: once every
-  earlier event of its attempt is acked (so it lands after them), it goes to the input
-  partition's transaction with its offset (worker/delivery/transactions.py).
-- In share mode (INFERLINE_KAFKA__INTAKE=share) there are no transactions: a final result goes
-  through the idempotent producer like any event, and its record is acknowledged to the share
-  group once the broker has it (worker/intake/share.py).
-- Nothing here blocks the engine or the intake: events queue up, and `backlog` (queued plus
-  un-acked) is what the intake watches to pause itself when the broker falls behind.
-- One lane (queue + task) per topic: a reply topic whose metadata never arrives stalls only its
-  own requests, not every reply of the worker. A topic whose send just failed (deleted, refusing
-  every batch, no leader) is *failing* for FAILING_FOR_S: its `started`/`tokens` events are
-  dropped at once instead of each waiting out a timeout, and its backlog does not count towards
-  `full()`, so one bad topic never pauses intake for the others.
+Each event of an attempt gets the next `seq` when queued and one lane task per topic sends in queue
+order, so a client sees seq 0, 1, 2, ... without gaps. Tokens are coalesced every
+`flush_interval_ms`, not while a stream's last event is unacked. A final result goes to its input
+partition's transaction once its attempt's earlier events are acked. A topic whose send failed is
+*failing* for a while: its streamed events are dropped and its backlog does not pause intake.
 """
 from __future__ import annotations
 
@@ -44,7 +30,7 @@ FAILING_FOR_S = 30.0
 
 @dataclass(frozen=True)
 class ReplyRoute:
-    """Where a request's reply goes: all a rejection needs, decoded request or not."""
+    """Where a request's reply goes: all a rejection needs."""
 
     request_id: str
     topic: str
@@ -52,14 +38,13 @@ class ReplyRoute:
 
     @classmethod
     def of(cls, req: Request | InvalidRequest) -> "ReplyRoute":
-        """Of a request, or of an invalid one (which carries the id and reply address it read)."""
         rid = req.request_id if isinstance(req, InvalidRequest) else req.id
         return cls(rid, req.reply_topic, req.reply_partition)
 
 
 @dataclass
 class ReplyStream:
-    """The reply side of one attempt: where its events go and how far its seq has got."""
+    """The reply side of one attempt: where its events go and its seq so far."""
 
     request_id: str
     attempt: str
@@ -70,7 +55,7 @@ class ReplyStream:
     pending: dict[int, "_Pending"] = field(default_factory=dict)  # by sample index: not yet in an event
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
-    in_flight: int = 0  # events queued or sent, not acked yet
+    in_flight: int = 0
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
     def next_seq(self) -> int:
@@ -92,11 +77,10 @@ class ReplyStream:
 
 @dataclass
 class _Pending:
-    """One sample's tokens produced and not yet in an event."""
 
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
-    logprobs: list[dict] | None = None  # aligned with token_ids when the request asked for them
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -109,8 +93,8 @@ class _Outgoing:
     on_acked: Callable[[Outcome], None] | None = None  # must-deliver when set
     tries: int = 0
     first_failed: float | None = None
-    forever: bool = False  # retried until the broker takes it (dead letters: the last resort)
-    stream: ReplyStream | None = None  # a streamed event: its attempt's `done` waits for its ack
+    forever: bool = False  # retried until the broker takes it (dead letters)
+    stream: ReplyStream | None = None  # streamed: its attempt's `done` waits for its ack
     source: tuple[TopicPartition, int, int] | None = None  # final: committed with (tp, offset, generation)
 
 
@@ -124,13 +108,13 @@ class Publisher:
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
         self._lanes: dict[str, asyncio.Queue[_Outgoing]] = {}
-        self._tasks: set[asyncio.Task] = set()  # lanes and finals waiting to be handed off
-        self._dirty: dict[str, ReplyStream] = {}  # attempt -> stream with buffered tokens
+        self._tasks: set[asyncio.Task] = set()
+        self._dirty: dict[str, ReplyStream] = {}
         self._flusher: asyncio.Task | None = None
-        self.backlog = 0  # queued or in flight, not yet acked
+        self.backlog = 0  # queued or in flight, not acked
         self._topic_backlog: Counter[str] = Counter()
-        self._failing: dict[str, float] = {}  # topic -> monotonic time its failing state ends
-        self._on_send_failed = on_send_failed  # topic -> None: the reply-topic cache forgets it
+        self._failing: dict[str, float] = {}
+        self._on_send_failed = on_send_failed
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -139,7 +123,7 @@ class Publisher:
             **self._kafka.client_options(),
             enable_idempotence=True,  # forces acks=all; one batch in flight per partition
             acks="all",
-            linger_ms=5,  # a few ms of batching turns many small events into few requests
+            linger_ms=5,  # batch many small events into few requests
             max_request_size=self._kafka.max_message_bytes + 64 * 1024,
             max_batch_size=reply_batch_bytes(self._kafka),
         )
@@ -147,7 +131,7 @@ class Publisher:
         self._flusher = asyncio.create_task(self._flush_loop(), name="publisher-flush")
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Flush buffered tokens, wait (bounded) for every queued event to be acked, close."""
+        """Flush buffered tokens, wait (bounded) for every queued event's ack, close."""
         self.flush_all(force=True)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -161,9 +145,8 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses. Failing topics do not count, nor
-        dead letters (one per record taken, so bounded by the pool already): a burst of requests
-        refused for their reply topic must not pause intake for everyone else."""
+        """Too many replies wait for the broker: intake pauses. Failing topics and dead letters
+        (bounded by the pool already) do not count."""
         stuck = sum(self._topic_backlog[t] for t in self._failing_topics()) + self._topic_backlog[self._kafka.dlq_topic]
         return self.backlog - stuck >= self._kafka.max_pending_replies
 
@@ -192,8 +175,7 @@ class Publisher:
         pending.text.append(text)
         if logprobs is not None:
             pending.logprobs = (pending.logprobs or []) + logprobs
-        # The first tokens go at once (time to first token is what users feel); later ones are
-        # coalesced over the flush interval to keep the event rate sane.
+        # The first tokens go at once (time to first token); later ones are coalesced.
         if self._kafka.flush_interval_ms <= 0 or rs.seq <= 1:
             self._flush(rs)
         else:
@@ -204,9 +186,8 @@ class Publisher:
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
              metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int, int] | None = None,
              samples: list[Sample] | None = None, on_acked: Callable[..., None]) -> None:
-        """The last event of the attempt. With `source` (the input it ends: partition, offset,
-        assignment generation) it is final and committed with that offset; `on_acked(outcome,
-        error)` says how it went."""
+        """The attempt's last event. With `source` (partition, offset, generation) it is final and
+        committed with that offset; `on_acked(outcome, error)` says how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(
@@ -225,15 +206,15 @@ class Publisher:
     def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
                     headers: list[tuple[str, bytes]], source: tuple[TopicPartition, int, int],
                     on_acked: Callable[..., None]) -> None:
-        # A tombstone (value None) has nothing to dead-letter but the key; keep it a tombstone.
+        # A tombstone (value None) stays a tombstone.
         self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked,
                                 forever=True, source=source))
         self._metrics.dead_letters.inc()
 
     def finish_offset(self, source: tuple[TopicPartition, int, int], record: tuple | None,
                       on_acked: Callable[..., None]) -> None:
-        """Finish an input whose request was answered before: with its remembered `done`
-        (topic, partition, key, value) sent again in the same transaction, or with no record."""
+        """Finish an input answered before: its remembered `done` resent in the same transaction,
+        or no record."""
         topic, partition, key, value = record if record is not None else ("", None, None, b"")
         self._enqueue(_Outgoing(topic, partition, key, value, None, on_acked, source=source))
 
@@ -242,13 +223,13 @@ class Publisher:
     def _flush(self, rs: ReplyStream) -> None:
         self._dirty.pop(rs.attempt, None)
         pending, rs.pending = rs.pending, {}
-        for index, p in sorted(pending.items()):  # one event per sample: an event has one index
+        for index, p in sorted(pending.items()):
             self._emit(rs, TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), index=index,
                                        token_ids=p.token_ids, text="".join(p.text), logprobs=p.logprobs))
 
     def flush_all(self, force: bool = False) -> None:
-        """Every stream's buffered tokens as one event each; a stream whose last event the broker
-        has not acked yet keeps buffering (one event in flight per stream), unless `force`."""
+        """Each stream's buffered tokens as one event; a stream with an unacked event keeps
+        buffering, unless `force`."""
         for rs in list(self._dirty.values()):
             if force or not rs.in_flight:
                 self._flush(rs)
@@ -271,13 +252,13 @@ class Publisher:
         self._metrics.pending_replies.set(self.backlog)
         if out.source is not None:
             if self._transactional:
-                # The loop keeps only weak references to tasks: hold this one until it has handed off.
+                # The loop holds tasks weakly: keep this one until it has handed off.
                 task = asyncio.get_running_loop().create_task(self._to_transaction(out))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 return
-            out.source = None  # share mode: sent like any other event, final once acked
-            if not out.topic:  # no record to send (answered before): nothing to wait for
+            out.source = None  # share mode: sent like any event, final once acked
+            if not out.topic:  # answered before: nothing to send
                 asyncio.get_running_loop().call_soon(self._settle, out, "ok")
                 return
         if out.stream is not None:
@@ -291,7 +272,7 @@ class Publisher:
         lane.put_nowait(out)
 
     async def _lane(self, topic: str, lane: asyncio.Queue) -> None:
-        # The lane ends when drained, so per-request reply topics do not pile up idle tasks.
+        # The lane ends when drained: per-request reply topics leave no idle tasks.
         while not lane.empty():
             out = lane.get_nowait()
             if out.on_acked is None and self.failing(topic):  # would only wait out a timeout
@@ -307,8 +288,7 @@ class Publisher:
         self._prune_metadata()
 
     def _prune_metadata(self) -> None:
-        # aiokafka's producer refreshes metadata for every topic it ever sent to: with a reply
-        # topic per client (or per request) that grows without end. Keep the ones in use.
+        # aiokafka refreshes metadata for every topic it ever sent to: keep the ones in use.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
             client.set_topics({t for t in (*self._lanes, *self._topic_backlog) if t} | {self._kafka.dlq_topic})
@@ -326,9 +306,9 @@ class Publisher:
         try:
             return await self._producer.send(out.topic, out.value, key=out.key, partition=out.partition,
                                              headers=out.headers)
-        except AssertionError:  # reply_partition does not exist in the topic
+        except AssertionError:  # reply_partition not in the topic
             log.warning("publisher.no_such_partition", topic=out.topic, partition=out.partition)
-            out.partition = None  # better a done by key than no done at all
+            out.partition = None  # better a done by key than none
             return await self._producer.send(out.topic, out.value, key=out.key, headers=out.headers)
 
     def _acked(self, out: _Outgoing, fut: asyncio.Future) -> None:
@@ -345,10 +325,10 @@ class Publisher:
             log.warning("publisher.topic_failing", topic=out.topic, error=repr(exc))
             if self._on_send_failed:
                 self._on_send_failed(out.topic)
-        if out.on_acked is None:  # started/tokens: counted, not logged (a dead topic would flood)
+        if out.on_acked is None:  # streamed: counted, not logged (a dead topic would flood)
             self._settle(out, "failed")
             return
-        # Like a final in a transaction: a permanent refusal at once, a passing cause after a while.
+        # As for a transaction's final: permanent refusals at once, passing causes after a while.
         out.first_failed = out.first_failed or time.monotonic()
         if not out.forever and (permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s):
             log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))

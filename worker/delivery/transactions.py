@@ -1,14 +1,9 @@
-"""Final results committed together with their input offsets, one Kafka transaction at a time
-per owned input partition (the consume-transform-produce pattern).
+"""Final results committed with their input offsets, one Kafka transaction at a time per owned
+input partition (consume-transform-produce).
 
-Each owned request partition has its own transactional producer, `transactional_id`
-`<group>.<topic>.<partition>`: when the partition moves, its new owner's producer takes the same
-id, which aborts whatever the old owner left open and fences it (its later commits fail with
-ProducerFenced). A final outcome (a `done`, a rejection, a dead letter) is queued here with its
-input offset; the partition's task takes everything queued and commits it in one transaction
-with the offset ledger (worker/delivery/offsets.py). A read_committed reader sees the records and the
-offset together or not at all, so a request is rerun only if its final result was never visible.
-`started`/`tokens` stay outside, streamed at once by the Publisher's idempotent producer.
+Each partition's producer has the transactional id `<group>.<topic>.<partition>`: a new owner
+taking it aborts the old owner's open transaction and fences it. A read_committed reader sees a
+final and its offset together or not at all, so a request reruns only if its result never showed.
 """
 from __future__ import annotations
 
@@ -29,21 +24,21 @@ from inferline.worker.delivery.offsets import decode_ledger
 
 log = structlog.get_logger(__name__)
 Outcome = Literal["ok", "failed", "fenced"]  # ok: committed (or, not final, acked)
-# Refusals that no retry changes: the record, or the topic, is not this worker's to write.
+# Refusals no retry changes: the record, or the topic, is not this worker's to write.
 PERMANENT = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError,
              InvalidTopicError, CorruptRecordException, UnsupportedForMessageFormatError)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
-# A reply topic's metadata is awaited this long before the transaction begins: a deleted topic
-# then costs a retry, not an open transaction that holds back every read_committed reader.
+# Wait this long for a reply topic's metadata before the transaction begins: a deleted topic then
+# costs a retry, not an open transaction holding back every read_committed reader.
 METADATA_WAIT_S = 5.0
-# A transaction that has not committed by then is given up: the producer is replaced (its new
-# InitProducerId aborts the transaction on the broker, or waits for its commit to finish).
+# A transaction not committed by then is given up: the producer is replaced (its InitProducerId
+# aborts the transaction, or waits for its commit to finish).
 TRANSACTION_WAIT_S = 30.0
-# Reply topics a producer keeps metadata for; past it, topics idle now are dropped.
+# Reply topics a producer keeps metadata for; past it, idle ones are dropped.
 MAX_PRODUCER_TOPICS = 512
-# Test hook (tests/kafka/test_transactions.py, make chaos): SIGKILL this process after the Nth
-# transaction's records are on the broker and before its commit.
+# Fault hook for tests: SIGKILL this process after the Nth transaction's records are on the broker,
+# before its commit.
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
 
 
@@ -56,17 +51,17 @@ def permanent(exc: BaseException) -> bool:
 
 
 class Ownership(Protocol):
-    """What PartitionTxn asks the intake before it acts for a partition (worker/intake/group.py)."""
+    """What PartitionTxn asks the intake before it acts for a partition."""
 
-    def owns(self, tp: TopicPartition, generation: int) -> bool: ...  # this assignment, locally
+    def owns(self, tp: TopicPartition, generation: int) -> bool: ...
     async def confirm(self, tp: TopicPartition) -> bool: ...  # the group coordinator agrees
     async def committed(self, tp: TopicPartition) -> tuple[int, str | None] | None: ...  # offset, ledger
     async def gone(self, topic: str) -> bool: ...  # the broker answers and lists no such topic
-    def give_up(self, tp: TopicPartition) -> None: ...  # another owner: stop taking, requeue
+    def give_up(self, tp: TopicPartition) -> None: ...
 
 
 class Owner:
-    """Ownership of a lone PartitionTxn (tests, benchmarks): every partition is its own."""
+    """Ownership of a lone PartitionTxn: every partition is its own."""
 
     def owns(self, tp, generation) -> bool:
         return True
@@ -86,13 +81,13 @@ class Owner:
 
 @dataclass
 class Final:
-    """One request's final records (none for a request already answered) and its input offset."""
+    """One request's final records (none if already answered) and its input offset."""
 
     offset: int
     records: list[tuple]  # (topic, partition, key, value, headers)
     on_done: Callable[..., None]  # (outcome, error: str | None)
     forever: bool = False  # a dead letter: retried until the broker takes it
-    generation: int = 0  # the assignment it was taken under: never committed in another
+    generation: int = 0
     tries: int = 0
     first_failed: float | None = None
     not_before: float = 0.0
@@ -103,17 +98,15 @@ class Final:
 
 
 def listed(producer, topic: str) -> None:
-    """Put `topic` on the producer's metadata list before sending to it. aiokafka lists a topic
-    only when its cache lacks it: one cached by an all-topic fetch (a refresh with the list still
-    empty) or kept from before a prune would go out unlisted, and a later refresh would drop it."""
+    """Put `topic` on the producer's metadata list before sending: aiokafka lists only topics its
+    cache lacks, so one cached otherwise would go out unlisted and a refresh would drop it."""
     client = producer.client
     if topic not in client._topics:
         client.add_topic(topic)
 
 
 def reply_batch_bytes(kafka) -> int:
-    """Batches as large as every reply topic takes (intake refuses topics whose
-    `max.message.bytes` is below it): fewer, larger produce batches than aiokafka's 16 KiB."""
+    """Batches as large as every reply topic takes: fewer, larger batches than aiokafka's 16 KiB."""
     return kafka.min_reply_message_bytes
 
 
@@ -128,12 +121,10 @@ class _Unresolved(RuntimeError):
 class PartitionTxn:
     """The transactional producer of one owned input partition and its queue of finals.
 
-    A batch's failure is charged to what caused it: a record the broker refused costs its own
-    final (dead-lettered at once when the refusal is permanent), the other finals of the batch go
-    again at once. Causes that may pass are retried until `retry_s` after a final's first
-    failure. A commit whose outcome is unknown is resolved from the group's committed offsets
-    before anything is retried, and nothing re-takes the transactional id (InitProducerId, which
-    fences whoever holds it) unless the group coordinator confirms this worker owns the partition.
+    A failure is charged to its cause: a refused record costs its own final (dead-lettered at once
+    if permanent), the batch's others go again. Transient causes are retried for `retry_s`. A commit
+    of unknown outcome is resolved from the group's committed offsets before any retry, and the
+    transactional id is re-taken only when the coordinator confirms this worker owns the partition.
     """
 
     def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
@@ -145,16 +136,16 @@ class PartitionTxn:
         self.generation, self._owner, self._retry_s = generation, owner or Owner(), retry_s
         self._producer: AIOKafkaProducer | None = None
         self._queue: list[Final] = []
-        self._committing: list[Final] = []  # taken from the queue, outcome not known yet
+        self._committing: list[Final] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._commit_sent = False
-        self._busy = asyncio.Lock()  # one transaction at a time on the producer
+        self._busy = asyncio.Lock()  # one transaction at a time
         self.fenced = False
 
     async def start(self) -> None:
-        """Takes the partition's transactional id: the old owner's open transaction is aborted
-        and the old owner fenced before this returns (so its ledger can be read after)."""
+        """Takes the partition's transactional id: the old owner is fenced and its open
+        transaction aborted before this returns (so the ledger can be read after)."""
         self._producer = self._factory(self.tp)
         await self._take_id()
         self._task = asyncio.create_task(self._run(), name=f"txn-{self.tp.topic}-{self.tp.partition}")
@@ -165,8 +156,8 @@ class PartitionTxn:
         await self._producer.abort_transaction()  # empty: nothing goes to the broker
 
     async def holds_id(self) -> bool:
-        """A round trip as this producer: an offsets-only transaction that commits the ledger again.
-        False once another producer took the transactional id (or the broker cannot say now)."""
+        """A round trip as this producer (an offsets-only transaction): False once another producer
+        took the id, or the broker cannot say now."""
         async with self._busy:
             ledger = self._tracker.ledger(self.tp)
             if self.fenced or self._producer is None or ledger is None:
@@ -186,7 +177,7 @@ class PartitionTxn:
 
     def submit(self, final: Final) -> None:
         if self.fenced or final.generation != self.generation:
-            final.on_done("fenced")  # another owner, or another assignment: its owner reads it again
+            final.on_done("fenced")  # another owner or assignment: its owner reads it again
             return
         self._queue.append(final)
         self._wake.set()
@@ -198,7 +189,7 @@ class PartitionTxn:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for final in self._committing + self._queue:  # the next owner reads these requests again
+        for final in self._committing + self._queue:
             final.on_done("fenced")
         self._committing, self._queue = [], []
         if self._producer:
@@ -224,9 +215,8 @@ class PartitionTxn:
                 self._committing = []
 
     async def _next_batch(self) -> list[Final]:
-        """What the next transaction carries. Transactions of a partition begin at most once per
-        `interval_s`: a transaction costs the broker the same for one final as for a hundred, so
-        under load the finals of several cycles share one; an idle partition's final goes at once."""
+        """What the next transaction carries. A partition begins at most one per `interval_s`: a
+        transaction costs the broker the same for one final as for a hundred."""
         await asyncio.sleep(max(0.0, self._last_begin + self._interval - time.monotonic()))
         batch = self._take()
         if batch:
@@ -234,8 +224,8 @@ class PartitionTxn:
         return batch
 
     def _take(self) -> list[Final]:
-        """Everything due, fresh ones together; one that failed before goes alone, so a bad
-        reply topic cannot keep failing the others' transactions."""
+        """Everything due, fresh ones together; a retried one goes alone, so a bad reply topic
+        cannot keep failing the others."""
         now = time.monotonic()
         due = [f for f in self._queue if f.not_before <= now]
         fresh = [f for f in due if f.tries == 0]
@@ -245,8 +235,8 @@ class PartitionTxn:
         return batch
 
     def _fitting(self, batch: list[Final]) -> list[Final]:
-        """The finals whose ledger fits the broker's metadata limit, lowest offsets first (the
-        lowest unfinished offset always fits: finishing it shortens the ledger)."""
+        """The finals whose ledger fits the metadata limit, lowest offsets first (the lowest always
+        fits: finishing it shortens the ledger)."""
         whole = self._tracker.ledger(self.tp, [f.offset for f in batch])
         if whole is None or len(whole[1]) <= self._metadata_max:
             return batch
@@ -274,7 +264,7 @@ class PartitionTxn:
             await self._resolve(batch, ledger, exc)
             return
         fence = next((exc for _, exc in refused if isinstance(exc, ProducerFenced)), None)
-        if fence is not None:  # the records were refused because the id was taken, not for themselves
+        if fence is not None:  # refused because the id was taken, not for themselves
             await self._fenced(batch, fence)
             return
         if refused:
@@ -284,12 +274,12 @@ class PartitionTxn:
         self._committed(batch, ledger)
 
     async def _transact(self, batch: list[Final], ledger) -> list[tuple[Final, BaseException]]:
-        """One transaction; the finals whose records the broker refused (then nothing commits)."""
+        """One transaction; returns the finals whose records were refused (nothing commits then)."""
         p = self._producer
         await p.begin_transaction()
         sent = [(f, await _sent(p, topic, value, key, partition, headers))
                 for f in batch for topic, partition, key, value, headers in f.records]
-        # aiokafka would commit around a record the broker refused: every one must be in first.
+        # aiokafka would commit around a refused record: every one must be in first.
         results = await asyncio.gather(*(fut for _, fut in sent), return_exceptions=True)
         refused = [(f, r) for (f, _), r in zip(sent, results) if isinstance(r, BaseException)]
         if refused:
@@ -313,7 +303,7 @@ class PartitionTxn:
         self._prune_metadata()
 
     async def _refused(self, batch: list[Final], refused: list[tuple[Final, BaseException]]) -> None:
-        """Some records were refused: each costs its own final; the rest go again at once."""
+        """Refused records each cost their own final; the rest go again at once."""
         await self._reopen(refused[0][1])
         guilty = {id(f): exc for f, exc in refused}
         for f in batch:
@@ -324,9 +314,8 @@ class PartitionTxn:
         self._wake.set()
 
     async def _resolve(self, batch: list[Final], ledger, exc: BaseException) -> None:
-        """The transaction failed. A commit that was sent may have happened: after the producer is
-        replaced (its InitProducerId waits for that transaction to end), the group's committed
-        offsets say whether it did. Until they can be read, nothing is retried."""
+        """A sent commit may have happened: once the producer is replaced (its InitProducerId
+        waits for that transaction), the group's committed offsets say. No retry until then."""
         sent = self._commit_sent
         await self._reopen(exc)
         if self.fenced or not sent or ledger is None:
@@ -335,7 +324,7 @@ class PartitionTxn:
         while not self.fenced:
             try:
                 committed = await self._owner.committed(self.tp)
-            except Exception as again:  # noqa: BLE001 - the broker may be away: ask again
+            except Exception as again:  # noqa: BLE001 - broker away: ask again
                 log.warning("txn.outcome_unknown", partition=self.tp.partition, error=repr(again))
                 await asyncio.sleep(RETRY_BACKOFF_S)
                 continue
@@ -347,8 +336,8 @@ class PartitionTxn:
             return
 
     async def _with_metadata(self, batch: list[Final]) -> list[Final]:
-        """The finals whose topics this producer knows now (or within METADATA_WAIT_S); a named
-        partition the topic does not have gives way to the key's (better a done by key than none)."""
+        """The finals whose topics the producer knows within METADATA_WAIT_S; a named partition the
+        topic lacks gives way to the key's."""
         topics = sorted(set().union(*(f.topics for f in batch)))
         known = dict(zip(topics, await asyncio.gather(*(self._partitions(t) for t in topics))))
         for topic in [t for t, parts in known.items() if parts is None]:
@@ -364,23 +353,22 @@ class PartitionTxn:
     async def _gone(self, topic: str) -> bool:
         try:
             return await self._owner.gone(topic)
-        except Exception:  # noqa: BLE001 - the broker does not answer: not known to be gone
+        except Exception:  # noqa: BLE001 - no answer: not known to be gone
             return False
 
     async def _partitions(self, topic: str) -> set[int] | None:
         listed(self._producer, topic)
         try:
             return await asyncio.wait_for(self._producer.partitions_for(topic), METADATA_WAIT_S)
-        except Exception:  # noqa: BLE001 - missing, unauthorized or slow: all mean "not now"
+        except Exception:  # noqa: BLE001 - missing, unauthorized or slow: "not now"
             return None
 
     # -- failures -----------------------------------------------------------------------------------
 
     async def _reopen(self, exc: BaseException) -> None:
-        """After a failed transaction the producer is replaced, not reused: aiokafka does not reset
-        its sequence numbers after a refused batch, so the next send to that partition would be
-        retried forever. The new producer's InitProducerId aborts the transaction on the broker,
-        and fences whoever holds the id: only an owner the coordinator confirms may do that."""
+        """Replace the producer after a failed transaction: aiokafka does not reset its sequence
+        numbers after a refused batch, so the next send would retry forever. The new producer's
+        InitProducerId fences whoever holds the id: only a confirmed owner may do that."""
         self._m.transactions.labels("aborted").inc()
         log.warning("txn.aborted", partition=self.tp.partition, error=repr(exc))
         old, self._producer = self._producer, None
@@ -398,8 +386,8 @@ class PartitionTxn:
             log.warning("txn.reopen_failed", partition=self.tp.partition, error=repr(again))
 
     async def _confirmed(self) -> bool:
-        """This worker still owns the partition, locally and by the group coordinator's word;
-        otherwise the partition is given up (fenced: its finals go back, intake stops taking it)."""
+        """This worker still owns the partition, locally and by the coordinator's word; otherwise
+        the partition is given up."""
         for attempt in range(3):
             if not self._owner.owns(self.tp, self.generation):
                 break
@@ -407,16 +395,15 @@ class PartitionTxn:
                 if await self._owner.confirm(self.tp):
                     return True
                 break
-            except Exception as exc:  # noqa: BLE001 - ask again, then give up the partition
+            except Exception as exc:  # noqa: BLE001 - ask again, then give up
                 log.warning("txn.confirm_failed", partition=self.tp.partition, error=repr(exc))
                 await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
         self._give_up()
         return False
 
     async def _fenced(self, batch: list[Final], exc: BaseException) -> None:
-        """Someone took the transactional id. If the coordinator says the partition is still this
-        worker's (the broker fences a producer itself when it aborts a timed-out transaction), the
-        id is taken back and the finals go again; otherwise the partition is given up."""
+        """Someone took the transactional id (the broker does too, aborting a timed-out
+        transaction): retake it if the coordinator says the partition is ours, else give up."""
         self._m.transactions.labels("fenced").inc()
         log.warning("txn.fenced", partition=self.tp.partition, error=repr(exc))
         await self._reopen(exc)
@@ -451,8 +438,8 @@ class PartitionTxn:
             asyncio.get_running_loop().call_later(delay, self._wake.set)
 
     def _prune_metadata(self) -> None:
-        # aiokafka's producer refreshes metadata for every topic it ever sent to: with a reply
-        # topic per client that grows without end. Between transactions nothing is in flight.
+        # aiokafka refreshes metadata for every topic it ever sent to; with a reply topic per
+        # client that grows without end. Between transactions nothing is in flight.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
             client.set_topics(set().union(*(f.topics for f in self._queue)) or {self.tp.topic})
@@ -470,9 +457,8 @@ async def _sent(producer, topic, value, key, partition, headers) -> asyncio.Futu
 
 
 def _read_failures(producer) -> None:
-    """Mark the failed futures a replaced aiokafka producer keeps inside (its transaction waiters,
-    its sender task, its batches) as read: unread, each would log "Future exception was never
-    retrieved" when collected, from whatever thread the collector runs on."""
+    """Mark the failed futures a replaced aiokafka producer keeps inside as read: unread, each would
+    log "Future exception was never retrieved" when collected."""
     tm, sender, acc = (getattr(producer, a, None) for a in ("_txn_manager", "_sender", "_message_accumulator"))
     futures = [getattr(tm, a, None) for a in ("_transaction_waiter", "_pid_waiter", "_task_waiter")]
     futures.append(getattr(sender, "sender_task", None))
@@ -485,7 +471,6 @@ def _read_failures(producer) -> None:
 
 
 def _covers(committed: tuple[int, str | None], batch: list[Final]) -> bool:
-    """The group's committed offset and ledger say every final of the batch is committed."""
     mark, metadata = committed
     done = decode_ledger(mark, metadata)
     return all(f.offset < mark or f.offset in done for f in batch)
@@ -500,25 +485,23 @@ async def _fault_point() -> None:
     if _KILL_BEFORE_COMMIT <= 0:
         return
     _KILL_BEFORE_COMMIT -= 1
-    if _KILL_BEFORE_COMMIT == 0:  # the records are on the broker, in an open transaction
+    if _KILL_BEFORE_COMMIT == 0:
         log.warning("txn.fault_kill_before_commit")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def after_commit() -> None:
-    """Test hook (tests/kafka/test_delivery_faults.py): runs once a commit returned; a test makes it
-    raise, as a commit whose answer was lost would."""
+    """Test hook: runs once a commit returned; a test makes it raise, as a lost answer would."""
 
 
 class Transactions:
-    """The PartitionTxn of every owned request partition."""
 
     def __init__(self, settings, tracker, metrics, producer_factory=None) -> None:
         self._k = settings.kafka
         self._tracker, self._m = tracker, metrics
         self._factory = producer_factory or self._producer
         self._parts: dict[TopicPartition, PartitionTxn] = {}
-        self.owner: Ownership = Owner()  # the intake, once wired
+        self.owner: Ownership = Owner()
 
     def _producer(self, tp: TopicPartition) -> AIOKafkaProducer:
         return AIOKafkaProducer(
@@ -527,8 +510,7 @@ class Transactions:
             max_request_size=self._k.max_message_bytes + 64 * 1024, max_batch_size=reply_batch_bytes(self._k))
 
     async def open(self, tps, generation: int = 0) -> None:
-        """Take these partitions' transactional ids (fencing their previous owners) for the
-        assignment `generation`."""
+        """Take these partitions' transactional ids (fencing previous owners) for `generation`."""
         new = [PartitionTxn(tp, self._factory, self._tracker, self._k.group_id, self._m,
                             self._k.offset_metadata_max_bytes, generation=generation, owner=self.owner,
                             retry_s=self._k.final_retry_s, interval_s=self._k.transaction_interval_ms / 1000)
@@ -538,19 +520,17 @@ class Transactions:
 
     def submit(self, tp: TopicPartition, final: Final) -> None:
         part = self._parts.get(tp)
-        if part is None:  # not owned here (any more): its next owner reads the request again
+        if part is None:  # not owned here: its next owner reads it again
             final.on_done("fenced")
             return
         part.submit(final)
 
     async def holds_ids(self, tps) -> set[TopicPartition]:
-        """Those of `tps` whose transactional ids this worker's producers still hold (PartitionTxn.holds_id)."""
         parts = [self._parts[tp] for tp in tps if tp in self._parts]
         held = await asyncio.gather(*(p.holds_id() for p in parts))
         return {p.tp for p, ok in zip(parts, held) if ok}
 
     def fenced(self, tp: TopicPartition) -> bool:
-        """Another worker took this partition's transactional id."""
         part = self._parts.get(tp)
         return part is not None and part.fenced
 

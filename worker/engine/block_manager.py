@@ -1,19 +1,14 @@
 """The paged KV block pool.
 
-KV memory is `num_blocks` blocks of `block_size` token slots. A sequence owns the blocks listed
-in its block table, in order: token i of the sequence lives in slot
+KV memory is `num_blocks` blocks of `block_size` slots; token i of a sequence lives in slot
 `block_table[i // block_size] * block_size + i % block_size`. Nothing else owns KV memory.
 
-With prefix caching (prefix_cache.py) a full, computed block can be in several block tables at
-once; reference counts say how many. A block nobody owns is free; a free block may still hold
-cached K/V and be found again, until it is handed out for new tokens. Free blocks are handed
-out least recently freed first, so what was used last stays findable longest.
+With prefix caching a full computed block can be in several block tables (reference counts). A
+free block may still hold cached K/V until handed out; the least recently freed goes first.
 
-Placement: a sequence's blocks are read in order by the decode kernel, which goes faster when
-they sit side by side in memory (docs/benchmarks.md). So a sequence's next block is the one right
-after its last when that one is free (and holds no cached prefix), and a block taken from the
-front of the free list sends the few free blocks after it to the back, where they wait for the
-same sequence's next blocks instead of going to another sequence first.
+Placement: the decode kernel reads a sequence's blocks faster when they sit side by side, so its
+next block is the one right after its last when free (and not a cached prefix), and the few free
+blocks after a block taken from the front wait at the back for the same sequence.
 """
 from __future__ import annotations
 
@@ -46,23 +41,22 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1 (free blocks that still hold cached K/V count as free)."""
+        """Fraction of blocks in use (free blocks holding cached K/V count as free)."""
         return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     @property
     def num_allocated_slots(self) -> int:
-        """Token slots of the blocks in use (a block shared by several sequences counts once)."""
+        """Token slots of the blocks in use (a shared block counts once)."""
         return (self.num_blocks - self.num_free_blocks) * self.block_size
 
     def num_wasted_slots(self, seqs: list[Sequence]) -> int:
-        """Slots in `seqs`' blocks that hold none of their known tokens (prompt and output so far,
-        computed or not): the empty end of each last block, and blocks taken for drafts that were
-        rejected. Only full blocks are ever shared, so no empty slot is counted twice."""
+        """Slots in `seqs`' blocks that hold none of their known tokens: the empty end of each
+        last block, and blocks taken for rejected drafts. Only full blocks are shared."""
         return sum(len(s.block_table) * self.block_size - min(s.num_tokens, len(s.block_table) * self.block_size)
                    for s in seqs)
 
     def waste(self, seqs: list[Sequence]) -> float:
-        """Fraction of allocated slots that hold no token, 0..1 (`seqs`: every owner of a block)."""
+        """Fraction of allocated slots that hold no token (`seqs`: every owner of a block)."""
         allocated = self.num_allocated_slots
         return self.num_wasted_slots(seqs) / allocated if allocated else 0.0
 
@@ -70,7 +64,6 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `seq` must gain so that its next `num_new_tokens` tokens have slots."""
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(seq.block_table))
 
@@ -81,35 +74,31 @@ class BlockManager:
         return self.can_allocate(self.num_new_blocks(seq, num_new_tokens))
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` the blocks for its next `num_new_tokens` tokens."""
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
             seq.block_table.append(self._allocate_block(seq.block_table[-1] if seq.block_table else None))
 
     # ---- admission with cached prefixes -------------------------------------------------------
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks `seq` (not yet admitted) can start from; [] without a cache, and for a
-        fork, which holds its shared prefix already."""
+        """Cached blocks an unadmitted `seq` can start from; [] for a fork (it holds them)."""
         assert seq.num_computed_tokens == len(seq.block_table) * self.block_size, "only an unadmitted sequence"
         return self.prefix_cache.match(seq) if self.prefix_cache and not seq.block_table else []
 
     def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
-        """Free blocks that admitting `seq` over `cached` takes: the new ones, and the cached
-        ones nobody owns right now (they leave the free pool)."""
+        """Free blocks admitting `seq` over `cached` takes: new ones and unowned cached ones."""
         fresh = self.num_blocks_for(seq.num_tokens) - len(cached) - len(seq.block_table)
         return fresh + sum(self.ref_counts[b] == 0 for b in cached)
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
-        """Admit `seq`: share the `cached` blocks (their tokens count as computed), then reserve
-        blocks for every remaining known token."""
+        """Admit `seq`: share the `cached` blocks, then reserve blocks for the remaining tokens."""
         if self.prefix_cache and not seq.block_table:  # a fork's shared prefix was no lookup
             self.prefix_cache.record_lookup(seq.num_tokens, len(cached) * self.block_size)
         self._share(cached, seq)
         self.append(seq, seq.num_uncomputed_tokens)
 
     def fork(self, blocks: list[int], seq: Sequence) -> None:
-        """Start `seq` (no blocks yet) on `blocks`, full computed blocks of another sequence
-        with the same leading tokens: shared, never written (new tokens go after them)."""
+        """Start `seq` on `blocks`, another sequence's full computed blocks with the same leading
+        tokens: shared, never written."""
         assert not seq.block_table and all(self.ref_counts[b] > 0 for b in blocks)
         self._share(blocks, seq)
 
@@ -123,7 +112,7 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: enter the blocks whose K/V `seq` has now fully computed."""
+        """After a step: enter the blocks `seq` has now fully computed."""
         if not self.prefix_cache:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -134,15 +123,14 @@ class BlockManager:
     # ---- freeing --------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
-        # Free in reverse so the tail blocks (least likely to be shared later) are handed out first.
+        # Reverse: the tail blocks (least likely shared later) are handed out first.
         for block_id in reversed(seq.block_table):
             self._release_block(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 
     def _allocate_block(self, after: int | None = None) -> int:
-        """A free block: the one right after `after` (the sequence's last block) where it is free
-        and holds no cached prefix, else the least recently freed one (see Placement above)."""
+        """The block right after `after` where it can be taken, else the least recently freed."""
         if after is not None and self._takes_next(after + 1):
             block_id = after + 1
             del self.free_block_ids[block_id]
@@ -159,7 +147,7 @@ class BlockManager:
         return block_id
 
     def _takes_next(self, block_id: int) -> bool:
-        """Free, and no cached prefix whose place in the eviction order it would jump."""
+        """Free, and not a cached prefix whose place in the eviction order it would jump."""
         if block_id >= self.num_blocks or block_id not in self.free_block_ids:
             return False
         return not (self.prefix_cache and self.prefix_cache.holds(block_id))
@@ -171,7 +159,7 @@ class BlockManager:
             self.free_block_ids[block_id] = None
 
     def check_integrity(self, seqs: list[Sequence]) -> None:
-        """No block lost, none on the free list and owned, reference counts equal to owners."""
+        """No block lost or double-booked; reference counts equal owners."""
         owners = [0] * self.num_blocks
         for seq in seqs:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"

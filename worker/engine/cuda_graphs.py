@@ -1,19 +1,12 @@
 """One CUDA graph per decode bucket, captured at start-up and replayed for every decode-only step.
 
-Why: a decode step launches about ten kernels a layer (kernels/triton/, the GEMMs), over 300 for
-Llama-3-8B, each with microseconds of host work, while a small batch's whole step reads the weights
-in a few milliseconds: launches the host cannot issue fast enough leave the GPU idle between
-kernels. A replay issues the step's kernels as one launch.
+A decode step launches hundreds of kernels, each with microseconds of host work, while a small
+batch reads the weights in milliseconds: the GPU idles between launches. A replay is one launch.
 
-What is captured is PaddedDecode.forward (worker/engine/padded_decode.py): the model and the LM
-head over static buffers, for one bucket's rows. Capture happens in ModelRunner.__init__ after
-warmup.py has compiled every Triton binary, largest bucket first, every graph in one memory pool
-(vLLM's order: the smaller graphs' temporaries fit in what the largest took). Before each capture
-one eager forward runs the same step, so that nothing a first call sets up (cuBLAS workspaces, the
-allocator's blocks) happens inside the capture. Every row is padding then: no K/V is written.
-
-The capture itself (`cuda_capture`: torch.cuda.CUDAGraph) runs on CUDA only; the CPU tests pass a
-fake `capture` that records its calls and replays by running the step eagerly (docs/gpu.md).
+PaddedDecode.forward is captured after the warm-up compiled every Triton binary, largest bucket
+first, all in one memory pool (vLLM's order). An eager forward before each capture keeps
+first-call set-up (cuBLAS workspaces, allocator blocks) out of the graph; every row is padding.
+The CPU tests pass a fake `capture`.
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ log = structlog.get_logger(__name__)
 
 
 def cuda_capture(step: Callable[[], object], pool):
-    """A CUDA graph of `step`, its memory in `pool` (None: a new pool). CUDA only."""
+    """A CUDA graph of `step`, its memory in `pool` (None: a new pool)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         step()
@@ -45,7 +38,7 @@ class CaptureReport:
 
 class DecodeGraphs:
     """The graphs of a PaddedDecode's buckets. `capture(step, pool)` returns an object with
-    replay() and pool() (cuda_capture; a fake in the CPU tests)."""
+    replay() and pool()."""
 
     def __init__(self, padded: PaddedDecode, capture: Callable = cuda_capture):
         self.padded, self._capture = padded, capture
@@ -67,6 +60,6 @@ class DecodeGraphs:
         return report
 
     def replay(self, bucket: int) -> torch.Tensor:
-        """The captured step over the buffers as loaded; logits [bucket, vocab] (the buffer's rows)."""
+        """The captured step; logits [bucket, vocab] (the buffer's rows)."""
         self.graphs[bucket].replay()
         return self.padded.buffers.logits[:bucket]

@@ -1,9 +1,7 @@
 """Where the runner's tensors live, and in what types.
 
-Every choice that differs between a GPU and the CPU is a pure function of plain values here
-(a device's type, byte counts, setting names), so the CUDA arm of each runs in the CPU tests
-(tests/unit/test_device.py). What only a GPU can answer (free memory, pinned host pages) is a thin
-call beside it; docs/gpu.md lists those calls and what exercises them.
+Each GPU-versus-CPU choice is a pure function of plain values, so its CUDA arm runs in the CPU
+tests; what only a GPU can answer is a thin call beside it (docs/gpu.md lists them).
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from inferline.kernels.backends import BackendUnavailable
 
 
 def pick_device(name: str, cuda_available: bool | None = None) -> torch.device:
-    """settings.model.device: `auto` is CUDA when there is one (cuda_available=None: ask torch)."""
+    """settings.model.device: `auto` is CUDA when there is one."""
     if name == "auto":
         if cuda_available is None:
             cuda_available = torch.cuda.is_available()
@@ -30,14 +28,14 @@ def pick_device(name: str, cuda_available: bool | None = None) -> torch.device:
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """settings.model.dtype: `auto` is bf16 on CUDA, fp32 elsewhere."""
     if name == "auto":
-        # CPU bf16 matmuls are far slower than fp32 (docs/benchmarks.md); on a GPU bf16 is the norm.
+        # CPU bf16 matmuls are far slower than fp32 (docs/benchmarks.md).
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
 def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The K/V cache's element type (settings.cache.dtype): the model's own, or fp16 halves for an
-    fp32 model on the CPU (the C kernels widen them as they read; nothing else does)."""
+    """The K/V cache's element type: the model's own, or fp16 for an fp32 model on the CPU (the C
+    kernels widen it as they read)."""
     if name == "auto" or getattr(torch, name) == model_dtype:
         return model_dtype
     if device.type != "cpu" or model_dtype != torch.float32:
@@ -47,12 +45,9 @@ def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> 
 
 
 def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
-    """settings.model.cuda_graphs resolved: `capture` (a CUDA graph per decode bucket), `eager`
-    (the same padded static-buffer decode steps, launched op by op) or `off` (flat batches).
-    Capture needs CUDA and the Triton attention: its metadata are views of the static buffers,
-    while the PyTorch path plans each step on the host from the context lengths' values. An
-    explicit `on` that cannot capture raises BackendUnavailable: the worker stops at start-up
-    with that one line (worker/__main__.py)."""
+    """settings.model.cuda_graphs resolved: `capture`, `eager` (padded decode steps, op by op) or
+    `off`. Capture needs CUDA and the Triton attention; an explicit `on` that cannot capture raises
+    BackendUnavailable."""
 
     if name == "off" or name == "eager":
         return name
@@ -71,13 +66,9 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
 
 def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilization: float,
                     free_bytes: int | None) -> float:
-    """Bytes the KV cache may take.
-
-    CUDA: `gpu_memory_utilization` of the memory free once the model has loaded (free_bytes, from
-    free_device_memory); the rest of it is headroom for activations and the allocator. This is
-    not vLLM's meaning (there: a share of the device's *total* memory for the whole instance,
-    weights and profiled activations included); ours needs no profiling run, and a device shared
-    with another process gives only what is free. Elsewhere: `kv_memory_gb` (10^9 bytes)."""
+    """Bytes the KV cache may take. CUDA: `gpu_memory_utilization` of the memory free after the
+    model loaded (not vLLM's share of total memory: no profiling run, and a shared device gives
+    only what is free). Elsewhere: `kv_memory_gb` (10^9 bytes)."""
     if device_type == "cuda":
         assert free_bytes is not None, "the CUDA budget is a share of the free device memory"
         return free_bytes * gpu_memory_utilization
@@ -86,9 +77,8 @@ def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilizatio
 
 def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | None, kv_memory_gb: float,
                   gpu_memory_utilization: float, free_bytes: int | None) -> int:
-    """The KV cache's size in blocks: settings.cache.num_blocks when set, else as many whole
-    blocks as the budget holds, and never fewer than one (the scheduler then rejects what cannot
-    fit, with a reason, instead of the worker failing to start)."""
+    """settings.cache.num_blocks when set, else as many whole blocks as the budget holds, at least
+    one (the scheduler then rejects what cannot fit, with a reason)."""
     assert bytes_per_block > 0 and 0 < gpu_memory_utilization <= 1
     if num_blocks:
         return num_blocks
@@ -97,34 +87,27 @@ def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | N
 
 
 def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on a CUDA device (measured now: call it after the model has loaded); None on
-    devices whose KV budget is a setting. The caching allocator's unused blocks (the load's
-    temporaries) are handed back first: the driver counts them as taken."""
+    """Free bytes on a CUDA device, measured now; None elsewhere. The allocator's unused blocks are
+    released first: the driver counts them as taken."""
     if device.type != "cuda":
         return None
-    gc.collect()  # tensors only a reference cycle still holds
-    torch.cuda.empty_cache()  # CUDA only: docs/gpu.md
-    return torch.cuda.mem_get_info(device)[0]  # CUDA only: docs/gpu.md
+    gc.collect()  # tensors only a reference cycle holds
+    torch.cuda.empty_cache()  # CUDA only
+    return torch.cuda.mem_get_info(device)[0]  # CUDA only
 
 
 def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The whole KV cache as one tensor: on the CPU in huge pages, written once; elsewhere as the
-    device's allocator gives it (every slot is stored before attention reads it)."""
+    """The whole KV cache as one tensor: on the CPU in huge pages, written once."""
     if device.type == "cpu":
         return huge_page_tensor(shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in an anonymous mapping of its own, advised onto 2 MB pages
-    (transparent huge pages, when the host's THP mode is `madvise` or `always`). Decode attention
-    reads K/V blocks scattered over the whole cache; on 4 KB pages every block is several TLB
-    misses (docs/benchmarks.md). Where THP is off the advice is ignored: 4 KB pages, as
-    torch.empty's.
-
-    Every page is written here, once: the memory is the KV budget, taken at start-up (a host that
-    cannot give it fails now, not mid-request), and no step pays the first touch of a page."""
-    # Private and anonymous (mmap's default, MAP_SHARED, is shmem: THP there follows another setting).
+    """A zeroed CPU tensor in its own anonymous mapping, advised onto 2 MB pages: decode attention
+    reads blocks scattered over the cache, and on 4 KB pages each is several TLB misses. Every page
+    is written now, so a host short of memory fails at start-up and no step pays a first touch."""
+    # Private: with MAP_SHARED (shmem) THP follows another setting.
     buf = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
@@ -137,39 +120,35 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 @dataclass(frozen=True)
 class HostCopy:
     """How a tensor built on the host from Python lists reaches the device."""
-    pin_memory: bool  # build it in page-locked memory (needs CUDA present)
-    non_blocking: bool  # enqueue the copy on the stream and return at once
+    pin_memory: bool  # page-locked (needs CUDA)
+    non_blocking: bool  # enqueue and return at once
 
 
 def host_copy(device_type: str) -> HostCopy:
-    # From pageable memory a CUDA copy waits for the host anyway; from pinned memory it is a true
-    # async DMA (torch's pinned allocator keeps the buffer until the copy is done). CPU: no copy.
+    # From pinned memory a CUDA copy is a true async DMA; from pageable it waits for the host.
     on_cuda = device_type == "cuda"
     return HostCopy(pin_memory=on_cuda, non_blocking=on_cuda)
 
 
 def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.tensor(data) on `device`; on the CPU the tensor itself (`.to` to its own device
-    is a no-op)."""
+    """torch.tensor(data) on `device`."""
     copy = host_copy(device.type)
-    host = torch.tensor(data, dtype=dtype, pin_memory=copy.pin_memory)  # pinned: CUDA only, docs/gpu.md
+    host = torch.tensor(data, dtype=dtype, pin_memory=copy.pin_memory)  # pinned: CUDA only
     return host.to(device, non_blocking=copy.non_blocking)
 
 
 def copy_to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a host tensor into `dst` (a persistent buffer): on CUDA from pinned memory (pinned
-    first if it is not), enqueued on the stream, so it lands after the work already queued that
-    reads `dst` (the last step's graph replay); on the CPU a plain copy."""
+    """Copy a host tensor into the persistent buffer `dst`; on CUDA pinned and enqueued, so it
+    lands after queued work that reads `dst`."""
     if dst.device.type == "cuda" and not host.is_pinned():
-        host = host.pin_memory()  # CUDA only: docs/gpu.md
+        host = host.pin_memory()  # CUDA only
     dst.copy_(host, non_blocking=dst.device.type == "cuda")
 
 
 def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: the tensor itself on the CPU; on CUDA copied from pinned memory
-    (pinned first if it is not), enqueued on the stream."""
+    """A host tensor on `device`; on CUDA pinned first and enqueued on the stream."""
     if device.type != "cuda":
         return host.to(device)
     if not host.is_pinned():
-        host = host.pin_memory()  # CUDA only: docs/gpu.md
+        host = host.pin_memory()  # CUDA only
     return host.to(device, non_blocking=True)

@@ -1,9 +1,8 @@
 """The engine: add_request, abort, step; and the thread that runs it.
 
-A step is three verbs: the Scheduler decides what runs, the ModelRunner computes it, and
-`_update` appends the sampled tokens, detokenizes, and retires finished sequences. The engine is
-single-threaded; EngineLoop owns it in its own thread and talks to the asyncio side through
-exactly two channels: an inbox of commands and the `on_outputs` callback.
+A step: the Scheduler decides, the ModelRunner computes, `_update` appends tokens and retires
+finished sequences. EngineLoop runs the single-threaded engine in its own thread and talks to
+asyncio through an inbox of commands and the `on_outputs` callback.
 """
 from __future__ import annotations
 
@@ -32,16 +31,15 @@ from inferline.worker.engine.structured_output import GrammarCompiler, new_match
 
 log = structlog.get_logger(__name__)
 
-# Benchmark hook (bench/share_vs_group.py): a throttled worker sleeps this long before each step.
+# Benchmark fault hook: a throttled worker sleeps this long before each step.
 _STEP_DELAY_S = float(os.environ.get("INFERLINE_FAULT_STEP_DELAY_S", "0"))
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
-# A generous bound on the characters of one token (BPE vocabularies top out around 16-128).
+# A generous bound on the characters of one token.
 MAX_CHARS_PER_TOKEN = 256
-# An engine with nothing to do but grammars to compile waits this long for one, not spinning.
 GRAMMAR_WAIT_S = 0.01
-# Steps in a row in which a row's token mask alone took over INFERLINE_STRUCTURED__MASK_BUDGET_MS
-# before its request is ended: one slow step can be the machine's, three in a row are the grammar's.
+# Steps in a row a row's token mask takes over budget before its request ends: one slow step
+# can be the machine's, three in a row are the grammar's.
 MASK_STRIKES = 3
 
 
@@ -56,34 +54,32 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
-    kv_cache_waste: float = 0.0  # of the slots in use, the fraction holding no token (0..1)
-    num_preemptions: int = 0  # total since start
-    batch_size: int = 0  # sequences in the last step
-    num_batched_tokens: int = 0  # tokens in the last step (drafts included)
+    kv_cache_waste: float = 0.0  # fraction of used slots holding no token
+    num_preemptions: int = 0  # total
+    batch_size: int = 0
+    num_batched_tokens: int = 0  # drafts included
     num_draft_tokens: int = 0  # speculative drafts in the last step
     step_time_s: float = 0.0  # the last step
-    num_generated_tokens: int = 0  # total since start
+    num_generated_tokens: int = 0  # total
     num_steps: int = 0
-    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache, total
-    prefix_cache_hits: int = 0  # of which found there (not computed again), total
-    spec_draft_tokens: int = 0  # speculative drafts computed, total
-    spec_accepted_tokens: int = 0  # of which accepted (tokens a step gained), total
-    num_forks: int = 0  # samples 1..n-1 started on a prompt computed once, total
+    prefix_cache_queries: int = 0  # prefix-cache lookups, tokens, total
+    prefix_cache_hits: int = 0  # of which hits, total
+    spec_draft_tokens: int = 0  # total
+    spec_accepted_tokens: int = 0  # of which accepted, total
+    num_forks: int = 0  # total
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """Hits over queries since start (Prometheus takes the ratio of the counters' rates)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, settings: Settings):
         self.runner = runner
-        self._runner_token = runner.claim()  # one engine per KV cache: see ModelRunner.claim
+        self._runner_token = runner.claim()  # one engine per KV cache
         self.tokenizer = runner.tokenizer
         self.max_model_len = min(runner.max_model_len, settings.model.max_model_len)
         self.max_waiting = settings.scheduler.max_waiting
-        # A smaller pool than the allocated cache is allowed (tests squeeze memory this way).
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
         self.block_manager = BlockManager(num_blocks, runner.block_size, settings.cache.enable_prefix_caching)
         spec = settings.speculative
@@ -98,12 +94,11 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, list[Sequence]] = {}  # every sample of a request, by index
-        # Samples 1..n-1 of a request whose sample 0 still computes the prompt (see _fork).
+        # Samples 1..n-1 waiting for sample 0 to compute the prompt (_fork).
         self._unforked: dict[str, list[Sequence]] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self._structured = settings.structured
-        # Constrained sequences whose grammar still compiles (with when they asked, monotonic
-        # seconds): in no queue, holding no block.
+        # Sequences whose grammar still compiles (with request time): in no queue, holding no block.
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
@@ -111,14 +106,14 @@ class LLMEngine:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "LLMEngine":
-        if settings.model.cpu_threads:  # process-wide; the engine thread is the one that computes
+        if settings.model.cpu_threads:  # process-wide
             torch.set_num_threads(settings.model.cpu_threads)
         return cls(ModelRunner(settings), settings)
 
     # ---- requests in ---------------------------------------------------------------------------
 
     def add_request(self, req: EngineRequest) -> None:
-        """Queue a request. One that is impossible finishes as `rejected` in the next step."""
+        """Queue a request; an impossible one finishes as `rejected` in the next step."""
         if req.request_id in self.requests:
             self._finished.append(rejected_output(req.request_id, "invalid_request", "duplicate request id"))
             return
@@ -127,7 +122,7 @@ class LLMEngine:
         except Rejected as exc:
             self._finished.append(rejected_output(req.request_id, exc.code, str(exc)))
             return
-        except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer chokes on must not kill the thread
+        except Exception as exc:  # noqa: BLE001 - a bad prompt must not kill the thread
             log.warning("engine.add_request_failed", request_id=req.request_id, error=repr(exc)[:200])
             self._finished.append(rejected_output(req.request_id, "invalid_request",
                                                   f"prompt could not be tokenized ({type(exc).__name__})"))
@@ -150,12 +145,11 @@ class LLMEngine:
         return self._grammars
 
     def _compile(self, seq: Sequence, tenant: str | None = None) -> None:
-        """The grammar compiles on GrammarCompiler's threads; the sequence joins the queue once it
-        is ready (_admit_compiled), so the batch never waits for a compile."""
+        """Compile off-thread; the sequence joins the queue once ready, so the batch never waits."""
         field = seq.sampling.structured.field
         try:
             future = self.grammars.compile(seq.sampling.structured, tenant)
-        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read: fail the request
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read
             log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
             self._forget(seq.request_id)
             self._finished.append(rejected_output(seq.request_id, "invalid_request",
@@ -167,12 +161,10 @@ class LLMEngine:
         if self._compiling and not self._finished and not self.scheduler.has_unfinished():
             wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         budget, now = self._structured.compile_timeout_s, time.monotonic()
-        # The compiler's own start-up is not the grammar's cost.
         ready_since = self._grammars.ready_since if self._compiling else None
         for request_id, (seq, future, since) in list(self._compiling.items()):
             if not future.done():
                 if ready_since is not None and now - max(since, ready_since) > budget:
-                    # Rejected, and the compile stopped (its process killed): it costs nobody more.
                     reason = (f"the grammar did not compile within {budget:g} s "
                               "(INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)")
                     self.grammars.give_up(future, reason)
@@ -182,7 +174,7 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                for sample in self.requests[request_id]:  # each sample follows the grammar on its own
+                for sample in self.requests[request_id]:
                     sample.grammar = new_matcher(future.result())
             except ValueError as exc:
                 self._forget(request_id)
@@ -194,7 +186,7 @@ class LLMEngine:
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
         self._check_fits(prompt_ids, req.sampling.max_tokens, req.sampling.n)
-        # Preempted sequences wait too, but were admitted once: only new arrivals count.
+        # Preempted sequences wait too; only new arrivals count.
         num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(self._compiling)
         if num_new >= self.max_waiting:
             raise Rejected("overloaded", f"waiting pool full ({self.max_waiting})")
@@ -205,8 +197,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop))
 
     def _sample(self, seq: Sequence, index: int) -> Sequence:
-        """Sample `index` of `seq`'s request: the same prompt and params, its own random stream
-        (seed + index) and text. It joins the queue once sample 0 has computed the prompt."""
+        """Sample `index` of `seq`'s request: same prompt and params, its own seed + index."""
         return Sequence(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
             priority=seq.priority, arrival_time=seq.arrival_time, deadline=seq.deadline, index=index,
@@ -214,8 +205,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling.stop))
 
     def _fork(self, seq: Sequence) -> None:
-        """Sample 0 has computed the prompt: its other samples share the prompt's full blocks
-        (reference counts) and compute only the partial last block themselves."""
+        """Sample 0 has computed the prompt: the other samples share its full blocks."""
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             return
         children = self._unforked.pop(seq.request_id)
@@ -230,7 +220,7 @@ class LLMEngine:
         self._unforked.pop(request_id, None)
         compiling = self._compiling.pop(request_id, None)
         if compiling is not None and all(f is not compiling[1] for _, f, _ in self._compiling.values()):
-            self.grammars.abandon(compiling[1])  # nobody else waits for it: not started, never starts
+            self.grammars.abandon(compiling[1])  # nobody else waits for it
         return self.requests.pop(request_id, [])
 
     def tokenize(self, req: EngineRequest) -> list[int]:
@@ -262,19 +252,18 @@ class LLMEngine:
                            f"more than the whole KV cache ({self.block_manager.num_blocks} blocks)")
 
     def num_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
-        """KV blocks of a request whose n samples all run to max_tokens at once: the prompt's full
-        blocks are shared by every sample (_fork), the rest is each sample's own. A request that
-        needs more than the whole cache could only run by preempting its own samples over and over."""
+        """KV blocks for n samples all running to max_tokens: the prompt's full blocks are shared,
+        the rest is each sample's own."""
         bm = self.block_manager
         shared = (num_prompt_tokens - 1) // bm.block_size if n > 1 else 0
         return shared + n * (bm.num_blocks_for(num_prompt_tokens + max_tokens) - shared)
 
     def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
-        """Finish a waiting or running request now; its blocks are freed at once."""
+        """Finish a waiting or running request now, freeing its blocks."""
         assert reason in ABORT_REASONS, reason
         samples = self._forget(request_id)
         if not samples:
-            return  # unknown or already finished: aborts race with completion
+            return  # aborts race with completion
         for seq in samples:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -301,8 +290,7 @@ class LLMEngine:
         return list(outputs.values())
 
     def _end_costly_grammars(self, sched: SchedulerOutput) -> None:
-        """A request whose grammar's token mask keeps costing the whole batch over the budget
-        ends with `error` naming its field (reported by the next step)."""
+        """End with `error` a request whose token mask keeps costing the batch over budget."""
         for seq in {id(c.seq): c.seq for c in sched.scheduled if c.seq.mask_strikes >= MASK_STRIKES}.values():
             if seq.request_id in self.requests and not seq.is_finished:
                 budget = self.runner.token_bitmask.budget_s
@@ -323,19 +311,19 @@ class LLMEngine:
         for chunk in sched.scheduled:
             seq, drafts = chunk.seq, chunk.spec_token_ids
             drawn = next(sampled_iter) if chunk.samples else None
-            new_tokens = accept(drafts, drawn.token_ids) if drawn is not None else []  # before the counter moves
-            # K/V is valid for the known tokens and the accepted drafts, not for rejected ones.
+            new_tokens = accept(drafts, drawn.token_ids) if drawn is not None else []
+            # K/V is valid for the known tokens and accepted drafts, not rejected ones.
             num_accepted = max(0, len(new_tokens) - 1)
             seq.num_computed_tokens += chunk.num_new_tokens - len(drafts) + num_accepted
             self._stats.spec_draft_tokens += len(drafts)
             self._stats.spec_accepted_tokens += num_accepted
             self.block_manager.cache_computed_blocks(seq)
-            if seq.request_id in self._unforked:  # only sample 0 runs before the fork
+            if seq.request_id in self._unforked:
                 self._fork(seq)  # before its first token, which may end it and free its blocks
             for token_id, logprobs in zip(new_tokens, drawn.logprobs if drawn is not None else []):
                 self._append_token(seq, token_id, now, outputs, logprobs)
                 if seq.is_finished:
-                    break  # a stop among the accepted tokens: the rest were never generated
+                    break  # a stop among accepted tokens: the rest were never generated
 
     def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict,
                       logprobs: dict | None = None) -> None:
@@ -359,10 +347,10 @@ class LLMEngine:
             self._retire(seq, reason, out)
 
     def _grammar_stop(self, seq: Sequence, token_id: int) -> str | None:
-        """`stop` once the grammar is complete (it then allows only a stop token)."""
+        """`stop` once the grammar is complete."""
         if seq.grammar is None:
             return None
-        if not seq.grammar.accept_token(token_id):  # the mask allowed it: a bug, not the user's
+        if not seq.grammar.accept_token(token_id):  # the mask allowed it: a bug
             log.error("engine.grammar_rejected_token", request_id=seq.request_id, token_id=token_id)
             return "error"
         return "stop" if seq.grammar.is_terminated() else None
@@ -378,7 +366,6 @@ class LLMEngine:
         return None
 
     def _retire(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
-        """`seq` ended; its request ends with its last sample."""
         self.scheduler.remove(seq)
         seq.finish(reason)
         samples = self.requests[seq.request_id]
@@ -391,7 +378,7 @@ class LLMEngine:
         out.num_output_tokens, out.ttft_s, out.total_s = final.num_output_tokens, final.ttft_s, final.total_s
 
     def fail_all(self, message: str) -> None:
-        """After an unexpected error in a step: end every request with `error`, keep serving."""
+        """After an unexpected step error: end every request with `error`, keep serving."""
         for request_id in list(self.requests):
             self.abort(request_id, "error", message)
 
@@ -414,8 +401,8 @@ class LLMEngine:
 
     def _final_output(self, samples: list[Sequence], reason: str | None = None,
                       message: str | None = None) -> RequestOutput:
-        """A request's final output: sample 0's text and finish reason (or `reason`, when the
-        request was ended as a whole), the tokens of every sample, and with n > 1 each sample."""
+        """A request's final output: sample 0's text and reason (or `reason`), every sample's
+        tokens, and each sample when n > 1."""
         out = self._output(samples[0], finished=True)
         if len(samples) == 1:
             return out
@@ -449,14 +436,14 @@ class LLMEngine:
 
 
 def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
-    # Tokenizing a huge text costs seconds on the engine thread; no token is this long.
+    # Tokenizing a huge text costs seconds on the engine thread.
     if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
         raise Rejected("prompt_too_long", f"{field}: {num_chars} characters cannot fit in "
                        f"{max_model_len} tokens")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample `index`'s seed: seed + index, wrapped into the seed range (up to 2**64 - 1)."""
+    """Sample `index`'s seed: seed + index, wrapped into the seed range."""
     if seed is None:
         return None
     return seed + index if seed + index < 2**64 else seed + index - 2**64
@@ -479,11 +466,8 @@ class EngineLoop:
     """Runs an LLMEngine in its own thread. `add_request` and `abort` are thread-safe and never
     block; `on_outputs(outputs, stats)` is called from the engine thread after every step.
 
-    Give it a built engine, or a function that builds one: then the model is loaded on the loop's
-    own thread, and `wait_ready()` returns the engine once it is. Load on this thread where you
-    can: each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu/) keeps its own
-    OpenMP pool for the life of the process, and once those pools hold more threads than there
-    are CPUs every parallel region pays a futex wake-up (`python -m bench.load_thread`)."""
+    Given a builder, the model loads on the loop's thread (`wait_ready()` returns it): each thread
+    that runs OpenMP work keeps its own pool, and too many pools make every parallel region slow."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],
@@ -497,14 +481,14 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
-        self.on_death = on_death  # called (on the engine thread) if the loop ever dies
+        self.on_death = on_death  # called on the engine thread if the loop dies
         self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> LLMEngine:
-        """The engine, once built (blocks); re-raises the build's error."""
+        """The engine once built (blocks); re-raises the build's error."""
         if not self._ready.wait(timeout):
             raise TimeoutError("the engine is still loading")
         if self._build_error is not None:
@@ -515,7 +499,7 @@ class EngineLoop:
         self._stopping.set()
         self._inbox.put(None)  # wake an idle wait
         self._thread.join(timeout)
-        gc.unfreeze()  # what _run froze is collectable again (at exit too: no leak reports)
+        gc.unfreeze()  # what _run froze is collectable again
 
     def add_request(self, req: EngineRequest) -> None:
         self._inbox.put(("add", req))
@@ -531,8 +515,7 @@ class EngineLoop:
                 self._build_error = exc
                 self._ready.set()
                 return
-        # The objects alive now (model, tokenizer, config) live as long as the engine; frozen
-        # until stop(), no full garbage collection traverses them, a pause inside some step.
+        # Objects alive now live as long as the engine: frozen, no full GC pause traverses them.
         gc.freeze()
         self._ready.set()
         try:

@@ -1,17 +1,12 @@
 """A grammar compiler in a child process, so that a compile can be stopped.
 
-xgrammar compiles in C++ and cannot be interrupted inside a thread: a hostile grammar (a JSON
-schema of many long patterns, a regex with large repetition counts) can hold a core for minutes
-after its request was rejected. In a child process it is killed the moment its time budget is
-over, and a grammar that crashes xgrammar takes down only the child.
+xgrammar cannot be interrupted inside a thread, and a hostile grammar can hold a core for
+minutes; a child process is killed when its budget is over, and a crash takes down only it.
 
-Parent and child speak length-prefixed msgpack frames over the child's stdin and stdout:
+Length-prefixed msgpack frames over the child's stdin/stdout:
 parent -> child: {"info": TokenizerInfo JSON} once, then {"kind", "text"} per compile;
 child -> parent: {"ready": true} once, then {"compiled": CompiledGrammar JSON} or {"error": message}.
-The child exits when its stdin closes (the parent went away), and ignores the terminal's Ctrl-C
-(its own session): the worker decides when it stops.
-
-Run as `python -m inferline.worker.engine.grammar_process` (CompilerProcess does that).
+The child exits when its stdin closes and ignores the terminal's Ctrl-C (its own session).
 """
 from __future__ import annotations
 
@@ -37,7 +32,6 @@ def write_frame(stream: BinaryIO, message: dict) -> None:
 
 
 def read_frame(stream: BinaryIO) -> dict | None:
-    """The next message, or None at the end of the stream."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         return None
@@ -49,11 +43,11 @@ def read_frame(stream: BinaryIO) -> dict | None:
 
 
 class CompilerProcess:
-    """One child process that compiles one grammar at a time. `compile` blocks its caller (a
-    GrammarCompiler thread); `kill` from any thread ends a compile at once (CompilerDied)."""
+    """One child process compiling one grammar at a time. `compile` blocks; `kill` from any
+    thread ends a compile at once (CompilerDied)."""
 
     def __init__(self, tokenizer_info_json: str):
-        # -P: the working directory stays off sys.path (a user's own `worker.py` cannot shadow us).
+        # -P: the working directory stays off sys.path (a user's `worker.py` cannot shadow us).
         self._proc = subprocess.Popen([sys.executable, "-P", "-m", "inferline.worker.engine.grammar_process"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       start_new_session=True)
@@ -65,15 +59,15 @@ class CompilerProcess:
         return self._proc.pid
 
     def wait_ready(self) -> None:
-        """Blocks until the child has imported xgrammar and read the tokenizer (seconds)."""
+        """Blocks until the child has imported xgrammar and read the tokenizer."""
         if not self._ready:
             if self._receive() != {"ready": True}:
                 raise CompilerDied("the grammar compiler process did not start")
             self._ready = True
 
     def compile(self, kind: str, text: str) -> str:
-        """The compiled grammar as xgrammar's JSON; ValueError(xgrammar's message) when the grammar
-        is invalid; CompilerDied when the process was killed or crashed meanwhile."""
+        """The compiled grammar as xgrammar's JSON; ValueError for an invalid grammar;
+        CompilerDied when the process was killed or crashed meanwhile."""
         self.wait_ready()
         self._send({"kind": kind, "text": text})
         reply = self._receive()
@@ -85,7 +79,7 @@ class CompilerProcess:
         self._proc.kill()
 
     def close(self) -> None:
-        """Ends the child: at once if it is compiling (its stdin closing would wait for that)."""
+        """Ends the child at once, even mid-compile."""
         self._proc.kill()
         for stream in (self._proc.stdin, self._proc.stdout):
             try:
@@ -97,7 +91,7 @@ class CompilerProcess:
     def _send(self, message: dict) -> None:
         try:
             write_frame(self._proc.stdin, message)
-        except (OSError, ValueError) as exc:  # ValueError: the pipe was closed by close()
+        except (OSError, ValueError) as exc:  # ValueError: pipe closed by close()
             raise CompilerDied(str(exc)) from exc
 
     def _receive(self) -> dict:
@@ -126,7 +120,7 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     while (job := read_frame(stdin)) is not None:
         try:
             compiled = compile_spec(compiler, StructuredSpec("", job["kind"], job["text"]))
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises many types for bad input
             write_frame(stdout, {"error": str(exc) or type(exc).__name__})
             continue
         write_frame(stdout, {"compiled": compiled.serialize_json()})

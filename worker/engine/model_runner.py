@@ -1,10 +1,9 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens.
 
-The runner computes and never decides policy: it flattens the scheduled chunks into one batch
-(decodes first, then prefill chunks: step_inputs.py, from persistent block-table rows), lets the
-attention backend chosen at load prepare its metadata (kernels/attention.py), runs the model,
-computes logits only for the rows that sample, and samples. A decode-only step may instead run
-padded to a bucket on static buffers (padded_decode.py), replayed as a CUDA graph (cuda_graphs.py).
+The runner computes and never decides policy: it flattens the chunks into one batch (decodes
+first), lets the attention backend prepare its metadata, runs the model, computes logits only for
+the rows that sample, and samples. A decode-only step may instead run padded on static buffers,
+replayed as a CUDA graph.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from inferline.kernels.attention import AttentionBackend, AttentionMetadata, mak
 from inferline.kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
 from inferline.kernels.cpu import gemm
 from inferline.worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
-from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor: tests and bench import it from here)
+from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor is imported from here)
     free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks,
     pick_cuda_graphs, pick_device, pick_dtype, pick_kv_dtype)
 from inferline.worker.engine.models.calibration import Calibration, choose_linear_backend
@@ -37,10 +36,10 @@ log = structlog.get_logger(__name__)
 class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata | None  # None in a padded decode step: PaddedDecode makes its own
+    meta: AttentionMetadata | None  # None in a padded decode step
     logits_indices: torch.Tensor  # rows whose next-token logits are sampled
-    sampling: list[ScheduledSequence]  # in the order of logits_indices (1 + len(drafts) rows each)
-    bucket: int | None = None  # a decode-only step padded to this many rows on the static buffers
+    sampling: list[ScheduledSequence]  # in logits_indices order (1 + len(drafts) rows each)
+    bucket: int | None = None  # a decode-only step padded to this many rows
 
 
 class ModelRunner:
@@ -59,7 +58,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device,
                                           budget_s=settings.structured.mask_budget_ms / 1000)
-        self.owner: object | None = None  # the engine whose blocks the KV cache holds (claim())
+        self.owner: object | None = None  # the engine whose blocks the KV cache holds
         self.backends = self._select_backends(settings)
         self.cuda_graphs = pick_cuda_graphs(settings.model.cuda_graphs, self.device.type, self.backends.attention)
         self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
@@ -73,7 +72,7 @@ class ModelRunner:
         if self.backends.linear != "torch":
             packed = self.model.pack_linears(self.backends.linear, codes)
             assert packed, f"{self.backends.linear} could not pack this model's weights"
-        # weights the C GEMM keeps as 8-bit codes (exact: kernels/cpu/gemm.py), of all packed ones
+        # weights the C GEMM keeps as exact 8-bit codes
         self.coded_weights = sum(isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights())
         log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
                  num_blocks=self.num_blocks, block_size=self.block_size, attention=self.backends.attention,
@@ -81,8 +80,7 @@ class ModelRunner:
                  fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights,
                  linear_timed={k: round(v * 1e6, 2) for k, v in self.linear_calibration.seconds.items()} or None,
                  linear_cached=self.linear_calibration.cached)
-        # Every Triton binary this model can launch, compiled before the worker is ready (warmup.py);
-        # under the interpreter there is nothing to compile (tests call warm_up themselves).
+        # Compile every Triton binary this model can launch before the worker is ready.
         self.warmup: WarmupReport | None = None
         if self.backends.triton_target == "cuda":
             self.warmup = warm_up(self, settings.scheduler.max_num_seqs)
@@ -101,7 +99,7 @@ class ModelRunner:
                             self.config.vocab_size, self.dtype, self.device)
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
-        """The kernels, once: kernels.backends raises BackendUnavailable for an impossible setting."""
+        """The kernels; kernels.backends raises BackendUnavailable for an impossible setting."""
         block_size, num_kv_heads, head_dim = self._kv_shape()
         shape = ModelShape(head_dim, self.config.num_attention_heads, num_kv_heads, block_size)
         m = settings.model
@@ -109,17 +107,15 @@ class ModelRunner:
                                m.cpu_fused_ops)
 
     def _calibrate_linear(self, settings: Settings, codes: bool) -> Calibration:
-        """`cpu_linear=auto` with more than one candidate (and calibration on): the fastest here,
-        timed on this model (models/calibration.py); else the rule's (or the explicit) choice."""
+        """`cpu_linear=auto`: the fastest candidate timed on this model; else the setting's."""
         candidates = linear_candidates(self.device, self.dtype, settings.model.cpu_linear)
         if not settings.model.cpu_linear_calibrate:
             candidates = candidates[:1]
         return choose_linear_backend(self.model, candidates, codes)
 
     def claim(self) -> object:
-        """Make the caller the KV cache's only user; returns its token for run(). An engine built
-        on a runner takes it over: the earlier engine's next run() fails loudly instead of
-        reading K/V the new one has overwritten (two block managers over one cache)."""
+        """Make the caller the KV cache's only user; returns its token for run(). A newer engine
+        takes it over, and the older one's run() fails instead of reading overwritten K/V."""
         self.owner = object()
         return self.owner
 
@@ -135,7 +131,7 @@ class ModelRunner:
         return per_layer * self.config.num_hidden_layers
 
     def _num_blocks(self, settings: Settings) -> int:
-        cache = settings.cache  # called after the model has loaded: free memory is what is left for K/V
+        cache = settings.cache  # after the model loaded: free memory is what is left for K/V
         return num_kv_blocks(self.bytes_per_block(), self.device.type, num_blocks=cache.num_blocks,
                              kv_memory_gb=cache.kv_memory_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
                              free_bytes=free_device_memory(self.device))
@@ -149,10 +145,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[SamplerOutput]:
-        """Run one forward over `scheduled`; for each chunk that samples, in the order of
-        `[s for s in scheduled if s.samples]`, its sampled tokens (and logprobs): one, or with
-        drafts one per row (the argmax after each known token and draft, for spec_decode.accept
-        to check). `owner`: claim()'s token, if any."""
+        """One forward over `scheduled`: for each chunk that samples, in order, its sampled tokens
+        (and logprobs); with drafts, one per row. `owner`: claim()'s token."""
         if owner is not None and owner is not self.owner:
             raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
                                "its KV cache no longer holds this engine's blocks")
@@ -165,7 +159,7 @@ class ModelRunner:
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
         bitmask = self.token_bitmask.fill([rows[i].grammar for i in grammar_rows]) if grammar_rows else None
         slow = set(self.token_bitmask.slow) if grammar_rows else set()
-        for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget; MASK_STRIKES end it
+        for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget
             rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
         out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
                                   [s.output_token_ids for s in rows], [s.stream for s in rows],
@@ -180,8 +174,7 @@ class ModelRunner:
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def _forward(self, batch: Batch) -> torch.Tensor | None:
-        """The model over the batch; logits of its sampled rows (in logits_indices' order), None
-        if no row samples."""
+        """Logits of the batch's sampled rows (logits_indices order); None if no row samples."""
         if batch.bucket is not None:
             run = self.decode_graphs.replay if self.decode_graphs else self.padded_decode.forward
             logits = run(batch.bucket)

@@ -1,8 +1,8 @@
 """Decode-only steps on static buffers, the batch padded to a bucket: the step a CUDA graph
-captures (worker/engine/cuda_graphs.py), and on any device the same step run op by op.
+captures, and on any device the same step run op by op.
 
-A graph replays fixed kernels on fixed addresses, so each input lives in one persistent tensor,
-sized for the largest bucket, and a step's rows are copied into its first rows:
+A graph replays fixed kernels on fixed addresses, so each input lives in one persistent tensor
+sized for the largest bucket:
 
     tokens        int64 [3, max_rows]          input ids, positions, slot mapping (one copy a step)
     context_lens  int32 [max_rows]
@@ -10,12 +10,9 @@ sized for the largest bucket, and a step's rows are copied into its first rows:
     block_tables  int32 [max_rows, max_blocks] a step writes its rows' first `widest` columns
     logits        [max_rows, vocab]            the output the sampler reads
 
-A step of n sequences runs as the smallest bucket b >= n (vLLM's capture sizes: 1, 2, 4, 8, then
-every 8). Rows n..b-1 are padding: slot -1 (no K/V is written) and context length 0 (attention
-reads no key and gives 0), so they change nothing the real rows compute or the cache holds.
-Columns of a table past its width, and the tables of padding rows, keep older entries: never read,
-as the context lengths bound every read. The attention sees every table at full width, so a
-bucket has one decode plan (kernels/triton/decode.py: splits past a short context exit at once).
+n sequences run as the smallest bucket b >= n. Padding rows have slot -1 (no K/V written) and
+context length 0 (attention reads nothing); stale table entries are never read, as context lengths
+bound every read.
 """
 from __future__ import annotations
 
@@ -30,14 +27,12 @@ from inferline.worker.engine.step_inputs import PaddedDecodeInputs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The buckets: 1, 2, 4, 8, then every 8 up to max_num_seqs, and max_num_seqs itself (a
-    bucket of fewer than 8 rows costs little padding; above, steps of 8 rows bound it at 7)."""
+    """The buckets: 1, 2, 4, 8, then every 8 up to max_num_seqs, and max_num_seqs itself."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sizes + [max_num_seqs]
 
 
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
-    """The smallest bucket that holds num_seqs rows; None above the largest."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
 
@@ -55,22 +50,20 @@ class DecodeBuffers:
         self.logits = torch.zeros((max_rows, vocab_size), dtype=dtype, device=device)
 
     def load(self, step: PaddedDecodeInputs) -> None:
-        """A step's rows into the buffers: three host-to-device copies."""
         rows, n = step.tokens.shape[1], step.block_tables.shape[0]
         copy_to_device(self.tokens[:, :rows], step.tokens)
         copy_to_device(self.context_lens[:rows], step.context_lens)
         copy_to_device(self.block_tables[:n, :step.block_tables.shape[1]], step.block_tables)
 
     def tables(self, rows: int) -> StepTables:
-        """The first `rows` rows as the attention sees a step: views, whatever the values."""
+        """The first `rows` rows as the attention sees a step (views)."""
         return StepTables(self.tokens[2, :rows], self.tokens[1, :rows], self.context_lens[:rows],
                           self.cu_seqlens_q[:rows + 1], rows, lambda first, stop: self.block_tables[first:stop])
 
 
 class PaddedDecode:
-    """Decode-only steps of up to max(sizes) sequences, padded to a bucket. forward(bucket) reads
-    only the buffers and writes only the logits buffer (and the real rows' K/V): what a graph
-    captures. The model runs with `attention` and `fused_ops` as chosen at load."""
+    """Decode-only steps padded to a bucket. forward(bucket) reads only the buffers and writes
+    only the logits buffer and the real rows' K/V: what a graph captures."""
 
     def __init__(self, model, kv_cache, attention: AttentionBackend, fused_ops: str, sizes: list[int],
                  max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
@@ -79,7 +72,7 @@ class PaddedDecode:
         self.buffers = DecodeBuffers(max(sizes), max_blocks, vocab_size, dtype, device)
 
     def bucket(self, scheduled: list[ScheduledSequence]) -> int | None:
-        """The bucket of a decode-only step (one new token each, no drafts); None for any other."""
+        """The bucket of a decode-only step (one new token each, no drafts); None otherwise."""
         if not scheduled or any(s.num_new_tokens != 1 for s in scheduled):
             return None
         return bucket_for(len(scheduled), self.sizes)
@@ -89,7 +82,7 @@ class PaddedDecode:
         self.buffers.load(step)
 
     def load_padding(self, bucket: int) -> None:
-        """Every row of `bucket` padding (start-up capture: the forward then writes no K/V)."""
+        """Every row of `bucket` padding (start-up capture writes no K/V)."""
         b = self.buffers
         b.tokens[:2, :bucket] = 0
         b.tokens[2, :bucket] = -1
@@ -99,7 +92,7 @@ class PaddedDecode:
         return self.attention.prepare(self.buffers.tables(bucket), fused_ops=self.fused_ops)
 
     def forward(self, bucket: int) -> torch.Tensor:
-        """The model over the buffers' first `bucket` rows; logits [bucket, vocab] (the buffer's rows)."""
+        """The model over the first `bucket` rows; logits [bucket, vocab] (the buffer's rows)."""
         b = self.buffers
         tokens = b.tokens[:, :bucket]
         hidden = self.model(tokens[0], tokens[1], self.kv_cache, self.metadata(bucket))

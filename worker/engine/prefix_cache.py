@@ -1,19 +1,14 @@
 """Automatic prefix caching: full KV blocks found again by what they hold.
 
-A block's key is chained over the whole prefix it ends,
+A block's key is chained over the whole prefix it ends, because a token's K/V depend on every
+token before it:
 
     key_i = sha256(key_{i-1} || token ids of block i)
 
-because a token's K/V depend on every token before it: equal keys mean equal tokens *and* equal
-prefixes. A sequence being admitted looks its leading full blocks up and starts computing after
-the longest run of hits (always leaving its last token to compute: that step samples from it).
-
-A block enters the cache only once its K/V are written (`num_computed_tokens` has passed it), never
-while a prefill chunk is still on its way. It stays findable after its last owner frees it, until
-the pool hands it out for something else, least recently freed first (block_manager.py).
-
-sha256 rather than Python's hash(): hash() of ints is predictable, and a prompt built to collide
-with another tenant's prefix would read that tenant's K/V (vLLM fixed the same, CVE-2025-25183).
+An admitted sequence starts after its longest run of hits, always leaving its last token to
+compute. A block enters the cache only once its K/V are written, and stays findable after it is
+freed until handed out again. sha256, not hash(): hash() of ints is predictable, and a crafted
+collision would read another tenant's K/V (CVE-2025-25183).
 """
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ class PrefixCache:
         self.num_hit_tokens = 0  # of which found in the cache
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Keys of `seq`'s first `num_blocks` full blocks (memoized on the sequence: its tokens
-        never change, only grow)."""
+        """Keys of `seq`'s first `num_blocks` full blocks (memoized: its tokens only grow)."""
         keys, bs = seq.block_keys, self.block_size
         if len(keys) < num_blocks:
             tokens = seq.token_ids
@@ -44,7 +38,7 @@ class PrefixCache:
         return keys[:num_blocks]
 
     def match(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached run of `seq`'s leading full blocks, short of its last token."""
+        """Blocks of the longest cached run of `seq`'s leading blocks, before its last token."""
         hits = []
         for key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.block_of.get(key)
@@ -54,15 +48,14 @@ class PrefixCache:
         return hits
 
     def insert(self, seq: Sequence, index: int, block_id: int) -> None:
-        """Enter `seq`'s block number `index` (computed, full). If another block already holds the
-        same tokens (two prompts computed side by side), that one stays the cached copy."""
+        """Enter `seq`'s computed full block `index`; an existing copy of the same tokens stays."""
         (key,) = self.keys(seq, index + 1)[index:]
         if key not in self.block_of and self.key_of[block_id] is None:
             self.block_of[key] = block_id
             self.key_of[block_id] = key
 
     def holds(self, block_id: int) -> bool:
-        """The block holds a cached prefix's K/V (it can be found again)."""
+        """The block holds a cached prefix's K/V."""
         return self.key_of[block_id] is not None
 
     def evict(self, block_id: int) -> None:

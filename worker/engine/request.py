@@ -1,7 +1,5 @@
-"""The engine's typed boundary: what goes in (EngineRequest) and what comes out (RequestOutput).
-
-The Kafka side builds EngineRequests from wire Requests and turns RequestOutputs into reply
-events; nothing else crosses between the asyncio loop and the engine thread.
+"""The engine's typed boundary: EngineRequest in, RequestOutput out; nothing else crosses
+between the asyncio loop and the engine thread.
 """
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """The grammar a request's output must follow (contract.schema.Request.output_constraint):
-    `kind` is json_schema, json_object, regex, choice or grammar; `text` its source, which is
-    also the compiled grammar's cache key; `field` the wire field a rejection names."""
+    """The grammar a request's output must follow: `kind` (json_schema, json_object, regex,
+    choice, grammar), `text` its source and cache key, `field` the wire field a rejection names."""
 
     field: str
     kind: str
@@ -35,27 +32,26 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    # A set: the engine looks up every generated token in it, so the cost stays O(1) per token.
+    # A set: every generated token is looked up in it.
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     structured: StructuredSpec | None = None
-    logprobs: int | None = None  # None: off; k: the token's logprob and the k most likely (k <= 20)
-    n: int = 1  # samples of one prompt (the prompt is computed once); sample i draws with seed + i
+    logprobs: int | None = None  # None: off; k: the token's logprob and the k most likely
+    n: int = 1  # samples of one prompt; sample i draws with seed + i
 
     def __post_init__(self) -> None:
-        # Callers may pass any iterable of ids (the wire request holds a list).
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        """The one definition of greedy (argmax): the sampler, speculative decoding and the tests use it."""
+        """The one definition of greedy (argmax)."""
         return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass
 class EngineRequest:
-    """One request for the engine. Exactly one of prompt / messages / prompt_token_ids is set;
-    the engine thread tokenizes, so no CPU-heavy work happens on the asyncio loop."""
+    """One request for the engine; exactly one of prompt / messages / prompt_token_ids is set.
+    The engine thread tokenizes, keeping CPU work off the asyncio loop."""
 
     request_id: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -65,7 +61,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)  # Unix seconds
     deadline: float | None = None  # Unix seconds
-    tenant: str | None = None  # whose grammar compiles take turns with whose (None: unknown)
+    tenant: str | None = None  # grammar compiles take turns by tenant
 
 
 @dataclass(frozen=True)
@@ -80,17 +76,14 @@ class SampleResult:
 
 @dataclass
 class RequestOutput:
-    """What one engine step did to one request.
-
-    `started` is True in the output of the step that first scheduled the request (a `started`
-    event); `finished` is True exactly once, with `finish_reason` from the wire contract.
-    With n > 1 a step gives one output per sample that moved (`index`); the final one also
-    lists every sample (`samples`) and counts their tokens together (`num_output_tokens`)."""
+    """What one engine step did to one request. `started` marks the step that first scheduled
+    it; `finished` is True exactly once. With n > 1 there is one output per sample that moved
+    (`index`); the final one lists every sample and counts their tokens together."""
 
     request_id: str
     index: int = 0
     new_token_ids: list[int] = field(default_factory=list)
-    # Aligned with new_token_ids when the request asked for logprobs: wire-shaped TokenLogprob dicts.
+    # With logprobs: wire-shaped TokenLogprob dicts aligned with new_token_ids.
     logprobs: list[dict] | None = None
     text_delta: str = ""
     started: bool = False
@@ -98,10 +91,10 @@ class RequestOutput:
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
-    text: str | None = None  # the whole output, set when finished
+    text: str | None = None  # the whole output, when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     queue_s: float = 0.0
     ttft_s: float | None = None
     total_s: float = 0.0
-    samples: list[SampleResult] | None = None  # n > 1, when finished: every sample, by index
+    samples: list[SampleResult] | None = None  # n > 1, when finished: every sample

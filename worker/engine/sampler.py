@@ -1,15 +1,9 @@
 """Batched sampling: one call turns a step's logits into one next token per sequence.
 
-Pipeline, per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k ->
-top-p -> min-p -> draw. Log-probabilities, for the rows that ask, are log_softmax of the logits
-after penalties and the grammar mask, before temperature (what vLLM reports).
-Every stage runs on the whole sub-batch of rows that need it, never row by row. A seeded row's
-random number is a hash of its seed and draw index (counter_uniforms), and every stage is a
-function of the row's own values, so its tokens do not depend on which requests share the batch
-(given the same logits row: the model's batch-invariance is the runner's business).
-
-Cost, in passes over the logits (one pass costs about as much as a max): greedy is one argmax; temperature sampling is ~5 passes; top-k / top-p add a topk of a few
-hundred candidates instead of a full sort (~30 passes); penalties touch only the seen tokens.
+Per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k -> top-p ->
+min-p -> draw. Logprobs are log_softmax after penalties and mask, before temperature (as vLLM).
+Each stage runs on the sub-batch that needs it. A seeded row's random number is a hash of its
+seed and draw index, so its tokens do not depend on which requests share the batch.
 """
 from __future__ import annotations
 
@@ -26,15 +20,13 @@ from inferline.worker.engine.structured_output import apply_token_bitmask
 
 # Top-p looks at this many candidates first; a row whose nucleus is wider retries with 16x more.
 _TOP_P_CANDIDATES = 256
-# The draw picks a block of this many tokens, then a token inside it (see _draw).
+# The draw picks a block of this many tokens, then a token inside it.
 _DRAW_BLOCK = 256
 
 
 @dataclass(eq=False)
 class SeededStream:
-    """A seeded request's random numbers: draw i is counter_uniforms(seed, i), so the whole state
-    is a count. The engine keeps it with the sequence, so the stream continues across steps and
-    across preemption; each sampled (non-greedy) row takes exactly one draw."""
+    """A seeded request's random numbers: draw i is counter_uniforms(seed, i), one a sampled row."""
     seed: int
     num_draws: int = 0
 
@@ -44,7 +36,6 @@ class SeededStream:
 
 
 def make_stream(seed: int | None) -> SeededStream | None:
-    """The stream of one seeded request (None when unseeded: such rows share the global RNG)."""
     return None if seed is None else SeededStream(seed)
 
 
@@ -59,20 +50,15 @@ def has_penalties(params: SamplingParams) -> bool:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: None, or for rows whose params ask for logprobs the wire's TokenLogprob shape,
-    # {"logprob": float, "top_logprobs": [{"token_id": int, "logprob": float}, ...]} (best first).
+    # Per row: None, or the wire's TokenLogprob shape for rows that ask for logprobs.
     logprobs: list[dict | None]
 
 
 class Sampler:
-    """Picks the next token of every sequence in a batch.
-
-    Stateless: the per-request random state lives in the streams the caller passes. The
-    caller's `logits` are never modified (work happens on fp32 copies)."""
+    """Picks the next token of every sequence in a batch. Stateless; never modifies `logits`."""
 
     def __call__(self, logits, params, prompt_ids, output_ids, streams, bitmask=None,
                  grammar_rows: list[int] = ()) -> list[int]:
-        """The token ids of `sample`."""
         return self.sample(logits, params, prompt_ids, output_ids, streams, bitmask, grammar_rows).token_ids
 
     def sample(
@@ -85,19 +71,14 @@ class Sampler:
         bitmask: torch.Tensor | None = None,
         grammar_rows: list[int] = (),
     ) -> SamplerOutput:
-        """logits: [num_seqs, vocab], fp32/bf16/fp16, any device; one row per sequence, aligned
-        with params, prompt_ids, output_ids (tokens generated so far) and streams (a stream
-        that appears in several sampled rows gives them consecutive draws, in row order).
-        `bitmask` [len(grammar_rows), words] int32 on the logits' device: the tokens allowed in
-        those rows (structured_output.py). A greedy row (SamplingParams.greedy) takes the argmax
-        after penalties and mask; its other params and seed are unused.
-        Returns one token id per row, and the logprobs of the rows that ask for them."""
+        """logits [num_seqs, vocab], rows aligned with params, prompt_ids, output_ids and streams;
+        `bitmask` [len(grammar_rows), words] int32: the tokens allowed in those rows."""
         num_seqs = logits.shape[0]
         assert logits.dim() == 2, logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(streams) == num_seqs
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not grammar_rows and not wants_logprobs and all(p.greedy and not has_penalties(p) for p in params):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)  # one kernel
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)
         # Rows are viewed flat and in blocks below; a padded-vocab slice would not view.
         work = _penalized(logits.contiguous(), params, prompt_ids, output_ids)
         if grammar_rows:
@@ -121,15 +102,13 @@ class Sampler:
 
 
 def _masked(work: torch.Tensor, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """`work` with the grammar's forbidden tokens at -inf in `rows`; never the caller's `logits`."""
     if work.data_ptr() == logits.data_ptr():
         work = work.clone()
     return _put_rows(work, rows, apply_token_bitmask(_rows(work, rows), bitmask))
 
 
 def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingParams]) -> list[dict | None]:
-    """The sampled token's log-probability and the top-k of its row, for rows that ask; tokens
-    the grammar forbids (-inf) are left out of the top list."""
+    """The sampled token's logprob and its row's top-k, for rows that ask (-inf tokens left out)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = host_to_device(rows, torch.int64, work.device)
     logprobs = torch.log_softmax(_rows(work, rows), dim=-1)
@@ -146,7 +125,7 @@ def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingP
 
 
 def _penalized(logits, params, prompt_ids, output_ids) -> torch.Tensor:
-    """fp32 logits with penalties applied; never the caller's tensor when anything changed."""
+    """fp32 logits with penalties applied; a copy whenever anything changed."""
     rows = [i for i, p in enumerate(params) if has_penalties(p)]
     if len(rows) == len(params):
         return apply_penalties(logits, params, prompt_ids, output_ids)
@@ -165,13 +144,8 @@ def apply_penalties(
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
 ) -> torch.Tensor:
-    """Returns penalized fp32 logits (a new tensor) for rows [n, vocab].
-
-    Repetition penalty (HF/CTRL): every token seen in prompt + output gets its logit divided by
-    the penalty when positive and multiplied when negative (once, however often it was seen).
-    Presence / frequency (OpenAI): over the output only, subtract
-    presence * [count > 0] + frequency * count.
-    Only the seen tokens are touched: cost O(tokens), not O(rows x vocab)."""
+    """Penalized fp32 copy of rows [n, vocab]. Repetition (HF) divides positive and multiplies
+    negative logits of seen tokens; presence / frequency (OpenAI) subtract, over the output only."""
     vocab = logits.shape[1]
     out = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     flat = out.view(-1)
@@ -195,9 +169,7 @@ def apply_penalties(
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Masks to -inf (in place) what top-k, top-p and min-p remove, for rows [n, vocab] fp32
-    already divided by temperature; returns the tensor. The sampler itself only uses the
-    thresholds (filter_thresholds); this is their readable form."""
+    """Masks to -inf in place what top-k, top-p and min-p remove (filter_thresholds, readable)."""
     threshold = filter_thresholds(logits, params)
     if threshold is None:
         return logits
@@ -205,12 +177,8 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def filter_thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-    """[n, 1] per-row logit thresholds (keep logits >= threshold) for top-k, then top-p, then
-    min-p, on rows [n, vocab] already divided by temperature; None when no row filters.
-
-    Every filter keeps a set {logit >= t} and never drops the most likely token, so their
-    sequence is one threshold, the largest. Thresholds keep ties at a boundary, and depend only
-    on the row's values, never on the batch."""
+    """[n, 1] thresholds (keep logits >= t) for top-k, top-p and min-p; None when no row filters.
+    Each filter keeps {logit >= t} and the top token, so together they are the largest t."""
     num_rows, vocab = logits.shape
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     truncated = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]
@@ -224,8 +192,7 @@ def filter_thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> tor
         )
         threshold = _put_rows(threshold, truncated, by_rank)
     if needs_min_p:
-        # p < min_p * p_max  <=>  logit < max_logit + log(min_p): renormalising after an earlier
-        # filter scales p and p_max alike, so the order of filters does not matter here.
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p), whatever filter came before.
         min_p = _column([params[i] for i in needs_min_p], "min_p", logits.device)
         by_ratio = _rows(logits, needs_min_p).amax(dim=-1, keepdim=True) + min_p.log()
         combined = torch.maximum(_rows(threshold, needs_min_p), by_ratio)
@@ -239,13 +206,8 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], streams: list) -
 
 
 def _draw(logits: torch.Tensor, threshold: torch.Tensor | None, streams: list) -> torch.Tensor:
-    """Inverse-CDF sampling from softmax(logits) over the tokens at or above `threshold`, one
-    uniform per row (so a seeded row takes one draw of its stream).
-
-    A full-vocab cumsum is serial and slow on CPU, and a Gumbel race needs a noise draw per logit,
-    so this goes in two levels: a CDF over block sums picks a block of _DRAW_BLOCK tokens, then the
-    CDF inside that block, rescaled to the block's own total, picks the token. Tokens of weight 0
-    (filtered) can never be picked."""
+    """Inverse-CDF sampling, one uniform per row, in two levels (block sums, then inside the
+    block): a full-vocab cumsum is slow on CPU."""
     num_rows, vocab = logits.shape
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
     if threshold is not None:
@@ -262,9 +224,8 @@ def _draw(logits: torch.Tensor, threshold: torch.Tensor | None, streams: list) -
 
 
 def _search(cdf: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows [n, m] of a CDF and uniforms [n, 1] in [0, 1): the first index whose CDF exceeds
-    uniform * total (an index of positive weight), and where inside that step the target fell,
-    as a fresh uniform in [0, 1) for the next level."""
+    """First index whose CDF exceeds uniform * total, and the target's place in that step as a
+    fresh uniform."""
     total = cdf[:, -1:]
     target = uniform * total
     index = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
@@ -275,8 +236,7 @@ def _search(cdf: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _uniforms(streams: list, device: torch.device) -> torch.Tensor:
-    """[n, 1] fp64 uniforms in [0, 1): seeded rows the next draw of their stream, the rest from
-    one draw of the global RNG. Every row's seed and draw index reach the device in one copy."""
+    """[n, 1] fp64 uniforms: seeded rows from their stream, others from the global RNG."""
     num_rows = len(streams)
     if all(s is None for s in streams):
         return torch.rand(num_rows, 1, dtype=torch.float64, device=device)
@@ -296,10 +256,9 @@ _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def counter_uniforms(seeds: torch.Tensor, indexes: torch.Tensor) -> torch.Tensor:
-    """fp64 uniforms in [0, 1) with 53 random bits, elementwise over int64 tensors: draw `index`
-    of the splitmix64 stream whose state starts at mix(seed). A pure function of (seed, index)
-    computed in exact integer arithmetic, so the same on every device and in every batch.
-    The seed is mixed first: in plain splitmix64, seed + gamma's stream is seed's one draw on."""
+    """fp64 uniforms: draw `index` of the splitmix64 stream at mix(seed), in exact integer
+    arithmetic (the same on every device). Mixed first: in plain splitmix64, seed + gamma's
+    stream is seed's one draw on."""
     state = _mix64(seeds) + (indexes + 1) * _int64(_GAMMA)
     return _shift_right(_mix64(state), 11).double() * 2.0**-53
 
@@ -322,13 +281,8 @@ def _int64(value: int) -> int:
 def _top_k_top_p_threshold(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES
 ) -> torch.Tensor:
-    """[n, 1] logit thresholds: keep the top_k (0 = off) largest, then the smallest prefix of them
-    whose probability mass (renormalised over the first k) reaches top_p.
-
-    A full vocab sort costs ~30 passes on CPU, a topk of a few hundred candidates ~3. Top-k lies
-    inside the candidates by construction; the nucleus nearly always does, and rows where it
-    does not are redone with more candidates, up to the whole vocabulary. Only sorted *values*
-    are used, which do not depend on how the topk orders ties."""
+    """[n, 1] thresholds: the top_k largest, then the smallest prefix whose renormalised mass
+    reaches top_p. Starts from a few hundred candidates (a full sort is slow on CPU)."""
     vocab = logits.shape[1]
     device = logits.device
     num_candidates = min(vocab, max(max(top_k), num_candidates))
@@ -364,8 +318,6 @@ def _top_p_normaliser(logits, values, probs, top_k: list[int]) -> torch.Tensor:
 
 
 def _flat_index(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """row * vocab + token for every token of every row, as one int64 tensor (built on the CPU,
-    moved once)."""
     tokens = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
@@ -388,6 +340,5 @@ def _put_rows(tensor: torch.Tensor, rows: list[int], values: torch.Tensor) -> to
 
 
 def _column(params: list[SamplingParams], name: str, device: torch.device) -> torch.Tensor:
-    """One field of every row as an fp32 [n, 1] column, for broadcasting against [n, vocab]."""
     values = [float(getattr(p, name)) for p in params]
     return host_to_device(values, torch.float32, device).unsqueeze(1)

@@ -1,30 +1,16 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each.
 
-One token budget (`max_num_batched_tokens`) is shared by decodes and prefill chunks, so a long
-prompt is split over several steps instead of stalling every running decode (chunked prefill).
-Order everywhere is (priority, arrival): lower priority values first, FCFS within a priority.
+Decodes and prefill chunks share one token budget (chunked prefill); order is (priority, arrival).
+- a waiting sequence is admitted only when its whole uncomputed prompt fits; cached prefix
+  blocks are shared, not computed;
+- a running sequence short of a block preempts (by recompute) the worst running one, maybe itself;
+- a waiting sequence may preempt running ones of strictly worse priority;
+- a waiting fork (n > 1) drops its prompt's shared blocks when nothing runs and the queue's head
+  cannot be admitted without them;
+- speculative drafts use only leftover budget and KV slots and never preempt.
 
-Memory policy:
-- a waiting sequence is admitted only when the blocks for its whole uncomputed prompt are free;
-  blocks of its prefix found in the prefix cache are shared, not allocated, and not computed;
-- a running sequence that cannot get its next block preempts (by recompute) the worst running
-  sequence, possibly itself, never a better one;
-- a waiting sequence that cannot be admitted may preempt running sequences that are strictly
-  worse in priority (vLLM only preempts on a failed append);
-- a forked sample (n > 1) waits holding its prompt's shared blocks, and lets go of them when
-  nothing runs and the head of the queue cannot be admitted without them;
-- speculative drafts (spec_decode.py) ride along only where token budget and KV slots are left
-  over: a draft never preempts anybody, nor takes a block a waiting request could be admitted to.
-
-Background work (BackgroundLimit: priority at or past a threshold, a batch's class) shares steps
-with foreground work only narrowly: while a foreground request runs or waits, background
-sequences run in turns, computing at most `max_tokens` a step between them (a prompt is chunked
-to fit), and none in a step that computes a foreground prompt. On a CPU a step's length grows
-with its tokens, so this bounds what a batch adds to an interactive request's first token. With
-no foreground work the batch runs at full width, or, with `alone_max_tokens` set, at most that
-many tokens a step until `quiet_s` have passed without foreground work: a request that arrives
-between interactive ones then waits for a short step, not a full-width one.
-
+Background work (BackgroundLimit) runs in turns beside foreground work, at most `max_tokens` a
+step and none in a step with a foreground prompt: on a CPU a step's length grows with its tokens.
 The scheduler decides and never touches tensors.
 """
 from __future__ import annotations
@@ -48,8 +34,7 @@ class ScheduledSequence:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a token is sampled
-        (with drafts: a token per row, from the last known token's row on)."""
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
         num_known = self.num_new_tokens - len(self.spec_token_ids)
         return self.seq.num_computed_tokens + num_known == self.seq.num_tokens
 
@@ -71,10 +56,7 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class BackgroundLimit:
-    """Sequences of `priority` or worse are background: beside foreground work, at most
-    `max_tokens` of theirs a step (in turns; a prompt counts every token it computes, so it is
-    chunked), and none in a step with a foreground prompt. On a CPU a step's length grows with
-    its tokens, and an interactive request that arrives waits for the step in flight."""
+    """Sequences of `priority` or worse are background work (see the module docstring)."""
 
     priority: int
     max_tokens: int
@@ -92,7 +74,7 @@ class Scheduler:
                  background: BackgroundLimit | None = None, clock: Callable[[], float] = time.monotonic):
         assert policy in ("continuous", "static")
         self.background = background
-        self.clock = clock  # seconds; bench/scheduler_sim.py gives it virtual time
+        self.clock = clock  # seconds; injectable for virtual time
         self.foreground_seen_at: float | None = None
         self.num_steps = 0
         self.block_manager = block_manager
@@ -132,17 +114,14 @@ class Scheduler:
         if self.policy == "continuous":
             self._schedule_waiting(out, budget, seats=seats)
         elif not self.running:
-            # Static batching: a new batch forms only when the last one is done; its members
-            # are admitted together and their prompts run over the next steps as budget allows.
+            # Static batching: a new batch forms only when the last one is done.
             self._schedule_waiting(out, budget, whole_batch=True)
         for c in out.scheduled:
             c.seq.last_scheduled_step = self.num_steps
         return out
 
     def _background_seats(self) -> list[int] | None:
-        """How many background tokens this step may compute ([n]: a counter the step spends), or
-        None for no limit: no BackgroundLimit, or no foreground work (for `quiet_s`, where
-        `alone_max_tokens` is set)."""
+        """Background tokens this step may compute ([n], spent by the step), or None: no limit."""
         bg = self.background
         if bg is None or self.policy != "continuous":
             return None
@@ -156,18 +135,16 @@ class Scheduler:
         return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
-        """The running background sequences that sit this step out: the seats go to the least
-        recently run background sequences, running or waiting (a waiting one first, as many as
-        the batch has free places and memory for: a seat given to one that cannot be admitted
-        would stall every background sequence), each taking the tokens it needs (a prompt: up to
-        what is left)."""
+        """The running background sequences that sit this step out. Seats go to the least
+        recently run, waiting ones first but only those that fit (one that cannot be admitted
+        would stall the rest)."""
         if seats is None:
             return set()
         free = max(0, self.max_num_seqs - len(self.running))
         waiting = [s for s in self.waiting if self.background.is_background(s)][:free]
         running = [s for s in self.running if self.background.is_background(s)]
         turn, left = set(), seats[0]
-        # lazy: a waiting sequence's memory is checked only when the seats reach it
+        # lazy: memory is checked only when the seats reach a waiting sequence
         for s in itertools.chain(itertools.takewhile(self._fits, waiting),
                                  sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key))):
             if left <= 0:
@@ -202,7 +179,6 @@ class Scheduler:
         return budget
 
     def _seats_left(self, seq: Sequence, seats: list[int] | None) -> int:
-        """The tokens `seq` may compute this step as far as the background limit goes."""
         if seats is None or not self.background.is_background(seq):
             return self.max_num_batched_tokens
         return seats[0]
@@ -212,9 +188,8 @@ class Scheduler:
             seats[0] -= num_new
 
     def _drafts(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
-        """Drafts for a decoding `seq`, within the leftover token `budget` and the request's own
-        max_tokens. Drafts that need a new block get none while a request waits (its admission
-        comes first) or while the `num_later` running sequences after `seq` may need the free ones."""
+        """Drafts within the leftover `budget` and max_tokens; none needing a new block while a
+        request waits or the `num_later` sequences after `seq` may need the free ones."""
         if (self.proposer is None or not can_speculate(seq.sampling)
                 or (self.spec_disable_batch_size and len(self.running) >= self.spec_disable_batch_size)):
             return []
@@ -247,7 +222,7 @@ class Scheduler:
                 break  # the waiting queue is in priority order: only background is left
             cached = self.block_manager.cached_prefix(seq)
             if not self._admit(seq, cached, out):
-                break  # strict (priority, arrival) order: nobody jumps a request that waits for memory
+                break  # strict order: nobody jumps a request waiting for memory
             self.waiting.pop(0)
             # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
             self.block_manager.allocate(seq, cached)
@@ -263,9 +238,8 @@ class Scheduler:
             budget -= num_new
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
-        """Room for `seq`'s whole uncomputed prompt (past its `cached` blocks) and a seat in the
-        batch, preempting running sequences of strictly worse priority (even ones already
-        scheduled this step). A preempted victim's blocks stay cached: `cached` stays valid."""
+        """Room and a seat for `seq`'s uncomputed prompt, preempting strictly worse running
+        sequences. A victim's blocks stay cached, so `cached` stays valid."""
         while (len(self.running) >= self.max_num_seqs
                or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)
@@ -277,8 +251,7 @@ class Scheduler:
         return True
 
     def _release_held(self, seq: Sequence) -> bool:
-        """Nothing runs, so nothing will free memory: the worst waiting fork (a sample holding
-        its prompt's shared blocks, engine.py) lets go of them and will compute them again."""
+        """Nothing runs to free memory: the worst waiting fork drops its shared prompt blocks."""
         holders = [s for s in self.waiting if s.block_table and s is not seq]
         if not holders:
             return False

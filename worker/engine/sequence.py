@@ -1,9 +1,8 @@
 """A request's state inside the engine: token ids, counters, block table, status.
 
-State is counters, not phases: a sequence has `num_tokens` known tokens (prompt + output so far)
-of which `num_computed_tokens` already have K/V in the cache. A step computes the next chunk of
-the gap; when the gap closes, the step samples one more token. Prefill, chunked prefill, decode
-and recompute after preemption are all the same rule.
+A sequence has `num_tokens` known tokens, of which `num_computed_tokens` have K/V in the cache;
+a step computes the next chunk of the gap and samples when it closes. Prefill, chunked prefill,
+decode and recompute after preemption are the same rule.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from inferline.worker.engine.request import SamplingParams
 
-if TYPE_CHECKING:  # the sampler imports torch and xgrammar; a sequence needs neither
+if TYPE_CHECKING:  # the sampler imports torch and xgrammar
     from inferline.worker.engine.sampler import SeededStream
 
 
@@ -38,22 +37,22 @@ class Sequence:
     deadline: float | None = None
     stream: SeededStream | None = None  # a seeded request's draws so far: kept through preemption
     detokenizer: object | None = None  # IncrementalDetokenizer; None when text is not needed
-    grammar: object | None = None  # xgrammar GrammarMatcher of a constrained request, once compiled
-    mask_strikes: int = 0  # steps in a row whose token mask for this row alone took over the mask budget
+    grammar: object | None = None  # xgrammar GrammarMatcher, once compiled
+    mask_strikes: int = 0  # steps in a row this row's mask took over budget
     index: int = 0  # which of the request's n samples
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
-    block_keys: list[bytes] = field(default_factory=list)  # prefix_cache.py keys of full blocks, memoized
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    block_keys: list[bytes] = field(default_factory=list)  # memoized prefix-cache keys
     num_preemptions: int = 0
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
     first_scheduled_time: float | None = None
-    last_scheduled_step: int = 0  # the scheduler's step that last ran it (background turns)
+    last_scheduled_step: int = 0  # the step that last ran it (background turns)
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -83,7 +82,7 @@ class Sequence:
 
     @property
     def sort_key(self) -> tuple[int, float]:
-        """Lower is better: priority first, then arrival (FCFS within a priority)."""
+        """Lower is better: (priority, arrival)."""
         return (self.priority, self.arrival_time)
 
     def finish(self, reason: str, message: str | None = None, code: str | None = None) -> None:

@@ -1,14 +1,9 @@
-"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`): guesses to verify,
-never to trust.
+"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`).
 
-A decode step of few sequences is bound by reading the weights, so verifying several tokens of
-one sequence costs about what computing one does. A greedy sequence's last few tokens are looked
-up earlier in its own text; the tokens that followed them there are its drafts. The step computes
-the last token and the drafts as one chunk, row i's argmax being greedy's token after draft i-1;
-drafts are accepted while they equal those argmaxes, and the first row that disagrees gives its
-own. So every step yields at least one token, and the tokens are exactly greedy decoding's (to
-the bit where a chunk's rows compute as decode rows do: kernels/cpu/, oneDNN's row-invariant
-linears). Only greedy sequences without penalties are drafted for (`can_speculate`).
+A decode step of few sequences is bound by reading the weights, so verifying several tokens costs
+about what computing one does. A greedy sequence's last tokens are looked up earlier in its own
+text, and what followed them there is drafted; drafts are accepted while they equal the step's
+argmaxes, and the first row that disagrees gives its own. Output is exactly greedy decoding's.
 """
 from __future__ import annotations
 
@@ -21,22 +16,21 @@ _ITEM = array("i").itemsize  # token ids are searched as packed int32 bytes
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Drafts are checked against argmaxes: greedy rows whose logits nothing else changes (no
-    penalties, no grammar mask), and whose tokens need no logprobs."""
+    """Drafts are checked against argmaxes: greedy rows with no penalties, grammar or logprobs."""
     return (params.greedy and not has_penalties(params) and params.structured is None
             and params.logprobs is None)
 
 
 class NgramProposer:
-    """Proposes up to `num_tokens` drafts: the tokens that followed the most recent earlier
-    occurrence of the sequence's last n tokens, for the longest n in [min_n, max_n] found."""
+    """Proposes up to `num_tokens` drafts: what followed the most recent earlier occurrence of
+    the last n tokens, for the longest n in [min_n, max_n] found."""
 
     def __init__(self, num_tokens: int, max_n: int = 4, min_n: int = 1):
         assert num_tokens >= 1 and 1 <= min_n <= max_n
         self.num_tokens, self.max_n, self.min_n = num_tokens, max_n, min_n
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
-        """Drafts to follow `token_ids` (at most `limit`, default num_tokens; [] when no match)."""
+        """Drafts to follow `token_ids` (at most `limit`; [] when no match)."""
         limit = self.num_tokens if limit is None else min(limit, self.num_tokens)
         if limit <= 0 or len(token_ids) < self.min_n + 1:
             return []
@@ -45,25 +39,25 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = find_last(packed, tokens[-n:].tobytes(), end=len(tokens) - 1)
             if start >= 0:
-                follow = start + n  # <= len - 1: the match ends before the last token
+                follow = start + n  # the match ends before the last token
                 return tokens[follow:follow + limit].tolist()
         return []
 
 
 def find_last(packed: bytes, needle: bytes, end: int) -> int:
-    """The last token index i with tokens[i:i + n] == needle and i + n <= end, or -1.
-    bytes.rfind does the scanning in C; a hit must start on a token's first byte."""
+    """The last token index i with tokens[i:i + n] == needle and i + n <= end, or -1; a hit must
+    start on a token's first byte."""
     stop = end * _ITEM
     while True:
         at = packed.rfind(needle, 0, stop)
         if at < 0 or at % _ITEM == 0:
             return at // _ITEM if at >= 0 else -1
-        stop = at + len(needle) - 1  # a misaligned hit: look again, ending before it
+        stop = at + len(needle) - 1  # misaligned: look again before it
 
 
 def accept(drafts: list[int], targets: list[int]) -> list[int]:
-    """The tokens one step yields: the drafts up to the first that differs from the target
-    (row i's argmax), then that row's target. len(targets) == len(drafts) + 1."""
+    """The tokens one step yields: drafts up to the first that differs from its row's target,
+    then that target."""
     assert len(targets) == len(drafts) + 1
     for i, draft in enumerate(drafts):
         if draft != targets[i]:

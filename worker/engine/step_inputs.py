@@ -1,19 +1,9 @@
-"""A step's inputs from the scheduler's chunks: token ids, positions, slot mapping, context
-lengths, cu_seqlens and block tables, with as little Python per step as the step's changes need.
+"""A step's inputs from the scheduler's chunks: token ids, positions, slots, context lengths,
+cu_seqlens and block tables, with little Python per step.
 
-Block tables are the costly part (a row of up to max_model_len / block_size ids per sequence):
-each scheduled sequence owns a row of one persistent int32 table (in pinned memory on CUDA),
-written as its block table grows (a decode adds a block every block_size steps), rewritten only
-when the block manager gave it a new list (a free after preemption, a fork). A step's tables are
-then one index_select of the scheduled rows. The rest is one pass over the sequences (a decode
-costs a few list operations: less than one vectorized op's dispatch) and two host tensors, built
-through numpy (torch.tensor of a list is several times slower); the table rows are written through
-numpy too, so a step dispatches only a handful of torch ops.
-Rows of sequences not scheduled in a step go back to the pool (a sequence that returns is
-written again: correct, only slower). Figures: bench/step_prep.py, docs/benchmarks.md.
-
-The step's host tensors are new each step except the persistent table, so a non_blocking copy
-to the device never races the next step's writes (the sampler's sync ends every step anyway).
+Each scheduled sequence owns a row of one persistent int32 block table, rewritten only when it
+gets a new list (preemption, fork). Host tensors are new each step except that table, so a
+non_blocking copy never races the next step's writes.
 """
 from __future__ import annotations
 
@@ -32,8 +22,8 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 @dataclass
 class _Row:
     index: int  # of the persistent table
-    table: list[int]  # the sequence's block_table list the row mirrors (kept: its id stays unique)
-    written: int  # of its entries copied into the row
+    table: list[int]  # the block_table list the row mirrors (kept: its id stays unique)
+    written: int  # entries copied into the row
     step: int  # the last step that used it
 
 
@@ -43,15 +33,14 @@ class BlockTableRows:
     def __init__(self, max_blocks: int, pin_memory: bool = False, rows: int = 64):
         self.max_blocks, self.pin_memory = max_blocks, pin_memory
         self.table = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin_memory)
-        self.entries = self.table.numpy()  # the same memory: a write through numpy dispatches no torch op
+        self.entries = self.table.numpy()  # same memory: numpy writes dispatch no torch op
         self.rows: dict[int, _Row] = {}  # id(seq) -> its row, for the sequences of the last step
         self.free = list(range(rows))[::-1]
-        self.extent = [0] * rows  # of each row, the entries written since it was last zeroed
+        self.extent = [0] * rows  # entries written since each row was last zeroed
         self.step = 0
 
     def assign(self, seqs) -> list[int]:
-        """The row of each sequence, written up to its block table's end; rows of sequences not
-        in `seqs` are freed."""
+        """The row of each sequence, written up to its block table's end; other rows are freed."""
         self.step += 1
         rows, indices = self.rows, []
         for seq in seqs:
@@ -70,9 +59,9 @@ class BlockTableRows:
         return indices
 
     def _fresh(self, row: _Row | None, table: list[int]) -> _Row:
-        """A zeroed row for `table`: the sequence's own again (a new list: freed, reallocated), or one from the pool."""
+        """A zeroed row for `table`: the sequence's own again, or one from the pool."""
         index = row.index if row is not None else self._take()
-        self.entries[index, :self.extent[index]] = 0  # a table's padding is zeros, as before
+        self.entries[index, :self.extent[index]] = 0
         self.extent[index] = 0
         return _Row(index, table, 0, self.step)
 
@@ -93,14 +82,14 @@ class BlockTableRows:
         self.free += list(range(2 * rows - 1, rows - 1, -1))
 
     def gather(self, indices: torch.Tensor, width: int) -> torch.Tensor:
-        """int32 [len(indices), width]: the rows, cut to `width` blocks (zeros past each table's end
-        read nothing: context_lens bound every read)."""
+        """int32 [len(indices), width]: the rows cut to `width` (zeros past a table's end are never
+        read)."""
         out = torch.empty((indices.shape[0], width), dtype=torch.int32, pin_memory=self.pin_memory)
         return torch.index_select(self.table[:, :width], 0, indices, out=out)
 
 
 def token_slice(seq, start: int, end: int) -> list[int]:
-    """seq.token_ids[start:end] without building prompt + output (2k tokens a sequence a step)."""
+    """seq.token_ids[start:end] without building prompt + output."""
     prompt, output = seq.prompt_token_ids, seq.output_token_ids
     n = len(prompt)
     if start >= n:
@@ -115,22 +104,21 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [num_tokens], on the device
     tables: StepTables  # on the device
     logits_indices: torch.Tensor  # int64: rows whose next-token logits are sampled
-    ordered: list[ScheduledSequence]  # batch order: decodes (shortest context first), then prompt chunks
+    ordered: list[ScheduledSequence]  # decodes (shortest context first), then prompt chunks
 
 
 @dataclass
 class PaddedDecodeInputs:
-    """A decode-only step on the host, padded to a bucket's rows: each padding row is token 0 at
-    position 0 with slot -1 (no K/V written) and context length 0 (attention reads nothing)."""
+    """A decode-only step on the host, padded to a bucket (padding: slot -1, context length 0)."""
     tokens: torch.Tensor  # int64 [3, num_rows]: input ids, positions, slots
     context_lens: torch.Tensor  # int32 [num_rows]
-    block_tables: torch.Tensor  # int32 [num_seqs, widest]: the real rows only (a padding row's is never read)
+    block_tables: torch.Tensor  # int32 [num_seqs, widest]: real rows only
     logits_indices: torch.Tensor  # int64, on the device: rows whose logits are sampled
     ordered: list[ScheduledSequence]  # the real rows' sequences, in row order
 
 
 class StepBuilder:
-    """Builds StepInputs; `to_device(host_tensor)` moves a host tensor (the runner's: a no-op on the CPU)."""
+    """Builds StepInputs; `to_device` moves a host tensor to the runner's device."""
 
     def __init__(self, block_size: int, max_blocks: int, to_device, pin_memory: bool = False):
         self.block_size = block_size
@@ -155,8 +143,7 @@ class StepBuilder:
         return StepInputs(dev(ids_t), tables, dev(logits_rows), ordered)
 
     def build_decode(self, scheduled: list[ScheduledSequence], num_rows: int) -> PaddedDecodeInputs:
-        """A decode-only step on the host, padded to `num_rows` rows (worker/engine/padded_decode.py
-        copies it into its static buffers)."""
+        """A decode-only step on the host, padded to `num_rows` rows for the static buffers."""
         _, ordered = self._order(scheduled)
         assert len(ordered) <= num_rows and all(s.num_new_tokens == 1 for s in ordered), (len(ordered), num_rows)
         per_token, per_seq, widths, logits_indices = self._lists(ordered)
@@ -170,22 +157,19 @@ class StepBuilder:
 
     @staticmethod
     def _order(scheduled: list[ScheduledSequence]):
-        """(decodes, batch order). Decodes (one new token) first: they go to the decode kernel as
-        one block, shortest context first (the CPU path attends in chunks of similar length: no
-        reordering there)."""
+        """(decodes, batch order): decodes first, shortest context first."""
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
         return decodes, decodes + [s for s in scheduled if s.num_new_tokens > 1]
 
     def _lists(self, ordered: list[ScheduledSequence]):
         """([input ids, positions, slots], context lens + cu_seqlens_q, block-table widths, logits
-        rows) as lists: one pass, the step's only per-sequence Python besides BlockTableRows.assign
-        (a decode's few list operations cost less than a vectorized op's dispatch)."""
+        rows) as lists, in one pass."""
         bs = self.block_size
         input_ids, positions, slots, context_lens, cu, widths, logits_indices = [], [], [], [], [0], [], []
         for s in ordered:
             seq, new, drafts = s.seq, s.num_new_tokens, s.spec_token_ids
             start, table, prompt = seq.num_computed_tokens, seq.block_table, seq.prompt_token_ids
-            if new == 1:  # a decode: one token, the most common row, kept short
+            if new == 1:  # a decode: the most common row, kept short
                 num_prompt, output = len(prompt), seq.output_token_ids
                 input_ids.append(prompt[start] if start < num_prompt else output[start - num_prompt])
                 positions.append(start)
@@ -196,7 +180,7 @@ class StepBuilder:
                 if start + 1 == num_prompt + len(output):
                     logits_indices.append(len(input_ids) - 1)
                 continue
-            end = start + new - len(drafts)  # of the known tokens; the drafts follow
+            end = start + new - len(drafts)  # end of the known tokens; the drafts follow
             input_ids += token_slice(seq, start, end)
             input_ids += drafts
             positions += range(start, start + new)
@@ -204,7 +188,7 @@ class StepBuilder:
             context_lens.append(start + new)
             cu.append(cu[-1] + new)
             widths.append(len(table))
-            if end == len(prompt) + len(seq.output_token_ids):  # s.samples: the last row; with drafts, theirs too
+            if end == len(prompt) + len(seq.output_token_ids):  # s.samples: last row and drafts'
                 logits_indices += range(len(input_ids) - 1 - len(drafts), len(input_ids))
         return [input_ids, positions, slots], context_lens + cu, widths, logits_indices
 

@@ -1,22 +1,11 @@
 """Structured outputs (constrained decoding) with xgrammar: grammars, matchers, token bitmasks.
 
-A request with a grammar (a JSON schema, any JSON object, a regex, a choice of strings, or EBNF)
-samples only tokens that keep its output a prefix of some string of the grammar. Three parts:
-
-- `GrammarCompiler` compiles grammars on a small pool of its own threads, never the engine's,
-  taking the next job from each tenant in turn (one tenant's heavy grammars hold up its own
-  requests, not everyone's), and keeps the results (or the errors) by their text, in a cache
-  bounded in bytes, so a schema shared by many requests compiles once. The engine gives each
-  request's compile a time budget (INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S): past it the request
-  is rejected naming its field and the compile is given up: dropped if it has not started, its
-  child process killed if it has (each thread compiles in a process of its own, because
-  xgrammar cannot be interrupted inside a thread), and remembered as failed;
-- each running sequence holds a `GrammarMatcher` (xgrammar's), advanced by every accepted token;
-- `TokenBitmask` fills one bit per vocabulary id per constrained row for the whole batch with
-  one xgrammar call, which the sampler applies to the logits before anything else.
-
-xgrammar over llguidance: the batch bitmask of 32 rows costs it several times less on the default
-model's vocabulary (`python -m bench.grammar_engines`, docs/benchmarks.md).
+A request with a grammar (JSON schema, any JSON object, regex, choice of strings, EBNF) samples
+only tokens that keep its output a prefix of the grammar's language.
+- `GrammarCompiler` compiles off the engine thread, tenants in turn, with a byte-bounded cache;
+- each running sequence holds an xgrammar `GrammarMatcher`, advanced by every accepted token;
+- `TokenBitmask` fills the allowed-token bits of every constrained row in one xgrammar call.
+xgrammar over llguidance: its batch bitmask is several times cheaper (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -37,32 +26,24 @@ from inferline.worker.engine.request import StructuredSpec
 
 log = structlog.get_logger(__name__)
 
-# Bytes of compiled grammars kept by default (INFERLINE_STRUCTURED__CACHE_BYTES); xgrammar reports
-# each one's size (token mask caches: tens of KB to a few MB on a 49K vocabulary).
+# Bytes of compiled grammars kept by default (INFERLINE_STRUCTURED__CACHE_BYTES).
 CACHE_BYTES = 256 * 2**20
-# How often an idle compile thread checks whether its compiler still exists.
 IDLE_CHECK_S = 1.0
-# What a failed compile is counted as in the cache (its message).
 _FAILURE_BYTES = 1024
-# xgrammar's messages start with "[07:32:22] /project/cpp/regex_converter.cc:94: ": not the user's business.
+# xgrammar's messages start with "[07:32:22] /project/...cc:94: ": not the user's business.
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-# Compact JSON: fewer tokens, and no whitespace run for a sampled small model to wander into
-# (any_whitespace=False: between tokens the grammar allows exactly these separators, no blanks).
+# Compact JSON: fewer tokens, and no whitespace run for a small model to wander into.
 JSON_SEPARATORS = (",", ":")
 
 
 class GrammarCompiler:
-    """Compiles `StructuredSpec`s off the calling thread: `compile` returns a Future of an
-    xgrammar CompiledGrammar that fails with ValueError (its message says why) when the
-    grammar is invalid. Futures are cached by (kind, text), failures included, up to
-    `cache_bytes` of compiled grammars (least recently used go first). `threads` compile at
-    once; jobs are taken from each tenant in turn, and no tenant has more than `threads - 1` of
-    them running, so another tenant's grammar always finds a thread (tenant None: no bound).
+    """Compiles `StructuredSpec`s off the calling thread. `compile` returns a Future of an
+    xgrammar CompiledGrammar, or of a ValueError saying why the grammar is invalid; futures are
+    cached by (kind, text), failures included, up to `cache_bytes` (LRU). Jobs are taken from each
+    tenant in turn; a tenant runs at most `threads - 1` at once, so another always finds a thread.
 
-    With `processes` (the default) each thread compiles in a child process of its own
-    (worker/engine/grammar_process.py), so `give_up` stops a running compile at once; without,
-    the compile runs in the thread and can only be dropped before it starts. The threads hold
-    the compiler only weakly: when it is garbage, they and their processes end."""
+    With `processes`, each thread compiles in a child process, because xgrammar cannot be
+    interrupted inside a thread: `give_up` kills it. The threads hold the compiler weakly."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
                  cache_bytes: int = CACHE_BYTES, processes: bool = True):
@@ -72,17 +53,16 @@ class GrammarCompiler:
         self._info_json = self.info.serialize_json() if processes else None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._sizes: dict[tuple[str, str], int] = {}  # of the finished entries
+        self._sizes: dict[tuple[str, str], int] = {}
         self.num_bytes = 0
         self._queues: OrderedDict[str | None, deque] = OrderedDict()  # tenant -> (key, spec, future)
         self._running: dict[str | None, int] = {}
         self._lock = threading.Condition()  # the cache and the queues; workers wait on it
         self._closed = False
-        self._processes: dict[Future, CompilerProcess] = {}  # running compiles -> their process
-        self._given_up: dict[Future, str] = {}  # running compiles killed by give_up -> why
-        self._children: list[CompilerProcess] = []  # every live process, for the finalizer
-        # When the first process could compile (None: still starting); waits before it are not
-        # the grammar's doing (LLMEngine counts a compile's time budget from then at the earliest).
+        self._processes: dict[Future, CompilerProcess] = {}
+        self._given_up: dict[Future, str] = {}  # -> why
+        self._children: list[CompilerProcess] = []  # for the finalizer
+        # When the first process could compile: the compile time budget counts from then.
         self.ready_since: float | None = None if processes else float("-inf")
         ref = weakref.ref(self)
         self._threads = [threading.Thread(target=_work, args=(ref, self._lock), name=f"inferline-grammar-{i}",
@@ -95,7 +75,7 @@ class GrammarCompiler:
         key = (spec.kind, spec.text)
         with self._lock:
             future = self._cache.get(key)
-            if future is None or future.cancelled():  # a cancelled one was abandoned: compile again
+            if future is None or future.cancelled():  # cancelled: abandoned, compile again
                 future = self._cache[key] = Future()
                 self._queues.setdefault(tenant, deque()).append((key, spec, future))
                 self._lock.notify()
@@ -108,9 +88,8 @@ class GrammarCompiler:
             return future.cancel()
 
     def give_up(self, future: Future, reason: str) -> None:
-        """`future`'s compile took too long: dropped if it has not started, else its process is
-        killed and it fails with ValueError(reason), remembered in the cache like any failure (the
-        same grammar again is refused at once). In-thread compiles cannot be stopped: they finish."""
+        """`future`'s compile took too long: dropped if not started, else its process is killed
+        and the failure cached like any other. In-thread compiles cannot be stopped."""
         with self._lock:
             if future.cancel() or future not in self._processes:
                 return
@@ -118,16 +97,15 @@ class GrammarCompiler:
             self._processes[future].kill()
 
     def _next_job(self):
-        """The first queued job of the tenant next in turn that may run one more (lock held)."""
+        """The next job of the tenant next in turn that may run one more (lock held)."""
         busy = sum(self._running.values())
         for tenant in list(self._queues):
             queue = self._queues[tenant]
             while queue and queue[0][2].cancelled():
-                queue.popleft()  # abandoned before it started
+                queue.popleft()
             if not queue:
                 del self._queues[tenant]
                 continue
-            # A known tenant never holds every thread: another tenant's grammar always finds one.
             if tenant is not None and self._running.get(tenant, 0) >= max(1, len(self._threads) - 1):
                 continue
             job = queue.popleft()
@@ -165,9 +143,8 @@ class GrammarCompiler:
             process.close()
 
     def _run(self, key, spec: StructuredSpec, future: Future, process: CompilerProcess | None):
-        """Compiles one job into its future; returns the process to use next (a new one if this
-        one died). A process found dead is replaced and the job tried once more before the
-        grammar is blamed for it."""
+        """Compiles one job; returns the process to use next. A dead process is replaced and the
+        job retried once before the grammar is blamed."""
         for attempt in range(2):
             try:
                 compiled = self._compile(spec, future, process)
@@ -181,13 +158,13 @@ class GrammarCompiler:
                 future.set_exception(ValueError(reason or "cannot be compiled: it crashed the grammar compiler"))
                 self._account(key, future, _FAILURE_BYTES)
                 return process
-            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
+            except Exception as exc:  # noqa: BLE001 - xgrammar raises many types for bad input
                 reason = _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
                 future.set_exception(ValueError(f"cannot be compiled: {reason}"[:300]))
                 self._account(key, future, _FAILURE_BYTES)
                 return process
         reason = self._given_up.pop(future, None)
-        if reason is not None:  # killed just after it answered: given up all the same
+        if reason is not None:  # killed just after it answered
             self._end_process(process)
             future.set_exception(ValueError(reason))
             self._account(key, future, _FAILURE_BYTES)
@@ -209,23 +186,22 @@ class GrammarCompiler:
         return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def _thread_compiler(self):
-        """The in-thread compiler of a process pool whose processes cannot start."""
         with self._lock:
             if self._compiler is None:
                 self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _account(self, key, future: Future, size: int) -> None:
-        """A finished entry counts its bytes; the least recently used go until they fit."""
+        """A finished entry counts its bytes; LRU entries go until they fit."""
         with self._lock:
             if self._cache.get(key) is not future:
-                return  # evicted, or replaced, meanwhile
+                return
             self._sizes[key] = size
             self.num_bytes += size
             for old in list(self._cache):
                 if self.num_bytes <= self.cache_bytes:
                     break
-                if old in self._sizes:  # running compiles stay: their requests wait on them
+                if old in self._sizes:  # running compiles stay: requests wait on them
                     self.num_bytes -= self._sizes.pop(old)
                     del self._cache[old]
 
@@ -241,8 +217,8 @@ class GrammarCompiler:
 
 
 def _work(ref: weakref.ref, lock: threading.Condition) -> None:
-    """A compile thread: takes jobs while its compiler lives and is open. It holds the compiler
-    only while it picks or runs a job, so an engine that is dropped ends its threads."""
+    """A compile thread. It holds the compiler only while it picks or runs a job, so a dropped
+    engine ends its threads."""
     compiler = ref()
     process = compiler._start_process() if compiler is not None else None
     del compiler
@@ -272,7 +248,6 @@ def _work(ref: weakref.ref, lock: threading.Condition) -> None:
 
 
 def _close(lock: threading.Condition, children: list) -> None:
-    """Kills every child process and wakes the threads (which then see the compiler closed or gone)."""
     with lock:
         doomed, children[:] = list(children), []
         lock.notify_all()
@@ -281,11 +256,10 @@ def _close(lock: threading.Condition, children: list) -> None:
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec):
-    """The xgrammar CompiledGrammar of one spec (raises on an invalid grammar)."""
     if spec.kind == "json_schema":
         return compiler.compile_json_schema(spec.text, any_whitespace=False, separators=JSON_SEPARATORS)
     if spec.kind == "json_object":
-        # strict_mode off: any properties, not the strict reading of {"type": "object"} (only {}).
+        # strict_mode off: any properties allowed
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                             separators=JSON_SEPARATORS, strict_mode=False)
     if spec.kind == "regex":
@@ -302,25 +276,23 @@ def new_matcher(compiled) -> xgr.GrammarMatcher:
 
 
 class TokenBitmask:
-    """One int32 word per 32 vocabulary ids per constrained row, bit set = allowed (xgrammar's
-    layout), filled on the CPU for the whole batch in one call and then moved to the logits'
-    device. The bitmask covers the tokenizer's vocabulary as the engine gave it to the compiler
-    (the model's logits width)."""
+    """Allowed-token bits (xgrammar's layout: one int32 word per 32 ids per row), filled on the
+    CPU for the whole batch in one call and moved to the logits' device."""
 
     def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256, budget_s: float | None = None):
         self.vocab_size = vocab_size
         self.device = device
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the engine thread's own core
         self._host = self._allocate(max_rows)
-        self.budget_s = budget_s  # StructuredSettings.mask_budget_ms; None: never timed
-        self.slow: list[int] = []  # rows of the last fill that alone took over budget_s
+        self.budget_s = budget_s  # None: never timed
+        self.slow: list[int] = []  # rows of the last fill over budget_s alone
 
     def _allocate(self, rows: int) -> torch.Tensor:
-        pin = self.device.type == "cuda"  # pinned: the copy to the GPU can run asynchronously
+        pin = self.device.type == "cuda"  # pinned: an asynchronous copy to the GPU
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
 
     def fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
-        """[len(matchers), words] int32 on the device: each row the tokens its matcher allows next."""
+        """[len(matchers), words] int32 on the device: the tokens each matcher allows next."""
         if len(matchers) > self._host.shape[0]:
             self._host = self._allocate(len(matchers))
         host = self._host[:len(matchers)]
@@ -332,7 +304,7 @@ class TokenBitmask:
         return host.to(self.device, non_blocking=True)
 
     def _time_rows(self, matchers: list[xgr.GrammarMatcher], host: torch.Tensor) -> list[int]:
-        """The rows whose mask alone takes over budget_s (filled again, one by one: same bits)."""
+        """The rows whose mask alone takes over budget_s (refilled one by one: same bits)."""
         slow = []
         for i, matcher in enumerate(matchers):
             started = time.perf_counter()
@@ -343,12 +315,11 @@ class TokenBitmask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Sets to -inf (in place) the logits of the tokens the bitmask forbids, for rows [n, vocab]
-    and a bitmask [n, words]; ids past the bitmask's 32 * words (a model's padded vocabulary)
-    are forbidden too. Plain torch ops: the same code on CPU and CUDA. Returns `logits`."""
+    """Sets to -inf (in place) the logits the bitmask [n, words] forbids, including ids past
+    32 * words (padded vocabulary). Returns `logits`."""
     num_rows, vocab = logits.shape
     assert bitmask.shape[0] == num_rows and bitmask.dtype == torch.int32, (bitmask.shape, bitmask.dtype)
-    # One AND with every bit's value and one compare per id (fewer passes than shift, AND, cast).
+    # One AND with every bit's value and one compare per id: fewer passes than shifts.
     forbidden = ((bitmask.unsqueeze(-1) & _bit_values(logits.device)) == 0).view(num_rows, -1)
     width = min(vocab, forbidden.shape[1])
     logits[:, :width].masked_fill_(forbidden[:, :width], float("-inf"))
@@ -361,7 +332,6 @@ _BIT_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bit_values(device: torch.device) -> torch.Tensor:
-    """int32 [32]: 1 << k for bit k (bit 31 is the sign bit, -2**31)."""
     if device not in _BIT_VALUES:
         values = [1 << k for k in range(31)] + [-(1 << 31)]
         _BIT_VALUES[device] = torch.tensor(values, dtype=torch.int32, device=device)

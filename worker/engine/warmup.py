@@ -1,23 +1,14 @@
 """Start-up compiles: before the worker reports ready, every Triton kernel binary the loaded
-model can launch is compiled (or loaded from Triton's cache, ~/.triton/cache), so that no
-request pays a compile (seconds) mid-serving.
+model can launch is compiled (or loaded from Triton's cache), so no request pays a compile.
 
-What varies between a model's launches, and so what is warmed:
+    decode     one binary per plan: one split (stage 1 writes the output: DIRECT) or several
+               (stage 2 reduces them: one binary per SPLITS_P2)
+    the rest   one binary each: prefill, rotary with the K/V store, RMSNorm alone and with the
+               residual add, SiLU-and-mul
 
-    decode     the plan of a step's batch: one split (stage 1 writes the output: DIRECT) or
-               several (stage 2 reduces them: one binary per SPLITS_P2), from the number of
-               sequences and the widest block table (kernels/triton/decode.py)
-    the rest   one binary each per model and settings: the prefill kernel, rotary with the K/V
-               store (or the store alone), RMSNorm alone (the first layer) and with the residual
-               add, SiLU-and-mul
-
-What changes from step to step inside a plan (split counts, table widths, the number of
-prompts, the offset of a mixed step's prompt rows) is exempt from the JIT's specialization in the
-kernels themselves (do_not_specialize), so it adds no binaries. Warm-up runs the model: one
-prompt step, then one decode step per decode plan, on dummy inputs with every slot -1 (no K/V
-is written) and every block table 0 (block 0 is read, whatever it holds; nothing is kept).
-tests/kernels/test_warmup.py records each launch of a served run under the interpreter and
-checks that warm-up launched the same binary first.
+Values that change step to step are do_not_specialize in the kernels, so they add no binaries.
+Warm-up runs one prompt step and one decode step per plan on dummy inputs: every slot -1 (no K/V
+written), every block table 0.
 """
 from __future__ import annotations
 
@@ -49,11 +40,10 @@ class WarmupReport:
 
 def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_num_seqs: int,
                   target: Target) -> list[DecodeShape]:
-    """One batch shape per distinct decode plan (stage 1 direct or split, and each SPLITS_P2),
-    the smallest found: num_splits depends on the batch only through choose_splits' wish, which
-    takes few values, and on the widest table."""
+    """One batch shape per distinct decode plan, the smallest found: num_splits depends on the
+    batch only through choose_splits' wish, which takes few values, and on the widest table."""
     block_n = max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
-    wishes = {}  # choose_splits' wish -> the fewest sequences that make it (the max_len bound comes after)
+    wishes = {}  # choose_splits' wish -> the fewest sequences that make it
     for num_seqs in range(1, max_num_seqs + 1):
         wishes.setdefault(choose_splits(num_seqs, num_kv_heads, MAX_SPLITS * 256 * 16, target.num_sms), num_seqs)
     shapes: dict[int, DecodeShape] = {}  # SPLITS_P2 (1: direct) -> a shape
@@ -67,8 +57,7 @@ def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks:
 
 
 def warm_up(runner, max_num_seqs: int) -> WarmupReport:
-    """Run the model once on a prompt and once per decode plan (runner: a ModelRunner on the
-    Triton attention)."""
+    """Run the model once on a prompt and once per decode plan (a ModelRunner on Triton)."""
     from inferline.kernels.triton.launch import target_of
 
     start = time.monotonic()
@@ -89,8 +78,7 @@ def warm_up(runner, max_num_seqs: int) -> WarmupReport:
 
 
 def _forward(runner, new_tokens: list[int], num_decodes: int, width: int) -> None:
-    """One forward over dummy sequences (`new_tokens` each, the first num_decodes decoding) whose
-    tables are `width` blocks wide: slot -1 everywhere, tables all block 0."""
+    """One forward over dummy sequences whose tables are `width` blocks wide."""
     dev, i32 = runner.device, torch.int32
     num_tokens, num_seqs = sum(new_tokens), len(new_tokens)
     lens = torch.tensor(new_tokens, dtype=i32, device=dev)

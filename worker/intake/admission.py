@@ -1,5 +1,5 @@
-"""Admission: where a wire request becomes an engine request, with what it may cost (its capped
-token budget and its deadline), computed once by the intake."""
+"""Admission: a wire request becoming an engine request, with its capped token budget and
+deadline, computed once by the intake."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,13 +22,13 @@ class Admission:
     deadline: float  # Unix seconds
 
     def engine_request(self, attempt: str) -> EngineRequest:
-        """The engine's request for one attempt (the attempt is the engine's request id)."""
+        """The engine's request for one attempt (the engine's request id)."""
         return engine_request(self.request, attempt, self.max_tokens, self.received, self.deadline)
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
-    """Unix time by which the request must be done: from created_at, else from receipt. A
-    created_at in the future counts as receipt: it must not stretch a deadline past timeout_s."""
+    """Unix time by which the request must be done: from created_at, else receipt. A future
+    created_at counts as receipt."""
     start = min(req.created_at, received) if req.created_at is not None else received
     return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
 

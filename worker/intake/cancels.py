@@ -1,13 +1,7 @@
-"""Cancels: every worker reads the whole cancel topic (in topic tenancy, every tenant's
-`<cancel_topic>.<tenant>`, a cancel there counting for that tenant's requests only) and aborts
-what it runs.
+"""Cancels: every worker reads the whole cancel topic, without a group, and aborts what it runs.
 
-There is no consumer group and nothing is committed: a worker cannot know which worker runs a
-request, so each must see every cancel. At start-up each partition is read from
-`kafka.cancel_lookback_s` ago (the longest deadline a request may have), and that backlog is read
-before intake starts, so a cancel sent while its request waited in Kafka, or while this worker was
-down, still counts; ids are remembered as
-long, so a cancel that overtakes its request (lag on the request topic) wins when it arrives.
+At start-up each partition is read from `cancel_lookback_s` ago before intake starts, and ids are
+remembered, so a cancel sent early or one that overtakes its request still wins.
 """
 from __future__ import annotations
 
@@ -23,12 +17,11 @@ from inferline.worker.service.tenancy import tenant_of
 
 log = structlog.get_logger(__name__)
 
-CATCH_UP_WAIT_S = 15.0  # past this the worker starts anyway; a late cancel still aborts the run
+CATCH_UP_WAIT_S = 15.0  # past this the worker starts anyway
 
 
 class RecentCancels:
-    """Ids cancelled lately, so a cancel that overtakes its request still wins. Bounded: past
-    `max_ids` the stalest go first."""
+    """Ids cancelled lately, bounded (the stalest go first)."""
 
     def __init__(self, ttl_s: float = 600.0, max_ids: int = 50_000) -> None:
         self._ids: OrderedDict[str, float] = OrderedDict()
@@ -36,7 +29,7 @@ class RecentCancels:
 
     def add(self, request_id: str) -> None:
         self._ids[request_id] = time.monotonic()
-        self._ids.move_to_end(request_id)  # oldest first: trimming drops the stalest
+        self._ids.move_to_end(request_id)  # oldest first
         while len(self._ids) > self._max:
             self._ids.popitem(last=False)
 
@@ -46,7 +39,7 @@ class RecentCancels:
 
 
 class CancelListener:
-    """Reads every partition of the cancel topic, without a group, from the end."""
+    """Reads every partition of the cancel topic, without a group."""
 
     def __init__(self, settings, on_cancel, metrics) -> None:
         self._s, self._on_cancel, self._m = settings, on_cancel, metrics
@@ -71,18 +64,16 @@ class CancelListener:
             await self._consumer.stop()
 
     def _cancel_topics(self, cluster) -> list[str]:
-        """The cancel topic, or in topic tenancy every tenant's `<cancel_topic>.<tenant>`."""
+        """The cancel topic, or in topic tenancy every tenant's."""
         k = self._s.kafka
         if k.tenancy != "topic":
             return [k.cancel_topic]
         return [t for t in cluster.topics() if tenant_of(t, k.cancel_topic)]
 
     async def _assign_all(self, at_start: bool = False) -> None:
-        """(Re)assign all partitions. At start-up they are read from their end; a partition
-        found later (the topic was created or grew while we ran) holds only cancels sent
-        since we started, so it is read from its beginning."""
-        # consumer.topics() fetches fresh metadata but throws it away (partitions_for_topic reads
-        # a cache that only follows subscriptions): read the partitions from the fetched cluster.
+        """(Re)assign all partitions: from their end at start-up; a partition found later holds only
+        cancels sent since, so from its beginning."""
+        # consumer.topics() drops its fresh metadata: read partitions from the fetched cluster.
         cluster = await self._consumer._client.fetch_all_metadata()
         topics = self._cancel_topics(cluster)
         tps = {TopicPartition(t, p) for t in topics for p in cluster.partitions_for_topic(t) or ()}
@@ -90,7 +81,7 @@ class CancelListener:
         new = tps - old
         if not new:
             return
-        # assign() starts a fresh assignment that forgets positions: carry the old ones over.
+        # assign() forgets positions: carry the old ones over.
         positions = {tp: await self._consumer.position(tp) for tp in old}
         self._consumer.assign(list(tps))
         for tp, offset in positions.items():
@@ -99,7 +90,7 @@ class CancelListener:
             await self._seek_to_lookback(new)
         else:
             await self._consumer.seek_to_beginning(*new)
-        for tp in new:  # resolve the end offsets now, so a cancel sent after start() is seen
+        for tp in new:  # resolve end offsets now: a cancel sent after start() is seen
             await self._consumer.position(tp)
         log.info("cancels.assigned", topics=len(topics), partitions=len(tps))
 
@@ -113,8 +104,7 @@ class CancelListener:
                 self._consumer.seek(tp, found[tp].offset)
 
     async def _catch_up(self) -> None:
-        """Read the backlog up to the end offsets of now before the worker takes requests, so a
-        cancel that waited in Kafka beside its request is known before the request runs."""
+        """Read the backlog up to now's end offsets before the worker takes requests."""
         tps = list(self._consumer.assignment())
         if not tps:
             return

@@ -1,25 +1,10 @@
-"""Intake: the consumer group on the request topic.
+"""Intake: the consumer group on the request topic (docs/architecture.md, "Delivery guarantees").
 
-The fetch loop takes only as many records as the waiting pool has room for
-(`getmany(max_records=room)`). With no room it pauses every assigned partition but keeps
-calling `getmany`: aiokafka measures `max_poll_interval_ms` from the last getmany, so a loop
-that stopped fetching would silently fall out of the group. Pauses are forgotten on every
-rebalance, so `on_partitions_assigned` pauses again when the pool is full.
-
-Each record is decoded here (bounded by max_message_bytes, so a 100 MB message costs a len())
-and then handed to the sink (the Worker) as exactly one of: dead letter, rejection, admission.
-A record the partition's offset ledger lists as final (its result was committed by a previous
-owner) is skipped. A request whose reply topic the worker may not write to, or which does not
-exist, is a dead letter (worker/intake/reply_topics.py): the broker's topic list is read once for the
-whole batch. Offsets are committed only inside the transactions that carry the final results
-(worker/delivery/transactions.py); on assignment a partition's transactional id is taken first (fencing
-its previous owner), then its ledger is read and the consumer seeks to it.
-
-aiokafka's rebalances are eager: every member is told that all its partitions are revoked, even
-those the new assignment gives straight back. With `rebalance = "hold"` (the sticky assignor)
-running requests keep streaming through the revocation; the assignment then shows which
-partitions moved, and only their requests are requeued. A kept partition keeps its offsets, its
-transactional producer and its assignment generation (`epoch`), so its finals commit as before.
+The fetch loop takes only what the waiting pool has room for; with none it pauses every partition
+but keeps calling `getmany`, since aiokafka measures `max_poll_interval_ms` from the last one. Each
+record becomes one of: dead letter, rejection, admission. Offsets commit only inside the
+transactions that carry final results. aiokafka's rebalances are eager; `rebalance = "hold"`
+keeps running requests through a revocation and requeues only those of partitions that moved.
 """
 from __future__ import annotations
 
@@ -48,7 +33,7 @@ from inferline.worker.delivery.transactions import Transactions
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
 
 log = structlog.get_logger(__name__)
-POLL_MS = 100  # how soon a freed slot in the pool is noticed
+POLL_MS = 100  # how soon a freed slot is noticed
 LIST_TOPICS_TRIES = 3
 TAKE_OVER_TRIES = 5
 OVERLOAD_BATCH = 64
@@ -56,7 +41,6 @@ REFUSAL_LOG_S = 1.0
 
 
 class Sink(Protocol):
-    """Where admitted requests go (the Worker); what ends without running goes to the Delivery."""
 
     def room(self) -> int: ...
     def pool_full(self) -> bool: ...
@@ -67,19 +51,17 @@ class Sink(Protocol):
 
 @dataclass
 class _Unverified:
-    """A decoded record whose reply topic must be looked up on the broker before it is answered."""
 
     tp: TopicPartition
     record: object
     decoded: Request | InvalidRequest
     generation: int
-    since: float = float("-inf")  # when it was read (ReplyTopics.clock): a list after it decides
+    since: float = float("-inf")  # when it was read: a topic list after it decides
 
 
 def assignors(rebalance: str) -> tuple:
-    """`hold`: sticky first (round robin, aiokafka's default, is still agreed with members that know
-    only it, as mid-way through an upgrade). A class per consumer: aiokafka keeps the sticky
-    assignor's state on it."""
+    """`hold`: sticky first, round robin still agreed with members that know only it (mid-upgrade).
+    A class per consumer: aiokafka keeps the sticky assignor's state on it."""
     if rebalance == "requeue":
         return (RoundRobinPartitionAssignor,)
     return (type("StickyAssignor", (StickyPartitionAssignor,), {}), RoundRobinPartitionAssignor)
@@ -104,7 +86,7 @@ class Intake:
                  cancels: RecentCancels, transactions: Transactions, delivery) -> None:
         self._s = settings
         self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
-        self._delivery = delivery  # dead letters, rejections (worker/delivery/finals.py)
+        self._delivery = delivery
         self._cancels, self._txns = cancels, transactions
         self._consumer: AIOKafkaConsumer | None = None
         self.joined = False
@@ -112,31 +94,30 @@ class Intake:
         self._full_since: float | None = None
         self._overloading = False  # this batch was fetched past the pool's room, to reject
         self._revoking: set[TopicPartition] = set()
-        self._given_up: set[TopicPartition] = set()  # assigned, but another worker holds its transactional id
-        self._taking_over: set[TopicPartition] = set()  # assigned, ledger not read yet: untouched
+        self._given_up: set[TopicPartition] = set()  # another worker holds its transactional id
+        self._taking_over: set[TopicPartition] = set()  # ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
         self._tasks: list[asyncio.Task] = []
-        self._verifying: set[asyncio.Task] = set()  # reply-topic lookups under way
-        self._num_verifying = 0  # records they hold
+        self._verifying: set[asyncio.Task] = set()
+        self._num_verifying = 0
         self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
-        self._epochs: dict[TopicPartition, int] = {}  # partition -> the generation it was taken in
+        self._epochs: dict[TopicPartition, int] = {}  # partition -> generation it was taken in
         self._holding: set[TopicPartition] = set()  # revoked, work held until the assignment is known
         self._rebalanced = asyncio.Event()  # set while no revocation waits for its assignment
         self._rebalanced.set()
         self._admin: AIOKafkaAdminClient | None = None
-        self._replicas: dict[str, int] = {}  # topic -> replicas per partition, from the last listing
+        self._replicas: dict[str, int] = {}
         self.reply_topics = ReplyTopics(settings.kafka, self._list_topics, check_topics=self._check_topics)
         transactions.owner = self
 
     @property
     def generation(self) -> int:
-        """Bumped by every assignment."""
         return self._generation
 
     def epoch(self, tp: TopicPartition) -> int:
-        """The generation `tp` was taken over in, kept while the partition stays here: work taken
-        under another belongs to no partition here (a partition not owned has the newest one)."""
+        """The generation `tp` was taken over in, kept while it stays here; work taken under another
+        belongs to no partition here."""
         return self._epochs.get(tp, self._generation)
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
@@ -146,14 +127,13 @@ class Intake:
         return self._admin
 
     async def _list_topics(self) -> list[str]:
-        # Every topic's metadata (asking for one by name could auto-create it), replicas kept.
+        # Every topic's metadata: asking for one by name could auto-create it.
         described = await (await self._admin_client()).describe_topics()
         self._replicas = {t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
                           for t in described if t["error_code"] == 0}
         return list(self._replicas)
 
     async def _check_topics(self, topics: list[str]) -> dict[str, str | None]:
-        """Why each topic cannot take the worker's replies (unsafe_limits), or None."""
         names = {"max.message.bytes": None, "min.insync.replicas": None}
         responses = await (await self._admin_client()).describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics])
@@ -161,7 +141,7 @@ class Intake:
         for response in responses:
             for res in response.to_object()["resources"]:
                 topic = res["resource_name"]
-                if res["error_code"]:  # e.g. no DescribeConfigs ACL: refused, with the reason
+                if res["error_code"]:
                     reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
                     continue
                 configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
@@ -178,9 +158,9 @@ class Intake:
             partition_assignment_strategy=assignors(k.rebalance),
             session_timeout_ms=k.session_timeout_ms, heartbeat_interval_ms=k.session_timeout_ms // 4,
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
-            metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed (pattern)
+            metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed
         )
-        if k.tenancy == "topic":  # every tenant's own request topic, new ones found as they appear
+        if k.tenancy == "topic":
             self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic,
                                                                            k.reply_topic_prefix)),
                                      listener=_Rebalance(self))
@@ -192,8 +172,8 @@ class Intake:
                        asyncio.create_task(self.lag.run(), name="intake-lag")]
 
     async def close(self) -> None:
-        """Leave the group (on_partitions_revoked is not called by stop()). Nothing is left to
-        commit: offsets are committed with their final results (worker/delivery/transactions.py)."""
+        """Leave the group (stop() does not call on_partitions_revoked); offsets are committed
+        with their finals, so nothing is left to commit."""
         for task in [*self._tasks, *self._verifying]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
@@ -205,8 +185,7 @@ class Intake:
     # -- fetching -------------------------------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
-        # This loop must outlive anything: if it stopped, the worker would sit in the group
-        # taking nothing (and, past max_poll_interval_ms, drop out of it).
+        # Must outlive anything: stopped, the worker would sit in the group taking nothing.
         while True:
             try:
                 batch = await self._fetch_once()
@@ -218,7 +197,7 @@ class Intake:
             for tp, records in batch.items():
                 for record in records:
                     self._handle_safely(tp, record, unverified)
-            if unverified:  # off the fetch loop: a slow or failing lookup holds up no other request
+            if unverified:  # off the fetch loop: a slow lookup holds up no other request
                 self._verify_in_background(unverified)
             self.lag.update()
 
@@ -230,7 +209,6 @@ class Intake:
             self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
 
     def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
-        """One record: answered at once, or set aside until its reply topic is looked up."""
         decoded = self._decode(tp, record)
         if decoded is None:
             return
@@ -254,8 +232,7 @@ class Intake:
             self._triage(tp, record.offset, decoded, time.time())
 
     def _log_refusal(self, tp, offset: int, reason: str) -> None:
-        """At most one line per REFUSAL_LOG_S (a flood of refusals must not flood the log and
-        the loop): the metric counts them all; the line says how many went unlogged."""
+        """At most one line per REFUSAL_LOG_S; the metric counts them all."""
         now = time.monotonic()
         if now - self._refusal_logged_at >= REFUSAL_LOG_S:
             log.warning("intake.reply_topic_refused", partition=tp.partition, offset=offset, reason=reason,
@@ -265,8 +242,7 @@ class Intake:
             self._refusals_unlogged += 1
 
     def _verify_in_background(self, unverified: list[_Unverified]) -> None:
-        """Look the batch's unknown reply topics up in a task; they count against the pool's
-        room meanwhile (_fetch_once), so lookups never let the intake read without bound."""
+        """Look unknown reply topics up in a task; they count against the pool's room meanwhile."""
         self._num_verifying += len(unverified)
         task = asyncio.create_task(self._verify_reply_topics(unverified))
         self._verifying.add(task)
@@ -277,9 +253,8 @@ class Intake:
         task.add_done_callback(done)
 
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One look at the broker's topic list for every unknown reply topic of the batch,
-        shared with every other lookup under way (ReplyTopics.refresh_after; a few tries: a
-        request is dead-lettered as unanswerable only when the broker cannot be asked)."""
+        """One look at the broker's topic list for the batch's unknown reply topics, shared with
+        other lookups; a few tries before dead-lettering as unanswerable."""
         listed = False
         for attempt in range(LIST_TOPICS_TRIES):
             try:
@@ -287,13 +262,13 @@ class Intake:
                 await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
                 listed = True
                 break
-            except Exception as exc:  # noqa: BLE001 - the broker did not answer: try again, then refuse
+            except Exception as exc:  # noqa: BLE001 - no answer: try again, then refuse
                 log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
                 await asyncio.sleep(0.5 * (attempt + 1))
         await self._rebalanced.wait()  # a held partition may stay here: then its records are ours
         for u in unverified:
             if u.generation != self.epoch(u.tp) or u.tp in self._revoking:
-                continue  # the partition moved meanwhile: untracked, its new owner reads it
+                continue
             try:
                 verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed)
                 self._dispatch(u.tp, u.record, u.decoded, verdict)
@@ -329,15 +304,14 @@ class Intake:
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
-        """The tenant Kafka vouches for (topic tenancy: the request topic's suffix), else None."""
         k = self._s.kafka
         return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
 
     def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
-        """The request as the worker will run it: the topic's tenant (a body that claims another
-        is rejected) and the tenant's priority range."""
+        """The request with the topic's tenant (a body claiming another is rejected) and the
+        tenant's priority range."""
         tenant = self._tenant_of(tp)
-        # "default" (the contract's default, which clients send unasked) claims nothing
+        # "default" (the contract's default, sent unasked) claims nothing
         if tenant is not None and req.tenant not in (tenant, "default"):
             return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
                                   request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
@@ -348,13 +322,13 @@ class Intake:
         return req.model_copy(update={"tenant": tenant, "priority": priority})
 
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
-        """Decode a record: a valid request, an invalid one (to reject once its reply topic is
-        known good), or None when it was dead-lettered."""
+        """A valid request, an invalid one (rejected once its reply topic is known good), or None
+        when it was dead-lettered."""
         if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self.epoch(tp)):
-            return None  # untracked: read again by the next owner, or after the seek to the ledger
+            return None  # untracked: read again by the next owner or after the seek
         if not self._tracker.add(tp, record.offset):
             self._m.redeliveries.labels("already_final").inc()
-            return None  # final already (the ledger lists it), or read before
+            return None
         self._delivery.hold(tp, record)
         try:
             req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
@@ -369,7 +343,6 @@ class Intake:
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
-        """A valid request: cancelled already, expired, overloaded, over its limit, or admitted."""
         route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
@@ -384,7 +357,7 @@ class Intake:
         elif self._overloading and self._sink.room() <= 0:
             self._delivery.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
                               metadata=meta)
-        elif not self._limiter.admit(req.tenant, max_tokens * req.n):  # each sample may use them all
+        elif not self._limiter.admit(req.tenant, max_tokens * req.n):
             self._delivery.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
                               metadata=meta)
         else:
@@ -400,7 +373,7 @@ class Intake:
             return
         if revoked:
             log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked))
-            # The fetch loop runs on while we wait: it must not start new work on these.
+            # The fetch loop runs on meanwhile: no new work from these.
             self._revoking = set(revoked)
             self._consumer.pause(*revoked)
             await self._sink.requeue(revoked)
@@ -409,8 +382,8 @@ class Intake:
         self.lag.remove(revoked)
 
     def _hold(self, revoked: set[TopicPartition]) -> None:
-        """Eager revocation: take nothing more from these partitions, but let what runs from them
-        run and commit (each still holds its transactional id: a new owner's fences it first)."""
+        """Take nothing more from these partitions, but let running work commit (each still holds
+        its transactional id: a new owner's fences it first)."""
         if not revoked:
             return
         log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True,
@@ -422,23 +395,21 @@ class Intake:
 
     async def kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
         """Held partitions assigned here again whose transactional ids this worker still holds,
-        checked by a round trip: whoever owned one in between (the generation cannot say: an
-        evicted member comes back with none) took its id before reading a record
-        from it, and did so before this assignment formed. Their work goes on."""
+        checked by a round trip (the generation cannot say: an evicted member comes back with
+        none). Their work goes on."""
         candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
         return await self._txns.holds_ids(candidates) if candidates else set()
 
     def assigning(self, assigned: set[TopicPartition]) -> None:
-        """aiokafka has the new assignment and may fetch from it while kept() asks the broker:
-        nothing is read from it until take_over() (a record taken now would carry the last
-        assignment's generation, and its partition's take-over would forget it)."""
+        """aiokafka may fetch from the new assignment while kept() asks the broker: read nothing
+        until take_over(), as a record taken now would carry the old generation."""
         self._taking_over |= assigned
         if assigned:
             self._consumer.pause(*assigned)
 
     def on_assigned(self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
                     ) -> tuple[set[TopicPartition], set[TopicPartition]]:
-        """A new assignment: which held partitions stay here (kept) and which moved."""
+        """A new assignment: which held partitions stay (kept) and which moved."""
         kept = set(kept) & self._holding & assigned
         moved = self._holding - kept
         self.joined = True
@@ -460,8 +431,7 @@ class Intake:
 
     async def take_over(self, assigned: set[TopicPartition], moved: set[TopicPartition] = frozenset(),
                         kept: set[TopicPartition] = frozenset()) -> None:
-        """Let go of held partitions that moved while taking over the new ones; a kept partition
-        reads on from where it was."""
+        """Let go of held partitions that moved and take over the new ones; kept ones read on."""
         generation = self._generation
         await self._let_go(moved & assigned)  # back after a generation elsewhere: taken over anew
         if moved - assigned:  # no heartbeats while this callback runs: requeue beside it
@@ -476,20 +446,18 @@ class Intake:
         self._taking_over = set()
 
     async def _let_go(self, moved: set[TopicPartition]) -> None:
-        """Held partitions that moved: their finals must not commit now (their transactional
-        producers stop), and what runs from them is requeued (their new owner runs it again)."""
+        """Moved held partitions: stop their producers (no finals commit) and requeue their work."""
         if not moved:
             return
         await self._txns.close(moved, timeout=0)
         await self._sink.requeue(moved)
-        gone = {tp for tp in moved if tp not in self._epochs}  # not assigned back meanwhile
+        gone = {tp for tp in moved if tp not in self._epochs}
         self._tracker.forget(gone)
         self.lag.remove(gone)
 
     async def _take_over(self, assigned: set[TopicPartition], generation: int) -> bool:
-        """Fence the partitions' previous owners (their transactional ids), then resume each
-        partition from its committed offset and ledger. A worker that cannot do that for its
-        partitions cannot serve them: it stops (its orchestrator restarts it)."""
+        """Fence previous owners (transactional ids), then resume from committed offsets and
+        ledgers. A worker that cannot stops, for its orchestrator to restart it."""
         if not assigned:
             return True
         for attempt in range(TAKE_OVER_TRIES):
@@ -497,7 +465,7 @@ class Intake:
                 await self._txns.open(assigned, generation)
                 committed = await (await self._admin_client()).list_consumer_group_offsets(
                     self._s.kafka.group_id, partitions=list(assigned))
-                # Where nothing is committed, from the log's start, whatever the fetcher read before.
+                # Nothing committed: from the log's start, whatever the fetcher read before.
                 fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
                 starts = await self._consumer.beginning_offsets(fresh) if fresh else {}
                 break
@@ -508,7 +476,7 @@ class Intake:
                     return False
                 await asyncio.sleep(1.0 * (attempt + 1))
         if generation != self._generation:
-            return False  # reassigned meanwhile: that assignment takes over on its own
+            return False
         for tp in assigned:
             meta = committed.get(tp)
             offset = meta.offset if meta is not None and meta.offset >= 0 else None
@@ -516,14 +484,14 @@ class Intake:
             self._consumer.seek(tp, offset if offset is not None else starts[tp])
         return True
 
-    # -- ownership, as the transactions ask it (worker/delivery/transactions.py: Ownership) ------------
+    # -- ownership, as the transactions ask it (Ownership) -----------------------------------------
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
-        """Assigned, taken over in `generation` (on_assigned recorded it), not given up."""
+        """Assigned, taken over in `generation`, not given up."""
         return self._epochs.get(tp) == generation and tp in self._consumer.assignment() and tp not in self._given_up
 
     async def confirm(self, tp: TopicPartition) -> bool:
-        """The group coordinator lists this member, in a stable group, with `tp` assigned."""
+        """The coordinator lists this member, in a stable group, with `tp` assigned."""
         member = self._consumer._coordinator.member_id
         (response,) = await (await self._admin_client()).describe_consumer_groups([self._s.kafka.group_id])
         for group in response.groups:
@@ -547,8 +515,8 @@ class Intake:
         return topic not in await self._list_topics()
 
     def give_up(self, tp: TopicPartition) -> None:
-        """Another worker holds the partition's transactional id: take nothing more from it and
-        hand back what runs from it (its new owner reads those requests again)."""
+        """Another worker holds the partition's transactional id: take nothing more and requeue
+        its work."""
         log.warning("intake.partition_given_up", partition=tp.partition)
         self._given_up.add(tp)
         if tp in self._consumer.assignment():

@@ -1,14 +1,7 @@
 """Joining the consumer group with one JoinGroup request that names every assignor.
 
-aiokafka 0.14 sends its JoinGroup request inside its loop over the assignors: with hold's two
-(sticky, then round robin) a member joins with [sticky] and, once that join is answered, again
-with [sticky, roundrobin] (aio-libs/aiokafka#1168, open). Each join costs two generations, and
-a second request that reaches a group already completing the next rebalance changes the member's
-metadata there, which starts another: members that fall out of step keep each other rebalancing
-(three workers went through ~2,000 generations in four minutes and served nothing).
-
-`install()` makes aiokafka's coordinator use SingleJoinRebalance, which sends the request once
-and hands the answer to aiokafka's own leader/follower sync. Its error handling is aiokafka's.
+aiokafka joins once per assignor (aio-libs/aiokafka#1168), and with hold's two, members out of
+step keep each other rebalancing. `install()` makes the coordinator use SingleJoinRebalance.
 """
 from __future__ import annotations
 
@@ -25,8 +18,8 @@ log = structlog.get_logger(__name__)
 
 class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
     async def perform_group_join(self):
-        """Join with every assignor's protocol at once; then sync as leader or follower.
-        Returns (protocol, assignment bytes), or None to try again."""
+        """Join with every assignor's protocol at once, then sync. Returns (protocol, assignment
+        bytes), or None to try again."""
         response = await self._join(self._protocols())
         if response is None:
             return None
@@ -53,8 +46,8 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
         return out
 
     async def _join(self, protocols: list[tuple[str, bytes]]):
-        """The JoinGroup response, once the broker has given this member an id (KIP-394);
-        None when the coordinator is unreachable or the subscription changed meanwhile."""
+        """The JoinGroup response, once the broker gave this member an id (KIP-394); None when the
+        coordinator is unreachable or the subscription changed."""
         coordinator = self._coordinator
         while True:
             request = JoinGroupRequest(self.group_id, self._session_timeout_ms, self._rebalance_timeout_ms,
@@ -71,7 +64,7 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
             coordinator.member_id = response.member_id
 
     async def _on_join_error(self, error: type[Errors.KafkaError]) -> None:
-        """As aiokafka: retry later, with a fresh member id, or at a new coordinator; raise the fatal."""
+        """As aiokafka: retry, with a fresh member id, or at a new coordinator; raise the fatal."""
         if error is Errors.GroupLoadInProgressError:
             await asyncio.sleep(self._retry_backoff_ms / 1000)
         elif error is Errors.UnknownMemberIdError:

@@ -1,25 +1,8 @@
 """Where the worker may write a request's replies: the reply topic a producer names is untrusted.
 
-A reply topic is allowed when it is under `kafka.reply_topic_prefix` (default `inferline.reply.`),
-is none of the worker's own topics (request, cancel, dead-letter) nor an internal `__` topic, and
-exists. A request that names any other topic is dead-lettered with the reason, never answered
-there and never waited on; the worker never creates topics.
-
-Existence comes from the broker's metadata for all topics (asking for one topic by name could
-auto-create it on a broker that allows that), cached: a topic seen once is known for `KNOWN_FOR_S`.
-A request naming an unknown topic waits (off the fetch loop) for a list read after it was fetched
-(`refresh_after`): lists are coalesced, one in flight at a time, so any number of unknown topics
-cost one list; only a topic missing from such a list (read after its producer made the topic) is
-missing, and it is remembered missing for `missing_ttl_s` (INFERLINE_KAFKA__MISSING_REPLY_TOPIC_TTL_S):
-more requests naming it are dead-lettered without another lookup. So a flood of requests naming
-distinct missing topics costs one lookup per distinct topic per TTL, all of them shared lists.
-
-An existing topic is also checked for what would wedge a transaction: the broker writes each
-transaction's commit or abort marker into every partition the transaction wrote, and a marker the
-partition refuses (`max.message.bytes` below a marker's size, or `min.insync.replicas` above the
-partition's replicas) leaves the transaction unfinished for good, its transactional id unusable
-and every read_committed reader of the partitions it touched stuck. A producer may create such a
-topic under the reply prefix; its requests are dead-lettered here, before any transaction.
+Allowed: under `kafka.reply_topic_prefix`, none of the worker's own topics nor `__` internal ones,
+existing (from the broker's cached list of all topics: asking for one by name could create it),
+and with limits that cannot wedge a transaction's commit marker. Anything else is dead-lettered.
 """
 from __future__ import annotations
 
@@ -34,13 +17,13 @@ from inferline.contract.topics import TENANT_SEGMENT
 from inferline.worker.service.tenancy import reply_prefix
 
 log = structlog.get_logger(__name__)
-CHECKED_FOR_S = 60.0  # a topic's limits are read again after this (a producer may alter them)
-KNOWN_FOR_S = 300.0  # a deleted topic is noticed by the publisher's sends meanwhile
+CHECKED_FOR_S = 60.0  # limits are read again after this (a producer may alter them)
+KNOWN_FOR_S = 300.0  # meanwhile the publisher's sends notice a deleted topic
 
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
-    """Why the worker must not write to `topic` (policy only, no broker), or None. In topic
-    tenancy a request of `tenant` may be answered only under that tenant's own prefix."""
+    """Why the worker must not write to `topic` (policy only), or None. In topic tenancy only
+    under the tenant's own prefix."""
     if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(topic, kafka):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):
@@ -52,14 +35,13 @@ def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
 
 
 def _per_tenant_topic(topic: str, kafka) -> bool:
-    # Any `<base>.<segment>`, reserved tenant names included: never a reply topic.
+    # Any `<base>.<segment>`, reserved tenant names included.
     return kafka.tenancy == "topic" and any(re.fullmatch(f"{re.escape(base)}\\.{TENANT_SEGMENT}", topic)
                                             for base in (kafka.request_topic, kafka.cancel_topic))
 
 
 def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int) -> str | None:
-    """Why a topic with these configs (`max.message.bytes`, `min.insync.replicas`) and this many
-    replicas per partition cannot take a transaction's replies, or None."""
+    """Why a topic with these configs and replicas cannot take a transaction's replies, or None."""
     max_bytes = configs.get("max.message.bytes")
     if max_bytes is not None and int(max_bytes) < min_message_bytes:
         return f"max.message.bytes={max_bytes} is below the {min_message_bytes} a reply topic must accept"
@@ -75,22 +57,21 @@ class ReplyTopics:
     def __init__(self, kafka, list_topics: Callable, clock: Callable[[], float] = time.monotonic,
                  missing_ttl_s: float | None = None, check_topics: Callable | None = None) -> None:
         self._kafka = kafka
-        self._list_topics = list_topics  # async () -> iterable of every topic name
-        self._check_topics = check_topics  # async (topics) -> {topic: reason or None} (unsafe_limits)
+        self._list_topics = list_topics  # async () -> every topic name
+        self._check_topics = check_topics  # async (topics) -> {topic: reason or None}
         self._checked: dict[str, tuple[float, str | None]] = {}  # topic -> (when, reason or None)
         self.clock = clock
-        self._seen: dict[str, float] = {}  # topic -> when the broker last listed it
+        self._seen: dict[str, float] = {}  # topic -> when last listed
         self._missing: dict[str, float] = {}  # topic -> when a list read after its request lacked it
         ttl = getattr(kafka, "missing_reply_topic_ttl_s", 10.0)
         self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
-        self._listed_at = float("-inf")  # when the last good list was asked for
+        self._listed_at = float("-inf")
         self._inflight: asyncio.Future | None = None
-        self.num_lists = 0  # lists read (metrics, benchmarks)
+        self.num_lists = 0
 
     def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
-        """"ok", a reason to refuse, or None when the broker must be asked (refresh_after()).
-        `listed_after`: the last listing was taken after the request was read, so after its
-        producer made its reply topic: a topic missing from it does not exist."""
+        """"ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
+        last listing was read after the request, so a topic missing from it does not exist."""
         reason = refusal(topic, self._kafka, tenant)
         if reason:
             return reason
@@ -109,16 +90,14 @@ class ReplyTopics:
         return f"reply_topic {topic!r} does not exist (the worker never creates topics)"
 
     async def refresh_after(self, since: float) -> None:
-        """Return once a list read no earlier than `since` (this clock) is in: the one in flight
-        if it started late enough, else the next, which waits for the one in flight (never two
-        at once). Raises what the broker lookup raised."""
+        """Return once a list read no earlier than `since` is in: the one in flight if late
+        enough, else the next (never two at once)."""
         while self._listed_at < since:
             if self._inflight is None or self._inflight.done():
                 self._inflight = asyncio.ensure_future(self.refresh())
             await asyncio.shield(self._inflight)
 
     async def refresh(self) -> None:
-        """Re-read the broker's topic list (raises what the broker lookup raised)."""
         asked = self.clock()
         topics: Iterable[str] = await self._list_topics()
         self.num_lists += 1
@@ -145,6 +124,6 @@ class ReplyTopics:
             self._checked = {t: c for t, c in self._checked.items() if t in self._seen}
 
     def forget(self, topic: str) -> None:
-        """The publisher found `topic` gone: the next request naming it asks the broker again."""
+        """The publisher found `topic` gone: ask the broker again next time."""
         self._seen.pop(topic, None)
         self._checked.pop(topic, None)

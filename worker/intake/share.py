@@ -1,29 +1,10 @@
 """Share intake: the request topic read through a Kafka share group (KIP-932, "queues").
 
-Every worker of the share group reads every partition; the broker hands each record to one of
-them and locks it there until the worker acknowledges it: ACCEPT (its final `done` is on the
-broker), REJECT (dead-lettered: undecodable, or delivered more than `max_deliveries` times) or
-RELEASE (given back: no room for it here, shutdown, requeued by the engine). A worker that dies
-holds its records only until their locks expire; then another worker gets them, with a higher
-delivery count.
-
-The client is confluent-kafka's ShareConsumer, which blocks and is not thread-safe: each one
-lives on a thread of its own (`_Lane`) and hands records to the event loop. In explicit
-acknowledgement mode it refuses to poll again before every record of its last poll is
-acknowledged: a lane whose requests still run is pinned. Lanes open on demand, up to
-`share_consumers`, so that pinned lanes (long requests) do not stall intake.
-
-A full worker fetches nothing: a lane polls only for room nobody else has claimed, and a lane that
-holds nothing and may not poll unsubscribes until room returns (a subscribed consumer fetches and
-locks records in the background, not only inside poll()). The broker hands out whole producer
-batches whatever `max.poll.records` says, so a poll may bring more than the pool has room for:
-that overflow is RELEASED at once, for a worker with room (it costs each record one delivery),
-except records on the last delivery this worker may run, which wait here for room.
-
-At start-up the worker reads the broker's share limits and sets the group's lock from the
-request timeout (capped by the broker), and keeps `max_deliveries` below the broker's delivery
-limit, so a record that keeps failing is dead-lettered, never archived unseen.
-Decoding, tenancy, cancels, deadlines and rate limits are the group intake's (Intake).
+The broker locks each record at one worker until it is acknowledged: ACCEPT (its `done` is on the
+broker), REJECT (dead-lettered) or RELEASE (given back). confluent-kafka's ShareConsumer blocks
+and will not poll before its last poll is acknowledged, so each lives on its own thread (`_Lane`),
+opened on demand. Records past the pool's room are released at once, except on their last
+delivery here; `max_deliveries` stays below the broker's limit, so none is archived unseen.
 """
 from __future__ import annotations
 
@@ -42,16 +23,15 @@ from inferline.contract.schema import InvalidRequest, Request, UndecodableMessag
 from inferline.worker.intake.group import Intake
 
 log = structlog.get_logger(__name__)
-POLL_S = 0.1  # how soon a freed slot in the pool is noticed
+POLL_S = 0.1  # how soon a freed slot is noticed
 COMMIT_TIMEOUT_S = 10.0
 VERDICTS = ("accept", "release", "reject")
-LOCK_MARGIN_S = 10.0  # past a request's deadline: its final `done` and the acknowledgement
+LOCK_MARGIN_S = 10.0  # past a request's deadline: its `done` and the ack
 POLL_INTERVAL_MARGIN_MS = 60_000  # a pinned lane polls again within its lock, plus this
 
 
 @dataclass
 class ShareRecord:
-    """A polled record, in the shape the intake and the worker's dead-letter path read."""
 
     topic: str
     partition: int
@@ -64,15 +44,14 @@ class ShareRecord:
 
 @dataclass(frozen=True)
 class BrokerLimits:
-    """The broker's share-group limits the worker must stay within (Kafka's defaults until read)."""
+    """The broker's share-group limits (Kafka's defaults until read)."""
 
-    delivery_limit: int = 5  # group.share.delivery.count.limit: past it, archived unseen
-    max_lock_ms: int = 60_000  # group.share.max.record.lock.duration.ms (static on the broker)
+    delivery_limit: int = 5  # past it, archived unseen
+    max_lock_ms: int = 60_000  # static on the broker
 
 
 def read_broker_limits(kafka) -> BrokerLimits:
-    """Blocking (run it off the loop): the limits as a broker describes them, or Kafka's defaults
-    when it cannot be asked (no DescribeConfigs right on the cluster)."""
+    """Blocking: the limits the broker describes, or Kafka's defaults when it cannot be asked."""
     from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
     admin = AdminClient(kafka.librdkafka_config())
@@ -88,8 +67,8 @@ def read_broker_limits(kafka) -> BrokerLimits:
 
 
 def lock_ms(settings, broker: BrokerLimits) -> int:
-    """The group's record lock: longer than the longest request (its timeout and a margin), or
-    share_lock_ms; never over the broker's cap, which the broker would refuse."""
+    """The group's record lock: longer than the longest request, or share_lock_ms; never over the
+    broker's cap."""
     k = settings.kafka
     wanted = k.share_lock_ms or math.ceil((settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000)
     if wanted > broker.max_lock_ms:
@@ -99,28 +78,27 @@ def lock_ms(settings, broker: BrokerLimits) -> int:
 
 
 def max_deliveries(kafka, broker: BrokerLimits) -> int:
-    """Deliveries a record may have here: below the broker's limit, whose last delivery is
-    dead-lettered instead of run (if it failed too, the broker would archive it unseen)."""
+    """Deliveries a record may have here: below the broker's limit, so the last one is
+    dead-lettered instead of archived unseen."""
     return max(1, min(kafka.max_deliveries, broker.delivery_limit - 1))
 
 
 def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
-    """librdkafka settings of a share consumer: the worker's connection (KafkaSettings), explicit
-    acks, and a poll interval a pinned lane (its requests run up to the lock) stays within."""
+    """librdkafka settings of a share consumer: the worker's connection, explicit acks, and a poll
+    interval a pinned lane stays within."""
     return {**kafka.librdkafka_config(), "group.id": group_id, "share.acknowledgement.mode": "explicit",
             "max.poll.records": max_poll_records,
             "max.poll.interval.ms": max(300_000, lock + POLL_INTERVAL_MARGIN_MS)}
 
 
 def group_configs(lock: int) -> dict[str, str]:
-    """The share group's settings the worker relies on. A new share group starts at the end of
-    the topic by default: requests already waiting would never be read."""
+    """The share group's settings. A new share group starts at the topic's end by default: waiting
+    requests would never be read."""
     return {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(lock)}
 
 
 def set_group_configs(kafka, configs: dict[str, str]) -> None:
-    """Blocking (run it off the loop): apply `configs` to the share group, one at a time
-    (a refused lock must not stop the offset reset), logging each refusal."""
+    """Blocking: apply `configs` one at a time (a refused lock must not stop the offset reset)."""
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
     admin = AdminClient(kafka.librdkafka_config())
@@ -130,27 +108,25 @@ def set_group_configs(kafka, configs: dict[str, str]) -> None:
         try:
             for future in admin.incremental_alter_configs([resource]).values():
                 future.result(timeout=30)
-        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right, a value out of range
+        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right, value out of range
             log.warning("share_intake.group_config_failed", group=kafka.group_id, config=name, error=repr(exc))
 
 
 class _Lane:
-    """One ShareConsumer on its own thread. It polls only when every record of its last poll
-    is acknowledged (the client's rule); verdicts come from the loop."""
+    """One ShareConsumer on its own thread; it polls only when its last poll is acknowledged."""
 
     def __init__(self, intake: "ShareIntake", index: int, conf: dict) -> None:
         self._intake, self._conf = intake, conf
         self.verdicts: queue.SimpleQueue = queue.SimpleQueue()  # (topic, partition, offset, verdict)
         self.closing = threading.Event()
-        self.claim_size = conf.get("max.poll.records", 1)  # room a poll of this lane may fill
-        self.claimed = 0  # room claimed for a poll whose records are not in the intake's queue yet
+        self.claim_size = conf.get("max.poll.records", 1)
+        self.claimed = 0  # room claimed for a poll not yet queued in the intake
         self.subscribed = False
         self.held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet: pinned
         self.thread = threading.Thread(target=self._run, name=f"share-intake-{index}", daemon=True)
 
     @property
     def pinned(self) -> bool:
-        """Holds records not yet acknowledged: it cannot poll (read by the loop)."""
         return bool(self.held)
 
     def _run(self) -> None:
@@ -171,10 +147,10 @@ class _Lane:
             self._close(consumer, held)
 
     def _take(self, consumer, held: set) -> None:
-        if not self._intake.fetching:  # draining: nothing new
+        if not self._intake.fetching:
             time.sleep(POLL_S)
             return
-        if not self._intake.claim_room(self):  # full: fetch nothing (see the module docstring)
+        if not self._intake.claim_room(self):
             if self.subscribed:
                 consumer.unsubscribe()
                 self.subscribed = False
@@ -227,11 +203,11 @@ class _Lane:
 
     def _commit(self, consumer) -> None:
         for tp, error in (consumer.commit_sync(COMMIT_TIMEOUT_S) or {}).items():
-            if error is not None:  # e.g. the lock expired first: the record went to another worker
+            if error is not None:  # e.g. the lock expired: the record went to another worker
                 log.warning("share_intake.ack_failed", topic=tp.topic, partition=tp.partition, error=str(error))
 
     def _close(self, consumer, held: set) -> None:
-        """Verdicts that came, then RELEASE for the rest (another worker takes them), leave."""
+        """Verdicts that came, then RELEASE for the rest, and leave."""
         try:
             self._acknowledge(consumer, held, wait=None)
             for topic, partition, offset in held:
@@ -244,7 +220,7 @@ class _Lane:
 
 
 def _ack_types() -> dict:
-    # Imported here: confluent-kafka is needed in share mode only (the `share` extra).
+    # confluent-kafka is needed in share mode only (the `share` extra).
     from confluent_kafka import AcknowledgeType
 
     return {"accept": AcknowledgeType.ACCEPT, "release": AcknowledgeType.RELEASE, "reject": AcknowledgeType.REJECT}
@@ -257,16 +233,14 @@ class ShareIntake(Intake):
         super().__init__(*args, **kwargs)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[_Lane] = []
-        self._owner: dict[tuple[TopicPartition, int], _Lane] = {}  # taken record -> its lane
-        # Polled, not yet handed to the worker: past the pool's room only records on their
-        # last delivery here wait in it (the rest are released: _release_overflow).
+        self._owner: dict[tuple[TopicPartition, int], _Lane] = {}
+        # Polled, not yet handed to the worker: past the room only last-delivery records wait here.
         self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
-        self._conf: dict = {}  # a lane's client settings, set at start
+        self._conf: dict = {}
         self.broker = BrokerLimits()
-        self.max_deliveries = self._s.kafka.max_deliveries  # lowered below the broker's limit at start
+        self.max_deliveries = self._s.kafka.max_deliveries
         self._verifying: set[asyncio.Task] = set()
-        # Room for records nobody polled yet: the pool's room less the polled records waiting for
-        # it, set by the loop; lanes claim from it before they poll (under _claims).
+        # Room for records nobody polled yet, set by the loop; lanes claim it before they poll.
         self.free_room = 0
         self._claims = threading.Lock()
 
@@ -298,8 +272,7 @@ class ShareIntake(Intake):
             log.info("share_intake.lane_opened", lanes=len(self._lanes))
 
     def _lanes_wanted(self) -> None:
-        """Room, and every lane pinned by requests still running: open another (a pinned lane
-        cannot poll), up to share_consumers."""
+        """Room, and every lane pinned: open another, up to share_consumers."""
         if (self._lanes and self.free_room > 0 and len(self._lanes) < self._s.kafka.share_consumers
                 and all(lane.pinned for lane in self._lanes)):
             self._open_lane()
@@ -320,7 +293,7 @@ class ShareIntake(Intake):
         self._loop.call_soon_threadsafe(self._take, lane, records)
 
     def claim_room(self, lane: _Lane) -> bool:
-        """May `lane` poll? Yes while room is left that no other lane's poll has claimed."""
+        """May `lane` poll? While room is left that no other lane's poll has claimed."""
         with self._claims:
             if not lane.claimed and self.free_room - sum(other.claimed for other in self._lanes) > 0:
                 lane.claimed = lane.claim_size
@@ -339,13 +312,11 @@ class ShareIntake(Intake):
         self._polled.extend((lane, record) for record in records if not self._running_here(lane, record))
         self._hand_out()
         self._release_overflow()
-        self.free_claim(lane)  # after _hand_out: free_room counts these records now
+        self.free_claim(lane)  # after _hand_out: free_room counts these now
 
     def _release_overflow(self) -> None:
-        """What the pool has no room for goes back to the share group at once, for a worker
-        with room: held here it would wait behind this worker's requests while others idle. A
-        record on its last delivery here (max_deliveries) waits instead: released, it would come
-        back as a dead letter."""
+        """Release what the pool has no room for, for a worker with room; a record on its last
+        delivery here waits instead (released, it would come back as a dead letter)."""
         keep: deque[tuple[_Lane, ShareRecord]] = deque()
         for lane, record in self._polled:
             if self.fetching and record.delivery_count >= self.max_deliveries:
@@ -354,25 +325,21 @@ class ShareIntake(Intake):
                 lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
         if len(keep) < len(self._polled):
             log.info("share_intake.overflow_released", records=len(self._polled) - len(keep), kept=len(keep))
-        elif keep:  # every hop of a big batch cost it a delivery: these wait here, idle workers or not
+        elif keep:  # every hop cost a delivery: these wait here
             log.warning("share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries)
         self._polled = keep
         self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
     async def _hand_out_loop(self) -> None:
-        while True:  # room frees as requests start: polled records waiting for it go in then
+        while True:
             await asyncio.sleep(POLL_S)
             self._hand_out()
 
     def _room(self) -> int:
-        """The pool's room less the records whose reply topics are being looked up: those are
-        admitted once the lookup answers (before #37 they were not counted, and a whole batch went
-        to the engine, which rejected what its pool could not hold as `overloaded`)."""
         return self._sink.room() - self._num_verifying
 
     def _hand_out(self) -> None:
-        """Polled records to the worker, while its pool has room (the group intake's rule)."""
-        unverified = []  # set aside for a reply-topic lookup: they take room as admitted ones do
+        unverified = []
         while self._polled and self.fetching and self._room() - len(unverified) > 0:
             lane, record = self._polled.popleft()
             tp = TopicPartition(record.topic, record.partition)
@@ -388,7 +355,7 @@ class ShareIntake(Intake):
         self._lanes_wanted()
 
     def _running_here(self, lane: _Lane, record: ShareRecord) -> bool:
-        """A record back while it still runs here needs no room: never released as overflow."""
+        """A record back while it still runs here needs no room."""
         tp = TopicPartition(record.topic, record.partition)
         earlier = self._owner.get((tp, record.offset))
         if earlier is None:
@@ -398,21 +365,21 @@ class ShareIntake(Intake):
         return True
 
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
-        """A record still running here came back (its lock expired first): this delivery's lock
-        is the live one, so the running job's verdict goes to it; the stale one is let go."""
+        """A running record came back (its lock expired first): the running job's verdict goes to
+        this live delivery; the stale one is let go."""
         log.warning("share_intake.lock_expired", partition=tp.partition, offset=record.offset,
                     delivery_count=record.delivery_count)
         earlier.verdicts.put((tp.topic, tp.partition, record.offset, "release"))
 
     def decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
-        """The worker's verdict on a record it was handed: sent to the broker by its lane."""
+        """The worker's verdict on a record: sent to the broker by its lane."""
         assert verdict in VERDICTS, verdict
         lane = self._owner.pop((tp, offset), None)
         if lane is not None:
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
     def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
-        """As Intake._decode, with no offsets to track; too many deliveries is a dead letter."""
+        """As Intake._decode, without offsets; too many deliveries is a dead letter."""
         self._delivery.hold(tp, record)
         limit = self.max_deliveries
         if record.delivery_count > limit:

@@ -1,10 +1,9 @@
 """/healthz, /readyz and /metrics on INFERLINE_HTTP__PORT.
 
-- /healthz is liveness: 503 once the engine loop has gone `stall_threshold_s` without finishing
-  a step or an idle tick (a wedged forward pass, a dead engine thread). Restart me.
-- /readyz is readiness: the model is loaded, the consumer has joined the group, the cancel
-  listener is positioned, and the worker is not draining. Send me traffic.
-The server starts before the model loads so that both answer (503) during start-up.
+- /healthz is liveness: 503 once the engine loop has gone `stall_threshold_s` without a step or
+  an idle tick (a wedged forward pass, a dead engine thread).
+- /readyz is readiness: model loaded, group joined, cancel listener positioned, not draining.
+Both answer (503) during start-up.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ class HttpServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._s.host, self._s.port)
         await site.start()
-        # Port 0 picks a free port (tests, several workers on one host): report the real one.
+        # Port 0 picks a free port: report the real one.
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
@@ -43,7 +42,7 @@ class HttpServer:
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         tick = self._last_tick()
-        if tick is None:  # still loading the model: alive, not ready (see /readyz)
+        if tick is None:  # still loading: alive, not ready
             return web.json_response({"status": "starting", "last_tick_age_s": None})
         age = time.monotonic() - tick
         ok = age < self._s.stall_threshold_s

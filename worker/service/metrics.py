@@ -1,19 +1,18 @@
 """The worker's Prometheus metrics, on a registry of its own.
 
-A registry per Worker (not the global default) lets tests run several workers in one process
-and lets /metrics show exactly one worker's numbers.
+A registry per Worker lets tests run several in one process and /metrics show one worker's numbers.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# Latency buckets from 5 ms to 10 min: queue time spans that whole range under load.
+# Latency buckets from 5 ms to 10 min: queue time spans that range under load.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 def priority_label(priority: int) -> str:
-    """Priorities are producer-chosen ints: clamp the label so cardinality stays bounded."""
+    """Priorities are producer-chosen ints: clamp the label to bound cardinality."""
     if priority < -10:
         return "lt-10"
     if priority > 10:
@@ -90,7 +89,7 @@ class Metrics:
         return Histogram(name, doc, ["priority"], buckets=_LATENCY, registry=self.registry)
 
     def set_backends(self, backends, calibration=None) -> None:
-        """The loaded model's KernelBackends; `calibration`: the linear layers' (models/calibration.py)."""
+        """The loaded model's KernelBackends and the linear layers' calibration."""
         how = "set" if calibration is None or not calibration.seconds else "cached" if calibration.cached else "timed"
         for kind in ("attention", "linear", "fused_ops"):
             self.kernel_backend.labels(kind, getattr(backends, kind), how if kind == "linear" else "set").set(1)
@@ -106,7 +105,7 @@ class Metrics:
             self.itl.labels(label).observe(itl_s)
 
     def observe_engine(self, st, prev, num_waiting: int) -> None:
-        """One engine step's EngineStats; `prev` is the last one (its totals become deltas)."""
+        """One engine step's EngineStats; `prev`'s totals make deltas."""
         self.running.set(st.num_running)
         self.waiting.set(num_waiting)
         self.kv_cache_usage.set(st.kv_cache_usage)

@@ -1,8 +1,7 @@
 """Per-tenant token buckets: requests per second and generated tokens per minute.
 
-The token budget is charged up front with the request's `max_tokens` (the most it can
-generate) and the unused part is refunded at `done`. Charging only after the fact would let
-a burst of long requests through before the first one had produced anything.
+The token budget is charged up front with `max_tokens` and the unused part refunded at `done`:
+charging after the fact would let a burst of long requests through.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ class TokenBucket:
         return self.level >= min(amount, self.capacity)
 
     def take(self, amount: float) -> None:
-        self.level -= amount  # may go below zero when capped above; that is debt repaid by time
+        self.level -= amount  # may go below zero when capped: debt repaid by time
 
     def give(self, amount: float) -> None:
         self.level = min(self.capacity, self.level + amount)
@@ -69,8 +68,8 @@ class RateLimiter:
         return t
 
     def _prune(self) -> None:
-        # Tenant names come from producers: forget idle ones (full buckets) so that a stream
-        # of made-up names cannot grow memory. A full bucket is what a new tenant gets anyway.
+        # Tenant names come from producers: forget idle (full) buckets so made-up names cannot
+        # grow memory; a new tenant gets a full bucket anyway.
         now = self._clock()
         for name, t in list(self._tenants.items()):
             if all(b is None or (b.refill(now) or b.level >= b.capacity) for b in (t.requests, t.tokens)):

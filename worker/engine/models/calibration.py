@@ -1,17 +1,11 @@
-"""INFERLINE_MODEL__CPU_LINEAR=auto where more than one linear backend runs (the C GEMM and oneDNN,
-on a CPU in fp32): time each on this model's own linear weights at load and keep the fastest.
+"""INFERLINE_MODEL__CPU_LINEAR=auto where several linear backends run (the C GEMM and oneDNN,
+CPU fp32): time each on this model's own linear weights at load and keep the fastest.
 
-Which one wins depends on the CPU (AVX2 or AVX-512, the cache sizes, AMX), the thread count and the
-shapes, and a fixed rule was wrong on some machines (docs/benchmarks.md, issue #30), so it is
-measured where it runs. The sample: the first `SAMPLE_LAYERS` decoder layers' linears and the LM
-head, each packed for each candidate as the model would pack it (8-bit codes for `c` where exact),
-at `ROWS` rows (a decode batch and a prefill chunk), candidates alternated round by round (ABBA),
-the first round a warm-up; a step's estimate is the layers' time scaled to every layer plus the
-head's, per row, summed over ROWS; the smallest median wins. A second or two on an idle 2-core
-machine, once: the choice is remembered per CPU model and flags, thread count, torch version,
-candidates, weight shapes and gemm.c's source in `cache_dir()/linear_calibration.json`, and later
-starts read it (delete the file to time again, e.g. after a run on a machine busy with other work).
-Every backend `auto` may choose is tested against HF's greedy output (tests/kernels/test_linear.py, tests/unit/test_engine.py).
+The winner depends on the CPU, thread count and shapes, so it is measured where it runs: the
+first `SAMPLE_LAYERS` layers' linears and the LM head, packed as the model would pack them, at
+`ROWS` rows, candidates alternated (ABBA) after a warm-up round; the smallest median wins. The
+choice is cached per machine, threads, torch, shapes and gemm.c source in
+`cache_dir()/linear_calibration.json` (delete it to time again).
 """
 from __future__ import annotations
 
@@ -43,8 +37,8 @@ MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 12, 2.0
 
 @dataclass(frozen=True)
 class Calibration:
-    """The backend chosen; per candidate, the estimated seconds per row of one step's linears
-    (summed over ROWS); whether it came from the cache file; the machine and shapes it is for."""
+    """The backend chosen; per candidate the estimated seconds per row of one step's linears;
+    whether it came from the cache file; the key it is valid for."""
     backend: str
     seconds: dict[str, float] = field(default_factory=dict)
     cached: bool = False
@@ -53,7 +47,7 @@ class Calibration:
 
 def choose_linear_backend(model, candidates: tuple[str, ...], codes: bool, timer: Callable[[], float] = time.perf_counter,
                           path: Path | None = None) -> Calibration:
-    """The fastest of `candidates` for `model`'s linear layers on this machine (cached: see above)."""
+    """The fastest of `candidates` for `model`'s linear layers on this machine (cached)."""
     assert candidates, "no candidate backend"
     if len(candidates) == 1:
         return Calibration(candidates[0])
@@ -72,7 +66,6 @@ def choose_linear_backend(model, candidates: tuple[str, ...], codes: bool, timer
 
 
 def calibration_key(model, candidates: tuple[str, ...], codes: bool) -> dict:
-    """What a remembered choice is valid for."""
     shapes = sorted({tuple(w.shape) for w in _layer_weights(model)} | {tuple(model.lm_head_weight().shape)})
     return {"cpu": cpu_model(), "cpu_flags": hashlib.sha256(build.cpu_flags().encode()).hexdigest()[:12],
             "threads": torch.get_num_threads(), "torch": torch.__version__, "candidates": list(candidates),
@@ -81,7 +74,7 @@ def calibration_key(model, candidates: tuple[str, ...], codes: bool) -> dict:
 
 
 def _source_hash(path: Path) -> str:
-    """A new GEMM (or a new way of timing) is timed again, not trusted to the old choice."""
+    # A new GEMM is timed again, not trusted to the old choice.
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
@@ -110,8 +103,7 @@ def _layer_weights(model, num_layers: int | None = None) -> list[torch.Tensor]:
 @torch.inference_mode()
 def measure(model, candidates: tuple[str, ...], codes: bool, timer: Callable[[], float] = time.perf_counter
             ) -> dict[str, float]:
-    """Per candidate: the median over rounds of the estimated seconds per row of one step's
-    linears, summed over ROWS."""
+    """Per candidate: the median estimated seconds per row of one step's linears, over ROWS."""
     sample = min(SAMPLE_LAYERS, len(model.layers))
     scale = len(model.layers) / sample
     weights = _layer_weights(model, sample)
@@ -129,7 +121,7 @@ def measure(model, candidates: tuple[str, ...], codes: bool, timer: Callable[[],
         for c in candidates if r % 2 == 0 else candidates[::-1]:
             layers_s, head_s = (sum(_pass_seconds(ops, inputs[rows], timer) / rows for rows in ROWS)
                                 for ops in packed[c])
-            if r:  # round 0 warms up (oneDNN's first calls, the caches)
+            if r:  # round 0 warms up
                 estimates[c].append(scale * layers_s + head_s)
         if r >= MIN_ROUNDS and timer() - start > BUDGET_S:
             break
@@ -154,8 +146,8 @@ def read_cache(path: Path) -> dict:
 
 
 def write_cache(path: Path, entry_id: str, entry: dict) -> None:
-    """Adds one entry; written to a temporary name and renamed, so concurrent starts never read half a
-    file (one may lose the other's entry: it is measured again next time)."""
+    """Adds one entry, written to a temporary name and renamed: concurrent starts never read half
+    a file (one may lose the other's entry and measure again)."""
     data = read_cache(path)
     data[entry_id] = entry
     try:
@@ -164,5 +156,5 @@ def write_cache(path: Path, entry_id: str, entry: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError as exc:  # a read-only cache: measured again at every start, still correct
+    except OSError as exc:  # read-only cache: measured at every start
         log.warning("linear calibration not cached", path=str(path), error=str(exc))

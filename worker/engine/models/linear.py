@@ -1,13 +1,10 @@
-"""Linear layers for the engine's models. On the CPU in fp32 each weight is packed once at load,
-for the project's C GEMM (`c`, kernels/cpu/gemm.py) or oneDNN (`onednn`), because F.linear (MKL)
-repacks it on every call, which is most of a decode step's work; elsewhere F.linear (`torch`).
-INFERLINE_MODEL__CPU_LINEAR chooses (kernels/backends.py); figures: docs/benchmarks.md.
+"""Linear layers for the engine's models. On the CPU in fp32 each weight is packed once at load
+for the C GEMM (`c`) or oneDNN (`onednn`), because F.linear (MKL) repacks it on every call;
+elsewhere F.linear (`torch`). INFERLINE_MODEL__CPU_LINEAR chooses.
 
-A row's result must not depend on the rows beside it, so that a prompt gives the same tokens
-alone or in a batch (tests/kernels/test_linear.py). oneDNN breaks that on some CPUs for a lone row of
-many inputs, so each weight shape is probed once (`lone_row_exact`) and, where it must be, a lone
-row is computed as two. The packed copy sits beside the weight, which stays the model's
-parameter (state dict, tied embeddings): it doubles the linears' memory on the CPU.
+A row's result must not depend on the rows beside it (same tokens alone or in a batch). oneDNN
+breaks that on some CPUs for a lone row, so each shape is probed once (`lone_row_exact`) and a
+lone row computed as two where needed. The packed copy doubles the linears' CPU memory.
 """
 from __future__ import annotations
 
@@ -20,19 +17,18 @@ from inferline.kernels.backends import onednn_available
 from inferline.kernels.cpu import gemm
 
 log = structlog.get_logger(__name__)
-_pack_failed = False  # warned once, not once per weight
-_lone_row_exact: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> lone_row_exact's answer
+_pack_failed = False  # warned once, not per weight
+_lone_row_exact: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> answer
 
 
-# What `packed` may be: oneDNN's packed tensor, or the C GEMM's panels (fp32 or 8-bit codes).
+# oneDNN's packed tensor, or the C GEMM's panels (fp32 or 8-bit codes).
 Packed = torch.Tensor | gemm.PackedWeight | gemm.CodedWeight
 BACKENDS = ("c", "onednn")
 
 
 def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
-    """The packed copy of a CPU fp32 `weight` [out, in] for `backend` (BACKENDS); None where that
-    does not apply (other devices and dtypes, a PyTorch built without oneDNN). `codes`: the C GEMM
-    keeps the weight as 8-bit codes where they give it back exactly (kernels/cpu/gemm.py), else fp32."""
+    """The packed copy of a CPU fp32 `weight` [out, in] for `backend`; None where that does not
+    apply. `codes`: the C GEMM keeps 8-bit codes where they give the weight back exactly."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if backend == "c":
@@ -44,7 +40,7 @@ def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = Fal
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, NotImplementedError) as exc:  # a build whose oneDNN lacks the op: F.linear
+    except (RuntimeError, NotImplementedError) as exc:  # oneDNN lacks the op: F.linear
         global _pack_failed
         if not _pack_failed:
             log.warning("oneDNN weight packing failed; linear layers stay on F.linear", error=str(exc)[:500])
@@ -54,14 +50,13 @@ def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = Fal
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: Packed | None = None) -> torch.Tensor:
-    """x [rows, in] -> [rows, out], like F.linear(x, weight, bias); on `packed` (pack_weight's
-    copy of `weight`) when given."""
+    """F.linear(x, weight, bias), on `packed` (pack_weight's copy of `weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, (gemm.PackedWeight, gemm.CodedWeight)):
         return gemm.gemm(x, packed, bias)
     if x.dim() == 2 and x.shape[0] == 1 and not lone_row_exact(weight, packed):
-        return _onednn(x.expand(2, -1), packed, bias)[:1]  # computed as in a batch: see above
+        return _onednn(x.expand(2, -1), packed, bias)[:1]  # computed as in a batch
     return _onednn(x, packed, bias)
 
 
@@ -70,10 +65,9 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether oneDNN gives a row alone the bits it gives the same row in a batch, for weights of
-    this shape on this machine (and thread count: oneDNN splits work by it). Probed once with
-    random rows: two kernels that add in different orders disagree somewhere in the last bits of
-    hundreds of random outputs."""
+    """Whether oneDNN gives a lone row the bits it gives the same row in a batch, for this shape
+    and thread count. Probed once with random rows: kernels that add in different orders differ
+    somewhere in hundreds of outputs."""
     key = (*weight.shape, torch.get_num_threads())
     if key not in _lone_row_exact:
         x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -82,13 +76,12 @@ def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names), computed on a packed copy of the
-    weight once `pack()` made one."""
+    """nn.Linear computed on a packed copy of the weight once `pack()` made one."""
 
     packed: Packed | None = None
 
     def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
-        """Make the packed copy (call after the weights are final); False where none applies."""
+        """Make the packed copy once the weights are final; False where none applies."""
         self.packed = pack_weight(self.weight, backend, codes)
         return self.packed is not None
 

@@ -6,9 +6,8 @@ The forward pass takes one flat batch of tokens from many sequences (no padding)
     tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]   decodes first, then prefill chunks
     q rows:     one per decode seq   cu_seqlens_q delimits each prefill chunk
 
-K/V of every token is written to its cache slot (`slot_mapping`), then attention reads each
-sequence's whole context back through its block table. Weights use HF names, with q/k/v and
-gate/up fused into one matmul each (fewer, larger GEMMs are what a CPU and a GPU both like).
+Each token's K/V goes to its cache slot, then attention reads each context through its block
+table. Weights use HF names, with q/k/v and gate/up fused into one matmul each.
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     """Llama 3.1 long-context scaling: long wavelengths divided by `factor`, short ones kept,
-    a smooth blend in between."""
+    blended in between."""
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -60,17 +59,15 @@ def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox / HF "rotate_half" layout: the two halves of head_dim are the pair. The tables hold
-    cos = (c, c) and sin = (-s, s), so that x * cos + swap_halves(x) * sin is HF's
-    x * cos + rotate_half(x) * sin exactly (kernels/fused.py rotates). `tables` runs once per
-    forward."""
+    """Neox / HF "rotate_half" layout. Tables hold cos = (c, c) and sin = (-s, s), so that
+    x * cos + swap_halves(x) * sin is exactly HF's x * cos + rotate_half(x) * sin."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
         self.max_positions = max_positions
-        with torch.device("cpu"):  # fp32 on the CPU, whatever device the model is built on (meta too)
+        with torch.device("cpu"):  # fp32 on the CPU, whatever the build device (meta too)
             self.inv_freq = rope_inv_freq(head_dim, params)  # an attribute: never cast or moved
-        cos, sin = self._tables(torch.empty(0).device, torch.float32)  # the device being built on
+        cos, sin = self._tables(torch.empty(0).device, torch.float32)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -81,15 +78,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def fill(self) -> None:
-        """Compute the tables into the buffers where they are now: a model built on the meta
-        device and given memory by to_empty has them unset. Rounded to the buffers' dtype, as
-        `.to(dtype)` rounds fp32 tables."""
+        """Compute the tables into the buffers (unset after meta + to_empty), in their dtype."""
         cos, sin = self._tables(self.cos.device, self.cos.dtype)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [num_tokens, 1, head_dim]: the same for every layer."""
+        """(cos, sin), each [num_tokens, 1, head_dim], shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -122,7 +117,7 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
-        """Qwen3: each q and k head RMS-normalized before the rotation, in place in qkv."""
+        """Qwen3: q and k heads RMS-normalized before the rotation, in place."""
         heads = self.num_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], heads + self.num_kv_heads, self.head_dim)
         qk[:, :heads] = rms_norm(qk[:, :heads], self.q_norm, self.eps)
@@ -141,9 +136,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Carries the residual stream apart from the sublayers' outputs (as vLLM does), so that a
-    sublayer's output joins it in the same pass that normalizes the sum for the next sublayer
-    (fused_add_rms_norm): h + attn(norm(h)), then + mlp(norm(...)), the very same sums."""
+    """Carries the residual stream apart from the sublayers' outputs (as vLLM does), so each
+    output joins it in the pass that normalizes the sum for the next sublayer."""
 
     def __init__(self, config):
         super().__init__()
@@ -154,8 +148,7 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
 
     def forward(self, rope, hidden, residual, k_cache, v_cache, meta: AttentionMetadata):
-        """(hidden, residual) -> (this layer's MLP output, the residual stream before it);
-        residual None in the first layer, whose input is the embedding."""
+        """(hidden, residual) -> (MLP output, the residual before it); residual None in layer 0."""
         ops = meta.fused_ops
         if residual is None:
             residual, hidden = hidden, rms_norm(hidden, self.input_layernorm, self.eps, ops)
@@ -181,17 +174,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: Packed | None = None
 
     def pack_linears(self, backend: str = "onednn", codes: bool = False) -> bool:
-        """Give every linear layer and the LM head a packed copy of its weight for `backend`
-        (models/linear.py; `codes`: as 8-bit codes where exact); call once the weights are loaded.
-        False where packing does not apply (not CPU fp32)."""
+        """Give every linear layer and the LM head a packed weight for `backend` (`codes`: 8-bit
+        codes where exact), once loaded. False where packing does not apply (not CPU fp32)."""
         packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, Linear)]
-        tied = self.tie_word_embeddings  # the embedding has no Linear: pack it for the head here
+        tied = self.tie_word_embeddings  # no Linear for a tied head: pack it here
         self.lm_head_packed = (pack_weight(self.embed_tokens.weight, backend, codes) if tied
                                else self.lm_head.packed)
         return all(packed) and self.lm_head_packed is not None
 
     def packed_weights(self) -> list:
-        """Every packed copy: the linear layers' and the LM head's."""
         linears = [m.packed for m in self.modules() if isinstance(m, Linear)]
         return linears + ([self.lm_head_packed] if self.tie_word_embeddings else [])
 
@@ -200,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
-        hidden, residual = self.embed_tokens(input_ids), None  # a new tensor: updated in place is fine
+        hidden, residual = self.embed_tokens(input_ids), None  # a new tensor: in place is fine
         rope = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, meta)

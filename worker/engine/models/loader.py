@@ -1,8 +1,6 @@
 """Weights in: a local HF directory (safetensors), a GGUF file, or random (`load_format=dummy`).
 
-A GGUF file is dequantized once through transformers (slow) and cached as a plain HF directory
-(config, tokenizer, safetensors) under the cache folder, which every later start, test and
-benchmark loads quickly.
+A GGUF file is dequantized once through transformers (slow) and cached as a plain HF directory.
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
-# Shapes for speed work without weights (`load_format=dummy`, model path = one of these names).
+# Shapes for speed work without weights (`load_format=dummy`, model path = a preset name).
 DUMMY_PRESETS = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -74,7 +72,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
-        os.rename(tmp, target)  # atomic: a concurrent converter either wins or finds it done
+        os.rename(tmp, target)  # atomic: a concurrent converter wins or finds it done
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -102,9 +100,8 @@ def load_model(path: str, load_format: str, dtype: torch.dtype, device: torch.de
 
 def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> LlamaForCausalLM:
-    """The model in `dtype` on `device`, its weights read from the checkpoint's safetensors
-    straight into their places (q/k/v and gate/up into row ranges of the fused weights), a chunk
-    at a time: memory peaks at the weights in `dtype` plus one chunk (bench/load_memory.py)."""
+    """The model in `dtype` on `device`, each checkpoint tensor read straight into its place
+    (q/k/v, gate/up into the fused weights): memory peaks at the weights plus one chunk."""
     model = empty_model(config, max_positions, dtype, device)
     index = safetensors_index(model_dir)
     targets = destinations(model)
@@ -126,9 +123,8 @@ def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
 
 
 def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model with its parameters in `dtype` on `device`, unset (the rotary tables computed):
-    built on the meta device, which holds no memory, so no fp32 copy of the weights ever exists
-    (fp32 construction then a cast peaked at twice the bf16 weights)."""
+    """The model's parameters in `dtype` on `device`, unset (rotary tables computed), built on the
+    meta device so no fp32 copy of the weights ever exists."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     model = model.to(dtype).to_empty(device=device)
@@ -137,8 +133,8 @@ def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.de
 
 
 def load_dummy(path: str, dtype, device, max_positions):
-    """Random weights with the shapes of a preset, a config.json or an HF directory.
-    Text prompts use the bundled SmolLM2 tokenizer (its ids fit any preset's vocabulary)."""
+    """Random weights with the shapes of a preset, a config.json or an HF directory; text prompts
+    use the bundled tokenizer."""
     if path in DUMMY_PRESETS:
         config = LlamaConfig(**DUMMY_PRESETS[path])
     else:
@@ -159,7 +155,7 @@ def load_dummy(path: str, dtype, device, max_positions):
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-CHUNK_BYTES = 8 << 20  # what a read holds beside the model when it must cast or copy to a device
+CHUNK_BYTES = 8 << 20  # held beside the model when a read must cast or copy to a device
 
 
 @dataclass(frozen=True)
@@ -171,8 +167,7 @@ class StoredTensor:
 
 
 def safetensors_index(model_dir: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the directory's .safetensors files, from their headers (8 bytes of
-    little-endian length, then JSON: name -> dtype, shape, data_offsets after the header)."""
+    """Every tensor of the directory's .safetensors files, from their headers."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
@@ -192,9 +187,8 @@ def safetensors_index(model_dir: Path) -> dict[str, StoredTensor]:
 
 
 def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratch: torch.Tensor | None = None) -> None:
-    """Copy `stored` into `dst` (same shape; contiguous; any dtype and device). A CPU destination
-    of the stored dtype is read into directly; otherwise a chunk at a time through `scratch`
-    (uint8, CHUNK_BYTES: one buffer for the whole load, so the allocator has nothing to hoard)."""
+    """Copy `stored` into the contiguous `dst` (same shape, any dtype and device): directly when
+    it is a CPU tensor of the stored dtype, else a chunk at a time through one `scratch` buffer."""
     if tuple(dst.shape) != stored.shape:
         raise ValueError(f"{name}: the checkpoint holds {stored.shape}, the model wants {tuple(dst.shape)}")
     assert dst.is_contiguous(), name
@@ -215,8 +209,8 @@ def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratc
 
 
 def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF checkpoint name -> the part of this model's parameters it fills (q, k, v and gate, up
-    are row ranges of one fused weight). Together they cover every parameter exactly once."""
+    """HF checkpoint name -> the part of this model's parameters it fills; together they cover
+    every parameter exactly once."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm"]}
     if not model.tie_word_embeddings:
