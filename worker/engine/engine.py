@@ -32,7 +32,8 @@ from inferline.worker.engine.structured_output import GrammarCompiler, new_match
 
 log = structlog.get_logger(__name__)
 
-# Benchmark hook (bench/share_vs_group.py): a throttled worker sleeps this long before each step.
+# Benchmark and test hook (bench/share_vs_group.py, tests/kafka/test_share_intake.py): a
+# throttled worker sleeps this long before each step.
 _STEP_DELAY_S = float(os.environ.get("INFERLINE_FAULT_STEP_DELAY_S", "0"))
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
