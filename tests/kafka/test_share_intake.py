@@ -237,6 +237,13 @@ async def test_the_projects_broker_lets_a_lock_outlast_the_default_request_timeo
     assert lock_ms(settings, limits) == (settings.limits.default_timeout_s + 10) * 1000 > 60_000
 
 
+# The group's lock a request must outlast, and a request that does by construction: the engine
+# sleeps STEP_DELAY_S before each step (INFERLINE_FAULT_STEP_DELAY_S), one step a token.
+GROUP_LOCK_S = 3
+LONG_TOKENS = 8
+STEP_DELAY_S = 1.0
+
+
 async def set_group_lock(bootstrap: str, group: str, lock_ms: int) -> None:
     from inferline.config.settings import KafkaSettings
     from inferline.worker.intake.share import group_configs, set_group_configs
@@ -248,11 +255,11 @@ async def set_group_lock(bootstrap: str, group: str, lock_ms: int) -> None:
 async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp_path):
     """The share group's lock is 3 s (an operator's, or the broker's default) and a request runs
     longer: the worker sets the group's lock from its request timeout at start-up, so the idle
-    second worker never gets the record while it runs."""
+    second worker never gets the record while it runs, nor does its own worker get it back."""
     bootstrap = share_broker.bootstrap
     topics = await make_topics(bootstrap)
     group = f"share-{uuid.uuid4().hex[:8]}"
-    await set_group_lock(bootstrap, group, 3_000)
+    await set_group_lock(bootstrap, group, GROUP_LOCK_S * 1000)
     # No share_lock_ms: the lock follows the request timeout (default_timeout_s 50: 60 s).
     # One consumer: its batch pins it.
     kafka = {"intake": "share", "group_id": group, "share_consumers": 1}
@@ -262,19 +269,26 @@ async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp
     watcher = ReplyWatcher(bootstrap, topics.replies, 2)
     await watcher.start()
     try:
-        for w in workers:
-            w.spawn()
+        for w in workers:  # every engine step waits STEP_DELAY_S: the request's length is ours
+            w.spawn({"INFERLINE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)})
         await asyncio.gather(*(w.wait_started(600) for w in workers))
-        (long_id,) = await submit(bootstrap, topics.requests,
-                                  [make_request(topics.replies, prompt="Count slowly.", max_tokens=128,
-                                                ignore_eos=True)])
+        long_request = make_request(topics.replies, prompt="Count slowly.", max_tokens=LONG_TOKENS,
+                                    ignore_eos=True)
+        (long_id,) = await submit(bootstrap, topics.requests, [long_request])
         await wait_until(lambda: watcher.finished([long_id]) == 1, 300, "the long request")
-        (done,) = finals_of(watcher.events()[long_id])
-        assert done.timing.total_s > 3.0, "the request must outlast the 3 s lock"
-        await asyncio.sleep(5)  # a second run, if any, would have started by now
+        done = finals_of(watcher.events()[long_id])[0]
+        # One step a token, each after STEP_DELAY_S: longer than the lock whatever the machine.
+        assert done.timing.total_s >= LONG_TOKENS * STEP_DELAY_S > GROUP_LOCK_S
+        # Had its lock expired, the record came back at least 5 s before this `done`: the other
+        # worker would have started it, or its own logged it back; 1 s more for a `started`.
+        await asyncio.sleep(1)
         events = [e for _, e in watcher.events()[long_id]]
         started = [(e.worker, e.attempt) for e in events if isinstance(e, StartedEvent)]
-        assert len(started) == 1, started
+        assert len(started) == 1 and len(finals_of(watcher.events()[long_id])) == 1, started
+        for w in workers:
+            log = w.log_path.read_text(errors="replace")
+            assert "share_intake.lock_expired" not in log, w.name  # it came back to its worker
+            assert "share_intake.ack_failed" not in log, w.name  # the lock was gone at the ack
     finally:
         await watcher.stop()
         for w in workers:

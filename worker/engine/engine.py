@@ -31,7 +31,7 @@ from inferline.worker.engine.structured_output import GrammarCompiler, new_match
 
 log = structlog.get_logger(__name__)
 
-# Benchmark fault hook: a throttled worker sleeps this long before each step.
+# Test and benchmark hook: a throttled worker sleeps this long before each step.
 _STEP_DELAY_S = float(os.environ.get("INFERLINE_FAULT_STEP_DELAY_S", "0"))
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
