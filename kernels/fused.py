@@ -1,12 +1,6 @@
-"""Fused elementwise ops of the decoder layer, under vLLM's names: rms_norm, fused_add_rms_norm,
-silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
-
-Each runs one of three ways, `ops` naming which (chosen once, at load):
-
-    torch    PyTorch ops, any device and dtype: what HF computes, op by op (the reference)
-    c        fp32 CPU tensors: a C kernel, one pass over the rows (at decode sizes dispatch and
-             OpenMP fork/join cost more than arithmetic: docs/benchmarks.md)
-    triton   with the Triton attention: one launch each instead of 2-9 PyTorch kernels
+"""Fused elementwise ops of the decoder layer under vLLM's names (rms_norm, fused_add_rms_norm,
+silu_and_mul, rope_store_kv), each run as `ops` says: torch (the reference), c or triton.
+design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 

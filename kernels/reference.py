@@ -1,14 +1,7 @@
-"""Plain PyTorch paged-attention ops: the fallback where neither Triton nor the C kernels run, and
-the tests' oracle.
+"""Plain PyTorch paged-attention ops: the fallback and the tests' oracle.
 
-Cache layout (per layer, K and V alike):
-
-    k_cache[num_blocks, block_size, num_kv_heads, head_dim]
-    slot = block * block_size + offset       (flat index into the first two dims)
-
-Token t of a sequence lives at slot block_tables[s, t // block_size] * block_size + t % block_size.
-Unused slots may hold garbage (NaN): nothing reads them into a sum. GQA: query head h reads KV
-head h // (num_heads // num_kv_heads).
+Cache per layer: [num_blocks, block_size, num_kv_heads, head_dim], slot = block * block_size +
+offset. Unused slots may hold NaN: nothing reads them into a sum.
 """
 
 from __future__ import annotations

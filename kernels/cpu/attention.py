@@ -1,6 +1,5 @@
-"""Paged decode attention in C on the CPU (csrc/paged_decode_attention.c), fp32 queries over fp32
-or fp16 K/V caches, prompt rows included. Unlike PyTorch it reads the blocks in place, with no
-dense gather of every sequence's K/V.
+"""Paged decode attention in C (csrc/paged_decode_attention.c): fp32 queries over fp32 or fp16 K/V,
+the blocks read in place (design: docs/architecture.md#kernels).
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The C kernels' build: the sources in kernels/cpu/csrc/ built into one library with the system
-C compiler on first use, cached, and called through ctypes (which releases the GIL).
-
-`cc -O3 -march=native -ffp-contract=fast -fopenmp`, objects compiled in parallel, linked
-`-shared`, cached under `cache_dir()/kernels/` keyed by the sources, flags and this CPU's feature
-flags; written to a temporary name and renamed, so concurrent builds do not clash. A failed build
-is logged once and `available()` is False: `auto` then picks PyTorch, and an explicit `cpu` fails.
+"""Builds kernels/cpu/csrc/ into one cached library with the system C compiler on first use,
+called through ctypes. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 

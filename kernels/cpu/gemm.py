@@ -1,10 +1,5 @@
-"""The linear layers' GEMM on the CPU, fp32 (csrc/gemm.c): y = x @ W.T + bias over a weight packed
-once, at load, into panels of `panel_width()` output columns.
-
-Each output is one FMA chain over the inputs in order, so a row's result is the same bits alone,
-in any batch and with any thread count. A weight quantized upstream (GGUF Q4_1, Q8_0, ...) may be
-kept as 8-bit codes with a scale and offset per block (`pack_codes`), only where they give back
-every fp32 weight exactly: same output bits, a third of the bytes to read.
+"""The CPU fp32 GEMM on packed weights (csrc/gemm.c): batch-invariant, optionally over exact 8-bit
+codes. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 

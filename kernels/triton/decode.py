@@ -1,22 +1,9 @@
 """Triton kernels: paged decode attention, split-KV (flash-decoding) with a reduction stage.
 
-    q            [num_seqs, num_heads, head_dim]            one query token per sequence
-    k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]
+    q, out [num_seqs, num_heads, head_dim]: one token per sequence
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
-    out          [num_seqs, num_heads, head_dim]
 
-Stage 1, grid (num_seqs, num_kv_heads, num_splits): a program takes the GROUP query heads sharing
-one KV head (the rows of one tile, padded to 16 for tl.dot) and one split of split_len tokens, so
-each K/V element is read once per group. Tiles of BLOCK_N tokens may span pages or be part of one.
-Online softmax in fp32, exp2 domain.
-
-    num_splits == 1: stage 1 normalizes and writes out itself (no second launch).
-    else: stage 1 writes unnormalized acc [S, H, splits, D], running max m and sum l
-          [S, H, splits] (fp32); stage 2, grid (num_seqs, num_heads), rescales and sums the
-          cdiv(context_len, split_len) valid splits.
-
-num_splits depends only on host shapes and the SM count, so the launch never syncs; per-step
-values are do_not_specialize, so there is one binary per plan, all compiled at start-up.
+design: docs/gpu.md#the-triton-kernels
 """
 
 from __future__ import annotations

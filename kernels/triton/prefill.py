@@ -1,16 +1,9 @@
 """Triton kernel: paged prefill attention (plain, chunked, or a prompt on cached context).
 
-    q             [total_query_tokens, num_heads, head_dim]
-    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables  int32 [num_seqs, max_blocks]
-    cu_seqlens_q  int32 [num_seqs + 1]; sequence i owns query rows cu[i]:cu[i+1]
-    context_lens  int32 [num_seqs]; the query rows are the last q_len of these tokens
-    out           [total_query_tokens, num_heads, head_dim]
+    q, out [total_query_tokens, num_heads, head_dim]; cu_seqlens_q int32 [num_seqs + 1]
+    context_lens int32 [num_seqs]: sequence i's rows are the last of its context
 
-Grid (total_query_tokens // BLOCK_M + num_seqs, num_heads): sequence i's tiles start at
-cu[i] // BLOCK_M + i, so no host sync is needed; a program finds its sequence by binary search.
-Query row r sits at position ctx - q_len + r and sees keys 0..that position; key tiles past the
-tile's last row are skipped, and only diagonal tiles apply the causal mask.
+design: docs/gpu.md#the-triton-kernels
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Triton kernel: the rotary embedding fused with the K/V store (rope_store_kv).
-
-    qkv        [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]   q | k | v heads per row
-    cos, sin   [num_tokens, head_dim] rows (or [num_tokens, 1, head_dim]): cos = (c, c), sin = (-s, s)
-    slot_mapping int64 [num_tokens]; slot = block * block_size + offset; slot < 0: not stored
-    k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-
-Grid (num_tokens, cdiv(num_heads + 2 num_kv_heads, HEADS_BLOCK)): a program rotates its heads
-(Neox layout, kernels/fused.rotate's products and sum), writes q back into qkv and stores k and v
-at the token's slot: one read of qkv, one write of each result.
+"""Triton kernel: the rotary embedding fused with the K/V store (rope_store_kv), one read of qkv
+and one write of each result. design: docs/gpu.md#the-triton-kernels
 """
 from __future__ import annotations
 
