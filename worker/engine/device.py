@@ -1,7 +1,5 @@
-"""Where the runner's tensors live, and in what types.
-
-Each GPU-versus-CPU choice is a pure function of plain values, so its CUDA arm runs in the CPU
-tests; what only a GPU can answer is a thin call beside it (docs/gpu.md lists them).
+"""Where the runner's tensors live and in what types: each GPU-or-CPU choice is a pure function
+of plain values, tested on the CPU (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -66,9 +64,8 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
 
 def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilization: float,
                     free_bytes: int | None) -> float:
-    """Bytes the KV cache may take. CUDA: `gpu_memory_utilization` of the memory free after the
-    model loaded (not vLLM's share of total memory: no profiling run, and a shared device gives
-    only what is free). Elsewhere: `kv_memory_gb` (10^9 bytes)."""
+    """Bytes the KV cache may take: on CUDA `gpu_memory_utilization` of the memory free after the
+    model loaded (docs/gpu.md), elsewhere `kv_memory_gb` (10^9 bytes)."""
     if device_type == "cuda":
         assert free_bytes is not None, "the CUDA budget is a share of the free device memory"
         return free_bytes * gpu_memory_utilization

@@ -1,8 +1,5 @@
-"""The engine: add_request, abort, step; and the thread that runs it.
-
-A step: the Scheduler decides, the ModelRunner computes, `_update` appends tokens and retires
-finished sequences. EngineLoop runs the single-threaded engine in its own thread and talks to
-asyncio through an inbox of commands and the `on_outputs` callback.
+"""The engine (add_request, abort, step) and EngineLoop, the thread that runs it and talks to
+asyncio through an inbox and `on_outputs`. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -464,10 +461,8 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
 
 class EngineLoop:
     """Runs an LLMEngine in its own thread. `add_request` and `abort` are thread-safe and never
-    block; `on_outputs(outputs, stats)` is called from the engine thread after every step.
-
-    Given a builder, the model loads on the loop's thread (`wait_ready()` returns it): each thread
-    that runs OpenMP work keeps its own pool, and too many pools make every parallel region slow."""
+    block; `on_outputs(outputs, stats)` is called from the engine thread after every step. Given
+    a builder, the model loads on this thread (docs/operations.md#process-memory-on-the-cpu)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],

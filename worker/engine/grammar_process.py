@@ -1,12 +1,8 @@
-"""A grammar compiler in a child process, so that a compile can be stopped.
+"""A grammar compiler in a child process, killed when its time is up (xgrammar cannot be
+interrupted inside a thread); a crash takes down only the child.
 
-xgrammar cannot be interrupted inside a thread, and a hostile grammar can hold a core for
-minutes; a child process is killed when its budget is over, and a crash takes down only it.
-
-Length-prefixed msgpack frames over the child's stdin/stdout:
-parent -> child: {"info": TokenizerInfo JSON} once, then {"kind", "text"} per compile;
-child -> parent: {"ready": true} once, then {"compiled": CompiledGrammar JSON} or {"error": message}.
-The child exits when its stdin closes and ignores the terminal's Ctrl-C (its own session).
+Length-prefixed msgpack frames over the child's stdin/stdout: parent -> child {"info"} once, then
+{"kind", "text"} per compile; child -> parent {"ready": true} once, then {"compiled"} or {"error"}.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Turns a SchedulerOutput into one forward pass and sampled tokens.
-
-The runner computes and never decides policy: it flattens the chunks into one batch (decodes
-first), lets the attention backend prepare its metadata, runs the model, computes logits only for
-the rows that sample, and samples. A decode-only step may instead run padded on static buffers,
-replayed as a CUDA graph.
+"""Turns a SchedulerOutput into one forward pass and sampled tokens; computes, never decides
+policy. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Batched sampling: one call turns a step's logits into one next token per sequence.
-
-Per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k -> top-p ->
-min-p -> draw. Logprobs are log_softmax after penalties and mask, before temperature (as vLLM).
-Each stage runs on the sub-batch that needs it. A seeded row's random number is a hash of its
-seed and draw index, so its tokens do not depend on which requests share the batch.
+"""Batched sampling: one call turns a step's logits into each row's next token, in HF's order;
+seeded rows hash their seed and draw index. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 

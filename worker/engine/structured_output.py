@@ -1,11 +1,5 @@
-"""Structured outputs (constrained decoding) with xgrammar: grammars, matchers, token bitmasks.
-
-A request with a grammar (JSON schema, any JSON object, regex, choice of strings, EBNF) samples
-only tokens that keep its output a prefix of the grammar's language.
-- `GrammarCompiler` compiles off the engine thread, tenants in turn, with a byte-bounded cache;
-- each running sequence holds an xgrammar `GrammarMatcher`, advanced by every accepted token;
-- `TokenBitmask` fills the allowed-token bits of every constrained row in one xgrammar call.
-xgrammar over llguidance: its batch bitmask is several times cheaper (docs/benchmarks.md).
+"""Structured outputs with xgrammar: grammars compiled off the engine thread, a matcher per
+constrained sequence, one token bitmask per batch. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -37,13 +31,10 @@ JSON_SEPARATORS = (",", ":")
 
 
 class GrammarCompiler:
-    """Compiles `StructuredSpec`s off the calling thread. `compile` returns a Future of an
-    xgrammar CompiledGrammar, or of a ValueError saying why the grammar is invalid; futures are
-    cached by (kind, text), failures included, up to `cache_bytes` (LRU). Jobs are taken from each
-    tenant in turn; a tenant runs at most `threads - 1` at once, so another always finds a thread.
-
-    With `processes`, each thread compiles in a child process, because xgrammar cannot be
-    interrupted inside a thread: `give_up` kills it. The threads hold the compiler weakly."""
+    """Compiles `StructuredSpec`s off the calling thread: `compile` returns a Future of an xgrammar
+    CompiledGrammar, or of a ValueError saying why the grammar is invalid. Futures are cached by
+    (kind, text), failures included, up to `cache_bytes` (LRU); a tenant runs at most
+    `threads - 1` jobs at once. With `processes`, `give_up` kills an overdue compile."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
                  cache_bytes: int = CACHE_BYTES, processes: bool = True):

@@ -1,14 +1,5 @@
-"""Start-up compiles: before the worker reports ready, every Triton kernel binary the loaded
-model can launch is compiled (or loaded from Triton's cache), so no request pays a compile.
-
-    decode     one binary per plan: one split (stage 1 writes the output: DIRECT) or several
-               (stage 2 reduces them: one binary per SPLITS_P2)
-    the rest   one binary each: prefill, rotary with the K/V store, RMSNorm alone and with the
-               residual add, SiLU-and-mul
-
-Values that change step to step are do_not_specialize in the kernels, so they add no binaries.
-Warm-up runs one prompt step and one decode step per plan on dummy inputs: every slot -1 (no K/V
-written), every block table 0.
+"""Start-up compiles: every Triton binary the loaded model can launch, compiled before the worker
+is ready. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""INFERLINE_MODEL__CPU_LINEAR=auto where several linear backends run (the C GEMM and oneDNN,
-CPU fp32): time each on this model's own linear weights at load and keep the fastest.
-
-The winner depends on the CPU, thread count and shapes, so it is measured where it runs: the
-first `SAMPLE_LAYERS` layers' linears and the LM head, packed as the model would pack them, at
-`ROWS` rows, candidates alternated (ABBA) after a warm-up round; the smallest median wins. The
-choice is cached per machine, threads, torch, shapes and gemm.c source in
-`cache_dir()/linear_calibration.json` (delete it to time again).
+"""INFERLINE_MODEL__CPU_LINEAR=auto: the linear backends timed on this model at load, the fastest
+kept and cached per machine and shapes. design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Linear layers for the engine's models. On the CPU in fp32 each weight is packed once at load
-for the C GEMM (`c`) or oneDNN (`onednn`), because F.linear (MKL) repacks it on every call;
-elsewhere F.linear (`torch`). INFERLINE_MODEL__CPU_LINEAR chooses.
-
-A row's result must not depend on the rows beside it (same tokens alone or in a batch). oneDNN
-breaks that on some CPUs for a lone row, so each shape is probed once (`lone_row_exact`) and a
-lone row computed as two where needed. The packed copy doubles the linears' CPU memory.
+"""Linear layers: on the CPU in fp32 over a weight packed once for the C GEMM or oneDNN, else
+F.linear. design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 

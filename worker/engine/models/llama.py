@@ -1,13 +1,5 @@
-"""A Llama-family decoder over the paged KV cache: Llama 2/3 (rope scaling), Mistral,
-Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2.
-
-The forward pass takes one flat batch of tokens from many sequences (no padding):
-
-    tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]   decodes first, then prefill chunks
-    q rows:     one per decode seq   cu_seqlens_q delimits each prefill chunk
-
-Each token's K/V goes to its cache slot, then attention reads each context through its block
-table. Weights use HF names, with q/k/v and gate/up fused into one matmul each.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache and
+one flat batch: decodes first, then prefill chunks. design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 

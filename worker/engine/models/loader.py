@@ -1,7 +1,5 @@
-"""Weights in: a local HF directory (safetensors), a GGUF file, or random (`load_format=dummy`).
-
-A GGUF file is dequantized once through transformers (slow) and cached as a plain HF directory.
-"""
+"""Weights in: a local HF directory (safetensors), a GGUF file (converted once and cached), or
+random (`load_format=dummy`)."""
 from __future__ import annotations
 
 import hashlib
