@@ -1,11 +1,5 @@
-"""The Worker: wiring. It builds the parts, starts them in order, and drains and stops them:
-
-    Intake ─► RequestTracker ─► EngineLoop thread
-    engine outputs ─► RequestTracker ─► Delivery: final, dead letter, give back
-    CancelListener ─► RequestTracker.cancel;  HttpServer: health, readiness, metrics
-
-If the engine thread dies, every job is handed back (`requeued`), readiness fails and run()
-raises. Engine outputs hop from the engine thread to the loop with call_soon_threadsafe.
+"""The Worker: wiring only. It builds the parts, starts them in order, drains and stops them; a
+dead engine hands every job back and fails readiness. design: docs/architecture.md#data-flow
 """
 from __future__ import annotations
 
@@ -182,8 +176,7 @@ class Worker:
 
 def _loop_exception(loop, context: dict) -> None:
     """The event loop's unhandled errors, logged without a traceback: formatting one parses source,
-    and a failed future may be collected mid-parse on any thread (CPython 3.11's parser is not
-    re-entrant: a nested parse breaks every later one)."""
+    and CPython 3.11's parser is not re-entrant (a failed future may be collected mid-parse)."""
     exc = context.get("exception")
     log.warning("loop.unhandled", message=context.get("message"), error=repr(exc) if exc else None)
 

@@ -1,13 +1,6 @@
-"""The RequestTracker: every request this worker holds, from admission to its hand-over to the
-Delivery, and the engine outputs that move it along.
-
-    Intake.admit ─► Job (state "waiting") ─► EngineLoop.add_request
-    engine output started ─► `started`                        state "running"
-    engine output tokens  ─► Publisher buffers, flushes `tokens` events
-    engine output finished ─► Delivery.finish: the `done`     state "finishing", until it is final
-
-The engine request id is the attempt (a fresh uuid), not the wire id: a redelivery racing its own
-requeue is a second attempt. Everything here runs on the event loop.
+"""The RequestTracker: every request held here, from admission to its hand-over to the Delivery,
+and the engine outputs that move it (waiting, running, finishing); runs on the event loop.
+design: docs/architecture.md#life-of-a-request
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Delivery: the one place where a request's result becomes final.
-
-Every record the intake takes ends here as exactly one of:
-
-    answer        its final `done` (a run's, a rejection's, or a remembered one re-sent)
-    dead letter   the original record on the dead-letter topic, with the reason
-    give back     `requeued`: this worker lets go of it, the partition's next owner runs it
-
-Only then is its input finished (offset committed in the same transaction, or record acknowledged).
+"""Delivery: the one place a request's result becomes final (answer, dead letter or give back)
+and its input finished. design: docs/architecture.md#the-delivery-path
 """
 from __future__ import annotations
 

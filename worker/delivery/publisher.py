@@ -1,10 +1,5 @@
-"""Reply events through one idempotent producer; final results through transactions.
-
-Each event of an attempt gets the next `seq` when queued and one lane task per topic sends in queue
-order, so a client sees seq 0, 1, 2, ... without gaps. Tokens are coalesced every
-`flush_interval_ms`, not while a stream's last event is unacked. A final result goes to its input
-partition's transaction once its attempt's earlier events are acked. A topic whose send failed is
-*failing* for a while: its streamed events are dropped and its backlog does not pause intake.
+"""Reply events through one idempotent producer, in `seq` order per attempt, tokens coalesced;
+final results through the transactions. design: docs/architecture.md#delivery-guarantees
 """
 from __future__ import annotations
 

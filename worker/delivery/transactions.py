@@ -1,9 +1,5 @@
 """Final results committed with their input offsets, one Kafka transaction at a time per owned
-input partition (consume-transform-produce).
-
-Each partition's producer has the transactional id `<group>.<topic>.<partition>`: a new owner
-taking it aborts the old owner's open transaction and fences it. A read_committed reader sees a
-final and its offset together or not at all, so a request reruns only if its result never showed.
+input partition. design: docs/reliability.md#exactly-one-final-result-transactions
 """
 from __future__ import annotations
 
@@ -119,13 +115,8 @@ class _Unresolved(RuntimeError):
 
 
 class PartitionTxn:
-    """The transactional producer of one owned input partition and its queue of finals.
-
-    A failure is charged to its cause: a refused record costs its own final (dead-lettered at once
-    if permanent), the batch's others go again. Transient causes are retried for `retry_s`. A commit
-    of unknown outcome is resolved from the group's committed offsets before any retry, and the
-    transactional id is re-taken only when the coordinator confirms this worker owns the partition.
-    """
+    """The transactional producer of one owned input partition and its queue of finals. A failure
+    is charged to its cause; the id is re-taken only on the coordinator's word."""
 
     def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
                  metadata_max_bytes: int, *, generation: int = 0, owner: Ownership | None = None,

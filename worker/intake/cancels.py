@@ -1,7 +1,5 @@
-"""Cancels: every worker reads the whole cancel topic, without a group, and aborts what it runs.
-
-At start-up each partition is read from `cancel_lookback_s` ago before intake starts, and ids are
-remembered, so a cancel sent early or one that overtakes its request still wins.
+"""Cancels: every worker reads the whole cancel topic, without a group, from `cancel_lookback_s`
+ago at start-up (docs/architecture.md#delivery-guarantees).
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Intake: the consumer group on the request topic (docs/architecture.md, "Delivery guarantees").
-
-The fetch loop takes only what the waiting pool has room for; with none it pauses every partition
-but keeps calling `getmany`, since aiokafka measures `max_poll_interval_ms` from the last one. Each
-record becomes one of: dead letter, rejection, admission. Offsets commit only inside the
-transactions that carry final results. aiokafka's rebalances are eager; `rebalance = "hold"`
-keeps running requests through a revocation and requeues only those of partitions that moved.
+"""Intake: the consumer group on the request topic. Each record becomes a dead letter, a rejection
+or an admission; with no room every partition pauses, but `getmany` goes on (aiokafka measures
+max_poll_interval_ms from it). design: docs/operations.md#scaling-partitions-and-consumer-groups
 """
 from __future__ import annotations
 

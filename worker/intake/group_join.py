@@ -1,7 +1,5 @@
-"""Joining the consumer group with one JoinGroup request that names every assignor.
-
-aiokafka joins once per assignor (aio-libs/aiokafka#1168), and with hold's two, members out of
-step keep each other rebalancing. `install()` makes the coordinator use SingleJoinRebalance.
+"""One JoinGroup request naming every assignor: aiokafka joins once per assignor
+(aio-libs/aiokafka#1168), and members out of step then keep each other rebalancing.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Where the worker may write a request's replies: the reply topic a producer names is untrusted.
-
-Allowed: under `kafka.reply_topic_prefix`, none of the worker's own topics nor `__` internal ones,
-existing (from the broker's cached list of all topics: asking for one by name could create it),
-and with limits that cannot wedge a transaction's commit marker. Anything else is dead-lettered.
+"""Where the worker may write a request's replies: the reply topic a producer names is untrusted
+(docs/security.md); anything not allowed is dead-lettered.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Share intake: the request topic read through a Kafka share group (KIP-932, "queues").
-
-The broker locks each record at one worker until it is acknowledged: ACCEPT (its `done` is on the
-broker), REJECT (dead-lettered) or RELEASE (given back). confluent-kafka's ShareConsumer blocks
-and will not poll before its last poll is acknowledged, so each lives on its own thread (`_Lane`),
-opened on demand. Records past the pool's room are released at once, except on their last
-delivery here; `max_deliveries` stays below the broker's limit, so none is archived unseen.
+"""Share intake: the request topic through a Kafka share group (KIP-932), one confluent-kafka
+ShareConsumer per thread (`_Lane`), each record acknowledged on its own.
+design: docs/operations.md#group-or-share-mode
 """
 from __future__ import annotations
 
