@@ -1,7 +1,5 @@
-"""The Kafka ACLs of topic tenancy (docs/security.md): who may read and write which topic.
-
-`recipe()` is the rule set as data; `inferline topics acls` prints it as `kafka-acls.sh` commands
-or, with `--apply`, creates it through confluent-kafka (aiokafka has no ACL API).
+"""The Kafka ACLs of topic tenancy (docs/security.md) as data (`recipe()`), printed or applied by
+`inferline topics acls`.
 """
 from __future__ import annotations
 

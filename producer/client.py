@@ -8,10 +8,9 @@
             print(delta, end="")
         result = await handle.result()               # text, finish_reason, usage, timing
 
-Reply topics: by default one per client (short retention, deleted on close); ``reply_topic=
-"per-request"`` makes one per request; any other string names a topic shared with others. One
-consumer task reads them and feeds each handle synchronously, so one client can keep thousands of
-requests in flight. Delivery is at least once: handles drop superseded attempts and duplicates.
+Reply topics: one per client by default; ``reply_topic="per-request"`` makes one per request, any
+other string names a shared topic. Delivery is at least once: handles drop stale attempts and
+duplicates.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""One submitted request's reply events, reassembled: the RequestHandle and what it yields.
-
-Delivery is at least once and a request may run more than once (a new ``attempt``). A handle
-keeps the latest attempt, ignores duplicates by (attempt, seq) and counts gaps.
+"""One submitted request's reply events reassembled across attempts (duplicates dropped by
+(attempt, seq), gaps counted): the RequestHandle and what it yields.
 """
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""OpenAI's batch format, line by line: input lines checked into BatchLines, the request id of
-each line, and output lines.
-
-Input (one JSON object a line)::
-
-    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}}
-
-Output (one line per input line, in the order they finish)::
-
-    {"id": "batch_req_...", "custom_id": "q1", "error": null,
-     "response": {"status_code": 200, "request_id": "<Kafka request id>", "body": {<chat.completion>}}}
-
-An error answer carries its status and OpenAI error body in `response`; a line that could not be
-sent has `response: null` and `error: {"code", "message"}` naming the line and the field.
+"""OpenAI's batch format, line by line: input lines checked into BatchLines, each line's request
+id, and output lines (formats: docs/batch.md#input and docs/batch.md#output).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Reply events of every attempt -> the text an HTTP client has not been sent yet.
-
-An HTTP stream cannot take back what it sent: when another worker reruns the request (a new
-`attempt`), its text is held back until it passes what was sent; a rerun that says something else
-ends the stream with an error.
+"""Reply events of every attempt -> the text an HTTP client has not been sent yet: a rerun's text
+is held back until it passes what was sent; one that says something else ends the stream.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A compacted Kafka topic read into a dict: the Batch API's files and batches survive a gateway
-restart and every replica sees them, without a database.
-
-Each instance reads the whole topic at start, then follows it; a write counts once acknowledged
-(acks=all). `get` reads up to the topic's end before it answers "not there", so what one replica
-acknowledged, every replica finds.
+"""A compacted Kafka topic read into a dict, so the Batch API's files and batches survive restarts
+and every replica sees them; `get` reads to the topic's end before it answers "not there".
 """
 from __future__ import annotations
 
