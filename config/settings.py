@@ -1,8 +1,5 @@
-"""The one settings tree of inferline.
-
-Every value can be set from the environment with the prefix ``INFERLINE_`` and ``__`` between
-levels, e.g. ``INFERLINE_KAFKA__BOOTSTRAP_SERVERS=broker:9092``. ``load_settings()`` turns a
-validation error into one line naming the variable, so a bad deployment fails at start-up.
+"""The one settings tree of inferline, from ``INFERLINE_`` variables with ``__`` between levels
+(docs/configuration.md); ``load_settings()`` names the variable behind a bad value.
 """
 from __future__ import annotations
 
