@@ -1,7 +1,5 @@
-"""The inferline wire contract, version 1 (docs/protocol.md): typed models and the msgpack codec.
-
-Both sides import it (pydantic and msgpack only). A bad request raises ``UndecodableMessage``
-(dead-letter it) or ``InvalidRequest`` (answer ``rejected``).
+"""The inferline wire contract v1 (docs/protocol.md): typed models and the msgpack codec, shared by
+both sides; bad requests raise ``UndecodableMessage`` or ``InvalidRequest``.
 """
 from __future__ import annotations
 
