@@ -1,6 +1,4 @@
-"""Paged-KV attention ops as functions dispatched on `backend` (triton, cpu, torch or auto), for
-tests and benchmarks; the model uses a backend object. design: docs/architecture.md#kernels
-
+"""Paged-KV attention ops as functions dispatched on `backend`, for tests and benchmarks.
 No submodule is named like an exported function: importing it would replace the attribute.
 """
 

@@ -160,8 +160,7 @@ class TritonAttention(_SplitBackend):
 
 
 class CpuAttention(AttentionBackend):
-    """The C kernel has no prefill: each prompt row attends as a decode over its causal context,
-    so a prompt's rows get the bits its decode steps will (and a recomputed sequence its tokens)."""
+    """The C kernel: every row attends as a decode over its causal context."""
     name = "cpu"
 
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> TokenMetadata:

@@ -1,7 +1,5 @@
-"""Plain PyTorch paged-attention ops: the fallback and the tests' oracle.
-
-Cache per layer: [num_blocks, block_size, num_kv_heads, head_dim], slot = block * block_size +
-offset. Unused slots may hold NaN: nothing reads them into a sum.
+"""Plain PyTorch paged-attention ops: the fallback and the tests' oracle. Unused cache slots may
+hold NaN: nothing reads them into a sum.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ class DecodePlan:
 
 def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
                 chunk_seqs: int | None = None) -> DecodePlan:
-    """Sort by length and cut into chunks of `chunk_seqs`. Padding tokens re-read the sequence's
-    own token 0 (finite) with a -inf bias, so garbage never enters; a context_len 0 sequence reads
-    slot 0 and its output is set to 0 (`empty`)."""
+    """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the sequence's own token
+    0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`)."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
     lens = context_lens.long()
     num_seqs = lens.shape[0]

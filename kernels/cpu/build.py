@@ -58,8 +58,8 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def call(function: str, *args):
-    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables only
-    while a profiler runs; otherwise a lookup and the call (a few hundred a decode step)."""
+    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables while a
+    profiler runs."""
     fn = getattr(_lib if _lib is not None else lib(), function)
     if _profiler_enabled():
         with torch.profiler.record_function("inferline::" + function):
@@ -125,7 +125,6 @@ def cpu_flags() -> str:
 
 
 def _compile(compiler: str, target: Path) -> None:
-    """Each source to an object, all at once, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

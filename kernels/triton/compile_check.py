@@ -1,8 +1,5 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
-
-    python -m inferline.kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
-
-Exits non-zero on a compile error, any spill, or shared memory over the arch's limit.
+Exits non-zero on a compile error, a spill, or too much shared memory.
 design: docs/gpu.md#make-gpu-compile
 """
 

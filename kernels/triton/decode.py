@@ -1,8 +1,4 @@
 """Triton kernels: paged decode attention, split-KV (flash-decoding) with a reduction stage.
-
-    q, out [num_seqs, num_heads, head_dim]: one token per sequence
-    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
-
 design: docs/gpu.md#the-triton-kernels
 """
 
@@ -21,8 +17,7 @@ LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
-# BLOCK_N * DIM_P2: the same K/V tile (16 KB in 16-bit) at every head size, free of register
-# spills on sm_80..sm_100 (`make gpu-compile` checks).
+# BLOCK_N * DIM_P2: a 16 KB K/V tile at every head size, spill-free (`make gpu-compile`).
 TILE_ELEMENTS = 8192
 
 
@@ -68,7 +63,7 @@ def _decode_stage1_kernel(
         block = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         kv_off = block * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + head_off
         kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+        # Masked lanes are never read: no NaN of an unused slot enters a sum.
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:

@@ -1,5 +1,5 @@
-"""What every Triton launch is made of: a Target (a GPU, or the interpreter, which runs an H200's
-plans) and a LaunchPlan from a pure function; every launcher goes through `launch`.
+"""A Triton launch: a Target (a GPU, or the interpreter running an H200's plans) and a LaunchPlan
+from a pure function; every launcher goes through `launch`.
 """
 from __future__ import annotations
 

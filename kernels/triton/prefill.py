@@ -1,8 +1,4 @@
 """Triton kernel: paged prefill attention (plain, chunked, or a prompt on cached context).
-
-    q, out [total_query_tokens, num_heads, head_dim]; cu_seqlens_q int32 [num_seqs + 1]
-    context_lens int32 [num_seqs]: sequence i's rows are the last of its context
-
 design: docs/gpu.md#the-triton-kernels
 """
 
@@ -30,7 +26,7 @@ def _attend_tile(
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     kv_off = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_off
     kv_mask = key_mask[:, None] & dim_mask[None, :]
-    # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+    # Masked lanes are never read: no NaN of an unused slot enters a sum.
     k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if DOT_F32:
@@ -49,8 +45,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# Values that change per step (num_seqs, table width, views at any offset) are exempt from
-# specialization: one binary per plan.
+# Per-step values are not specialized: one binary per plan.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(

@@ -41,8 +41,7 @@ def _rope_store_kv_kernel(
     q_mask = mask & (heads[:, None] < NUM_HEADS)
     tl.store(first, y1, mask=q_mask)
     tl.store(first + HALF, y2, mask=q_mask)
-    # A negative slot masks every lane (a bound, not `& (slot >= 0)`: the interpreter turns bool
-    # tensor & bool scalar into int32).
+    # A negative slot masks every lane: a bound, as in store.py.
     slot = tl.load(slot_ptr + token)
     half_limit = tl.where(slot >= 0, HALF, 0)
     is_v = heads >= ROTATED

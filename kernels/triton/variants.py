@@ -1,6 +1,5 @@
-"""Which compiled binary a launch runs: its constexprs, options and how the JIT specializes every
-other argument; tests check that each launch while serving was compiled at start-up.
-"""
+"""Which compiled binary a launch runs: its constexprs, options and the JIT's specialization of
+every other argument."""
 from __future__ import annotations
 
 from dataclasses import dataclass
