@@ -1,6 +1,5 @@
-"""The ``inferline`` command (``inferline --help``): submit, cancel, topics, tail, bench, gateway
-(docs/gateway.md) and batch (docs/batch.md). Connection settings come from the worker's
-``INFERLINE_`` environment; flags override them.
+"""The ``inferline`` command: submit, cancel, topics, tail, bench, gateway and batch; connection
+settings from the worker's ``INFERLINE_`` environment, overridden by flags.
 """
 from __future__ import annotations
 

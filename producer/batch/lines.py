@@ -18,7 +18,7 @@ from inferline.producer.gateway.openai_mapping import chat_request, completion_r
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 MAX_CUSTOM_ID = 512  # characters; a line key should not be a document
-# Batch work is a lower priority class than interactive work (docs/batch.md, "Priorities").
+# Batch work's priority class (docs/batch.md, "Priorities").
 BATCH_PRIORITY = 100
 
 
@@ -51,8 +51,7 @@ class BatchLine:
 
 
 def parse_lines(text: str, *, priority: int = BATCH_PRIORITY) -> list[BatchLine]:
-    """Every non-blank line of a batch input file, checked. Raises DuplicateCustomIds (two answers
-    would share one key)."""
+    """Every non-blank line of a batch input file, checked; raises DuplicateCustomIds."""
     lines = [parse_line(n, raw, priority=priority) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
     check_unique(lines)
     return lines
@@ -105,8 +104,8 @@ def _envelope_problem(obj: dict) -> str | None:
 
 
 def _map_body(line: BatchLine, body: dict, priority: int) -> None:
-    """The gateway's mapping and the contract's rules: a line fails exactly where the same request
-    would fail at /v1/chat/completions (raises OpenAIError naming the field)."""
+    """The gateway's mapping and the contract's rules, so a line fails where the same HTTP request
+    would (OpenAIError naming the field)."""
     mapped = (chat_request if line.chat else completion_request)(body)
     fields = dict(mapped.fields)
     # Batch work never outranks interactive work: a line may ask to be later, not sooner.

@@ -84,7 +84,7 @@ def _json(text: str) -> dict | None:
 
 
 def read_output(path: Path) -> dict[str, dict]:
-    """The output lines already written, by key. A last line cut short by a kill is cut off."""
+    """The output lines already written, by key; a last line cut short by a kill is dropped."""
     if not path.exists():
         return {}
     data = path.read_bytes()

@@ -68,8 +68,7 @@ class BatchRunner:
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self) -> Progress:
-        """Until every line has its output line. Cancelled, it stops sending; a later run over the
-        same batch collects what was sent."""
+        """Until every line has its output line; cancelled, it stops sending."""
         for line in self.lines:
             if line.error is not None:
                 self._write(line, error_line(line, "invalid_request", line.error), 0)

@@ -53,8 +53,7 @@ class BatchService:
         self.available = False
 
     async def start(self) -> None:
-        """Read the files and batches; where ACLs refuse their topics the Batch API stays off and
-        the rest of the gateway serves on."""
+        """Read the files and batches; if ACLs refuse their topics, only the Batch API stays off."""
         try:
             await self.files.table.start()
             await self.table.start()

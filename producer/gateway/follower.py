@@ -44,7 +44,6 @@ class TextFollower:
 
 
 def _whole_text(done: DoneEvent, index: int) -> str | None:
-    """Sample `index`'s whole text in `done`."""
     if done.samples:
         return next((s.text for s in done.samples if s.index == index), None)
     return done.text if index == 0 else None

@@ -1,5 +1,5 @@
-"""A compacted Kafka topic read into a dict, so the Batch API's files and batches survive restarts
-and every replica sees them; `get` reads to the topic's end before it answers "not there".
+"""A compacted Kafka topic read into a dict, for the Batch API's files and batches; `get` reads to
+the topic's end before it answers "not there".
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ CATCH_UP_TIMEOUT_S = 10.0
 
 
 class TopicTable:
-    """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears
-    every value read (own writes included)."""
+    """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears every
+    value read."""
 
     def __init__(self, kafka: KafkaSettings, topic: str, on_change: Callable[[str, bytes], None] | None = None):
         self.kafka, self.topic, self.on_change = kafka, topic, on_change
