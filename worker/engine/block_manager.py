@@ -41,8 +41,8 @@ class BlockManager:
         return (self.num_blocks - self.num_free_blocks) * self.block_size
 
     def num_wasted_slots(self, seqs: list[Sequence]) -> int:
-        """Slots in `seqs`' blocks that hold none of their known tokens: the empty end of each
-        last block, and blocks taken for rejected drafts. Only full blocks are shared."""
+        """Slots in `seqs`' blocks that hold none of their known tokens (last blocks' empty ends,
+        blocks taken for rejected drafts)."""
         return sum(len(s.block_table) * self.block_size - min(s.num_tokens, len(s.block_table) * self.block_size)
                    for s in seqs)
 

@@ -76,10 +76,8 @@ class TokenTexts:
 
 
 class IncrementalDetokenizer:
-    """Turns a sequence's output token ids into text deltas, one token at a time.
-
-    All deltas plus `flush()` equal decode(output_ids) cut before the first stop string; the
-    prompt is not used as decoding context."""
+    """Turns a sequence's output token ids into text deltas, one token at a time: all deltas plus
+    `flush()` equal decode(output_ids) cut before the first stop string."""
 
     def __init__(
         self,

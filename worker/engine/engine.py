@@ -35,8 +35,7 @@ ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 # A generous bound on the characters of one token.
 MAX_CHARS_PER_TOKEN = 256
 GRAMMAR_WAIT_S = 0.01
-# Steps in a row a row's token mask takes over budget before its request ends: one slow step
-# can be the machine's, three in a row are the grammar's.
+# Steps in a row over the mask budget before a request ends (one slow step may be the machine's).
 MASK_STRIKES = 3
 
 
@@ -344,7 +343,6 @@ class LLMEngine:
             self._retire(seq, reason, out)
 
     def _grammar_stop(self, seq: Sequence, token_id: int) -> str | None:
-        """`stop` once the grammar is complete."""
         if seq.grammar is None:
             return None
         if not seq.grammar.accept_token(token_id):  # the mask allowed it: a bug

@@ -1,8 +1,5 @@
 """A grammar compiler in a child process, killed when its time is up (xgrammar cannot be
-interrupted inside a thread); a crash takes down only the child.
-
-Length-prefixed msgpack frames over the child's stdin/stdout: parent -> child {"info"} once, then
-{"kind", "text"} per compile; child -> parent {"ready": true} once, then {"compiled"} or {"error"}.
+interrupted inside a thread); a crash takes down only the child. Frames: length-prefixed msgpack.
 """
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ class DecodeBuffers:
 
 
 class PaddedDecode:
-    """Decode-only steps padded to a bucket. forward(bucket) reads only the buffers and writes
-    only the logits buffer and the real rows' K/V: what a graph captures."""
+    """Decode-only steps padded to a bucket; forward(bucket) touches only the buffers and the real
+    rows' K/V: what a graph captures."""
 
     def __init__(self, model, kv_cache, attention: AttentionBackend, fused_ops: str, sizes: list[int],
                  max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):

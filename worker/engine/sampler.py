@@ -1,5 +1,5 @@
-"""Batched sampling: one call turns a step's logits into each row's next token, in HF's order;
-seeded rows hash their seed and draw index. design: docs/architecture.md#the-engine-step
+"""Batched sampling: one call turns a step's logits into each row's next token.
+design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def _top_k_top_p_threshold(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES
 ) -> torch.Tensor:
     """[n, 1] thresholds: the top_k largest, then the smallest prefix whose renormalised mass
-    reaches top_p. Starts from a few hundred candidates (a full sort is slow on CPU)."""
+    reaches top_p, from a few hundred candidates (a full sort is slow on CPU)."""
     vocab = logits.shape[1]
     device = logits.device
     num_candidates = min(vocab, max(max(top_k), num_candidates))

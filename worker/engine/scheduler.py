@@ -123,9 +123,8 @@ class Scheduler:
         return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
-        """The running background sequences that sit this step out. Seats go to the least
-        recently run, waiting ones first but only those that fit (one that cannot be admitted
-        would stall the rest)."""
+        """The running background sequences that sit this step out: seats go to the least recently
+        run, waiting ones first if they fit."""
         if seats is None:
             return set()
         free = max(0, self.max_num_seqs - len(self.running))
@@ -227,7 +226,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
         """Room and a seat for `seq`'s uncomputed prompt, preempting strictly worse running
-        sequences. A victim's blocks stay cached, so `cached` stays valid."""
+        sequences (their blocks stay cached: `cached` holds)."""
         while (len(self.running) >= self.max_num_seqs
                or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)

@@ -31,8 +31,8 @@ MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 12, 2.0
 
 @dataclass(frozen=True)
 class Calibration:
-    """The backend chosen; per candidate the estimated seconds per row of one step's linears;
-    whether it came from the cache file; the key it is valid for."""
+    """The backend chosen, each candidate's estimated seconds per row of a step's linears, whether
+    it came from the cache file, and its key."""
     backend: str
     seconds: dict[str, float] = field(default_factory=dict)
     cached: bool = False
@@ -140,8 +140,7 @@ def read_cache(path: Path) -> dict:
 
 
 def write_cache(path: Path, entry_id: str, entry: dict) -> None:
-    """Adds one entry, written to a temporary name and renamed: concurrent starts never read half
-    a file (one may lose the other's entry and measure again)."""
+    """Adds one entry, written to a temporary name and renamed: no start reads half a file."""
     data = read_cache(path)
     data[entry_id] = entry
     try:

@@ -22,8 +22,8 @@ BACKENDS = ("c", "onednn")
 
 
 def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
-    """The packed copy of a CPU fp32 `weight` [out, in] for `backend`; None where that does not
-    apply. `codes`: the C GEMM keeps 8-bit codes where they give the weight back exactly."""
+    """The packed copy of a CPU fp32 `weight` [out, in] for `backend`, or None; `codes`: 8-bit
+    codes where exact."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if backend == "c":
@@ -60,9 +60,8 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether oneDNN gives a lone row the bits it gives the same row in a batch, for this shape
-    and thread count. Probed once with random rows: kernels that add in different orders differ
-    somewhere in hundreds of outputs."""
+    """Whether oneDNN gives a lone row the bits it gives it in a batch, for this shape and thread
+    count; probed once with random rows."""
     key = (*weight.shape, torch.get_num_threads())
     if key not in _lone_row_exact:
         x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
