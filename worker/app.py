@@ -1,5 +1,5 @@
-"""The Worker: wiring only. It builds the parts, starts them in order, drains and stops them; a
-dead engine hands every job back and fails readiness. design: docs/architecture.md#data-flow
+"""The Worker: wiring only. It builds the parts, starts them in order, drains and stops them.
+design: docs/architecture.md#data-flow
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from inferline.worker.intake.share import ShareIntake
 from inferline.worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
-# Benchmark hook: join the group only once this file exists, so a scaling step is timed apart
-# from the model load.
+# Benchmark hook: join the group once this file exists (a scaling step timed apart from loading).
 _JOIN_GATE = os.environ.get("INFERLINE_FAULT_JOIN_GATE")
 
 
@@ -39,8 +38,8 @@ class WorkerFailed(RuntimeError):
 
 
 def engine_settings(settings):
-    """The settings the engine is built with: preempted sequences return to the engine's waiting
-    queue, so its max_waiting backstop gets headroom beyond the intake's bound."""
+    """The engine's settings: preempted sequences requeue in the engine, so its max_waiting gets
+    headroom beyond the intake's bound."""
     sched = settings.scheduler.model_copy(
         update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs})
     return settings.model_copy(update={"scheduler": sched})

@@ -1,5 +1,5 @@
-"""The job ledger: each request held here (a `Job` per attempt), from its record's intake to its
-committed outcome; finished ids are remembered, so a resubmission is answered, not rerun.
+"""The job ledger: each request held here (a `Job` per attempt) until its outcome is committed,
+and the ids finished here, so a resubmission is answered, not rerun.
 """
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ class OffsetTracker:
             st.ahead = decode_ledger(committed, metadata)
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
-        """An offset was taken; it blocks the watermark until finished. False when read before, or
-        final already."""
+        """An offset was taken; it blocks the watermark until finished. False if read before or
+        final."""
         st = self._parts.setdefault(tp, _PartitionState())
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
         if offset <= st.last_seen:

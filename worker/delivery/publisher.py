@@ -140,8 +140,8 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses. Failing topics and dead letters
-        (bounded by the pool already) do not count."""
+        """Too many replies wait for the broker: intake pauses (failing topics and dead letters do
+        not count)."""
         stuck = sum(self._topic_backlog[t] for t in self._failing_topics()) + self._topic_backlog[self._kafka.dlq_topic]
         return self.backlog - stuck >= self._kafka.max_pending_replies
 
@@ -181,8 +181,8 @@ class Publisher:
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
              metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int, int] | None = None,
              samples: list[Sample] | None = None, on_acked: Callable[..., None]) -> None:
-        """The attempt's last event. With `source` (partition, offset, generation) it is final and
-        committed with that offset; `on_acked(outcome, error)` says how it went."""
+        """The attempt's last event; with `source` (partition, offset, generation) a final one,
+        committed with that offset, `on_acked(outcome, error)` saying how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(

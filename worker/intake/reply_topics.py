@@ -19,8 +19,7 @@ KNOWN_FOR_S = 300.0  # meanwhile the publisher's sends notice a deleted topic
 
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
-    """Why the worker must not write to `topic` (policy only), or None. In topic tenancy only
-    under the tenant's own prefix."""
+    """Why the worker must not write to `topic` (policy only), or None."""
     if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(topic, kafka):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):

@@ -1,5 +1,5 @@
-"""Per-tenant token buckets: requests per second, and generated tokens per minute charged with
-`max_tokens` up front (else a burst of long requests gets through) and refunded at `done`.
+"""Per-tenant token buckets: requests per second, and tokens per minute charged `max_tokens` up
+front (else a burst of long requests gets through) and refunded at `done`.
 """
 from __future__ import annotations
 
