@@ -1,8 +1,5 @@
-"""The only place structlog is configured.
-
-JSON lines on stderr when it is not a terminal, a coloured console otherwise
-(`INFERLINE_LOG__FORMAT` forces either); stdlib loggers (aiokafka, aiohttp) go through the same
-renderer. Log lifecycle and anomalies with request_id/partition/offset; never a line per token.
+"""The only place structlog is configured: JSON lines on stderr, or a console on a terminal
+(`INFERLINE_LOG__FORMAT` forces either); stdlib loggers go through the same renderer.
 """
 from __future__ import annotations
 

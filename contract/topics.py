@@ -6,9 +6,8 @@ import re
 # Topic tenancy: a tenant is one topic-name segment (no '.'), so `<request topic>.<tenant>` and
 # `<reply prefix><tenant>.` cannot be ambiguous.
 TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
-# Names no tenant may take (any case), besides every word of the deployment's topic names: `dlq`
-# would own the dead-letter topic `llm.requests.dlq` and its ACLs; the others are common internal
-# topic suffixes, and `default`, the contract's tenant that claims nothing.
+# Names no tenant may take (any case), besides the words of the topic names: `dlq` would own
+# `llm.requests.dlq`; the rest are common internal suffixes and `default`, the unclaimed tenant.
 RESERVED_TENANTS = frozenset({
     "dlq", "dlt", "dead-letter", "deadletter", "dead_letter", "retry", "cancel", "cancels", "request",
     "requests", "reply", "replies", "response", "responses", "internal", "changelog", "repartition",

@@ -1,12 +1,4 @@
-"""Paged-KV attention ops, one public call each, dispatched on `backend`:
-
-    triton   kernels/triton/ (CUDA; CPU tensors under TRITON_INTERPRET=1)
-    cpu      kernels/cpu/ (the C kernel, fp32 decode on the CPU; prompt rows as decodes)
-    torch    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle)
-    auto     what kernels.backends.select_attention picks for the tensors' device and dtype
-
-Functional forms for tests and benchmarks; the model uses a backend object (kernels/attention.py).
-Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
+"""Paged-KV attention ops as functions dispatched on `backend`, for tests and benchmarks.
 No submodule is named like an exported function: importing it would replace the attribute.
 """
 

@@ -1,14 +1,5 @@
-"""Paged attention backends as objects, each owning its step metadata (`prepare`) and its K/V
-store and attention (`store_kv`, `forward`); the model calls only `meta.backend.*`.
-
-    TritonAttention   kernels/triton/ (CUDA; CPU tensors under TRITON_INTERPRET=1): decode rows to
-                      the decode kernel, prompt chunks to the prefill kernel
-    CpuAttention      kernels/cpu/ (the C kernel, fp32 on the CPU): every row, decode or prompt,
-                      attends as a decode over its own causal context, one call a step
-    TorchAttention    kernels/reference.py (plain PyTorch: the fallback and the tests' oracle),
-                      split as Triton's, with the decode index math made once a step
-
-Cache layout per layer, K and V alike: [num_blocks, block_size, num_kv_heads, head_dim].
+"""Paged attention backends as objects: `prepare` once a step, `store_kv` and `forward` once a
+layer. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 
@@ -169,8 +160,7 @@ class TritonAttention(_SplitBackend):
 
 
 class CpuAttention(AttentionBackend):
-    """The C kernel has no prefill: each prompt row attends as a decode over its causal context,
-    so a prompt's rows get the bits its decode steps will (and a recomputed sequence its tokens)."""
+    """The C kernel: every row attends as a decode over its causal context."""
     name = "cpu"
 
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> TokenMetadata:

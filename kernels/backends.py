@@ -1,15 +1,6 @@
-"""The kernels a model runs, chosen once when it loads into one frozen KernelBackends, validated
-then and logged once by the runner.
-
-    attention   triton | cpu | torch   store_kv, paged decode and prefill attention
-    linear      c | onednn | torch     the linear layers (c and onednn: CPU fp32 only)
-    fused_ops   c | triton | torch     norms, SiLU-and-mul, rope + K/V store (c: CPU fp32 only;
-                                       triton: with the Triton attention)
-
-`auto`: Triton on CUDA (the fused ops follow the attention); on a CPU in fp32 the C kernels where
-they built and suit the shape, else PyTorch. For CPU fp32 linears the rule here is replaced by
-timing each candidate at load. An explicit choice this machine cannot run raises
-BackendUnavailable saying why and what to set: the worker stops at start-up.
+"""The kernels a model runs (attention, linear, fused ops), chosen once at load into a frozen
+KernelBackends; an impossible explicit choice raises BackendUnavailable.
+design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 

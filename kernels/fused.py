@@ -1,12 +1,5 @@
-"""Fused elementwise ops of the decoder layer, under vLLM's names: rms_norm, fused_add_rms_norm,
-silu_and_mul, and the rotary embedding fused with the K/V store (rope_store_kv).
-
-Each runs one of three ways, `ops` naming which (chosen once, at load):
-
-    torch    PyTorch ops, any device and dtype: what HF computes, op by op (the reference)
-    c        fp32 CPU tensors: a C kernel, one pass over the rows (at decode sizes dispatch and
-             OpenMP fork/join cost more than arithmetic: docs/benchmarks.md)
-    triton   with the Triton attention: one launch each instead of 2-9 PyTorch kernels
+"""Fused elementwise ops of the decoder layer under vLLM's names, run as `ops` says: torch (the
+reference), c or triton. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 
@@ -116,9 +109,8 @@ def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox / HF "rotate_half" layout, x [tokens, heads, head_dim]; cos, sin [tokens, 1, head_dim].
-    With tables cos = (c, c), sin = (-s, s), x * cos + swap_halves(x) * sin makes exactly HF's
-    products and sums (negation is exact)."""
+    """Neox / HF "rotate_half" layout, x [tokens, heads, head_dim]; cos, sin [tokens, 1, head_dim]:
+    with cos = (c, c), sin = (-s, s), x * cos + swap_halves(x) * sin is exactly HF's."""
     xf = x.float()
     swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return (xf * cos).add_(swapped * sin).to(x.dtype)
@@ -128,9 +120,8 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   ops: str = "torch", store=None) -> torch.Tensor:
     """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim], store k
-    and v at slot_mapping (negative: skipped) and return the rotated q [tokens, num_heads,
-    head_dim]. The C and Triton paths rotate qkv in place and return a view; the torch path stores
-    through `store` (default: kernels.store_kv)."""
+    and v at slot_mapping (negative: skipped), return the rotated q [tokens, num_heads, head_dim]
+    (in place in qkv on the C and Triton paths)."""
     if ops == "triton":
         return _triton()[2].rope_store_kv_triton(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
                                                  slot_mapping)

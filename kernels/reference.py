@@ -1,14 +1,5 @@
-"""Plain PyTorch paged-attention ops: the fallback where neither Triton nor the C kernels run, and
-the tests' oracle.
-
-Cache layout (per layer, K and V alike):
-
-    k_cache[num_blocks, block_size, num_kv_heads, head_dim]
-    slot = block * block_size + offset       (flat index into the first two dims)
-
-Token t of a sequence lives at slot block_tables[s, t // block_size] * block_size + t % block_size.
-Unused slots may hold garbage (NaN): nothing reads them into a sum. GQA: query head h reads KV
-head h // (num_heads // num_kv_heads).
+"""Plain PyTorch paged-attention ops: the fallback and the tests' oracle. Unused cache slots may
+hold NaN: nothing reads them into a sum.
 """
 
 from __future__ import annotations
@@ -76,9 +67,8 @@ class DecodePlan:
 
 def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
                 chunk_seqs: int | None = None) -> DecodePlan:
-    """Sort by length and cut into chunks of `chunk_seqs`. Padding tokens re-read the sequence's
-    own token 0 (finite) with a -inf bias, so garbage never enters; a context_len 0 sequence reads
-    slot 0 and its output is set to 0 (`empty`)."""
+    """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the sequence's own token
+    0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`)."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
     lens = context_lens.long()
     num_seqs = lens.shape[0]

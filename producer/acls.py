@@ -1,7 +1,5 @@
-"""The Kafka ACLs of topic tenancy (docs/security.md): who may read and write which topic.
-
-`recipe()` is the rule set as data; `inferline topics acls` prints it as `kafka-acls.sh` commands
-or, with `--apply`, creates it through confluent-kafka (aiokafka has no ACL API).
+"""The Kafka ACLs of topic tenancy (docs/security.md) as data (`recipe()`), printed or applied by
+`inferline topics acls`.
 """
 from __future__ import annotations
 
@@ -24,9 +22,9 @@ class AclRule:
 
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
-    """Workers read every tenant's request and cancel topics and write replies and dead letters, in
-    transactions whose ids start with the group id; each tenant writes only its own request and
-    cancel topics, and reads and creates only topics under its own reply prefix."""
+    """Workers read tenants' request and cancel topics and write replies and dead letters (in
+    transactions named by the group id); each tenant writes its own request and cancel topics and
+    reads and creates topics under its own reply prefix."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
     rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
              AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),

@@ -1,16 +1,5 @@
-"""The ``inferline`` command: submit, cancel, topics create, tail, bench, gateway, batch.
-
-    inferline submit "Explain Kafka in one sentence"     stream the answer
-    echo "Hi" | inferline submit - --chat --json          raw events, one JSON object a line
-    inferline submit "Is Kafka a queue?" --choice yes --choice no --logprobs --json
-    inferline cancel ID
-    inferline topics create --partitions 8 --retention-ms 86400000
-    inferline tail TOPIC                                  decode and print reply events
-    inferline bench -n 64 --output-len uniform:8,256      load test through Kafka
-    inferline gateway --port 8000                         OpenAI-compatible HTTP API (docs/gateway.md)
-    inferline batch run requests.jsonl -o results.jsonl   OpenAI batch format; run again to resume (docs/batch.md)
-
-Connection settings come from the worker's ``INFERLINE_`` environment; flags override them.
+"""The ``inferline`` command: submit, cancel, topics, tail, bench, gateway and batch; connection
+settings from the worker's ``INFERLINE_`` environment, overridden by flags.
 """
 from __future__ import annotations
 

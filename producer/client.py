@@ -8,10 +8,8 @@
             print(delta, end="")
         result = await handle.result()               # text, finish_reason, usage, timing
 
-Reply topics: by default one per client (short retention, deleted on close); ``reply_topic=
-"per-request"`` makes one per request; any other string names a topic shared with others. One
-consumer task reads them and feeds each handle synchronously, so one client can keep thousands of
-requests in flight. Delivery is at least once: handles drop superseded attempts and duplicates.
+Reply topics: one per client by default, one per request with ``reply_topic="per-request"``, or a
+named shared one. Handles drop stale attempts and duplicates (delivery is at least once).
 """
 from __future__ import annotations
 
@@ -73,9 +71,9 @@ DEADLINE_GRACE_S = 30.0
 class InferenceClient:
     """Submit requests to inferline workers and follow their replies (see module docstring).
 
-    Settings come from ``settings`` (default: the worker's ``INFERLINE_`` environment); keyword
-    arguments override them. ``timeout_s`` is the client-side limit per request; None waits until
-    the worker's own deadline plus a grace period."""
+    ``settings`` default to the worker's ``INFERLINE_`` environment; keyword arguments override
+    them. ``timeout_s``: the client-side limit per request (None: the worker's deadline plus a
+    grace period)."""
 
     def __init__(
         self,
@@ -192,9 +190,8 @@ class InferenceClient:
     ) -> RequestHandle:
         """Publish one request and return its handle once the broker has it (acks=all).
 
-        ``params`` are the request's other fields; ``reply_topic`` overrides the client's;
-        ``timeout`` is the client-side limit in seconds. Raises ValidationError for a request the
-        contract forbids."""
+        ``params`` are the request's other fields; ``timeout`` is the client-side limit in seconds.
+        Raises ValidationError for a request the contract forbids."""
         assert self._producer is not None, "client not started"
         rid = request_id or uuid.uuid4().hex
         per_request = (reply_topic or self.reply_topic) == PER_REQUEST
@@ -224,13 +221,12 @@ class InferenceClient:
         return handle
 
     async def partitions_of(self, topic: str) -> list[int] | None:
-        """Partition ids of ``topic``, or None when it does not exist (or has no leaders yet)."""
+        """Partition ids of ``topic``, or None when it does not exist or lacks leaders."""
         assert self._admin is not None, "client not started"
         return await topic_partitions(self._admin, topic)
 
     def follow(self, request: Request, *, timeout: float | None = None) -> RequestHandle:
-        """A handle for a request sent before (a batch resuming), fed like any other; nothing is
-        sent. Its client-side limit starts now."""
+        """A handle for a request sent before (a batch resuming); nothing is sent."""
         handle = RequestHandle(request, self)
         handle._on_finish = self._finished
         self._handles[request.id] = handle

@@ -1,13 +1,5 @@
-"""The client's exceptions, one per error code of the contract, and the one a ``done`` stands for.
-
-    InferenceError
-    ├── RequestRejected          the worker never ran it (finish_reason ``rejected``)
-    │   ├── InvalidRequestError, PromptTooLong, RateLimited, Overloaded
-    ├── RequestTimeout           the worker's deadline passed
-    │   └── ClientTimeout        no ``done`` came in time (client side)
-    ├── RequestCancelled, WorkerError
-    ├── IncompleteStream         a gap in ``seq`` that ``done`` could not repair
-    └── ClientClosed
+"""The client's exceptions (all InferenceError), one per error code of the contract, and the one a
+final ``done`` stands for (`error_for`).
 """
 from __future__ import annotations
 

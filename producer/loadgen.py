@@ -86,8 +86,7 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
 async def run_load(
     client: InferenceClient, workload: list[dict[str, Any]], rate: float, rng: random.Random, progress: bool
 ) -> tuple[list[Sample], float, float]:
-    """Submit the workload (Poisson arrivals at ``rate``, or all at once) and wait for every
-    result; one task per request."""
+    """Submit the workload (Poisson arrivals at ``rate``, or all at once); wait for every result."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(workload), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)

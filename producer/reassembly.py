@@ -1,7 +1,5 @@
-"""One submitted request's reply events, reassembled: the RequestHandle and what it yields.
-
-Delivery is at least once and a request may run more than once (a new ``attempt``). A handle
-keeps the latest attempt, ignores duplicates by (attempt, seq) and counts gaps.
+"""One submitted request's reply events reassembled across attempts (duplicates dropped by
+(attempt, seq), gaps counted): the RequestHandle and what it yields.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ Event = StartedEvent | TokensEvent | DoneEvent
 
 
 class TextDelta(str):
-    """New text of a request. ``restart`` is True on the first delta of a new attempt: discard
-    the text shown so far."""
+    """New text; ``restart`` marks a new attempt's first delta: discard the text shown so far."""
 
     attempt: str
     restart: bool
@@ -39,9 +36,8 @@ class TextDelta(str):
 
 @dataclass
 class Result:
-    """The outcome of one request: the final attempt's text and the worker's accounting, plus the
-    client's own timings (``client_*``, seconds since submit). With n > 1, ``text`` and
-    ``token_ids`` are sample 0's and ``samples`` lists every sample."""
+    """One request's outcome: the final attempt's text and the worker's accounting, plus the
+    client's timings (``client_*``, seconds since submit); with n > 1 ``samples`` lists each."""
 
     id: str
     text: str
@@ -61,8 +57,8 @@ class Result:
 
 
 class RequestHandle:
-    """One submitted request, fed by the client's consumer task; any number of readers
-    (``events()``, ``text()``, ``result()``) may follow along, each from the start."""
+    """One submitted request, fed by the client's consumer task; any number of readers may follow
+    it, each from the start."""
 
     def __init__(self, request: Request, client: InferenceClient | None = None):
         self.request = request
@@ -114,9 +110,8 @@ class RequestHandle:
         return True
 
     def _takes_over(self, ev: Event) -> bool:
-        """Whether another attempt's event makes it the live one, whatever the arrival order: its
-        first event does, and so does a final `done` (committed); an older attempt's late
-        `requeued` or stray tokens never do."""
+        """Whether another attempt's event makes it the live one: its first event or a final `done`
+        does; an older attempt's late `requeued` or stray tokens never do."""
         if isinstance(ev, DoneEvent) and ev.finish_reason == "requeued":
             self._dead.add(ev.attempt)
             return False
@@ -191,8 +186,8 @@ class RequestHandle:
         )
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every accepted event (all attempts, in order) until the final ``done``. Raises only for
-        client-side endings; a worker's error is a ``done`` like any other."""
+        """Every accepted event (all attempts, in order) until the final ``done``; raises only
+        for client-side endings."""
         i = 0
         while True:
             while i < len(self.log):
@@ -205,8 +200,8 @@ class RequestHandle:
             raise self.failure
 
     async def text(self) -> AsyncIterator[TextDelta]:
-        """Text deltas (sample 0's) as they arrive; see TextDelta.restart. Raises the request's
-        InferenceError at the end unless it finished with ``stop`` or ``length``."""
+        """Text deltas (sample 0's) as they arrive; at the end, raises the request's InferenceError
+        unless it finished with ``stop`` or ``length``."""
         attempt = None
         streamed = False
         async for ev in self.events():
@@ -227,8 +222,8 @@ class RequestHandle:
             await self._changed.wait()
 
     async def result(self, check: bool = True) -> Result:
-        """The final Result. With ``check``, raise the InferenceError for anything but
-        ``stop``/``length``, and IncompleteStream when a gap left the text unrepairable."""
+        """The final Result; with ``check``, raises the InferenceError for anything but
+        ``stop``/``length``, or IncompleteStream for an unrepairable gap."""
         await self.wait()
         result = self.partial_result()
         if check and self.failure is not None:

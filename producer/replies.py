@@ -1,6 +1,5 @@
 """Reply topics: their names, and the client's one consumer that routes each event to its
-request's handle by id. A shared topic is read from its end (from the start when this client made
-it); a per-request topic from the start, and deleted once its request has finished.
+handle by id. Shared topics are read from their end, unless this client made them.
 """
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def per_request_topic(request_id: str, prefix: str = REPLY_TOPIC_PREFIX) -> str:
 
 class ReplyRouter:
     """Which reply topics the client's consumer reads, from where, and which handle gets each
-    event. ``handles``: the client's requests in flight, by id; ``spawn`` starts a task the client
-    awaits on close."""
+    event; ``spawn`` starts a task the client awaits on close."""
 
     def __init__(
         self,

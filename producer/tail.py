@@ -1,5 +1,4 @@
-"""``inferline tail``: decode the events on a reply topic and print them, one human line (or one
-JSON object) each; a debugging view from outside any client."""
+"""``inferline tail``: print the events on a reply topic, one human line (or JSON object) each."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,5 @@
-"""Kafka plumbing shared by the client, the CLI and the benchmarks: connection options, topic
-retention configs, and creating topics until they have leaders."""
+"""Kafka plumbing shared by the client, the CLI and the benchmarks: connection options, retention
+configs, topic creation."""
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +30,8 @@ async def create_topics(
     configs: dict[str, str] | None = None,
     wait_s: float = 10.0,
 ) -> list[str]:
-    """Create each missing (name, partitions) and wait until all have leaders (a new topic answers
-    UnknownTopicOrPartition for a moment). Returns the names created."""
+    """Create each missing (name, partitions) and wait until all have leaders; returns the names
+    created."""
     wanted = list(topics)
     new = [NewTopic(name, n, replication_factor, topic_configs=dict(configs or {})) for name, n in wanted]
     response = await admin.create_topics(new)

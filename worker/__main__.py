@@ -1,7 +1,5 @@
 """`python -m inferline.worker` / `inferline-worker`: load settings, build the engine, serve.
-
-Exit codes: 0 after a clean drain, 1 on a start-up failure (no model, no broker), 2 on a bad
-setting or a kernel backend this machine cannot run (one line naming it).
+Exit codes: 0 after a clean drain, 1 on a start-up failure, 2 on a bad setting or backend.
 """
 from __future__ import annotations
 

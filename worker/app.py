@@ -1,11 +1,5 @@
-"""The Worker: wiring. It builds the parts, starts them in order, and drains and stops them:
-
-    Intake ─► RequestTracker ─► EngineLoop thread
-    engine outputs ─► RequestTracker ─► Delivery: final, dead letter, give back
-    CancelListener ─► RequestTracker.cancel;  HttpServer: health, readiness, metrics
-
-If the engine thread dies, every job is handed back (`requeued`), readiness fails and run()
-raises. Engine outputs hop from the engine thread to the loop with call_soon_threadsafe.
+"""The Worker: wiring only. It builds the parts, starts them in order, drains and stops them.
+design: docs/architecture.md#data-flow
 """
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ from inferline.worker.intake.share import ShareIntake
 from inferline.worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
-# Benchmark hook: join the group only once this file exists, so a scaling step is timed apart
-# from the model load.
+# Benchmark hook: join the group once this file exists (a scaling step timed apart from loading).
 _JOIN_GATE = os.environ.get("INFERLINE_FAULT_JOIN_GATE")
 
 
@@ -45,8 +38,8 @@ class WorkerFailed(RuntimeError):
 
 
 def engine_settings(settings):
-    """The settings the engine is built with: preempted sequences return to the engine's waiting
-    queue, so its max_waiting backstop gets headroom beyond the intake's bound."""
+    """The engine's settings: preempted sequences requeue in the engine, so its max_waiting gets
+    headroom beyond the intake's bound."""
     sched = settings.scheduler.model_copy(
         update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs})
     return settings.model_copy(update={"scheduler": sched})
@@ -182,8 +175,7 @@ class Worker:
 
 def _loop_exception(loop, context: dict) -> None:
     """The event loop's unhandled errors, logged without a traceback: formatting one parses source,
-    and a failed future may be collected mid-parse on any thread (CPython 3.11's parser is not
-    re-entrant: a nested parse breaks every later one)."""
+    and CPython 3.11's parser is not re-entrant (a failed future may be collected mid-parse)."""
     exc = context.get("exception")
     log.warning("loop.unhandled", message=context.get("message"), error=repr(exc) if exc else None)
 

@@ -1,13 +1,5 @@
-"""The RequestTracker: every request this worker holds, from admission to its hand-over to the
-Delivery, and the engine outputs that move it along.
-
-    Intake.admit ─► Job (state "waiting") ─► EngineLoop.add_request
-    engine output started ─► `started`                        state "running"
-    engine output tokens  ─► Publisher buffers, flushes `tokens` events
-    engine output finished ─► Delivery.finish: the `done`     state "finishing", until it is final
-
-The engine request id is the attempt (a fresh uuid), not the wire id: a redelivery racing its own
-requeue is a second attempt. Everything here runs on the event loop.
+"""The RequestTracker: every request held here, from admission to its hand-over to the Delivery,
+and the engine outputs that move it; runs on the event loop (docs/architecture.md#data-flow).
 """
 from __future__ import annotations
 
@@ -121,8 +113,8 @@ class RequestTracker:
             self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
 
     async def drain(self, timeout: float) -> None:
-        """Hand back what waits, let what runs finish (bounded), then hand back the rest and wait
-        for their `requeued` acks."""
+        """Hand back what waits, let what runs finish (bounded), hand back the rest; wait for the
+        acks."""
         self.draining = True
         self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
         await self._wait_jobs(lambda: not self.jobs, timeout)

@@ -1,6 +1,5 @@
-"""Paged decode attention in C on the CPU (csrc/paged_decode_attention.c), fp32 queries over fp32
-or fp16 K/V caches, prompt rows included. Unlike PyTorch it reads the blocks in place, with no
-dense gather of every sequence's K/V.
+"""Paged decode attention in C (csrc/paged_decode_attention.c): fp32 queries over fp32 or fp16 K/V,
+the blocks read in place (design: docs/architecture.md#kernels).
 """
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ def supports_kv_half(head_dim: int) -> bool:
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
                                cu_seqlens_q=None) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; fp32 CPU q (rows may be apart), fp32 or
-    fp16 contiguous caches. With cu_seqlens_q, rows share their sequence's table row, each with its
-    own context length; the C side reads a chunk's blocks once for up to 16 rows, with the bits a
-    row gets alone."""
+    """Same contract as reference.paged_decode_attention, for fp32 CPU q (rows may be apart) and
+    fp32 or fp16 contiguous caches; with cu_seqlens_q, rows share their sequence's table row."""
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = num_rows if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1

@@ -1,10 +1,5 @@
-"""The C kernels' build: the sources in kernels/cpu/csrc/ built into one library with the system
-C compiler on first use, cached, and called through ctypes (which releases the GIL).
-
-`cc -O3 -march=native -ffp-contract=fast -fopenmp`, objects compiled in parallel, linked
-`-shared`, cached under `cache_dir()/kernels/` keyed by the sources, flags and this CPU's feature
-flags; written to a temporary name and renamed, so concurrent builds do not clash. A failed build
-is logged once and `available()` is False: `auto` then picks PyTorch, and an explicit `cpu` fails.
+"""Builds kernels/cpu/csrc/ into one cached library with the system C compiler on first use,
+called through ctypes. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 
@@ -63,8 +58,8 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def call(function: str, *args):
-    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables only
-    while a profiler runs; otherwise a lookup and the call (a few hundred a decode step)."""
+    """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables while a
+    profiler runs."""
     fn = getattr(_lib if _lib is not None else lib(), function)
     if _profiler_enabled():
         with torch.profiler.record_function("inferline::" + function):
@@ -130,7 +125,6 @@ def cpu_flags() -> str:
 
 
 def _compile(compiler: str, target: Path) -> None:
-    """Each source to an object, all at once, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

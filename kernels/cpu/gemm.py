@@ -1,10 +1,5 @@
-"""The linear layers' GEMM on the CPU, fp32 (csrc/gemm.c): y = x @ W.T + bias over a weight packed
-once, at load, into panels of `panel_width()` output columns.
-
-Each output is one FMA chain over the inputs in order, so a row's result is the same bits alone,
-in any batch and with any thread count. A weight quantized upstream (GGUF Q4_1, Q8_0, ...) may be
-kept as 8-bit codes with a scale and offset per block (`pack_codes`), only where they give back
-every fp32 weight exactly: same output bits, a third of the bytes to read.
+"""The CPU fp32 GEMM on packed weights (csrc/gemm.c): batch-invariant, optionally over exact 8-bit
+codes. design: docs/architecture.md#kernels
 """
 from __future__ import annotations
 
@@ -82,9 +77,9 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
 
 @dataclass(frozen=True)
 class CodedWeight:
-    """A weight [out, in] whose every value is scale * code + offset exactly (codes 0..255, one
-    (scale, offset) per output and input block), laid out per panel and block as the C GEMM reads
-    it: codes input-major, then scales and offsets."""
+    """A weight [out, in] that is scale * code + offset exactly (codes 0..255, a (scale, offset) per
+    output and input block), laid out as the C GEMM reads it: codes input-major, then scales and
+    offsets."""
     blocks: torch.Tensor  # uint8 [panels, in / block, block * width + 8 * width]
     out_features: int
     in_features: int
@@ -102,9 +97,8 @@ _STEPS = (("range", 15), ("abs", 127), ("range", 31), ("abs", 8), ("abs", 16))
 
 def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(codes uint8 [out, in], scale, offset [out, in / block]) with weight == scale * codes +
-    offset exactly, scales fp16 values; None where some block has no such codes. The candidate
-    steps are tried in C (csrc/codes.c): exact_codes_reference's result, without a load waiting
-    a minute on it."""
+    offset exactly, scales fp16 values; None where some block has no such codes. The search runs
+    in C (csrc/codes.c), exact_codes_reference's result in seconds."""
     out_features, in_features = weight.shape
     if in_features % block or not weight.isfinite().all():
         return None
@@ -123,8 +117,8 @@ def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
 
 
 def exact_codes_reference(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """exact_codes in PyTorch, format by format: the C search's test oracle. Scales are fp16
-    values (scale * code is exact in fp32, so any FMA contraction gives the same bits)."""
+    """exact_codes in PyTorch, format by format: the C search's test oracle (fp16 scales: scale *
+    code is exact in fp32, whatever the FMA contraction)."""
     out_features, in_features = weight.shape
     if in_features % block or not weight.isfinite().all():
         return None

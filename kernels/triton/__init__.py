@@ -1,4 +1,3 @@
-"""The Triton kernels, one per module, each with a pure plan_* function (shapes, dtype, Target ->
-LaunchPlan) and a launcher that checks its inputs and launches a plan. Nothing here is imported
-until a Triton backend is chosen: TRITON_INTERPRET must be set before triton's first import.
+"""The Triton kernels, one per module: a pure plan_* function and a launcher that checks its inputs.
+Imported only once a Triton backend is chosen. design: docs/gpu.md#the-triton-kernels
 """

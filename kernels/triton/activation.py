@@ -1,10 +1,5 @@
-"""Triton kernel: SiLU-and-mul, the MLP's activation on the fused gate_up projection.
-
-    x    [rows, 2 * INTER]   [gate | up] along the last dim (contiguous; rows may be a slice)
-    out  [rows, INTER]       silu(gate) * up
-
-Grid (rows, cdiv(INTER, BLOCK)), so a decode batch of one still spreads over the SMs. silu is
-rounded to the model's dtype before the product, as PyTorch's F.silu(gate) * up.
+"""Triton kernel: SiLU-and-mul, x [rows, 2 * INTER] = [gate | up] -> silu(gate) * up [rows, INTER].
+design: docs/gpu.md#the-triton-kernels
 """
 from __future__ import annotations
 

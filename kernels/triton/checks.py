@@ -1,8 +1,5 @@
-"""Launcher-side checks shared by the Triton kernels (host code only).
-
-Shape, dtype and stride asserts are free and always run. Index-range checks read values (a device
-sync on CUDA), so they run on CPU tensors, where a bad index kills the interpreter, and on CUDA
-only with INFERLINE_KERNEL_CHECKS=1 (=0 turns them off everywhere).
+"""Launcher-side checks shared by the Triton kernels; index ranges only on CPU tensors or with
+INFERLINE_KERNEL_CHECKS=1 (docs/gpu.md#the-triton-kernels).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
-
-Plans come from the real plan_* functions with a GPU Target, so what compiles here is what the
-launchers launch; each is compiled to PTX and assembled with the ptxas Triton runs for that arch.
-
-    python -m inferline.kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
-
-Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. Arguments
-are specialized as the JIT does (do_not_specialize exempt); pointers are assumed 16-byte aligned
-and strides contiguous. Runtime correctness, races and speed are beyond what a compile can show.
+Exits non-zero on a compile error, a spill, or too much shared memory.
+design: docs/gpu.md#make-gpu-compile
 """
 
 from __future__ import annotations

@@ -1,22 +1,5 @@
 """Triton kernels: paged decode attention, split-KV (flash-decoding) with a reduction stage.
-
-    q            [num_seqs, num_heads, head_dim]            one query token per sequence
-    k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
-    out          [num_seqs, num_heads, head_dim]
-
-Stage 1, grid (num_seqs, num_kv_heads, num_splits): a program takes the GROUP query heads sharing
-one KV head (the rows of one tile, padded to 16 for tl.dot) and one split of split_len tokens, so
-each K/V element is read once per group. Tiles of BLOCK_N tokens may span pages or be part of one.
-Online softmax in fp32, exp2 domain.
-
-    num_splits == 1: stage 1 normalizes and writes out itself (no second launch).
-    else: stage 1 writes unnormalized acc [S, H, splits, D], running max m and sum l
-          [S, H, splits] (fp32); stage 2, grid (num_seqs, num_heads), rescales and sums the
-          cdiv(context_len, split_len) valid splits.
-
-num_splits depends only on host shapes and the SM count, so the launch never syncs; per-step
-values are do_not_specialize, so there is one binary per plan, all compiled at start-up.
+design: docs/gpu.md#the-triton-kernels
 """
 
 from __future__ import annotations
@@ -34,8 +17,7 @@ LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
-# BLOCK_N * DIM_P2: the same K/V tile (16 KB in 16-bit) at every head size, free of register
-# spills on sm_80..sm_100 (`make gpu-compile` checks).
+# BLOCK_N * DIM_P2: a 16 KB K/V tile at every head size, spill-free (`make gpu-compile`).
 TILE_ELEMENTS = 8192
 
 
@@ -81,7 +63,7 @@ def _decode_stage1_kernel(
         block = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         kv_off = block * stride_cb + (tokens % BLOCK_SIZE) * stride_cs + head_off
         kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+        # Masked lanes are never read: no NaN of an unused slot enters a sum.
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:

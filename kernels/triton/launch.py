@@ -1,9 +1,5 @@
-"""What every Triton launch is made of: a Target (a GPU, or the interpreter) and a LaunchPlan
-(grid, constexprs, num_warps, num_stages) computed by a pure function in each kernel's module.
-
-The interpreter runs an H200's plans (sm_90, 132 SMs), except DOT_F32 is always on there: its
-bf16 arithmetic is wrong. Every launcher goes through `launch`, where observers (tests) see each
-launch's kernel, plan and arguments.
+"""A Triton launch: a Target (a GPU, or the interpreter running an H200's plans) and a LaunchPlan
+from a pure function; every launcher goes through `launch`.
 """
 from __future__ import annotations
 

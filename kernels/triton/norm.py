@@ -1,13 +1,5 @@
 """Triton kernel: RMSNorm, optionally fused with the residual add (vLLM's rms_norm and
-fused_add_rms_norm).
-
-    x         [rows, COLS]   (COLS contiguous; rows may be a slice of wider rows)
-    residual  [rows, COLS]   with HAS_RESIDUAL: x + residual is written back here, in place
-    weight    [COLS]
-    out       [rows, COLS]   weight * (s * rsqrt(mean(s^2) + eps)), s = x (+ residual)
-
-One program per row holds the whole row in registers (COLS up to 16k). HF's LlamaRMSNorm
-arithmetic: fp32, the sum and the normalized row rounded to the model's dtype before the weight.
+fused_add_rms_norm), with HF's LlamaRMSNorm arithmetic. design: docs/gpu.md#the-triton-kernels
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Rounding the kernels share (device code only).
-
-`rounded(x, dtype)` rounds fp32 x to `dtype`, nearest even, as a GPU's `.to` and PyTorch do. For
-bf16 it rounds in the fp32 bits, because the interpreter truncates: so interpreter and GPU give
-the same bits, testable for equality. NaN stays NaN; past bf16's largest becomes inf.
+"""Rounding the kernels share: `rounded(x, dtype)`, nearest even, done in the fp32 bits for bf16
+because the interpreter truncates. NaN stays NaN; past bf16's largest becomes inf.
 """
 from __future__ import annotations
 

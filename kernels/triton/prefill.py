@@ -1,16 +1,5 @@
 """Triton kernel: paged prefill attention (plain, chunked, or a prompt on cached context).
-
-    q             [total_query_tokens, num_heads, head_dim]
-    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables  int32 [num_seqs, max_blocks]
-    cu_seqlens_q  int32 [num_seqs + 1]; sequence i owns query rows cu[i]:cu[i+1]
-    context_lens  int32 [num_seqs]; the query rows are the last q_len of these tokens
-    out           [total_query_tokens, num_heads, head_dim]
-
-Grid (total_query_tokens // BLOCK_M + num_seqs, num_heads): sequence i's tiles start at
-cu[i] // BLOCK_M + i, so no host sync is needed; a program finds its sequence by binary search.
-Query row r sits at position ctx - q_len + r and sees keys 0..that position; key tiles past the
-tile's last row are skipped, and only diagonal tiles apply the causal mask.
+design: docs/gpu.md#the-triton-kernels
 """
 
 from __future__ import annotations
@@ -37,7 +26,7 @@ def _attend_tile(
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     kv_off = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_off
     kv_mask = key_mask[:, None] & dim_mask[None, :]
-    # Masked lanes are never read: NaN in unused slots cannot enter the sums.
+    # Masked lanes are never read: no NaN of an unused slot enters a sum.
     k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if DOT_F32:
@@ -56,8 +45,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# Values that change per step (num_seqs, table width, views at any offset) are exempt from
-# specialization: one binary per plan.
+# Per-step values are not specialized: one binary per plan.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(

@@ -1,13 +1,5 @@
-"""Triton kernel: the rotary embedding fused with the K/V store (rope_store_kv).
-
-    qkv        [num_tokens, (num_heads + 2 num_kv_heads) * head_dim]   q | k | v heads per row
-    cos, sin   [num_tokens, head_dim] rows (or [num_tokens, 1, head_dim]): cos = (c, c), sin = (-s, s)
-    slot_mapping int64 [num_tokens]; slot = block * block_size + offset; slot < 0: not stored
-    k/v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
-
-Grid (num_tokens, cdiv(num_heads + 2 num_kv_heads, HEADS_BLOCK)): a program rotates its heads
-(Neox layout, kernels/fused.rotate's products and sum), writes q back into qkv and stores k and v
-at the token's slot: one read of qkv, one write of each result.
+"""Triton kernel: the rotary embedding fused with the K/V store (rope_store_kv), one read of qkv
+and one write of each result. design: docs/gpu.md#the-triton-kernels
 """
 from __future__ import annotations
 
@@ -49,8 +41,7 @@ def _rope_store_kv_kernel(
     q_mask = mask & (heads[:, None] < NUM_HEADS)
     tl.store(first, y1, mask=q_mask)
     tl.store(first + HALF, y2, mask=q_mask)
-    # A negative slot masks every lane (a bound, not `& (slot >= 0)`: the interpreter turns bool
-    # tensor & bool scalar into int32).
+    # A negative slot masks every lane: a bound, as in store.py.
     slot = tl.load(slot_ptr + token)
     half_limit = tl.where(slot >= 0, HALF, 0)
     is_v = heads >= ROTATED

@@ -1,12 +1,4 @@
-"""Triton kernel: scatter new K/V tokens into the paged cache.
-
-    k, v      [num_tokens, num_kv_heads, head_dim]          (head_dim contiguous)
-    k_cache   [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping int64 [num_tokens]; slot = block * block_size + offset; slot < 0: skip
-
-One program per token copies its [num_kv_heads, head_dim] tile; no arithmetic, so bf16 bits pass
-the interpreter untouched.
-"""
+"""Triton kernel: scatter new K/V tokens into the paged cache (slot < 0: skipped)."""
 
 from __future__ import annotations
 

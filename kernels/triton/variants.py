@@ -1,8 +1,5 @@
-"""Which compiled binary a launch runs: a kernel's constexprs and compile options, plus how the JIT
-specializes each other argument (an int equal to 1 becomes a constant; ints divisible by 16 and
-16-byte-aligned pointers get divisibility 16), except arguments the kernel exempts. Tests use
-`variant_of` to check every served launch was compiled at start-up.
-"""
+"""Which compiled binary a launch runs: its constexprs, options and the JIT's specialization of
+every other argument."""
 from __future__ import annotations
 
 from dataclasses import dataclass

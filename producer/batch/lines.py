@@ -1,18 +1,5 @@
-"""OpenAI's batch format, line by line: input lines checked into BatchLines, the request id of
-each line, and output lines.
-
-Input (one JSON object a line)::
-
-    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}}
-
-Output (one line per input line, in the order they finish)::
-
-    {"id": "batch_req_...", "custom_id": "q1", "error": null,
-     "response": {"status_code": 200, "request_id": "<Kafka request id>", "body": {<chat.completion>}}}
-
-An error answer carries its status and OpenAI error body in `response`; a line that could not be
-sent has `response: null` and `error: {"code", "message"}` naming the line and the field.
+"""OpenAI's batch format, line by line: input lines checked into BatchLines, each line's request
+id, and output lines (formats: docs/batch.md#input and docs/batch.md#output).
 """
 from __future__ import annotations
 
@@ -31,7 +18,7 @@ from inferline.producer.gateway.openai_mapping import chat_request, completion_r
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 MAX_CUSTOM_ID = 512  # characters; a line key should not be a document
-# Batch work is a lower priority class than interactive work (docs/batch.md, "Priorities").
+# Batch work's priority class (docs/batch.md, "Priorities").
 BATCH_PRIORITY = 100
 
 
@@ -64,8 +51,7 @@ class BatchLine:
 
 
 def parse_lines(text: str, *, priority: int = BATCH_PRIORITY) -> list[BatchLine]:
-    """Every non-blank line of a batch input file, checked. Raises DuplicateCustomIds (two answers
-    would share one key)."""
+    """Every non-blank line of a batch input file, checked; raises DuplicateCustomIds."""
     lines = [parse_line(n, raw, priority=priority) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
     check_unique(lines)
     return lines
@@ -118,8 +104,8 @@ def _envelope_problem(obj: dict) -> str | None:
 
 
 def _map_body(line: BatchLine, body: dict, priority: int) -> None:
-    """The gateway's mapping and the contract's rules: a line fails exactly where the same request
-    would fail at /v1/chat/completions (raises OpenAIError naming the field)."""
+    """The gateway's mapping and the contract's rules, so a line fails where the same HTTP request
+    would (OpenAIError naming the field)."""
     mapped = (chat_request if line.chat else completion_request)(body)
     fields = dict(mapped.fields)
     # Batch work never outranks interactive work: a line may ask to be later, not sooner.

@@ -1,8 +1,5 @@
-"""`inferline batch run IN -o OUT`: a batch input file through the fleet into an output file.
-
-Resuming is running the same command again: the output file says which lines are answered, and
-``OUT.state`` holds the batch id (so request ids repeat) and the ids already sent. Answers of
-requests still running wait on the batch's reply topic. Both go once every line is answered.
+"""`inferline batch run IN -o OUT`: a batch input file through the fleet into an output file,
+resumed by running the command again (docs/batch.md#resume-and-exactly-once).
 """
 from __future__ import annotations
 
@@ -87,7 +84,7 @@ def _json(text: str) -> dict | None:
 
 
 def read_output(path: Path) -> dict[str, dict]:
-    """The output lines already written, by key. A last line cut short by a kill is cut off."""
+    """The output lines already written, by key; a last line cut short by a kill is dropped."""
     if not path.exists():
         return {}
     data = path.read_bytes()

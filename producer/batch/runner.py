@@ -1,10 +1,6 @@
-"""One batch on the fleet: find what earlier runs got back, send the rest with bounded
-concurrency, retry shed load, and hand each finished line's output to a sink.
-
-Exactly once across crashes: a line's request id derives from the batch and the line; every
-answer lands on the batch's own reply topic, read back at the start (a line answered there is
-written, not sent); a line sent earlier and unanswered is followed, not resent. A line sent twice
-anyway is written once: the first final answer wins.
+"""One batch on the fleet: collect what earlier runs got back, send the rest with bounded
+concurrency, retry shed load, hand each finished line to a sink.
+design: docs/batch.md#resume-and-exactly-once
 """
 from __future__ import annotations
 
@@ -72,8 +68,7 @@ class BatchRunner:
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self) -> Progress:
-        """Until every line has its output line. Cancelled, it stops sending; a later run over the
-        same batch collects what was sent."""
+        """Until every line has its output line; cancelled, it stops sending."""
         for line in self.lines:
             if line.error is not None:
                 self._write(line, error_line(line, "invalid_request", line.error), 0)

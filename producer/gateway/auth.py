@@ -1,5 +1,5 @@
-"""API keys -> tenants. Keys come from INFERLINE_GATEWAY__API_KEYS and the JSON file named by
-INFERLINE_GATEWAY__API_KEYS_FILE; with none configured, no key is asked for."""
+"""API keys -> tenants, from INFERLINE_GATEWAY__API_KEYS and INFERLINE_GATEWAY__API_KEYS_FILE; with
+none configured, no key is asked for."""
 from __future__ import annotations
 
 import hmac
@@ -13,8 +13,7 @@ from inferline.contract.topics import tenant_problem
 
 
 def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dict[str, str]:
-    """Every key with its tenant; a tenant name topic tenancy cannot carry (not one topic-name
-    segment, or an internal topic's name) stops start-up."""
+    """Every key with its tenant; a tenant name topic tenancy cannot carry stops start-up."""
     keys = dict(settings.api_keys)
     if settings.api_keys_file is not None:
         keys.update(json.loads(settings.api_keys_file.read_text()))

@@ -1,11 +1,5 @@
-"""OpenAI's Batch API in the gateway (`/v1/batches`, docs/batch.md): each batch's state is a
-record in a compacted topic, its input and output are files, and its lines run through the same
-BatchRunner as `inferline batch run`.
-
-One instance runs a batch, rewriting its record every HEARTBEAT_S; a record unwritten for LEASE_S
-is taken over by whichever instance claims it first and resumed from the batch's reply topic.
-Statuses: validating -> in_progress -> finalizing -> completed; failed; cancelling -> cancelled;
-expired.
+"""OpenAI's Batch API in the gateway (`/v1/batches`): each batch's state in a compacted topic, run
+by one instance at a time under a lease. design: docs/batch.md#the-batch-api-in-the-gateway
 """
 from __future__ import annotations
 
@@ -59,8 +53,7 @@ class BatchService:
         self.available = False
 
     async def start(self) -> None:
-        """Read the files and batches; where ACLs refuse their topics the Batch API stays off and
-        the rest of the gateway serves on."""
+        """Read the files and batches; if ACLs refuse their topics, only the Batch API stays off."""
         try:
             await self.files.table.start()
             await self.table.start()

@@ -1,8 +1,5 @@
-"""The gateway's Kafka side: one InferenceClient per tenant, the requests in flight, and cancels.
-
-Body tenancy: one client; the key's tenant goes into the request's `tenant` field (the gateway is
-a trusted producer). Topic tenancy: one client per tenant, on that tenant's request, cancel and
-reply topics. Each instance deletes its own reply topics when it stops.
+"""The gateway's Kafka side: one InferenceClient for all tenants (body tenancy) or one per tenant
+(topic tenancy), the requests in flight, and cancels.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The Batch API's files (`/v1/files`) in a compacted topic: chunks (`<id>/<n>`) then metadata
-(`<id>`), so a file whose metadata is there is whole. Files belong to the uploading key's tenant."""
+"""The Batch API's files (`/v1/files`) in a compacted topic: chunks (`<id>/<n>`), then the
+metadata (`<id>`) that makes a file whole. A file belongs to the uploading key's tenant."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,5 @@
-"""Reply events of every attempt -> the text an HTTP client has not been sent yet.
-
-An HTTP stream cannot take back what it sent: when another worker reruns the request (a new
-`attempt`), its text is held back until it passes what was sent; a rerun that says something else
-ends the stream with an error.
+"""Reply events of every attempt -> the text an HTTP client has not been sent yet: a rerun's text
+is held back until it passes what was sent; one that says something else ends the stream.
 """
 from __future__ import annotations
 
@@ -47,7 +44,6 @@ class TextFollower:
 
 
 def _whole_text(done: DoneEvent, index: int) -> str | None:
-    """Sample `index`'s whole text in `done`."""
     if done.samples:
         return next((s.text for s in done.samples if s.index == index), None)
     return done.text if index == 0 else None

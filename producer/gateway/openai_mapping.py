@@ -1,7 +1,5 @@
-"""OpenAI request bodies -> the contract's request fields (docs/protocol.md, "Request").
-
-Only shapes are handled here; values are checked by the contract's own validation, so a bad one
-fails by the same rule as on Kafka.
+"""OpenAI request bodies -> the contract's request fields. Only shapes are handled here: values
+fail the contract's own validation, by the same rule as on Kafka.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Running the gateway under uvicorn. On SIGTERM/SIGINT the requests in flight are cancelled
-first (their `done`s end the open streams), then uvicorn closes the connections."""
+"""Running the gateway under uvicorn; on SIGTERM/SIGINT the requests in flight are cancelled
+first (their `done`s end the open streams)."""
 from __future__ import annotations
 
 import uvicorn

@@ -1,5 +1,5 @@
-"""One OpenAI request's life: check the key and the body, publish the contract request, then
-answer with the whole text or an SSE stream, and cancel the request if the client hangs up."""
+"""One OpenAI request's life: key, body, publish, then the whole text or an SSE stream; a hang-up
+cancels the request."""
 from __future__ import annotations
 
 import asyncio

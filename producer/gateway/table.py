@@ -1,9 +1,5 @@
-"""A compacted Kafka topic read into a dict: the Batch API's files and batches survive a gateway
-restart and every replica sees them, without a database.
-
-Each instance reads the whole topic at start, then follows it; a write counts once acknowledged
-(acks=all). `get` reads up to the topic's end before it answers "not there", so what one replica
-acknowledged, every replica finds.
+"""A compacted Kafka topic read into a dict, for the Batch API's files and batches; `get` reads to
+the topic's end before it answers "not there".
 """
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ CATCH_UP_TIMEOUT_S = 10.0
 
 
 class TopicTable:
-    """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears
-    every value read (own writes included)."""
+    """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears every
+    value read."""
 
     def __init__(self, kafka: KafkaSettings, topic: str, on_change: Callable[[str, bytes], None] | None = None):
         self.kafka, self.topic, self.on_change = kafka, topic, on_change

@@ -1,12 +1,5 @@
-"""Delivery: the one place where a request's result becomes final.
-
-Every record the intake takes ends here as exactly one of:
-
-    answer        its final `done` (a run's, a rejection's, or a remembered one re-sent)
-    dead letter   the original record on the dead-letter topic, with the reason
-    give back     `requeued`: this worker lets go of it, the partition's next owner runs it
-
-Only then is its input finished (offset committed in the same transaction, or record acknowledged).
+"""Delivery: the one place a request's result becomes final (answer, dead letter or give back)
+and its input finished. design: docs/architecture.md#the-delivery-path
 """
 from __future__ import annotations
 
@@ -37,8 +30,7 @@ class Delivery:
     # -- what the intake hands over ---------------------------------------------------------------
 
     def hold(self, tp: TopicPartition, record) -> None:
-        """The intake took `record`: kept until its input is finished, to dead-letter it if its
-        answer can never be delivered."""
+        """Keep `record` until its input is finished, to dead-letter it if need be."""
         self.ledger.hold(tp, record)
 
     def dead_letter(self, record, reason: str) -> None:
@@ -71,8 +63,8 @@ class Delivery:
             self._m.rejections.labels(code).inc()
 
     def answered_before(self, tp, offset: int, req: Request) -> bool:
-        """The same request again after its final `done` (same id and content): its remembered
-        `done` is resent (the requester may have missed it) with its offset."""
+        """The same request again after its final `done`: the remembered `done` is resent with its
+        offset."""
         if not self.ledger.finished(req):
             return False
         log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
@@ -101,8 +93,7 @@ class Delivery:
             on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err))
 
     def stale(self, job: Job) -> bool:
-        """Its partition moved since admission (and it was handed back): a final from here would
-        be a second one."""
+        """Its partition moved since admission: a final from here would be a second one."""
         return job.generation != self._generation(job.tp)
 
     # -- outcomes ---------------------------------------------------------------------------------
@@ -119,8 +110,8 @@ class Delivery:
 
     def _answered(self, tp: TopicPartition, offset: int, outcome: str, topic: str, generation: int,
                   error: str | None) -> None:
-        """A `done` is final, or refused for good and dead-lettered. Fenced: another worker owns
-        the partition now."""
+        """A `done` is final, or refused for good and dead-lettered; fenced: another worker owns the
+        partition."""
         if outcome != "failed":
             self._input_done(tp, offset, outcome, generation)
             return

@@ -1,7 +1,5 @@
-"""The job ledger: every request a worker holds, from its record's intake to its committed outcome.
-
-A `Job` is one attempt. Records with unfinished offsets are *held* (to dead-letter one whose reply
-cannot be delivered); finished ids are remembered, so a resubmission is answered, not rerun.
+"""The job ledger: each request held here (a `Job` per attempt) until its outcome is committed,
+and the ids finished here, so a resubmission is answered, not rerun.
 """
 from __future__ import annotations
 

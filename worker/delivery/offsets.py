@@ -1,13 +1,6 @@
-"""Per-partition offset ledgers: what may be committed, and which later offsets are final.
-
-A request's offset is finished when its outcome is committed in the same transaction as the
-offset. Requests finish out of order, so a commit says two things:
-
-    seen:      100 101 102 103 105        (104 was a transaction marker)
-    finished:   x   x       x   x
-    commit ->  102, metadata "done above: 103 105"
-
-The next owner reads again from 102 and skips 103 and 105, whose results are committed.
+"""Per-partition offset ledgers: the committed offset (lowest unfinished) and the finished
+offsets above it, in the commit's metadata.
+design: docs/reliability.md#exactly-one-final-result-transactions
 """
 from __future__ import annotations
 
@@ -89,8 +82,8 @@ class OffsetTracker:
             st.ahead = decode_ledger(committed, metadata)
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
-        """An offset was taken; it blocks the watermark until finished. False when read before, or
-        final already."""
+        """An offset was taken; it blocks the watermark until finished. False if read before or
+        final."""
         st = self._parts.setdefault(tp, _PartitionState())
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
         if offset <= st.last_seen:

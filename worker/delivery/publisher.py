@@ -1,10 +1,5 @@
-"""Reply events through one idempotent producer; final results through transactions.
-
-Each event of an attempt gets the next `seq` when queued and one lane task per topic sends in queue
-order, so a client sees seq 0, 1, 2, ... without gaps. Tokens are coalesced every
-`flush_interval_ms`, not while a stream's last event is unacked. A final result goes to its input
-partition's transaction once its attempt's earlier events are acked. A topic whose send failed is
-*failing* for a while: its streamed events are dropped and its backlog does not pause intake.
+"""Reply events through one idempotent producer, in `seq` order per attempt, tokens coalesced;
+final results through the transactions. design: docs/architecture.md#delivery-guarantees
 """
 from __future__ import annotations
 
@@ -145,8 +140,8 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses. Failing topics and dead letters
-        (bounded by the pool already) do not count."""
+        """Too many replies wait for the broker: intake pauses (failing topics and dead letters do
+        not count)."""
         stuck = sum(self._topic_backlog[t] for t in self._failing_topics()) + self._topic_backlog[self._kafka.dlq_topic]
         return self.backlog - stuck >= self._kafka.max_pending_replies
 
@@ -186,8 +181,8 @@ class Publisher:
              total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
              metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int, int] | None = None,
              samples: list[Sample] | None = None, on_acked: Callable[..., None]) -> None:
-        """The attempt's last event. With `source` (partition, offset, generation) it is final and
-        committed with that offset; `on_acked(outcome, error)` says how it went."""
+        """The attempt's last event; with `source` (partition, offset, generation) a final one,
+        committed with that offset, `on_acked(outcome, error)` saying how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(

@@ -1,9 +1,5 @@
 """Final results committed with their input offsets, one Kafka transaction at a time per owned
-input partition (consume-transform-produce).
-
-Each partition's producer has the transactional id `<group>.<topic>.<partition>`: a new owner
-taking it aborts the old owner's open transaction and fences it. A read_committed reader sees a
-final and its offset together or not at all, so a request reruns only if its result never showed.
+input partition. design: docs/reliability.md#exactly-one-final-result-transactions
 """
 from __future__ import annotations
 
@@ -29,16 +25,15 @@ PERMANENT = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeEr
              InvalidTopicError, CorruptRecordException, UnsupportedForMessageFormatError)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
-# Wait this long for a reply topic's metadata before the transaction begins: a deleted topic then
-# costs a retry, not an open transaction holding back every read_committed reader.
+# Reply topics' metadata is awaited before a transaction begins: a deleted topic costs a retry,
+# not an open transaction holding back read_committed readers.
 METADATA_WAIT_S = 5.0
-# A transaction not committed by then is given up: the producer is replaced (its InitProducerId
-# aborts the transaction, or waits for its commit to finish).
+# A transaction not committed by then is given up and its producer replaced (InitProducerId
+# aborts it, or waits for its commit).
 TRANSACTION_WAIT_S = 30.0
 # Reply topics a producer keeps metadata for; past it, idle ones are dropped.
 MAX_PRODUCER_TOPICS = 512
-# Fault hook for tests: SIGKILL this process after the Nth transaction's records are on the broker,
-# before its commit.
+# Test hook: SIGKILL after the Nth transaction's records reach the broker, before its commit.
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
 
 
@@ -98,8 +93,8 @@ class Final:
 
 
 def listed(producer, topic: str) -> None:
-    """Put `topic` on the producer's metadata list before sending: aiokafka lists only topics its
-    cache lacks, so one cached otherwise would go out unlisted and a refresh would drop it."""
+    """Put `topic` on the producer's metadata list before sending: aiokafka lists only uncached
+    topics, and a refresh drops unlisted ones."""
     client = producer.client
     if topic not in client._topics:
         client.add_topic(topic)
@@ -119,13 +114,8 @@ class _Unresolved(RuntimeError):
 
 
 class PartitionTxn:
-    """The transactional producer of one owned input partition and its queue of finals.
-
-    A failure is charged to its cause: a refused record costs its own final (dead-lettered at once
-    if permanent), the batch's others go again. Transient causes are retried for `retry_s`. A commit
-    of unknown outcome is resolved from the group's committed offsets before any retry, and the
-    transactional id is re-taken only when the coordinator confirms this worker owns the partition.
-    """
+    """The transactional producer of one owned input partition and its queue of finals. A failure
+    is charged to its cause; the id is re-taken only on the coordinator's word."""
 
     def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
                  metadata_max_bytes: int, *, generation: int = 0, owner: Ownership | None = None,
@@ -144,8 +134,8 @@ class PartitionTxn:
         self.fenced = False
 
     async def start(self) -> None:
-        """Takes the partition's transactional id: the old owner is fenced and its open
-        transaction aborted before this returns (so the ledger can be read after)."""
+        """Takes the partition's transactional id, fencing the old owner and aborting its open
+        transaction, before the ledger is read."""
         self._producer = self._factory(self.tp)
         await self._take_id()
         self._task = asyncio.create_task(self._run(), name=f"txn-{self.tp.topic}-{self.tp.partition}")
@@ -156,8 +146,8 @@ class PartitionTxn:
         await self._producer.abort_transaction()  # empty: nothing goes to the broker
 
     async def holds_id(self) -> bool:
-        """A round trip as this producer (an offsets-only transaction): False once another producer
-        took the id, or the broker cannot say now."""
+        """A round trip as this producer (an offsets-only transaction): False once another took the
+        id, or without an answer."""
         async with self._busy:
             ledger = self._tracker.ledger(self.tp)
             if self.fenced or self._producer is None or ledger is None:
@@ -215,8 +205,8 @@ class PartitionTxn:
                 self._committing = []
 
     async def _next_batch(self) -> list[Final]:
-        """What the next transaction carries. A partition begins at most one per `interval_s`: a
-        transaction costs the broker the same for one final as for a hundred."""
+        """What the next transaction carries, at most one per `interval_s`: a transaction costs the
+        broker the same for one final as for a hundred."""
         await asyncio.sleep(max(0.0, self._last_begin + self._interval - time.monotonic()))
         batch = self._take()
         if batch:
@@ -314,8 +304,8 @@ class PartitionTxn:
         self._wake.set()
 
     async def _resolve(self, batch: list[Final], ledger, exc: BaseException) -> None:
-        """A sent commit may have happened: once the producer is replaced (its InitProducerId
-        waits for that transaction), the group's committed offsets say. No retry until then."""
+        """A sent commit may have happened: the replaced producer's InitProducerId waits for it,
+        then the group's committed offsets say. No retry until then."""
         sent = self._commit_sent
         await self._reopen(exc)
         if self.fenced or not sent or ledger is None:
@@ -366,9 +356,9 @@ class PartitionTxn:
     # -- failures -----------------------------------------------------------------------------------
 
     async def _reopen(self, exc: BaseException) -> None:
-        """Replace the producer after a failed transaction: aiokafka does not reset its sequence
-        numbers after a refused batch, so the next send would retry forever. The new producer's
-        InitProducerId fences whoever holds the id: only a confirmed owner may do that."""
+        """Replace the producer after a failed transaction (after a refused batch aiokafka's
+        sequence numbers make the next send retry forever); its InitProducerId fences the id's
+        holder, so only a confirmed owner may."""
         self._m.transactions.labels("aborted").inc()
         log.warning("txn.aborted", partition=self.tp.partition, error=repr(exc))
         old, self._producer = self._producer, None
@@ -438,8 +428,7 @@ class PartitionTxn:
             asyncio.get_running_loop().call_later(delay, self._wake.set)
 
     def _prune_metadata(self) -> None:
-        # aiokafka refreshes metadata for every topic it ever sent to; with a reply topic per
-        # client that grows without end. Between transactions nothing is in flight.
+        # aiokafka refreshes metadata for every topic it ever sent to: prune between transactions.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
             client.set_topics(set().union(*(f.topics for f in self._queue)) or {self.tp.topic})
@@ -457,8 +446,8 @@ async def _sent(producer, topic, value, key, partition, headers) -> asyncio.Futu
 
 
 def _read_failures(producer) -> None:
-    """Mark the failed futures a replaced aiokafka producer keeps inside as read: unread, each would
-    log "Future exception was never retrieved" when collected."""
+    """Mark a replaced producer's failed futures read, or each logs "Future exception was never
+    retrieved"."""
     tm, sender, acc = (getattr(producer, a, None) for a in ("_txn_manager", "_sender", "_message_accumulator"))
     futures = [getattr(tm, a, None) for a in ("_transaction_waiter", "_pid_waiter", "_task_waiter")]
     futures.append(getattr(sender, "sender_task", None))
@@ -491,7 +480,7 @@ async def _fault_point() -> None:
 
 
 async def after_commit() -> None:
-    """Test hook: runs once a commit returned; a test makes it raise, as a lost answer would."""
+    """Test hook run after each commit; a test makes it raise, as a lost answer would."""
 
 
 class Transactions:

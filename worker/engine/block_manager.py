@@ -1,14 +1,5 @@
-"""The paged KV block pool.
-
-KV memory is `num_blocks` blocks of `block_size` slots; token i of a sequence lives in slot
-`block_table[i // block_size] * block_size + i % block_size`. Nothing else owns KV memory.
-
-With prefix caching a full computed block can be in several block tables (reference counts). A
-free block may still hold cached K/V until handed out; the least recently freed goes first.
-
-Placement: the decode kernel reads a sequence's blocks faster when they sit side by side, so its
-next block is the one right after its last when free (and not a cached prefix), and the few free
-blocks after a block taken from the front wait at the back for the same sequence.
+"""The paged KV block pool: block tables, reference counts for shared prefix blocks, placement.
+design: docs/architecture.md#kv-cache
 """
 from __future__ import annotations
 
@@ -50,8 +41,8 @@ class BlockManager:
         return (self.num_blocks - self.num_free_blocks) * self.block_size
 
     def num_wasted_slots(self, seqs: list[Sequence]) -> int:
-        """Slots in `seqs`' blocks that hold none of their known tokens: the empty end of each
-        last block, and blocks taken for rejected drafts. Only full blocks are shared."""
+        """Slots in `seqs`' blocks that hold none of their known tokens (last blocks' empty ends,
+        blocks taken for rejected drafts)."""
         return sum(len(s.block_table) * self.block_size - min(s.num_tokens, len(s.block_table) * self.block_size)
                    for s in seqs)
 

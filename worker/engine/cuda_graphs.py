@@ -1,12 +1,5 @@
-"""One CUDA graph per decode bucket, captured at start-up and replayed for every decode-only step.
-
-A decode step launches hundreds of kernels, each with microseconds of host work, while a small
-batch reads the weights in milliseconds: the GPU idles between launches. A replay is one launch.
-
-PaddedDecode.forward is captured after the warm-up compiled every Triton binary, largest bucket
-first, all in one memory pool (vLLM's order). An eager forward before each capture keeps
-first-call set-up (cuBLAS workspaces, allocator blocks) out of the graph; every row is padding.
-The CPU tests pass a fake `capture`.
+"""One CUDA graph per decode bucket, captured at start-up and replayed for every decode-only step
+(design: docs/architecture.md#the-engine-step). The CPU tests pass a fake `capture`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Incremental detokenization with stop strings.
-
-Two hold-backs sit between token ids and emitted text: a token ending mid-character (decode
-ends in U+FFFD) waits for the rest of it, and text that could still start a stop string waits
-until it cannot. A sliding window (vLLM's prefix_offset / read_offset) makes a token O(1).
-"""
+"""Incremental detokenization with stop strings (design: docs/architecture.md#the-engine-step)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -81,10 +76,8 @@ class TokenTexts:
 
 
 class IncrementalDetokenizer:
-    """Turns a sequence's output token ids into text deltas, one token at a time.
-
-    All deltas plus `flush()` equal decode(output_ids) cut before the first stop string; the
-    prompt is not used as decoding context."""
+    """Turns a sequence's output token ids into text deltas, one token at a time: all deltas plus
+    `flush()` equal decode(output_ids) cut before the first stop string."""
 
     def __init__(
         self,

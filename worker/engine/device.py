@@ -1,7 +1,5 @@
-"""Where the runner's tensors live, and in what types.
-
-Each GPU-versus-CPU choice is a pure function of plain values, so its CUDA arm runs in the CPU
-tests; what only a GPU can answer is a thin call beside it (docs/gpu.md lists them).
+"""Where the runner's tensors live and in what types: each GPU-or-CPU choice is a pure function
+of plain values, tested on the CPU (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The K/V cache's element type: the model's own, or fp16 for an fp32 model on the CPU (the C
-    kernels widen it as they read)."""
+    """The K/V cache's element type: the model's, or fp16 for an fp32 model on the CPU."""
     if name == "auto" or getattr(torch, name) == model_dtype:
         return model_dtype
     if device.type != "cpu" or model_dtype != torch.float32:
@@ -45,9 +42,8 @@ def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> 
 
 
 def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
-    """settings.model.cuda_graphs resolved: `capture`, `eager` (padded decode steps, op by op) or
-    `off`. Capture needs CUDA and the Triton attention; an explicit `on` that cannot capture raises
-    BackendUnavailable."""
+    """settings.model.cuda_graphs resolved: `capture`, `eager` or `off`; an explicit `on` without
+    CUDA and the Triton attention raises BackendUnavailable."""
 
     if name == "off" or name == "eager":
         return name
@@ -66,9 +62,8 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
 
 def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilization: float,
                     free_bytes: int | None) -> float:
-    """Bytes the KV cache may take. CUDA: `gpu_memory_utilization` of the memory free after the
-    model loaded (not vLLM's share of total memory: no profiling run, and a shared device gives
-    only what is free). Elsewhere: `kv_memory_gb` (10^9 bytes)."""
+    """Bytes the KV cache may take: on CUDA `gpu_memory_utilization` of the memory free after the
+    model loaded (docs/gpu.md), elsewhere `kv_memory_gb` (10^9 bytes)."""
     if device_type == "cuda":
         assert free_bytes is not None, "the CUDA budget is a share of the free device memory"
         return free_bytes * gpu_memory_utilization
@@ -77,8 +72,7 @@ def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilizatio
 
 def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | None, kv_memory_gb: float,
                   gpu_memory_utilization: float, free_bytes: int | None) -> int:
-    """settings.cache.num_blocks when set, else as many whole blocks as the budget holds, at least
-    one (the scheduler then rejects what cannot fit, with a reason)."""
+    """settings.cache.num_blocks when set, else the whole blocks the budget holds; at least one."""
     assert bytes_per_block > 0 and 0 < gpu_memory_utilization <= 1
     if num_blocks:
         return num_blocks
@@ -104,9 +98,9 @@ def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 
 
 def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in its own anonymous mapping, advised onto 2 MB pages: decode attention
-    reads blocks scattered over the cache, and on 4 KB pages each is several TLB misses. Every page
-    is written now, so a host short of memory fails at start-up and no step pays a first touch."""
+    """A zeroed CPU tensor in its own mapping advised onto 2 MB pages (decode attention reads
+    blocks scattered over the cache: TLB misses), every page written now so a host short of memory
+    fails at start-up (docs/operations.md#process-memory-on-the-cpu)."""
     # Private: with MAP_SHARED (shmem) THP follows another setting.
     buf = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -1,8 +1,5 @@
-"""The engine: add_request, abort, step; and the thread that runs it.
-
-A step: the Scheduler decides, the ModelRunner computes, `_update` appends tokens and retires
-finished sequences. EngineLoop runs the single-threaded engine in its own thread and talks to
-asyncio through an inbox of commands and the `on_outputs` callback.
+"""The engine (add_request, abort, step) and EngineLoop, the thread that runs it and talks to
+asyncio through an inbox and `on_outputs`. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
 # A generous bound on the characters of one token.
 MAX_CHARS_PER_TOKEN = 256
 GRAMMAR_WAIT_S = 0.01
-# Steps in a row a row's token mask takes over budget before its request ends: one slow step
-# can be the machine's, three in a row are the grammar's.
+# Steps in a row over the mask budget before a request ends (one slow step may be the machine's).
 MASK_STRIKES = 3
 
 
@@ -347,7 +343,6 @@ class LLMEngine:
             self._retire(seq, reason, out)
 
     def _grammar_stop(self, seq: Sequence, token_id: int) -> str | None:
-        """`stop` once the grammar is complete."""
         if seq.grammar is None:
             return None
         if not seq.grammar.accept_token(token_id):  # the mask allowed it: a bug
@@ -464,10 +459,8 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
 
 class EngineLoop:
     """Runs an LLMEngine in its own thread. `add_request` and `abort` are thread-safe and never
-    block; `on_outputs(outputs, stats)` is called from the engine thread after every step.
-
-    Given a builder, the model loads on the loop's thread (`wait_ready()` returns it): each thread
-    that runs OpenMP work keeps its own pool, and too many pools make every parallel region slow."""
+    block; `on_outputs(outputs, stats)` is called from the engine thread after every step. Given
+    a builder, the model loads on this thread (docs/operations.md#process-memory-on-the-cpu)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],

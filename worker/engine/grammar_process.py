@@ -1,12 +1,5 @@
-"""A grammar compiler in a child process, so that a compile can be stopped.
-
-xgrammar cannot be interrupted inside a thread, and a hostile grammar can hold a core for
-minutes; a child process is killed when its budget is over, and a crash takes down only it.
-
-Length-prefixed msgpack frames over the child's stdin/stdout:
-parent -> child: {"info": TokenizerInfo JSON} once, then {"kind", "text"} per compile;
-child -> parent: {"ready": true} once, then {"compiled": CompiledGrammar JSON} or {"error": message}.
-The child exits when its stdin closes and ignores the terminal's Ctrl-C (its own session).
+"""A grammar compiler in a child process, killed when its time is up (xgrammar cannot be
+interrupted inside a thread); a crash takes down only the child. Frames: length-prefixed msgpack.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Turns a SchedulerOutput into one forward pass and sampled tokens.
-
-The runner computes and never decides policy: it flattens the chunks into one batch (decodes
-first), lets the attention backend prepare its metadata, runs the model, computes logits only for
-the rows that sample, and samples. A decode-only step may instead run padded on static buffers,
-replayed as a CUDA graph.
+"""Turns a SchedulerOutput into one forward pass and sampled tokens; computes, never decides
+policy. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -99,7 +95,6 @@ class ModelRunner:
                             self.config.vocab_size, self.dtype, self.device)
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
-        """The kernels; kernels.backends raises BackendUnavailable for an impossible setting."""
         block_size, num_kv_heads, head_dim = self._kv_shape()
         shape = ModelShape(head_dim, self.config.num_attention_heads, num_kv_heads, block_size)
         m = settings.model
@@ -114,8 +109,8 @@ class ModelRunner:
         return choose_linear_backend(self.model, candidates, codes)
 
     def claim(self) -> object:
-        """Make the caller the KV cache's only user; returns its token for run(). A newer engine
-        takes it over, and the older one's run() fails instead of reading overwritten K/V."""
+        """Make the caller the KV cache's only user and return its token for run(); an older
+        engine's run() then fails instead of reading overwritten K/V."""
         self.owner = object()
         return self.owner
 

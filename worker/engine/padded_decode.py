@@ -1,18 +1,5 @@
-"""Decode-only steps on static buffers, the batch padded to a bucket: the step a CUDA graph
-captures, and on any device the same step run op by op.
-
-A graph replays fixed kernels on fixed addresses, so each input lives in one persistent tensor
-sized for the largest bucket:
-
-    tokens        int64 [3, max_rows]          input ids, positions, slot mapping (one copy a step)
-    context_lens  int32 [max_rows]
-    cu_seqlens_q  int32 [max_rows + 1]         0, 1, 2, ...: one query row per sequence, never written
-    block_tables  int32 [max_rows, max_blocks] a step writes its rows' first `widest` columns
-    logits        [max_rows, vocab]            the output the sampler reads
-
-n sequences run as the smallest bucket b >= n. Padding rows have slot -1 (no K/V written) and
-context length 0 (attention reads nothing); stale table entries are never read, as context lengths
-bound every read.
+"""Decode-only steps on static buffers, the batch padded to a bucket (padding rows: slot -1,
+context 0): the step a CUDA graph captures. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -38,7 +25,8 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 class DecodeBuffers:
-    """The padded step's persistent tensors (the layout above)."""
+    """The padded step's persistent tensors, sized for the largest bucket: tokens int64 [3, rows]
+    (ids, positions, slots), context_lens, cu_seqlens_q (never written), block_tables, logits."""
 
     def __init__(self, max_rows: int, max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -62,8 +50,8 @@ class DecodeBuffers:
 
 
 class PaddedDecode:
-    """Decode-only steps padded to a bucket. forward(bucket) reads only the buffers and writes
-    only the logits buffer and the real rows' K/V: what a graph captures."""
+    """Decode-only steps padded to a bucket; forward(bucket) touches only the buffers and the real
+    rows' K/V: what a graph captures."""
 
     def __init__(self, model, kv_cache, attention: AttentionBackend, fused_ops: str, sizes: list[int],
                  max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):

@@ -1,14 +1,5 @@
-"""Automatic prefix caching: full KV blocks found again by what they hold.
-
-A block's key is chained over the whole prefix it ends, because a token's K/V depend on every
-token before it:
-
-    key_i = sha256(key_{i-1} || token ids of block i)
-
-An admitted sequence starts after its longest run of hits, always leaving its last token to
-compute. A block enters the cache only once its K/V are written, and stays findable after it is
-freed until handed out again. sha256, not hash(): hash() of ints is predictable, and a crafted
-collision would read another tenant's K/V (CVE-2025-25183).
+"""Automatic prefix caching: a full KV block found again by a sha256 key chained over every token
+up to its end. design: docs/architecture.md#kv-cache
 """
 from __future__ import annotations
 

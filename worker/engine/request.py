@@ -50,8 +50,8 @@ class SamplingParams:
 
 @dataclass
 class EngineRequest:
-    """One request for the engine; exactly one of prompt / messages / prompt_token_ids is set.
-    The engine thread tokenizes, keeping CPU work off the asyncio loop."""
+    """One request for the engine: exactly one of prompt / messages / prompt_token_ids; the
+    engine thread tokenizes."""
 
     request_id: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -76,9 +76,8 @@ class SampleResult:
 
 @dataclass
 class RequestOutput:
-    """What one engine step did to one request. `started` marks the step that first scheduled
-    it; `finished` is True exactly once. With n > 1 there is one output per sample that moved
-    (`index`); the final one lists every sample and counts their tokens together."""
+    """What one engine step did to one request: `started` on its first step, `finished` exactly
+    once. With n > 1, one output per sample that moved; the final one lists every sample."""
 
     request_id: str
     index: int = 0

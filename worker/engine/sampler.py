@@ -1,9 +1,5 @@
-"""Batched sampling: one call turns a step's logits into one next token per sequence.
-
-Per row (HF `generate` order): penalties -> grammar mask -> temperature -> top-k -> top-p ->
-min-p -> draw. Logprobs are log_softmax after penalties and mask, before temperature (as vLLM).
-Each stage runs on the sub-batch that needs it. A seeded row's random number is a hash of its
-seed and draw index, so its tokens do not depend on which requests share the batch.
+"""Batched sampling: one call turns a step's logits into each row's next token.
+design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -282,7 +278,7 @@ def _top_k_top_p_threshold(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES
 ) -> torch.Tensor:
     """[n, 1] thresholds: the top_k largest, then the smallest prefix whose renormalised mass
-    reaches top_p. Starts from a few hundred candidates (a full sort is slow on CPU)."""
+    reaches top_p, from a few hundred candidates (a full sort is slow on CPU)."""
     vocab = logits.shape[1]
     device = logits.device
     num_candidates = min(vocab, max(max(top_k), num_candidates))

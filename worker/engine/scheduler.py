@@ -1,17 +1,5 @@
-"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
-
-Decodes and prefill chunks share one token budget (chunked prefill); order is (priority, arrival).
-- a waiting sequence is admitted only when its whole uncomputed prompt fits; cached prefix
-  blocks are shared, not computed;
-- a running sequence short of a block preempts (by recompute) the worst running one, maybe itself;
-- a waiting sequence may preempt running ones of strictly worse priority;
-- a waiting fork (n > 1) drops its prompt's shared blocks when nothing runs and the queue's head
-  cannot be admitted without them;
-- speculative drafts use only leftover budget and KV slots and never preempt.
-
-Background work (BackgroundLimit) runs in turns beside foreground work, at most `max_tokens` a
-step and none in a step with a foreground prompt: on a CPU a step's length grows with its tokens.
-The scheduler decides and never touches tensors.
+"""Iteration-level scheduling: which sequences run this step and how many tokens each; decides,
+never touches tensors. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -56,7 +44,7 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class BackgroundLimit:
-    """Sequences of `priority` or worse are background work (see the module docstring)."""
+    """Sequences of `priority` or worse are background work (docs/batch.md, "Priorities")."""
 
     priority: int
     max_tokens: int
@@ -135,9 +123,8 @@ class Scheduler:
         return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
-        """The running background sequences that sit this step out. Seats go to the least
-        recently run, waiting ones first but only those that fit (one that cannot be admitted
-        would stall the rest)."""
+        """The running background sequences that sit this step out: seats go to the least recently
+        run, waiting ones first if they fit."""
         if seats is None:
             return set()
         free = max(0, self.max_num_seqs - len(self.running))
@@ -239,7 +226,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
         """Room and a seat for `seq`'s uncomputed prompt, preempting strictly worse running
-        sequences. A victim's blocks stay cached, so `cached` stays valid."""
+        sequences (their blocks stay cached: `cached` holds)."""
         while (len(self.running) >= self.max_num_seqs
                or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)

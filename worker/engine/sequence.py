@@ -1,9 +1,5 @@
-"""A request's state inside the engine: token ids, counters, block table, status.
-
-A sequence has `num_tokens` known tokens, of which `num_computed_tokens` have K/V in the cache;
-a step computes the next chunk of the gap and samples when it closes. Prefill, chunked prefill,
-decode and recompute after preemption are the same rule.
-"""
+"""A request's state inside the engine: token ids, counters, block table, status (counters, not
+phases: docs/architecture.md#the-engine-step)."""
 from __future__ import annotations
 
 import enum

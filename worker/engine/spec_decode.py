@@ -1,9 +1,5 @@
-"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`).
-
-A decode step of few sequences is bound by reading the weights, so verifying several tokens costs
-about what computing one does. A greedy sequence's last tokens are looked up earlier in its own
-text, and what followed them there is drafted; drafts are accepted while they equal the step's
-argmaxes, and the first row that disagrees gives its own. Output is exactly greedy decoding's.
+"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`): output is exactly
+greedy decoding's. design: docs/operations.md#speculative-decoding
 """
 from __future__ import annotations
 

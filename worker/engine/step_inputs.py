@@ -1,10 +1,5 @@
-"""A step's inputs from the scheduler's chunks: token ids, positions, slots, context lengths,
-cu_seqlens and block tables, with little Python per step.
-
-Each scheduled sequence owns a row of one persistent int32 block table, rewritten only when it
-gets a new list (preemption, fork). Host tensors are new each step except that table, so a
-non_blocking copy never races the next step's writes.
-"""
+"""A step's inputs from the scheduler's chunks (token ids, positions, slots, context lengths,
+cu_seqlens, block tables), with little Python per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass

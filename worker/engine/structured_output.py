@@ -1,11 +1,5 @@
-"""Structured outputs (constrained decoding) with xgrammar: grammars, matchers, token bitmasks.
-
-A request with a grammar (JSON schema, any JSON object, regex, choice of strings, EBNF) samples
-only tokens that keep its output a prefix of the grammar's language.
-- `GrammarCompiler` compiles off the engine thread, tenants in turn, with a byte-bounded cache;
-- each running sequence holds an xgrammar `GrammarMatcher`, advanced by every accepted token;
-- `TokenBitmask` fills the allowed-token bits of every constrained row in one xgrammar call.
-xgrammar over llguidance: its batch bitmask is several times cheaper (docs/benchmarks.md).
+"""Structured outputs with xgrammar: grammars compiled off the engine thread, a matcher per
+constrained sequence, one token bitmask per batch. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -37,13 +31,9 @@ JSON_SEPARATORS = (",", ":")
 
 
 class GrammarCompiler:
-    """Compiles `StructuredSpec`s off the calling thread. `compile` returns a Future of an
-    xgrammar CompiledGrammar, or of a ValueError saying why the grammar is invalid; futures are
-    cached by (kind, text), failures included, up to `cache_bytes` (LRU). Jobs are taken from each
-    tenant in turn; a tenant runs at most `threads - 1` at once, so another always finds a thread.
-
-    With `processes`, each thread compiles in a child process, because xgrammar cannot be
-    interrupted inside a thread: `give_up` kills it. The threads hold the compiler weakly."""
+    """Compiles `StructuredSpec`s off the calling thread: `compile` returns a Future of a compiled
+    grammar or a ValueError; futures are cached by (kind, text) up to `cache_bytes` (LRU), and a
+    tenant runs at most `threads - 1` jobs at once."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
                  cache_bytes: int = CACHE_BYTES, processes: bool = True):
@@ -89,7 +79,7 @@ class GrammarCompiler:
 
     def give_up(self, future: Future, reason: str) -> None:
         """`future`'s compile took too long: dropped if not started, else its process is killed
-        and the failure cached like any other. In-thread compiles cannot be stopped."""
+        (an in-thread compile cannot be stopped)."""
         with self._lock:
             if future.cancel() or future not in self._processes:
                 return
@@ -143,8 +133,8 @@ class GrammarCompiler:
             process.close()
 
     def _run(self, key, spec: StructuredSpec, future: Future, process: CompilerProcess | None):
-        """Compiles one job; returns the process to use next. A dead process is replaced and the
-        job retried once before the grammar is blamed."""
+        """Compiles one job and returns the process to use next; a dead process is replaced and the
+        job retried once."""
         for attempt in range(2):
             try:
                 compiled = self._compile(spec, future, process)
@@ -217,8 +207,8 @@ class GrammarCompiler:
 
 
 def _work(ref: weakref.ref, lock: threading.Condition) -> None:
-    """A compile thread. It holds the compiler only while it picks or runs a job, so a dropped
-    engine ends its threads."""
+    """A compile thread; it holds the compiler only while picking or running a job, so a dropped
+    engine ends it."""
     compiler = ref()
     process = compiler._start_process() if compiler is not None else None
     del compiler
@@ -315,8 +305,8 @@ class TokenBitmask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Sets to -inf (in place) the logits the bitmask [n, words] forbids, including ids past
-    32 * words (padded vocabulary). Returns `logits`."""
+    """Sets to -inf in place the logits the bitmask [n, words] forbids, ids past 32 * words
+    included; returns `logits`."""
     num_rows, vocab = logits.shape
     assert bitmask.shape[0] == num_rows and bitmask.dtype == torch.int32, (bitmask.shape, bitmask.dtype)
     # One AND with every bit's value and one compare per id: fewer passes than shifts.

@@ -1,14 +1,5 @@
-"""Start-up compiles: before the worker reports ready, every Triton kernel binary the loaded
-model can launch is compiled (or loaded from Triton's cache), so no request pays a compile.
-
-    decode     one binary per plan: one split (stage 1 writes the output: DIRECT) or several
-               (stage 2 reduces them: one binary per SPLITS_P2)
-    the rest   one binary each: prefill, rotary with the K/V store, RMSNorm alone and with the
-               residual add, SiLU-and-mul
-
-Values that change step to step are do_not_specialize in the kernels, so they add no binaries.
-Warm-up runs one prompt step and one decode step per plan on dummy inputs: every slot -1 (no K/V
-written), every block table 0.
+"""Start-up compiles: every Triton binary the loaded model can launch, compiled before the worker
+is ready. design: docs/architecture.md#the-engine-step
 """
 from __future__ import annotations
 
@@ -40,8 +31,7 @@ class WarmupReport:
 
 def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_num_seqs: int,
                   target: Target) -> list[DecodeShape]:
-    """One batch shape per distinct decode plan, the smallest found: num_splits depends on the
-    batch only through choose_splits' wish, which takes few values, and on the widest table."""
+    """One batch shape per distinct decode plan, the smallest found (few split counts exist)."""
     block_n = max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
     wishes = {}  # choose_splits' wish -> the fewest sequences that make it
     for num_seqs in range(1, max_num_seqs + 1):
@@ -78,7 +68,6 @@ def warm_up(runner, max_num_seqs: int) -> WarmupReport:
 
 
 def _forward(runner, new_tokens: list[int], num_decodes: int, width: int) -> None:
-    """One forward over dummy sequences whose tables are `width` blocks wide."""
     dev, i32 = runner.device, torch.int32
     num_tokens, num_seqs = sum(new_tokens), len(new_tokens)
     lens = torch.tensor(new_tokens, dtype=i32, device=dev)

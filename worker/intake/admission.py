@@ -1,5 +1,5 @@
 """Admission: a wire request becoming an engine request, with its capped token budget and
-deadline, computed once by the intake."""
+deadline."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,5 @@
-"""Cancels: every worker reads the whole cancel topic, without a group, and aborts what it runs.
-
-At start-up each partition is read from `cancel_lookback_s` ago before intake starts, and ids are
-remembered, so a cancel sent early or one that overtakes its request still wins.
+"""Cancels: every worker reads the whole cancel topic, without a group, from `cancel_lookback_s`
+ago at start-up (docs/architecture.md#delivery-guarantees).
 """
 from __future__ import annotations
 
@@ -71,8 +69,8 @@ class CancelListener:
         return [t for t in cluster.topics() if tenant_of(t, k.cancel_topic)]
 
     async def _assign_all(self, at_start: bool = False) -> None:
-        """(Re)assign all partitions: from their end at start-up; a partition found later holds only
-        cancels sent since, so from its beginning."""
+        """(Re)assign all partitions: from their end at start-up, from the beginning for one found
+        later."""
         # consumer.topics() drops its fresh metadata: read partitions from the fetched cluster.
         cluster = await self._consumer._client.fetch_all_metadata()
         topics = self._cancel_topics(cluster)

@@ -1,10 +1,6 @@
-"""Intake: the consumer group on the request topic (docs/architecture.md, "Delivery guarantees").
-
-The fetch loop takes only what the waiting pool has room for; with none it pauses every partition
-but keeps calling `getmany`, since aiokafka measures `max_poll_interval_ms` from the last one. Each
-record becomes one of: dead letter, rejection, admission. Offsets commit only inside the
-transactions that carry final results. aiokafka's rebalances are eager; `rebalance = "hold"`
-keeps running requests through a revocation and requeues only those of partitions that moved.
+"""Intake: the consumer group on the request topic. Each record becomes a dead letter, a rejection
+or an admission; with no room every partition pauses, but `getmany` goes on (aiokafka measures
+max_poll_interval_ms from it). design: docs/operations.md#scaling-partitions-and-consumer-groups
 """
 from __future__ import annotations
 
@@ -116,8 +112,8 @@ class Intake:
         return self._generation
 
     def epoch(self, tp: TopicPartition) -> int:
-        """The generation `tp` was taken over in, kept while it stays here; work taken under another
-        belongs to no partition here."""
+        """The generation `tp` was taken over in; work taken under another belongs to no partition
+        here."""
         return self._epochs.get(tp, self._generation)
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
@@ -172,8 +168,7 @@ class Intake:
                        asyncio.create_task(self.lag.run(), name="intake-lag")]
 
     async def close(self) -> None:
-        """Leave the group (stop() does not call on_partitions_revoked); offsets are committed
-        with their finals, so nothing is left to commit."""
+        """Leave the group; offsets commit with their finals, so nothing is left to commit."""
         for task in [*self._tasks, *self._verifying]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
@@ -253,8 +248,8 @@ class Intake:
         task.add_done_callback(done)
 
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One look at the broker's topic list for the batch's unknown reply topics, shared with
-        other lookups; a few tries before dead-lettering as unanswerable."""
+        """One shared look at the broker's topic list for the batch's unknown reply topics; a few
+        tries, then dead letters."""
         listed = False
         for attempt in range(LIST_TOPICS_TRIES):
             try:
@@ -322,8 +317,8 @@ class Intake:
         return req.model_copy(update={"tenant": tenant, "priority": priority})
 
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
-        """A valid request, an invalid one (rejected once its reply topic is known good), or None
-        when it was dead-lettered."""
+        """A valid request, an invalid one (rejected once its reply topic is known good), or None if
+        dead-lettered."""
         if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self.epoch(tp)):
             return None  # untracked: read again by the next owner or after the seek
         if not self._tracker.add(tp, record.offset):
@@ -366,8 +361,8 @@ class Intake:
     # -- rebalance --------------------------------------------------------------------------------
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Requeue what runs from these partitions, commit what finished, let them go; or, to
-        hold, only stop taking from them."""
+        """Requeue what runs from these partitions, commit what finished, let them go; to hold,
+        only stop taking from them."""
         if self._s.kafka.rebalance == "hold":
             self._hold(revoked)
             return
@@ -382,8 +377,8 @@ class Intake:
         self.lag.remove(revoked)
 
     def _hold(self, revoked: set[TopicPartition]) -> None:
-        """Take nothing more from these partitions, but let running work commit (each still holds
-        its transactional id: a new owner's fences it first)."""
+        """Take nothing more from these partitions, but let running work commit (a new owner fences
+        their ids first)."""
         if not revoked:
             return
         log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True,
@@ -395,14 +390,13 @@ class Intake:
 
     async def kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
         """Held partitions assigned here again whose transactional ids this worker still holds,
-        checked by a round trip (the generation cannot say: an evicted member comes back with
-        none). Their work goes on."""
+        checked by a round trip (the generation cannot say); their work goes on."""
         candidates = {tp for tp in self._holding & assigned if tp not in self._given_up}
         return await self._txns.holds_ids(candidates) if candidates else set()
 
     def assigning(self, assigned: set[TopicPartition]) -> None:
-        """aiokafka may fetch from the new assignment while kept() asks the broker: read nothing
-        until take_over(), as a record taken now would carry the old generation."""
+        """Read nothing of the new assignment until take_over(): a record taken while kept() asks
+        the broker would carry the old generation."""
         self._taking_over |= assigned
         if assigned:
             self._consumer.pause(*assigned)
@@ -456,8 +450,8 @@ class Intake:
         self.lag.remove(gone)
 
     async def _take_over(self, assigned: set[TopicPartition], generation: int) -> bool:
-        """Fence previous owners (transactional ids), then resume from committed offsets and
-        ledgers. A worker that cannot stops, for its orchestrator to restart it."""
+        """Fence previous owners, then resume from committed offsets and ledgers; a worker that
+        cannot, stops (its orchestrator restarts it)."""
         if not assigned:
             return True
         for attempt in range(TAKE_OVER_TRIES):
@@ -515,8 +509,7 @@ class Intake:
         return topic not in await self._list_topics()
 
     def give_up(self, tp: TopicPartition) -> None:
-        """Another worker holds the partition's transactional id: take nothing more and requeue
-        its work."""
+        """Another worker holds the partition's transactional id: stop taking it and requeue."""
         log.warning("intake.partition_given_up", partition=tp.partition)
         self._given_up.add(tp)
         if tp in self._consumer.assignment():

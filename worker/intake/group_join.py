@@ -1,7 +1,5 @@
-"""Joining the consumer group with one JoinGroup request that names every assignor.
-
-aiokafka joins once per assignor (aio-libs/aiokafka#1168), and with hold's two, members out of
-step keep each other rebalancing. `install()` makes the coordinator use SingleJoinRebalance.
+"""One JoinGroup request naming every assignor: aiokafka joins once per assignor
+(aio-libs/aiokafka#1168), and members out of step then keep each other rebalancing.
 """
 from __future__ import annotations
 
@@ -46,8 +44,8 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
         return out
 
     async def _join(self, protocols: list[tuple[str, bytes]]):
-        """The JoinGroup response, once the broker gave this member an id (KIP-394); None when the
-        coordinator is unreachable or the subscription changed."""
+        """The JoinGroup response once the broker gave this member an id (KIP-394); None without a
+        coordinator or after a subscription change."""
         coordinator = self._coordinator
         while True:
             request = JoinGroupRequest(self.group_id, self._session_timeout_ms, self._rebalance_timeout_ms,

@@ -1,8 +1,5 @@
-"""Where the worker may write a request's replies: the reply topic a producer names is untrusted.
-
-Allowed: under `kafka.reply_topic_prefix`, none of the worker's own topics nor `__` internal ones,
-existing (from the broker's cached list of all topics: asking for one by name could create it),
-and with limits that cannot wedge a transaction's commit marker. Anything else is dead-lettered.
+"""Where the worker may write a request's replies: the reply topic a producer names is untrusted
+(docs/security.md); anything not allowed is dead-lettered.
 """
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ KNOWN_FOR_S = 300.0  # meanwhile the publisher's sends notice a deleted topic
 
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
-    """Why the worker must not write to `topic` (policy only), or None. In topic tenancy only
-    under the tenant's own prefix."""
+    """Why the worker must not write to `topic` (policy only), or None."""
     if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(topic, kafka):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):

@@ -1,10 +1,6 @@
-"""Share intake: the request topic read through a Kafka share group (KIP-932, "queues").
-
-The broker locks each record at one worker until it is acknowledged: ACCEPT (its `done` is on the
-broker), REJECT (dead-lettered) or RELEASE (given back). confluent-kafka's ShareConsumer blocks
-and will not poll before its last poll is acknowledged, so each lives on its own thread (`_Lane`),
-opened on demand. Records past the pool's room are released at once, except on their last
-delivery here; `max_deliveries` stays below the broker's limit, so none is archived unseen.
+"""Share intake: the request topic through a Kafka share group (KIP-932), one confluent-kafka
+ShareConsumer per thread (`_Lane`), each record acknowledged on its own.
+design: docs/operations.md#group-or-share-mode
 """
 from __future__ import annotations
 
@@ -78,8 +74,8 @@ def lock_ms(settings, broker: BrokerLimits) -> int:
 
 
 def max_deliveries(kafka, broker: BrokerLimits) -> int:
-    """Deliveries a record may have here: below the broker's limit, so the last one is
-    dead-lettered instead of archived unseen."""
+    """Deliveries a record may have here: below the broker's limit, so the last is dead-lettered,
+    not archived unseen."""
     return max(1, min(kafka.max_deliveries, broker.delivery_limit - 1))
 
 
@@ -92,8 +88,8 @@ def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dic
 
 
 def group_configs(lock: int) -> dict[str, str]:
-    """The share group's settings. A new share group starts at the topic's end by default: waiting
-    requests would never be read."""
+    """The share group's settings; a new share group would start at the topic's end, never reading
+    the waiting requests."""
     return {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(lock)}
 
 
@@ -365,8 +361,8 @@ class ShareIntake(Intake):
         return True
 
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
-        """A running record came back (its lock expired first): the running job's verdict goes to
-        this live delivery; the stale one is let go."""
+        """A running record came back (its lock expired): its verdict goes to the live delivery, the
+        stale one is let go."""
         log.warning("share_intake.lock_expired", partition=tp.partition, offset=record.offset,
                     delivery_count=record.delivery_count)
         earlier.verdicts.put((tp.topic, tp.partition, record.offset, "release"))

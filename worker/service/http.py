@@ -1,9 +1,5 @@
-"""/healthz, /readyz and /metrics on INFERLINE_HTTP__PORT.
-
-- /healthz is liveness: 503 once the engine loop has gone `stall_threshold_s` without a step or
-  an idle tick (a wedged forward pass, a dead engine thread).
-- /readyz is readiness: model loaded, group joined, cancel listener positioned, not draining.
-Both answer (503) during start-up.
+"""/healthz (liveness: 503 once the engine loop has gone `stall_threshold_s` without a tick),
+/readyz (readiness) and /metrics on INFERLINE_HTTP__PORT (docs/operations.md#running).
 """
 from __future__ import annotations
 

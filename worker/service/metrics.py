@@ -1,7 +1,4 @@
-"""The worker's Prometheus metrics, on a registry of its own.
-
-A registry per Worker lets tests run several in one process and /metrics show one worker's numbers.
-"""
+"""The worker's Prometheus metrics, on a registry per Worker (tests run several in one process)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

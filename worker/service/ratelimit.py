@@ -1,7 +1,5 @@
-"""Per-tenant token buckets: requests per second and generated tokens per minute.
-
-The token budget is charged up front with `max_tokens` and the unused part refunded at `done`:
-charging after the fact would let a burst of long requests through.
+"""Per-tenant token buckets: requests per second, and tokens per minute charged `max_tokens` up
+front (else a burst of long requests gets through) and refunded at `done`.
 """
 from __future__ import annotations
 

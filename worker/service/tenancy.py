@@ -1,5 +1,5 @@
-"""Who a request is from: the body's word (`tenancy=body`), or the topic Kafka let it onto
-(`tenancy=topic`: per-tenant request and cancel topics `<topic>.<tenant>`, guarded by ACLs).
+"""Who a request is from: the body's word (`tenancy=body`) or the topic Kafka let it onto
+(`tenancy=topic`), docs/security.md.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from inferline.contract.topics import TENANT_SEGMENT, reserved_words
 
 @lru_cache(maxsize=64)
 def tenant_pattern(base_topic: str, exclude: tuple[str, ...] = ()) -> str:
-    """The regex of the per-tenant topics `<base_topic>.<tenant>`, never matching `exclude` (the
-    dead-letter topic would otherwise be tenant `dlq`'s) nor a reserved tenant name."""
+    """The regex of the per-tenant topics `<base_topic>.<tenant>`, matching neither `exclude` (the
+    dead-letter topic) nor a reserved name."""
     skip = "".join(f"(?!{re.escape(t[len(base_topic) + 1:])}$)" for t in exclude
                    if t.startswith(base_topic + "."))
     words = "|".join(re.escape(w) for w in sorted(reserved_words(base_topic, *exclude)))
@@ -30,8 +30,8 @@ def reply_prefix(kafka, tenant: str | None) -> str:
 
 
 def priority_range(limits, tenant: str) -> tuple[int, int]:
-    """(best, worst) priority `tenant` may claim: its own entry's range (or default_tenant's),
-    else the global [min_priority, max_priority]."""
+    """(best, worst) priority `tenant` may claim: its entry's range (or default_tenant's), else the
+    global one."""
     limit = limits.tenants.get(tenant, limits.default_tenant)
     low = limit.min_priority if limit.min_priority is not None else limits.min_priority
     high = limit.max_priority if limit.max_priority is not None else limits.max_priority

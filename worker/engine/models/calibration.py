@@ -1,11 +1,5 @@
-"""INFERLINE_MODEL__CPU_LINEAR=auto where several linear backends run (the C GEMM and oneDNN,
-CPU fp32): time each on this model's own linear weights at load and keep the fastest.
-
-The winner depends on the CPU, thread count and shapes, so it is measured where it runs: the
-first `SAMPLE_LAYERS` layers' linears and the LM head, packed as the model would pack them, at
-`ROWS` rows, candidates alternated (ABBA) after a warm-up round; the smallest median wins. The
-choice is cached per machine, threads, torch, shapes and gemm.c source in
-`cache_dir()/linear_calibration.json` (delete it to time again).
+"""INFERLINE_MODEL__CPU_LINEAR=auto: the linear backends timed on this model at load, the fastest
+kept and cached per machine and shapes. design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 
@@ -37,8 +31,8 @@ MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 12, 2.0
 
 @dataclass(frozen=True)
 class Calibration:
-    """The backend chosen; per candidate the estimated seconds per row of one step's linears;
-    whether it came from the cache file; the key it is valid for."""
+    """The backend chosen, each candidate's estimated seconds per row of a step's linears, whether
+    it came from the cache file, and its key."""
     backend: str
     seconds: dict[str, float] = field(default_factory=dict)
     cached: bool = False
@@ -146,8 +140,7 @@ def read_cache(path: Path) -> dict:
 
 
 def write_cache(path: Path, entry_id: str, entry: dict) -> None:
-    """Adds one entry, written to a temporary name and renamed: concurrent starts never read half
-    a file (one may lose the other's entry and measure again)."""
+    """Adds one entry, written to a temporary name and renamed: no start reads half a file."""
     data = read_cache(path)
     data[entry_id] = entry
     try:

@@ -1,10 +1,5 @@
-"""Linear layers for the engine's models. On the CPU in fp32 each weight is packed once at load
-for the C GEMM (`c`) or oneDNN (`onednn`), because F.linear (MKL) repacks it on every call;
-elsewhere F.linear (`torch`). INFERLINE_MODEL__CPU_LINEAR chooses.
-
-A row's result must not depend on the rows beside it (same tokens alone or in a batch). oneDNN
-breaks that on some CPUs for a lone row, so each shape is probed once (`lone_row_exact`) and a
-lone row computed as two where needed. The packed copy doubles the linears' CPU memory.
+"""Linear layers: on the CPU in fp32 over a weight packed once for the C GEMM or oneDNN, else
+F.linear. design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 
@@ -27,8 +22,8 @@ BACKENDS = ("c", "onednn")
 
 
 def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
-    """The packed copy of a CPU fp32 `weight` [out, in] for `backend`; None where that does not
-    apply. `codes`: the C GEMM keeps 8-bit codes where they give the weight back exactly."""
+    """The packed copy of a CPU fp32 `weight` [out, in] for `backend`, or None; `codes`: 8-bit
+    codes where exact."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if backend == "c":
@@ -65,9 +60,8 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether oneDNN gives a lone row the bits it gives the same row in a batch, for this shape
-    and thread count. Probed once with random rows: kernels that add in different orders differ
-    somewhere in hundreds of outputs."""
+    """Whether oneDNN gives a lone row the bits it gives it in a batch, for this shape and thread
+    count; probed once with random rows."""
     key = (*weight.shape, torch.get_num_threads())
     if key not in _lone_row_exact:
         x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))

@@ -1,13 +1,5 @@
-"""A Llama-family decoder over the paged KV cache: Llama 2/3 (rope scaling), Mistral,
-Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2.
-
-The forward pass takes one flat batch of tokens from many sequences (no padding):
-
-    tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]   decodes first, then prefill chunks
-    q rows:     one per decode seq   cu_seqlens_q delimits each prefill chunk
-
-Each token's K/V goes to its cache slot, then attention reads each context through its block
-table. Weights use HF names, with q/k/v and gate/up fused into one matmul each.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+design: docs/architecture.md#the-model
 """
 from __future__ import annotations
 
@@ -59,8 +51,8 @@ def llama3_scale(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox / HF "rotate_half" layout. Tables hold cos = (c, c) and sin = (-s, s), so that
-    x * cos + swap_halves(x) * sin is exactly HF's x * cos + rotate_half(x) * sin."""
+    """Neox / HF "rotate_half" layout: tables hold cos = (c, c) and sin = (-s, s)
+    (kernels.fused.rotate)."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
@@ -136,8 +128,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Carries the residual stream apart from the sublayers' outputs (as vLLM does), so each
-    output joins it in the pass that normalizes the sum for the next sublayer."""
+    """Carries the residual stream apart from the sublayers' outputs (as vLLM), so each output
+    joins it in the pass that normalizes the sum."""
 
     def __init__(self, config):
         super().__init__()
@@ -174,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: Packed | None = None
 
     def pack_linears(self, backend: str = "onednn", codes: bool = False) -> bool:
-        """Give every linear layer and the LM head a packed weight for `backend` (`codes`: 8-bit
-        codes where exact), once loaded. False where packing does not apply (not CPU fp32)."""
+        """Give every linear layer and the LM head a packed weight for `backend` once loaded;
+        False where packing does not apply (not CPU fp32)."""
         packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, Linear)]
         tied = self.tie_word_embeddings  # no Linear for a tied head: pack it here
         self.lm_head_packed = (pack_weight(self.embed_tokens.weight, backend, codes) if tied

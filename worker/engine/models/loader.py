@@ -1,7 +1,5 @@
-"""Weights in: a local HF directory (safetensors), a GGUF file, or random (`load_format=dummy`).
-
-A GGUF file is dequantized once through transformers (slow) and cached as a plain HF directory.
-"""
+"""Weights in: a local HF directory (safetensors), a GGUF file (converted once and cached), or
+random (`load_format=dummy`)."""
 from __future__ import annotations
 
 import hashlib
@@ -100,8 +98,8 @@ def load_model(path: str, load_format: str, dtype: torch.dtype, device: torch.de
 
 def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> LlamaForCausalLM:
-    """The model in `dtype` on `device`, each checkpoint tensor read straight into its place
-    (q/k/v, gate/up into the fused weights): memory peaks at the weights plus one chunk."""
+    """The model in `dtype` on `device`, each checkpoint tensor read straight into its place:
+    memory peaks at the weights plus one chunk."""
     model = empty_model(config, max_positions, dtype, device)
     index = safetensors_index(model_dir)
     targets = destinations(model)
@@ -123,8 +121,8 @@ def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
 
 
 def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model's parameters in `dtype` on `device`, unset (rotary tables computed), built on the
-    meta device so no fp32 copy of the weights ever exists."""
+    """The model's parameters in `dtype` on `device`, unset, built on the meta device: no fp32
+    copy of the weights ever exists."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     model = model.to(dtype).to_empty(device=device)
@@ -133,8 +131,8 @@ def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.de
 
 
 def load_dummy(path: str, dtype, device, max_positions):
-    """Random weights with the shapes of a preset, a config.json or an HF directory; text prompts
-    use the bundled tokenizer."""
+    """Random weights with the shapes of a preset, a config.json or an HF directory (bundled
+    tokenizer)."""
     if path in DUMMY_PRESETS:
         config = LlamaConfig(**DUMMY_PRESETS[path])
     else:
@@ -187,8 +185,8 @@ def safetensors_index(model_dir: Path) -> dict[str, StoredTensor]:
 
 
 def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratch: torch.Tensor | None = None) -> None:
-    """Copy `stored` into the contiguous `dst` (same shape, any dtype and device): directly when
-    it is a CPU tensor of the stored dtype, else a chunk at a time through one `scratch` buffer."""
+    """Copy `stored` into the contiguous `dst` (same shape, any dtype and device), directly or a
+    chunk at a time through `scratch`."""
     if tuple(dst.shape) != stored.shape:
         raise ValueError(f"{name}: the checkpoint holds {stored.shape}, the model wants {tuple(dst.shape)}")
     assert dst.is_contiguous(), name
@@ -209,8 +207,7 @@ def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratc
 
 
 def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF checkpoint name -> the part of this model's parameters it fills; together they cover
-    every parameter exactly once."""
+    """HF checkpoint name -> the part of this model's parameters it fills (each parameter once)."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm"]}
     if not model.tie_word_embeddings:
