@@ -53,6 +53,15 @@ def shallow_smollm2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shallow_runner(shallow_smollm2) -> ModelRunner:
+    """A runner over shallow_smollm2, for engine tests that are not about the model's depth."""
+    settings = Settings()
+    settings.model.path = str(shallow_smollm2)
+    settings.cache.kv_memory_gb = 0.25
+    return ModelRunner(settings)
+
+
+@pytest.fixture(scope="session")
 def shallow_hf_model(shallow_smollm2):
     from transformers import AutoModelForCausalLM
 
@@ -82,9 +91,8 @@ def prompts(model_runner) -> list[list[int]]:
     return [prompt_ids(model_runner.tokenizer, i) for i in range(len(TOPICS))]
 
 
-@pytest.fixture(scope="session")
-def hf_outputs(hf_model, prompts) -> list[list[int]]:
-    """HF greedy output of each prompt alone (once per session: test_engine.py and test_kv_fp16.py)."""
+def greedy_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
+    """HF greedy output of each prompt alone, NEW_TOKENS long."""
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -93,6 +101,16 @@ def hf_outputs(hf_model, prompts) -> list[list[int]]:
                                   do_sample=False, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(hf_model, prompts) -> list[list[int]]:
+    return greedy_outputs(hf_model, prompts)
+
+
+@pytest.fixture(scope="session")
+def shallow_hf_outputs(shallow_hf_model, prompts) -> list[list[int]]:
+    return greedy_outputs(shallow_hf_model, prompts)
 
 
 def make_engine(runner: ModelRunner, **scheduler) -> LLMEngine:

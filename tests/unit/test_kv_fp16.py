@@ -19,14 +19,17 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def fp16_runner() -> ModelRunner:
+def fp16_runner(shallow_smollm2) -> ModelRunner:
+    """SmolLM2's first layers: the cache's element type is the point here, not the model's depth."""
     settings = Settings()
+    settings.model.path = str(shallow_smollm2)
     settings.cache.dtype = "float16"
     settings.cache.kv_memory_gb = 0.1
     return ModelRunner(settings)
 
 
-def test_the_cache_holds_halves_and_twice_the_blocks(fp16_runner, model_runner):
+def test_the_cache_holds_halves_and_twice_the_blocks(fp16_runner, shallow_runner):
+    model_runner = shallow_runner  # fp32, the same layers
     k_cache, v_cache = fp16_runner.kv_cache[0]
     assert k_cache.dtype == v_cache.dtype == torch.float16 and fp16_runner.dtype == torch.float32
     assert fp16_runner.bytes_per_block() * 2 == model_runner.bytes_per_block()
@@ -36,7 +39,8 @@ def test_the_cache_holds_halves_and_twice_the_blocks(fp16_runner, model_runner):
         assert fp16_runner.backends.attention == "cpu" and fp16_runner.backends.fused_ops == "c"
 
 
-def test_greedy_stays_close_to_hf_fp32(fp16_runner, prompts, hf_outputs):
+def test_greedy_stays_close_to_hf_fp32(fp16_runner, prompts, shallow_hf_outputs):
+    hf_outputs = shallow_hf_outputs
     engine = make_engine(fp16_runner, max_num_batched_tokens=64, max_num_seqs=16)
     results = run_to_completion(engine, {0: [request(i, p) for i, p in enumerate(prompts)]})
     same = [results[f"r{i}"]["tokens"] == hf_outputs[i] for i in range(len(prompts))]

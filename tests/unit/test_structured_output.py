@@ -211,7 +211,8 @@ def test_sampler_logprobs_are_log_softmax_after_penalties():
 
 # --------------------------------------------------------------------------- the engine, default model
 
-def test_json_schema_holds_where_free_sampling_breaks_it(model_runner):
+def test_json_schema_holds_where_free_sampling_breaks_it(shallow_runner):
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
     engine = make_engine(model_runner)
     free = [EngineRequest(f"free-{s}", sampled(160, s), messages=ASK_PERSON) for s in SEEDS]
     bound = [EngineRequest(f"json-{s}", sampled(160, s, structured=schema_spec(PERSON)), messages=ASK_PERSON)
@@ -244,7 +245,8 @@ def test_json_object_always_parses(model_runner, compiler):
             assert all(matcher.accept_token(t) for t in results[r.request_id]["tokens"])
 
 
-def test_regex_and_choice_outputs_match(model_runner):
+def test_regex_and_choice_outputs_match(shallow_runner):
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
     engine = make_engine(model_runner)
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     choices = ["positive", "negative", "neutral"]
@@ -282,7 +284,9 @@ def hf_constrained_greedy(hf_model, info, compiled, ids: list[int], max_tokens: 
 
 
 @pytest.mark.slow
-def test_greedy_under_a_grammar_equals_a_plain_pytorch_reference(model_runner, hf_model, compiler):
+def test_greedy_under_a_grammar_equals_a_plain_pytorch_reference(shallow_runner, shallow_hf_model, compiler):
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
+    hf_model = shallow_hf_model
     engine = make_engine(model_runner)
     schema = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 30},
                                                "words": {"type": "integer", "minimum": 1, "maximum": 999},
@@ -301,7 +305,9 @@ def test_greedy_under_a_grammar_equals_a_plain_pytorch_reference(model_runner, h
 
 
 @pytest.mark.slow
-def test_logprobs_equal_hf_log_softmax(model_runner, hf_model):
+def test_logprobs_equal_hf_log_softmax(shallow_runner, shallow_hf_model):
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
+    hf_model = shallow_hf_model
     engine = make_engine(model_runner)
     reqs = [EngineRequest(f"lp{i}", greedy(16, logprobs=5), prompt_token_ids=prompt_ids(model_runner.tokenizer, i))
             for i in range(3)]
@@ -356,7 +362,8 @@ def test_a_compiling_grammar_never_stalls_the_batch(model_runner, monkeypatch):
     assert done["slow"].finish_reason == "stop" and re.fullmatch("slow[0-9]", done["slow"].text)
 
 
-def test_constrained_and_logprob_requests_get_no_drafts(model_runner):
+def test_constrained_and_logprob_requests_get_no_drafts(shallow_runner):
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
     looping = "red, green, blue, red, green, blue, red, green, blue, red, green, blue,"
     params = [greedy(12, structured=spec("regex", "(red|green|blue)(, (red|green|blue)){1,8}")),
               greedy(12, logprobs=1)]
@@ -446,10 +453,11 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(model_runner):
+def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(shallow_runner):
     """Issue 38: a row whose token mask alone is over INFERLINE_STRUCTURED__MASK_BUDGET_MS in 3
     steps in a row ends its request (`error`, naming the field); the rest of the batch goes on. A budget
     of 0 makes every constrained row over it."""
+    model_runner = shallow_runner  # grammars do not depend on the model's depth
     engine = make_engine(model_runner)
     budget, model_runner.token_bitmask.budget_s = model_runner.token_bitmask.budget_s, 0.0
     try:

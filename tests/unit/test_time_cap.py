@@ -1,5 +1,5 @@
-"""tests/time_cap.py: a test over the cap fails, set-up included; under the cap, or with the cap
-off, it passes."""
+"""tests/time_cap.py: a test over the cap fails, a module fixture's set-up included (a session
+fixture's is not); under the cap, or with the cap off, it passes."""
 from __future__ import annotations
 
 import pytest
@@ -13,13 +13,17 @@ import time, pytest
 def slow_setup():
     time.sleep(0.4)
 
+@pytest.fixture(scope="session")
+def slow_session():
+    time.sleep(0.4)
+
 def test_slow_call():
     time.sleep(0.4)
 
 def test_slow_setup(slow_setup):
     pass
 
-def test_quick():
+def test_quick(slow_session):
     pass
 """
 
