@@ -32,7 +32,7 @@ from inferline.worker.engine.structured_output import GrammarCompiler, new_match
 
 log = structlog.get_logger(__name__)
 
-# Benchmark hook (bench/share_vs_group.py): a throttled worker sleeps this long before each step.
+# Test/benchmark hook: a throttled worker sleeps this long before each step.
 _STEP_DELAY_S = float(os.environ.get("INFERLINE_FAULT_STEP_DELAY_S", "0"))
 
 ABORT_REASONS = ("cancelled", "timeout", "requeued", "error")
@@ -483,7 +483,7 @@ class EngineLoop:
     own thread, and `wait_ready()` returns the engine once it is. Load on this thread where you
     can: each thread that runs OpenMP work (torch's CPU ops, oneDNN, kernels/cpu/) keeps its own
     OpenMP pool for the life of the process, and once those pools hold more threads than there
-    are CPUs every parallel region pays a futex wake-up (`python -m bench.load_thread`)."""
+    are CPUs every parallel region pays a futex wake-up (docs/benchmarks.md)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_outputs: Callable[[list[RequestOutput], EngineStats], None],

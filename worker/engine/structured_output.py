@@ -16,7 +16,7 @@ samples only tokens that keep its output a prefix of some string of the grammar.
   one xgrammar call, which the sampler applies to the logits before anything else.
 
 xgrammar over llguidance: the batch bitmask of 32 rows costs it several times less on the default
-model's vocabulary (`python -m bench.grammar_engines`, docs/benchmarks.md).
+model's vocabulary (docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -85,7 +85,6 @@ class ReplyTopics:
         self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
         self._listed_at = float("-inf")  # when the last good list was asked for
         self._inflight: asyncio.Future | None = None
-        self.num_lists = 0  # lists read (metrics, benchmarks)
 
     def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
         """"ok", a reason to refuse, or None when the broker must be asked (refresh_after()).
@@ -121,7 +120,6 @@ class ReplyTopics:
         """Re-read the broker's topic list (raises what the broker lookup raised)."""
         asked = self.clock()
         topics: Iterable[str] = await self._list_topics()
-        self.num_lists += 1
         now = self.clock()
         self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
         self._missing = {t: at for t, at in self._missing.items()

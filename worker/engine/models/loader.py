@@ -104,7 +104,7 @@ def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
                  max_positions: int) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, its weights read from the checkpoint's safetensors
     straight into their places (q/k/v and gate/up into row ranges of the fused weights), a chunk
-    at a time: memory peaks at the weights in `dtype` plus one chunk (bench/load_memory.py)."""
+    at a time: memory peaks at the weights in `dtype` plus one chunk (docs/benchmarks.md)."""
     model = empty_model(config, max_positions, dtype, device)
     index = safetensors_index(model_dir)
     targets = destinations(model)
