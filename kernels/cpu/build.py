@@ -69,7 +69,7 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 
 def call(function: str, *args):
     """lib().<function>(*args), labelled `inferline::<function>` in torch.profiler tables
-    (bench/engine.py --profile-steps) only while a profiler runs. A decode step makes a few
+    only while a profiler runs. A decode step makes a few
     hundred of these calls, so without a profiler this is a lookup and the call, nothing more."""
     fn = getattr(_lib if _lib is not None else lib(), function)
     if _profiler_enabled():
