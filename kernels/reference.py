@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 # Decode attends in chunks of this many sequences, sorted by length: small dense copies that
-# stay in cache, with little padding (see bench/decode_step.py).
+# stay in cache, with little padding (docs/benchmarks.md).
 _DECODE_CHUNK_SEQS = 8
 
 

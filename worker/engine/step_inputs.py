@@ -10,7 +10,7 @@ costs a few list operations: less than one vectorized op's dispatch) and two hos
 through numpy (torch.tensor of a list is several times slower); the table rows are written through
 numpy too, so a step dispatches only a handful of torch ops.
 Rows of sequences not scheduled in a step go back to the pool (a sequence that returns is
-written again: correct, only slower). Figures: bench/step_prep.py, docs/benchmarks.md.
+written again: correct, only slower). Figures: docs/benchmarks.md.
 
 The step's host tensors are new each step except the persistent table, so a non_blocking copy
 to the device never races the next step's writes (the sampler's sync ends every step anyway).
