@@ -32,8 +32,8 @@ from inferline.worker.intake.share import ShareIntake
 from inferline.worker.delivery.transactions import Transactions
 
 log = structlog.get_logger(__name__)
-# Test hook (bench/scaling_step.py): join the group only once this file exists, so a scaling
-# step can be timed apart from the model load.
+# Test/benchmark hook: join the group only once this file exists, so a scaling step can be
+# timed apart from the model load.
 _JOIN_GATE = os.environ.get("INFERLINE_FAULT_JOIN_GATE")
 
 
