@@ -5,7 +5,7 @@ dtypes and target in each kernel's module and then launched as is.
 The interpreter runs the plans of an H200 (sm_90, 132 SMs): the tile sizes, warps and split counts
 that a GPU would use. One constexpr differs: DOT_F32 is always on under the interpreter, whose
 bf16 arithmetic is wrong (it treats the bits as integers), so the operands are cast to fp32 there.
-`make gpu-compile` compiles the very same plans for sm_80 / sm_90a (kernels/triton/compile_check.py).
+`make gpu-compile` compiles the very same plans for sm_80 / sm_90a (scripts/gpu_compile.py).
 
 Every launcher launches through `launch`, the one place a Triton kernel starts: observers added
 there see each launch's kernel, plan and arguments (the tests count a layer's launches and

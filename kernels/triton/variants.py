@@ -5,7 +5,8 @@ arguments the kernel exempts (`do_not_specialize`, `do_not_specialize_on_alignme
 
 Start-up compiles every binary the model can launch (worker/engine/warmup.py); `variant_of`
 names a launch's binary, so that a test can record a served run's launches and check each one
-was compiled before serving, and `make gpu-compile` (compile_check.py) specializes as the JIT does.
+was compiled before serving, and `make gpu-compile` (scripts/gpu_compile.py) specializes as the JIT
+does.
 """
 from __future__ import annotations
 

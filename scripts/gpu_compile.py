@@ -1,10 +1,12 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
 
+A development tool, not part of the installed package.
+
 The plans come from the real plan_* functions with a GPU Target and representative batches, so
 what compiles here is what the launchers launch; each is compiled to PTX and assembled with the
 ptxas that Triton itself runs for that arch, whose -v report gives registers and spills.
 
-    python -m inferline.kernels.triton.compile_check [--archs 80,90,100] [--quick] [--jobs 2]
+    python scripts/gpu_compile.py [--archs 80,90,100] [--quick] [--jobs 2]
 
 Exits non-zero on a compile error, any spill, or shared memory over the arch's limit. The
 arguments are specialized like the JIT does (triton/runtime/jit.py): an int equal to 1 becomes a
