@@ -92,7 +92,7 @@ class Scheduler:
                  background: BackgroundLimit | None = None, clock: Callable[[], float] = time.monotonic):
         assert policy in ("continuous", "static")
         self.background = background
-        self.clock = clock  # seconds; bench/scheduler_sim.py gives it virtual time
+        self.clock = clock  # seconds; a simulator gives it virtual time
         self.foreground_seen_at: float | None = None
         self.num_steps = 0
         self.block_manager = block_manager

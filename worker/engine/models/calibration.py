@@ -2,7 +2,7 @@
 on a CPU in fp32): time each on this model's own linear weights at load and keep the fastest.
 
 Which one wins depends on the CPU (AVX2 or AVX-512, the cache sizes, AMX), the thread count and the
-shapes, and a fixed rule was wrong on some machines (docs/benchmarks.md, issue #30), so it is
+shapes, and a fixed rule was wrong on some machines (docs/benchmarks.md), so it is
 measured where it runs. The sample: the first `SAMPLE_LAYERS` decoder layers' linears and the LM
 head, each packed for each candidate as the model would pack it (8-bit codes for `c` where exact),
 at `ROWS` rows (a decode batch and a prefill chunk), candidates alternated round by round (ABBA),
