@@ -5,14 +5,11 @@ checked against kernels/reference.py before anything is timed.
     python -m bench.attention decode --hot     # every table points at 4 blocks: compute only
     python -m bench.attention prompt           # prompts of 256, 1024, 2048 and 4096 tokens
 
-decode: ms per engine step (every layer once) and GB/s of K/V read. A step of SmolLM2 at batch 32
-reads ~450 MB of K/V scattered in blocks of 16 tokens, so the kernel is judged against the
-machine's memory bandwidth; `cpu-fp16` is the C kernel over an fp16 copy of the cache
-(INFERLINE_CACHE__DTYPE=float16). prompt: one prompt chunk's rows, `rows` (a table per row: each
-row alone) against `tiles` (the engine's call, given cu_seqlens: 16 rows at a time, each block's
-K/V read once per tile) and `torch` (reference.py's prefill, SDPA over a gathered copy); tiles
-must equal rows bit for bit. Variants alternate (ABBA) in one process, on a thread of their own
-as in the worker.
+decode: ms per engine step (every layer once) and GB/s of K/V read (SmolLM2 at batch 32 reads
+~450 MB scattered in blocks of 16); `cpu-fp16` is the C kernel over an fp16 copy of the cache.
+prompt: one prompt chunk's rows, `rows` (each row alone) against `tiles` (the engine's call with
+cu_seqlens: 16 rows at a time, each block's K/V once per tile) and `torch` (SDPA over a gathered
+copy); tiles must equal rows bit for bit. Variants alternate (ABBA) on a thread of their own.
 """
 from __future__ import annotations
 

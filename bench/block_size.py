@@ -3,13 +3,11 @@
     python -m bench.block_size                              # 64 requests, 3-4 min a size
     python -m bench.block_size --quick --block-sizes 8 128  # a tiny run, for the smoke test
 
-For each size, a ModelRunner with INFERLINE_CACHE__BLOCK_SIZE set and `--kv-slots` token slots
-(num_blocks = slots / size: the same memory at every size) runs the same requests through a
-continuous engine (bench/engine.py's run): bench/workload.py's prompts, two in three behind one of
-two long system prompts (shared prefixes), greedy, ignore_eos, all at t=0. The slots hold fewer
-sequences than there are requests, so the block size decides how many run at once. Prints
-tokens/s, TTFT, KV waste (slots in use holding no token: mean over steps, peak, and of the whole
-cache), prefix-cache hits, the largest and mean running batch, preemptions; writes
+For each size, a ModelRunner with `--kv-slots` token slots (num_blocks = slots / size) runs the
+same requests (bench/engine.py's run): bench/workload.py's prompts, two in three behind one of two
+long system prompts, all at t=0. The slots hold fewer sequences than there are requests, so the
+block size decides how many run at once. Prints tokens/s, TTFT, KV waste (slots in use holding no
+token: mean, peak, of the whole cache), prefix-cache hits, the batch, preemptions; writes
 bench/results/block_size.json. The kernels are the settings' pick (C on a CPU, Triton on a GPU).
 """
 from __future__ import annotations
@@ -22,8 +20,7 @@ from pathlib import Path
 
 from bench import roofline, stats
 from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
-from bench.workload import CONTEXT, WorkItem, add_workload_args, apply_quick, chat_ids
-from bench.workload import make_workload
+from bench.workload import CONTEXT, WorkItem, add_workload_args, apply_quick, chat_ids, from_args
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Two long system prompts (~190 tokens each): the prefixes that requests share.
@@ -34,8 +31,7 @@ SYSTEM_PROMPTS = ("You are a patient teacher. " + " ".join(CONTEXT),
 def make_items(tokenizer, args) -> list[WorkItem]:
     """The engine benchmark's workload, a shared system prompt on two in three requests."""
     out = []
-    for i, item in enumerate(make_workload(tokenizer, args.num_requests, max_output=args.max_output,
-                                           max_prompt=args.max_prompt, seed=args.seed)):
+    for i, item in enumerate(from_args(tokenizer, args)):
         messages = item.messages
         if i % 3:
             messages = [{"role": "system", "content": SYSTEM_PROMPTS[i // 3 % 2]}, *messages]

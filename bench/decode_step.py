@@ -6,16 +6,14 @@ decodes, and the step's host preparation alone.
     python -m bench.decode_step --linears        # the linear backends in whole steps
     python -m bench.decode_step --prep           # the step's host preparation alone
 
-Steps: the engine built as bench/engine.py builds it, `--batch` requests of the engine benchmark's
-prompts (bench/workload.py) plus `--extra-context` tokens each, prefilled; then whole
-`LLMEngine.step()` calls, one token per sequence, timed on a thread of their own (as in the
-worker). Variants alternate step by step (ABCD DCBA) on one batch: decode attention in PyTorch
-(`torch`, kernels/reference.py) or the C kernel (`cpu`); the linear layers on F.linear (`mkl`),
-on the C GEMM over 8-bit codes (`c-codes`, where the weights have exact ones) or fp32 panels
-(`c-gemm`), or oneDNN (`onednn`); norms, SiLU and rope as PyTorch ops instead of kernels/fused.py
-(`unfused`); attention skipped (`no-attn`: the step minus what attention costs). The matmul floor
-(bench/roofline.py: the step's linear layers alone) is timed in between. --prep: worker/engine/step_inputs.StepBuilder's batch tensors and the C kernel's attention
-metadata for `--seqs` decodes, a new block every block_size steps, in microseconds.
+Steps: `--batch` requests of the engine benchmark's prompts plus `--extra-context` tokens each,
+prefilled; then whole `LLMEngine.step()` calls, one token per sequence, on a thread of their own.
+Variants alternate step by step (ABCD DCBA) on one batch: decode attention in PyTorch (`torch`)
+or the C kernel (`cpu`); the linear layers on F.linear (`mkl`), the C GEMM over 8-bit codes
+(`c-codes`) or fp32 panels (`c-gemm`), or oneDNN (`onednn`); norms, SiLU and rope as PyTorch ops
+(`unfused`); attention skipped (`no-attn`: what the rest costs). The matmul floor (the step's
+linear layers alone) is timed in between. --prep: StepBuilder's batch tensors and the C
+kernel's attention metadata for `--seqs` decodes, a new block every 16 steps, in microseconds.
 """
 from __future__ import annotations
 

@@ -5,12 +5,11 @@ continuous batching on one workload, then the same prompts arriving as a Poisson
     python -m bench.engine --quick           # a tiny run, seconds
     python -m bench.engine --skip-hf --rate 2 --repeats 3
 
-One process, one loaded model, bench/workload.py's requests (chat prompts of varied length,
-greedy, ignore_eos, all at t=0). Useful tokens are each request's own: a padded HF batch runs to
-its longest member, and what it computes past a member's length does not count. Prints tokens/s,
-TTFT and inter-token p50/p99, batch and KV usage, the ratios against TARGETS and the roofline
-(bench/roofline.py); writes bench/results/engine.json. Compare the ratios of one run: wall-clock
-figures move with the machine's load (`canary`, a matmul probe before each run, shows it).
+One process, one loaded model, bench/workload.py's requests (greedy, ignore_eos, all at t=0).
+Useful tokens are each request's own: a padded HF batch runs to its longest member, and what it
+computes past a member's length does not count. Prints tokens/s, TTFT and inter-token p50/p99,
+batch and KV usage, the ratios against TARGETS and the roofline; writes
+bench/results/engine.json. `canary`, a matmul probe before each run, shows the machine's load.
 """
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 
 from bench import roofline, stats
-from bench.workload import WorkItem, add_workload_args, apply_quick, make_workload, with_arrivals
+from bench.workload import WorkItem, add_workload_args, apply_quick, describe, from_args
+from bench.workload import with_arrivals
 
 TARGETS = {"continuous_over_hf": 5.0, "continuous_over_static": 1.6, "roofline_fraction": 0.4}
 
@@ -273,13 +273,9 @@ def run_all(args, argv) -> dict:
     modes = {"engine_static": engine_settings("static", args.hf_batch_size, budget),
              "engine_continuous": engine_settings("continuous", args.max_num_seqs, budget)}
     runner = ModelRunner(modes["engine_continuous"])
-    items = make_workload(runner.tokenizer, args.num_requests, max_output=args.max_output,
-                          max_prompt=args.max_prompt, seed=args.seed)
-    prompts, outs = [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items]
+    items = from_args(runner.tokenizer, args)
     res = {"command": stats.command("engine", argv), "machine": stats.machine_info(),
-           "targets": TARGETS, "static_seats": args.hf_batch_size,
-           "workload": {"num_requests": len(items), "prompt_tokens": [min(prompts), max(prompts)],
-                        "output_tokens": [min(outs), max(outs)], "total_output": sum(outs)},
+           "targets": TARGETS, "static_seats": args.hf_batch_size, "workload": describe(items),
            "roofline": roofline.measure(runner.model, batches=(64,) if args.quick else (64, 256),
                                         repeats=1 if args.quick else 5)}
     records: dict[str, RunRecord] = {}
@@ -307,7 +303,8 @@ def run_all(args, argv) -> dict:
     if hf_run := runs.get(f"hf_static{args.hf_batch_size}"):
         res["ratios"]["continuous_over_hf"] = cont / hf_run["tokens_per_s"]
     rate = 0.0 if str(args.rate) in ("0", "none") else (
-        0.8 * cont / statistics.fmean(outs) if args.rate == "auto" else float(args.rate))
+        0.8 * cont * len(items) / res["workload"]["total_output"] if args.rate == "auto"
+        else float(args.rate))
     if rate:
         arriving = with_arrivals(items, rate, args.seed)
         res["poisson"] = {"rate_rps": rate, "runs": {

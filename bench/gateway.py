@@ -3,13 +3,11 @@
     python -m bench.gateway            # 32 chat requests, outputs in [8, 96], 16 streams, ABBA x2
     python -m bench.gateway --quick    # 4 requests x 8 tokens (a smoke run)
 
-One broker (`scripts/kafka.sh acquire`), one `python -m inferline.worker` and one `python -m
-inferline.producer.gateway` on fresh topics; then, in ABBA order, the same requests
-(bench/workload.py: chat messages, greedy, ignore_eos, exact output lengths) at the same
-concurrency: `kafka`, this process's InferenceClient straight onto the request topic; `sdk`, the
-openai SDK streaming through the gateway. Per load: tokens/s, TTFT (send to first text) p50/p99;
-sdk against kafka (targets: >= 0.9x throughput, at most 20 ms more TTFT p50); and an idle probe, kafka and sdk
-taking turns with single requests. Writes bench/results/gateway.json.
+A worker and the gateway (bench/kafka_e2e.py's Fleet), then, in ABBA order, the same chat
+requests at the same concurrency: `kafka`, an InferenceClient straight onto the request topic;
+`sdk`, the openai SDK streaming through the gateway. Per load: tokens/s, TTFT (send to first text)
+p50/p99; sdk against kafka (targets: >= 0.9x throughput, at most 20 ms more TTFT p50); an idle
+probe, kafka and sdk taking turns with single requests. Writes bench/results/gateway.json.
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from pathlib import Path
 
 from bench import kafka_e2e as e2e
 from bench import stats
-from bench.workload import add_workload_args, apply_quick
+from bench.workload import add_workload_args, apply_quick, describe, from_args
 
 TARGETS = {"throughput_ratio_min": 0.9, "ttft_p50_diff_max_ms": 20.0}
 CLIENTS = ("kafka", "sdk")
@@ -123,9 +121,8 @@ def print_report(res: dict) -> None:
               f"{1e3 * t['p50']:>8.0f}ms{1e3 * t['p99']:>6.0f}ms")
     if p := res.get("idle_probe"):
         kp, sp = p["kafka_ttft_s"]["p50"], p["sdk_ttft_s"]["p50"]
-        print(f"idle probe: TTFT p50 kafka {fmt(kp and 1e3 * kp)} ms, sdk {fmt(sp and 1e3 * sp)} ms; "
-              f"sdk - kafka per pair p50 "
-              f"{fmt(p['paired_diff_ms']['p50'], '+.1f')} ms")
+        print(f"idle probe: TTFT p50 kafka {fmt(kp and 1e3 * kp)} ms, sdk {fmt(sp and 1e3 * sp)}"
+              f" ms; sdk - kafka per pair p50 {fmt(p['paired_diff_ms']['p50'], '+.1f')} ms")
     for client, c in res["comparison"].items():
         print(f"{client} vs kafka: throughput {c['throughput_ratio']:.3f}x "
               f"({'MET' if c['throughput_met'] else 'not met'}); TTFT p50 "
@@ -137,9 +134,9 @@ def main(argv=None) -> dict:
     from inferline.worker.engine.models.loader import load_tokenizer
 
     started, settings = time.time(), e2e.bench_settings(args)
-    items = e2e.workload(load_tokenizer(settings.model.path or None), args)
+    items = from_args(load_tokenizer(settings.model.path or None), args)
     res = {"command": stats.command("gateway", argv), "machine": stats.machine_info(),
-           "targets": TARGETS, "workload": e2e.workload_stats(items),
+           "targets": TARGETS, "workload": describe(items),
            "settings": {"concurrency": args.concurrency, "repeats": args.repeats,
                         "worker_threads": args.threads}}
     runs = []

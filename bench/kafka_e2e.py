@@ -4,15 +4,13 @@
     python -m bench.kafka_e2e --quick         # 4 requests x 8 tokens (a smoke run)
     python -m bench.kafka_e2e --repeats 2     # in-process, kafka, kafka, in-process (ABBA)
 
-in_process: bench/engine.py's run on a thread of its own, every request at t0. kafka: the local
-broker (`scripts/kafka.sh acquire`), a `python -m inferline.worker` with the same settings on
-fresh topics, and this process's InferenceClient submitting every request at once, after /readyz
-and a warm-up through the whole path. The same prompts (token ids), greedy: the tokens must
-agree; no prefix caching (bench_settings says why). Per run: tokens/s, TTFT, the engine's steps
-and their mean time (the worker's /metrics); per Kafka request, the TTFT Kafka adds
-(client TTFT minus the worker's own, from receipt). Targets: throughput >= 0.9x in-process, TTFT
-p50 at most 50 ms more. Writes bench/results/kafka_e2e.json. The gateway and peer benchmarks run
-their workers through this module's Fleet.
+in_process: bench/engine.py's run on a thread of its own. kafka: the local broker
+(`scripts/kafka.sh acquire`), a `python -m inferline.worker` with the same settings on fresh
+topics, and an InferenceClient submitting every request at once, after a warm-up. The same
+prompts (token ids), greedy: the tokens must agree. Per run: tokens/s, TTFT, the engine's steps;
+per Kafka request, the TTFT Kafka adds (client TTFT minus the worker's own). Targets: throughput
+>= 0.9x in-process, TTFT p50 at most 50 ms more. Writes bench/results/kafka_e2e.json. The
+gateway and peer benchmarks run their workers through this module's Fleet.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench import stats
-from bench.workload import add_workload_args, apply_quick
+from bench.workload import add_workload_args, apply_quick, describe, from_args
 
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
@@ -68,19 +66,6 @@ def bench_settings(args):
     # second run would find the first run's prompts cached, while each in-process run starts cold.
     cache = s.cache.model_copy(update={"enable_prefix_caching": False})
     return s.model_copy(update={"scheduler": sched, "cache": cache})
-
-
-def workload(tokenizer, args):
-    from bench.workload import make_workload
-
-    return make_workload(tokenizer, num_requests=args.num_requests, max_output=args.max_output,
-                         max_prompt=args.max_prompt, seed=args.seed)
-
-
-def workload_stats(items) -> dict:
-    prompts, outs = [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items]
-    return {"num_requests": len(items), "prompt_tokens": [min(prompts), max(prompts)],
-            "output_tokens": [min(outs), max(outs)], "total_output": sum(outs)}
 
 
 # ---- the worker -----------------------------------------------------------------------------
@@ -336,11 +321,11 @@ def main(argv=None) -> dict:
         # Loaded on a thread that then exits: a thread that keeps an OpenMP pool (this one, had it
         # loaded the model) slows every other thread's parallel regions (docs/benchmarks.md).
         runner = in_thread(lambda: ModelRunner(settings), args.threads)
-        items = workload(runner.tokenizer, args)
+        items = from_args(runner.tokenizer, args)
         warm = [shorter(i) for i in items[:2]]
         in_thread(lambda: in_process_run(runner, settings, warm), args.threads)
         fleet.wait(args.ready_timeout)
-        res.update(workload=workload_stats(items), settings={
+        res.update(workload=describe(items), settings={
             "max_num_seqs": args.max_num_seqs, "threads": args.threads,
             "max_num_batched_tokens": args.max_num_batched_tokens, "device": str(runner.device)})
         for i, path in enumerate(stats.abba(["in_process", "kafka"], args.repeats)):

@@ -6,20 +6,19 @@ builds llama-server and passes --server-bin:
     bench/peer_llamacpp.sh --quick                    # 4 requests x 8 tokens (a smoke run)
     bench/peer_llamacpp.sh --linear auto --repeats 2  # llamacpp, auto, auto, llamacpp (ABBA)
 
-The workload: bench/workload.py's prompts (chat template applied, sent as token ids to both),
-output lengths lognormal (median --median-output, --sigma, clipped to [8, --max-output]), greedy,
-ignore_eos, all submitted at t0. llama-server gets them on /completion (`n_predict`, `ignore_eos`,
-`cache_prompt` false, streamed: TTFT is the first streamed token); inferline through the local
-broker (bench/kafka_e2e.py), one worker per --linear value (INFERLINE_MODEL__CPU_LINEAR). Prints
-tokens/s, TTFT p50/p99 and each inferline run's ratio to llama-server's, and the backends each
-worker chose (/metrics `inferline_kernel_backend_info`); writes
-bench/results/peer_llamacpp.json. The arithmetic differs (llama.cpp multiplies 4-bit weights by
-8-bit activations, inferline computes in fp32), so token counts are checked, not tokens.
+bench/workload.py's prompts as token ids to both, output lengths lognormal (median
+--median-output, --sigma, clipped to [8, --max-output]), greedy, ignore_eos, all at t0.
+llama-server gets them on streamed /completion (`cache_prompt` false); inferline through the
+local broker (bench/kafka_e2e.py), one worker per --linear value (INFERLINE_MODEL__CPU_LINEAR).
+Prints tokens/s, TTFT p50/p99, each inferline run's ratio to llama-server's and the backends each
+worker chose; writes bench/results/peer_llamacpp.json. llama.cpp multiplies 4-bit weights by
+8-bit activations, inferline computes fp32: token counts are checked, not tokens.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import http.client
 import json
 import math
@@ -28,11 +27,11 @@ import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench import kafka_e2e as e2e
 from bench import stats
+from bench.workload import describe, from_args
 
 LINEAR_CHOICES = ("auto", "c", "onednn", "torch")
 
@@ -93,13 +92,6 @@ def parse_backend_info(metrics_text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-@dataclass(frozen=True)
-class Item:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
 # ---- llama-server ---------------------------------------------------------------------------
 
 
@@ -120,7 +112,7 @@ def start_server(args, gguf: Path, ctx: int, port: int):
     return proc
 
 
-def complete(port: int, item: Item, t0: float) -> stats.Timed:
+def complete(port: int, item, t0: float) -> stats.Timed:
     """One streamed /completion, timed from t0."""
     body = json.dumps({"prompt": item.prompt_token_ids, "n_predict": item.max_tokens,
                        "ignore_eos": True, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
@@ -144,8 +136,8 @@ def complete(port: int, item: Item, t0: float) -> stats.Timed:
     return stats.Timed(t0, first, time.perf_counter(), tokens)
 
 
-def llamacpp_run(port: int, items: list[Item]) -> dict:
-    complete(port, Item("warm", items[0].prompt_token_ids, 2), time.perf_counter())
+def llamacpp_run(port: int, items: list) -> dict:
+    complete(port, e2e.shorter(items[0]), time.perf_counter())
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(items)) as pool:
         timed = list(pool.map(lambda i: complete(port, i, t0), items))
@@ -155,15 +147,14 @@ def llamacpp_run(port: int, items: list[Item]) -> dict:
 # ---- main -----------------------------------------------------------------------------------
 
 
-def make_items(args) -> list[Item]:
-    from bench.workload import make_workload
+def make_items(args) -> list:
+    """bench/workload.py's prompts with lognormal output lengths."""
     from inferline.worker.engine.models.loader import load_tokenizer
 
-    work = make_workload(load_tokenizer(None), num_requests=args.num_requests,
-                         max_output=args.max_output, max_prompt=args.max_prompt, seed=args.seed)
+    work = from_args(load_tokenizer(None), args)
     lengths = lognormal_lengths(len(work), args.median_output, args.sigma, args.min_output,
                                 args.max_output, args.seed)
-    return [Item(w.request_id, w.prompt_token_ids, n) for w, n in zip(work, lengths)]
+    return [dataclasses.replace(w, max_tokens=n) for w, n in zip(work, lengths)]
 
 
 def print_report(res: dict) -> None:
@@ -190,7 +181,7 @@ def main(argv=None) -> dict:
     settings = e2e.bench_settings(args)
     res = {"command": stats.command("peer_llamacpp", argv),
            "machine": stats.machine_info(), "gguf": str(gguf),
-           "workload": e2e.workload_stats(items),
+           "workload": describe(items),
            "settings": {"parallel": args.parallel, "threads": args.threads,
                         "max_num_seqs": args.max_num_seqs}}
     server, runs = None, []

@@ -4,15 +4,13 @@ producer, which keeps every topic it ever wrote to.
     python -m bench.reply_topics                  # 10,000 reply topics, one request each
     python -m bench.reply_topics --topics 600     # just past MAX_PRODUCER_TOPICS (the test)
 
-On a private broker (tests.chaos_fixtures.PrivateBroker: a free port, a temporary data dir), N
-reply topics of one partition are created and awaited until the broker leads them all. Then, each
-in a child process of its own (so that its RSS growth is its own), after one untimed warm-up
-request and at most --concurrency requests in flight: (a) `worker`: the worker's Publisher and
-Transactions send each topic one request's events as worker/app.py does (`started`, `tokens`, the
-final `done` committed with its input offset); (b) `baseline`: one plain idempotent
-AIOKafkaProducer sends the same three events. Per variant: the producers' metadata topic sets at
-the end (aiokafka's `client._topics`; empty means every topic of the cluster), the topics a
-refresh fetches and its time, events/s, RSS growth. Writes bench/results/reply-topics.json.
+On a private broker (tests.chaos_fixtures.PrivateBroker), N reply topics of one partition, then,
+after a warm-up request and at most --concurrency requests in flight: (a) `worker`: the worker's
+Publisher and Transactions send each topic one request's events as worker/app.py does (the final
+`done` committed with its input offset); (b) `baseline`: one plain idempotent AIOKafkaProducer
+sends the same three events. Per variant: the producers' metadata topic sets at the end (empty:
+every topic of the cluster), the topics a refresh fetches and its time, events/s. Writes
+bench/results/reply-topics.json.
 """
 from __future__ import annotations
 
@@ -23,8 +21,6 @@ import logging
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -32,7 +28,6 @@ from pathlib import Path
 
 from bench import stats
 
-REPO = Path(__file__).resolve().parent.parent
 EVENTS = 3  # started, tokens, done per request
 
 
@@ -43,9 +38,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at a time")
     p.add_argument("--heap", help="broker JVM heap flags (default: grows with --topics)")
     p.add_argument("--out", type=Path, default=stats.RESULTS / "reply-topics.json")
-    # A child process runs one variant against the parent's broker and topics.
-    for hidden in ("--variant", "--bootstrap", "--stem", "--child-out"):
-        p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.topics < 1 or args.concurrency < 1:
         p.error("--topics and --concurrency must be positive")
@@ -54,11 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def reply(stem: str, i: int | str) -> str:
     return f"inferline.reply.bench-{stem}-{i}"
-
-
-def rss_mb() -> float:
-    status = Path("/proc/self/status").read_text().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
 async def metadata(client) -> dict:
@@ -78,8 +65,7 @@ async def load(args, send, stem: str) -> dict:
     sends one request's events and returns once they are acknowledged."""
     if await send(-1, reply(stem, "warmup")) != "ok":
         raise RuntimeError("the warm-up request failed")
-    slots, outcomes = asyncio.Semaphore(args.concurrency), {}
-    rss0, t0 = rss_mb(), time.perf_counter()
+    slots, outcomes, t0 = asyncio.Semaphore(args.concurrency), {}, time.perf_counter()
 
     async def one(i: int) -> None:
         try:
@@ -95,8 +81,7 @@ async def load(args, send, stem: str) -> dict:
     await asyncio.gather(*tasks)
     send_s = time.perf_counter() - t0
     return {"requests": len(tasks), "events": EVENTS * len(tasks), "outcomes": outcomes,
-            "send_s": send_s, "events_per_s": EVENTS * len(tasks) / send_s,
-            "rss_growth_mb": rss_mb() - rss0}
+            "send_s": send_s, "events_per_s": EVENTS * len(tasks) / send_s}
 
 
 async def run_worker(args) -> dict:
@@ -208,15 +193,6 @@ async def end_offsets(bootstrap: str, stem: str, n: int, timeout_ms: int = 40_00
     return {"min": min(values), "max": max(values), "expected_min": 2 * EVENTS + 1}
 
 
-def run_child(variant: str, args, bootstrap: str, stem: str, kdir: Path) -> dict:
-    out = kdir / f"{variant}.json"
-    subprocess.run([sys.executable, "-m", "bench.reply_topics", "--variant", variant,
-                    "--bootstrap", bootstrap, "--stem", stem, "--topics", str(args.topics),
-                    "--concurrency", str(args.concurrency), "--child-out", str(out)],
-                   cwd=REPO, check=True)
-    return json.loads(out.read_text())
-
-
 def table(res: dict) -> str:
     w, b = res["runs"]["worker"], res["runs"]["baseline"]
     pub, txn, base = w["publisher_producer"], w["transactional_producer"], b["producer"]
@@ -230,18 +206,13 @@ def table(res: dict) -> str:
             ("outcomes", json.dumps(w["outcomes"]), json.dumps(b["outcomes"])),
             *[(f"metadata: {k}", f"{md(pub, k)} + txn {md(txn, k)}", md(base, k))
               for k in ("topics", "cached_topics", "refresh_s")],
-            ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}"),
-            ("RSS growth (MiB)", f"{w['rss_growth_mb']:.1f}", f"{b['rss_growth_mb']:.1f}")]
+            ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}")]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
 
-def main(argv=None) -> dict | None:
+def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.variant:
-        fn = run_worker if args.variant == "worker" else run_baseline
-        Path(args.child_out).write_text(json.dumps(asyncio.run(fn(args))))
-        return None
     from inferline.worker.delivery.transactions import MAX_PRODUCER_TOPICS
     from tests.chaos_fixtures import PrivateBroker
 
@@ -265,8 +236,9 @@ def main(argv=None) -> dict | None:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
         asyncio.run(end_offsets(broker.bootstrap, stem, args.topics, timeout_ms=600_000))
         logging.getLogger("aiokafka").setLevel(logging.NOTSET)
-        res["runs"] = {v: run_child(v, args, broker.bootstrap, stem, kdir)
-                       for v in ("worker", "baseline")}
+        args.bootstrap, args.stem = broker.bootstrap, stem
+        res["runs"] = {"worker": asyncio.run(run_worker(args)),
+                       "baseline": asyncio.run(run_baseline(args))}
         res["end_offsets"] = asyncio.run(end_offsets(broker.bootstrap, stem, args.topics))
     finally:
         try:

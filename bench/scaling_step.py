@@ -145,18 +145,6 @@ class StepRun:
                 if max(ts for ts, e in self.events[i] if isinstance(e, DoneEvent)) > end}
 
 
-async def group_state(admin, group: str) -> tuple[str, dict[int, str]]:
-    try:
-        (response,) = await admin.describe_consumer_groups([group])
-    except KafkaError:  # the coordinator moving or loading: not known now
-        return "Unknown", {}
-    for g in response.groups:  # members: (id, ..., assignment bytes)
-        return g[2], {p: m[0] for m in g[5] if m[-1]
-                      for _, parts in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
-                      for p in parts}
-    return "Dead", {}
-
-
 async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | None = None,
                       timeout: float = 600.0) -> dict[int, str]:
     """Polls until the group is stable with `members` members owning every partition (after a
@@ -165,7 +153,14 @@ async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | N
     await admin.start()
     try:
         while time.monotonic() < deadline:
-            state, owners = await group_state(admin, group)
+            try:
+                (response,) = await admin.describe_consumer_groups([group])
+                g = response.groups[0]  # members: (id, ..., assignment bytes)
+                state, owners = g[2], {p: m[0] for m in g[5] if m[-1] for _, parts
+                                       in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
+                                       for p in parts}
+            except (KafkaError, IndexError):  # the coordinator moving or loading: not known now
+                state, owners = "Unknown", {}
             if run is not None and state != "Stable" and run.unstable_at is None:
                 run.unstable_at = time.time()
             stable = (state == "Stable" and len(owners) == PARTITIONS

@@ -7,6 +7,7 @@ the same output lengths and the same arrival times in every run.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -87,14 +88,26 @@ def make_workload(tokenizer, num_requests: int = 64, min_output: int = 8, max_ou
     return items
 
 
+def from_args(tokenizer, args) -> list[WorkItem]:
+    """make_workload with the options of add_workload_args (and --seed)."""
+    return make_workload(tokenizer, args.num_requests, max_output=args.max_output,
+                         max_prompt=args.max_prompt, seed=args.seed)
+
+
+def describe(items: list[WorkItem]) -> dict:
+    prompts, outs = [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items]
+    return {"num_requests": len(items), "prompt_tokens": [min(prompts), max(prompts)],
+            "output_tokens": [min(outs), max(outs)], "total_output": sum(outs)}
+
+
 def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> list[WorkItem]:
-    """The same prompts and output lengths with new arrival times (Poisson at `rate`, or all at 0)."""
+    """The same requests with new arrival times (Poisson at `rate`, or all at 0)."""
     rng = random.Random(seed + 1)
     out, t = [], 0.0
     for i, item in enumerate(items):
         if rate:
             t += rng.expovariate(rate) if i else 0.0
-        out.append(WorkItem(item.request_id, item.messages, item.prompt_token_ids, item.max_tokens, t))
+        out.append(dataclasses.replace(item, arrival_s=t))
     return out
 
 
@@ -109,4 +122,5 @@ def add_workload_args(parser) -> None:
 def apply_quick(args) -> None:
     """--quick shrinks the workload to a smoke run."""
     if args.quick:
-        args.num_requests, args.max_output, args.max_prompt = min(args.num_requests, 4), min(args.max_output, 8), 40
+        args.num_requests, args.max_output = min(args.num_requests, 4), min(args.max_output, 8)
+        args.max_prompt = 40

@@ -39,7 +39,6 @@ def test_writes_both_runs_and_every_event_arrives(results):
     for name, run in results["runs"].items():
         assert run["outcomes"] == {"ok": TOPICS}, name
         assert run["events"] == 3 * TOPICS and run["events_per_s"] > 0, name
-        assert run["rss_growth_mb"] is not None, name
     assert results["runs"]["worker"]["send_failures"] == 0
     ends = results["end_offsets"]
     assert ends["min"] >= ends["expected_min"]
