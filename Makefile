@@ -68,9 +68,9 @@ chaos: install
 	scripts/test.sh -m chaos --chaos-long
 
 # Every Triton launch plan compiled for sm_80 / sm_90a / sm_100a, no GPU needed: fails on a
-# compile error, a register spill or too much shared memory (kernels/triton/compile_check.py).
+# compile error, a register spill or too much shared memory (scripts/gpu_compile.py).
 gpu-compile: install
-	$(BIN)/python -m inferline.kernels.triton.compile_check
+	$(BIN)/python scripts/gpu_compile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,59 +1,105 @@
-"""What the A/B benchmarks share (bench/kv_dtype.py, bench/spec_decode.py): the ABBA order on one
-workload, their common arguments, and the thread they measure on.
+"""A/B runs of the engine benchmark's workload in one process, in ABBA order (A, B, B, A: a drift
+in the machine's load cancels in the means).
 
-ABBA: A, B, B, A in one process, so a drift in the machine's load (shared, noisy) cancels in the
-means. Each run's `summarize` keeps its canary (the machine's matmul rate just before it).
+    python -m bench.ab kv-dtype                     # fp32 against fp16 K/V cache, 64 seats
+    python -m bench.ab spec-decode                  # plain decoding against n-gram drafts
+    python -m bench.ab spec-decode --seats 1 --num-requests 8   # one stream, where drafts pay
+    python -m bench.ab kv-dtype --policy static     # static batching, 16 seats (HF's batch)
+
+kv-dtype: two ModelRunners, INFERLINE_CACHE__DTYPE auto and float16; fp16 rounds K/V, so requests
+with equal greedy tokens are counted, not assumed. spec-decode: one runner, speculative method
+none and ngram; drafts never change greedy tokens, so every request must agree. Prints tokens/s,
+step counts and times, drafts accepted, the B/A ratio of the means, the requests that agree.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import gc
 
-from bench import roofline
-from bench.engine import RunRecord, summarize
+from bench import roofline, stats
+from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
+from bench.workload import make_workload
+
+EXPERIMENTS = {"kv-dtype": ("auto", "float16"), "spec-decode": ("none", "ngram")}
 
 
-def abba(run_one: Callable[[str], RunRecord], a: str, b: str) -> dict:
-    """`run_one(mode)` for a, b, b, a. Returns the summaries per mode, the ratio of the means
-    (b / a, tokens/s), and how many requests produced the same tokens under both."""
-    runs: dict[str, list] = {a: [], b: []}
-    tokens: dict[str, dict] = {}
-    for mode in (a, b, b, a):
-        record = run_one(mode)
-        runs[mode].append(summarize(record))
-        tokens.setdefault(mode, record.token_ids)
-    same = sum(tokens[a][r] == ids for r, ids in tokens[b].items())
+def settings_for(args, mode: str):
+    kv = mode if args.experiment == "kv-dtype" else "auto"
+    s = engine_settings(args.policy, args.seats, 512, True, kv)
+    if args.experiment == "spec-decode":
+        s.speculative.method, s.speculative.num_tokens = mode, args.num_tokens
+        spec = s.speculative
+        spec.prompt_lookup_max, spec.prompt_lookup_min = args.lookup_max, args.lookup_min
+        s.speculative.disable_by_batch_size = args.disable_by_batch_size
+    return s
+
+
+def measure(args) -> dict:
+    from inferline.worker.engine.model_runner import ModelRunner
+
+    a, b = EXPERIMENTS[args.experiment]
+    settings = {m: settings_for(args, m) for m in (a, b)}
+    runners = {a: ModelRunner(settings[a])}
+    runners[b] = ModelRunner(settings[b]) if args.experiment == "kv-dtype" else runners[a]
+    items = make_workload(runners[a].tokenizer, args.num_requests, max_output=args.max_output,
+                          seed=args.seed)
+    for runner in {id(r): r for r in runners.values()}.values():
+        warm_up_engine(runner)
+    gc.freeze()  # as the worker's EngineLoop does once its engine is built
+    runs, tokens = {a: [], b: []}, {}
+    try:
+        for mode in stats.abba([a, b], 2):
+            record = run_engine(runners[mode], settings[mode], items, mode)
+            runs[mode].append(summarize(record))
+            tokens.setdefault(mode, record.token_ids)
+    finally:
+        gc.unfreeze()
     mean = {m: sum(s["tokens_per_s"] for s in ss) / len(ss) for m, ss in runs.items()}
-    return {"runs": runs, "ratio": mean[b] / mean[a], "same_greedy": same, "num_requests": len(tokens[a])}
+    return {"experiment": args.experiment, "runs": runs, "ratio": mean[b] / mean[a],
+            "same_greedy": sum(tokens[a][r] == ids for r, ids in tokens[b].items()),
+            "num_requests": len(items)}
 
 
-def in_abba_order(res: dict, a: str, b: str):
-    """(mode, summary) of abba's runs in the order they ran."""
-    return [(m, res["runs"][m][i]) for m, i in ((a, 0), (b, 0), (b, 1), (a, 1))]
+def report(args, res: dict) -> None:
+    a, b = EXPERIMENTS[args.experiment]
+    print(f"{args.experiment}: {args.policy} batching, {args.seats} seats, {res['num_requests']} "
+          "requests, ABBA:")
+    for mode, i in ((a, 0), (b, 0), (b, 1), (a, 1)):
+        s = res["runs"][mode][i]
+        steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.1f} ms"
+                          for k, v in s["step_time_ms"].items())
+        drafts = s["spec_draft_tokens"]
+        accepted = f"; drafts {drafts}, accepted {s['spec_accepted_tokens']}" if drafts else ""
+        print(f"  {mode:8s} {s['tokens_per_s']:6.1f} tok/s ({steps}{accepted}; canary "
+              f"{s['canary_gflops']:.0f} GFLOP/s)")
+    print(f"  {b} / {a}: {res['ratio']:.3f}x (means); greedy tokens equal for "
+          f"{res['same_greedy']} of {res['num_requests']} requests")
 
 
-def steps_line(summary: dict) -> str:
-    """A run's step counts and mean times by kind, e.g. "decode 245 x 121.4 ms, mixed 21 x 783.6 ms"."""
-    return ", ".join(f"{kind} {v['count']} x {v['mean_ms']:.1f} ms" for kind, v in summary["step_time_ms"].items())
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", choices=sorted(EXPERIMENTS))
     p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
-    p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64 continuous, 16 static)")
+    p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64, static 16)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-
-
-def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    p.add_argument("--num-tokens", type=int, default=4, help="spec-decode: drafts per step")
+    p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--disable-by-batch-size", type=int, default=None)
     args = p.parse_args(argv)
     args.seats = args.seats or (64 if args.policy == "continuous" else 16)
     return args
 
 
-def main(measure: Callable, report: Callable, args: argparse.Namespace) -> dict:
-    """Measure on a thread of its own with `args.threads` OpenMP threads (see bench/roofline.py), then report."""
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     res = roofline.in_thread(lambda: measure(args), args.threads)
     report(args, res)
     return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,28 +1,22 @@
 """The one prepared GPU check: kernels' correctness on CUDA, their timings and bandwidth, then the
-engine (issue 4, Measure; issue 39, items 6 and 7).
+engine.
 
     bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf] [--cpu-smoke | --dry-run]
 
 1. Correctness of store_kv, decode (one pass and split-KV) and prefill against kernels/reference.py
    on CUDA: fp32/fp16/bf16, head_dim 64..256, block_size 8..128, GQA 1/4/8, NaN in every unused
-   slot, NaN-poisoned outputs, launcher range checks on; plus a cache of more than 2^31
-   elements read at its far end (int64 addressing).
-2. Decode timings (triton.testing.do_bench, median ms) at batch 1/16/64/256 x context
-   512/2048/4096/16384, 32 query / 8 KV heads, head_dim 128, bf16, block_size 16, shuffled blocks:
-   the Triton kernel, (a) the reference path on the same paged cache, (b) torch SDPA on the same
-   K/V already gathered into dense tensors (gather not timed). Bandwidth = K+V bytes read / time,
-   against a measured device-to-device copy (read + write bytes / time). Target: batch 64,
-   context 4096 at >= 70% of copy bandwidth.
+   slot and output, range checks on; a cache of more than 2^31 elements read at its far end.
+2. Decode timings (do_bench medians) at batch 1..256 x context 512..16384, 32/8 heads, head_dim
+   128, bf16, blocks of 16 shuffled: Triton against the reference path on the same paged cache and
+   SDPA on gathered dense K/V; bandwidth = K+V bytes / time against a device-to-device copy.
+   Target: batch 64, context 4096 at >= 70% of copy bandwidth.
 3. Prefill timings against SDPA (causal) on dense K/V.
-4. The engine (bench/gpu_engine_check.py): peak memory while Llama-3-8B-shaped dummy weights
-   load; start-up time (load, warm-up, CUDA graph capture) and its peak memory; decode tokens/s at
-   batch 1/16/64, context 2k, with CUDA graphs off, padded eager and on, against the bandwidth
-   limit; SmolLM2's greedy tokens in fp32 against HF generate, graphs on and off.
+4. The engine (bench/gpu_engine_check.py): load memory, start-up, decode against the bandwidth
+   limit with CUDA graphs off, padded eager and on; SmolLM2's greedy tokens against HF's.
 
 Without a CUDA device it says so and exits 0. `--dry-run` prints the plan and the paper limits
-(an H200's nominal bandwidth) without CUDA or Triton; `--cpu-smoke` runs the script itself on the
-CPU under the Triton interpreter, tiny shapes, numbers that mean nothing. Sized for under 10
-minutes on one H200 with an empty Triton cache (not yet run on one: docs/gpu.md).
+(an H200's nominal bandwidth); `--cpu-smoke` runs the script on the CPU under the Triton
+interpreter, tiny shapes, numbers that mean nothing. Sized for under 10 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -48,11 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-engine", action="store_true", help="no load, engine or HF section")
     parser.add_argument("--skip-hf", action="store_true", help="no greedy comparison with HF")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--cpu-smoke",
-        action="store_true",
-        help="exercise this script on CPU under the Triton interpreter, tiny shapes",
-    )
+    mode.add_argument("--cpu-smoke", action="store_true",
+                      help="exercise this script on CPU under the Triton interpreter, tiny shapes")
     mode.add_argument("--dry-run", action="store_true", help="print the plan and the paper limits; run nothing")
     return parser.parse_args(argv)
 
@@ -73,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing measured.")
         return 0
     report = Report()
-    device = (
-        torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (interpreter; numbers mean nothing)"
-    )
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (numbers mean nothing)"
     report.line(f"# GPU check: {device}, torch {torch.__version__}, {_triton_version()}")
     started = time.perf_counter()
     failures = check_correctness(report, quick=args.quick)
@@ -181,12 +170,8 @@ def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True,
     for i, n in enumerate(lens):
         pos = torch.arange(n, device=dev)
         slots = tables[i, pos // block_size].long() * block_size + pos % block_size
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            n, num_kv_heads, head_dim, device=dev
-        ).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            n, num_kv_heads, head_dim, device=dev
-        ).to(dtype)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, device=dev).to(dtype)
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
 
 
@@ -226,9 +211,8 @@ def check_correctness(report: Report, quick: bool) -> int:
     torch.manual_seed(0)
     rows, failures = [], 0
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    combos = [  # (gqa, block_size, head_dim)
-        (1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256), (1, 128, 128),
-    ]  # fmt: skip
+    # (gqa, block_size, head_dim)
+    combos = [(1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256), (1, 128, 128)]
     if quick:
         combos = combos[:3]
     for dtype in dtypes:
@@ -239,17 +223,13 @@ def check_correctness(report: Report, quick: bool) -> int:
             q = torch.randn(len(lens), kvh * gqa, dim, device=DEV).to(dtype)
             args = (q, k_cache, v_cache, tables, ctx, dim**-0.5)
             ref = _reference_decode(*args)
-            for label, kw in (
-                ("decode 1-pass", {"num_splits": 1}),
-                ("decode split", {}),
-                ("decode 7 splits", {"num_splits": 7}),
-            ):
+            for label, kw in (("decode 1-pass", {"num_splits": 1}), ("decode split", {}),
+                              ("decode 7 splits", {"num_splits": 7})):
                 out = torch.full_like(q, float("nan"))
                 paged_decode_attention_triton(*args, out=out, **kw)
                 failures += _row(rows, label, dtype, gqa, bs, dim, rel_err(out, ref))
-            failures += _check_prefill(
-                rows, paged_prefill_attention_triton, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx
-            )
+            failures += _check_prefill(rows, paged_prefill_attention_triton, dtype, gqa, bs, dim,
+                                       k_cache, v_cache, tables, ctx)
         failures += _check_store(rows, dtype)
     if not SMOKE:
         failures += _check_int64(rows)
@@ -275,9 +255,7 @@ def _row(rows, label, dtype, gqa, bs, dim, err) -> int:
 def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx) -> int:
     from inferline.kernels import reference
 
-    q_lens = (
-        [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]
-    )  # plain, and chunks on cached context
+    q_lens = [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]  # chunks on cached context
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     q = torch.randn(int(cu[-1]), k_cache.shape[2] * gqa, dim, device=DEV).to(dtype)
     args = (q, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
@@ -300,9 +278,8 @@ def _check_store(rows, dtype) -> int:
     v = torch.randn(500, 8, 128, device=DEV).to(dtype)
     store_kv_triton(k, v, k_cache, v_cache, slots)
     reference.store_kv(k, v, want_k, want_v, slots)
-    same = torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0)) and torch.equal(
-        v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0)
-    )
+    same = all(torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+               for got, want in ((k_cache, want_k), (v_cache, want_v)))
     return _row(rows, "store_kv (exact)", dtype, "-", 16, 128, 0.0 if same else float("inf"))
 
 
@@ -320,31 +297,22 @@ def _check_int64(rows) -> int:
     if 2 * 2 * (offset_blocks + 128) * per_block > free * 0.8:
         rows.append(["int64 addressing", "bf16", "-", bs, dim, "skipped: memory", "-", "-"])
         return 0
-    k_cache, v_cache, tables, ctx = paged_cache(
-        [1000, 37], bs, kvh, dim, torch.bfloat16, poison=False, offset_blocks=offset_blocks
-    )
+    k_cache, v_cache, tables, ctx = paged_cache([1000, 37], bs, kvh, dim, torch.bfloat16, poison=False,
+                                                offset_blocks=offset_blocks)
     q = torch.randn(2, 32, dim, device=DEV).to(torch.bfloat16)
     new = torch.randn(2, kvh, dim, device=DEV).to(torch.bfloat16)
     last = tables[:, 0].long() * bs  # overwrite token 0 of each sequence through the kernel
     store_kv_triton(new, new, k_cache, v_cache, last)
-    failures = _row(
-        rows, "int64 store", torch.bfloat16, "-", bs, dim, rel_err(k_cache.view(-1, kvh, dim)[last], new)
-    )
+    failures = _row(rows, "int64 store", torch.bfloat16, "-", bs, dim,
+                    rel_err(k_cache.view(-1, kvh, dim)[last], new))
     ref = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, dim**-0.5)
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, dim**-0.5)
     failures += _row(rows, "int64 decode", torch.bfloat16, 4, bs, dim, rel_err(out, ref))
     cu = torch.tensor([0, 100, 137], dtype=torch.int32, device=DEV)
     qp = torch.randn(137, 32, dim, device=DEV).to(torch.bfloat16)
     args = (qp, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
-    failures += _row(
-        rows,
-        "int64 prefill",
-        torch.bfloat16,
-        4,
-        bs,
-        dim,
-        rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)),
-    )
+    failures += _row(rows, "int64 prefill", torch.bfloat16, 4, bs, dim,
+                     rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)))
     del k_cache, v_cache
     _empty_cache()
     return failures
@@ -373,11 +341,9 @@ def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
         for batch in batches:
             rows.append(_decode_row(batch, ctx_len, copy_gbs))
             _empty_cache()  # the row's tensors died with its frame
-    report.line(
-        f"\n## Decode attention, bf16, {BENCH_HEADS}/{BENCH_KV_HEADS} heads, head_dim {BENCH_DIM}, "
-        f"block {BENCH_BLOCK}\n\nms = do_bench median; speed-up = other / triton; "
-        "bandwidth = K+V bytes / triton time.\n"
-    )
+    report.line(f"\n## Decode attention, bf16, {BENCH_HEADS}/{BENCH_KV_HEADS} heads, head_dim {BENCH_DIM}, "
+                f"block {BENCH_BLOCK}\n\nms = do_bench median; speed-up = other / triton; "
+                "bandwidth = K+V bytes / triton time.\n")
     header = ["batch", "context", "triton ms", "reference ms", "SDPA dense ms", "vs ref", "vs SDPA"]
     report.table(header + ["GB/s", "of copy"], rows)
     target = [r for r in rows if r[0] == 64 and r[1] == 4096]
@@ -392,9 +358,8 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     from inferline.kernels.triton.decode import paged_decode_attention_triton
 
     lens = [ctx_len] * batch
-    k_cache, v_cache, tables, ctx = paged_cache(
-        lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
-    )
+    k_cache, v_cache, tables, ctx = paged_cache(lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16,
+                                                poison=False, spare=0)
     q = torch.randn(batch, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, ctx, BENCH_DIM**-0.5)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
@@ -441,9 +406,8 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     from inferline.kernels import reference
     from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
-    k_cache, v_cache, tables, ctx = paged_cache(
-        [ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
-    )
+    k_cache, v_cache, tables, ctx = paged_cache([ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM,
+                                                torch.bfloat16, poison=False, spare=0)
     cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
     q = torch.randn(batch * q_len, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, cu, ctx, BENCH_DIM**-0.5)

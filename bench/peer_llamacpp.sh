@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peer benchmark (issue #30): llama.cpp's llama-server on the default model's GGUF file
+# The peer benchmark: llama.cpp's llama-server on the default model's GGUF file
 # against inferline through Kafka, one workload, one command (bench/peer_llamacpp.py).
 #
 # llama-server is built from the llama.cpp that PyPI's llama-cpp-python sdist vendors, with

@@ -1,24 +1,23 @@
-"""A scaling step under steady load: a worker joins two (or one of three leaves, SIGTERM drain)
-while long streaming requests run on an 8-partition request topic.
+"""A scaling step under steady load: a worker joins two, or one of three leaves (SIGTERM, drain).
 
-    python -m bench.scaling_step                          # join and leave, hold and requeue
+    python -m bench.scaling_step                         # group mode: join, leave x requeue, hold
     python -m bench.scaling_step --step join --rebalance hold --quick
-    python -m bench.scaling_step --bootstrap localhost:9512   # a running broker, not a private one
+    python -m bench.scaling_step --mode share            # share mode (a private Kafka 4.2 broker)
 
-`--rebalance requeue` is the behaviour before #37 (round-robin assignor, every revoked partition's
-requests requeued); `hold` the default now. `--mode group` only: share mode's step is left to
-`--mode share` (not built here). Per run it reports the running requests at the step, how many
-were requeued (and on how many of the partitions that moved), the tokens computed twice (output
-tokens of requeued attempts, and their prompts again), the TTFT p99 of requests sent during the
-step, the rebalance (group not stable -> stable) and the recovery (step begin -> the last requeued
-request running again). Writes bench/results/scaling_step.json. Figures: docs/benchmarks.md.
-
-The scenario (`run_step`) is shared with tests/kafka/test_scaling_step.py, which asserts on it.
+Long streaming requests run on 8 partitions (group) or one (share: whichever worker has room takes
+the next record); the joiner loads its model first and joins at the step. Group: `--rebalance
+requeue` requeues every revoked partition's requests, `hold` (the default) only those of
+partitions that moved. Per step: the requests running at it, how many were requeued, the tokens
+computed twice (output of requeued attempts and their prompts again), the TTFT p99 of requests
+sent during the step, requests finished more than once, and how long the step took (group: to
+stable again; share: to the joiner's first `started`, or to the leaver's exit). Writes
+bench/results/scaling_step.json. tests/kafka/test_scaling_step.py asserts on `run_step`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import tempfile
 import time
@@ -31,14 +30,13 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocol
 from aiokafka.errors import KafkaError
 
+from bench import stats
 from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent
-from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, percentile, private_topics
+from tests.chaos_fixtures import PrivateBroker, ReplyWatcher, WorkerProcess, private_topics
 from tests.kafka_fixtures import produce_raw
 from tests.worker_fixtures import PROMPTS, Topics, wait_log
 from tests.worker_fixtures import request as make_request
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "results" / "scaling_step.json"
 PARTITIONS = 8
 POLL_S = 0.1
 # Long enough that a worker on a loaded 2-core machine is not dropped from the group meanwhile
@@ -48,8 +46,8 @@ SESSION_TIMEOUT_MS = 20_000
 
 @dataclass
 class Load:
-    """What runs: `initial` requests per partition before the step, one more every `interval_s`
-    while it lasts; each of `max_tokens` (ignore_eos)."""
+    """`initial` requests per partition before the step, one more every `interval_s` through it;
+    each of `max_tokens` (ignore_eos)."""
 
     initial: int = 2
     max_tokens: int = 96
@@ -58,12 +56,62 @@ class Load:
     drain_timeout_s: float = 5.0
 
 
-QUICK = Load(initial=1, max_tokens=32, interval_s=3.0, max_num_seqs=4)  # also tests/kafka/test_scaling_step.py
+QUICK = Load(initial=1, max_tokens=32, interval_s=3.0, max_num_seqs=4)  # also the test's
+SHARE = Load(initial=12, max_tokens=48, max_num_seqs=4)  # one partition: two workers saturated
+
+
+# ---- the figures, from every request's events: id -> [(timestamp s, event)] --------------------
+
+
+def dones(evs: list, requeued: bool = False, t0: float = 0.0, t1: float = float("inf")) -> list:
+    """The final `done`s of one request's events (or its `requeued` ones) within [t0, t1]."""
+    return [e for ts, e in evs if isinstance(e, DoneEvent) and t0 <= ts <= t1
+            and (e.finish_reason == "requeued") == requeued]
+
+
+def finals(evs: list) -> list[DoneEvent]:
+    return dones(evs)
+
+
+def running_at(events: dict, t: float) -> set[str]:
+    """Requests started at t whose final came after it."""
+    return {i for i, evs in events.items() if not dones(evs, t1=t)
+            and any(isinstance(e, StartedEvent) and ts <= t for ts, e in evs)}
+
+
+def requeues(events: dict, t0: float = 0.0, t1: float = float("inf")) -> dict[str, list[DoneEvent]]:
+    """id -> its attempts ended `requeued` within [t0, t1]."""
+    return {i: r for i, evs in events.items() if (r := dones(evs, True, t0, t1))}
+
+
+def ttft_p99(events: dict, sent: dict[str, float], t0: float, t1: float) -> float | None:
+    """Submit to the first token of the final attempt, of requests sent in [t0, t1]."""
+    ttfts = []
+    for i, at in sent.items():
+        if t0 <= at <= t1 and finals(events.get(i, [])):
+            attempt = finals(events[i])[-1].attempt
+            first = [ts for ts, e in events[i]
+                     if isinstance(e, TokensEvent) and e.attempt == attempt]
+            ttfts += [min(first) - at] if first else []
+    return round(stats.pct(ttfts, 99), 2) if ttfts else None
+
+
+def step_figures(events: dict, sent: dict, begin: float, end: float) -> dict:
+    running, requeued = running_at(events, begin), requeues(events, begin, end)
+    share = len(set(requeued) & running) / len(running) if running else 0
+    return {"running_at_step": len(running), "requeued": len(requeued),
+            "requeued_share": round(share, 3), "tokens_computed_twice": sum(
+                e.usage.completion_tokens + e.usage.prompt_tokens for es in requeued.values()
+                for e in es), "ttft_p99_step_s": ttft_p99(events, sent, begin, end),
+            "finished_more_than_once": sum(len(finals(events.get(i, []))) > 1 for i in sent)}
+
+
+# ---- group mode -------------------------------------------------------------------------------
 
 
 @dataclass
 class StepRun:
-    """What a step did: owners before/after, every request's partition, its submit time, its events."""
+    """A group step: owners before and after, every request's partition, submit time, events."""
 
     step: str
     rebalance: str
@@ -71,7 +119,7 @@ class StepRun:
     after: dict[int, str] = field(default_factory=dict)
     partition_of: dict[str, int] = field(default_factory=dict)
     sent_at: dict[str, float] = field(default_factory=dict)
-    events: dict[str, list] = field(default_factory=dict)  # id -> [(timestamp s, event)]
+    events: dict[str, list] = field(default_factory=dict)
     begin: float = 0.0  # the step starts (spawn of the joiner, SIGTERM of the leaver)
     unstable_at: float | None = None  # the group was first seen rebalancing
     stable_at: float | None = None  # ... and stable again with its new members
@@ -82,12 +130,13 @@ class StepRun:
 
     def requeued(self) -> dict[str, int]:
         """id -> partition of every request one of whose attempts was requeued."""
-        return {i: self.partition_of[i] for i, evs in self.events.items()
-                if any(isinstance(e, DoneEvent) and e.finish_reason == "requeued" for _, e in evs)}
+        return {i: self.partition_of[i] for i in requeues(self.events)}
 
     def finals(self, request_id: str) -> list[DoneEvent]:
-        return [e for _, e in self.events.get(request_id, []) if isinstance(e, DoneEvent)
-                and e.finish_reason != "requeued"]
+        return finals(self.events.get(request_id, []))
+
+    def running_at(self, t: float) -> set[str]:
+        return running_at(self.events, t)
 
     def ran_through(self) -> set[str]:
         """Requests started before the step whose final came after the group was stable again."""
@@ -95,245 +144,180 @@ class StepRun:
         return {i for i in self.running_at(self.begin)
                 if max(ts for ts, e in self.events[i] if isinstance(e, DoneEvent)) > end}
 
-    def running_at(self, t: float) -> set[str]:
-        """Requests started before t whose final came after it."""
-        out = set()
-        for i, evs in self.events.items():
-            started = [ts for ts, e in evs if isinstance(e, StartedEvent)]
-            final = [ts for ts, e in evs if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
-            if started and min(started) <= t and (not final or final[-1] > t):
-                out.add(i)
-        return out
 
-
-# ------------------------------------------------------------------------------ the group, seen from outside
-
-async def group_owners(bootstrap: str, group: str, members: int, timeout: float = 120.0) -> dict[int, str]:
-    """partition -> member id, once the group is stable with `members` members owning every partition."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | None = None,
+                      timeout: float = 600.0) -> dict[int, str]:
+    """Polls until the group is stable with `members` members owning every partition (after a
+    rebalance, with `run`: its unstable and stable times are marked); returns the owners."""
+    admin, deadline = AIOKafkaAdminClient(bootstrap_servers=bootstrap), time.monotonic() + timeout
     await admin.start()
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            state, owners = await _describe(admin, group)
-            if state == "Stable" and len(set(owners.values())) == members and len(owners) == PARTITIONS:
+        while time.monotonic() < deadline:
+            try:
+                (response,) = await admin.describe_consumer_groups([group])
+                g = response.groups[0]  # members: (id, ..., assignment bytes)
+                state, owners = g[2], {p: m[0] for m in g[5] if m[-1] for _, parts
+                                       in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
+                                       for p in parts}
+            except (KafkaError, IndexError):  # the coordinator moving or loading: not known now
+                state, owners = "Unknown", {}
+            if run is not None and state != "Stable" and run.unstable_at is None:
+                run.unstable_at = time.time()
+            stable = (state == "Stable" and len(owners) == PARTITIONS
+                      and len(set(owners.values())) == members)
+            if stable and (run is None or run.unstable_at is not None
+                           or set(owners.values()) != set(run.before.values())):
+                if run is not None:
+                    run.stable_at, run.after = time.time(), owners
                 return owners
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"group {group} not stable with {members} members: {state} {owners}")
             await asyncio.sleep(POLL_S)
     finally:
         await admin.close()
+    raise TimeoutError(f"group {group} not stable with {members} members")
 
 
-async def _describe(admin, group: str) -> tuple[str, dict[int, str]]:
-    try:
-        (response,) = await admin.describe_consumer_groups([group])
-    except KafkaError:  # the coordinator moving or loading: not known now
-        return "Unknown", {}
-    owners: dict[int, str] = {}
-    for g in response.groups:
-        for m in g[5]:
-            if m[-1]:
-                for _topic, parts in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment:
-                    owners.update({p: m[0] for p in parts})
-        return g[2], owners
-    return "Dead", owners
-
-
-async def watch_rebalance(bootstrap: str, group: str, run: StepRun, members: int) -> None:
-    """Marks when the group is first seen rebalancing after the step began and when it is stable
-    again with `members` members (polled every POLL_S)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        while True:
-            state, owners = await _describe(admin, group)
-            now = time.time()
-            if state != "Stable" and run.unstable_at is None:
-                run.unstable_at = now
-            if state == "Stable" and len(set(owners.values())) == members and len(owners) == PARTITIONS:
-                if run.unstable_at is not None or set(owners.values()) != set(run.before.values()):
-                    run.stable_at, run.after = now, owners
-                    return
-            await asyncio.sleep(POLL_S)
-    finally:
-        await admin.close()
-
-
-# ------------------------------------------------------------------------------ the run
-
-def _worker(name: str, bootstrap: str, topics: Topics, log_dir: Path, group: str, rebalance: str,
-            load: Load) -> WorkerProcess:
-    return WorkerProcess(name, bootstrap, topics, log_dir, worker={"name": name, "drain_timeout_s": load.drain_timeout_s},
-                         kafka={"group_id": group, "rebalance": rebalance, "session_timeout_ms": SESSION_TIMEOUT_MS},
-                         scheduler={"max_num_seqs": load.max_num_seqs, "max_waiting": 2 * load.max_num_seqs})
-
-
-async def _send(bootstrap: str, topics: Topics, run: StepRun, partition: int, load: Load) -> None:
-    req = make_request(topics.replies, PROMPTS[len(run.sent_at) % len(PROMPTS)], max_tokens=load.max_tokens,
-                       ignore_eos=True)
+async def send(bootstrap: str, topics: Topics, run: StepRun, partition: int, load: Load) -> None:
+    req = make_request(topics.replies, PROMPTS[len(run.sent_at) % len(PROMPTS)],
+                       max_tokens=load.max_tokens, ignore_eos=True)
     run.partition_of[req["id"]], run.sent_at[req["id"]] = partition, time.time()
-    await produce_raw(bootstrap, topics.requests, [(req["id"].encode(), msgpack.packb(req))], partition=partition)
+    await produce_raw(bootstrap, topics.requests, [(req["id"].encode(), msgpack.packb(req))],
+                      partition=partition)
 
 
-async def _steady(bootstrap: str, topics: Topics, run: StepRun, load: Load, stop: asyncio.Event) -> None:
+async def steady(load: Load, stop: asyncio.Event, send_one) -> None:
+    """`send_one(n)` every `load.interval_s` until stopped."""
     n = 0
     while not stop.is_set():
-        await _send(bootstrap, topics, run, n % PARTITIONS, load)
+        await send_one(n)
         n += 1
         try:
             await asyncio.wait_for(stop.wait(), load.interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
-async def _all_started(watcher: ReplyWatcher, ids, timeout: float = 300.0) -> None:
+async def until(check, what: str, timeout: float = 1200.0, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
-    while watcher.started(ids) < len(ids):
-        assert time.monotonic() < deadline, "the initial requests never all started"
-        await asyncio.sleep(POLL_S)
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(poll)
 
 
-async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path, load: Load | None = None) -> StepRun:
-    """Two workers (join) or three (leave) serve `load`; once every initial request runs, a third
-    joins (or the third leaves, SIGTERM); the load goes on through the step until the group is
-    stable again, then every request is awaited to its final `done` (read_committed)."""
-    load = load or Load()
-    topics = await private_topics(bootstrap, "scale", PARTITIONS, PARTITIONS)
-    group = f"scale-{uuid.uuid4().hex[:8]}"
-    run = StepRun(step, rebalance)
-    workers = {n: _worker(n, bootstrap, topics, log_dir, group, rebalance, load) for n in ("w1", "w2", "w3")}
+async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path,
+                   load: Load | None = None, mode: str = "group") -> StepRun:
+    """Two workers (join) or three (leave) serve `load`; once the initial requests run, a third
+    joins (or the third leaves, SIGTERM); the load goes on through the step (group: until the
+    group is stable again), then every request is awaited to its final `done` (read_committed)."""
+    load, share = load or Load(), mode == "share"
+    partitions = 1 if share else PARTITIONS
+    topics = await private_topics(bootstrap, "scale", partitions, partitions)
+    group, run = f"scale-{uuid.uuid4().hex[:8]}", StepRun(step, rebalance)
+    kafka = ({"intake": "share"} if share else
+             {"rebalance": rebalance, "session_timeout_ms": SESSION_TIMEOUT_MS})
+    workers = {n: WorkerProcess(n, bootstrap, topics, log_dir, kafka={"group_id": group, **kafka},
+                                worker={"name": n, "drain_timeout_s": load.drain_timeout_s},
+                                scheduler={"max_num_seqs": load.max_num_seqs,
+                                           "max_waiting": load.max_num_seqs * (1 if share else 2)})
+               for n in ("w1", "w2", "w3")}
     gate = log_dir / f"join-{group}"  # the joiner loads its model now, joins at the step
     for name, w in workers.items():
-        w.spawn({"INFERLINE_FAULT_JOIN_GATE": str(gate)} if step == "join" and name == "w3" else None)
+        joins = step == "join" and name == "w3"
+        w.spawn({"INFERLINE_FAULT_JOIN_GATE": str(gate)} if joins else None)
     joiner = workers.pop("w3") if step == "join" else None
-    watcher = ReplyWatcher(bootstrap, topics.replies, PARTITIONS)
-    stop = asyncio.Event()
+    watcher, stop = ReplyWatcher(bootstrap, topics.replies, partitions), asyncio.Event()
     try:
         await asyncio.gather(*(w.wait_started(600) for w in workers.values()))
         if joiner is not None:
             await wait_log(joiner.log_path, '"worker.join_gate"', joiner.proc, 600)
-        run.before = await group_owners(bootstrap, group, len(workers))
+        if not share:
+            run.before = await watch_group(bootstrap, group, len(workers), timeout=120)
         await watcher.start()
-        for p in range(PARTITIONS):
+        for p in range(partitions):
             for _ in range(load.initial):
-                await _send(bootstrap, topics, run, p, load)
-        await _all_started(watcher, list(run.sent_at))
-        steady = asyncio.create_task(_steady(bootstrap, topics, run, load, stop))
+                await send(bootstrap, topics, run, p, load)
+        # Every initial request runs (share: as many as the workers' seats hold).
+        running = min(len(run.sent_at), len(workers) * load.max_num_seqs)
+        await until(lambda: watcher.started(list(run.sent_at)) >= running,
+                    "the initial requests never started", 300, POLL_S)
+        load_task = asyncio.create_task(steady(
+            load, stop, lambda n: send(bootstrap, topics, run, n % partitions, load)))
         run.begin = time.time()
         members = len(workers) + (1 if step == "join" else -1)
+        if not share:
+            watching = asyncio.create_task(watch_group(bootstrap, group, members, run))
         if joiner is not None:
             workers["w3"] = joiner
             gate.touch()
-            await watch_rebalance(bootstrap, group, run, members)
         else:
-            watching = asyncio.create_task(watch_rebalance(bootstrap, group, run, members))
             assert await workers["w3"].terminate() == 0
+        if not share:
             await watching
+        elif joiner is not None:
+            await until(lambda: joined(watcher), "the joiner never started a request", 900, POLL_S)
+        run.stable_at = run.stable_at or time.time()
         await asyncio.sleep(5.0)  # steady load a while past the step
         stop.set()
-        await steady
-        await _all_final(watcher, list(run.sent_at))
+        await load_task
+        ids = list(run.sent_at)
+        await until(lambda: watcher.finished(ids) == len(ids), "requests never finished")
+        await asyncio.sleep(2.0)  # a duplicate final would come about now
         run.events = watcher.events()
         return run
     finally:
         stop.set()
         await watcher.stop()
-        for w in [*workers.values(), *([joiner] if joiner and "w3" not in workers else [])]:
+        for w in {*workers.values(), *([joiner] if joiner else [])}:
             if w.alive():
                 await w.terminate()
 
 
-async def _all_final(watcher: ReplyWatcher, ids, timeout: float = 1200.0) -> None:
-    deadline = time.monotonic() + timeout
-    while watcher.finished(ids) < len(ids):
-        assert time.monotonic() < deadline, f"{len(ids) - watcher.finished(ids)} requests never finished"
-        await asyncio.sleep(0.5)
-    await asyncio.sleep(2.0)  # a duplicate final would come about now
+def joined(watcher: ReplyWatcher) -> bool:
+    """The joiner (w3) started a request."""
+    return any(isinstance(e, StartedEvent) and e.worker == "w3"
+               for evs in watcher.events().values() for _, e in evs)
 
 
-# ------------------------------------------------------------------------------ the figures
-
-def figures(run: StepRun) -> dict:
-    running = run.running_at(run.begin)
-    requeued = run.requeued()
-    end = run.stable_at or run.begin
-    return {
-        "step": run.step, "rebalance": run.rebalance, "partitions_moved": len(run.moved),
-        "running_at_step": len(running), "requeued": len(requeued),
-        "requeued_share": round(len(requeued) / len(running), 3) if running else None,
-        "requeued_on_kept_partitions": sum(p not in run.moved for p in requeued.values()),
-        "tokens_computed_twice": _twice(run, requeued),
-        "ttft_p99_during_step_s": _ttft_p99(run, run.begin, end + 5.0),
-        "rebalance_s": round(run.stable_at - run.unstable_at, 2) if run.unstable_at and run.stable_at else None,
-        "recovery_s": _recovery(run, requeued),
-        "finals_per_request": sorted({len(run.finals(i)) for i in run.sent_at}),
-    }
-
-
-def _twice(run: StepRun, requeued: dict[str, int]) -> dict:
-    out = {"output": 0, "prompt": 0}
-    for i in requeued:
-        for _, e in run.events[i]:
-            if isinstance(e, DoneEvent) and e.finish_reason == "requeued":
-                out["output"] += e.usage.completion_tokens
-                out["prompt"] += e.usage.prompt_tokens
+def figures(run: StepRun, mode: str) -> dict:
+    end, requeued = run.stable_at or run.begin, run.requeued()
+    out = {"mode": mode, "step": run.step, "step_s": round(end - run.begin, 2),
+           **step_figures(run.events, run.sent_at, run.begin, end + 5.0)}
+    if mode == "group":
+        out.update(rebalance=run.rebalance, partitions_moved=len(run.moved),
+                   requeued_on_kept_partitions=sum(p not in run.moved for p in requeued.values()))
     return out
 
 
-def _ttft_p99(run: StepRun, start: float, end: float) -> float | None:
-    """Submit to the first token of the final attempt, for requests sent during [start, end]."""
-    ttfts = []
-    for i, sent in run.sent_at.items():
-        if not start <= sent <= end or not run.finals(i):
-            continue
-        attempt = run.finals(i)[-1].attempt
-        first = min((ts for ts, e in run.events[i] if isinstance(e, TokensEvent) and e.attempt == attempt), default=None)
-        if first is not None:
-            ttfts.append(first - sent)
-    return round(percentile(ttfts, 99), 2) if ttfts else None
+# ---- command line -----------------------------------------------------------------------------
 
-
-def _recovery(run: StepRun, requeued: dict[str, int]) -> float | None:
-    """Step begin to the last requeued request's final attempt streaming again."""
-    restarts = []
-    for i in requeued:
-        attempt = run.finals(i)[-1].attempt
-        first = min((ts for ts, e in run.events[i] if isinstance(e, TokensEvent) and e.attempt == attempt), default=None)
-        if first is not None:
-            restarts.append(first)
-    return round(max(restarts) - run.begin, 2) if restarts else 0.0
-
-
-# ------------------------------------------------------------------------------ command line
 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["group"], default="group", help="share: not built here")
+    p.add_argument("--mode", choices=["group", "share"], default="group")
     p.add_argument("--step", choices=["join", "leave"], nargs="+", default=["join", "leave"])
-    p.add_argument("--rebalance", choices=["requeue", "hold"], nargs="+", default=["requeue", "hold"])
-    p.add_argument("--bootstrap", help="a running broker (default: a private one, started and stopped here)")
+    p.add_argument("--rebalance", choices=["requeue", "hold"], nargs="+",
+                   default=["requeue", "hold"], help="group mode")
     p.add_argument("--max-tokens", type=int, default=Load.max_tokens)
-    p.add_argument("--quick", action="store_true", help="the tests' load: 1 request per partition, 32 tokens")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--quick", action="store_true", help="the test's load, shorter")
+    p.add_argument("--out", type=Path, default=stats.RESULTS / "scaling_step.json")
     args = p.parse_args()
-    load = QUICK if args.quick else Load(max_tokens=args.max_tokens)
+    share = args.mode == "share"
+    load = SHARE if share else QUICK if args.quick else Load(max_tokens=args.max_tokens)
+    if share and args.quick:
+        load = Load(**{**QUICK.__dict__, "initial": SHARE.initial})
     results = []
     with tempfile.TemporaryDirectory(prefix="scaling-step-") as tmp:
-        broker = None
-        if args.bootstrap is None:
-            broker = PrivateBroker(Path(tmp) / "kafka")
-            broker.start()
-        bootstrap = args.bootstrap or broker.bootstrap
+        broker = PrivateBroker(Path(tmp) / "kafka")
+        if share:
+            broker.env["INFERLINE_KAFKA_VERSION"] = "4.2.0"  # share groups
+        broker.start()
         try:
-            for step in args.step:
-                for rebalance in args.rebalance:
-                    run = await run_step(bootstrap, step, rebalance, Path(tmp), load)
-                    results.append(figures(run))
-                    print(json.dumps(results[-1]), flush=True)
+            rebalances = ["hold"] if share else args.rebalance
+            for step, rebalance in itertools.product(args.step, rebalances):
+                run = await run_step(broker.bootstrap, step, rebalance, Path(tmp), load, args.mode)
+                results.append(figures(run, args.mode))
+                print(json.dumps(results[-1]), flush=True)
         finally:
-            if broker is not None:
-                broker.stop()
+            broker.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"load": load.__dict__, "results": results}, indent=2))
 

@@ -4,18 +4,15 @@
     python -m bench.scheduler_sim --cost gpu --seats 16,64
     python -m bench.scheduler_sim --fixed-ms 30 --row-ms 4.5 --prefill-ms 4.0
 
-bench/batch_priority.py measures the worker through Kafka, 20 minutes a round on a shared machine;
-this replays its workload in seconds through worker/engine/scheduler.py and block_manager.py,
-with no model: a step costs `fixed + row x decode rows + prefill x prompt tokens` milliseconds,
-and the clock moves by that. It shows how the background limit trades interactive TTFT for batch
-throughput under a cost model, so a policy can be chosen before the slow measurement confirms it.
-Not simulated: Kafka and the client (both add the same latency alone and beside), sampling,
-prefix caching, the waiting pool's cap.
-
-Per policy, three loads as in bench/batch_priority.py: interactive alone (Poisson arrivals of short
-chats at priority 0), the batch alone (1,000 lines at priority 100, `--in-flight` at a time), both.
-Idle capacity two ways: the batch's alone rate less the interactive tokens/s (the benchmark's
-reading), and the batch's alone rate times the engine's idle share under the interactive load.
+Measured through Kafka, a round takes 20 minutes on a shared machine (docs/batch.md); this
+replays the workload in seconds through worker/engine/scheduler.py and block_manager.py, with no
+model: a step costs `fixed + row x decode rows + prefill x prompt tokens` ms, and the clock moves
+by that, so a background limit can be chosen before the slow measurement confirms it. Not
+simulated: Kafka and the client, sampling, prefix caching, the waiting pool's cap. Per policy,
+three loads: interactive alone (Poisson arrivals of short chats, priority 0), the batch alone
+(1,000 lines at priority 100, `--in-flight` at a time), both. Idle capacity two ways: the batch's
+alone rate less the interactive tokens/s, and the batch's alone rate times the engine's idle
+share under the interactive load.
 """
 from __future__ import annotations
 

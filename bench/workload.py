@@ -7,37 +7,26 @@ the same output lengths and the same arrival times in every run.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 INSTRUCTIONS = (
-    "Explain in simple words how",
-    "Write a short essay on how",
-    "Give three practical tips about how",
-    "Summarize the main ideas behind how",
-    "Describe step by step how",
-    "List the common mistakes people make about how",
-    "Compare two different views on how",
-    "Write a friendly letter to a student about how",
+    "Explain in simple words how", "Write a short essay on how",
+    "Give three practical tips about how", "Summarize the main ideas behind how",
+    "Describe step by step how", "List the common mistakes people make about how",
+    "Compare two different views on how", "Write a friendly letter to a student about how",
 )
 
 TOPICS = (
-    "photosynthesis turns sunlight into sugar",
-    "a compiler turns source code into machine code",
-    "the Roman Empire managed its roads",
-    "bees find flowers and share the location",
-    "interest rates affect the housing market",
-    "a bicycle stays upright while moving",
-    "vaccines train the immune system",
-    "a database index speeds up queries",
-    "glaciers shape mountain valleys",
-    "jazz musicians improvise together",
-    "a sourdough starter makes bread rise",
-    "satellites keep their orbit around the Earth",
-    "a city plans its public transport",
-    "the heart pumps blood through the body",
-    "a chess engine chooses its next move",
-    "rivers carry sediment to the sea",
+    "photosynthesis turns sunlight into sugar", "a compiler turns source code into machine code",
+    "the Roman Empire managed its roads", "bees find flowers and share the location",
+    "interest rates affect the housing market", "a bicycle stays upright while moving",
+    "vaccines train the immune system", "a database index speeds up queries",
+    "glaciers shape mountain valleys", "jazz musicians improvise together",
+    "a sourdough starter makes bread rise", "satellites keep their orbit around the Earth",
+    "a city plans its public transport", "the heart pumps blood through the body",
+    "a chess engine chooses its next move", "rivers carry sediment to the sea",
 )
 
 CONTEXT = (
@@ -85,44 +74,53 @@ def make_content(tokenizer, rng: random.Random, num_tokens: int) -> str:
 
 
 def make_workload(tokenizer, num_requests: int = 64, min_output: int = 8, max_output: int = 256,
-                  min_prompt: int = 10, max_prompt: int = 270, rate: float | None = None,
-                  seed: int = 0) -> list[WorkItem]:
-    """`num_requests` requests; user messages of min_prompt..max_prompt tokens (the chat template
-    adds ~31), output lengths uniform in [min_output, max_output]; all at t=0, or Poisson arrivals
-    at `rate` requests/s."""
+                  min_prompt: int = 10, max_prompt: int = 270, seed: int = 0) -> list[WorkItem]:
+    """`num_requests` requests, all at t=0; user messages of min_prompt..max_prompt tokens (the
+    chat template adds ~31), output lengths uniform in [min_output, max_output]."""
     rng = random.Random(seed)
-    min_output = min(min_output, max_output)
-    items, t = [], 0.0
+    items = []
     for i in range(num_requests):
         content = make_content(tokenizer, rng, rng.randint(min_prompt, max_prompt))
         messages = [{"role": "user", "content": content}]
-        max_tokens = rng.randint(min_output, max_output)
-        if rate:
-            t += rng.expovariate(rate) if i else 0.0
-        items.append(WorkItem(f"req-{i:04d}", messages, chat_ids(tokenizer, messages), max_tokens, t))
+        max_tokens = rng.randint(min(min_output, max_output), max_output)
+        ids = chat_ids(tokenizer, messages)
+        items.append(WorkItem(f"req-{i:04d}", messages, ids, max_tokens, 0.0))
     return items
 
 
+def from_args(tokenizer, args) -> list[WorkItem]:
+    """make_workload with the options of add_workload_args (and --seed)."""
+    return make_workload(tokenizer, args.num_requests, max_output=args.max_output,
+                         max_prompt=args.max_prompt, seed=args.seed)
+
+
+def describe(items: list[WorkItem]) -> dict:
+    prompts, outs = [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items]
+    return {"num_requests": len(items), "prompt_tokens": [min(prompts), max(prompts)],
+            "output_tokens": [min(outs), max(outs)], "total_output": sum(outs)}
+
+
 def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> list[WorkItem]:
-    """The same prompts and output lengths with new arrival times (Poisson at `rate`, or all at 0)."""
+    """The same requests with new arrival times (Poisson at `rate`, or all at 0)."""
     rng = random.Random(seed + 1)
     out, t = [], 0.0
     for i, item in enumerate(items):
         if rate:
             t += rng.expovariate(rate) if i else 0.0
-        out.append(WorkItem(item.request_id, item.messages, item.prompt_token_ids, item.max_tokens, t))
+        out.append(dataclasses.replace(item, arrival_s=t))
     return out
 
 
 def add_workload_args(parser) -> None:
     """The workload's command-line options, the same in every benchmark that runs it."""
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-output", type=int, default=256, help="outputs are uniform in [min(8, this), this]")
-    parser.add_argument("--max-prompt", type=int, default=270, help="user message tokens (the chat template adds ~31)")
-    parser.add_argument("--quick", action="store_true", help="tiny run: 4 requests x 8 tokens, short prompts")
+    parser.add_argument("--max-output", type=int, default=256, help="outputs uniform in [8, this]")
+    parser.add_argument("--max-prompt", type=int, default=270, help="user message tokens")
+    parser.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, short prompts")
 
 
 def apply_quick(args) -> None:
     """--quick shrinks the workload to a smoke run."""
     if args.quick:
-        args.num_requests, args.max_output, args.max_prompt = min(args.num_requests, 4), min(args.max_output, 8), 40
+        args.num_requests, args.max_output = min(args.num_requests, 4), min(args.max_output, 8)
+        args.max_prompt = 40

@@ -116,10 +116,8 @@ OTHER_VARIABLES = {
     "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
                                            "its Nth transaction's records reach the broker and before the "
                                            "commit (worker/delivery/transactions.py; tests and `make chaos`)."),
-    "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Benchmark and test hook: the engine thread sleeps "
-                                     "this many seconds before each step, a throttled worker "
-                                     "(bench/share_vs_group.py; tests/kafka/test_share_intake.py: "
-                                     "a request longer than the share group's lock)."),
+    "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Test/benchmark hook: the engine thread sleeps this many "
+                                     "seconds before each step, a throttled worker."),
     "INFERLINE_KAFKA_PORT": ("`9092`", "The port of the local broker `scripts/kafka.sh` runs; "
                              "`localhost:` that port counts as the local broker for the benchmarks, "
                              "and `scripts/test.sh` points `INFERLINE_KAFKA__BOOTSTRAP_SERVERS` at it."),

@@ -1,6 +1,6 @@
 """Smoke test of the gateway benchmark (bench/gateway.py) on the real broker: 3 requests x 4
 tokens straight onto Kafka and through the gateway with the openai SDK. Shapes and sanity
-only, never a speed. (The guidellm report parsing, offline: tests/unit/test_bench_gateway.py.)"""
+only, never a speed."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from bench import gateway
 def results(kafka_bootstrap, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-gateway") / "gateway.json"
     gateway.main(["--quick", "--num-requests", "3", "--max-output", "4", "--concurrency", "2",
-                  "--clients", "kafka,sdk", "--threads", "1", "--probe", "2", "--out", str(out)])
+                  "--threads", "1", "--probe", "2", "--out", str(out)])
     return json.loads(out.read_text())
 
 
@@ -22,14 +22,10 @@ def results(kafka_bootstrap, tmp_path_factory):
 @pytest.mark.full
 def test_both_loads_complete_with_every_token(results):
     assert [r["client"] for r in results["runs"]] == ["kafka", "sdk"]
-    assert results["workload"]["num_requests"] == 3 and results["workload"]["output_tokens"]["total"] == 12
+    assert results["workload"]["num_requests"] == 3 and results["workload"]["total_output"] == 12
     for run in results["runs"]:
         assert run["complete"] and run["useful_tokens"] == 12, run["label"]
         assert run["ttft_s"]["n"] == 3 and 0 < run["ttft_s"]["p50"] <= run["wall_s"], run["label"]
-        assert run["cpu_s"]["gateway"] is not None and run["cpu_s"]["worker"] > 0, run["label"]
-    kafka, sdk = results["runs"]
-    # The gateway's own TTFT histogram moved for the sdk load only.
-    assert kafka["gateway_ttft_mean_s"] is None and 0 < sdk["gateway_ttft_mean_s"] <= sdk["wall_s"]
 
 
 @pytest.mark.kafka

@@ -27,19 +27,18 @@ SPARE = 8
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-reply-topics") / "reply-topics.json"
-    done = subprocess.run([sys.executable, "-m", "bench.reply_topics", "--topics", str(TOPICS), "--no-progress",
+    done = subprocess.run([sys.executable, "-m", "bench.reply_topics", "--topics", str(TOPICS),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_writes_both_runs_and_every_event_arrives(results):
-    assert {"command", "machine", "settings", "broker", "runs", "end_offsets"} <= results.keys()
+    assert {"command", "machine", "settings", "runs", "end_offsets"} <= results.keys()
     assert set(results["runs"]) == {"worker", "baseline"}
     for name, run in results["runs"].items():
         assert run["outcomes"] == {"ok": TOPICS}, name
         assert run["events"] == 3 * TOPICS and run["events_per_s"] > 0, name
-        assert run["rss_growth_mb"] is not None, name
     assert results["runs"]["worker"]["send_failures"] == 0
     ends = results["end_offsets"]
     assert ends["min"] >= ends["expected_min"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scaling_step import PARTITIONS, QUICK, run_step
+from bench.scaling_step import PARTITIONS, QUICK, SHARE, Load, figures, run_step
+from tests.chaos_fixtures import running_private_broker
 from tests.worker_fixtures import attempts_of, check_attempts
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -25,6 +26,27 @@ async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(kaf
     assert through, "no request of a kept partition was running through the step"
     for i in through:  # kept streaming: one attempt, never paused into a new one
         assert len(attempts_of([e for _, e in run.events[i]])) == 1
+    for i in run.sent_at:
+        check_attempts([e for _, e in run.events[i]])
+        assert len(run.finals(i)) == 1, run.events[i]
+
+
+@pytest.fixture(scope="module")
+def share_broker(tmp_path_factory):
+    pytest.importorskip("confluent_kafka", minversion="2.16")
+    yield from running_private_broker(tmp_path_factory.mktemp("kafka-share"),
+                                      INFERLINE_KAFKA_VERSION="4.2.0")
+
+
+@pytest.mark.parametrize("step", ["join", "leave"])
+async def test_a_share_mode_step_finishes_every_request_once(share_broker, tmp_path, step):
+    """`python -m bench.scaling_step --mode share` on a quick load: the joiner takes work, or the
+    leaver drains; every request ends with exactly one final `done`."""
+    load = Load(**{**QUICK.__dict__, "initial": SHARE.initial, "max_tokens": 16})
+    run = await run_step(share_broker.bootstrap, step, "hold", tmp_path, load, "share")
+    result = figures(run, "share")
+    print(result)
+    assert result["finished_more_than_once"] == 0 and result["running_at_step"] > 0
     for i in run.sent_at:
         check_attempts([e for _, e in run.events[i]])
         assert len(run.finals(i)) == 1, run.events[i]

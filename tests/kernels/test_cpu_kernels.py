@@ -352,31 +352,33 @@ def test_the_package_ships_every_source_and_header_the_build_reads():
 
 
 def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
-    """bench/decode_attention.py on a tiny step (a smoke test: it must check results, never time them)."""
-    from bench import decode_attention
+    """bench/attention.py decode on a tiny step (a smoke test: it checks results, never times them)."""
+    from bench import attention as bench_attention
 
     for hot in ([], ["--hot"]):
-        res = decode_attention.main(["--batch", "3", "--layers", "2", "--repeats", "2", "--num-blocks", "64",
-                                     "--min-context", "5", "--max-context", "90", "--threads", "1", *hot])
+        res = bench_attention.main(["decode", "--batch", "3", "--layers", "2", "--repeats", "2",
+                                    "--num-blocks", "64", "--min-context", "5", "--max-context", "90",
+                                    "--threads", "1", *hot])
         assert set(res["times"]) == {"cpu", "cpu-fp16", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
         assert res["kv_bytes"]["cpu-fp16"] * 2 == res["kv_bytes"]["cpu"]
     assert "GB/s of K/V" in capsys.readouterr().out
 
 
 def test_prompt_attention_benchmark_runs_and_checks_tiles_against_rows(capsys):
-    """bench/prompt_attention.py on short prompts (a smoke test: it checks results, never times them)."""
-    from bench import prompt_attention
+    """bench/attention.py prompt on short prompts (a smoke test: it checks results, never times them)."""
+    from bench import attention as bench_attention
 
-    res = prompt_attention.main(["--lens", "20", "70", "--layers", "2", "--repeats", "2", "--threads", "1"])
+    res = bench_attention.main(["prompt", "--lens", "20", "70", "--layers", "2", "--repeats", "2",
+                                "--threads", "1"])
     assert list(res) == [20, 70] and all(set(ms) == {"rows", "tiles", "torch"} for ms in res.values())
     assert "rows/tiles" in capsys.readouterr().out
 
 
 def test_prompt_attention_benchmark_fails_when_tiles_differ_from_rows(monkeypatch):
-    from bench import prompt_attention
+    from bench import attention as bench_attention
 
     real = attention.paged_decode_attention_cpu
     monkeypatch.setattr(attention, "paged_decode_attention_cpu",
                         lambda q, k, v, t, c, s, cu=None: real(q, k, v, t, c, s, cu) + (cu is not None) * 1e-6)
     with pytest.raises(AssertionError, match="tiles differ from rows"):
-        prompt_attention.main(["--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"])
+        bench_attention.main(["prompt", "--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"])

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from inferline.kernels.triton import compile_check as cc
+from scripts import gpu_compile as cc
 from inferline.kernels.triton.decode import plan_decode
 
 ARCH = 90

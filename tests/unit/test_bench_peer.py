@@ -1,5 +1,5 @@
-"""bench/peer_llamacpp.py's pure parts: arguments, the workload's lengths, the run order and the
-report's maths. The llama.cpp build and the runs themselves are `make bench-peer`, not tests."""
+"""bench/peer_llamacpp.py's pure parts: arguments, the workload's lengths, the server's context
+and the backends read from a worker's metrics. The llama.cpp build and the runs themselves are `make bench-peer`, not tests."""
 from __future__ import annotations
 
 import pytest
@@ -23,33 +23,9 @@ def test_output_lengths_are_lognormal_around_the_median_and_clipped():
     assert lengths[:10] == peer.lognormal_lengths(10, 96, 0.6, 8, 384, seed=0)
 
 
-def test_runs_alternate_abba():
-    assert peer.schedule(["l", "a", "c"], 2) == ["l", "a", "c", "c", "a", "l"]
-
-
 def test_the_server_context_gives_every_slot_a_whole_request():
     ctx = peer.server_ctx(16, 300, 384)
     assert ctx % 16 == 0 and ctx // 16 >= 300 + 384 and ctx // 16 % 256 == 0
-
-
-def test_summary_takes_medians_and_ratios_to_llamacpp():
-    def run(path, tps, p50, p99=None, complete=True):
-        return {"path": path, "tokens_per_s": tps, "ttft_s": {"p50": p50, "p99": p99 or 2 * p50}, "complete": complete}
-
-    table = peer.summarize([run("llamacpp", 100, 10), run("inferline-auto", 200, 2), run("inferline-auto", 180, 4),
-                            run("llamacpp", 120, 12), run("inferline-auto", 300, 1, complete=False)])
-    assert table["llamacpp"]["tokens_per_s"] == 110 and table["llamacpp"]["runs"] == 2
-    auto = table["inferline-auto"]
-    assert auto["tokens_per_s"] == 200 and auto["ttft_p50_s"] == 2 and not auto["complete"]
-    assert auto["vs_llamacpp"]["tokens_per_s"] == pytest.approx(200 / 110)
-    assert auto["vs_llamacpp"]["ttft_p50"] == pytest.approx(2 / 11)
-    assert "vs_llamacpp" not in table["llamacpp"]
-    assert "vs_llamacpp" not in peer.summarize([run("inferline-c", 5, 1)])["inferline-c"]
-
-
-def test_run_stats():
-    stats = peer.run_stats([1.0, 2.0, 3.0], 300, 2.0)
-    assert stats["tokens_per_s"] == 150 and stats["ttft_s"]["p50"] == 2.0 and stats["ttft_s"]["n"] == 3
 
 
 def test_backend_info_is_read_from_the_metrics():

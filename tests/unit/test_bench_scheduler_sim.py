@@ -1,10 +1,8 @@
-"""bench/scheduler_sim.py: the real Scheduler under a step-cost model, and bench/batch_priority.py's
---background modes."""
+"""bench/scheduler_sim.py: the real Scheduler under a step-cost model."""
 from __future__ import annotations
 
 import pytest
 
-from bench.batch_priority import limit_env
 from bench.scheduler_sim import Load, compare, run
 from inferline.worker.engine.scheduler import BackgroundLimit
 
@@ -26,20 +24,3 @@ def test_the_background_limit_trades_batch_throughput_for_interactive_latency():
     assert 0 < on["batch_beside"] < off["batch_beside"]
     assert on["batch_alone"] == off["batch_alone"] > 0
 
-
-@pytest.mark.parametrize("mode, env", [
-    ("off", {"INFERLINE_SCHEDULER__BACKGROUND_PRIORITY": str(2**31 - 1)}),
-    ("on", {}),
-    ("on:48", {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": "48"}),
-    ("on:16:32:30", {"INFERLINE_SCHEDULER__BACKGROUND_MAX_TOKENS": "16",
-                     "INFERLINE_SCHEDULER__BACKGROUND_ALONE_MAX_TOKENS": "32",
-                     "INFERLINE_SCHEDULER__BACKGROUND_QUIET_S": "30.0"}),
-])
-def test_batch_priority_background_modes(mode, env):
-    assert limit_env(mode) == env
-
-
-@pytest.mark.parametrize("mode", ["sometimes", "on:1:2:3:4", "off:3"])
-def test_batch_priority_refuses_an_unknown_mode(mode):
-    with pytest.raises(SystemExit):
-        limit_env(mode)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import random
 
-import torch
-
-from bench import step_prep
+from bench import decode_step
 from tests.dispatched_ops import DispatchedOps
 from inferline.worker.engine.request import SamplingParams
 from inferline.worker.engine.scheduler import ScheduledSequence
@@ -17,7 +15,7 @@ from inferline.worker.engine.step_inputs import BlockTableRows, StepBuilder, tok
 BS = 4
 
 
-def reference(scheduled: list[ScheduledSequence]) -> dict:
+def reference(scheduled: list[ScheduledSequence], bs: int = BS) -> dict:
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
     ordered = decodes + [s for s in scheduled if s.num_new_tokens > 1]
     ids, positions, slots, logits = [], [], [], []
@@ -26,7 +24,7 @@ def reference(scheduled: list[ScheduledSequence]) -> dict:
         end = start + s.num_new_tokens
         ids += (seq.token_ids + s.spec_token_ids)[start:end]
         positions += range(start, end)
-        slots += [seq.block_table[p // BS] * BS + p % BS for p in range(start, end)]
+        slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
         if s.samples:
             logits += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
     cu = [0]
@@ -117,24 +115,21 @@ def test_token_slice_spans_prompt_and_output():
             assert token_slice(seq, a, b) == seq.token_ids[a:b]
 
 
-def test_the_bench_decode_step_equals_v0():
-    batch = step_prep.make_batch(8, 100)
-    builder = StepBuilder(step_prep.BLOCK, 16, lambda t: t)
+def test_the_decode_step_benchs_batches_build_as_the_reference():
+    """bench/decode_step.py --prep times StepBuilder on these batches: they must build right."""
+    batch = decode_step.make_batch(8, 100)
+    builder = StepBuilder(decode_step.BLOCK, 16, lambda t: t)
     for _ in range(20):
-        ids, positions, slots, tables, context, logits = step_prep.prepare_v0(batch)
-        step = builder.build(batch)
-        assert step.input_ids.tolist() == ids.tolist() and step.tables.positions.tolist() == positions.tolist()
-        assert step.tables.slot_mapping.tolist() == slots.tolist() and step.logits_indices.tolist() == logits.tolist()
-        assert torch.equal(step.tables.block_tables(0, 8), tables) and torch.equal(step.tables.context_lens, context)
-        step_prep.advance(batch, iter(range(1000, 2000)).__next__)
+        assert built(builder, batch) == reference(batch, decode_step.BLOCK)
+        decode_step.advance(batch, iter(range(1000, 2000)).__next__)
 
 
 def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
     """A torch op costs more than its values at these sizes (docs/benchmarks.md), so a decode
     step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks included."""
     def ops(num_seqs: int) -> list[str]:
-        batch = step_prep.make_batch(num_seqs, 512)
-        builder = StepBuilder(step_prep.BLOCK, 64, lambda t: t)
+        batch = decode_step.make_batch(num_seqs, 512)
+        builder = StepBuilder(decode_step.BLOCK, 64, lambda t: t)
         builder.build(batch)
         for s in batch:  # every table grows by a block before the counted step
             s.seq.block_table.append(10**6 + len(s.seq.block_table))

@@ -63,7 +63,6 @@ class ReplyTopics:
         self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
         self._listed_at = float("-inf")
         self._inflight: asyncio.Future | None = None
-        self.num_lists = 0
 
     def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
         """"ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
@@ -96,7 +95,6 @@ class ReplyTopics:
     async def refresh(self) -> None:
         asked = self.clock()
         topics: Iterable[str] = await self._list_topics()
-        self.num_lists += 1
         now = self.clock()
         self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
         self._missing = {t: at for t, at in self._missing.items()

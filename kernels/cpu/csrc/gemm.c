@@ -1,15 +1,14 @@
 /* y = x . W^T (+ bias) for the linear layers on the CPU, fp32: a register-tiled GEMM over weights
  * packed once at load (kernels/cpu/gemm.py), for the few rows of a decode step.
  *
- * Why not oneDNN or MKL: a decode step multiplies ~30 rows by every weight of the model, and
- * the weights (540 MB for SmolLM2-135M) come from memory each step. Below ~100 rows the
- * libraries run far below this machine's FMA rate (figures: docs/benchmarks.md; whole steps:
- * bench/decode_step.py --compare). This is the textbook loop nest (BLIS's): the weight is
- * stored in panels of NR output columns, k-major (panel[k][0..NR-1]), so one k step of a panel
- * is NR / NVEC vector loads; a tile of MR rows x NR columns keeps its MR x NR sums in registers
- * (AVX2: 6 x 16 = 12 of the 16 registers) and each x value is broadcast once per k. Panels are
- * spread over the threads; within a thread each panel is read from memory once and from cache
- * for its other row tiles.
+ * Why not oneDNN or MKL: a decode step multiplies ~30 rows by every weight of the model, and the
+ * weights (540 MB for SmolLM2-135M) come from memory each step. Below ~100 rows the libraries run
+ * far below this machine's FMA rate (figures: docs/benchmarks.md). This is the textbook loop nest
+ * (BLIS's): the weight is stored in panels of NR output columns, k-major (panel[k][0..NR-1]), so
+ * one k step of a panel is NR / NVEC vector loads; a tile of MR rows x NR columns keeps its MR x NR
+ * sums in registers (AVX2: 6 x 16 = 12 of the 16 registers) and each x value is broadcast once per
+ * k. Panels are spread over the threads; within a thread each panel is read from memory once and
+ * from cache for its other row tiles.
  *
  * A weight quantized before it reached us (a GGUF model's) may come as 8-bit codes instead of
  * fp32 panels, widened to the same fp32 values as they are used (below: "weights stored as 8-bit

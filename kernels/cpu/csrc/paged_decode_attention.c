@@ -44,8 +44,8 @@
  * cu_seqlens (int32 [num_seqs + 1]) gives sequence s the rows cu[s] .. cu[s + 1] - 1 (q, out
  * and context_lens have a row each, block_tables a row per sequence), and the rows of a
  * sequence go in tiles of 16 (attend_tile_d below): each block's K/V once per tile, scores 16
- * tokens a vector, with a decode's bits (tested: tests/kernels/test_cpu_kernels.py; timed by
- * bench/prompt_attention.py).
+ * tokens a vector, with a decode's bits (tested: tests/kernels/test_cpu_kernels.py; figures:
+ * docs/benchmarks.md).
  *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if

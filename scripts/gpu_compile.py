@@ -1,4 +1,8 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
+A development tool, not part of the installed package.
+
+    python scripts/gpu_compile.py [--archs 80,90,100] [--quick] [--jobs 2]
+
 Exits non-zero on a compile error, a spill, or too much shared memory.
 design: docs/gpu.md#make-gpu-compile
 """
