@@ -11,6 +11,7 @@ with equal greedy tokens are counted, not assumed. spec-decode: one runner, spec
 none and ngram; drafts never change greedy tokens, so every request must agree. Prints tokens/s,
 step counts and times, drafts accepted, the B/A ratio of the means, the requests that agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def measure(args) -> dict:
     settings = {m: settings_for(args, m) for m in (a, b)}
     runners = {a: ModelRunner(settings[a])}
     runners[b] = ModelRunner(settings[b]) if args.experiment == "kv-dtype" else runners[a]
-    items = make_workload(runners[a].tokenizer, args.num_requests, max_output=args.max_output,
-                          seed=args.seed)
+    items = make_workload(
+        runners[a].tokenizer, args.num_requests, max_output=args.max_output, seed=args.seed
+    )
     for runner in {id(r): r for r in runners.values()}.values():
         warm_up_engine(runner)
     gc.freeze()  # as the worker's EngineLoop does once its engine is built
@@ -55,25 +57,36 @@ def measure(args) -> dict:
     finally:
         gc.unfreeze()
     mean = {m: sum(s["tokens_per_s"] for s in ss) / len(ss) for m, ss in runs.items()}
-    return {"experiment": args.experiment, "runs": runs, "ratio": mean[b] / mean[a],
-            "same_greedy": sum(tokens[a][r] == ids for r, ids in tokens[b].items()),
-            "num_requests": len(items)}
+    return {
+        "experiment": args.experiment,
+        "runs": runs,
+        "ratio": mean[b] / mean[a],
+        "same_greedy": sum(tokens[a][r] == ids for r, ids in tokens[b].items()),
+        "num_requests": len(items),
+    }
 
 
 def report(args, res: dict) -> None:
     a, b = EXPERIMENTS[args.experiment]
-    print(f"{args.experiment}: {args.policy} batching, {args.seats} seats, {res['num_requests']} "
-          "requests, ABBA:")
+    print(
+        f"{args.experiment}: {args.policy} batching, {args.seats} seats, {res['num_requests']} "
+        "requests, ABBA:"
+    )
     for mode, i in ((a, 0), (b, 0), (b, 1), (a, 1)):
         s = res["runs"][mode][i]
-        steps = ", ".join(f"{k} {v['count']} x {v['mean_ms']:.1f} ms"
-                          for k, v in s["step_time_ms"].items())
+        steps = ", ".join(
+            f"{k} {v['count']} x {v['mean_ms']:.1f} ms" for k, v in s["step_time_ms"].items()
+        )
         drafts = s["spec_draft_tokens"]
         accepted = f"; drafts {drafts}, accepted {s['spec_accepted_tokens']}" if drafts else ""
-        print(f"  {mode:8s} {s['tokens_per_s']:6.1f} tok/s ({steps}{accepted}; canary "
-              f"{s['canary_gflops']:.0f} GFLOP/s)")
-    print(f"  {b} / {a}: {res['ratio']:.3f}x (means); greedy tokens equal for "
-          f"{res['same_greedy']} of {res['num_requests']} requests")
+        print(
+            f"  {mode:8s} {s['tokens_per_s']:6.1f} tok/s ({steps}{accepted}; canary "
+            f"{s['canary_gflops']:.0f} GFLOP/s)"
+        )
+    print(
+        f"  {b} / {a}: {res['ratio']:.3f}x (means); greedy tokens equal for "
+        f"{res['same_greedy']} of {res['num_requests']} requests"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ prompt: one prompt chunk's rows, `rows` (each row alone) against `tiles` (the en
 cu_seqlens: 16 rows at a time, each block's K/V once per tile) and `torch` (SDPA over a gathered
 copy); tiles must equal rows bit for bit. Variants alternate (ABBA) on a thread of their own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,28 +28,45 @@ from inferline.kernels.cpu import attention, build
 def decode_variants(args, gen) -> tuple[dict, dict]:
     """name: a step's call over every layer; name: K/V bytes it reads."""
     bs, width = args.block_size, -(-args.max_context // args.block_size)
-    cache = torch.randn((args.layers, 2, args.num_blocks, bs, args.kv_heads, args.head_dim),
-                        generator=gen)
-    lens = torch.randint(args.min_context, args.max_context + 1, (args.batch,), generator=gen,
-                         dtype=torch.int32)
+    cache = torch.randn(
+        (args.layers, 2, args.num_blocks, bs, args.kv_heads, args.head_dim), generator=gen
+    )
+    lens = torch.randint(
+        args.min_context, args.max_context + 1, (args.batch,), generator=gen, dtype=torch.int32
+    )
     assert args.batch * width <= args.num_blocks, "--num-blocks too small for the batch"
     # Every block somewhere else in the cache, as after many steps; or 4 hot blocks.
-    ids = (torch.arange(args.batch * width) % 4 if args.hot
-           else torch.randperm(args.num_blocks, generator=gen)[:args.batch * width])
+    ids = (
+        torch.arange(args.batch * width) % 4
+        if args.hot
+        else torch.randperm(args.num_blocks, generator=gen)[: args.batch * width]
+    )
     tables = ids.view(args.batch, width).to(torch.int32).contiguous()
     q = torch.randn(args.batch, args.heads, args.head_dim, generator=gen)
-    scale = args.head_dim ** -0.5
-    caches = {"cpu": (attention.paged_decode_attention_cpu, cache),
-              "cpu-fp16": (attention.paged_decode_attention_cpu, cache.half()),
-              "torch": (reference.paged_decode_attention, cache)}
+    scale = args.head_dim**-0.5
+    caches = {
+        "cpu": (attention.paged_decode_attention_cpu, cache),
+        "cpu-fp16": (attention.paged_decode_attention_cpu, cache.half()),
+        "torch": (reference.paged_decode_attention, cache),
+    }
     for name, (fn, c) in caches.items():
         want = reference.paged_decode_attention(q, c[0, 0], c[0, 1], tables, lens, scale)
-        torch.testing.assert_close(fn(q, c[0, 0], c[0, 1], tables, lens, scale), want, rtol=1e-4,
-                                   atol=1e-5, msg=f"{name} differs from reference.py")
+        torch.testing.assert_close(
+            fn(q, c[0, 0], c[0, 1], tables, lens, scale),
+            want,
+            rtol=1e-4,
+            atol=1e-5,
+            msg=f"{name} differs from reference.py",
+        )
     elements = float(lens.sum()) * args.kv_heads * args.head_dim * 2 * args.layers
-    fns = {name: (lambda fn=fn, c=c: [fn(q, c[i, 0], c[i, 1], tables, lens, scale)
-                                      for i in range(args.layers)])
-           for name, (fn, c) in caches.items()}
+    fns = {
+        name: (
+            lambda fn=fn, c=c: [
+                fn(q, c[i, 0], c[i, 1], tables, lens, scale) for i in range(args.layers)
+            ]
+        )
+        for name, (fn, c) in caches.items()
+    }
     return fns, {name: elements * c.dtype.itemsize for name, (_, c) in caches.items()}
 
 
@@ -56,19 +74,24 @@ def prompt_variants(args, n: int, gen) -> dict:
     """name: one prompt chunk of n tokens through every layer; tiles checked against rows."""
     bs, blocks = args.block_size, -(-n // args.block_size) + 1
     shape = (blocks, bs, args.kv_heads, args.head_dim)
-    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-              for _ in range(args.layers)]
-    table = torch.randperm(blocks, generator=gen)[:blocks - 1].to(torch.int32).view(1, -1)
+    caches = [
+        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        for _ in range(args.layers)
+    ]
+    table = torch.randperm(blocks, generator=gen)[: blocks - 1].to(torch.int32).view(1, -1)
     rows = table.expand(n, -1).contiguous()
-    q, scale = torch.randn(n, args.heads, args.head_dim, generator=gen), args.head_dim ** -0.5
+    q, scale = torch.randn(n, args.heads, args.head_dim, generator=gen), args.head_dim**-0.5
     i32 = torch.int32
     ctx, cu = torch.arange(1, n + 1, dtype=i32), torch.tensor([0, n], dtype=i32)
     lens = torch.tensor([n], dtype=i32)
     call = attention.paged_decode_attention_cpu
-    fns = {"rows": lambda: [call(q, k, v, rows, ctx, scale) for k, v in caches],
-           "tiles": lambda: [call(q, k, v, table, ctx, scale, cu) for k, v in caches],
-           "torch": lambda: [reference.paged_prefill_attention(q, k, v, table, cu, lens, scale)
-                             for k, v in caches]}
+    fns = {
+        "rows": lambda: [call(q, k, v, rows, ctx, scale) for k, v in caches],
+        "tiles": lambda: [call(q, k, v, table, ctx, scale, cu) for k, v in caches],
+        "torch": lambda: [
+            reference.paged_prefill_attention(q, k, v, table, cu, lens, scale) for k, v in caches
+        ],
+    }
     first = {name: fn()[0] for name, fn in fns.items()}
     assert torch.equal(first["tiles"], first["rows"]), "tiles differ from rows a row at a time"
     err = float((first["tiles"] - first["torch"]).norm() / first["torch"].norm())
@@ -90,35 +113,51 @@ def measure(args) -> dict:
     if args.mode == "decode":
         fns, kv_bytes = decode_variants(args, gen)
         return {"times": timed(fns, args.repeats), "kv_bytes": kv_bytes}
-    return {n: {name: statistics.median(ts) / args.layers
-                for name, ts in timed(prompt_variants(args, n, gen), args.repeats).items()}
-            for n in args.lens}
+    return {
+        n: {
+            name: statistics.median(ts) / args.layers
+            for name, ts in timed(prompt_variants(args, n, gen), args.repeats).items()
+        }
+        for n in args.lens
+    }
 
 
 def report(args, res: dict) -> None:
-    print(f"{args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads of "
-          f"{args.head_dim}, blocks of {args.block_size}, {torch.get_num_threads()} threads, "
-          f"{args.repeats} calls per variant (medians)")
+    print(
+        f"{args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads of "
+        f"{args.head_dim}, blocks of {args.block_size}, {torch.get_num_threads()} threads, "
+        f"{args.repeats} calls per variant (medians)"
+    )
     if args.mode == "decode":
-        print(f"decode step, batch {args.batch}, contexts {args.min_context}-{args.max_context}"
-              f"{' (hot: 4 blocks)' if args.hot else ''}:")
+        print(
+            f"decode step, batch {args.batch}, contexts {args.min_context}-{args.max_context}"
+            f"{' (hot: 4 blocks)' if args.hot else ''}:"
+        )
         for name, ts in res["times"].items():
             med = statistics.median(ts)
-            print(f"  {name:<8} {med * 1e3:7.1f} ms/step (min {min(ts) * 1e3:6.1f}), "
-                  f"{res['kv_bytes'][name] / med / 1e9:5.1f} GB/s of K/V")
+            print(
+                f"  {name:<8} {med * 1e3:7.1f} ms/step (min {min(ts) * 1e3:6.1f}), "
+                f"{res['kv_bytes'][name] / med / 1e9:5.1f} GB/s of K/V"
+            )
         return
     flop = lambda n: n * (n + 1) / 2 * args.heads * args.head_dim * 4  # QK and PV
-    print(f"{'tokens':>7} " + " ".join(f"{name + ' ms':>10}" for name in res[args.lens[0]])
-          + "   rows/tiles  GFLOP/s tiles")
+    print(
+        f"{'tokens':>7} "
+        + " ".join(f"{name + ' ms':>10}" for name in res[args.lens[0]])
+        + "   rows/tiles  GFLOP/s tiles"
+    )
     for n, ms in res.items():
         cells = " ".join(f"{t * 1e3:10.2f}" for t in ms.values())
-        print(f"{n:7d} {cells}   {ms['rows'] / ms['tiles']:9.2f}x  "
-              f"{flop(n) / ms['tiles'] / 1e9:12.1f}")
+        print(
+            f"{n:7d} {cells}   {ms['rows'] / ms['tiles']:9.2f}x  "
+            f"{flop(n) / ms['tiles'] / 1e9:12.1f}"
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.attention",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.attention", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("mode", choices=("decode", "prompt"))
     p.add_argument("--layers", type=int, help="default: 30 (decode), 4 (prompt)")
     p.add_argument("--repeats", type=int, help="calls per variant; default: 12 decode, 6 prompt")

@@ -10,6 +10,7 @@ block size decides how many run at once. Prints tokens/s, TTFT, KV waste (slots 
 token: mean, peak, of the whole cache), prefix-cache hits, the batch, preemptions; writes
 bench/results/block_size.json. The kernels are the settings' pick (C on a CPU, Triton on a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ from bench.workload import CONTEXT, WorkItem, add_workload_args, apply_quick, ch
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Two long system prompts (~190 tokens each): the prefixes that requests share.
-SYSTEM_PROMPTS = ("You are a patient teacher. " + " ".join(CONTEXT),
-                  "You are a careful science writer. " + " ".join(reversed(CONTEXT)))
+SYSTEM_PROMPTS = (
+    "You are a patient teacher. " + " ".join(CONTEXT),
+    "You are a careful science writer. " + " ".join(reversed(CONTEXT)),
+)
 
 
 def make_items(tokenizer, args) -> list[WorkItem]:
@@ -35,8 +38,9 @@ def make_items(tokenizer, args) -> list[WorkItem]:
         messages = item.messages
         if i % 3:
             messages = [{"role": "system", "content": SYSTEM_PROMPTS[i // 3 % 2]}, *messages]
-        out.append(WorkItem(item.request_id, messages, chat_ids(tokenizer, messages),
-                            item.max_tokens, 0.0))
+        out.append(
+            WorkItem(item.request_id, messages, chat_ids(tokenizer, messages), item.max_tokens, 0.0)
+        )
     return out
 
 
@@ -56,9 +60,15 @@ def run_at(args, block_size: int, items: list[WorkItem] | None) -> tuple[dict, l
         gc.unfreeze()
     used = [s["kv_waste"] for s in rec.steps if s["kv_usage"]] or [0.0]
     of_all = [s["kv_waste"] * s["kv_usage"] for s in rec.steps]
-    return {**summarize(rec), "largest_batch": max(s["num_running"] for s in rec.steps),
-            "kv_waste": {"mean": statistics.fmean(used), "peak": max(used),
-                         "of_cache_mean": statistics.fmean(of_all)}}, items
+    return {
+        **summarize(rec),
+        "largest_batch": max(s["num_running"] for s in rec.steps),
+        "kv_waste": {
+            "mean": statistics.fmean(used),
+            "peak": max(used),
+            "of_cache_mean": statistics.fmean(of_all),
+        },
+    }, items
 
 
 def measure(args) -> dict:
@@ -71,32 +81,46 @@ def measure(args) -> dict:
         run, items = run_at(args, block_size, items)
         runs[block_size].append(run)
         gc.collect()
-    return {"kv_slots": args.kv_slots, "num_requests": len(items),
-            "output_tokens": sum(i.max_tokens for i in items),
-            "runs": {str(b): sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2]
-                     for b, rs in runs.items()}}
+    return {
+        "kv_slots": args.kv_slots,
+        "num_requests": len(items),
+        "output_tokens": sum(i.max_tokens for i in items),
+        "runs": {
+            str(b): sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2]
+            for b, rs in runs.items()
+        },
+    }
 
 
 def report(res: dict) -> None:
     fmt = stats.fmt
-    print(f"\n{res['num_requests']} requests at t=0, {res['output_tokens']} output tokens; "
-          f"{res['kv_slots']} KV slots at every block size")
-    head = (f"{'block':>5}{'blocks':>7}{'tok/s':>7}{'TTFT p50':>9}{'p99':>7}{'waste mean':>11}"
-            f"{'peak':>6}{'of cache':>9}{'hits':>7}{'largest':>8}{'running':>8}{'preempt':>8}")
+    print(
+        f"\n{res['num_requests']} requests at t=0, {res['output_tokens']} output tokens; "
+        f"{res['kv_slots']} KV slots at every block size"
+    )
+    head = (
+        f"{'block':>5}{'blocks':>7}{'tok/s':>7}{'TTFT p50':>9}{'p99':>7}{'waste mean':>11}"
+        f"{'peak':>6}{'of cache':>9}{'hits':>7}{'largest':>8}{'running':>8}{'preempt':>8}"
+    )
     print(head + "\n" + "-" * len(head))
     for bs, r in res["runs"].items():
         w, t = r["kv_waste"], r["ttft_s"]
-        print(f"{bs:>5}{r['num_blocks']:>7}{fmt(r['tokens_per_s']):>7}{fmt(t['p50']):>8}s"
-              f"{fmt(t['p99']):>6}s{fmt(w['mean'], '.1%'):>11}{fmt(w['peak'], '.0%'):>6}"
-              f"{fmt(w['of_cache_mean'], '.1%'):>9}{r['prefix_cache_hit_tokens']:>7}"
-              f"{r['largest_batch']:>8}{fmt(r['mean_running']):>8}{r['preemptions']:>8}")
-    print("  (hits: prompt tokens found in the prefix cache; largest, running: the most sequences "
-          "running at once, and the mean)")
+        print(
+            f"{bs:>5}{r['num_blocks']:>7}{fmt(r['tokens_per_s']):>7}{fmt(t['p50']):>8}s"
+            f"{fmt(t['p99']):>6}s{fmt(w['mean'], '.1%'):>11}{fmt(w['peak'], '.0%'):>6}"
+            f"{fmt(w['of_cache_mean'], '.1%'):>9}{r['prefix_cache_hit_tokens']:>7}"
+            f"{r['largest_batch']:>8}{fmt(r['mean_running']):>8}{r['preemptions']:>8}"
+        )
+    print(
+        "  (hits: prompt tokens found in the prefix cache; largest, running: the most sequences "
+        "running at once, and the mean)"
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.block_size",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.block_size", description=__doc__.split("\n\n")[0]
+    )
     add_workload_args(p)
     p.set_defaults(num_requests=64, max_output=200, max_prompt=200)
     p.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))

@@ -15,6 +15,7 @@ or the C kernel (`cpu`); the linear layers on F.linear (`mkl`), the C GEMM over 
 linear layers alone) is timed in between. --prep: StepBuilder's batch tensors and the C
 kernel's attention metadata for `--seqs` decodes, a new block every 16 steps, in microseconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,14 @@ def build_engine(args):
     runner = ModelRunner(settings)
     eng = LLMEngine(runner, settings)
     for item in make_workload(runner.tokenizer, args.batch, seed=args.seed):
-        prompt = item.prompt_token_ids + (item.prompt_token_ids * 8)[:args.extra_context]
-        eng.add_request(EngineRequest(  # more tokens than the run takes: nobody finishes
-            request_id=item.request_id, prompt_token_ids=prompt,
-            sampling=SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)))
+        prompt = item.prompt_token_ids + (item.prompt_token_ids * 8)[: args.extra_context]
+        eng.add_request(
+            EngineRequest(  # more tokens than the run takes: nobody finishes
+                request_id=item.request_id,
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True),
+            )
+        )
     while True:  # prefill everyone
         eng.step()
         st = eng.stats()
@@ -86,8 +91,10 @@ def attention_on(eng, name: str):
 
     runner = eng.runner
     new = make_attention(name, runner.block_size, runner.config.num_key_value_heads)
-    with swapped(runner, "backends", dataclasses.replace(runner.backends, attention=name)), \
-            swapped(runner, "attention", new):
+    with (
+        swapped(runner, "backends", dataclasses.replace(runner.backends, attention=name)),
+        swapped(runner, "attention", new),
+    ):
         yield
 
 
@@ -119,8 +126,11 @@ VARIANTS = {
     "torch": lambda eng: attention_on(eng, "torch"),
     "cpu": lambda eng: attention_on(eng, "cpu"),
     "mkl": lambda eng: linears_on(eng, None),
-    "unfused": lambda eng: swapped(eng.runner, "backends",  # read by prepare() every step
-                                   dataclasses.replace(eng.runner.backends, fused_ops="torch")),
+    "unfused": lambda eng: swapped(
+        eng.runner,
+        "backends",  # read by prepare() every step
+        dataclasses.replace(eng.runner.backends, fused_ops="torch"),
+    ),
     "no-attn": attention_skipped,
     "c-gemm": lambda eng: linears_on(eng, "c"),
     "c-codes": lambda eng: linears_on(eng, "c+codes"),
@@ -130,12 +140,19 @@ VARIANTS = {
 
 def measure_steps(args) -> dict:
     eng = build_engine(args)
-    names = (["torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare
-             else ["c-codes", "c-gemm", "onednn", "mkl"] if args.linears
-             else [eng.runner.backends.attention])
+    names = (
+        ["torch", "cpu", "mkl", "unfused", "no-attn"]
+        if args.compare
+        else ["c-codes", "c-gemm", "onednn", "mkl"]
+        if args.linears
+        else [eng.runner.backends.attention]
+    )
     ops = roofline.linear_ops(eng.runner.model)
-    res = {"lens": [s.num_computed_tokens + 1 for s in eng.scheduler.running],
-           "floor": [], "steps": {name: [] for name in names}}
+    res = {
+        "lens": [s.num_computed_tokens + 1 for s in eng.scheduler.running],
+        "floor": [],
+        "steps": {name: [] for name in names},
+    }
     for i, name in enumerate(stats.abba(names, args.steps)):
         if i % (4 * len(names)) == 0:
             res["floor"].append(roofline.time_step_matmuls(ops, args.batch, repeats=3))
@@ -148,22 +165,34 @@ def measure_steps(args) -> dict:
 
 def report_steps(args, res: dict) -> None:
     lens, batch = res["lens"], args.batch
-    print(f"batch {batch}, contexts {min(lens)}-{max(lens)}, {torch.get_num_threads()} threads, "
-          f"{args.steps} timed steps per variant")
+    print(
+        f"batch {batch}, contexts {min(lens)}-{max(lens)}, {torch.get_num_threads()} threads, "
+        f"{args.steps} timed steps per variant"
+    )
     floor = statistics.median(res["floor"]) * 1e3
     med = {name: statistics.median(ts) * 1e3 for name, ts in res["steps"].items()}
     for name, ts in res["steps"].items():
-        print(f"  {name:<8}{med[name]:7.1f} ms/step median (min {min(ts) * 1e3:6.1f}), "
-              f"{batch / med[name] * 1e3:6.1f} tok/s; matmul floor = {floor / med[name]:.0%} of it")
+        print(
+            f"  {name:<8}{med[name]:7.1f} ms/step median (min {min(ts) * 1e3:6.1f}), "
+            f"{batch / med[name] * 1e3:6.1f} tok/s; matmul floor = {floor / med[name]:.0%} of it"
+        )
     print(f"  matmul floor (this batch): {floor:.1f} ms, {batch / floor * 1e3:.0f} tok/s")
-    pairs = (("torch", "cpu"), ("mkl", "cpu"), ("unfused", "cpu"), ("onednn", "c-gemm"),
-             ("mkl", "c-gemm"), ("c-gemm", "c-codes"))
+    pairs = (
+        ("torch", "cpu"),
+        ("mkl", "cpu"),
+        ("unfused", "cpu"),
+        ("onednn", "c-gemm"),
+        ("mkl", "c-gemm"),
+        ("c-gemm", "c-codes"),
+    )
     for a, b in pairs:
         if a in med and b in med:
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians)")
     if "no-attn" in med:
-        print("  decode attention per step (step minus no-attn): "
-              + ", ".join(f"{n} ~{med[n] - med['no-attn']:.0f} ms" for n in ("torch", "cpu")))
+        print(
+            "  decode attention per step (step minus no-attn): "
+            + ", ".join(f"{n} ~{med[n] - med['no-attn']:.0f} ms" for n in ("torch", "cpu"))
+        )
 
 
 # ---- the step's host preparation alone --------------------------------------------------------
@@ -181,8 +210,9 @@ def make_batch(num_seqs: int, context: int, seed: int = 0) -> list:
     rng.shuffle(pool)
     batch = []
     for i, n in enumerate(lengths):
-        seq = Sequence(f"s{i}", [rng.randrange(1000) for _ in range(n - 8)],
-                       SamplingParams(max_tokens=10**6))
+        seq = Sequence(
+            f"s{i}", [rng.randrange(1000) for _ in range(n - 8)], SamplingParams(max_tokens=10**6)
+        )
         seq.output_token_ids = [rng.randrange(1000) for _ in range(8)]
         seq.num_computed_tokens = n - 1
         seq.block_table = [pool.pop() for _ in range(-(-n // BLOCK))]
@@ -215,14 +245,17 @@ def measure_prep(args) -> dict:
             times += [time.perf_counter() - start] if i >= 5 else []
             advance(batch, fresh.__next__)
         out[context] = statistics.median(times) * 1e6
-        print(f"{args.seqs} seqs x {context:>6} context: {out[context]:7.0f} us a step "
-              f"(median of {args.steps})")
+        print(
+            f"{args.seqs} seqs x {context:>6} context: {out[context]:7.0f} us a step "
+            f"(median of {args.steps})"
+        )
     return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.decode_step",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.decode_step", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--batch", type=int, default=32, help="decoding sequences per step")
     p.add_argument("--steps", type=int, default=20, help="timed steps (passes) per variant")
     p.add_argument("--warmup", type=int, default=3)
@@ -248,6 +281,7 @@ def main(argv=None) -> dict:
             res = measure_steps(args)
             report_steps(args, res)
             return res
+
     return roofline.in_thread(work, args.threads)
 
 

@@ -11,6 +11,7 @@ computes past a member's length does not count. Prints tokens/s, TTFT and inter-
 batch and KV usage, the ratios against TARGETS and the roofline; writes
 bench/results/engine.json. `canary`, a matmul probe before each run, shows the machine's load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,17 @@ class RunRecord:
     def add_tokens(self, request_id: str, ids: list[int], t: float) -> None:
         """Record new tokens, the useful ones only (within the request's length)."""
         times = self.token_times.setdefault(request_id, [])
-        useful = ids[:max(0, self.expected[request_id] - len(times))]
+        useful = ids[: max(0, self.expected[request_id] - len(times))]
         times += [t] * len(useful)
         self.token_ids.setdefault(request_id, []).extend(useful)
 
 
 def summarize(rec: RunRecord) -> dict:
-    timed = [stats.Timed(rec.arrivals[r], ts[0] if ts else None, ts[-1] if ts else 0.0, len(ts))
-             for r in rec.expected for ts in [rec.token_times.get(r, [])]]
+    timed = [
+        stats.Timed(rec.arrivals[r], ts[0] if ts else None, ts[-1] if ts else 0.0, len(ts))
+        for r in rec.expected
+        for ts in [rec.token_times.get(r, [])]
+    ]
     out = stats.summarize(timed, sum(rec.expected.values()))
     steps = rec.steps
 
@@ -64,23 +68,39 @@ def summarize(rec: RunRecord) -> dict:
 
     kinds = {k: [s for s in steps if s["kind"] == k] for k in ("decode", "mixed")}
     out.update(
-        label=rec.label, cpu_s=rec.cpu_s, canary_gflops=rec.canary_gflops,
+        label=rec.label,
+        cpu_s=rec.cpu_s,
+        canary_gflops=rec.canary_gflops,
         tokens_per_cpu_s=out["useful_tokens"] / rec.cpu_s if rec.cpu_s else None,
         itl_s=stats.dist(b - a for ts in rec.token_times.values() for a, b in zip(ts, ts[1:])),
-        num_steps=len(steps), mean_batch_size=mean("batch_size"), mean_running=mean("num_running"),
-        kv_usage={"mean": mean("kv_usage"), "peak": max((s.get("kv_usage") or 0 for s in steps),
-                                                       default=0)},
+        num_steps=len(steps),
+        mean_batch_size=mean("batch_size"),
+        mean_running=mean("num_running"),
+        kv_usage={
+            "mean": mean("kv_usage"),
+            "peak": max((s.get("kv_usage") or 0 for s in steps), default=0),
+        },
         preemptions=steps[-1].get("preemptions", 0) if steps else 0,
-        step_time_ms={k: {"count": len(sel), "mean_ms": 1e3 * mean("step_s", sel)}
-                      for k, sel in kinds.items() if sel}, **rec.extra)
+        step_time_ms={
+            k: {"count": len(sel), "mean_ms": 1e3 * mean("step_s", sel)}
+            for k, sel in kinds.items()
+            if sel
+        },
+        **rec.extra,
+    )
     return out
 
 
 # ---- the engine -----------------------------------------------------------------------------
 
 
-def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                    prefix_caching: bool = True, kv_dtype: str = "auto"):
+def engine_settings(
+    policy: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    prefix_caching: bool = True,
+    kv_dtype: str = "auto",
+):
     from inferline.config.settings import Settings
 
     s = Settings()
@@ -93,9 +113,12 @@ def engine_settings(policy: str, max_num_seqs: int, max_num_batched_tokens: int,
 def engine_request(item: WorkItem, arrival_unix: float):
     from inferline.worker.engine.request import EngineRequest, SamplingParams
 
-    return EngineRequest(request_id=item.request_id, prompt_token_ids=item.prompt_token_ids,
-                         sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
-                                                 ignore_eos=True), arrival_time=arrival_unix)
+    return EngineRequest(
+        request_id=item.request_id,
+        prompt_token_ids=item.prompt_token_ids,
+        sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True),
+        arrival_time=arrival_unix,
+    )
 
 
 def run_engine(runner, settings, items: list[WorkItem], label: str) -> RunRecord:
@@ -103,8 +126,11 @@ def run_engine(runner, settings, items: list[WorkItem], label: str) -> RunRecord
     from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
-    rec = RunRecord(label, {i.request_id: i.arrival_s for i in items},
-                    {i.request_id: i.max_tokens for i in items})
+    rec = RunRecord(
+        label,
+        {i.request_id: i.arrival_s for i in items},
+        {i.request_id: i.max_tokens for i in items},
+    )
     pending = sorted(items, key=lambda i: i.arrival_s)
     t0, wall0, cpu0 = time.perf_counter(), time.time(), time.process_time()
     while pending or eng.has_unfinished_requests():
@@ -118,22 +144,36 @@ def run_engine(runner, settings, items: list[WorkItem], label: str) -> RunRecord
         for out in outputs:
             rec.add_tokens(out.request_id, out.new_token_ids, t)
             if out.finished and out.finish_reason != "length":
-                raise RuntimeError(f"{label}: {out.request_id} ended {out.finish_reason}: "
-                                   f"{out.error_code} {out.error_message}")
+                raise RuntimeError(
+                    f"{label}: {out.request_id} ended {out.finish_reason}: "
+                    f"{out.error_code} {out.error_message}"
+                )
         st = eng.stats()
         decode = st.num_batched_tokens - st.num_draft_tokens == st.batch_size
-        rec.steps.append({"t": t, "step_s": st.step_time_s, "batch_size": st.batch_size,
-                          "num_running": st.num_running, "kv_usage": st.kv_cache_usage,
-                          "kv_waste": st.kv_cache_waste, "preemptions": st.num_preemptions,
-                          "kind": "decode" if decode else "mixed"})
+        rec.steps.append(
+            {
+                "t": t,
+                "step_s": st.step_time_s,
+                "batch_size": st.batch_size,
+                "num_running": st.num_running,
+                "kv_usage": st.kv_cache_usage,
+                "kv_waste": st.kv_cache_waste,
+                "preemptions": st.num_preemptions,
+                "kind": "decode" if decode else "mixed",
+            }
+        )
     rec.cpu_s = time.process_time() - cpu0
     st = eng.stats()
-    rec.extra = {"policy": settings.scheduler.policy, "max_num_seqs": eng.scheduler.max_num_seqs,
-                 "block_size": runner.block_size, "num_blocks": eng.block_manager.num_blocks,
-                 "prefix_cache_hit_tokens": st.prefix_cache_hits,
-                 "prefix_cache_query_tokens": st.prefix_cache_queries,
-                 "spec_draft_tokens": st.spec_draft_tokens,
-                 "spec_accepted_tokens": st.spec_accepted_tokens}
+    rec.extra = {
+        "policy": settings.scheduler.policy,
+        "max_num_seqs": eng.scheduler.max_num_seqs,
+        "block_size": runner.block_size,
+        "num_blocks": eng.block_manager.num_blocks,
+        "prefix_cache_hit_tokens": st.prefix_cache_hits,
+        "prefix_cache_query_tokens": st.prefix_cache_queries,
+        "spec_draft_tokens": st.spec_draft_tokens,
+        "spec_accepted_tokens": st.spec_accepted_tokens,
+    }
     print(f"{label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return rec
 
@@ -143,8 +183,11 @@ def warm_up_engine(runner) -> None:
 
     eng = LLMEngine(runner, engine_settings("continuous", 8, 512))
     for i in range(4):
-        eng.add_request(engine_request(WorkItem(f"warm-{i}", [], list(range(1, 40 + 20 * i)), 4, 0),
-                                       time.time()))
+        eng.add_request(
+            engine_request(
+                WorkItem(f"warm-{i}", [], list(range(1, 40 + 20 * i)), 4, 0), time.time()
+            )
+        )
     while eng.has_unfinished_requests():
         eng.step()
 
@@ -179,12 +222,15 @@ def load_hf(dtype=torch.float32):
 def run_hf(model, tokenizer, items: list[WorkItem], batch_size: int = 16) -> RunRecord:
     """Static batches of `batch_size` (all at t=0), left-padded, each generating its longest
     member's length; a request's tokens past its own length are computed but not counted."""
-    rec = RunRecord(f"hf_static{batch_size}", {i.request_id: 0.0 for i in items},
-                    {i.request_id: i.max_tokens for i in items})
+    rec = RunRecord(
+        f"hf_static{batch_size}",
+        {i.request_id: 0.0 for i in items},
+        {i.request_id: i.max_tokens for i in items},
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     t0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, len(items), batch_size):
-        batch = items[start:start + batch_size]
+        batch = items[start : start + batch_size]
         n, width = max(i.max_tokens for i in batch), max(len(i.prompt_token_ids) for i in batch)
         last = [time.perf_counter(), "mixed"]  # the first step computes the prompts
 
@@ -192,16 +238,31 @@ def run_hf(model, tokenizer, items: list[WorkItem], batch_size: int = 16) -> Run
             t = time.perf_counter() - t0
             for item, tok in zip(batch, ids):
                 rec.add_tokens(item.request_id, [tok], t)
-            rec.steps.append({"t": t, "step_s": time.perf_counter() - last[0], "kind": last[1],
-                              "batch_size": len(batch)})
+            rec.steps.append(
+                {
+                    "t": t,
+                    "step_s": time.perf_counter() - last[0],
+                    "kind": last[1],
+                    "batch_size": len(batch),
+                }
+            )
             last[:] = time.perf_counter(), "decode"
 
         pads = [width - len(i.prompt_token_ids) for i in batch]
         ids = torch.tensor([[pad] * p + i.prompt_token_ids for p, i in zip(pads, batch)])
         mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads])
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, temperature=None, top_p=None, top_k=None,
-                       pad_token_id=pad, streamer=TimingStreamer(on_step))
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+            streamer=TimingStreamer(on_step),
+        )
     rec.cpu_s = time.process_time() - cpu0
     return rec
 
@@ -211,31 +272,41 @@ def run_hf(model, tokenizer, items: list[WorkItem], batch_size: int = 16) -> Run
 
 def print_table(title: str, runs: dict[str, dict]) -> None:
     fmt = stats.fmt
-    head = (f"{'mode':<20}{'tok/s':>8}{'tok/cpu-s':>10}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
-            f"{'p99':>7}{'batch':>7}{'KV peak':>8}{'preempt':>8}{'canary':>7}")
+    head = (
+        f"{'mode':<20}{'tok/s':>8}{'tok/cpu-s':>10}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
+        f"{'p99':>7}{'batch':>7}{'KV peak':>8}{'preempt':>8}{'canary':>7}"
+    )
     print(f"\n{title}\n{head}\n" + "-" * len(head))
     for label, r in runs.items():
         t, i = r["ttft_s"], r["itl_s"]
-        print(f"{label:<20}{fmt(r['tokens_per_s']):>8}{fmt(r['tokens_per_cpu_s']):>10}"
-              f"{fmt(t['p50'], '.2f'):>9}s{fmt(t['p99'], '.2f'):>7}s{fmt(i['p50'], '.3f'):>8}s"
-              f"{fmt(i['p99'], '.3f'):>6}s{fmt(r['mean_batch_size']):>7}"
-              f"{fmt(r['kv_usage']['peak'], '.0%'):>8}{r['preemptions']:>8}"
-              f"{fmt(r['canary_gflops'], '.0f'):>7}")
+        print(
+            f"{label:<20}{fmt(r['tokens_per_s']):>8}{fmt(r['tokens_per_cpu_s']):>10}"
+            f"{fmt(t['p50'], '.2f'):>9}s{fmt(t['p99'], '.2f'):>7}s{fmt(i['p50'], '.3f'):>8}s"
+            f"{fmt(i['p99'], '.3f'):>6}s{fmt(r['mean_batch_size']):>7}"
+            f"{fmt(r['kv_usage']['peak'], '.0%'):>8}{r['preemptions']:>8}"
+            f"{fmt(r['canary_gflops'], '.0f'):>7}"
+        )
 
 
 def print_report(res: dict) -> None:
     roof, w = res["roofline"], res["workload"]
-    print(f"\nroofline ({roof['dtype']}, {roof['threads']} threads): "
-          f"{roof['tokens_per_s']:.0f} tokens/s ({roof['gflops']:.1f} GFLOP/s)")
-    print(f"workload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
-          f"{w['output_tokens']} (total {w['total_output']}), greedy, ignore_eos")
+    print(
+        f"\nroofline ({roof['dtype']}, {roof['threads']} threads): "
+        f"{roof['tokens_per_s']:.0f} tokens/s ({roof['gflops']:.1f} GFLOP/s)"
+    )
+    print(
+        f"workload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
+        f"{w['output_tokens']} (total {w['total_output']}), greedy, ignore_eos"
+    )
     print_table(f"All at t=0 (engine_static: {res['static_seats']} seats):", res["runs"])
     if p := res.get("poisson"):
         print_table(f"Poisson arrivals at {p['rate_rps']:.2f} req/s:", p["runs"])
     print("\nratios (one run) against the targets:")
     for key, value in res["ratios"].items():
-        print(f"  {key:<24}{value:8.2f}   target >= {TARGETS[key]:<5} "
-              f"{'MET' if value >= TARGETS[key] else 'not met'}")
+        print(
+            f"  {key:<24}{value:8.2f}   target >= {TARGETS[key]:<5} "
+            f"{'MET' if value >= TARGETS[key] else 'not met'}"
+        )
     print(f"greedy tokens equal to the first mode's: {res['greedy_agreement']}")
 
 
@@ -243,13 +314,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
     add_workload_args(p)
     p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
-    p.add_argument("--rate", default="auto", help="Poisson arrivals in requests/s; 'auto': 80%% "
-                   "of the continuous engine's measured capacity; 0 skips them")
+    p.add_argument(
+        "--rate",
+        default="auto",
+        help="Poisson arrivals in requests/s; 'auto': 80%% "
+        "of the continuous engine's measured capacity; 0 skips them",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--hf-batch-size", type=int, default=16, help="also the static engine's seats")
-    p.add_argument("--repeats", type=int, default=1, help="engine modes in ABBA order; the median "
-                   "run of each is reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="engine modes in ABBA order; the median run of each is reported",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=stats.RESULTS / "engine.json")
@@ -270,20 +349,29 @@ def run_all(args, argv) -> dict:
     from inferline.worker.engine.model_runner import ModelRunner
 
     started, budget = time.time(), args.max_num_batched_tokens
-    modes = {"engine_static": engine_settings("static", args.hf_batch_size, budget),
-             "engine_continuous": engine_settings("continuous", args.max_num_seqs, budget)}
+    modes = {
+        "engine_static": engine_settings("static", args.hf_batch_size, budget),
+        "engine_continuous": engine_settings("continuous", args.max_num_seqs, budget),
+    }
     runner = ModelRunner(modes["engine_continuous"])
     items = from_args(runner.tokenizer, args)
-    res = {"command": stats.command("engine", argv), "machine": stats.machine_info(),
-           "targets": TARGETS, "static_seats": args.hf_batch_size, "workload": describe(items),
-           "roofline": roofline.measure(runner.model, batches=(64,) if args.quick else (64, 256),
-                                        repeats=1 if args.quick else 5)}
+    res = {
+        "command": stats.command("engine", argv),
+        "machine": stats.machine_info(),
+        "targets": TARGETS,
+        "static_seats": args.hf_batch_size,
+        "workload": describe(items),
+        "roofline": roofline.measure(
+            runner.model, batches=(64,) if args.quick else (64, 256), repeats=1 if args.quick else 5
+        ),
+    }
     records: dict[str, RunRecord] = {}
     if not args.skip_hf:
         hf = load_hf(runner.dtype)
         run_hf(hf, runner.tokenizer, [WorkItem("w", [], list(range(1, 20)), 3, 0.0)], 2)  # warm-up
-        records[f"hf_static{args.hf_batch_size}"] = run_hf(hf, runner.tokenizer, items,
-                                                           args.hf_batch_size)
+        records[f"hf_static{args.hf_batch_size}"] = run_hf(
+            hf, runner.tokenizer, items, args.hf_batch_size
+        )
         del hf
     warm_up_engine(runner)
     gc.freeze()  # as the worker's EngineLoop does once its engine is built
@@ -292,24 +380,39 @@ def run_all(args, argv) -> dict:
         repeated[label].append(run_engine(runner, modes[label], items, label))
     for label, recs in repeated.items():  # the median run (the lower of an even count)
         records[label] = sorted(recs, key=lambda r: summarize(r)["tokens_per_s"])[
-            (len(recs) - 1) // 2]
+            (len(recs) - 1) // 2
+        ]
     runs = res["runs"] = {label: summarize(rec) for label, rec in records.items()}
     first = next(iter(records.values())).token_ids
-    res["greedy_agreement"] = {label: sum(rec.token_ids.get(r) == ids for r, ids in first.items())
-                               for label, rec in list(records.items())[1:]}
+    res["greedy_agreement"] = {
+        label: sum(rec.token_ids.get(r) == ids for r, ids in first.items())
+        for label, rec in list(records.items())[1:]
+    }
     cont = runs["engine_continuous"]["tokens_per_s"]
-    res["ratios"] = {"continuous_over_static": cont / runs["engine_static"]["tokens_per_s"],
-                     "roofline_fraction": cont / res["roofline"]["tokens_per_s"]}
+    res["ratios"] = {
+        "continuous_over_static": cont / runs["engine_static"]["tokens_per_s"],
+        "roofline_fraction": cont / res["roofline"]["tokens_per_s"],
+    }
     if hf_run := runs.get(f"hf_static{args.hf_batch_size}"):
         res["ratios"]["continuous_over_hf"] = cont / hf_run["tokens_per_s"]
-    rate = 0.0 if str(args.rate) in ("0", "none") else (
-        0.8 * cont * len(items) / res["workload"]["total_output"] if args.rate == "auto"
-        else float(args.rate))
+    rate = (
+        0.0
+        if str(args.rate) in ("0", "none")
+        else (
+            0.8 * cont * len(items) / res["workload"]["total_output"]
+            if args.rate == "auto"
+            else float(args.rate)
+        )
+    )
     if rate:
         arriving = with_arrivals(items, rate, args.seed)
-        res["poisson"] = {"rate_rps": rate, "runs": {
-            label: summarize(run_engine(runner, s, arriving, f"poisson {label}"))
-            for label, s in modes.items()}}
+        res["poisson"] = {
+            "rate_rps": rate,
+            "runs": {
+                label: summarize(run_engine(runner, s, arriving, f"poisson {label}"))
+                for label, s in modes.items()
+            },
+        }
     gc.unfreeze()  # as EngineLoop.stop does
     return stats.save(res, args.out, started, print_report)
 

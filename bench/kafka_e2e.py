@@ -12,6 +12,7 @@ per Kafka request, the TTFT Kafka adds (client TTFT minus the worker's own). Tar
 >= 0.9x in-process, TTFT p50 at most 50 ms more. Writes bench/results/kafka_e2e.json. The
 gateway and peer benchmarks run their workers through this module's Fleet.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ TARGETS = {"throughput_ratio_min": 0.9, "ttft_p50_diff_max_ms": 50.0}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.kafka_e2e",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.kafka_e2e", description=__doc__.split("\n\n")[0]
+    )
     add_workload_args(p)
     p.add_argument("--repeats", type=int, default=1, help="runs per path, in ABBA order")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -59,9 +61,13 @@ def bench_settings(args):
     from inferline.config.settings import load_settings
 
     s = load_settings()
-    sched = s.scheduler.model_copy(update={
-        "policy": "continuous", "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens})
+    sched = s.scheduler.model_copy(
+        update={
+            "policy": "continuous",
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        }
+    )
     # No prefix caching: the worker serves every repeat (and the probe) from one process, so its
     # second run would find the first run's prompts cached, while each in-process run starts cold.
     cache = s.cache.model_copy(update={"enable_prefix_caching": False})
@@ -81,15 +87,22 @@ def worker_env(settings, topics: Topics, port: int) -> dict:
     """The parent's environment (same model and cache settings) plus this run's topics, group,
     scheduler and HTTP port."""
     s, k = settings.scheduler, "INFERLINE_KAFKA__"
-    return {**os.environ, k + "BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-            k + "REQUEST_TOPIC": topics.requests, k + "CANCEL_TOPIC": topics.cancel,
-            k + "DLQ_TOPIC": topics.dlq, k + "GROUP_ID": topics.group,
-            "INFERLINE_SCHEDULER__POLICY": s.policy,
-            "INFERLINE_SCHEDULER__MAX_NUM_SEQS": str(s.max_num_seqs),
-            "INFERLINE_SCHEDULER__MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
-            "INFERLINE_CACHE__ENABLE_PREFIX_CACHING": str(settings.cache.enable_prefix_caching),
-            "INFERLINE_HTTP__HOST": "127.0.0.1", "INFERLINE_HTTP__PORT": str(port),
-            "INFERLINE_LOG__FORMAT": "json", "INFERLINE_WORKER__DRAIN_TIMEOUT_S": "10"}
+    return {
+        **os.environ,
+        k + "BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        k + "REQUEST_TOPIC": topics.requests,
+        k + "CANCEL_TOPIC": topics.cancel,
+        k + "DLQ_TOPIC": topics.dlq,
+        k + "GROUP_ID": topics.group,
+        "INFERLINE_SCHEDULER__POLICY": s.policy,
+        "INFERLINE_SCHEDULER__MAX_NUM_SEQS": str(s.max_num_seqs),
+        "INFERLINE_SCHEDULER__MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
+        "INFERLINE_CACHE__ENABLE_PREFIX_CACHING": str(settings.cache.enable_prefix_caching),
+        "INFERLINE_HTTP__HOST": "127.0.0.1",
+        "INFERLINE_HTTP__PORT": str(port),
+        "INFERLINE_LOG__FORMAT": "json",
+        "INFERLINE_WORKER__DRAIN_TIMEOUT_S": "10",
+    }
 
 
 class Fleet:
@@ -105,18 +118,30 @@ class Fleet:
 
         kafka_dir = Path(os.environ.get("INFERLINE_KAFKA_DIR", REPO / ".kafka"))
         # Not when this process holds a lease already (a pytest session).
-        self.leased = is_local_broker(self.settings) and not (
-            kafka_dir / "leases" / str(os.getpid())).exists()
+        self.leased = (
+            is_local_broker(self.settings)
+            and not (kafka_dir / "leases" / str(os.getpid())).exists()
+        )
         if self.leased:
-            res = subprocess.run([str(KAFKA_SH), "acquire", str(os.getpid())], capture_output=True,
-                                 text=True, timeout=300)
+            res = subprocess.run(
+                [str(KAFKA_SH), "acquire", str(os.getpid())],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"scripts/kafka.sh acquire failed:\n{res.stderr[-2000:]}")
             self.leased = res.stdout.strip() != "external"
         return self
 
-    def add(self, name: str, env: dict | None = None, topics: Topics | None = None,
-            module: str = "inferline.worker", port_var: str = "INFERLINE_HTTP__PORT"):
+    def add(
+        self,
+        name: str,
+        env: dict | None = None,
+        topics: Topics | None = None,
+        module: str = "inferline.worker",
+        port_var: str = "INFERLINE_HTTP__PORT",
+    ):
         """`python -m module` with worker_env, `env` on top (None: unset), listening on a free
         port; returns (proc, port, topics, log)."""
         from inferline.producer.client import create_topics, topic_configs
@@ -130,9 +155,13 @@ class Fleet:
         env = {**worker_env(self.settings, topics, port), port_var: str(port), **(env or {})}
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-P", "-m", module], cwd=REPO, stdout=out,
-                                    env={k: v for k, v in env.items() if v is not None},
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", module],
+                cwd=REPO,
+                stdout=out,
+                env={k: v for k, v in env.items() if v is not None},
+                stderr=subprocess.STDOUT,
+            )
         self.procs[name] = SimpleNamespace(proc=proc, port=port, topics=topics, log=log)
         return self.procs[name]
 
@@ -156,6 +185,7 @@ class Fleet:
                 return await fn(client)
             finally:
                 await client.close()
+
         return asyncio.run(run())
 
     def __exit__(self, *exc) -> None:
@@ -172,8 +202,9 @@ class Fleet:
             except Exception as err:  # noqa: BLE001 - cleanup: the topics expire anyway
                 print(f"could not delete topics {t.requests} ...: {err!r}", file=sys.stderr)
         if self.leased:
-            subprocess.run([str(KAFKA_SH), "release", str(os.getpid())], capture_output=True,
-                           timeout=120)
+            subprocess.run(
+                [str(KAFKA_SH), "release", str(os.getpid())], capture_output=True, timeout=120
+            )
 
 
 def free_port() -> int:
@@ -208,8 +239,9 @@ class KafkaDriver:
     def __init__(self, settings, topics: Topics, by_ids: bool = True):
         from inferline.producer.client import InferenceClient
 
-        self.client = InferenceClient(settings=settings, request_topic=topics.requests,
-                                      cancel_topic=topics.cancel)
+        self.client = InferenceClient(
+            settings=settings, request_topic=topics.requests, cancel_topic=topics.cancel
+        )
         self.by_ids, self.tokens, self.overhead = by_ids, {}, []
 
     async def __aenter__(self) -> KafkaDriver:
@@ -220,11 +252,15 @@ class KafkaDriver:
         await self.client.close()
 
     async def one(self, item) -> stats.Timed:
-        prompt = ({"prompt_token_ids": item.prompt_token_ids} if self.by_ids
-                  else {"messages": item.messages})
+        prompt = (
+            {"prompt_token_ids": item.prompt_token_ids}
+            if self.by_ids
+            else {"messages": item.messages}
+        )
         start = time.monotonic()
-        handle = await self.client.submit(**prompt, max_tokens=item.max_tokens, temperature=0.0,
-                                          ignore_eos=True)
+        handle = await self.client.submit(
+            **prompt, max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True
+        )
         r = await handle.result(check=False)
         self.tokens[item.request_id] = list(r.token_ids)
         if r.client_ttft_s is not None and r.timing and r.timing.ttft_s is not None:
@@ -262,9 +298,12 @@ async def kafka_run(settings, worker, items) -> dict:
         steps, step_s = (metric(worker.port, n) - v for n, v in zip(names, (n0, s0)))
     out = stats.summarize(timed, sum(i.max_tokens for i in items))
     mean_ms = 1e3 * step_s / max(steps, 1)
-    out.update(path="kafka", engine={"steps": int(steps), "mean_step_ms": mean_ms},
-               ttft_overhead_s=stats.dist(driver.overhead),
-               _token_ids={i.request_id: driver.tokens[i.request_id] for i in items})
+    out.update(
+        path="kafka",
+        engine={"steps": int(steps), "mean_step_ms": mean_ms},
+        ttft_overhead_s=stats.dist(driver.overhead),
+        _token_ids={i.request_id: driver.tokens[i.request_id] for i in items},
+    )
     return out
 
 
@@ -274,11 +313,27 @@ def in_process_run(runner, settings, items) -> dict:
 
     rec = engine.run_engine(runner, settings, items, "in_process")
     out, steps = engine.summarize(rec), len(rec.steps)
-    return {**{k: out[k] for k in ("requests", "completed", "useful_tokens", "complete", "wall_s",
-                                   "tokens_per_s", "ttft_s", "e2e_s")},
-            "path": "in_process", "_token_ids": rec.token_ids,
-            "engine": {"steps": steps, "mean_step_ms": 1e3 * sum(s["step_s"] for s in rec.steps)
-                       / max(steps, 1)}}
+    return {
+        **{
+            k: out[k]
+            for k in (
+                "requests",
+                "completed",
+                "useful_tokens",
+                "complete",
+                "wall_s",
+                "tokens_per_s",
+                "ttft_s",
+                "e2e_s",
+            )
+        },
+        "path": "in_process",
+        "_token_ids": rec.token_ids,
+        "engine": {
+            "steps": steps,
+            "mean_step_ms": 1e3 * sum(s["step_s"] for s in rec.steps) / max(steps, 1),
+        },
+    }
 
 
 # ---- report and main ------------------------------------------------------------------------
@@ -286,20 +341,27 @@ def in_process_run(runner, settings, items) -> dict:
 
 def print_report(res: dict) -> None:
     w, fmt = res["workload"], stats.fmt
-    print(f"\nworkload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
-          f"{w['output_tokens']} (total {w['total_output']}), all at once; {res['settings']}")
-    head = (f"{'run':<14}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>10}{'p99':>8}{'steps':>7}"
-            f"{'step ms':>9}")
+    print(
+        f"\nworkload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
+        f"{w['output_tokens']} (total {w['total_output']}), all at once; {res['settings']}"
+    )
+    head = (
+        f"{'run':<14}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>10}{'p99':>8}{'steps':>7}{'step ms':>9}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for r in res["runs"]:
-        print(f"{r['label']:<14}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
-              f"{r['ttft_s']['p50']:>9.3f}s{r['ttft_s']['p99']:>7.2f}s{r['engine']['steps']:>7}"
-              f"{r['engine']['mean_step_ms']:>9.1f}")
+        print(
+            f"{r['label']:<14}{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}"
+            f"{r['ttft_s']['p50']:>9.3f}s{r['ttft_s']['p99']:>7.2f}s{r['engine']['steps']:>7}"
+            f"{r['engine']['mean_step_ms']:>9.1f}"
+        )
     c = res["comparison"]
-    print(f"\nkafka / in-process: throughput {c['throughput_ratio']:.2f}x (target >= "
-          f"{TARGETS['throughput_ratio_min']}), TTFT p50 {c['ttft_p50_diff_ms']:+.0f} ms (target "
-          f"<= {TARGETS['ttft_p50_diff_max_ms']:.0f}); TTFT Kafka adds per request, p50 "
-          f"{fmt(c['kafka_ttft_overhead_p50_ms'], '.0f')} ms")
+    print(
+        f"\nkafka / in-process: throughput {c['throughput_ratio']:.2f}x (target >= "
+        f"{TARGETS['throughput_ratio_min']}), TTFT p50 {c['ttft_p50_diff_ms']:+.0f} ms (target "
+        f"<= {TARGETS['ttft_p50_diff_max_ms']:.0f}); TTFT Kafka adds per request, p50 "
+        f"{fmt(c['kafka_ttft_overhead_p50_ms'], '.0f')} ms"
+    )
     print(f"greedy agreement with in-process (of {w['num_requests']}): {res['greedy_agreement']}")
 
 
@@ -310,11 +372,16 @@ def main(argv=None) -> dict:
     from inferline.worker.engine.model_runner import ModelRunner
 
     started, settings, runs = time.time(), bench_settings(args), []
-    res = {"command": stats.command("kafka_e2e", argv), "machine": stats.machine_info(),
-           "targets": TARGETS}
+    res = {
+        "command": stats.command("kafka_e2e", argv),
+        "machine": stats.machine_info(),
+        "targets": TARGETS,
+    }
     flush, threads = args.flush_interval_ms, args.threads
-    env = {"INFERLINE_KAFKA__FLUSH_INTERVAL_MS": flush and str(flush),
-           "OMP_NUM_THREADS": str(threads) if threads else os.environ.get("OMP_NUM_THREADS")}
+    env = {
+        "INFERLINE_KAFKA__FLUSH_INTERVAL_MS": flush and str(flush),
+        "OMP_NUM_THREADS": str(threads) if threads else os.environ.get("OMP_NUM_THREADS"),
+    }
     with Fleet(settings, args.out.parent) as fleet:
         # The worker loads its model while this process loads its own: neither is measured.
         worker = fleet.add("kafka_e2e.worker", env)
@@ -325,27 +392,39 @@ def main(argv=None) -> dict:
         warm = [shorter(i) for i in items[:2]]
         in_thread(lambda: in_process_run(runner, settings, warm), args.threads)
         fleet.wait(args.ready_timeout)
-        res.update(workload=describe(items), settings={
-            "max_num_seqs": args.max_num_seqs, "threads": args.threads,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "device": str(runner.device)})
+        res.update(
+            workload=describe(items),
+            settings={
+                "max_num_seqs": args.max_num_seqs,
+                "threads": args.threads,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "device": str(runner.device),
+            },
+        )
         for i, path in enumerate(stats.abba(["in_process", "kafka"], args.repeats)):
             print(f"run {i + 1}: {path}...", file=sys.stderr)
-            r = (in_thread(lambda: in_process_run(runner, settings, items), args.threads)
-                 if path == "in_process" else asyncio.run(kafka_run(settings, worker, items)))
+            r = (
+                in_thread(lambda: in_process_run(runner, settings, items), args.threads)
+                if path == "in_process"
+                else asyncio.run(kafka_run(settings, worker, items))
+            )
             runs.append({**r, "label": f"{path}#{i // 2 + 1}" if args.repeats > 1 else path})
     ref = runs[0]["_token_ids"]  # ABBA starts in process
-    res["greedy_agreement"] = {r["label"]: sum(r["_token_ids"].get(k) == v for k, v in ref.items())
-                               for r in runs}
+    res["greedy_agreement"] = {
+        r["label"]: sum(r["_token_ids"].get(k) == v for k, v in ref.items()) for r in runs
+    }
     kafka = stats.compare(runs, "in_process")["kafka"]["vs_baseline"]
     overheads = [r["ttft_overhead_s"]["p50"] for r in runs if r["path"] == "kafka"]
     res["comparison"] = {
-        "table": stats.compare(runs, "in_process"), "throughput_ratio": kafka["tokens_per_s"],
+        "table": stats.compare(runs, "in_process"),
+        "throughput_ratio": kafka["tokens_per_s"],
         "ttft_p50_diff_ms": kafka["ttft_p50_diff_ms"],
         "kafka_ttft_overhead_p50_ms": stats.pct([1e3 * o for o in overheads if o is not None], 50),
         "throughput_met": kafka["tokens_per_s"] >= TARGETS["throughput_ratio_min"],
         # One-sided: a Kafka p50 below the in-process one is the prefill order of requests
         # arriving in a few fetches, not a speed-up.
-        "ttft_met": kafka["ttft_p50_diff_ms"] <= TARGETS["ttft_p50_diff_max_ms"]}
+        "ttft_met": kafka["ttft_p50_diff_ms"] <= TARGETS["ttft_p50_diff_max_ms"],
+    }
     res["runs"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]
     return stats.save(res, args.out, started, print_report)
 

@@ -9,6 +9,7 @@ Publisher, transactions, against the real broker.
 
     python -m bench.paced_engine          # `python -m inferline.worker` with this engine (INFERLINE_* settings)
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,9 @@ class PacedEngine:
 
     def __init__(self, step_s: float = 0.025, max_num_seqs: int = 256) -> None:
         self.step_s, self.max_num_seqs = step_s, max_num_seqs
-        self.runner = SimpleNamespace(backends=SimpleNamespace(attention="paced", linear="paced", fused_ops="paced"))
+        self.runner = SimpleNamespace(
+            backends=SimpleNamespace(attention="paced", linear="paced", fused_ops="paced")
+        )
         self._waiting: deque[tuple[EngineRequest, float]] = deque()
         self._running: dict[str, _Running] = {}
         self._finished: list[RequestOutput] = []
@@ -51,9 +54,15 @@ class PacedEngine:
     def abort(self, request_id: str, reason: str = "cancelled", message: str | None = None) -> None:
         self._waiting = deque(w for w in self._waiting if w[0].request_id != request_id)
         run = self._running.pop(request_id, None)
-        self._finished.append(RequestOutput(request_id=request_id, finished=True, finish_reason=reason,
-                                            error_message=message,
-                                            num_output_tokens=run.num_output_tokens if run else 0))
+        self._finished.append(
+            RequestOutput(
+                request_id=request_id,
+                finished=True,
+                finish_reason=reason,
+                error_message=message,
+                num_output_tokens=run.num_output_tokens if run else 0,
+            )
+        )
 
     def fail_all(self, message: str) -> None:
         for rid in [w[0].request_id for w in self._waiting] + list(self._running):
@@ -78,8 +87,12 @@ class PacedEngine:
             outputs.append(self._advance(run, now))
             if outputs[-1].finished:
                 del self._running[rid]
-        self._stats = EngineStats(num_running=len(self._running), num_waiting=len(self._waiting),
-                                  batch_size=len(self._running), num_steps=self._stats.num_steps + 1)
+        self._stats = EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            batch_size=len(self._running),
+            num_steps=self._stats.num_steps + 1,
+        )
         return outputs
 
     def _advance(self, run: _Running, now: float) -> RequestOutput:
@@ -89,11 +102,19 @@ class PacedEngine:
         run.first_token = run.first_token or now
         done = run.num_output_tokens >= run.req.sampling.max_tokens
         return RequestOutput(
-            request_id=run.req.request_id, new_token_ids=[TOKEN_ID], text_delta=TOKEN_TEXT, started=first,
-            finished=done, finish_reason="length" if done else None,
-            text=TOKEN_TEXT * run.num_output_tokens if done else None, num_prompt_tokens=run.num_prompt_tokens,
-            num_output_tokens=run.num_output_tokens, queue_s=run.admitted - run.arrived,
-            ttft_s=run.first_token - run.arrived, total_s=now - run.arrived)
+            request_id=run.req.request_id,
+            new_token_ids=[TOKEN_ID],
+            text_delta=TOKEN_TEXT,
+            started=first,
+            finished=done,
+            finish_reason="length" if done else None,
+            text=TOKEN_TEXT * run.num_output_tokens if done else None,
+            num_prompt_tokens=run.num_prompt_tokens,
+            num_output_tokens=run.num_output_tokens,
+            queue_s=run.admitted - run.arrived,
+            ttft_s=run.first_token - run.arrived,
+            total_s=now - run.arrived,
+        )
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ Prints tokens/s, TTFT p50/p99, each inferline run's ratio to llama-server's and 
 worker chose; writes bench/results/peer_llamacpp.json. llama.cpp multiplies 4-bit weights by
 8-bit activations, inferline computes fp32: token counts are checked, not tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ LINEAR_CHOICES = ("auto", "c", "onednn", "torch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.peer_llamacpp",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.peer_llamacpp", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--server-bin", type=Path, help="llama-server (peer_llamacpp.sh builds it)")
     p.add_argument("--gguf", type=Path, help="the GGUF file for both (default: the model's)")
     p.add_argument("--num-requests", type=int, default=48)
@@ -48,8 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=270, help="user message tokens")
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (its slots)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
-    p.add_argument("--linear", nargs="+", default=["auto", "c", "onednn"], choices=LINEAR_CHOICES,
-                   help="one inferline worker per INFERLINE_MODEL__CPU_LINEAR value")
+    p.add_argument(
+        "--linear",
+        nargs="+",
+        default=["auto", "c", "onednn"],
+        choices=LINEAR_CHOICES,
+        help="one inferline worker per INFERLINE_MODEL__CPU_LINEAR value",
+    )
     p.add_argument("--repeats", type=int, default=1, help="rounds, in ABBA order")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -71,8 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def lognormal_lengths(n: int, median: int, sigma: float, low: int, high: int, seed: int) -> list:
     """n output lengths, lognormal around `median`, rounded and clipped to [low, high]."""
     rng = random.Random(seed)
-    return [min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))
-            for _ in range(n)]
+    return [
+        min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)
+    ]
 
 
 def server_ctx(parallel: int, max_prompt_ids: int, max_output: int) -> int:
@@ -85,8 +93,10 @@ def parse_backend_info(metrics_text: str) -> dict[str, dict[str, str]]:
     out = {}
     for line in metrics_text.splitlines():
         if line.startswith("inferline_kernel_backend_info{") and line.rstrip().endswith(" 1.0"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")]
-                          .split(","))
+            labels = dict(
+                part.split("=", 1)
+                for part in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
             labels = {k: v.strip('"') for k, v in labels.items()}
             out[labels["kind"]] = {"backend": labels["backend"], "how": labels["how"]}
     return out
@@ -99,8 +109,22 @@ def start_server(args, gguf: Path, ctx: int, port: int):
     import subprocess
 
     log = args.out.with_suffix(".llama-server.log")
-    command = [str(args.server_bin), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-np", str(args.parallel), "-c", str(ctx), "-t", str(args.threads), "--no-webui"]
+    command = [
+        str(args.server_bin),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(args.parallel),
+        "-c",
+        str(ctx),
+        "-t",
+        str(args.threads),
+        "--no-webui",
+    ]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -114,9 +138,17 @@ def start_server(args, gguf: Path, ctx: int, port: int):
 
 def complete(port: int, item, t0: float) -> stats.Timed:
     """One streamed /completion, timed from t0."""
-    body = json.dumps({"prompt": item.prompt_token_ids, "n_predict": item.max_tokens,
-                       "ignore_eos": True, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                       "stream": True})
+    body = json.dumps(
+        {
+            "prompt": item.prompt_token_ids,
+            "n_predict": item.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "stream": True,
+        }
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -125,7 +157,7 @@ def complete(port: int, item, t0: float) -> stats.Timed:
     for raw in resp:
         line = raw.decode(errors="replace").strip()
         if line.startswith("data: "):
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             first = first or time.perf_counter()
             if event.get("stop"):
                 predicted = event.get("tokens_predicted")
@@ -152,8 +184,9 @@ def make_items(args) -> list:
     from inferline.worker.engine.models.loader import load_tokenizer
 
     work = from_args(load_tokenizer(None), args)
-    lengths = lognormal_lengths(len(work), args.median_output, args.sigma, args.min_output,
-                                args.max_output, args.seed)
+    lengths = lognormal_lengths(
+        len(work), args.median_output, args.sigma, args.min_output, args.max_output, args.seed
+    )
     return [dataclasses.replace(w, max_tokens=n) for w, n in zip(work, lengths)]
 
 
@@ -163,14 +196,18 @@ def print_report(res: dict) -> None:
     for path, backends in res["backends"].items():
         chosen = ", ".join(f"{k} {v['backend']} ({v['how']})" for k, v in backends.items())
         print(f"{path}: {chosen}")
-    print(f"workload: {w['num_requests']} requests, outputs {w['output_tokens']} (total "
-          f"{w['total_output']}), prompts {w['prompt_tokens']} tokens")
+    print(
+        f"workload: {w['num_requests']} requests, outputs {w['output_tokens']} (total "
+        f"{w['total_output']}), prompts {w['prompt_tokens']} tokens"
+    )
     print(f"{'path':20} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}  vs llama.cpp: tok/s  p99")
     for path, row in res["summary"].items():
         vs = row.get("vs_baseline") or {}
-        print(f"{path:20} {fmt(row['tokens_per_s'], '8.1f')} {fmt(row['ttft_p50_s'], '8.2f')}s "
-              f"{fmt(row['ttft_p99_s'], '8.2f')}s  {fmt(vs.get('tokens_per_s'), '17.2f')}x "
-              f"{fmt(vs.get('ttft_p99'), '8.2f')}x{'' if row['complete'] else '  INCOMPLETE'}")
+        print(
+            f"{path:20} {fmt(row['tokens_per_s'], '8.1f')} {fmt(row['ttft_p50_s'], '8.2f')}s "
+            f"{fmt(row['ttft_p99_s'], '8.2f')}s  {fmt(vs.get('tokens_per_s'), '17.2f')}x "
+            f"{fmt(vs.get('ttft_p99'), '8.2f')}x{'' if row['complete'] else '  INCOMPLETE'}"
+        )
 
 
 def main(argv=None) -> dict:
@@ -179,16 +216,25 @@ def main(argv=None) -> dict:
 
     started, gguf, items = time.time(), args.gguf or bundled_model_path(), make_items(args)
     settings = e2e.bench_settings(args)
-    res = {"command": stats.command("peer_llamacpp", argv),
-           "machine": stats.machine_info(), "gguf": str(gguf),
-           "workload": describe(items),
-           "settings": {"parallel": args.parallel, "threads": args.threads,
-                        "max_num_seqs": args.max_num_seqs}}
+    res = {
+        "command": stats.command("peer_llamacpp", argv),
+        "machine": stats.machine_info(),
+        "gguf": str(gguf),
+        "workload": describe(items),
+        "settings": {
+            "parallel": args.parallel,
+            "threads": args.threads,
+            "max_num_seqs": args.max_num_seqs,
+        },
+    }
     server, runs = None, []
     with e2e.Fleet(settings, args.out.parent) as fleet:
-        workers = {f"inferline-{linear}": fleet.add(f"peer_llamacpp.worker-{linear}",
-                                                    {"INFERLINE_MODEL__CPU_LINEAR": linear})
-                   for linear in args.linear}
+        workers = {
+            f"inferline-{linear}": fleet.add(
+                f"peer_llamacpp.worker-{linear}", {"INFERLINE_MODEL__CPU_LINEAR": linear}
+            )
+            for linear in args.linear
+        }
         try:
             if not args.skip_llamacpp:
                 port = e2e.free_port()
@@ -196,13 +242,18 @@ def main(argv=None) -> dict:
                 ctx = server_ctx(args.parallel, longest, args.max_output)
                 server = start_server(args, gguf, ctx, port)
             fleet.wait(args.ready_timeout)
-            res["backends"] = {path: parse_backend_info(e2e.http_get(w.port, "/metrics")[1])
-                               for path, w in workers.items()}
+            res["backends"] = {
+                path: parse_backend_info(e2e.http_get(w.port, "/metrics")[1])
+                for path, w in workers.items()
+            }
             paths = ([] if args.skip_llamacpp else ["llamacpp"]) + list(workers)
             for i, path in enumerate(stats.abba(paths, args.repeats)):
                 print(f"run {i + 1}: {path}...", file=sys.stderr)
-                r = (llamacpp_run(port, items) if path == "llamacpp" else
-                     asyncio.run(e2e.kafka_run(settings, workers[path], items)))
+                r = (
+                    llamacpp_run(port, items)
+                    if path == "llamacpp"
+                    else asyncio.run(e2e.kafka_run(settings, workers[path], items))
+                )
                 runs.append({**{k: v for k, v in r.items() if not k.startswith("_")}, "path": path})
         finally:
             if server is not None:

@@ -12,6 +12,7 @@ sends the same three events. Per variant: the producers' metadata topic sets at 
 every topic of the cluster), the topics a refresh fetches and its time, events/s. Writes
 bench/results/reply-topics.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ EVENTS = 3  # started, tokens, done per request
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.reply_topics",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.reply_topics", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--topics", type=int, default=10_000, help="reply topics, one request each")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at a time")
     p.add_argument("--heap", help="broker JVM heap flags (default: grows with --topics)")
@@ -56,8 +58,11 @@ async def metadata(client) -> dict:
         t0 = time.perf_counter()
         await client.force_metadata_update()
         times.append(time.perf_counter() - t0)
-    return {"topics": len(client._topics), "cached_topics": len(client.cluster.topics()),
-            "refresh_s": statistics.median(times)}
+    return {
+        "topics": len(client._topics),
+        "cached_topics": len(client.cluster.topics()),
+        "refresh_s": statistics.median(times),
+    }
 
 
 async def load(args, send, stem: str) -> dict:
@@ -80,8 +85,13 @@ async def load(args, send, stem: str) -> dict:
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
     send_s = time.perf_counter() - t0
-    return {"requests": len(tasks), "events": EVENTS * len(tasks), "outcomes": outcomes,
-            "send_s": send_s, "events_per_s": EVENTS * len(tasks) / send_s}
+    return {
+        "requests": len(tasks),
+        "events": EVENTS * len(tasks),
+        "outcomes": outcomes,
+        "send_s": send_s,
+        "events_per_s": EVENTS * len(tasks) / send_s,
+    }
 
 
 async def run_worker(args) -> dict:
@@ -95,9 +105,14 @@ async def run_worker(args) -> dict:
     from inferline.worker.service.metrics import Metrics
 
     requests = f"bench-reply-topics-{args.stem}.requests"
-    settings = Settings(kafka={"bootstrap_servers": args.bootstrap, "request_topic": requests,
-                               "dlq_topic": f"bench-reply-topics-{args.stem}.dlq",
-                               "group_id": f"bench-reply-topics-{args.stem}"})
+    settings = Settings(
+        kafka={
+            "bootstrap_servers": args.bootstrap,
+            "request_topic": requests,
+            "dlq_topic": f"bench-reply-topics-{args.stem}.dlq",
+            "group_id": f"bench-reply-topics-{args.stem}",
+        }
+    )
     metrics, tracker, tp = Metrics(), OffsetTracker(), TopicPartition(requests, 0)
     transactions = Transactions(settings, tracker, metrics)
     publisher = Publisher(settings, metrics, "bench-worker", transactions)
@@ -112,15 +127,26 @@ async def run_worker(args) -> dict:
         rs = ReplyStream(f"bench-{i}", uuid.uuid4().hex, topic, None)
         publisher.started(rs, 0.001)
         publisher.tokens(rs, [42, 43], "ok")
-        publisher.done(rs, finish_reason="length", prompt_tokens=3, completion_tokens=2, text="ok",
-                       queue_s=0.001, ttft_s=0.002, total_s=0.003, source=(tp, offset, 0),
-                       on_acked=lambda out, error=None: acked.set_result(out))
+        publisher.done(
+            rs,
+            finish_reason="length",
+            prompt_tokens=3,
+            completion_tokens=2,
+            text="ok",
+            queue_s=0.001,
+            ttft_s=0.002,
+            total_s=0.003,
+            source=(tp, offset, 0),
+            on_acked=lambda out, error=None: acked.set_result(out),
+        )
         return acked
 
     report = await load(args, send, args.stem)
-    report.update(publisher_producer=await metadata(publisher._producer.client),
-                  transactional_producer=await metadata(transactions._parts[tp]._producer.client),
-                  send_failures=metrics.send_failures._value.get())
+    report.update(
+        publisher_producer=await metadata(publisher._producer.client),
+        transactional_producer=await metadata(transactions._parts[tp]._producer.client),
+        send_failures=metrics.send_failures._value.get(),
+    )
     await publisher.stop()
     await transactions.close_all()
     return report
@@ -130,20 +156,35 @@ async def run_baseline(args) -> dict:
     """One plain idempotent producer for every event, no pruning: the worker before."""
     from aiokafka import AIOKafkaProducer
 
-    from inferline.contract.schema import (DoneEvent, StartedEvent, Timing, TokensEvent, Usage,
-                                           encode_event)
+    from inferline.contract.schema import (
+        DoneEvent,
+        StartedEvent,
+        Timing,
+        TokensEvent,
+        Usage,
+        encode_event,
+    )
 
-    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, enable_idempotence=True,
-                                acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=args.bootstrap, enable_idempotence=True, acks="all", linger_ms=5
+    )
     await producer.start()
 
     async def send(i: int, topic: str) -> str:
         rid, a = f"bench-{i}", uuid.uuid4().hex
-        events = [StartedEvent(id=rid, attempt=a, seq=0, worker="bench", queue_s=0.001),
-                  TokensEvent(id=rid, attempt=a, seq=1, token_ids=[42, 43], text="ok"),
-                  DoneEvent(id=rid, attempt=a, seq=2, finish_reason="length", text="ok",
-                            usage=Usage(prompt_tokens=3, completion_tokens=2),
-                            timing=Timing(queue_s=0.001, ttft_s=0.002, total_s=0.003))]
+        events = [
+            StartedEvent(id=rid, attempt=a, seq=0, worker="bench", queue_s=0.001),
+            TokensEvent(id=rid, attempt=a, seq=1, token_ids=[42, 43], text="ok"),
+            DoneEvent(
+                id=rid,
+                attempt=a,
+                seq=2,
+                finish_reason="length",
+                text="ok",
+                usage=Usage(prompt_tokens=3, completion_tokens=2),
+                timing=Timing(queue_s=0.001, ttft_s=0.002, total_s=0.003),
+            ),
+        ]
         try:
             sent = [await producer.send(topic, encode_event(e), key=rid.encode()) for e in events]
             await asyncio.gather(*sent)
@@ -166,11 +207,16 @@ async def create_all(bootstrap: str, stem: str, n: int, batch: int = 500) -> Non
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=300_000)
     await admin.start()
     try:
-        names = [f"bench-reply-topics-{stem}.requests", f"bench-reply-topics-{stem}.dlq",
-                 reply(stem, "warmup"), *(reply(stem, i) for i in range(n))]
+        names = [
+            f"bench-reply-topics-{stem}.requests",
+            f"bench-reply-topics-{stem}.dlq",
+            reply(stem, "warmup"),
+            *(reply(stem, i) for i in range(n)),
+        ]
         for start in range(0, len(names), batch):
-            await admin.create_topics([NewTopic(t, 1, 1) for t in names[start:start + batch]],
-                                      timeout_ms=300_000)
+            await admin.create_topics(
+                [NewTopic(t, 1, 1) for t in names[start : start + batch]], timeout_ms=300_000
+            )
     finally:
         await admin.close()
 
@@ -180,8 +226,9 @@ async def end_offsets(bootstrap: str, stem: str, n: int, timeout_ms: int = 40_00
     every topic (end_offsets alone learns one unknown topic per round trip)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                request_timeout_ms=timeout_ms)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, request_timeout_ms=timeout_ms
+    )
     await consumer.start()
     tps = [TopicPartition(reply(stem, i), 0) for i in range(n)]
     try:
@@ -202,11 +249,15 @@ def table(res: dict) -> str:
             return f"{1e3 * m[key]:.1f} ms"
         return str(m[key] or "all")  # an empty topic set: every topic of the cluster
 
-    rows = [("", "(a) worker (pruned)", "(b) plain producer"),
-            ("outcomes", json.dumps(w["outcomes"]), json.dumps(b["outcomes"])),
-            *[(f"metadata: {k}", f"{md(pub, k)} + txn {md(txn, k)}", md(base, k))
-              for k in ("topics", "cached_topics", "refresh_s")],
-            ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}")]
+    rows = [
+        ("", "(a) worker (pruned)", "(b) plain producer"),
+        ("outcomes", json.dumps(w["outcomes"]), json.dumps(b["outcomes"])),
+        *[
+            (f"metadata: {k}", f"{md(pub, k)} + txn {md(txn, k)}", md(base, k))
+            for k in ("topics", "cached_topics", "refresh_s")
+        ],
+        ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}"),
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
@@ -222,9 +273,15 @@ def main(argv=None) -> dict:
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     started, stem = time.time(), uuid.uuid4().hex[:8]
-    res = {"command": stats.command("reply_topics", argv), "machine": stats.machine_info(),
-           "settings": {"topics": args.topics, "concurrency": args.concurrency,
-                        "max_producer_topics": MAX_PRODUCER_TOPICS}}
+    res = {
+        "command": stats.command("reply_topics", argv),
+        "machine": stats.machine_info(),
+        "settings": {
+            "topics": args.topics,
+            "concurrency": args.concurrency,
+            "max_producer_topics": MAX_PRODUCER_TOPICS,
+        },
+    }
     kdir = Path(tempfile.mkdtemp(prefix="inferline-bench-reply-topics-"))
     # The broker keeps per-partition state on its heap; the default is sized for tests.
     broker = PrivateBroker(kdir, heap=args.heap or f"-Xmx{512 + args.topics // 10}m -Xms256m")
@@ -237,8 +294,10 @@ def main(argv=None) -> dict:
         asyncio.run(end_offsets(broker.bootstrap, stem, args.topics, timeout_ms=600_000))
         logging.getLogger("aiokafka").setLevel(logging.NOTSET)
         args.bootstrap, args.stem = broker.bootstrap, stem
-        res["runs"] = {"worker": asyncio.run(run_worker(args)),
-                       "baseline": asyncio.run(run_baseline(args))}
+        res["runs"] = {
+            "worker": asyncio.run(run_worker(args)),
+            "baseline": asyncio.run(run_baseline(args)),
+        }
         res["end_offsets"] = asyncio.run(end_offsets(broker.bootstrap, stem, args.topics))
     finally:
         try:
@@ -248,8 +307,11 @@ def main(argv=None) -> dict:
 
     def report(r: dict) -> None:
         ends = r["end_offsets"]
-        print(table(r) + f"\nreply-topic end offsets: min {ends['min']}, max {ends['max']} "
-              f"(every event delivered: {ends['min'] >= ends['expected_min']})")
+        print(
+            table(r) + f"\nreply-topic end offsets: min {ends['min']}, max {ends['max']} "
+            f"(every event delivered: {ends['min'] >= ends['expected_min']})"
+        )
+
     return stats.save(res, args.out, started, report)
 
 

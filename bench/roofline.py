@@ -5,6 +5,7 @@ The model's own linear layers (every layer plus the LM head) are timed on `batch
 the matmuls of one decode step. FLOPs per token = 2 x the linear weights (embeddings excluded) +
 2 x the LM head. Attention, norms and sampling are not counted: an engine keeps them small.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,7 +22,12 @@ def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        layers += [
+            attn.qkv_proj.weight,
+            attn.o_proj.weight,
+            mlp.gate_up_proj.weight,
+            mlp.down_proj.weight,
+        ]
     return layers, model.lm_head_weight()
 
 
@@ -31,8 +37,16 @@ def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Pa
     layers, head = linear_weights(model)
     if backend is not None:
         return [(w, pack_for(w, backend)) for w in layers + [head]]
-    packed = [m.packed for layer in model.layers
-              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    packed = [
+        m.packed
+        for layer in model.layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     return list(zip(layers + [head], packed + [model.lm_head_packed]))
 
 
@@ -51,8 +65,9 @@ def flops_per_token(model) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def time_step_matmuls(ops: list[tuple[torch.Tensor, Packed | None]], batch: int,
-                      repeats: int = 5) -> float:
+def time_step_matmuls(
+    ops: list[tuple[torch.Tensor, Packed | None]], batch: int, repeats: int = 5
+) -> float:
     """Best-of-`repeats` seconds for one pass over `ops` at `batch` rows (best: what the machine
     can do; other processes only add time)."""
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w, _ in ops}
@@ -74,12 +89,20 @@ def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
     by_batch = {}
     for b in batches:
         t = time_step_matmuls(ops, b, repeats)
-        by_batch[str(b)] = {"step_matmul_s": t, "gflops": b * flops["total"] / t / 1e9,
-                            "tokens_per_s": b / t}
+        by_batch[str(b)] = {
+            "step_matmul_s": t,
+            "gflops": b * flops["total"] / t / 1e9,
+            "tokens_per_s": b / t,
+        }
     best = max(by_batch.values(), key=lambda r: r["tokens_per_s"])
-    return {"flops_per_token": flops, "by_batch": by_batch, "gflops": best["gflops"],
-            "tokens_per_s": best["tokens_per_s"], "threads": torch.get_num_threads(),
-            "dtype": str(model.lm_head_weight().dtype)}
+    return {
+        "flops_per_token": flops,
+        "by_batch": by_batch,
+        "gflops": best["gflops"],
+        "tokens_per_s": best["tokens_per_s"],
+        "threads": torch.get_num_threads(),
+        "dtype": str(model.lm_head_weight().dtype),
+    }
 
 
 def canary_gflops(n: int = 256, k: int = 576, m: int = 1536, repeats: int = 20) -> float:

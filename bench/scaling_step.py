@@ -13,6 +13,7 @@ sent during the step, requests finished more than once, and how long the step to
 stable again; share: to the joiner's first `started`, or to the leaver's exit). Writes
 bench/results/scaling_step.json. tests/kafka/test_scaling_step.py asserts on `run_step`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,13 @@ SHARE = Load(initial=12, max_tokens=48, max_num_seqs=4)  # one partition: two wo
 
 def dones(evs: list, requeued: bool = False, t0: float = 0.0, t1: float = float("inf")) -> list:
     """The final `done`s of one request's events (or its `requeued` ones) within [t0, t1]."""
-    return [e for ts, e in evs if isinstance(e, DoneEvent) and t0 <= ts <= t1
-            and (e.finish_reason == "requeued") == requeued]
+    return [
+        e
+        for ts, e in evs
+        if isinstance(e, DoneEvent)
+        and t0 <= ts <= t1
+        and (e.finish_reason == "requeued") == requeued
+    ]
 
 
 def finals(evs: list) -> list[DoneEvent]:
@@ -75,8 +81,11 @@ def finals(evs: list) -> list[DoneEvent]:
 
 def running_at(events: dict, t: float) -> set[str]:
     """Requests started at t whose final came after it."""
-    return {i for i, evs in events.items() if not dones(evs, t1=t)
-            and any(isinstance(e, StartedEvent) and ts <= t for ts, e in evs)}
+    return {
+        i
+        for i, evs in events.items()
+        if not dones(evs, t1=t) and any(isinstance(e, StartedEvent) and ts <= t for ts, e in evs)
+    }
 
 
 def requeues(events: dict, t0: float = 0.0, t1: float = float("inf")) -> dict[str, list[DoneEvent]]:
@@ -90,8 +99,9 @@ def ttft_p99(events: dict, sent: dict[str, float], t0: float, t1: float) -> floa
     for i, at in sent.items():
         if t0 <= at <= t1 and finals(events.get(i, [])):
             attempt = finals(events[i])[-1].attempt
-            first = [ts for ts, e in events[i]
-                     if isinstance(e, TokensEvent) and e.attempt == attempt]
+            first = [
+                ts for ts, e in events[i] if isinstance(e, TokensEvent) and e.attempt == attempt
+            ]
             ttfts += [min(first) - at] if first else []
     return round(stats.pct(ttfts, 99), 2) if ttfts else None
 
@@ -99,11 +109,18 @@ def ttft_p99(events: dict, sent: dict[str, float], t0: float, t1: float) -> floa
 def step_figures(events: dict, sent: dict, begin: float, end: float) -> dict:
     running, requeued = running_at(events, begin), requeues(events, begin, end)
     share = len(set(requeued) & running) / len(running) if running else 0
-    return {"running_at_step": len(running), "requeued": len(requeued),
-            "requeued_share": round(share, 3), "tokens_computed_twice": sum(
-                e.usage.completion_tokens + e.usage.prompt_tokens for es in requeued.values()
-                for e in es), "ttft_p99_step_s": ttft_p99(events, sent, begin, end),
-            "finished_more_than_once": sum(len(finals(events.get(i, []))) > 1 for i in sent)}
+    return {
+        "running_at_step": len(running),
+        "requeued": len(requeued),
+        "requeued_share": round(share, 3),
+        "tokens_computed_twice": sum(
+            e.usage.completion_tokens + e.usage.prompt_tokens
+            for es in requeued.values()
+            for e in es
+        ),
+        "ttft_p99_step_s": ttft_p99(events, sent, begin, end),
+        "finished_more_than_once": sum(len(finals(events.get(i, []))) > 1 for i in sent),
+    }
 
 
 # ---- group mode -------------------------------------------------------------------------------
@@ -141,12 +158,16 @@ class StepRun:
     def ran_through(self) -> set[str]:
         """Requests started before the step whose final came after the group was stable again."""
         end = self.stable_at or self.begin
-        return {i for i in self.running_at(self.begin)
-                if max(ts for ts, e in self.events[i] if isinstance(e, DoneEvent)) > end}
+        return {
+            i
+            for i in self.running_at(self.begin)
+            if max(ts for ts, e in self.events[i] if isinstance(e, DoneEvent)) > end
+        }
 
 
-async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | None = None,
-                      timeout: float = 600.0) -> dict[int, str]:
+async def watch_group(
+    bootstrap: str, group: str, members: int, run: StepRun | None = None, timeout: float = 600.0
+) -> dict[int, str]:
     """Polls until the group is stable with `members` members owning every partition (after a
     rebalance, with `run`: its unstable and stable times are marked); returns the owners."""
     admin, deadline = AIOKafkaAdminClient(bootstrap_servers=bootstrap), time.monotonic() + timeout
@@ -156,17 +177,30 @@ async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | N
             try:
                 (response,) = await admin.describe_consumer_groups([group])
                 g = response.groups[0]  # members: (id, ..., assignment bytes)
-                state, owners = g[2], {p: m[0] for m in g[5] if m[-1] for _, parts
-                                       in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
-                                       for p in parts}
+                state, owners = (
+                    g[2],
+                    {
+                        p: m[0]
+                        for m in g[5]
+                        if m[-1]
+                        for _, parts in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
+                        for p in parts
+                    },
+                )
             except (KafkaError, IndexError):  # the coordinator moving or loading: not known now
                 state, owners = "Unknown", {}
             if run is not None and state != "Stable" and run.unstable_at is None:
                 run.unstable_at = time.time()
-            stable = (state == "Stable" and len(owners) == PARTITIONS
-                      and len(set(owners.values())) == members)
-            if stable and (run is None or run.unstable_at is not None
-                           or set(owners.values()) != set(run.before.values())):
+            stable = (
+                state == "Stable"
+                and len(owners) == PARTITIONS
+                and len(set(owners.values())) == members
+            )
+            if stable and (
+                run is None
+                or run.unstable_at is not None
+                or set(owners.values()) != set(run.before.values())
+            ):
                 if run is not None:
                     run.stable_at, run.after = time.time(), owners
                 return owners
@@ -177,11 +211,16 @@ async def watch_group(bootstrap: str, group: str, members: int, run: StepRun | N
 
 
 async def send(bootstrap: str, topics: Topics, run: StepRun, partition: int, load: Load) -> None:
-    req = make_request(topics.replies, PROMPTS[len(run.sent_at) % len(PROMPTS)],
-                       max_tokens=load.max_tokens, ignore_eos=True)
+    req = make_request(
+        topics.replies,
+        PROMPTS[len(run.sent_at) % len(PROMPTS)],
+        max_tokens=load.max_tokens,
+        ignore_eos=True,
+    )
     run.partition_of[req["id"]], run.sent_at[req["id"]] = partition, time.time()
-    await produce_raw(bootstrap, topics.requests, [(req["id"].encode(), msgpack.packb(req))],
-                      partition=partition)
+    await produce_raw(
+        bootstrap, topics.requests, [(req["id"].encode(), msgpack.packb(req))], partition=partition
+    )
 
 
 async def steady(load: Load, stop: asyncio.Event, send_one) -> None:
@@ -203,8 +242,14 @@ async def until(check, what: str, timeout: float = 1200.0, poll: float = 0.5) ->
         await asyncio.sleep(poll)
 
 
-async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path,
-                   load: Load | None = None, mode: str = "group") -> StepRun:
+async def run_step(
+    bootstrap: str,
+    step: str,
+    rebalance: str,
+    log_dir: Path,
+    load: Load | None = None,
+    mode: str = "group",
+) -> StepRun:
     """Two workers (join) or three (leave) serve `load`; once the initial requests run, a third
     joins (or the third leaves, SIGTERM); the load goes on through the step (group: until the
     group is stable again), then every request is awaited to its final `done` (read_committed)."""
@@ -212,13 +257,26 @@ async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path,
     partitions = 1 if share else PARTITIONS
     topics = await private_topics(bootstrap, "scale", partitions, partitions)
     group, run = f"scale-{uuid.uuid4().hex[:8]}", StepRun(step, rebalance)
-    kafka = ({"intake": "share"} if share else
-             {"rebalance": rebalance, "session_timeout_ms": SESSION_TIMEOUT_MS})
-    workers = {n: WorkerProcess(n, bootstrap, topics, log_dir, kafka={"group_id": group, **kafka},
-                                worker={"name": n, "drain_timeout_s": load.drain_timeout_s},
-                                scheduler={"max_num_seqs": load.max_num_seqs,
-                                           "max_waiting": load.max_num_seqs * (1 if share else 2)})
-               for n in ("w1", "w2", "w3")}
+    kafka = (
+        {"intake": "share"}
+        if share
+        else {"rebalance": rebalance, "session_timeout_ms": SESSION_TIMEOUT_MS}
+    )
+    workers = {
+        n: WorkerProcess(
+            n,
+            bootstrap,
+            topics,
+            log_dir,
+            kafka={"group_id": group, **kafka},
+            worker={"name": n, "drain_timeout_s": load.drain_timeout_s},
+            scheduler={
+                "max_num_seqs": load.max_num_seqs,
+                "max_waiting": load.max_num_seqs * (1 if share else 2),
+            },
+        )
+        for n in ("w1", "w2", "w3")
+    }
     gate = log_dir / f"join-{group}"  # the joiner loads its model now, joins at the step
     for name, w in workers.items():
         joins = step == "join" and name == "w3"
@@ -237,10 +295,15 @@ async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path,
                 await send(bootstrap, topics, run, p, load)
         # Every initial request runs (share: as many as the workers' seats hold).
         running = min(len(run.sent_at), len(workers) * load.max_num_seqs)
-        await until(lambda: watcher.started(list(run.sent_at)) >= running,
-                    "the initial requests never started", 300, POLL_S)
-        load_task = asyncio.create_task(steady(
-            load, stop, lambda n: send(bootstrap, topics, run, n % partitions, load)))
+        await until(
+            lambda: watcher.started(list(run.sent_at)) >= running,
+            "the initial requests never started",
+            300,
+            POLL_S,
+        )
+        load_task = asyncio.create_task(
+            steady(load, stop, lambda n: send(bootstrap, topics, run, n % partitions, load))
+        )
         run.begin = time.time()
         members = len(workers) + (1 if step == "join" else -1)
         if not share:
@@ -273,17 +336,27 @@ async def run_step(bootstrap: str, step: str, rebalance: str, log_dir: Path,
 
 def joined(watcher: ReplyWatcher) -> bool:
     """The joiner (w3) started a request."""
-    return any(isinstance(e, StartedEvent) and e.worker == "w3"
-               for evs in watcher.events().values() for _, e in evs)
+    return any(
+        isinstance(e, StartedEvent) and e.worker == "w3"
+        for evs in watcher.events().values()
+        for _, e in evs
+    )
 
 
 def figures(run: StepRun, mode: str) -> dict:
     end, requeued = run.stable_at or run.begin, run.requeued()
-    out = {"mode": mode, "step": run.step, "step_s": round(end - run.begin, 2),
-           **step_figures(run.events, run.sent_at, run.begin, end + 5.0)}
+    out = {
+        "mode": mode,
+        "step": run.step,
+        "step_s": round(end - run.begin, 2),
+        **step_figures(run.events, run.sent_at, run.begin, end + 5.0),
+    }
     if mode == "group":
-        out.update(rebalance=run.rebalance, partitions_moved=len(run.moved),
-                   requeued_on_kept_partitions=sum(p not in run.moved for p in requeued.values()))
+        out.update(
+            rebalance=run.rebalance,
+            partitions_moved=len(run.moved),
+            requeued_on_kept_partitions=sum(p not in run.moved for p in requeued.values()),
+        )
     return out
 
 
@@ -294,8 +367,13 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["group", "share"], default="group")
     p.add_argument("--step", choices=["join", "leave"], nargs="+", default=["join", "leave"])
-    p.add_argument("--rebalance", choices=["requeue", "hold"], nargs="+",
-                   default=["requeue", "hold"], help="group mode")
+    p.add_argument(
+        "--rebalance",
+        choices=["requeue", "hold"],
+        nargs="+",
+        default=["requeue", "hold"],
+        help="group mode",
+    )
     p.add_argument("--max-tokens", type=int, default=Load.max_tokens)
     p.add_argument("--quick", action="store_true", help="the test's load, shorter")
     p.add_argument("--out", type=Path, default=stats.RESULTS / "scaling_step.json")

@@ -14,6 +14,7 @@ three loads: interactive alone (Poisson arrivals of short chats, priority 0), th
 alone rate less the interactive tokens/s, and the batch's alone rate times the engine's idle
 share under the interactive load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,23 +99,42 @@ class Engine:
 
 
 def _seq(rid: str, prompt: int, tokens: int, priority: int) -> Sequence:
-    return Sequence(request_id=rid, prompt_token_ids=[1] * prompt, sampling=SamplingParams(max_tokens=tokens),
-                    priority=priority)
+    return Sequence(
+        request_id=rid,
+        prompt_token_ids=[1] * prompt,
+        sampling=SamplingParams(max_tokens=tokens),
+        priority=priority,
+    )
 
 
-def run(load: Load, cost, background: BackgroundLimit | None, interactive: bool, batch: bool,
-        seed: int = 0, max_num_seqs: int = 64, budget: int = 512, num_blocks: int = 1356) -> dict:
+def run(
+    load: Load,
+    cost,
+    background: BackgroundLimit | None,
+    interactive: bool,
+    batch: bool,
+    seed: int = 0,
+    max_num_seqs: int = 64,
+    budget: int = 512,
+    num_blocks: int = 1356,
+) -> dict:
     """One load on a fresh engine: with `batch`, the lines run at full width first; with
     `interactive`, Poisson arrivals start then (after 5 s of batch alone)."""
-    engine = Engine(Scheduler(BlockManager(num_blocks, 16), max_num_seqs, budget, background=background), cost)
+    engine = Engine(
+        Scheduler(BlockManager(num_blocks, 16), max_num_seqs, budget, background=background), cost
+    )
     engine.scheduler.clock = lambda: engine.now / 1000
     rng = random.Random(seed)
-    lines = iter(range(load.batch_lines if interactive is False else 10**9))  # beside: outlasts the chats
+    lines = iter(
+        range(load.batch_lines if interactive is False else 10**9)
+    )  # beside: outlasts the chats
 
     def next_line() -> None:
         i = next(lines, None)
         if i is not None:
-            engine.submit(engine.now, _seq(f"b{i}", load.batch_prompt, load.batch_tokens, BATCH_PRIORITY))
+            engine.submit(
+                engine.now, _seq(f"b{i}", load.batch_prompt, load.batch_tokens, BATCH_PRIORITY)
+            )
 
     for _ in range(load.in_flight if batch else 0):
         next_line()
@@ -135,15 +155,22 @@ def run(load: Load, cost, background: BackgroundLimit | None, interactive: bool,
             if batch:
                 break
     window = (start, end if interactive else engine.now)
-    batch_tokens = sum(s.num_output_tokens for t, s in engine.finished
-                       if s.priority == BATCH_PRIORITY and window[0] <= t < window[1])
+    batch_tokens = sum(
+        s.num_output_tokens
+        for t, s in engine.finished
+        if s.priority == BATCH_PRIORITY and window[0] <= t < window[1]
+    )
     seconds = (window[1] - window[0]) / 1000
     ttfts = sorted(engine.first_token[s] - s.arrival_time for s in chats)
-    return {"ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
-            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
-            "batch_tokens_per_s": batch_tokens / seconds if seconds else 0.0,
-            "interactive_tokens_per_s": sum(s.num_output_tokens for s in chats) / seconds if chats else 0.0,
-            "busy_share": engine.busy / (engine.now - 0.0) if engine.now else 0.0}
+    return {
+        "ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
+        "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "batch_tokens_per_s": batch_tokens / seconds if seconds else 0.0,
+        "interactive_tokens_per_s": sum(s.num_output_tokens for s in chats) / seconds
+        if chats
+        else 0.0,
+        "busy_share": engine.busy / (engine.now - 0.0) if engine.now else 0.0,
+    }
 
 
 def compare(load: Load, cost, background: BackgroundLimit | None, seed: int = 0) -> dict:
@@ -152,42 +179,73 @@ def compare(load: Load, cost, background: BackgroundLimit | None, seed: int = 0)
     both = run(load, cost, background, interactive=True, batch=True, seed=seed)
     by_tokens = capacity - alone["interactive_tokens_per_s"]
     by_time = capacity * (1 - alone["busy_share"])
-    return {"seats": background.max_tokens if background else None,
-            "alone": background.alone_max_tokens if background else None,
-            "ttft_p50_ratio": both["ttft_p50_ms"] / alone["ttft_p50_ms"],
-            "ttft_p99_ratio": both["ttft_p99_ms"] / alone["ttft_p99_ms"],
-            "ttft_p99_ms": (round(alone["ttft_p99_ms"]), round(both["ttft_p99_ms"])),
-            "batch_alone": round(capacity, 1), "batch_beside": round(both["batch_tokens_per_s"], 1),
-            "idle_used_by_tokens": both["batch_tokens_per_s"] / by_tokens,
-            "idle_used_by_time": both["batch_tokens_per_s"] / by_time,
-            "interactive_busy_share": round(alone["busy_share"], 3)}
+    return {
+        "seats": background.max_tokens if background else None,
+        "alone": background.alone_max_tokens if background else None,
+        "ttft_p50_ratio": both["ttft_p50_ms"] / alone["ttft_p50_ms"],
+        "ttft_p99_ratio": both["ttft_p99_ms"] / alone["ttft_p99_ms"],
+        "ttft_p99_ms": (round(alone["ttft_p99_ms"]), round(both["ttft_p99_ms"])),
+        "batch_alone": round(capacity, 1),
+        "batch_beside": round(both["batch_tokens_per_s"], 1),
+        "idle_used_by_tokens": both["batch_tokens_per_s"] / by_tokens,
+        "idle_used_by_time": both["batch_tokens_per_s"] / by_time,
+        "interactive_busy_share": round(alone["busy_share"], 3),
+    }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.scheduler_sim", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.scheduler_sim", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--cost", choices=sorted(COSTS), default="cpu")
     p.add_argument("--fixed-ms", type=float)
     p.add_argument("--row-ms", type=float)
     p.add_argument("--prefill-ms", type=float)
-    p.add_argument("--seats", default="8,16,24,32,64", help="background_max_tokens values to try (beside 'off')")
-    p.add_argument("--alone", default="", help="alone_max_tokens values to try with each --seats value "
-                   "(background tokens a step with no interactive work; empty: none)")
-    p.add_argument("--quiet-s", type=float, default=BackgroundLimit.quiet_s,
-                   help="seconds without interactive work after which --alone no longer applies")
+    p.add_argument(
+        "--seats",
+        default="8,16,24,32,64",
+        help="background_max_tokens values to try (beside 'off')",
+    )
+    p.add_argument(
+        "--alone",
+        default="",
+        help="alone_max_tokens values to try with each --seats value "
+        "(background tokens a step with no interactive work; empty: none)",
+    )
+    p.add_argument(
+        "--quiet-s",
+        type=float,
+        default=BackgroundLimit.quiet_s,
+        help="seconds without interactive work after which --alone no longer applies",
+    )
     p.add_argument("--rate", type=float, default=Load.rate)
-    p.add_argument("--interactive", type=int, default=Load.interactive, help="interactive requests per load")
-    p.add_argument("--seeds", type=int, default=3, help="runs per policy (Poisson arrivals); medians")
+    p.add_argument(
+        "--interactive", type=int, default=Load.interactive, help="interactive requests per load"
+    )
+    p.add_argument(
+        "--seeds", type=int, default=3, help="runs per policy (Poisson arrivals); medians"
+    )
     args = p.parse_args(argv)
     fixed, row, prefill = COSTS[args.cost]
     cost = (args.fixed_ms or fixed, args.row_ms or row, args.prefill_ms or prefill)
     load = Load(rate=args.rate, interactive=args.interactive)
-    print(f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, per prompt token {cost[2]}; {load}")
+    print(
+        f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, per prompt token {cost[2]}; {load}"
+    )
     alone = [None, *(int(n) for n in args.alone.split(",") if n)]
-    limits = [BackgroundLimit(BATCH_PRIORITY, int(n), a, args.quiet_s) for n in args.seats.split(",") for a in alone]
+    limits = [
+        BackgroundLimit(BATCH_PRIORITY, int(n), a, args.quiet_s)
+        for n in args.seats.split(",")
+        for a in alone
+    ]
     for background in [None, *limits]:
         runs = [compare(load, cost, background, seed) for seed in range(args.seeds)]
-        row_ = {k: statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else runs[0][k]
-                for k in runs[0]}
+        row_ = {
+            k: statistics.median(r[k] for r in runs)
+            if isinstance(runs[0][k], float)
+            else runs[0][k]
+            for k in runs[0]
+        }
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row_.items()}))
 
 

@@ -1,5 +1,6 @@
 """The benchmarks' one stats helper: percentiles, a run's requests summed up, runs compared per
 path against a baseline, the run order that cancels a drifting load, the machine, the JSON."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,12 @@ def pct(values, q: float) -> float | None:
 
 def dist(values) -> dict:
     values = list(values)
-    return {"p50": pct(values, 50), "p99": pct(values, 99), "n": len(values),
-            "mean": statistics.fmean(values) if values else None}
+    return {
+        "p50": pct(values, 50),
+        "p99": pct(values, 99),
+        "n": len(values),
+        "mean": statistics.fmean(values) if values else None,
+    }
 
 
 def summarize(timed: list[Timed], want_tokens: int) -> dict:
@@ -47,16 +52,22 @@ def summarize(timed: list[Timed], want_tokens: int) -> dict:
     ok = [t for t in timed if t.ok]
     wall = max(t.end for t in timed) - min(t.start for t in timed) if timed else 0.0
     tokens = sum(t.tokens for t in ok)
-    return {"requests": len(timed), "completed": len(ok), "useful_tokens": tokens,
-            "complete": len(ok) == len(timed) and tokens == want_tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall else 0.0,
-            "ttft_s": dist(t.first - t.start for t in ok if t.first is not None),
-            "e2e_s": dist(t.end - t.start for t in ok)}
+    return {
+        "requests": len(timed),
+        "completed": len(ok),
+        "useful_tokens": tokens,
+        "complete": len(ok) == len(timed) and tokens == want_tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_s": dist(t.first - t.start for t in ok if t.first is not None),
+        "e2e_s": dist(t.end - t.start for t in ok),
+    }
 
 
 def compare(runs: list[dict], baseline: str, key: str = "path") -> dict:
     """Per path (runs[i][key]): the median over its runs of tokens/s and TTFT p50/p99; every other
     path against the baseline's (tokens/s and TTFT p99 as ratios, TTFT p50 as a difference)."""
+
     def med(rs, get):
         values = [v for v in map(get, rs) if v is not None]
         return statistics.median(values) if values else None
@@ -67,18 +78,29 @@ def compare(runs: list[dict], baseline: str, key: str = "path") -> dict:
     paths: dict[str, list[dict]] = {}
     for r in runs:
         paths.setdefault(r[key], []).append(r)
-    table = {p: {"tokens_per_s": med(rs, lambda r: r["tokens_per_s"]),
-                 "ttft_p50_s": med(rs, lambda r: r["ttft_s"]["p50"]),
-                 "ttft_p99_s": med(rs, lambda r: r["ttft_s"]["p99"]), "runs": len(rs),
-                 "complete": all(r["complete"] for r in rs)} for p, rs in paths.items()}
+    table = {
+        p: {
+            "tokens_per_s": med(rs, lambda r: r["tokens_per_s"]),
+            "ttft_p50_s": med(rs, lambda r: r["ttft_s"]["p50"]),
+            "ttft_p99_s": med(rs, lambda r: r["ttft_s"]["p99"]),
+            "runs": len(rs),
+            "complete": all(r["complete"] for r in rs),
+        }
+        for p, rs in paths.items()
+    }
     base = table.get(baseline)
     for path, row in table.items():
         if base and path != baseline:
-            diff = (None if row["ttft_p50_s"] is None or base["ttft_p50_s"] is None
-                    else 1e3 * (row["ttft_p50_s"] - base["ttft_p50_s"]))
-            row["vs_baseline"] = {"tokens_per_s": ratio(row["tokens_per_s"], base["tokens_per_s"]),
-                                  "ttft_p50_diff_ms": diff,
-                                  "ttft_p99": ratio(row["ttft_p99_s"], base["ttft_p99_s"])}
+            diff = (
+                None
+                if row["ttft_p50_s"] is None or base["ttft_p50_s"] is None
+                else 1e3 * (row["ttft_p50_s"] - base["ttft_p50_s"])
+            )
+            row["vs_baseline"] = {
+                "tokens_per_s": ratio(row["tokens_per_s"], base["tokens_per_s"]),
+                "ttft_p50_diff_ms": diff,
+                "ttft_p99": ratio(row["ttft_p99_s"], base["ttft_p99_s"]),
+            }
     return table
 
 
@@ -95,10 +117,16 @@ def machine_info() -> dict:
     torch = sys.modules.get("torch")  # where the benchmark imported it
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    return {"python": platform.python_version(), "torch": torch and torch.__version__,
-            "platform": platform.platform(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "torch_threads": torch and torch.get_num_threads(),
-            "loadavg_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch and torch.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch and torch.get_num_threads(),
+        "loadavg_at_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def command(name: str, argv) -> str:

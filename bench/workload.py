@@ -5,6 +5,7 @@ Prompts are built from fixed lists (instructions x topics, padded with context s
 workload depends only on its arguments and the tokenizer: the same seed gives the same prompts,
 the same output lengths and the same arrival times in every run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,21 +13,33 @@ import random
 from dataclasses import dataclass
 
 INSTRUCTIONS = (
-    "Explain in simple words how", "Write a short essay on how",
-    "Give three practical tips about how", "Summarize the main ideas behind how",
-    "Describe step by step how", "List the common mistakes people make about how",
-    "Compare two different views on how", "Write a friendly letter to a student about how",
+    "Explain in simple words how",
+    "Write a short essay on how",
+    "Give three practical tips about how",
+    "Summarize the main ideas behind how",
+    "Describe step by step how",
+    "List the common mistakes people make about how",
+    "Compare two different views on how",
+    "Write a friendly letter to a student about how",
 )
 
 TOPICS = (
-    "photosynthesis turns sunlight into sugar", "a compiler turns source code into machine code",
-    "the Roman Empire managed its roads", "bees find flowers and share the location",
-    "interest rates affect the housing market", "a bicycle stays upright while moving",
-    "vaccines train the immune system", "a database index speeds up queries",
-    "glaciers shape mountain valleys", "jazz musicians improvise together",
-    "a sourdough starter makes bread rise", "satellites keep their orbit around the Earth",
-    "a city plans its public transport", "the heart pumps blood through the body",
-    "a chess engine chooses its next move", "rivers carry sediment to the sea",
+    "photosynthesis turns sunlight into sugar",
+    "a compiler turns source code into machine code",
+    "the Roman Empire managed its roads",
+    "bees find flowers and share the location",
+    "interest rates affect the housing market",
+    "a bicycle stays upright while moving",
+    "vaccines train the immune system",
+    "a database index speeds up queries",
+    "glaciers shape mountain valleys",
+    "jazz musicians improvise together",
+    "a sourdough starter makes bread rise",
+    "satellites keep their orbit around the Earth",
+    "a city plans its public transport",
+    "the heart pumps blood through the body",
+    "a chess engine chooses its next move",
+    "rivers carry sediment to the sea",
 )
 
 CONTEXT = (
@@ -55,8 +68,9 @@ class WorkItem:
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(enc["input_ids"])
 
 
@@ -73,8 +87,15 @@ def make_content(tokenizer, rng: random.Random, num_tokens: int) -> str:
     return tokenizer.decode(ids).strip()
 
 
-def make_workload(tokenizer, num_requests: int = 64, min_output: int = 8, max_output: int = 256,
-                  min_prompt: int = 10, max_prompt: int = 270, seed: int = 0) -> list[WorkItem]:
+def make_workload(
+    tokenizer,
+    num_requests: int = 64,
+    min_output: int = 8,
+    max_output: int = 256,
+    min_prompt: int = 10,
+    max_prompt: int = 270,
+    seed: int = 0,
+) -> list[WorkItem]:
     """`num_requests` requests, all at t=0; user messages of min_prompt..max_prompt tokens (the
     chat template adds ~31), output lengths uniform in [min_output, max_output]."""
     rng = random.Random(seed)
@@ -90,14 +111,23 @@ def make_workload(tokenizer, num_requests: int = 64, min_output: int = 8, max_ou
 
 def from_args(tokenizer, args) -> list[WorkItem]:
     """make_workload with the options of add_workload_args (and --seed)."""
-    return make_workload(tokenizer, args.num_requests, max_output=args.max_output,
-                         max_prompt=args.max_prompt, seed=args.seed)
+    return make_workload(
+        tokenizer,
+        args.num_requests,
+        max_output=args.max_output,
+        max_prompt=args.max_prompt,
+        seed=args.seed,
+    )
 
 
 def describe(items: list[WorkItem]) -> dict:
     prompts, outs = [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items]
-    return {"num_requests": len(items), "prompt_tokens": [min(prompts), max(prompts)],
-            "output_tokens": [min(outs), max(outs)], "total_output": sum(outs)}
+    return {
+        "num_requests": len(items),
+        "prompt_tokens": [min(prompts), max(prompts)],
+        "output_tokens": [min(outs), max(outs)],
+        "total_output": sum(outs),
+    }
 
 
 def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> list[WorkItem]:

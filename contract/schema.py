@@ -1,6 +1,7 @@
 """The inferline wire contract v1 (docs/protocol.md): typed models and the msgpack codec, shared by
 both sides; bad requests raise ``UndecodableMessage`` or ``InvalidRequest``.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,13 @@ MAX_N = 16
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
-    "invalid_request", "prompt_too_long", "rate_limited", "overloaded", "timeout", "cancelled", "internal"
+    "invalid_request",
+    "prompt_too_long",
+    "rate_limited",
+    "overloaded",
+    "timeout",
+    "cancelled",
+    "internal",
 ]
 EventType = Literal["started", "tokens", "done"]
 FINISH_REASONS: tuple[str, ...] = FinishReason.__args__
@@ -197,7 +204,9 @@ def _grammar_size(text: str) -> str:
 def _json_text(value: dict) -> str:
     """The schema as canonical compact JSON: the grammar cache's key and the compiler's input."""
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+        )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"must be JSON ({exc})"[:200]) from None
 
@@ -209,8 +218,14 @@ class JsonSchemaFormat(_Wire):
     """OpenAI's ``response_format.json_schema``: the output is JSON valid against ``schema``."""
 
     # `schema` would shadow a BaseModel attribute: an alias keeps the wire name.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", validate_by_name=True,
-                              validate_by_alias=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        strict=True,
+        allow_inf_nan=False,
+        extra="ignore",
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     schema_: Annotated[dict, Field(alias="schema")] = {}
     strict: bool | None = None
@@ -245,8 +260,13 @@ class StructuredOutputs(_Wire):
     ``grammar`` (EBNF, xgrammar's GBNF dialect)."""
 
     regex: GrammarText | None = None
-    choice: Annotated[list[Annotated[NonEmptyText, AfterValidator(_utf8), Field(max_length=MAX_CHOICE_LEN)]],
-                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    choice: (
+        Annotated[
+            list[Annotated[NonEmptyText, AfterValidator(_utf8), Field(max_length=MAX_CHOICE_LEN)]],
+            Field(min_length=1, max_length=MAX_CHOICES),
+        ]
+        | None
+    ) = None
     grammar: GrammarText | None = None
 
     @field_validator("choice")
@@ -275,8 +295,12 @@ class Request(_Wire):
     reply_partition: Annotated[int, Field(ge=0, le=MAX_REPLY_PARTITION)] | None = None
     # An empty prompt gives the model nothing to continue from.
     prompt: NonEmptyText | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    prompt_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None
+    ) = None
     max_tokens: Annotated[int, Field(ge=1)] = 256
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -287,13 +311,17 @@ class Request(_Wire):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     # An empty stop string would match before the first token.
-    stop: Annotated[list[Annotated[NonEmptyText, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] = []
+    stop: Annotated[
+        list[Annotated[NonEmptyText, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)
+    ] = []
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     priority: Annotated[int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])] = 0
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
     created_at: Annotated[float, Field(ge=0)] | None = None
-    tenant: Annotated[str, Field(min_length=1, max_length=MAX_TENANT_LEN, pattern=TENANT_PATTERN)] = "default"
+    tenant: Annotated[
+        str, Field(min_length=1, max_length=MAX_TENANT_LEN, pattern=TENANT_PATTERN)
+    ] = "default"
     stream: bool = True
     metadata: Annotated[dict[Utf8Text, Utf8Text], Field(max_length=MAX_METADATA_KEYS)] = {}
     response_format: ResponseFormat | None = None
@@ -329,14 +357,20 @@ class Request(_Wire):
             return None
         if s.choice is not None:
             return "structured", "choice", json.dumps(s.choice, ensure_ascii=False)
-        return ("structured", "regex", s.regex) if s.regex is not None else ("structured", "grammar", s.grammar)
+        return (
+            ("structured", "regex", s.regex)
+            if s.regex is not None
+            else ("structured", "grammar", s.grammar)
+        )
 
     @field_validator("metadata")
     @classmethod
     def _metadata_size(cls, value: dict[str, str]) -> dict[str, str]:
         size = metadata_bytes(value)
         if size > MAX_METADATA_BYTES:
-            raise ValueError(f"is {size} bytes, at most {MAX_METADATA_BYTES} allowed (UTF-8 keys + values)")
+            raise ValueError(
+                f"is {size} bytes, at most {MAX_METADATA_BYTES} allowed (UTF-8 keys + values)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -368,15 +402,19 @@ def json_depth(value: Any, stop: int) -> int:
 
 def metadata_bytes(metadata: dict[str, str]) -> int:
     """Metadata size against the 4 KiB limit: UTF-8 bytes of all keys and values."""
-    return sum(len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
-               for k, v in metadata.items())
+    return sum(
+        len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape"))
+        for k, v in metadata.items()
+    )
 
 
 def prompt_fields_problem(present: list[str]) -> tuple[str, str] | None:
     if not present:
         return "prompt", "one of prompt, messages, prompt_token_ids is required"
     if len(present) > 1:
-        return present[1], f"only one of prompt, messages, prompt_token_ids may be set (got {', '.join(present)})"
+        return present[
+            1
+        ], f"only one of prompt, messages, prompt_token_ids may be set (got {', '.join(present)})"
     return None
 
 
@@ -485,9 +523,16 @@ def _unpack(data: Any, max_bytes: int) -> Any:
         raise UndecodableMessage(f"message is {len(data)} bytes, over the {max_bytes}-byte limit")
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, unicode_errors="surrogateescape", use_list=True,
-            max_str_len=max_bytes, max_bin_len=max_bytes, max_ext_len=max_bytes,
-            max_array_len=max_bytes, max_map_len=max_bytes // 2,
+            data,
+            raw=False,
+            strict_map_key=True,
+            unicode_errors="surrogateescape",
+            use_list=True,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_ext_len=max_bytes,
+            max_array_len=max_bytes,
+            max_map_len=max_bytes // 2,
         )
     except (ValueError, TypeError, RecursionError, MemoryError, msgpack.UnpackException) as exc:
         raise UndecodableMessage(f"not msgpack: {type(exc).__name__}: {exc}"[:300]) from None
@@ -512,7 +557,9 @@ def _check_routing(obj: dict) -> tuple[str, str, int | None]:
     if not is_legal_topic(reply_topic):
         raise UndecodableMessage("no usable reply_topic (a legal Kafka topic name)")
     partition = obj.get("reply_partition")
-    partition = partition if type(partition) is int and 0 <= partition <= MAX_REPLY_PARTITION else None
+    partition = (
+        partition if type(partition) is int and 0 <= partition <= MAX_REPLY_PARTITION else None
+    )
     return request_id, reply_topic, partition
 
 
@@ -520,7 +567,11 @@ def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] 
     """Rules checked on the raw map before pydantic: (field, message, code) of the first broken."""
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
-        return "v", f"v: unsupported protocol version {v!r:.20} (this build speaks {PROTOCOL_VERSION})", "invalid_request"
+        return (
+            "v",
+            f"v: unsupported protocol version {v!r:.20} (this build speaks {PROTOCOL_VERSION})",
+            "invalid_request",
+        )
     problem = prompt_fields_problem([f for f in PROMPT_FIELDS if obj.get(f) is not None])
     if problem:
         return problem[0], f"{problem[0]}: {problem[1]}", "invalid_request"
@@ -529,21 +580,40 @@ def _precheck(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] 
 
 def _prompt_too_long(obj: dict, max_prompt_tokens: int | None) -> tuple[str, str, str] | None:
     # Cheap: a len() before pydantic walks a million-element list.
-    limit = MAX_PROMPT_TOKEN_IDS if max_prompt_tokens is None else min(max_prompt_tokens, MAX_PROMPT_TOKEN_IDS)
+    limit = (
+        MAX_PROMPT_TOKEN_IDS
+        if max_prompt_tokens is None
+        else min(max_prompt_tokens, MAX_PROMPT_TOKEN_IDS)
+    )
     ids = obj.get("prompt_token_ids")
     if isinstance(ids, list) and len(ids) > limit:
-        return "prompt_token_ids", f"prompt_token_ids: {len(ids)} tokens, at most {limit} allowed", "prompt_too_long"
+        return (
+            "prompt_token_ids",
+            f"prompt_token_ids: {len(ids)} tokens, at most {limit} allowed",
+            "prompt_too_long",
+        )
     messages = obj.get("messages")
     # Every chat message costs at least one token.
-    if max_prompt_tokens is not None and isinstance(messages, list) and len(messages) > max_prompt_tokens:
-        return ("messages", f"messages: {len(messages)} messages cannot fit in {max_prompt_tokens} tokens",
-                "prompt_too_long")
+    if (
+        max_prompt_tokens is not None
+        and isinstance(messages, list)
+        and len(messages) > max_prompt_tokens
+    ):
+        return (
+            "messages",
+            f"messages: {len(messages)} messages cannot fit in {max_prompt_tokens} tokens",
+            "prompt_too_long",
+        )
     return None
 
 
 # (field, cap, unit): a len() before pydantic validates each element.
-_COUNT_CAPS = (("messages", MAX_MESSAGES, "messages"), ("stop", MAX_STOP, "strings"),
-               ("stop_token_ids", MAX_STOP_TOKEN_IDS, "ids"), ("metadata", MAX_METADATA_KEYS, "keys"))
+_COUNT_CAPS = (
+    ("messages", MAX_MESSAGES, "messages"),
+    ("stop", MAX_STOP, "strings"),
+    ("stop_token_ids", MAX_STOP_TOKEN_IDS, "ids"),
+    ("metadata", MAX_METADATA_KEYS, "keys"),
+)
 
 
 def _over_count_cap(obj: dict) -> tuple[str, str, str] | None:
@@ -581,7 +651,9 @@ def decode_request(
 
 
 def _pack(model: BaseModel, exclude_none: bool) -> bytes:
-    return msgpack.packb(model.model_dump(mode="python", exclude_none=exclude_none), use_bin_type=True)
+    return msgpack.packb(
+        model.model_dump(mode="python", exclude_none=exclude_none), use_bin_type=True
+    )
 
 
 def encode_request(req: Request) -> bytes:
@@ -594,7 +666,9 @@ def encode_event(ev: StartedEvent | TokensEvent | DoneEvent) -> bytes:
     return _pack(ev, exclude_none=False)
 
 
-def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> StartedEvent | TokensEvent | DoneEvent:
+def decode_event(
+    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> StartedEvent | TokensEvent | DoneEvent:
     """Decode one reply-topic event; UndecodableMessage on anything that is not a v1 event."""
     obj = _unpack(data, max_bytes)
     try:
@@ -622,15 +696,56 @@ def decode_cancel(data: bytes, max_bytes: int = 64 * 1024) -> Cancel:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_METADATA_BYTES", "MAX_METADATA_KEYS", "MAX_STOP",
-    "MAX_STOP_LEN", "MAX_STOP_TOKEN_IDS", "MAX_PROMPT_TOKEN_IDS", "MAX_MESSAGES", "MAX_ROLE_LEN", "MAX_TOKEN_ID",
-    "SEED_RANGE", "PRIORITY_RANGE", "MAX_TIMEOUT_S", "MAX_REPLY_PARTITION", "MAX_TENANT_LEN",
-    "FinishReason", "ErrorCode", "FINISH_REASONS", "ERROR_CODES", "EVENT_TYPES",
-    "MAX_GRAMMAR_BYTES", "MAX_SCHEMA_DEPTH", "MAX_CHOICES", "MAX_CHOICE_LEN", "MAX_TOP_LOGPROBS",
-    "ChatMessage", "JsonSchemaFormat", "ResponseFormat", "StructuredOutputs", "Request", "Cancel",
-    "TopLogprob", "TokenLogprob", "Usage", "Timing", "ErrorInfo",
-    "StartedEvent", "TokensEvent", "DoneEvent", "Event",
-    "UndecodableMessage", "InvalidRequest",
-    "decode_request", "encode_request", "encode_event", "decode_event", "encode_cancel", "decode_cancel",
-    "is_legal_id", "is_legal_topic", "metadata_bytes",
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_METADATA_KEYS",
+    "MAX_STOP",
+    "MAX_STOP_LEN",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_PROMPT_TOKEN_IDS",
+    "MAX_MESSAGES",
+    "MAX_ROLE_LEN",
+    "MAX_TOKEN_ID",
+    "SEED_RANGE",
+    "PRIORITY_RANGE",
+    "MAX_TIMEOUT_S",
+    "MAX_REPLY_PARTITION",
+    "MAX_TENANT_LEN",
+    "FinishReason",
+    "ErrorCode",
+    "FINISH_REASONS",
+    "ERROR_CODES",
+    "EVENT_TYPES",
+    "MAX_GRAMMAR_BYTES",
+    "MAX_SCHEMA_DEPTH",
+    "MAX_CHOICES",
+    "MAX_CHOICE_LEN",
+    "MAX_TOP_LOGPROBS",
+    "ChatMessage",
+    "JsonSchemaFormat",
+    "ResponseFormat",
+    "StructuredOutputs",
+    "Request",
+    "Cancel",
+    "TopLogprob",
+    "TokenLogprob",
+    "Usage",
+    "Timing",
+    "ErrorInfo",
+    "StartedEvent",
+    "TokensEvent",
+    "DoneEvent",
+    "Event",
+    "UndecodableMessage",
+    "InvalidRequest",
+    "decode_request",
+    "encode_request",
+    "encode_event",
+    "decode_event",
+    "encode_cancel",
+    "decode_cancel",
+    "is_legal_id",
+    "is_legal_topic",
+    "metadata_bytes",
 ]

@@ -1,4 +1,5 @@
 """Topic-name rules of the wire contract, shared by the worker, the client and the CLI."""
+
 from __future__ import annotations
 
 import re
@@ -8,11 +9,33 @@ import re
 TENANT_SEGMENT = r"[A-Za-z0-9_-]{1,64}"
 # Names no tenant may take (any case), besides the words of the topic names: `dlq` would own
 # `llm.requests.dlq`; the rest are common internal suffixes and `default`, the unclaimed tenant.
-RESERVED_TENANTS = frozenset({
-    "dlq", "dlt", "dead-letter", "deadletter", "dead_letter", "retry", "cancel", "cancels", "request",
-    "requests", "reply", "replies", "response", "responses", "internal", "changelog", "repartition",
-    "offsets", "transaction", "transactions", "default", "admin", "system",
-})
+RESERVED_TENANTS = frozenset(
+    {
+        "dlq",
+        "dlt",
+        "dead-letter",
+        "deadletter",
+        "dead_letter",
+        "retry",
+        "cancel",
+        "cancels",
+        "request",
+        "requests",
+        "reply",
+        "replies",
+        "response",
+        "responses",
+        "internal",
+        "changelog",
+        "repartition",
+        "offsets",
+        "transaction",
+        "transactions",
+        "default",
+        "admin",
+        "system",
+    }
+)
 
 
 def reserved_words(*topics: str) -> set[str]:
@@ -30,7 +53,9 @@ def tenant_problem(tenant: str, kafka, dlq_topic: str | None = None) -> str | No
     if not isinstance(tenant, str) or not re.fullmatch(TENANT_SEGMENT, tenant):
         return "must be 1-64 of [A-Za-z0-9_-]"
     internal = (kafka.request_topic, kafka.cancel_topic, dlq_topic or kafka.dlq_topic)
-    if tenant.lower() in reserved_words(*internal, kafka.reply_topic_prefix) or tenant.startswith("_"):
+    if tenant.lower() in reserved_words(*internal, kafka.reply_topic_prefix) or tenant.startswith(
+        "_"
+    ):
         return "is reserved: it names (a part of) an internal topic"
     for base in (kafka.request_topic, kafka.cancel_topic):
         for topic in internal:

@@ -15,7 +15,9 @@ __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention"]
 
 def _resolve(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if backend != "auto":
-        assert backend in ("triton", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
+        assert backend in ("triton", "cpu", "torch"), (
+            f"backend must be auto, triton, cpu or torch, got {backend!r}"
+        )
         return backend
     shape = ModelShape(q.shape[-1], q.shape[-2], k_cache.shape[2], k_cache.shape[1])
     return select_attention(q.device, q.dtype, k_cache.dtype, shape)
@@ -23,7 +25,9 @@ def _resolve(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 def _on_triton(backend: str, t: torch.Tensor) -> bool:
     """For ops the C kernels leave to PyTorch (store, prefill): only Triton or the reference."""
-    assert backend in ("auto", "triton", "cpu", "torch"), f"backend must be auto, triton, cpu or torch, got {backend!r}"
+    assert backend in ("auto", "triton", "cpu", "torch"), (
+        f"backend must be auto, triton, cpu or torch, got {backend!r}"
+    )
     return backend == "triton" or (backend == "auto" and t.is_cuda)
 
 
@@ -37,8 +41,17 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> Non
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, backend: str = "auto",
-                           plan=None, cu_seqlens_q=None):
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    backend: str = "auto",
+    plan=None,
+    cu_seqlens_q=None,
+):
     """q [num_seqs, num_heads, head_dim], one token per sequence (K/V stored); block_tables int32
     [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the current token. Returns
     [num_seqs, num_heads, head_dim]. `plan`: the torch path's index math (reference.plan_decode).
@@ -47,17 +60,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     chosen = _resolve(backend, q, k_cache)
     if cu_seqlens_q is not None:
         if chosen == "cpu":
-            return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                            cu_seqlens_q)
-        rows = torch.repeat_interleave(torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff())
+            return cpu_attention.paged_decode_attention_cpu(
+                q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q
+            )
+        rows = torch.repeat_interleave(
+            torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff()
+        )
         block_tables, plan = block_tables.index_select(0, rows).contiguous(), None
     if chosen == "triton":
         from inferline.kernels.triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     if chosen == "cpu":
-        return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
+        return cpu_attention.paged_decode_attention_cpu(
+            q, k_cache, v_cache, block_tables, context_lens, scale
+        )
+    return reference.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan
+    )
 
 
 def paged_prefill_attention(

@@ -1,6 +1,7 @@
 """Paged attention backends as objects: `prepare` once a step, `store_kv` and `forward` once a
 layer. design: docs/architecture.md#kernels
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from inferline.kernels.cpu import attention as cpu_attention
 class StepTables:
     """One step's batch as the attention sees it: the first `num_decodes` sequences decode one
     token each, the rest are prompt chunks."""
+
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where each token's K/V goes
     positions: torch.Tensor  # int64 [num_tokens]
     context_lens: torch.Tensor  # int32 [num_seqs]: context once this step's tokens are stored
@@ -27,6 +29,7 @@ class StepTables:
 @dataclass
 class AttentionMetadata:
     """What every layer gets for a step; each backend's subclass adds its own fields."""
+
     backend: "AttentionBackend"
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_decode_tokens: int  # the first rows are decodes, one token each
@@ -36,6 +39,7 @@ class AttentionMetadata:
 @dataclass
 class SplitMetadata(AttentionMetadata):
     """Decode rows for a decode kernel, prompt chunks for a prefill kernel."""
+
     decode_block_tables: torch.Tensor | None = None  # int32 [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [num_decodes]
     prefill_block_tables: torch.Tensor | None = None  # int32 [num_prefills, max_blocks]
@@ -47,6 +51,7 @@ class SplitMetadata(AttentionMetadata):
 @dataclass
 class TokenMetadata(AttentionMetadata):
     """Every row attends as a decode over its own causal context (the C kernel)."""
+
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
     cu_seqlens: torch.Tensor | None = None  # int32 [num_seqs + 1]
     context_lens: torch.Tensor | None = None  # int32 [num_tokens]: positions + 1
@@ -54,6 +59,7 @@ class TokenMetadata(AttentionMetadata):
 
 class AttentionBackend:
     """The interface: `prepare` once a step, `store_kv` and `forward` once a layer."""
+
     name = ""
 
     def __init__(self, block_size: int, num_kv_heads: int):
@@ -112,17 +118,35 @@ class TorchAttention(_SplitBackend):
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> SplitMetadata:
         meta = super().prepare(step, fused_ops)
         if meta.decode_block_tables is not None:  # the decode index math, once for all layers
-            meta.decode_plan = reference.plan_decode(meta.decode_block_tables, meta.decode_context_lens,
-                                                     self.block_size, self.num_kv_heads)
+            meta.decode_plan = reference.plan_decode(
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.block_size,
+                self.num_kv_heads,
+            )
         return meta
 
     def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale, plan=meta.decode_plan)
+        return reference.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            plan=meta.decode_plan,
+        )
 
     def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+        return reference.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            scale,
+        )
 
 
 class TritonAttention(_SplitBackend):
@@ -135,7 +159,10 @@ class TritonAttention(_SplitBackend):
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
         from inferline.kernels.triton.store import store_kv_triton
 
-        self._decode_kernel, self._prefill_kernel = paged_decode_attention_triton, paged_prefill_attention_triton
+        self._decode_kernel, self._prefill_kernel = (
+            paged_decode_attention_triton,
+            paged_prefill_attention_triton,
+        )
         self._store_kernel = store_kv_triton
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -150,30 +177,59 @@ class TritonAttention(_SplitBackend):
             self._prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
-        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                                   out=out)
+    def _decode(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None
+    ) -> torch.Tensor:
+        return self._decode_kernel(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out
+        )
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None) -> torch.Tensor:
-        return self._prefill_kernel(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                    meta.prefill_context_lens, scale, out=out)
+    def _prefill(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None
+    ) -> torch.Tensor:
+        return self._prefill_kernel(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            scale,
+            out=out,
+        )
 
 
 class CpuAttention(AttentionBackend):
     """The C kernel: every row attends as a decode over its causal context."""
+
     name = "cpu"
 
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> TokenMetadata:
         num_seqs = step.context_lens.shape[0]
         if step.num_decodes == num_seqs:
-            return TokenMetadata(self, step.slot_mapping, num_seqs, fused_ops, step.block_tables(0, num_seqs),
-                                 None, step.context_lens)
-        return TokenMetadata(self, step.slot_mapping, step.num_decodes, fused_ops, step.block_tables(0, num_seqs),
-                             step.cu_seqlens_q, (step.positions + 1).to(torch.int32))
+            return TokenMetadata(
+                self,
+                step.slot_mapping,
+                num_seqs,
+                fused_ops,
+                step.block_tables(0, num_seqs),
+                None,
+                step.context_lens,
+            )
+        return TokenMetadata(
+            self,
+            step.slot_mapping,
+            step.num_decodes,
+            fused_ops,
+            step.block_tables(0, num_seqs),
+            step.cu_seqlens_q,
+            (step.positions + 1).to(torch.int32),
+        )
 
     def forward(self, q, k_cache, v_cache, meta: TokenMetadata, scale: float) -> torch.Tensor:
-        return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                        scale, meta.cu_seqlens)
+        return cpu_attention.paged_decode_attention_cpu(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.cu_seqlens
+        )
 
 
 BACKENDS = {b.name: b for b in (TritonAttention, CpuAttention, TorchAttention)}

@@ -1,6 +1,7 @@
 """Fused elementwise ops of the decoder layer under vLLM's names, run as `ops` says: torch (the
 reference), c or triton. design: docs/architecture.md#kernels
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,9 @@ _F32 = torch.float32
 
 def _rows(x: torch.Tensor) -> int:
     """The row stride of a 2-D view with packed rows (a slice of a wider row is fine)."""
-    assert x.dim() == 2 and x.stride(1) == 1, f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
+    assert x.dim() == 2 and x.stride(1) == 1, (
+        f"rows must be packed: shape {tuple(x.shape)}, strides {x.stride()}"
+    )
     return x.stride(0)
 
 
@@ -55,8 +58,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torc
     _check(x, weight)
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=_F32)
-    build.call("rms_norm_f32", x.data_ptr(), _rows(x), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
-             torch.get_num_threads())
+    build.call(
+        "rms_norm_f32",
+        x.data_ptr(),
+        _rows(x),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -69,8 +81,9 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x.to(dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       ops: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); the C and Triton paths update `residual` in place."""
     if ops == "triton":
         return _triton()[1].rms_norm_triton(x, weight, eps, residual), residual
@@ -82,8 +95,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, cols = x.shape
     assert residual.is_contiguous() and residual.shape == x.shape, (residual.shape, x.shape)
     out = torch.empty((rows, cols), dtype=_F32)
-    build.call("fused_add_rms_norm_f32", x.data_ptr(), _rows(x), residual.data_ptr(), weight.data_ptr(),
-             out.data_ptr(), rows, cols, eps, torch.get_num_threads())
+    build.call(
+        "fused_add_rms_norm_f32",
+        x.data_ptr(),
+        _rows(x),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, residual
 
 
@@ -101,7 +124,15 @@ def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
     _check(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=_F32)
-    build.call("silu_and_mul_f32", x.data_ptr(), _rows(x), out.data_ptr(), rows, inter, torch.get_num_threads())
+    build.call(
+        "silu_and_mul_f32",
+        x.data_ptr(),
+        _rows(x),
+        out.data_ptr(),
+        rows,
+        inter,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -116,35 +147,83 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos).add_(swapped * sin).to(x.dtype)
 
 
-def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  ops: str = "torch", store=None) -> torch.Tensor:
+def rope_store_kv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    ops: str = "torch",
+    store=None,
+) -> torch.Tensor:
     """Rotate the q and k heads of qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim], store k
     and v at slot_mapping (negative: skipped), return the rotated q [tokens, num_heads, head_dim]
     (in place in qkv on the C and Triton paths)."""
     if ops == "triton":
-        return _triton()[2].rope_store_kv_triton(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
-                                                 slot_mapping)
+        return _triton()[2].rope_store_kv_triton(
+            qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping
+        )
     assert ops in OPS, f"ops must be one of {OPS}, got {ops!r}"
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if ops == "torch" or (k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)):
-        qk = rotate(qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+    if ops == "torch" or (
+        k_cache.dtype is torch.float16 and not attention.supports_kv_half(head_dim)
+    ):
+        qk = rotate(
+            qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim), cos, sin
+        )
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
         (store or kernels.store_kv)(qk[:, num_heads:], v, k_cache, v_cache, slot_mapping)
         return qk[:, :num_heads]
     _check(qkv, cos, sin)
-    assert k_cache.dtype in attention.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu, k_cache.dtype
-    assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (qkv.shape, num_heads, num_kv_heads)
+    assert (
+        k_cache.dtype in attention.KV_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.is_cpu
+    ), k_cache.dtype
+    assert qkv.shape[1] == q_size + 2 * kv_size and head_dim % 2 == 0, (
+        qkv.shape,
+        num_heads,
+        num_kv_heads,
+    )
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape[0] == tokens
+    assert (
+        slot_mapping.dtype is torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.shape[0] == tokens
+    )
     # [tokens, 1, head_dim] or [tokens, head_dim], packed: the same rows in memory
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim
+    assert (
+        cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.numel() == sin.numel() == tokens * head_dim
+    )
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = build.call("rope_store_kv_f32", qkv.data_ptr(), _rows(qkv), cos.data_ptr(), sin.data_ptr(), tokens,
-                  num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                  slot_mapping.data_ptr(), num_slots, torch.get_num_threads(), int(k_cache.dtype is torch.float16))
+    rc = build.call(
+        "rope_store_kv_f32",
+        qkv.data_ptr(),
+        _rows(qkv),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        num_slots,
+        torch.get_num_threads(),
+        int(k_cache.dtype is torch.float16),
+    )
     if rc != 0:
-        raise RuntimeError(f"rope_store_kv_f32: " + (f"a slot past the cache's {num_slots} slots" if rc == -2 else
-                           f"head_dim {head_dim} or K/V dtype {k_cache.dtype} it does not take"))
+        raise RuntimeError(
+            f"rope_store_kv_f32: "
+            + (
+                f"a slot past the cache's {num_slots} slots"
+                if rc == -2
+                else f"head_dim {head_dim} or K/V dtype {k_cache.dtype} it does not take"
+            )
+        )
     return qkv[:, :q_size].view(tokens, num_heads, head_dim)

@@ -65,8 +65,9 @@ class DecodePlan:
     empty: torch.Tensor | None  # bool, batch order: context_len 0
 
 
-def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
-                chunk_seqs: int | None = None) -> DecodePlan:
+def plan_decode(
+    block_tables, context_lens, block_size: int, num_kv_heads: int, chunk_seqs: int | None = None
+) -> DecodePlan:
     """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the sequence's own token
     0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`)."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
@@ -82,7 +83,9 @@ def plan_decode(block_tables, context_lens, block_size: int, num_kv_heads: int,
     for start in range(0, num_seqs, chunk_seqs):
         stop = min(start + chunk_seqs, num_seqs)
         max_len = max(ascending[stop - 1], 1)
-        rows, bias = _chunk_rows(tables[start:stop], sorted_lens[start:stop], max_len, block_size, num_kv_heads)
+        rows, bias = _chunk_rows(
+            tables[start:stop], sorted_lens[start:stop], max_len, block_size, num_kv_heads
+        )
         chunks.append(DecodeChunk(start, stop, max_len, rows, bias))
     empty = (lens == 0).view(num_seqs, 1, 1, 1)
     return DecodePlan(num_seqs, order, chunks, empty if bool(empty.any()) else None)
@@ -95,14 +98,16 @@ def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
     slots = tables.long().gather(1, tok // block_size) * block_size + tok % block_size
     slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0: any in-range slot
     heads = torch.arange(num_kv_heads, device=lens.device)
-        # Head-major [c, KH, L]: the layout the GEMMs want, no permute copy.
+    # Head-major [c, KH, L]: the layout the GEMMs want, no permute copy.
     rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
     bias.masked_fill_(~valid, float("-inf"))
     return rows, bias[:, None, None, :]
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan=None) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None
+) -> torch.Tensor:
     """One query token per sequence over its paged context -> [num_seqs, num_heads, head_dim].
     `plan`: plan_decode of these tables, computed once for all layers."""
     num_seqs, num_heads, head_dim = q.shape
@@ -131,8 +136,10 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
         c = ch.stop - ch.start
         k = k_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
         v = v_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
-        scores = torch.matmul(qg[ch.start:ch.stop], k.transpose(-1, -2)).add_(ch.bias)  # [c, KH, G, L]
-        torch.matmul(torch.softmax(scores, dim=-1), v, out=out[ch.start:ch.stop])
+        scores = torch.matmul(qg[ch.start : ch.stop], k.transpose(-1, -2)).add_(
+            ch.bias
+        )  # [c, KH, G, L]
+        torch.matmul(torch.softmax(scores, dim=-1), v, out=out[ch.start : ch.stop])
     out = out.view(num_seqs, num_heads, head_dim)
     if plan.order is not None:
         out = torch.empty_like(out).index_copy_(0, plan.order, out)

@@ -1,4 +1,5 @@
 """``python -m inferline.producer`` is the ``inferline`` command."""
+
 import sys
 
 from inferline.producer.cli import main

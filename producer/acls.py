@@ -1,6 +1,7 @@
 """The Kafka ACLs of topic tenancy (docs/security.md) as data (`recipe()`), printed or applied by
 `inferline topics acls`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +16,14 @@ class AclRule:
     prefixed: bool = False
 
     def command(self, bootstrap: str) -> str:
-        kind = {"TOPIC": "--topic", "GROUP": "--group", "TRANSACTIONAL_ID": "--transactional-id"}[self.resource]
+        kind = {"TOPIC": "--topic", "GROUP": "--group", "TRANSACTIONAL_ID": "--transactional-id"}[
+            self.resource
+        ]
         pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
-        return (f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
-                f"--operation {''.join(w.capitalize() for w in self.operation.split('_'))} {kind} {self.name}{pattern}")
+        return (
+            f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
+            f"--operation {''.join(w.capitalize() for w in self.operation.split('_'))} {kind} {self.name}{pattern}"
+        )
 
 
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
@@ -26,21 +31,25 @@ def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
     transactions named by the group id); each tenant writes its own request and cancel topics and
     reads and creates topics under its own reply prefix."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
-    rules = [AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
-             AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
-             AclRule(worker, "READ", "GROUP", kafka.group_id),
-             AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
-             # A reply topic's limits are read before a transaction may touch it
-             AclRule(worker, "DESCRIBE_CONFIGS", "TOPIC", reply, prefixed=True),
-             AclRule(worker, "WRITE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
-             AclRule(worker, "DESCRIBE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
-             AclRule(worker, "WRITE", "TOPIC", kafka.dlq_topic)]
+    rules = [
+        AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
+        AclRule(worker, "READ", "TOPIC", f"{cancel}.", prefixed=True),
+        AclRule(worker, "READ", "GROUP", kafka.group_id),
+        AclRule(worker, "WRITE", "TOPIC", reply, prefixed=True),
+        # A reply topic's limits are read before a transaction may touch it
+        AclRule(worker, "DESCRIBE_CONFIGS", "TOPIC", reply, prefixed=True),
+        AclRule(worker, "WRITE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
+        AclRule(worker, "DESCRIBE", "TRANSACTIONAL_ID", f"{kafka.group_id}.", prefixed=True),
+        AclRule(worker, "WRITE", "TOPIC", kafka.dlq_topic),
+    ]
     for tenant in tenants:
         principal = f"User:{tenant}"
-        rules += [AclRule(principal, "WRITE", "TOPIC", f"{req}.{tenant}"),
-                  AclRule(principal, "WRITE", "TOPIC", f"{cancel}.{tenant}"),
-                  AclRule(principal, "READ", "TOPIC", f"{reply}{tenant}.", prefixed=True),
-                  AclRule(principal, "CREATE", "TOPIC", f"{reply}{tenant}.", prefixed=True)]
+        rules += [
+            AclRule(principal, "WRITE", "TOPIC", f"{req}.{tenant}"),
+            AclRule(principal, "WRITE", "TOPIC", f"{cancel}.{tenant}"),
+            AclRule(principal, "READ", "TOPIC", f"{reply}{tenant}.", prefixed=True),
+            AclRule(principal, "CREATE", "TOPIC", f"{reply}{tenant}.", prefixed=True),
+        ]
     return rules
 
 
@@ -59,7 +68,15 @@ def confluent_bindings(rules: list[AclRule]) -> list:
     """The rules as confluent-kafka AclBindings."""
     from confluent_kafka import admin
 
-    return [admin.AclBinding(getattr(admin.ResourceType, r.resource), r.name,
-                             admin.ResourcePatternType.PREFIXED if r.prefixed else admin.ResourcePatternType.LITERAL,
-                             r.principal, "*", getattr(admin.AclOperation, r.operation), admin.AclPermissionType.ALLOW)
-            for r in rules]
+    return [
+        admin.AclBinding(
+            getattr(admin.ResourceType, r.resource),
+            r.name,
+            admin.ResourcePatternType.PREFIXED if r.prefixed else admin.ResourcePatternType.LITERAL,
+            r.principal,
+            "*",
+            getattr(admin.AclOperation, r.operation),
+            admin.AclPermissionType.ALLOW,
+        )
+        for r in rules
+    ]

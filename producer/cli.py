@@ -1,6 +1,7 @@
 """The ``inferline`` command: submit, cancel, topics, tail, bench, gateway and batch; connection
 settings from the worker's ``INFERLINE_`` environment, overridden by flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,16 @@ from typing import Any
 
 # bench_report, loadgen and tail hold the bigger commands' parts, importable from here.
 from inferline.producer.bench_report import (  # noqa: F401 - re-exported
-    Sample, distribution, format_report, inter_token_latencies, percentile, plot, sample_of, summarize,
-    throughput_series, write_outputs,
+    Sample,
+    distribution,
+    format_report,
+    inter_token_latencies,
+    percentile,
+    plot,
+    sample_of,
+    summarize,
+    throughput_series,
+    write_outputs,
 )
 from inferline.producer.client import (
     ClientTimeout,
@@ -41,7 +50,11 @@ EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_CANCELLED = 0, 1, 3, 4, 5
 def exit_code(exc: BaseException | None) -> int:
     if exc is None:
         return EXIT_OK
-    for cls, code in ((RequestRejected, EXIT_REJECTED), (RequestTimeout, EXIT_TIMEOUT), (RequestCancelled, EXIT_CANCELLED)):
+    for cls, code in (
+        (RequestRejected, EXIT_REJECTED),
+        (RequestTimeout, EXIT_TIMEOUT),
+        (RequestCancelled, EXIT_CANCELLED),
+    ):
         if isinstance(exc, cls):
             return code
     return EXIT_ERROR
@@ -52,8 +65,12 @@ def exit_code(exc: BaseException | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inferline", description="Talk to inferline workers through Kafka.")
-    parser.add_argument("--bootstrap-servers", help="Kafka brokers (default: INFERLINE_KAFKA__BOOTSTRAP_SERVERS)")
+    parser = argparse.ArgumentParser(
+        prog="inferline", description="Talk to inferline workers through Kafka."
+    )
+    parser.add_argument(
+        "--bootstrap-servers", help="Kafka brokers (default: INFERLINE_KAFKA__BOOTSTRAP_SERVERS)"
+    )
     parser.add_argument("--request-topic", help="default: INFERLINE_KAFKA__REQUEST_TOPIC")
     parser.add_argument("--cancel-topic", help="default: INFERLINE_KAFKA__CANCEL_TOPIC")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,8 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topics(sub.add_parser("topics", help="manage the request, cancel and dead-letter topics"))
     _add_tail(sub.add_parser("tail", help="decode and print the events on a reply topic"))
     _add_bench(sub.add_parser("bench", help="load generator: latency and throughput through Kafka"))
-    _add_gateway(sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API (docs/gateway.md)"))
-    _add_batch(sub.add_parser("batch", help="run a file of requests in OpenAI's batch format, resumably (docs/batch.md)"))
+    _add_gateway(
+        sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API (docs/gateway.md)")
+    )
+    _add_batch(
+        sub.add_parser(
+            "batch",
+            help="run a file of requests in OpenAI's batch format, resumably (docs/batch.md)",
+        )
+    )
     return parser
 
 
@@ -75,7 +99,9 @@ def _add_batch(p: argparse.ArgumentParser) -> None:
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
-    from inferline.producer.gateway.__main__ import add_arguments  # no FastAPI import until it serves
+    from inferline.producer.gateway.__main__ import (
+        add_arguments,
+    )  # no FastAPI import until it serves
 
     add_arguments(p)
 
@@ -89,20 +115,39 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--priority", type=int, default=None, help="lower runs first")
     p.add_argument("--tenant", default=None)
-    p.add_argument("--reply-topic", default=None, help="a topic name, or 'per-request' (default: one per client)")
+    p.add_argument(
+        "--reply-topic",
+        default=None,
+        help="a topic name, or 'per-request' (default: one per client)",
+    )
 
 
 def _add_submit(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt, or - to read it from stdin")
-    p.add_argument("--chat", action="store_true", help="send as a user message (the chat template applies)")
+    p.add_argument(
+        "--chat", action="store_true", help="send as a user message (the chat template applies)"
+    )
     p.add_argument("--system", help="system message (implies --chat)")
     _add_sampling(p)
     p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("-n", "--n", type=int, default=None, help="samples of the prompt (printed when done)")
-    p.add_argument("--no-stream", action="store_true", help="ask for the whole text in done (no tokens events)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds: the worker's deadline; the client waits a grace period longer")
-    p.add_argument("--client-timeout", type=float, default=None,
-                   help="seconds to wait for the answer (default: the worker's deadline plus a grace period)")
+    p.add_argument(
+        "-n", "--n", type=int, default=None, help="samples of the prompt (printed when done)"
+    )
+    p.add_argument(
+        "--no-stream", action="store_true", help="ask for the whole text in done (no tokens events)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds: the worker's deadline; the client waits a grace period longer",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the answer (default: the worker's deadline plus a grace period)",
+    )
     p.add_argument("--id", default=None, help="request id (default: random)")
     p.add_argument("--json", action="store_true", help="print raw events, one JSON object per line")
     _add_output_constraints(p)
@@ -110,34 +155,76 @@ def _add_submit(p: argparse.ArgumentParser) -> None:
 
 def _add_output_constraints(p: argparse.ArgumentParser) -> None:
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON Schema file")
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="the output is JSON valid against this JSON Schema file",
+    )
     shape.add_argument("--json-object", action="store_true", help="the output is one JSON object")
     shape.add_argument("--regex", help="the output matches this regular expression")
-    shape.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
-    shape.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF grammar file")
-    p.add_argument("--logprobs", action="store_true", default=None, help="each token's log-probability (see --json)")
-    p.add_argument("--top-logprobs", type=int, default=None, metavar="K",
-                   help="also the K most likely tokens at each step (implies --logprobs)")
+    shape.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)"
+    )
+    shape.add_argument(
+        "--grammar", metavar="FILE", help="the output follows this EBNF grammar file"
+    )
+    p.add_argument(
+        "--logprobs",
+        action="store_true",
+        default=None,
+        help="each token's log-probability (see --json)",
+    )
+    p.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also the K most likely tokens at each step (implies --logprobs)",
+    )
 
 
 def _add_topics(p: argparse.ArgumentParser) -> None:
     tsub = p.add_subparsers(dest="topics_command", required=True)
-    create = tsub.add_parser("create", help="create the request, cancel and dead-letter topics if missing")
-    create.add_argument("--partitions", type=int, default=8, help="of the request topic (the workers' parallelism)")
+    create = tsub.add_parser(
+        "create", help="create the request, cancel and dead-letter topics if missing"
+    )
+    create.add_argument(
+        "--partitions", type=int, default=8, help="of the request topic (the workers' parallelism)"
+    )
     create.add_argument("--replication-factor", type=int, default=1)
-    create.add_argument("--retention-ms", type=int, default=7 * 86_400_000, help="request topic retention")
-    create.add_argument("--cancel-retention-ms", type=int, default=86_400_000,
-                        help="at least the workers' INFERLINE_KAFKA__CANCEL_LOOKBACK_S (compacted: one record per id)")
+    create.add_argument(
+        "--retention-ms", type=int, default=7 * 86_400_000, help="request topic retention"
+    )
+    create.add_argument(
+        "--cancel-retention-ms",
+        type=int,
+        default=86_400_000,
+        help="at least the workers' INFERLINE_KAFKA__CANCEL_LOOKBACK_S (compacted: one record per id)",
+    )
     create.add_argument("--dlq-retention-ms", type=int, default=14 * 86_400_000)
     create.add_argument("--dlq-topic", default=None, help="default: INFERLINE_KAFKA__DLQ_TOPIC")
-    create.add_argument("--tenant", action="append", default=[], metavar="NAME",
-                        help="topic tenancy (INFERLINE_KAFKA__TENANCY=topic): also <request topic>.NAME and "
-                             "<cancel topic>.NAME; repeat for more tenants (ACLs: docs/security.md)")
-    acls = tsub.add_parser("acls", help="the ACLs of topic tenancy: print them as kafka-acls.sh commands, or --apply")
-    acls.add_argument("--tenant", action="append", default=[], metavar="NAME", help="repeat for more tenants")
-    acls.add_argument("--worker-principal", default="User:inferline", help="the workers' SASL principal")
-    acls.add_argument("--apply", action="store_true",
-                      help="create them on the broker (needs confluent-kafka and an admin principal's settings)")
+    create.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="topic tenancy (INFERLINE_KAFKA__TENANCY=topic): also <request topic>.NAME and "
+        "<cancel topic>.NAME; repeat for more tenants (ACLs: docs/security.md)",
+    )
+    acls = tsub.add_parser(
+        "acls", help="the ACLs of topic tenancy: print them as kafka-acls.sh commands, or --apply"
+    )
+    acls.add_argument(
+        "--tenant", action="append", default=[], metavar="NAME", help="repeat for more tenants"
+    )
+    acls.add_argument(
+        "--worker-principal", default="User:inferline", help="the workers' SASL principal"
+    )
+    acls.add_argument(
+        "--apply",
+        action="store_true",
+        help="create them on the broker (needs confluent-kafka and an admin principal's settings)",
+    )
 
 
 def _add_tail(p: argparse.ArgumentParser) -> None:
@@ -146,29 +233,65 @@ def _add_tail(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", default=None, help="only this request's events")
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.add_argument("--limit", type=int, default=None, help="stop after this many events")
-    p.add_argument("--idle-timeout", type=float, default=None, help="stop after this many seconds without an event")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="stop after this many seconds without an event",
+    )
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--num-requests", type=int, default=64)
-    p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: all at once)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=math.inf,
+        help="requests/s, Poisson arrivals (default: all at once)",
+    )
     p.add_argument("--prompt-len", default="fixed:32", help="tokens: fixed:N | uniform:A,B")
     p.add_argument("--output-len", default="uniform:8,256", help="tokens: fixed:N | uniform:A,B")
-    p.add_argument("--dataset", help="JSONL: prompt | prompt_token_ids | messages, and optional max_tokens per line")
+    p.add_argument(
+        "--dataset",
+        help="JSONL: prompt | prompt_token_ids | messages, and optional max_tokens per line",
+    )
     p.add_argument("--vocab", default="1000,20000", help="token id range A,B for synthetic prompts")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: exact lengths)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the workload generator")
-    p.add_argument("--timeout", type=float, default=None, help="per request, seconds (worker deadline)")
-    p.add_argument("--reply-topic", default=None, help="a topic name, or 'per-request' (default: one per client)")
-    p.add_argument("--out", default="inferline-bench", help="directory for bench.json and the PNG plots")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="per request, seconds (worker deadline)"
+    )
+    p.add_argument(
+        "--reply-topic",
+        default=None,
+        help="a topic name, or 'per-request' (default: one per client)",
+    )
+    p.add_argument(
+        "--out", default="inferline-bench", help="directory for bench.json and the PNG plots"
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     """The request fields set on the command line."""
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority", "tenant", "ignore_eos", "n")
+    names = (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "priority",
+        "tenant",
+        "ignore_eos",
+        "n",
+    )
     params = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "no_stream", False):
         params["stream"] = False
@@ -183,8 +306,10 @@ def output_constraint(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "json_schema", None):
         path = Path(args.json_schema)
         schema = json.loads(path.read_text())
-        fields["response_format"] = {"type": "json_schema",
-                                     "json_schema": {"name": path.stem, "schema": schema, "strict": True}}
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": path.stem, "schema": schema, "strict": True},
+        }
     elif getattr(args, "json_object", False):
         fields["response_format"] = {"type": "json_object"}
     elif getattr(args, "regex", None) is not None:
@@ -211,7 +336,10 @@ def prompt_fields(args: argparse.Namespace, stdin=None) -> dict[str, Any]:
 
 def make_client(args: argparse.Namespace, **kw: Any) -> InferenceClient:
     return InferenceClient(
-        args.bootstrap_servers, request_topic=args.request_topic, cancel_topic=args.cancel_topic, **kw
+        args.bootstrap_servers,
+        request_topic=args.request_topic,
+        cancel_topic=args.cancel_topic,
+        **kw,
     )
 
 
@@ -225,8 +353,13 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         handle = await client.submit(request_id=args.id, timeout=args.client_timeout, **fields)
         print(f"[request {handle.id}]", file=sys.stderr, flush=True)
         try:
-            await (_print_events(handle) if args.json else _print_samples(handle) if (args.n or 1) > 1
-                   else _print_text(handle))
+            await (
+                _print_events(handle)
+                if args.json
+                else _print_samples(handle)
+                if (args.n or 1) > 1
+                else _print_text(handle)
+            )
         except (KeyboardInterrupt, asyncio.CancelledError):
             await client.cancel(handle.id)
             raise
@@ -241,7 +374,11 @@ async def _print_text(handle: RequestHandle) -> None:
     with contextlib.suppress(InferenceError):  # reported by the summary line
         async for delta in handle.text():
             if delta.restart:
-                print(f"\n[worker lost: restarting as attempt {delta.attempt}]", file=sys.stderr, flush=True)
+                print(
+                    f"\n[worker lost: restarting as attempt {delta.attempt}]",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print(delta, end="", flush=True)
     print()
 
@@ -249,7 +386,10 @@ async def _print_text(handle: RequestHandle) -> None:
 async def _print_samples(handle: RequestHandle) -> None:
     result = await handle.result(check=False)
     for sample in result.samples or []:
-        print(f"[sample {sample.index} · {sample.finish_reason} · {sample.completion_tokens} tokens]", file=sys.stderr)
+        print(
+            f"[sample {sample.index} · {sample.finish_reason} · {sample.completion_tokens} tokens]",
+            file=sys.stderr,
+        )
         print(sample.text, flush=True)
 
 
@@ -283,7 +423,9 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     producer = AIOKafkaProducer(**client.kafka.connection_options(), enable_idempotence=True)
     await producer.start()
     try:
-        await producer.send_and_wait(client.cancel_topic, encode_cancel(Cancel(id=args.id)), key=args.id.encode())
+        await producer.send_and_wait(
+            client.cancel_topic, encode_cancel(Cancel(id=args.id)), key=args.id.encode()
+        )
     finally:
         await producer.stop()
     print(f"cancel sent for {args.id} to {client.cancel_topic}", file=sys.stderr)
@@ -306,8 +448,12 @@ async def cmd_topics(args: argparse.Namespace) -> int:
     from aiokafka.admin import AIOKafkaAdminClient
 
     client = make_client(args)
-    tenants = checked_tenants(args, client.kafka.model_copy(
-        update={"request_topic": client.request_topic, "cancel_topic": client.cancel_topic}))
+    tenants = checked_tenants(
+        args,
+        client.kafka.model_copy(
+            update={"request_topic": client.request_topic, "cancel_topic": client.cancel_topic}
+        ),
+    )
     admin = AIOKafkaAdminClient(**client.kafka.connection_options())
     await admin.start()
     try:
@@ -319,15 +465,23 @@ async def cmd_topics(args: argparse.Namespace) -> int:
         ]
         cancel_topics = {client.cancel_topic} | {f"{client.cancel_topic}.{t}" for t in args.tenant}
         for tenant in tenants:
-            plan += [(f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
-                     (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms)]
+            plan += [
+                (f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
+                (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms),
+            ]
         for name, partitions, retention in plan:
             configs = topic_configs(retention)
             if name in cancel_topics:  # compaction keeps one cancel per request id
                 configs["cleanup.policy"] = "compact,delete"
-            created = await create_topics(admin, [(name, partitions)], replication_factor=args.replication_factor,
-                                          configs=configs)
-            print(f"{name}: {'created' if created else 'exists'} ({partitions} partitions, retention {retention} ms)")
+            created = await create_topics(
+                admin,
+                [(name, partitions)],
+                replication_factor=args.replication_factor,
+                configs=configs,
+            )
+            print(
+                f"{name}: {'created' if created else 'exists'} ({partitions} partitions, retention {retention} ms)"
+            )
     finally:
         await admin.close()
     return EXIT_OK
@@ -353,9 +507,15 @@ async def cmd_tail(args: argparse.Namespace) -> int:
 async def cmd_bench(args: argparse.Namespace) -> int:
     workload = make_workload(args)
     async with make_client(args, reply_topic=args.reply_topic) as client:
-        samples, wall_s, t0 = await run_load(client, workload, args.rate, random.Random(args.seed + 1), not args.no_progress)
+        samples, wall_s, t0 = await run_load(
+            client, workload, args.rate, random.Random(args.seed + 1), not args.no_progress
+        )
     report = summarize(samples, wall_s)
-    report["config"] = {k: v for k, v in vars(args).items() if k != "func" and isinstance(v, (int, float, str, bool, type(None)))}
+    report["config"] = {
+        k: v
+        for k, v in vars(args).items()
+        if k != "func" and isinstance(v, (int, float, str, bool, type(None)))
+    }
     print(format_report(report))
     write_outputs(Path(args.out), report, samples, t0, plots=not args.no_plots)
     return EXIT_OK if report["completed"] == report["requests"] else EXIT_ERROR
@@ -376,8 +536,15 @@ async def cmd_batch(args: argparse.Namespace) -> int:
     return await run_batch(args, make_client)
 
 
-COMMANDS = {"submit": cmd_submit, "cancel": cmd_cancel, "topics": cmd_topics, "tail": cmd_tail, "bench": cmd_bench,
-            "gateway": cmd_gateway, "batch": cmd_batch}
+COMMANDS = {
+    "submit": cmd_submit,
+    "cancel": cmd_cancel,
+    "topics": cmd_topics,
+    "tail": cmd_tail,
+    "bench": cmd_bench,
+    "gateway": cmd_gateway,
+    "batch": cmd_batch,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@
 Reply topics: one per client by default, one per request with ``reply_topic="per-request"``, or a
 named shared one. Handles drop stale attempts and duplicates (delivery is at least once).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,12 @@ from inferline.producer.errors import (
     error_for,
 )
 from inferline.producer.reassembly import Event, RequestHandle, Result, TextDelta
-from inferline.producer.replies import PER_REQUEST, REPLY_TOPIC_PREFIX, ReplyRouter, per_request_topic
+from inferline.producer.replies import (
+    PER_REQUEST,
+    REPLY_TOPIC_PREFIX,
+    ReplyRouter,
+    per_request_topic,
+)
 from inferline.contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
 from inferline.producer.topics import (
     TOPIC_ALREADY_EXISTS,
@@ -52,20 +58,41 @@ from inferline.producer.topics import (
 )
 
 __all__ = [
-    "InferenceClient", "RequestHandle", "Result", "TextDelta", "Event", "DEADLINE_GRACE_S",
+    "InferenceClient",
+    "RequestHandle",
+    "Result",
+    "TextDelta",
+    "Event",
+    "DEADLINE_GRACE_S",
     # producer.errors
-    "InferenceError", "RequestRejected", "InvalidRequestError", "PromptTooLong", "RateLimited", "Overloaded",
-    "RequestTimeout", "ClientTimeout", "RequestCancelled", "WorkerError", "IncompleteStream", "ClientClosed",
-    "ERRORS_BY_CODE", "error_for",
+    "InferenceError",
+    "RequestRejected",
+    "InvalidRequestError",
+    "PromptTooLong",
+    "RateLimited",
+    "Overloaded",
+    "RequestTimeout",
+    "ClientTimeout",
+    "RequestCancelled",
+    "WorkerError",
+    "IncompleteStream",
+    "ClientClosed",
+    "ERRORS_BY_CODE",
+    "error_for",
     # producer.replies, producer.topics
-    "PER_REQUEST", "REPLY_TOPIC_PREFIX", "per_request_topic", "TOPIC_ALREADY_EXISTS", "UNKNOWN_TOPIC",
-    "topic_configs", "create_topics", "topic_partitions", "wait_for_topics",
+    "PER_REQUEST",
+    "REPLY_TOPIC_PREFIX",
+    "per_request_topic",
+    "TOPIC_ALREADY_EXISTS",
+    "UNKNOWN_TOPIC",
+    "topic_configs",
+    "create_topics",
+    "topic_partitions",
+    "wait_for_topics",
 ]
 
 # The worker's deadline counts from created_at; past it plus this grace, `done` is overdue.
 DEADLINE_GRACE_S = 30.0
-
-
 
 
 class InferenceClient:
@@ -99,7 +126,9 @@ class InferenceClient:
         self.client_uid = uuid.uuid4().hex[:12]
         self._own_reply_topic = reply_topic is None
         self.reply_prefix = kafka.reply_topic_prefix
-        self.reply_topic = self.reply_prefix + self.client_uid if reply_topic is None else reply_topic
+        self.reply_topic = (
+            self.reply_prefix + self.client_uid if reply_topic is None else reply_topic
+        )
         self.timeout_s = timeout_s
         self.reply_partitions = reply_partitions
         self.reply_retention_ms = reply_retention_ms
@@ -136,19 +165,31 @@ class InferenceClient:
         await self._admin.start()
         # Idempotent (acks=all): a retried send cannot duplicate a request on the log.
         self._producer = AIOKafkaProducer(
-            **opts, client_id=f"{self.kafka.client_id}-producer", enable_idempotence=True, linger_ms=2,
-            max_request_size=max(self.kafka.max_message_bytes + 4096, 1_048_576), **self._producer_options,
+            **opts,
+            client_id=f"{self.kafka.client_id}-producer",
+            enable_idempotence=True,
+            linger_ms=2,
+            max_request_size=max(self.kafka.max_message_bytes + 4096, 1_048_576),
+            **self._producer_options,
         )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(
-            **opts, client_id=f"{self.kafka.client_id}-replies", group_id=None, enable_auto_commit=False,
+            **opts,
+            client_id=f"{self.kafka.client_id}-replies",
+            group_id=None,
+            enable_auto_commit=False,
             auto_offset_reset="earliest",
             isolation_level="read_committed",  # a `done` counts once its worker committed it
         )
         await self._consumer.start()
         self._replies = ReplyRouter(
-            self._consumer, self._admin, self._handles, self._spawn, partitions=self.reply_partitions,
-            retention_ms=self.reply_retention_ms, replication_factor=self.replication_factor,
+            self._consumer,
+            self._admin,
+            self._handles,
+            self._spawn,
+            partitions=self.reply_partitions,
+            retention_ms=self.reply_retention_ms,
+            replication_factor=self.replication_factor,
             max_event_bytes=max(self.kafka.max_message_bytes, 4 * 1_048_576),
         )
         if self.reply_topic != PER_REQUEST:
@@ -164,12 +205,19 @@ class InferenceClient:
             await asyncio.gather(self._consumer_task, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         watched = self._replies.watched if self._replies else set()
-        drop = [t for t in watched if t.startswith(self.reply_prefix) and (self._own_reply_topic or t != self.reply_topic)]
+        drop = [
+            t
+            for t in watched
+            if t.startswith(self.reply_prefix) and (self._own_reply_topic or t != self.reply_topic)
+        ]
         if drop and self._admin:
             with contextlib.suppress(Exception):
                 await self._admin.delete_topics(drop)
-        for stop in (self._consumer and self._consumer.stop, self._producer and self._producer.stop,
-                     self._admin and self._admin.close):
+        for stop in (
+            self._consumer and self._consumer.stop,
+            self._producer and self._producer.stop,
+            self._admin and self._admin.close,
+        ):
             if stop:
                 with contextlib.suppress(Exception):
                     await stop()
@@ -195,15 +243,27 @@ class InferenceClient:
         assert self._producer is not None, "client not started"
         rid = request_id or uuid.uuid4().hex
         per_request = (reply_topic or self.reply_topic) == PER_REQUEST
-        topic = per_request_topic(rid, self.reply_prefix) if per_request else reply_topic or self.reply_topic
+        topic = (
+            per_request_topic(rid, self.reply_prefix)
+            if per_request
+            else reply_topic or self.reply_topic
+        )
         req = Request(
-            id=rid, reply_topic=topic, prompt=prompt, prompt_token_ids=prompt_token_ids,
-            messages=[m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages] if messages else None,
-            created_at=time.time(), **params,
+            id=rid,
+            reply_topic=topic,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=[m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+            if messages
+            else None,
+            created_at=time.time(),
+            **params,
         )
         payload = encode_request(req)
         if len(payload) > self.kafka.max_message_bytes:
-            raise ValueError(f"request is {len(payload)} bytes, over the {self.kafka.max_message_bytes}-byte limit")
+            raise ValueError(
+                f"request is {len(payload)} bytes, over the {self.kafka.max_message_bytes}-byte limit"
+            )
         await self._replies.prepare(topic, per_request)
         return await self._send(req, payload, timeout)
 
@@ -242,7 +302,9 @@ class InferenceClient:
     def _arm_timer(self, handle: RequestHandle, timeout: float | None) -> None:
         limit = timeout if timeout is not None else self.timeout_s
         if limit is None:
-            limit = (handle.request.timeout_s or self.settings.limits.default_timeout_s) + DEADLINE_GRACE_S
+            limit = (
+                handle.request.timeout_s or self.settings.limits.default_timeout_s
+            ) + DEADLINE_GRACE_S
         # A timer, not a task: thousands of requests cost thousands of heap entries.
         handle._timer = asyncio.get_running_loop().call_later(limit, self._expire, handle, limit)
 
@@ -255,7 +317,9 @@ class InferenceClient:
     async def cancel(self, request_id: str) -> None:
         """Publish a cancel for ``request_id`` to every worker."""
         assert self._producer is not None, "client not started"
-        await self._producer.send_and_wait(self.cancel_topic, encode_cancel(Cancel(id=request_id)), key=request_id.encode())
+        await self._producer.send_and_wait(
+            self.cancel_topic, encode_cancel(Cancel(id=request_id)), key=request_id.encode()
+        )
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

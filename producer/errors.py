@@ -1,6 +1,7 @@
 """The client's exceptions (all InferenceError), one per error code of the contract, and the one a
 final ``done`` stands for (`error_for`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -17,7 +18,9 @@ class InferenceError(Exception):
 
     code: ErrorCode = "internal"
 
-    def __init__(self, message: str, *, request_id: str | None = None, result: Result | None = None):
+    def __init__(
+        self, message: str, *, request_id: str | None = None, result: Result | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.request_id = request_id
@@ -83,7 +86,12 @@ ERRORS_BY_CODE: dict[str, type[InferenceError]] = {
     "internal": WorkerError,
 }
 # When a done carries no error, its finish_reason decides.
-_CODE_BY_REASON = {"rejected": "invalid_request", "timeout": "timeout", "cancelled": "cancelled", "error": "internal"}
+_CODE_BY_REASON = {
+    "rejected": "invalid_request",
+    "timeout": "timeout",
+    "cancelled": "cancelled",
+    "error": "internal",
+}
 
 
 def error_for(done: DoneEvent) -> InferenceError | None:

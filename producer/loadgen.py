@@ -1,5 +1,6 @@
 """The ``inferline bench`` load generator: a workload reproducible from a seed, submitted through
 one InferenceClient with Poisson arrivals."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ class Length:
                 return cls._checked(a, b)
         except ValueError:
             pass
-        raise argparse.ArgumentTypeError(f"bad length {text!r}: use fixed:N or uniform:A,B with 1 <= A <= B")
+        raise argparse.ArgumentTypeError(
+            f"bad length {text!r}: use fixed:N or uniform:A,B with 1 <= A <= B"
+        )
 
     @classmethod
     def _checked(cls, a: int, b: int) -> Length:
@@ -60,8 +63,11 @@ def make_workload(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt_len, output_len = Length.parse(args.prompt_len), Length.parse(args.output_len)
     lo, hi = (int(x) for x in args.vocab.split(","))
     return [
-        {**common, "prompt_token_ids": [rng.randrange(lo, hi) for _ in range(prompt_len.sample(rng))],
-         "max_tokens": output_len.sample(rng)}
+        {
+            **common,
+            "prompt_token_ids": [rng.randrange(lo, hi) for _ in range(prompt_len.sample(rng))],
+            "max_tokens": output_len.sample(rng),
+        }
         for _ in range(args.num_requests)
     ]
 
@@ -74,7 +80,9 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         obj = json.loads(line)
-        row = {k: obj[k] for k in ("prompt", "prompt_token_ids", "messages", "max_tokens") if k in obj}
+        row = {
+            k: obj[k] for k in ("prompt", "prompt_token_ids", "messages", "max_tokens") if k in obj
+        }
         if "output_len" in obj:
             row["max_tokens"] = obj["output_len"]
         rows.append(row)
@@ -84,12 +92,18 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
 
 
 async def run_load(
-    client: InferenceClient, workload: list[dict[str, Any]], rate: float, rng: random.Random, progress: bool
+    client: InferenceClient,
+    workload: list[dict[str, Any]],
+    rate: float,
+    rng: random.Random,
+    progress: bool,
 ) -> tuple[list[Sample], float, float]:
     """Submit the workload (Poisson arrivals at ``rate``, or all at once); wait for every result."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(workload), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(workload), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True
+    )
     tokens = 0
     t0 = time.monotonic()
 
@@ -111,4 +125,3 @@ async def run_load(
     samples = await asyncio.gather(*tasks)
     bar.close()
     return list(samples), time.monotonic() - t0, t0
-

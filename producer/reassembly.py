@@ -1,6 +1,7 @@
 """One submitted request's reply events reassembled across attempts (duplicates dropped by
 (attempt, seq), gaps counted): the RequestHandle and what it yields.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,16 @@ from typing import TYPE_CHECKING
 import structlog
 
 from inferline.producer.errors import ClientTimeout, IncompleteStream, InferenceError, error_for
-from inferline.contract.schema import DoneEvent, ErrorInfo, Request, Sample, StartedEvent, Timing, TokensEvent, Usage
+from inferline.contract.schema import (
+    DoneEvent,
+    ErrorInfo,
+    Request,
+    Sample,
+    StartedEvent,
+    Timing,
+    TokensEvent,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from inferline.producer.client import InferenceClient
@@ -102,7 +112,13 @@ class RequestHandle:
             return False
         if ev.seq > self._next_seq:
             self.gaps += 1
-            log.warning("event gap", request_id=self.id, attempt=ev.attempt, expected=self._next_seq, got=ev.seq)
+            log.warning(
+                "event gap",
+                request_id=self.id,
+                attempt=ev.attempt,
+                expected=self._next_seq,
+                got=ev.seq,
+            )
         self._next_seq = ev.seq + 1
         self.log.append(ev)
         self._apply(ev)
@@ -118,7 +134,7 @@ class RequestHandle:
         return self.attempt is None or ev.seq == 0 or isinstance(ev, DoneEvent)
 
     def _new_attempt(self, attempt: str) -> None:
-            # The old attempt's worker is gone (or a zombie): its text is void.
+        # The old attempt's worker is gone (or a zombie): its text is void.
         if self.attempt is not None:
             self._dead.add(self.attempt)
             log.info("new attempt", request_id=self.id, old=self.attempt, new=attempt)
@@ -175,11 +191,20 @@ class RequestHandle:
         done = self.done_event
         since = self.t_submit
         return Result(
-            id=self.id, text=self.text_so_far, token_ids=list(self.token_ids),
-            finish_reason=done.finish_reason if done else ("timeout" if isinstance(self.failure, ClientTimeout) else "none"),
-            usage=done.usage if done else None, timing=done.timing if done else None,
-            error=done.error if done else None, metadata=dict(done.metadata) if done else {},
-            attempt=self.attempt, attempts=self.attempts, duplicates=self.duplicates, gaps=self.gaps,
+            id=self.id,
+            text=self.text_so_far,
+            token_ids=list(self.token_ids),
+            finish_reason=done.finish_reason
+            if done
+            else ("timeout" if isinstance(self.failure, ClientTimeout) else "none"),
+            usage=done.usage if done else None,
+            timing=done.timing if done else None,
+            error=done.error if done else None,
+            metadata=dict(done.metadata) if done else {},
+            attempt=self.attempt,
+            attempts=self.attempts,
+            duplicates=self.duplicates,
+            gaps=self.gaps,
             client_ttft_s=self.t_first_token - since if self.t_first_token else None,
             client_total_s=self.t_done - since if self.t_done else None,
             samples=list(done.samples) if done and done.samples else None,
@@ -229,7 +254,9 @@ class RequestHandle:
         if check and self.failure is not None:
             raise self.failure
         if check and self.gaps and (self.done_event is None or self.done_event.text is None):
-            raise IncompleteStream(f"{self.gaps} gap(s) in the event stream", request_id=self.id, result=result)
+            raise IncompleteStream(
+                f"{self.gaps} gap(s) in the event stream", request_id=self.id, result=result
+            )
         return result
 
     async def cancel(self) -> None:

@@ -1,6 +1,7 @@
 """Reply topics: their names, and the client's one consumer that routes each event to its
 handle by id. Shared topics are read from their end, unless this client made them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,11 @@ class ReplyRouter:
         max_event_bytes: int,
     ):
         self.consumer, self.admin, self.handles, self._spawn = consumer, admin, handles, spawn
-        self.partitions, self.retention_ms, self.replication_factor = partitions, retention_ms, replication_factor
+        self.partitions, self.retention_ms, self.replication_factor = (
+            partitions,
+            retention_ms,
+            replication_factor,
+        )
         self.max_event_bytes = max_event_bytes
         self.watched: set[str] = set()
         self.undecodable = 0
@@ -63,7 +68,9 @@ class ReplyRouter:
         """Create the topic if missing and read it: from the start when this client created it,
         else from its end."""
         created = await create_topics(
-            self.admin, [(topic, self.partitions)], replication_factor=self.replication_factor,
+            self.admin,
+            [(topic, self.partitions)],
+            replication_factor=self.replication_factor,
             configs=self._reply_configs(),
         )
         parts = await topic_partitions(self.admin, topic)
@@ -71,8 +78,12 @@ class ReplyRouter:
         await self._reassign(add=tps, from_start=fresh or topic in created)
 
     async def _add_fresh_topic(self, topic: str) -> None:
-        await create_topics(self.admin, [(topic, 1)], replication_factor=self.replication_factor,
-                            configs=self._reply_configs())
+        await create_topics(
+            self.admin,
+            [(topic, 1)],
+            replication_factor=self.replication_factor,
+            configs=self._reply_configs(),
+        )
         await self._reassign(add=[TopicPartition(topic, 0)], from_start=True)
 
     def _reply_configs(self) -> dict[str, str]:
@@ -80,7 +91,12 @@ class ReplyRouter:
         # acks=all must not fail on them.
         return {**topic_configs(self.retention_ms), "min.insync.replicas": "1"}
 
-    async def _reassign(self, add: list[TopicPartition] = (), remove: set[str] = frozenset(), from_start: bool = True) -> None:
+    async def _reassign(
+        self,
+        add: list[TopicPartition] = (),
+        remove: set[str] = frozenset(),
+        from_start: bool = True,
+    ) -> None:
         """Change the assignment keeping kept partitions' positions (assign() forgets them)."""
         consumer = self.consumer
         async with self._assign_lock:

@@ -1,4 +1,5 @@
 """``inferline tail``: print the events on a reply topic, one human line (or JSON object) each."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,9 @@ from inferline.contract.schema import UndecodableMessage, decode_event
 async def tail(kafka: KafkaSettings, args: argparse.Namespace) -> None:
     """Print ``args.topic``'s events until ``args.limit`` or ``args.idle_timeout``, or forever."""
     consumer = AIOKafkaConsumer(
-        **kafka.connection_options(), group_id=None, enable_auto_commit=False,
+        **kafka.connection_options(),
+        group_id=None,
+        enable_auto_commit=False,
         auto_offset_reset="earliest" if args.from_beginning else "latest",
         isolation_level="read_committed",  # no `done` of an aborted transaction
     )
@@ -69,5 +72,7 @@ def format_event(ev) -> str:
         sample = f" [{ev.index}]" if ev.index else ""
         return f"{head}{sample} {len(ev.token_ids)} tok {ev.text!r}"
     err = f" error={ev.error.code}: {ev.error.message}" if ev.error else ""
-    return (f"{head} {ev.finish_reason} {ev.usage.prompt_tokens}+{ev.usage.completion_tokens} tok "
-            f"total={ev.timing.total_s:.3f}s{err}")
+    return (
+        f"{head} {ev.finish_reason} {ev.usage.prompt_tokens}+{ev.usage.completion_tokens} tok "
+        f"total={ev.timing.total_s:.3f}s{err}"
+    )

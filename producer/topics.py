@@ -1,5 +1,6 @@
 """Kafka plumbing shared by the client, the CLI and the benchmarks: connection options, retention
 configs, topic creation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,14 +34,19 @@ async def create_topics(
     """Create each missing (name, partitions) and wait until all have leaders; returns the names
     created."""
     wanted = list(topics)
-    new = [NewTopic(name, n, replication_factor, topic_configs=dict(configs or {})) for name, n in wanted]
+    new = [
+        NewTopic(name, n, replication_factor, topic_configs=dict(configs or {}))
+        for name, n in wanted
+    ]
     response = await admin.create_topics(new)
     created = []
     for name, code, *rest in response.topic_errors:
         if code == 0:
             created.append(name)
         elif code != TOPIC_ALREADY_EXISTS:
-            raise RuntimeError(f"cannot create topic {name}: error {code} {rest[0] if rest else ''}")
+            raise RuntimeError(
+                f"cannot create topic {name}: error {code} {rest[0] if rest else ''}"
+            )
     await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
     return created
 

@@ -8,6 +8,7 @@ Names, types, defaults and bounds come from the pydantic models; each meaning co
 comment above the field in config/settings.py, else from MEANINGS below. A field with neither
 stops this script, so a new setting cannot go undocumented. tests/unit/test_docs.py checks the file.
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,15 +40,15 @@ SECTIONS = {
     "cache": "The paged KV cache: block size and how many blocks (see docs/operations.md for sizing).",
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and the waiting pool.",
     "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, verified in the "
-                   "same step; greedy output is unchanged.",
+    "same step; greedy output is unchanged.",
     "structured": "Structured outputs (grammars): the compile time budget, the compile pool and the compiled-grammar "
-                  "cache (docs/security.md).",
+    "cache (docs/security.md).",
     "limits": "Per-request caps, deadlines, per-tenant rate limits, and load shedding.",
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",
     "worker": "Identity and shutdown.",
     "gateway": "The OpenAI-compatible HTTP gateway (`inferline gateway`, docs/gateway.md); it reads the "
-               "`kafka` section too.",
+    "`kafka` section too.",
 }
 
 # For fields without a comment in config/settings.py, or whose comment needs the context of its
@@ -60,7 +61,7 @@ MEANINGS = {
     "kafka.group_id": "Consumer group of the workers on the request topic.",
     "kafka.client_id": "Client id of the worker's Kafka clients (shows in broker logs and quotas).",
     "kafka.session_timeout_ms": "Consumer group session timeout; heartbeats every quarter of it. A revoked "
-                                "partition's requests get half of it to be requeued.",
+    "partition's requests get half of it to be requeued.",
     "kafka.security_protocol": "Protocol to the brokers.",
     "kafka.sasl_mechanism": "SASL mechanism, with `SASL_PLAINTEXT` or `SASL_SSL`.",
     "kafka.sasl_username": "SASL user name.",
@@ -71,31 +72,31 @@ MEANINGS = {
     "model.device": "`auto`: CUDA when available, else CPU.",
     "model.dtype": "`auto`: bfloat16 on CUDA, float32 on CPU.",
     "model.max_model_len": "Prompt plus `max_tokens` at most, in tokens; capped by the model's "
-                           "`max_position_embeddings`. Longer requests are rejected with `prompt_too_long`.",
+    "`max_position_embeddings`. Longer requests are rejected with `prompt_too_long`.",
     "cache.block_size": "Tokens per KV cache block; a power of two.",
     "cache.kv_memory_gb": "CPU: the KV cache size in GB (10^9 bytes). Not used on CUDA.",
     "cache.gpu_memory_utilization": "CUDA: fraction of the free GPU memory (measured after the model "
-                                    "loads) given to the KV cache.",
+    "loads) given to the KV cache.",
     "scheduler.policy": "`continuous`: requests join and leave the batch at every step. `static`: a new "
-                        "batch forms only when the last one has finished (a baseline for benchmarks).",
+    "batch forms only when the last one has finished (a baseline for benchmarks).",
     "scheduler.max_num_seqs": "Sequences in the running batch at most.",
     "scheduler.max_num_batched_tokens": "Tokens per engine step at most, decodes and prefill chunks together; "
-                                        "longer prompts are prefilled in chunks over several steps.",
+    "longer prompts are prefilled in chunks over several steps.",
     "scheduler.max_waiting": "Requests taken from Kafka and not yet running, per worker. When full, intake "
-                             "pauses its partitions.",
+    "pauses its partitions.",
     "limits.default_timeout_s": "Deadline of a request without `timeout_s`: seconds from its `created_at` "
-                                "(or from receipt). Past it the request ends with `timeout`.",
+    "(or from receipt). Past it the request ends with `timeout`.",
     "limits.overload_reject_after_s": "Once the waiting pool has been full this long, new requests are "
-                                      "rejected with `overloaded` instead of waiting in Kafka; unset: never.",
+    "rejected with `overloaded` instead of waiting in Kafka; unset: never.",
     "limits.default_tenant": "Rate limits of every tenant not named in `tenants`.",
     "limits.tenants": "Rate limits by tenant name (the request's `tenant` field).",
     "tenant.requests_per_s": "Requests per second (token bucket); unset: no limit.",
     "tenant.tokens_per_min": "Generated tokens per minute, charged at admission with the request's "
-                             "`max_tokens` and refunded by what it did not use; unset: no limit.",
+    "`max_tokens` and refunded by what it did not use; unset: no limit.",
     "tenant.burst_requests": "Request bucket size; default `max(1, requests_per_s)`.",
     "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and may preempt), "
-                           "in every tenancy mode: a tenant cannot jump ahead of others by its own say; unset: "
-                           "`INFERLINE_LIMITS__MIN_PRIORITY`.",
+    "in every tenancy mode: a tenant cannot jump ahead of others by its own say; unset: "
+    "`INFERLINE_LIMITS__MIN_PRIORITY`.",
     "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: `INFERLINE_LIMITS__MAX_PRIORITY`.",
     "http.host": "Address the HTTP server binds.",
     "http.port": "Port of /healthz, /readyz and /metrics; 0 picks a free one.",
@@ -103,32 +104,53 @@ MEANINGS = {
     "log.format": "`auto`: console on a terminal, JSON lines otherwise.",
     "gateway.host": "Address the gateway binds.",
     "worker.drain_timeout_s": "On SIGTERM or SIGINT: seconds running requests get to finish before they "
-                              "are requeued (a second signal stops waiting).",
+    "are requeued (a second signal stops waiting).",
 }
 
 # INFERLINE_* variables the packages read directly, outside the settings tree.
 OTHER_VARIABLES = {
-    "INFERLINE_CACHE_DIR": ("`~/.cache/inferline`", "Where converted model weights (and the local "
-                            "broker's jars) are cached. Read by `config.settings.cache_dir()`."),
-    "INFERLINE_FAULT_JOIN_GATE": ("unset", "Benchmark hook: a path; the worker loads its model, then joins "
-                                  "the group only once the file exists (bench/scaling_step.py times a "
-                                  "scaling step apart from the model load)."),
-    "INFERLINE_FAULT_KILL_BEFORE_COMMIT": ("`0`", "Test hook: `N` makes the worker SIGKILL itself after "
-                                           "its Nth transaction's records reach the broker and before the "
-                                           "commit (worker/delivery/transactions.py; tests and `make chaos`)."),
-    "INFERLINE_FAULT_STEP_DELAY_S": ("`0`", "Test/benchmark hook: the engine thread sleeps this many "
-                                     "seconds before each step, a throttled worker."),
-    "INFERLINE_KAFKA_PORT": ("`9092`", "The port of the local broker `scripts/kafka.sh` runs; "
-                             "`localhost:` that port counts as the local broker for the benchmarks, "
-                             "and `scripts/test.sh` points `INFERLINE_KAFKA__BOOTSTRAP_SERVERS` at it."),
-    "INFERLINE_KERNEL_CHECKS": ("`0`", "`1` turns on the kernels' shape, dtype and stride assertions "
-                                "on CUDA tensors (always on for CPU tensors)."),
+    "INFERLINE_CACHE_DIR": (
+        "`~/.cache/inferline`",
+        "Where converted model weights (and the local "
+        "broker's jars) are cached. Read by `config.settings.cache_dir()`.",
+    ),
+    "INFERLINE_FAULT_JOIN_GATE": (
+        "unset",
+        "Benchmark hook: a path; the worker loads its model, then joins "
+        "the group only once the file exists (bench/scaling_step.py times a "
+        "scaling step apart from the model load).",
+    ),
+    "INFERLINE_FAULT_KILL_BEFORE_COMMIT": (
+        "`0`",
+        "Test hook: `N` makes the worker SIGKILL itself after "
+        "its Nth transaction's records reach the broker and before the "
+        "commit (worker/delivery/transactions.py; tests and `make chaos`).",
+    ),
+    "INFERLINE_FAULT_STEP_DELAY_S": (
+        "`0`",
+        "Test/benchmark hook: the engine thread sleeps this many "
+        "seconds before each step, a throttled worker.",
+    ),
+    "INFERLINE_KAFKA_PORT": (
+        "`9092`",
+        "The port of the local broker `scripts/kafka.sh` runs; "
+        "`localhost:` that port counts as the local broker for the benchmarks, "
+        "and `scripts/test.sh` points `INFERLINE_KAFKA__BOOTSTRAP_SERVERS` at it.",
+    ),
+    "INFERLINE_KERNEL_CHECKS": (
+        "`0`",
+        "`1` turns on the kernels' shape, dtype and stride assertions "
+        "on CUDA tensors (always on for CPU tensors).",
+    ),
 }
-OTHER_VARIABLE_RE = re.compile(r"""(?:environ(?:\.get)?\s*[(\[]|getenv\s*\()\s*["'](INFERLINE_[A-Z0-9_]+)["']""")
+OTHER_VARIABLE_RE = re.compile(
+    r"""(?:environ(?:\.get)?\s*[(\[]|getenv\s*\()\s*["'](INFERLINE_[A-Z0-9_]+)["']"""
+)
 PACKAGES = ("config", "worker", "producer", "kernels")
 
 
 # --------------------------------------------------------------------------- reading the source
+
 
 def source_comments() -> dict[tuple[str, str], str]:
     """(class name, field) -> the comment lines right above the field, joined."""
@@ -158,6 +180,7 @@ def other_variables() -> set[str]:
 
 # --------------------------------------------------------------------------- rendering
 
+
 def _unwrap(annotation):
     """(inner annotation, optional?) with `X | None` unwrapped."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -183,8 +206,12 @@ def type_text(annotation) -> str:
 
 
 def bounds_text(field) -> str:
-    symbols = {annotated_types.Ge: ("≥", "ge"), annotated_types.Gt: (">", "gt"),
-               annotated_types.Le: ("≤", "le"), annotated_types.Lt: ("<", "lt")}
+    symbols = {
+        annotated_types.Ge: ("≥", "ge"),
+        annotated_types.Gt: (">", "gt"),
+        annotated_types.Le: ("≤", "le"),
+        annotated_types.Lt: ("<", "lt"),
+    }
     parts = []
     for meta in field.metadata:
         for kind, (symbol, attr) in symbols.items():
@@ -213,7 +240,9 @@ def env(*parts: str) -> str:
 def meaning(model: type[BaseModel], key: str, name: str, comments) -> str:
     text = MEANINGS.get(key) or comments.get((model.__name__, name))
     if not text:
-        raise SystemExit(f"gen_config_docs: no comment above {model.__name__}.{name} and no MEANINGS[{key!r}]")
+        raise SystemExit(
+            f"gen_config_docs: no comment above {model.__name__}.{name} and no MEANINGS[{key!r}]"
+        )
     return text
 
 
@@ -225,24 +254,38 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
         if typing.get_origin(annotation) is dict:
             sub = typing.get_args(annotation)[1]
             # Variable names are lower-cased: a per-key variable only suits models keyed by name.
-            per_key = (f" Or one variable per value: `{env(*prefix, name)}__<NAME>__<FIELD>` (see below)."
-                       if issubclass(sub, BaseModel) else "")
-            out.append(f"| `{env(*prefix, name)}` | JSON object: name → {sub.__name__} | `{{}}` | "
-                       f"{meaning(model, key, name, comments)}{per_key} |")
+            per_key = (
+                f" Or one variable per value: `{env(*prefix, name)}__<NAME>__<FIELD>` (see below)."
+                if issubclass(sub, BaseModel)
+                else ""
+            )
+            out.append(
+                f"| `{env(*prefix, name)}` | JSON object: name → {sub.__name__} | `{{}}` | "
+                f"{meaning(model, key, name, comments)}{per_key} |"
+            )
             continue
         if typing.get_origin(annotation) is list:
-            out.append(f"| `{env(*prefix, name)}` | JSON list of {type_text(typing.get_args(annotation)[0])}s | "
-                       f"`{field.get_default()}` | {meaning(model, key, name, comments)} |")
+            out.append(
+                f"| `{env(*prefix, name)}` | JSON list of {type_text(typing.get_args(annotation)[0])}s | "
+                f"`{field.get_default()}` | {meaning(model, key, name, comments)} |"
+            )
             continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            out += rows(annotation, (*prefix, name), "tenant" if annotation.__name__ == "TenantLimit" else key, comments)
+            out += rows(
+                annotation,
+                (*prefix, name),
+                "tenant" if annotation.__name__ == "TenantLimit" else key,
+                comments,
+            )
             continue
         kind = type_text(annotation)
         bounds = bounds_text(field)
         if bounds:
             kind = f"{kind}, {bounds}"
-        out.append(f"| `{env(*prefix, name)}` | {kind} | {default_text(field)} | "
-                   f"{meaning(model, key, name, comments)} |")
+        out.append(
+            f"| `{env(*prefix, name)}` | {kind} | {default_text(field)} | "
+            f"{meaning(model, key, name, comments)} |"
+        )
     return out
 
 
@@ -273,7 +316,9 @@ one line naming the variable, e.g. `invalid setting INFERLINE_CACHE__BLOCK_SIZE:
         parts.append("| variable | type | default | meaning |\n|---|---|---|---|\n")
         parts.append("\n".join(rows(field.annotation, (name,), name, comments)) + "\n\n")
     parts.append(TENANTS_NOTE)
-    parts.append("## Other variables\n\nRead directly by the packages, outside the settings tree.\n\n")
+    parts.append(
+        "## Other variables\n\nRead directly by the packages, outside the settings tree.\n\n"
+    )
     parts.append("| variable | default | meaning |\n|---|---|---|\n")
     found = other_variables()
     if found != set(OTHER_VARIABLES):
@@ -281,8 +326,10 @@ one line naming the variable, e.g. `invalid setting INFERLINE_CACHE__BLOCK_SIZE:
     for var in sorted(OTHER_VARIABLES):
         default, text = OTHER_VARIABLES[var]
         parts.append(f"| `{var}` | {default} | {text} |\n")
-    parts.append("\n`scripts/kafka.sh` (the local broker of `make kafka`) documents its own "
-                 "`INFERLINE_KAFKA_*` variables in its header.\n")
+    parts.append(
+        "\n`scripts/kafka.sh` (the local broker of `make kafka`) documents its own "
+        "`INFERLINE_KAFKA_*` variables in its header.\n"
+    )
     return "".join(parts)
 
 

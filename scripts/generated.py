@@ -1,8 +1,9 @@
 """The command line every generator of a checked-in file shares: write the file, or `--check` it.
 
-    python scripts/gen_x.py           # rewrite the file
-    python scripts/gen_x.py --check   # exit 1 (and say how to fix it) if the checked-in file is stale
+python scripts/gen_x.py           # rewrite the file
+python scripts/gen_x.py --check   # exit 1 (and say how to fix it) if the checked-in file is stale
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def cli(out: Path, render: Callable[[], str], description: str, script: str) -> int:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the checked-in file is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the checked-in file is stale"
+    )
     args = parser.parse_args()
     text = render()
     if args.check:

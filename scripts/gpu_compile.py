@@ -84,7 +84,9 @@ class Job:
     arch: int
     dtype: str
     constexprs: tuple[tuple[str, object], ...]
-    params: tuple[tuple[str, str, bool], ...]  # (name, type, divisible by 16) of the other arguments
+    params: tuple[
+        tuple[str, str, bool], ...
+    ]  # (name, type, divisible by 16) of the other arguments
     num_warps: int
     num_stages: int
 
@@ -125,7 +127,10 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
     else the value), specialized as the JIT does."""
     fn = KERNELS[plan.kernel]
     constexprs = dict(plan.constexprs)
-    assert set(args) | set(constexprs) == set(fn.arg_names), (plan.kernel, set(fn.arg_names) ^ set(args))
+    assert set(args) | set(constexprs) == set(fn.arg_names), (
+        plan.kernel,
+        set(fn.arg_names) ^ set(args),
+    )
     exempt, unaligned = exemptions(fn)
     params = []
     for name in fn.arg_names:
@@ -174,7 +179,9 @@ def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, 
             ))  # fmt: skip
 
 
-def prefill_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int, **tiles):
+def prefill_jobs(
+    head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int, **tiles
+):
     num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
     for num_seqs, total in PREFILL_BATCHES:
         plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size, dtype,
@@ -213,10 +220,25 @@ def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
     ptr = "*" + TYPE_NAMES[dtype]
     for residual in (False, True):
         plan = norm.plan_rms_norm(4096, hidden, residual)
-        yield job_of(plan, arch, dtype, dict(x_ptr=ptr, residual_ptr=ptr, weight_ptr=ptr, out_ptr=ptr,
-                                             stride_x=hidden, stride_r=hidden, stride_o=hidden, eps=1e-5))
+        yield job_of(
+            plan,
+            arch,
+            dtype,
+            dict(
+                x_ptr=ptr,
+                residual_ptr=ptr,
+                weight_ptr=ptr,
+                out_ptr=ptr,
+                stride_x=hidden,
+                stride_r=hidden,
+                stride_o=hidden,
+                eps=1e-5,
+            ),
+        )
     plan = activation.plan_silu_and_mul(4096, inter)
-    yield job_of(plan, arch, dtype, dict(x_ptr=ptr, out_ptr=ptr, stride_x=2 * inter, stride_o=inter))
+    yield job_of(
+        plan, arch, dtype, dict(x_ptr=ptr, out_ptr=ptr, stride_x=2 * inter, stride_o=inter)
+    )
 
 
 def target(arch: int) -> Target:
@@ -225,11 +247,19 @@ def target(arch: int) -> Target:
 
 def all_jobs(archs, quick: bool = False) -> list[Job]:
     """Every distinct compile (quick: head_dim 128, GQA 4, bf16, block size 16)."""
-    axes = ((128,), (4,), (16,), (torch.bfloat16,)) if quick else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
+    axes = (
+        ((128,), (4,), (16,), (torch.bfloat16,))
+        if quick
+        else (HEAD_DIMS, GROUPS, BLOCK_SIZES, DTYPES)
+    )
     jobs = {}  # a dict: duplicates go, first-seen order stays
     for arch, (d, g, bs, dt) in itertools.product(archs, itertools.product(*axes)):
-        for job in (*decode_jobs(d, g, bs, dt, arch), *prefill_jobs(d, g, bs, dt, arch), *store_jobs(d, bs, dt, arch),
-                    *rope_jobs(d, g, bs, dt, arch)):
+        for job in (
+            *decode_jobs(d, g, bs, dt, arch),
+            *prefill_jobs(d, g, bs, dt, arch),
+            *store_jobs(d, bs, dt, arch),
+            *rope_jobs(d, g, bs, dt, arch),
+        ):
             jobs.setdefault(job, None)
     sizes = LAYER_SIZES[1:2] if quick else LAYER_SIZES
     for arch, (hidden, inter), dt in itertools.product(archs, sizes, axes[3]):
@@ -243,11 +273,17 @@ def all_jobs(archs, quick: bool = False) -> list[Job]:
 
 def compile_job(job: Job) -> Row:
     """Compile `job` and read registers, spills and shared memory; errors become a Row."""
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the default (on) is what launches get
+    warnings.filterwarnings(
+        "ignore", message="TRITON_DEFAULT_FP_FUSION"
+    )  # the default (on) is what launches get
     fn = KERNELS[job.kernel]
     signature = {name: "constexpr" for name, _ in job.constexprs}
     signature.update({name: type_ for name, type_, _ in job.params})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, _, aligned in job.params if aligned}
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, _, aligned in job.params
+        if aligned
+    }
     source = ASTSource(fn, {n: signature[n] for n in fn.arg_names}, dict(job.constexprs), attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", job.arch, 32),
@@ -255,7 +291,10 @@ def compile_job(job: Job) -> Row:
         regs, stores, loads = assemble(compiled.asm["ptx"], job.arch)
     except Exception as exc:  # noqa: BLE001 - a failed compile is a report row, not a crash
         cause = exc.__cause__ or exc  # a CompilationError's text is the source excerpt
-        return Row(job, error=f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}")
+        return Row(
+            job,
+            error=f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}",
+        )
     return Row(job, regs, stores, loads, compiled.metadata.shared)
 
 
@@ -269,7 +308,9 @@ def assemble(ptx: str, arch: int) -> tuple[int, int, int]:
                "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode:
-        raise RuntimeError(f"{os.path.basename(cmd[0])} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        raise RuntimeError(
+            f"{os.path.basename(cmd[0])} exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        )
     return parse_ptxas(proc.stderr)
 
 
@@ -293,17 +334,30 @@ HEADER = ("kernel", "arch", "dtype", "shape", "regs", "spill B (st/ld)", "smem B
 
 def table_row(row: Row) -> tuple[str, ...]:
     job = row.job
-    fields = (job.kernel.strip("_").removesuffix("_kernel"), ARCHS[job.arch].name, job.dtype, job.shape)
+    fields = (
+        job.kernel.strip("_").removesuffix("_kernel"),
+        ARCHS[job.arch].name,
+        job.dtype,
+        job.shape,
+    )
     if row.error:
         return (*fields, "-", "-", "-", "ERROR")
     flag = "FAIL" if row.problems() else ""
-    return (*fields, str(row.registers), f"{row.spill_stores}/{row.spill_loads}", str(row.shared), flag)
+    return (
+        *fields,
+        str(row.registers),
+        f"{row.spill_stores}/{row.spill_loads}",
+        str(row.shared),
+        flag,
+    )
 
 
 def format_table(rows: list[Row]) -> str:
     lines = [HEADER, *(table_row(r) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines
+    )
 
 
 def run(jobs: list[Job], workers: int) -> list[Row]:
@@ -322,15 +376,24 @@ def run(jobs: list[Job], workers: int) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", default="80,90,100", help="compute capabilities, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="head_dim 128, GQA 4, bf16, block size 16 only")
-    parser.add_argument("--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)")
+    parser.add_argument(
+        "--archs", default="80,90,100", help="compute capabilities, comma-separated"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="head_dim 128, GQA 4, bf16, block size 16 only"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)"
+    )
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.archs.split(",")]
     if not set(archs) <= set(ARCHS):
         parser.error(f"--archs takes {','.join(map(str, ARCHS))}, got {args.archs}")
     jobs = all_jobs(archs, args.quick)
-    print(f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}", file=sys.stderr)
+    print(
+        f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}",
+        file=sys.stderr,
+    )
     rows = run(jobs, max(1, args.jobs))
     print(format_table(rows))
     failed = [r for r in rows if r.problems()]

@@ -1,4 +1,5 @@
 """Suite-wide pytest set-up. Fixture plugins are listed here; add yours to `pytest_plugins`."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,9 @@ PACKAGE_FOLDERS = ("worker", "producer", "contract", "kernels", "config")
 # bench/__init__.py takes the checkout off sys.path (`python -m pytest` puts it first, and our
 # kernels/ would shadow Hugging Face's `kernels`) and finds `tests`, `bench` and `scripts` by name:
 # a bare `import worker` fails here as it would beside an installed wheel.
-_spec = importlib.util.spec_from_file_location("bench", REPO / "bench" / "__init__.py",
-                                               submodule_search_locations=[str(REPO / "bench")])
+_spec = importlib.util.spec_from_file_location(
+    "bench", REPO / "bench" / "__init__.py", submodule_search_locations=[str(REPO / "bench")]
+)
 _spec.loader.exec_module(sys.modules.setdefault("bench", importlib.util.module_from_spec(_spec)))
 
 pytest_plugins = ["tests.kafka_fixtures", "tests.engine_fixtures", "tests.time_cap"]
@@ -49,11 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.kafka)
         elif room == "kernels":
             item.add_marker(pytest.mark.kernels)
-        if room != "kafka" and ("kafka_bootstrap" in getattr(item, "fixturenames", ())
-                                or item.get_closest_marker("kafka") is not None):
+        if room != "kafka" and (
+            "kafka_bootstrap" in getattr(item, "fixturenames", ())
+            or item.get_closest_marker("kafka") is not None
+        ):
             misplaced.append(item.nodeid)
     if misplaced:
-        raise pytest.UsageError("these tests use the broker but are not in tests/kafka/: " + ", ".join(misplaced))
+        raise pytest.UsageError(
+            "these tests use the broker but are not in tests/kafka/: " + ", ".join(misplaced)
+        )
     if not config.getoption("--full") and "full" not in config.getoption("markexpr"):
         left_out = [item for item in items if item.get_closest_marker("full") is not None]
         if left_out:  # deselected, not skipped: they are not run, and the summary counts them apart

@@ -1,5 +1,6 @@
 """The aten ops a block of code dispatches, by name: for tests that hold a hot path to a fixed
 number of ops (at small sizes a torch op costs more than its values)."""
+
 from __future__ import annotations
 
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -1,4 +1,5 @@
 """Shared, expensive engine objects: one loaded model and one HF reference per test session."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def hf_model():
 
     from inferline.worker.engine.models.loader import resolve_model_dir
 
-    return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir()), dtype=torch.float32
+    ).eval()
 
 
 SHALLOW_LAYERS = 4
@@ -42,10 +45,14 @@ def shallow_smollm2(tmp_path_factory) -> Path:
     full, shallow = resolve_model_dir(), tmp_path_factory.mktemp("smollm2-shallow")
     kept = tuple(f"model.layers.{i}." for i in range(SHALLOW_LAYERS))
     state = load_file(str(full / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if not k.startswith("model.layers.") or k.startswith(kept)},
-              str(shallow / "model.safetensors"))
+    save_file(
+        {k: v for k, v in state.items() if not k.startswith("model.layers.") or k.startswith(kept)},
+        str(shallow / "model.safetensors"),
+    )
     config = json.loads((full / "config.json").read_text())
-    (shallow / "config.json").write_text(json.dumps({**config, "num_hidden_layers": SHALLOW_LAYERS}))
+    (shallow / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": SHALLOW_LAYERS})
+    )
     for other in full.iterdir():
         if other.name not in ("model.safetensors", "config.json"):
             shutil.copy(other, shallow / other.name)
@@ -71,19 +78,36 @@ def shallow_hf_model(shallow_smollm2):
 NEW_TOKENS = 48
 
 TOPICS = [
-    "Kafka consumer groups", "the French revolution", "photosynthesis", "binary search",
-    "the water cycle", "black holes", "how vaccines work", "TCP congestion control",
-    "the history of jazz", "compound interest", "volcanoes", "the Rust borrow checker",
-    "paged attention in LLM serving", "bread baking", "the moon landing", "sorting algorithms",
+    "Kafka consumer groups",
+    "the French revolution",
+    "photosynthesis",
+    "binary search",
+    "the water cycle",
+    "black holes",
+    "how vaccines work",
+    "TCP congestion control",
+    "the history of jazz",
+    "compound interest",
+    "volcanoes",
+    "the Rust borrow checker",
+    "paged attention in LLM serving",
+    "bread baking",
+    "the moon landing",
+    "sorting algorithms",
 ]
 
 
 def prompt_ids(tokenizer, i: int) -> list[int]:
     """Chat prompts of clearly different lengths (one to many sentences of instructions)."""
     detail = " Give concrete examples and explain every step in detail." * (i % 5)
-    messages = [{"role": "user", "content": f"Write a long, detailed essay about {TOPICS[i]}.{detail}"}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
+    messages = [
+        {"role": "user", "content": f"Write a long, detailed essay about {TOPICS[i]}.{detail}"}
+    ]
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -97,9 +121,14 @@ def greedy_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = hf_model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -130,8 +159,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[EngineRequest]] | None = None,
-                      check: bool = True) -> dict[str, dict]:
+def run_to_completion(
+    engine: LLMEngine, arrivals: dict[int, list[EngineRequest]] | None = None, check: bool = True
+) -> dict[str, dict]:
     """Step until idle, adding `arrivals[step]` before each step; returns per-request results:
     token ids, concatenated text deltas and the final output."""
     arrivals = dict(arrivals or {})
@@ -141,7 +171,9 @@ def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[EngineRequest]
         for req in arrivals.pop(step, []):
             engine.add_request(req)
         for out in engine.step():
-            r = results.setdefault(out.request_id, {"tokens": [], "text": "", "final": None, "started": 0})
+            r = results.setdefault(
+                out.request_id, {"tokens": [], "text": "", "final": None, "started": 0}
+            )
             r["tokens"] += out.new_token_ids
             r["text"] += out.text_delta
             r["started"] += out.started

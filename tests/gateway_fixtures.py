@@ -5,6 +5,7 @@ model, and the gateway under uvicorn on a free port, shared by a test module.
     start_gateway(settings)            another gateway in this process: (server, task, base url)
     make_topics / delete_topics        the topics of a fleet (with per-tenant ones for topic tenancy)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,15 @@ class Fleet:
 
 
 def gateway_settings(bootstrap: str, topics: Topics, tenancy: str = "body", **gateway) -> Settings:
-    return Settings(kafka={"bootstrap_servers": bootstrap, "request_topic": topics.requests,
-                           "cancel_topic": topics.cancel, "tenancy": tenancy},
-                    gateway={"host": "127.0.0.1", "port": 0, "api_keys": KEYS, **gateway})
+    return Settings(
+        kafka={
+            "bootstrap_servers": bootstrap,
+            "request_topic": topics.requests,
+            "cancel_topic": topics.cancel,
+            "tenancy": tenancy,
+        },
+        gateway={"host": "127.0.0.1", "port": 0, "api_keys": KEYS, **gateway},
+    )
 
 
 async def start_gateway(settings: Settings) -> tuple[GatewayServer, asyncio.Task, str]:
@@ -65,8 +72,12 @@ async def stop_gateway(server: GatewayServer, task: asyncio.Task) -> None:
 async def make_topics(bootstrap: str, tenants: tuple[str, ...] = ()) -> Topics:
     """Fresh request/cancel/dlq/reply topics, and each tenant's `<request>.<t>`, `<cancel>.<t>`."""
     stem = f"test-gateway-{uuid.uuid4().hex[:10]}"
-    names = Topics(requests=f"{stem}-req", cancel=f"{stem}-cancel", dlq=f"{stem}-dlq",
-                   replies=f"{REPLY_TOPIC_PREFIX}{stem}")
+    names = Topics(
+        requests=f"{stem}-req",
+        cancel=f"{stem}-cancel",
+        dlq=f"{stem}-dlq",
+        replies=f"{REPLY_TOPIC_PREFIX}{stem}",
+    )
     parts = {names.requests: 2, names.cancel: 1, names.dlq: 1, names.replies: 1}
     for t in tenants:
         parts.update({f"{names.requests}.{t}": 2, f"{names.cancel}.{t}": 1})
@@ -79,7 +90,9 @@ async def delete_topics(bootstrap: str, topics: Topics, tenants: tuple[str, ...]
     await admin.start()
     try:
         own = [f"{base}.{t}" for t in tenants for base in (topics.requests, topics.cancel)]
-        await admin.delete_topics([topics.requests, topics.cancel, topics.dlq, topics.replies, *own])
+        await admin.delete_topics(
+            [topics.requests, topics.cancel, topics.dlq, topics.replies, *own]
+        )
     finally:
         await admin.close()
 

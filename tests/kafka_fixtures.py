@@ -21,6 +21,7 @@ Helpers (plain coroutines, importable: ``from tests.kafka_fixtures import produc
 
 Tests using them are marked ``kafka`` (``pytestmark = pytest.mark.kafka``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,6 +55,7 @@ Predicate = Callable[[list[ConsumerRecord]], bool]
 
 # --------------------------------------------------------------------------- the broker
 
+
 def configured_bootstrap() -> str:
     return os.environ.get("INFERLINE_KAFKA__BOOTSTRAP_SERVERS", LOCAL_BOOTSTRAP[0])
 
@@ -65,7 +67,9 @@ def _kafka_sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 async def _cluster_brokers(bootstrap: str, timeout_s: float) -> list:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000)
+    )
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         cluster = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
@@ -114,6 +118,7 @@ def kafka_bootstrap() -> Iterable[str]:
 
 # --------------------------------------------------------------------------- topics
 
+
 def unique_topic_name(prefix: str) -> str:
     stem = _NOT_TOPIC_CHARS.sub("-", prefix).strip("-")[:80] or "t"
     return f"test-{stem}-{uuid.uuid4().hex[:10]}"
@@ -121,11 +126,15 @@ def unique_topic_name(prefix: str) -> str:
 
 def _raise_topic_errors(response, action: str) -> None:
     # CreateTopics/DeleteTopics responses: (topic, error_code[, error_message]) tuples.
-    for topic_error in response.topic_errors if hasattr(response, "topic_errors") else response.topic_error_codes:
+    for topic_error in (
+        response.topic_errors if hasattr(response, "topic_errors") else response.topic_error_codes
+    ):
         topic, code = topic_error[0], topic_error[1]
         if code != 0:
             message = topic_error[2] if len(topic_error) > 2 else ""
-            raise RuntimeError(f"{action} topic {topic!r} failed: error code {code} {message or ''}")
+            raise RuntimeError(
+                f"{action} topic {topic!r} failed: error code {code} {message or ''}"
+            )
 
 
 async def create_named_topics(partitions: dict[str, int], **admin_options) -> None:
@@ -134,7 +143,10 @@ async def create_named_topics(partitions: dict[str, int], **admin_options) -> No
     admin = AIOKafkaAdminClient(**admin_options)
     await admin.start()
     try:
-        _raise_topic_errors(await admin.create_topics([NewTopic(t, n, 1) for t, n in partitions.items()]), "creating")
+        _raise_topic_errors(
+            await admin.create_topics([NewTopic(t, n, 1) for t, n in partitions.items()]),
+            "creating",
+        )
         for t, n in partitions.items():
             await wait_topic_ready(admin, t, n)
     finally:
@@ -168,12 +180,19 @@ async def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest):
     created: list[str] = []
 
     async def make(
-        partitions: int = 1, *, prefix: str | None = None, config: dict[str, str] | None = None,
+        partitions: int = 1,
+        *,
+        prefix: str | None = None,
+        config: dict[str, str] | None = None,
         reply: bool = False,
     ) -> str:
         # reply=True: under the reply prefix, where a worker (worker/intake/reply_topics.py) may answer
-        name = (REPLY_TOPIC_PREFIX if reply else "") + unique_topic_name(prefix or request.node.name)
-        topic = NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=config or {})
+        name = (REPLY_TOPIC_PREFIX if reply else "") + unique_topic_name(
+            prefix or request.node.name
+        )
+        topic = NewTopic(
+            name, num_partitions=partitions, replication_factor=1, topic_configs=config or {}
+        )
         _raise_topic_errors(await admin.create_topics([topic]), "creating")
         created.append(name)
         await wait_topic_ready(admin, name, partitions)
@@ -190,6 +209,7 @@ async def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest):
 
 
 # --------------------------------------------------------------------------- produce / consume
+
 
 async def produce_raw(
     bootstrap: str,
@@ -227,7 +247,11 @@ async def _wait_partitions(bootstrap: str, topic: str, deadline: float) -> list[
         while True:
             # All topics: asking for this one by name could auto-create it.
             for described in await admin.describe_topics():
-                if described["topic"] == topic and described["error_code"] == 0 and described["partitions"]:
+                if (
+                    described["topic"] == topic
+                    and described["error_code"] == 0
+                    and described["partitions"]
+                ):
                     return sorted(p["partition"] for p in described["partitions"])
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"topic {topic!r} does not exist")
@@ -284,7 +308,10 @@ async def consume_until(
             left = deadline - time.monotonic()
             if left <= 0:
                 if raise_on_timeout:
-                    tail = [(r.partition, r.offset, r.key, r.value[:80] if r.value else r.value) for r in records[-5:]]
+                    tail = [
+                        (r.partition, r.offset, r.key, r.value[:80] if r.value else r.value)
+                        for r in records[-5:]
+                    ]
                     raise TimeoutError(
                         f"consume_until({topic!r}): condition not met after {timeout}s; "
                         f"{len(records)} records read, last ones: {tail}"

@@ -21,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 # As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
 # it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
@@ -65,7 +65,10 @@ def matrix(full: bool):
     sizes 64 and 128); the slow variant the whole cross product of dtype x GQA x block size."""
     combos = [(g, b) for g in GQA_RATIOS for b in BLOCK_SIZES]
     if not full:
-        cases = [(i, DTYPES[i % 3], g, b, HEAD_DIMS[i % len(HEAD_DIMS)]) for i, (g, b) in enumerate(combos)]
+        cases = [
+            (i, DTYPES[i % 3], g, b, HEAD_DIMS[i % len(HEAD_DIMS)])
+            for i, (g, b) in enumerate(combos)
+        ]
         # the largest pages too (tile inside one page): block sizes 64 and 128
         return cases + [(12, torch.float16, 4, 64, 128), (13, torch.bfloat16, 8, 128, 64)]
     return [
@@ -116,10 +119,20 @@ def prefill_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
     cu = torch.zeros(len(pairs) + 1, dtype=torch.int32)
     cu[1:] = q_lens.cumsum(0)
     q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, head_dim**-0.5)
+    args = (
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        cu,
+        cache.context_lens,
+        head_dim**-0.5,
+    )
     ref = reference.paged_prefill_attention(*args)
     # the GPU's plan, and on every other case other tile sizes too
-    for tiles in ({}, {"block_m": pick(gen, (16, 32)), "block_n": pick(gen, (16, 32, 64))})[: 1 + idx % 2]:
+    for tiles in ({}, {"block_m": pick(gen, (16, 32)), "block_n": pick(gen, (16, 32, 64))})[
+        : 1 + idx % 2
+    ]:
         out = poisoned_like(q)
         result = paged_prefill_attention_triton(*args, out=out, **tiles)
         err = rel_err(out, ref)
@@ -144,7 +157,9 @@ def store_case(gen, idx, dtype, block_size, head_dim) -> None:
     untouched = int(torch.isnan(k_cache).flatten(0, 1).all(-1).all(-1).sum())
     name = f"store[{idx}] {str(dtype)[6:]} bs={block_size} kvh={num_kv_heads} d={head_dim}"
     report(
-        name, same and untouched == num_blocks * block_size - (slots >= 0).sum().item(), untouched=untouched
+        name,
+        same and untouched == num_blocks * block_size - (slots >= 0).sum().item(),
+        untouched=untouched,
     )
 
 
@@ -170,27 +185,37 @@ def checks_cases(gen) -> None:
     bad_bt = bt.clone()
     bad_bt[1, 2] = kc.shape[0]  # a used entry past the last block
     expect_assert(
-        "checks: table entry out of range", lambda: paged_decode_attention_triton(q, kc, vc, bad_bt, cl, 0.1)
+        "checks: table entry out of range",
+        lambda: paged_decode_attention_triton(q, kc, vc, bad_bt, cl, 0.1),
     )
     long = torch.tensor([5, bt.shape[1] * 8 + 1], dtype=torch.int32)
     expect_assert(
-        "checks: context longer than table", lambda: paged_decode_attention_triton(q, kc, vc, bt, long, 0.1)
+        "checks: context longer than table",
+        lambda: paged_decode_attention_triton(q, kc, vc, bt, long, 0.1),
     )
-    expect_assert("checks: q dtype", lambda: paged_decode_attention_triton(q.half(), kc, vc, bt, cl, 0.1))
-    expect_assert("checks: int64 table", lambda: paged_decode_attention_triton(q, kc, vc, bt.long(), cl, 0.1))
+    expect_assert(
+        "checks: q dtype", lambda: paged_decode_attention_triton(q.half(), kc, vc, bt, cl, 0.1)
+    )
+    expect_assert(
+        "checks: int64 table", lambda: paged_decode_attention_triton(q, kc, vc, bt.long(), cl, 0.1)
+    )
     strided = torch.randn(2, 2, 128)[..., ::2]
-    expect_assert("checks: q stride", lambda: paged_decode_attention_triton(strided, kc, vc, bt, cl, 0.1))
+    expect_assert(
+        "checks: q stride", lambda: paged_decode_attention_triton(strided, kc, vc, bt, cl, 0.1)
+    )
     cu = torch.tensor([0, 1, 22], dtype=torch.int32)  # second sequence: q_len 21 > context 20
     qp = torch.randn(22, 2, 64)
     expect_assert(
-        "checks: q_len > context", lambda: paged_prefill_attention_triton(qp, kc, vc, bt, cu, cl, 0.1)
+        "checks: q_len > context",
+        lambda: paged_prefill_attention_triton(qp, kc, vc, bt, cu, cl, 0.1),
     )
     k = torch.randn(3, 1, 64)
     slots = torch.tensor([0, kc.shape[0] * 8, 1])
     expect_assert("checks: slot out of range", lambda: store_kv_triton(k, k, kc, vc, slots))
     expect_assert("checks: int32 slots", lambda: store_kv_triton(k, k, kc, vc, slots.int()))
     expect_assert(
-        "checks: k dtype", lambda: store_kv_triton(k.half(), k.half(), kc, vc, torch.tensor([0, 1, 2]))
+        "checks: k dtype",
+        lambda: store_kv_triton(k.half(), k.half(), kc, vc, torch.tensor([0, 1, 2])),
     )
     # A zero-length context has no keys: both paths define its output as 0.
     zero = torch.tensor([0, 20], dtype=torch.int32)

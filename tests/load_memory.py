@@ -4,6 +4,7 @@ A random checkpoint (HF names, safetensors) is written to a folder; each load ru
 process (`python -m tests.load_memory FOLDER DTYPE`), which reads its resident set before (VmRSS)
 and its peak after (VmHWM, reset through /proc/self/clear_refs where the kernel lets it).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,18 @@ from pathlib import Path
 import bench  # noqa: F401 - takes the checkout off sys.path (bench/__init__.py says why)
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=16384, max_position_embeddings=4096,
-             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=16384,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
 MAX_POSITIONS = 256  # the rotary tables (not weights) stay a rounding error
 
 
@@ -30,18 +40,34 @@ def write_checkpoint(folder: Path, shape: dict, dtype: str) -> None:
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     d = h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    sizes = {"model.embed_tokens.weight": (shape["vocab_size"], h), "model.norm.weight": (h,),
-             "lm_head.weight": (shape["vocab_size"], h)}
+    sizes = {
+        "model.embed_tokens.weight": (shape["vocab_size"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (shape["vocab_size"], h),
+    }
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        sizes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                      p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                      p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                      p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
-                      p + "post_attention_layernorm.weight": (h,)})
+        sizes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     gen = torch.Generator().manual_seed(0)
-    save_file({name: (torch.randn(size, generator=gen) * 0.02).to(getattr(torch, dtype))
-               for name, size in sizes.items()}, str(folder / "model.safetensors"))
+    save_file(
+        {
+            name: (torch.randn(size, generator=gen) * 0.02).to(getattr(torch, dtype))
+            for name, size in sizes.items()
+        },
+        str(folder / "model.safetensors"),
+    )
 
 
 def status_kb(field: str) -> int:
@@ -64,8 +90,14 @@ def child(folder: Path, dtype: str) -> dict:
     config = loader.load_config(folder)
     # A tiny model first: the first model built on the meta device imports torch's meta kernels
     # (~120 MB, once per process), which are not the load's memory.
-    tiny = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+    tiny = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+    )
     loader.empty_model(tiny, 16, torch.bfloat16, torch.device("cpu"))
     gc.collect()
     try:
@@ -73,18 +105,26 @@ def child(folder: Path, dtype: str) -> dict:
     except OSError:
         pass
     before = status_kb("VmRSS")
-    model = loader.load_weights(folder, config, getattr(torch, dtype), torch.device("cpu"),
-                                MAX_POSITIONS)
+    model = loader.load_weights(
+        folder, config, getattr(torch, dtype), torch.device("cpu"), MAX_POSITIONS
+    )
     peak = status_kb("VmHWM")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"dtype": str(model.layers[0].mlp.down_proj.weight.dtype),
-            "ratio": (peak - before) * 1024 / weights}
+    return {
+        "dtype": str(model.layers[0].mlp.down_proj.weight.dtype),
+        "ratio": (peak - before) * 1024 / weights,
+    }
 
 
 def measure(folder: Path, dtype: str = "bfloat16") -> dict:
     """child() in a fresh process."""
-    proc = subprocess.run([sys.executable, "-m", "tests.load_memory", str(folder), dtype],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.load_memory", str(folder), dtype],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,6 +10,7 @@ checks the three give the same tokens. Last, the step a graph captures runs once
 TorchDispatchMode that records device syncs (`_local_scalar_dense`: .item(), int(); `nonzero`),
 which a capture refuses, with the launchers' range checks off as on CUDA.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 # As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
 # it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
@@ -82,12 +83,19 @@ def syncs_in_the_captured_step(padded) -> list[str]:
 def served(runner: ModelRunner) -> tuple[dict, list]:
     """Three requests finishing one after another (decode batches of 3, 2, 1 rows: buckets 4, 2, 1)."""
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(70)]
-    arrivals = {0: [EngineRequest(request_id=f"r{n}", prompt_token_ids=prompt[:n], sampling=greedy(t))
-                    for n, t in ((20, 6), (40, 4), (70, 3))]}
+    arrivals = {
+        0: [
+            EngineRequest(request_id=f"r{n}", prompt_token_ids=prompt[:n], sampling=greedy(t))
+            for n, t in ((20, 6), (40, 4), (70, 3))
+        ]
+    }
     steps, padded = [], runner.padded_decode
     if padded is not None:
         load = padded.load
-        padded.load = lambda step: (steps.append([step.tokens.shape[1], len(step.ordered)]), load(step))[1]
+        padded.load = lambda step: (
+            steps.append([step.tokens.shape[1], len(step.ordered)]),
+            load(step),
+        )[1]
     try:
         results = run_to_completion(make_engine(runner), arrivals)
     finally:
@@ -98,8 +106,13 @@ def served(runner: ModelRunner) -> tuple[dict, list]:
 
 def main() -> None:
     torch.set_num_threads(1)  # the interpreter is Python-bound; leave the other core alone
-    settings = cuda_like_settings(path=sys.argv[1], load_format="dummy", dtype="float32", max_model_len=256,
-                                  cuda_graphs="eager")
+    settings = cuda_like_settings(
+        path=sys.argv[1],
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=256,
+        cuda_graphs="eager",
+    )
     settings.scheduler.max_num_seqs = 4
     runner = ModelRunner(settings)
     padded_tokens, padded_steps = served(runner)
@@ -109,14 +122,30 @@ def main() -> None:
     before = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
     graphs = DecodeGraphs(padded, fake_capture)
     report = graphs.capture_all()
-    untouched = all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_cache, before))
+    untouched = all(
+        torch.equal(k, k0) and torch.equal(v, v0)
+        for (k, v), (k0, v0) in zip(runner.kv_cache, before)
+    )
     runner.decode_graphs = graphs
     graph_tokens, graph_steps = served(runner)
     syncs = syncs_in_the_captured_step(padded)
-    print(json.dumps({"backends": runner.backends.__dict__, "buckets": padded.sizes,
-                      "captured": report.buckets, "kv_untouched": untouched,
-                      "padded": padded_tokens, "flat": flat_tokens, "graphs": graph_tokens,
-                      "padded_steps": padded_steps, "graph_steps": graph_steps, "syncs": syncs}), flush=True)
+    print(
+        json.dumps(
+            {
+                "backends": runner.backends.__dict__,
+                "buckets": padded.sizes,
+                "captured": report.buckets,
+                "kv_untouched": untouched,
+                "padded": padded_tokens,
+                "flat": flat_tokens,
+                "graphs": graph_tokens,
+                "padded_steps": padded_steps,
+                "graph_steps": graph_steps,
+                "syncs": syncs,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ more than --time-cap seconds (120 by default) fails, saying so. A module fixture
 first test that sets it up; session fixtures (the broker, the loaded model, HF's reference
 outputs) are the suite's, not a test's, and do not count. Off for the long forms (`make chaos`'s
 --chaos-long, --full)."""
+
 from __future__ import annotations
 
 import time
@@ -13,9 +14,14 @@ DEFAULT_CAP_S = 120.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--time-cap", type=float, default=None, metavar="S",
-                     help=f"fail a test that takes more than S seconds in all (default "
-                          f"{DEFAULT_CAP_S:.0f}; 0 turns it off; off with --chaos-long or --full)")
+    parser.addoption(
+        "--time-cap",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"fail a test that takes more than S seconds in all (default "
+        f"{DEFAULT_CAP_S:.0f}; 0 turns it off; off with --chaos-long or --full)",
+    )
 
 
 def time_cap(config: pytest.Config) -> float:
@@ -48,8 +54,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     item._time_cap_spent = spent
     cap = time_cap(item.config)
     already = getattr(item, "_time_cap_failed", False)
-    if cap and spent > cap and not already and report.when in ("call", "teardown") and report.passed:
+    if (
+        cap
+        and spent > cap
+        and not already
+        and report.when in ("call", "teardown")
+        and report.passed
+    ):
         item._time_cap_failed = True
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} took {spent:.1f} s (set-up, call and tear-down so far), "
-                           f"over the suite's cap of {cap:.0f} s a test (tests/time_cap.py)")
+        report.longrepr = (
+            f"{item.nodeid} took {spent:.1f} s (set-up, call and tear-down so far), "
+            f"over the suite's cap of {cap:.0f} s a test (tests/time_cap.py)"
+        )

@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 # As a script its folder (tests/, which holds a `kernels` package) comes first on the path: drop
 # it, and find `tests` after site-packages (where Hugging Face's `kernels` and inferline live).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.append(os.path.dirname(_HERE))
 
 import torch  # noqa: E402
@@ -52,16 +52,31 @@ def run_smollm2(cases: dict) -> None:
     print(json.dumps({"backends": runner.backends.__dict__}), flush=True)
     for run in cases["runs"]:
         engine = make_engine(runner, **run.get("scheduler", {}))
-        arrivals = {int(step): [EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=greedy(n))
-                                for rid, ids, n in reqs] for step, reqs in run["arrivals"].items()}
+        arrivals = {
+            int(step): [
+                EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=greedy(n))
+                for rid, ids, n in reqs
+            ]
+            for step, reqs in run["arrivals"].items()
+        }
         results = run_to_completion(engine, arrivals)
         stats = engine.stats()
-        print(json.dumps({"run": run["name"], "tokens": {rid: r["tokens"] for rid, r in results.items()},
-                          "preemptions": stats.num_preemptions, "prefix_cache_hits": stats.prefix_cache_hits}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "run": run["name"],
+                    "tokens": {rid: r["tokens"] for rid, r in results.items()},
+                    "preemptions": stats.num_preemptions,
+                    "prefix_cache_hits": stats.prefix_cache_hits,
+                }
+            ),
+            flush=True,
+        )
 
 
-def logits_rows(runner: ModelRunner, prompt: list[int], max_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+def logits_rows(
+    runner: ModelRunner, prompt: list[int], max_tokens: int
+) -> tuple[list[torch.Tensor], list[int]]:
     rows, sample = [], runner.sampler.sample
 
     def capture(logits, *args, **kwargs):
@@ -70,8 +85,16 @@ def logits_rows(runner: ModelRunner, prompt: list[int], max_tokens: int) -> tupl
 
     runner.sampler.sample = capture  # an instance attribute over the method
     try:
-        result = run_to_completion(make_engine(runner), {0: [EngineRequest(
-            request_id="r", prompt_token_ids=prompt, sampling=greedy(max_tokens))]})
+        result = run_to_completion(
+            make_engine(runner),
+            {
+                0: [
+                    EngineRequest(
+                        request_id="r", prompt_token_ids=prompt, sampling=greedy(max_tokens)
+                    )
+                ]
+            },
+        )
     finally:
         del runner.sampler.sample
     return rows, result["r"]["tokens"]
@@ -83,14 +106,27 @@ def run_dummy_bf16(config_dir: str) -> None:
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(37)]  # crosses two 16-token blocks
     out = {}
     for backend in ("torch", "triton"):
-        runner = ModelRunner(cuda_like_settings(backend, path=config_dir, load_format="dummy", dtype="bfloat16"))
+        runner = ModelRunner(
+            cuda_like_settings(backend, path=config_dir, load_format="dummy", dtype="bfloat16")
+        )
         out[backend] = logits_rows(runner, prompt, 12)
         del runner
     (ref, ref_tokens), (tri, tri_tokens) = out["torch"], out["triton"]
-    same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tri_tokens)) if a != b), len(ref_tokens))
+    same = next(
+        (i for i, (a, b) in enumerate(zip(ref_tokens, tri_tokens)) if a != b), len(ref_tokens)
+    )
     errors = [float((a - b).norm() / a.norm()) for a, b in zip(ref[: same + 1], tri[: same + 1])]
-    print(json.dumps({"steps_compared": len(errors), "same_tokens": same, "rel_errors": errors,
-                      "tokens": {"torch": ref_tokens, "triton": tri_tokens}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps_compared": len(errors),
+                "same_tokens": same,
+                "rel_errors": errors,
+                "tokens": {"torch": ref_tokens, "triton": tri_tokens},
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """`python -m inferline.worker` / `inferline-worker`: load settings, build the engine, serve.
 Exit codes: 0 after a clean drain, 1 on a start-up failure, 2 on a bad setting or backend.
 """
+
 from __future__ import annotations
 
 import asyncio

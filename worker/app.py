@@ -1,6 +1,7 @@
 """The Worker: wiring only. It builds the parts, starts them in order, drains and stops them.
 design: docs/architecture.md#data-flow
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,8 @@ def engine_settings(settings):
     """The engine's settings: preempted sequences requeue in the engine, so its max_waiting gets
     headroom beyond the intake's bound."""
     sched = settings.scheduler.model_copy(
-        update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs})
+        update={"max_waiting": settings.scheduler.max_waiting + settings.scheduler.max_num_seqs}
+    )
     return settings.model_copy(update={"scheduler": sched})
 
 
@@ -58,20 +60,49 @@ class Worker:
         self.limiter = RateLimiter(settings.limits)
         self.cancels = RecentCancels(ttl_s=settings.kafka.cancel_lookback_s)
         self.transactions = Transactions(settings, self.tracker, self.metrics)
-        self.publisher = Publisher(settings, self.metrics, self.name, self.transactions,
-                                   on_send_failed=lambda topic: self.intake.reply_topics.forget(topic))
+        self.publisher = Publisher(
+            settings,
+            self.metrics,
+            self.name,
+            self.transactions,
+            on_send_failed=lambda topic: self.intake.reply_topics.forget(topic),
+        )
         self.ledger = JobLedger()
         share = settings.kafka.intake == "share"
         generation = lambda tp: self.intake.epoch(tp)  # noqa: E731
         if share:
-            self.delivery = AcknowledgedDelivery(settings, self.publisher, self.ledger, self.metrics, generation,
-                                                 decide=lambda tp, offset, verdict: self.intake.decide(tp, offset, verdict))
+            self.delivery = AcknowledgedDelivery(
+                settings,
+                self.publisher,
+                self.ledger,
+                self.metrics,
+                generation,
+                decide=lambda tp, offset, verdict: self.intake.decide(tp, offset, verdict),
+            )
         else:
-            self.delivery = Delivery(settings, self.publisher, self.ledger, self.metrics, generation)
-        self.requests = RequestTracker(settings, self.ledger, self.delivery, self.metrics, self.limiter,
-                                       self.cancels, generation, self.fatal)
-        self.intake = (ShareIntake if share else Intake)(settings, self.requests, self.tracker, self.limiter,
-                                                         self.metrics, self.cancels, self.transactions, self.delivery)
+            self.delivery = Delivery(
+                settings, self.publisher, self.ledger, self.metrics, generation
+            )
+        self.requests = RequestTracker(
+            settings,
+            self.ledger,
+            self.delivery,
+            self.metrics,
+            self.limiter,
+            self.cancels,
+            generation,
+            self.fatal,
+        )
+        self.intake = (ShareIntake if share else Intake)(
+            settings,
+            self.requests,
+            self.tracker,
+            self.limiter,
+            self.metrics,
+            self.cancels,
+            self.transactions,
+            self.delivery,
+        )
         self.cancel_listener = CancelListener(settings, self.requests.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine
@@ -93,8 +124,11 @@ class Worker:
         loop.set_exception_handler(_loop_exception)
         # The model loads on the thread that will run it, off the event loop so /healthz answers.
         source = self.engine if self.engine is not None else (lambda: build_engine(self.settings))
-        engine_loop = EngineLoop(source, lambda outs, st: self._from_engine(loop, outs, st),
-                                 on_death=lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
+        engine_loop = EngineLoop(
+            source,
+            lambda outs, st: self._from_engine(loop, outs, st),
+            on_death=lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc),
+        )
         engine_loop.start()
         self.engine = await asyncio.to_thread(engine_loop.wait_ready)
         runner = self.engine.runner
@@ -103,13 +137,19 @@ class Worker:
             await asyncio.to_thread(engine_loop.stop, 10.0)
             log.info("worker.stopped_before_start")
             return
-        self.requests.start(engine_loop, self.engine.stats())  # an engine may be reused: deltas from here
+        self.requests.start(
+            engine_loop, self.engine.stats()
+        )  # an engine may be reused: deltas from here
         self.engine_loop = engine_loop
         await self.publisher.start()
         await self.cancel_listener.start()
         await _join_gate()
         await self.intake.start()
-        log.info("worker.started", topic=self.settings.kafka.request_topic, group=self.settings.kafka.group_id)
+        log.info(
+            "worker.started",
+            topic=self.settings.kafka.request_topic,
+            group=self.settings.kafka.group_id,
+        )
 
     async def run(self) -> None:
         """Start, serve until request_stop(), drain, close."""
@@ -145,9 +185,13 @@ class Worker:
         log.info("worker.stopped", unfinished=len(self.jobs))
 
     def readiness(self) -> dict[str, bool]:
-        return {"model_loaded": self.engine_loop is not None, "engine_alive": self.engine_died is None,
-                "in_group": self.intake.joined, "cancel_listener": self.cancel_listener.ready,
-                "not_draining": not self.requests.draining}
+        return {
+            "model_loaded": self.engine_loop is not None,
+            "engine_alive": self.engine_died is None,
+            "in_group": self.intake.joined,
+            "cancel_listener": self.cancel_listener.ready,
+            "not_draining": not self.requests.draining,
+        }
 
     def _on_engine_death(self, exc: BaseException) -> None:
         """Nothing will answer the jobs now: hand each back (`requeued`), fail readiness, stop."""

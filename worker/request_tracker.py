@@ -1,6 +1,7 @@
 """The RequestTracker: every request held here, from admission to its hand-over to the Delivery,
 and the engine outputs that move it; runs on the event loop (docs/architecture.md#data-flow).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,17 @@ log = structlog.get_logger(__name__)
 
 
 class RequestTracker:
-    def __init__(self, settings, ledger: JobLedger, delivery: Delivery, metrics, limiter,
-                 cancels: RecentCancels, generation: Callable[[TopicPartition], int], fatal: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        settings,
+        ledger: JobLedger,
+        delivery: Delivery,
+        metrics,
+        limiter,
+        cancels: RecentCancels,
+        generation: Callable[[TopicPartition], int],
+        fatal: Callable[[BaseException], None],
+    ) -> None:
         self.settings = settings
         self.ledger, self.delivery, self.publisher = ledger, delivery, delivery.publisher
         self.metrics, self.limiter, self.cancels = metrics, limiter, cancels
@@ -58,9 +68,13 @@ class RequestTracker:
         req, tp, offset = adm.request, adm.tp, adm.offset
         if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
             return
-        rs = ReplyStream(req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream)
+        rs = ReplyStream(
+            req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream
+        )
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
-        job.log = log.bind(request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset)
+        job.log = log.bind(
+            request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset
+        )
         self.ledger.add(job)
         self._num_waiting += 1
         self.engine_loop.add_request(adm.engine_request(rs.attempt))
@@ -77,8 +91,11 @@ class RequestTracker:
     def cancel(self, request_id: str, tenant: str | None = None) -> None:
         """Abort the request wherever it is here; `tenant` limits it to that tenant's requests."""
         self.cancels.add(cancel_key(request_id, tenant))  # the request may not have been read yet
-        attempts = [a for a in self.ledger.attempts(request_id)
-                    if tenant is None or self._tenant_of_attempt(a) == tenant]
+        attempts = [
+            a
+            for a in self.ledger.attempts(request_id)
+            if tenant is None or self._tenant_of_attempt(a) == tenant
+        ]
         if attempts:
             log.info("request.cancel", request_id=request_id, attempts=len(attempts))
         self._abort(attempts, "cancelled")
@@ -110,7 +127,9 @@ class RequestTracker:
     def hand_back_all(self) -> None:
         """The engine died: hand each job back (`requeued`) for the partition's next owner."""
         for job in [j for j in self.jobs.values() if j.state != "finishing"]:
-            self._finish(job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued"))
+            self._finish(
+                job, RequestOutput(request_id=job.attempt, finished=True, finish_reason="requeued")
+            )
 
     async def drain(self, timeout: float) -> None:
         """Hand back what waits, let what runs finish (bounded), hand back the rest; wait for the
@@ -144,9 +163,13 @@ class RequestTracker:
     def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
         if job.first_token_at is None:
             job.first_token_at = now
-            self.metrics.ttft.labels(priority_label(job.request.priority)).observe(now - job.received)
+            self.metrics.ttft.labels(priority_label(job.request.priority)).observe(
+                now - job.received
+            )
         job.last_token_at = now
-        self.delivery.publisher.tokens(job.reply, out.new_token_ids, out.text_delta, out.logprobs, out.index)
+        self.delivery.publisher.tokens(
+            job.reply, out.new_token_ids, out.text_delta, out.logprobs, out.index
+        )
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         ran = job.state == "running"
@@ -156,22 +179,35 @@ class RequestTracker:
         reason = out.finish_reason or "error"
         if reason != "requeued" and self.delivery.stale(job):
             job.log.warning("request.finished_after_revocation", finish_reason=reason)
-            reason, out = "requeued", RequestOutput(request_id=out.request_id, finished=True, finish_reason="requeued")
+            reason, out = (
+                "requeued",
+                RequestOutput(request_id=out.request_id, finished=True, finish_reason="requeued"),
+            )
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
         self.delivery.finish(job, out, reason, error, ran)
-        self.limiter.refund(job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens)
+        self.limiter.refund(
+            job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens
+        )
         self._observe_finish(job, out, reason, error)
 
     def _observe_finish(self, job: Job, out: RequestOutput, reason: str, error) -> None:
         itl = None
         # Samples stream side by side: the gaps are those of the longest one.
-        num_tokens = max(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
+        num_tokens = (
+            max(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
+        )
         if num_tokens > 1 and job.first_token_at and job.last_token_at:
             itl = (job.last_token_at - job.first_token_at) / (num_tokens - 1)
-        self.metrics.observe_finish(reason, out.error_code, job.request.priority,
-                                    time.time() - job.received, itl)
-        job.log.info("request.done", finish_reason=reason, error=error and error[0],
-                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                     total_s=round(out.total_s, 3))
+        self.metrics.observe_finish(
+            reason, out.error_code, job.request.priority, time.time() - job.received, itl
+        )
+        job.log.info(
+            "request.done",
+            finish_reason=reason,
+            error=error and error[0],
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            total_s=round(out.total_s, 3),
+        )

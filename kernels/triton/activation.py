@@ -1,6 +1,7 @@
 """Triton kernel: SiLU-and-mul, x [rows, 2 * INTER] = [gate | up] -> silu(gate) * up [rows, INTER].
 design: docs/gpu.md#the-triton-kernels
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,9 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -23,13 +26,20 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
     # gate / (1 + e^-gate): -inf-safe at both ends (e^1000 = inf gives -0, e^-1000 = 0 gives gate)
     act = rounded(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, rounded(act * up, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + cols, rounded(act * up, out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def plan_silu_and_mul(rows: int, inter: int) -> LaunchPlan:
     block = min(BLOCK, triton.next_power_of_2(inter))
-    return LaunchPlan("_silu_and_mul_kernel", (rows, triton.cdiv(inter, block)), (("INTER", inter), ("BLOCK", block)),
-                      num_warps=4, num_stages=1)
+    return LaunchPlan(
+        "_silu_and_mul_kernel",
+        (rows, triton.cdiv(inter, block)),
+        (("INTER", inter), ("BLOCK", block)),
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

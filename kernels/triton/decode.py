@@ -11,7 +11,14 @@ import triton
 import triton.language as tl
 
 from inferline.kernels.triton.checks import check_cache, check_out, check_tables
-from inferline.kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
+from inferline.kernels.triton.launch import (
+    LaunchPlan,
+    Target,
+    dot_in_fp32,
+    dot_precision,
+    launch,
+    target_of,
+)
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
@@ -118,7 +125,9 @@ def _decode_stage2_kernel(
     total = tl.sum(weight * l_part, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
-        out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask
+        out_ptr + seq * stride_os + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
     )
 
 
@@ -130,9 +139,19 @@ class DecodePlan:
     split_len: int
 
 
-def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                max_blocks: int, dtype: torch.dtype, target: Target, *, num_splits: int | None = None,
-                block_n: int | None = None) -> DecodePlan:
+def plan_decode(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    dtype: torch.dtype,
+    target: Target,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> DecodePlan:
     """The launches for these shapes on `target` (pure: no tensors); num_splits and block_n
     override the heuristics."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -146,15 +165,40 @@ def plan_decode(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     num_splits, split_len = split_tokens(max_len, num_splits, block_n)
     group = num_heads // num_kv_heads
     # 8 warps for rows wider than 128: each thread's share of acc stays as at 128.
-    stage1 = LaunchPlan("_decode_stage1_kernel", (num_seqs, num_kv_heads, num_splits), (
-        ("NUM_HEADS", num_heads), ("GROUP", group), ("GROUP_P2", max(MIN_GROUP_ROWS, triton.next_power_of_2(group))),
-        ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2), ("BLOCK_SIZE", block_size), ("BLOCK_N", block_n),
-        ("DIRECT", num_splits == 1), ("DOT_F32", dot_in_fp32(dtype, target)), ("PRECISION", dot_precision(dtype)),
-    ), num_warps=4 if dim_p2 <= 128 else 8, num_stages=2)
-    stage2 = None if num_splits == 1 else LaunchPlan("_decode_stage2_kernel", (num_seqs, num_heads), (
-        ("NUM_HEADS", num_heads), ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2),
-        ("SPLITS_P2", triton.next_power_of_2(num_splits)),
-    ), num_warps=4, num_stages=1)
+    stage1 = LaunchPlan(
+        "_decode_stage1_kernel",
+        (num_seqs, num_kv_heads, num_splits),
+        (
+            ("NUM_HEADS", num_heads),
+            ("GROUP", group),
+            ("GROUP_P2", max(MIN_GROUP_ROWS, triton.next_power_of_2(group))),
+            ("HEAD_DIM", head_dim),
+            ("DIM_P2", dim_p2),
+            ("BLOCK_SIZE", block_size),
+            ("BLOCK_N", block_n),
+            ("DIRECT", num_splits == 1),
+            ("DOT_F32", dot_in_fp32(dtype, target)),
+            ("PRECISION", dot_precision(dtype)),
+        ),
+        num_warps=4 if dim_p2 <= 128 else 8,
+        num_stages=2,
+    )
+    stage2 = (
+        None
+        if num_splits == 1
+        else LaunchPlan(
+            "_decode_stage2_kernel",
+            (num_seqs, num_heads),
+            (
+                ("NUM_HEADS", num_heads),
+                ("HEAD_DIM", head_dim),
+                ("DIM_P2", dim_p2),
+                ("SPLITS_P2", triton.next_power_of_2(num_splits)),
+            ),
+            num_warps=4,
+            num_stages=1,
+        )
+    )
     return DecodePlan(stage1, stage2, num_splits, split_len)
 
 
@@ -171,8 +215,18 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) 
     return max(1, min(want, most))
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, *,
-                                  plan: DecodePlan | None = None, out=None, **overrides):
+def paged_decode_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    *,
+    plan: DecodePlan | None = None,
+    out=None,
+    **overrides,
+):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
     is written in place."""
     check_cache(k_cache, v_cache)
@@ -187,18 +241,35 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     if num_seqs == 0:
         return out
     if plan is None:
-        plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-                           q.dtype, target_of(q.device), **overrides)
-    assert plan.stage1.grid[:2] == (num_seqs, num_kv_heads), (plan.stage1.grid, q.shape, k_cache.shape)
+        plan = plan_decode(
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            q.dtype,
+            target_of(q.device),
+            **overrides,
+        )
+    assert plan.stage1.grid[:2] == (num_seqs, num_kv_heads), (
+        plan.stage1.grid,
+        q.shape,
+        k_cache.shape,
+    )
     launch_decode(plan, q, k_cache, v_cache, block_tables, context_lens, scale, out)
     return out
 
 
-def launch_decode(plan: DecodePlan, q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+def launch_decode(
+    plan: DecodePlan, q, k_cache, v_cache, block_tables, context_lens, scale, out
+) -> None:
     num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     direct = plan.stage2 is None
-    part_acc = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits, head_dim), **f32)
+    part_acc = torch.empty(
+        (0,) if direct else (num_seqs, num_heads, plan.num_splits, head_dim), **f32
+    )
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
     launch(
@@ -208,5 +279,16 @@ def launch_decode(plan: DecodePlan, q, k_cache, v_cache, block_tables, context_l
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     if not direct:
-        launch(_decode_stage2_kernel, plan.stage2, out, part_acc, part_m, part_l, context_lens, plan.split_len,
-               plan.num_splits, out.stride(0), out.stride(1))
+        launch(
+            _decode_stage2_kernel,
+            plan.stage2,
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            context_lens,
+            plan.split_len,
+            plan.num_splits,
+            out.stride(0),
+            out.stride(1),
+        )

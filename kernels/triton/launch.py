@@ -1,6 +1,7 @@
 """A Triton launch: a Target (a GPU, or the interpreter running an H200's plans) and a LaunchPlan
 from a pure function; every launcher goes through `launch`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,9 @@ def interpreting() -> bool:
 def target_of(device: torch.device) -> Target:
     """The CUDA GPU of `device`, or the interpreter for CPU tensors."""
     if device.type != "cuda":
-        assert interpreting(), "Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        assert interpreting(), (
+            "Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        )
         return INTERPRETER
     return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
 

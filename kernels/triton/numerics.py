@@ -1,6 +1,7 @@
 """Rounding the kernels share: `rounded(x, dtype)`, nearest even, done in the fp32 bits for bf16
 because the interpreter truncates. NaN stays NaN; past bf16's largest becomes inf.
 """
+
 from __future__ import annotations
 
 import triton

@@ -9,7 +9,14 @@ import triton
 import triton.language as tl
 
 from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
-from inferline.kernels.triton.launch import LaunchPlan, Target, dot_in_fp32, dot_precision, launch, target_of
+from inferline.kernels.triton.launch import (
+    LaunchPlan,
+    Target,
+    dot_in_fp32,
+    dot_precision,
+    launch,
+    target_of,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -46,8 +53,10 @@ def _attend_tile(
 
 
 # Per-step values are not specialized: one binary per plan.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"],
+)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_seqs,
@@ -78,7 +87,9 @@ def _prefill_kernel(
         q_pos = context_len - q_len + rows
         dims = tl.arange(0, DIM_P2)
         dim_mask = dims < HEAD_DIM
-        q_off = (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        q_off = (
+            (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        )
         io_mask = row_mask[:, None] & dim_mask[None, :]
         q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0).to(tl.float32) * qk_scale
         if not DOT_F32:
@@ -102,13 +113,25 @@ def _prefill_kernel(
                 dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
             )  # fmt: skip
         out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
-        out_off = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        out_off = (
+            (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        )
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def plan_prefill(total_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, target: Target, *, block_m: int | None = None,
-                 block_n: int | None = None) -> LaunchPlan:
+def plan_prefill(
+    total_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    target: Target,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> LaunchPlan:
     """The launch for these shapes on `target` (pure: no tensors); block_m and block_n override
     the tile sizes."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -116,11 +139,22 @@ def plan_prefill(total_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     tile_m, tile_n, num_warps = prefill_tiles(dim_p2, target)
     block_m, block_n = block_m or tile_m, block_n or tile_n
     assert block_m >= 16 and block_n >= 16, (block_m, block_n)
-    return LaunchPlan("_prefill_kernel", (total_tokens // block_m + num_seqs, num_heads), (
-        ("GROUP", num_heads // num_kv_heads), ("HEAD_DIM", head_dim), ("DIM_P2", dim_p2),
-        ("BLOCK_SIZE", block_size), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
-        ("DOT_F32", dot_in_fp32(dtype, target)), ("PRECISION", dot_precision(dtype)),
-    ), num_warps=num_warps, num_stages=2)
+    return LaunchPlan(
+        "_prefill_kernel",
+        (total_tokens // block_m + num_seqs, num_heads),
+        (
+            ("GROUP", num_heads // num_kv_heads),
+            ("HEAD_DIM", head_dim),
+            ("DIM_P2", dim_p2),
+            ("BLOCK_SIZE", block_size),
+            ("BLOCK_M", block_m),
+            ("BLOCK_N", block_n),
+            ("DOT_F32", dot_in_fp32(dtype, target)),
+            ("PRECISION", dot_precision(dtype)),
+        ),
+        num_warps=num_warps,
+        num_stages=2,
+    )
 
 
 def prefill_tiles(dim_p2: int, target: Target) -> tuple[int, int, int]:
@@ -134,8 +168,19 @@ def prefill_tiles(dim_p2: int, target: Target) -> tuple[int, int, int]:
     return 64, 32, 8  # 256-wide rows: a narrow key tile leaves room for 64 query rows
 
 
-def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
-                                   plan: LaunchPlan | None = None, out=None, **overrides):
+def paged_prefill_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale,
+    *,
+    plan: LaunchPlan | None = None,
+    out=None,
+    **overrides,
+):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
     is written in place."""
     check_cache(k_cache, v_cache)
@@ -154,16 +199,30 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     check_tables(block_tables, context_lens, num_seqs, k_cache)
     if check_ranges(q) and num_seqs:
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == total, "cu_seqlens_q must span q"
+        assert int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == total, (
+            "cu_seqlens_q must span q"
+        )
         assert int(q_lens.min()) >= 0, "cu_seqlens_q must be non-decreasing"
         assert bool((q_lens <= context_lens.long()).all()), "q_len > context_len"
     out = check_out(out, q)
     if total == 0 or num_seqs == 0:
         return out
     if plan is None:
-        plan = plan_prefill(total, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype,
-                            target_of(q.device), **overrides)
-    assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (plan.grid, q.shape)
+        plan = plan_prefill(
+            total,
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            q.dtype,
+            target_of(q.device),
+            **overrides,
+        )
+    assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (
+        plan.grid,
+        q.shape,
+    )
     launch(
         _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, num_seqs,

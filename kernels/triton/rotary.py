@@ -1,6 +1,7 @@
 """Triton kernel: the rotary embedding fused with the K/V store (rope_store_kv), one read of qkv
 and one write of each result. design: docs/gpu.md#the-triton-kernels
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,12 @@ def _rope_store_kv_kernel(
     is_v = heads >= ROTATED
     kv_head = tl.where(is_v, heads - ROTATED, heads - NUM_HEADS)
     kv_mask = mask & (heads[:, None] >= NUM_HEADS) & (dims[None, :] < half_limit)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head[:, None] * stride_ch + dims[None, :]
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + kv_head[:, None] * stride_ch
+        + dims[None, :]
+    )
     k_mask = kv_mask & ~is_v[:, None]
     v_mask = kv_mask & is_v[:, None]
     tl.store(k_cache_ptr + dst, y1, mask=k_mask)
@@ -56,30 +62,56 @@ def _rope_store_kv_kernel(
     tl.store(v_cache_ptr + dst + HALF, y2, mask=v_mask)
 
 
-def plan_rope_store_kv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                       block_size: int) -> LaunchPlan:
+def plan_rope_store_kv(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> LaunchPlan:
     half_p2 = triton.next_power_of_2(head_dim // 2)
-    heads_block = min(max(1, HALF_TILE // half_p2), triton.next_power_of_2(num_heads + 2 * num_kv_heads))
-    return LaunchPlan("_rope_store_kv_kernel", (num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, heads_block)), (
-        ("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads), ("HEAD_DIM", head_dim), ("HALF_P2", half_p2),
-        ("HEADS_BLOCK", heads_block), ("BLOCK_SIZE", block_size),
-    ), num_warps=4, num_stages=1)
+    heads_block = min(
+        max(1, HALF_TILE // half_p2), triton.next_power_of_2(num_heads + 2 * num_kv_heads)
+    )
+    return LaunchPlan(
+        "_rope_store_kv_kernel",
+        (num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, heads_block)),
+        (
+            ("NUM_HEADS", num_heads),
+            ("NUM_KV_HEADS", num_kv_heads),
+            ("HEAD_DIM", head_dim),
+            ("HALF_P2", half_p2),
+            ("HEADS_BLOCK", heads_block),
+            ("BLOCK_SIZE", block_size),
+        ),
+        num_warps=4,
+        num_stages=1,
+    )
 
 
-def rope_store_kv_triton(qkv, num_heads: int, num_kv_heads: int, cos, sin, k_cache, v_cache,
-                         slot_mapping) -> torch.Tensor:
+def rope_store_kv_triton(
+    qkv, num_heads: int, num_kv_heads: int, cos, sin, k_cache, v_cache, slot_mapping
+) -> torch.Tensor:
     """Rotates q in place in qkv and returns it as a view [num_tokens, num_heads, head_dim]; k
     (rotated) and v go to the caches at slot_mapping."""
     check_cache(k_cache, v_cache)
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     assert k_cache.shape[2] == num_kv_heads and head_dim % 2 == 0, (k_cache.shape, num_kv_heads)
-    assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, (
-        qkv.shape, num_heads, num_kv_heads, head_dim)
+    assert (
+        qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    ), (qkv.shape, num_heads, num_kv_heads, head_dim)
     assert qkv.dtype == k_cache.dtype and qkv.device == k_cache.device, (qkv.dtype, k_cache.dtype)
     # [tokens, 1, head_dim] or [tokens, head_dim]: rows of head_dim, packed
-    assert cos.shape[0] == sin.shape[0] == tokens and cos.shape[-1] == sin.shape[-1] == head_dim, (cos.shape, sin.shape)
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.device == qkv.device, "cos/sin rows must be packed"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous()
+    assert cos.shape[0] == sin.shape[0] == tokens and cos.shape[-1] == sin.shape[-1] == head_dim, (
+        cos.shape,
+        sin.shape,
+    )
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.device == qkv.device, (
+        "cos/sin rows must be packed"
+    )
+    assert (
+        slot_mapping.dtype == torch.int64
+        and slot_mapping.shape == (tokens,)
+        and slot_mapping.is_contiguous()
+    )
     assert slot_mapping.device == qkv.device
     q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     if tokens == 0:
@@ -87,6 +119,19 @@ def rope_store_kv_triton(qkv, num_heads: int, num_kv_heads: int, cos, sin, k_cac
     if check_ranges(k_cache):
         assert int(slot_mapping.max()) < k_cache.shape[0] * k_cache.shape[1], "slot out of range"
     plan = plan_rope_store_kv(tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1])
-    launch(_rope_store_kv_kernel, plan, qkv, cos, sin, slot_mapping, k_cache, v_cache,
-           qkv.stride(0), head_dim, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    launch(
+        _rope_store_kv_kernel,
+        plan,
+        qkv,
+        cos,
+        sin,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        qkv.stride(0),
+        head_dim,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+    )
     return q

@@ -38,8 +38,14 @@ def _store_kv_kernel(
 def store_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     check_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (k.shape, v.shape, k_cache.shape)
-    assert k.dtype == v.dtype == k_cache.dtype, f"K/V dtype {k.dtype} must match the cache's {k_cache.dtype}"
+    assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (
+        k.shape,
+        v.shape,
+        k_cache.shape,
+    )
+    assert k.dtype == v.dtype == k_cache.dtype, (
+        f"K/V dtype {k.dtype} must match the cache's {k_cache.dtype}"
+    )
     assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous in k and v"
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,), (
         slot_mapping.dtype,
@@ -60,7 +66,16 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def plan_store(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> LaunchPlan:
     """One program per token; the same on every target."""
-    return LaunchPlan("_store_kv_kernel", (num_tokens,), (
-        ("NUM_KV_HEADS", num_kv_heads), ("HEAD_DIM", head_dim), ("HEADS_P2", triton.next_power_of_2(num_kv_heads)),
-        ("DIM_P2", triton.next_power_of_2(head_dim)), ("BLOCK_SIZE", block_size),
-    ), num_warps=4, num_stages=1)
+    return LaunchPlan(
+        "_store_kv_kernel",
+        (num_tokens,),
+        (
+            ("NUM_KV_HEADS", num_kv_heads),
+            ("HEAD_DIM", head_dim),
+            ("HEADS_P2", triton.next_power_of_2(num_kv_heads)),
+            ("DIM_P2", triton.next_power_of_2(head_dim)),
+            ("BLOCK_SIZE", block_size),
+        ),
+        num_warps=4,
+        num_stages=1,
+    )

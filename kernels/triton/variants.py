@@ -1,5 +1,6 @@
 """Which compiled binary a launch runs: its constexprs, options and the JIT's specialization of
 every other argument."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ def exemptions(kernel) -> tuple[frozenset, frozenset]:
     interpreter's InterpretedFunction."""
     options = getattr(kernel, "kwargs", None) or {}
     names = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ()
-    unaligned = (getattr(kernel, "do_not_specialize_on_alignment", None)
-                 or options.get("do_not_specialize_on_alignment") or ())
+    unaligned = (
+        getattr(kernel, "do_not_specialize_on_alignment", None)
+        or options.get("do_not_specialize_on_alignment")
+        or ()
+    )
     return frozenset(names), frozenset(unaligned)
 
 
@@ -37,6 +41,15 @@ def variant_of(kernel, plan: LaunchPlan, args: tuple) -> Variant:
     exempt, unaligned = exemptions(kernel)
     specs = []
     for name, value in zip(names, args):
-        type_, attr = native_specialize_impl(BaseBackend, value, False, name not in exempt, name not in unaligned)[:2]
-        specs.append((name, f"constexpr={attr}" if type_ == "constexpr" else type_ + (":16" if attr == "D" else "")))
+        type_, attr = native_specialize_impl(
+            BaseBackend, value, False, name not in exempt, name not in unaligned
+        )[:2]
+        specs.append(
+            (
+                name,
+                f"constexpr={attr}"
+                if type_ == "constexpr"
+                else type_ + (":16" if attr == "D" else ""),
+            )
+        )
     return Variant(plan.kernel, plan.constexprs, plan.num_warps, plan.num_stages, tuple(specs))

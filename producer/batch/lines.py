@@ -1,6 +1,7 @@
 """OpenAI's batch format, line by line: input lines checked into BatchLines, each line's request
 id, and output lines (formats: docs/batch.md#input and docs/batch.md#output).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,7 +53,11 @@ class BatchLine:
 
 def parse_lines(text: str, *, priority: int = BATCH_PRIORITY) -> list[BatchLine]:
     """Every non-blank line of a batch input file, checked; raises DuplicateCustomIds."""
-    lines = [parse_line(n, raw, priority=priority) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+    lines = [
+        parse_line(n, raw, priority=priority)
+        for n, raw in enumerate(text.splitlines(), 1)
+        if raw.strip()
+    ]
     check_unique(lines)
     return lines
 
@@ -62,7 +67,9 @@ def check_unique(lines: list[BatchLine]) -> None:
     dups = [cid for cid, k in counts.items() if k > 1]
     if dups:
         where = {cid: [ln.lineno for ln in lines if ln.custom_id == cid] for cid in dups[:5]}
-        shown = "; ".join(f"{cid!r} on lines {', '.join(map(str, ns))}" for cid, ns in where.items())
+        shown = "; ".join(
+            f"{cid!r} on lines {', '.join(map(str, ns))}" for cid, ns in where.items()
+        )
         more = f" (and {len(dups) - 5} more)" if len(dups) > 5 else ""
         raise DuplicateCustomIds(f"duplicate custom_id: {shown}{more}; each line needs its own")
 
@@ -117,7 +124,11 @@ def _map_body(line: BatchLine, body: dict, priority: int) -> None:
     except ValidationError as exc:
         raise from_validation(exc, mapped.rename) from None
     model = body.get("model")
-    line.fields, line.logprobs, line.model = fields, mapped.logprobs, model if isinstance(model, str) else None
+    line.fields, line.logprobs, line.model = (
+        fields,
+        mapped.logprobs,
+        model if isinstance(model, str) else None,
+    )
 
 
 def _located(exc: OpenAIError) -> str:
@@ -133,7 +144,9 @@ def _bad(line: BatchLine, problem: str) -> BatchLine:
 
 
 def _digest(custom_id: str, url: str, body: dict) -> str:
-    canonical = json.dumps([custom_id, url, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(
+        [custom_id, url, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
@@ -153,14 +166,22 @@ def _line_id(line: BatchLine) -> str:
 
 def response_line(line: BatchLine, request_id: str, status: int, body: dict) -> dict:
     """The output line of an answered (``status`` 200) or refused line."""
-    return {"id": _line_id(line), "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": _line_id(line),
+        "custom_id": line.custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
 def error_line(line: BatchLine, code: str, message: str) -> dict:
     """The output line of a line that got no response."""
-    return {"id": _line_id(line), "custom_id": line.custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+    return {
+        "id": _line_id(line),
+        "custom_id": line.custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def line_key(out: dict) -> str | None:

@@ -2,6 +2,7 @@
 concurrency, retry shed load, hand each finished line to a sink.
 design: docs/batch.md#resume-and-exactly-once
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from inferline.config.settings import KafkaSettings
 from inferline.contract.schema import DoneEvent, Request, UndecodableMessage, decode_event
 from inferline.producer.batch.lines import BatchLine, error_line, request_id, response_line
-from inferline.producer.client import ClientTimeout, InferenceClient, Overloaded, RateLimited, RequestHandle
+from inferline.producer.client import (
+    ClientTimeout,
+    InferenceClient,
+    Overloaded,
+    RateLimited,
+    RequestHandle,
+)
 from inferline.producer.gateway.errors import from_inference
 from inferline.producer.gateway.openai_responses import Shape
 from inferline.producer.gateway.service import logprobs_by_sample
@@ -49,14 +56,30 @@ class BatchRunner:
     """Runs ``lines`` (those without output yet) on ``client``, whose reply topic is the batch's.
     ``sent``: ids an earlier run sent; ``on_sent`` hears each id this run sends."""
 
-    def __init__(self, client: InferenceClient, batch_id: str, lines: Iterable[BatchLine], sink: Sink, *,
-                 max_in_flight: int = 64, sent: Iterable[str] = (), on_sent: Callable[[str], None] | None = None,
-                 model: str = "inferline", timeout_s: float | None = None, retry_after_s: int = 1,
-                 extra_fields: dict | None = None, collect_only: bool = False):
+    def __init__(
+        self,
+        client: InferenceClient,
+        batch_id: str,
+        lines: Iterable[BatchLine],
+        sink: Sink,
+        *,
+        max_in_flight: int = 64,
+        sent: Iterable[str] = (),
+        on_sent: Callable[[str], None] | None = None,
+        model: str = "inferline",
+        timeout_s: float | None = None,
+        retry_after_s: int = 1,
+        extra_fields: dict | None = None,
+        collect_only: bool = False,
+    ):
         assert max_in_flight >= 1
         self.client, self.batch_id, self.sink = client, batch_id, sink
         self.lines = list(lines)
-        self.max_in_flight, self.sent, self.on_sent = max_in_flight, set(sent), on_sent or (lambda _id: None)
+        self.max_in_flight, self.sent, self.on_sent = (
+            max_in_flight,
+            set(sent),
+            on_sent or (lambda _id: None),
+        )
         self.model, self.timeout_s, self.retry_after_s = model, timeout_s, retry_after_s
         self.extra_fields = extra_fields or {}
         self.collect_only = collect_only  # write what earlier runs got back, send nothing
@@ -78,7 +101,9 @@ class BatchRunner:
         # Followed before the history is read: an answer landing meanwhile reaches one of them.
         followed = {rid: self.client.follow(self._requests[rid]) for rid in ids if rid in self.sent}
         parts = await self.client.partitions_of(self.client.reply_topic)
-        history = await read_history(self.client.kafka, self.client.reply_topic, parts or [], set(ids))
+        history = await read_history(
+            self.client.kafka, self.client.reply_topic, parts or [], set(ids)
+        )
         work: deque[tuple[BatchLine, RequestHandle | None]] = deque()
         for rid, line in ids.items():
             found = self._from_history(rid, history.get(rid, []))
@@ -92,8 +117,14 @@ class BatchRunner:
                 self.progress.found += 1
                 self._finish(line, found, count_tokens=False)
         self.progress.followed = sum(1 for _, h in work if h is not None)
-        log.info("batch run", batch_id=self.batch_id, lines=len(self.lines), found=self.progress.found,
-                 followed=self.progress.followed, to_send=len(work) - self.progress.followed)
+        log.info(
+            "batch run",
+            batch_id=self.batch_id,
+            lines=len(self.lines),
+            found=self.progress.found,
+            followed=self.progress.followed,
+            to_send=len(work) - self.progress.followed,
+        )
         if self.collect_only:
             return self.progress
         async with asyncio.TaskGroup() as group:  # one failing (the broker is gone) stops them all
@@ -112,14 +143,18 @@ class BatchRunner:
             if handle is None:
                 handle = await self._send(rid, line)
             await handle.wait()
-            again = isinstance(handle.failure, RETRIED) or (isinstance(handle.failure, ClientTimeout) and rid in self.sent)
+            again = isinstance(handle.failure, RETRIED) or (
+                isinstance(handle.failure, ClientTimeout) and rid in self.sent
+            )
             if not again or attempt == MAX_RETRIES:
                 break
             # Shed load, or an earlier send that never came back: send it (again), later.
             self.progress.retries += 1
             self.sent.discard(rid)
             handle = None
-            await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** attempt) * random.uniform(0.5, 1.0))
+            await asyncio.sleep(
+                min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
+            )
         self._finish(line, handle)
 
     async def _send(self, rid: str, line: BatchLine) -> RequestHandle:
@@ -159,15 +194,21 @@ class BatchRunner:
         """The output line of a finished request, and its completion tokens."""
         rid, failure = handle.id, handle.failure
         if isinstance(failure, ClientTimeout):
-            return error_line(line, "expired", f"line {line.lineno}: no answer came in time ({failure.message})"), 0
+            return error_line(
+                line, "expired", f"line {line.lineno}: no answer came in time ({failure.message})"
+            ), 0
         if failure is not None:
             err = from_inference(failure, self.retry_after_s, "messages" if line.chat else "prompt")
             return response_line(line, rid, err.status, err.body()), 0
         result = handle.partial_result()
         shape = Shape(line.chat, rid, line.model or self.model)
         by_sample = logprobs_by_sample(handle) if line.logprobs else None
-        body = shape.whole(result.text, result.finish_reason, result.usage, result.samples, by_sample)
-        return response_line(line, rid, 200, body), result.usage.completion_tokens if result.usage else 0
+        body = shape.whole(
+            result.text, result.finish_reason, result.usage, result.samples, by_sample
+        )
+        return response_line(
+            line, rid, 200, body
+        ), result.usage.completion_tokens if result.usage else 0
 
     def _write(self, line: BatchLine, out: dict, tokens: int) -> None:
         ok = out["error"] is None and out["response"]["status_code"] == 200
@@ -189,13 +230,20 @@ def _best_attempt(events: list[Event]) -> str | None:
     return chosen.attempt if chosen is not None else None
 
 
-async def read_history(kafka: KafkaSettings, topic: str, partitions: list[int], ids: set[str]) -> dict[str, list[Event]]:
+async def read_history(
+    kafka: KafkaSettings, topic: str, partitions: list[int], ids: set[str]
+) -> dict[str, list[Event]]:
     """Every event for ``ids`` on ``topic`` up to its end now (read_committed), by request id."""
     out: dict[str, list[Event]] = {}
     if not partitions:
         return out
-    consumer = AIOKafkaConsumer(**kafka.connection_options(), client_id=f"{kafka.client_id}-batch-history",
-                                group_id=None, enable_auto_commit=False, isolation_level="read_committed")
+    consumer = AIOKafkaConsumer(
+        **kafka.connection_options(),
+        client_id=f"{kafka.client_id}-batch-history",
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in partitions]

@@ -1,4 +1,5 @@
 """The gateway's ASGI app: OpenAI's routes plus /healthz, /readyz and /metrics."""
+
 from __future__ import annotations
 
 import time
@@ -61,7 +62,12 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             gateway.keys.tenant_of(request.headers.get("authorization"))
         except OpenAIError as exc:
             return exc.response()
-        model = {"id": gateway.model, "object": "model", "created": created, "owned_by": "inferline"}
+        model = {
+            "id": gateway.model,
+            "object": "model",
+            "created": created,
+            "owned_by": "inferline",
+        }
         return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/healthz")
@@ -72,7 +78,10 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/readyz")
     async def readyz() -> Response:
         ready = gateway.pool.started
-        return JSONResponse({"ready": ready, "in_flight": len(gateway.pool.in_flight)}, status_code=200 if ready else 503)
+        return JSONResponse(
+            {"ready": ready, "in_flight": len(gateway.pool.in_flight)},
+            status_code=200 if ready else 503,
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -86,8 +95,13 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
         try:
             tenant = gateway.keys.tenant_of(request.headers.get("authorization"))
             if not batches.available:
-                raise OpenAIError(503, "the Batch API is unavailable: its Kafka topics could not be set up "
-                                  "(see the gateway's log)", type="server_error", code="unavailable")
+                raise OpenAIError(
+                    503,
+                    "the Batch API is unavailable: its Kafka topics could not be set up "
+                    "(see the gateway's log)",
+                    type="server_error",
+                    code="unavailable",
+                )
             result = await work(tenant)
         except OpenAIError as exc:
             return exc.response()
@@ -96,8 +110,11 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
     @app.post("/v1/files")
     async def upload(request: Request) -> Response:
         async def work(tenant):
-            data, filename, purpose = parse_upload(request.headers.get("content-type", ""), await request.body())
+            data, filename, purpose = parse_upload(
+                request.headers.get("content-type", ""), await request.body()
+            )
             return await batches.files.put(data, filename, purpose, tenant)
+
         return await answer(request, work)
 
     @app.get("/v1/files/{file_id}")
@@ -107,7 +124,10 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
         async def work(tenant):
-            return Response(await batches.files.content(file_id, tenant), media_type="application/octet-stream")
+            return Response(
+                await batches.files.content(file_id, tenant), media_type="application/octet-stream"
+            )
+
         return await answer(request, work)
 
     @app.delete("/v1/files/{file_id}")
@@ -116,17 +136,22 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
-        return await answer(request, lambda tenant: _then(json_object(request), lambda b: batches.create(tenant, b)))
+        return await answer(
+            request, lambda tenant: _then(json_object(request), lambda b: batches.create(tenant, b))
+        )
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Response:
         async def work(tenant):
             return batches.public(await batches.record(batch_id, tenant))
+
         return await answer(request, work)
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
-        return await answer(request, lambda tenant: _now(batches.list(tenant, max(1, min(limit, 100)), after)))
+        return await answer(
+            request, lambda tenant: _now(batches.list(tenant, max(1, min(limit, 100)), after))
+        )
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:

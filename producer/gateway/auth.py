@@ -1,5 +1,6 @@
 """API keys -> tenants, from INFERLINE_GATEWAY__API_KEYS and INFERLINE_GATEWAY__API_KEYS_FILE; with
 none configured, no key is asked for."""
+
 from __future__ import annotations
 
 import hmac
@@ -21,11 +22,19 @@ def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dic
         if topic_tenancy:
             problem = tenant_problem(tenant, kafka if kafka is not None else KafkaSettings())
         else:
-            problem = None if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant) else f"must match {TENANT_PATTERN}"
+            problem = (
+                None
+                if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant)
+                else f"must match {TENANT_PATTERN}"
+            )
         if problem:
-            raise SystemExit(f"invalid setting INFERLINE_GATEWAY__API_KEYS: tenant {tenant!r} {problem}")
+            raise SystemExit(
+                f"invalid setting INFERLINE_GATEWAY__API_KEYS: tenant {tenant!r} {problem}"
+            )
     if topic_tenancy and not keys:
-        raise SystemExit("INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: keys name the tenants")
+        raise SystemExit(
+            "INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: keys name the tenants"
+        )
     return keys
 
 
@@ -47,7 +56,9 @@ class ApiKeys:
             return None
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise OpenAIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         key = key.strip()
         # Compare with every key in constant time: no hint of how much of a key matched.
         found = [t for k, t in self._keys.items() if hmac.compare_digest(k.encode(), key.encode())]

@@ -1,6 +1,7 @@
 """OpenAI's Batch API in the gateway (`/v1/batches`): each batch's state in a compacted topic, run
 by one instance at a time under a lease. design: docs/batch.md#the-batch-api-in-the-gateway
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,14 @@ import structlog
 from aiokafka.admin import AIOKafkaAdminClient
 
 from inferline.config.settings import Settings
-from inferline.producer.batch.lines import BATCH_PRIORITY, URLS, DuplicateCustomIds, error_line, failed, parse_lines
+from inferline.producer.batch.lines import (
+    BATCH_PRIORITY,
+    URLS,
+    DuplicateCustomIds,
+    error_line,
+    failed,
+    parse_lines,
+)
 from inferline.producer.batch.runner import BatchRunner
 from inferline.producer.client import InferenceClient
 from inferline.producer.gateway.errors import OpenAIError, bad_request
@@ -58,7 +66,11 @@ class BatchService:
             await self.files.table.start()
             await self.table.start()
         except Exception as exc:
-            log.warning("batch api unavailable", error=repr(exc), topics=[self.files.table.topic, self.table.topic])
+            log.warning(
+                "batch api unavailable",
+                error=repr(exc),
+                topics=[self.files.table.topic, self.table.topic],
+            )
             await self.table.close()
             await self.files.table.close()
             return
@@ -88,7 +100,11 @@ class BatchService:
 
     async def create(self, tenant: str | None, body: dict) -> dict:
         """POST /v1/batches."""
-        file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+        file_id, endpoint, window = (
+            body.get("input_file_id"),
+            body.get("endpoint"),
+            body.get("completion_window"),
+        )
         if not isinstance(file_id, str):
             raise bad_request("input_file_id", "input_file_id: required")
         try:
@@ -100,18 +116,36 @@ class BatchService:
         if endpoint not in URLS:
             raise bad_request("endpoint", f"endpoint: must be one of {', '.join(URLS)}")
         if window not in WINDOWS:
-            raise bad_request("completion_window", f"completion_window: must be one of {', '.join(WINDOWS)}")
+            raise bad_request(
+                "completion_window", f"completion_window: must be one of {', '.join(WINDOWS)}"
+            )
         metadata = body.get("metadata")
         if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16):
             raise bad_request("metadata", "metadata: at most 16 string pairs")
         now = int(time.time())
-        rec = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
-               "input_file_id": file_id, "completion_window": window, "status": "validating",
-               "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-               "expires_at": now + WINDOWS[window], "finalizing_at": None, "completed_at": None, "failed_at": None,
-               "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-               "tenant": tenant}
+        rec = {
+            "id": f"batch_{uuid.uuid4().hex}",
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": file_id,
+            "completion_window": window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + WINDOWS[window],
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+            "tenant": tenant,
+        }
         await self._save(rec)
         self._launch(rec)
         return self.public(rec)
@@ -120,7 +154,9 @@ class BatchService:
         """POST /v1/batches/{id}/cancel: the owner (this instance or another) stops it."""
         rec = await self.record(batch_id, tenant)
         if rec["status"] in TERMINAL:
-            raise OpenAIError(409, f"cannot cancel a batch with status {rec['status']}", code="conflict")
+            raise OpenAIError(
+                409, f"cannot cancel a batch with status {rec['status']}", code="conflict"
+            )
         if rec["status"] != "cancelling":
             # In place when this instance runs it: every save writes the dict its run updates.
             rec.update(status="cancelling", cancelling_at=int(time.time()))
@@ -134,27 +170,42 @@ class BatchService:
         recs = [json.loads(raw) for raw in list(self.table.data.values())]
         for rec in (self.live.get(r["id"], r) for r in recs):
             if rec.get("input_file_id") == file_id and rec["status"] not in TERMINAL:
-                raise OpenAIError(409, f"file {file_id} is the input of batch {rec['id']}, which is "
-                                  f"{rec['status']}: cancel it or wait for it to end", param="file_id",
-                                  code="file_in_use")
+                raise OpenAIError(
+                    409,
+                    f"file {file_id} is the input of batch {rec['id']}, which is "
+                    f"{rec['status']}: cancel it or wait for it to end",
+                    param="file_id",
+                    code="file_in_use",
+                )
         return await self.files.delete(file_id, tenant)
 
     def list(self, tenant: str | None, limit: int = 20, after: str | None = None) -> dict:
         recs = [json.loads(v) for v in self.table.data.values()]
-        mine = sorted((self.live.get(r["id"], r) for r in recs if r.get("tenant") == tenant),
-                      key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        mine = sorted(
+            (self.live.get(r["id"], r) for r in recs if r.get("tenant") == tenant),
+            key=lambda r: (r["created_at"], r["id"]),
+            reverse=True,
+        )
         if after is not None:
             ids = [r["id"] for r in mine]
-            mine = mine[ids.index(after) + 1:] if after in ids else []
+            mine = mine[ids.index(after) + 1 :] if after in ids else []
         page = [self.public(r) for r in mine[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(mine) > limit}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(mine) > limit,
+        }
 
     # --- state ------------------------------------------------------------------------------
 
     async def _save(self, rec: dict, heartbeat: bool = True) -> None:
-        stored = {**rec, "owner": self.instance if heartbeat else rec.get("owner"),
-                  "heartbeat": time.time() if heartbeat else rec.get("heartbeat", 0)}
+        stored = {
+            **rec,
+            "owner": self.instance if heartbeat else rec.get("owner"),
+            "heartbeat": time.time() if heartbeat else rec.get("heartbeat", 0),
+        }
         await self.table.put(rec["id"], json.dumps(stored).encode())
 
     async def _update(self, rec: dict, **changes: Any) -> None:
@@ -191,8 +242,13 @@ class BatchService:
     async def _adopt(self) -> None:
         now = time.time()
         stale = [json.loads(v) for v in self.table.data.values()]
-        stale = [r for r in stale if r.get("status") not in TERMINAL and r["id"] not in self.running
-                 and now - r.get("heartbeat", 0) > LEASE_S]
+        stale = [
+            r
+            for r in stale
+            if r.get("status") not in TERMINAL
+            and r["id"] not in self.running
+            and now - r.get("heartbeat", 0) > LEASE_S
+        ]
         for rec in stale:
             await self._save(rec)
         if not stale:
@@ -232,14 +288,19 @@ class BatchService:
             await self._fail(rec, "internal", f"the gateway could not run the batch: {exc!r}"[:500])
 
     async def _fail(self, rec: dict, code: str, message: str) -> None:
-        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+        errors = {
+            "object": "list",
+            "data": [{"code": code, "message": message, "param": None, "line": None}],
+        }
         await self._update(rec, status="failed", failed_at=int(time.time()), errors=errors)
 
     async def _execute(self, rec: dict) -> None:
         batch_id, tenant = rec["id"], rec["tenant"]
         try:
-            lines = parse_lines((await self.files.content(rec["input_file_id"], tenant)).decode("utf-8"),
-                                priority=BATCH_PRIORITY)
+            lines = parse_lines(
+                (await self.files.content(rec["input_file_id"], tenant)).decode("utf-8"),
+                priority=BATCH_PRIORITY,
+            )
         except (UnicodeDecodeError, DuplicateCustomIds, OpenAIError) as exc:
             code = "duplicate_custom_id" if isinstance(exc, DuplicateCustomIds) else "invalid_file"
             return await self._fail(rec, code, str(exc))
@@ -247,10 +308,14 @@ class BatchService:
             return await self._fail(rec, "empty_file", "the input file has no lines")
         for line in lines:
             if line.error is None and line.url != rec["endpoint"]:
-                line.error = f"line {line.lineno}: url: must be the batch's endpoint {rec['endpoint']}"
+                line.error = (
+                    f"line {line.lineno}: url: must be the batch's endpoint {rec['endpoint']}"
+                )
         counts = {"total": len(lines), "completed": 0, "failed": 0}
         if rec["status"] == "validating":
-            await self._update(rec, status="in_progress", in_progress_at=int(time.time()), request_counts=counts)
+            await self._update(
+                rec, status="in_progress", in_progress_at=int(time.time()), request_counts=counts
+            )
         rec["request_counts"] = counts
         results: list[dict] = []
 
@@ -260,14 +325,23 @@ class BatchService:
 
         client = self._client(batch_id, tenant)
         async with client:
-            runner = BatchRunner(client, batch_id, lines, sink, max_in_flight=MAX_IN_FLIGHT, model=self.model,
-                                 timeout_s=self.settings.gateway.request_timeout_s,
-                                 retry_after_s=self.settings.gateway.retry_after_s,
-                                 extra_fields={"tenant": tenant} if tenant else None,
-                                 collect_only=self._cancels[batch_id].is_set())
+            runner = BatchRunner(
+                client,
+                batch_id,
+                lines,
+                sink,
+                max_in_flight=MAX_IN_FLIGHT,
+                model=self.model,
+                timeout_s=self.settings.gateway.request_timeout_s,
+                retry_after_s=self.settings.gateway.retry_after_s,
+                extra_fields={"tenant": tenant} if tenant else None,
+                collect_only=self._cancels[batch_id].is_set(),
+            )
             outcome = await self._until_done(runner, rec)
             if outcome != "completed":  # what still runs is not wanted any more
-                await asyncio.gather(*(client.cancel(rid) for rid in runner.unanswered()), return_exceptions=True)
+                await asyncio.gather(
+                    *(client.cancel(rid) for rid in runner.unanswered()), return_exceptions=True
+                )
         await self._finalize(rec, lines, results, runner.written, outcome)
         await self._drop_topic(client.reply_topic)
 
@@ -286,19 +360,38 @@ class BatchService:
                 task.cancel()
             await asyncio.gather(run, stop, return_exceptions=True)
 
-    async def _finalize(self, rec: dict, lines, results: list[dict], written: set[str], outcome: str) -> None:
+    async def _finalize(
+        self, rec: dict, lines, results: list[dict], written: set[str], outcome: str
+    ) -> None:
         await self._update(rec, status="finalizing", finalizing_at=int(time.time()))
         code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(outcome)
-        missing = [error_line(ln, code, f"line {ln.lineno}: the batch was {outcome} before this line was answered")
-                   for ln in lines if ln.key not in written] if code else []
+        missing = (
+            [
+                error_line(
+                    ln,
+                    code,
+                    f"line {ln.lineno}: the batch was {outcome} before this line was answered",
+                )
+                for ln in lines
+                if ln.key not in written
+            ]
+            if code
+            else []
+        )
         ok = [o for o in results if not failed(o)]
         bad = [o for o in results if failed(o)] + missing
         tenant, batch_id = rec["tenant"], rec["id"]
         output = await self._file(ok, f"{batch_id}_output.jsonl", tenant)
         errors = await self._file(bad, f"{batch_id}_error.jsonl", tenant)
         counts = {"total": len(lines), "completed": len(ok), "failed": len(bad)}
-        await self._update(rec, status=outcome, **{f"{outcome}_at": int(time.time())}, output_file_id=output,
-                           error_file_id=errors, request_counts=counts)
+        await self._update(
+            rec,
+            status=outcome,
+            **{f"{outcome}_at": int(time.time())},
+            output_file_id=output,
+            error_file_id=errors,
+            request_counts=counts,
+        )
 
     async def _file(self, outs: list[dict], name: str, tenant: str | None) -> str | None:
         if not outs:
@@ -308,12 +401,25 @@ class BatchService:
 
     def _client(self, batch_id: str, tenant: str | None) -> InferenceClient:
         kafka = self.settings.kafka
-        request_topic, cancel_topic, prefix = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
+        request_topic, cancel_topic, prefix = (
+            kafka.request_topic,
+            kafka.cancel_topic,
+            kafka.reply_topic_prefix,
+        )
         if kafka.tenancy == "topic":
-            request_topic, cancel_topic, prefix = f"{request_topic}.{tenant}", f"{cancel_topic}.{tenant}", f"{prefix}{tenant}."
-        return InferenceClient(request_topic=request_topic, cancel_topic=cancel_topic, settings=self.settings,
-                               reply_topic=f"{prefix}batch-{batch_id}", reply_partitions=self.settings.gateway.reply_partitions,
-                               reply_retention_ms=WINDOWS["24h"] * 1000 * 2)
+            request_topic, cancel_topic, prefix = (
+                f"{request_topic}.{tenant}",
+                f"{cancel_topic}.{tenant}",
+                f"{prefix}{tenant}.",
+            )
+        return InferenceClient(
+            request_topic=request_topic,
+            cancel_topic=cancel_topic,
+            settings=self.settings,
+            reply_topic=f"{prefix}batch-{batch_id}",
+            reply_partitions=self.settings.gateway.reply_partitions,
+            reply_retention_ms=WINDOWS["24h"] * 1000 * 2,
+        )
 
     async def _drop_topic(self, topic: str) -> None:
         admin = AIOKafkaAdminClient(**self.settings.kafka.connection_options())

@@ -1,6 +1,7 @@
 """The gateway's Kafka side: one InferenceClient for all tenants (body tenancy) or one per tenant
 (topic tenancy), the requests in flight, and cancels.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ class ClientPool:
         if tenant is not None:
             request_topic, cancel_topic = f"{request_topic}.{tenant}", f"{cancel_topic}.{tenant}"
         return InferenceClient(
-            request_topic=request_topic, cancel_topic=cancel_topic, settings=self.settings,
+            request_topic=request_topic,
+            cancel_topic=cancel_topic,
+            settings=self.settings,
             # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.`.
             reply_topic=kafka.reply_topic_prefix + (f"{tenant}." if tenant else "") + self.instance,
             reply_partitions=self.settings.gateway.reply_partitions,
@@ -44,7 +47,9 @@ class ClientPool:
     async def start(self) -> None:
         await asyncio.gather(*(c.start() for c in self.clients.values()))
         self.started = True
-        log.info("gateway clients ready", reply_topics=[c.reply_topic for c in self.clients.values()])
+        log.info(
+            "gateway clients ready", reply_topics=[c.reply_topic for c in self.clients.values()]
+        )
 
     async def submit(self, tenant: str | None, fields: dict[str, Any]) -> RequestHandle:
         """Publish one request for ``tenant``; raises ValidationError for a request the contract

@@ -1,5 +1,6 @@
 """OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`) and which HTTP status
 each failure of a request gets."""
+
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -20,14 +21,35 @@ from inferline.producer.errors import (
 class OpenAIError(Exception):
     """A failure to answer in OpenAI's error shape with ``status``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -46,16 +68,25 @@ def from_validation(exc: ValidationError, rename: dict[str, str]) -> OpenAIError
         loc[0] = rename.get(loc[0], loc[0])
     path = ".".join(loc) or None
     message = err["msg"].removeprefix("Value error, ")
-    return bad_request(path.split(".")[0] if path else None, f"{path}: {message}" if path else message)
+    return bad_request(
+        path.split(".")[0] if path else None, f"{path}: {message}" if path else message
+    )
 
 
-def from_inference(exc: InferenceError, retry_after_s: int, prompt_param: str = "messages") -> OpenAIError:
+def from_inference(
+    exc: InferenceError, retry_after_s: int, prompt_param: str = "messages"
+) -> OpenAIError:
     """The status of a request the worker (or the client side) ended without text."""
     text = exc.message
     if isinstance(exc, (RateLimited, Overloaded)):
         kind = "rate_limit_exceeded" if isinstance(exc, RateLimited) else "overloaded"
-        return OpenAIError(429, text, type="rate_limit_error" if kind == "rate_limit_exceeded" else "server_error",
-                           code=kind, headers={"Retry-After": str(retry_after_s)})
+        return OpenAIError(
+            429,
+            text,
+            type="rate_limit_error" if kind == "rate_limit_exceeded" else "server_error",
+            code=kind,
+            headers={"Retry-After": str(retry_after_s)},
+        )
     if isinstance(exc, PromptTooLong):
         return bad_request(prompt_param, text, code="context_length_exceeded")
     if isinstance(exc, RequestRejected):

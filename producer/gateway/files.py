@@ -1,5 +1,6 @@
 """The Batch API's files (`/v1/files`) in a compacted topic: chunks (`<id>/<n>`), then the
 metadata (`<id>`) that makes a file whole. A file belongs to the uploading key's tenant."""
+
 from __future__ import annotations
 
 import json
@@ -49,12 +50,22 @@ class FileStore:
         if len(data) > MAX_FILE_BYTES:
             raise bad_request("file", f"file: {len(data)} bytes, at most {MAX_FILE_BYTES}")
         file_id = f"file-{uuid.uuid4().hex}"
-        chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+        chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
         for n, chunk in enumerate(chunks):
             await self.table.put(f"{file_id}/{n}", chunk)
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                  "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                  "status_details": None, "tenant": tenant, "chunks": len(chunks)}
+        record = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+            "tenant": tenant,
+            "chunks": len(chunks),
+        }
         await self.table.put(file_id, json.dumps(record).encode())  # last: the file is whole now
         return await self.meta(file_id, tenant)
 
@@ -63,7 +74,9 @@ def parse_upload(content_type: str, body: bytes) -> tuple[bytes, str, str]:
     """(data, filename, purpose) of a multipart/form-data upload."""
     if not content_type.startswith("multipart/form-data"):
         raise bad_request(None, "the upload must be multipart/form-data with `file` and `purpose`")
-    message = BytesParser(policy=policy.HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    message = BytesParser(policy=policy.HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + body
+    )
     fields: dict[str, tuple[bytes, str | None]] = {}
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")

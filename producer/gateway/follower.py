@@ -1,6 +1,7 @@
 """Reply events of every attempt -> the text an HTTP client has not been sent yet: a rerun's text
 is held back until it passes what was sent; one that says something else ends the stream.
 """
+
 from __future__ import annotations
 
 from inferline.contract.schema import DoneEvent, TokensEvent
@@ -36,11 +37,13 @@ class TextFollower:
         else:
             return ""
         if self._text.startswith(self.sent):
-            new, self.sent = self._text[len(self.sent):], self._text
+            new, self.sent = self._text[len(self.sent) :], self._text
             return new
         if self.sent.startswith(self._text):
             return ""  # a rerun still catching up
-        raise Diverged("the request was run again after a worker was lost, and the rerun's text differs")
+        raise Diverged(
+            "the request was run again after a worker was lost, and the rerun's text differs"
+        )
 
 
 def _whole_text(done: DoneEvent, index: int) -> str | None:

@@ -1,6 +1,7 @@
 """OpenAI request bodies -> the contract's request fields. Only shapes are handled here: values
 fail the contract's own validation, by the same rule as on Kafka.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,8 +14,20 @@ from inferline.contract.schema import ChatMessage
 
 # Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, where the
 # openai SDK sends `extra_body`).
-PASSTHROUGH = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-               "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
+PASSTHROUGH = (
+    "n",
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "priority",
+    "stop_token_ids",
+)
 # Features the engine does not have: refused by name rather than silently ignored.
 UNSUPPORTED = ("tools", "functions", "suffix")
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
@@ -52,7 +65,9 @@ def completion_request(body: dict) -> Mapped:
     top = body.get("logprobs")  # legacy: the number of alternatives
     if top is not None:
         if type(top) is not int or not 0 <= top <= MAX_LEGACY_LOGPROBS:
-            raise bad_request("logprobs", f"logprobs: must be an integer from 0 to {MAX_LEGACY_LOGPROBS}")
+            raise bad_request(
+                "logprobs", f"logprobs: must be an integer from 0 to {MAX_LEGACY_LOGPROBS}"
+            )
         _ask_logprobs(mapped, True, top)
         mapped.rename["top_logprobs"] = "logprobs"
     if body.get("echo"):
@@ -106,7 +121,11 @@ def _messages(messages: Any) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise bad_request("messages", f"messages.{i}: must be an object with role and content")
         try:  # the contract's message rules, located in the list
-            out.append(ChatMessage.model_validate({"role": m.get("role"), "content": _content(m.get("content"), i)}))
+            out.append(
+                ChatMessage.model_validate(
+                    {"role": m.get("role"), "content": _content(m.get("content"), i)}
+                )
+            )
         except ValidationError as exc:
             err = exc.errors(include_url=False, include_input=False)[0]
             where = ".".join(str(p) for p in (i, *err["loc"]))
@@ -121,7 +140,11 @@ def _content(content: Any, i: int) -> Any:
         return content  # a str, or a wrong type the contract names
     texts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
             raise bad_request("messages", f"messages.{i}.content: only text parts are supported")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -135,4 +158,6 @@ def _prompt(prompt: Any) -> dict[str, Any]:
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return {"prompt_token_ids": prompt}
-    raise bad_request("prompt", "prompt: must be one string or one list of token ids (batches are not supported)")
+    raise bad_request(
+        "prompt", "prompt: must be one string or one list of token ids (batches are not supported)"
+    )

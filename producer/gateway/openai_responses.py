@@ -1,4 +1,5 @@
 """Contract results -> OpenAI response bodies and stream chunks (chat and legacy completions)."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,11 @@ FINISH = {"stop": "stop", "length": "length"}
 
 def usage_body(usage: Usage | None) -> dict:
     prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 class Shape:
@@ -27,19 +32,40 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage | None, samples: list[Sample] | None = None,
-              logprobs: dict[int, list[TokenLogprob]] | None = None) -> dict:
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage | None,
+        samples: list[Sample] | None = None,
+        logprobs: dict[int, list[TokenLogprob]] | None = None,
+    ) -> dict:
         """The non-streamed answer: one choice per sample; `logprobs` by sample when asked."""
-        outcomes = [(s.index, s.text, s.finish_reason) for s in samples] if samples else [(0, text, finish_reason)]
-        choices = [self._choice(i, t, FINISH.get(r, r), None if logprobs is None else self.logprobs(logprobs.get(i, [])))
-                   for i, t, r in outcomes]
+        outcomes = (
+            [(s.index, s.text, s.finish_reason) for s in samples]
+            if samples
+            else [(0, text, finish_reason)]
+        )
+        choices = [
+            self._choice(
+                i,
+                t,
+                FINISH.get(r, r),
+                None if logprobs is None else self.logprobs(logprobs.get(i, [])),
+            )
+            for i, t, r in outcomes
+        ]
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": usage_body(usage)}
 
     def _choice(self, index: int, text: str, finish: str, logprobs: dict | None) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict:
@@ -48,20 +74,40 @@ class Shape:
             return {"content": [_chat_entry(e) for e in entries], "refusal": None}
         tokens = [e.token or "" for e in entries]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t.token or "": t.logprob for t in e.top_logprobs} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token or "": t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-              include_usage: bool = False, index: int = 0, logprobs: dict | None = None) -> str:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        *,
+        first: bool = False,
+        include_usage: bool = False,
+        index: int = 0,
+        logprobs: dict | None = None,
+    ) -> str:
         """One SSE event with new text of choice `index` (chat: ``first`` carries the role)."""
         finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            delta = (
+                {"role": "assistant", "content": text or ""}
+                if first
+                else ({"content": text} if text else {})
+            )
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
             body = {**self._head("text_completion"), "choices": [choice]}
         if include_usage:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
@@ -74,9 +120,15 @@ class Shape:
 
 
 def _chat_entry(e: TokenLogprob) -> dict:
-    return {"token": e.token or "", "logprob": e.logprob, "bytes": _bytes(e.token),
-            "top_logprobs": [{"token": t.token or "", "logprob": t.logprob, "bytes": _bytes(t.token)}
-                             for t in e.top_logprobs]}
+    return {
+        "token": e.token or "",
+        "logprob": e.logprob,
+        "bytes": _bytes(e.token),
+        "top_logprobs": [
+            {"token": t.token or "", "logprob": t.logprob, "bytes": _bytes(t.token)}
+            for t in e.top_logprobs
+        ],
+    }
 
 
 def _bytes(token: str | None) -> list[int] | None:

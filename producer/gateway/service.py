@@ -1,5 +1,6 @@
 """One OpenAI request's life: key, body, publish, then the whole text or an SSE stream; a hang-up
 cancels the request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,12 @@ from inferline.config.settings import Settings
 from inferline.producer.client import InferenceError, RequestHandle
 from inferline.producer.gateway.auth import ApiKeys
 from inferline.producer.gateway.clients import ClientPool
-from inferline.producer.gateway.errors import OpenAIError, bad_request, from_inference, from_validation
+from inferline.producer.gateway.errors import (
+    OpenAIError,
+    bad_request,
+    from_inference,
+    from_validation,
+)
 from inferline.producer.gateway.follower import Diverged, TextFollower
 from inferline.producer.gateway.metrics import GatewayMetrics
 from inferline.producer.gateway.openai_mapping import Mapped, chat_request, completion_request
@@ -32,7 +38,9 @@ CLIENT_CLOSED = 499
 
 
 class Gateway:
-    def __init__(self, settings: Settings, keys: ApiKeys, pool: ClientPool, metrics: GatewayMetrics):
+    def __init__(
+        self, settings: Settings, keys: ApiKeys, pool: ClientPool, metrics: GatewayMetrics
+    ):
         self.settings, self.keys, self.pool, self.metrics = settings, keys, pool, metrics
         self.model = settings.gateway.model_name
 
@@ -62,8 +70,12 @@ class Gateway:
         body = await json_object(request)
         model = body.get("model")
         if model is not None and model != self.model:
-            raise OpenAIError(404, f"the model {model!r} does not exist (this gateway serves {self.model!r})",
-                              param="model", code="model_not_found")
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist (this gateway serves {self.model!r})",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     async def _submit(self, tenant: str | None, mapped: Mapped) -> RequestHandle:
@@ -78,9 +90,13 @@ class Gateway:
             raise bad_request(None, str(exc)) from None
         except Exception as exc:  # the broker did not take it
             log.warning("submit failed", error=repr(exc))
-            raise OpenAIError(503, "the request could not be queued", type="server_error", code="unavailable") from None
+            raise OpenAIError(
+                503, "the request could not be queued", type="server_error", code="unavailable"
+            ) from None
 
-    async def _whole(self, request: HttpRequest, handle: RequestHandle, shape: Shape, logprobs: bool) -> Response:
+    async def _whole(
+        self, request: HttpRequest, handle: RequestHandle, shape: Shape, logprobs: bool
+    ) -> Response:
         if not await self._until(request, handle.wait()):
             return Response(status_code=CLIENT_CLOSED)
         try:
@@ -88,7 +104,9 @@ class Gateway:
         except InferenceError as exc:
             raise self._failure(exc, shape) from None
         by_sample = logprobs_by_sample(handle) if logprobs else None
-        return JSONResponse(shape.whole(result.text, result.finish_reason, result.usage, result.samples, by_sample))
+        return JSONResponse(
+            shape.whole(result.text, result.finish_reason, result.usage, result.samples, by_sample)
+        )
 
     async def _until(self, request: HttpRequest, waiting) -> object | bool:
         """``waiting``'s result, or False when the client hung up first."""
@@ -103,8 +121,15 @@ class Gateway:
 
     # --- streams ---------------------------------------------------------------------------
 
-    async def _stream(self, request: HttpRequest, handle: RequestHandle, shape: Shape, mapped: Mapped,
-                      endpoint: str, t0: float) -> Response:
+    async def _stream(
+        self,
+        request: HttpRequest,
+        handle: RequestHandle,
+        shape: Shape,
+        mapped: Mapped,
+        endpoint: str,
+        t0: float,
+    ) -> Response:
         # Headers wait for the first event, so a rejection still gets its own status.
         events = handle.events()
         try:
@@ -115,8 +140,11 @@ class Gateway:
             failure = handle.failure if isinstance(first, DoneEvent) else None
         if first is False or failure is not None:
             self._release(handle)
-            response = (Response(status_code=CLIENT_CLOSED) if first is False else
-                        self._failure(failure, shape).response())
+            response = (
+                Response(status_code=CLIENT_CLOSED)
+                if first is False
+                else self._failure(failure, shape).response()
+            )
             return self._answer(endpoint, t0, response)
 
         # Counted when the stream closes: a hang-up (499), or the error's status.
@@ -130,8 +158,16 @@ class Gateway:
         chunks = self._chunks(handle, events, first, shape, mapped, t0, outcome)
         return SSEResponse(chunks, closed)
 
-    async def _chunks(self, handle: RequestHandle, events: AsyncIterator, first, shape: Shape,
-                      mapped: Mapped, t0: float, outcome: dict) -> AsyncIterator[str]:
+    async def _chunks(
+        self,
+        handle: RequestHandle,
+        events: AsyncIterator,
+        first,
+        shape: Shape,
+        mapped: Mapped,
+        t0: float,
+        outcome: dict,
+    ) -> AsyncIterator[str]:
         include_usage = mapped.include_usage
         followers, ev, quiet = [TextFollower(i) for i in range(handle.request.n)], first, True
         offsets = [0] * len(followers)  # legacy logprobs' text_offset, per choice
@@ -143,15 +179,22 @@ class Gateway:
                 for f in followers:
                     text = f.feed(ev)
                     logprobs = None
-                    if mapped.logprobs and isinstance(ev, TokensEvent) and ev.index == f.index and ev.logprobs \
-                            and f.caught_up:  # a rerun's tokens already sent are not resent
+                    if (
+                        mapped.logprobs
+                        and isinstance(ev, TokensEvent)
+                        and ev.index == f.index
+                        and ev.logprobs
+                        and f.caught_up
+                    ):  # a rerun's tokens already sent are not resent
                         logprobs = shape.logprobs(ev.logprobs, offsets[f.index])
                         offsets[f.index] += sum(len(e.token or "") for e in ev.logprobs)
                     if text and quiet:
                         quiet = False
                         self.metrics.ttft.observe(time.monotonic() - t0)
                     if text or logprobs:
-                        yield shape.chunk(text, include_usage=include_usage, index=f.index, logprobs=logprobs)
+                        yield shape.chunk(
+                            text, include_usage=include_usage, index=f.index, logprobs=logprobs
+                        )
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
             yield self._stream_error(exc, shape, outcome)
@@ -162,18 +205,28 @@ class Gateway:
         done = handle.done_event
         reasons = {s.index: s.finish_reason for s in done.samples or []}
         for f in followers:
-            yield shape.chunk(None, reasons.get(f.index, done.finish_reason), include_usage=include_usage, index=f.index)
+            yield shape.chunk(
+                None,
+                reasons.get(f.index, done.finish_reason),
+                include_usage=include_usage,
+                index=f.index,
+            )
         if include_usage:
             yield shape.usage_chunk(done.usage)
         yield DONE
 
     def _failure(self, exc: InferenceError, shape: Shape) -> OpenAIError:
-        return from_inference(exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt")
+        return from_inference(
+            exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt"
+        )
 
     def _stream_error(self, exc: Exception, shape: Shape, outcome: dict) -> str:
         # Headers are sent: the status goes into the event, as vLLM does.
-        error = (self._failure(exc, shape) if isinstance(exc, InferenceError)
-                 else OpenAIError(500, str(exc), type="server_error", code="diverged"))
+        error = (
+            self._failure(exc, shape)
+            if isinstance(exc, InferenceError)
+            else OpenAIError(500, str(exc), type="server_error", code="diverged")
+        )
         outcome["status"] = error.status
         return sse(error.body()) + DONE
 
@@ -187,7 +240,9 @@ class Gateway:
             self.metrics.cancels.inc()
         self.pool.release(handle)
 
-    def _answer(self, endpoint: str, t0: float, response: Response | None, status: int = 200) -> Response | None:
+    def _answer(
+        self, endpoint: str, t0: float, response: Response | None, status: int = 200
+    ) -> Response | None:
         status = response.status_code if response is not None else status
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.duration.observe(time.monotonic() - t0)

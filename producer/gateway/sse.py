@@ -1,5 +1,6 @@
 """A Server-Sent Events response that notices a client hanging up while nothing is sent, and
 always calls ``on_close`` at the end."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """A compacted Kafka topic read into a dict, for the Batch API's files and batches; `get` reads to
 the topic's end before it answers "not there".
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,12 @@ class TopicTable:
     """key -> latest value of a one-partition compacted topic; ``on_change(key, value)`` hears every
     value read."""
 
-    def __init__(self, kafka: KafkaSettings, topic: str, on_change: Callable[[str, bytes], None] | None = None):
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        topic: str,
+        on_change: Callable[[str, bytes], None] | None = None,
+    ):
         self.kafka, self.topic, self.on_change = kafka, topic, on_change
         self.data: dict[str, bytes] = {}
         self._producer: AIOKafkaProducer | None = None
@@ -42,7 +48,9 @@ class TopicTable:
             await create_topics(admin, [(self.topic, 1)], configs={"cleanup.policy": "compact"})
         finally:
             await admin.close()
-        self._producer = AIOKafkaProducer(**opts, enable_idempotence=True, max_request_size=MAX_VALUE_BYTES + 65_536)
+        self._producer = AIOKafkaProducer(
+            **opts, enable_idempotence=True, max_request_size=MAX_VALUE_BYTES + 65_536
+        )
         await self._producer.start()
         self._consumer = AIOKafkaConsumer(**opts, group_id=None, enable_auto_commit=False)
         await self._consumer.start()
@@ -64,7 +72,9 @@ class TopicTable:
                 await asyncio.sleep(0.5)
 
     async def _read(self, timeout_ms: int) -> None:
-        for records in (await self._consumer.getmany(timeout_ms=timeout_ms, max_records=1000)).values():
+        for records in (
+            await self._consumer.getmany(timeout_ms=timeout_ms, max_records=1000)
+        ).values():
             for r in records:
                 if r.key is None:
                     continue
@@ -82,9 +92,13 @@ class TopicTable:
             try:
                 await self.caught_up()
             except TimeoutError:
-                raise OpenAIError(503, f"could not read {self.topic} to its end in {CATCH_UP_TIMEOUT_S:g} s: "
-                                  "retry", type="server_error", code="unavailable",
-                                  headers={"Retry-After": "1"}) from None
+                raise OpenAIError(
+                    503,
+                    f"could not read {self.topic} to its end in {CATCH_UP_TIMEOUT_S:g} s: retry",
+                    type="server_error",
+                    code="unavailable",
+                    headers={"Retry-After": "1"},
+                ) from None
         return self.data.get(key)
 
     async def caught_up(self, timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:

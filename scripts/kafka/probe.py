@@ -8,6 +8,7 @@ Usage: python3 probe.py [HOST [PORT [TIMEOUT_S]]]
 Exit codes: 0 ready; 1 nothing listens (connection refused, timeout); 2 something listens but
 does not answer like a Kafka broker (or not yet: no broker in the metadata).
 """
+
 from __future__ import annotations
 
 import socket

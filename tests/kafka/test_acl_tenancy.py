@@ -7,6 +7,7 @@ own request and cancel topic and read only its own reply prefix; the worker read
 topics and writes under the reply prefix. Then: globex cannot produce to acme's request topic nor
 read acme's replies, and the worker still serves acme.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,14 @@ from tests.kafka.test_security import SaslBroker, running, worker_kwargs
 from inferline.config.settings import KafkaSettings, Settings
 from inferline.producer import acls
 from inferline.contract.schema import decode_event
-from tests.worker_fixtures import Topics, check_attempts, final_done, request, wait_ready, worker_config
+from tests.worker_fixtures import (
+    Topics,
+    check_attempts,
+    final_done,
+    request,
+    wait_ready,
+    worker_config,
+)
 from inferline.worker.app import Worker, engine_settings
 from inferline.worker.engine.engine import LLMEngine
 
@@ -36,7 +44,9 @@ REPLY = "inferline.reply."
 class AclBroker(SaslBroker):
     def __init__(self, kdir) -> None:
         super().__init__(kdir)
-        self.env.update(INFERLINE_KAFKA_AUTHORIZER="1", INFERLINE_KAFKA_SASL_EXTRA_USERS="acme globex")
+        self.env.update(
+            INFERLINE_KAFKA_AUTHORIZER="1", INFERLINE_KAFKA_SASL_EXTRA_USERS="acme globex"
+        )
 
     def secret(self, user: str) -> str:
         return (self.kdir / "secrets" / f"{user}.password").read_text().strip()
@@ -67,10 +77,18 @@ async def set_up(broker: AclBroker, group: str, topics: list[str]) -> None:
     # The authorizer learns ACLs from the metadata log: wait until it answers with all of them.
     admin_client = confluent_admin.AdminClient(broker.settings("admin").librdkafka_config())
     everything = confluent_admin.AclBindingFilter(
-        confluent_admin.ResourceType.ANY, None, confluent_admin.ResourcePatternType.ANY, None, None,
-        confluent_admin.AclOperation.ANY, confluent_admin.AclPermissionType.ANY)
+        confluent_admin.ResourceType.ANY,
+        None,
+        confluent_admin.ResourcePatternType.ANY,
+        None,
+        None,
+        confluent_admin.AclOperation.ANY,
+        confluent_admin.AclPermissionType.ANY,
+    )
     for _ in range(60):
-        if len(await asyncio.to_thread(admin_client.describe_acls(everything).result, 30)) >= len(rules):
+        if len(await asyncio.to_thread(admin_client.describe_acls(everything).result, 30)) >= len(
+            rules
+        ):
             break
         await asyncio.sleep(0.5)
 
@@ -86,7 +104,9 @@ async def produce(kwargs: dict, topic: str, value: bytes, key: bytes) -> None:
 
 async def read(kwargs: dict, topic: str, enough, timeout: float = 120) -> list:
     """The topic's records from the beginning, until enough(records) or the timeout."""
-    consumer = AIOKafkaConsumer(**kwargs, group_id=None, enable_auto_commit=False, request_timeout_ms=8000)
+    consumer = AIOKafkaConsumer(
+        **kwargs, group_id=None, enable_auto_commit=False, request_timeout_ms=8000
+    )
     await consumer.start()
     records: list = []
     try:
@@ -102,23 +122,48 @@ async def read(kwargs: dict, topic: str, enough, timeout: float = 120) -> list:
     return records
 
 
-async def test_each_tenant_reaches_only_its_own_topics_and_the_worker_serves_them(acl_broker, model_runner):
+async def test_each_tenant_reaches_only_its_own_topics_and_the_worker_serves_them(
+    acl_broker, model_runner
+):
     group = f"acl-workers-{STEM}"
     acme_replies, globex_replies = f"{REPLY}acme.c-{STEM}", f"{REPLY}globex.c-{STEM}"
-    await set_up(acl_broker, group, [REQ, CANCEL, DLQ, f"{REQ}.acme", f"{REQ}.globex", f"{CANCEL}.acme",
-                                     f"{CANCEL}.globex", acme_replies, globex_replies])
+    await set_up(
+        acl_broker,
+        group,
+        [
+            REQ,
+            CANCEL,
+            DLQ,
+            f"{REQ}.acme",
+            f"{REQ}.globex",
+            f"{CANCEL}.acme",
+            f"{CANCEL}.globex",
+            acme_replies,
+            globex_replies,
+        ],
+    )
     acme, globex = acl_broker.client("acme"), acl_broker.client("globex")
     # The worker, as `inferline` with only the recipe's rights, serves acme in topic tenancy.
-    kafka = {**acl_broker.kafka(), "request_topic": REQ, "cancel_topic": CANCEL, "dlq_topic": DLQ,
-             "group_id": group, "tenancy": "topic"}
-    settings = Settings(**worker_config(acl_broker.bootstrap, Topics(REQ, CANCEL, DLQ, acme_replies), kafka=kafka))
+    kafka = {
+        **acl_broker.kafka(),
+        "request_topic": REQ,
+        "cancel_topic": CANCEL,
+        "dlq_topic": DLQ,
+        "group_id": group,
+        "tenancy": "topic",
+    }
+    settings = Settings(
+        **worker_config(acl_broker.bootstrap, Topics(REQ, CANCEL, DLQ, acme_replies), kafka=kafka)
+    )
     worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
     task = asyncio.create_task(worker.run())
     try:
         await wait_ready(worker, task, timeout=120)
         req = request(acme_replies, max_tokens=3)
         await produce(acme, f"{REQ}.acme", msgpack.packb(req), req["id"].encode())
-        records = await read(acme, acme_replies, lambda rs: any(decode_event(r.value).type == "done" for r in rs))
+        records = await read(
+            acme, acme_replies, lambda rs: any(decode_event(r.value).type == "done" for r in rs)
+        )
     finally:
         worker.request_stop()
         await asyncio.wait_for(task, 60)

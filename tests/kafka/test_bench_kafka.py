@@ -4,6 +4,7 @@ through the engine in-process and through broker + worker subprocess + client.
 It checks the shape and sanity of the JSON the benchmark writes, never a speed: the ratio is
 measured by `python -m bench.kafka_e2e`, not asserted here.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,22 +16,47 @@ from bench import kafka_e2e
 
 pytestmark = pytest.mark.kafka
 
-RUN_KEYS = {"path", "label", "wall_s", "useful_tokens", "complete", "tokens_per_s", "ttft_s", "engine",
-            "e2e_s"}
-COMPARISON_KEYS = {"table", "throughput_ratio", "ttft_p50_diff_ms", "kafka_ttft_overhead_p50_ms",
-                   "throughput_met", "ttft_met"}
+RUN_KEYS = {
+    "path",
+    "label",
+    "wall_s",
+    "useful_tokens",
+    "complete",
+    "tokens_per_s",
+    "ttft_s",
+    "engine",
+    "e2e_s",
+}
+COMPARISON_KEYS = {
+    "table",
+    "throughput_ratio",
+    "ttft_p50_diff_ms",
+    "kafka_ttft_overhead_p50_ms",
+    "throughput_met",
+    "ttft_met",
+}
 
 
 @pytest.fixture(scope="module")
 def results(kafka_bootstrap, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-kafka") / "kafka_e2e.json"
-    kafka_e2e.main(["--quick", "--num-requests", "4", "--max-output", "4", "--threads", "1",
-                    "--out", str(out)])
+    kafka_e2e.main(
+        ["--quick", "--num-requests", "4", "--max-output", "4", "--threads", "1", "--out", str(out)]
+    )
     return json.loads(out.read_text())
 
 
 def test_writes_both_paths_and_the_comparison(results):
-    assert {"command", "machine", "workload", "settings", "runs", "comparison", "greedy_agreement", "targets"} <= results.keys()
+    assert {
+        "command",
+        "machine",
+        "workload",
+        "settings",
+        "runs",
+        "comparison",
+        "greedy_agreement",
+        "targets",
+    } <= results.keys()
     assert [r["path"] for r in results["runs"]] == ["in_process", "kafka"]
     assert COMPARISON_KEYS <= results["comparison"].keys()
     assert results["workload"]["num_requests"] == 4 and results["workload"]["total_output"] == 16

@@ -4,6 +4,7 @@ past MAX_PRODUCER_TOPICS, so that the worker's producers must prune their metada
 It checks what the producers keep, never a speed: the figures come from
 `python -m bench.reply_topics` (10,000 topics). Runs its own private broker, not the shared one.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,14 @@ SPARE = 8
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-reply-topics") / "reply-topics.json"
-    done = subprocess.run([sys.executable, "-m", "bench.reply_topics", "--topics", str(TOPICS),
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.reply_topics", "--topics", str(TOPICS), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 

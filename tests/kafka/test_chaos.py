@@ -14,6 +14,7 @@ restarting it disturbs no other test. Short form in `make test`; the long form (
 several kills, a joining and leaving worker) with `--chaos-long` (`make chaos`).
 INFERLINE_CHAOS_SEED replays a run's random kill points.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +31,13 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from inferline.contract.schema import DoneEvent, StartedEvent
-from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, percentile, private_topics, running_private_broker
+from tests.chaos_fixtures import (
+    ReplyWatcher,
+    WorkerProcess,
+    percentile,
+    private_topics,
+    running_private_broker,
+)
 from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit
 from tests.worker_fixtures import request as make_request
@@ -43,9 +50,17 @@ PARTITIONS = 4
 
 # Each wave: how many requests, then what happens while they run.
 SHORT = [(15, ["kill"]), (15, ["broker_restart"])]
-LONG = [(42, ["kill"]), (42, ["join_b", "kill"]), (42, ["broker_restart"]), (42, ["leave_b", "kill"]),
-        (42, ["kill"]), (30, ["kill_before_commit"]), (30, ["cancel_while_down"]),
-        (20, ["poisoned_reply_topic", "kill"]), (20, ["delete_reply_topic"])]
+LONG = [
+    (42, ["kill"]),
+    (42, ["join_b", "kill"]),
+    (42, ["broker_restart"]),
+    (42, ["leave_b", "kill"]),
+    (42, ["kill"]),
+    (30, ["kill_before_commit"]),
+    (30, ["cancel_while_down"]),
+    (20, ["poisoned_reply_topic", "kill"]),
+    (20, ["delete_reply_topic"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +72,24 @@ async def make_topics(bootstrap: str) -> Topics:
     return await private_topics(bootstrap, "chaos", PARTITIONS, PARTITIONS)
 
 
-async def submit_wave(bootstrap: str, topics: Topics, n: int, rng: random.Random, submitted: dict,
-                      expected: dict, reply_topic: str | None = None) -> list[str]:
-    reqs = [make_request(reply_topic or topics.replies, prompt=f"Count: {rng.randrange(1000)}",
-                         max_tokens=rng.randint(*MAX_TOKENS), ignore_eos=True) for _ in range(n)]
+async def submit_wave(
+    bootstrap: str,
+    topics: Topics,
+    n: int,
+    rng: random.Random,
+    submitted: dict,
+    expected: dict,
+    reply_topic: str | None = None,
+) -> list[str]:
+    reqs = [
+        make_request(
+            reply_topic or topics.replies,
+            prompt=f"Count: {rng.randrange(1000)}",
+            max_tokens=rng.randint(*MAX_TOKENS),
+            ignore_eos=True,
+        )
+        for _ in range(n)
+    ]
     expected.update({r["id"]: r["max_tokens"] for r in reqs})
     for attempt in range(5):  # the broker may be coming back
         try:
@@ -75,8 +104,9 @@ async def submit_wave(bootstrap: str, topics: Topics, n: int, rng: random.Random
     return ids
 
 
-async def wait_random_point(watcher: ReplyWatcher, ids: list[str], rng: random.Random,
-                            timeout: float = 120.0) -> None:
+async def wait_random_point(
+    watcher: ReplyWatcher, ids: list[str], rng: random.Random, timeout: float = 120.0
+) -> None:
     """A random point in a wave's life: after a random number of its requests have started, a
     random moment later (so some are running, some finishing, some waiting, some finished)."""
     k = rng.randint(1, len(ids))
@@ -103,15 +133,28 @@ def scaling_steps(timeline: list[tuple[float, str]], events: dict[str, list]) ->
             if not started or ended:
                 continue
             running += 1
-            requeued += any(isinstance(ev, DoneEvent) and ev.finish_reason == "requeued" and at < ts <= until
-                            for ts, ev in evs)
-        out.append({"step": action, "running": running, "requeued_before_next_action": requeued,
-                    "requeued_share": round(requeued / running, 2) if running else None})
+            requeued += any(
+                isinstance(ev, DoneEvent) and ev.finish_reason == "requeued" and at < ts <= until
+                for ts, ev in evs
+            )
+        out.append(
+            {
+                "step": action,
+                "running": running,
+                "requeued_before_next_action": requeued,
+                "requeued_share": round(requeued / running, 2) if running else None,
+            }
+        )
     return out
 
 
-def analyse(ids: list[str], submitted: dict[str, float], expected: dict[str, int | str], events: dict[str, list],
-            dead: dict[str, str]) -> dict:
+def analyse(
+    ids: list[str],
+    submitted: dict[str, float],
+    expected: dict[str, int | str],
+    events: dict[str, list],
+    dead: dict[str, str],
+) -> dict:
     """`expected`: id -> its max_tokens (it must end with `length` and that many tokens) or a
     finish reason; `dead`: id -> the reason it is on the dead-letter topic (requests whose reply
     topic was deleted may end there instead)."""
@@ -120,8 +163,11 @@ def analyse(ids: list[str], submitted: dict[str, float], expected: dict[str, int
     for i in ids:
         evs = [ev for _, ev in events.get(i, [])]
         check_attempts(evs, allow_cut=True)
-        finals_i = [(ts, ev) for ts, ev in events.get(i, [])
-                    if isinstance(ev, DoneEvent) and ev.finish_reason != "requeued"]
+        finals_i = [
+            (ts, ev)
+            for ts, ev in events.get(i, [])
+            if isinstance(ev, DoneEvent) and ev.finish_reason != "requeued"
+        ]
         attempts[len({ev.attempt for ev in evs})] += 1
         if not finals_i:
             if i not in dead:
@@ -131,22 +177,41 @@ def analyse(ids: list[str], submitted: dict[str, float], expected: dict[str, int
         if len(finals_i) > 1:
             dup.append(i)
             workers = {ev.attempt: ev.worker for _, ev in events[i] if isinstance(ev, StartedEvent)}
-            dup_details.append({"id": i, "finals": [(round(ts, 2), workers.get(ev.attempt), ev.finish_reason)
-                                                    for ts, ev in finals_i]})
-            if len({(ev.finish_reason, ev.text, ev.usage.completion_tokens) for _, ev in finals_i}) > 1:
+            dup_details.append(
+                {
+                    "id": i,
+                    "finals": [
+                        (round(ts, 2), workers.get(ev.attempt), ev.finish_reason)
+                        for ts, ev in finals_i
+                    ],
+                }
+            )
+            if (
+                len({(ev.finish_reason, ev.text, ev.usage.completion_tokens) for _, ev in finals_i})
+                > 1
+            ):
                 conflicting.append(i)
         ts, first = finals_i[0]
         want = expected[i]
-        if (first.finish_reason != want if isinstance(want, str) else
-                first.finish_reason != "length" or first.usage.completion_tokens != want):
+        if (
+            first.finish_reason != want
+            if isinstance(want, str)
+            else first.finish_reason != "length" or first.usage.completion_tokens != want
+        ):
             bad.append((i, first.finish_reason, first.error))
         latencies.append(max(0.0, ts - submitted[i]))
     return {
-        "requests": len(ids), "final": finals, "lost": len(lost), "lost_ids": lost[:10],
-        "dead_letters": len(dead), "dead_letter_reasons": dict(Counter(_reason(r) for r in dead.values())),
-        "duplicated_final_results": len(dup), "duplicates": dup_details[:5],
+        "requests": len(ids),
+        "final": finals,
+        "lost": len(lost),
+        "lost_ids": lost[:10],
+        "dead_letters": len(dead),
+        "dead_letter_reasons": dict(Counter(_reason(r) for r in dead.values())),
+        "duplicated_final_results": len(dup),
+        "duplicates": dup_details[:5],
         "conflicting_final_results": len(conflicting),
-        "not_length": bad[:10], "attempts_per_request": dict(sorted(attempts.items())),
+        "not_length": bad[:10],
+        "attempts_per_request": dict(sorted(attempts.items())),
         "latency_p50_s": round(percentile(latencies, 50), 2) if latencies else None,
         "latency_p99_s": round(percentile(latencies, 99), 2) if latencies else None,
         "latency_max_s": round(max(latencies), 2) if latencies else None,
@@ -191,7 +256,10 @@ def done_before(logs, ids: set[str], when: float) -> set[str]:
             if '"request.done"' not in line:
                 continue
             entry = json.loads(line)
-            if entry.get("request_id") in ids and datetime.fromisoformat(entry["timestamp"]).timestamp() < when:
+            if (
+                entry.get("request_id") in ids
+                and datetime.fromisoformat(entry["timestamp"]).timestamp() < when
+            ):
                 out.add(entry["request_id"])
     return out
 
@@ -229,15 +297,34 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     bootstrap = private_broker.bootstrap
     topics = await make_topics(bootstrap)
     group = f"chaos-{uuid.uuid4().hex[:8]}"
-    common = {"kafka": {"group_id": group, "session_timeout_ms": 6000},
-              "scheduler": {"max_num_seqs": 16, "max_waiting": 32}, "model": {"max_model_len": 256},
-              "worker": {"drain_timeout_s": 15}}
-    a = WorkerProcess("a", bootstrap, topics, tmp_path,
-                      **{**common, "kafka": {**common["kafka"], "group_instance_id": f"{group}-a"}})
-    b = WorkerProcess("b", bootstrap, topics, tmp_path, **common)  # dynamic member: leaving rebalances
+    common = {
+        "kafka": {"group_id": group, "session_timeout_ms": 6000},
+        "scheduler": {"max_num_seqs": 16, "max_waiting": 32},
+        "model": {"max_model_len": 256},
+        "worker": {"drain_timeout_s": 15},
+    }
+    a = WorkerProcess(
+        "a",
+        bootstrap,
+        topics,
+        tmp_path,
+        **{**common, "kafka": {**common["kafka"], "group_instance_id": f"{group}-a"}},
+    )
+    b = WorkerProcess(
+        "b", bootstrap, topics, tmp_path, **common
+    )  # dynamic member: leaving rebalances
     watcher = ReplyWatcher(bootstrap, topics.replies, PARTITIONS)
-    stats = {"kills": 0, "kills_before_commit": 0, "broker_restarts": 0, "b_joined": 0, "b_left": 0,
-             "broker_restart_s": [], "cancelled_while_down": 0, "reply_topic_deleted": 0, "poisoned_requests": 0}
+    stats = {
+        "kills": 0,
+        "kills_before_commit": 0,
+        "broker_restarts": 0,
+        "b_joined": 0,
+        "b_left": 0,
+        "broker_restart_s": [],
+        "cancelled_while_down": 0,
+        "reply_topic_deleted": 0,
+        "poisoned_requests": 0,
+    }
     poisoned_ids: set[str] = set()
     doomed = f"{topics.replies}-doomed"  # a reply topic deleted mid-stream
     await create_named_topics({doomed: PARTITIONS}, bootstrap_servers=bootstrap)
@@ -255,7 +342,9 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     try:
         await a.wait_started()
         for n, actions in plan:
-            if actions == ["cancel_while_down"]:  # no worker runs while the wave and its cancels are sent
+            if actions == [
+                "cancel_while_down"
+            ]:  # no worker runs while the wave and its cancels are sent
                 assert await a.terminate() == 0, "worker a did not drain cleanly"
             reply_topic = doomed if actions == ["delete_reply_topic"] else None
             if "poisoned_reply_topic" in actions:  # poisoned requests ahead of the honest wave
@@ -294,7 +383,9 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
                     a.spawn()
                     await a.wait_started()
                 elif action == "broker_restart":
-                    stats["broker_restart_s"].append(round(await asyncio.to_thread(private_broker.restart), 1))
+                    stats["broker_restart_s"].append(
+                        round(await asyncio.to_thread(private_broker.restart), 1)
+                    )
                     stats["broker_restarts"] += 1
                 elif action == "join_b":
                     b.spawn()
@@ -307,8 +398,13 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
         dead: dict[str, str] = {}
         while time.monotonic() < deadline:
             assert a.alive(), f"worker a died: {a.log_path.read_text()[-3000:]}"
-            seen = {i for i, evs in {**doomed_watcher.events(), **watcher.events()}.items()
-                    if any(isinstance(ev, DoneEvent) and ev.finish_reason != "requeued" for _, ev in evs)}
+            seen = {
+                i
+                for i, evs in {**doomed_watcher.events(), **watcher.events()}.items()
+                if any(
+                    isinstance(ev, DoneEvent) and ev.finish_reason != "requeued" for _, ev in evs
+                )
+            }
             if stats["reply_topic_deleted"] or poisoned_ids:
                 dead = await dead_letters(bootstrap, topics.dlq)
                 seen |= done_before(worker_logs(a, b), doomed_ids - seen - set(dead), deleted_at)
@@ -330,16 +426,34 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     # A doomed request neither read nor dead-lettered: its `done` was committed just before the
     # topic went, unread by the watcher, if a worker queued it before the deletion (a done queued
     # after it can only fail and be dead-lettered).
-    unread = doomed_ids - set(dead) - {i for i in doomed_ids if any(
-        isinstance(ev, DoneEvent) and ev.finish_reason != "requeued" for _, ev in events.get(i, []))}
+    unread = (
+        doomed_ids
+        - set(dead)
+        - {
+            i
+            for i in doomed_ids
+            if any(
+                isinstance(ev, DoneEvent) and ev.finish_reason != "requeued"
+                for _, ev in events.get(i, [])
+            )
+        }
+    )
     answered_unread = done_before(worker_logs(a, b), unread, deleted_at)
-    dead.update({i: "done committed before the topic was deleted, not read" for i in answered_unread})
-    report = {"form": "long" if long else "short", "seed": seed, **stats,
-              **analyse(ids, submitted, expected, events, dead), "timeline": timeline,
-              "scaling_steps": scaling_steps(timeline, events),
-              "poisoned_dead_lettered": len(poisoned_ids & set(dead)),
-              "honest_dead_lettered": len(set(dead) - doomed_ids - poisoned_ids),
-              "wall_s": round(time.monotonic() - t0, 1), "max_tokens": list(MAX_TOKENS)}
+    dead.update(
+        {i: "done committed before the topic was deleted, not read" for i in answered_unread}
+    )
+    report = {
+        "form": "long" if long else "short",
+        "seed": seed,
+        **stats,
+        **analyse(ids, submitted, expected, events, dead),
+        "timeline": timeline,
+        "scaling_steps": scaling_steps(timeline, events),
+        "poisoned_dead_lettered": len(poisoned_ids & set(dead)),
+        "honest_dead_lettered": len(set(dead) - doomed_ids - poisoned_ids),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "max_tokens": list(MAX_TOKENS),
+    }
     print("\nchaos report: " + json.dumps(report))
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +466,9 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     assert not report["not_length"], report
     assert rc == 0 and rc_b == 0
     assert stats["kills"] >= (4 if long else 1) and stats["broker_restarts"] >= 1
-    assert report["honest_dead_lettered"] == 0, "dead letters of requests whose reply topic was fine"
+    assert report["honest_dead_lettered"] == 0, (
+        "dead letters of requests whose reply topic was fine"
+    )
     assert poisoned_ids <= set(dead), "a poisoned request was not dead-lettered"
     if long:
         assert stats["kills_before_commit"] >= 1, "the hook never fired: the window was not hit"

@@ -1,6 +1,7 @@
 """The `inferline` CLI: each command as a subprocess against the real broker (and the scripted
 stand-in worker of tests/kafka/test_client.py). Argument handling and bench statistics:
 tests/unit/test_cli.py."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,13 @@ from tests.unit.test_cli import REPO, run_cli  # noqa: F401
 @pytest.fixture
 async def cli_env(kafka_bootstrap, new_topic):
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")}
-    env.update({
-        "INFERLINE_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-        "INFERLINE_KAFKA__REQUEST_TOPIC": await new_topic(2, prefix="clireq"),
-        "INFERLINE_KAFKA__CANCEL_TOPIC": await new_topic(1, prefix="clicancel"),
-    })
+    env.update(
+        {
+            "INFERLINE_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "INFERLINE_KAFKA__REQUEST_TOPIC": await new_topic(2, prefix="clireq"),
+            "INFERLINE_KAFKA__CANCEL_TOPIC": await new_topic(1, prefix="clicancel"),
+        }
+    )
     return env
 
 
@@ -37,14 +40,32 @@ def mixed_script(req):
 
 @pytest.mark.kafka
 async def test_submit_streams_text(kafka_bootstrap, cli_env):
-    async with ScriptedWorker(kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], mixed_script) as worker:
-        rc, out, err = await run_cli(cli_env, "submit", "hello there", "--max-tokens", "3", "--temperature", "0")
+    async with ScriptedWorker(
+        kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], mixed_script
+    ) as worker:
+        rc, out, err = await run_cli(
+            cli_env, "submit", "hello there", "--max-tokens", "3", "--temperature", "0"
+        )
         assert rc == 0, err
         assert out == "w0 w1 w2 \n"
         assert "stop" in err and "2+3 tokens" in err
-        rc, out, err = await run_cli(cli_env, "submit", "-", "--system", "sys", "--max-tokens", "2", "--json",
-                                     "--reply-topic", "per-request", "--regex", "(w[0-9] )+", "--top-logprobs", "2",
-                                     stdin="from stdin")
+        rc, out, err = await run_cli(
+            cli_env,
+            "submit",
+            "-",
+            "--system",
+            "sys",
+            "--max-tokens",
+            "2",
+            "--json",
+            "--reply-topic",
+            "per-request",
+            "--regex",
+            "(w[0-9] )+",
+            "--top-logprobs",
+            "2",
+            stdin="from stdin",
+        )
         assert rc == 0, err
         events = [json.loads(line) for line in out.splitlines()]
         assert [e["type"] for e in events] == ["started", "tokens", "tokens", "done"]
@@ -52,7 +73,11 @@ async def test_submit_streams_text(kafka_bootstrap, cli_env):
     first, second = worker.requests
     assert (first.prompt, first.max_tokens, first.temperature) == ("hello there", 3, 0.0)
     assert [m.content for m in second.messages] == ["sys", "from stdin"] and second.prompt is None
-    assert (second.structured.regex, second.logprobs, second.top_logprobs) == ("(w[0-9] )+", True, 2)
+    assert (second.structured.regex, second.logprobs, second.top_logprobs) == (
+        "(w[0-9] )+",
+        True,
+        2,
+    )
 
 
 @pytest.mark.kafka
@@ -78,7 +103,9 @@ async def test_cancel_command(kafka_bootstrap, cli_env):
 
     rc, _, err = await run_cli(cli_env, "cancel", "req-42")
     assert rc == 0, err
-    records = await consume_until(kafka_bootstrap, cli_env["INFERLINE_KAFKA__CANCEL_TOPIC"], lambda rs: rs, timeout=15)
+    records = await consume_until(
+        kafka_bootstrap, cli_env["INFERLINE_KAFKA__CANCEL_TOPIC"], lambda rs: rs, timeout=15
+    )
     assert decode_cancel(records[0].value).id == "req-42" and records[0].key == b"req-42"
 
 
@@ -87,23 +114,39 @@ async def test_topics_create(kafka_bootstrap, cli_env):
     from aiokafka.admin import AIOKafkaAdminClient
 
     names = [f"test-topics-create-{os.getpid()}-{x}" for x in ("req", "cancel", "dlq")]
-    env = {**cli_env, "INFERLINE_KAFKA__REQUEST_TOPIC": names[0], "INFERLINE_KAFKA__CANCEL_TOPIC": names[1],
-           "INFERLINE_KAFKA__DLQ_TOPIC": names[2]}
+    env = {
+        **cli_env,
+        "INFERLINE_KAFKA__REQUEST_TOPIC": names[0],
+        "INFERLINE_KAFKA__CANCEL_TOPIC": names[1],
+        "INFERLINE_KAFKA__DLQ_TOPIC": names[2],
+    }
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     await admin.start()
     try:
-        rc, out, err = await run_cli(env, "topics", "create", "--partitions", "3", "--retention-ms", "120000")
+        rc, out, err = await run_cli(
+            env, "topics", "create", "--partitions", "3", "--retention-ms", "120000"
+        )
         assert rc == 0, err
         assert out.count("created") == 3
-        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics() if t["topic"] in names}
+        described = {
+            t["topic"]: len(t["partitions"])
+            for t in await admin.describe_topics()
+            if t["topic"] in names
+        }
         assert described == {names[0]: 3, names[1]: 1, names[2]: 1}
         rc, out, _ = await run_cli(env, "topics", "create", "--partitions", "3")
         assert rc == 0 and out.count("exists") == 3
         # topic tenancy: each tenant's own request and cancel topic
-        rc, out, err = await run_cli(env, "topics", "create", "--partitions", "2", "--tenant", "acme")
+        rc, out, err = await run_cli(
+            env, "topics", "create", "--partitions", "2", "--tenant", "acme"
+        )
         names += [f"{names[0]}.acme", f"{names[1]}.acme"]
         assert rc == 0 and out.count("created") == 2, err
-        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics() if t["topic"] in names}
+        described = {
+            t["topic"]: len(t["partitions"])
+            for t in await admin.describe_topics()
+            if t["topic"] in names
+        }
         assert described[names[3]] == 2 and described[names[4]] == 1
         rc, _, err = await run_cli(env, "topics", "create", "--tenant", "a.b")
         assert rc != 0 and "must be 1-64 of" in err
@@ -117,7 +160,11 @@ async def test_tail(kafka_bootstrap, cli_env, new_topic):
     from tests.kafka_fixtures import produce_raw
 
     topic = await new_topic(2, prefix="tail")
-    await produce_raw(kafka_bootstrap, topic, [(b"r", encode_event(e)) for e in stream("r", ["a", "b"])] + [b"junk"])
+    await produce_raw(
+        kafka_bootstrap,
+        topic,
+        [(b"r", encode_event(e)) for e in stream("r", ["a", "b"])] + [b"junk"],
+    )
     rc, out, err = await run_cli(cli_env, "tail", topic, "--from-beginning", "--idle-timeout", "3")
     assert rc == 0, err
     assert [line.split()[2] for line in out.splitlines()] == ["started", "tokens", "tokens", "done"]
@@ -134,9 +181,25 @@ async def test_bench_writes_report_and_plots(kafka_bootstrap, cli_env, tmp_path)
         return stream(req.id, ["t"] * req.max_tokens)
 
     out_dir = tmp_path / "bench"
-    async with ScriptedWorker(kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], script) as worker:
-        rc, out, err = await run_cli(cli_env, "bench", "-n", "12", "--prompt-len", "fixed:4",
-                                     "--output-len", "uniform:2,6", "--rate", "50", "--out", str(out_dir), "--seed", "3")
+    async with ScriptedWorker(
+        kafka_bootstrap, cli_env["INFERLINE_KAFKA__REQUEST_TOPIC"], script
+    ) as worker:
+        rc, out, err = await run_cli(
+            cli_env,
+            "bench",
+            "-n",
+            "12",
+            "--prompt-len",
+            "fixed:4",
+            "--output-len",
+            "uniform:2,6",
+            "--rate",
+            "50",
+            "--out",
+            str(out_dir),
+            "--seed",
+            "3",
+        )
     n_rejected = sum(1 for r in worker.requests if r.max_tokens == 2)
     assert len(worker.requests) == 12 and n_rejected > 0  # seed 3 draws some 2s
     assert rc == 1  # not every request completed
@@ -151,6 +214,7 @@ async def test_bench_writes_report_and_plots(kafka_bootstrap, cli_env, tmp_path)
     assert (out_dir / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert (out_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     assert "TTFT" in out and "p99" in out and "req/s" in out
-    assert all(r.temperature == 0 and r.ignore_eos and len(r.prompt_token_ids) == 4 for r in worker.requests)
-
-
+    assert all(
+        r.temperature == 0 and r.ignore_eos and len(r.prompt_token_ids) == 4
+        for r in worker.requests
+    )

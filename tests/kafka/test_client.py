@@ -1,6 +1,7 @@
 """producer.client against the real broker: with a scripted stand-in worker (restarts, duplicates,
 gaps and errors on demand), then against the real worker as a subprocess. The reassembly logic
 without a broker: tests/unit/test_client.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,11 @@ class ScriptedWorker:
 
     async def __aenter__(self) -> ScriptedWorker:
         self._consumer = AIOKafkaConsumer(
-            self.request_topic, bootstrap_servers=self.bootstrap, group_id=f"scripted-{uuid.uuid4().hex[:8]}",
-            auto_offset_reset="earliest", enable_auto_commit=False,
+            self.request_topic,
+            bootstrap_servers=self.bootstrap,
+            group_id=f"scripted-{uuid.uuid4().hex[:8]}",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
         )
         self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, enable_idempotence=True)
         await self._consumer.start()
@@ -86,20 +90,31 @@ class ScriptedWorker:
                 await self._producer.flush()
                 await asyncio.sleep(ev)  # a pause in the script
                 continue
-            await self._producer.send(req.reply_topic, encode_event(ev), key=req.id.encode(), partition=req.reply_partition)
+            await self._producer.send(
+                req.reply_topic,
+                encode_event(ev),
+                key=req.id.encode(),
+                partition=req.reply_partition,
+            )
         await self._producer.flush()
 
 
 @pytest.fixture
 async def kafka_topics(kafka_bootstrap, new_topic):
-    return {"requests": await new_topic(2, prefix="creq"), "cancel": await new_topic(1, prefix="ccancel")}
+    return {
+        "requests": await new_topic(2, prefix="creq"),
+        "cancel": await new_topic(1, prefix="ccancel"),
+    }
 
 
 @contextlib.asynccontextmanager
 async def scripted(kafka_bootstrap, kafka_topics, script: Script = default_script, **client_kw):
     async with ScriptedWorker(kafka_bootstrap, kafka_topics["requests"], script) as worker:
         async with InferenceClient(
-            kafka_bootstrap, request_topic=kafka_topics["requests"], cancel_topic=kafka_topics["cancel"], **client_kw
+            kafka_bootstrap,
+            request_topic=kafka_topics["requests"],
+            cancel_topic=kafka_topics["cancel"],
+            **client_kw,
         ) as client:
             yield client, worker
 
@@ -115,7 +130,9 @@ async def read_cancels(bootstrap: str, topic: str, n: int = 1) -> list[str]:
 async def test_shared_reply_topic_many_requests(kafka_bootstrap, kafka_topics):
     async with scripted(kafka_bootstrap, kafka_topics) as (client, worker):
         assert client.reply_topic.startswith("inferline.reply.")
-        handles = await asyncio.gather(*(client.submit(f"prompt {i}", max_tokens=1 + i % 5) for i in range(40)))
+        handles = await asyncio.gather(
+            *(client.submit(f"prompt {i}", max_tokens=1 + i % 5) for i in range(40))
+        )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 60)
         for i, (h, r) in enumerate(zip(handles, results)):
             assert r.text == "".join(f"w{k} " for k in range(1 + i % 5))
@@ -129,7 +146,10 @@ async def test_shared_reply_topic_many_requests(kafka_bootstrap, kafka_topics):
 
 @pytest.mark.kafka
 async def test_per_request_reply_topics(kafka_bootstrap, kafka_topics):
-    async with scripted(kafka_bootstrap, kafka_topics, reply_topic="per-request") as (client, worker):
+    async with scripted(kafka_bootstrap, kafka_topics, reply_topic="per-request") as (
+        client,
+        worker,
+    ):
         handles = [await client.submit("hi", max_tokens=3) for _ in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 60)
         assert [r.text for r in results] == ["w0 w1 w2 "] * 3
@@ -146,7 +166,9 @@ async def test_per_request_reply_topics(kafka_bootstrap, kafka_topics):
 async def test_named_reply_topic_shared_by_two_clients(kafka_bootstrap, kafka_topics, new_topic):
     shared = await new_topic(3, prefix="shared-replies", reply=True)
     async with scripted(kafka_bootstrap, kafka_topics, reply_topic=shared) as (a, _):
-        async with InferenceClient(kafka_bootstrap, request_topic=kafka_topics["requests"], reply_topic=shared) as b:
+        async with InferenceClient(
+            kafka_bootstrap, request_topic=kafka_topics["requests"], reply_topic=shared
+        ) as b:
             ha = [await a.submit("x", max_tokens=2) for _ in range(5)]
             hb = [await b.submit("y", max_tokens=4) for _ in range(5)]
             ra = await asyncio.wait_for(asyncio.gather(*(h.result() for h in ha)), 60)
@@ -196,7 +218,11 @@ def error_script(req: Request) -> list:
 @pytest.mark.kafka
 async def test_rejections_raise_by_code(kafka_bootstrap, kafka_topics):
     async with scripted(kafka_bootstrap, kafka_topics, error_script) as (client, _):
-        for code, cls in (("prompt_too_long", PromptTooLong), ("rate_limited", RateLimited), ("overloaded", Overloaded)):
+        for code, cls in (
+            ("prompt_too_long", PromptTooLong),
+            ("rate_limited", RateLimited),
+            ("overloaded", Overloaded),
+        ):
             h = await client.submit("x", metadata={"code": code})
             with pytest.raises(cls, match=f"{code} it is"):
                 await h.result()
@@ -235,13 +261,18 @@ async def test_invalid_request_is_refused_before_sending(kafka_bootstrap, kafka_
 
 # --------------------------------------------------------------------------- the real worker
 
+
 @pytest.fixture
 async def real_worker(kafka_bootstrap, new_topic, tmp_path):
     """Topics and a `python -m inferline.worker` subprocess; `spawn()` starts another (for restarts)."""
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
-    topics = Topics(requests=await new_topic(1, prefix="wreq"), cancel=await new_topic(1, prefix="wcancel"),
-                    dlq=await new_topic(1, prefix="wdlq"), replies=await new_topic(1, prefix="wrep", reply=True))
+    topics = Topics(
+        requests=await new_topic(1, prefix="wreq"),
+        cancel=await new_topic(1, prefix="wcancel"),
+        dlq=await new_topic(1, prefix="wdlq"),
+        replies=await new_topic(1, prefix="wrep", reply=True),
+    )
     procs = []
     group = f"g-{uuid.uuid4().hex[:8]}"
 
@@ -265,7 +296,9 @@ async def real_worker(kafka_bootstrap, new_topic, tmp_path):
 
 
 def client_for(bootstrap: str, topics, **kw) -> InferenceClient:
-    return InferenceClient(bootstrap, request_topic=topics.requests, cancel_topic=topics.cancel, **kw)
+    return InferenceClient(
+        bootstrap, request_topic=topics.requests, cancel_topic=topics.cancel, **kw
+    )
 
 
 @pytest.mark.kafka
@@ -278,14 +311,18 @@ async def test_real_worker_text_reassembles_and_cancels(kafka_bootstrap, real_wo
         r = await h.result()
         assert r.text and streamed == r.text and r.finish_reason in ("stop", "length")
         assert r.usage.completion_tokens == len(r.token_ids) and r.attempts == 1 and r.gaps == 0
-        long = await client.submit("Count from one to one thousand.", max_tokens=400, ignore_eos=True, temperature=0)
+        long = await client.submit(
+            "Count from one to one thousand.", max_tokens=400, ignore_eos=True, temperature=0
+        )
         async for delta in long.text():
             if delta:
                 break
         await long.cancel()
         with pytest.raises(RequestCancelled):
             await asyncio.wait_for(long.result(), 120)
-        per = await client.submit("Say hello.", max_tokens=8, temperature=0, reply_topic="per-request")
+        per = await client.submit(
+            "Say hello.", max_tokens=8, temperature=0, reply_topic="per-request"
+        )
         assert (await per.result()).text
 
 
@@ -294,7 +331,9 @@ async def test_real_worker_text_reassembles_and_cancels(kafka_bootstrap, real_wo
 async def test_real_worker_restart_gives_new_attempt(kafka_bootstrap, real_worker):
     topics, spawn, procs = real_worker
     async with client_for(kafka_bootstrap, topics) as client:
-        h = await client.submit("Count from one to one thousand.", max_tokens=300, ignore_eos=True, temperature=0)
+        h = await client.submit(
+            "Count from one to one thousand.", max_tokens=300, ignore_eos=True, temperature=0
+        )
         deltas = []
         async for delta in h.text():
             deltas.append(delta)

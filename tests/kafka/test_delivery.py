@@ -1,5 +1,6 @@
 """A worker whose engine thread dies hands its requests to the next worker in the group, on the
 real broker. The offline delivery rules: tests/unit/test_delivery.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +11,21 @@ import pytest
 from inferline.config.settings import Settings
 from tests.worker_fixtures import topics  # noqa: F401 - a fixture
 
+
 @pytest.mark.kafka
-async def test_a_worker_whose_engine_dies_hands_its_requests_to_the_next(kafka_bootstrap, topics, model_runner):
+async def test_a_worker_whose_engine_dies_hands_its_requests_to_the_next(
+    kafka_bootstrap, topics, model_runner
+):
     """The engine thread dies mid-request: the worker publishes `requeued`, fails readiness, stops
     with EngineDied without committing the offset; a new worker in the group then finishes it."""
-    from tests.worker_fixtures import collect, final_done, request, submit, wait_ready, worker_config
+    from tests.worker_fixtures import (
+        collect,
+        final_done,
+        request,
+        submit,
+        wait_ready,
+        worker_config,
+    )
     from inferline.worker.app import EngineDied, Worker, engine_settings
     from inferline.worker.engine.engine import LLMEngine
 

@@ -3,6 +3,7 @@ being committed: when it wakes, it aborts the open transactions (fencing their p
 evicts the worker from the group. Every request still ends with exactly one final `done` (read with
 read_committed) and nothing is dead-lettered: a passing cause is retried, a fence is resolved with
 the group coordinator, work of the lost assignment is given back and run again."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,15 @@ import pytest
 from inferline.config.settings import Settings
 from tests.chaos_fixtures import private_topics, running_private_broker
 from tests.kafka_fixtures import consume_until
-from tests.worker_fixtures import check_attempts, collect, final_dones, request, submit, wait_ready, worker_config
+from tests.worker_fixtures import (
+    check_attempts,
+    collect,
+    final_dones,
+    request,
+    submit,
+    wait_ready,
+    worker_config,
+)
 from inferline.worker.app import Worker, engine_settings
 from inferline.worker.engine.engine import LLMEngine
 
@@ -29,17 +38,26 @@ def private_broker(tmp_path_factory):
 
 
 async def test_a_broker_paused_past_the_transaction_timeout_loses_and_dead_letters_nothing(
-        private_broker, model_runner):
+    private_broker, model_runner
+):
     bootstrap = private_broker.bootstrap
     topics = await private_topics(bootstrap, "pause", 2, 2)
-    settings = Settings(**worker_config(bootstrap, topics, kafka={
-        "group_id": f"pause-{uuid.uuid4().hex[:8]}", "transaction_timeout_ms": 1000}))
+    settings = Settings(
+        **worker_config(
+            bootstrap,
+            topics,
+            kafka={"group_id": f"pause-{uuid.uuid4().hex[:8]}", "transaction_timeout_ms": 1000},
+        )
+    )
     worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
     task = asyncio.create_task(worker.run())
     pid = int((private_broker.kdir / "kafka.pid").read_text())
     try:
         await wait_ready(worker, task)
-        reqs = [request(topics.replies, f"Count to {n}.", max_tokens=12, ignore_eos=True) for n in range(10)]
+        reqs = [
+            request(topics.replies, f"Count to {n}.", max_tokens=12, ignore_eos=True)
+            for n in range(10)
+        ]
         await submit(bootstrap, topics.requests, reqs)
         while not any(j.state == "running" for j in worker.jobs.values()):
             await asyncio.sleep(0.05)
@@ -49,8 +67,9 @@ async def test_a_broker_paused_past_the_transaction_timeout_loses_and_dead_lette
         finally:
             os.kill(pid, signal.SIGCONT)
         events = await collect(bootstrap, topics.replies, [r["id"] for r in reqs], timeout=240)
-        dead = await consume_until(bootstrap, topics.dlq, timeout=2, raise_on_timeout=False,
-                                   predicate=lambda rs: bool(rs))
+        dead = await consume_until(
+            bootstrap, topics.dlq, timeout=2, raise_on_timeout=False, predicate=lambda rs: bool(rs)
+        )
     finally:
         worker.request_stop()
         await asyncio.wait_for(task, 90)

@@ -2,6 +2,7 @@
 prompts at exactly the maximum length and one token over, a KV cache for a quarter of the load.
 
 In-process workers over the session's shared model (tests/worker_fixtures.py); tiny max_tokens."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,13 @@ import pytest
 
 from inferline.producer.client import InferenceClient
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    check_attempts, collect, final_done, request, start_worker, submit, topics,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 
 pytestmark = pytest.mark.kafka
@@ -43,16 +50,26 @@ async def test_burst_of_10x_the_pool(kafka_bootstrap, topics, start_worker):
     pool, running = 6, 4
     worker = await start_worker(topics, scheduler={"max_num_seqs": running, "max_waiting": pool})
     peaks = Peaks(worker)
-    reqs = [request(topics.replies, prompt=None, prompt_token_ids=[1, 2 + i, 3], max_tokens=2, ignore_eos=True)
-            for i in range(10 * (pool + running))]
+    reqs = [
+        request(
+            topics.replies,
+            prompt=None,
+            prompt_token_ids=[1, 2 + i, 3],
+            max_tokens=2,
+            ignore_eos=True,
+        )
+        for i in range(10 * (pool + running))
+    ]
     ids = await submit(kafka_bootstrap, topics.requests, reqs)
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=240)
     peaks.stop()
     for i in ids:
         check_attempts(events[i])
         assert final_done(events[i]).finish_reason == "length"
-    print(f"\nburst {len(ids)}: peak waiting {peaks.waiting}/{pool}, peak jobs {peaks.jobs}, "
-          f"paused partitions {peaks.paused}")
+    print(
+        f"\nburst {len(ids)}: peak waiting {peaks.waiting}/{pool}, peak jobs {peaks.jobs}, "
+        f"paused partitions {peaks.paused}"
+    )
     assert peaks.waiting <= pool and peaks.jobs <= pool + running
     assert peaks.paused >= 1  # backpressure reached the consumer
 
@@ -60,7 +77,9 @@ async def test_burst_of_10x_the_pool(kafka_bootstrap, topics, start_worker):
 async def quiet_latencies(client: InferenceClient, n: int) -> list[float]:
     out = []
     for i in range(n):
-        handle = await client.submit(f"Say {i}.", max_tokens=3, temperature=0.0, tenant="quiet", ignore_eos=True)
+        handle = await client.submit(
+            f"Say {i}.", max_tokens=3, temperature=0.0, tenant="quiet", ignore_eos=True
+        )
         result = await handle.result()
         out.append(result.client_total_s)
     return out
@@ -68,28 +87,47 @@ async def quiet_latencies(client: InferenceClient, n: int) -> list[float]:
 
 async def test_noisy_tenant_beside_a_quiet_one(kafka_bootstrap, topics, start_worker):
     """A tenant sending 20x its rate limit does not slow a well-behaved one down by more than 2x."""
-    await start_worker(topics, limits={"tenants": {"noisy": {"requests_per_s": 2.0, "burst_requests": 2}}})
-    client = InferenceClient(kafka_bootstrap, reply_topic=topics.replies, request_topic=topics.requests,
-                             cancel_topic=topics.cancel, timeout_s=120)
+    await start_worker(
+        topics, limits={"tenants": {"noisy": {"requests_per_s": 2.0, "burst_requests": 2}}}
+    )
+    client = InferenceClient(
+        kafka_bootstrap,
+        reply_topic=topics.replies,
+        request_topic=topics.requests,
+        cancel_topic=topics.cancel,
+        timeout_s=120,
+    )
     async with client:
         await quiet_latencies(client, 2)  # warm-up: first batches, reply-topic metadata
         unloaded = await quiet_latencies(client, 5)
-        noisy = [request(topics.replies, max_tokens=4, ignore_eos=True, tenant="noisy") for _ in range(200)]
+        noisy = [
+            request(topics.replies, max_tokens=4, ignore_eos=True, tenant="noisy")
+            for _ in range(200)
+        ]
         flood = asyncio.create_task(submit(kafka_bootstrap, topics.requests, noisy))
         loaded = await quiet_latencies(client, 5)
         noisy_ids = await flood
     events = await collect(kafka_bootstrap, topics.replies, noisy_ids, timeout=120)
     reasons = [final_done(events[i]).finish_reason for i in noisy_ids]
     base, under = statistics.median(unloaded), statistics.median(loaded)
-    print(f"\nquiet tenant median latency: unloaded {base:.3f}s, beside the flood {under:.3f}s "
-          f"(x{under / base:.2f}); noisy: {reasons.count('length')} ran, {reasons.count('rejected')} rejected")
+    print(
+        f"\nquiet tenant median latency: unloaded {base:.3f}s, beside the flood {under:.3f}s "
+        f"(x{under / base:.2f}); noisy: {reasons.count('length')} ran, {reasons.count('rejected')} rejected"
+    )
     assert reasons.count("rejected") >= 150 and reasons.count("length") >= 2
-    assert all(final_done(events[i]).error.code == "rate_limited" for i in noisy_ids
-               if final_done(events[i]).finish_reason == "rejected")
-    assert under <= 2.0 * base, f"quiet tenant slowed x{under / base:.2f} by a rate-limited neighbour"
+    assert all(
+        final_done(events[i]).error.code == "rate_limited"
+        for i in noisy_ids
+        if final_done(events[i]).finish_reason == "rejected"
+    )
+    assert under <= 2.0 * base, (
+        f"quiet tenant slowed x{under / base:.2f} by a rate-limited neighbour"
+    )
 
 
-async def test_prompt_at_the_maximum_length_and_one_token_over(kafka_bootstrap, topics, start_worker, model_runner):
+async def test_prompt_at_the_maximum_length_and_one_token_over(
+    kafka_bootstrap, topics, start_worker, model_runner
+):
     max_len, max_tokens = 64, 2
     worker = await start_worker(topics, model={"max_model_len": max_len})
     # The in-process engine shares the session's runner (built for 2048): give it this worker's
@@ -102,14 +140,24 @@ async def test_prompt_at_the_maximum_length_and_one_token_over(kafka_bootstrap, 
         tok = load_tokenizer(resolve_model_dir())
     fits = max_len - max_tokens  # the prompt and every token it may generate fit the model length
     words = " ".join(["sea"] * 200)
-    text_fit = next(t for t in (" ".join(words.split()[:k]) for k in range(1, 200))
-                    if len(tok(t)["input_ids"]) == fits)
-    text_over = next(t for t in (text_fit + " sea" * k for k in range(1, 4)) if len(tok(t)["input_ids"]) == fits + 1)
+    text_fit = next(
+        t
+        for t in (" ".join(words.split()[:k]) for k in range(1, 200))
+        if len(tok(t)["input_ids"]) == fits
+    )
+    text_over = next(
+        t
+        for t in (text_fit + " sea" * k for k in range(1, 4))
+        if len(tok(t)["input_ids"]) == fits + 1
+    )
     r = lambda **kw: request(topics.replies, max_tokens=max_tokens, ignore_eos=True, **kw)  # noqa: E731
     cases = {
         "ids_exact": (r(prompt=None, prompt_token_ids=[5] * fits), "length"),
         "ids_one_over": (r(prompt=None, prompt_token_ids=[5] * (fits + 1)), "prompt_too_long"),
-        "ids_model_len_plus_one": (r(prompt=None, prompt_token_ids=[5] * (max_len + 1)), "prompt_too_long"),
+        "ids_model_len_plus_one": (
+            r(prompt=None, prompt_token_ids=[5] * (max_len + 1)),
+            "prompt_too_long",
+        ),
         "text_exact": (r(prompt=text_fit), "length"),
         "text_one_over": (r(prompt=text_over), "prompt_too_long"),
     }
@@ -119,7 +167,10 @@ async def test_prompt_at_the_maximum_length_and_one_token_over(kafka_bootstrap, 
         done = final_done(events[req["id"]])
         check_attempts(events[req["id"]])
         if expected == "length":
-            assert done.finish_reason == "length" and done.usage.completion_tokens == max_tokens, (name, done)
+            assert done.finish_reason == "length" and done.usage.completion_tokens == max_tokens, (
+                name,
+                done,
+            )
             assert done.usage.prompt_tokens == fits, (name, done)
         else:
             assert done.finish_reason == "rejected" and done.error.code == expected, (name, done)
@@ -128,12 +179,22 @@ async def test_prompt_at_the_maximum_length_and_one_token_over(kafka_bootstrap, 
 async def test_kv_cache_for_a_quarter_of_the_load(kafka_bootstrap, topics, start_worker):
     """16 requests needing 2 blocks each (32) on 8 blocks: preemptions, no crash, all complete, and
     greedy outputs of the same prompt agree however often they were preempted."""
-    prompts = ["Tell me about the sea and the sky.", "List three colours of the rainbow.",
-               "What do cats like to eat?", "Describe a tall mountain briefly."]
+    prompts = [
+        "Tell me about the sea and the sky.",
+        "List three colours of the rainbow.",
+        "What do cats like to eat?",
+        "Describe a tall mountain briefly.",
+    ]
     max_tokens, n = 12, 16
-    worker = await start_worker(topics, cache={"num_blocks": 8, "block_size": 16},
-                                scheduler={"max_num_seqs": 16, "max_waiting": 32})
-    reqs = [request(topics.replies, prompts[i % 4], max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
+    worker = await start_worker(
+        topics,
+        cache={"num_blocks": 8, "block_size": 16},
+        scheduler={"max_num_seqs": 16, "max_waiting": 32},
+    )
+    reqs = [
+        request(topics.replies, prompts[i % 4], max_tokens=max_tokens, ignore_eos=True)
+        for i in range(n)
+    ]
     ids = await submit(kafka_bootstrap, topics.requests, reqs)
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=300)
     texts: dict[str, set[str]] = {}

@@ -1,6 +1,7 @@
 """The gateway's failure paths against the real broker and a real worker: a worker error (500),
 overload and rate limits (429 with Retry-After), deadlines on either side (504), a prompt too
 long (400), each whole and streamed; and a Prometheus scrape of /metrics whose counters move."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferline.producer import client as producer_client
 from tests.gateway_fixtures import (  # noqa: F401 - fixtures
-    delete_topics, fleet, gateway_settings, make_topics, start_gateway, stop_gateway,
+    delete_topics,
+    fleet,
+    gateway_settings,
+    make_topics,
+    start_gateway,
+    stop_gateway,
 )
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import start_worker  # noqa: F401 - fixture
@@ -39,8 +45,11 @@ async def streamed_text(stream) -> str:
 async def scrape(http: httpx.AsyncClient) -> dict[tuple, float]:
     response = await http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 def moved(before: dict, after: dict, name: str, **labels) -> float:
@@ -70,7 +79,11 @@ def failing_engine(fleet, monkeypatch):
     step = engine.step
 
     def failing_step():
-        if any(seq.num_output_tokens >= 2 for samples in list(engine.requests.values()) for seq in samples):
+        if any(
+            seq.num_output_tokens >= 2
+            for samples in list(engine.requests.values())
+            for seq in samples
+        ):
             raise RuntimeError("injected step failure")
         return step()
 
@@ -102,7 +115,9 @@ async def test_rate_limited_whole_answer_is_429(fleet):
     await aio.completions.create(model=MODEL, prompt="Hi", max_tokens=1)  # the one of the burst
     with pytest.raises(openai.RateLimitError) as err:
         await aio.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
-    assert err.value.code == "rate_limit_exceeded" and err.value.response.headers["retry-after"] == "1"
+    assert (
+        err.value.code == "rate_limit_exceeded" and err.value.response.headers["retry-after"] == "1"
+    )
 
 
 # --- deadlines: 504 ----------------------------------------------------------------------------
@@ -111,10 +126,16 @@ async def test_rate_limited_whole_answer_is_429(fleet):
 async def test_deadline_inside_a_started_stream_ends_it_with_timeout(fleet, kafka_bootstrap):
     # Long enough for the stream to start on an idle worker, far too short for 400 tokens. (On a
     # starved machine the deadline may pass before the start: then a 504, the same code.)
-    server, task, url = await start_gateway(gateway_settings(kafka_bootstrap, fleet.topics, request_timeout_s=3))
+    server, task, url = await start_gateway(
+        gateway_settings(kafka_bootstrap, fleet.topics, request_timeout_s=3)
+    )
     try:
         with pytest.raises(openai.APIError) as err:
-            await streamed_text(await client(url).chat.completions.create(model=MODEL, messages=CHAT, stream=True, **LONG))
+            await streamed_text(
+                await client(url).chat.completions.create(
+                    model=MODEL, messages=CHAT, stream=True, **LONG
+                )
+            )
         assert err.value.code == "timeout"
     finally:
         await stop_gateway(server, task)
@@ -126,16 +147,22 @@ async def test_no_done_after_the_deadline_is_504_and_a_cancel(kafka_bootstrap, m
     monkeypatch.setattr(producer_client, "DEADLINE_GRACE_S", 0.5)
     topics = await make_topics(kafka_bootstrap)
     try:
-        server, task, url = await start_gateway(gateway_settings(kafka_bootstrap, topics, request_timeout_s=0.5))
+        server, task, url = await start_gateway(
+            gateway_settings(kafka_bootstrap, topics, request_timeout_s=0.5)
+        )
         try:
             aio = client(url)
             for stream in (False, True):
                 with pytest.raises(openai.APIStatusError) as err:
-                    await aio.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=stream)
+                    await aio.chat.completions.create(
+                        model=MODEL, messages=CHAT, max_tokens=4, stream=stream
+                    )
                 assert err.value.status_code == 504 and err.value.code == "timeout", stream
         finally:
             await stop_gateway(server, task)
-        cancels = await consume_until(kafka_bootstrap, topics.cancel, lambda recs: len(recs) >= 2, timeout=30)
+        cancels = await consume_until(
+            kafka_bootstrap, topics.cancel, lambda recs: len(recs) >= 2, timeout=30
+        )
         assert len({r.key for r in cancels}) == 2
     finally:
         await delete_topics(kafka_bootstrap, topics)
@@ -145,9 +172,13 @@ async def test_no_done_after_the_deadline_is_504_and_a_cancel(kafka_bootstrap, m
 
 
 async def test_prompt_too_long_streamed_is_400_before_any_header(fleet):
-    long_chat = [{"role": "user", "content": "word " * 600}]  # the test worker's max_model_len is 512
+    long_chat = [
+        {"role": "user", "content": "word " * 600}
+    ]  # the test worker's max_model_len is 512
     with pytest.raises(openai.BadRequestError) as err:
-        await client(fleet.url).chat.completions.create(model=MODEL, messages=long_chat, max_tokens=4, stream=True)
+        await client(fleet.url).chat.completions.create(
+            model=MODEL, messages=long_chat, max_tokens=4, stream=True
+        )
     assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
 
 
@@ -159,7 +190,9 @@ async def hang_up_mid_stream(url: str) -> None:
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer sk-acme"}) as http:
         async with http.stream("POST", "/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get(
+                    "content"
+                ):
                     break
 
 
@@ -167,7 +200,9 @@ async def test_metrics_scrape_shows_the_counters_move(fleet):
     aio = client(fleet.url)
     async with httpx.AsyncClient(base_url=fleet.url.removesuffix("/v1")) as http:
         before = await scrape(http)
-        await streamed_text(await aio.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True))
+        await streamed_text(
+            await aio.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True)
+        )
         await aio.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         with pytest.raises(openai.BadRequestError):
             await aio.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
@@ -176,7 +211,9 @@ async def test_metrics_scrape_shows_the_counters_move(fleet):
         await hang_up_mid_stream(fleet.url)
         after = await scrape_until(http, before, "inferline_gateway_cancels_total")
     assert moved(before, after, REQUESTS, endpoint="chat", status="200") == 1
-    assert moved(before, after, REQUESTS, endpoint="chat", status="499") == 1  # the client hung up mid-stream
+    assert (
+        moved(before, after, REQUESTS, endpoint="chat", status="499") == 1
+    )  # the client hung up mid-stream
     assert moved(before, after, REQUESTS, endpoint="completions", status="200") == 1
     assert moved(before, after, REQUESTS, endpoint="chat", status="400") == 1
     assert moved(before, after, REQUESTS, endpoint="completions", status="401") == 1
@@ -193,16 +230,26 @@ async def test_overloaded_worker_is_429_with_retry_after(kafka_bootstrap, start_
     topics = await make_topics(kafka_bootstrap)
     try:
         # One running, two waiting; a pool full for 0.3 s sheds what else it reads.
-        await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 2},
-                           limits={"overload_reject_after_s": 0.3})
-        server, task, url = await start_gateway(gateway_settings(kafka_bootstrap, topics, retry_after_s=7))
+        await start_worker(
+            topics,
+            scheduler={"max_num_seqs": 1, "max_waiting": 2},
+            limits={"overload_reject_after_s": 0.3},
+        )
+        server, task, url = await start_gateway(
+            gateway_settings(kafka_bootstrap, topics, retry_after_s=7)
+        )
         try:
             aio = client(url)
 
             async def one(i: int):
                 return await aio.chat.completions.create(
-                    model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=i % 2 == 1,
-                    extra_body={"ignore_eos": True})
+                    model=MODEL,
+                    messages=CHAT,
+                    max_tokens=16,
+                    temperature=0,
+                    stream=i % 2 == 1,
+                    extra_body={"ignore_eos": True},
+                )
 
             results = await asyncio.gather(*(one(i) for i in range(12)), return_exceptions=True)
         finally:

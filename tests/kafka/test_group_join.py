@@ -2,6 +2,7 @@
 one JoinGroup request per join (worker/intake/group_join.py), so each member that joins costs the
 group one generation. aiokafka alone sends one request per assignor: two generations a join, and
 members out of step rebalanced each other for minutes (the CI failure of the scaling step)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,14 @@ pytestmark = pytest.mark.kafka
 
 
 async def _member(bootstrap: str, topic: str, group: str) -> AIOKafkaConsumer:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                                partition_assignment_strategy=assignors("hold"),
-                                session_timeout_ms=20_000, heartbeat_interval_ms=500)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        partition_assignment_strategy=assignors("hold"),
+        session_timeout_ms=20_000,
+        heartbeat_interval_ms=500,
+    )
     consumer.subscribe([topic])
     await consumer.start()
     return consumer
@@ -28,18 +34,28 @@ async def _member(bootstrap: str, topic: str, group: str) -> AIOKafkaConsumer:
 
 async def _poll(consumers: list[AIOKafkaConsumer], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        await asyncio.gather(*(c.getmany(timeout_ms=50) for c in list(consumers)), asyncio.sleep(0.05))
+        await asyncio.gather(
+            *(c.getmany(timeout_ms=50) for c in list(consumers)), asyncio.sleep(0.05)
+        )
 
 
-async def _settled(consumers: list[AIOKafkaConsumer], partitions: int, timeout: float = 60.0) -> set[int]:
+async def _settled(
+    consumers: list[AIOKafkaConsumer], partitions: int, timeout: float = 60.0
+) -> set[int]:
     """The members' generations once every partition is assigned to exactly one of them."""
     deadline = time.monotonic() + timeout
     while True:
         owned = [tp.partition for c in consumers for tp in c.assignment()]
         gens = {c._coordinator.generation for c in consumers}
-        if sorted(owned) == list(range(partitions)) and all(c.assignment() for c in consumers) and len(gens) == 1:
+        if (
+            sorted(owned) == list(range(partitions))
+            and all(c.assignment() for c in consumers)
+            and len(gens) == 1
+        ):
             return gens
-        assert time.monotonic() < deadline, f"no stable assignment: generations {gens}, owned {owned}"
+        assert time.monotonic() < deadline, (
+            f"no stable assignment: generations {gens}, owned {owned}"
+        )
         await asyncio.sleep(0.1)
 
 

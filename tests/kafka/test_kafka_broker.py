@@ -1,4 +1,5 @@
 """The local broker and the Kafka fixtures, against the real broker."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,13 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.kafka_fixtures import KAFKA_SH, LOCAL_BOOTSTRAP, consume_until, free_port_pair, produce_raw
+from tests.kafka_fixtures import (
+    KAFKA_SH,
+    LOCAL_BOOTSTRAP,
+    consume_until,
+    free_port_pair,
+    produce_raw,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -38,18 +45,24 @@ async def test_topic_with_partitions(kafka_bootstrap, new_topic):
     for p in range(5):
         await produce_raw(kafka_bootstrap, topic, [f"p{p}".encode()], partition=p)
     records = await consume_until(kafka_bootstrap, topic, lambda rs: len(rs) >= 5)
-    assert sorted((r.partition, r.value) for r in records) == [(p, f"p{p}".encode()) for p in range(5)]
+    assert sorted((r.partition, r.value) for r in records) == [
+        (p, f"p{p}".encode()) for p in range(5)
+    ]
 
 
 async def test_consume_until_waits_for_a_topic_and_times_out(kafka_bootstrap, new_topic):
     topic = await new_topic(partitions=2)
     await produce_raw(kafka_bootstrap, topic, [(b"a", b"1"), (b"b", b"2")])
-    records = await consume_until(kafka_bootstrap, topic, lambda rs: any(r.value == b"2" for r in rs))
+    records = await consume_until(
+        kafka_bootstrap, topic, lambda rs: any(r.value == b"2" for r in rs)
+    )
     assert b"2" in [r.value for r in records]
 
     with pytest.raises(TimeoutError, match="condition not met"):
         await consume_until(kafka_bootstrap, topic, lambda rs: len(rs) > 2, timeout=0.5)
-    got = await consume_until(kafka_bootstrap, topic, lambda rs: False, timeout=0.3, raise_on_timeout=False)
+    got = await consume_until(
+        kafka_bootstrap, topic, lambda rs: False, timeout=0.3, raise_on_timeout=False
+    )
     assert len(got) == 2
 
 
@@ -90,7 +103,9 @@ def test_start_survives_a_stale_pid_file(kafka_bootstrap):
 
 def test_external_broker_is_left_alone():
     env = dict(os.environ, INFERLINE_KAFKA__BOOTSTRAP_SERVERS="broker.invalid:9092")
-    done = subprocess.run([str(KAFKA_SH), "start"], capture_output=True, text=True, env=env, timeout=30)
+    done = subprocess.run(
+        [str(KAFKA_SH), "start"], capture_output=True, text=True, env=env, timeout=30
+    )
     assert done.returncode == 0
     assert "not starting a local one" in done.stderr
 
@@ -118,7 +133,9 @@ async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tm
     )
 
     def kafka_sh(*args: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(KAFKA_SH), *args], capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run(
+            [str(KAFKA_SH), *args], capture_output=True, text=True, env=env, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         return done
 
@@ -126,7 +143,9 @@ async def test_private_broker_restart_keeps_data_and_survives_a_lost_pid_file(tm
     try:
         log = Path(kafka_sh("start").stdout.strip())
         assert log.exists() and "Kafka Server started" in log.read_text()
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)  # the broker creates no topic by itself
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap
+        )  # the broker creates no topic by itself
         await admin.start()
         try:
             await admin.create_topics([NewTopic("kept", 1, 1)])

@@ -3,6 +3,7 @@ partitions and a third joins, or one of three leaves with a SIGTERM drain. Only 
 partitions that moved to another worker are requeued; the others stream on through the step;
 every request ends with exactly one final `done`, read with read_committed. The scenario is
 bench/scaling_step.py's (`python -m bench.scaling_step` measures it); each worker is a process."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,16 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("step", ["join", "leave"])
-async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(kafka_bootstrap, tmp_path, step):
+async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(
+    kafka_bootstrap, tmp_path, step
+):
     run = await run_step(kafka_bootstrap, step, "hold", tmp_path, QUICK)
     assert 0 < len(run.moved) < PARTITIONS, (run.before, run.after)
     requeued = run.requeued()
-    print(f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {len(run.running_at(run.begin))} "
-          f"running, on partitions {sorted(set(requeued.values()))}")
+    print(
+        f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {len(run.running_at(run.begin))} "
+        f"running, on partitions {sorted(set(requeued.values()))}"
+    )
     assert {p for p in requeued.values()} <= run.moved
     through = {i for i in run.ran_through() if run.partition_of[i] not in run.moved}
     assert through, "no request of a kept partition was running through the step"
@@ -34,8 +39,9 @@ async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(kaf
 @pytest.fixture(scope="module")
 def share_broker(tmp_path_factory):
     pytest.importorskip("confluent_kafka", minversion="2.16")
-    yield from running_private_broker(tmp_path_factory.mktemp("kafka-share"),
-                                      INFERLINE_KAFKA_VERSION="4.2.0")
+    yield from running_private_broker(
+        tmp_path_factory.mktemp("kafka-share"), INFERLINE_KAFKA_VERSION="4.2.0"
+    )
 
 
 @pytest.mark.parametrize("step", ["join", "leave"])

@@ -11,6 +11,7 @@ users created at format time) on a free port:
   password.
 
 The offline checks (secrets out of errors, no code from requests): tests/unit/test_security.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,16 +32,23 @@ from tests.unit.test_security import REPO  # noqa: F401
 
 
 SASL_SH = REPO / "scripts" / "kafka" / "sasl_ssl.sh"
+
+
 class SaslBroker:
     def __init__(self, kdir: Path) -> None:
         self.port = free_port_pair()
         self.kdir = kdir
         self.bootstrap = f"localhost:{self.port}"
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_KAFKA")},
-                    "INFERLINE_KAFKA_PORT": str(self.port), "INFERLINE_KAFKA_DIR": str(kdir)}
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_KAFKA")},
+            "INFERLINE_KAFKA_PORT": str(self.port),
+            "INFERLINE_KAFKA_DIR": str(kdir),
+        }
 
     def sh(self, cmd: str) -> None:
-        done = subprocess.run([str(SASL_SH), cmd], env=self.env, capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [str(SASL_SH), cmd], env=self.env, capture_output=True, text=True, timeout=240
+        )
         if done.returncode != 0:
             raise RuntimeError(f"sasl_ssl.sh {cmd} failed:\n{done.stderr[-3000:]}")
 
@@ -54,9 +62,15 @@ class SaslBroker:
 
     def kafka(self, **overrides) -> dict:
         """The `kafka` settings of an authenticated client of this broker."""
-        return {"bootstrap_servers": self.bootstrap, "security_protocol": "SASL_SSL",
-                "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "inferline",
-                "sasl_password": self.password, "ssl_cafile": str(self.cafile), **overrides}
+        return {
+            "bootstrap_servers": self.bootstrap,
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": "inferline",
+            "sasl_password": self.password,
+            "ssl_cafile": str(self.cafile),
+            **overrides,
+        }
 
 
 def running(broker: SaslBroker):
@@ -86,7 +100,9 @@ async def round_trip(kwargs: dict, topic: str, timeout: float = 20.0) -> bytes:
         await asyncio.wait_for(producer.start(), timeout)
         value = uuid.uuid4().hex.encode()
         meta = await asyncio.wait_for(producer.send_and_wait(topic, value), timeout)
-        consumer = AIOKafkaConsumer(**kwargs, group_id=None, enable_auto_commit=False, request_timeout_ms=8000)
+        consumer = AIOKafkaConsumer(
+            **kwargs, group_id=None, enable_auto_commit=False, request_timeout_ms=8000
+        )
         await asyncio.wait_for(consumer.start(), timeout)
         tp = TopicPartition(topic, meta.partition)
         consumer.assign([tp])
@@ -129,13 +145,30 @@ async def test_sasl_ssl_refuses_strangers_and_admits_the_credentialed(sasl_broke
     assert await round_trip(Settings(kafka=sasl_broker.kafka()).kafka.connection_options(), topic)
 
     outcomes = {
-        "no credentials (TLS only)": await refused(worker_kwargs(sasl_broker.kafka(
-            security_protocol="SSL", sasl_mechanism=None, sasl_username=None, sasl_password=None)), topic),
-        "wrong password": await refused(worker_kwargs(sasl_broker.kafka(sasl_password="not-the-password")), topic),
-        "unknown user": await refused(worker_kwargs(sasl_broker.kafka(sasl_username="mallory")), topic),
+        "no credentials (TLS only)": await refused(
+            worker_kwargs(
+                sasl_broker.kafka(
+                    security_protocol="SSL",
+                    sasl_mechanism=None,
+                    sasl_username=None,
+                    sasl_password=None,
+                )
+            ),
+            topic,
+        ),
+        "wrong password": await refused(
+            worker_kwargs(sasl_broker.kafka(sasl_password="not-the-password")), topic
+        ),
+        "unknown user": await refused(
+            worker_kwargs(sasl_broker.kafka(sasl_username="mallory")), topic
+        ),
         "plaintext": await refused({"bootstrap_servers": sasl_broker.bootstrap}, topic),
-        "untrusted CA": await refused(worker_kwargs(sasl_broker.kafka(
-            ssl_cafile=str(sasl_broker.kdir / "certs" / "other-ca.pem"))), topic),
+        "untrusted CA": await refused(
+            worker_kwargs(
+                sasl_broker.kafka(ssl_cafile=str(sasl_broker.kdir / "certs" / "other-ca.pem"))
+            ),
+            topic,
+        ),
     }
     print(f"\nrefused: {outcomes}")
 
@@ -150,22 +183,41 @@ async def test_worker_serves_over_sasl_ssl_and_never_logs_the_secret(sasl_broker
     admin = AIOKafkaAdminClient(**worker_kwargs(sasl_broker.kafka()))
     await admin.start()
     stem = uuid.uuid4().hex[:8]
-    topics = Topics(requests=f"sec-req-{stem}", cancel=f"sec-cancel-{stem}", dlq=f"sec-dlq-{stem}",
-                    replies=f"inferline.reply.sec-{stem}")
+    topics = Topics(
+        requests=f"sec-req-{stem}",
+        cancel=f"sec-cancel-{stem}",
+        dlq=f"sec-dlq-{stem}",
+        replies=f"inferline.reply.sec-{stem}",
+    )
     try:
-        await admin.create_topics([NewTopic(t, 1, 1) for t in (topics.requests, topics.cancel, topics.dlq,
-                                                                topics.replies)])
+        await admin.create_topics(
+            [
+                NewTopic(t, 1, 1)
+                for t in (topics.requests, topics.cancel, topics.dlq, topics.replies)
+            ]
+        )
     finally:
         await admin.close()
 
     log = tmp_path / "worker.log"
     # Everything, the password included, reaches the worker through INFERLINE_* variables only.
-    proc = spawn_worker(sasl_broker.bootstrap, topics, log, kafka=sasl_broker.kafka(), log={"level": "DEBUG"},
-                        model={"max_model_len": 128})
+    proc = spawn_worker(
+        sasl_broker.bootstrap,
+        topics,
+        log,
+        kafka=sasl_broker.kafka(),
+        log={"level": "DEBUG"},
+        model={"max_model_len": 128},
+    )
     try:
         await wait_log(log, "intake.assigned", proc, timeout=180)
-        client = InferenceClient(settings=settings, reply_topic=topics.replies, request_topic=topics.requests,
-                                 cancel_topic=topics.cancel, timeout_s=120)
+        client = InferenceClient(
+            settings=settings,
+            reply_topic=topics.replies,
+            request_topic=topics.requests,
+            cancel_topic=topics.cancel,
+            timeout_s=120,
+        )
         async with client:
             handle = await client.submit("Say hi.", max_tokens=2, temperature=0.0)
             result = await handle.result()
@@ -179,7 +231,8 @@ async def test_worker_serves_over_sasl_ssl_and_never_logs_the_secret(sasl_broker
     text = log.read_text(errors="replace")
     lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert any(line.get("event") == "worker.started" for line in lines)
-    for secret in (sasl_broker.password, (sasl_broker.kdir / "certs" / "keystore.password").read_text().strip()):
+    for secret in (
+        sasl_broker.password,
+        (sasl_broker.kdir / "certs" / "keystore.password").read_text().strip(),
+    ):
         assert secret not in text, "a secret reached the worker's log"
-
-

@@ -9,6 +9,7 @@ requests while the others go on serving. A request delivered more often than
 Share groups need Kafka 4.2+ (on 4.1.1 with share.version=1, the broker cannot parse the member
 ids librdkafka makes): these tests run their own broker, SHARE_KAFKA_VERSION from Maven Central.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,19 +41,28 @@ ASSIGNMENT_S = 15
 
 @pytest.fixture(scope="module")
 def share_broker(tmp_path_factory):
-    yield from running_private_broker(tmp_path_factory.mktemp("kafka-share"),
-                                      INFERLINE_KAFKA_VERSION=SHARE_KAFKA_VERSION)
+    yield from running_private_broker(
+        tmp_path_factory.mktemp("kafka-share"), INFERLINE_KAFKA_VERSION=SHARE_KAFKA_VERSION
+    )
 
 
 async def make_topics(bootstrap: str) -> Topics:
     return await private_topics(bootstrap, "share", 1, 2)
 
 
-def share_worker(name: str, bootstrap: str, topics: Topics, log_dir, group: str, **kafka) -> WorkerProcess:
+def share_worker(
+    name: str, bootstrap: str, topics: Topics, log_dir, group: str, **kafka
+) -> WorkerProcess:
     # A small pool: a worker takes a few records at a time, so the others get some too.
-    return WorkerProcess(name, bootstrap, topics, log_dir, worker={"name": name, "drain_timeout_s": 20},
-                         kafka={"intake": "share", "group_id": group, "share_lock_ms": LOCK_MS, **kafka},
-                         scheduler={"max_num_seqs": 4, "max_waiting": 4})
+    return WorkerProcess(
+        name,
+        bootstrap,
+        topics,
+        log_dir,
+        worker={"name": name, "drain_timeout_s": 20},
+        kafka={"intake": "share", "group_id": group, "share_lock_ms": LOCK_MS, **kafka},
+        scheduler={"max_num_seqs": 4, "max_waiting": 4},
+    )
 
 
 async def submit_each(bootstrap: str, topic: str, requests: list[dict]) -> list[str]:
@@ -88,27 +98,46 @@ async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker
             w.spawn()
         await asyncio.gather(*(w.wait_started(600) for w in workers))
         # Wave 1: every worker serves some of the requests of the one partition.
-        ids = await submit_each(bootstrap, topics.requests,
-                                [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=6, ignore_eos=True)
-                                 for i in range(24)])
+        ids = await submit_each(
+            bootstrap,
+            topics.requests,
+            [
+                make_request(topics.replies, prompt=f"Count: {i}", max_tokens=6, ignore_eos=True)
+                for i in range(24)
+            ],
+        )
         await wait_until(lambda: watcher.finished(ids) == len(ids), 240, "wave 1")
         events = watcher.events()
         served = set().union(*(workers_of([e for _, e in events[i]])[1] for i in ids))
         assert served == {"w0", "w1", "w2"}, f"workers that served: {served}"
         # Wave 2: w0 dies while it runs requests; the others finish them, none lost.
-        ids2 = await submit_each(bootstrap, topics.requests,
-                                 [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=24, ignore_eos=True)
-                             for i in range(12)])
-        victim_started = lambda: [i for i, evs in watcher.events().items()  # noqa: E731
-                                  if i in ids2 and "w0" in workers_of([e for _, e in evs])[0]]
+        ids2 = await submit_each(
+            bootstrap,
+            topics.requests,
+            [
+                make_request(topics.replies, prompt=f"Count: {i}", max_tokens=24, ignore_eos=True)
+                for i in range(12)
+            ],
+        )
+        victim_started = lambda: [
+            i
+            for i, evs in watcher.events().items()  # noqa: E731
+            if i in ids2 and "w0" in workers_of([e for _, e in evs])[0]
+        ]
         await wait_until(lambda: victim_started(), 240, "w0 to start a request")
         workers[0].kill()
         cut = set(victim_started())
-        await wait_until(lambda: watcher.finished(ids2) == len(ids2), 420, "wave 2")  # a lock's wait, then a rerun
+        await wait_until(
+            lambda: watcher.finished(ids2) == len(ids2), 420, "wave 2"
+        )  # a lock's wait, then a rerun
         events = watcher.events()
         for i in ids2:
             check_attempts([e for _, e in events[i]], allow_cut=True)
-            finals = [e for _, e in events[i] if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
+            finals = [
+                e
+                for _, e in events[i]
+                if isinstance(e, DoneEvent) and e.finish_reason != "requeued"
+            ]
             assert finals and all(d.finish_reason == "length" for d in finals), (i, finals)
         rerun = [i for i in cut if "w0" not in workers_of([e for _, e in events[i]])[1]]
         assert rerun, "no request that w0 had started was completed by another worker"
@@ -116,8 +145,16 @@ async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker
             assert workers_of([e for _, e in events[i]])[1] <= {"w1", "w2"}
         # Wave 3: w3 joins mid-run. The others keep finishing requests while it starts (no
         # rebalance stops them), and it takes requests as soon as it is up.
-        wave = lambda n, tokens: submit_each(bootstrap, topics.requests, [  # noqa: E731
-            make_request(topics.replies, prompt=f"Count: {i}", max_tokens=tokens, ignore_eos=True) for i in range(n)])
+        wave = lambda n, tokens: submit_each(
+            bootstrap,
+            topics.requests,
+            [  # noqa: E731
+                make_request(
+                    topics.replies, prompt=f"Count: {i}", max_tokens=tokens, ignore_eos=True
+                )
+                for i in range(n)
+            ],
+        )
         ids3 = await wave(12, 12)
         joiner = share_worker("w3", bootstrap, topics, tmp_path, group)
         workers.append(joiner)
@@ -128,9 +165,17 @@ async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker
         ids4 = await wave(24, 6)
         await wait_until(lambda: watcher.finished(ids3 + ids4) == len(ids3 + ids4), 420, "wave 3")
         events = watcher.events()
-        finals = {i: [(t, e.worker) for t, e in events[i] if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
-                  for i in ids3 + ids4}
-        assert any(spawned < t < up for i in ids3 for t, _ in finals[i]), "nothing finished while w3 started"
+        finals = {
+            i: [
+                (t, e.worker)
+                for t, e in events[i]
+                if isinstance(e, DoneEvent) and e.finish_reason != "requeued"
+            ]
+            for i in ids3 + ids4
+        }
+        assert any(spawned < t < up for i in ids3 for t, _ in finals[i]), (
+            "nothing finished while w3 started"
+        )
         assert any(w == "w3" for i in ids4 for _, w in finals[i]), "w3 took no request"
     finally:
         await watcher.stop()
@@ -152,14 +197,18 @@ async def test_a_request_past_max_deliveries_is_dead_lettered(share_broker, tmp_
     try:
         first.spawn()
         await first.wait_started(600)
-        (poison,) = await submit(bootstrap, topics.requests,
-                                 [make_request(topics.replies, prompt="Count slowly.", max_tokens=400,
-                                               ignore_eos=True)])
+        (poison,) = await submit(
+            bootstrap,
+            topics.requests,
+            [make_request(topics.replies, prompt="Count slowly.", max_tokens=400, ignore_eos=True)],
+        )
         await wait_until(lambda: watcher.started([poison]) == 1, 240, "the request to start")
         first.kill()
         second.spawn()
         await second.wait_started(600)
-        dead = await consume_until(bootstrap, topics.dlq, lambda recs: len(recs) >= 1, timeout=LOCK_MS / 1000 + 120)
+        dead = await consume_until(
+            bootstrap, topics.dlq, lambda recs: len(recs) >= 1, timeout=LOCK_MS / 1000 + 120
+        )
         headers = dict(dead[0].headers)
         assert dead[0].key == poison.encode()
         # At least 2: as a worker dies, its other consumer may take the record in the moment
@@ -195,7 +244,10 @@ async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tm
     # delivery, and a worker keeps what comes on its last delivery (max_deliveries) whatever its
     # room: with the default 4, three hops of 4 records leave the other 24 on one worker. 9, under
     # the test broker's delivery limit of 10, leaves the batch enough hops to spread.
-    workers = [share_worker(f"w{i}", bootstrap, topics, tmp_path, group, max_deliveries=9) for i in range(3)]
+    workers = [
+        share_worker(f"w{i}", bootstrap, topics, tmp_path, group, max_deliveries=9)
+        for i in range(3)
+    ]
     watcher = ReplyWatcher(bootstrap, topics.replies, 2)
     await watcher.start()
     try:
@@ -206,15 +258,24 @@ async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tm
         # group.share.heartbeat.interval.ms, 5 s): until then it fetches nothing, and a batch
         # submitted earlier would hop between the members already assigned (seen: w2 served none).
         await asyncio.sleep(ASSIGNMENT_S)
-        ids = await submit(bootstrap, topics.requests,
-                           [make_request(topics.replies, prompt=f"Count: {i}", max_tokens=8, ignore_eos=True)
-                            for i in range(36)])
+        ids = await submit(
+            bootstrap,
+            topics.requests,
+            [
+                make_request(topics.replies, prompt=f"Count: {i}", max_tokens=8, ignore_eos=True)
+                for i in range(36)
+            ],
+        )
         await wait_until(lambda: watcher.finished(ids) == len(ids), 600, "36 requests")
         events = watcher.events()
         finals = {i: finals_of(events[i]) for i in ids}
-        assert all(len(f) == 1 for f in finals.values()), {i: len(f) for i, f in finals.items() if len(f) != 1}
+        assert all(len(f) == 1 for f in finals.values()), {
+            i: len(f) for i, f in finals.items() if len(f) != 1
+        }
         reasons = {f[0].finish_reason for f in finals.values()}
-        assert reasons == {"length"}, [(i, f[0].error) for i, f in finals.items() if f[0].finish_reason != "length"]
+        assert reasons == {"length"}, [
+            (i, f[0].error) for i, f in finals.items() if f[0].finish_reason != "length"
+        ]
         served = {f[0].worker for f in finals.values()}
         assert served == {"w0", "w1", "w2"}, f"workers that served: {served}"
     finally:
@@ -263,17 +324,28 @@ async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp
     # No share_lock_ms: the lock follows the request timeout (default_timeout_s 50: 60 s).
     # One consumer: its batch pins it.
     kafka = {"intake": "share", "group_id": group, "share_consumers": 1}
-    workers = [WorkerProcess(name, bootstrap, topics, tmp_path, worker={"name": name, "drain_timeout_s": 20},
-                             kafka=kafka, limits={"default_timeout_s": 50},
-                             scheduler={"max_num_seqs": 1, "max_waiting": 1}) for name in ("a", "b")]
+    workers = [
+        WorkerProcess(
+            name,
+            bootstrap,
+            topics,
+            tmp_path,
+            worker={"name": name, "drain_timeout_s": 20},
+            kafka=kafka,
+            limits={"default_timeout_s": 50},
+            scheduler={"max_num_seqs": 1, "max_waiting": 1},
+        )
+        for name in ("a", "b")
+    ]
     watcher = ReplyWatcher(bootstrap, topics.replies, 2)
     await watcher.start()
     try:
         for w in workers:  # every engine step waits STEP_DELAY_S: the request's length is ours
             w.spawn({"INFERLINE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)})
         await asyncio.gather(*(w.wait_started(600) for w in workers))
-        long_request = make_request(topics.replies, prompt="Count slowly.", max_tokens=LONG_TOKENS,
-                                    ignore_eos=True)
+        long_request = make_request(
+            topics.replies, prompt="Count slowly.", max_tokens=LONG_TOKENS, ignore_eos=True
+        )
         (long_id,) = await submit(bootstrap, topics.requests, [long_request])
         await wait_until(lambda: watcher.finished([long_id]) == 1, 300, "the long request")
         done = finals_of(watcher.events()[long_id])[0]
@@ -307,12 +379,19 @@ async def test_a_record_on_the_brokers_last_delivery_is_dead_lettered(share_brok
     topics = await make_topics(bootstrap)
     group = f"share-{uuid.uuid4().hex[:8]}"
     await set_group_lock(bootstrap, group, 60_000)  # and the offset reset to earliest
-    (poison,) = await submit(bootstrap, topics.requests, [make_request(topics.replies, max_tokens=4)])
+    (poison,) = await submit(
+        bootstrap, topics.requests, [make_request(topics.replies, max_tokens=4)]
+    )
 
     def deliver_and_release(times: int) -> list[int]:
         """Stands in for workers that took the record and died or gave it back."""
-        consumer = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group,
-                                  "share.acknowledgement.mode": "explicit"})
+        consumer = ShareConsumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group,
+                "share.acknowledgement.mode": "explicit",
+            }
+        )
         consumer.subscribe([topics.requests])
         counts = []
         try:
@@ -357,14 +436,28 @@ async def test_long_requests_do_not_stall_intake(share_broker, tmp_path):
         await worker.wait_started(600)
         longs = []
         for i in range(2):  # one at a time: each is its own poll, on its own consumer
-            longs += await submit(bootstrap, topics.requests, [make_request(
-                topics.replies, prompt=f"Count slowly: {i}", max_tokens=200, ignore_eos=True)])
-            await wait_until(lambda: watcher.started(longs) == len(longs), 240, "a long request to start")
-        shorts = await submit_each(bootstrap, topics.requests,
-                                   [make_request(topics.replies, prompt=f"Hi {i}", max_tokens=2) for i in range(2)])
+            longs += await submit(
+                bootstrap,
+                topics.requests,
+                [
+                    make_request(
+                        topics.replies, prompt=f"Count slowly: {i}", max_tokens=200, ignore_eos=True
+                    )
+                ],
+            )
+            await wait_until(
+                lambda: watcher.started(longs) == len(longs), 240, "a long request to start"
+            )
+        shorts = await submit_each(
+            bootstrap,
+            topics.requests,
+            [make_request(topics.replies, prompt=f"Hi {i}", max_tokens=2) for i in range(2)],
+        )
         await wait_until(lambda: watcher.finished(shorts + longs) == 4, 600, "every request")
         events = watcher.events()
-        end = {i: max(ts for ts, e in events[i] if isinstance(e, DoneEvent)) for i in shorts + longs}
+        end = {
+            i: max(ts for ts, e in events[i] if isinstance(e, DoneEvent)) for i in shorts + longs
+        }
         assert max(end[i] for i in shorts) < min(end[i] for i in longs), end
     finally:
         await watcher.stop()

@@ -1,6 +1,7 @@
 """The gateway's compacted-topic table against the real broker: what one replica wrote, another
 finds at once, even while its follower lags (a loaded machine), and a lagging follower does not
 make a missing key wait longer than a broker round trip or two."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,28 +1,44 @@
 """A reply topic the broker refuses: the requests are dead-lettered (a permanent refusal, at once);
 the topic is failing and its backlog does not pause intake for the others; nothing wedges."""
+
 import asyncio
 
 import pytest
 
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    check_attempts, collect, final_done, request, start_worker, submit, topics,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 
 pytestmark = pytest.mark.kafka
 
 
-async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootstrap, topics, start_worker,
-                                                                    new_topic, monkeypatch):
+async def test_refused_replies_do_not_pause_intake_for_other_topics(
+    kafka_bootstrap, topics, start_worker, new_topic, monkeypatch
+):
     # Every batch of events is larger; a transaction marker is not (below ~80 bytes a topic would
     # refuse the markers too, and the broker could never finish a transaction that touched it).
     refused = await new_topic(1, prefix="refused", config={"max.message.bytes": "100"}, reply=True)
-    worker = await start_worker(topics, kafka={"max_pending_replies": 10, "min_reply_message_bytes": 100})
+    worker = await start_worker(
+        topics, kafka={"max_pending_replies": 10, "min_reply_message_bytes": 100}
+    )
     seen = []  # (backlog, full, refused topic failing) while the refused topic's dones are retried
 
     async def watch():
         while True:
-            seen.append((worker.publisher.backlog, worker.publisher.full(), worker.publisher.failing(refused)))
+            seen.append(
+                (
+                    worker.publisher.backlog,
+                    worker.publisher.full(),
+                    worker.publisher.failing(refused),
+                )
+            )
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -39,9 +55,13 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
     assert not any(full for _, full, failing in seen if failing)
     # Refused for good, dead-lettered with the reason, then committed: one unreachable topic does
     # not wedge a partition, and no request ends unseen.
-    dead = await consume_until(kafka_bootstrap, topics.dlq, lambda rs: len(rs) >= len(bad), timeout=120)
+    dead = await consume_until(
+        kafka_bootstrap, topics.dlq, lambda rs: len(rs) >= len(bad), timeout=120
+    )
     assert {r.key.decode() for r in dead} == {r["id"] for r in bad}
-    assert all(dict(r.headers)["error"].startswith(b"the reply could not be delivered") for r in dead)
+    assert all(
+        dict(r.headers)["error"].startswith(b"the reply could not be delivered") for r in dead
+    )
     assert all(b"MessageSizeTooLarge" in dict(r.headers)["error"] for r in dead)
     for _ in range(100):
         if not worker.tracker.to_commit() and not worker.jobs:
@@ -50,16 +70,18 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(kafka_bootst
     assert not worker.jobs and worker.publisher.backlog == 0
     assert worker.metrics.send_failures._value.get() >= 24
     assert all(worker.tracker.pending(tp) == 0 for tp in worker.tracker.partitions())
-    assert not await consume_until(kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False,
-                                   predicate=lambda rs: bool(rs))
+    assert not await consume_until(
+        kafka_bootstrap, refused, timeout=0.5, raise_on_timeout=False, predicate=lambda rs: bool(rs)
+    )
 
 
 def _lag(worker) -> float:
     return sum(s.value for m in worker.metrics.consumer_lag.collect() for s in m.samples)
 
 
-async def test_consumer_lag_keeps_counting_while_intake_is_paused(kafka_bootstrap, topics, start_worker,
-                                                                 monkeypatch):
+async def test_consumer_lag_keeps_counting_while_intake_is_paused(
+    kafka_bootstrap, topics, start_worker, monkeypatch
+):
     """A paused partition is not fetched, so fetch responses no longer bring its high watermark:
     the lag gauge must still grow with the records that pile up (the operator's signal to scale)."""
     import inferline.worker.delivery.offsets as offsets
@@ -72,7 +94,9 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(kafka_bootstra
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
     before = _lag(worker)
-    await submit(kafka_bootstrap, topics.requests, [request(topics.replies, max_tokens=1) for _ in range(30)])
+    await submit(
+        kafka_bootstrap, topics.requests, [request(topics.replies, max_tokens=1) for _ in range(30)]
+    )
     for _ in range(100):
         if _lag(worker) >= before + 30 - 2:  # the 1-2 taken meanwhile are not lag
             break

@@ -1,4 +1,5 @@
 """Cancels (running, waiting, before arrival) and deadlines (running, waiting, already past)."""
+
 import asyncio
 import time
 
@@ -7,7 +8,14 @@ import pytest
 from inferline.contract.schema import StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    cancel, check_attempts, collect, final_done, request, start_worker, submit, topics,
+    cancel,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 
 pytestmark = pytest.mark.kafka
@@ -16,8 +24,11 @@ ONE_AT_A_TIME = {"scheduler": {"max_num_seqs": 1}}
 
 async def first_tokens(bootstrap, topic, request_id, timeout=60):
     def seen(records):
-        return any(r.key == request_id.encode() and isinstance(decode_event(r.value), TokensEvent)
-                   for r in records)
+        return any(
+            r.key == request_id.encode() and isinstance(decode_event(r.value), TokensEvent)
+            for r in records
+        )
+
     await consume_until(bootstrap, topic, seen, timeout=timeout)
 
 
@@ -34,7 +45,9 @@ async def test_cancel_running_waiting_and_early(kafka_bootstrap, topics, start_w
     for r in (waiting, running):  # the waiting one first: cancelling `running` first lets it start
         await cancel(kafka_bootstrap, topics.cancel, r["id"])
     await submit(kafka_bootstrap, topics.requests, [early])
-    events = await collect(kafka_bootstrap, topics.replies, [running["id"], waiting["id"], early["id"]])
+    events = await collect(
+        kafka_bootstrap, topics.replies, [running["id"], waiting["id"], early["id"]]
+    )
 
     for r in (running, waiting, early):
         check_attempts(events[r["id"]])
@@ -48,7 +61,9 @@ async def test_cancel_running_waiting_and_early(kafka_bootstrap, topics, start_w
     assert not worker.jobs
 
 
-async def test_deadlines_while_running_waiting_and_on_arrival(kafka_bootstrap, topics, start_worker):
+async def test_deadlines_while_running_waiting_and_on_arrival(
+    kafka_bootstrap, topics, start_worker
+):
     await start_worker(topics, **ONE_AT_A_TIME)
     running = request(topics.replies, max_tokens=400, ignore_eos=True, timeout_s=6.0)
     waiting = request(topics.replies, max_tokens=8, timeout_s=1.0)
@@ -56,14 +71,18 @@ async def test_deadlines_while_running_waiting_and_on_arrival(kafka_bootstrap, t
     await submit(kafka_bootstrap, topics.requests, [running])
     await first_tokens(kafka_bootstrap, topics.replies, running["id"])
     await submit(kafka_bootstrap, topics.requests, [waiting, stale])
-    events = await collect(kafka_bootstrap, topics.replies, [running["id"], waiting["id"], stale["id"]])
+    events = await collect(
+        kafka_bootstrap, topics.replies, [running["id"], waiting["id"], stale["id"]]
+    )
 
     for r in (running, waiting, stale):
         check_attempts(events[r["id"]])
         done = final_done(events[r["id"]])
         assert done.finish_reason == "timeout" and done.error.code == "timeout", done
     assert isinstance(events[running["id"]][0], StartedEvent)
-    assert 0 < final_done(events[running["id"]]).usage.completion_tokens < 400  # ended by the deadline
+    assert (
+        0 < final_done(events[running["id"]]).usage.completion_tokens < 400
+    )  # ended by the deadline
     assert len(events[waiting["id"]]) == 1 and len(events[stale["id"]]) == 1
     assert final_done(events[waiting["id"]]).timing.total_s >= 1.0
 
@@ -73,12 +92,16 @@ async def test_deadlines_while_running_waiting_and_on_arrival(kafka_bootstrap, t
     assert final_done(events[after["id"]]).finish_reason in ("stop", "length")
 
 
-async def test_a_cancel_sent_before_the_worker_started_still_counts(kafka_bootstrap, topics, start_worker):
+async def test_a_cancel_sent_before_the_worker_started_still_counts(
+    kafka_bootstrap, topics, start_worker
+):
     """The request and its cancel both wait in Kafka while no worker runs: the worker that starts
     reads the cancel topic back (kafka.cancel_lookback_s) and never runs the request."""
     req = request(topics.replies, max_tokens=50, ignore_eos=True)
     await submit(kafka_bootstrap, topics.requests, [req])
     await cancel(kafka_bootstrap, topics.cancel, req["id"])
     await start_worker(topics)
-    done = final_done((await collect(kafka_bootstrap, topics.replies, [req["id"]], timeout=60))[req["id"]])
+    done = final_done(
+        (await collect(kafka_bootstrap, topics.replies, [req["id"]], timeout=60))[req["id"]]
+    )
     assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0

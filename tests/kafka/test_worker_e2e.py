@@ -1,11 +1,20 @@
 """End to end through the real broker and the real engine: the vertical slice."""
+
 import pytest
 
 from inferline.config.settings import Settings
 from inferline.contract.schema import Request, StartedEvent, TokensEvent
 from tests.engine_fixtures import run_to_completion
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    PROMPTS, check_attempts, collect, final_done, request, start_worker, streamed_text, submit, topics,
+    PROMPTS,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    streamed_text,
+    submit,
+    topics,
 )
 from inferline.worker.app import engine_settings
 from inferline.worker.intake.admission import engine_request
@@ -23,9 +32,15 @@ def reference(model_runner, reqs: list[dict]) -> dict[str, str]:
     return {rid: res["final"].text for rid, res in run_to_completion(engine, check=False).items()}
 
 
-async def test_requests_stream_started_tokens_done(kafka_bootstrap, topics, start_worker, model_runner):
-    reqs = [request(topics.replies, PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 5,
-                    metadata={"n": str(i)}) for i in range(50)]
+async def test_requests_stream_started_tokens_done(
+    kafka_bootstrap, topics, start_worker, model_runner
+):
+    reqs = [
+        request(
+            topics.replies, PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 5, metadata={"n": str(i)}
+        )
+        for i in range(50)
+    ]
     reqs[0]["reply_partition"] = 1
     reqs[1]["stream"] = False
     expected = reference(model_runner, reqs)
@@ -53,13 +68,16 @@ async def test_requests_stream_started_tokens_done(kafka_bootstrap, topics, star
         assert 0 <= done.timing.queue_s <= done.timing.ttft_s <= done.timing.total_s
 
 
-async def test_speculative_decoding_streams_what_plain_decoding_does(kafka_bootstrap, topics, start_worker,
-                                                                     model_runner):
+async def test_speculative_decoding_streams_what_plain_decoding_does(
+    kafka_bootstrap, topics, start_worker, model_runner
+):
     """Through Kafka with n-gram drafts on: a step may now yield several tokens; the stream, the
     `done` text and the usage still agree, and equal plain decoding's; the metrics count drafts."""
     looping = "red, green, blue, yellow, purple, red, green, blue, yellow, purple, red, green,"
-    reqs = [request(topics.replies, looping if i % 2 else PROMPTS[i % len(PROMPTS)], max_tokens=24)
-            for i in range(8)]
+    reqs = [
+        request(topics.replies, looping if i % 2 else PROMPTS[i % len(PROMPTS)], max_tokens=24)
+        for i in range(8)
+    ]
     reqs[3]["stop"] = ["yellow"]
     expected = reference(model_runner, reqs)
     worker = await start_worker(topics, speculative={"method": "ngram", "prompt_lookup_min": 1})
@@ -74,4 +92,7 @@ async def test_speculative_decoding_streams_what_plain_decoding_does(kafka_boots
     assert "yellow" not in final_done(events[reqs[3]["id"]]).text
     metric = {s.name: s.value for m in worker.metrics.registry.collect() for s in m.samples}
     assert metric["inferline_spec_accepted_tokens_total"] > 0
-    assert metric["inferline_spec_draft_tokens_total"] >= metric["inferline_spec_accepted_tokens_total"]
+    assert (
+        metric["inferline_spec_draft_tokens_total"]
+        >= metric["inferline_spec_accepted_tokens_total"]
+    )

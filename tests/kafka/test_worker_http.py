@@ -10,7 +10,9 @@ from tests.worker_fixtures import REPO, collect, request, start_worker, submit, 
 async def test_health_ready_and_metrics(kafka_bootstrap, topics, start_worker):
     worker = await start_worker(topics)
     base = f"http://127.0.0.1:{worker.http.port}"
-    ids = await submit(kafka_bootstrap, topics.requests, [request(topics.replies, priority=p) for p in (0, 3)])
+    ids = await submit(
+        kafka_bootstrap, topics.requests, [request(topics.replies, priority=p) for p in (0, 3)]
+    )
     await collect(kafka_bootstrap, topics.replies, ids)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{base}/healthz") as resp:
@@ -21,12 +23,22 @@ async def test_health_ready_and_metrics(kafka_bootstrap, topics, start_worker):
         async with http.get(f"{base}/metrics") as resp:
             text = await resp.text()
             assert resp.status == 200 and resp.content_type == "text/plain"
-    for name in ("inferline_requests_total", "inferline_queue_time_seconds_bucket",
-                 "inferline_ttft_seconds_bucket", "inferline_inter_token_latency_seconds_bucket",
-                 "inferline_e2e_seconds_bucket", "inferline_running_requests", "inferline_waiting_requests",
-                 "inferline_kv_cache_usage", "inferline_batch_size", "inferline_iteration_seconds_bucket",
-                 "inferline_preemptions_total", "inferline_tokens_generated_total",
-                 "inferline_dead_letters_total", "inferline_consumer_lag"):
+    for name in (
+        "inferline_requests_total",
+        "inferline_queue_time_seconds_bucket",
+        "inferline_ttft_seconds_bucket",
+        "inferline_inter_token_latency_seconds_bucket",
+        "inferline_e2e_seconds_bucket",
+        "inferline_running_requests",
+        "inferline_waiting_requests",
+        "inferline_kv_cache_usage",
+        "inferline_batch_size",
+        "inferline_iteration_seconds_bucket",
+        "inferline_preemptions_total",
+        "inferline_tokens_generated_total",
+        "inferline_dead_letters_total",
+        "inferline_consumer_lag",
+    ):
         assert name in text, name
     assert 'inferline_e2e_seconds_count{priority="3"} 1.0' in text
     assert 'inferline_requests_total{outcome="length"} 2.0' in text

@@ -1,4 +1,5 @@
 """Admission under pressure: rate limits, priority, overload rejection, a bounded burst."""
+
 import asyncio
 import statistics
 import time
@@ -7,17 +8,28 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    check_attempts, collect, final_done, request, start_worker, submit, topics,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 
 pytestmark = pytest.mark.kafka
 
 
 async def test_rate_limits_per_tenant(kafka_bootstrap, topics, start_worker):
-    await start_worker(topics, limits={"tenants": {
-        "small": {"requests_per_s": 0.01, "burst_requests": 2},
-        "tok": {"tokens_per_min": 20},
-    }})
+    await start_worker(
+        topics,
+        limits={
+            "tenants": {
+                "small": {"requests_per_s": 0.01, "burst_requests": 2},
+                "tok": {"tokens_per_min": 20},
+            }
+        },
+    )
     small = [request(topics.replies, max_tokens=2, tenant="small") for _ in range(4)]
     tok = [request(topics.replies, max_tokens=16, ignore_eos=True, tenant="tok") for _ in range(2)]
     free = [request(topics.replies, max_tokens=2) for _ in range(3)]
@@ -46,19 +58,30 @@ async def test_priority_under_load(kafka_bootstrap, topics, start_worker):
     # submitted in one batch); the urgent ones, though submitted last, mostly start first.
     started = sorted(low + high, key=lambda r: final_done(events[r["id"]]).timing.queue_s)
     rank = {r["id"]: i for i, r in enumerate(started)}
-    assert statistics.median(rank[r["id"]] for r in high) < statistics.median(rank[r["id"]] for r in low)
+    assert statistics.median(rank[r["id"]] for r in high) < statistics.median(
+        rank[r["id"]] for r in low
+    )
 
 
-async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_steps(kafka_bootstrap, topics,
-                                                                                  start_worker):
+async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_steps(
+    kafka_bootstrap, topics, start_worker
+):
     """Priority 100 is background work (scheduler.BackgroundLimit): through Kafka, a batch and
     interactive requests beside it are each answered once, in full, and while an interactive
     request runs the batch computes at most background_max_tokens tokens a step; between and after
     interactive requests, at most background_alone_max_tokens until background_quiet_s pass."""
-    worker = await start_worker(topics, scheduler={"max_num_seqs": 16, "background_max_tokens": 2,
-                                                   "background_alone_max_tokens": 4,
-                                                   "background_quiet_s": 3600})
-    steps: list[tuple[int, int, int]] = []  # (foreground sequences, background ones, their tokens) a step
+    worker = await start_worker(
+        topics,
+        scheduler={
+            "max_num_seqs": 16,
+            "background_max_tokens": 2,
+            "background_alone_max_tokens": 4,
+            "background_quiet_s": 3600,
+        },
+    )
+    steps: list[
+        tuple[int, int, int]
+    ] = []  # (foreground sequences, background ones, their tokens) a step
     schedule = worker.engine.scheduler.schedule
 
     def recorded():
@@ -68,7 +91,9 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
         return out
 
     worker.engine.scheduler.schedule = recorded
-    batch = [request(topics.replies, max_tokens=96, ignore_eos=True, priority=100) for _ in range(8)]
+    batch = [
+        request(topics.replies, max_tokens=96, ignore_eos=True, priority=100) for _ in range(8)
+    ]
     chat = [request(topics.replies, max_tokens=4, ignore_eos=True) for _ in range(2)]
     ids = await submit(kafka_bootstrap, topics.requests, batch)
     for _ in range(1200):  # the whole batch is running
@@ -80,25 +105,35 @@ async def test_a_batch_beside_interactive_requests_through_kafka_yields_its_step
     for r in batch + chat:
         check_attempts(events[r["id"]])
         done = final_done(events[r["id"]])
-        assert done.finish_reason == "length" and done.usage.completion_tokens == r["max_tokens"], done
+        assert done.finish_reason == "length" and done.usage.completion_tokens == r["max_tokens"], (
+            done
+        )
     beside = [tokens for fg, _, tokens in steps if fg]
     assert beside and max(beside) <= 2, steps
     first_fg = next(i for i, (fg, _, _) in enumerate(steps) if fg)
-    assert max(bg for _, bg, _ in steps[:first_fg]) == 8, "before any interactive request, full width"
+    assert max(bg for _, bg, _ in steps[:first_fg]) == 8, (
+        "before any interactive request, full width"
+    )
     after = [tokens for fg, bg, tokens in steps[first_fg:] if bg and not fg]
     assert after and max(after) <= 4, steps
 
 
 async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics, start_worker):
-    worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 2},
-                                limits={"overload_reject_after_s": 0.3})
+    worker = await start_worker(
+        topics,
+        scheduler={"max_num_seqs": 1, "max_waiting": 2},
+        limits={"overload_reject_after_s": 0.3},
+    )
     reqs = [request(topics.replies, max_tokens=12, ignore_eos=True) for _ in range(12)]
     ids = await submit(kafka_bootstrap, topics.requests, reqs)
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=120)
     reasons = [final_done(events[i]).finish_reason for i in ids]
     assert reasons.count("rejected") >= 3 and reasons.count("length") >= 3, reasons
-    assert all(final_done(events[i]).error.code == "overloaded" for i in ids
-               if final_done(events[i]).finish_reason == "rejected")
+    assert all(
+        final_done(events[i]).error.code == "overloaded"
+        for i in ids
+        if final_done(events[i]).finish_reason == "rejected"
+    )
     assert 'inferline_rejections_total{reason="overloaded"}' in worker.metrics.render().decode()
 
 
@@ -153,18 +188,33 @@ async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_wor
     """500 requests at once into a small pool: the intake pauses, and the worker holds no more
     jobs than its settings allow, never the burst."""
     pool, running, pending = 32, 32, 32
-    worker = await start_worker(topics, scheduler={"max_num_seqs": running, "max_waiting": pool},
-                                kafka={"max_pending_replies": pending})
+    worker = await start_worker(
+        topics,
+        scheduler={"max_num_seqs": running, "max_waiting": pool},
+        kafka={"max_pending_replies": pending},
+    )
     peak = record_peaks(worker)
     hold_first_commit(worker, monkeypatch)
-    reqs = [request(topics.replies, prompt=None, prompt_token_ids=[1, 2 + i % 50, 3], max_tokens=2,
-                    ignore_eos=True) for i in range(500)]
+    reqs = [
+        request(
+            topics.replies,
+            prompt=None,
+            prompt_token_ids=[1, 2 + i % 50, 3],
+            max_tokens=2,
+            ignore_eos=True,
+        )
+        for i in range(500)
+    ]
     ids = await submit(kafka_bootstrap, topics.requests, reqs)
     events = await collect(kafka_bootstrap, topics.replies, ids, timeout=300)
     for i in ids:
         check_attempts(events[i])
         done = final_done(events[i])  # started, tokens (one or two events), done
-        assert done.finish_reason == "length" and done.usage.completion_tokens == 2 and len(events[i]) in (3, 4)
+        assert (
+            done.finish_reason == "length"
+            and done.usage.completion_tokens == 2
+            and len(events[i]) in (3, 4)
+        )
     print("peaks", peak)
     # The intake takes records only while the pool has room and fewer than max_pending_replies
     # events await the broker (RequestTracker.room); the engine runs max_num_seqs (no

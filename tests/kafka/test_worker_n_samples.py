@@ -1,4 +1,5 @@
 """n > 1 samples through the real broker and a real worker (issue #28)."""
+
 from collections import defaultdict
 
 import pytest
@@ -7,7 +8,14 @@ from inferline.contract.schema import MAX_N, TokensEvent
 from tests.gateway_fixtures import fleet  # noqa: F401 - fixture
 from tests.kafka.test_worker_cancel_deadline import first_tokens
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    cancel, check_attempts, collect, final_done, request, start_worker, submit, topics,
+    cancel,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 
 pytestmark = pytest.mark.kafka
@@ -69,8 +77,14 @@ async def test_the_gateway_returns_n_choices_whole_and_streamed(fleet):
     import openai
 
     aio = openai.AsyncOpenAI(base_url=fleet.url, api_key="sk-acme", max_retries=0)
-    ask = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name a colour."}],
-               max_tokens=8, temperature=0.9, seed=5, n=3)
+    ask = dict(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0.9,
+        seed=5,
+        n=3,
+    )
     whole = await aio.chat.completions.create(**ask)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     chunks = [c async for c in await aio.chat.completions.create(**ask, stream=True)]
@@ -84,6 +98,7 @@ async def test_the_gateway_returns_n_choices_whole_and_streamed(fleet):
     # Seeded: the stream and the whole answer are the same three samples.
     assert [streamed[i] for i in range(3)] == [c.message.content for c in whole.choices]
     assert finish == {c.index: c.finish_reason for c in whole.choices}
-    legacy = await aio.completions.create(model=ask["model"], prompt="Colours:", max_tokens=4, n=2, seed=1,
-                                          temperature=0.9)
+    legacy = await aio.completions.create(
+        model=ask["model"], prompt="Colours:", max_tokens=4, n=2, seed=1, temperature=0.9
+    )
     assert [c.index for c in legacy.choices] == [0, 1]

@@ -1,6 +1,7 @@
 """models/calibration.py: `cpu_linear=auto` times its candidates on the model and keeps the fastest,
 remembered per machine and shapes. The timings here are faked (a test never asserts a wall-clock
 time); every backend it may choose is checked against HF in tests/unit/test_engine.py."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ from inferline.kernels.cpu import gemm
 from inferline.worker.engine.models import calibration
 from inferline.worker.engine.models.linear import onednn_available
 
-needs_both = pytest.mark.skipif(not (gemm.available() and onednn_available()), reason="needs the C GEMM and oneDNN")
+needs_both = pytest.mark.skipif(
+    not (gemm.available() and onednn_available()), reason="needs the C GEMM and oneDNN"
+)
 
 
 def tiny_model(num_layers: int = 6):
@@ -21,8 +24,15 @@ def tiny_model(num_layers: int = 6):
 
     from inferline.worker.engine.models.llama import LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config, max_positions=64).eval()
 
 
@@ -52,9 +62,15 @@ def test_auto_keeps_the_faster_backend_and_remembers_it(tmp_path, fake_speeds, f
     assert first.backend == faster and not first.cached
     assert first.seconds[faster] < first.seconds[{"c": "onednn", "onednn": "c"}[faster]]
     rounds = calibration.MIN_ROUNDS + 1  # the first one warms up
-    assert calls.count("c") == calls.count("onednn") == 2 * len(calibration.ROWS) * rounds  # layers, head
+    assert (
+        calls.count("c") == calls.count("onednn") == 2 * len(calibration.ROWS) * rounds
+    )  # layers, head
     entry = next(iter(json.loads(path.read_text()).values()))
-    assert entry["backend"] == faster and entry["cpu"] == calibration.cpu_model() and entry["num_layers"] == 6
+    assert (
+        entry["backend"] == faster
+        and entry["cpu"] == calibration.cpu_model()
+        and entry["num_layers"] == 6
+    )
 
     calls.clear()
     again = calibration.choose_linear_backend(model, ("onednn", "c"), codes=True, path=path)
@@ -71,7 +87,9 @@ def test_the_estimate_scales_the_sampled_layers_to_the_whole_model(tmp_path, fak
 
 
 @needs_both
-def test_a_choice_is_kept_only_for_the_same_machine_threads_and_shapes(tmp_path, fake_speeds, monkeypatch):
+def test_a_choice_is_kept_only_for_the_same_machine_threads_and_shapes(
+    tmp_path, fake_speeds, monkeypatch
+):
     _speeds, calls = fake_speeds
     path = tmp_path / "cal.json"
     calibration.choose_linear_backend(tiny_model(), ("onednn", "c"), codes=True, path=path)
@@ -82,23 +100,35 @@ def test_a_choice_is_kept_only_for_the_same_machine_threads_and_shapes(tmp_path,
             monkeypatch.setattr(torch, "get_num_threads", lambda: 99)
         if change == "cpu":
             monkeypatch.setattr(calibration, "cpu_model", lambda: "another CPU")
-        assert not calibration.choose_linear_backend(model, ("onednn", "c"), codes=True, path=path).cached
+        assert not calibration.choose_linear_backend(
+            model, ("onednn", "c"), codes=True, path=path
+        ).cached
         assert calls, change
     assert len(json.loads(path.read_text())) == 4
 
 
 def test_one_candidate_is_not_timed(tmp_path, fake_speeds):
     _speeds, calls = fake_speeds
-    chosen = calibration.choose_linear_backend(tiny_model(), ("torch",), codes=True, path=tmp_path / "cal.json")
-    assert chosen == calibration.Calibration("torch") and not calls and not (tmp_path / "cal.json").exists()
+    chosen = calibration.choose_linear_backend(
+        tiny_model(), ("torch",), codes=True, path=tmp_path / "cal.json"
+    )
+    assert (
+        chosen == calibration.Calibration("torch")
+        and not calls
+        and not (tmp_path / "cal.json").exists()
+    )
 
 
 @needs_both
 def test_a_broken_cache_file_is_measured_again_and_replaced(tmp_path, fake_speeds):
     path = tmp_path / "cal.json"
     path.write_text("{not json")
-    assert not calibration.choose_linear_backend(tiny_model(), ("onednn", "c"), codes=True, path=path).cached
-    assert calibration.choose_linear_backend(tiny_model(), ("onednn", "c"), codes=True, path=path).cached
+    assert not calibration.choose_linear_backend(
+        tiny_model(), ("onednn", "c"), codes=True, path=path
+    ).cached
+    assert calibration.choose_linear_backend(
+        tiny_model(), ("onednn", "c"), codes=True, path=path
+    ).cached
 
 
 def test_auto_candidates_put_the_rule_first_and_explicit_settings_stand_alone(monkeypatch):
@@ -107,7 +137,10 @@ def test_auto_candidates_put_the_rule_first_and_explicit_settings_stand_alone(mo
     monkeypatch.setattr(backends, "onednn_available", lambda: True)
     for preferred, first in ((True, "c"), (False, "onednn")):
         monkeypatch.setattr(backends.gemm, "preferred", lambda p=preferred: p)
-        assert backends.linear_candidates(cpu, torch.float32, "auto") == (first, {"c": "onednn", "onednn": "c"}[first])
+        assert backends.linear_candidates(cpu, torch.float32, "auto") == (
+            first,
+            {"c": "onednn", "onednn": "c"}[first],
+        )
     assert backends.linear_candidates(cpu, torch.float32, "c") == ("c",)
     assert backends.linear_candidates(cpu, torch.float32, "torch") == ("torch",)
     assert backends.linear_candidates(cpu, torch.bfloat16, "auto") == ("torch",)
@@ -118,6 +151,8 @@ def test_auto_candidates_put_the_rule_first_and_explicit_settings_stand_alone(mo
 
 @needs_both
 def test_the_real_timing_picks_one_that_runs(tmp_path):
-    chosen = calibration.choose_linear_backend(tiny_model(), ("onednn", "c"), codes=False, path=tmp_path / "c.json")
+    chosen = calibration.choose_linear_backend(
+        tiny_model(), ("onednn", "c"), codes=False, path=tmp_path / "c.json"
+    )
     assert chosen.backend in ("onednn", "c") and set(chosen.seconds) == {"onednn", "c"}
     assert all(s > 0 for s in chosen.seconds.values())

@@ -5,6 +5,7 @@ Shapes are drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> r
 The cache holds NaN wherever no token was written and block tables carry out-of-range padding
 (tests/paged_cache.py), so a read outside a context shows up as NaN or a crash.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -27,15 +28,19 @@ from tests.paged_cache import PagedCache
 
 SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the engine uses the PyTorch path")
-
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: the engine uses the PyTorch path",
+)
 
 
 def auto_attention(device, dtype, shape=(64, 8, 16), kv_dtype=None) -> str:
     """What INFERLINE_MODEL__ATTENTION_BACKEND=auto picks; shape = (head_dim, num_heads, block_size)."""
     head_dim, num_heads, block_size = shape
-    return select_attention(device, dtype, kv_dtype or dtype, ModelShape(head_dim, num_heads, 1, block_size))
+    return select_attention(
+        device, dtype, kv_dtype or dtype, ModelShape(head_dim, num_heads, 1, block_size)
+    )
+
 
 @pytest.fixture
 def gen():
@@ -60,7 +65,7 @@ def test_cpu_decode_matches_reference(gen, gqa, block_size, head_dim):
     lens = random_lens(gen, block_size, 6)
     cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, torch.float32)
     q = torch.randn(len(lens), num_kv_heads * gqa, head_dim, generator=gen)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim ** -0.5)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim**-0.5)
     out = kernels.paged_decode_attention(*args, backend="cpu")
     ref = reference.paged_decode_attention(*args)
     assert not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
@@ -77,22 +82,32 @@ def test_cpu_decode_over_an_fp16_cache_matches_reference(gen, gqa, head_dim):
     cache = PagedCache(gen, lens, 16, 2, head_dim, torch.float16)
     assert cache.k_cache.dtype == torch.float16
     q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim ** -0.5)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim**-0.5)
     assert auto_attention(q.device, q.dtype, (head_dim, 2 * gqa, 16), torch.float16) == "cpu"
     out = kernels.paged_decode_attention(*args)
     ref = reference.paged_decode_attention(*args)
-    assert out.dtype == torch.float32 and not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
+    assert out.dtype == torch.float32 and not out.isnan().any(), (
+        f"seed {SEED}: NaN from an unwritten slot"
+    )
     for i, n in enumerate(lens):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
-    alone = attention.paged_decode_attention_cpu(q[-1:], cache.k_cache, cache.v_cache, cache.block_tables[-1:],
-                                           cache.context_lens[-1:], head_dim ** -0.5)
+    alone = attention.paged_decode_attention_cpu(
+        q[-1:],
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables[-1:],
+        cache.context_lens[-1:],
+        head_dim**-0.5,
+    )
     assert torch.equal(alone[0], out[-1]), "a sequence's result depends on its batch"
 
 
 def test_fp16_cache_of_a_head_size_the_kernel_does_not_take_goes_to_torch():
     assert not attention.supports_kv_half(72) and attention.supports_kv_half(48)
     assert auto_attention(torch.device("cpu"), torch.float32, (72, 4, 16), torch.float16) == "torch"
-    assert auto_attention(torch.device("cpu"), torch.float32, (64, 9, 16), torch.bfloat16) == "torch"
+    assert (
+        auto_attention(torch.device("cpu"), torch.float32, (64, 9, 16), torch.bfloat16) == "torch"
+    )
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -105,8 +120,9 @@ def test_cpu_decode_splits_long_contexts_and_matches_reference(gen, block_size):
     out, ref = attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
     for i, n in enumerate(lens):
         assert rel_err(out[i], ref[i]) < 1e-5, f"seed {SEED}, seq {i}, len {n}"
-    alone = attention.paged_decode_attention_cpu(q[:1], cache.k_cache, cache.v_cache, cache.block_tables[:1],
-                                           cache.context_lens[:1], 0.125)
+    alone = attention.paged_decode_attention_cpu(
+        q[:1], cache.k_cache, cache.v_cache, cache.block_tables[:1], cache.context_lens[:1], 0.125
+    )
     assert torch.equal(alone[0], out[0]), "a sequence's result depends on its batch"
 
 
@@ -119,7 +135,13 @@ def prompt_chunks(gen, lens, q_lens, block_size, num_kv_heads, gqa, head_dim, dt
     q = torch.randn(int(cu[-1]), num_kv_heads * gqa, head_dim, generator=gen)
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(q_lens))
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, q_lens)])
-    return cache, q, cu, (positions + 1).to(torch.int32), cache.block_tables.index_select(0, rows).contiguous()
+    return (
+        cache,
+        q,
+        cu,
+        (positions + 1).to(torch.int32),
+        cache.block_tables.index_select(0, rows).contiguous(),
+    )
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -131,16 +153,35 @@ def test_prompt_rows_attended_as_decodes_match_reference_prefill(gen, block_size
     into parts, tiles cut short: equal to the reference prefill."""
     lens, q_lens = [37, 300, 90, 700, 5, 1100], [37, 120, 1, 600, 5, 17]
     cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, block_size, 2, gqa, head_dim)
-    out = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, head_dim ** -0.5,
-                                         backend="cpu", cu_seqlens_q=cu)
-    ref = reference.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cu,
-                                            cache.context_lens, head_dim ** -0.5)
+    out = kernels.paged_decode_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        ctx,
+        head_dim**-0.5,
+        backend="cpu",
+        cu_seqlens_q=cu,
+    )
+    ref = reference.paged_prefill_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, head_dim**-0.5
+    )
     assert not out.isnan().any(), f"seed {SEED}: NaN from an unwritten slot"
     for i in range(len(lens)):
         lo, hi = int(cu[i]), int(cu[i + 1])
-        assert rel_err(out[lo:hi], ref[lo:hi]) < 1e-5, f"seed {SEED}, seq {i}, len {lens[i]}, chunk {q_lens[i]}"
-    torch_path = kernels.paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx,
-                                                head_dim ** -0.5, backend="torch", cu_seqlens_q=cu)
+        assert rel_err(out[lo:hi], ref[lo:hi]) < 1e-5, (
+            f"seed {SEED}, seq {i}, len {lens[i]}, chunk {q_lens[i]}"
+        )
+    torch_path = kernels.paged_decode_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        ctx,
+        head_dim**-0.5,
+        backend="torch",
+        cu_seqlens_q=cu,
+    )
     assert rel_err(torch_path, ref) < 1e-5, f"seed {SEED}: the torch path with cu_seqlens_q"
 
 
@@ -159,13 +200,20 @@ def test_prompt_rows_in_tiles_have_the_bits_of_decodes(gen, dtype, head_dim, thr
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        tiled = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu)
-        per_row = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, row_tables, ctx, 0.125)
+        tiled = attention.paged_decode_attention_cpu(
+            q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu
+        )
+        per_row = attention.paged_decode_attention_cpu(
+            q, cache.k_cache, cache.v_cache, row_tables, ctx, 0.125
+        )
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(tiled, per_row), f"seed {SEED}: rows differ at {(tiled != per_row).nonzero()[:4].tolist()}"
-    alone = attention.paged_decode_attention_cpu(q[100:101], cache.k_cache, cache.v_cache, row_tables[100:101],
-                                           ctx[100:101], 0.125)
+    assert torch.equal(tiled, per_row), (
+        f"seed {SEED}: rows differ at {(tiled != per_row).nonzero()[:4].tolist()}"
+    )
+    alone = attention.paged_decode_attention_cpu(
+        q[100:101], cache.k_cache, cache.v_cache, row_tables[100:101], ctx[100:101], 0.125
+    )
     assert torch.equal(alone[0], tiled[100])
 
 
@@ -203,7 +251,9 @@ def test_shapes_the_c_kernel_does_not_take_go_to_torch(gen):
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
     assert not attention.supports(72, 2, 16) and attention.supports(64, 2, 16)
     assert auto_attention(torch.device("cpu"), torch.float32, (72, 2, 16)) == "torch"
-    assert torch.equal(kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    assert torch.equal(
+        kernels.paged_decode_attention(*args), reference.paged_decode_attention(*args)
+    )
     with pytest.raises(AssertionError, match="does not take"):
         attention.paged_decode_attention_cpu(*args)
 
@@ -239,10 +289,13 @@ def test_cpu_decode_reads_q_as_a_view_of_fused_qkv(gen):
 def test_cpu_decode_empty_context_and_empty_batch(gen):
     cache = PagedCache(gen, [0, 5], 16, 1, 64, torch.float32)
     q = torch.randn(2, 2, 64, generator=gen)
-    out = attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
+    out = attention.paged_decode_attention_cpu(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1
+    )
     assert torch.equal(out[0], torch.zeros(2, 64)), "a context of 0 tokens attends to nothing: 0"
-    none = attention.paged_decode_attention_cpu(q[:0], cache.k_cache, cache.v_cache, cache.block_tables[:0],
-                                          cache.context_lens[:0], 0.1)
+    none = attention.paged_decode_attention_cpu(
+        q[:0], cache.k_cache, cache.v_cache, cache.block_tables[:0], cache.context_lens[:0], 0.1
+    )
     assert none.shape == (0, 2, 64)
 
 
@@ -270,10 +323,13 @@ def test_cpu_decode_asserts_layout(gen):
     with pytest.raises(AssertionError):
         attention.paged_decode_attention_cpu(q.bfloat16(), *args)
     with pytest.raises(AssertionError):
-        attention.paged_decode_attention_cpu(torch.randn(1, 64, 2).transpose(1, 2), *args)  # heads not packed
+        attention.paged_decode_attention_cpu(
+            torch.randn(1, 64, 2).transpose(1, 2), *args
+        )  # heads not packed
     with pytest.raises(AssertionError):
-        attention.paged_decode_attention_cpu(q, cache.k_cache, cache.v_cache, cache.block_tables.long(),
-                                       cache.context_lens, 0.1)
+        attention.paged_decode_attention_cpu(
+            q, cache.k_cache, cache.v_cache, cache.block_tables.long(), cache.context_lens, 0.1
+        )
 
 
 def test_auto_backend_picks_the_cpu_kernel_for_fp32_only():
@@ -295,11 +351,18 @@ def fresh_build(monkeypatch, tmp_path):
 def test_first_use_builds_into_the_cache_folder(fresh_build, gen):
     assert build.available()
     (built,) = (fresh_build / "kernels").glob("inferline_cpu-*.so")
-    assert not list((fresh_build / "kernels").glob("tmp*")), "the temporary build file was left behind"
+    assert not list((fresh_build / "kernels").glob("tmp*")), (
+        "the temporary build file was left behind"
+    )
     cache = PagedCache(gen, [30], 16, 1, 64, torch.float32)
     q = torch.randn(1, 1, 64, generator=gen)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.1)
-    assert rel_err(attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)) < 1e-5
+    assert (
+        rel_err(
+            attention.paged_decode_attention_cpu(*args), reference.paged_decode_attention(*args)
+        )
+        < 1e-5
+    )
 
 
 def test_failed_build_falls_back_to_torch(fresh_build, monkeypatch):
@@ -323,8 +386,10 @@ def test_build_past_its_time_is_killed_and_falls_back_to_torch(fresh_build, monk
     assert [p.name for p in (fresh_build / "kernels").iterdir()] == []
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"),
-                    reason="cross-compiles for x86 targets with the system compiler")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"),
+    reason="cross-compiles for x86 targets with the system compiler",
+)
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
 def test_the_kernels_compile_for_avx2_and_avx512(tmp_path, march):
     """The library is built for the machine it runs on (-march=native), and its vectors take
@@ -334,8 +399,12 @@ def test_the_kernels_compile_for_avx2_and_avx512(tmp_path, march):
     flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
     for src in build.SOURCES:
         out = tmp_path / (src.stem + ".o")
-        done = subprocess.run(["cc", *flags, "-I", str(build.CSRC), "-c", str(src), "-o", str(out)],
-                              capture_output=True, text=True, timeout=build.BUILD_TIMEOUT_S)
+        done = subprocess.run(
+            ["cc", *flags, "-I", str(build.CSRC), "-c", str(src), "-o", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=build.BUILD_TIMEOUT_S,
+        )
         assert done.returncode == 0, f"{src.name} for {march}: {done.stderr[-2000:]}"
 
 
@@ -346,9 +415,13 @@ def test_the_package_ships_every_source_and_header_the_build_reads():
     globs = pyproject["tool"]["setuptools"]["package-data"]["inferline.kernels.cpu"]
     for path in build.SOURCES + build.HEADERS:
         name = path.relative_to(Path(build.__file__).parent).as_posix()
-        assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not in the package data {globs}"
+        assert any(fnmatch.fnmatch(name, g) for g in globs), (
+            f"{name} is not in the package data {globs}"
+        )
     on_disk = {p.name for p in build.CSRC.iterdir() if p.suffix in (".c", ".h")}
-    assert on_disk == {p.name for p in build.SOURCES + build.HEADERS}, "a C file the build does not list"
+    assert on_disk == {p.name for p in build.SOURCES + build.HEADERS}, (
+        "a C file the build does not list"
+    )
 
 
 def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
@@ -356,10 +429,29 @@ def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
     from bench import attention as bench_attention
 
     for hot in ([], ["--hot"]):
-        res = bench_attention.main(["decode", "--batch", "3", "--layers", "2", "--repeats", "2",
-                                    "--num-blocks", "64", "--min-context", "5", "--max-context", "90",
-                                    "--threads", "1", *hot])
-        assert set(res["times"]) == {"cpu", "cpu-fp16", "torch"} and all(len(ts) == 2 for ts in res["times"].values())
+        res = bench_attention.main(
+            [
+                "decode",
+                "--batch",
+                "3",
+                "--layers",
+                "2",
+                "--repeats",
+                "2",
+                "--num-blocks",
+                "64",
+                "--min-context",
+                "5",
+                "--max-context",
+                "90",
+                "--threads",
+                "1",
+                *hot,
+            ]
+        )
+        assert set(res["times"]) == {"cpu", "cpu-fp16", "torch"} and all(
+            len(ts) == 2 for ts in res["times"].values()
+        )
         assert res["kv_bytes"]["cpu-fp16"] * 2 == res["kv_bytes"]["cpu"]
     assert "GB/s of K/V" in capsys.readouterr().out
 
@@ -368,9 +460,12 @@ def test_prompt_attention_benchmark_runs_and_checks_tiles_against_rows(capsys):
     """bench/attention.py prompt on short prompts (a smoke test: it checks results, never times them)."""
     from bench import attention as bench_attention
 
-    res = bench_attention.main(["prompt", "--lens", "20", "70", "--layers", "2", "--repeats", "2",
-                                "--threads", "1"])
-    assert list(res) == [20, 70] and all(set(ms) == {"rows", "tiles", "torch"} for ms in res.values())
+    res = bench_attention.main(
+        ["prompt", "--lens", "20", "70", "--layers", "2", "--repeats", "2", "--threads", "1"]
+    )
+    assert list(res) == [20, 70] and all(
+        set(ms) == {"rows", "tiles", "torch"} for ms in res.values()
+    )
     assert "rows/tiles" in capsys.readouterr().out
 
 
@@ -378,7 +473,12 @@ def test_prompt_attention_benchmark_fails_when_tiles_differ_from_rows(monkeypatc
     from bench import attention as bench_attention
 
     real = attention.paged_decode_attention_cpu
-    monkeypatch.setattr(attention, "paged_decode_attention_cpu",
-                        lambda q, k, v, t, c, s, cu=None: real(q, k, v, t, c, s, cu) + (cu is not None) * 1e-6)
+    monkeypatch.setattr(
+        attention,
+        "paged_decode_attention_cpu",
+        lambda q, k, v, t, c, s, cu=None: real(q, k, v, t, c, s, cu) + (cu is not None) * 1e-6,
+    )
     with pytest.raises(AssertionError, match="tiles differ from rows"):
-        bench_attention.main(["prompt", "--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"])
+        bench_attention.main(
+            ["prompt", "--lens", "20", "--layers", "1", "--repeats", "1", "--threads", "1"]
+        )

@@ -2,6 +2,7 @@
 
 Shapes are drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ from inferline.kernels import fused
 
 SEED = int(os.environ.get("INFERLINE_KERNEL_SEED", random.randrange(1 << 31)))
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the engine uses the PyTorch path")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: the engine uses the PyTorch path",
+)
 
 ROWS = [1, 2, 7, 29, 130, 513]  # one token up to a prefill chunk (the larger ones use every thread)
 
@@ -28,7 +31,9 @@ def gen():
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6, msg=lambda m: f"seed {SEED}, {what}: {m}")
+    torch.testing.assert_close(
+        got, want, rtol=2e-6, atol=2e-6, msg=lambda m: f"seed {SEED}, {what}: {m}"
+    )
 
 
 def test_available_only_for_fp32_on_the_cpu():
@@ -38,12 +43,16 @@ def test_available_only_for_fp32_on_the_cpu():
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("cols", [576, 64, 100])  # SmolLM2's hidden size, a small one, not a multiple of 16
+@pytest.mark.parametrize(
+    "cols", [576, 64, 100]
+)  # SmolLM2's hidden size, a small one, not a multiple of 16
 def test_rms_norm_matches_torch(gen, rows, cols):
     wide = torch.randn(rows, cols + 24, generator=gen) * 3
     x = wide[:, 5 : 5 + cols]  # rows apart, as a slice of a wider row is
     w = torch.randn(cols, generator=gen)
-    close(fused.rms_norm(x, w, 1e-5, ops="c"), fused.rms_norm(x, w, 1e-5), f"rms_norm {rows}x{cols}")
+    close(
+        fused.rms_norm(x, w, 1e-5, ops="c"), fused.rms_norm(x, w, 1e-5), f"rms_norm {rows}x{cols}"
+    )
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -61,7 +70,9 @@ def test_fused_add_rms_norm_updates_the_residual_in_place(gen, rows):
 @pytest.mark.parametrize("inter", [1536, 40])  # SmolLM2's; one not a multiple of 16
 def test_silu_and_mul_matches_torch(gen, rows, inter):
     x = torch.randn(rows, 2 * inter, generator=gen) * 4
-    x[0, :8] = torch.tensor([-1000.0, -100.0, -88.0, -20.0, 0.0, 20.0, 89.0, 1000.0])  # both ends of exp
+    x[0, :8] = torch.tensor(
+        [-1000.0, -100.0, -88.0, -20.0, 0.0, 20.0, 89.0, 1000.0]
+    )  # both ends of exp
     close(fused.silu_and_mul(x, ops="c"), fused.silu_and_mul(x), f"silu_and_mul {rows}x{inter}")
 
 
@@ -102,15 +113,23 @@ def test_rope_store_kv_into_an_fp16_cache_matches_torch(gen, tokens, heads, kv_h
     q_want = fused.rope_store_kv(qkv.clone(), heads, kv_heads, cos, sin, k_want, v_want, slots)
     q_got = fused.rope_store_kv(qkv, heads, kv_heads, cos, sin, k_got, v_got, slots, ops="c")
     close(q_got, q_want, "rotated q")
-    kv = qkv[:, heads * head_dim:].view(tokens, 2, kv_heads, head_dim)  # k rotated in place, v as given
+    kv = qkv[:, heads * head_dim :].view(
+        tokens, 2, kv_heads, head_dim
+    )  # k rotated in place, v as given
     stored = slots >= 0
     for i, (got, want, name) in enumerate(((k_got, k_want, "k cache"), (v_got, v_want, "v cache"))):
         assert got.dtype == torch.float16
         assert torch.equal(got.isnan(), want.isnan()), f"seed {SEED}: {name} written at other slots"
         rows = got.view(-1, kv_heads, head_dim)[slots[stored]]
-        if head_dim % 16 == 0 or i == 1:  # the C path's k (and any v) is the fp32 row in qkv, rounded
-            assert torch.equal(rows, kv[stored, i].half()), f"seed {SEED}: {name} rounded differently"
-        torch.testing.assert_close(got.nan_to_num().float(), want.nan_to_num().float(), rtol=1e-3, atol=1e-3)
+        if (
+            head_dim % 16 == 0 or i == 1
+        ):  # the C path's k (and any v) is the fp32 row in qkv, rounded
+            assert torch.equal(rows, kv[stored, i].half()), (
+                f"seed {SEED}: {name} rounded differently"
+            )
+        torch.testing.assert_close(
+            got.nan_to_num().float(), want.nan_to_num().float(), rtol=1e-3, atol=1e-3
+        )
 
 
 def test_rope_store_kv_refuses_a_slot_past_the_cache(gen):
@@ -119,7 +138,9 @@ def test_rope_store_kv_refuses_a_slot_past_the_cache(gen):
     k, v, before = cache.clone(), cache.clone(), qkv.clone()
     with pytest.raises(RuntimeError, match="past the cache"):
         fused.rope_store_kv(qkv, 9, 3, cos, sin, k, v, slots, ops="c")
-    assert k.isnan().all() and v.isnan().all() and torch.equal(qkv, before), "checked before anything is written"
+    assert k.isnan().all() and v.isnan().all() and torch.equal(qkv, before), (
+        "checked before anything is written"
+    )
 
 
 def test_rows_do_not_depend_on_the_batch_or_the_threads(gen):
@@ -128,9 +149,12 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(gen):
     gate_up = torch.randn(513, 3072, generator=gen)
 
     def run():
-        return (fused.rms_norm(x, w, 1e-5, ops="c"), fused.silu_and_mul(gate_up, ops="c"),
-                [fused.rms_norm(x[i : i + 1], w, 1e-5, ops="c") for i in (0, 200, 512)],
-                [fused.silu_and_mul(gate_up[i : i + 1], ops="c") for i in (0, 200, 512)])
+        return (
+            fused.rms_norm(x, w, 1e-5, ops="c"),
+            fused.silu_and_mul(gate_up, ops="c"),
+            [fused.rms_norm(x[i : i + 1], w, 1e-5, ops="c") for i in (0, 200, 512)],
+            [fused.silu_and_mul(gate_up[i : i + 1], ops="c") for i in (0, 200, 512)],
+        )
 
     one, two = in_thread(run, 1), in_thread(run, 2)
     for a, b in zip(one[:2], two[:2]):

@@ -1,6 +1,7 @@
 """kernels/cpu/gemm.py's 8-bit codes (csrc/gemm.c): the codes are found exactly where a weight was
 quantized (GGUF's Q4_1, Q8_0, ...), never where it was not, and the GEMM over them gives the same
 bits as over the fp32 panels, in any batch and with any thread count."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ from inferline.kernels.cpu import build, gemm
 from tests.kernels.test_gemm import assert_row_bits_invariant, build_x86_64
 from inferline.worker.engine.models import linear as linear_module
 
-pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels did not build (no C compiler?)")
+pytestmark = pytest.mark.skipif(
+    not build.available(), reason="the CPU kernels did not build (no C compiler?)"
+)
 
 BLOCK = 32
 
@@ -65,9 +68,17 @@ def weight(out_features: int, in_features: int, quantize, seed: int = 0) -> torc
 def test_codes_are_found_for_every_ggml_format_and_give_the_weight_back(quantize):
     w = weight(70, 256, quantize)
     codes, scale, offset = gemm.exact_codes(w, BLOCK)
-    assert codes.dtype == torch.uint8 and codes.shape == w.shape and scale.shape == offset.shape == (70, 8)
-    assert torch.equal(scale.half().float(), scale), "scales are fp16 values: scale * code is exact in fp32"
-    widened = scale.repeat_interleave(BLOCK, -1) * codes.float() + offset.repeat_interleave(BLOCK, -1)
+    assert (
+        codes.dtype == torch.uint8
+        and codes.shape == w.shape
+        and scale.shape == offset.shape == (70, 8)
+    )
+    assert torch.equal(scale.half().float(), scale), (
+        "scales are fp16 values: scale * code is exact in fp32"
+    )
+    widened = scale.repeat_interleave(BLOCK, -1) * codes.float() + offset.repeat_interleave(
+        BLOCK, -1
+    )
     assert torch.equal(widened, w)
 
 
@@ -98,7 +109,9 @@ def mixed_weight(seed: int) -> torch.Tensor:
     w = torch.cat(rows + [torch.full((2, 96), 0.25)]).reshape(-1, BLOCK)
     w = w[torch.randperm(len(w), generator=gen)].reshape(-1, 96)
     if seed % 2:
-        w[int(torch.randint(len(w), (1,), generator=gen)), :BLOCK] = torch.randn(BLOCK, generator=gen)
+        w[int(torch.randint(len(w), (1,), generator=gen)), :BLOCK] = torch.randn(
+            BLOCK, generator=gen
+        )
     return w
 
 
@@ -121,20 +134,27 @@ def test_the_codes_are_packed_per_panel_and_block_as_the_c_gemm_reads_them():
     w = weight(width + 3, 64, q4_1)
     codes, scale, offset = gemm.exact_codes(w, BLOCK)
     packed = gemm.pack_codes(w)
-    assert packed.blocks.shape == (2, 2, BLOCK * width + 8 * width) and packed.blocks.dtype == torch.uint8
+    assert (
+        packed.blocks.shape == (2, 2, BLOCK * width + 8 * width)
+        and packed.blocks.dtype == torch.uint8
+    )
     first = packed.blocks[0, 1]  # panel 0, inputs 32..63
-    assert torch.equal(first[:BLOCK * width].view(BLOCK, width), codes[:width, BLOCK:].t())
-    scales = first[BLOCK * width:].view(torch.float32)
-    assert torch.equal(scales[:width], scale[:width, 1]) and torch.equal(scales[width:], offset[:width, 1])
+    assert torch.equal(first[: BLOCK * width].view(BLOCK, width), codes[:width, BLOCK:].t())
+    scales = first[BLOCK * width :].view(torch.float32)
+    assert torch.equal(scales[:width], scale[:width, 1]) and torch.equal(
+        scales[width:], offset[:width, 1]
+    )
     last = packed.blocks[1, 0]
-    assert not last[:BLOCK * width].view(BLOCK, width)[:, 3:].any()
+    assert not last[: BLOCK * width].view(BLOCK, width)[:, 3:].any()
 
 
 @pytest.mark.parametrize("quantize", [q4_1, q8_0])
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (17, 64), (200, 576), (600, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_over_codes_gives_the_bits_of_the_fp32_panels(quantize, out_features, in_features, rows, bias):
+def test_gemm_over_codes_gives_the_bits_of_the_fp32_panels(
+    quantize, out_features, in_features, rows, bias
+):
     """Widths that are and are not multiples of the panel, row counts around the tile, past a
     pass's row block (300 rows of 576 or 1536 inputs)."""
     gen = torch.Generator().manual_seed(rows)
@@ -183,15 +203,45 @@ def test_the_16_float_layout_widens_codes_to_the_same_bits_too(tmp_path):
         for rows in (19, 1):  # tiles of 8, 8 and 3 rows (widened into the buffer); one row
             x = torch.randn(rows, in_features, generator=gen)
             y_panels, y_codes = torch.empty(rows, out_features), torch.empty(rows, out_features)
-            lib.gemm_f32(x.data_ptr(), in_features, panels.data_ptr(), b.data_ptr(), y_panels.data_ptr(), out_features,
-                         rows, out_features, in_features, 2)
-            assert lib.gemm_codes_f32(x.data_ptr(), in_features, coded.blocks.data_ptr(), b.data_ptr(),
-                                      y_codes.data_ptr(), out_features, rows, out_features, in_features, 2) == 0
-            torch.testing.assert_close(y_panels, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            lib.gemm_f32(
+                x.data_ptr(),
+                in_features,
+                panels.data_ptr(),
+                b.data_ptr(),
+                y_panels.data_ptr(),
+                out_features,
+                rows,
+                out_features,
+                in_features,
+                2,
+            )
+            assert (
+                lib.gemm_codes_f32(
+                    x.data_ptr(),
+                    in_features,
+                    coded.blocks.data_ptr(),
+                    b.data_ptr(),
+                    y_codes.data_ptr(),
+                    out_features,
+                    rows,
+                    out_features,
+                    in_features,
+                    2,
+                )
+                == 0
+            )
+            torch.testing.assert_close(
+                y_panels, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4
+            )
             assert torch.equal(y_codes, y_panels), (out_features, rows)
 
 
 def test_the_c_entry_point_refuses_inputs_not_a_multiple_of_the_block():
     x, y = torch.randn(2, 48), torch.empty(2, 16)
     codes = torch.zeros(1, 2, BLOCK * 16 + 8 * 16, dtype=torch.uint8)
-    assert build.lib().gemm_codes_f32(x.data_ptr(), 48, codes.data_ptr(), None, y.data_ptr(), 16, 2, 16, 48, 1) == -3
+    assert (
+        build.lib().gemm_codes_f32(
+            x.data_ptr(), 48, codes.data_ptr(), None, y.data_ptr(), 16, 2, 16, 48, 1
+        )
+        == -3
+    )

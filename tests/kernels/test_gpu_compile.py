@@ -25,8 +25,12 @@ def rows() -> dict[str, cc.Row]:
         "stage2": next(j for j in decode if j.kernel == "_decode_stage2_kernel"),
         "prefill": next(iter(cc.prefill_jobs(128, 4, 16, torch.bfloat16, ARCH))),
         "rope": next(iter(cc.rope_jobs(128, 4, 16, torch.bfloat16, ARCH))),
-        **dict(zip(("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
-                   cc.elementwise_jobs(4096, 14336, torch.bfloat16, ARCH))),
+        **dict(
+            zip(
+                ("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
+                cc.elementwise_jobs(4096, 14336, torch.bfloat16, ARCH),
+            )
+        ),
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -37,24 +41,41 @@ def test_the_plans_compile_without_spills_within_shared_memory(rows):
         assert 0 < row.registers <= 255, (name, row)
         assert row.spill_stores == row.spill_loads == 0, (name, row)
         assert row.shared <= cc.ARCHS[ARCH].max_shared and row.problems() == [], (name, row)
-    assert rows["split"].shared > 0 and rows["prefill"].shared > 0  # tl.dot operands staged in shared memory
+    assert (
+        rows["split"].shared > 0 and rows["prefill"].shared > 0
+    )  # tl.dot operands staged in shared memory
 
 
 def test_a_table_row_has_the_expected_fields(rows):
     row = rows["direct"]
     kernel, arch, dtype, shape, regs, spills, shared, flag = cc.table_row(row)
     assert (kernel, arch, dtype, flag) == ("decode_stage1", "sm_90a", "bf16", "")
-    assert shape.startswith("direct d=128 gqa=4 bs=16 BLOCK_N=") and f"warps={row.job.num_warps}" in shape
+    assert (
+        shape.startswith("direct d=128 gqa=4 bs=16 BLOCK_N=")
+        and f"warps={row.job.num_warps}" in shape
+    )
     assert (regs, spills, shared) == (str(row.registers), "0/0", str(row.shared))
-    assert cc.format_table(list(rows.values())).count("\n") == len(rows)  # a header and a line per plan
+    assert cc.format_table(list(rows.values())).count("\n") == len(
+        rows
+    )  # a header and a line per plan
 
 
 def test_every_kernel_is_in_the_matrix():
     """`make gpu-compile` covers each @triton.jit kernel of kernels/triton/ (the fused ones too)."""
     kernels = {job.kernel for job in cc.all_jobs([ARCH], quick=True)}
-    assert kernels == set(cc.KERNELS) == {"_decode_stage1_kernel", "_decode_stage2_kernel", "_prefill_kernel",
-                                          "_store_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
-                                          "_rope_store_kv_kernel"}
+    assert (
+        kernels
+        == set(cc.KERNELS)
+        == {
+            "_decode_stage1_kernel",
+            "_decode_stage2_kernel",
+            "_prefill_kernel",
+            "_store_kv_kernel",
+            "_rms_norm_kernel",
+            "_silu_and_mul_kernel",
+            "_rope_store_kv_kernel",
+        }
+    )
 
 
 def test_jobs_are_the_launchers_plans():
@@ -79,7 +100,9 @@ def test_arguments_are_specialized_like_the_jit():
             assert cc.specialize(value, values)[0] == type_, (value, values)
             if type_ != "constexpr":
                 assert cc.specialize(value, values)[1] == (attr == "D"), (value, values)
-    bf16 = native_specialize_impl(BaseBackend, torch.empty(8, dtype=torch.bfloat16), False, True, True)
+    bf16 = native_specialize_impl(
+        BaseBackend, torch.empty(8, dtype=torch.bfloat16), False, True, True
+    )
     assert cc.specialize("*bf16") == (bf16[0], True)
 
 
@@ -96,7 +119,9 @@ def test_a_plan_too_large_is_reported():
 
 def test_a_compile_error_is_a_failed_row():
     job = next(iter(cc.decode_jobs(128, 4, 16, torch.bfloat16, ARCH)))
-    bad = dataclasses.replace(job, constexprs=tuple({**dict(job.constexprs), "BLOCK_N": 48}.items()))
+    bad = dataclasses.replace(
+        job, constexprs=tuple({**dict(job.constexprs), "BLOCK_N": 48}.items())
+    )
     row = cc.compile_job(bad)
     assert row.problems() == ["compile error: ValueError: arange's range must be a power of 2"], row
     assert cc.table_row(row)[-1] == "ERROR"

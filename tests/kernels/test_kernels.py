@@ -60,7 +60,9 @@ def test_reference_prefill_matches_dense_attention(gen, gqa, block_size):
     # plain prefill, chunk on cached context, one-token chunk, a long chunk on a long context
     pairs = [(block_size - 1, block_size - 1), (block_size + 1, 3), (5, 1), (300, 70)]
     cache = PagedCache(gen, [c for c, _ in pairs], block_size, 2, 64, torch.float32)
-    cu = torch.tensor([0] + [sum(n for _, n in pairs[: i + 1]) for i in range(len(pairs))], dtype=torch.int32)
+    cu = torch.tensor(
+        [0] + [sum(n for _, n in pairs[: i + 1]) for i in range(len(pairs))], dtype=torch.int32
+    )
     q = torch.randn(int(cu[-1]), 2 * gqa, 64, generator=gen)
     out = kernels.paged_prefill_attention(
         q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, 0.125
@@ -99,7 +101,9 @@ def test_reference_low_precision_close_to_fp32(gen, dtype, tol):
     )
     assert out.dtype == dtype
     for i in range(2):
-        dense = dense_causal_attention(q[i : i + 1].float(), cache.k[i].float(), cache.v[i].float(), 0.125)
+        dense = dense_causal_attention(
+            q[i : i + 1].float(), cache.k[i].float(), cache.v[i].float(), 0.125
+        )
         assert rel_err(out[i : i + 1], dense) < tol
 
 
@@ -110,7 +114,9 @@ def test_reference_store_kv_writes_slots_and_skips_negative(gen):
     slots = torch.tensor([3, -1, 31, 8, -1])
     kernels.store_kv(k, v, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(32, 2, 16), v_cache.view(32, 2, 16)
-    assert torch.equal(flat_k[[3, 31, 8]], k[[0, 2, 3]]) and torch.equal(flat_v[[3, 31, 8]], v[[0, 2, 3]])
+    assert torch.equal(flat_k[[3, 31, 8]], k[[0, 2, 3]]) and torch.equal(
+        flat_v[[3, 31, 8]], v[[0, 2, 3]]
+    )
     assert flat_k.isnan().all(-1).all(-1).sum() == 29, "a skipped or foreign slot was written"
     kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])  # empty batch is a no-op
 
@@ -119,7 +125,9 @@ def test_auto_backend_on_cpu_is_torch_without_the_compiled_kernel(gen, monkeypat
     # (with it, fp32 decode goes to kernels/cpu/: tests/kernels/test_cpu_kernels.py)
     monkeypatch.setattr(kernels.cpu.build, "available", lambda: False)
     calls = []
-    monkeypatch.setattr(reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode"))
+    monkeypatch.setattr(
+        reference, "paged_decode_attention", lambda *a, **kw: calls.append("decode")
+    )
     monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append("store"))
     q, cache = torch.randn(1, 2, 16), torch.empty(4, 16, 2, 16)  # a shape the C kernel takes
     kernels.paged_decode_attention(q, cache, cache, None, None, 1.0)

@@ -4,6 +4,7 @@ layer as `auto` sets it up on CUDA runs under the interpreter in a subprocess
 each PyTorch op that would be a CUDA kernel. A decode step is at most 10 launches: 4 GEMMs, 2
 RMSNorms with the residual add, rotary with the K/V store, SiLU-and-mul, the decode kernel's
 one or two stages; none is a device sync."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,9 +23,16 @@ def test_a_decode_step_is_at_most_10_launches_per_layer(counts):
     decode = counts["decode"]
     assert decode["finite"]
     assert decode["launches"] == [
-        "triton:rms_norm_kernel", GEMMS[0], "triton:rope_store_kv_kernel",
-        "triton:decode_stage1_kernel", "triton:decode_stage2_kernel", GEMMS[1],
-        "triton:rms_norm_kernel", GEMMS[2], "triton:silu_and_mul_kernel", GEMMS[3],
+        "triton:rms_norm_kernel",
+        GEMMS[0],
+        "triton:rope_store_kv_kernel",
+        "triton:decode_stage1_kernel",
+        "triton:decode_stage2_kernel",
+        GEMMS[1],
+        "triton:rms_norm_kernel",
+        GEMMS[2],
+        "triton:silu_and_mul_kernel",
+        GEMMS[3],
     ], decode
     assert len(decode["launches"]) <= 10
 
@@ -33,7 +41,12 @@ def test_prompts_and_mixed_steps_add_only_the_prefill_kernel(counts):
     prefill, mixed = counts["prefill"]["launches"], counts["mixed"]["launches"]
     assert len(prefill) == 9 and prefill.count("triton:prefill_kernel") == 1, prefill
     # decodes and prompt chunks write their rows of one output: no concatenation
-    assert mixed == counts["decode"]["launches"][:5] + ["triton:prefill_kernel"] + counts["decode"]["launches"][5:]
+    assert (
+        mixed
+        == counts["decode"]["launches"][:5]
+        + ["triton:prefill_kernel"]
+        + counts["decode"]["launches"][5:]
+    )
     assert all("sync" not in r["launches"] for r in counts.values()), counts
 
 

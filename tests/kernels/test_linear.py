@@ -1,4 +1,5 @@
 """models/linear.py: oneDNN on packed weights equals F.linear for every batch size, row by row."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,14 +47,18 @@ def test_a_lone_long_row_gets_the_bits_it_gets_in_any_batch(in_features):
     full = linear(x, w, packed=packed)
     for rows in range(1, 40):
         assert torch.equal(linear(x[:rows].contiguous(), w, packed=packed), full[:rows]), rows
-    assert torch.equal(linear(x[5:6], w, packed=packed), full[5:6])  # a one-row view, as hidden[-1:]
+    assert torch.equal(
+        linear(x[5:6], w, packed=packed), full[5:6]
+    )  # a one-row view, as hidden[-1:]
 
 
 @needs_onednn
 def test_packed_linear_on_a_strided_view():
     x = torch.randn(10, 2, 48)[:, 0]  # a strided view of rows, as q/k/v splits are
     w = torch.randn(7, 48)
-    torch.testing.assert_close(linear(x, w, packed=pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        linear(x, w, packed=pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_pack_weight_applies_only_to_cpu_fp32():
@@ -76,6 +81,7 @@ def test_linear_module_keeps_nn_linear_state_dict_and_results():
 
 def test_a_failing_pack_falls_back_to_f_linear(monkeypatch):
     """A PyTorch whose oneDNN cannot pack (another CPU, another build) keeps F.linear, never crashes."""
+
     def refuse(weight, batch_size):
         raise RuntimeError("no oneDNN kernel for this CPU")
 

@@ -1,5 +1,6 @@
 """Smoke tests of bench/ab.py (ABBA runs of one workload): each experiment runs every request
 twice each way, counts and reports; no times asserted."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,21 @@ def test_kv_dtype_runs_both_caches_twice(capsys):
 @pytest.mark.full
 def test_spec_decode_drafts_and_never_changes_greedy_tokens(capsys):
     """One seat: the requests one at a time, single-stream decoding."""
-    res = ab.main(["spec-decode", "--num-requests", "3", "--max-output", "12", "--threads", "1",
-                   "--seats", "1", "--lookup-min", "1"])
+    res = ab.main(
+        [
+            "spec-decode",
+            "--num-requests",
+            "3",
+            "--max-output",
+            "12",
+            "--threads",
+            "1",
+            "--seats",
+            "1",
+            "--lookup-min",
+            "1",
+        ]
+    )
     runs = res["runs"]["none"] + res["runs"]["ngram"]
     assert all(r["complete"] and r["mean_batch_size"] == 1 for r in runs)
     assert len({r["useful_tokens"] for r in runs}) == 1

@@ -1,5 +1,6 @@
 """Smoke test of bench/block_size.py at the smallest and largest block size: it runs, counts and
 reports, and waste is a fraction that the larger blocks make larger; no times asserted."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ from bench import block_size
 @pytest.mark.full
 def test_a_tiny_run_at_two_block_sizes(tmp_path, capsys):
     out = tmp_path / "block_size.json"
-    res = block_size.main(["--quick", "--block-sizes", "8", "128", "--threads", "1", "--out", str(out)])
+    res = block_size.main(
+        ["--quick", "--block-sizes", "8", "128", "--threads", "1", "--out", str(out)]
+    )
     runs = res["runs"]
     assert list(runs) == ["8", "128"]
     for bs, r in runs.items():

@@ -3,6 +3,7 @@
 It checks the shape and sanity of what the benchmark writes, never a speed: speed is a ratio
 measured by `make bench`, not a test assertion.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,39 @@ import pytest
 from bench import engine as bench_engine
 from bench.workload import make_workload, with_arrivals
 
-RUN_KEYS = {"tokens_per_s", "tokens_per_cpu_s", "useful_tokens", "ttft_s", "itl_s", "e2e_s",
-            "mean_batch_size", "mean_running", "kv_usage", "preemptions", "complete"}
+RUN_KEYS = {
+    "tokens_per_s",
+    "tokens_per_cpu_s",
+    "useful_tokens",
+    "ttft_s",
+    "itl_s",
+    "e2e_s",
+    "mean_batch_size",
+    "mean_running",
+    "kv_usage",
+    "preemptions",
+    "complete",
+}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "engine.json"
-    bench_engine.main(["--quick", "--num-requests", "4", "--max-output", "8", "--rate", "50",
-                       "--out", str(out), "--threads", "1"])
+    bench_engine.main(
+        [
+            "--quick",
+            "--num-requests",
+            "4",
+            "--max-output",
+            "8",
+            "--rate",
+            "50",
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+        ]
+    )
     return json.loads(out.read_text())
 
 
@@ -29,11 +54,31 @@ def results(tmp_path_factory):
 def test_repeats_run_each_engine_mode_in_abba_order(tmp_path, monkeypatch):
     labels = []
     real = bench_engine.run_engine
-    monkeypatch.setattr(bench_engine, "run_engine", lambda runner, settings, items, label:
-                        labels.append(label) or real(runner, settings, items, label))
-    data = bench_engine.main(["--quick", "--num-requests", "3", "--max-output", "4", "--skip-hf",
-                              "--rate", "0", "--repeats", "3", "--out", str(tmp_path / "e.json"),
-                              "--threads", "1"])
+    monkeypatch.setattr(
+        bench_engine,
+        "run_engine",
+        lambda runner, settings, items, label: (
+            labels.append(label) or real(runner, settings, items, label)
+        ),
+    )
+    data = bench_engine.main(
+        [
+            "--quick",
+            "--num-requests",
+            "3",
+            "--max-output",
+            "4",
+            "--skip-hf",
+            "--rate",
+            "0",
+            "--repeats",
+            "3",
+            "--out",
+            str(tmp_path / "e.json"),
+            "--threads",
+            "1",
+        ]
+    )
     s, c = "engine_static", "engine_continuous"
     assert labels == [s, c, c, s, s, c]
     assert all(data["runs"][m]["complete"] for m in (s, c)) and "poisson" not in data
@@ -44,7 +89,15 @@ def test_repeats_run_each_engine_mode_in_abba_order(tmp_path, monkeypatch):
 @pytest.mark.full
 def test_writes_every_mode_and_the_poisson_runs(results):
     data = results
-    assert {"runs", "roofline", "ratios", "targets", "workload", "poisson", "machine"} <= data.keys()
+    assert {
+        "runs",
+        "roofline",
+        "ratios",
+        "targets",
+        "workload",
+        "poisson",
+        "machine",
+    } <= data.keys()
     assert set(data["runs"]) == {"hf_static16", "engine_static", "engine_continuous"}
     assert set(data["poisson"]["runs"]) == {"engine_static", "engine_continuous"}
 
@@ -87,7 +140,9 @@ def test_workload_is_deterministic_and_varied():
     tok = load_tokenizer(None)
     a = make_workload(tok, 16, seed=3)
     b = make_workload(tok, 16, seed=3)
-    assert [(i.prompt_token_ids, i.max_tokens) for i in a] == [(i.prompt_token_ids, i.max_tokens) for i in b]
+    assert [(i.prompt_token_ids, i.max_tokens) for i in a] == [
+        (i.prompt_token_ids, i.max_tokens) for i in b
+    ]
     assert all(8 <= i.max_tokens <= 256 for i in a) and len({i.max_tokens for i in a}) > 8
     lengths = [len(i.prompt_token_ids) for i in a]
     assert min(lengths) >= 31 + 5 and max(lengths) <= 31 + 275 and max(lengths) - min(lengths) > 100

@@ -1,5 +1,6 @@
 """The gateway benchmark's offline part (bench/gateway.py): its arguments. The runs on the broker:
 tests/kafka/test_bench_gateway.py."""
+
 from __future__ import annotations
 
 from bench import gateway

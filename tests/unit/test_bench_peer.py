@@ -1,5 +1,6 @@
 """bench/peer_llamacpp.py's pure parts: arguments, the workload's lengths, the server's context
 and the backends read from a worker's metrics. The llama.cpp build and the runs themselves are `make bench-peer`, not tests."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,11 @@ def test_arguments_need_a_server_unless_it_is_skipped():
     args = peer.parse_args(["--server-bin", "/x/llama-server"])
     assert (args.num_requests, args.parallel, args.linear) == (48, 16, ["auto", "c", "onednn"])
     quick = peer.parse_args(["--skip-llamacpp", "--quick", "--linear", "c"])
-    assert quick.num_requests == 4 and quick.max_output == 8 == quick.min_output and quick.linear == ["c"]
+    assert (
+        quick.num_requests == 4
+        and quick.max_output == 8 == quick.min_output
+        and quick.linear == ["c"]
+    )
 
 
 def test_output_lengths_are_lognormal_around_the_median_and_clipped():
@@ -34,6 +39,8 @@ inferline_kernel_backend_info{backend="cpu",how="set",kind="attention"} 1.0
 inferline_kernel_backend_info{backend="c",how="timed",kind="linear"} 1.0
 inferline_kernel_backend_info{backend="c",how="set",kind="fused_ops"} 1.0
 inferline_batch_size 0.0"""
-    assert peer.parse_backend_info(text) == {"attention": {"backend": "cpu", "how": "set"},
-                                             "linear": {"backend": "c", "how": "timed"},
-                                             "fused_ops": {"backend": "c", "how": "set"}}
+    assert peer.parse_backend_info(text) == {
+        "attention": {"backend": "cpu", "how": "set"},
+        "linear": {"backend": "c", "how": "timed"},
+        "fused_ops": {"backend": "c", "how": "set"},
+    }

@@ -1,4 +1,5 @@
 """bench/scheduler_sim.py: the real Scheduler under a step-cost model."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,9 @@ def test_the_background_limit_trades_batch_throughput_for_interactive_latency():
     load = Load(rate=2.0, interactive=150, batch_lines=200)
     off = compare(load, COST, None)
     on = compare(load, COST, BackgroundLimit(100, 16))
-    assert on["ttft_p50_ratio"] < off["ttft_p50_ratio"] and on["ttft_p99_ratio"] < off["ttft_p99_ratio"]
+    assert (
+        on["ttft_p50_ratio"] < off["ttft_p50_ratio"]
+        and on["ttft_p99_ratio"] < off["ttft_p99_ratio"]
+    )
     assert 0 < on["batch_beside"] < off["batch_beside"]
     assert on["batch_alone"] == off["batch_alone"] > 0
-

@@ -1,5 +1,6 @@
 """bench/stats.py, the benchmarks' one stats helper: percentiles, a run summed up, runs compared
 against a baseline, the ABBA order."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,11 +21,23 @@ def test_percentiles_interpolate_and_a_run_sums_its_requests():
 
 def test_compare_takes_medians_per_path_against_the_baseline():
     def run(path, tps, p50, complete=True):
-        return {"path": path, "tokens_per_s": tps, "ttft_s": {"p50": p50, "p99": 2 * p50},
-                "complete": complete}
+        return {
+            "path": path,
+            "tokens_per_s": tps,
+            "ttft_s": {"p50": p50, "p99": 2 * p50},
+            "complete": complete,
+        }
 
-    table = stats.compare([run("base", 100, 1.0), run("new", 200, 0.2), run("new", 180, 0.4),
-                           run("base", 120, 1.2), run("new", 300, 0.1, complete=False)], "base")
+    table = stats.compare(
+        [
+            run("base", 100, 1.0),
+            run("new", 200, 0.2),
+            run("new", 180, 0.4),
+            run("base", 120, 1.2),
+            run("new", 300, 0.1, complete=False),
+        ],
+        "base",
+    )
     assert table["base"]["tokens_per_s"] == 110 and table["base"]["runs"] == 2
     new = table["new"]
     assert new["tokens_per_s"] == 200 and new["ttft_p50_s"] == 0.2 and not new["complete"]

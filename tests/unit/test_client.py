@@ -1,5 +1,6 @@
 """producer.client's reassembly logic, without a broker: attempts, gaps, duplicates, errors by
 code. Against the real broker: tests/kafka/test_client.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,15 +39,30 @@ def started(rid: str, attempt: str = "a1", seq: int = 0) -> StartedEvent:
     return StartedEvent(id=rid, attempt=attempt, seq=seq, worker="w", queue_s=0.01)
 
 
-def tokens(rid: str, text: str, seq: int, attempt: str = "a1", ids: list[int] | None = None) -> TokensEvent:
-    return TokensEvent(id=rid, attempt=attempt, seq=seq, token_ids=ids if ids is not None else [seq], text=text)
+def tokens(
+    rid: str, text: str, seq: int, attempt: str = "a1", ids: list[int] | None = None
+) -> TokensEvent:
+    return TokensEvent(
+        id=rid, attempt=attempt, seq=seq, token_ids=ids if ids is not None else [seq], text=text
+    )
 
 
-def done(rid: str, seq: int, attempt: str = "a1", reason: str = "stop", text: str | None = None,
-         error: tuple[str, str] | None = None) -> DoneEvent:
+def done(
+    rid: str,
+    seq: int,
+    attempt: str = "a1",
+    reason: str = "stop",
+    text: str | None = None,
+    error: tuple[str, str] | None = None,
+) -> DoneEvent:
     return DoneEvent(
-        id=rid, attempt=attempt, seq=seq, finish_reason=reason, text=text,
-        usage=Usage(prompt_tokens=2, completion_tokens=3), timing=Timing(queue_s=0.01, ttft_s=0.1, total_s=0.3),
+        id=rid,
+        attempt=attempt,
+        seq=seq,
+        finish_reason=reason,
+        text=text,
+        usage=Usage(prompt_tokens=2, completion_tokens=3),
+        timing=Timing(queue_s=0.01, ttft_s=0.1, total_s=0.3),
         error=ErrorInfo(code=error[0], message=error[1]) if error else None,
     )
 
@@ -74,7 +90,13 @@ async def test_text_reassembles():
         assert h.feed(ev)
     assert [str(d) for d in await drain_text(h)] == ["Hel", "lo", "!"]
     r = await h.result()
-    assert (r.text, r.finish_reason, r.attempts, r.gaps, r.duplicates) == ("Hello!", "stop", 1, 0, 0)
+    assert (r.text, r.finish_reason, r.attempts, r.gaps, r.duplicates) == (
+        "Hello!",
+        "stop",
+        1,
+        0,
+        0,
+    )
     assert r.usage.completion_tokens == 3 and r.token_ids == [1, 2, 3]
 
 
@@ -85,7 +107,12 @@ async def test_readers_follow_live_events():
         await asyncio.sleep(0)
         h.feed(ev)
     assert [str(d) for d in await asyncio.wait_for(reader, 2)] == ["a", "b"]
-    assert [e.type for e in [e async for e in h.events()]] == ["started", "tokens", "tokens", "done"]
+    assert [e.type for e in [e async for e in h.events()]] == [
+        "started",
+        "tokens",
+        "tokens",
+        "done",
+    ]
 
 
 async def test_duplicates_are_ignored():
@@ -105,7 +132,12 @@ async def test_new_attempt_discards_old_text_and_says_so():
     for ev in stream("r1", ["new"], attempt="a2"):
         h.feed(ev)
     deltas = await drain_text(h)
-    assert [(str(d), d.restart) for d in deltas] == [("old ", False), ("text", False), ("", True), ("new", False)]
+    assert [(str(d), d.restart) for d in deltas] == [
+        ("old ", False),
+        ("text", False),
+        ("", True),
+        ("new", False),
+    ]
     assert deltas[-1].attempt == "a2"
     r = await h.result()
     assert (r.text, r.attempt, r.attempts, r.token_ids) == ("new", "a2", 2, [1])
@@ -125,7 +157,11 @@ async def test_zombie_attempt_events_are_ignored():
 
 async def test_requeued_done_waits_for_the_next_attempt():
     h = new_handle()
-    for ev in [started("r1", "a1"), tokens("r1", "x", 1, "a1"), done("r1", 2, "a1", reason="requeued")]:
+    for ev in [
+        started("r1", "a1"),
+        tokens("r1", "x", 1, "a1"),
+        done("r1", 2, "a1", reason="requeued"),
+    ]:
         h.feed(ev)
     assert not h.finished
     for ev in stream("r1", ["y"], attempt="a2"):
@@ -219,8 +255,14 @@ async def test_errors_by_contract_code(reason, error, cls):
     with pytest.raises(cls) as info:
         await h.result()
     exc = info.value
-    assert exc.request_id == "r1" and exc.result.text == "part" and exc.result.finish_reason == reason
-    assert exc.code == (error[0] if error else {"timeout": "timeout", "cancelled": "cancelled"}.get(reason, exc.code))
+    assert (
+        exc.request_id == "r1" and exc.result.text == "part" and exc.result.finish_reason == reason
+    )
+    assert exc.code == (
+        error[0]
+        if error
+        else {"timeout": "timeout", "cancelled": "cancelled"}.get(reason, exc.code)
+    )
     with pytest.raises(cls):
         await drain_text(h)
     assert [e.type async for e in h.events()][-1] == "done"  # events() does not raise worker errors
@@ -263,4 +305,3 @@ def test_reply_topics_follow_the_workers_reply_prefix():
 
 
 # --------------------------------------------------------------------------- scripted stand-in worker
-

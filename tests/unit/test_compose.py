@@ -11,6 +11,7 @@ Then the file's content: every INFERLINE_* variable is a real setting, the broke
 KRaft set, the topic-init step creates the worker's topics, the GPU variant reserves a GPU,
 Prometheus and Grafana mount their config from deploy/ (tests/unit/test_dashboard.py checks its content).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -53,11 +54,14 @@ def env_of(service: dict) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- parsers
 
+
 def test_compose_file_matches_the_compose_spec_schema(compose):
     schema = json.loads(SCHEMA_FILE.read_text())
     validator = jsonschema.Draft7Validator(schema)
     errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.absolute_path))
-    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+    assert not errors, "\n".join(
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+    )
 
 
 def test_the_schema_rejects_a_broken_file(compose):
@@ -80,7 +84,10 @@ def docker_compose(*args: str) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
             [str(binary), "-f", str(COMPOSE_FILE), *args],
-            capture_output=True, text=True, timeout=60, cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
         )
     except OSError as exc:  # e.g. the x86_64 binary on another architecture
         pytest.skip(f"the docker-compose binary cannot run here: {exc}")
@@ -95,15 +102,25 @@ def test_docker_compose_config_accepts_the_file(profile):
 def test_docker_compose_resolves_the_services():
     default = docker_compose("config", "--services")
     assert default.returncode == 0, default.stderr
-    assert set(default.stdout.split()) == {"kafka", "kafka-init", "worker", "gateway", "prometheus", "grafana"}
+    assert set(default.stdout.split()) == {
+        "kafka",
+        "kafka-init",
+        "worker",
+        "gateway",
+        "prometheus",
+        "grafana",
+    }
     gpu = docker_compose("--profile", "gpu", "config", "--format", "json")
     assert gpu.returncode == 0, gpu.stderr
     resolved = json.loads(gpu.stdout)["services"]
     assert resolved["worker-gpu"]["environment"]["INFERLINE_MODEL__DEVICE"] == "cuda"
-    assert resolved["worker-gpu"]["environment"]["INFERLINE_KAFKA__BOOTSTRAP_SERVERS"] == "kafka:29092"
+    assert (
+        resolved["worker-gpu"]["environment"]["INFERLINE_KAFKA__BOOTSTRAP_SERVERS"] == "kafka:29092"
+    )
 
 
 # --------------------------------------------------------------------------- settings
+
 
 def is_settings_field(parts: list[str], section: bool = False) -> bool:
     """Does INFERLINE_<PARTS joined by __> name a field of Settings (a dict field takes any key)?
@@ -127,7 +144,9 @@ def is_settings_field(parts: list[str], section: bool = False) -> bool:
 
 def variables_read_by_the_code() -> set[str]:
     """INFERLINE_* variables the packages read themselves (os.environ / os.getenv), outside Settings."""
-    pattern = re.compile(r"""(?:environ(?:\.get)?\s*[(\[]|getenv\s*\()\s*["'](INFERLINE_[A-Z0-9_]+)["']""")
+    pattern = re.compile(
+        r"""(?:environ(?:\.get)?\s*[(\[]|getenv\s*\()\s*["'](INFERLINE_[A-Z0-9_]+)["']"""
+    )
     names: set[str] = set()
     for folder in PACKAGE_DIRS:
         for path in (REPO / folder).rglob("*.py"):
@@ -149,7 +168,7 @@ def test_every_inferline_variable_is_a_setting(compose):
         for var in env_of(service):
             if not var.startswith(ENV_PREFIX) or var in extra:
                 continue
-            parts = var[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
+            parts = var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
             if not is_settings_field(parts):
                 unknown.append(f"{name}: {var}")
     assert not unknown, f"not fields of config.settings.Settings: {unknown}"
@@ -169,18 +188,29 @@ def test_worker_environment_loads_as_settings(compose, service, monkeypatch):
 
 # --------------------------------------------------------------------------- content
 
+
 def test_kafka_service_is_a_complete_kraft_node(compose):
     kafka = services(compose)["kafka"]
     assert re.fullmatch(r"apache/kafka:4\.\d+\.\d+", kafka["image"])
     env = env_of(kafka)
     # The image replaces all its defaults once any KAFKA_* variable is set.
     required = {
-        "CLUSTER_ID", "KAFKA_NODE_ID", "KAFKA_PROCESS_ROLES", "KAFKA_CONTROLLER_QUORUM_VOTERS",
-        "KAFKA_LISTENERS", "KAFKA_ADVERTISED_LISTENERS", "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP",
-        "KAFKA_CONTROLLER_LISTENER_NAMES", "KAFKA_INTER_BROKER_LISTENER_NAME", "KAFKA_LOG_DIRS",
-        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR",
-        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR",
-        "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR", "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS",
+        "CLUSTER_ID",
+        "KAFKA_NODE_ID",
+        "KAFKA_PROCESS_ROLES",
+        "KAFKA_CONTROLLER_QUORUM_VOTERS",
+        "KAFKA_LISTENERS",
+        "KAFKA_ADVERTISED_LISTENERS",
+        "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP",
+        "KAFKA_CONTROLLER_LISTENER_NAMES",
+        "KAFKA_INTER_BROKER_LISTENER_NAME",
+        "KAFKA_LOG_DIRS",
+        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR",
+        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR",
+        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR",
+        "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR",
+        "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR",
+        "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS",
     }
     assert required <= set(env), f"missing: {sorted(required - set(env))}"
     assert re.fullmatch(r"[A-Za-z0-9_-]{22}", env["CLUSTER_ID"])
@@ -188,7 +218,9 @@ def test_kafka_service_is_a_complete_kraft_node(compose):
 
     listeners = dict(item.split("://") for item in env["KAFKA_LISTENERS"].split(","))
     advertised = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
-    protocols = dict(item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    protocols = dict(
+        item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")
+    )
     assert set(listeners) <= set(protocols) and set(advertised) <= set(listeners)
     assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] in listeners
     assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] not in advertised
@@ -214,7 +246,9 @@ def test_topic_init_creates_the_worker_topics(compose):
         var = f"INFERLINE_KAFKA__{setting.upper()}"
         topic = worker_env.get(var, getattr(defaults, setting))
         assert topic in created, f"kafka-init does not create {topic} ({var})"
-    assert int(created[worker_env.get("INFERLINE_KAFKA__REQUEST_TOPIC", defaults.request_topic)]) >= 2
+    assert (
+        int(created[worker_env.get("INFERLINE_KAFKA__REQUEST_TOPIC", defaults.request_topic)]) >= 2
+    )
     assert "--if-not-exists" in script  # re-running `up` must not fail
 
 
@@ -249,7 +283,9 @@ def test_monitoring_services(compose):
     prometheus, grafana = svc["prometheus"], svc["grafana"]
     assert re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", prometheus["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])
-    assert "profiles" not in prometheus and "profiles" not in grafana  # `docker compose up` starts them
+    assert (
+        "profiles" not in prometheus and "profiles" not in grafana
+    )  # `docker compose up` starts them
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
     assert bind_mounts(prometheus) == {"./deploy/prometheus": "/etc/prometheus"}
     assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
@@ -267,10 +303,15 @@ def test_bind_mounts_exist(compose):
 
 # --------------------------------------------------------------------------- Dockerfile
 
+
 def dockerfile_instructions() -> list[tuple[str, str]]:
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+    lines = [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")
+    ]
+    return [
+        (ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines
+    ]
 
 
 def test_dockerfile_builds_the_worker():
@@ -283,17 +324,28 @@ def test_dockerfile_builds_the_worker():
     assert re.search(r"pip install (--no-deps )?\.(\s|$)", runs)
     (entrypoint,) = [json.loads(arg) for op, arg in instructions if op == "ENTRYPOINT"]
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert entrypoint == ["inferline-worker"] and "inferline-worker" in pyproject["project"]["scripts"]
+    assert (
+        entrypoint == ["inferline-worker"] and "inferline-worker" in pyproject["project"]["scripts"]
+    )
 
     copied = {
-        src for op, arg in instructions if op == "COPY" for src in arg.split()[:-1] if not src.startswith("--")
+        src
+        for op, arg in instructions
+        if op == "COPY"
+        for src in arg.split()[:-1]
+        if not src.startswith("--")
     }
     assert {"pyproject.toml", "README.md"} <= copied  # pyproject's `readme` must exist to build
-    assert "constraints.txt" in copied and "pip install -c constraints.txt -r /tmp/requirements.txt" in runs
+    assert (
+        "constraints.txt" in copied
+        and "pip install -c constraints.txt -r /tmp/requirements.txt" in runs
+    )
     packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert packages <= copied, f"packages not copied into the image: {packages - copied}"
     shipped = pyproject["tool"]["setuptools"]["package-data"]["inferline.kernels.cpu"]
-    assert "csrc/*.c" in shipped and list((REPO / "kernels" / "cpu" / "csrc").glob("*.c")), "C sources not installed"
+    assert "csrc/*.c" in shipped and list((REPO / "kernels" / "cpu" / "csrc").glob("*.c")), (
+        "C sources not installed"
+    )
 
 
 def test_dockerignore_keeps_local_state_out():

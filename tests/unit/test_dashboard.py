@@ -7,6 +7,7 @@ are read by a small lexer below (strings, label matchers, ranges and grouping cl
 what remains and is not a function call or keyword is a metric name). Where the optional
 `promql-parser` package is installed, every query is also parsed by it, and its names must agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,17 @@ PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "inferline.yml"
 
 # Series Prometheus makes itself for every scrape target.
 PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "gauge": ("",), "summary": ("", "_sum", "_count", "_created"), "info": ("_info",)}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+}
 
 
 # --------------------------------------------------------------------------- exported names
+
 
 def metric_families() -> dict[str, str]:
     """name -> type of every metric family on a fresh worker registry."""
@@ -68,8 +75,22 @@ _MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGE = re.compile(r"\[[^\[\]]*\]")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
 _IDENT = re.compile(r"(?<![\w:.$])([A-Za-z_:][\w:]*)(\s*\()?")
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-             "unless", "offset", "inf", "nan", "atan2"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -87,18 +108,28 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("expr, names", [
-    ('up{job="inferline"} == 0', {"up"}),
-    ('histogram_quantile(0.99, sum by (le) (rate(a_bucket{x=~"$v", y="by (z)"}[$__rate_interval])))', {"a_bucket"}),
-    ("sum(rate(b_total[5m] offset 1h)) by (instance) / on (instance) group_left c", {"b_total", "c"}),
-    ("min_over_time(d[10m]) == 1 and e > 1e3 unless f:recorded", {"d", "e", "f:recorded"}),
-    ("sum without (le) (g) > bool 0.5", {"g"}),
-])
+@pytest.mark.parametrize(
+    "expr, names",
+    [
+        ('up{job="inferline"} == 0', {"up"}),
+        (
+            'histogram_quantile(0.99, sum by (le) (rate(a_bucket{x=~"$v", y="by (z)"}[$__rate_interval])))',
+            {"a_bucket"},
+        ),
+        (
+            "sum(rate(b_total[5m] offset 1h)) by (instance) / on (instance) group_left c",
+            {"b_total", "c"},
+        ),
+        ("min_over_time(d[10m]) == 1 and e > 1e3 unless f:recorded", {"d", "e", "f:recorded"}),
+        ("sum without (le) (g) > bool 0.5", {"g"}),
+    ],
+)
 def test_promql_metric_names(expr, names):
     assert promql_metric_names(expr) == names
 
 
 # --------------------------------------------------------------------------- the dashboard
+
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
@@ -115,24 +146,37 @@ def all_panels(dashboard: dict) -> list[dict]:
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and every query variable."""
-    queries = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
-               for p in all_panels(dashboard) for t in p.get("targets", [])]
+    queries = [
+        (f"panel {p['title']!r} {t['refId']}", t["expr"])
+        for p in all_panels(dashboard)
+        for t in p.get("targets", [])
+    ]
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
             q = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-            inner = re.fullmatch(r"label_values\((.*),\s*\w+\)", q)  # label_values(<selector>, <label>)
+            inner = re.fullmatch(
+                r"label_values\((.*),\s*\w+\)", q
+            )  # label_values(<selector>, <label>)
             queries.append((f"variable {var['name']}", inner.group(1) if inner else q))
     return queries
 
 
 def alert_queries() -> list[tuple[str, str]]:
     rules = yaml.safe_load(ALERTS.read_text())
-    return [(f"rule {r.get('alert') or r.get('record')}", r["expr"]) for g in rules["groups"] for r in g["rules"]]
+    return [
+        (f"rule {r.get('alert') or r.get('record')}", r["expr"])
+        for g in rules["groups"]
+        for r in g["rules"]
+    ]
 
 
 def unknown_names(queries: list[tuple[str, str]]) -> list[str]:
     known = exported_series_names() | PROMETHEUS_SYNTHETIC
-    return [f"{where}: {name}" for where, expr in queries for name in sorted(promql_metric_names(expr) - known)]
+    return [
+        f"{where}: {name}"
+        for where, expr in queries
+        for name in sorted(promql_metric_names(expr) - known)
+    ]
 
 
 def test_every_dashboard_metric_is_exported(dashboard):
@@ -150,8 +194,11 @@ def test_every_alert_metric_is_exported():
 def test_every_exported_metric_is_on_the_dashboard(dashboard):
     used = set().union(*(promql_metric_names(q) for _, q in dashboard_queries(dashboard)))
     families = metric_families()
-    missing = [name for name, kind in families.items()
-               if not any(name + suffix in used for suffix in SUFFIXES[kind])]
+    missing = [
+        name
+        for name, kind in families.items()
+        if not any(name + suffix in used for suffix in SUFFIXES[kind])
+    ]
     assert not missing, f"exported but on no panel: {missing}"
 
 
@@ -160,20 +207,42 @@ def test_quantiles_aggregate_buckets_by_le(dashboard):
     hq = [(w, q) for w, q in queries if "histogram_quantile" in q]
     assert len(hq) >= 12
     for where, q in hq:
-        assert re.search(r"rate\(\w+_bucket\{", q), f"{where}: histogram_quantile over a rate of _bucket"
+        assert re.search(r"rate\(\w+_bucket\{", q), (
+            f"{where}: histogram_quantile over a rate of _bucket"
+        )
         assert re.search(r"\bby \((?:[\w, ]*, )?le\b", q), f"{where}: the sum must keep `le`"
 
 
 def test_the_issue_panels_are_there(dashboard):
     titles = " | ".join(p["title"].lower() for p in all_panels(dashboard))
-    for wanted in ("requests finished", "output tokens", "time to first token", "inter-token latency",
-                   "end-to-end latency", "running and waiting", "kv cache usage", "batch size",
-                   "iteration latency", "preemptions", "rejections", "consumer lag"):
+    for wanted in (
+        "requests finished",
+        "output tokens",
+        "time to first token",
+        "inter-token latency",
+        "end-to-end latency",
+        "running and waiting",
+        "kv cache usage",
+        "batch size",
+        "iteration latency",
+        "preemptions",
+        "rejections",
+        "consumer lag",
+    ):
         assert wanted in titles, f"no panel for {wanted!r}"
-    for title in ("Time to first token", "Inter-token latency", "End-to-end latency", "Iteration latency"):
+    for title in (
+        "Time to first token",
+        "Inter-token latency",
+        "End-to-end latency",
+        "Iteration latency",
+    ):
         (panel,) = [p for p in all_panels(dashboard) if p["title"] == title]
         exprs = [t["expr"] for t in panel["targets"]]
-        assert [re.match(r"histogram_quantile\(([\d.]+),", e).group(1) for e in exprs] == ["0.5", "0.9", "0.99"]
+        assert [re.match(r"histogram_quantile\(([\d.]+),", e).group(1) for e in exprs] == [
+            "0.5",
+            "0.9",
+            "0.99",
+        ]
         assert panel["fieldConfig"]["defaults"]["unit"] == "s"
 
 
@@ -198,7 +267,9 @@ def test_dashboard_layout_and_references(dashboard):
             assert ds == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         for t in targets:
             for var in re.findall(r"\$(\w+)", t["expr"]):
-                assert var.startswith("__") or var in variables, f"{p['title']!r}: ${var} is not a variable"
+                assert var.startswith("__") or var in variables, (
+                    f"{p['title']!r}: ${var} is not a variable"
+                )
         assert p.get("description"), f"{p['title']!r} has no description"
 
 
@@ -226,6 +297,7 @@ def test_queries_parse_as_promql(dashboard):
 
 
 # --------------------------------------------------------------------------- provisioning
+
 
 def test_datasource_uid_matches_the_dashboard(dashboard):
     (ds,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
@@ -260,7 +332,9 @@ def test_alert_rules_are_complete():
 def test_dashboard_provider_points_at_the_mounted_folder():
     (provider,) = yaml.safe_load(PROVIDERS.read_text())["providers"]
     grafana = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["grafana"]
-    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"] if v.startswith("./"))
+    mounts = dict(
+        v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"] if v.startswith("./")
+    )
     assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]

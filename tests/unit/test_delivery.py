@@ -3,6 +3,7 @@ dead-letters the request; work from a revoked assignment publishes nothing final
 offset; a resubmitted finished id gets its final `done` again; a dead engine hands everything back
 and stops the worker. Offline through the intake harness (real Worker, Kafka I/O recorded);
 the dead engine on the real broker: tests/kafka/test_delivery.py."""
+
 from __future__ import annotations
 
 import threading
@@ -19,13 +20,25 @@ REPLY, DLQ = "inferline.reply.delivery", "delivery-dlq"
 
 
 def harness() -> IntakeHarness:
-    return IntakeHarness(Settings(kafka={"request_topic": "delivery-requests", "dlq_topic": DLQ},
-                                  model={"max_model_len": 256}))
+    return IntakeHarness(
+        Settings(
+            kafka={"request_topic": "delivery-requests", "dlq_topic": DLQ},
+            model={"max_model_len": 256},
+        )
+    )
 
 
 def body(**fields) -> bytes:
-    return msgpack.packb({"v": 1, "id": f"r-{uuid.uuid4().hex[:8]}", "reply_topic": REPLY, "prompt": "Hi.",
-                          "max_tokens": 2, **fields})
+    return msgpack.packb(
+        {
+            "v": 1,
+            "id": f"r-{uuid.uuid4().hex[:8]}",
+            "reply_topic": REPLY,
+            "prompt": "Hi.",
+            "max_tokens": 2,
+            **fields,
+        }
+    )
 
 
 def committed(h: IntakeHarness) -> int:
@@ -40,7 +53,9 @@ def test_an_undeliverable_done_dead_letters_the_request_then_finishes_its_offset
     sent = h.finish_admitted(admitted)
     dead = [o for o in sent if o.topic == DLQ]
     assert len(dead) == 1 and dead[0].value == value
-    assert dict(dead[0].headers)["error"] == f"the reply could not be delivered to {REPLY!r}".encode()
+    assert (
+        dict(dead[0].headers)["error"] == f"the reply could not be delivered to {REPLY!r}".encode()
+    )
     assert committed(h) == 1 and h.settled()
 
 
@@ -75,9 +90,13 @@ def test_a_resubmitted_finished_request_gets_its_final_done_again():
     h = harness()
     value = body()
     _, (admitted,) = h.feed(value)
-    (first,) = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
+    (first,) = [
+        o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"
+    ]
     sent, added = h.feed(value)  # the same request again (a lost commit, or the client resubmits)
-    assert not added and [(o.topic, o.key, o.value) for o in sent] == [(REPLY, first.key, first.value)]
+    assert not added and [(o.topic, o.key, o.value) for o in sent] == [
+        (REPLY, first.key, first.value)
+    ]
     assert committed(h) == 2
 
 
@@ -86,7 +105,9 @@ def test_a_dead_engine_hands_every_job_back_and_stops_the_worker():
     for _ in range(3):
         h.feed(body())
     h.worker._on_engine_death(RuntimeError("boom"))
-    dones = [msgpack.unpackb(o.value) for o in h.sent if msgpack.unpackb(o.value).get("type") == "done"]
+    dones = [
+        msgpack.unpackb(o.value) for o in h.sent if msgpack.unpackb(o.value).get("type") == "done"
+    ]
     assert [d["finish_reason"] for d in dones] == ["requeued"] * 3
     assert committed(h) == 0 and not h.worker.jobs  # uncommitted: the next owner runs them
     assert h.worker.readiness()["engine_alive"] is False and h.worker._stop.is_set()
@@ -112,16 +133,19 @@ def test_the_engine_loop_reports_its_death():
     died = threading.Event()
     errors = []
     loop = EngineLoop.__new__(EngineLoop)
-    EngineLoop.__init__(loop, lambda: BrokenEngine(), lambda *a: None,
-                        on_death=lambda exc: (errors.append(exc), died.set()))
+    EngineLoop.__init__(
+        loop,
+        lambda: BrokenEngine(),
+        lambda *a: None,
+        on_death=lambda exc: (errors.append(exc), died.set()),
+    )
     loop.start()
     assert died.wait(30) and isinstance(errors[0], RuntimeError)
     loop.stop(5)
 
 
-
-
 # ------------------------------------------------------------------------ coalescing of tokens
+
 
 def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_event():
     from inferline.contract.schema import decode_event
@@ -131,7 +155,9 @@ def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_even
     pub = Publisher(Settings(), Metrics(), "w", transactions=None)
     sent = []
     pub._enqueue = sent.append  # recorded, never acked: the stream's last event stays in flight
-    rs = ReplyStream("r", "a", REPLY, None, seq=2, in_flight=1)  # `started` and the first tokens out
+    rs = ReplyStream(
+        "r", "a", REPLY, None, seq=2, in_flight=1
+    )  # `started` and the first tokens out
     pub.tokens(rs, [1], "a")
     pub.tokens(rs, [2], "b")
     pub.flush_all()

@@ -1,4 +1,5 @@
 """Incremental detokenizer on the real default tokenizer: UTF-8 hold-back, stop strings, cost."""
+
 from __future__ import annotations
 
 import functools

@@ -3,14 +3,24 @@
 Each choice is a pure function of plain values, so a CUDA target is a string here; the few calls
 that need a real GPU are the `gpu` tests at the end (and docs/gpu.md).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from inferline.worker.engine.device import (
-    HostCopy, free_device_memory, host_copy, host_to_device, tensor_to_device, kv_cache_budget, kv_cache_tensor, num_kv_blocks,
-    pick_device, pick_dtype, pick_kv_dtype,
+    HostCopy,
+    free_device_memory,
+    host_copy,
+    host_to_device,
+    tensor_to_device,
+    kv_cache_budget,
+    kv_cache_tensor,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+    pick_kv_dtype,
 )
 
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
@@ -19,19 +29,38 @@ GiB = 1 << 30
 LLAMA3_8B_BLOCK = 2 * 16 * 8 * 128 * 2 * 32
 
 
-def blocks(device_type="cpu", *, bytes_per_block=LLAMA3_8B_BLOCK, num_blocks=None, kv_memory_gb=1.0,
-           gpu_memory_utilization=0.85, free_bytes=None) -> int:
-    return num_kv_blocks(bytes_per_block, device_type, num_blocks=num_blocks, kv_memory_gb=kv_memory_gb,
-                         gpu_memory_utilization=gpu_memory_utilization, free_bytes=free_bytes)
+def blocks(
+    device_type="cpu",
+    *,
+    bytes_per_block=LLAMA3_8B_BLOCK,
+    num_blocks=None,
+    kv_memory_gb=1.0,
+    gpu_memory_utilization=0.85,
+    free_bytes=None,
+) -> int:
+    return num_kv_blocks(
+        bytes_per_block,
+        device_type,
+        num_blocks=num_blocks,
+        kv_memory_gb=kv_memory_gb,
+        gpu_memory_utilization=gpu_memory_utilization,
+        free_bytes=free_bytes,
+    )
 
 
 # ---- device and dtypes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,cuda_available,expected", [
-    ("auto", True, CUDA), ("auto", False, CPU), ("cpu", True, CPU), ("cuda", False, CUDA),
-    ("cuda:1", True, torch.device("cuda", 1)),
-])
+@pytest.mark.parametrize(
+    "name,cuda_available,expected",
+    [
+        ("auto", True, CUDA),
+        ("auto", False, CPU),
+        ("cpu", True, CPU),
+        ("cuda", False, CUDA),
+        ("cuda:1", True, torch.device("cuda", 1)),
+    ],
+)
 def test_pick_device(name, cuda_available, expected):
     assert pick_device(name, cuda_available) == expected
 
@@ -40,28 +69,42 @@ def test_pick_device_asks_torch_when_not_told():
     assert pick_device("auto") == (CUDA if torch.cuda.is_available() else CPU)
 
 
-@pytest.mark.parametrize("name,device,expected", [
-    ("auto", CUDA, torch.bfloat16), ("auto", CPU, torch.float32),
-    ("float32", CUDA, torch.float32), ("float16", CUDA, torch.float16),
-    ("bfloat16", CPU, torch.bfloat16), ("float16", CPU, torch.float16),
-])
+@pytest.mark.parametrize(
+    "name,device,expected",
+    [
+        ("auto", CUDA, torch.bfloat16),
+        ("auto", CPU, torch.float32),
+        ("float32", CUDA, torch.float32),
+        ("float16", CUDA, torch.float16),
+        ("bfloat16", CPU, torch.bfloat16),
+        ("float16", CPU, torch.float16),
+    ],
+)
 def test_pick_dtype(name, device, expected):
     assert pick_dtype(name, device) == expected
 
 
-@pytest.mark.parametrize("name,model_dtype,device,expected", [
-    ("auto", torch.float32, CPU, torch.float32),
-    ("auto", torch.bfloat16, CUDA, torch.bfloat16),
-    ("float16", torch.float32, CPU, torch.float16),  # halves for an fp32 model on the CPU
-    ("float16", torch.float16, CUDA, torch.float16),  # the model's own type: nothing to convert
-])
+@pytest.mark.parametrize(
+    "name,model_dtype,device,expected",
+    [
+        ("auto", torch.float32, CPU, torch.float32),
+        ("auto", torch.bfloat16, CUDA, torch.bfloat16),
+        ("float16", torch.float32, CPU, torch.float16),  # halves for an fp32 model on the CPU
+        ("float16", torch.float16, CUDA, torch.float16),  # the model's own type: nothing to convert
+    ],
+)
 def test_pick_kv_dtype(name, model_dtype, device, expected):
     assert pick_kv_dtype(name, model_dtype, device) == expected
 
 
-@pytest.mark.parametrize("model_dtype,device", [
-    (torch.bfloat16, CUDA), (torch.float32, CUDA), (torch.bfloat16, CPU),
-])
+@pytest.mark.parametrize(
+    "model_dtype,device",
+    [
+        (torch.bfloat16, CUDA),
+        (torch.float32, CUDA),
+        (torch.bfloat16, CPU),
+    ],
+)
 def test_fp16_kv_cache_is_refused_off_fp32_cpu(model_dtype, device):
     with pytest.raises(ValueError, match="INFERLINE_CACHE__DTYPE=auto"):
         pick_kv_dtype("float16", model_dtype, device)
@@ -74,22 +117,33 @@ def test_cuda_budget_is_a_share_of_free_memory():
     free = 120 * GiB
     assert kv_cache_budget("cuda", 1.0, 0.85, free) == free * 0.85
     assert blocks("cuda", free_bytes=free) == int(free * 0.85) // LLAMA3_8B_BLOCK
-    assert blocks("cuda", free_bytes=free, gpu_memory_utilization=1.0) == free // LLAMA3_8B_BLOCK == 61440
+    assert (
+        blocks("cuda", free_bytes=free, gpu_memory_utilization=1.0)
+        == free // LLAMA3_8B_BLOCK
+        == 61440
+    )
     assert blocks("cuda", free_bytes=free, gpu_memory_utilization=0.5) == 30720
 
 
 def test_cuda_ignores_kv_memory_gb_and_cpu_ignores_free_memory():
     on_cuda = {blocks("cuda", free_bytes=40 * GiB, kv_memory_gb=gb) for gb in (0.001, 1.0, 500.0)}
     assert on_cuda == {int(40 * GiB * 0.85) // LLAMA3_8B_BLOCK}
-    on_cpu = {blocks("cpu", free_bytes=free, gpu_memory_utilization=u) for free in (None, 0, 80 * GiB)
-              for u in (0.1, 1.0)}
+    on_cpu = {
+        blocks("cpu", free_bytes=free, gpu_memory_utilization=u)
+        for free in (None, 0, 80 * GiB)
+        for u in (0.1, 1.0)
+    }
     assert on_cpu == {10**9 // LLAMA3_8B_BLOCK} == {476}
 
 
 def test_cpu_budget_is_kv_memory_gb_in_decimal_gigabytes():
     assert kv_cache_budget("cpu", 2.5, 0.85, None) == 2.5e9
-    assert blocks("cpu", kv_memory_gb=0.1, bytes_per_block=737_280) == 135  # 0.1e9 / SmolLM2's fp32 block
-    assert blocks("cpu", kv_memory_gb=0.1, bytes_per_block=368_640) == 271  # fp16 halves: twice, rounded down
+    assert (
+        blocks("cpu", kv_memory_gb=0.1, bytes_per_block=737_280) == 135
+    )  # 0.1e9 / SmolLM2's fp32 block
+    assert (
+        blocks("cpu", kv_memory_gb=0.1, bytes_per_block=368_640) == 271
+    )  # fp16 halves: twice, rounded down
 
 
 @pytest.mark.parametrize("device_type,free_bytes", [("cpu", None), ("cuda", 0), ("cuda", 80 * GiB)])
@@ -98,10 +152,17 @@ def test_explicit_num_blocks_wins(device_type, free_bytes):
     assert blocks(device_type, num_blocks=10**6, free_bytes=free_bytes, kv_memory_gb=0.001) == 10**6
 
 
-@pytest.mark.parametrize("budget,expected", [
-    (0, 1), (1, 1), (LLAMA3_8B_BLOCK - 1, 1),  # below one block: still one
-    (LLAMA3_8B_BLOCK, 1), (2 * LLAMA3_8B_BLOCK - 1, 1), (2 * LLAMA3_8B_BLOCK, 2),  # whole blocks only
-])
+@pytest.mark.parametrize(
+    "budget,expected",
+    [
+        (0, 1),
+        (1, 1),
+        (LLAMA3_8B_BLOCK - 1, 1),  # below one block: still one
+        (LLAMA3_8B_BLOCK, 1),
+        (2 * LLAMA3_8B_BLOCK - 1, 1),
+        (2 * LLAMA3_8B_BLOCK, 2),  # whole blocks only
+    ],
+)
 def test_whole_blocks_and_at_least_one(budget, expected):
     assert blocks("cuda", free_bytes=budget, gpu_memory_utilization=1.0) == expected
     assert blocks("cpu", kv_memory_gb=budget / 1e9) == expected
@@ -121,7 +182,9 @@ def test_free_memory_is_read_after_the_allocator_cache_is_emptied(monkeypatch):
     handed back before the driver is asked, or the KV pool is sized as if they were in use."""
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: calls.append(("mem_get_info", device)) or (7, 9))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device: calls.append(("mem_get_info", device)) or (7, 9)
+    )
     assert free_device_memory(CUDA) == 7
     assert calls == ["empty_cache", ("mem_get_info", CUDA)]
 
@@ -131,7 +194,9 @@ def test_free_memory_is_read_after_the_allocator_cache_is_emptied(monkeypatch):
 
 def test_cpu_kv_cache_is_zeroed_host_memory():
     cache = kv_cache_tensor((2, 2, 3, 16, 2, 8), torch.float16, CPU)
-    assert cache.shape == (2, 2, 3, 16, 2, 8) and cache.dtype == torch.float16 and cache.device == CPU
+    assert (
+        cache.shape == (2, 2, 3, 16, 2, 8) and cache.dtype == torch.float16 and cache.device == CPU
+    )
     assert cache.count_nonzero() == 0
     cache[1, 1, 2] = 1.5  # writable, and the mapping is its own: nothing else sees it
     assert cache.sum() == 1.5 * 16 * 2 * 8
@@ -140,17 +205,24 @@ def test_cpu_kv_cache_is_zeroed_host_memory():
 def test_device_kv_cache_comes_from_the_device_allocator():
     # "meta" takes the CUDA arm (torch.empty on the device) without a GPU: shape and type only.
     cache = kv_cache_tensor((32, 2, 1000, 16, 8, 128), torch.bfloat16, META)
-    assert cache.device == META and cache.dtype == torch.bfloat16 and cache.shape == (32, 2, 1000, 16, 8, 128)
+    assert (
+        cache.device == META
+        and cache.dtype == torch.bfloat16
+        and cache.shape == (32, 2, 1000, 16, 8, 128)
+    )
 
 
 # ---- host-to-device copies ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device_type,expected", [
-    ("cuda", HostCopy(pin_memory=True, non_blocking=True)),
-    ("cpu", HostCopy(pin_memory=False, non_blocking=False)),
-    ("meta", HostCopy(pin_memory=False, non_blocking=False)),
-])
+@pytest.mark.parametrize(
+    "device_type,expected",
+    [
+        ("cuda", HostCopy(pin_memory=True, non_blocking=True)),
+        ("cpu", HostCopy(pin_memory=False, non_blocking=False)),
+        ("meta", HostCopy(pin_memory=False, non_blocking=False)),
+    ],
+)
 def test_copy_decision(device_type, expected):
     assert host_copy(device_type) == expected
 
@@ -197,7 +269,9 @@ def test_a_host_tensor_goes_to_cuda_from_pinned_memory(monkeypatch):
             return "on device"
 
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or Pinned())
+    monkeypatch.setattr(
+        torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or Pinned()
+    )
     assert tensor_to_device(host, CUDA) == "on device"
     assert calls == ["pin_memory", ("to", CUDA, True)]
 

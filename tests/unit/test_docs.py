@@ -7,6 +7,7 @@
 - architecture.md's module map names every module; README's settings table shows the defaults;
 - operations.md describes every metric the worker exports, with its type and labels.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,7 +43,9 @@ def gen():
     return load_script("gen_config_docs")
 
 
-def settings_leaves(model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def settings_leaves(
+    model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()
+) -> list[tuple[str, ...]]:
     out = []
     for name, field in model.model_fields.items():
         ann = field.annotation
@@ -59,9 +62,11 @@ def env_name(path: tuple[str, ...]) -> str:
 
 # --------------------------------------------------------------------------- configuration.md
 
+
 def test_configuration_reference_is_up_to_date(gen):
-    assert (DOCS / "configuration.md").read_text() == gen.render(), \
+    assert (DOCS / "configuration.md").read_text() == gen.render(), (
         "stale: run python scripts/gen_config_docs.py"
+    )
 
 
 def test_configuration_reference_has_every_setting():
@@ -79,7 +84,9 @@ def test_meanings_name_real_fields(gen):
         head, *rest = key.split(".")
         parts = rest if head == "tenant" else [head, *rest]
         model = TenantLimit if head == "tenant" else Settings
-        assert is_settings_field(parts) if model is Settings else parts[0] in TenantLimit.model_fields, key
+        assert (
+            is_settings_field(parts) if model is Settings else parts[0] in TenantLimit.model_fields
+        ), key
 
 
 def test_documented_rules_hold():
@@ -98,9 +105,12 @@ def test_the_lower_casing_of_tenant_names_is_real(monkeypatch):
 
 # --------------------------------------------------------------------------- operations.md
 
+
 def metric_table() -> dict[str, tuple[str, str]]:
     """name -> (type, labels) from the table in operations.md."""
-    rows = re.findall(r"^\| `(inferline_\w+)` \| (\w+) \|([^|]*)\|", (DOCS / "operations.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `(inferline_\w+)` \| (\w+) \|([^|]*)\|", (DOCS / "operations.md").read_text(), re.M
+    )
     return {name: (kind, labels.strip()) for name, kind, labels in rows}
 
 
@@ -112,7 +122,9 @@ def test_operations_describes_every_metric():
         exposed = fam.name + SUFFIXES[fam.type][0] if fam.type == "counter" else fam.name
         expected[exposed] = fam.type
     assert set(table) == set(expected), "the metric table and worker.metrics differ"
-    labels_of = {getattr(m, "_name", None): getattr(m, "_labelnames", ()) for m in vars(metrics).values()}
+    labels_of = {
+        getattr(m, "_name", None): getattr(m, "_labelnames", ()) for m in vars(metrics).values()
+    }
     for name, (kind, labels) in table.items():
         assert kind == expected[name], name
         base = name.removesuffix("_total") if kind == "counter" else name
@@ -127,15 +139,37 @@ def test_operations_describes_every_metric():
 # test_the_name_check_catches_each_kind shows each check failing on a made-up name.
 
 ALL_DOCS = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
-SOURCE_DIRS = ("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests", "deploy", "docs")
+SOURCE_DIRS = (
+    "config",
+    "contract",
+    "worker",
+    "producer",
+    "kernels",
+    "bench",
+    "scripts",
+    "tests",
+    "deploy",
+    "docs",
+)
 FILE_EXT = r"(?:py|md|yaml|yml|sh|c|h|toml|json|txt|in|properties|cfg|ini|gguf)"
 # Files and names from outside the repository that the docs may name: Kafka's tools, what a
 # benchmark writes (bench/results/ is its output folder), library and model names.
 EXTERNAL_FILES = {"kafka-acls.sh", "kafka-console-consumer.sh", "bench.json"}
 GENERATED_DIRS = ("bench/results/", ".cache/", ".venv/", ".kafka/")
-EXTERNAL_NAMES = {"OpenAI", "SmolLM2", "SimpleQueue", "TimeoutExpired", "AnonHugePages", "KafkaConnectionError",
-                  "SecretStr", "StorageTool", "StandardAuthorizer", "AIOKafkaConsumer", "AIOKafkaProducer",
-                  "CUDAGraph"}
+EXTERNAL_NAMES = {
+    "OpenAI",
+    "SmolLM2",
+    "SimpleQueue",
+    "TimeoutExpired",
+    "AnonHugePages",
+    "KafkaConnectionError",
+    "SecretStr",
+    "StorageTool",
+    "StandardAuthorizer",
+    "AIOKafkaConsumer",
+    "AIOKafkaProducer",
+    "CUDAGraph",
+}
 
 
 def repo_paths() -> set[str]:
@@ -150,7 +184,9 @@ def repo_paths() -> set[str]:
     return out
 
 
-def definitions() -> tuple[dict[str, set[str]], dict[str, list[str]], set[str], dict[str, set[str]]]:
+def definitions() -> tuple[
+    dict[str, set[str]], dict[str, list[str]], set[str], dict[str, set[str]]
+]:
     """(class -> members, class -> base names, every top-level or class name, module -> top-level
     names) over the repository's Python. A member is a def, an annotated or plain assignment in
     the body, or a `self.x = ...` in a method."""
@@ -161,19 +197,31 @@ def definitions() -> tuple[dict[str, set[str]], dict[str, list[str]], set[str], 
     for top in ("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests"):
         for path in (REPO / top).rglob("*.py"):
             tree = ast.parse(path.read_text())
-            module = path.relative_to(REPO).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+            module = (
+                path.relative_to(REPO)
+                .with_suffix("")
+                .as_posix()
+                .replace("/", ".")
+                .removesuffix(".__init__")
+            )
             modules[module] = {n for stmt in tree.body for n in bound_names(stmt)}
             names |= modules[module]
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     names.add(node.name)
                     body = members.setdefault(node.name, set())
-                    bases.setdefault(node.name, []).extend(ast.unparse(b).split(".")[-1] for b in node.bases)
+                    bases.setdefault(node.name, []).extend(
+                        ast.unparse(b).split(".")[-1] for b in node.bases
+                    )
                     for stmt in node.body:
                         body |= bound_names(stmt)
                     for sub in ast.walk(node):
-                        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
-                                and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                        if (
+                            isinstance(sub, ast.Attribute)
+                            and isinstance(sub.ctx, ast.Store)
+                            and isinstance(sub.value, ast.Name)
+                            and sub.value.id == "self"
+                        ):
                             body.add(sub.attr)
     return members, bases, names, modules
 
@@ -183,7 +231,13 @@ def bound_names(stmt: ast.stmt) -> set[str]:
         return {stmt.name}
     if isinstance(stmt, (ast.Import, ast.ImportFrom)):
         return {(a.asname or a.name).split(".")[0] for a in stmt.names}
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    targets = (
+        stmt.targets
+        if isinstance(stmt, ast.Assign)
+        else [stmt.target]
+        if isinstance(stmt, ast.AnnAssign)
+        else []
+    )
     return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
 
 
@@ -191,7 +245,9 @@ def has_member(cls: str, member: str, members, bases) -> bool:
     if member in members.get(cls, ()):
         return True
     # a member of a base class; a base from outside the repository (pydantic, Exception) may hold any
-    return any(b not in members or has_member(b, member, members, bases) for b in bases.get(cls, ()))
+    return any(
+        b not in members or has_member(b, member, members, bases) for b in bases.get(cls, ())
+    )
 
 
 def make_targets() -> set[str]:
@@ -246,7 +302,14 @@ class Known:
 
 @pytest.fixture(scope="module")
 def known() -> Known:
-    return Known(repo_paths(), *definitions(), make_targets(), cli_commands(), console_scripts(), known_metrics())
+    return Known(
+        repo_paths(),
+        *definitions(),
+        make_targets(),
+        cli_commands(),
+        console_scripts(),
+        known_metrics(),
+    )
 
 
 def unknown_names(text: str, folder: Path, known: Known, gen) -> dict[str, list[str]]:
@@ -256,7 +319,9 @@ def unknown_names(text: str, folder: Path, known: Known, gen) -> dict[str, list[
     out = {
         "path": unknown_paths(text, folder, known),
         "variable": unknown_variables(text, gen),
-        "make": sorted({t for c in code for t in re.findall(r"\bmake ([a-z][\w-]*)", c)} - known.make),
+        "make": sorted(
+            {t for c in code for t in re.findall(r"\bmake ([a-z][\w-]*)", c)} - known.make
+        ),
         "command": unknown_commands(code, known),
         "metric": sorted(set(re.findall(r"\binferline_[a-z0-9_]*[a-z0-9]", text)) - known.metrics),
         "code": unknown_code(text, code, known),
@@ -266,7 +331,9 @@ def unknown_names(text: str, folder: Path, known: Known, gen) -> dict[str, list[
 
 def unknown_paths(text: str, folder: Path, known: Known) -> list[str]:
     text = re.sub(r"\w+://\S+", "", text)
-    found = re.findall(rf"(?<![\w./:~$<-])((?:[\w.-]+/)+[\w.-]*|[\w.-]+\.{FILE_EXT})(?![\w/])", text)
+    found = re.findall(
+        rf"(?<![\w./:~$<-])((?:[\w.-]+/)+[\w.-]*|[\w.-]+\.{FILE_EXT})(?![\w/])", text
+    )
     tops = {p.split("/")[0] for p in known.paths}
     missing = set()
     for path in (p.rstrip(".") for p in found):
@@ -274,8 +341,11 @@ def unknown_paths(text: str, folder: Path, known: Known) -> list[str]:
             continue  # tokens/s, K/V, 4/16: not paths
         if path in EXTERNAL_FILES or path.startswith(GENERATED_DIRS):
             continue
-        if (folder / path).exists() or path in known.paths \
-                or any(p == path or p.endswith("/" + path) for p in known.paths):
+        if (
+            (folder / path).exists()
+            or path in known.paths
+            or any(p == path or p.endswith("/" + path) for p in known.paths)
+        ):
             continue
         missing.add(path)
     return sorted(missing)
@@ -286,14 +356,22 @@ def unknown_variables(text: str, gen) -> list[str]:
     reads (INFERLINE_KAFKA_PORT of scripts/kafka.sh); `X_*` and `X__*` stand for a family."""
     settings = {env_name(p) for p in settings_leaves()}
     tools = set(gen.OTHER_VARIABLES) | {
-        v for top in ("scripts", "tests", "bench") for path in (REPO / top).rglob("*")
-        if path.suffix in (".py", ".sh") and path.name != Path(__file__).name  # not this file's made-up names
-        for v in re.findall(r"INFERLINE_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
+        v
+        for top in ("scripts", "tests", "bench")
+        for path in (REPO / top).rglob("*")
+        if path.suffix in (".py", ".sh")
+        and path.name != Path(__file__).name  # not this file's made-up names
+        for v in re.findall(r"INFERLINE_[A-Z0-9_]*[A-Z0-9]", path.read_text())
+    }
     unknown = set()
     for name in re.findall(r"INFERLINE_[A-Z0-9_]*[A-Z0-9](?:__<NAME>__<FIELD>|__\*|_\*)?", text):
         base = re.sub(r"(__<NAME>__<FIELD>|_?_\*)$", "", name)
-        parts = base[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
-        if name.endswith("__<NAME>__<FIELD>") or name.endswith("__*") and is_settings_field(parts, section=True):
+        parts = base[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
+        if (
+            name.endswith("__<NAME>__<FIELD>")
+            or name.endswith("__*")
+            and is_settings_field(parts, section=True)
+        ):
             continue
         if name.endswith("_*"):
             if not any(v.startswith(base + "_") for v in settings | tools):
@@ -314,14 +392,21 @@ def unknown_commands(code: list[str], known: Known) -> list[str]:
             continue
         if m.group(1):
             script = "inferline" + m.group(1)
-            if script not in known.scripts and f'"{script}"' not in (REPO / "config/settings.py").read_text():
+            if (
+                script not in known.scripts
+                and f'"{script}"' not in (REPO / "config/settings.py").read_text()
+            ):
                 unknown.add(script)  # a script, or a setting's value such as the group id
             continue
         for sub in (m.group(2) or "").split("/"):
             if sub and sub not in known.cli:
                 unknown.add(f"inferline {sub}")
-        if m.group(2) in known.cli and known.cli[m.group(2)] and m.group(3) \
-                and m.group(3) not in known.cli[m.group(2)]:
+        if (
+            m.group(2) in known.cli
+            and known.cli[m.group(2)]
+            and m.group(3)
+            and m.group(3) not in known.cli[m.group(2)]
+        ):
             unknown.add(f"inferline {m.group(2)} {m.group(3)}")
     return sorted(unknown)
 
@@ -330,7 +415,9 @@ def unknown_code(text: str, code: list[str], known: Known) -> list[str]:
     """Dotted module paths (bench.engine, producer.cli.main) anywhere; class names and
     `Class.member` inside code."""
     unknown = set()
-    packages = "|".join(("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests"))
+    packages = "|".join(
+        ("config", "contract", "worker", "producer", "kernels", "bench", "scripts", "tests")
+    )
     for dotted in re.findall(rf"(?<![\w./-])((?:{packages})(?:\.\w+)+)", text):
         if not re.search(rf"\.{FILE_EXT}$", dotted) and not module_name_exists(dotted, known):
             unknown.add(dotted)
@@ -341,7 +428,11 @@ def unknown_code(text: str, code: list[str], known: Known) -> list[str]:
             if cls not in known.members or not has_member(cls, member, known.members, known.bases):
                 unknown.add(f"{cls}.{member}")
         for name in re.findall(r"\b(?:[A-Z][a-z0-9]+[A-Z]|[A-Z]{2,}[a-z])\w*", snippet):
-            if name not in known.names and name not in EXTERNAL_NAMES and not hasattr(builtins, name):
+            if (
+                name not in known.names
+                and name not in EXTERNAL_NAMES
+                and not hasattr(builtins, name)
+            ):
                 unknown.add(name)
     return sorted(unknown)
 
@@ -356,8 +447,11 @@ def module_name_exists(dotted: str, known: Known) -> bool:
                 return True
             if rest[0] not in known.modules.get(module, ()):
                 return False
-            return len(rest) == 1 or (len(rest) == 2 and rest[0] in known.members
-                                      and has_member(rest[0], rest[1], known.members, known.bases))
+            return len(rest) == 1 or (
+                len(rest) == 2
+                and rest[0] in known.members
+                and has_member(rest[0], rest[1], known.members, known.bases)
+            )
     return False
 
 
@@ -369,7 +463,9 @@ PENDING: dict = {}
 @pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda p: p.name)
 def test_every_name_in_the_docs_exists(doc, known, gen):
     unknown = unknown_names(doc.read_text(), doc.parent, known, gen)
-    assert unknown == PENDING.get(doc.name, {}), f"{doc.name} names what does not exist (or fix PENDING)"
+    assert unknown == PENDING.get(doc.name, {}), (
+        f"{doc.name} names what does not exist (or fix PENDING)"
+    )
 
 
 def test_the_name_check_catches_each_kind(known, gen):
@@ -399,7 +495,9 @@ $ inferline-stream
 def test_the_readme_settings_table_shows_the_defaults(monkeypatch):
     for var in [v for v in os.environ if v.startswith(ENV_PREFIX)]:
         monkeypatch.delenv(var)  # the defaults, not this machine's settings
-    rows = re.findall(r"^\| `INFERLINE_(\w+)` \| `([^`|]*)` \|", (REPO / "README.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `INFERLINE_(\w+)` \| `([^`|]*)` \|", (REPO / "README.md").read_text(), re.M
+    )
     assert len(rows) > 10
     for name, shown in rows:
         value = Settings()
@@ -411,7 +509,7 @@ def test_the_readme_settings_table_shows_the_defaults(monkeypatch):
 def test_the_module_map_covers_every_module():
     """Every module of the five packages is in architecture.md's module map, by path or folder."""
     text = (DOCS / "architecture.md").read_text()
-    table = text[text.index("## Modules"):text.index("\n## ", text.index("## Modules") + 1)]
+    table = text[text.index("## Modules") : text.index("\n## ", text.index("## Modules") + 1)]
     named = set(re.findall(r"`((?:[\w.]+/)+[\w.]*)`", table))
     missing = []
     for top in ("config", "contract", "worker", "producer", "kernels"):
@@ -426,6 +524,7 @@ def test_the_module_map_covers_every_module():
 
 
 # --------------------------------------------------------------------------- links
+
 
 @pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda p: p.name)
 def test_relative_links_resolve(doc):

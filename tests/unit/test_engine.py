@@ -1,4 +1,5 @@
 """The engine against HF transformers: greedy continuous batching must equal `generate`."""
+
 from __future__ import annotations
 
 import gc
@@ -10,13 +11,18 @@ import torch
 from tests.engine_fixtures import NEW_TOKENS, greedy, make_engine, run_to_completion
 from inferline.worker.engine.request import EngineRequest, SamplingParams
 
+
 def request(i: int, ids: list[int], max_tokens: int = NEW_TOKENS, **kw) -> EngineRequest:
-    return EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens, **kw))
+    return EngineRequest(
+        request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy(max_tokens, **kw)
+    )
 
 
 def staggered(prompts) -> dict[int, list[EngineRequest]]:
     """Requests arriving at different steps: 4 at once, then one every other step."""
-    arrivals: dict[int, list[EngineRequest]] = {0: [request(i, p) for i, p in enumerate(prompts[:4])]}
+    arrivals: dict[int, list[EngineRequest]] = {
+        0: [request(i, p) for i, p in enumerate(prompts[:4])]
+    }
     for i, ids in enumerate(prompts[4:], start=4):
         arrivals.setdefault(2 * (i - 3), []).append(request(i, ids))
     return arrivals
@@ -37,8 +43,13 @@ def test_continuous_batch_equals_hf_generate(model_runner, prompts, hf_outputs):
 
 def test_alone_equals_inside_a_batch_of_30(model_runner, prompts):
     alone = run_to_completion(make_engine(model_runner), {0: [request(0, prompts[3])]})
-    others = [request(100 + j, prompts[j % len(prompts)][: 20 + 7 * j], max_tokens=20 + j) for j in range(30)]
-    crowd = run_to_completion(make_engine(model_runner), {0: others[:15], 1: [request(0, prompts[3])], 3: others[15:]})
+    others = [
+        request(100 + j, prompts[j % len(prompts)][: 20 + 7 * j], max_tokens=20 + j)
+        for j in range(30)
+    ]
+    crowd = run_to_completion(
+        make_engine(model_runner), {0: others[:15], 1: [request(0, prompts[3])], 3: others[15:]}
+    )
     assert crowd["r0"]["tokens"] == alone["r0"]["tokens"]
 
 
@@ -65,7 +76,9 @@ def test_alone_and_in_a_batch_the_logits_are_the_same_bits(model_runner, prompts
     mine = prompts[5]
     alone = logits_rows_of(model_runner, mine, {0: [request(0, mine, max_tokens=12)]})
     others = [request(100 + j, prompts[j][: 30 + 9 * j], max_tokens=14) for j in (0, 1, 2, 3, 4, 6)]
-    crowd = logits_rows_of(model_runner, mine, {0: others[:3], 1: [request(0, mine, max_tokens=12)], 2: others[3:]})
+    crowd = logits_rows_of(
+        model_runner, mine, {0: others[:3], 1: [request(0, mine, max_tokens=12)], 2: others[3:]}
+    )
     assert len(alone) == len(crowd) == 12
     for step, (a, b) in enumerate(zip(alone, crowd)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item():.3g}"
@@ -84,13 +97,18 @@ def test_preemption_under_a_tiny_kv_cache_keeps_greedy_output(model_runner, prom
     assert engine.block_manager.num_free_blocks == 24
 
 
-def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner, prompts, hf_outputs):
+def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(
+    model_runner, prompts, hf_outputs
+):
     engine = make_engine(model_runner, max_num_batched_tokens=64)
     first = run_to_completion(engine, {0: [request(i, prompts[i]) for i in range(4)]})
     before = engine.stats()
     # The same prompts again (each whole prompt but its last block is cached), plus new ones
     # sharing only the chat template's opening: all must still equal HF token for token.
-    again = {0: [request(10 + i, prompts[i]) for i in range(4)] + [request(i, prompts[i]) for i in range(4, 8)]}
+    again = {
+        0: [request(10 + i, prompts[i]) for i in range(4)]
+        + [request(i, prompts[i]) for i in range(4, 8)]
+    }
     second = run_to_completion(engine, again)
     after = engine.stats()
     for i in range(4):
@@ -99,7 +117,9 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
         assert second[f"r{i}"]["tokens"] == hf_outputs[i]
     full_reuse = sum((len(prompts[i]) - 1) // 16 * 16 for i in range(4))
     assert after.prefix_cache_hits - before.prefix_cache_hits >= full_reuse
-    assert after.prefix_cache_queries - before.prefix_cache_queries == sum(len(prompts[i]) for i in range(8))
+    assert after.prefix_cache_queries - before.prefix_cache_queries == sum(
+        len(prompts[i]) for i in range(8)
+    )
     # Without the cache, the first wave's computed tokens are all recomputed: no hits at all.
     off = make_engine(model_runner, enable_prefix_caching=False)
     run_to_completion(off, {0: [request(i, prompts[i], max_tokens=2) for i in range(2)]})
@@ -107,9 +127,17 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(model_runner
     assert off.stats().prefix_cache_hits == 0
 
 
-@pytest.mark.parametrize("setting, value", [("cpu_linear", "torch"), ("cpu_linear", "onednn"), ("cpu_linear", "c"),
-                                            ("cpu_weight_codes", "off"), ("cpu_fused_ops", "torch"),
-                                            ("attention_backend", "torch")])
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("cpu_linear", "torch"),
+        ("cpu_linear", "onednn"),
+        ("cpu_linear", "c"),
+        ("cpu_weight_codes", "off"),
+        ("cpu_fused_ops", "torch"),
+        ("attention_backend", "torch"),
+    ],
+)
 def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs, setting, value):
     """The default runner packs its linear weights for the C GEMM (as 8-bit codes: the GGUF's
     weights are Q4_1 and Q8_0) or oneDNN, whichever `auto` timed faster here (models/calibration.py), runs norms, SiLU and rope as
@@ -124,7 +152,9 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
     from inferline.worker.engine.models.linear import Linear, onednn_available
 
     cpu = torch.device("cpu")
-    candidates = backends.linear_candidates(cpu, torch.float32, "auto")  # auto keeps the fastest here
+    candidates = backends.linear_candidates(
+        cpu, torch.float32, "auto"
+    )  # auto keeps the fastest here
     assert model_runner.backends.linear == model_runner.linear_calibration.backend in candidates
     assert "torch" not in candidates
     assert (model_runner.backends.fused_ops == "c") == fused.available(cpu, torch.float32)
@@ -136,14 +166,20 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
     plain = ModelRunner(settings)
     if setting == "cpu_linear":
         assert plain.backends.linear == value
-        packed = [m.packed for m in plain.model.modules() if isinstance(m, Linear)] + [plain.model.lm_head_packed]
+        packed = [m.packed for m in plain.model.modules() if isinstance(m, Linear)] + [
+            plain.model.lm_head_packed
+        ]
         if value == "torch":
             assert all(p is None for p in packed)
         else:  # the C GEMM keeps every weight of this GGUF model as codes
-            assert all(isinstance(p, gemm.CodedWeight) == (value == "c") and p is not None for p in packed)
+            assert all(
+                isinstance(p, gemm.CodedWeight) == (value == "c") and p is not None for p in packed
+            )
             assert plain.coded_weights == (len(packed) if value == "c" else 0)
     elif setting == "cpu_weight_codes":
-        assert plain.coded_weights == 0 and plain.backends.linear in candidates  # timed again: codes off
+        assert (
+            plain.coded_weights == 0 and plain.backends.linear in candidates
+        )  # timed again: codes off
         if plain.backends.linear == "c":
             packed = plain.model.packed_weights()
             assert len(packed) == 121 and all(isinstance(p, gemm.PackedWeight) for p in packed)
@@ -151,7 +187,9 @@ def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs
         assert plain.backends.fused_ops == "torch" and plain.backends.linear in candidates
     else:
         assert plain.backends.attention == "torch"
-    results = run_to_completion(make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]})
+    results = run_to_completion(
+        make_engine(plain), {0: [request(i, prompts[i], max_tokens=24) for i in range(4)]}
+    )
     for i in range(4):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][:24]
 
@@ -171,15 +209,21 @@ def test_a_second_engine_on_the_runner_takes_its_kv_cache_over(model_runner, pro
 
 def test_static_policy_matches_and_batches(model_runner, prompts, hf_outputs):
     engine = make_engine(model_runner, policy="static", max_num_seqs=4)
-    results = run_to_completion(engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]})
+    results = run_to_completion(
+        engine, {0: [request(i, prompts[i], max_tokens=8 + 4 * i) for i in range(6)]}
+    )
     for i in range(6):
         assert results[f"r{i}"]["tokens"] == hf_outputs[i][: 8 + 4 * i]
     # r4 could only start once the whole first batch of four had finished.
-    assert results["r4"]["final"].queue_s >= max(results[f"r{i}"]["final"].total_s for i in range(4)) - 1e-3
+    assert (
+        results["r4"]["final"].queue_s
+        >= max(results[f"r{i}"]["final"].total_s for i in range(4)) - 1e-3
+    )
 
 
 def test_a_batch_beside_an_interactive_request_yields_its_steps_and_keeps_greedy_output(
-        model_runner, prompts, hf_outputs):
+    model_runner, prompts, hf_outputs
+):
     """Priority 100 is background work: the interactive prompt's step carries no batch sequence,
     and beside the interactive request the batch computes at most background_max_tokens tokens a
     step (its prompts in chunks)."""
@@ -192,12 +236,21 @@ def test_a_batch_beside_an_interactive_request_yields_its_steps_and_keeps_greedy
         out = schedule()
         steps.append({c.seq.request_id for c in out.scheduled})
         if "r0" in steps[-1]:
-            background_tokens.append(sum(c.num_new_tokens for c in out.scheduled if c.seq.priority == 100))
+            background_tokens.append(
+                sum(c.num_new_tokens for c in out.scheduled if c.seq.priority == 100)
+            )
         return out
 
     engine.scheduler.schedule = recorded
-    batch = [EngineRequest(request_id=f"r{i}", prompt_token_ids=prompts[i], sampling=greedy(NEW_TOKENS),
-                           priority=100) for i in range(1, 6)]
+    batch = [
+        EngineRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=prompts[i],
+            sampling=greedy(NEW_TOKENS),
+            priority=100,
+        )
+        for i in range(1, 6)
+    ]
     chat = request(0, prompts[0])
     results = run_to_completion(engine, {0: batch, 3: [chat]})
     for i in range(6):
@@ -215,20 +268,36 @@ def test_seeded_sampling_is_reproducible_inside_any_batch(model_runner, prompts)
         return EngineRequest(request_id=rid, prompt_token_ids=prompts[5], sampling=params)
 
     alone = run_to_completion(make_engine(model_runner), {0: [seeded("s")]})
-    noisy = [EngineRequest(request_id=f"n{j}", prompt_token_ids=prompts[j],
-                           sampling=SamplingParams(max_tokens=10, temperature=1.0)) for j in range(6)]
-    crowd = run_to_completion(make_engine(model_runner), {0: noisy[:3], 1: [seeded("s")], 2: noisy[3:]})
+    noisy = [
+        EngineRequest(
+            request_id=f"n{j}",
+            prompt_token_ids=prompts[j],
+            sampling=SamplingParams(max_tokens=10, temperature=1.0),
+        )
+        for j in range(6)
+    ]
+    crowd = run_to_completion(
+        make_engine(model_runner), {0: noisy[:3], 1: [seeded("s")], 2: noisy[3:]}
+    )
     assert crowd["s"]["tokens"] == alone["s"]["tokens"]
-    other_seed = EngineRequest(request_id="o", prompt_token_ids=prompts[5],
-                               sampling=SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99))
-    assert run_to_completion(make_engine(model_runner), {0: [other_seed]})["o"]["tokens"] != alone["s"]["tokens"]
+    other_seed = EngineRequest(
+        request_id="o",
+        prompt_token_ids=prompts[5],
+        sampling=SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99),
+    )
+    assert (
+        run_to_completion(make_engine(model_runner), {0: [other_seed]})["o"]["tokens"]
+        != alone["s"]["tokens"]
+    )
 
 
 def test_stop_string_never_leaks(model_runner, prompts, hf_outputs):
     full = model_runner.tokenizer.decode(hf_outputs[0], skip_special_tokens=True)
-    stop = full[len(full) // 2: len(full) // 2 + 6]
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
     assert stop.strip(), "pick a non-blank stop string"
-    results = run_to_completion(make_engine(model_runner), {0: [request(0, prompts[0], stop=(stop,))]})
+    results = run_to_completion(
+        make_engine(model_runner), {0: [request(0, prompts[0], stop=(stop,))]}
+    )
     r = results["r0"]
     assert r["final"].finish_reason == "stop"
     assert stop not in r["text"] and r["text"] == r["final"].text
@@ -237,18 +306,29 @@ def test_stop_string_never_leaks(model_runner, prompts, hf_outputs):
 
 def test_impossible_requests_are_rejected_at_once(model_runner):
     engine = make_engine(model_runner, num_blocks=4)
-    results = run_to_completion(engine, {0: [
-        EngineRequest(request_id="long", prompt_token_ids=[1] * 60, sampling=greedy(10)),
-        EngineRequest(request_id="model", prompt_token_ids=[1] * 10, sampling=greedy(engine.max_model_len)),
-        EngineRequest(request_id="vocab", prompt_token_ids=[10**7], sampling=greedy(4)),
-        EngineRequest(request_id="empty", prompt="", sampling=greedy(4)),
-        EngineRequest(request_id="ok", prompt_token_ids=[1, 2, 3], sampling=greedy(4)),
-    ]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                EngineRequest(request_id="long", prompt_token_ids=[1] * 60, sampling=greedy(10)),
+                EngineRequest(
+                    request_id="model",
+                    prompt_token_ids=[1] * 10,
+                    sampling=greedy(engine.max_model_len),
+                ),
+                EngineRequest(request_id="vocab", prompt_token_ids=[10**7], sampling=greedy(4)),
+                EngineRequest(request_id="empty", prompt="", sampling=greedy(4)),
+                EngineRequest(request_id="ok", prompt_token_ids=[1, 2, 3], sampling=greedy(4)),
+            ]
+        },
+    )
     assert results["long"]["final"].error_code == "prompt_too_long"
     assert results["model"]["final"].error_code == "prompt_too_long"
     assert results["vocab"]["final"].error_code == "invalid_request"
     assert results["empty"]["final"].error_code == "invalid_request"
-    assert all(results[k]["final"].finish_reason == "rejected" for k in ("long", "model", "vocab", "empty"))
+    assert all(
+        results[k]["final"].finish_reason == "rejected" for k in ("long", "model", "vocab", "empty")
+    )
     assert results["ok"]["final"].finish_reason == "length"
 
 
@@ -257,8 +337,14 @@ def test_abort_and_deadline_free_blocks_at_once(model_runner, prompts):
 
     engine = make_engine(model_runner)
     engine.add_request(request(0, prompts[0], max_tokens=200))
-    engine.add_request(EngineRequest(request_id="late", prompt_token_ids=prompts[1],
-                                     sampling=greedy(200), deadline=time.time() - 1))
+    engine.add_request(
+        EngineRequest(
+            request_id="late",
+            prompt_token_ids=prompts[1],
+            sampling=greedy(200),
+            deadline=time.time() - 1,
+        )
+    )
     outputs = {o.request_id: o for o in engine.step()}  # the expired one ends in this step
     assert "r0" not in outputs or not outputs["r0"].finished
     engine.abort("r0", "cancelled")

@@ -7,6 +7,7 @@ blocks (where its blocks are full), and every sequence decodes across block boun
 prompt makes even 128-token blocks overflow. (The Triton kernels under the interpreter are
 checked at 16 only, in tests/kernels/test_triton_engine.py.)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ from inferline.worker.engine.request import EngineRequest
 
 NEW = 24
 CHOSEN = (0, 4)  # prompts of 41 and 81 tokens
-LONG_CONTENT = ("Write a long, detailed essay about paged attention in LLM serving."
-                + " Give concrete examples and explain every step in detail." * 7)
+LONG_CONTENT = (
+    "Write a long, detailed essay about paged attention in LLM serving."
+    + " Give concrete examples and explain every step in detail." * 7
+)
 
 
 @pytest.fixture(scope="module", params=[8, 32, 128], ids=lambda bs: f"block{bs}")
@@ -35,14 +38,22 @@ def sized_runner(request) -> ModelRunner:
 def long_case(model_runner, hf_model) -> tuple[list[int], list[int]]:
     """A prompt just short of 128 tokens and HF's greedy continuation of it."""
     messages = [{"role": "user", "content": LONG_CONTENT}]
-    ids = list(model_runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"])
+    ids = list(
+        model_runner.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
     assert len(ids) < 128 < len(ids) + NEW
     with torch.inference_mode():
         x = torch.tensor([ids])
-        y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)
-    return ids, y[0, len(ids):].tolist()
+        y = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return ids, y[0, len(ids) :].tolist()
 
 
 def test_greedy_equals_hf_at_this_block_size(sized_runner, prompts, hf_outputs, long_case):
@@ -52,12 +63,19 @@ def test_greedy_equals_hf_at_this_block_size(sized_runner, prompts, hf_outputs, 
     assert engine.block_manager.block_size == bs
     chosen = [(f"r{i}", prompts[i], hf_outputs[i][:NEW]) for i in CHOSEN]
     cases = [*chosen, ("long", long_ids, long_expected), ("again", *chosen[1][1:])]
-    arrivals = {0: cases[:1], 2: cases[1:2], 4: cases[2:3], 9: cases[3:]}  # "again" after r4's prefill
+    arrivals = {
+        0: cases[:1],
+        2: cases[1:2],
+        4: cases[2:3],
+        9: cases[3:],
+    }  # "again" after r4's prefill
     tokens: dict[str, list[int]] = {}
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for rid, ids, _ in arrivals.get(step, []):
-            engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=greedy(NEW)))
+            engine.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=greedy(NEW))
+            )
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.check_integrity()

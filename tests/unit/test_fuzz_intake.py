@@ -12,6 +12,7 @@ worker; each ends as a dead letter or a `done`, and the worker serves a valid re
 
 Scale with INFERLINE_FUZZ_SCALE (default 1; `make chaos` style long runs: 10).
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,11 +29,23 @@ from hypothesis import strategies as st
 
 from inferline.config.settings import Settings
 from inferline.contract.schema import (
-    ERROR_CODES, DoneEvent, InvalidRequest, StartedEvent, UndecodableMessage, decode_event, decode_request,
+    ERROR_CODES,
+    DoneEvent,
+    InvalidRequest,
+    StartedEvent,
+    UndecodableMessage,
+    decode_event,
+    decode_request,
 )
 from tests.worker_fixtures import start_worker  # noqa: F401 - fixture
 from tests.chaos_fixtures import (
-    FIELDS, IntakeHarness, hostile_messages, mutate, pack, special_messages, valid_request,
+    FIELDS,
+    IntakeHarness,
+    hostile_messages,
+    mutate,
+    pack,
+    special_messages,
+    valid_request,
 )
 
 SCALE = max(1, int(os.environ.get("INFERLINE_FUZZ_SCALE", "1")))
@@ -64,7 +77,9 @@ class Checker:
         from inferline.worker.engine.engine import LLMEngine, Rejected
 
         self.h = IntakeHarness(harness_settings(**limits))
-        self.engine_self = types.SimpleNamespace(tokenizer=tokenizer, vocab_size=49152, max_model_len=2048)
+        self.engine_self = types.SimpleNamespace(
+            tokenizer=tokenizer, vocab_size=49152, max_model_len=2048
+        )
         self.tokenize, self.Rejected = LLMEngine.tokenize, Rejected
         self.kinds: dict[str, int] = {}
 
@@ -79,7 +94,11 @@ class Checker:
             kind = "redelivery_of_a_finished_request"
         else:
             assert len(sent) == 1, f"{len(sent)} outgoing messages for one record: {value[:200]!r}"
-            kind = self._dead_letter(value, sent[0]) if sent[0].topic == DLQ else self._answered(sent[0])
+            kind = (
+                self._dead_letter(value, sent[0])
+                if sent[0].topic == DLQ
+                else self._answered(sent[0])
+            )
         assert self.h.settled(), f"record not finished in the offset tracker: {value[:200]!r}"
         self.h.sent.clear()
         self.h.worker.engine_loop.added.clear()
@@ -88,8 +107,11 @@ class Checker:
 
     def _dead_letter(self, value: bytes, out) -> str:
         headers = dict(out.headers)
-        assert {"error", "source-topic", "source-partition", "source-offset"} <= set(headers) <= {
-            "error", "source-topic", "source-partition", "source-offset", "original-size"}
+        assert (
+            {"error", "source-topic", "source-partition", "source-offset"}
+            <= set(headers)
+            <= {"error", "source-topic", "source-partition", "source-offset", "original-size"}
+        )
         if "original-size" in headers:  # too big to produce again: the head of it, and its size
             assert int(headers["original-size"]) == len(value) and value.startswith(out.value)
             assert len(out.value) < len(value)
@@ -129,8 +151,9 @@ class Checker:
         except self.Rejected:
             pass  # the engine answers it with a `rejected` done: handled
         except Exception as exc:  # anything else escapes the engine thread and kills it
-            raise AssertionError(f"engine tokenize raised {exc!r} for an admitted request "
-                                 f"{value[:300]!r}") from exc
+            raise AssertionError(
+                f"engine tokenize raised {exc!r} for an admitted request {value[:300]!r}"
+            ) from exc
         events = [decode_event(o.value) for o in self.h.finish_admitted(added[0])]
         assert isinstance(events[0], StartedEvent) and isinstance(events[-1], DoneEvent)
         assert [e.seq for e in events] == list(range(len(events)))
@@ -141,39 +164,73 @@ class Checker:
 # ------------------------------------------------------------------------------ hypothesis
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=40), st.binary(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=40),
 )
 msgpack_values = st.recursive(
-    scalars, lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5),
+    scalars,
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5)
+    ),
     max_leaves=20,
 )
 # A request-shaped map: the contract's fields, each either a plausible value or anything at all.
 plausible = {
-    "v": st.just(1), "id": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
-    "reply_topic": st.just(REPLY), "prompt": st.text(min_size=1, max_size=30),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
-                                                "content": st.text(max_size=20)}), min_size=1, max_size=3),
+    "v": st.just(1),
+    "id": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
+    "reply_topic": st.just(REPLY),
+    "prompt": st.text(min_size=1, max_size=30),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "x"]), "content": st.text(max_size=20)}
+        ),
+        min_size=1,
+        max_size=3,
+    ),
     "prompt_token_ids": st.lists(st.integers(0, 49151), min_size=1, max_size=8),
-    "max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
-    "top_k": st.integers(0, 50), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
-    "priority": st.integers(-5, 5), "tenant": st.sampled_from(["default", "t1", "t2"]),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "priority": st.integers(-5, 5),
+    "tenant": st.sampled_from(["default", "t1", "t2"]),
     "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
-    "timeout_s": st.floats(0.001, 100), "created_at": st.floats(0, 2e9), "stream": st.booleans(),
+    "timeout_s": st.floats(0.001, 100),
+    "created_at": st.floats(0, 2e9),
+    "stream": st.booleans(),
     "seed": st.integers(-(2**63), 2**63 - 1),
 }
 # Mostly valid: plausible values only, one prompt field (admissions, rate limits, timeouts).
 plausible_maps = st.fixed_dictionaries(
-    {"v": st.just(1), "id": plausible["id"], "reply_topic": st.just(REPLY),
-     "max_tokens": plausible["max_tokens"]},
-    optional={name: plausible[name] for name in plausible
-              if name not in ("v", "id", "reply_topic", "max_tokens", "prompt", "messages", "prompt_token_ids")},
-).flatmap(lambda m: st.sampled_from(["prompt", "messages", "prompt_token_ids"]).flatmap(
-    lambda f: plausible[f].map(lambda value: {**m, f: value})))
+    {
+        "v": st.just(1),
+        "id": plausible["id"],
+        "reply_topic": st.just(REPLY),
+        "max_tokens": plausible["max_tokens"],
+    },
+    optional={
+        name: plausible[name]
+        for name in plausible
+        if name
+        not in ("v", "id", "reply_topic", "max_tokens", "prompt", "messages", "prompt_token_ids")
+    },
+).flatmap(
+    lambda m: st.sampled_from(["prompt", "messages", "prompt_token_ids"]).flatmap(
+        lambda f: plausible[f].map(lambda value: {**m, f: value})
+    )
+)
 request_maps = st.fixed_dictionaries(
     {"v": st.just(1), "id": plausible["id"], "reply_topic": st.just(REPLY)},
-    optional={name: plausible[name] | msgpack_values if name in plausible else msgpack_values
-              for name in FIELDS if name not in ("v", "id", "reply_topic")},
+    optional={
+        name: plausible[name] | msgpack_values if name in plausible else msgpack_values
+        for name in FIELDS
+        if name not in ("v", "id", "reply_topic")
+    },
 )
 
 
@@ -181,9 +238,15 @@ def test_fuzz_intake_10k_messages(tokenizer):
     kinds: Counter[str] = Counter()
     count = {"messages": 0}
 
-    @settings(max_examples=1000 * SCALE, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(obj=st.one_of(plausible_maps, request_maps, msgpack_values), seed=st.integers(0, 2**32 - 1))
+    @settings(
+        max_examples=1000 * SCALE,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        obj=st.one_of(plausible_maps, request_maps, msgpack_values), seed=st.integers(0, 2**32 - 1)
+    )
     def run(obj, seed):
         checker = Checker(tokenizer)  # a fresh worker per example: replays see the same state
         rng = random.Random(seed)
@@ -211,7 +274,9 @@ def test_hostile_generator_mix(tokenizer):
     assert sum(checker.kinds.values()) == 2_000 * SCALE
 
 
-@pytest.mark.parametrize("name,value", special_messages(REPLY), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "name,value", special_messages(REPLY), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_special_attacks(tokenizer, name, value):
     """A million stop strings, a million token ids, NaN, deep nesting, bad UTF-8 in every string
     field, header lengths that lie, template and role injection: each is classified, none raises."""
@@ -220,8 +285,21 @@ def test_special_attacks(tokenizer, name, value):
     # What the contract says about the named ones.
     if name.startswith("bad_utf8_") and name not in ("bad_utf8_id", "bad_utf8_unknown_field"):
         assert kind == "rejected:invalid_request", (name, kind)
-    if name in ("deep_nesting", "nil", "empty", "array", "int_keys", "bin_id", "long_id", "bad_topic",
-                "dot_topic", "str_header_lies", "map_header_lies", "array_header_lies", "bad_utf8_id"):
+    if name in (
+        "deep_nesting",
+        "nil",
+        "empty",
+        "array",
+        "int_keys",
+        "bin_id",
+        "long_id",
+        "bad_topic",
+        "dot_topic",
+        "str_header_lies",
+        "map_header_lies",
+        "array_header_lies",
+        "bad_utf8_id",
+    ):
         assert kind == "dead_letter", (name, kind)
     if name in ("million_token_ids",):
         assert kind == "rejected:prompt_too_long"
@@ -235,11 +313,15 @@ def test_rate_limited_and_cancelled_paths_echo_metadata(tokenizer):
     """The triage outcomes that answer a *valid* request without running it echo its metadata."""
     checker = Checker(tokenizer)
     rng = random.Random(3)
-    reqs = [{**valid_request(rng, REPLY), "tenant": "t1", "metadata": {"n": str(i)}} for i in range(20)]
+    reqs = [
+        {**valid_request(rng, REPLY), "tenant": "t1", "metadata": {"n": str(i)}} for i in range(20)
+    ]
     kinds = [checker.check(pack(r)) for r in reqs]
     assert "rejected:rate_limited" in kinds and "admitted" in kinds
     checker.h.worker.cancels.add("cancel-me")
-    assert checker.check(pack({**reqs[0], "id": "cancel-me", "tenant": "t2"})) == "cancelled:cancelled"
+    assert (
+        checker.check(pack({**reqs[0], "id": "cancel-me", "tenant": "t2"})) == "cancelled:cancelled"
+    )
 
 
 def test_memory_stays_bounded(tokenizer):
@@ -264,14 +346,17 @@ def test_memory_stays_bounded(tokenizer):
     finally:
         tracemalloc.stop()
     largest = max(len(v) for v in msgs)
-    print(f"\nmemory: largest message {largest / 2**20:.2f} MiB, peak {(peak - base) / 2**20:.1f} MiB, "
-          f"retained {(current - base) / 2**10:.1f} KiB over {len(msgs)} messages")
+    print(
+        f"\nmemory: largest message {largest / 2**20:.2f} MiB, peak {(peak - base) / 2**20:.1f} MiB, "
+        f"retained {(current - base) / 2**10:.1f} KiB over {len(msgs)} messages"
+    )
     # A 1 MiB message may unpack to a few tens of MB (a million small ints); never more.
     assert peak - base < 96 * 2**20
     assert current - base < 2 * 2**20  # per-message state does not accumulate
 
 
 # ------------------------------------------------------------------------------ a live worker
+
 
 def test_tenant_attacks_in_topic_tenancy():
     """INFERLINE_KAFKA__TENANCY=topic, records on acme's request topic: whatever the body says
@@ -281,14 +366,23 @@ def test_tenant_attacks_in_topic_tenancy():
 
     from tests.chaos_fixtures import IntakeHarness, assign
 
-    h = IntakeHarness(Settings(kafka={"request_topic": "fuzz-requests", "dlq_topic": DLQ, "tenancy": "topic"},
-                               model={"max_model_len": 256}, limits={"max_tokens_cap": 8}))
+    h = IntakeHarness(
+        Settings(
+            kafka={"request_topic": "fuzz-requests", "dlq_topic": DLQ, "tenancy": "topic"},
+            model={"max_model_len": 256},
+            limits={"max_tokens_cap": 8},
+        )
+    )
     h.tp = TopicPartition("fuzz-requests.acme", 0)
     assign(h.worker.intake, [h.tp])
     rng, mine, theirs = random.Random(5), "inferline.reply.acme.fuzz", "inferline.reply.globex.fuzz"
-    attacks = [pack({**valid_request(rng, mine), "tenant": "globex"}), pack(valid_request(rng, theirs)),
-               pack({**valid_request(rng, theirs), "tenant": "globex"}), pack(valid_request(rng, "fuzz-requests.globex")),
-               pack({**valid_request(rng, mine), "priority": -1000})]
+    attacks = [
+        pack({**valid_request(rng, mine), "tenant": "globex"}),
+        pack(valid_request(rng, theirs)),
+        pack({**valid_request(rng, theirs), "tenant": "globex"}),
+        pack(valid_request(rng, "fuzz-requests.globex")),
+        pack({**valid_request(rng, mine), "priority": -1000}),
+    ]
     outcomes = set()
     for value in hostile_messages(rng, mine, 400 * SCALE) + attacks:
         sent, added = h.feed(value)
@@ -308,26 +402,43 @@ def test_fuzz_priorities_and_sample_counts():
     (no producer outranks the default class) and n x max_tokens within the request bound."""
     h = IntakeHarness(Settings())
     limits = h.worker.settings.limits
-    ints = st.integers(-(2**63), 2**64 - 1) | st.integers(-2000, 2000) | st.sampled_from([0, 1, 16, 17, -1])
+    ints = (
+        st.integers(-(2**63), 2**64 - 1)
+        | st.integers(-2000, 2000)
+        | st.sampled_from([0, 1, 16, 17, -1])
+    )
     outcomes: Counter[str] = Counter()
 
     @settings(max_examples=600 * SCALE, deadline=None, database=None)
-    @given(priority=ints | st.floats() | st.none() | st.text(max_size=3), n=ints | st.floats(),
-           max_tokens=st.integers(1, 5000))
+    @given(
+        priority=ints | st.floats() | st.none() | st.text(max_size=3),
+        n=ints | st.floats(),
+        max_tokens=st.integers(1, 5000),
+    )
     def run(priority, n, max_tokens):
-        req = {"v": 1, "id": f"pn-{h.offset}", "reply_topic": REPLY, "prompt": "Hi.", "max_tokens": max_tokens,
-               "priority": priority, "n": n}
+        req = {
+            "v": 1,
+            "id": f"pn-{h.offset}",
+            "reply_topic": REPLY,
+            "prompt": "Hi.",
+            "max_tokens": max_tokens,
+            "priority": priority,
+            "n": n,
+        }
         sent, added = h.feed(msgpack.packb(req, use_bin_type=True))
         if added:
             (engine_req,) = added
             assert limits.min_priority <= engine_req.priority <= limits.max_priority
-            assert engine_req.sampling.n * engine_req.sampling.max_tokens <= limits.max_request_tokens
+            assert (
+                engine_req.sampling.n * engine_req.sampling.max_tokens <= limits.max_request_tokens
+            )
             outcomes["admitted"] += 1
             return
         (done,) = sent
         error = msgpack.unpackb(done.value)["error"]
-        assert error["code"] == "invalid_request" and error["message"].split(".")[0].split(":")[0] in (
-            "priority", "n", "max_tokens"), error
+        assert error["code"] == "invalid_request" and error["message"].split(".")[0].split(":")[
+            0
+        ] in ("priority", "n", "max_tokens"), error
         outcomes["rejected"] += 1
 
     run()

@@ -1,5 +1,6 @@
 """The gateway's translation parts without a broker: OpenAI bodies -> contract fields, and the
 stream follower across a worker's rerun (an attempt the real-broker tests cannot easily make)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,14 @@ from inferline.producer.gateway.errors import OpenAIError
 from inferline.producer.gateway.follower import Diverged, TextFollower
 from inferline.producer.gateway.openai_mapping import chat_request, completion_request
 from inferline.producer.gateway.openai_responses import Shape
-from inferline.contract.schema import DoneEvent, Timing, TokenLogprob, TokensEvent, TopLogprob, Usage
+from inferline.contract.schema import (
+    DoneEvent,
+    Timing,
+    TokenLogprob,
+    TokensEvent,
+    TopLogprob,
+    Usage,
+)
 
 
 def tokens(attempt: str, seq: int, text: str) -> TokensEvent:
@@ -16,27 +24,57 @@ def tokens(attempt: str, seq: int, text: str) -> TokensEvent:
 
 
 def done(attempt: str, seq: int, text: str | None = None) -> DoneEvent:
-    return DoneEvent(id="r", attempt=attempt, seq=seq, finish_reason="stop", text=text,
-                     usage=Usage(prompt_tokens=1, completion_tokens=1), timing=Timing(queue_s=0, ttft_s=0, total_s=0))
+    return DoneEvent(
+        id="r",
+        attempt=attempt,
+        seq=seq,
+        finish_reason="stop",
+        text=text,
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        timing=Timing(queue_s=0, ttft_s=0, total_s=0),
+    )
 
 
 def test_chat_body_maps_to_contract_fields():
-    m = chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                {"type": "text", "text": "b"}]}],
-                      "max_tokens": 5, "max_completion_tokens": 7, "stop": "x", "user": "u", "top_k": 3,
-                      "stream": True, "stream_options": {"include_usage": True}})
+    m = chat_request(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "stop": "x",
+            "user": "u",
+            "top_k": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert m.fields["messages"][0].content == "a\nb"
     assert m.fields["max_tokens"] == 7 and m.rename["max_tokens"] == "max_completion_tokens"
-    assert m.fields["stop"] == ["x"] and m.fields["metadata"] == {"user": "u"} and m.fields["top_k"] == 3
+    assert (
+        m.fields["stop"] == ["x"]
+        and m.fields["metadata"] == {"user": "u"}
+        and m.fields["top_k"] == 3
+    )
     assert m.stream and m.include_usage
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ],
+)
 def test_bad_chat_bodies_name_the_parameter(body, param):
     with pytest.raises(OpenAIError) as err:
         chat_request(body)
@@ -44,14 +82,24 @@ def test_bad_chat_bodies_name_the_parameter(body, param):
 
 
 def test_logprobs_are_asked_of_the_worker_with_tokens_events():
-    chat = chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2})
-    assert (chat.fields["logprobs"], chat.fields["top_logprobs"], chat.fields["stream"]) == (True, 2, True)
+    chat = chat_request(
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    )
+    assert (chat.fields["logprobs"], chat.fields["top_logprobs"], chat.fields["stream"]) == (
+        True,
+        2,
+        True,
+    )
     assert chat.logprobs and not chat.stream  # the worker streams, the HTTP answer stays whole
     legacy = completion_request({"prompt": "x", "logprobs": 3})
-    assert (legacy.fields["logprobs"], legacy.fields["top_logprobs"], legacy.fields["stream"]) == (True, 3, True)
+    assert (legacy.fields["logprobs"], legacy.fields["top_logprobs"], legacy.fields["stream"]) == (
+        True,
+        3,
+        True,
+    )
     assert legacy.rename["top_logprobs"] == "logprobs"
     assert not chat_request({"messages": [{"role": "user", "content": "x"}]}).logprobs
-    for bad in ({"logprobs": "yes"}, ):
+    for bad in ({"logprobs": "yes"},):
         with pytest.raises(OpenAIError) as err:
             chat_request({"messages": [{"role": "user", "content": "x"}], **bad})
         assert err.value.param == "logprobs"
@@ -62,18 +110,40 @@ def test_logprobs_are_asked_of_the_worker_with_tokens_events():
 
 
 def test_logprobs_in_openai_shapes():
-    entries = [TokenLogprob(token=" Par", logprob=-0.5, top_logprobs=[TopLogprob(token_id=1, token=" Par", logprob=-0.5),
-                                                                       TopLogprob(token_id=2, token=" the", logprob=-1.5)]),
-               TokenLogprob(token="is", logprob=-0.25, top_logprobs=[TopLogprob(token_id=3, token="is", logprob=-0.25)]),
-               TokenLogprob(token="\ufffd", logprob=-3.0)]
+    entries = [
+        TokenLogprob(
+            token=" Par",
+            logprob=-0.5,
+            top_logprobs=[
+                TopLogprob(token_id=1, token=" Par", logprob=-0.5),
+                TopLogprob(token_id=2, token=" the", logprob=-1.5),
+            ],
+        ),
+        TokenLogprob(
+            token="is",
+            logprob=-0.25,
+            top_logprobs=[TopLogprob(token_id=3, token="is", logprob=-0.25)],
+        ),
+        TokenLogprob(token="\ufffd", logprob=-3.0),
+    ]
     chat = Shape(True, "r", "m").logprobs(entries)
     assert [e["token"] for e in chat["content"]] == [" Par", "is", "\ufffd"]
     assert chat["content"][0]["bytes"] == list(b" Par") and chat["content"][2]["bytes"] is None
-    assert chat["content"][0]["top_logprobs"] == [{"token": " Par", "logprob": -0.5, "bytes": list(b" Par")},
-                                                  {"token": " the", "logprob": -1.5, "bytes": list(b" the")}]
+    assert chat["content"][0]["top_logprobs"] == [
+        {"token": " Par", "logprob": -0.5, "bytes": list(b" Par")},
+        {"token": " the", "logprob": -1.5, "bytes": list(b" the")},
+    ]
     legacy = Shape(False, "r", "m").logprobs(entries, offset=10)
-    assert legacy["tokens"] == [" Par", "is", "\ufffd"] and legacy["token_logprobs"] == [-0.5, -0.25, -3.0]
-    assert legacy["top_logprobs"][0] == {" Par": -0.5, " the": -1.5} and legacy["text_offset"] == [10, 14, 16]
+    assert legacy["tokens"] == [" Par", "is", "\ufffd"] and legacy["token_logprobs"] == [
+        -0.5,
+        -0.25,
+        -3.0,
+    ]
+    assert legacy["top_logprobs"][0] == {" Par": -0.5, " the": -1.5} and legacy["text_offset"] == [
+        10,
+        14,
+        16,
+    ]
 
 
 def test_completion_prompts():
@@ -111,7 +181,9 @@ def test_priority_is_forwarded_only_for_keys_allowed_to_set_it(tenant, forwarded
         async def submit(self, tenant, fields):
             self.sent.append(fields)
 
-    settings = Settings(gateway={"api_keys": {"k1": "ops", "k2": "acme"}, "priority_tenants": ["ops"]})
+    settings = Settings(
+        gateway={"api_keys": {"k1": "ops", "k2": "acme"}, "priority_tenants": ["ops"]}
+    )
     pool = Pool()
     gateway = Gateway(settings, ApiKeys({"k1": "ops", "k2": "acme"}), pool, GatewayMetrics())
     mapped = chat_request({"messages": [{"role": "user", "content": "hi"}], "priority": -1000})

@@ -2,6 +2,7 @@
 tenants in turn, abandoned compiles, a cache bounded in bytes, `choice` under the size cap and
 JSON without whitespace runs. Real xgrammar compiles over a tiny vocabulary (no model needed);
 the engine's time budget is in tests/unit/test_structured_output.py."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,12 @@ import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferline.contract.schema import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH, InvalidRequest, decode_request
+from inferline.contract.schema import (
+    MAX_GRAMMAR_BYTES,
+    MAX_SCHEMA_DEPTH,
+    InvalidRequest,
+    decode_request,
+)
 from inferline.worker.engine import structured_output
 from inferline.worker.engine.request import StructuredSpec
 from inferline.worker.engine.structured_output import GrammarCompiler
@@ -93,8 +99,17 @@ def test_the_cache_is_bounded_in_bytes():
 
 def test_choice_counts_against_the_grammar_size_cap():
     def decode(choice):
-        return decode_request(msgpack.packb({"v": 1, "id": "c", "reply_topic": "t", "prompt": "x",
-                                             "structured": {"choice": choice}}))
+        return decode_request(
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "id": "c",
+                    "reply_topic": "t",
+                    "prompt": "x",
+                    "structured": {"choice": choice},
+                }
+            )
+        )
 
     with pytest.raises(InvalidRequest, match=f"structured.choice: .* at most {MAX_GRAMMAR_BYTES}"):
         decode(["a" * 1024] * 256)  # each option within its own cap, 256 of them: 256 KiB
@@ -105,8 +120,14 @@ def test_json_grammars_allow_no_whitespace_between_tokens():
     """Compact separators and no free whitespace (xgrammar's any_whitespace=False): a sampled
     small model cannot wander into a run of blanks between JSON tokens."""
     compiler = tiny_compiler(threads=1)
-    for spec in (StructuredSpec("response_format", "json_object", ""),
-                 StructuredSpec("response_format", "json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}')):
+    for spec in (
+        StructuredSpec("response_format", "json_object", ""),
+        StructuredSpec(
+            "response_format",
+            "json_schema",
+            '{"type":"object","properties":{"a":{"type":"integer"}}}',
+        ),
+    ):
         matcher = xgr.GrammarMatcher(compiler.compile(spec).result(timeout=30))
         assert matcher.accept_string("{")
         assert not matcher.accept_string(" ") and not matcher.accept_string("\n")
@@ -114,6 +135,7 @@ def test_json_grammars_allow_no_whitespace_between_tokens():
 
 
 # ---- fuzz: hostile grammars ------------------------------------------------------------------------
+
 
 def nested_schema(depth: int) -> dict:
     schema: dict = {"type": "integer"}
@@ -123,14 +145,21 @@ def nested_schema(depth: int) -> dict:
 
 
 HOSTILE = [  # (field, kind, text): depth, huge repetition counts, ambiguity, many alternatives
-    ("regex", "a{1,100000}"), ("regex", "((a|b){50}){50}"), ("regex", "((a|ab)*)*b"), ("regex", "(a?){300}a{300}"),
-    ("regex", "a{99999999}"), ("regex", "(" * 2000 + "a" + ")" * 2000), ("regex", "[^x]{1,65000}"),
-    ("json_schema", json.dumps(nested_schema(30))), ("json_schema", '{"type":"string","maxLength":10000000}'),
+    ("regex", "a{1,100000}"),
+    ("regex", "((a|b){50}){50}"),
+    ("regex", "((a|ab)*)*b"),
+    ("regex", "(a?){300}a{300}"),
+    ("regex", "a{99999999}"),
+    ("regex", "(" * 2000 + "a" + ")" * 2000),
+    ("regex", "[^x]{1,65000}"),
+    ("json_schema", json.dumps(nested_schema(30))),
+    ("json_schema", '{"type":"string","maxLength":10000000}'),
     ("json_schema", '{"type":"array","minItems":100000,"items":{"type":"integer"}}'),
     ("json_schema", '{"type":"object","properties":{"a":{"$ref":"#"}}}'),
     ("json_schema", json.dumps({"anyOf": [{"const": f"v{i}"} for i in range(2000)]})),
     ("json_schema", '{"type":"string","pattern":"(a|a)*b"}'),
-    ("grammar", 'root ::= x\nx ::= x x | "a" | "ab" | "b"'), ("grammar", 'root ::= r\nr ::= r "a" | "a"'),
+    ("grammar", 'root ::= x\nx ::= x x | "a" | "ab" | "b"'),
+    ("grammar", 'root ::= r\nr ::= r "a" | "a"'),
     ("choice", json.dumps(["a" * 200 + str(i) for i in range(250)])),
 ]
 
@@ -140,7 +169,10 @@ def test_hostile_grammars_are_rejected_or_compiled_and_never_hold_up_others():
     compiling when its budget is spent (then it is abandoned, as the engine does); an honest
     tenant's grammar compiles meanwhile, whatever the hostile tenant has queued."""
     compiler = tiny_compiler(threads=2)
-    hostile = [compiler.compile(StructuredSpec("structured", kind, text), tenant="mallory") for kind, text in HOSTILE]
+    hostile = [
+        compiler.compile(StructuredSpec("structured", kind, text), tenant="mallory")
+        for kind, text in HOSTILE
+    ]
     honest = compiler.compile(regex("[01]{8}"), tenant="alice")
     assert honest.result(timeout=60) is not None
     outcomes = Counter()
@@ -158,21 +190,30 @@ def test_hostile_grammars_are_rejected_or_compiled_and_never_hold_up_others():
     compiler.shutdown()
 
 
-repetition = st.builds(lambda lo, hi: f"{{{lo},{lo + hi}}}", st.integers(0, 10**6), st.integers(0, 10**6))
+repetition = st.builds(
+    lambda lo, hi: f"{{{lo},{lo + hi}}}", st.integers(0, 10**6), st.integers(0, 10**6)
+)
 regexes = st.recursive(
     st.sampled_from(["a", "b", "ab", "[ab]", ".", "\\d", "[^a]", "(a|ab)"]),
     lambda inner: st.one_of(
         st.builds(lambda r, q: f"({r}){q}", inner, st.sampled_from(["*", "+", "?"]) | repetition),
-        st.builds(lambda a, b: f"{a}|{b}", inner, inner), st.builds(lambda a, b: a + b, inner, inner)),
-    max_leaves=12)
+        st.builds(lambda a, b: f"{a}|{b}", inner, inner),
+        st.builds(lambda a, b: a + b, inner, inner),
+    ),
+    max_leaves=12,
+)
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(pattern=regexes)
 def test_fuzz_hostile_regexes_end_in_a_bounded_outcome(pattern):
     """Random regexes with nested and huge repetition counts: through the contract (a field
     error, or a request), then the compiler: compiled, refused with a reason, or over budget."""
-    data = msgpack.packb({"v": 1, "id": "re", "reply_topic": "t", "prompt": "x", "structured": {"regex": pattern}})
+    data = msgpack.packb(
+        {"v": 1, "id": "re", "reply_topic": "t", "prompt": "x", "structured": {"regex": pattern}}
+    )
     try:
         req = decode_request(data)
     except InvalidRequest as exc:
@@ -193,12 +234,24 @@ FUZZ_COMPILER = tiny_compiler(threads=2, cache_bytes=4 * 2**20)
 
 @pytest.mark.parametrize("depth, ok", [(10, True), (31, True), (32, False), (500, False)])
 def test_schema_nesting_is_capped(depth, ok):
-    data = msgpack.packb({"v": 1, "id": "d", "reply_topic": "t", "prompt": "x", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "n", "schema": nested_schema(depth)}}})
+    data = msgpack.packb(
+        {
+            "v": 1,
+            "id": "d",
+            "reply_topic": "t",
+            "prompt": "x",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": nested_schema(depth)},
+            },
+        }
+    )
     if ok:
         assert decode_request(data).response_format.json_schema.schema_
     else:
-        with pytest.raises(InvalidRequest, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels") as exc:
+        with pytest.raises(
+            InvalidRequest, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels"
+        ) as exc:
             decode_request(data)
         assert exc.value.field == "response_format"
 
@@ -211,7 +264,10 @@ def test_rows_whose_mask_is_over_budget_are_found():
     from inferline.worker.engine.structured_output import TokenBitmask
 
     compiler = tiny_compiler(threads=1)
-    matchers = [xgr.GrammarMatcher(compiler.compile(regex(r)).result(timeout=30)) for r in ("[ab]+", "c", "[01]{2}")]
+    matchers = [
+        xgr.GrammarMatcher(compiler.compile(regex(r)).result(timeout=30))
+        for r in ("[ab]+", "c", "[01]{2}")
+    ]
     plain = TokenBitmask(len(VOCAB), torch.device("cpu")).fill(matchers).clone()
     timed = TokenBitmask(len(VOCAB), torch.device("cpu"), budget_s=0.0)
     assert torch.equal(timed.fill(matchers), plain) and timed.slow == [0, 1, 2]

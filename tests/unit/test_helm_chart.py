@@ -10,6 +10,7 @@ the worker's environment under its INFERLINE_* name, and the examples' environme
 Settings; the probes, the scrape and the utilization query use the worker's real endpoints and
 metrics; the guards (partitions, drain, share mode) hold.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 HELM_DIR = REPO / "deploy" / "helm"
 CHART = HELM_DIR / "inferline"
 EXAMPLES = sorted((HELM_DIR / "examples").glob("*.yaml"))
-JSON_SETTINGS = {("limits", "tenants"), ("gateway", "api_keys")}   # maps: one JSON value each
+JSON_SETTINGS = {("limits", "tenants"), ("gateway", "api_keys")}  # maps: one JSON value each
 
 
 def env_name(path: tuple[str, ...]) -> str:
@@ -53,18 +54,29 @@ def test_values_name_every_setting_and_nothing_else():
 
 def test_the_chart_ships_the_dashboard():
     copy = CHART / "files" / "inferline-dashboard.json"
-    assert copy.read_text() == (REPO / "deploy/grafana/dashboards/inferline.json").read_text(), \
+    assert copy.read_text() == (REPO / "deploy/grafana/dashboards/inferline.json").read_text(), (
         "cp deploy/grafana/dashboards/inferline.json deploy/helm/inferline/files/inferline-dashboard.json"
+    )
 
 
 # --------------------------------------------------------------------------- with the tools
 
+
 def tools() -> dict[str, str]:
-    out = subprocess.run([str(HELM_DIR / "tools.sh"), "--env"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(HELM_DIR / "tools.sh"), "--env"], capture_output=True, text=True, check=True
+    ).stdout
     env = dict(line.split("=", 1) for line in out.split())
-    for need in (env["HELM"], env["KUBECONFORM"], env["K8S_SCHEMAS"] + "/.complete", env["CRD_SCHEMAS"] + "/.complete"):
+    for need in (
+        env["HELM"],
+        env["KUBECONFORM"],
+        env["K8S_SCHEMAS"] + "/.complete",
+        env["CRD_SCHEMAS"] + "/.complete",
+    ):
         if not Path(need).exists():
-            pytest.skip(f"{need} is missing: deploy/helm/tools.sh (make k8s-tools) could not install the k8s tools")
+            pytest.skip(
+                f"{need} is missing: deploy/helm/tools.sh (make k8s-tools) could not install the k8s tools"
+            )
     return env
 
 
@@ -74,11 +86,27 @@ def k8s() -> dict[str, str]:
 
 
 def helm_template(k8s, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([k8s["HELM"], "template", "inferline", str(CHART), "--namespace", "inferline",
-                           "--kube-version", k8s["K8S_VERSION"], *args], capture_output=True, text=True, check=check)
+    return subprocess.run(
+        [
+            k8s["HELM"],
+            "template",
+            "inferline",
+            str(CHART),
+            "--namespace",
+            "inferline",
+            "--kube-version",
+            k8s["K8S_VERSION"],
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        check=check,
+    )
 
 
-def render(k8s, values: dict | None = None, files: tuple[Path, ...] = (), tmp: Path | None = None) -> list[dict]:
+def render(
+    k8s, values: dict | None = None, files: tuple[Path, ...] = (), tmp: Path | None = None
+) -> list[dict]:
     args = [a for f in files for a in ("-f", str(f))]
     if values is not None:
         path = tmp / "values.yaml"
@@ -96,29 +124,56 @@ def container_env(docs: list[dict], workload: str = "StatefulSet") -> list[dict]
 
 
 def kubeconform(k8s, path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([k8s["KUBECONFORM"], "-strict", "-summary", "-kubernetes-version", k8s["K8S_VERSION"],
-                           "-schema-location", k8s["K8S_SCHEMAS"] + "/{{ .ResourceKind }}{{ .KindSuffix }}.json",
-                           "-schema-location",
-                           k8s["CRD_SCHEMAS"] + "/{{ .Group }}/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json",
-                           str(path)], capture_output=True, text=True)
+    return subprocess.run(
+        [
+            k8s["KUBECONFORM"],
+            "-strict",
+            "-summary",
+            "-kubernetes-version",
+            k8s["K8S_VERSION"],
+            "-schema-location",
+            k8s["K8S_SCHEMAS"] + "/{{ .ResourceKind }}{{ .KindSuffix }}.json",
+            "-schema-location",
+            k8s["CRD_SCHEMAS"] + "/{{ .Group }}/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_make_k8s_check_passes(k8s, tmp_path):
-    res = subprocess.run([str(HELM_DIR / "check.sh")], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "K8S_CHECK_OUT": str(tmp_path)})
+    res = subprocess.run(
+        [str(HELM_DIR / "check.sh")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "K8S_CHECK_OUT": str(tmp_path)},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"Invalid: 0, Errors: 0, Skipped: 0", res.stdout), res.stdout
     for name in ["default", *(p.stem for p in EXAMPLES)]:
         assert f"k8s-check: {name}: lint ok" in res.stdout
-        assert kind(list(yaml.safe_load_all((tmp_path / f"{name}.yaml").read_text())), "StatefulSet")
+        assert kind(
+            list(yaml.safe_load_all((tmp_path / f"{name}.yaml").read_text())), "StatefulSet"
+        )
 
 
-@pytest.mark.parametrize("edit", [
-    ("ScaledObject", lambda d: d["spec"].__setitem__("pollingIntervall", 15)),
-    ("ScaledObject", lambda d: d["spec"].__setitem__("maxReplicaCount", "eight")),
-    ("StatefulSet", lambda d: d["spec"]["template"]["spec"]["containers"][0].__setitem__("livenesProbe", {})),
-    ("StatefulSet", lambda d: d["spec"].__setitem__("replicas", "2")),
-], ids=["so-unknown-key", "so-type", "sts-unknown-key", "sts-type"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("ScaledObject", lambda d: d["spec"].__setitem__("pollingIntervall", 15)),
+        ("ScaledObject", lambda d: d["spec"].__setitem__("maxReplicaCount", "eight")),
+        (
+            "StatefulSet",
+            lambda d: d["spec"]["template"]["spec"]["containers"][0].__setitem__(
+                "livenesProbe", {}
+            ),
+        ),
+        ("StatefulSet", lambda d: d["spec"].__setitem__("replicas", "2")),
+    ],
+    ids=["so-unknown-key", "so-type", "sts-unknown-key", "sts-type"],
+)
 def test_the_schemas_refuse_a_broken_manifest(k8s, tmp_path, edit):
     docs = render(k8s)
     target, change = edit
@@ -136,27 +191,50 @@ def sample_values() -> dict:
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = {"Acme": {"requests_per_s": 5}} if path in JSON_SETTINGS else f"v-{'-'.join(path)}"
+        node[path[-1]] = (
+            {"Acme": {"requests_per_s": 5}} if path in JSON_SETTINGS else f"v-{'-'.join(path)}"
+        )
     return tree
 
 
 def test_every_setting_reaches_the_environment(k8s, tmp_path):
     settings = sample_values()
-    del settings["kafka"]["sasl_password"], settings["gateway"]["api_keys"]  # those two go through a Secret
+    del (
+        settings["kafka"]["sasl_password"],
+        settings["gateway"]["api_keys"],
+    )  # those two go through a Secret
     docs = render(k8s, {"settings": settings, "workers": {"staticMembership": False}}, tmp=tmp_path)
     env = {e["name"]: e.get("value") for e in container_env(docs)}
-    expected = {env_name(p) for p in settings_leaves()} - {"INFERLINE_KAFKA__SASL_PASSWORD", "INFERLINE_GATEWAY__API_KEYS"}
+    expected = {env_name(p) for p in settings_leaves()} - {
+        "INFERLINE_KAFKA__SASL_PASSWORD",
+        "INFERLINE_GATEWAY__API_KEYS",
+    }
     assert expected <= set(env), sorted(expected - set(env))
     assert set(env) - expected == {"INFERLINE_CACHE_DIR"}
     assert env["INFERLINE_SCHEDULER__MAX_NUM_SEQS"] == "v-scheduler-max_num_seqs"
     assert json.loads(env["INFERLINE_LIMITS__TENANTS"]) == {"Acme": {"requests_per_s": 5}}
-    assert env["INFERLINE_LIMITS__DEFAULT_TENANT__MIN_PRIORITY"] == "v-limits-default_tenant-min_priority"
+    assert (
+        env["INFERLINE_LIMITS__DEFAULT_TENANT__MIN_PRIORITY"]
+        == "v-limits-default_tenant-min_priority"
+    )
 
 
 def test_the_secrets_are_files_never_values(k8s, tmp_path):
-    docs = render(k8s, {"settings": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
-                                               "sasl_username": "svc", "sasl_password": "hunter2"},
-                                     "gateway": {"api_keys": {"key-1": "acme"}}}}, tmp=tmp_path)
+    docs = render(
+        k8s,
+        {
+            "settings": {
+                "kafka": {
+                    "security_protocol": "SASL_SSL",
+                    "sasl_mechanism": "SCRAM-SHA-512",
+                    "sasl_username": "svc",
+                    "sasl_password": "hunter2",
+                },
+                "gateway": {"api_keys": {"key-1": "acme"}},
+            }
+        },
+        tmp=tmp_path,
+    )
     secret = kind(docs, "Secret")[0]
     assert secret["stringData"] == {"sasl-password": "hunter2", "api-keys.json": '{"key-1":"acme"}'}
     for workload in ("StatefulSet", "Deployment"):
@@ -167,7 +245,13 @@ def test_the_secrets_are_files_never_values(k8s, tmp_path):
     assert gw["INFERLINE_GATEWAY__API_KEYS_FILE"] == "/etc/inferline/gateway/api-keys.json"
     auth = kind(docs, "TriggerAuthentication")[0]["spec"]
     assert {r["parameter"] for r in auth["secretTargetRef"]} == {"password"}
-    assert auth["env"] == [{"parameter": "username", "name": "INFERLINE_KAFKA__SASL_USERNAME", "containerName": "worker"}]
+    assert auth["env"] == [
+        {
+            "parameter": "username",
+            "name": "INFERLINE_KAFKA__SASL_USERNAME",
+            "containerName": "worker",
+        }
+    ]
     trigger = kind(docs, "ScaledObject")[0]["spec"]["triggers"][0]
     assert trigger["metadata"]["sasl"] == "scram_sha512" and trigger["metadata"]["tls"] == "enable"
 
@@ -179,11 +263,16 @@ def test_the_rendered_environment_loads_as_settings(k8s, values, monkeypatch):
         for var in [v for v in os.environ if v.startswith(ENV_PREFIX)]:
             monkeypatch.delenv(var)
         for e in container_env(docs, workload):
-            monkeypatch.setenv(e["name"], e.get("value") or f"from-{e['valueFrom']['fieldRef']['fieldPath']}")
+            monkeypatch.setenv(
+                e["name"], e.get("value") or f"from-{e['valueFrom']['fieldRef']['fieldPath']}"
+            )
         settings = load_settings()
         assert isinstance(settings, Settings)
         if values and values.stem == "gpu-fleet":
-            assert settings.scheduler.max_num_seqs == 256 and settings.limits.tenants["Acme"].requests_per_s == 100
+            assert (
+                settings.scheduler.max_num_seqs == 256
+                and settings.limits.tenants["Acme"].requests_per_s == 100
+            )
 
 
 def test_probes_scrape_and_query_use_the_workers_endpoints_and_metrics(k8s):
@@ -193,31 +282,51 @@ def test_probes_scrape_and_query_use_the_workers_endpoints_and_metrics(k8s):
     http = (REPO / "worker/service/http.py").read_text()
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         assert worker[probe]["httpGet"]["path"] == path and f'"{path}"' in http
-    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics" and '"/metrics"' in http
-    assert {e["name"]: e for e in worker["env"]}["INFERLINE_KAFKA__GROUP_INSTANCE_ID"]["valueFrom"] == \
-        {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert (
+        pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics" and '"/metrics"' in http
+    )
+    assert {e["name"]: e for e in worker["env"]}["INFERLINE_KAFKA__GROUP_INSTANCE_ID"][
+        "valueFrom"
+    ] == {"fieldRef": {"fieldPath": "metadata.name"}}
     scaled = kind(docs, "ScaledObject")[0]["spec"]
     query = [t for t in scaled["triggers"] if t["type"] == "prometheus"][0]["metadata"]["query"]
     exported = {fam.name for fam in Metrics().registry.collect()}
     used = set(re.findall(r"\binferline_\w+", query))
-    assert used == {"inferline_kv_cache_usage", "inferline_running_requests", "inferline_waiting_requests"}
+    assert used == {
+        "inferline_kv_cache_usage",
+        "inferline_running_requests",
+        "inferline_waiting_requests",
+    }
     assert used <= exported
     kafka = [t for t in scaled["triggers"] if t["type"] == "kafka"][0]["metadata"]
-    assert (kafka["topic"], kafka["consumerGroup"]) == (Settings().kafka.request_topic, Settings().kafka.group_id)
+    assert (kafka["topic"], kafka["consumerGroup"]) == (
+        Settings().kafka.request_topic,
+        Settings().kafka.group_id,
+    )
     grace = pod["spec"]["terminationGracePeriodSeconds"]
     assert grace > Settings().worker.drain_timeout_s + Settings().kafka.session_timeout_ms / 2000
 
 
 def test_the_guards(k8s, tmp_path):
-    too_many = helm_template(k8s, "--set", "autoscaling.maxReplicas=16", "--set", "topics.partitions=8", check=False)
+    too_many = helm_template(
+        k8s, "--set", "autoscaling.maxReplicas=16", "--set", "topics.partitions=8", check=False
+    )
     assert too_many.returncode != 0 and "exceeds topics.partitions" in too_many.stderr
     short = helm_template(k8s, "--set", "workers.terminationGracePeriodSeconds=20", check=False)
     assert short.returncode != 0 and "must exceed settings.worker.drain_timeout_s" in short.stderr
-    share = render(k8s, {"settings": {"kafka": {"intake": "share"}}, "autoscaling": {"maxReplicas": 64}}, tmp=tmp_path)
+    share = render(
+        k8s,
+        {"settings": {"kafka": {"intake": "share"}}, "autoscaling": {"maxReplicas": 64}},
+        tmp=tmp_path,
+    )
     assert [t["type"] for t in kind(share, "ScaledObject")[0]["spec"]["triggers"]] == ["prometheus"]
     zero = render(k8s, {"autoscaling": {"scaleToZero": True}}, tmp=tmp_path)
     assert kind(zero, "ScaledObject")[0]["spec"]["minReplicaCount"] == 0
     tenancy = render(k8s, {"settings": {"kafka": {"tenancy": "topic"}}}, tmp=tmp_path)
     assert "topic" not in kind(tenancy, "ScaledObject")[0]["spec"]["triggers"][0]["metadata"]
-    fixed = render(k8s, {"autoscaling": {"enabled": False}, "workers": {"replicas": 3}}, tmp=tmp_path)
-    assert not kind(fixed, "ScaledObject") and kind(fixed, "StatefulSet")[0]["spec"]["replicas"] == 3
+    fixed = render(
+        k8s, {"autoscaling": {"enabled": False}, "workers": {"replicas": 3}}, tmp=tmp_path
+    )
+    assert (
+        not kind(fixed, "ScaledObject") and kind(fixed, "StatefulSet")[0]["spec"]["replicas"] == 3
+    )

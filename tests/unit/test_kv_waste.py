@@ -1,6 +1,7 @@
 """KV waste (BlockManager.waste): slots in use that hold no token, checked by hand and, at every
 block size from 8 to 128, under random traffic with shared prefixes and speculative drafts against
 an oracle that counts each physical block's filled slots over all of its owners."""
+
 from __future__ import annotations
 
 import pytest
@@ -84,17 +85,34 @@ def test_shared_prefix_blocks_count_once_and_hold_tokens():
     assert bm.num_wasted_slots([first, second]) == 3 + 2 == oracle_wasted_slots(bm, [first, second])
 
 
-traffic = st.lists(  # (shared prefix id, prefix blocks, own tail fraction, max_tokens, priority, arrival)
-    st.tuples(st.integers(0, 2), st.integers(0, 3), st.floats(0.01, 1.5), st.integers(1, 40),
-              st.integers(0, 2), st.integers(0, 10)),
-    min_size=1, max_size=10)
+traffic = (
+    st.lists(  # (shared prefix id, prefix blocks, own tail fraction, max_tokens, priority, arrival)
+        st.tuples(
+            st.integers(0, 2),
+            st.integers(0, 3),
+            st.floats(0.01, 1.5),
+            st.integers(1, 40),
+            st.integers(0, 2),
+            st.integers(0, 10),
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @settings(max_examples=15, deadline=None)
-@given(reqs=traffic, pool_blocks=st.integers(4, 24), budget=st.sampled_from([16, 64, 512]),
-       max_seqs=st.integers(1, 6), k=st.integers(0, 4))
-def test_waste_under_random_traffic_at_every_block_size(block_size, reqs, pool_blocks, budget, max_seqs, k):
+@given(
+    reqs=traffic,
+    pool_blocks=st.integers(4, 24),
+    budget=st.sampled_from([16, 64, 512]),
+    max_seqs=st.integers(1, 6),
+    k=st.integers(0, 4),
+)
+def test_waste_under_random_traffic_at_every_block_size(
+    block_size, reqs, pool_blocks, budget, max_seqs, k
+):
     """Prompts are measured in blocks, so every size sees sequences spanning several blocks,
     prefixes shared across whole blocks, and drafts (k > 0) that cross block boundaries."""
     bm = BlockManager(pool_blocks, block_size, enable_prefix_caching=True)
@@ -106,7 +124,7 @@ def test_waste_under_random_traffic_at_every_block_size(block_size, reqs, pool_b
     for step in range(2000):
         while pending and pending[0][0] <= step:
             _, i, p, n, tail, m, pr = pending.pop(0)
-            ids = prefixes[p][:n * block_size] + [i % 3] * max(1, int(tail * block_size))
+            ids = prefixes[p][: n * block_size] + [i % 3] * max(1, int(tail * block_size))
             s = Sequence(f"r{i}", ids, greedy(m), priority=pr, arrival_time=float(step))
             if fits(sched, s):
                 sched.add(s)
@@ -124,7 +142,6 @@ def test_waste_under_random_traffic_at_every_block_size(block_size, reqs, pool_b
     assert bm.num_free_blocks == pool_blocks and bm.waste([]) == 0.0
 
 
-
 def test_engine_stats_reach_the_metrics_page():
     stats = EngineStats(kv_cache_waste=0.25, prefix_cache_queries=40, prefix_cache_hits=10)
     assert stats.prefix_cache_hit_rate == 0.25 and EngineStats().prefix_cache_hit_rate == 0.0
@@ -132,4 +149,7 @@ def test_engine_stats_reach_the_metrics_page():
     metrics.observe_engine(stats, EngineStats(), num_waiting=0)
     text = metrics.render().decode()
     assert "inferline_kv_cache_waste 0.25" in text
-    assert "inferline_prefix_cache_hits_total 10.0" in text and "inferline_prefix_cache_queries_total 40.0" in text
+    assert (
+        "inferline_prefix_cache_hits_total 10.0" in text
+        and "inferline_prefix_cache_queries_total 40.0" in text
+    )

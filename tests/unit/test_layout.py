@@ -1,6 +1,7 @@
 """The package boundaries the design draws (docs/architecture.md): the wire contract is the one
 package both sides share, the worker imports nothing from the client side, the contract and the
 client import no torch, and a result becomes final only in worker/delivery/."""
+
 from __future__ import annotations
 
 import ast
@@ -32,8 +33,12 @@ def imported_modules(top: str) -> dict[str, set[str]]:
 
 
 def offenders(top: str, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{f}: {m}" for f, mods in imported_modules(top).items() for m in mods
-                  if m.removeprefix("inferline.").split(".")[0] in forbidden)
+    return sorted(
+        f"{f}: {m}"
+        for f, mods in imported_modules(top).items()
+        for m in mods
+        if m.removeprefix("inferline.").split(".")[0] in forbidden
+    )
 
 
 def test_the_worker_imports_nothing_from_the_client_side():
@@ -53,8 +58,11 @@ def test_only_the_delivery_path_commits_or_acknowledges():
     """Transactions and share acknowledgements are driven from worker/delivery/ (and the share
     intake that owns the share consumers): nothing else calls into them."""
     calls = ("commit_transaction", "send_offsets_to_transaction", "Final(")
-    found = [p.relative_to(REPO).as_posix() for p in (REPO / "worker").rglob("*.py")
-             if any(c in p.read_text() for c in calls)]
+    found = [
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "worker").rglob("*.py")
+        if any(c in p.read_text() for c in calls)
+    ]
     assert all(f.startswith("worker/delivery/") for f in found), found
 
 
@@ -75,8 +83,11 @@ def test_no_file_imports_a_package_folder_by_its_bare_name():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 names = [node.module]
-            bare += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
-                     if n.split(".")[0] in PACKAGE_FOLDERS]
+            bare += [
+                f"{path.relative_to(REPO)}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] in PACKAGE_FOLDERS
+            ]
     assert bare == []
 
 
@@ -89,8 +100,11 @@ def test_a_bare_name_never_finds_the_checkouts_folder(name):
 
 
 def package_folders_on_disk() -> set[str]:
-    return {"inferline." + init.parent.relative_to(REPO).as_posix().replace("/", ".")
-            for top in PACKAGE_FOLDERS for init in (REPO / top).rglob("__init__.py")}
+    return {
+        "inferline." + init.parent.relative_to(REPO).as_posix().replace("/", ".")
+        for top in PACKAGE_FOLDERS
+        for init in (REPO / top).rglob("__init__.py")
+    }
 
 
 def test_pyproject_lists_exactly_the_package_folders_on_disk():

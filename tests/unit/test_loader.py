@@ -1,5 +1,6 @@
 """The weight loader (worker/engine/models/loader.py): weights straight from the checkpoint into
 a model built on the meta device, in the serving dtype, with no fp32 copy in between."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,13 @@ def test_every_weight_is_the_checkpoints_cast_once(smollm2, dtype):
         gate_up = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
         assert torch.equal(params[dst + "self_attn.qkv_proj.weight"], qkv.to(dtype))
         assert torch.equal(params[dst + "mlp.gate_up_proj.weight"], gate_up.to(dtype))
-        assert torch.equal(params[dst + "mlp.down_proj.weight"], hf[src + "mlp.down_proj.weight"].to(dtype))
-        assert torch.equal(params[dst + "post_attention_layernorm"], hf[src + "post_attention_layernorm.weight"].to(dtype))
+        assert torch.equal(
+            params[dst + "mlp.down_proj.weight"], hf[src + "mlp.down_proj.weight"].to(dtype)
+        )
+        assert torch.equal(
+            params[dst + "post_attention_layernorm"],
+            hf[src + "post_attention_layernorm.weight"].to(dtype),
+        )
     assert torch.equal(params["embed_tokens.weight"], hf["model.embed_tokens.weight"].to(dtype))
     assert torch.equal(params["norm"], hf["model.norm.weight"].to(dtype))
 
@@ -46,12 +52,21 @@ def test_rotary_tables_are_the_fp32_ones_rounded(smollm2, dtype):
     folder, config, _ = smollm2
     model = load_weights(folder, config, dtype, CPU, 300)
     built = LlamaForCausalLM(config, 300).to(dtype)  # the old way: fp32 tables, then .to(dtype)
-    assert torch.equal(model.rotary.cos, built.rotary.cos) and torch.equal(model.rotary.sin, built.rotary.sin)
+    assert torch.equal(model.rotary.cos, built.rotary.cos) and torch.equal(
+        model.rotary.sin, built.rotary.sin
+    )
 
 
 def test_a_missing_or_misshapen_weight_is_named(tmp_path: Path):
-    shape = dict(load_memory.SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=256, num_hidden_layers=1)
+    shape = dict(
+        load_memory.SHAPE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=256,
+        num_hidden_layers=1,
+    )
     load_memory.write_checkpoint(tmp_path, shape, "bfloat16")
     config = load_config(tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))

@@ -1,5 +1,6 @@
 """n > 1 samples of one prompt (issue #28): the prompt is computed once and its full KV blocks
 are shared; sample i draws with seed + i and equals that sample run alone."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,10 @@ def run(engine: LLMEngine, *reqs: EngineRequest, abort_after: int | None = None)
             for req in reqs:
                 engine.abort(req.request_id, "cancelled")
         for out in engine.step():
-            r = results.setdefault(out.request_id, {"tokens": {}, "text": {}, "logprobs": {}, "final": None,
-                                                    "started": 0})
+            r = results.setdefault(
+                out.request_id,
+                {"tokens": {}, "text": {}, "logprobs": {}, "final": None, "started": 0},
+            )
             r["tokens"].setdefault(out.index, []).extend(out.new_token_ids)
             r["text"][out.index] = r["text"].get(out.index, "") + out.text_delta
             r["logprobs"].setdefault(out.index, []).extend(out.logprobs or [])
@@ -57,17 +60,28 @@ def prompt(prompts) -> list[int]:
 def test_each_sample_equals_its_seed_alone(model_runner, prompt, prefix_caching):
     n, seed, max_tokens = 4, 1234, 16
     engine = make_engine(model_runner, enable_prefix_caching=prefix_caching)
-    r = run(engine, req("r", prompt, n=n, seed=seed, max_tokens=max_tokens, ignore_eos=True, **HOT))["r"]
+    r = run(
+        engine, req("r", prompt, n=n, seed=seed, max_tokens=max_tokens, ignore_eos=True, **HOT)
+    )["r"]
     final = r["final"]
     assert r["started"] == 1 and sorted(r["tokens"]) == list(range(n))
     assert [s.index for s in final.samples] == list(range(n))
     for i in range(n):
-        alone = run(make_engine(model_runner, enable_prefix_caching=prefix_caching),
-                    req("a", prompt, seed=seed + i, max_tokens=max_tokens, ignore_eos=True, **HOT))["a"]
-        assert r["tokens"][i] == alone["tokens"][0], f"sample {i} differs from seed {seed + i} alone"
+        alone = run(
+            make_engine(model_runner, enable_prefix_caching=prefix_caching),
+            req("a", prompt, seed=seed + i, max_tokens=max_tokens, ignore_eos=True, **HOT),
+        )["a"]
+        assert r["tokens"][i] == alone["tokens"][0], (
+            f"sample {i} differs from seed {seed + i} alone"
+        )
         assert final.samples[i].text == r["text"][i] == alone["final"].text
-        assert final.samples[i].finish_reason == "length" and final.samples[i].num_output_tokens == max_tokens
-    assert len({tuple(t) for t in r["tokens"].values()}) > 1, "the samples should differ at temperature 0.9"
+        assert (
+            final.samples[i].finish_reason == "length"
+            and final.samples[i].num_output_tokens == max_tokens
+        )
+    assert len({tuple(t) for t in r["tokens"].values()}) > 1, (
+        "the samples should differ at temperature 0.9"
+    )
     assert final.finish_reason == "length" and final.text == r["text"][0]
     assert final.num_output_tokens == n * max_tokens and final.num_prompt_tokens == len(prompt)
 
@@ -78,7 +92,9 @@ def test_the_prompt_is_computed_once(model_runner, prompt):
     n, max_tokens = 4, 8
     engine = make_engine(model_runner, enable_prefix_caching=False)
     bs = engine.block_manager.block_size
-    results = run(engine, req("r", prompt, n=n, seed=1, max_tokens=max_tokens, ignore_eos=True, **HOT))
+    results = run(
+        engine, req("r", prompt, n=n, seed=1, max_tokens=max_tokens, ignore_eos=True, **HOT)
+    )
     tail = len(prompt) - (len(prompt) - 1) // bs * bs
     decoded = n * (max_tokens - 1)  # each sampled token but the last is computed once
     assert results["computed"] == len(prompt) + (n - 1) * tail + decoded
@@ -87,19 +103,28 @@ def test_the_prompt_is_computed_once(model_runner, prompt):
 
 def test_greedy_samples_are_identical_and_equal_hf_generate(model_runner, hf_model, prompt):
     max_tokens = 24
-    r = run(make_engine(model_runner), req("g", prompt, n=2, max_tokens=max_tokens, temperature=0.0))["g"]
+    r = run(
+        make_engine(model_runner), req("g", prompt, n=2, max_tokens=max_tokens, temperature=0.0)
+    )["g"]
     with torch.inference_mode():
         x = torch.tensor([prompt])
-        y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                              do_sample=False, pad_token_id=0)
-    expected = y[0, len(prompt):].tolist()
-    assert r["tokens"][0] == r["tokens"][1] == expected[:len(r["tokens"][0])]
+        y = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    expected = y[0, len(prompt) :].tolist()
+    assert r["tokens"][0] == r["tokens"][1] == expected[: len(r["tokens"][0])]
     assert r["final"].samples[0].text == r["final"].samples[1].text
 
 
 def test_cancel_ends_every_sample(model_runner, prompt):
     engine = make_engine(model_runner)
-    r = run(engine, req("c", prompt, n=3, seed=5, max_tokens=200, ignore_eos=True, **HOT), abort_after=4)["c"]
+    r = run(
+        engine, req("c", prompt, n=3, seed=5, max_tokens=200, ignore_eos=True, **HOT), abort_after=4
+    )["c"]
     final = r["final"]
     assert final.finish_reason == "cancelled" and final.error_code == "cancelled"
     assert [s.finish_reason for s in final.samples] == ["cancelled"] * 3
@@ -117,13 +142,21 @@ def test_deadline_ends_every_sample(model_runner, prompt):
     import time
 
     engine = make_engine(model_runner)
-    engine.add_request(EngineRequest(request_id="t", prompt_token_ids=prompt, deadline=time.time() + 3600,
-                                     sampling=SamplingParams(n=2, max_tokens=200, ignore_eos=True, **HOT)))
+    engine.add_request(
+        EngineRequest(
+            request_id="t",
+            prompt_token_ids=prompt,
+            deadline=time.time() + 3600,
+            sampling=SamplingParams(n=2, max_tokens=200, ignore_eos=True, **HOT),
+        )
+    )
     for _ in range(3):
         engine.step()
     engine.requests["t"][0].deadline = time.time() - 1  # the deadline passes mid-run
     (out,) = [o for o in engine.step() if o.finished]
-    assert out.finish_reason == "timeout" and [s.finish_reason for s in out.samples] == ["timeout"] * 2
+    assert (
+        out.finish_reason == "timeout" and [s.finish_reason for s in out.samples] == ["timeout"] * 2
+    )
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -133,9 +166,14 @@ def test_samples_survive_preemption(model_runner, prompt):
     n, max_tokens = 4, 40
     params = dict(n=n, seed=77, max_tokens=max_tokens, ignore_eos=True, **HOT)
     roomy = run(make_engine(model_runner), req("p", prompt, **params))["p"]
-    engine = make_engine(model_runner, num_blocks=engine_blocks(model_runner, len(prompt), max_tokens, n))
-    tight = run(engine, req("p", prompt, **params), req("q", prompt[::-1], n=2, seed=5, max_tokens=max_tokens,
-                                                         ignore_eos=True, **HOT))["p"]
+    engine = make_engine(
+        model_runner, num_blocks=engine_blocks(model_runner, len(prompt), max_tokens, n)
+    )
+    tight = run(
+        engine,
+        req("p", prompt, **params),
+        req("q", prompt[::-1], n=2, seed=5, max_tokens=max_tokens, ignore_eos=True, **HOT),
+    )["p"]
     assert engine.scheduler.num_preemptions > 0
     assert tight["tokens"] == roomy["tokens"]
 
@@ -153,9 +191,14 @@ def test_the_fit_check_counts_every_sample(model_runner, prompt):
     n, max_tokens = 4, 40
     needed = engine_blocks(model_runner, len(prompt), max_tokens, n)
     engine = make_engine(model_runner, num_blocks=needed - 1)
-    assert engine.num_blocks_needed(len(prompt), max_tokens, n) == needed > engine_blocks(model_runner, len(prompt),
-                                                                                           max_tokens, 1)
-    final = run(engine, req("p", prompt, n=n, max_tokens=max_tokens, ignore_eos=True, **HOT))["p"]["final"]
+    assert (
+        engine.num_blocks_needed(len(prompt), max_tokens, n)
+        == needed
+        > engine_blocks(model_runner, len(prompt), max_tokens, 1)
+    )
+    final = run(engine, req("p", prompt, n=n, max_tokens=max_tokens, ignore_eos=True, **HOT))["p"][
+        "final"
+    ]
     assert final.finish_reason == "rejected" and final.error_code == "prompt_too_long"
     assert final.error_message.startswith(f"n ({n}) samples")
     engine = make_engine(model_runner, num_blocks=needed)
@@ -166,13 +209,16 @@ def test_the_fit_check_counts_every_sample(model_runner, prompt):
 def test_structured_output_and_logprobs_per_sample(model_runner, prompt):
     choices = ["positive", "negative", "neutral"]
     spec = StructuredSpec("structured", "choice", json.dumps(choices))
-    r = run(make_engine(model_runner), req("s", prompt, n=3, seed=3, max_tokens=16, structured=spec,
-                                           logprobs=2, **HOT))["s"]
+    r = run(
+        make_engine(model_runner),
+        req("s", prompt, n=3, seed=3, max_tokens=16, structured=spec, logprobs=2, **HOT),
+    )["s"]
     assert all(s.text in choices and s.finish_reason == "stop" for s in r["final"].samples)
     for i in range(3):
         # Tokens the grammar forbids are never listed: at most 2 alternatives, often fewer.
-        assert len(r["logprobs"][i]) == len(r["tokens"][i]) and all(1 <= len(lp["top_logprobs"]) <= 2
-                                                                     for lp in r["logprobs"][i])
+        assert len(r["logprobs"][i]) == len(r["tokens"][i]) and all(
+            1 <= len(lp["top_logprobs"]) <= 2 for lp in r["logprobs"][i]
+        )
 
 
 def test_n_1_output_has_no_samples(model_runner, prompt):
@@ -187,6 +233,7 @@ def test_sample_seeds_wrap_into_the_seed_range():
 
 
 # ---- the wire -----------------------------------------------------------------------------------
+
 
 def wire(**fields) -> bytes:
     return encode_request(Request(id="x", reply_topic="inferline.reply.t", prompt="hi", **fields))
@@ -204,7 +251,9 @@ def test_n_is_on_the_wire_with_a_cap():
         assert info.value.field == "n"
 
 
-def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(model_runner, prompt, prompts):
+def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
+    model_runner, prompt, prompts
+):
     # Forks of `r` wait holding its prompt's blocks; `h` (a better priority) preempts `r` and then
     # needs every other block. Nothing running could free them: the forks must let go.
     engine = make_engine(model_runner, num_blocks=12)
@@ -212,8 +261,14 @@ def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
     engine.step()  # r computes its prompt; samples 1..3 fork onto its blocks
     assert sum(bool(s.block_table) for s in engine.scheduler.waiting) == 3
     long_prompt = (prompts[4] * 3)[:150]
-    engine.add_request(EngineRequest(request_id="h", prompt_token_ids=long_prompt, priority=-1,
-                                     sampling=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest(
+            request_id="h",
+            prompt_token_ids=long_prompt,
+            priority=-1,
+            sampling=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        )
+    )
     finished = set()
     for _ in range(400):
         finished |= {o.request_id for o in engine.step() if o.finished}
@@ -225,6 +280,7 @@ def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
 
 # ---- the gateway's mapping (no broker) ------------------------------------------------------------
 
+
 def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
     from inferline.producer.gateway.follower import TextFollower
     from inferline.producer.gateway.openai_mapping import chat_request
@@ -232,29 +288,52 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
     from inferline.contract.schema import DoneEvent, Sample, Timing, TokensEvent, Usage
 
     assert chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3}).fields["n"] == 3
-    samples = [Sample(index=i, text=t, finish_reason=r, completion_tokens=2)
-               for i, (t, r) in enumerate([("a", "stop"), ("b", "length")])]
-    body = Shape(True, "r", "m").whole("a", "stop", Usage(prompt_tokens=1, completion_tokens=4), samples)
-    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
-        [(0, "a", "stop"), (1, "b", "length")]
+    samples = [
+        Sample(index=i, text=t, finish_reason=r, completion_tokens=2)
+        for i, (t, r) in enumerate([("a", "stop"), ("b", "length")])
+    ]
+    body = Shape(True, "r", "m").whole(
+        "a", "stop", Usage(prompt_tokens=1, completion_tokens=4), samples
+    )
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"),
+        (1, "b", "length"),
+    ]
     second = TextFollower(1)
-    assert second.feed(TokensEvent(id="r", attempt="a", seq=1, token_ids=[1], text="x", index=0)) == ""
-    assert second.feed(TokensEvent(id="r", attempt="a", seq=2, token_ids=[1], text="b", index=1)) == "b"
-    done = DoneEvent(id="r", attempt="a", seq=3, finish_reason="stop", text="a", samples=samples,
-                     usage=Usage(prompt_tokens=1, completion_tokens=4), timing=Timing(queue_s=0, ttft_s=0, total_s=0))
+    assert (
+        second.feed(TokensEvent(id="r", attempt="a", seq=1, token_ids=[1], text="x", index=0)) == ""
+    )
+    assert (
+        second.feed(TokensEvent(id="r", attempt="a", seq=2, token_ids=[1], text="b", index=1))
+        == "b"
+    )
+    done = DoneEvent(
+        id="r",
+        attempt="a",
+        seq=3,
+        finish_reason="stop",
+        text="a",
+        samples=samples,
+        usage=Usage(prompt_tokens=1, completion_tokens=4),
+        timing=Timing(queue_s=0, ttft_s=0, total_s=0),
+    )
     assert second.feed(done) == "" and TextFollower(0).feed(done) == "a"
 
 
 # ---- the intake's bound on n x max_tokens (no model) -----------------------------------------------
 
-@pytest.mark.parametrize("n, max_tokens, limits, admitted", [
-    (16, 256, {}, True),  # the default bound admits n=16 at the contract's default max_tokens
-    (16, 1024, {}, False),
-    (4, 5000, {}, True),  # max_tokens is capped to 1024 first: 4 x 1024 fits
-    (5, 1024, {}, False),
-    (2, 100, {"max_request_tokens": 150}, False),
-    (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, True),
-])
+
+@pytest.mark.parametrize(
+    "n, max_tokens, limits, admitted",
+    [
+        (16, 256, {}, True),  # the default bound admits n=16 at the contract's default max_tokens
+        (16, 1024, {}, False),
+        (4, 5000, {}, True),  # max_tokens is capped to 1024 first: 4 x 1024 fits
+        (5, 1024, {}, False),
+        (2, 100, {"max_request_tokens": 150}, False),
+        (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, True),
+    ],
+)
 def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitted):
     """INFERLINE_LIMITS__MAX_REQUEST_TOKENS bounds n x max_tokens: over it the request is
     rejected naming `n` (issue 38); the rate limiter already charged every sample."""
@@ -264,8 +343,18 @@ def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitt
     from tests.chaos_fixtures import IntakeHarness
 
     h = IntakeHarness(Settings(limits=limits))
-    sent, added = h.feed(msgpack.packb({"v": 1, "id": "big-n", "reply_topic": "inferline.reply.c", "prompt": "Hi.",
-                                        "n": n, "max_tokens": max_tokens}))
+    sent, added = h.feed(
+        msgpack.packb(
+            {
+                "v": 1,
+                "id": "big-n",
+                "reply_topic": "inferline.reply.c",
+                "prompt": "Hi.",
+                "n": n,
+                "max_tokens": max_tokens,
+            }
+        )
+    )
     assert bool(added) is admitted
     if not admitted:
         (done,) = sent

@@ -1,4 +1,5 @@
 """OffsetTracker: only the contiguous run of finished offsets is ever committed."""
+
 import random
 
 from aiokafka import TopicPartition

@@ -1,5 +1,6 @@
 """The wheel as a user installs it: one top-level package, `inferline`, that imports beside Hugging
 Face's `kernels`, the newest transformers and an application's own config.py and worker.py."""
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,13 @@ def source_copy(dst: Path) -> Path:
     dst.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, dst / name)
-    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
     for folder in folders.values():
-        shutil.copytree(REPO / folder, dst / folder, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        shutil.copytree(
+            REPO / folder, dst / folder, ignore=shutil.ignore_patterns("__pycache__", "*.so")
+        )
     return dst
 
 
@@ -38,18 +43,34 @@ def run(*argv, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-        str(tmp / "dist"), str(source_copy(tmp / "src")))
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(tmp / "dist"),
+        str(source_copy(tmp / "src")),
+    )
     (built,) = (tmp / "dist").glob("inferline-*.whl")
     return built
 
 
 def test_the_wheel_holds_one_top_level_package_with_the_folders_on_disk(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"inferline", wheel.name.split("-py")[0] + ".dist-info"}
+    assert {n.split("/")[0] for n in names} == {
+        "inferline",
+        wheel.name.split("-py")[0] + ".dist-info",
+    }
     packages = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
-    on_disk = {"inferline." + i.parent.relative_to(REPO).as_posix().replace("/", ".")
-               for top in PACKAGE_FOLDERS for i in (REPO / top).rglob("__init__.py")}
+    on_disk = {
+        "inferline." + i.parent.relative_to(REPO).as_posix().replace("/", ".")
+        for top in PACKAGE_FOLDERS
+        for i in (REPO / top).rglob("__init__.py")
+    }
     assert packages == on_disk
     assert any(n.startswith("inferline/kernels/cpu/csrc/") and n.endswith(".c") for n in names)
 
@@ -73,8 +94,18 @@ def test_the_wheel_imports_beside_hf_kernels_transformers_and_an_apps_own_module
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", str(venv))
     python = venv / "bin" / "python"
-    run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-        "--no-index", str(wheel))
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-index",
+        str(wheel),
+    )
     fresh_site = run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
     fresh_site = Path(fresh_site.stdout.strip())
     (fresh_site / "suite_venv.pth").write_text(site.getsitepackages()[0] + "\n")
@@ -87,6 +118,12 @@ def test_the_wheel_imports_beside_hf_kernels_transformers_and_an_apps_own_module
     assert done.stdout.startswith("ok"), done.stdout
     # The console script too, from the application's folder: a bad setting exits 2 with one line.
     env["INFERLINE_SCHEDULER__MAX_NUM_SEQS"] = "zero"
-    bad = subprocess.run([str(venv / "bin" / "inferline-worker")], cwd=app, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [str(venv / "bin" / "inferline-worker")],
+        cwd=app,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "INFERLINE_SCHEDULER__MAX_NUM_SEQS" in bad.stderr, bad.stderr

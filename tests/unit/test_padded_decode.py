@@ -3,6 +3,7 @@ CUDA graph captures, run eagerly on the CPU with the kernels `auto` picks here (
 and fused ops); and the capture code (worker/engine/cuda_graphs.py) with a fake capture, since
 torch.cuda.CUDAGraph needs CUDA. The Triton kernels run the same step under the interpreter in
 tests/kernels/test_padded_decode_triton.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,16 +26,33 @@ from inferline.worker.engine.sequence import Sequence
 def test_capture_sizes_and_the_bucket_of_a_batch():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert capture_sizes(8) == [1, 2, 4, 8] and capture_sizes(3) == [1, 2, 3] and capture_sizes(1) == [1]
+    assert (
+        capture_sizes(8) == [1, 2, 4, 8]
+        and capture_sizes(3) == [1, 2, 3]
+        and capture_sizes(1) == [1]
+    )
     sizes = capture_sizes(64)
-    assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 63, 64, 65)] == [1, 2, 4, 8, 8, 16, 24, 64, 64, None]
+    assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 63, 64, 65)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        24,
+        64,
+        64,
+        None,
+    ]
 
 
 def test_only_decode_only_steps_take_a_bucket(eager_runner):
     padded = eager_runner.padded_decode
     seq = Sequence("s", [1, 2, 3], SamplingParams())
     assert padded.bucket([ScheduledSequence(seq, 1)] * 3) == 4
-    assert padded.bucket([ScheduledSequence(seq, 1), ScheduledSequence(seq, 2)]) is None  # a prompt chunk
+    assert (
+        padded.bucket([ScheduledSequence(seq, 1), ScheduledSequence(seq, 2)]) is None
+    )  # a prompt chunk
     assert padded.bucket([ScheduledSequence(seq, 3, [7, 8])]) is None  # drafts
     assert padded.bucket([ScheduledSequence(seq, 1)] * 65) is None  # above the largest bucket
     assert padded.bucket([]) is None
@@ -84,6 +102,7 @@ class Recorder:
         def load(step):
             self.steps.append((step.tokens.shape[1], len(step.ordered)))
             return self.load(step)
+
         self.padded.load = load
         return self
 
@@ -98,10 +117,14 @@ def test_padded_decode_steps_equal_hf_generate(eager_runner, prompts, hf_outputs
     assert eager_runner.backends.attention in ("cpu", "torch")  # cpu wherever the C kernels build
     lengths = [24, 20, 16, 12, 8]
     with Recorder(eager_runner.padded_decode) as rec:
-        results = run_to_completion(make_engine(eager_runner),
-                                    {0: [request(i, prompts[i], n) for i, n in enumerate(lengths)]})
+        results = run_to_completion(
+            make_engine(eager_runner),
+            {0: [request(i, prompts[i], n) for i, n in enumerate(lengths)]},
+        )
     for i, n in enumerate(lengths):
-        assert results[f"r{i}"]["tokens"] == hf_outputs[i][:n], f"prompt {i} diverged from HF generate"
+        assert results[f"r{i}"]["tokens"] == hf_outputs[i][:n], (
+            f"prompt {i} diverged from HF generate"
+        )
     assert {(5, 8), (4, 4), (3, 4), (2, 2), (1, 1)} <= {(n, rows) for rows, n in rec.steps}
 
 
@@ -111,7 +134,9 @@ def decode_batch(runner: ModelRunner, num_seqs: int) -> list[ScheduledSequence]:
     out, block, bs = [], 1, runner.block_size
     for i in range(num_seqs):
         n = 20 + 13 * i
-        seq = Sequence(f"s{i}", [(5 * t + i) % 1000 + 3 for t in range(n)], SamplingParams(max_tokens=8))
+        seq = Sequence(
+            f"s{i}", [(5 * t + i) % 1000 + 3 for t in range(n)], SamplingParams(max_tokens=8)
+        )
         seq.num_computed_tokens = n - 1
         seq.block_table = list(range(block, block + -(-n // bs)))
         block += len(seq.block_table)
@@ -129,8 +154,12 @@ def fill_cache(runner: ModelRunner, batch: list[ScheduledSequence]) -> None:
             flat = cache.view(-1, *cache.shape[2:])
             for s in batch:
                 table, n = s.seq.block_table, s.seq.num_tokens
-                slots = torch.tensor([table[p // runner.block_size] * runner.block_size + p % runner.block_size
-                                      for p in range(n)])
+                slots = torch.tensor(
+                    [
+                        table[p // runner.block_size] * runner.block_size + p % runner.block_size
+                        for p in range(n)
+                    ]
+                )
                 flat[slots] = torch.randn(n, *cache.shape[2:], generator=gen).to(cache.dtype)
 
 
@@ -143,7 +172,9 @@ def flat_logits(runner: ModelRunner, batch: list[ScheduledSequence]) -> torch.Te
 
 def real_slots(runner: ModelRunner, batch: list[ScheduledSequence]) -> set[int]:
     bs = runner.block_size
-    return {s.seq.block_table[p // bs] * bs + p % bs for s in batch for p in [s.seq.num_computed_tokens]}
+    return {
+        s.seq.block_table[p // bs] * bs + p % bs for s in batch for p in [s.seq.num_computed_tokens]
+    }
 
 
 @pytest.mark.parametrize("attention", ["auto", "torch"])
@@ -153,10 +184,17 @@ def test_padding_rows_write_no_kv_and_read_none(eager_runner, attention):
     slot), and the real rows' logits are the flat step's (the same bits on the C kernels)."""
     runner, padded = eager_runner, eager_runner.padded_decode
     if attention == "torch":
-        padded = PaddedDecode(runner.model, runner.kv_cache, TorchAttention(runner.block_size,
-                              runner.config.num_key_value_heads), runner.backends.fused_ops, padded.sizes,
-                              padded.buffers.block_tables.shape[1], runner.config.vocab_size, runner.dtype,
-                              runner.device)
+        padded = PaddedDecode(
+            runner.model,
+            runner.kv_cache,
+            TorchAttention(runner.block_size, runner.config.num_key_value_heads),
+            runner.backends.fused_ops,
+            padded.sizes,
+            padded.buffers.block_tables.shape[1],
+            runner.config.vocab_size,
+            runner.dtype,
+            runner.device,
+        )
     saved = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
     try:
         with torch.inference_mode():
@@ -172,9 +210,13 @@ def test_padding_rows_write_no_kv_and_read_none(eager_runner, attention):
             for (k, v), (k0, v0) in zip(runner.kv_cache, before):
                 for now, was in ((k, k0), (v, v0)):
                     diff = ~((now == was) | (now.isnan() & was.isnan()))
-                    changed |= set(diff.view(-1, diff[0, 0].numel()).any(1).nonzero().flatten().tolist())
+                    changed |= set(
+                        diff.view(-1, diff[0, 0].numel()).any(1).nonzero().flatten().tolist()
+                    )
             assert changed == real_slots(runner, batch)
-            if attention == "auto":  # the flat step over the same cache (it stores the same K/V again)
+            if (
+                attention == "auto"
+            ):  # the flat step over the same cache (it stores the same K/V again)
                 assert torch.equal(logits[:3], flat_logits(runner, batch))
     finally:
         for (k, v), (k0, v0) in zip(runner.kv_cache, saved):
@@ -190,18 +232,32 @@ def test_the_static_buffers_are_the_step_inputs_every_step(eager_runner, prompts
 
     def forward(input_ids, positions, kv_cache, meta):
         if meta.num_decode_tokens == input_ids.shape[0]:
-            seen.append((input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
-                         meta.context_lens.data_ptr(), meta.block_tables.data_ptr()))
+            seen.append(
+                (
+                    input_ids.data_ptr(),
+                    positions.data_ptr(),
+                    meta.slot_mapping.data_ptr(),
+                    meta.context_lens.data_ptr(),
+                    meta.block_tables.data_ptr(),
+                )
+            )
         return model_forward(input_ids, positions, kv_cache, meta)
 
     eager_runner.model.forward = forward
     try:
-        run_to_completion(make_engine(eager_runner), {0: [request(i, prompts[i], 6) for i in range(3)]})
+        run_to_completion(
+            make_engine(eager_runner), {0: [request(i, prompts[i], 6) for i in range(3)]}
+        )
     finally:
         del eager_runner.model.forward
     tokens = buffers.tokens
-    expected = (tokens[0].data_ptr(), tokens[1].data_ptr(), tokens[2].data_ptr(), buffers.context_lens.data_ptr(),
-                buffers.block_tables.data_ptr())
+    expected = (
+        tokens[0].data_ptr(),
+        tokens[1].data_ptr(),
+        tokens[2].data_ptr(),
+        buffers.context_lens.data_ptr(),
+        buffers.block_tables.data_ptr(),
+    )
     assert len(seen) >= 5 and set(seen) == {expected}
     logits_ptrs = {eager_runner.padded_decode.forward(b).data_ptr() for b in (1, 4)}
     assert logits_ptrs == {buffers.logits.data_ptr()}
@@ -228,9 +284,17 @@ def test_decode_graphs_capture_each_bucket_and_replay_them(eager_runner, prompts
     runner, calls, pools = eager_runner, [], []
     runner_padded = runner.padded_decode
     # buckets up to 8 (the runner's go to 64): the capture's eager forwards on the CPU stay short
-    padded = PaddedDecode(runner.model, runner.kv_cache, runner.attention, runner.backends.fused_ops,
-                          capture_sizes(8), runner.padded_decode.buffers.block_tables.shape[1],
-                          runner.config.vocab_size, runner.dtype, runner.device)
+    padded = PaddedDecode(
+        runner.model,
+        runner.kv_cache,
+        runner.attention,
+        runner.backends.fused_ops,
+        capture_sizes(8),
+        runner.padded_decode.buffers.block_tables.shape[1],
+        runner.config.vocab_size,
+        runner.dtype,
+        runner.device,
+    )
     forward = padded.forward
 
     def traced(bucket):
@@ -248,15 +312,23 @@ def test_decode_graphs_capture_each_bucket_and_replay_them(eager_runner, prompts
     try:
         graphs = DecodeGraphs(padded, capture)
         report = graphs.capture_all()
-        assert report.buckets == sorted(padded.sizes, reverse=True) == sorted(graphs.graphs, reverse=True)
+        assert (
+            report.buckets
+            == sorted(padded.sizes, reverse=True)
+            == sorted(graphs.graphs, reverse=True)
+        )
         assert calls == [x for b in report.buckets for x in (b, "capture", b)]
         assert pools == [None] + [("pool", id(calls))] * (len(report.buckets) - 1)
-        assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_cache, before))
+        assert all(
+            torch.equal(k, k0) and torch.equal(v, v0)
+            for (k, v), (k0, v0) in zip(runner.kv_cache, before)
+        )
         calls.clear()
         runner.padded_decode, runner.decode_graphs = padded, graphs
         lengths = [10, 7, 4]
-        results = run_to_completion(make_engine(runner),
-                                    {0: [request(i, prompts[i], n) for i, n in enumerate(lengths)]})
+        results = run_to_completion(
+            make_engine(runner), {0: [request(i, prompts[i], n) for i, n in enumerate(lengths)]}
+        )
     finally:
         runner.padded_decode, runner.decode_graphs = runner_padded, None
     for i, n in enumerate(lengths):

@@ -1,4 +1,5 @@
 """Token buckets per tenant: requests/s and generated tokens/min."""
+
 from inferline.config.settings import LimitsSettings, TenantLimit
 from inferline.worker.service.ratelimit import RateLimiter
 

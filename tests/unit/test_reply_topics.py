@@ -1,5 +1,6 @@
 """Where the worker may write (worker/intake/reply_topics.py): the policy and its cache, offline. On the
 real broker: tests/kafka/test_reply_topics.py."""
+
 from __future__ import annotations
 
 
@@ -7,18 +8,31 @@ import pytest
 
 from inferline.config.settings import KafkaSettings
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
-    check_attempts, collect, final_done, request, start_worker, submit, topics,
+    check_attempts,
+    collect,
+    final_done,
+    request,
+    start_worker,
+    submit,
+    topics,
 )
 from inferline.worker.intake.reply_topics import ReplyTopics, refusal, unsafe_limits
 
 KAFKA = KafkaSettings(request_topic="reqs", cancel_topic="cancels", dlq_topic="inferline.reply.dlq")
 
 
-@pytest.mark.parametrize("topic, why", [
-    ("reqs", "own topics"), ("cancels", "own topics"), ("inferline.reply.dlq", "own topics"),
-    ("__consumer_offsets", "internal"), ("__transaction_state", "internal"),
-    ("replies", "not under the reply prefix"), ("inferline.replyX", "not under the reply prefix"),
-])
+@pytest.mark.parametrize(
+    "topic, why",
+    [
+        ("reqs", "own topics"),
+        ("cancels", "own topics"),
+        ("inferline.reply.dlq", "own topics"),
+        ("__consumer_offsets", "internal"),
+        ("__transaction_state", "internal"),
+        ("replies", "not under the reply prefix"),
+        ("inferline.replyX", "not under the reply prefix"),
+    ],
+)
 def test_forbidden_topics_are_refused_with_the_reason(topic, why):
     assert why in refusal(topic, KAFKA)
 
@@ -26,7 +40,11 @@ def test_forbidden_topics_are_refused_with_the_reason(topic, why):
 def test_topics_under_the_prefix_are_allowed_and_an_empty_prefix_allows_all_but_the_workers_own():
     assert refusal("inferline.reply.client-1", KAFKA) is None
     anything = KAFKA.model_copy(update={"reply_topic_prefix": ""})
-    assert refusal("replies", anything) is None and refusal("cancels", anything) and refusal("__x", anything)
+    assert (
+        refusal("replies", anything) is None
+        and refusal("cancels", anything)
+        and refusal("__x", anything)
+    )
 
 
 class FakeBroker:
@@ -58,20 +76,26 @@ async def test_a_topic_is_missing_only_from_a_list_read_after_the_request():
     assert rt.verdict("inferline.reply.a") is None
 
 
-
-
-@pytest.mark.parametrize("configs, replicas, why", [
-    ({"max.message.bytes": "1"}, 1, "max.message.bytes=1 is below"),
-    ({"max.message.bytes": "65535"}, 1, "is below the 65536"),
-    ({"min.insync.replicas": "2"}, 1, "min.insync.replicas=2 exceeds its 1 replicas"),
-])
+@pytest.mark.parametrize(
+    "configs, replicas, why",
+    [
+        ({"max.message.bytes": "1"}, 1, "max.message.bytes=1 is below"),
+        ({"max.message.bytes": "65535"}, 1, "is below the 65536"),
+        ({"min.insync.replicas": "2"}, 1, "min.insync.replicas=2 exceeds its 1 replicas"),
+    ],
+)
 def test_limits_that_would_wedge_a_transaction_are_named(configs, replicas, why):
     assert why in unsafe_limits(configs, replicas, 65_536)
 
 
 def test_limits_a_transaction_can_live_with():
-    assert unsafe_limits({"max.message.bytes": "1048588", "min.insync.replicas": "1"}, 1, 65_536) is None
-    assert unsafe_limits({"max.message.bytes": "65536", "min.insync.replicas": "2"}, 3, 65_536) is None
+    assert (
+        unsafe_limits({"max.message.bytes": "1048588", "min.insync.replicas": "1"}, 1, 65_536)
+        is None
+    )
+    assert (
+        unsafe_limits({"max.message.bytes": "65536", "min.insync.replicas": "2"}, 3, 65_536) is None
+    )
 
 
 async def test_an_existing_topic_is_refused_when_its_limits_would_wedge_transactions():
@@ -81,6 +105,7 @@ async def test_an_existing_topic_is_refused_when_its_limits_would_wedge_transact
     async def check(topics):
         checked.append(list(topics))
         return {t: ("max.message.bytes=1 is below" if t.endswith("tiny") else None) for t in topics}
+
     rt = ReplyTopics(KAFKA, broker.list_topics, clock=lambda: broker.now, check_topics=check)
     assert rt.verdict("inferline.reply.tiny") is None
     await rt.refresh()
@@ -114,8 +139,11 @@ async def test_lookups_are_coalesced_and_a_missing_topic_is_remembered_for_its_t
     import asyncio
 
     broker = SlowBroker({"inferline.reply.a"})
-    rt = ReplyTopics(KAFKA.model_copy(update={"missing_reply_topic_ttl_s": 10.0}), broker.list_topics,
-                     clock=lambda: broker.now)
+    rt = ReplyTopics(
+        KAFKA.model_copy(update={"missing_reply_topic_ttl_s": 10.0}),
+        broker.list_topics,
+        clock=lambda: broker.now,
+    )
     broker.gate.clear()
     waiters = [asyncio.create_task(rt.refresh_after(broker.now)) for _ in range(1000)]
     await asyncio.sleep(0)
@@ -125,7 +153,9 @@ async def test_lookups_are_coalesced_and_a_missing_topic_is_remembered_for_its_t
     missing = [f"inferline.reply.x{i}" for i in range(1000)]
     assert all("does not exist" in rt.verdict(t, listed_after=True) for t in missing)
     broker.now += 5
-    assert all("does not exist" in rt.verdict(t) for t in missing) and broker.calls == 1  # no lookup
+    assert (
+        all("does not exist" in rt.verdict(t) for t in missing) and broker.calls == 1
+    )  # no lookup
     broker.now += 6  # past the TTL: asked again
     assert rt.verdict(missing[0]) is None
     broker.topics.add(missing[1])  # made since: the next list clears it at once
@@ -153,10 +183,23 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
     await intake.reply_topics.refresh()
 
     def record(offset: int, reply_topic: str) -> ConsumerRecord:
-        value = msgpack.packb({"v": 1, "id": f"r{offset}", "reply_topic": reply_topic, "prompt": "Hi.", "max_tokens": 2})
-        return ConsumerRecord(h.tp.topic, 0, offset, int(time.time() * 1000), 0, b"k", value, None, 1, len(value), [])
+        value = msgpack.packb(
+            {
+                "v": 1,
+                "id": f"r{offset}",
+                "reply_topic": reply_topic,
+                "prompt": "Hi.",
+                "max_tokens": 2,
+            }
+        )
+        return ConsumerRecord(
+            h.tp.topic, 0, offset, int(time.time() * 1000), 0, b"k", value, None, 1, len(value), []
+        )
 
-    batches = [{h.tp: [record(0, "inferline.reply.missing")]}, {h.tp: [record(1, "inferline.reply.honest")]}]
+    batches = [
+        {h.tp: [record(0, "inferline.reply.missing")]},
+        {h.tp: [record(1, "inferline.reply.honest")]},
+    ]
 
     class Consumer:
         def assignment(self):
@@ -183,7 +226,9 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
         await asyncio.sleep(0.001)
         if h.worker.engine_loop.added:
             break
-    assert [r.request_id for r in h.worker.engine_loop.added] and not batches  # honest admitted, lookup pending
+    assert [
+        r.request_id for r in h.worker.engine_loop.added
+    ] and not batches  # honest admitted, lookup pending
     assert intake._verifying and intake._num_verifying == 1
     broker.gate.set()
     for _ in range(2000):

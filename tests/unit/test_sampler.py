@@ -1,4 +1,5 @@
 """Sampler: greedy, penalties, filters, seeded reproducibility, distribution sanity."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,14 @@ from tests.dispatched_ops import DispatchedOps
 from inferline.worker.engine import sampler
 from inferline.worker.engine.device import host_to_device
 from inferline.worker.engine.request import SamplingParams
-from inferline.worker.engine.sampler import Sampler, _uniforms, apply_filters, apply_penalties, counter_uniforms, make_stream
+from inferline.worker.engine.sampler import (
+    Sampler,
+    _uniforms,
+    apply_filters,
+    apply_penalties,
+    counter_uniforms,
+    make_stream,
+)
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -54,7 +62,10 @@ def test_non_contiguous_logits():
     # e.g. a padded LM head sliced to the tokenizer's vocab
     wide = torch.randn(6, VOCAB + 7, generator=torch.Generator().manual_seed(6))
     logits = wide[:, :VOCAB]
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(top_p=0.9, seed=1)] * 3
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(top_p=0.9, seed=1),
+    ] * 3
     gens = lambda: [make_stream(p.seed) for p in params]  # noqa: E731
     tokens = call(logits, params, [[1]] * 6, [[2]] * 6, gens())
     assert tokens == call(logits.contiguous(), params, [[1]] * 6, [[2]] * 6, gens())
@@ -71,7 +82,9 @@ def test_greedy_row_consumes_no_randomness():
 def test_make_stream_unseeded_is_none():
     assert make_stream(None) is None
     a, b = make_stream(11), make_stream(11)
-    assert [_uniforms([a], CPU).item() for _ in range(4)] == [_uniforms([b], CPU).item() for _ in range(4)]
+    assert [_uniforms([a], CPU).item() for _ in range(4)] == [
+        _uniforms([b], CPU).item() for _ in range(4)
+    ]
     assert a.num_draws == 4
 
 
@@ -131,7 +144,9 @@ def test_greedy_with_penalties_in_a_mixed_batch():
     got = call(logits, params, prompts, outputs, gens)[:10]
     assert torch.equal(logits, before)  # the caller's logits are untouched
     want = [
-        torch.tensor(reference_penalties(logits[i], params[i], prompts[i], outputs[i])).argmax().item()
+        torch.tensor(reference_penalties(logits[i], params[i], prompts[i], outputs[i]))
+        .argmax()
+        .item()
         for i in range(10)
     ]
     assert got == want
@@ -227,7 +242,9 @@ def test_kept_set_with_ties_does_not_depend_on_the_batch():
 def test_sampling_never_leaves_the_allowed_set():
     torch.manual_seed(0)
     params = filter_cases()[:-1] * 300
-    base = torch.randn(len(filter_cases()) - 1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    base = (
+        torch.randn(len(filter_cases()) - 1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    )
     logits = base.repeat(300, 1)
     gens = [make_stream(i) if i % 2 else None for i in range(len(params))]
     tokens = call(logits, params, streams=gens)
@@ -246,7 +263,9 @@ def test_sampling_never_leaves_the_allowed_set():
 def run_steps(position: int, others: int, seed: int, steps: int, dtype=torch.float32):
     """Tokens of one seeded request at batch row `position` among `others` random requests,
     over several steps (its stream carries over, as in the engine)."""
-    target_logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(100)).to(dtype)
+    target_logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(100)).to(
+        dtype
+    )
     target = SamplingParams(
         temperature=0.9, top_k=30, top_p=0.95, min_p=0.01, presence_penalty=0.3, seed=seed
     )
@@ -269,7 +288,9 @@ def run_steps(position: int, others: int, seed: int, steps: int, dtype=torch.flo
         gens[position] = stream
         outputs = [[noise_rng.randrange(VOCAB)] for _ in params]
         outputs[position] = history
-        history = history + [call(logits, params, [[1, 2, 3]] * len(params), outputs, gens)[position]]
+        history = history + [
+            call(logits, params, [[1, 2, 3]] * len(params), outputs, gens)[position]
+        ]
     return history
 
 
@@ -288,25 +309,46 @@ def test_seeded_request_is_reproducible_inside_any_batch(dtype):
 def test_a_seeded_rows_uniforms_do_not_depend_on_the_batch():
     alone = make_stream(42)
     want = [_uniforms([alone], CPU).item() for _ in range(5)]
-    crowds = [[None] * 3, [make_stream(7), None, make_stream(42)], [make_stream(s) for s in range(40)]]
+    crowds = [
+        [None] * 3,
+        [make_stream(7), None, make_stream(42)],
+        [make_stream(s) for s in range(40)],
+    ]
     for position, others in enumerate(crowds):
         stream = make_stream(42)
-        got = [_uniforms(others[:position] + [stream] + others[position:], CPU)[position].item() for _ in range(5)]
+        got = [
+            _uniforms(others[:position] + [stream] + others[position:], CPU)[position].item()
+            for _ in range(5)
+        ]
         assert got == want, position
 
 
 def test_the_stream_is_splitmix64_on_a_mixed_seed():
     """The int64 tensor ops equal exact uint64 arithmetic, over the whole seed range."""
+
     def mix(z):
         z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 % 2**64
         z = (z ^ z >> 27) * 0x94D049BB133111EB % 2**64
         return z ^ z >> 31
 
-    pairs = [(0, 0), (1, 0), (42, 7), (2**64 - 1, 3), (-(2**63), 0), (2**63, 5), (12345678901234, 10**9)]
-    want = [(mix((mix(seed % 2**64) + (i + 1) * 0x9E3779B97F4A7C15) % 2**64) >> 11) / 2**53 for seed, i in pairs]
+    pairs = [
+        (0, 0),
+        (1, 0),
+        (42, 7),
+        (2**64 - 1, 3),
+        (-(2**63), 0),
+        (2**63, 5),
+        (12345678901234, 10**9),
+    ]
+    want = [
+        (mix((mix(seed % 2**64) + (i + 1) * 0x9E3779B97F4A7C15) % 2**64) >> 11) / 2**53
+        for seed, i in pairs
+    ]
     seeds = torch.tensor([(seed + 2**63) % 2**64 - 2**63 for seed, _ in pairs])
     assert counter_uniforms(seeds, torch.tensor([i for _, i in pairs])).tolist() == want
-    assert _uniforms([make_stream(-1)], CPU).item() == _uniforms([make_stream(2**64 - 1)], CPU).item()
+    assert (
+        _uniforms([make_stream(-1)], CPU).item() == _uniforms([make_stream(2**64 - 1)], CPU).item()
+    )
 
 
 # Critical values at p = 0.001 (fixed seeds: each test is one deterministic draw, it cannot flake).
@@ -328,7 +370,9 @@ def assert_uniform(u: torch.Tensor):
 def test_the_stream_is_uniform_and_differs_by_seed_and_index():
     n = 100_000
     one_seed = counter_uniforms(torch.full((n,), 7), torch.arange(n))
-    first_draws = counter_uniforms(torch.arange(n), torch.zeros(n, dtype=torch.int64))  # n samples' seeds
+    first_draws = counter_uniforms(
+        torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    )  # n samples' seeds
     assert_uniform(one_seed)
     assert_uniform(first_draws)
     assert one_seed.unique().numel() == n and first_draws.unique().numel() == n
@@ -345,7 +389,9 @@ def test_the_stream_is_uniform_and_differs_by_seed_and_index():
 @pytest.mark.parametrize("unseeded", [0, 3])
 def test_uniforms_cost_the_same_ops_for_any_number_of_seeded_rows(unseeded, monkeypatch):
     copies = []
-    monkeypatch.setattr(sampler, "host_to_device", lambda *a: copies.append(a) or host_to_device(*a))
+    monkeypatch.setattr(
+        sampler, "host_to_device", lambda *a: copies.append(a) or host_to_device(*a)
+    )
 
     def ops(num_seeded):
         copies.clear()
@@ -412,7 +458,9 @@ def test_cuda_greedy_and_seeded():
     logits = torch.randn(8, 1000, device="cuda", dtype=torch.bfloat16)
     assert call(logits, [SamplingParams(temperature=0.0)] * 8) == logits.argmax(-1).tolist()
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.2, seed=3)
+        SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.2, seed=3
+        )
     ] * 8
     gens = lambda: [make_stream(3) for _ in range(8)]  # noqa: E731
     runs = [call(logits, params, [[1, 2]] * 8, [[3]] * 8, gens()) for _ in range(2)]
@@ -420,4 +468,6 @@ def test_cuda_greedy_and_seeded():
     assert len(set(runs[0])) == 1  # same logits, same seed: same token in every row
     # Integer arithmetic: the stream is the CPU's, bit for bit.
     seeds, indexes = torch.arange(-500, 500) * 7919, torch.arange(1000) % 37
-    assert torch.equal(counter_uniforms(seeds.cuda(), indexes.cuda()).cpu(), counter_uniforms(seeds, indexes))
+    assert torch.equal(
+        counter_uniforms(seeds.cuda(), indexes.cuda()).cpu(), counter_uniforms(seeds, indexes)
+    )

@@ -1,5 +1,6 @@
 """Block manager and scheduler under random arrivals, aborts and finishes (no model: the
 "runner" here appends a fake token whenever a chunk samples)."""
+
 from __future__ import annotations
 
 from hypothesis import example, given, settings
@@ -11,9 +12,16 @@ from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler
 from inferline.worker.engine.sequence import Sequence
 
 
-def seq(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Sequence:
-    return Sequence(request_id=rid, prompt_token_ids=[1] * prompt_len,
-                    sampling=SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival)
+def seq(
+    rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0
+) -> Sequence:
+    return Sequence(
+        request_id=rid,
+        prompt_token_ids=[1] * prompt_len,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+        arrival_time=arrival,
+    )
 
 
 def fits(sched: Scheduler, s: Sequence) -> bool:
@@ -31,7 +39,10 @@ def fake_step(sched: Scheduler) -> list[Sequence]:
     for chunk in out.scheduled:
         samples = chunk.samples
         s = chunk.seq
-        assert len(s.block_table) * sched.block_manager.block_size >= s.num_computed_tokens + chunk.num_new_tokens
+        assert (
+            len(s.block_table) * sched.block_manager.block_size
+            >= s.num_computed_tokens + chunk.num_new_tokens
+        )
         s.num_computed_tokens += chunk.num_new_tokens
         if samples:
             s.output_token_ids.append(7)
@@ -48,24 +59,51 @@ def check(sched: Scheduler) -> None:
 
 requests = st.lists(
     st.tuples(st.integers(1, 70), st.integers(1, 40), st.integers(0, 3), st.integers(0, 30)),
-    min_size=1, max_size=25)
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=60, deadline=None)
 # Found by this test: a waiting background request that memory kept out took the one background
 # seat of every step, and nothing ran again.
-@example(reqs=[(6, 1, 0, 0), *[(1, 1, 0, 0)] * 16, (35, 21, 0, 0), (27, 40, 3, 0), (28, 39, 1, 0)], num_blocks=11,
-         budget=16, max_seqs=3, aborts=[], policy="continuous", background=BackgroundLimit(1, 2, alone_max_tokens=1))
-@given(reqs=requests, num_blocks=st.integers(8, 40), budget=st.sampled_from([16, 32, 100]),
-       max_seqs=st.integers(1, 8), aborts=st.lists(st.integers(0, 24), max_size=5),
-       policy=st.sampled_from(["continuous", "static"]),
-       background=st.sampled_from([None, BackgroundLimit(2, 1), BackgroundLimit(1, 2), BackgroundLimit(1, 5),
-                                      BackgroundLimit(1, 2, alone_max_tokens=1)]))
-def test_random_traffic_completes_and_never_leaks_blocks(reqs, num_blocks, budget, max_seqs, aborts, policy,
-                                                         background):
+@example(
+    reqs=[(6, 1, 0, 0), *[(1, 1, 0, 0)] * 16, (35, 21, 0, 0), (27, 40, 3, 0), (28, 39, 1, 0)],
+    num_blocks=11,
+    budget=16,
+    max_seqs=3,
+    aborts=[],
+    policy="continuous",
+    background=BackgroundLimit(1, 2, alone_max_tokens=1),
+)
+@given(
+    reqs=requests,
+    num_blocks=st.integers(8, 40),
+    budget=st.sampled_from([16, 32, 100]),
+    max_seqs=st.integers(1, 8),
+    aborts=st.lists(st.integers(0, 24), max_size=5),
+    policy=st.sampled_from(["continuous", "static"]),
+    background=st.sampled_from(
+        [
+            None,
+            BackgroundLimit(2, 1),
+            BackgroundLimit(1, 2),
+            BackgroundLimit(1, 5),
+            BackgroundLimit(1, 2, alone_max_tokens=1),
+        ]
+    ),
+)
+def test_random_traffic_completes_and_never_leaks_blocks(
+    reqs, num_blocks, budget, max_seqs, aborts, policy, background
+):
     bm = BlockManager(num_blocks, block_size=8)
-    sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
-                      background=background)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        policy=policy,
+        background=background,
+    )
     pending = sorted(((t, i, p, m, pr) for i, (p, m, pr, t) in enumerate(reqs)), key=lambda r: r[0])
     alive, done = {}, set()
     for step in range(5000):
@@ -166,7 +204,16 @@ def test_growing_sequences_get_their_blocks_side_by_side():
         for s in (a, b):
             s.num_computed_tokens = 4 * len(s.block_table)
             bm.append(s, 1)
-    assert a.block_table == [0, 1, 2, 3, 8, 9, 10, 11] and b.block_table == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert a.block_table == [0, 1, 2, 3, 8, 9, 10, 11] and b.block_table == [
+        4,
+        5,
+        6,
+        7,
+        12,
+        13,
+        14,
+        15,
+    ]
     bm.check_integrity([a, b])
 
 
@@ -178,7 +225,9 @@ def test_placement_never_jumps_a_cached_block_ahead_of_its_eviction_turn():
     bm.cache_computed_blocks(old)  # its first block now holds a cached prefix
     first = old.block_table[0]
     bm.free(old)
-    assert bm.prefix_cache.holds(first) and not bm._takes_next(first), "a cached block is not taken out of turn"
+    assert bm.prefix_cache.holds(first) and not bm._takes_next(first), (
+        "a cached block is not taken out of turn"
+    )
     assert not bm._takes_next(8), "past the last block"
     grow = Sequence("g", [9, 9], SamplingParams(max_tokens=4))
     bm.allocate(grow, [])
@@ -204,13 +253,15 @@ class FakeKV:
     def compute(self, s: Sequence, num_new: int) -> None:
         ids = s.token_ids
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + num_new):
-            self.slots[self.slot(s, pos)] = tuple(ids[:pos + 1])
+            self.slots[self.slot(s, pos)] = tuple(ids[: pos + 1])
 
     def check(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             ids = s.token_ids
             for pos in range(s.num_computed_tokens):
-                assert self.slots.get(self.slot(s, pos)) == tuple(ids[:pos + 1]), f"{s.request_id} pos {pos}"
+                assert self.slots.get(self.slot(s, pos)) == tuple(ids[: pos + 1]), (
+                    f"{s.request_id} pos {pos}"
+                )
 
 
 def cached_step(sched: Scheduler, kv: FakeKV, rng_token) -> list[Sequence]:
@@ -231,16 +282,33 @@ def cached_step(sched: Scheduler, kv: FakeKV, rng_token) -> list[Sequence]:
     return finished
 
 
-prefixed = st.lists(  # (shared prefix id, prefix length, own tail length, max_tokens, priority, arrival)
-    st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 20), st.integers(1, 12),
-              st.integers(0, 2), st.integers(0, 20)),
-    min_size=1, max_size=20)
+prefixed = (
+    st.lists(  # (shared prefix id, prefix length, own tail length, max_tokens, priority, arrival)
+        st.tuples(
+            st.integers(0, 2),
+            st.integers(0, 40),
+            st.integers(1, 20),
+            st.integers(1, 12),
+            st.integers(0, 2),
+            st.integers(0, 20),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(reqs=prefixed, num_blocks=st.integers(10, 40), budget=st.sampled_from([8, 24, 100]),
-       max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]))
-def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(reqs, num_blocks, budget, max_seqs, policy):
+@given(
+    reqs=prefixed,
+    num_blocks=st.integers(10, 40),
+    budget=st.sampled_from([8, 24, 100]),
+    max_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["continuous", "static"]),
+)
+def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(
+    reqs, num_blocks, budget, max_seqs, policy
+):
     bm = BlockManager(num_blocks, block_size=4, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
     kv = FakeKV(4)
@@ -250,8 +318,13 @@ def test_prefix_cache_under_random_traffic_reads_only_the_right_kv(reqs, num_blo
     for step in range(3000):
         while pending and pending[0][0] <= step:
             _, i, k, n, tail, m, pr = pending.pop(0)
-            s = Sequence(request_id=f"r{i}", prompt_token_ids=prefixes[k][:n] + [i] * tail,
-                         sampling=SamplingParams(max_tokens=m), priority=pr, arrival_time=float(step))
+            s = Sequence(
+                request_id=f"r{i}",
+                prompt_token_ids=prefixes[k][:n] + [i] * tail,
+                sampling=SamplingParams(max_tokens=m),
+                priority=pr,
+                arrival_time=float(step),
+            )
             if fits(sched, s):
                 alive[s.request_id] = s
                 sched.add(s)
@@ -272,7 +345,9 @@ def test_second_request_with_a_cached_prefix_starts_after_it():
     shared = list(range(10))  # 2 full blocks + 2 tokens
     first = Sequence("first", shared + [50, 51], SamplingParams(max_tokens=2))
     sched.add(first)
-    cached_step(sched, kv, lambda s: 9)  # first's prompt computed: blocks 0-1 (and 2) enter the cache
+    cached_step(
+        sched, kv, lambda s: 9
+    )  # first's prompt computed: blocks 0-1 (and 2) enter the cache
     second = Sequence("second", shared + [60], SamplingParams(max_tokens=2))
     sched.add(second)
     out = sched.schedule()
@@ -296,14 +371,18 @@ def test_a_whole_cached_prompt_still_computes_its_last_token():
     b = Sequence("b", prompt, SamplingParams(max_tokens=1))
     sched.add(b)
     out = sched.schedule()
-    assert b.num_computed_tokens == 4 and out.scheduled[0].num_new_tokens == 4, \
+    assert b.num_computed_tokens == 4 and out.scheduled[0].num_new_tokens == 4, (
         "only the first block is reused: the block with the last token is computed again"
+    )
     check(sched)
 
 
 def test_freed_cached_blocks_are_evicted_least_recently_freed_first():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    old, new = Sequence("old", [1, 2, 3], SamplingParams(max_tokens=1)), Sequence("new", [7, 8, 9], SamplingParams(max_tokens=1))
+    old, new = (
+        Sequence("old", [1, 2, 3], SamplingParams(max_tokens=1)),
+        Sequence("new", [7, 8, 9], SamplingParams(max_tokens=1)),
+    )
     for s in (old, new):
         bm.allocate(s, bm.cached_prefix(s))
         s.num_computed_tokens = 3
@@ -320,7 +399,10 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first():
 
 def test_prefix_cache_off_never_shares():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a, b = Sequence("a", list(range(9)), SamplingParams(max_tokens=1)), Sequence("b", list(range(9)), SamplingParams(max_tokens=1))
+    a, b = (
+        Sequence("a", list(range(9)), SamplingParams(max_tokens=1)),
+        Sequence("b", list(range(9)), SamplingParams(max_tokens=1)),
+    )
     bm.allocate(a, bm.cached_prefix(a))
     a.num_computed_tokens = 9
     bm.cache_computed_blocks(a)
@@ -331,8 +413,12 @@ def test_prefix_cache_off_never_shares():
 
 
 def background_sched(max_tokens: int = 2) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
-                     background=BackgroundLimit(priority=100, max_tokens=max_tokens))
+    return Scheduler(
+        BlockManager(num_blocks=64, block_size=8),
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        background=BackgroundLimit(priority=100, max_tokens=max_tokens),
+    )
 
 
 def run_until_decoding(sched: Scheduler, seqs: list[Sequence]) -> None:
@@ -360,8 +446,12 @@ def test_a_foreground_prompt_runs_without_background_then_background_runs_in_tur
     turns = [fake_step_scheduled(sched) for _ in range(3)]
     for t in turns:
         assert "chat" in t and len(t - {"chat"}) == 2, t
-    assert set().union(*turns) - {"chat"} == {b.request_id for b in batch}, "every batch sequence got a turn"
-    assert all(s.status.value == "running" for s in batch), "resting is not preemption: their KV stays"
+    assert set().union(*turns) - {"chat"} == {b.request_id for b in batch}, (
+        "every batch sequence got a turn"
+    )
+    assert all(s.status.value == "running" for s in batch), (
+        "resting is not preemption: their KV stays"
+    )
 
 
 def test_background_admissions_wait_for_a_seat_beside_foreground_work():
@@ -371,7 +461,9 @@ def test_background_admissions_wait_for_a_seat_beside_foreground_work():
     for i in range(3):
         sched.add(seq(f"b{i}", 4, 50, priority=100, arrival=1 + i))
     steps = [fake_step_scheduled(sched) for _ in range(3)]
-    assert [s - {"chat"} for s in steps] == [{"b0"}, {"b1"}, {"b2"}], "admitted one a step, in arrival order"
+    assert [s - {"chat"} for s in steps] == [{"b0"}, {"b1"}, {"b2"}], (
+        "admitted one a step, in arrival order"
+    )
 
 
 def test_a_background_prompt_beside_foreground_work_is_chunked_to_the_token_limit():
@@ -386,7 +478,9 @@ def test_a_background_prompt_beside_foreground_work_is_chunked_to_the_token_limi
     chunks = []
     for _ in range(6):
         out = sched.schedule()
-        chunks.append({c.seq.request_id: c.num_new_tokens for c in out.scheduled if c.seq.priority == 100})
+        chunks.append(
+            {c.seq.request_id: c.num_new_tokens for c in out.scheduled if c.seq.priority == 100}
+        )
         for c in out.scheduled:
             samples = c.samples
             c.seq.num_computed_tokens += c.num_new_tokens
@@ -394,14 +488,20 @@ def test_a_background_prompt_beside_foreground_work_is_chunked_to_the_token_limi
                 c.seq.output_token_ids.append(7)
     assert all(sum(c.values()) <= 4 for c in chunks), chunks
     assert chunks[:3] == [{"b0": 4}, {"b0": 4}, {"b0": 2, "b1": 2}], chunks
-    assert batch[0].num_output_tokens >= 1 and batch[1].num_output_tokens >= 1, "both prompts finished"
+    assert batch[0].num_output_tokens >= 1 and batch[1].num_output_tokens >= 1, (
+        "both prompts finished"
+    )
 
 
 def test_background_sequences_that_cannot_be_admitted_leave_the_seats_to_running_ones():
     """The batch is full (max_num_seqs): waiting batch sequences cannot run this step, so the
     seats go to running ones (before, they sat on the seats and the batch got no token)."""
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=4, max_num_batched_tokens=256,
-                      background=BackgroundLimit(priority=100, max_tokens=2))
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=8),
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        background=BackgroundLimit(priority=100, max_tokens=2),
+    )
     chat = seq("chat", 4, 50, priority=0)
     batch = [seq(f"b{i}", 4, 50, priority=100, arrival=1 + i) for i in range(3)]
     run_until_decoding(sched, [chat, *batch])
@@ -415,9 +515,13 @@ def test_between_foreground_requests_the_batch_runs_bounded_until_quiet_s_pass()
     """alone_max_tokens: with no foreground work but some within quiet_s, background steps hold
     at most that many tokens; past quiet_s (or before any foreground work) full width again."""
     now = [0.0]
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
-                      background=BackgroundLimit(priority=100, max_tokens=2, alone_max_tokens=3, quiet_s=10.0),
-                      clock=lambda: now[0])
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=8),
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        background=BackgroundLimit(priority=100, max_tokens=2, alone_max_tokens=3, quiet_s=10.0),
+        clock=lambda: now[0],
+    )
     batch = [seq(f"b{i}", 4, 200, priority=100, arrival=i) for i in range(6)]
     run_until_decoding(sched, batch)
     assert len(fake_step_scheduled(sched)) == 6, "no foreground work seen yet: full width"
@@ -435,8 +539,12 @@ def test_between_foreground_requests_the_batch_runs_bounded_until_quiet_s_pass()
 
 
 def test_a_limit_past_every_priority_leaves_steps_shared_alike():
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=8), max_num_seqs=16, max_num_batched_tokens=256,
-                      background=BackgroundLimit(priority=1001, max_tokens=1))
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=8),
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        background=BackgroundLimit(priority=1001, max_tokens=1),
+    )
     batch = [seq(f"b{i}", 4, 50, priority=100, arrival=i) for i in range(4)]
     run_until_decoding(sched, batch)
     sched.add(seq("chat", 4, 50, priority=0, arrival=10))
@@ -447,5 +555,11 @@ def fake_step_scheduled(sched: Scheduler) -> set[str]:
     """One fake step; the ids it scheduled."""
     before = {s.request_id: s.num_computed_tokens for s in sched.running + sched.waiting}
     fake_step(sched)
-    return {rid for rid, n in before.items()
-            if any(s.request_id == rid and s.num_computed_tokens != n for s in sched.running + sched.waiting)}
+    return {
+        rid
+        for rid, n in before.items()
+        if any(
+            s.request_id == rid and s.num_computed_tokens != n
+            for s in sched.running + sched.waiting
+        )
+    }

@@ -1,5 +1,6 @@
 """The v1 wire contract (PROTOCOL.md): every rule of the request table, good and bad, the events
 and the codec's limits."""
+
 from __future__ import annotations
 
 import math
@@ -81,9 +82,23 @@ def dead_letter(data: bytes, **kw) -> UndecodableMessage:
 
 def test_constants():
     assert PROTOCOL_VERSION == 1
-    assert FINISH_REASONS == ("stop", "length", "cancelled", "timeout", "rejected", "requeued", "error")
+    assert FINISH_REASONS == (
+        "stop",
+        "length",
+        "cancelled",
+        "timeout",
+        "rejected",
+        "requeued",
+        "error",
+    )
     assert ERROR_CODES == (
-        "invalid_request", "prompt_too_long", "rate_limited", "overloaded", "timeout", "cancelled", "internal"
+        "invalid_request",
+        "prompt_too_long",
+        "rate_limited",
+        "overloaded",
+        "timeout",
+        "cancelled",
+        "internal",
     )
 
 
@@ -91,9 +106,17 @@ def test_defaults_are_the_contracts():
     req = decode_request(pack(BASE))
     assert (req.v, req.id, req.reply_topic, req.prompt) == (1, "req-1", "replies", "Hello")
     assert req.reply_partition is None and req.messages is None and req.prompt_token_ids is None
-    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.min_p) == (256, 1.0, 1.0, 0, 0.0)
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.min_p) == (
+        256,
+        1.0,
+        1.0,
+        0,
+        0.0,
+    )
     assert (req.repetition_penalty, req.presence_penalty, req.frequency_penalty) == (1.0, 0.0, 0.0)
-    assert req.seed is None and req.stop == [] and req.stop_token_ids == [] and req.ignore_eos is False
+    assert (
+        req.seed is None and req.stop == [] and req.stop_token_ids == [] and req.ignore_eos is False
+    )
     assert req.priority == 0 and req.timeout_s is None and req.created_at is None
     assert req.tenant == "default" and req.stream is True and req.metadata == {}
 
@@ -121,7 +144,9 @@ def test_good_reply_topics(topic):
     assert decode_request(pack(request(reply_topic=topic))).reply_topic == topic
 
 
-@pytest.mark.parametrize("topic", ["", ".", "..", "t" * 250, "a b", "a/b", "a:b", 5, b"replies", None, ...])
+@pytest.mark.parametrize(
+    "topic", ["", ".", "..", "t" * 250, "a b", "a/b", "a:b", 5, b"replies", None, ...]
+)
 def test_unusable_reply_topic_is_dead_lettered(topic):
     assert "reply_topic" in dead_letter(pack(request(reply_topic=topic))).reason
 
@@ -139,17 +164,25 @@ def test_bad_reply_partition(part):
 
 def test_invalid_request_carries_the_reply_route():
     err = reject("temperature", temperature=-1, reply_partition=3)
-    assert (err.request_id, err.reply_topic, err.reply_partition, err.code) == ("req-1", "replies", 3, "invalid_request")
+    assert (err.request_id, err.reply_topic, err.reply_partition, err.code) == (
+        "req-1",
+        "replies",
+        3,
+        "invalid_request",
+    )
 
 
 # --- prompt, messages, prompt_token_ids --------------------------------------------------------
 
 
 def test_exactly_one_prompt_field():
-    assert decode_request(pack(request(prompt=..., messages=[{"role": "user", "content": "hi"}]))).messages == [
-        ChatMessage(role="user", content="hi")
+    assert decode_request(
+        pack(request(prompt=..., messages=[{"role": "user", "content": "hi"}]))
+    ).messages == [ChatMessage(role="user", content="hi")]
+    assert decode_request(pack(request(prompt=..., prompt_token_ids=[1, 2]))).prompt_token_ids == [
+        1,
+        2,
     ]
-    assert decode_request(pack(request(prompt=..., prompt_token_ids=[1, 2]))).prompt_token_ids == [1, 2]
     # nil counts as absent
     assert decode_request(pack(request(messages=None, prompt_token_ids=None))).prompt == "Hello"
 
@@ -161,13 +194,18 @@ def test_no_prompt_field():
 
 @pytest.mark.parametrize(
     "extra,field",
-    [({"messages": [{"role": "user", "content": "x"}]}, "messages"), ({"prompt_token_ids": [1]}, "prompt_token_ids")],
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+        ({"prompt_token_ids": [1]}, "prompt_token_ids"),
+    ],
 )
 def test_two_prompt_fields(extra, field):
     assert "only one of" in reject(field, **extra).message
 
 
-@pytest.mark.parametrize("prompt", ["", 5, b"Hello", ["Hello"], "\udcff".encode("utf-8", "surrogateescape")])
+@pytest.mark.parametrize(
+    "prompt", ["", 5, b"Hello", ["Hello"], "\udcff".encode("utf-8", "surrogateescape")]
+)
 def test_bad_prompt(prompt):
     reject("prompt", prompt=prompt)
 
@@ -208,7 +246,9 @@ def test_bad_messages(messages):
 
 
 def test_messages_extra_keys_ignored():
-    req = decode_request(pack(request(prompt=..., messages=[{"role": "system", "content": "", "name": "x"}])))
+    req = decode_request(
+        pack(request(prompt=..., messages=[{"role": "system", "content": "", "name": "x"}]))
+    )
     assert req.messages[0].role == "system" and req.messages[0].content == ""
 
 
@@ -246,30 +286,57 @@ def keys(n: int) -> dict[str, str]:
 
 # (field, changes at the cap, the same one over it): the first accepted, the second rejected.
 CAPS = [
-    ("reply_partition", {"reply_partition": MAX_REPLY_PARTITION}, {"reply_partition": MAX_REPLY_PARTITION + 1}),
-    ("messages", {"prompt": ..., "messages": chat(MAX_MESSAGES)}, {"prompt": ..., "messages": chat(MAX_MESSAGES + 1)}),
-    ("messages", {"prompt": ..., "messages": chat(1, "r" * MAX_ROLE_LEN)},
-     {"prompt": ..., "messages": chat(1, "r" * (MAX_ROLE_LEN + 1))}),
-    ("prompt_token_ids", {"prompt": ..., "prompt_token_ids": [1] * MAX_PROMPT_TOKEN_IDS},
-     {"prompt": ..., "prompt_token_ids": [1] * (MAX_PROMPT_TOKEN_IDS + 1)}),
-    ("prompt_token_ids", {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID]},
-     {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID + 1]}),
+    (
+        "reply_partition",
+        {"reply_partition": MAX_REPLY_PARTITION},
+        {"reply_partition": MAX_REPLY_PARTITION + 1},
+    ),
+    (
+        "messages",
+        {"prompt": ..., "messages": chat(MAX_MESSAGES)},
+        {"prompt": ..., "messages": chat(MAX_MESSAGES + 1)},
+    ),
+    (
+        "messages",
+        {"prompt": ..., "messages": chat(1, "r" * MAX_ROLE_LEN)},
+        {"prompt": ..., "messages": chat(1, "r" * (MAX_ROLE_LEN + 1))},
+    ),
+    (
+        "prompt_token_ids",
+        {"prompt": ..., "prompt_token_ids": [1] * MAX_PROMPT_TOKEN_IDS},
+        {"prompt": ..., "prompt_token_ids": [1] * (MAX_PROMPT_TOKEN_IDS + 1)},
+    ),
+    (
+        "prompt_token_ids",
+        {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID]},
+        {"prompt": ..., "prompt_token_ids": [MAX_TOKEN_ID + 1]},
+    ),
     ("stop", {"stop": ["s"] * MAX_STOP}, {"stop": ["s"] * (MAX_STOP + 1)}),
     ("stop", {"stop": ["s" * MAX_STOP_LEN]}, {"stop": ["s" * (MAX_STOP_LEN + 1)]}),
-    ("stop_token_ids", {"stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}, {"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}),
+    (
+        "stop_token_ids",
+        {"stop_token_ids": [7] * MAX_STOP_TOKEN_IDS},
+        {"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)},
+    ),
     ("stop_token_ids", {"stop_token_ids": [MAX_TOKEN_ID]}, {"stop_token_ids": [MAX_TOKEN_ID + 1]}),
     ("priority", {"priority": PRIORITY_RANGE[1]}, {"priority": PRIORITY_RANGE[1] + 1}),
     ("priority", {"priority": PRIORITY_RANGE[0]}, {"priority": PRIORITY_RANGE[0] - 1}),
     ("timeout_s", {"timeout_s": MAX_TIMEOUT_S}, {"timeout_s": MAX_TIMEOUT_S + 0.5}),
     ("tenant", {"tenant": "t" * MAX_TENANT_LEN}, {"tenant": "t" * (MAX_TENANT_LEN + 1)}),
     ("metadata", {"metadata": keys(MAX_METADATA_KEYS)}, {"metadata": keys(MAX_METADATA_KEYS + 1)}),
-    ("metadata", {"metadata": {"k": "x" * (MAX_METADATA_BYTES - 1)}}, {"metadata": {"k": "x" * MAX_METADATA_BYTES}}),
+    (
+        "metadata",
+        {"metadata": {"k": "x" * (MAX_METADATA_BYTES - 1)}},
+        {"metadata": {"k": "x" * MAX_METADATA_BYTES}},
+    ),
 ]
 # The longest prompt_token_ids at the cap is a few bytes over the default message size.
 BIG = 4 * DEFAULT_MAX_MESSAGE_BYTES
 
 
-@pytest.mark.parametrize("field,at_cap,over", CAPS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(CAPS)])
+@pytest.mark.parametrize(
+    "field,at_cap,over", CAPS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(CAPS)]
+)
 def test_at_the_cap_accepted_one_over_rejected(field, at_cap, over):
     assert decode_request(pack(request(**at_cap)), max_bytes=BIG) is not None
     with pytest.raises(InvalidRequest) as info:
@@ -300,7 +367,9 @@ def test_seed_range_is_what_msgpack_and_torch_take():
 
 
 def test_reply_partition_over_the_cap_replies_by_key():
-    assert reject("reply_partition", reply_partition=MAX_REPLY_PARTITION + 1).reply_partition is None
+    assert (
+        reject("reply_partition", reply_partition=MAX_REPLY_PARTITION + 1).reply_partition is None
+    )
 
 
 def test_million_stop_token_ids_are_rejected_by_count():
@@ -311,9 +380,15 @@ def test_million_stop_token_ids_are_rejected_by_count():
     assert info.value.field == "stop_token_ids" and "1000000 ids" in info.value.message
 
 
-@pytest.mark.parametrize("field,value", [
-    ("messages", chat(50_000)), ("stop", ["s"] * 200_000), ("metadata", keys(100_000)),
-], ids=["messages", "stop", "metadata"])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("messages", chat(50_000)),
+        ("stop", ["s"] * 200_000),
+        ("metadata", keys(100_000)),
+    ],
+    ids=["messages", "stop", "metadata"],
+)
 def test_huge_lists_are_rejected_by_count(field, value):
     changes = {field: value, **({"prompt": ...} if field == "messages" else {})}
     data = pack(request(**changes))
@@ -366,7 +441,18 @@ BAD = [
     ("created_at", [-1, NAN, INF, "now", True]),
     ("tenant", ["", 5, b"acme", "t" * 257, None, "a b", "a/b", "é", "acme\n"]),
     ("stream", [0, 1, "false", None]),
-    ("metadata", [{"a": "x" * 4096}, {"é": "x" * 4095}, {"k": 1}, {"k": None}, {"k": b"v"}, ["k", "v"], None]),
+    (
+        "metadata",
+        [
+            {"a": "x" * 4096},
+            {"é": "x" * 4095},
+            {"k": 1},
+            {"k": None},
+            {"k": b"v"},
+            ["k", "v"],
+            None,
+        ],
+    ),
 ]
 
 
@@ -383,7 +469,9 @@ def test_bad_value(field, value):
 
 def test_ints_accepted_as_floats_stay_floats():
     req = decode_request(pack(request(temperature=0, top_p=1, timeout_s=5)))
-    assert type(req.temperature) is float and type(req.top_p) is float and type(req.timeout_s) is float
+    assert (
+        type(req.temperature) is float and type(req.top_p) is float and type(req.timeout_s) is float
+    )
 
 
 def test_metadata_size_counts_utf8_keys_and_values():
@@ -475,7 +563,9 @@ def test_deep_nesting_in_known_field():
 
 
 def test_text_is_str_never_bin():
-    data = encode_request(Request(id="a", reply_topic="t", prompt="héllo", stop=["x"], metadata={"k": "v"}))
+    data = encode_request(
+        Request(id="a", reply_topic="t", prompt="héllo", stop=["x"], metadata={"k": "v"})
+    )
     assert msgpack.unpackb(data, raw=True)[b"prompt"] == "héllo".encode()  # str type, not bin
     assert b"\xc4" not in data and b"\xc5" not in data and b"\xc6" not in data
 
@@ -485,9 +575,22 @@ def test_text_is_str_never_bin():
 
 def test_request_round_trip():
     req = Request(
-        id="r:1", reply_topic="t", reply_partition=2, messages=[ChatMessage(role="user", content="x")],
-        max_tokens=5, temperature=0, seed=3, stop=["\n"], stop_token_ids=[2], ignore_eos=True, priority=-1,
-        timeout_s=2.5, created_at=time.time(), tenant="acme", stream=False, metadata={"k": "v"},
+        id="r:1",
+        reply_topic="t",
+        reply_partition=2,
+        messages=[ChatMessage(role="user", content="x")],
+        max_tokens=5,
+        temperature=0,
+        seed=3,
+        stop=["\n"],
+        stop_token_ids=[2],
+        ignore_eos=True,
+        priority=-1,
+        timeout_s=2.5,
+        created_at=time.time(),
+        tenant="acme",
+        stream=False,
+        metadata={"k": "v"},
     )
     assert decode_request(encode_request(req)) == req
 
@@ -513,8 +616,14 @@ def test_request_constructor_validates():
 
 def done(**kw) -> DoneEvent:
     base = dict(
-        id="r", attempt="w1-0", seq=5, finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=4),
-        timing=Timing(queue_s=0.01, ttft_s=0.2, total_s=1.5), text="hello", metadata={"k": "v"},
+        id="r",
+        attempt="w1-0",
+        seq=5,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=4),
+        timing=Timing(queue_s=0.01, ttft_s=0.2, total_s=1.5),
+        text="hello",
+        metadata={"k": "v"},
     )
     return DoneEvent(**{**base, **kw})
 
@@ -524,8 +633,12 @@ EVENTS = [
     TokensEvent(id="r", attempt="w1-0", seq=1, token_ids=[1, 2, 3], text="abc"),
     TokensEvent(id="r", attempt="w1-0", seq=2, token_ids=[], text=""),
     done(),
-    done(finish_reason="rejected", error=ErrorInfo(code="prompt_too_long", message="prompt_token_ids: too long"),
-         timing=Timing(queue_s=0, ttft_s=None, total_s=0), text=None),
+    done(
+        finish_reason="rejected",
+        error=ErrorInfo(code="prompt_too_long", message="prompt_token_ids: too long"),
+        timing=Timing(queue_s=0, ttft_s=None, total_s=0),
+        text=None,
+    ),
 ]
 
 
@@ -539,7 +652,9 @@ def test_event_round_trip(event):
 
 
 def test_done_writes_nil_not_omitted():
-    obj = msgpack.unpackb(encode_event(done(text=None, timing=Timing(queue_s=0, ttft_s=None, total_s=0))))
+    obj = msgpack.unpackb(
+        encode_event(done(text=None, timing=Timing(queue_s=0, ttft_s=None, total_s=0)))
+    )
     assert "error" in obj and obj["error"] is None
     assert "text" in obj and obj["text"] is None
     assert "ttft_s" in obj["timing"] and obj["timing"]["ttft_s"] is None
@@ -554,12 +669,44 @@ def test_event_type_discriminates():
     "obj",
     [
         {"v": 1, "type": "nope", "id": "r", "attempt": "a", "seq": 0},
-        {"v": 2, "type": "started", "id": "r", "attempt": "a", "seq": 0, "worker": "w", "queue_s": 0},
-        {"v": 1, "type": "started", "id": "r", "attempt": "a", "seq": -1, "worker": "w", "queue_s": 0},
+        {
+            "v": 2,
+            "type": "started",
+            "id": "r",
+            "attempt": "a",
+            "seq": 0,
+            "worker": "w",
+            "queue_s": 0,
+        },
+        {
+            "v": 1,
+            "type": "started",
+            "id": "r",
+            "attempt": "a",
+            "seq": -1,
+            "worker": "w",
+            "queue_s": 0,
+        },
         {"v": 1, "type": "started", "id": "r", "seq": 0, "worker": "w", "queue_s": 0},
-        {"v": 1, "type": "done", "id": "r", "attempt": "a", "seq": 0, "finish_reason": "bogus",
-         "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "timing": {"queue_s": 0, "ttft_s": None, "total_s": 0}},
-        {"v": 1, "type": "tokens", "id": "r", "attempt": "a", "seq": 0, "token_ids": [1], "text": b"bin"},
+        {
+            "v": 1,
+            "type": "done",
+            "id": "r",
+            "attempt": "a",
+            "seq": 0,
+            "finish_reason": "bogus",
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0},
+            "timing": {"queue_s": 0, "ttft_s": None, "total_s": 0},
+        },
+        {
+            "v": 1,
+            "type": "tokens",
+            "id": "r",
+            "attempt": "a",
+            "seq": 0,
+            "token_ids": [1],
+            "text": b"bin",
+        },
         [1, 2],
     ],
 )
@@ -590,8 +737,17 @@ def test_cancel_round_trip():
     assert decode_cancel(data) == Cancel(id="abc")
 
 
-@pytest.mark.parametrize("data", [b"\xc1", pack({"v": 1}), pack({"v": 1, "id": "a b"}), pack({"v": 2, "id": "a"}),
-                                  pack(["a"]), b"x" * 100_000])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",
+        pack({"v": 1}),
+        pack({"v": 1, "id": "a b"}),
+        pack({"v": 2, "id": "a"}),
+        pack(["a"]),
+        b"x" * 100_000,
+    ],
+)
 def test_bad_cancel(data):
     with pytest.raises(UndecodableMessage):
         decode_cancel(data)
@@ -610,9 +766,15 @@ def test_arbitrary_bytes_raise_only_contract_errors(data):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=10),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 FIELDS = list(Request.model_fields)

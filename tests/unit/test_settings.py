@@ -1,4 +1,5 @@
 """The settings tree: environment names, clear errors, secrets."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,10 @@ def test_defaults_match_the_contract(monkeypatch):
     s = Settings()
     assert s.kafka.bootstrap_servers == "localhost:9092"
     assert (s.kafka.request_topic, s.kafka.cancel_topic, s.kafka.dlq_topic) == (
-        "llm.requests", "llm.cancel", "llm.requests.dlq")
+        "llm.requests",
+        "llm.cancel",
+        "llm.requests.dlq",
+    )
     assert s.kafka.group_id == "inferline-workers"
     assert s.model.device == "auto" and s.cache.block_size == 16
 
@@ -26,12 +30,15 @@ def test_nested_environment_variables(monkeypatch):
     assert s.scheduler.max_num_seqs == 7 and s.http.port == 9100
 
 
-@pytest.mark.parametrize("name,value", [
-    ("INFERLINE_SCHEDULER__MAX_NUM_SEQS", "many"),
-    ("INFERLINE_HTTP__PORT", "70000"),
-    ("INFERLINE_CACHE__BLOCK_SIZE", "12"),
-    ("INFERLINE_MODEL__DEVICE", "tpu"),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("INFERLINE_SCHEDULER__MAX_NUM_SEQS", "many"),
+        ("INFERLINE_HTTP__PORT", "70000"),
+        ("INFERLINE_CACHE__BLOCK_SIZE", "12"),
+        ("INFERLINE_MODEL__DEVICE", "tpu"),
+    ],
+)
 def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError) as err:

@@ -2,6 +2,7 @@
 worker/delivery/finals.py): what is handed to the worker and when, where a verdict goes, which verdict each
 outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
 is tests/kafka/test_share_intake.py."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,16 @@ from inferline.worker.intake.admission import Admission
 from inferline.worker.service.metrics import Metrics
 from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.service.ratelimit import RateLimiter
-from inferline.worker.intake.share import (BrokerLimits, ShareIntake, ShareRecord, _Lane, client_config, group_configs, lock_ms,
-                                 max_deliveries)
+from inferline.worker.intake.share import (
+    BrokerLimits,
+    ShareIntake,
+    ShareRecord,
+    _Lane,
+    client_config,
+    group_configs,
+    lock_ms,
+    max_deliveries,
+)
 from inferline.worker.delivery.transactions import Transactions
 
 TOPIC = "llm.requests"
@@ -42,9 +51,19 @@ def make_intake(room: int, **kafka) -> ShareIntake:
     settings = Settings(kafka={"intake": "share", **kafka})
     tracker, metrics = OffsetTracker(), Metrics()
     sink = FakeSink(room)
-    intake = ShareIntake(settings, sink, tracker, RateLimiter(settings.limits), metrics,
-                         RecentCancels(ttl_s=60), Transactions(settings, tracker, metrics), sink)
-    intake._handle_safely = lambda tp, record, unverified=None: intake._sink.handled.append(record.offset)
+    intake = ShareIntake(
+        settings,
+        sink,
+        tracker,
+        RateLimiter(settings.limits),
+        metrics,
+        RecentCancels(ttl_s=60),
+        Transactions(settings, tracker, metrics),
+        sink,
+    )
+    intake._handle_safely = lambda tp, record, unverified=None: intake._sink.handled.append(
+        record.offset
+    )
     return intake
 
 
@@ -83,7 +102,11 @@ def test_a_batch_set_aside_for_a_reply_topic_lookup_takes_room():
     intake._verify_in_background = lambda unverified: None
     lane = _Lane(intake, 0, {})
     intake._take(lane, [record(o) for o in range(5)])
-    assert released(lane) == [2, 3, 4]  # before: the whole batch went to the lookup, then the engine
+    assert released(lane) == [
+        2,
+        3,
+        4,
+    ]  # before: the whole batch went to the lookup, then the engine
 
 
 def test_a_record_on_its_last_delivery_here_waits_for_room():
@@ -107,7 +130,9 @@ def test_overflow_kept_on_its_last_delivery_is_logged():
     with capture_logs() as logs:
         intake._take(lane, [record(0, delivery_count=3), record(1, delivery_count=3)])
     assert intake._sink.handled == [0] and released(lane) == []
-    assert [(e["event"], e["records"]) for e in logs if "overflow" in e["event"]] == [("share_intake.overflow_kept", 1)]
+    assert [(e["event"], e["records"]) for e in logs if "overflow" in e["event"]] == [
+        ("share_intake.overflow_kept", 1)
+    ]
 
 
 def test_nothing_is_handed_out_while_draining():
@@ -238,14 +263,28 @@ def test_past_max_deliveries_is_a_dead_letter():
 
 
 def test_client_and_group_settings():
-    kafka = Settings(kafka={"intake": "share", "group_id": "g", "security_protocol": "SASL_SSL",
-                            "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p",
-                            "ssl_cafile": "/ca.pem", "share_lock_ms": 120_000}).kafka
+    kafka = Settings(
+        kafka={
+            "intake": "share",
+            "group_id": "g",
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "PLAIN",
+            "sasl_username": "u",
+            "sasl_password": "p",
+            "ssl_cafile": "/ca.pem",
+            "share_lock_ms": 120_000,
+        }
+    ).kafka
     conf = client_config(kafka, "g", 8, 600_000)
     assert conf["share.acknowledgement.mode"] == "explicit" and conf["max.poll.records"] == 8
-    assert conf["max.poll.interval.ms"] > 600_000  # a lane pinned by a request as long as the lock stays
+    assert (
+        conf["max.poll.interval.ms"] > 600_000
+    )  # a lane pinned by a request as long as the lock stays
     assert conf["sasl.password"] == "p" and conf["ssl.ca.location"] == "/ca.pem"
-    assert group_configs(120_000) == {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": "120000"}
+    assert group_configs(120_000) == {
+        "share.auto.offset.reset": "earliest",
+        "share.record.lock.duration.ms": "120000",
+    }
     assert conf["client.id"] == kafka.client_id  # KafkaSettings.librdkafka_config: the one place
 
 
@@ -259,7 +298,9 @@ def test_the_lock_follows_the_request_timeout_within_the_brokers_cap():
 
 def test_max_deliveries_stays_below_the_brokers_limit():
     kafka = Settings(kafka={"intake": "share", "max_deliveries": 10}).kafka
-    assert max_deliveries(kafka, BrokerLimits(delivery_limit=5)) == 4  # the 5th is dead-lettered, not run
+    assert (
+        max_deliveries(kafka, BrokerLimits(delivery_limit=5)) == 4
+    )  # the 5th is dead-lettered, not run
     assert max_deliveries(kafka, BrokerLimits(delivery_limit=20)) == 10
     assert max_deliveries(Settings().kafka, BrokerLimits()) == 4  # the defaults agree
 
@@ -328,12 +369,16 @@ def share_worker(done_outcome: str = "ok"):
 
 
 def make_request(offset: int) -> Request:
-    return Request.model_validate({"v": 1, "id": f"r-{offset}", "reply_topic": "inferline.reply.t", "prompt": "hi"})
+    return Request.model_validate(
+        {"v": 1, "id": f"r-{offset}", "reply_topic": "inferline.reply.t", "prompt": "hi"}
+    )
 
 
 def admit(worker, offset: int) -> str:
     req = make_request(offset)
-    worker.requests.admit(Admission(TopicPartition(TOPIC, 0), offset, req, time.time(), 8, time.time() + 60))
+    worker.requests.admit(
+        Admission(TopicPartition(TOPIC, 0), offset, req, time.time(), 8, time.time() + 60)
+    )
     (attempt,) = worker.ledger.attempts(req.id)
     return attempt
 
@@ -345,11 +390,19 @@ def test_share_verdicts_follow_each_outcome():
     worker, decided = share_worker()
     tp = TopicPartition(TOPIC, 0)
     worker.delivery.hold(tp, record(1))
-    worker.delivery.dead_letter(record(1), "undecodable")  # dead-lettered: REJECT once the DLQ has it
-    worker.delivery.reject(tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad")
+    worker.delivery.dead_letter(
+        record(1), "undecodable"
+    )  # dead-lettered: REJECT once the DLQ has it
+    worker.delivery.reject(
+        tp, 2, ReplyRoute("r-2", "inferline.reply.t", None), "invalid_request", "bad"
+    )
     finished, requeued = admit(worker, 3), admit(worker, 4)
-    worker.requests._finish(worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop"))
-    worker.requests._finish(worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued"))
+    worker.requests._finish(
+        worker.jobs[finished], RequestOutput(finished, finished=True, finish_reason="stop")
+    )
+    worker.requests._finish(
+        worker.jobs[requeued], RequestOutput(requeued, finished=True, finish_reason="requeued")
+    )
     assert decided == [(1, "reject"), (2, "accept"), (3, "accept"), (4, "release")]
     assert ("requeued", None) in worker.publisher.sent  # no source: a requeued done ends nothing
     assert worker.ledger.empty()
@@ -360,9 +413,13 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
 
     worker, decided = share_worker()
     attempt = admit(worker, 3)
-    worker.requests._finish(worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop"))
+    worker.requests._finish(
+        worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop")
+    )
     # The same record again (its lock expired just after the done): answered from the ledger.
-    worker.requests.admit(Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60))
+    worker.requests.admit(
+        Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60)
+    )
     assert decided == [(3, "accept"), (3, "accept")] and not worker.jobs
 
 
@@ -372,7 +429,9 @@ def test_share_an_undeliverable_done_dead_letters_the_record():
     worker, decided = share_worker(done_outcome="failed")
     tp = TopicPartition(TOPIC, 0)
     worker.delivery.hold(tp, record(6))
-    worker.delivery.reject(tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad")
+    worker.delivery.reject(
+        tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad"
+    )
     assert ("dead_letter", 6) in worker.publisher.sent
     assert decided == [(6, "reject")]
 

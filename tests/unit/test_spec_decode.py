@@ -1,5 +1,6 @@
 """Speculative decoding with n-gram drafts: the proposer, the acceptance rule, the scheduler's
 rules for drafts, and the engine's greedy output (equal to HF's and to decoding without drafts)."""
+
 from __future__ import annotations
 
 import random
@@ -28,8 +29,8 @@ def naive_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
     return []
 
 
@@ -92,7 +93,9 @@ def test_only_greedy_requests_without_penalties_are_drafted_for():
 def test_settings_refuse_an_empty_lookup_range():
     assert Settings().speculative.method == "none"
     with pytest.raises(SystemExit, match="INFERLINE_SPECULATIVE"):
-        load_settings(speculative={"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+        load_settings(
+            speculative={"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}
+        )
     with pytest.raises(SystemExit, match="INFERLINE_SPECULATIVE__NUM_TOKENS"):
         load_settings(speculative={"num_tokens": 0})
 
@@ -102,13 +105,22 @@ def test_settings_refuse_an_empty_lookup_range():
 REPEATING = [1, 2, 3, 4] * 4  # 16 tokens: every 1..4-gram recurs
 
 
-def scheduler_with(seqs: list[Sequence], num_blocks: int = 64, budget: int = 512,
-                   disable_by_batch_size: int | None = None) -> Scheduler:
+def scheduler_with(
+    seqs: list[Sequence],
+    num_blocks: int = 64,
+    budget: int = 512,
+    disable_by_batch_size: int | None = None,
+) -> Scheduler:
     """Admitted and prefilled, so each of `seqs` decodes next (blocks of 4 tokens, no prefix cache);
     the token "sampled" continues the 1 2 3 4 pattern."""
     bm = BlockManager(num_blocks, 4)
-    sched = Scheduler(bm, 64, budget, proposer=NgramProposer(4, 4, 1),
-                      spec_disable_batch_size=disable_by_batch_size)
+    sched = Scheduler(
+        bm,
+        64,
+        budget,
+        proposer=NgramProposer(4, 4, 1),
+        spec_disable_batch_size=disable_by_batch_size,
+    )
     for seq in seqs:
         sched.add(seq)
     out = sched.schedule()  # admits them and computes their whole prompts: a token is sampled
@@ -120,7 +132,9 @@ def scheduler_with(seqs: list[Sequence], num_blocks: int = 64, budget: int = 512
 
 def test_greedy_decodes_get_drafts_and_sampled_ones_do_not():
     g = Sequence("g", list(REPEATING), greedy(64), arrival_time=1.0)
-    s = Sequence("s", list(REPEATING), SamplingParams(max_tokens=64, temperature=0.8), arrival_time=2.0)
+    s = Sequence(
+        "s", list(REPEATING), SamplingParams(max_tokens=64, temperature=0.8), arrival_time=2.0
+    )
     sched = scheduler_with([g, s])
     out = sched.schedule()
     by_id = {c.seq.request_id: c for c in out.scheduled}
@@ -135,7 +149,9 @@ def test_greedy_decodes_get_drafts_and_sampled_ones_do_not():
 def test_drafts_fit_the_token_budget_and_max_tokens():
     g = Sequence("g", list(REPEATING), greedy(3), arrival_time=1.0)
     sched = scheduler_with([g])
-    assert sched.schedule().scheduled[0].spec_token_ids == [2]  # 1 output so far: 1 + 1 draft + 1 = 3
+    assert sched.schedule().scheduled[0].spec_token_ids == [
+        2
+    ]  # 1 output so far: 1 + 1 draft + 1 = 3
     g2 = Sequence("g2", list(REPEATING), greedy(64), arrival_time=1.0)
     sched = scheduler_with([g2], budget=16)
     sched.max_num_batched_tokens = 3
@@ -165,14 +181,20 @@ def test_drafts_take_no_new_block_while_a_request_waits():
     sched.waiting.clear()
     g.num_computed_tokens += 1
     g.output_token_ids.append(2)
-    assert len(sched.schedule().scheduled[0].spec_token_ids) == 4  # nobody waits: a new block is fine
+    assert (
+        len(sched.schedule().scheduled[0].spec_token_ids) == 4
+    )  # nobody waits: a new block is fine
 
 
 def test_no_drafts_at_or_above_the_disable_batch_size():
     seqs = [Sequence(f"g{i}", list(REPEATING), greedy(64), arrival_time=float(i)) for i in range(3)]
-    assert all(c.spec_token_ids for c in scheduler_with(seqs, disable_by_batch_size=4).schedule().scheduled)
+    assert all(
+        c.spec_token_ids for c in scheduler_with(seqs, disable_by_batch_size=4).schedule().scheduled
+    )
     seqs = [Sequence(f"g{i}", list(REPEATING), greedy(64), arrival_time=float(i)) for i in range(3)]
-    assert not any(c.spec_token_ids for c in scheduler_with(seqs, disable_by_batch_size=3).schedule().scheduled)
+    assert not any(
+        c.spec_token_ids for c in scheduler_with(seqs, disable_by_batch_size=3).schedule().scheduled
+    )
 
 
 # ---- the engine: greedy output is unchanged ---------------------------------------------------
@@ -199,15 +221,21 @@ def test_drafted_greedy_output_equals_hf_generate(model_runner, prompts, hf_outp
 def repetitive_prompt(tokenizer) -> list[int]:
     """A plain-text prompt SmolLM2 continues with the same few words in loops: n-gram heaven.
     (Chat answers of this small model repeat themselves far less: ~10% of steps gain a token.)"""
-    return tokenizer("red, green, blue, yellow, purple, red, green, blue, yellow, purple, red, green,")["input_ids"]
+    return tokenizer(
+        "red, green, blue, yellow, purple, red, green, blue, yellow, purple, red, green,"
+    )["input_ids"]
 
 
 def test_a_repetitive_text_takes_fewer_steps_with_the_same_tokens(model_runner):
     ids = repetitive_prompt(model_runner.tokenizer)
     plain = make_engine(model_runner)  # an engine takes the runner's KV cache over: one at a time
-    want = run_to_completion(plain, {0: [request("a", ids, greedy(64, ignore_eos=True))]})["a"]["tokens"]
+    want = run_to_completion(plain, {0: [request("a", ids, greedy(64, ignore_eos=True))]})["a"][
+        "tokens"
+    ]
     drafted = make_engine(model_runner, speculative=NGRAM)
-    got = run_to_completion(drafted, {0: [request("a", ids, greedy(64, ignore_eos=True))]})["a"]["tokens"]
+    got = run_to_completion(drafted, {0: [request("a", ids, greedy(64, ignore_eos=True))]})["a"][
+        "tokens"
+    ]
     assert got == want
     stats = drafted.stats()
     # The model loops over the colours: ~half the drafts are right, and there are far fewer steps
@@ -222,7 +250,9 @@ def mixed_requests(prompts, tokenizer) -> list[EngineRequest]:
         request("greedy", rep, greedy(40, ignore_eos=True)),
         request("stop-string", rep, greedy(40, stop=("blue, yellow",))),
         request("short", rep, greedy(5, ignore_eos=True)),
-        request("seeded", prompts[1], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)),
+        request(
+            "seeded", prompts[1], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+        ),
         request("penalty", rep, greedy(30, repetition_penalty=1.3)),
         request("eos", prompts[2], greedy(60)),
     ]
@@ -230,7 +260,9 @@ def mixed_requests(prompts, tokenizer) -> list[EngineRequest]:
 
 def test_every_kind_of_request_gets_the_same_output_with_drafts(model_runner, prompts):
     """Stops inside accepted drafts, max_tokens, seeded sampling and penalties beside drafted rows."""
-    plain = run_to_completion(make_engine(model_runner), {0: mixed_requests(prompts, model_runner.tokenizer)})
+    plain = run_to_completion(
+        make_engine(model_runner), {0: mixed_requests(prompts, model_runner.tokenizer)}
+    )
     engine = make_engine(model_runner, speculative=NGRAM)
     drafted = run_to_completion(engine, {0: mixed_requests(prompts, model_runner.tokenizer)})
     assert tokens_of(drafted) == tokens_of(plain)
@@ -274,12 +306,12 @@ def spec_step(sched: Scheduler, kv, outputs: dict) -> None:
         start = s.num_computed_tokens
         assert len(s.block_table) * sched.block_manager.block_size >= start + chunk.num_new_tokens
         for pos in range(start, start + chunk.num_new_tokens):
-            kv.slots[kv.slot(s, pos)] = tuple(known[:pos + 1])
+            kv.slots[kv.slot(s, pos)] = tuple(known[: pos + 1])
         new_tokens = []
         if chunk.samples:
             first_row = s.num_tokens - 1  # the last known token's row, then one per draft
             rows = range(first_row, first_row + 1 + len(drafts))
-            new_tokens = accept(drafts, [fake_model(known[:p + 1]) for p in rows])
+            new_tokens = accept(drafts, [fake_model(known[: p + 1]) for p in rows])
         s.num_computed_tokens += chunk.num_new_tokens - len(drafts) + max(0, len(new_tokens) - 1)
         sched.block_manager.cache_computed_blocks(s)
         for token in new_tokens:
@@ -299,13 +331,20 @@ def run_traffic(reqs, num_blocks: int, budget: int, max_seqs: int, policy: str, 
     for step in range(5000):
         while pending and pending[0][0] <= step:
             _, i, plen, m, pr = pending.pop(0)
-            s = Sequence(f"r{i}", [(i + j) % 3 for j in range(plen)], greedy(m), priority=pr,
-                         arrival_time=float(step))
+            s = Sequence(
+                f"r{i}",
+                [(i + j) % 3 for j in range(plen)],
+                greedy(m),
+                priority=pr,
+                arrival_time=float(step),
+            )
             if fits(sched, s):
                 sched.add(s)
         spec_step(sched, kv, outputs)
         check(sched)
-        kv.check(sched.running)  # every computed position holds its own prefix: no rejected draft counted
+        kv.check(
+            sched.running
+        )  # every computed position holds its own prefix: no rejected draft counted
         if not pending and not sched.has_unfinished():
             break
     assert not sched.has_unfinished()
@@ -315,15 +354,24 @@ def run_traffic(reqs, num_blocks: int, budget: int, max_seqs: int, policy: str, 
 
 traffic = st.lists(  # (prompt length, max_tokens, priority, arrival step)
     st.tuples(st.integers(1, 30), st.integers(1, 24), st.integers(0, 2), st.integers(0, 15)),
-    min_size=1, max_size=12)
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(reqs=traffic, num_blocks=st.integers(12, 40), budget=st.sampled_from([8, 24, 100]),
-       max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]),
-       k=st.integers(1, 5), min_n=st.integers(1, 2))
-def test_random_traffic_with_drafts_gives_the_tokens_without_them(reqs, num_blocks, budget, max_seqs, policy,
-                                                                  k, min_n):
+@given(
+    reqs=traffic,
+    num_blocks=st.integers(12, 40),
+    budget=st.sampled_from([8, 24, 100]),
+    max_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["continuous", "static"]),
+    k=st.integers(1, 5),
+    min_n=st.integers(1, 2),
+)
+def test_random_traffic_with_drafts_gives_the_tokens_without_them(
+    reqs, num_blocks, budget, max_seqs, policy, k, min_n
+):
     plain = run_traffic(reqs, num_blocks, budget, max_seqs, policy, None)
     drafted = run_traffic(reqs, num_blocks, budget, max_seqs, policy, NgramProposer(k, 3, min_n))
     assert drafted == plain

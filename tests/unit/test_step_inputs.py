@@ -1,6 +1,7 @@
 """A step's inputs from persistent block-table rows (worker/engine/step_inputs.py) equal what the
 runner built from Python lists before (the reference below), step after step, through block
 growth, a freed and reallocated table (preemption), prompt chunks, drafts and rows reused."""
+
 from __future__ import annotations
 
 import random
@@ -16,7 +17,9 @@ BS = 4
 
 
 def reference(scheduled: list[ScheduledSequence], bs: int = BS) -> dict:
-    decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+    decodes = sorted(
+        (s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens
+    )
     ordered = decodes + [s for s in scheduled if s.num_new_tokens > 1]
     ids, positions, slots, logits = [], [], [], []
     for s in ordered:
@@ -36,20 +39,35 @@ def reference(scheduled: list[ScheduledSequence], bs: int = BS) -> dict:
         return [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks]
 
     nd = len(decodes)
-    return {"ids": ids, "positions": positions, "slots": slots, "logits": logits, "cu": cu,
-            "context": [s.seq.num_computed_tokens + s.num_new_tokens for s in ordered], "nd": nd,
-            "decode_tables": tables(ordered[:nd]) if nd else None,
-            "prefill_tables": tables(ordered[nd:]) if nd < len(ordered) else None, "order": [id(s) for s in ordered]}
+    return {
+        "ids": ids,
+        "positions": positions,
+        "slots": slots,
+        "logits": logits,
+        "cu": cu,
+        "context": [s.seq.num_computed_tokens + s.num_new_tokens for s in ordered],
+        "nd": nd,
+        "decode_tables": tables(ordered[:nd]) if nd else None,
+        "prefill_tables": tables(ordered[nd:]) if nd < len(ordered) else None,
+        "order": [id(s) for s in ordered],
+    }
 
 
 def built(builder: StepBuilder, scheduled) -> dict:
     step = builder.build(scheduled)
     t, n, nd = step.tables, len(step.ordered), step.tables.num_decodes
-    return {"ids": step.input_ids.tolist(), "positions": t.positions.tolist(), "slots": t.slot_mapping.tolist(),
-            "logits": step.logits_indices.tolist(), "cu": t.cu_seqlens_q.tolist(), "context": t.context_lens.tolist(),
-            "nd": nd, "decode_tables": t.block_tables(0, nd).tolist() if nd else None,
-            "prefill_tables": t.block_tables(nd, n).tolist() if nd < n else None,
-            "order": [id(s) for s in step.ordered]}
+    return {
+        "ids": step.input_ids.tolist(),
+        "positions": t.positions.tolist(),
+        "slots": t.slot_mapping.tolist(),
+        "logits": step.logits_indices.tolist(),
+        "cu": t.cu_seqlens_q.tolist(),
+        "context": t.context_lens.tolist(),
+        "nd": nd,
+        "decode_tables": t.block_tables(0, nd).tolist() if nd else None,
+        "prefill_tables": t.block_tables(nd, n).tolist() if nd < n else None,
+        "order": [id(s) for s in step.ordered],
+    }
 
 
 class World:
@@ -60,8 +78,11 @@ class World:
         self.rng, self.next_block, self.seqs = rng, 0, []
 
     def new_seq(self) -> Sequence:
-        seq = Sequence(f"s{len(self.seqs)}", [self.rng.randrange(100) for _ in range(self.rng.randrange(2, 30))],
-                       SamplingParams(max_tokens=1000))
+        seq = Sequence(
+            f"s{len(self.seqs)}",
+            [self.rng.randrange(100) for _ in range(self.rng.randrange(2, 30))],
+            SamplingParams(max_tokens=1000),
+        )
         self.seqs.append(seq)
         return seq
 
@@ -79,7 +100,11 @@ class World:
                 seq.block_table, seq.num_computed_tokens = [], 0
             left = seq.num_tokens - seq.num_computed_tokens
             new = min(left, self.rng.choice([1, 1, 1, 3, 8]))
-            drafts = [self.rng.randrange(100) for _ in range(self.rng.choice([0, 0, 2]))] if new == left == 1 else []
+            drafts = (
+                [self.rng.randrange(100) for _ in range(self.rng.choice([0, 0, 2]))]
+                if new == left == 1
+                else []
+            )
             self.blocks_for(seq, seq.num_computed_tokens + new + len(drafts))
             out.append(ScheduledSequence(seq, new + len(drafts), drafts))
         self.rng.shuffle(out)
@@ -127,6 +152,7 @@ def test_the_decode_step_benchs_batches_build_as_the_reference():
 def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
     """A torch op costs more than its values at these sizes (docs/benchmarks.md), so a decode
     step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks included."""
+
     def ops(num_seqs: int) -> list[str]:
         batch = decode_step.make_batch(num_seqs, 512)
         builder = StepBuilder(decode_step.BLOCK, 64, lambda t: t)

@@ -1,5 +1,6 @@
 """tests/time_cap.py: a test over the cap fails, a module fixture's set-up included (a session
 fixture's is not); under the cap, or with the cap off, it passes."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,10 +31,12 @@ def test_quick(slow_session):
 
 @pytest.fixture
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest("pytest_plugins = ['tests.time_cap']\n"
-                          "def pytest_addoption(parser):\n"
-                          "    parser.addoption('--chaos-long', action='store_true')\n"
-                          "    parser.addoption('--full', action='store_true')\n")
+    pytester.makeconftest(
+        "pytest_plugins = ['tests.time_cap']\n"
+        "def pytest_addoption(parser):\n"
+        "    parser.addoption('--chaos-long', action='store_true')\n"
+        "    parser.addoption('--full', action='store_true')\n"
+    )
     pytester.makepyfile(test_slow=SLOW)
     return pytester
 

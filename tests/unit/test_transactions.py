@@ -3,6 +3,7 @@ Kafka transaction per owned partition (worker/delivery/transactions.py), with th
 worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker resuming
 from it, and PartitionTxn's batching, retries and fencing over a recording producer. Against the
 broker: tests/kafka/test_transactions.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,16 @@ from aiokafka.errors import MessageSizeTooLargeError, ProducerFenced
 from hypothesis import given, strategies as st
 
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
-    Topics, collect, final_dones, request, spawn_worker, submit, topics, wait_ready, worker_config)
+    Topics,
+    collect,
+    final_dones,
+    request,
+    spawn_worker,
+    submit,
+    topics,
+    wait_ready,
+    worker_config,
+)
 from inferline.worker.delivery import transactions
 from inferline.worker.service.metrics import Metrics
 from inferline.worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
@@ -23,6 +33,7 @@ TP = TopicPartition("requests", 0)
 
 
 # ------------------------------------------------------------------------------------ the ledger
+
 
 @given(st.integers(0, 10**12), st.sets(st.integers(1, 5000), max_size=400))
 def test_the_ledger_lists_exactly_the_finished_offsets_above_the_mark(mark, above):
@@ -58,6 +69,7 @@ def test_a_partition_never_committed_starts_with_an_empty_ledger():
 
 # ----------------------------------------------------------------------- PartitionTxn, offline
 
+
 class RecordingProducer:
     """The transactional producer's calls, recorded; `fail_topics` fail their sends, `fenced`
     fails the next commit as a newer owner's producer would make it fail."""
@@ -67,8 +79,15 @@ class RecordingProducer:
         self.fail_topics: dict[str, type] = {}  # topic -> the exception its sends fail with
         self.fenced = False
         self.lose_commit_answer = False  # the commit happens, its answer is lost (a timeout)
-        self.client = type("Client", (), {"_topics": set(), "set_topics": lambda s, t: None,
-                                          "add_topic": lambda s, t: s._topics.add(t)})()
+        self.client = type(
+            "Client",
+            (),
+            {
+                "_topics": set(),
+                "set_topics": lambda s, t: None,
+                "add_topic": lambda s, t: s._topics.add(t),
+            },
+        )()
         self._open: dict | None = None
 
     async def start(self) -> None: ...
@@ -129,11 +148,25 @@ class FakeOwner:
         self.given_up.append(tp)
 
 
-async def _partition(tracker: OffsetTracker, offsets, owner: bool = True, retry_s: float = 300.0,
-                     interval_s: float = 0.0) -> tuple[PartitionTxn, RecordingProducer]:
+async def _partition(
+    tracker: OffsetTracker,
+    offsets,
+    owner: bool = True,
+    retry_s: float = 300.0,
+    interval_s: float = 0.0,
+) -> tuple[PartitionTxn, RecordingProducer]:
     producer = RecordingProducer()
-    part = PartitionTxn(TP, lambda tp: producer, tracker, "group", Metrics(), 4096,
-                        owner=FakeOwner(producer, owner), retry_s=retry_s, interval_s=interval_s)
+    part = PartitionTxn(
+        TP,
+        lambda tp: producer,
+        tracker,
+        "group",
+        Metrics(),
+        4096,
+        owner=FakeOwner(producer, owner),
+        retry_s=retry_s,
+        interval_s=interval_s,
+    )
     for o in offsets:
         tracker.add(TP, o)
     await part.start()
@@ -141,8 +174,12 @@ async def _partition(tracker: OffsetTracker, offsets, owner: bool = True, retry_
 
 
 def _final(offset: int, outcomes: dict, topic: str = "replies", forever: bool = False) -> Final:
-    return Final(offset, [(topic, None, b"k", f"done {offset}".encode(), None)],
-                 lambda outcome, error=None: outcomes.__setitem__(offset, outcome), forever=forever)
+    return Final(
+        offset,
+        [(topic, None, b"k", f"done {offset}".encode(), None)],
+        lambda outcome, error=None: outcomes.__setitem__(offset, outcome),
+        forever=forever,
+    )
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
@@ -178,7 +215,9 @@ async def test_finals_of_several_cycles_share_one_transaction_within_the_interva
     await part.stop()
     assert outcomes == dict.fromkeys(range(5), "ok")
     assert [[v for _, v in t["records"]] for t in producer.transactions] == [
-        [b"done 0"], [b"done 1", b"done 3", b"done 2", b"done 4"]]
+        [b"done 0"],
+        [b"done 1", b"done 3", b"done 2", b"done 4"],
+    ]
     assert producer.transactions[1]["offsets"] == {TP: (5, encode_ledger(5, set()))}
     assert tracker.watermark(TP) == 5
 
@@ -199,13 +238,18 @@ async def test_within_the_interval_a_refused_record_still_costs_only_its_own_fin
     assert tracker.watermark(TP) == 2  # 2 waits for its dead letter (the Publisher's part)
 
 
-async def test_a_refused_record_costs_only_its_own_final_and_a_dead_letter_is_never_given_up(monkeypatch):
+async def test_a_refused_record_costs_only_its_own_final_and_a_dead_letter_is_never_given_up(
+    monkeypatch,
+):
     monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
     tracker, outcomes = OffsetTracker(), {}
     part, producer = await _partition(tracker, range(3))
     producer.fail_topics = {"tiny": MessageSizeTooLargeError, "dlq": RuntimeError}
-    for final in (_final(0, outcomes, topic="tiny"), _final(1, outcomes),
-                  _final(2, outcomes, topic="dlq", forever=True)):
+    for final in (
+        _final(0, outcomes, topic="tiny"),
+        _final(1, outcomes),
+        _final(2, outcomes, topic="dlq", forever=True),
+    ):
         part.submit(final)
     await _until(lambda: 0 in outcomes and 1 in outcomes)
     # A permanent refusal is not retried; 1 went again at once, as if it had never failed.
@@ -248,6 +292,7 @@ async def test_a_fence_of_a_partition_still_owned_takes_the_id_back_and_commits(
 
     async def unfence():
         producer.fenced = False
+
     producer.start = unfence  # the new InitProducerId takes the id back
     part.submit(_final(0, outcomes))
     await _until(lambda: 0 in outcomes)
@@ -290,8 +335,10 @@ async def test_a_commit_whose_answer_was_lost_is_resolved_not_sent_again():
     await _until(lambda: 1 in outcomes)
     await part.stop()
     assert outcomes == {0: "ok", 1: "ok"}
-    assert [[v for _, v in t["records"]] for t in producer.transactions] == [[b"done 0"], [b"done 1"]]
+    assert [[v for _, v in t["records"]] for t in producer.transactions] == [
+        [b"done 0"],
+        [b"done 1"],
+    ]
 
 
 # ----------------------------------------------------------------------------- with the broker
-

@@ -1,6 +1,7 @@
 """Delivery: the one place a request's result becomes final (answer, dead letter or give back)
 and its input finished. design: docs/architecture.md#the-delivery-path
 """
+
 from __future__ import annotations
 
 import uuid
@@ -20,8 +21,14 @@ log = structlog.get_logger(__name__)
 class Delivery:
     """Answers, dead letters and give-backs, and what finishes their input."""
 
-    def __init__(self, settings, publisher: Publisher, ledger: JobLedger, metrics,
-                 generation: Callable[[TopicPartition], int]) -> None:
+    def __init__(
+        self,
+        settings,
+        publisher: Publisher,
+        ledger: JobLedger,
+        metrics,
+        generation: Callable[[TopicPartition], int],
+    ) -> None:
         self._k = settings.kafka
         self.publisher, self.ledger, self._m = publisher, ledger, metrics
         self._generation = generation  # a partition's assignment generation (Intake.epoch)
@@ -37,27 +44,52 @@ class Delivery:
         tp = TopicPartition(record.topic, record.partition)
         generation = self._generation(tp)
         self.ledger.taken(tp)
-        headers = [("error", reason.encode()), ("source-topic", record.topic.encode()),
-                   ("source-partition", str(record.partition).encode()),
-                   ("source-offset", str(record.offset).encode())]
+        headers = [
+            ("error", reason.encode()),
+            ("source-topic", record.topic.encode()),
+            ("source-partition", str(record.partition).encode()),
+            ("source-offset", str(record.offset).encode()),
+        ]
         value, limit = record.value, self._k.max_message_bytes
         if value is not None and len(value) > limit:  # could never be produced: keep the head
             value = value[: limit - 4096]
             headers.append(("original-size", str(len(record.value)).encode()))
         self.publisher.dead_letter(
-            self._k.dlq_topic, record.key, value, headers, (tp, record.offset, generation),
-            on_acked=lambda outcome, error=None: self._input_done(tp, record.offset, outcome, generation, "reject"))
+            self._k.dlq_topic,
+            record.key,
+            value,
+            headers,
+            (tp, record.offset, generation),
+            on_acked=lambda outcome, error=None: self._input_done(
+                tp, record.offset, outcome, generation, "reject"
+            ),
+        )
 
-    def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str,
-               finish_reason: str = "rejected", metadata: dict | None = None) -> None:
+    def reject(
+        self,
+        tp,
+        offset: int,
+        route: ReplyRoute,
+        code: str,
+        message: str,
+        finish_reason: str = "rejected",
+        metadata: dict | None = None,
+    ) -> None:
         """Answer a request that will not run: one `done` (seq 0)."""
         rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
         generation = self._generation(tp)
         self.ledger.taken(tp)
-        self.publisher.done(rs, finish_reason=finish_reason, text="", error=(code, message), metadata=metadata,
-                            source=(tp, offset, generation),
-                            on_acked=lambda outcome, error=None: self._answered(tp, offset, outcome, rs.topic,
-                                                                                generation, error))
+        self.publisher.done(
+            rs,
+            finish_reason=finish_reason,
+            text="",
+            error=(code, message),
+            metadata=metadata,
+            source=(tp, offset, generation),
+            on_acked=lambda outcome, error=None: self._answered(
+                tp, offset, outcome, rs.topic, generation, error
+            ),
+        )
         self._m.requests.labels(finish_reason).inc()
         if finish_reason == "rejected":
             self._m.rejections.labels(code).inc()
@@ -67,30 +99,46 @@ class Delivery:
         offset."""
         if not self.ledger.finished(req):
             return False
-        log.warning("request.resubmitted_after_done", request_id=req.id, partition=tp.partition, offset=offset)
+        log.warning(
+            "request.resubmitted_after_done",
+            request_id=req.id,
+            partition=tp.partition,
+            offset=offset,
+        )
         self.num_resubmitted += 1
         generation = self._generation(tp)
         self.ledger.taken(tp)
         final = self.ledger.final_event(req.id)
         record = (final[0], final[1], req.id.encode(), final[2]) if final is not None else None
         self.publisher.finish_offset(
-            (tp, offset, generation), record,
-            lambda outcome, error=None: self._input_done(tp, offset, outcome, generation))
+            (tp, offset, generation),
+            record,
+            lambda outcome, error=None: self._input_done(tp, offset, outcome, generation),
+        )
         return True
 
     # -- what the engine finished -----------------------------------------------------------------
 
-    def finish(self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None,
-               ran: bool) -> None:
+    def finish(
+        self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None, ran: bool
+    ) -> None:
         """The attempt's last event. A final one ends its input; `requeued` gives it back."""
         final = reason != "requeued"
         self.publisher.done(
-            job.reply, finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens, queue_s=out.queue_s if ran else out.total_s,
-            ttft_s=out.ttft_s, total_s=out.total_s, text=out.text, error=error, metadata=job.request.metadata,
+            job.reply,
+            finish_reason=reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            queue_s=out.queue_s if ran else out.total_s,
+            ttft_s=out.ttft_s,
+            total_s=out.total_s,
+            text=out.text,
+            error=error,
+            metadata=job.request.metadata,
             samples=wire_samples(out) if final else None,
             source=(job.tp, job.offset, job.generation) if final else None,
-            on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err))
+            on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err),
+        )
 
     def stale(self, job: Job) -> bool:
         """Its partition moved since admission: a final from here would be a second one."""
@@ -108,8 +156,15 @@ class Delivery:
             self.ledger.remember(job)
         self._answered(job.tp, job.offset, outcome, job.reply.topic, job.generation, error)
 
-    def _answered(self, tp: TopicPartition, offset: int, outcome: str, topic: str, generation: int,
-                  error: str | None) -> None:
+    def _answered(
+        self,
+        tp: TopicPartition,
+        offset: int,
+        outcome: str,
+        topic: str,
+        generation: int,
+        error: str | None,
+    ) -> None:
         """A `done` is final, or refused for good and dead-lettered; fenced: another worker owns the
         partition."""
         if outcome != "failed":
@@ -119,12 +174,27 @@ class Delivery:
         if record is None or generation != self._generation(tp):
             self._input_done(tp, offset, "fenced", generation)  # its new owner reads it again
             return
-        log.error("request.reply_undeliverable", partition=tp.partition, offset=offset, topic=topic, error=error)
-        self.dead_letter(record, f"the reply could not be delivered to {topic!r}" + (f": {error}" if error else ""))
+        log.error(
+            "request.reply_undeliverable",
+            partition=tp.partition,
+            offset=offset,
+            topic=topic,
+            error=error,
+        )
+        self.dead_letter(
+            record,
+            f"the reply could not be delivered to {topic!r}" + (f": {error}" if error else ""),
+        )
         self.ledger.acked(tp)
 
-    def _input_done(self, tp: TopicPartition, offset: int, outcome: str, generation: int,
-                    verdict: str = "accept") -> None:
+    def _input_done(
+        self,
+        tp: TopicPartition,
+        offset: int,
+        outcome: str,
+        generation: int,
+        verdict: str = "accept",
+    ) -> None:
         # Committed with its offset, or (fenced, stopping) left for the partition's next owner.
         if outcome == "ok" and generation == self._generation(tp):
             self.ledger.release(tp, offset)
@@ -150,5 +220,12 @@ class AcknowledgedDelivery(Delivery):
 def wire_samples(out: RequestOutput) -> list[Sample] | None:
     if out.samples is None:
         return None
-    return [Sample(index=s.index, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.num_output_tokens)
-            for s in out.samples]
+    return [
+        Sample(
+            index=s.index,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            completion_tokens=s.num_output_tokens,
+        )
+        for s in out.samples
+    ]

@@ -1,6 +1,7 @@
 """The job ledger: each request held here (a `Job` per attempt) until its outcome is committed,
 and the ids finished here, so a resubmission is answered, not rerun.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,10 +49,16 @@ class JobLedger:
     def __init__(self) -> None:
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
-        self._held: dict[tuple[TopicPartition, int], object] = {}  # records taken, offset not finished
+        self._held: dict[
+            tuple[TopicPartition, int], object
+        ] = {}  # records taken, offset not finished
         self._unacked: Counter[TopicPartition] = Counter()  # outcomes not committed yet
-        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, final done committed
-        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, partition, done bytes)
+        self._completed: OrderedDict[str, str] = (
+            OrderedDict()
+        )  # id -> fingerprint, final done committed
+        self._final_events: OrderedDict[str, tuple] = (
+            OrderedDict()
+        )  # id -> (topic, partition, done bytes)
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
 
     # -- jobs -------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 offsets above it, in the commit's metadata.
 design: docs/reliability.md#exactly-one-final-result-transactions
 """
+
 from __future__ import annotations
 
 import asyncio

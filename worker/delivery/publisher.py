@@ -1,6 +1,7 @@
 """Reply events through one idempotent producer, in `seq` order per attempt, tokens coalesced;
 final results through the transactions. design: docs/architecture.md#delivery-guarantees
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +14,26 @@ import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
 from inferline.contract.schema import (
-    DoneEvent, ErrorInfo, InvalidRequest, Request, Sample, StartedEvent, Timing, TokensEvent, Usage, encode_event)
+    DoneEvent,
+    ErrorInfo,
+    InvalidRequest,
+    Request,
+    Sample,
+    StartedEvent,
+    Timing,
+    TokensEvent,
+    Usage,
+    encode_event,
+)
 from inferline.worker.delivery.transactions import (
-    MAX_PRODUCER_TOPICS, Final, Outcome, Transactions, listed, permanent, reply_batch_bytes)
+    MAX_PRODUCER_TOPICS,
+    Final,
+    Outcome,
+    Transactions,
+    listed,
+    permanent,
+    reply_batch_bytes,
+)
 
 log = structlog.get_logger(__name__)
 RETRY_BACKOFF_S = 0.5
@@ -47,7 +65,9 @@ class ReplyStream:
     partition: int | None
     stream: bool = True
     seq: int = 0
-    pending: dict[int, "_Pending"] = field(default_factory=dict)  # by sample index: not yet in an event
+    pending: dict[int, "_Pending"] = field(
+        default_factory=dict
+    )  # by sample index: not yet in an event
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
     in_flight: int = 0
@@ -72,7 +92,6 @@ class ReplyStream:
 
 @dataclass
 class _Pending:
-
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] | None = None
@@ -90,12 +109,20 @@ class _Outgoing:
     first_failed: float | None = None
     forever: bool = False  # retried until the broker takes it (dead letters)
     stream: ReplyStream | None = None  # streamed: its attempt's `done` waits for its ack
-    source: tuple[TopicPartition, int, int] | None = None  # final: committed with (tp, offset, generation)
+    source: tuple[TopicPartition, int, int] | None = (
+        None  # final: committed with (tp, offset, generation)
+    )
 
 
 class Publisher:
-    def __init__(self, settings, metrics, worker_name: str, transactions: Transactions,
-                 on_send_failed: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings,
+        metrics,
+        worker_name: str,
+        transactions: Transactions,
+        on_send_failed: Callable[[str], None] | None = None,
+    ) -> None:
         self._kafka = settings.kafka
         self._txns = transactions
         self._transactional = settings.kafka.intake == "group"
@@ -142,7 +169,10 @@ class Publisher:
     def full(self) -> bool:
         """Too many replies wait for the broker: intake pauses (failing topics and dead letters do
         not count)."""
-        stuck = sum(self._topic_backlog[t] for t in self._failing_topics()) + self._topic_backlog[self._kafka.dlq_topic]
+        stuck = (
+            sum(self._topic_backlog[t] for t in self._failing_topics())
+            + self._topic_backlog[self._kafka.dlq_topic]
+        )
         return self.backlog - stuck >= self._kafka.max_pending_replies
 
     def _failing_topics(self) -> list[str]:
@@ -157,12 +187,23 @@ class Publisher:
     # -- events ---------------------------------------------------------------------------------
 
     def started(self, rs: ReplyStream, queue_s: float) -> None:
-        ev = StartedEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(),
-                          worker=self.worker_name, queue_s=max(0.0, queue_s))
+        ev = StartedEvent(
+            id=rs.request_id,
+            attempt=rs.attempt,
+            seq=rs.next_seq(),
+            worker=self.worker_name,
+            queue_s=max(0.0, queue_s),
+        )
         self._emit(rs, ev)
 
-    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str, logprobs: list[dict] | None = None,
-               index: int = 0) -> None:
+    def tokens(
+        self,
+        rs: ReplyStream,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[dict] | None = None,
+        index: int = 0,
+    ) -> None:
         if not rs.stream or not token_ids and not text:
             return
         pending = rs.pending.setdefault(index, _Pending())
@@ -176,38 +217,89 @@ class Publisher:
         else:
             self._dirty[rs.attempt] = rs
 
-    def done(self, rs: ReplyStream, *, finish_reason: str, prompt_tokens: int = 0,
-             completion_tokens: int = 0, queue_s: float = 0.0, ttft_s: float | None = None,
-             total_s: float = 0.0, text: str | None = None, error: tuple[str, str] | None = None,
-             metadata: dict[str, str] | None = None, source: tuple[TopicPartition, int, int] | None = None,
-             samples: list[Sample] | None = None, on_acked: Callable[..., None]) -> None:
+    def done(
+        self,
+        rs: ReplyStream,
+        *,
+        finish_reason: str,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        queue_s: float = 0.0,
+        ttft_s: float | None = None,
+        total_s: float = 0.0,
+        text: str | None = None,
+        error: tuple[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        source: tuple[TopicPartition, int, int] | None = None,
+        samples: list[Sample] | None = None,
+        on_acked: Callable[..., None],
+    ) -> None:
         """The attempt's last event; with `source` (partition, offset, generation) a final one,
         committed with that offset, `on_acked(outcome, error)` saying how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
         ev = DoneEvent(
-            id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), finish_reason=finish_reason,
+            id=rs.request_id,
+            attempt=rs.attempt,
+            seq=rs.next_seq(),
+            finish_reason=finish_reason,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-            timing=Timing(queue_s=max(0.0, queue_s), ttft_s=None if ttft_s is None else max(0.0, ttft_s),
-                          total_s=max(0.0, total_s)),
-            text=text, error=ErrorInfo(code=error[0], message=error[1]) if error else None,
-            metadata=metadata or {}, worker=self.worker_name, samples=samples,
+            timing=Timing(
+                queue_s=max(0.0, queue_s),
+                ttft_s=None if ttft_s is None else max(0.0, ttft_s),
+                total_s=max(0.0, total_s),
+            ),
+            text=text,
+            error=ErrorInfo(code=error[0], message=error[1]) if error else None,
+            metadata=metadata or {},
+            worker=self.worker_name,
+            samples=samples,
         )
         rs.closed = True
         rs.final_event = encode_event(ev)
-        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), rs.final_event, None, on_acked,
-                                stream=rs, source=source))
+        self._enqueue(
+            _Outgoing(
+                rs.topic,
+                rs.partition,
+                rs.request_id.encode(),
+                rs.final_event,
+                None,
+                on_acked,
+                stream=rs,
+                source=source,
+            )
+        )
 
-    def dead_letter(self, topic: str, key: bytes | None, value: bytes | None,
-                    headers: list[tuple[str, bytes]], source: tuple[TopicPartition, int, int],
-                    on_acked: Callable[..., None]) -> None:
+    def dead_letter(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        source: tuple[TopicPartition, int, int],
+        on_acked: Callable[..., None],
+    ) -> None:
         # A tombstone (value None) stays a tombstone.
-        self._enqueue(_Outgoing(topic, None, key, value if value is not None else b"", headers, on_acked,
-                                forever=True, source=source))
+        self._enqueue(
+            _Outgoing(
+                topic,
+                None,
+                key,
+                value if value is not None else b"",
+                headers,
+                on_acked,
+                forever=True,
+                source=source,
+            )
+        )
         self._metrics.dead_letters.inc()
 
-    def finish_offset(self, source: tuple[TopicPartition, int, int], record: tuple | None,
-                      on_acked: Callable[..., None]) -> None:
+    def finish_offset(
+        self,
+        source: tuple[TopicPartition, int, int],
+        record: tuple | None,
+        on_acked: Callable[..., None],
+    ) -> None:
         """Finish an input answered before: its remembered `done` resent in the same transaction,
         or no record."""
         topic, partition, key, value = record if record is not None else ("", None, None, b"")
@@ -219,8 +311,18 @@ class Publisher:
         self._dirty.pop(rs.attempt, None)
         pending, rs.pending = rs.pending, {}
         for index, p in sorted(pending.items()):
-            self._emit(rs, TokensEvent(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), index=index,
-                                       token_ids=p.token_ids, text="".join(p.text), logprobs=p.logprobs))
+            self._emit(
+                rs,
+                TokensEvent(
+                    id=rs.request_id,
+                    attempt=rs.attempt,
+                    seq=rs.next_seq(),
+                    index=index,
+                    token_ids=p.token_ids,
+                    text="".join(p.text),
+                    logprobs=p.logprobs,
+                ),
+            )
 
     def flush_all(self, force: bool = False) -> None:
         """Each stream's buffered tokens as one event; a stream with an unacked event keeps
@@ -238,7 +340,9 @@ class Publisher:
     # -- sending ----------------------------------------------------------------------------------
 
     def _emit(self, rs: ReplyStream, ev) -> None:
-        self._enqueue(_Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev), stream=rs))
+        self._enqueue(
+            _Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev), stream=rs)
+        )
 
     def _enqueue(self, out: _Outgoing) -> None:
         self.backlog += 1
@@ -286,21 +390,32 @@ class Publisher:
         # aiokafka refreshes metadata for every topic it ever sent to: keep the ones in use.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
-            client.set_topics({t for t in (*self._lanes, *self._topic_backlog) if t} | {self._kafka.dlq_topic})
+            client.set_topics(
+                {t for t in (*self._lanes, *self._topic_backlog) if t} | {self._kafka.dlq_topic}
+            )
 
     async def _to_transaction(self, out: _Outgoing) -> None:
         if out.stream is not None:
             await out.stream.drained()  # the done must land after the attempt's tokens
         records = [(out.topic, out.partition, out.key, out.value, out.headers)] if out.topic else []
         tp, offset, generation = out.source
-        self._txns.submit(tp, Final(offset, records, lambda outcome, error=None: self._settle(out, outcome, error),
-                                    forever=out.forever, generation=generation))
+        self._txns.submit(
+            tp,
+            Final(
+                offset,
+                records,
+                lambda outcome, error=None: self._settle(out, outcome, error),
+                forever=out.forever,
+                generation=generation,
+            ),
+        )
 
     async def _send(self, out: _Outgoing):
         listed(self._producer, out.topic)
         try:
-            return await self._producer.send(out.topic, out.value, key=out.key, partition=out.partition,
-                                             headers=out.headers)
+            return await self._producer.send(
+                out.topic, out.value, key=out.key, partition=out.partition, headers=out.headers
+            )
         except AssertionError:  # reply_partition not in the topic
             log.warning("publisher.no_such_partition", topic=out.topic, partition=out.partition)
             out.partition = None  # better a done by key than none
@@ -325,8 +440,12 @@ class Publisher:
             return
         # As for a transaction's final: permanent refusals at once, passing causes after a while.
         out.first_failed = out.first_failed or time.monotonic()
-        if not out.forever and (permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s):
-            log.error("publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
+        if not out.forever and (
+            permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s
+        ):
+            log.error(
+                "publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc)
+            )
             self._settle(out, "failed", repr(exc))
             return
         log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))

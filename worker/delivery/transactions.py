@@ -1,6 +1,7 @@
 """Final results committed with their input offsets, one Kafka transaction at a time per owned
 input partition. design: docs/reliability.md#exactly-one-final-result-transactions
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,16 +14,30 @@ from typing import Callable, Literal, Protocol
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import (
-    CorruptRecordException, InvalidTopicError, MessageSizeTooLargeError, ProducerFenced, RecordListTooLargeError,
-    RecordTooLargeError, TopicAuthorizationFailedError, UnsupportedForMessageFormatError)
+    CorruptRecordException,
+    InvalidTopicError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+)
 
 from inferline.worker.delivery.offsets import decode_ledger
 
 log = structlog.get_logger(__name__)
 Outcome = Literal["ok", "failed", "fenced"]  # ok: committed (or, not final, acked)
 # Refusals no retry changes: the record, or the topic, is not this worker's to write.
-PERMANENT = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError, TopicAuthorizationFailedError,
-             InvalidTopicError, CorruptRecordException, UnsupportedForMessageFormatError)
+PERMANENT = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    InvalidTopicError,
+    CorruptRecordException,
+    UnsupportedForMessageFormatError,
+)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 # Reply topics' metadata is awaited before a transaction begins: a deleted topic costs a retry,
@@ -50,7 +65,9 @@ class Ownership(Protocol):
 
     def owns(self, tp: TopicPartition, generation: int) -> bool: ...
     async def confirm(self, tp: TopicPartition) -> bool: ...  # the group coordinator agrees
-    async def committed(self, tp: TopicPartition) -> tuple[int, str | None] | None: ...  # offset, ledger
+    async def committed(
+        self, tp: TopicPartition
+    ) -> tuple[int, str | None] | None: ...  # offset, ledger
     async def gone(self, topic: str) -> bool: ...  # the broker answers and lists no such topic
     def give_up(self, tp: TopicPartition) -> None: ...
 
@@ -117,9 +134,20 @@ class PartitionTxn:
     """The transactional producer of one owned input partition and its queue of finals. A failure
     is charged to its cause; the id is re-taken only on the coordinator's word."""
 
-    def __init__(self, tp: TopicPartition, producer_factory, tracker, group_id: str, metrics,
-                 metadata_max_bytes: int, *, generation: int = 0, owner: Ownership | None = None,
-                 retry_s: float = 300.0, interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        tp: TopicPartition,
+        producer_factory,
+        tracker,
+        group_id: str,
+        metrics,
+        metadata_max_bytes: int,
+        *,
+        generation: int = 0,
+        owner: Ownership | None = None,
+        retry_s: float = 300.0,
+        interval_s: float = 0.0,
+    ) -> None:
         self.tp, self._factory, self._tracker = tp, producer_factory, tracker
         self._interval, self._last_begin = interval_s, float("-inf")
         self._group, self._m, self._metadata_max = group_id, metrics, metadata_max_bytes
@@ -138,7 +166,9 @@ class PartitionTxn:
         transaction, before the ledger is read."""
         self._producer = self._factory(self.tp)
         await self._take_id()
-        self._task = asyncio.create_task(self._run(), name=f"txn-{self.tp.topic}-{self.tp.partition}")
+        self._task = asyncio.create_task(
+            self._run(), name=f"txn-{self.tp.topic}-{self.tp.partition}"
+        )
 
     async def _take_id(self) -> None:
         await self._producer.start()
@@ -267,8 +297,11 @@ class PartitionTxn:
         """One transaction; returns the finals whose records were refused (nothing commits then)."""
         p = self._producer
         await p.begin_transaction()
-        sent = [(f, await _sent(p, topic, value, key, partition, headers))
-                for f in batch for topic, partition, key, value, headers in f.records]
+        sent = [
+            (f, await _sent(p, topic, value, key, partition, headers))
+            for f in batch
+            for topic, partition, key, value, headers in f.records
+        ]
         # aiokafka would commit around a refused record: every one must be in first.
         results = await asyncio.gather(*(fut for _, fut in sent), return_exceptions=True)
         refused = [(f, r) for (f, _), r in zip(sent, results) if isinstance(r, BaseException)]
@@ -292,7 +325,9 @@ class PartitionTxn:
             f.on_done("ok")
         self._prune_metadata()
 
-    async def _refused(self, batch: list[Final], refused: list[tuple[Final, BaseException]]) -> None:
+    async def _refused(
+        self, batch: list[Final], refused: list[tuple[Final, BaseException]]
+    ) -> None:
         """Refused records each cost their own final; the rest go again at once."""
         await self._reopen(refused[0][1])
         guilty = {id(f): exc for f, exc in refused}
@@ -333,11 +368,17 @@ class PartitionTxn:
         for topic in [t for t, parts in known.items() if parts is None]:
             bad = [f for f in batch if topic in f.topics]
             gone = await self._gone(topic)
-            self._retry(bad, Gone(f"reply topic {topic!r} does not exist") if gone
-                        else RuntimeError(f"no metadata for {topic!r}"))
+            self._retry(
+                bad,
+                Gone(f"reply topic {topic!r} does not exist")
+                if gone
+                else RuntimeError(f"no metadata for {topic!r}"),
+            )
             batch = [f for f in batch if topic not in f.topics]
         for f in batch:
-            f.records = [(t, p if p is None or p in known[t] else None, *rest) for t, p, *rest in f.records]
+            f.records = [
+                (t, p if p is None or p in known[t] else None, *rest) for t, p, *rest in f.records
+            ]
         return batch
 
     async def _gone(self, topic: str) -> bool:
@@ -419,7 +460,9 @@ class PartitionTxn:
             f.first_failed = f.first_failed or now
             self._m.send_failures.inc()
             if not f.forever and (permanent(exc) or now - f.first_failed >= self._retry_s):
-                log.error("txn.gave_up", partition=self.tp.partition, offset=f.offset, error=repr(exc))
+                log.error(
+                    "txn.gave_up", partition=self.tp.partition, offset=f.offset, error=repr(exc)
+                )
                 f.on_done("failed", _cause(exc))
                 continue
             delay = min(RETRY_BACKOFF_S * f.tries, MAX_BACKOFF_S)
@@ -448,7 +491,9 @@ async def _sent(producer, topic, value, key, partition, headers) -> asyncio.Futu
 def _read_failures(producer) -> None:
     """Mark a replaced producer's failed futures read, or each logs "Future exception was never
     retrieved"."""
-    tm, sender, acc = (getattr(producer, a, None) for a in ("_txn_manager", "_sender", "_message_accumulator"))
+    tm, sender, acc = (
+        getattr(producer, a, None) for a in ("_txn_manager", "_sender", "_message_accumulator")
+    )
     futures = [getattr(tm, a, None) for a in ("_transaction_waiter", "_pid_waiter", "_task_waiter")]
     futures.append(getattr(sender, "sender_task", None))
     if acc is not None:
@@ -484,7 +529,6 @@ async def after_commit() -> None:
 
 
 class Transactions:
-
     def __init__(self, settings, tracker, metrics, producer_factory=None) -> None:
         self._k = settings.kafka
         self._tracker, self._m = tracker, metrics
@@ -494,16 +538,33 @@ class Transactions:
 
     def _producer(self, tp: TopicPartition) -> AIOKafkaProducer:
         return AIOKafkaProducer(
-            **self._k.client_options(), transactional_id=transactional_id(self._k.group_id, tp),
-            transaction_timeout_ms=self._k.transaction_timeout_ms, enable_idempotence=True, acks="all",
-            max_request_size=self._k.max_message_bytes + 64 * 1024, max_batch_size=reply_batch_bytes(self._k))
+            **self._k.client_options(),
+            transactional_id=transactional_id(self._k.group_id, tp),
+            transaction_timeout_ms=self._k.transaction_timeout_ms,
+            enable_idempotence=True,
+            acks="all",
+            max_request_size=self._k.max_message_bytes + 64 * 1024,
+            max_batch_size=reply_batch_bytes(self._k),
+        )
 
     async def open(self, tps, generation: int = 0) -> None:
         """Take these partitions' transactional ids (fencing previous owners) for `generation`."""
-        new = [PartitionTxn(tp, self._factory, self._tracker, self._k.group_id, self._m,
-                            self._k.offset_metadata_max_bytes, generation=generation, owner=self.owner,
-                            retry_s=self._k.final_retry_s, interval_s=self._k.transaction_interval_ms / 1000)
-               for tp in tps if tp not in self._parts]
+        new = [
+            PartitionTxn(
+                tp,
+                self._factory,
+                self._tracker,
+                self._k.group_id,
+                self._m,
+                self._k.offset_metadata_max_bytes,
+                generation=generation,
+                owner=self.owner,
+                retry_s=self._k.final_retry_s,
+                interval_s=self._k.transaction_interval_ms / 1000,
+            )
+            for tp in tps
+            if tp not in self._parts
+        ]
         await asyncio.gather(*(p.start() for p in new))
         self._parts.update({p.tp: p for p in new})
 

@@ -1,6 +1,7 @@
 """The paged KV block pool: block tables, reference counts for shared prefix blocks, placement.
 design: docs/architecture.md#kv-cache
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -43,8 +44,11 @@ class BlockManager:
     def num_wasted_slots(self, seqs: list[Sequence]) -> int:
         """Slots in `seqs`' blocks that hold none of their known tokens (last blocks' empty ends,
         blocks taken for rejected drafts)."""
-        return sum(len(s.block_table) * self.block_size - min(s.num_tokens, len(s.block_table) * self.block_size)
-                   for s in seqs)
+        return sum(
+            len(s.block_table) * self.block_size
+            - min(s.num_tokens, len(s.block_table) * self.block_size)
+            for s in seqs
+        )
 
     def waste(self, seqs: list[Sequence]) -> float:
         """Fraction of allocated slots that hold no token (`seqs`: every owner of a block)."""
@@ -66,13 +70,17 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
-            seq.block_table.append(self._allocate_block(seq.block_table[-1] if seq.block_table else None))
+            seq.block_table.append(
+                self._allocate_block(seq.block_table[-1] if seq.block_table else None)
+            )
 
     # ---- admission with cached prefixes -------------------------------------------------------
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks an unadmitted `seq` can start from; [] for a fork (it holds them)."""
-        assert seq.num_computed_tokens == len(seq.block_table) * self.block_size, "only an unadmitted sequence"
+        assert seq.num_computed_tokens == len(seq.block_table) * self.block_size, (
+            "only an unadmitted sequence"
+        )
         return self.prefix_cache.match(seq) if self.prefix_cache and not seq.block_table else []
 
     def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
@@ -153,13 +161,18 @@ class BlockManager:
         """No block lost or double-booked; reference counts equal owners."""
         owners = [0] * self.num_blocks
         for seq in seqs:
-            assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.request_id} repeats a block"
+            assert len(seq.block_table) == len(set(seq.block_table)), (
+                f"{seq.request_id} repeats a block"
+            )
             assert len(seq.block_table) >= self.num_blocks_for(seq.num_computed_tokens)
             for block_id in seq.block_table:
                 owners[block_id] += 1
         for block_id in range(self.num_blocks):
-            assert owners[block_id] == self.ref_counts[block_id], f"block {block_id}: ref count drift"
-            assert (block_id in self.free_block_ids) == (owners[block_id] == 0), \
+            assert owners[block_id] == self.ref_counts[block_id], (
+                f"block {block_id}: ref count drift"
+            )
+            assert (block_id in self.free_block_ids) == (owners[block_id] == 0), (
                 f"block {block_id} lost or double-booked"
+            )
         if self.prefix_cache:
             self.prefix_cache.check_integrity()

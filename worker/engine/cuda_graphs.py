@@ -1,6 +1,7 @@
 """One CUDA graph per decode bucket, captured at start-up and replayed for every decode-only step
 (design: docs/architecture.md#the-engine-step). The CPU tests pass a fake `capture`.
 """
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Incremental detokenization with stop strings (design: docs/architecture.md#the-engine-step)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ class StopChecker:
             self._pending = ""
             return pending[:cut]
         held = self._held_length(pending)
-        self._pending = pending[len(pending) - held:]
+        self._pending = pending[len(pending) - held :]
         return pending[: len(pending) - held]
 
     def flush(self) -> str:
@@ -65,7 +66,8 @@ class TokenTexts:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._tokenizer.decode(
-                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
         return text
 
     def name(self, logprobs: dict) -> dict:

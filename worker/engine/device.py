@@ -1,6 +1,7 @@
 """Where the runner's tensors live and in what types: each GPU-or-CPU choice is a pure function
 of plain values, tested on the CPU (docs/gpu.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,10 @@ def pick_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> 
     if name == "auto" or getattr(torch, name) == model_dtype:
         return model_dtype
     if device.type != "cpu" or model_dtype != torch.float32:
-        raise ValueError(f"cache.dtype={name} is for fp32 models on the CPU (this one: {model_dtype} on "
-                         f"{device.type}); set INFERLINE_CACHE__DTYPE=auto")
+        raise ValueError(
+            f"cache.dtype={name} is for fp32 models on the CPU (this one: {model_dtype} on "
+            f"{device.type}); set INFERLINE_CACHE__DTYPE=auto"
+        )
     return getattr(torch, name)
 
 
@@ -52,16 +55,20 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
         return "capture" if capturable else "off"
     assert name == "on", f"cuda_graphs must be auto, on, eager or off, got {name!r}"
     if not capturable:
-        raise BackendUnavailable(f"model.cuda_graphs=on captures on CUDA with the Triton attention (this runner: "
-                         f"{device_type}, attention {attention}); set INFERLINE_MODEL__CUDA_GRAPHS=eager "
-                         f"for the padded decode steps without capture, or auto")
+        raise BackendUnavailable(
+            f"model.cuda_graphs=on captures on CUDA with the Triton attention (this runner: "
+            f"{device_type}, attention {attention}); set INFERLINE_MODEL__CUDA_GRAPHS=eager "
+            f"for the padded decode steps without capture, or auto"
+        )
     return "capture"
 
 
 # ---- KV cache size and memory ---------------------------------------------------------------------
 
-def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilization: float,
-                    free_bytes: int | None) -> float:
+
+def kv_cache_budget(
+    device_type: str, kv_memory_gb: float, gpu_memory_utilization: float, free_bytes: int | None
+) -> float:
     """Bytes the KV cache may take: on CUDA `gpu_memory_utilization` of the memory free after the
     model loaded (docs/gpu.md), elsewhere `kv_memory_gb` (10^9 bytes)."""
     if device_type == "cuda":
@@ -70,8 +77,15 @@ def kv_cache_budget(device_type: str, kv_memory_gb: float, gpu_memory_utilizatio
     return kv_memory_gb * 1e9
 
 
-def num_kv_blocks(bytes_per_block: int, device_type: str, *, num_blocks: int | None, kv_memory_gb: float,
-                  gpu_memory_utilization: float, free_bytes: int | None) -> int:
+def num_kv_blocks(
+    bytes_per_block: int,
+    device_type: str,
+    *,
+    num_blocks: int | None,
+    kv_memory_gb: float,
+    gpu_memory_utilization: float,
+    free_bytes: int | None,
+) -> int:
     """settings.cache.num_blocks when set, else the whole blocks the budget holds; at least one."""
     assert bytes_per_block > 0 and 0 < gpu_memory_utilization <= 1
     if num_blocks:
@@ -90,7 +104,9 @@ def free_device_memory(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0]  # CUDA only
 
 
-def kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def kv_cache_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The whole KV cache as one tensor: on the CPU in huge pages, written once."""
     if device.type == "cpu":
         return huge_page_tensor(shape, dtype)
@@ -102,18 +118,24 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     blocks scattered over the cache: TLB misses), every page written now so a host short of memory
     fails at start-up (docs/operations.md#process-memory-on-the-cpu)."""
     # Private: with MAP_SHARED (shmem) THP follows another setting.
-    buf = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(
+        -1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
+    return (
+        torch.frombuffer(buf, dtype=dtype).view(shape).zero_()
+    )  # the tensor keeps the mapping alive
 
 
 # ---- host-to-device copies --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class HostCopy:
     """How a tensor built on the host from Python lists reaches the device."""
+
     pin_memory: bool  # page-locked (needs CUDA)
     non_blocking: bool  # enqueue and return at once
 

@@ -1,6 +1,7 @@
 """The engine (add_request, abort, step) and EngineLoop, the thread that runs it and talks to
 asyncio through an inbox and `on_outputs`. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import gc
@@ -66,7 +67,9 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
 
 class LLMEngine:
@@ -77,16 +80,30 @@ class LLMEngine:
         self.max_model_len = min(runner.max_model_len, settings.model.max_model_len)
         self.max_waiting = settings.scheduler.max_waiting
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
-        self.block_manager = BlockManager(num_blocks, runner.block_size, settings.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, runner.block_size, settings.cache.enable_prefix_caching
+        )
         spec = settings.speculative
-        proposer = (NgramProposer(spec.num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
-                    if spec.method == "ngram" else None)
+        proposer = (
+            NgramProposer(spec.num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            if spec.method == "ngram"
+            else None
+        )
         sched = settings.scheduler
-        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.policy, proposer, spec.disable_by_batch_size,
-                                   BackgroundLimit(sched.background_priority, sched.background_max_tokens,
-                                                   sched.background_alone_max_tokens or None,
-                                                   sched.background_quiet_s))
+        self.scheduler = Scheduler(
+            self.block_manager,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.policy,
+            proposer,
+            spec.disable_by_batch_size,
+            BackgroundLimit(
+                sched.background_priority,
+                sched.background_max_tokens,
+                sched.background_alone_max_tokens or None,
+                sched.background_quiet_s,
+            ),
+        )
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
         self.requests: dict[str, list[Sequence]] = {}  # every sample of a request, by index
@@ -111,7 +128,9 @@ class LLMEngine:
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request; an impossible one finishes as `rejected` in the next step."""
         if req.request_id in self.requests:
-            self._finished.append(rejected_output(req.request_id, "invalid_request", "duplicate request id"))
+            self._finished.append(
+                rejected_output(req.request_id, "invalid_request", "duplicate request id")
+            )
             return
         try:
             seq = self._make_sequence(req)
@@ -119,9 +138,16 @@ class LLMEngine:
             self._finished.append(rejected_output(req.request_id, exc.code, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - a bad prompt must not kill the thread
-            log.warning("engine.add_request_failed", request_id=req.request_id, error=repr(exc)[:200])
-            self._finished.append(rejected_output(req.request_id, "invalid_request",
-                                                  f"prompt could not be tokenized ({type(exc).__name__})"))
+            log.warning(
+                "engine.add_request_failed", request_id=req.request_id, error=repr(exc)[:200]
+            )
+            self._finished.append(
+                rejected_output(
+                    req.request_id,
+                    "invalid_request",
+                    f"prompt could not be tokenized ({type(exc).__name__})",
+                )
+            )
             return
         samples = [seq] + [self._sample(seq, i) for i in range(1, seq.sampling.n)]
         self.requests[seq.request_id] = samples
@@ -135,9 +161,14 @@ class LLMEngine:
     @property
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-                                             self._structured.compile_threads, self._structured.cache_bytes,
-                                             self._structured.compile_processes)
+            self._grammars = GrammarCompiler(
+                self.tokenizer,
+                self.vocab_size,
+                sorted(self.eos_token_ids),
+                self._structured.compile_threads,
+                self._structured.cache_bytes,
+                self._structured.compile_processes,
+            )
         return self._grammars
 
     def _compile(self, seq: Sequence, tenant: str | None = None) -> None:
@@ -146,27 +177,45 @@ class LLMEngine:
         try:
             future = self.grammars.compile(seq.sampling.structured, tenant)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read
-            log.warning("engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200])
+            log.warning(
+                "engine.grammar_compiler_failed", request_id=seq.request_id, error=repr(exc)[:200]
+            )
             self._forget(seq.request_id)
-            self._finished.append(rejected_output(seq.request_id, "invalid_request",
-                                                  f"{field}: structured outputs are unavailable on this worker"))
+            self._finished.append(
+                rejected_output(
+                    seq.request_id,
+                    "invalid_request",
+                    f"{field}: structured outputs are unavailable on this worker",
+                )
+            )
             return
         self._compiling[seq.request_id] = (seq, future, time.monotonic())
 
     def _admit_compiled(self) -> None:
         if self._compiling and not self._finished and not self.scheduler.has_unfinished():
-            wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            wait(
+                [future for _, future, _ in self._compiling.values()],
+                GRAMMAR_WAIT_S,
+                FIRST_COMPLETED,
+            )
         budget, now = self._structured.compile_timeout_s, time.monotonic()
         ready_since = self._grammars.ready_since if self._compiling else None
         for request_id, (seq, future, since) in list(self._compiling.items()):
             if not future.done():
                 if ready_since is not None and now - max(since, ready_since) > budget:
-                    reason = (f"the grammar did not compile within {budget:g} s "
-                              "(INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)")
+                    reason = (
+                        f"the grammar did not compile within {budget:g} s "
+                        "(INFERLINE_STRUCTURED__COMPILE_TIMEOUT_S)"
+                    )
                     self.grammars.give_up(future, reason)
                     self._forget(request_id)
-                    self._finished.append(rejected_output(
-                        request_id, "invalid_request", f"{seq.sampling.structured.field}: {reason}"))
+                    self._finished.append(
+                        rejected_output(
+                            request_id,
+                            "invalid_request",
+                            f"{seq.sampling.structured.field}: {reason}",
+                        )
+                    )
                 continue
             del self._compiling[request_id]
             try:
@@ -175,7 +224,9 @@ class LLMEngine:
             except ValueError as exc:
                 self._forget(request_id)
                 field = seq.sampling.structured.field
-                self._finished.append(rejected_output(request_id, "invalid_request", f"{field}: {exc}"))
+                self._finished.append(
+                    rejected_output(request_id, "invalid_request", f"{field}: {exc}")
+                )
                 continue
             self.scheduler.add(seq)
 
@@ -183,22 +234,37 @@ class LLMEngine:
         prompt_ids = self.tokenize(req)
         self._check_fits(prompt_ids, req.sampling.max_tokens, req.sampling.n)
         # Preempted sequences wait too; only new arrivals count.
-        num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(self._compiling)
+        num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(
+            self._compiling
+        )
         if num_new >= self.max_waiting:
             raise Rejected("overloaded", f"waiting pool full ({self.max_waiting})")
         return Sequence(
-            request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
-            priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline,
+            request_id=req.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=req.sampling,
+            priority=req.priority,
+            arrival_time=req.arrival_time,
+            deadline=req.deadline,
             stream=make_stream(req.sampling.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop))
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop),
+        )
 
     def _sample(self, seq: Sequence, index: int) -> Sequence:
         """Sample `index` of `seq`'s request: same prompt and params, its own seed + index."""
         return Sequence(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
-            priority=seq.priority, arrival_time=seq.arrival_time, deadline=seq.deadline, index=index,
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            sampling=seq.sampling,
+            priority=seq.priority,
+            arrival_time=seq.arrival_time,
+            deadline=seq.deadline,
+            index=index,
             stream=make_stream(sample_seed(seq.sampling.seed, index)),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling.stop))
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.sampling.stop
+            ),
+        )
 
     def _fork(self, seq: Sequence) -> None:
         """Sample 0 has computed the prompt: the other samples share its full blocks."""
@@ -215,7 +281,9 @@ class LLMEngine:
     def _forget(self, request_id: str) -> list[Sequence]:
         self._unforked.pop(request_id, None)
         compiling = self._compiling.pop(request_id, None)
-        if compiling is not None and all(f is not compiling[1] for _, f, _ in self._compiling.values()):
+        if compiling is not None and all(
+            f is not compiling[1] for _, f, _ in self._compiling.values()
+        ):
             self.grammars.abandon(compiling[1])  # nobody else waits for it
         return self.requests.pop(request_id, [])
 
@@ -223,11 +291,18 @@ class LLMEngine:
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
             if any(not 0 <= t < self.vocab_size for t in ids):
-                raise Rejected("invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
+                raise Rejected(
+                    "invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})"
+                )
         elif req.messages is not None:
-            check_text_size(sum(len(m.get("content", "")) for m in req.messages), "messages", self.max_model_len)
-            ids = list(self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            check_text_size(
+                sum(len(m.get("content", "")) for m in req.messages), "messages", self.max_model_len
+            )
+            ids = list(
+                self.tokenizer.apply_chat_template(
+                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            )
         else:
             text = req.prompt or ""
             check_text_size(len(text), "prompt", self.max_model_len)
@@ -239,13 +314,19 @@ class LLMEngine:
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
         total = len(prompt_ids) + max_tokens
         if total > self.max_model_len:
-            raise Rejected("prompt_too_long", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                           f"({max_tokens}) exceeds the model length {self.max_model_len}")
+            raise Rejected(
+                "prompt_too_long",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({max_tokens}) exceeds the model length {self.max_model_len}",
+            )
         needed = self.num_blocks_needed(len(prompt_ids), max_tokens, n)
         if needed > self.block_manager.num_blocks:
             what = "prompt + max_tokens" if n == 1 else f"n ({n}) samples of prompt + max_tokens"
-            raise Rejected("prompt_too_long", f"{what} ({total} tokens each) need {needed} KV blocks, "
-                           f"more than the whole KV cache ({self.block_manager.num_blocks} blocks)")
+            raise Rejected(
+                "prompt_too_long",
+                f"{what} ({total} tokens each) need {needed} KV blocks, "
+                f"more than the whole KV cache ({self.block_manager.num_blocks} blocks)",
+            )
 
     def num_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
         """KV blocks for n samples all running to max_tokens: the prompt's full blocks are shared,
@@ -279,7 +360,9 @@ class LLMEngine:
         outputs = {(o.request_id, o.index): o for o in self._finished}
         self._finished = []
         if not sched.is_empty or sched.started:
-            sampled = self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
+            sampled = (
+                self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
+            )
             self._update(sched, sampled, outputs)
             self._end_costly_grammars(sched)
         self._record_stats(sched, time.perf_counter() - started)
@@ -287,15 +370,25 @@ class LLMEngine:
 
     def _end_costly_grammars(self, sched: SchedulerOutput) -> None:
         """End with `error` a request whose token mask keeps costing the batch over budget."""
-        for seq in {id(c.seq): c.seq for c in sched.scheduled if c.seq.mask_strikes >= MASK_STRIKES}.values():
+        for seq in {
+            id(c.seq): c.seq for c in sched.scheduled if c.seq.mask_strikes >= MASK_STRIKES
+        }.values():
             if seq.request_id in self.requests and not seq.is_finished:
                 budget = self.runner.token_bitmask.budget_s
-                self.abort(seq.request_id, "error", f"{seq.sampling.structured.field}: the grammar's token mask "
-                           f"took over {budget * 1e3:g} ms per step (INFERLINE_STRUCTURED__MASK_BUDGET_MS)")
+                self.abort(
+                    seq.request_id,
+                    "error",
+                    f"{seq.sampling.structured.field}: the grammar's token mask "
+                    f"took over {budget * 1e3:g} ms per step (INFERLINE_STRUCTURED__MASK_BUDGET_MS)",
+                )
 
     def _expire_deadlines(self) -> None:
         now = time.time()
-        for seq in [s[0] for s in self.requests.values() if s[0].deadline is not None and s[0].deadline <= now]:
+        for seq in [
+            s[0]
+            for s in self.requests.values()
+            if s[0].deadline is not None and s[0].deadline <= now
+        ]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
     def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
@@ -321,8 +414,9 @@ class LLMEngine:
                 if seq.is_finished:
                     break  # a stop among accepted tokens: the rest were never generated
 
-    def _append_token(self, seq: Sequence, token_id: int, now: float, outputs: dict,
-                      logprobs: dict | None = None) -> None:
+    def _append_token(
+        self, seq: Sequence, token_id: int, now: float, outputs: dict, logprobs: dict | None = None
+    ) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token_id)
@@ -331,7 +425,9 @@ class LLMEngine:
         out.new_token_ids.append(token_id)
         if seq.sampling.logprobs is not None:
             out.logprobs = out.logprobs if out.logprobs is not None else []
-            out.logprobs.append({"token": self._token_texts(token_id), **self._token_texts.name(logprobs)})
+            out.logprobs.append(
+                {"token": self._token_texts(token_id), **self._token_texts.name(logprobs)}
+            )
         out.num_output_tokens = seq.num_output_tokens  # a step may append several (accepted drafts)
         reason = self._grammar_stop(seq, token_id) or self._stop_reason(seq, token_id)
         if token_id not in self.eos_token_ids and token_id not in seq.sampling.stop_token_ids:
@@ -368,9 +464,18 @@ class LLMEngine:
             return
         del self.requests[seq.request_id]
         final = self._final_output(samples)
-        out.finished, out.finish_reason, out.text, out.samples = True, final.finish_reason, final.text, final.samples
+        out.finished, out.finish_reason, out.text, out.samples = (
+            True,
+            final.finish_reason,
+            final.text,
+            final.samples,
+        )
         out.error_code, out.error_message = final.error_code, final.error_message
-        out.num_output_tokens, out.ttft_s, out.total_s = final.num_output_tokens, final.ttft_s, final.total_s
+        out.num_output_tokens, out.ttft_s, out.total_s = (
+            final.num_output_tokens,
+            final.ttft_s,
+            final.total_s,
+        )
 
     def fail_all(self, message: str) -> None:
         """After an unexpected step error: end every request with `error`, keep serving."""
@@ -379,10 +484,16 @@ class LLMEngine:
 
     # ---- outputs and stats ---------------------------------------------------------------------
 
-    def _output(self, seq: Sequence, started: bool = False, finished: bool = False) -> RequestOutput:
-        out = RequestOutput(request_id=seq.request_id, index=seq.index, started=started,
-                            num_prompt_tokens=seq.num_prompt_tokens,
-                            num_output_tokens=seq.num_output_tokens)
+    def _output(
+        self, seq: Sequence, started: bool = False, finished: bool = False
+    ) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            started=started,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
         if seq.first_scheduled_time is not None:
             out.queue_s = seq.first_scheduled_time - seq.arrival_time
         if finished:
@@ -394,19 +505,31 @@ class LLMEngine:
                 out.ttft_s = seq.first_token_time - seq.arrival_time
         return out
 
-    def _final_output(self, samples: list[Sequence], reason: str | None = None,
-                      message: str | None = None) -> RequestOutput:
+    def _final_output(
+        self, samples: list[Sequence], reason: str | None = None, message: str | None = None
+    ) -> RequestOutput:
         """A request's final output: sample 0's text and reason (or `reason`), every sample's
         tokens, and each sample when n > 1."""
         out = self._output(samples[0], finished=True)
         if len(samples) == 1:
             return out
         if reason is not None:
-            out.finish_reason, out.error_code, out.error_message = reason, ERROR_CODE_OF.get(reason), message
+            out.finish_reason, out.error_code, out.error_message = (
+                reason,
+                ERROR_CODE_OF.get(reason),
+                message,
+            )
         out.num_output_tokens = sum(s.num_output_tokens for s in samples)
         out.total_s = max(s.finish_time for s in samples) - samples[0].arrival_time
-        out.samples = [SampleResult(s.index, s.detokenizer.text if s.detokenizer else "", s.finish_reason,
-                                    s.num_output_tokens) for s in samples]
+        out.samples = [
+            SampleResult(
+                s.index,
+                s.detokenizer.text if s.detokenizer else "",
+                s.finish_reason,
+                s.num_output_tokens,
+            )
+            for s in samples
+        ]
         return out
 
     def _record_stats(self, sched: SchedulerOutput, step_time: float) -> None:
@@ -421,7 +544,10 @@ class LLMEngine:
         s.step_time_s = step_time
         s.num_steps += 1
         if cache := self.block_manager.prefix_cache:
-            s.prefix_cache_queries, s.prefix_cache_hits = cache.num_queried_tokens, cache.num_hit_tokens
+            s.prefix_cache_queries, s.prefix_cache_hits = (
+                cache.num_queried_tokens,
+                cache.num_hit_tokens,
+            )
 
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self._stats))
@@ -433,8 +559,10 @@ class LLMEngine:
 def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
     # Tokenizing a huge text costs seconds on the engine thread.
     if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
-        raise Rejected("prompt_too_long", f"{field}: {num_chars} characters cannot fit in "
-                       f"{max_model_len} tokens")
+        raise Rejected(
+            "prompt_too_long",
+            f"{field}: {num_chars} characters cannot fit in {max_model_len} tokens",
+        )
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -445,8 +573,14 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 
 
 def rejected_output(request_id: str, code: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id=request_id, finished=True, finish_reason="rejected",
-                         error_code=code, error_message=message, text="")
+    return RequestOutput(
+        request_id=request_id,
+        finished=True,
+        finish_reason="rejected",
+        error_code=code,
+        error_message=message,
+        text="",
+    )
 
 
 def eos_token_ids(config, tokenizer) -> frozenset[int]:
@@ -462,9 +596,13 @@ class EngineLoop:
     block; `on_outputs(outputs, stats)` is called from the engine thread after every step. Given
     a builder, the model loads on this thread (docs/operations.md#process-memory-on-the-cpu)."""
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
-                 on_outputs: Callable[[list[RequestOutput], EngineStats], None],
-                 idle_tick_s: float = 0.05, on_death: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        on_outputs: Callable[[list[RequestOutput], EngineStats], None],
+        idle_tick_s: float = 0.05,
+        on_death: Callable[[BaseException], None] | None = None,
+    ):
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = engine if self._build is None else None
         self.on_outputs = on_outputs

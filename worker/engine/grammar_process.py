@@ -1,6 +1,7 @@
 """A grammar compiler in a child process, killed when its time is up (xgrammar cannot be
 interrupted inside a thread); a crash takes down only the child. Frames: length-prefixed msgpack.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,12 @@ class CompilerProcess:
 
     def __init__(self, tokenizer_info_json: str):
         # -P: the working directory stays off sys.path (a user's `worker.py` cannot shadow us).
-        self._proc = subprocess.Popen([sys.executable, "-P", "-m", "inferline.worker.engine.grammar_process"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "inferline.worker.engine.grammar_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         self._ready = False
         self._send({"info": tokenizer_info_json})
 
@@ -121,5 +125,7 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
 
 if __name__ == "__main__":
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print must not corrupt the frames
+    os.dup2(
+        sys.stderr.fileno(), sys.stdout.fileno()
+    )  # a library's print must not corrupt the frames
     serve(sys.stdin.buffer, protocol)

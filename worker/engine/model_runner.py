@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens; computes, never decides
 policy. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -10,12 +11,26 @@ import torch
 
 from inferline.config.settings import Settings
 from inferline.kernels.attention import AttentionBackend, AttentionMetadata, make_attention
-from inferline.kernels.backends import KernelBackends, ModelShape, linear_candidates, select_backends
+from inferline.kernels.backends import (
+    KernelBackends,
+    ModelShape,
+    linear_candidates,
+    select_backends,
+)
 from inferline.kernels.cpu import gemm
 from inferline.worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
 from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor is imported from here)
-    free_device_memory, host_copy, huge_page_tensor, tensor_to_device, kv_cache_tensor, num_kv_blocks,
-    pick_cuda_graphs, pick_device, pick_dtype, pick_kv_dtype)
+    free_device_memory,
+    host_copy,
+    huge_page_tensor,
+    tensor_to_device,
+    kv_cache_tensor,
+    num_kv_blocks,
+    pick_cuda_graphs,
+    pick_device,
+    pick_dtype,
+    pick_kv_dtype,
+)
 from inferline.worker.engine.models.calibration import Calibration, choose_linear_backend
 from inferline.worker.engine.models.loader import load_model
 from inferline.worker.engine.padded_decode import PaddedDecode, capture_sizes
@@ -45,23 +60,36 @@ class ModelRunner:
         self.block_size = settings.cache.block_size
         self.kv_dtype = pick_kv_dtype(settings.cache.dtype, self.dtype, self.device)
         self.model, self.config, self.tokenizer = load_model(
-            settings.model.path, settings.model.load_format, self.dtype, self.device,
-            max_positions=settings.model.max_model_len)
-        self.max_model_len = min(settings.model.max_model_len,
-                                 getattr(self.config, "max_position_embeddings", 1 << 30))
+            settings.model.path,
+            settings.model.load_format,
+            self.dtype,
+            self.device,
+            max_positions=settings.model.max_model_len,
+        )
+        self.max_model_len = min(
+            settings.model.max_model_len, getattr(self.config, "max_position_embeddings", 1 << 30)
+        )
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()
-        self.token_bitmask = TokenBitmask(self.config.vocab_size, self.device,
-                                          budget_s=settings.structured.mask_budget_ms / 1000)
+        self.token_bitmask = TokenBitmask(
+            self.config.vocab_size, self.device, budget_s=settings.structured.mask_budget_ms / 1000
+        )
         self.owner: object | None = None  # the engine whose blocks the KV cache holds
         self.backends = self._select_backends(settings)
-        self.cuda_graphs = pick_cuda_graphs(settings.model.cuda_graphs, self.device.type, self.backends.attention)
-        self.attention: AttentionBackend = make_attention(self.backends.attention, self.block_size,
-                                                          self.config.num_key_value_heads)
+        self.cuda_graphs = pick_cuda_graphs(
+            settings.model.cuda_graphs, self.device.type, self.backends.attention
+        )
+        self.attention: AttentionBackend = make_attention(
+            self.backends.attention, self.block_size, self.config.num_key_value_heads
+        )
         copy = host_copy(self.device.type)
-        self.step_builder = StepBuilder(self.block_size, -(-self.max_model_len // self.block_size),
-                                        self._to_device, pin_memory=copy.pin_memory)
+        self.step_builder = StepBuilder(
+            self.block_size,
+            -(-self.max_model_len // self.block_size),
+            self._to_device,
+            pin_memory=copy.pin_memory,
+        )
         codes = settings.model.cpu_weight_codes == "auto"
         self.linear_calibration = self._calibrate_linear(settings, codes)
         self.backends = replace(self.backends, linear=self.linear_calibration.backend)
@@ -69,13 +97,25 @@ class ModelRunner:
             packed = self.model.pack_linears(self.backends.linear, codes)
             assert packed, f"{self.backends.linear} could not pack this model's weights"
         # weights the C GEMM keeps as exact 8-bit codes
-        self.coded_weights = sum(isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights())
-        log.info("model ready", device=str(self.device), dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
-                 num_blocks=self.num_blocks, block_size=self.block_size, attention=self.backends.attention,
-                 triton_target=self.backends.triton_target, linear=self.backends.linear,
-                 fused_ops=self.backends.fused_ops, coded_weights=self.coded_weights,
-                 linear_timed={k: round(v * 1e6, 2) for k, v in self.linear_calibration.seconds.items()} or None,
-                 linear_cached=self.linear_calibration.cached)
+        self.coded_weights = sum(
+            isinstance(p, gemm.CodedWeight) for p in self.model.packed_weights()
+        )
+        log.info(
+            "model ready",
+            device=str(self.device),
+            dtype=str(self.dtype),
+            kv_dtype=str(self.kv_dtype),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            attention=self.backends.attention,
+            triton_target=self.backends.triton_target,
+            linear=self.backends.linear,
+            fused_ops=self.backends.fused_ops,
+            coded_weights=self.coded_weights,
+            linear_timed={k: round(v * 1e6, 2) for k, v in self.linear_calibration.seconds.items()}
+            or None,
+            linear_cached=self.linear_calibration.cached,
+        )
         # Compile every Triton binary this model can launch before the worker is ready.
         self.warmup: WarmupReport | None = None
         if self.backends.triton_target == "cuda":
@@ -85,21 +125,38 @@ class ModelRunner:
         self.graph_capture: CaptureReport | None = None
         if self.cuda_graphs != "off":
             self.padded_decode = self._padded_decode(settings.scheduler.max_num_seqs)
-        if self.cuda_graphs == "capture":  # after the warm-up: every binary a graph launches is compiled
+        if (
+            self.cuda_graphs == "capture"
+        ):  # after the warm-up: every binary a graph launches is compiled
             self.decode_graphs = DecodeGraphs(self.padded_decode)
             self.graph_capture = self.decode_graphs.capture_all()
 
     def _padded_decode(self, max_num_seqs: int) -> PaddedDecode:
-        return PaddedDecode(self.model, self.kv_cache, self.attention, self.backends.fused_ops,
-                            capture_sizes(max_num_seqs), self.step_builder.rows.max_blocks,
-                            self.config.vocab_size, self.dtype, self.device)
+        return PaddedDecode(
+            self.model,
+            self.kv_cache,
+            self.attention,
+            self.backends.fused_ops,
+            capture_sizes(max_num_seqs),
+            self.step_builder.rows.max_blocks,
+            self.config.vocab_size,
+            self.dtype,
+            self.device,
+        )
 
     def _select_backends(self, settings: Settings) -> KernelBackends:
         block_size, num_kv_heads, head_dim = self._kv_shape()
         shape = ModelShape(head_dim, self.config.num_attention_heads, num_kv_heads, block_size)
         m = settings.model
-        return select_backends(self.device, self.dtype, self.kv_dtype, shape, m.attention_backend, m.cpu_linear,
-                               m.cpu_fused_ops)
+        return select_backends(
+            self.device,
+            self.dtype,
+            self.kv_dtype,
+            shape,
+            m.attention_backend,
+            m.cpu_linear,
+            m.cpu_fused_ops,
+        )
 
     def _calibrate_linear(self, settings: Settings, codes: bool) -> Calibration:
         """`cpu_linear=auto`: the fastest candidate timed on this model; else the setting's."""
@@ -127,9 +184,14 @@ class ModelRunner:
 
     def _num_blocks(self, settings: Settings) -> int:
         cache = settings.cache  # after the model loaded: free memory is what is left for K/V
-        return num_kv_blocks(self.bytes_per_block(), self.device.type, num_blocks=cache.num_blocks,
-                             kv_memory_gb=cache.kv_memory_gb, gpu_memory_utilization=cache.gpu_memory_utilization,
-                             free_bytes=free_device_memory(self.device))
+        return num_kv_blocks(
+            self.bytes_per_block(),
+            self.device.type,
+            num_blocks=cache.num_blocks,
+            kv_memory_gb=cache.kv_memory_gb,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            free_bytes=free_device_memory(self.device),
+        )
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.config.num_hidden_layers, 2, self.num_blocks, *self._kv_shape())
@@ -139,12 +201,16 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence], owner: object | None = None) -> list[SamplerOutput]:
+    def run(
+        self, scheduled: list[ScheduledSequence], owner: object | None = None
+    ) -> list[SamplerOutput]:
         """One forward over `scheduled`: for each chunk that samples, in order, its sampled tokens
         (and logprobs); with drafts, one per row. `owner`: claim()'s token."""
         if owner is not None and owner is not self.owner:
-            raise RuntimeError("this engine's ModelRunner was claimed by a newer LLMEngine: "
-                               "its KV cache no longer holds this engine's blocks")
+            raise RuntimeError(
+                "this engine's ModelRunner was claimed by a newer LLMEngine: "
+                "its KV cache no longer holds this engine's blocks"
+            )
         batch = self.prepare(scheduled)
         logits = self._forward(batch)
         if logits is None:
@@ -152,20 +218,31 @@ class ModelRunner:
         rows = [s.seq for s in batch.sampling for _ in range(1 + len(s.spec_token_ids))]
         # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
-        bitmask = self.token_bitmask.fill([rows[i].grammar for i in grammar_rows]) if grammar_rows else None
+        bitmask = (
+            self.token_bitmask.fill([rows[i].grammar for i in grammar_rows])
+            if grammar_rows
+            else None
+        )
         slow = set(self.token_bitmask.slow) if grammar_rows else set()
         for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget
             rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
-        out = self.sampler.sample(logits, [s.sampling for s in rows], [s.prompt_token_ids for s in rows],
-                                  [s.output_token_ids for s in rows], [s.stream for s in rows],
-                                  bitmask, grammar_rows)
+        out = self.sampler.sample(
+            logits,
+            [s.sampling for s in rows],
+            [s.prompt_token_ids for s in rows],
+            [s.output_token_ids for s in rows],
+            [s.stream for s in rows],
+            bitmask,
+            grammar_rows,
+        )
         tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
         # The batch put decodes first; hand the tokens back in the scheduler's order.
         by_seq = {}
         for s in batch.sampling:
             num_rows = 1 + len(s.spec_token_ids)
-            by_seq[id(s.seq)] = SamplerOutput([next(tokens) for _ in range(num_rows)],
-                                              [next(logprobs) for _ in range(num_rows)])
+            by_seq[id(s.seq)] = SamplerOutput(
+                [next(tokens) for _ in range(num_rows)], [next(logprobs) for _ in range(num_rows)]
+            )
         return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def _forward(self, batch: Batch) -> torch.Tensor | None:
@@ -183,15 +260,26 @@ class ModelRunner:
             return self._prepare_padded(scheduled, bucket)
         step = self.step_builder.build(scheduled)
         meta = self.attention.prepare(step.tables, fused_ops=self.backends.fused_ops)
-        return Batch(step.input_ids, step.tables.positions, meta, step.logits_indices,
-                     [s for s in step.ordered if s.samples])
+        return Batch(
+            step.input_ids,
+            step.tables.positions,
+            meta,
+            step.logits_indices,
+            [s for s in step.ordered if s.samples],
+        )
 
     def _prepare_padded(self, scheduled: list[ScheduledSequence], bucket: int) -> Batch:
         step = self.step_builder.build_decode(scheduled, bucket)
         self.padded_decode.load(step)
         tokens = self.padded_decode.buffers.tokens
-        return Batch(tokens[0, :bucket], tokens[1, :bucket], None, step.logits_indices,
-                     [s for s in step.ordered if s.samples], bucket)
+        return Batch(
+            tokens[0, :bucket],
+            tokens[1, :bucket],
+            None,
+            step.logits_indices,
+            [s for s in step.ordered if s.samples],
+            bucket,
+        )
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return tensor_to_device(host, self.device)

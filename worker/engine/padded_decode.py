@@ -1,6 +1,7 @@
 """Decode-only steps on static buffers, the batch padded to a bucket (padding rows: slot -1,
 context 0): the step a CUDA graph captures. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import bisect
@@ -28,7 +29,14 @@ class DecodeBuffers:
     """The padded step's persistent tensors, sized for the largest bucket: tokens int64 [3, rows]
     (ids, positions, slots), context_lens, cu_seqlens_q (never written), block_tables, logits."""
 
-    def __init__(self, max_rows: int, max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        max_rows: int,
+        max_blocks: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros((3, max_rows), **i64)
         self.tokens[2] = -1
@@ -41,21 +49,42 @@ class DecodeBuffers:
         rows, n = step.tokens.shape[1], step.block_tables.shape[0]
         copy_to_device(self.tokens[:, :rows], step.tokens)
         copy_to_device(self.context_lens[:rows], step.context_lens)
-        copy_to_device(self.block_tables[:n, :step.block_tables.shape[1]], step.block_tables)
+        copy_to_device(self.block_tables[:n, : step.block_tables.shape[1]], step.block_tables)
 
     def tables(self, rows: int) -> StepTables:
         """The first `rows` rows as the attention sees a step (views)."""
-        return StepTables(self.tokens[2, :rows], self.tokens[1, :rows], self.context_lens[:rows],
-                          self.cu_seqlens_q[:rows + 1], rows, lambda first, stop: self.block_tables[first:stop])
+        return StepTables(
+            self.tokens[2, :rows],
+            self.tokens[1, :rows],
+            self.context_lens[:rows],
+            self.cu_seqlens_q[: rows + 1],
+            rows,
+            lambda first, stop: self.block_tables[first:stop],
+        )
 
 
 class PaddedDecode:
     """Decode-only steps padded to a bucket; forward(bucket) touches only the buffers and the real
     rows' K/V: what a graph captures."""
 
-    def __init__(self, model, kv_cache, attention: AttentionBackend, fused_ops: str, sizes: list[int],
-                 max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
-        self.model, self.kv_cache, self.attention, self.fused_ops = model, kv_cache, attention, fused_ops
+    def __init__(
+        self,
+        model,
+        kv_cache,
+        attention: AttentionBackend,
+        fused_ops: str,
+        sizes: list[int],
+        max_blocks: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.model, self.kv_cache, self.attention, self.fused_ops = (
+            model,
+            kv_cache,
+            attention,
+            fused_ops,
+        )
         self.sizes = sizes
         self.buffers = DecodeBuffers(max(sizes), max_blocks, vocab_size, dtype, device)
 

@@ -1,6 +1,7 @@
 """Automatic prefix caching: a full KV block found again by a sha256 key chained over every token
 up to its end. design: docs/architecture.md#kv-cache
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,7 @@ class PrefixCache:
             tokens = seq.token_ids
             while len(keys) < num_blocks:
                 i = len(keys)
-                chunk = array("q", tokens[i * bs:(i + 1) * bs]).tobytes()
+                chunk = array("q", tokens[i * bs : (i + 1) * bs]).tobytes()
                 keys.append(hashlib.sha256((keys[-1] if keys else b"") + chunk).digest())
         return keys[:num_blocks]
 
@@ -63,4 +64,6 @@ class PrefixCache:
     def check_integrity(self) -> None:
         for key, block_id in self.block_of.items():
             assert self.key_of[block_id] == key, f"block {block_id}: cache maps disagree"
-        assert sum(k is not None for k in self.key_of) == len(self.block_of), "a block keeps a stale key"
+        assert sum(k is not None for k in self.key_of) == len(self.block_of), (
+            "a block keeps a stale key"
+        )

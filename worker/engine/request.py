@@ -1,6 +1,7 @@
 """The engine's typed boundary: EngineRequest in, RequestOutput out; nothing else crosses
 between the asyncio loop and the engine thread.
 """
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,7 @@
 """Batched sampling: one call turns a step's logits into each row's next token.
 design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import math
@@ -23,6 +24,7 @@ _DRAW_BLOCK = 256
 @dataclass(eq=False)
 class SeededStream:
     """A seeded request's random numbers: draw i is counter_uniforms(seed, i), one a sampled row."""
+
     seed: int
     num_draws: int = 0
 
@@ -53,9 +55,19 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every sequence in a batch. Stateless; never modifies `logits`."""
 
-    def __call__(self, logits, params, prompt_ids, output_ids, streams, bitmask=None,
-                 grammar_rows: list[int] = ()) -> list[int]:
-        return self.sample(logits, params, prompt_ids, output_ids, streams, bitmask, grammar_rows).token_ids
+    def __call__(
+        self,
+        logits,
+        params,
+        prompt_ids,
+        output_ids,
+        streams,
+        bitmask=None,
+        grammar_rows: list[int] = (),
+    ) -> list[int]:
+        return self.sample(
+            logits, params, prompt_ids, output_ids, streams, bitmask, grammar_rows
+        ).token_ids
 
     def sample(
         self,
@@ -73,7 +85,11 @@ class Sampler:
         assert logits.dim() == 2, logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(streams) == num_seqs
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if not grammar_rows and not wants_logprobs and all(p.greedy and not has_penalties(p) for p in params):
+        if (
+            not grammar_rows
+            and not wants_logprobs
+            and all(p.greedy and not has_penalties(p) for p in params)
+        ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)
         # Rows are viewed flat and in blocks below; a padded-vocab slice would not view.
         work = _penalized(logits.contiguous(), params, prompt_ids, output_ids)
@@ -83,7 +99,9 @@ class Sampler:
         logprobs = _logprobs(work, next_ids, params) if wants_logprobs else [None] * num_seqs
         return SamplerOutput(next_ids.tolist(), logprobs)
 
-    def _pick(self, work: torch.Tensor, params: list[SamplingParams], streams: list) -> torch.Tensor:
+    def _pick(
+        self, work: torch.Tensor, params: list[SamplingParams], streams: list
+    ) -> torch.Tensor:
         num_seqs = work.shape[0]
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -97,13 +115,17 @@ class Sampler:
         return next_ids
 
 
-def _masked(work: torch.Tensor, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+def _masked(
+    work: torch.Tensor, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+) -> torch.Tensor:
     if work.data_ptr() == logits.data_ptr():
         work = work.clone()
     return _put_rows(work, rows, apply_token_bitmask(_rows(work, rows), bitmask))
 
 
-def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingParams]) -> list[dict | None]:
+def _logprobs(
+    work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingParams]
+) -> list[dict | None]:
     """The sampled token's logprob and its row's top-k, for rows that ask (-inf tokens left out)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = host_to_device(rows, torch.int64, work.device)
@@ -111,12 +133,20 @@ def _logprobs(work: torch.Tensor, next_ids: torch.Tensor, params: list[SamplingP
     chosen = logprobs.gather(1, next_ids.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
     k = max(params[i].logprobs for i in rows)
     top = logprobs.topk(k, dim=-1) if k else None
-    values, ids = (top.values.tolist(), top.indices.tolist()) if k else ([[]] * len(rows), [[]] * len(rows))
+    values, ids = (
+        (top.values.tolist(), top.indices.tolist()) if k else ([[]] * len(rows), [[]] * len(rows))
+    )
     out: list[dict | None] = [None] * len(params)
     for j, i in enumerate(rows):
         k_i = params[i].logprobs
-        out[i] = {"logprob": chosen[j], "top_logprobs": [
-            {"token_id": t, "logprob": v} for t, v in zip(ids[j][:k_i], values[j][:k_i]) if v != -math.inf]}
+        out[i] = {
+            "logprob": chosen[j],
+            "top_logprobs": [
+                {"token_id": t, "logprob": v}
+                for t, v in zip(ids[j][:k_i], values[j][:k_i])
+                if v != -math.inf
+            ],
+        }
     return out
 
 
@@ -147,20 +177,30 @@ def apply_penalties(
     flat = out.view(-1)
     repeat = [p.repetition_penalty != 1.0 for p in params]
     if any(repeat):
-        seen = torch.unique(_flat_index(
-            [ids + out_ids if r else [] for ids, out_ids, r in zip(prompt_ids, output_ids, repeat)],
-            vocab, out.device,
-        ))
+        seen = torch.unique(
+            _flat_index(
+                [
+                    ids + out_ids if r else []
+                    for ids, out_ids, r in zip(prompt_ids, output_ids, repeat)
+                ],
+                vocab,
+                out.device,
+            )
+        )
         penalties = _column(params, "repetition_penalty", out.device).flatten()
         penalty = penalties.index_select(0, seen // vocab)
         values = flat.index_select(0, seen)  # index_select: advanced indexing is far slower on CPU
         flat.index_copy_(0, seen, torch.where(values > 0, values / penalty, values * penalty))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counted, counts = torch.unique(_flat_index(output_ids, vocab, out.device), return_counts=True)
+        counted, counts = torch.unique(
+            _flat_index(output_ids, vocab, out.device), return_counts=True
+        )
         row = counted // vocab
         frequency = _column(params, "frequency_penalty", out.device).flatten().index_select(0, row)
         presence = _column(params, "presence_penalty", out.device).flatten().index_select(0, row)
-        flat.index_add_(0, counted, -(frequency * counts + presence))  # indices unique: deterministic
+        flat.index_add_(
+            0, counted, -(frequency * counts + presence)
+        )  # indices unique: deterministic
     return out
 
 
@@ -184,7 +224,9 @@ def filter_thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     threshold = logits.new_full((num_rows, 1), float("-inf"))
     if truncated:
         by_rank = _top_k_top_p_threshold(
-            _rows(logits, truncated), [top_k[i] for i in truncated], [params[i].top_p for i in truncated]
+            _rows(logits, truncated),
+            [top_k[i] for i in truncated],
+            [params[i].top_p for i in truncated],
         )
         threshold = _put_rows(threshold, truncated, by_rank)
     if needs_min_p:
@@ -226,7 +268,9 @@ def _search(cdf: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, tor
     target = uniform * total
     index = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
     upper = cdf.gather(1, index)
-    lower = torch.where(index > 0, cdf.gather(1, (index - 1).clamp_(min=0)), torch.zeros_like(upper))
+    lower = torch.where(
+        index > 0, cdf.gather(1, (index - 1).clamp_(min=0)), torch.zeros_like(upper)
+    )
     inner = ((target - lower) / (upper - lower)).clamp_(0.0, 1.0 - 2**-40)
     return index.squeeze(1), inner
 
@@ -237,7 +281,9 @@ def _uniforms(streams: list, device: torch.device) -> torch.Tensor:
     if all(s is None for s in streams):
         return torch.rand(num_rows, 1, dtype=torch.float64, device=device)
     # Draw index -1 marks an unseeded row; its hash is computed and thrown away.
-    keys = host_to_device([(_int64(s.seed), s.take()) if s else (0, -1) for s in streams], torch.int64, device)
+    keys = host_to_device(
+        [(_int64(s.seed), s.take()) if s else (0, -1) for s in streams], torch.int64, device
+    )
     uniform = counter_uniforms(keys[:, 0], keys[:, 1]).unsqueeze(1)
     if any(s is None for s in streams):
         unseeded = torch.rand(num_rows, 1, dtype=torch.float64, device=device)
@@ -275,7 +321,10 @@ def _int64(value: int) -> int:
 
 
 def _top_k_top_p_threshold(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES
+    logits: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    num_candidates: int = _TOP_P_CANDIDATES,
 ) -> torch.Tensor:
     """[n, 1] thresholds: the top_k largest, then the smallest prefix whose renormalised mass
     reaches top_p, from a few hundred candidates (a full sort is slow on CPU)."""
@@ -289,13 +338,19 @@ def _top_k_top_p_threshold(
     probs = (values - values[:, :1]).exp()
     probs = probs / _top_p_normaliser(logits, values, probs, top_k)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = host_to_device([tp if tp < 1.0 else 2.0 for tp in top_p], torch.float32, device).unsqueeze(1)
+    p = host_to_device([tp if tp < 1.0 else 2.0 for tp in top_p], torch.float32, device).unsqueeze(
+        1
+    )
     num_kept = ((mass_before < p) & (ranks < k)).sum(dim=-1, keepdim=True)  # a prefix, >= 1
     threshold = values.gather(1, num_kept - 1)
-    unresolved = ((num_kept == num_candidates) & (k == vocab)).squeeze(1).nonzero().flatten().tolist()
+    unresolved = (
+        ((num_kept == num_candidates) & (k == vocab)).squeeze(1).nonzero().flatten().tolist()
+    )
     if unresolved and num_candidates < vocab:
         wider = _top_k_top_p_threshold(
-            _rows(logits, unresolved), [0] * len(unresolved), [top_p[i] for i in unresolved],
+            _rows(logits, unresolved),
+            [0] * len(unresolved),
+            [top_p[i] for i in unresolved],
             num_candidates * 16,
         )
         threshold = _put_rows(threshold, unresolved, wider)

@@ -1,6 +1,7 @@
 """Iteration-level scheduling: which sequences run this step and how many tokens each; decides,
 never touches tensors. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import bisect
@@ -56,10 +57,17 @@ class BackgroundLimit:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, policy: str = "continuous",
-                 proposer: NgramProposer | None = None, spec_disable_batch_size: int | None = None,
-                 background: BackgroundLimit | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "continuous",
+        proposer: NgramProposer | None = None,
+        spec_disable_batch_size: int | None = None,
+        background: BackgroundLimit | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         assert policy in ("continuous", "static")
         self.background = background
         self.clock = clock  # seconds; injectable for virtual time
@@ -119,7 +127,9 @@ class Scheduler:
             recent = seen_at is not None and self.clock() - seen_at < bg.quiet_s
             return [bg.alone_max_tokens] if recent and bg.alone_max_tokens is not None else None
         self.foreground_seen_at = self.clock()
-        prompt = any(s.num_uncomputed_tokens > 1 or s.status is SequenceStatus.WAITING for s in foreground)
+        prompt = any(
+            s.num_uncomputed_tokens > 1 or s.status is SequenceStatus.WAITING for s in foreground
+        )
         return [0 if prompt else bg.max_tokens]
 
     def _resting(self, seats: list[int] | None) -> set[Sequence]:
@@ -132,8 +142,10 @@ class Scheduler:
         running = [s for s in self.running if self.background.is_background(s)]
         turn, left = set(), seats[0]
         # lazy: memory is checked only when the seats reach a waiting sequence
-        for s in itertools.chain(itertools.takewhile(self._fits, waiting),
-                                 sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key))):
+        for s in itertools.chain(
+            itertools.takewhile(self._fits, waiting),
+            sorted(running, key=lambda s: (s.last_scheduled_step, s.sort_key)),
+        ):
             if left <= 0:
                 break
             turn.add(s)
@@ -144,11 +156,15 @@ class Scheduler:
         bm = self.block_manager
         return bm.can_allocate(bm.num_blocks_to_admit(seq, bm.cached_prefix(seq)))
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, seats: list[int] | None = None) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, seats: list[int] | None = None
+    ) -> int:
         self.running.sort(key=lambda s: s.sort_key)
         resting = self._resting(seats)
         # Best first, the resting at the end: victims come from the end.
-        queue = [s for s in self.running if s not in resting] + [s for s in self.running if s in resting]
+        queue = [s for s in self.running if s not in resting] + [
+            s for s in self.running if s in resting
+        ]
         while queue and budget > 0 and queue[0] not in resting:
             seq = queue.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget, self._seats_left(seq, seats))
@@ -177,8 +193,11 @@ class Scheduler:
     def _drafts(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
         """Drafts within the leftover `budget` and max_tokens; none needing a new block while a
         request waits or the `num_later` sequences after `seq` may need the free ones."""
-        if (self.proposer is None or not can_speculate(seq.sampling)
-                or (self.spec_disable_batch_size and len(self.running) >= self.spec_disable_batch_size)):
+        if (
+            self.proposer is None
+            or not can_speculate(seq.sampling)
+            or (self.spec_disable_batch_size and len(self.running) >= self.spec_disable_batch_size)
+        ):
             return []
         # Every draft accepted plus the step's own token must stay within max_tokens.
         limit = min(budget, seq.sampling.max_tokens - seq.num_output_tokens - 1)
@@ -191,8 +210,9 @@ class Scheduler:
             drafts = drafts[:slots]
         return drafts
 
-    def _make_room(self, seq: Sequence, num_new: int, queue: list[Sequence],
-                   out: SchedulerOutput) -> bool:
+    def _make_room(
+        self, seq: Sequence, num_new: int, queue: list[Sequence], out: SchedulerOutput
+    ) -> bool:
         """Preempt the worst not-yet-scheduled running sequences until `seq` fits."""
         while not self.block_manager.can_append(seq, num_new):
             victim = queue.pop() if queue else seq
@@ -201,8 +221,13 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, whole_batch: bool = False,
-                          seats: list[int] | None = None) -> None:
+    def _schedule_waiting(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        whole_batch: bool = False,
+        seats: list[int] | None = None,
+    ) -> None:
         while self.waiting and (budget > 0 or whole_batch):
             seq = self.waiting[0]
             if self._seats_left(seq, seats) <= 0:
@@ -227,8 +252,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
         """Room and a seat for `seq`'s uncomputed prompt, preempting strictly worse running
         sequences (their blocks stay cached: `cached` holds)."""
-        while (len(self.running) >= self.max_num_seqs
-               or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(seq, cached))):
+        while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
+            self.block_manager.num_blocks_to_admit(seq, cached)
+        ):
             victim = max(self.running, key=lambda s: s.sort_key, default=None)
             if victim is not None and victim.priority > seq.priority:
                 out.scheduled = [c for c in out.scheduled if c.seq is not victim]

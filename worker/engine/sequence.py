@@ -1,5 +1,6 @@
 """A request's state inside the engine: token ids, counters, block table, status (counters, not
 phases: docs/architecture.md#the-engine-step)."""
+
 from __future__ import annotations
 
 import enum

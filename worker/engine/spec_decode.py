@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`): output is exactly
 greedy decoding's. design: docs/operations.md#speculative-decoding
 """
+
 from __future__ import annotations
 
 from array import array
@@ -13,8 +14,12 @@ _ITEM = array("i").itemsize  # token ids are searched as packed int32 bytes
 
 def can_speculate(params: SamplingParams) -> bool:
     """Drafts are checked against argmaxes: greedy rows with no penalties, grammar or logprobs."""
-    return (params.greedy and not has_penalties(params) and params.structured is None
-            and params.logprobs is None)
+    return (
+        params.greedy
+        and not has_penalties(params)
+        and params.structured is None
+        and params.logprobs is None
+    )
 
 
 class NgramProposer:
@@ -36,7 +41,7 @@ class NgramProposer:
             start = find_last(packed, tokens[-n:].tobytes(), end=len(tokens) - 1)
             if start >= 0:
                 follow = start + n  # the match ends before the last token
-                return tokens[follow:follow + limit].tolist()
+                return tokens[follow : follow + limit].tolist()
         return []
 
 
@@ -57,5 +62,5 @@ def accept(drafts: list[int], targets: list[int]) -> list[int]:
     assert len(targets) == len(drafts) + 1
     for i, draft in enumerate(drafts):
         if draft != targets[i]:
-            return targets[:i + 1]
+            return targets[: i + 1]
     return list(targets)

@@ -1,5 +1,6 @@
 """A step's inputs from the scheduler's chunks (token ids, positions, slots, context lengths,
 cu_seqlens, block tables), with little Python per step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ class BlockTableRows:
             if row is None or row.table is not table or row.written > len(table):
                 row = rows[id(seq)] = self._fresh(row, table)
             if row.written < len(table):
-                assert len(table) <= self.max_blocks, f"{len(table)} blocks: more than max_model_len holds"
-                self.entries[row.index, row.written:len(table)] = table[row.written:]
+                assert len(table) <= self.max_blocks, (
+                    f"{len(table)} blocks: more than max_model_len holds"
+                )
+                self.entries[row.index, row.written : len(table)] = table[row.written :]
                 row.written = self.extent[row.index] = len(table)
             row.step = self.step
             indices.append(row.index)
@@ -56,7 +59,7 @@ class BlockTableRows:
     def _fresh(self, row: _Row | None, table: list[int]) -> _Row:
         """A zeroed row for `table`: the sequence's own again, or one from the pool."""
         index = row.index if row is not None else self._take()
-        self.entries[index, :self.extent[index]] = 0
+        self.entries[index, : self.extent[index]] = 0
         self.extent[index] = 0
         return _Row(index, table, 0, self.step)
 
@@ -70,7 +73,9 @@ class BlockTableRows:
 
     def _grow(self) -> None:
         rows = self.table.shape[0]
-        grown = torch.zeros(2 * rows, self.max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
+        grown = torch.zeros(
+            2 * rows, self.max_blocks, dtype=torch.int32, pin_memory=self.pin_memory
+        )
         grown[:rows] = self.table
         self.table, self.entries = grown, grown.numpy()
         self.extent += [0] * rows
@@ -88,10 +93,10 @@ def token_slice(seq, start: int, end: int) -> list[int]:
     prompt, output = seq.prompt_token_ids, seq.output_token_ids
     n = len(prompt)
     if start >= n:
-        return output[start - n:end - n]
+        return output[start - n : end - n]
     if end <= n:
         return prompt[start:end]
-    return prompt[start:] + output[:end - n]
+    return prompt[start:] + output[: end - n]
 
 
 @dataclass
@@ -105,6 +110,7 @@ class StepInputs:
 @dataclass
 class PaddedDecodeInputs:
     """A decode-only step on the host, padded to a bucket (padding: slot -1, context length 0)."""
+
     tokens: torch.Tensor  # int64 [3, num_rows]: input ids, positions, slots
     context_lens: torch.Tensor  # int32 [num_rows]
     block_tables: torch.Tensor  # int32 [num_seqs, widest]: real rows only
@@ -127,46 +133,76 @@ class StepBuilder:
         # Two host tensors, cut by one split each: a torch op costs more than its 64 values.
         rows_of = self.rows.assign([s.seq for s in ordered])
         flat = self._host(ids + positions + slots + rows_of + logits_indices, torch.int64)
-        ids_t, positions_t, slots_t, rows, logits_rows = flat.split([num_tokens] * 3 + [n, len(logits_indices)])
+        ids_t, positions_t, slots_t, rows, logits_rows = flat.split(
+            [num_tokens] * 3 + [n, len(logits_indices)]
+        )
         context_lens, cu_seqlens_q = self._host(per_seq, torch.int32).split([n, n + 1])
 
         def block_tables(first: int, stop: int) -> torch.Tensor:
             return dev(self.rows.gather(rows[first:stop], max(widths[first:stop])))
 
-        tables = StepTables(dev(slots_t), dev(positions_t), dev(context_lens), dev(cu_seqlens_q), len(decodes),
-                            block_tables)
+        tables = StepTables(
+            dev(slots_t),
+            dev(positions_t),
+            dev(context_lens),
+            dev(cu_seqlens_q),
+            len(decodes),
+            block_tables,
+        )
         return StepInputs(dev(ids_t), tables, dev(logits_rows), ordered)
 
     def build_decode(self, scheduled: list[ScheduledSequence], num_rows: int) -> PaddedDecodeInputs:
         """A decode-only step on the host, padded to `num_rows` rows for the static buffers."""
         _, ordered = self._order(scheduled)
-        assert len(ordered) <= num_rows and all(s.num_new_tokens == 1 for s in ordered), (len(ordered), num_rows)
+        assert len(ordered) <= num_rows and all(s.num_new_tokens == 1 for s in ordered), (
+            len(ordered),
+            num_rows,
+        )
         per_token, per_seq, widths, logits_indices = self._lists(ordered)
         pad, n = num_rows - len(ordered), len(ordered)
         padding = ([0] * pad, [0] * pad, [-1] * pad)  # token 0 at position 0, stored nowhere
         tokens = self._host([real + p for real, p in zip(per_token, padding)], torch.int64)
-        context_lens = self._host(per_seq[:n] + [0] * pad, torch.int32)  # 0: attention reads nothing
+        context_lens = self._host(
+            per_seq[:n] + [0] * pad, torch.int32
+        )  # 0: attention reads nothing
         rows = self._host(self.rows.assign([s.seq for s in ordered]), torch.int64)
-        return PaddedDecodeInputs(tokens, context_lens, self.rows.gather(rows, max(widths)),
-                                  self.to_device(self._host(logits_indices, torch.int64)), ordered)
+        return PaddedDecodeInputs(
+            tokens,
+            context_lens,
+            self.rows.gather(rows, max(widths)),
+            self.to_device(self._host(logits_indices, torch.int64)),
+            ordered,
+        )
 
     @staticmethod
     def _order(scheduled: list[ScheduledSequence]):
         """(decodes, batch order): decodes first, shortest context first."""
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+        decodes = sorted(
+            (s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens
+        )
         return decodes, decodes + [s for s in scheduled if s.num_new_tokens > 1]
 
     def _lists(self, ordered: list[ScheduledSequence]):
         """([input ids, positions, slots], context lens + cu_seqlens_q, block-table widths, logits
         rows) as lists, in one pass."""
         bs = self.block_size
-        input_ids, positions, slots, context_lens, cu, widths, logits_indices = [], [], [], [], [0], [], []
+        input_ids, positions, slots, context_lens, cu, widths, logits_indices = (
+            [],
+            [],
+            [],
+            [],
+            [0],
+            [],
+            [],
+        )
         for s in ordered:
             seq, new, drafts = s.seq, s.num_new_tokens, s.spec_token_ids
             start, table, prompt = seq.num_computed_tokens, seq.block_table, seq.prompt_token_ids
             if new == 1:  # a decode: the most common row, kept short
                 num_prompt, output = len(prompt), seq.output_token_ids
-                input_ids.append(prompt[start] if start < num_prompt else output[start - num_prompt])
+                input_ids.append(
+                    prompt[start] if start < num_prompt else output[start - num_prompt]
+                )
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 context_lens.append(start + 1)

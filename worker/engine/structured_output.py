@@ -1,6 +1,7 @@
 """Structured outputs with xgrammar: grammars compiled off the engine thread, a matcher per
 constrained sequence, one token bitmask per batch. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import json
@@ -35,17 +36,35 @@ class GrammarCompiler:
     grammar or a ValueError; futures are cached by (kind, text) up to `cache_bytes` (LRU), and a
     tenant runs at most `threads - 1` jobs at once."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
-                 cache_bytes: int = CACHE_BYTES, processes: bool = True):
-        self.info = tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        self._compiler = None if processes else xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        threads: int = 2,
+        cache_bytes: int = CACHE_BYTES,
+        processes: bool = True,
+    ):
+        self.info = (
+            tokenizer
+            if isinstance(tokenizer, xgr.TokenizerInfo)
+            else xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+            )
+        )
+        self._compiler = (
+            None
+            if processes
+            else xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        )
         self._info_json = self.info.serialize_json() if processes else None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}
         self.num_bytes = 0
-        self._queues: OrderedDict[str | None, deque] = OrderedDict()  # tenant -> (key, spec, future)
+        self._queues: OrderedDict[str | None, deque] = (
+            OrderedDict()
+        )  # tenant -> (key, spec, future)
         self._running: dict[str | None, int] = {}
         self._lock = threading.Condition()  # the cache and the queues; workers wait on it
         self._closed = False
@@ -55,8 +74,12 @@ class GrammarCompiler:
         # When the first process could compile: the compile time budget counts from then.
         self.ready_since: float | None = None if processes else float("-inf")
         ref = weakref.ref(self)
-        self._threads = [threading.Thread(target=_work, args=(ref, self._lock), name=f"inferline-grammar-{i}",
-                                          daemon=True) for i in range(max(1, threads))]
+        self._threads = [
+            threading.Thread(
+                target=_work, args=(ref, self._lock), name=f"inferline-grammar-{i}", daemon=True
+            )
+            for i in range(max(1, threads))
+        ]
         weakref.finalize(self, _close, self._lock, self._children)
         for thread in self._threads:
             thread.start()
@@ -96,7 +119,9 @@ class GrammarCompiler:
             if not queue:
                 del self._queues[tenant]
                 continue
-            if tenant is not None and self._running.get(tenant, 0) >= max(1, len(self._threads) - 1):
+            if tenant is not None and self._running.get(tenant, 0) >= max(
+                1, len(self._threads) - 1
+            ):
                 continue
             job = queue.popleft()
             self._queues.move_to_end(tenant)  # round robin
@@ -145,11 +170,15 @@ class GrammarCompiler:
                 process = self._start_process()
                 if reason is None and attempt == 0:
                     continue
-                future.set_exception(ValueError(reason or "cannot be compiled: it crashed the grammar compiler"))
+                future.set_exception(
+                    ValueError(reason or "cannot be compiled: it crashed the grammar compiler")
+                )
                 self._account(key, future, _FAILURE_BYTES)
                 return process
             except Exception as exc:  # noqa: BLE001 - xgrammar raises many types for bad input
-                reason = _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+                reason = _SOURCE_PREFIX.sub(
+                    "", (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                )
                 future.set_exception(ValueError(f"cannot be compiled: {reason}"[:300]))
                 self._account(key, future, _FAILURE_BYTES)
                 return process
@@ -247,16 +276,24 @@ def _close(lock: threading.Condition, children: list) -> None:
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec):
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.text, any_whitespace=False, separators=JSON_SEPARATORS)
+        return compiler.compile_json_schema(
+            spec.text, any_whitespace=False, separators=JSON_SEPARATORS
+        )
     if spec.kind == "json_object":
         # strict_mode off: any properties allowed
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                            separators=JSON_SEPARATORS, strict_mode=False)
+        return compiler.compile_json_schema(
+            '{"type": "object"}',
+            any_whitespace=False,
+            separators=JSON_SEPARATORS,
+            strict_mode=False,
+        )
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
     if spec.kind == "choice":
         options = json.loads(spec.text)
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+        )
     assert spec.kind == "grammar", spec.kind
     return compiler.compile_grammar(spec.text)
 
@@ -269,7 +306,13 @@ class TokenBitmask:
     """Allowed-token bits (xgrammar's layout: one int32 word per 32 ids per row), filled on the
     CPU for the whole batch in one call and moved to the logits' device."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256, budget_s: float | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        max_rows: int = 256,
+        budget_s: float | None = None,
+    ):
         self.vocab_size = vocab_size
         self.device = device
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the engine thread's own core
@@ -279,13 +322,15 @@ class TokenBitmask:
 
     def _allocate(self, rows: int) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned: an asynchronous copy to the GPU
-        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+        return torch.full(
+            (rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin
+        )
 
     def fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
         """[len(matchers), words] int32 on the device: the tokens each matcher allows next."""
         if len(matchers) > self._host.shape[0]:
             self._host = self._allocate(len(matchers))
-        host = self._host[:len(matchers)]
+        host = self._host[: len(matchers)]
         started = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, host)
         self.slow = []
@@ -308,7 +353,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """Sets to -inf in place the logits the bitmask [n, words] forbids, ids past 32 * words
     included; returns `logits`."""
     num_rows, vocab = logits.shape
-    assert bitmask.shape[0] == num_rows and bitmask.dtype == torch.int32, (bitmask.shape, bitmask.dtype)
+    assert bitmask.shape[0] == num_rows and bitmask.dtype == torch.int32, (
+        bitmask.shape,
+        bitmask.dtype,
+    )
     # One AND with every bit's value and one compare per id: fewer passes than shifts.
     forbidden = ((bitmask.unsqueeze(-1) & _bit_values(logits.device)) == 0).view(num_rows, -1)
     width = min(vocab, forbidden.shape[1])

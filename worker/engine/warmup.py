@@ -1,6 +1,7 @@
 """Start-up compiles: every Triton binary the loaded model can launch, compiled before the worker
 is ready. design: docs/architecture.md#the-engine-step
 """
+
 from __future__ import annotations
 
 import time
@@ -29,13 +30,21 @@ class WarmupReport:
     seconds: float
 
 
-def decode_shapes(num_kv_heads: int, head_dim: int, block_size: int, max_blocks: int, max_num_seqs: int,
-                  target: Target) -> list[DecodeShape]:
+def decode_shapes(
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    max_num_seqs: int,
+    target: Target,
+) -> list[DecodeShape]:
     """One batch shape per distinct decode plan, the smallest found (few split counts exist)."""
     block_n = max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
     wishes = {}  # choose_splits' wish -> the fewest sequences that make it
     for num_seqs in range(1, max_num_seqs + 1):
-        wishes.setdefault(choose_splits(num_seqs, num_kv_heads, MAX_SPLITS * 256 * 16, target.num_sms), num_seqs)
+        wishes.setdefault(
+            choose_splits(num_seqs, num_kv_heads, MAX_SPLITS * 256 * 16, target.num_sms), num_seqs
+        )
     shapes: dict[int, DecodeShape] = {}  # SPLITS_P2 (1: direct) -> a shape
     for width in range(1, max_blocks + 1):
         max_len = width * block_size
@@ -54,8 +63,14 @@ def warm_up(runner, max_num_seqs: int) -> WarmupReport:
     config = runner.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     max_blocks = -(-runner.max_model_len // runner.block_size)
-    shapes = decode_shapes(config.num_key_value_heads, head_dim, runner.block_size, max_blocks, max_num_seqs,
-                           target_of(runner.device))
+    shapes = decode_shapes(
+        config.num_key_value_heads,
+        head_dim,
+        runner.block_size,
+        max_blocks,
+        max_num_seqs,
+        target_of(runner.device),
+    )
     with torch.inference_mode():
         _forward(runner, [2], 0, 1)  # one prompt of two tokens
         for shape in shapes:
@@ -74,8 +89,18 @@ def _forward(runner, new_tokens: list[int], num_decodes: int, width: int) -> Non
     cu = torch.zeros(num_seqs + 1, dtype=i32, device=dev)
     cu[1:] = lens.cumsum(0)
     tables = torch.zeros(num_seqs, width, dtype=i32, device=dev)
-    step = StepTables(torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-                      torch.zeros(num_tokens, dtype=torch.int64, device=dev), lens, cu, num_decodes,
-                      lambda first, stop: tables[first:stop])
+    step = StepTables(
+        torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+        torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+        lens,
+        cu,
+        num_decodes,
+        lambda first, stop: tables[first:stop],
+    )
     meta = runner.attention.prepare(step, fused_ops=runner.backends.fused_ops)
-    runner.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), step.positions, runner.kv_cache, meta)
+    runner.model(
+        torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+        step.positions,
+        runner.kv_cache,
+        meta,
+    )

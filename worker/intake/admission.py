@@ -1,5 +1,6 @@
 """Admission: a wire request becoming an engine request, with its capped token budget and
 deadline."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,20 +43,41 @@ def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
     if req.n * max_tokens <= limits.max_request_tokens:
         return None
     field = "n" if req.n > 1 else "max_tokens"
-    return (f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, at most "
-            f"{limits.max_request_tokens} per request")
+    return (
+        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, at most "
+        f"{limits.max_request_tokens} per request"
+    )
 
 
-def engine_request(req: Request, attempt: str, max_tokens: int, received: float,
-                   deadline: float) -> EngineRequest:
+def engine_request(
+    req: Request, attempt: str, max_tokens: int, received: float, deadline: float
+) -> EngineRequest:
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        seed=req.seed, stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos, structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n)
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+    )
     messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
-    return EngineRequest(request_id=attempt, sampling=sampling, prompt=req.prompt, messages=messages,
-                         prompt_token_ids=req.prompt_token_ids, priority=req.priority,
-                         arrival_time=received, deadline=deadline, tenant=req.tenant)
+    return EngineRequest(
+        request_id=attempt,
+        sampling=sampling,
+        prompt=req.prompt,
+        messages=messages,
+        prompt_token_ids=req.prompt_token_ids,
+        priority=req.priority,
+        arrival_time=received,
+        deadline=deadline,
+        tenant=req.tenant,
+    )

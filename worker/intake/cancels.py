@@ -1,6 +1,7 @@
 """Cancels: every worker reads the whole cancel topic, without a group, from `cancel_lookback_s`
 ago at start-up (docs/architecture.md#delivery-guarantees).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,9 @@ class CancelListener:
         self.ready = False
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(**self._s.kafka.client_options(), group_id=None,
-                                          enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(
+            **self._s.kafka.client_options(), group_id=None, enable_auto_commit=False
+        )
         await self._consumer.start()
         await self._assign_all(at_start=True)
         await self._catch_up()
@@ -146,4 +148,6 @@ class CancelListener:
             return
         self._m.cancels.inc()
         k = self._s.kafka
-        self._on_cancel(cancel.id, tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None)
+        self._on_cancel(
+            cancel.id, tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None
+        )

@@ -2,6 +2,7 @@
 or an admission; with no room every partition pauses, but `getmany` goes on (aiokafka measures
 max_poll_interval_ms from it). design: docs/operations.md#scaling-partitions-and-consumer-groups
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,12 @@ from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.delivery.offsets import LagGauge, OffsetTracker
 from inferline.worker.delivery.publisher import ReplyRoute
 from inferline.worker.service.ratelimit import RateLimiter
-from inferline.worker.intake.admission import Admission, capped_max_tokens, deadline_of, sample_budget_problem
+from inferline.worker.intake.admission import (
+    Admission,
+    capped_max_tokens,
+    deadline_of,
+    sample_budget_problem,
+)
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.delivery.transactions import Transactions
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
@@ -37,7 +43,6 @@ REFUSAL_LOG_S = 1.0
 
 
 class Sink(Protocol):
-
     def room(self) -> int: ...
     def pool_full(self) -> bool: ...
     def admit(self, admission: "Admission") -> None: ...
@@ -47,7 +52,6 @@ class Sink(Protocol):
 
 @dataclass
 class _Unverified:
-
     tp: TopicPartition
     record: object
     decoded: Request | InvalidRequest
@@ -78,8 +82,17 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Intake:
-    def __init__(self, settings, sink: Sink, tracker: OffsetTracker, limiter: RateLimiter, metrics,
-                 cancels: RecentCancels, transactions: Transactions, delivery) -> None:
+    def __init__(
+        self,
+        settings,
+        sink: Sink,
+        tracker: OffsetTracker,
+        limiter: RateLimiter,
+        metrics,
+        cancels: RecentCancels,
+        transactions: Transactions,
+        delivery,
+    ) -> None:
         self._s = settings
         self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
         self._delivery = delivery
@@ -99,12 +112,16 @@ class Intake:
         self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
         self._epochs: dict[TopicPartition, int] = {}  # partition -> generation it was taken in
-        self._holding: set[TopicPartition] = set()  # revoked, work held until the assignment is known
+        self._holding: set[TopicPartition] = (
+            set()
+        )  # revoked, work held until the assignment is known
         self._rebalanced = asyncio.Event()  # set while no revocation waits for its assignment
         self._rebalanced.set()
         self._admin: AIOKafkaAdminClient | None = None
         self._replicas: dict[str, int] = {}
-        self.reply_topics = ReplyTopics(settings.kafka, self._list_topics, check_topics=self._check_topics)
+        self.reply_topics = ReplyTopics(
+            settings.kafka, self._list_topics, check_topics=self._check_topics
+        )
         transactions.owner = self
 
     @property
@@ -125,14 +142,18 @@ class Intake:
     async def _list_topics(self) -> list[str]:
         # Every topic's metadata: asking for one by name could auto-create it.
         described = await (await self._admin_client()).describe_topics()
-        self._replicas = {t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
-                          for t in described if t["error_code"] == 0}
+        self._replicas = {
+            t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
+            for t in described
+            if t["error_code"] == 0
+        }
         return list(self._replicas)
 
     async def _check_topics(self, topics: list[str]) -> dict[str, str | None]:
         names = {"max.message.bytes": None, "min.insync.replicas": None}
         responses = await (await self._admin_client()).describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics])
+            [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics]
+        )
         reasons: dict[str, str | None] = {}
         for response in responses:
             for res in response.to_object()["resources"]:
@@ -141,31 +162,41 @@ class Intake:
                     reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
                     continue
                 configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
-                reasons[topic] = unsafe_limits(configs, self._replicas.get(topic, 0),
-                                               self._s.kafka.min_reply_message_bytes)
+                reasons[topic] = unsafe_limits(
+                    configs, self._replicas.get(topic, 0), self._s.kafka.min_reply_message_bytes
+                )
         return reasons
 
     async def start(self) -> None:
         k = self._s.kafka
         group_join.install()  # hold names two assignors: one JoinGroup for both
         self._consumer = AIOKafkaConsumer(
-            **k.client_options(), group_id=k.group_id, group_instance_id=k.group_instance_id,
-            enable_auto_commit=False, auto_offset_reset="earliest",
+            **k.client_options(),
+            group_id=k.group_id,
+            group_instance_id=k.group_instance_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
             partition_assignment_strategy=assignors(k.rebalance),
-            session_timeout_ms=k.session_timeout_ms, heartbeat_interval_ms=k.session_timeout_ms // 4,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.session_timeout_ms // 4,
             max_partition_fetch_bytes=k.max_message_bytes + 64 * 1024,
             metadata_max_age_ms=30_000,  # how soon a new tenant's topic is subscribed
         )
         if k.tenancy == "topic":
-            self._consumer.subscribe(pattern=tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic,
-                                                                           k.reply_topic_prefix)),
-                                     listener=_Rebalance(self))
+            self._consumer.subscribe(
+                pattern=tenant_pattern(
+                    k.request_topic, (k.dlq_topic, k.cancel_topic, k.reply_topic_prefix)
+                ),
+                listener=_Rebalance(self),
+            )
         else:
             self._consumer.subscribe([k.request_topic], listener=_Rebalance(self))
         await self._consumer.start()
         self.lag.consumer = self._consumer
-        self._tasks = [asyncio.create_task(self._fetch_loop(), name="intake-fetch"),
-                       asyncio.create_task(self.lag.run(), name="intake-lag")]
+        self._tasks = [
+            asyncio.create_task(self._fetch_loop(), name="intake-fetch"),
+            asyncio.create_task(self.lag.run(), name="intake-lag"),
+        ]
 
     async def close(self) -> None:
         """Leave the group; offsets commit with their finals, so nothing is left to commit."""
@@ -209,7 +240,9 @@ class Intake:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(_Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock()))
+            unverified.append(
+                _Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock())
+            )
             return
         self._dispatch(tp, record, decoded, verdict)
 
@@ -220,9 +253,13 @@ class Intake:
             self._m.reply_topic_refusals.inc()
             self._delivery.dead_letter(record, reason)
         elif isinstance(decoded, InvalidRequest):
-            self._delivery.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
+            self._delivery.reject(
+                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
+            )
         elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._delivery.reject(tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message)
+            self._delivery.reject(
+                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
+            )
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
@@ -230,8 +267,13 @@ class Intake:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
         now = time.monotonic()
         if now - self._refusal_logged_at >= REFUSAL_LOG_S:
-            log.warning("intake.reply_topic_refused", partition=tp.partition, offset=offset, reason=reason,
-                        unlogged=self._refusals_unlogged)
+            log.warning(
+                "intake.reply_topic_refused",
+                partition=tp.partition,
+                offset=offset,
+                reason=reason,
+                unlogged=self._refusals_unlogged,
+            )
             self._refusal_logged_at, self._refusals_unlogged = now, 0
         else:
             self._refusals_unlogged += 1
@@ -245,6 +287,7 @@ class Intake:
         def done(t: asyncio.Task) -> None:
             self._verifying.discard(t)
             self._num_verifying -= len(unverified)
+
         task.add_done_callback(done)
 
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
@@ -265,10 +308,14 @@ class Intake:
             if u.generation != self.epoch(u.tp) or u.tp in self._revoking:
                 continue
             try:
-                verdict = self.reply_topics.verdict(u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed)
+                verdict = self.reply_topics.verdict(
+                    u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed
+                )
                 self._dispatch(u.tp, u.record, u.decoded, verdict)
             except Exception as exc:  # noqa: BLE001 - as in _handle_safely
-                log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
+                log.exception(
+                    "intake.handle_failed", partition=u.tp.partition, offset=u.record.offset
+                )
                 self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _fetch_once(self) -> dict:
@@ -294,7 +341,12 @@ class Intake:
             todo = assigned - self._consumer.paused()
             if todo:
                 self._consumer.pause(*todo)
-        elif resumable := self._consumer.paused() - self._revoking - self._taking_over - self._given_up:
+        elif (
+            resumable := self._consumer.paused()
+            - self._revoking
+            - self._taking_over
+            - self._given_up
+        ):
             self._consumer.resume(*resumable)
         self._m.intake_paused.set(1 if paused and assigned else 0)
 
@@ -308,8 +360,13 @@ class Intake:
         tenant = self._tenant_of(tp)
         # "default" (the contract's default, sent unasked) claims nothing
         if tenant is not None and req.tenant not in (tenant, "default"):
-            return InvalidRequest("tenant", f"tenant: {req.tenant!r} is not the tenant of this request topic",
-                                  request_id=req.id, reply_topic=req.reply_topic, reply_partition=req.reply_partition)
+            return InvalidRequest(
+                "tenant",
+                f"tenant: {req.tenant!r} is not the tenant of this request topic",
+                request_id=req.id,
+                reply_topic=req.reply_topic,
+                reply_partition=req.reply_partition,
+            )
         tenant = tenant or req.tenant
         priority = clamp_priority(req.priority, self._s.limits, tenant)
         if tenant == req.tenant and priority == req.priority:
@@ -326,14 +383,26 @@ class Intake:
             return None
         self._delivery.hold(tp, record)
         try:
-            req = decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
+            req = decode_request(
+                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
+            )
         except UndecodableMessage as exc:
-            log.warning("intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
+            log.warning(
+                "intake.dead_letter",
+                partition=tp.partition,
+                offset=record.offset,
+                reason=exc.reason,
+            )
             self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:
-            log.info("intake.invalid", request_id=exc.request_id, partition=tp.partition,
-                     offset=record.offset, field=exc.field)
+            log.info(
+                "intake.invalid",
+                request_id=exc.request_id,
+                partition=tp.partition,
+                offset=record.offset,
+                field=exc.field,
+            )
             return exc
         return req
 
@@ -344,17 +413,38 @@ class Intake:
         if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
             self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
         elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
-            self._delivery.reject(tp, offset, route, "cancelled", "cancelled before it started",
-                              finish_reason="cancelled", metadata=meta)
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "cancelled",
+                "cancelled before it started",
+                finish_reason="cancelled",
+                metadata=meta,
+            )
         elif deadline <= time.time():
-            self._delivery.reject(tp, offset, route, "timeout", "deadline passed before it was read",
-                              finish_reason="timeout", metadata=meta)
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "timeout",
+                "deadline passed before it was read",
+                finish_reason="timeout",
+                metadata=meta,
+            )
         elif self._overloading and self._sink.room() <= 0:
-            self._delivery.reject(tp, offset, route, "overloaded", "the worker's waiting pool is full",
-                              metadata=meta)
+            self._delivery.reject(
+                tp, offset, route, "overloaded", "the worker's waiting pool is full", metadata=meta
+            )
         elif not self._limiter.admit(req.tenant, max_tokens * req.n):
-            self._delivery.reject(tp, offset, route, "rate_limited", f"tenant {req.tenant!r} is over its rate limit",
-                              metadata=meta)
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "rate_limited",
+                f"tenant {req.tenant!r} is over its rate limit",
+                metadata=meta,
+            )
         else:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
 
@@ -381,8 +471,12 @@ class Intake:
         their ids first)."""
         if not revoked:
             return
-        log.info("intake.revoked", partitions=sorted(tp.partition for tp in revoked), held=True,
-                 group_generation=self._consumer._coordinator.generation)
+        log.info(
+            "intake.revoked",
+            partitions=sorted(tp.partition for tp in revoked),
+            held=True,
+            group_generation=self._consumer._coordinator.generation,
+        )
         self._holding |= revoked
         self._revoking = set(revoked)
         self._rebalanced.clear()
@@ -401,8 +495,9 @@ class Intake:
         if assigned:
             self._consumer.pause(*assigned)
 
-    def on_assigned(self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
-                    ) -> tuple[set[TopicPartition], set[TopicPartition]]:
+    def on_assigned(
+        self, assigned: set[TopicPartition], kept: set[TopicPartition] = frozenset()
+    ) -> tuple[set[TopicPartition], set[TopicPartition]]:
         """A new assignment: which held partitions stay (kept) and which moved."""
         kept = set(kept) & self._holding & assigned
         moved = self._holding - kept
@@ -410,21 +505,31 @@ class Intake:
         self._revoking = set()
         self._given_up = set()
         self._generation += 1
-        self._epochs = {tp: self._epochs.get(tp, self._generation) if tp in kept else self._generation
-                        for tp in assigned}
+        self._epochs = {
+            tp: self._epochs.get(tp, self._generation) if tp in kept else self._generation
+            for tp in assigned
+        }
         self._holding = set()
         self._rebalanced.set()
-        log.info("intake.assigned", partitions=sorted(tp.partition for tp in assigned),
-                 kept=sorted(tp.partition for tp in kept), moved=sorted(tp.partition for tp in moved),
-                 group_generation=self._consumer._coordinator.generation)
+        log.info(
+            "intake.assigned",
+            partitions=sorted(tp.partition for tp in assigned),
+            kept=sorted(tp.partition for tp in kept),
+            moved=sorted(tp.partition for tp in moved),
+            group_generation=self._consumer._coordinator.generation,
+        )
         # Nothing is read from a new partition before take_over() has read its ledger.
         self._taking_over = set(assigned)
         if assigned:
             self._consumer.pause(*assigned)
         return kept, moved
 
-    async def take_over(self, assigned: set[TopicPartition], moved: set[TopicPartition] = frozenset(),
-                        kept: set[TopicPartition] = frozenset()) -> None:
+    async def take_over(
+        self,
+        assigned: set[TopicPartition],
+        moved: set[TopicPartition] = frozenset(),
+        kept: set[TopicPartition] = frozenset(),
+    ) -> None:
         """Let go of held partitions that moved and take over the new ones; kept ones read on."""
         generation = self._generation
         await self._let_go(moved & assigned)  # back after a generation elsewhere: taken over anew
@@ -458,9 +563,12 @@ class Intake:
             try:
                 await self._txns.open(assigned, generation)
                 committed = await (await self._admin_client()).list_consumer_group_offsets(
-                    self._s.kafka.group_id, partitions=list(assigned))
+                    self._s.kafka.group_id, partitions=list(assigned)
+                )
                 # Nothing committed: from the log's start, whatever the fetcher read before.
-                fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
+                fresh = [
+                    tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0
+                ]
                 starts = await self._consumer.beginning_offsets(fresh) if fresh else {}
                 break
             except Exception as exc:  # noqa: BLE001 - coordinator moving, broker restarting
@@ -482,12 +590,18 @@ class Intake:
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         """Assigned, taken over in `generation`, not given up."""
-        return self._epochs.get(tp) == generation and tp in self._consumer.assignment() and tp not in self._given_up
+        return (
+            self._epochs.get(tp) == generation
+            and tp in self._consumer.assignment()
+            and tp not in self._given_up
+        )
 
     async def confirm(self, tp: TopicPartition) -> bool:
         """The coordinator lists this member, in a stable group, with `tp` assigned."""
         member = self._consumer._coordinator.member_id
-        (response,) = await (await self._admin_client()).describe_consumer_groups([self._s.kafka.group_id])
+        (response,) = await (await self._admin_client()).describe_consumer_groups(
+            [self._s.kafka.group_id]
+        )
         for group in response.groups:
             error, state, members = group[0], group[2], group[5]
             if error or state != "Stable":
@@ -495,13 +609,16 @@ class Intake:
             for m in members:
                 if m[0] == member:
                     assignment = ConsumerProtocol.ASSIGNMENT.decode(m[-1])
-                    return any(topic == tp.topic and tp.partition in parts
-                               for topic, parts in assignment.assignment)
+                    return any(
+                        topic == tp.topic and tp.partition in parts
+                        for topic, parts in assignment.assignment
+                    )
         return False
 
     async def committed(self, tp: TopicPartition) -> tuple[int, str | None] | None:
         offsets = await (await self._admin_client()).list_consumer_group_offsets(
-            self._s.kafka.group_id, partitions=[tp])
+            self._s.kafka.group_id, partitions=[tp]
+        )
         meta = offsets.get(tp)
         return (meta.offset, meta.metadata) if meta is not None and meta.offset >= 0 else None
 

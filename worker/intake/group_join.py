@@ -1,6 +1,7 @@
 """One JoinGroup request naming every assignor: aiokafka joins once per assignor
 (aio-libs/aiokafka#1168), and members out of step then keep each other rebalancing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,12 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
             return None
         coordinator = self._coordinator
         coordinator.member_id, coordinator.generation = response.member_id, response.generation_id
-        log.debug("group.joined", group=self.group_id, generation=response.generation_id,
-                  leader=response.leader_id == response.member_id)
+        log.debug(
+            "group.joined",
+            group=self.group_id,
+            generation=response.generation_id,
+            leader=response.leader_id == response.member_id,
+        )
         if response.leader_id == response.member_id:
             assignment = await self._on_join_leader(response)
         else:
@@ -40,7 +45,9 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
         out = []
         for assignor in self._assignors:
             metadata = assignor.metadata(topics)
-            out.append((assignor.name, metadata if isinstance(metadata, bytes) else metadata.encode()))
+            out.append(
+                (assignor.name, metadata if isinstance(metadata, bytes) else metadata.encode())
+            )
         return out
 
     async def _join(self, protocols: list[tuple[str, bytes]]):
@@ -48,9 +55,15 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
         coordinator or after a subscription change."""
         coordinator = self._coordinator
         while True:
-            request = JoinGroupRequest(self.group_id, self._session_timeout_ms, self._rebalance_timeout_ms,
-                                       coordinator.member_id, coordinator._group_instance_id,
-                                       ConsumerProtocol.PROTOCOL_TYPE, protocols)
+            request = JoinGroupRequest(
+                self.group_id,
+                self._session_timeout_ms,
+                self._rebalance_timeout_ms,
+                coordinator.member_id,
+                coordinator._group_instance_id,
+                ConsumerProtocol.PROTOCOL_TYPE,
+                protocols,
+            )
             try:
                 response = await coordinator._send_req(request)
             except Errors.KafkaError:  # the coordinator lookup that follows backs off
@@ -67,10 +80,16 @@ class SingleJoinRebalance(group_coordinator.CoordinatorGroupRebalance):
             await asyncio.sleep(self._retry_backoff_ms / 1000)
         elif error is Errors.UnknownMemberIdError:
             self._coordinator.reset_generation()
-        elif error in (Errors.GroupCoordinatorNotAvailableError, Errors.NotCoordinatorForGroupError):
+        elif error in (
+            Errors.GroupCoordinatorNotAvailableError,
+            Errors.NotCoordinatorForGroupError,
+        ):
             self._coordinator.coordinator_dead()
-        elif error in (Errors.InconsistentGroupProtocolError, Errors.InvalidSessionTimeoutError,
-                       Errors.InvalidGroupIdError):
+        elif error in (
+            Errors.InconsistentGroupProtocolError,
+            Errors.InvalidSessionTimeoutError,
+            Errors.InvalidGroupIdError,
+        ):
             log.error("group.join_failed", group=self.group_id, error=error.__name__)
             raise error()
         elif error is Errors.GroupAuthorizationFailedError:

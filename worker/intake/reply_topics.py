@@ -1,6 +1,7 @@
 """Where the worker may write a request's replies: the reply topic a producer names is untrusted
 (docs/security.md); anything not allowed is dead-lettered.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,9 @@ KNOWN_FOR_S = 300.0  # meanwhile the publisher's sends notice a deleted topic
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
     """Why the worker must not write to `topic` (policy only), or None."""
-    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(topic, kafka):
+    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(
+        topic, kafka
+    ):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):
         return f"reply_topic {topic!r} is an internal topic"
@@ -32,8 +35,10 @@ def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
 
 def _per_tenant_topic(topic: str, kafka) -> bool:
     # Any `<base>.<segment>`, reserved tenant names included.
-    return kafka.tenancy == "topic" and any(re.fullmatch(f"{re.escape(base)}\\.{TENANT_SEGMENT}", topic)
-                                            for base in (kafka.request_topic, kafka.cancel_topic))
+    return kafka.tenancy == "topic" and any(
+        re.fullmatch(f"{re.escape(base)}\\.{TENANT_SEGMENT}", topic)
+        for base in (kafka.request_topic, kafka.cancel_topic)
+    )
 
 
 def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int) -> str | None:
@@ -43,29 +48,41 @@ def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int
         return f"max.message.bytes={max_bytes} is below the {min_message_bytes} a reply topic must accept"
     min_isr = configs.get("min.insync.replicas")
     if min_isr is not None and replicas and int(min_isr) > replicas:
-        return f"min.insync.replicas={min_isr} exceeds its {replicas} replicas: no write can succeed"
+        return (
+            f"min.insync.replicas={min_isr} exceeds its {replicas} replicas: no write can succeed"
+        )
     return None
 
 
 class ReplyTopics:
     """The allowed-and-existing check, with the broker's topic list cached."""
 
-    def __init__(self, kafka, list_topics: Callable, clock: Callable[[], float] = time.monotonic,
-                 missing_ttl_s: float | None = None, check_topics: Callable | None = None) -> None:
+    def __init__(
+        self,
+        kafka,
+        list_topics: Callable,
+        clock: Callable[[], float] = time.monotonic,
+        missing_ttl_s: float | None = None,
+        check_topics: Callable | None = None,
+    ) -> None:
         self._kafka = kafka
         self._list_topics = list_topics  # async () -> every topic name
         self._check_topics = check_topics  # async (topics) -> {topic: reason or None}
         self._checked: dict[str, tuple[float, str | None]] = {}  # topic -> (when, reason or None)
         self.clock = clock
         self._seen: dict[str, float] = {}  # topic -> when last listed
-        self._missing: dict[str, float] = {}  # topic -> when a list read after its request lacked it
+        self._missing: dict[
+            str, float
+        ] = {}  # topic -> when a list read after its request lacked it
         ttl = getattr(kafka, "missing_reply_topic_ttl_s", 10.0)
         self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
         self._listed_at = float("-inf")
         self._inflight: asyncio.Future | None = None
 
-    def verdict(self, topic: str, tenant: str | None = None, listed_after: bool = False) -> str | None:
-        """"ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
+    def verdict(
+        self, topic: str, tenant: str | None = None, listed_after: bool = False
+    ) -> str | None:
+        """ "ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
         last listing was read after the request, so a topic missing from it does not exist."""
         reason = refusal(topic, self._kafka, tenant)
         if reason:
@@ -76,7 +93,9 @@ class ReplyTopics:
                 return "ok"
             when, unsafe = self._checked.get(topic, (float("-inf"), None))
             if now - when < CHECKED_FOR_S:
-                return f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
+                return (
+                    f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
+                )
             return None
         if listed_after:
             self._missing[topic] = now
@@ -97,8 +116,11 @@ class ReplyTopics:
         topics: Iterable[str] = await self._list_topics()
         now = self.clock()
         self._seen = {t: now for t in topics if not refusal(t, self._kafka)}
-        self._missing = {t: at for t, at in self._missing.items()
-                         if t not in self._seen and now - at < self.missing_ttl_s}
+        self._missing = {
+            t: at
+            for t, at in self._missing.items()
+            if t not in self._seen and now - at < self.missing_ttl_s
+        }
         self._listed_at = max(self._listed_at, asked)
         log.debug("reply_topics.refreshed", allowed=len(self._seen), missing=len(self._missing))
 
@@ -107,8 +129,14 @@ class ReplyTopics:
         if self._check_topics is None:
             return
         now = self.clock()
-        stale = sorted({t for t in wanted if t in self._seen
-                        and now - self._checked.get(t, (float("-inf"), None))[0] >= CHECKED_FOR_S})
+        stale = sorted(
+            {
+                t
+                for t in wanted
+                if t in self._seen
+                and now - self._checked.get(t, (float("-inf"), None))[0] >= CHECKED_FOR_S
+            }
+        )
         if stale:
             reasons = await self._check_topics(stale)
             self._checked.update({t: (now, reasons.get(t)) for t in stale})

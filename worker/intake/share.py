@@ -2,6 +2,7 @@
 ShareConsumer per thread (`_Lane`), each record acknowledged on its own.
 design: docs/operations.md#group-or-share-mode
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,6 @@ POLL_INTERVAL_MARGIN_MS = 60_000  # a pinned lane polls again within its lock, p
 
 @dataclass
 class ShareRecord:
-
     topic: str
     partition: int
     offset: int
@@ -55,10 +55,14 @@ def read_broker_limits(kafka) -> BrokerLimits:
         broker_id = next(iter(admin.list_topics(timeout=30).brokers))
         resource = ConfigResource(ResourceType.BROKER, str(broker_id))
         configs = admin.describe_configs([resource])[resource].result(timeout=30)
-        return BrokerLimits(int(configs["group.share.delivery.count.limit"].value),
-                            int(configs["group.share.max.record.lock.duration.ms"].value))
+        return BrokerLimits(
+            int(configs["group.share.delivery.count.limit"].value),
+            int(configs["group.share.max.record.lock.duration.ms"].value),
+        )
     except Exception as exc:  # noqa: BLE001 - assume the defaults, say so
-        log.warning("share_intake.broker_limits_unknown", error=repr(exc), assumed=str(BrokerLimits()))
+        log.warning(
+            "share_intake.broker_limits_unknown", error=repr(exc), assumed=str(BrokerLimits())
+        )
         return BrokerLimits()
 
 
@@ -66,10 +70,16 @@ def lock_ms(settings, broker: BrokerLimits) -> int:
     """The group's record lock: longer than the longest request, or share_lock_ms; never over the
     broker's cap."""
     k = settings.kafka
-    wanted = k.share_lock_ms or math.ceil((settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000)
+    wanted = k.share_lock_ms or math.ceil(
+        (settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000
+    )
     if wanted > broker.max_lock_ms:
-        log.warning("share_intake.lock_capped", wanted_ms=wanted, broker_max_ms=broker.max_lock_ms,
-                    consequence="a request running longer than the lock is run again by another worker")
+        log.warning(
+            "share_intake.lock_capped",
+            wanted_ms=wanted,
+            broker_max_ms=broker.max_lock_ms,
+            consequence="a request running longer than the lock is run again by another worker",
+        )
     return min(wanted, broker.max_lock_ms)
 
 
@@ -82,9 +92,13 @@ def max_deliveries(kafka, broker: BrokerLimits) -> int:
 def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
     """librdkafka settings of a share consumer: the worker's connection, explicit acks, and a poll
     interval a pinned lane stays within."""
-    return {**kafka.librdkafka_config(), "group.id": group_id, "share.acknowledgement.mode": "explicit",
-            "max.poll.records": max_poll_records,
-            "max.poll.interval.ms": max(300_000, lock + POLL_INTERVAL_MARGIN_MS)}
+    return {
+        **kafka.librdkafka_config(),
+        "group.id": group_id,
+        "share.acknowledgement.mode": "explicit",
+        "max.poll.records": max_poll_records,
+        "max.poll.interval.ms": max(300_000, lock + POLL_INTERVAL_MARGIN_MS),
+    }
 
 
 def group_configs(lock: int) -> dict[str, str]:
@@ -95,7 +109,13 @@ def group_configs(lock: int) -> dict[str, str]:
 
 def set_group_configs(kafka, configs: dict[str, str]) -> None:
     """Blocking: apply `configs` one at a time (a refused lock must not stop the offset reset)."""
-    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+    from confluent_kafka.admin import (
+        AdminClient,
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+        ResourceType,
+    )
 
     admin = AdminClient(kafka.librdkafka_config())
     for name, value in configs.items():
@@ -105,7 +125,12 @@ def set_group_configs(kafka, configs: dict[str, str]) -> None:
             for future in admin.incremental_alter_configs([resource]).values():
                 future.result(timeout=30)
         except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right, value out of range
-            log.warning("share_intake.group_config_failed", group=kafka.group_id, config=name, error=repr(exc))
+            log.warning(
+                "share_intake.group_config_failed",
+                group=kafka.group_id,
+                config=name,
+                error=repr(exc),
+            )
 
 
 class _Lane:
@@ -113,7 +138,9 @@ class _Lane:
 
     def __init__(self, intake: "ShareIntake", index: int, conf: dict) -> None:
         self._intake, self._conf = intake, conf
-        self.verdicts: queue.SimpleQueue = queue.SimpleQueue()  # (topic, partition, offset, verdict)
+        self.verdicts: queue.SimpleQueue = (
+            queue.SimpleQueue()
+        )  # (topic, partition, offset, verdict)
         self.closing = threading.Event()
         self.claim_size = conf.get("max.poll.records", 1)
         self.claimed = 0  # room claimed for a poll not yet queued in the intake
@@ -176,8 +203,17 @@ class _Lane:
             if msg.error() is not None:
                 log.warning("share_intake.poll_error", error=str(msg.error()))
                 continue
-            records.append(ShareRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(),
-                                       msg.headers(), msg.delivery_count() or 1))
+            records.append(
+                ShareRecord(
+                    msg.topic(),
+                    msg.partition(),
+                    msg.offset(),
+                    msg.key(),
+                    msg.value(),
+                    msg.headers(),
+                    msg.delivery_count() or 1,
+                )
+            )
         return records
 
     def _acknowledge(self, consumer, held: set, wait: float | None) -> None:
@@ -186,8 +222,11 @@ class _Lane:
         sent = 0
         while True:
             try:
-                topic, partition, offset, verdict = (self.verdicts.get(timeout=wait) if wait and not sent
-                                                     else self.verdicts.get_nowait())
+                topic, partition, offset, verdict = (
+                    self.verdicts.get(timeout=wait)
+                    if wait and not sent
+                    else self.verdicts.get_nowait()
+                )
             except queue.Empty:
                 break
             if (topic, partition, offset) in held:
@@ -200,7 +239,12 @@ class _Lane:
     def _commit(self, consumer) -> None:
         for tp, error in (consumer.commit_sync(COMMIT_TIMEOUT_S) or {}).items():
             if error is not None:  # e.g. the lock expired: the record went to another worker
-                log.warning("share_intake.ack_failed", topic=tp.topic, partition=tp.partition, error=str(error))
+                log.warning(
+                    "share_intake.ack_failed",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    error=str(error),
+                )
 
     def _close(self, consumer, held: set) -> None:
         """Verdicts that came, then RELEASE for the rest, and leave."""
@@ -219,7 +263,11 @@ def _ack_types() -> dict:
     # confluent-kafka is needed in share mode only (the `share` extra).
     from confluent_kafka import AcknowledgeType
 
-    return {"accept": AcknowledgeType.ACCEPT, "release": AcknowledgeType.RELEASE, "reject": AcknowledgeType.REJECT}
+    return {
+        "accept": AcknowledgeType.ACCEPT,
+        "release": AcknowledgeType.RELEASE,
+        "reject": AcknowledgeType.REJECT,
+    }
 
 
 class ShareIntake(Intake):
@@ -246,7 +294,9 @@ class ShareIntake(Intake):
 
     async def start(self) -> None:
         k = self._s.kafka
-        assert k.tenancy == "body", "share mode reads one request topic (tenancy=topic is group mode only)"
+        assert k.tenancy == "body", (
+            "share mode reads one request topic (tenancy=topic is group mode only)"
+        )
         self._loop = asyncio.get_running_loop()
         self.broker = await asyncio.to_thread(read_broker_limits, k)
         self.max_deliveries = max_deliveries(k, self.broker)
@@ -257,8 +307,13 @@ class ShareIntake(Intake):
         self._open_lane()
         self._tasks = [asyncio.create_task(self._hand_out_loop(), name="share-intake-hand-out")]
         self.joined = True
-        log.info("share_intake.started", group=k.group_id, lock_ms=lock, max_deliveries=self.max_deliveries,
-                 delivery_limit=self.broker.delivery_limit)
+        log.info(
+            "share_intake.started",
+            group=k.group_id,
+            lock_ms=lock,
+            max_deliveries=self.max_deliveries,
+            delivery_limit=self.broker.delivery_limit,
+        )
 
     def _open_lane(self) -> None:
         lane = _Lane(self, len(self._lanes), self._conf)
@@ -269,8 +324,12 @@ class ShareIntake(Intake):
 
     def _lanes_wanted(self) -> None:
         """Room, and every lane pinned: open another, up to share_consumers."""
-        if (self._lanes and self.free_room > 0 and len(self._lanes) < self._s.kafka.share_consumers
-                and all(lane.pinned for lane in self._lanes)):
+        if (
+            self._lanes
+            and self.free_room > 0
+            and len(self._lanes) < self._s.kafka.share_consumers
+            and all(lane.pinned for lane in self._lanes)
+        ):
             self._open_lane()
 
     async def close(self) -> None:
@@ -291,7 +350,10 @@ class ShareIntake(Intake):
     def claim_room(self, lane: _Lane) -> bool:
         """May `lane` poll? While room is left that no other lane's poll has claimed."""
         with self._claims:
-            if not lane.claimed and self.free_room - sum(other.claimed for other in self._lanes) > 0:
+            if (
+                not lane.claimed
+                and self.free_room - sum(other.claimed for other in self._lanes) > 0
+            ):
                 lane.claimed = lane.claim_size
             return lane.claimed > 0
 
@@ -305,7 +367,9 @@ class ShareIntake(Intake):
     # -- the loop's side --------------------------------------------------------------------------
 
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
-        self._polled.extend((lane, record) for record in records if not self._running_here(lane, record))
+        self._polled.extend(
+            (lane, record) for record in records if not self._running_here(lane, record)
+        )
         self._hand_out()
         self._release_overflow()
         self.free_claim(lane)  # after _hand_out: free_room counts these now
@@ -320,9 +384,15 @@ class ShareIntake(Intake):
             else:
                 lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
         if len(keep) < len(self._polled):
-            log.info("share_intake.overflow_released", records=len(self._polled) - len(keep), kept=len(keep))
+            log.info(
+                "share_intake.overflow_released",
+                records=len(self._polled) - len(keep),
+                kept=len(keep),
+            )
         elif keep:  # every hop cost a delivery: these wait here
-            log.warning("share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries)
+            log.warning(
+                "share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries
+            )
         self._polled = keep
         self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
@@ -363,8 +433,12 @@ class ShareIntake(Intake):
     def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
         """A running record came back (its lock expired): its verdict goes to the live delivery, the
         stale one is let go."""
-        log.warning("share_intake.lock_expired", partition=tp.partition, offset=record.offset,
-                    delivery_count=record.delivery_count)
+        log.warning(
+            "share_intake.lock_expired",
+            partition=tp.partition,
+            offset=record.offset,
+            delivery_count=record.delivery_count,
+        )
         earlier.verdicts.put((tp.topic, tp.partition, record.offset, "release"))
 
     def decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
@@ -380,13 +454,25 @@ class ShareIntake(Intake):
         limit = self.max_deliveries
         if record.delivery_count > limit:
             reason = f"delivered {record.delivery_count} times (max_deliveries {limit}): its workers died or gave it up"
-            log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason)
+            log.warning(
+                "share_intake.dead_letter",
+                partition=tp.partition,
+                offset=record.offset,
+                reason=reason,
+            )
             self._delivery.dead_letter(record, reason)
             return None
         try:
-            return decode_request(record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len)
+            return decode_request(
+                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
+            )
         except UndecodableMessage as exc:
-            log.warning("share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=exc.reason)
+            log.warning(
+                "share_intake.dead_letter",
+                partition=tp.partition,
+                offset=record.offset,
+                reason=exc.reason,
+            )
             self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:

@@ -1,6 +1,7 @@
 """/healthz (liveness: 503 once the engine loop has gone `stall_threshold_s` without a tick),
 /readyz (readiness) and /metrics on INFERLINE_HTTP__PORT (docs/operations.md#running).
 """
+
 from __future__ import annotations
 
 import time
@@ -11,8 +12,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 
 class HttpServer:
-    def __init__(self, settings, metrics, last_tick: Callable[[], float | None],  # None: starting
-                 readiness: Callable[[], dict[str, bool]]) -> None:
+    def __init__(
+        self,
+        settings,
+        metrics,
+        last_tick: Callable[[], float | None],  # None: starting
+        readiness: Callable[[], dict[str, bool]],
+    ) -> None:
         self._s = settings.http
         self._metrics = metrics
         self._last_tick = last_tick

@@ -1,6 +1,7 @@
 """Per-tenant token buckets: requests per second, and tokens per minute charged `max_tokens` up
 front (else a burst of long requests gets through) and refunded at `done`.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,7 +71,10 @@ class RateLimiter:
         # grow memory; a new tenant gets a full bucket anyway.
         now = self._clock()
         for name, t in list(self._tenants.items()):
-            if all(b is None or (b.refill(now) or b.level >= b.capacity) for b in (t.requests, t.tokens)):
+            if all(
+                b is None or (b.refill(now) or b.level >= b.capacity)
+                for b in (t.requests, t.tokens)
+            ):
                 del self._tenants[name]
 
     def admit(self, tenant: str, max_tokens: int) -> bool:

@@ -1,6 +1,7 @@
 """Who a request is from: the body's word (`tenancy=body`) or the topic Kafka let it onto
 (`tenancy=topic`), docs/security.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,15 +14,22 @@ from inferline.contract.topics import TENANT_SEGMENT, reserved_words
 def tenant_pattern(base_topic: str, exclude: tuple[str, ...] = ()) -> str:
     """The regex of the per-tenant topics `<base_topic>.<tenant>`, matching neither `exclude` (the
     dead-letter topic) nor a reserved name."""
-    skip = "".join(f"(?!{re.escape(t[len(base_topic) + 1:])}$)" for t in exclude
-                   if t.startswith(base_topic + "."))
+    skip = "".join(
+        f"(?!{re.escape(t[len(base_topic) + 1 :])}$)"
+        for t in exclude
+        if t.startswith(base_topic + ".")
+    )
     words = "|".join(re.escape(w) for w in sorted(reserved_words(base_topic, *exclude)))
     return f"^{re.escape(base_topic)}\\.{skip}(?!(?i:{words})$)(?!_){TENANT_SEGMENT}$"
 
 
 def tenant_of(topic: str, base_topic: str, exclude: tuple[str, ...] = ()) -> str | None:
     """The tenant whose per-tenant topic this is, or None."""
-    return topic[len(base_topic) + 1:] if re.match(tenant_pattern(base_topic, exclude), topic) else None
+    return (
+        topic[len(base_topic) + 1 :]
+        if re.match(tenant_pattern(base_topic, exclude), topic)
+        else None
+    )
 
 
 def reply_prefix(kafka, tenant: str | None) -> str:

@@ -1,6 +1,7 @@
 """Linear layers: on the CPU in fp32 over a weight packed once for the C GEMM or oneDNN, else
 F.linear. design: docs/architecture.md#the-model
 """
+
 from __future__ import annotations
 
 import structlog
@@ -21,7 +22,9 @@ Packed = torch.Tensor | gemm.PackedWeight | gemm.CodedWeight
 BACKENDS = ("c", "onednn")
 
 
-def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = False) -> Packed | None:
+def pack_weight(
+    weight: torch.Tensor, backend: str = "onednn", codes: bool = False
+) -> Packed | None:
     """The packed copy of a CPU fp32 `weight` [out, in] for `backend`, or None; `codes`: 8-bit
     codes where exact."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -38,13 +41,19 @@ def pack_weight(weight: torch.Tensor, backend: str = "onednn", codes: bool = Fal
     except (RuntimeError, NotImplementedError) as exc:  # oneDNN lacks the op: F.linear
         global _pack_failed
         if not _pack_failed:
-            log.warning("oneDNN weight packing failed; linear layers stay on F.linear", error=str(exc)[:500])
+            log.warning(
+                "oneDNN weight packing failed; linear layers stay on F.linear", error=str(exc)[:500]
+            )
             _pack_failed = True
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: Packed | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: Packed | None = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias), on `packed` (pack_weight's copy of `weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
@@ -65,7 +74,9 @@ def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     key = (*weight.shape, torch.get_num_threads())
     if key not in _lone_row_exact:
         x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        _lone_row_exact[key] = torch.equal(_onednn(x[:1], packed, None), _onednn(x, packed, None)[:1])
+        _lone_row_exact[key] = torch.equal(
+            _onednn(x[:1], packed, None), _onednn(x, packed, None)[:1]
+        )
     return _lone_row_exact[key]
 
 

@@ -1,6 +1,7 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
 design: docs/architecture.md#the-model
 """
+
 from __future__ import annotations
 
 import math
@@ -63,9 +64,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device),
-                            self.inv_freq.to(device))
+    def _tables(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(
+            torch.arange(self.max_positions, dtype=torch.float32, device=device),
+            self.inv_freq.to(device),
+        )
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
@@ -88,7 +93,7 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -103,15 +108,26 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if self.qk_norm:
             self._norm_qk(qkv)
-        q = rope_store_kv(qkv, self.num_heads, self.num_kv_heads, *rope, k_cache, v_cache, meta.slot_mapping,
-                          ops=meta.fused_ops, store=meta.backend.store_kv)
+        q = rope_store_kv(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            *rope,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            ops=meta.fused_ops,
+            store=meta.backend.store_kv,
+        )
         out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Qwen3: q and k heads RMS-normalized before the rotation, in place."""
         heads = self.num_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], heads + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            qkv.shape[0], heads + self.num_kv_heads, self.head_dim
+        )
         qk[:, :heads] = rms_norm(qk[:, :heads], self.q_norm, self.eps)
         qk[:, heads:] = rms_norm(qk[:, heads:], self.k_norm, self.eps)
 
@@ -145,9 +161,13 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, hidden = hidden, rms_norm(hidden, self.input_layernorm, self.eps, ops)
         else:
-            hidden, residual = fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps, ops)
+            hidden, residual = fused_add_rms_norm(
+                hidden, residual, self.input_layernorm, self.eps, ops
+            )
         hidden = self.self_attn(rope, hidden, k_cache, v_cache, meta)
-        hidden, residual = fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps, ops)
+        hidden, residual = fused_add_rms_norm(
+            hidden, residual, self.post_attention_layernorm, self.eps, ops
+        )
         return self.mlp(hidden, ops), residual
 
 
@@ -155,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -170,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         False where packing does not apply (not CPU fp32)."""
         packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, Linear)]
         tied = self.tie_word_embeddings  # no Linear for a tied head: pack it here
-        self.lm_head_packed = (pack_weight(self.embed_tokens.weight, backend, codes) if tied
-                               else self.lm_head.packed)
+        self.lm_head_packed = (
+            pack_weight(self.embed_tokens.weight, backend, codes) if tied else self.lm_head.packed
+        )
         return all(packed) and self.lm_head_packed is not None
 
     def packed_weights(self) -> list:
@@ -187,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, meta)
-        return fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps, meta.fused_ops)[0]
+        return fused_add_rms_norm(
+            hidden, residual, self.norm, self.config.rms_norm_eps, meta.fused_ops
+        )[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head_weight(), packed=self.lm_head_packed)

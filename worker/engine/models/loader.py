@@ -1,5 +1,6 @@
 """Weights in: a local HF directory (safetensors), a GGUF file (converted once and cached), or
 random (`load_format=dummy`)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,13 +25,29 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 # Shapes for speed work without weights (`load_format=dummy`, model path = a preset name).
 DUMMY_PRESETS = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-                         tie_word_embeddings=True),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -42,7 +59,9 @@ def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
     if path.suffix != ".gguf":
         raise FileNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
     target = cache_dir() / "models" / f"{path.stem}-{key}"
     if not (target / "config.json").exists():
         convert_gguf(path, target)
@@ -53,7 +72,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     log.info("converting GGUF once", gguf=str(gguf), target=str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
@@ -78,7 +99,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 def load_config(model_dir: Path):
     config = AutoConfig.from_pretrained(str(model_dir))
     if config.model_type not in SUPPORTED:
-        raise ValueError(f"model type {config.model_type!r} is not supported (supported: {SUPPORTED})")
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported (supported: {SUPPORTED})"
+        )
     return config
 
 
@@ -86,18 +109,24 @@ def load_tokenizer(model_dir: Path | None):
     return AutoTokenizer.from_pretrained(str(model_dir or resolve_model_dir(None)))
 
 
-def load_model(path: str, load_format: str, dtype: torch.dtype, device: torch.device,
-               max_positions: int):
+def load_model(
+    path: str, load_format: str, dtype: torch.dtype, device: torch.device, max_positions: int
+):
     """Returns (model, config, tokenizer)."""
     if load_format == "dummy":
         return load_dummy(path, dtype, device, max_positions)
     model_dir = resolve_model_dir(path or None)
     config = load_config(model_dir)
-    return load_weights(model_dir, config, dtype, device, max_positions), config, load_tokenizer(model_dir)
+    return (
+        load_weights(model_dir, config, dtype, device, max_positions),
+        config,
+        load_tokenizer(model_dir),
+    )
 
 
-def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
-                 max_positions: int) -> LlamaForCausalLM:
+def load_weights(
+    model_dir: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, each checkpoint tensor read straight into its place:
     memory peaks at the weights plus one chunk."""
     model = empty_model(config, max_positions, dtype, device)
@@ -105,11 +134,15 @@ def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
     targets = destinations(model)
     missing = [name for name in targets if name not in index]
     if missing:
-        raise KeyError(f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
+        raise KeyError(
+            f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}"
+        )
     handles: dict[Path, object] = {}
     scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
     try:
-        for name in sorted(targets, key=lambda n: (index[n].file, index[n].offset)):  # sequential reads
+        for name in sorted(
+            targets, key=lambda n: (index[n].file, index[n].offset)
+        ):  # sequential reads
             stored = index[name]
             if stored.file not in handles:
                 handles[stored.file] = open(stored.file, "rb", buffering=0)
@@ -120,7 +153,9 @@ def load_weights(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
     return model.eval()
 
 
-def empty_model(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def empty_model(
+    config, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
     """The model's parameters in `dtype` on `device`, unset, built on the meta device: no fp32
     copy of the weights ever exists."""
     with torch.device("meta"):
@@ -150,9 +185,18 @@ def load_dummy(path: str, dtype, device, max_positions):
 
 # ---- safetensors, read in place ---------------------------------------------------------------------
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 CHUNK_BYTES = 8 << 20  # held beside the model when a read must cast or copy to a device
 
 
@@ -178,17 +222,27 @@ def safetensors_index(model_dir: Path) -> dict[str, StoredTensor]:
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            stored = StoredTensor(file, 8 + length + begin, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
-            assert end - begin == math.prod(stored.shape) * stored.dtype.itemsize, (file, name, info)
+            stored = StoredTensor(
+                file, 8 + length + begin, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+            )
+            assert end - begin == math.prod(stored.shape) * stored.dtype.itemsize, (
+                file,
+                name,
+                info,
+            )
             index[name] = stored
     return index
 
 
-def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratch: torch.Tensor | None = None) -> None:
+def read_into(
+    f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratch: torch.Tensor | None = None
+) -> None:
     """Copy `stored` into the contiguous `dst` (same shape, any dtype and device), directly or a
     chunk at a time through `scratch`."""
     if tuple(dst.shape) != stored.shape:
-        raise ValueError(f"{name}: the checkpoint holds {stored.shape}, the model wants {tuple(dst.shape)}")
+        raise ValueError(
+            f"{name}: the checkpoint holds {stored.shape}, the model wants {tuple(dst.shape)}"
+        )
     assert dst.is_contiguous(), name
     flat = dst.detach().view(-1)
     direct = dst.device.type == "cpu" and dst.dtype == stored.dtype
@@ -197,8 +251,10 @@ def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratc
     step = flat.numel() if direct else max(1, CHUNK_BYTES // stored.dtype.itemsize)
     f.seek(stored.offset)
     for start in range(0, flat.numel(), step):
-        part = flat[start:start + step]
-        buffer = part if direct else scratch[: part.numel() * stored.dtype.itemsize].view(stored.dtype)
+        part = flat[start : start + step]
+        buffer = (
+            part if direct else scratch[: part.numel() * stored.dtype.itemsize].view(stored.dtype)
+        )
         raw = buffer.view(torch.uint8).numpy()
         if f.readinto(raw) != raw.nbytes:
             raise EOFError(f"{stored.file}: {name} is cut short")
@@ -209,32 +265,44 @@ def read_into(f, stored: StoredTensor, dst: torch.Tensor, name: str = "", scratc
 def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """HF checkpoint name -> the part of this model's parameters it fills (each parameter once)."""
     params = {name: p.detach() for name, p in model.named_parameters()}
-    out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm"]}
+    out = {
+        "model.embed_tokens.weight": params["embed_tokens.weight"],
+        "model.norm.weight": params["norm"],
+    }
     if not model.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head.weight"]
     for i, layer in enumerate(model.layers):
         out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}."))
     covered = sum(t.numel() for t in out.values())
-    assert covered == sum(p.numel() for p in params.values()), "a parameter no checkpoint tensor fills"
+    assert covered == sum(p.numel() for p in params.values()), (
+        "a parameter no checkpoint tensor fills"
+    )
     return out
 
 
 def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, torch.Tensor]:
-    attn, q, kv, inter = layer.self_attn, layer.self_attn.q_size, layer.self_attn.kv_size, layer.mlp.intermediate_size
+    attn, q, kv, inter = (
+        layer.self_attn,
+        layer.self_attn.q_size,
+        layer.self_attn.kv_size,
+        layer.mlp.intermediate_size,
+    )
     out = {}
     for part, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
         out[f"{src}self_attn.{part}_proj.weight"] = params[dst + "self_attn.qkv_proj.weight"][a:b]
         if attn.qkv_proj.bias is not None:
             out[f"{src}self_attn.{part}_proj.bias"] = params[dst + "self_attn.qkv_proj.bias"][a:b]
     gate_up = params[dst + "mlp.gate_up_proj.weight"]
-    out.update({
-        src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
-        src + "mlp.gate_proj.weight": gate_up[:inter],
-        src + "mlp.up_proj.weight": gate_up[inter:],
-        src + "mlp.down_proj.weight": params[dst + "mlp.down_proj.weight"],
-        src + "input_layernorm.weight": params[dst + "input_layernorm"],
-        src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
-    })
+    out.update(
+        {
+            src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
+            src + "mlp.gate_proj.weight": gate_up[:inter],
+            src + "mlp.up_proj.weight": gate_up[inter:],
+            src + "mlp.down_proj.weight": params[dst + "mlp.down_proj.weight"],
+            src + "input_layernorm.weight": params[dst + "input_layernorm"],
+            src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
+        }
+    )
     if attn.qk_norm:
         out[src + "self_attn.q_norm.weight"] = params[dst + "self_attn.q_norm"]
         out[src + "self_attn.k_norm.weight"] = params[dst + "self_attn.k_norm"]
