@@ -48,16 +48,20 @@ SESSION_TIMEOUT_MS = 20_000
 @dataclass
 class Load:
     """`initial` requests per partition before the step, one more every `interval_s` through it;
-    each of `max_tokens` (ignore_eos)."""
+    each of `max_tokens` (ignore_eos). `step_delay_s` > 0 makes each engine step at least that
+    long (INFERLINE_FAULT_STEP_DELAY_S), so a request outlasts the step on any machine."""
 
     initial: int = 2
     max_tokens: int = 96
     interval_s: float = 1.0
     max_num_seqs: int = 8
     drain_timeout_s: float = 5.0
+    step_delay_s: float = 0.0
 
 
-QUICK = Load(initial=1, max_tokens=32, interval_s=3.0, max_num_seqs=4)  # also the test's
+# The test's: 32 tokens of at least 0.4 s each, so the requests running at the step are still
+# running when the group is stable again (>= 12.8 s; a step took 2-10 s on 2 loaded cores).
+QUICK = Load(initial=1, max_tokens=32, interval_s=3.0, max_num_seqs=4, step_delay_s=0.4)
 SHARE = Load(initial=12, max_tokens=48, max_num_seqs=4)  # one partition: two workers saturated
 
 
@@ -278,9 +282,10 @@ async def run_step(
         for n in ("w1", "w2", "w3")
     }
     gate = log_dir / f"join-{group}"  # the joiner loads its model now, joins at the step
+    paced = {"INFERLINE_FAULT_STEP_DELAY_S": str(load.step_delay_s)} if load.step_delay_s else {}
     for name, w in workers.items():
         joins = step == "join" and name == "w3"
-        w.spawn({"INFERLINE_FAULT_JOIN_GATE": str(gate)} if joins else None)
+        w.spawn({**paced, "INFERLINE_FAULT_JOIN_GATE": str(gate)} if joins else paced)
     joiner = workers.pop("w3") if step == "join" else None
     watcher, stop = ReplyWatcher(bootstrap, topics.replies, partitions), asyncio.Event()
     try:

@@ -262,9 +262,13 @@ async def test_invalid_request_is_refused_before_sending(kafka_bootstrap, kafka_
 # --------------------------------------------------------------------------- the real worker
 
 
+PACED_STEP_S = 0.05
+
+
 @pytest.fixture
 async def real_worker(kafka_bootstrap, new_topic, tmp_path):
-    """Topics and a `python -m inferline.worker` subprocess; `spawn()` starts another (for restarts)."""
+    """Topics and a `python -m inferline.worker` subprocess whose engine steps take at least
+    PACED_STEP_S (a long request is long on any machine); `spawn()` starts another, unpaced."""
     from tests.worker_fixtures import Topics, spawn_worker, wait_log
 
     topics = Topics(
@@ -276,14 +280,14 @@ async def real_worker(kafka_bootstrap, new_topic, tmp_path):
     procs = []
     group = f"g-{uuid.uuid4().hex[:8]}"
 
-    async def spawn():
+    async def spawn(env: dict | None = None):
         log = tmp_path / f"worker{len(procs)}.log"
-        proc = spawn_worker(kafka_bootstrap, topics, log, kafka={"group_id": group})
+        proc = spawn_worker(kafka_bootstrap, topics, log, env, kafka={"group_id": group})
         procs.append(proc)
         await wait_log(log, "worker.started", proc, timeout=180)
         return proc
 
-    await spawn()
+    await spawn({"INFERLINE_FAULT_STEP_DELAY_S": str(PACED_STEP_S)})
     yield topics, spawn, procs
     for proc in procs:
         if proc.poll() is None:
@@ -332,7 +336,7 @@ async def test_real_worker_restart_gives_new_attempt(kafka_bootstrap, real_worke
     topics, spawn, procs = real_worker
     async with client_for(kafka_bootstrap, topics) as client:
         h = await client.submit(
-            "Count from one to one thousand.", max_tokens=300, ignore_eos=True, temperature=0
+            "Count from one to one thousand.", max_tokens=64, ignore_eos=True, temperature=0
         )
         deltas = []
         async for delta in h.text():
@@ -342,6 +346,6 @@ async def test_real_worker_restart_gives_new_attempt(kafka_bootstrap, real_worke
                 await spawn()
         r = await asyncio.wait_for(h.result(), 300)
     assert r.attempts >= 2 and any(d.restart for d in deltas)
-    assert r.finish_reason == "length" and r.usage.completion_tokens == 300
+    assert r.finish_reason == "length" and r.usage.completion_tokens == 64
     restart_at = max(i for i, d in enumerate(deltas) if d.restart)
     assert "".join(deltas[restart_at:]) == r.text

@@ -1,8 +1,9 @@
-"""A scaling step under load (issue 37): two workers serve long streaming requests on 8
-partitions and a third joins, or one of three leaves with a SIGTERM drain. Only the requests of
-partitions that moved to another worker are requeued; the others stream on through the step;
-every request ends with exactly one final `done`, read with read_committed. The scenario is
-bench/scaling_step.py's (`python -m bench.scaling_step` measures it); each worker is a process."""
+"""A scaling step under load: two workers serve long streaming requests on 8 partitions (long by
+tokens and a paced engine step, whatever the machine) and a third joins, or one of three leaves
+with a SIGTERM drain. Only the requests of partitions that moved to another worker are requeued;
+the others stream on through the step; every request ends with exactly one final `done`, read
+with read_committed. The scenario is bench/scaling_step.py's (`python -m bench.scaling_step`
+measures it); each worker is a process."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(
     run = await run_step(kafka_bootstrap, step, "hold", tmp_path, QUICK)
     assert 0 < len(run.moved) < PARTITIONS, (run.before, run.after)
     requeued = run.requeued()
+    running = len(run.running_at(run.begin))
     print(
-        f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {len(run.running_at(run.begin))} "
-        f"running, on partitions {sorted(set(requeued.values()))}"
+        f"{step}: moved {sorted(run.moved)}; requeued {len(requeued)} of {running} running, "
+        f"on partitions {sorted(set(requeued.values()))}"
     )
     assert {p for p in requeued.values()} <= run.moved
     through = {i for i in run.ran_through() if run.partition_of[i] not in run.moved}
