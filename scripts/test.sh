@@ -36,7 +36,8 @@ fi
 export INFERLINE_KAFKA__BOOTSTRAP_SERVERS=${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}}
 echo "test.sh: Kafka broker: $how (${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}})" >&2
 
-"$PYTHON" -m pytest "$@"
+# The slowest tests in every run's log: where the suite's time goes, on whatever machine ran it.
+"$PYTHON" -m pytest --durations=25 "$@"
 rc=$?
 [ "$rc" -eq 5 ] && { echo "test.sh: no tests collected: counted as success" >&2; rc=0; }
 
