@@ -1,7 +1,8 @@
 """The one prepared GPU check: kernels' correctness on CUDA, their timings and bandwidth, then the
 engine.
 
-    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf] [--cpu-smoke | --dry-run]
+    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf]
+                       [--cpu-smoke | --dry-run]
 
 1. Correctness of store_kv, decode (one pass and split-KV) and prefill against kernels/reference.py
    on CUDA: fp32/fp16/bf16, head_dim 64..256, block_size 8..128, GQA 1/4/8, NaN in every unused
@@ -125,22 +126,25 @@ def dry_run(report: "Report", args) -> None:
         f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing"
     )
     report.line(
-        f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, against the copy bandwidth"
+        f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, "
+        "against the copy bandwidth"
     )
     report.line("3. prefill attention against SDPA")
     if args.skip_engine:
         return
     report.line(
         f"4. load: {engine.ENGINE_PRESET} dummy weights; engine start-up; decode at batches "
-        f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, modes {list(engine.MODES)}"
+        f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, "
+        f"modes {list(engine.MODES)}"
     )
     if not args.skip_hf:
         report.line(
-            f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x {engine.HF_NEW_TOKENS} tokens, "
-            "graphs on and off"
+            f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x "
+            f"{engine.HF_NEW_TOKENS} tokens, graphs on and off"
         )
     report.line(
-        f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s (H200 nominal)\n"
+        f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s "
+        "(H200 nominal)\n"
     )
     report.table(engine.LIMIT_HEADER, engine.limit_rows(H200_NOMINAL_GBS))
 
@@ -467,7 +471,8 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     gbs = kv_bytes / t_triton / 1e6
     return [
         batch, ctx_len, f"{t_triton:.3f}", _fmt(t_ref), _fmt(t_sdpa),
-        _ratio(t_ref, t_triton), _ratio(t_sdpa, t_triton), f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
+        _ratio(t_ref, t_triton), _ratio(t_sdpa, t_triton), f"{gbs:.0f}",
+        f"{100 * gbs / copy_gbs:.0f}%",
     ]  # fmt: skip
 
 

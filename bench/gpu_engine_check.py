@@ -158,7 +158,8 @@ def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
             rows.append([batch, "-", f"failed: {type(e).__name__}: {str(e)[:80]}"] + ["-"] * 5)
     runner = engine.runner
     report.line(
-        f"\n## Engine decode, {_preset(smoke)} dummy weights, {runner.dtype}, context {_context(smoke)}\n\n"
+        f"\n## Engine decode, {_preset(smoke)} dummy weights, {runner.dtype}, "
+        f"context {_context(smoke)}\n\n"
         "tokens/s over the same sequences in each mode; limit: weights + K/V bytes per step at "
         "the measured copy bandwidth.\n"
     )
@@ -241,7 +242,8 @@ def _dummy_engine(max_batch: int, dev: str, smoke: bool):
 
 @contextlib.contextmanager
 def decode_mode(runner, mode: str):
-    """The runner's decode steps as flat batches (off), padded without a graph (eager), or as built."""
+    """The runner's decode steps as flat batches (off), padded without a graph (eager), or as
+    built."""
     saved = runner.padded_decode, runner.decode_graphs
     if mode == "off":
         runner.padded_decode = runner.decode_graphs = None

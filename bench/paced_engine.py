@@ -7,7 +7,8 @@ yields a token per request every second or so, far from a GPU's 20-30 ms, and wo
 cores the broker's CPU is measured on. Everything else is the real worker: intake, admission,
 Publisher, transactions, against the real broker.
 
-    python -m bench.paced_engine          # `python -m inferline.worker` with this engine (INFERLINE_* settings)
+    # `python -m inferline.worker` with this engine (INFERLINE_* settings)
+    python -m bench.paced_engine
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class PacedEngine:
 
 
 def main() -> None:
-    """`python -m inferline.worker` with a PacedEngine (step from INFERLINE_BENCH_STEP_MS, default 25)."""
+    """`python -m inferline.worker` with a PacedEngine (step from INFERLINE_BENCH_STEP_MS,
+    default 25)."""
     import asyncio
     import signal
 

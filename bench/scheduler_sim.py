@@ -31,7 +31,8 @@ from inferline.worker.engine.sequence import Sequence
 
 # ms per step: fixed, per decode row, per prompt token. cpu: docs/benchmarks.md ("The worker, from
 # figures of this page": 30 ms + 4.5 ms a running sequence, SmolLM2 on the 2-core VM; a prompt
-# token about a row). gpu: an assumption for a small model on one GPU (launch-bound steps), unmeasured.
+# token about a row). gpu: an assumption for a small model on one GPU (launch-bound steps),
+# unmeasured.
 COSTS = {"cpu": (30.0, 4.5, 4.0), "gpu": (8.0, 0.05, 0.02)}
 BATCH_PRIORITY = 100
 
@@ -230,7 +231,8 @@ def main(argv=None) -> None:
     cost = (args.fixed_ms or fixed, args.row_ms or row, args.prefill_ms or prefill)
     load = Load(rate=args.rate, interactive=args.interactive)
     print(
-        f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, per prompt token {cost[2]}; {load}"
+        f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, "
+        f"per prompt token {cost[2]}; {load}"
     )
     alone = [None, *(int(n) for n in args.alone.split(",") if n)]
     limits = [

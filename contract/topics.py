@@ -60,5 +60,8 @@ def tenant_problem(tenant: str, kafka, dlq_topic: str | None = None) -> str | No
     for base in (kafka.request_topic, kafka.cancel_topic):
         for topic in internal:
             if _collide(f"{base}.{tenant}", topic):
-                return f"would make {base}.{tenant}, which is (or collides with) the internal topic {topic}"
+                return (
+                    f"would make {base}.{tenant}, which is (or collides with) the internal topic "
+                    f"{topic}"
+                )
     return None

@@ -80,8 +80,9 @@ def select_attention(device, dtype, kv_dtype, shape: ModelShape, setting: str = 
         )
         _require(
             _cpu_attention_fits(device, dtype, kv_dtype, shape),
-            f"attention_backend=cpu takes fp32 models on the CPU with head_dim a multiple of 16 up to 256 "
-            f"(this one: {dtype} on {device.type}, head_dim {shape.head_dim}, K/V {kv_dtype}); "
+            "attention_backend=cpu takes fp32 models on the CPU with head_dim a multiple of 16 "
+            f"up to 256 (this one: {dtype} on {device.type}, head_dim {shape.head_dim}, "
+            f"K/V {kv_dtype}); "
             f"set INFERLINE_MODEL__ATTENTION_BACKEND=auto",
         )
         return "cpu"

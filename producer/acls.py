@@ -21,8 +21,10 @@ class AclRule:
         ]
         pattern = " --resource-pattern-type prefixed" if self.prefixed else ""
         return (
-            f"kafka-acls.sh --bootstrap-server {bootstrap} --add --allow-principal {self.principal} "
-            f"--operation {''.join(w.capitalize() for w in self.operation.split('_'))} {kind} {self.name}{pattern}"
+            f"kafka-acls.sh --bootstrap-server {bootstrap} --add "
+            f"--allow-principal {self.principal} "
+            f"--operation {''.join(w.capitalize() for w in self.operation.split('_'))} "
+            f"{kind} {self.name}{pattern}"
         )
 
 

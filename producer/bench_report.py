@@ -115,7 +115,8 @@ def throughput_series(
 def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"requests     {report['completed']}/{report['requests']} ok in {report['wall_s']:.2f} s"
-        f"  ({_fmt(report['requests_per_s'])} req/s, {_fmt(report['output_tokens_per_s'])} output tok/s)",
+        f"  ({_fmt(report['requests_per_s'])} req/s, "
+        f"{_fmt(report['output_tokens_per_s'])} output tok/s)",
         f"errors       {report['errors'] or 'none'}",
     ]
     for key, label in (
@@ -126,7 +127,8 @@ def format_report(report: dict[str, Any]) -> str:
     ):
         d = report[key]
         lines.append(
-            f"{label:<12} p50 {_ms(d['p50'])}  p90 {_ms(d['p90'])}  p99 {_ms(d['p99'])}  mean {_ms(d['mean'])}"
+            f"{label:<12} p50 {_ms(d['p50'])}  p90 {_ms(d['p90'])}  p99 {_ms(d['p99'])}  "
+            f"mean {_ms(d['mean'])}"
         )
     return "\n".join(lines)
 

@@ -199,7 +199,8 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
         "--cancel-retention-ms",
         type=int,
         default=86_400_000,
-        help="at least the workers' INFERLINE_KAFKA__CANCEL_LOOKBACK_S (compacted: one record per id)",
+        help="at least the workers' INFERLINE_KAFKA__CANCEL_LOOKBACK_S "
+        "(compacted: one record per id)",
     )
     create.add_argument("--dlq-retention-ms", type=int, default=14 * 86_400_000)
     create.add_argument("--dlq-topic", default=None, help="default: INFERLINE_KAFKA__DLQ_TOPIC")
@@ -480,7 +481,8 @@ async def cmd_topics(args: argparse.Namespace) -> int:
                 configs=configs,
             )
             print(
-                f"{name}: {'created' if created else 'exists'} ({partitions} partitions, retention {retention} ms)"
+                f"{name}: {'created' if created else 'exists'} "
+                f"({partitions} partitions, retention {retention} ms)"
             )
     finally:
         await admin.close()

@@ -262,7 +262,8 @@ class InferenceClient:
         payload = encode_request(req)
         if len(payload) > self.kafka.max_message_bytes:
             raise ValueError(
-                f"request is {len(payload)} bytes, over the {self.kafka.max_message_bytes}-byte limit"
+                f"request is {len(payload)} bytes, "
+                f"over the {self.kafka.max_message_bytes}-byte limit"
             )
         await self._replies.prepare(topic, per_request)
         return await self._send(req, payload, timeout)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes docs/asyncapi.yaml, the AsyncAPI 3.0 document of the wire contract, from contract/schema.py.
+"""Writes docs/asyncapi.yaml, the AsyncAPI 3.0 document of the wire contract in contract/schema.py.
 
     python scripts/gen_asyncapi.py           # rewrite docs/asyncapi.yaml
     python scripts/gen_asyncapi.py --check   # exit 1 if the checked-in file is stale
@@ -68,14 +68,16 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
     "Request": {
         "v": "Protocol version: 1 (required).",
         "id": "Unique per request; the Kafka key of the request and of every event.",
-        "reply_topic": "Where the events go: a legal Kafka topic name. The worker answers only on an existing "
-        "topic under its reply prefix (INFERLINE_KAFKA__REPLY_TOPIC_PREFIX, default inferline.reply.), "
-        "never on its own or internal topics; any other is dead-lettered.",
+        "reply_topic": "Where the events go: a legal Kafka topic name. The worker answers only "
+        "on an existing topic under its reply prefix (INFERLINE_KAFKA__REPLY_TOPIC_PREFIX, "
+        "default inferline.reply.), never on its own or internal topics; any other is "
+        "dead-lettered.",
         "reply_partition": "If set, every event goes to this partition (else by key).",
         "prompt": "Text to continue. Exactly one of prompt, messages, prompt_token_ids.",
         "messages": "Chat messages: the model's chat template is applied, generation prompt added.",
         "prompt_token_ids": "An already tokenized prompt.",
-        "max_tokens": "New tokens at most (capped by the worker's INFERLINE_LIMITS__MAX_TOKENS_CAP).",
+        "max_tokens": "New tokens at most (capped by the worker's "
+        "INFERLINE_LIMITS__MAX_TOKENS_CAP).",
         "temperature": "0 means greedy.",
         "top_p": "Nucleus sampling mass.",
         "top_k": "0 = off.",
@@ -94,14 +96,15 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "tenant": "Key for rate limits and accounting.",
         "stream": "false: no tokens events; the whole text arrives in done.",
         "metadata": "Echoed in done. At most 4 KiB: UTF-8 bytes of all keys and values.",
-        "response_format": "OpenAI's shape: the output is a JSON object (json_object) or JSON valid against a "
-        "schema (json_schema); text: no constraint. A schema that cannot be compiled: rejected.",
-        "structured": "vLLM's structured outputs: exactly one of regex, choice, grammar (EBNF). Not together "
-        "with a constraining response_format.",
+        "response_format": "OpenAI's shape: the output is a JSON object (json_object) or JSON "
+        "valid against a schema (json_schema); text: no constraint. A schema that cannot be "
+        "compiled: rejected.",
+        "structured": "vLLM's structured outputs: exactly one of regex, choice, grammar (EBNF). "
+        "Not together with a constraining response_format.",
         "logprobs": "true: every tokens event carries logprobs aligned with token_ids.",
         "top_logprobs": "With logprobs: also the k most likely tokens of each step (0-20).",
-        "n": "Samples of the prompt (1-16): computed once, sampled n times; sample i draws with seed + i. "
-        "Each sample may use max_tokens, so the request costs up to n x max_tokens.",
+        "n": "Samples of the prompt (1-16): computed once, sampled n times; sample i draws with "
+        "seed + i. Each sample may use max_tokens, so the request costs up to n x max_tokens.",
     },
     "ResponseFormat": {
         "type": "text, json_object or json_schema.",
@@ -150,7 +153,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
     "Sample": {
         "index": "The sample, 0..n-1.",
         "text": "Its whole output.",
-        "finish_reason": "Its own: stop, length, or the request's reason when it was ended as a whole.",
+        "finish_reason": "Its own: stop, length, or the request's reason when it was ended as a "
+        "whole.",
         "completion_tokens": "Tokens it generated.",
     },
     "DoneEvent": {
@@ -567,8 +571,8 @@ def messages() -> dict:
             "name": "deadLetter",
             "title": "Dead letter",
             "contentType": "application/octet-stream",
-            "summary": "A request record that could not be decoded far enough to answer its sender, or that "
-            "names a reply topic the worker may not write to.",
+            "summary": "A request record that could not be decoded far enough to answer its "
+            "sender, or that names a reply topic the worker may not write to.",
             "headers": {
                 "type": "object",
                 "required": ["error", "source-topic", "source-partition", "source-offset"],
@@ -606,11 +610,11 @@ def document() -> dict:
             "version": f"{schema.PROTOCOL_VERSION}.0.0",
             "description": (
                 "Kafka topics and messages of the inferline worker, protocol v"
-                f"{schema.PROTOCOL_VERSION}, seen from the worker. Every payload is a msgpack map with "
-                "string keys; text is UTF-8 str, never bin. Unknown fields are ignored, so optional "
-                "fields may be added; renaming, removing or changing the meaning of one bumps `v`. "
-                "Delivery is at least once: a request's offset is committed only after its done event "
-                "is acknowledged by the broker (acks=all)."
+                f"{schema.PROTOCOL_VERSION}, seen from the worker. Every payload is a msgpack "
+                "map with string keys; text is UTF-8 str, never bin. Unknown fields are ignored, "
+                "so optional fields may be added; renaming, removing or changing the meaning of "
+                "one bumps `v`. Delivery is at least once: a request's offset is committed only "
+                "after its done event is acknowledged by the broker (acks=all)."
             ),
         },
         "defaultContentType": "application/msgpack",
@@ -630,16 +634,16 @@ def document() -> dict:
             "requests": {
                 "address": "llm.requests",
                 "title": "Request topic",
-                "description": "Requests, keyed by id. Its partitions bound how many workers share the load. "
-                f"{default} INFERLINE_KAFKA__REQUEST_TOPIC.",
+                "description": "Requests, keyed by id. Its partitions bound how many workers "
+                f"share the load. {default} INFERLINE_KAFKA__REQUEST_TOPIC.",
                 "messages": {"request": {"$ref": "#/components/messages/request"}},
                 "bindings": {"kafka": {"topic": "llm.requests", "bindingVersion": KAFKA_BINDING}},
             },
             "replies": {
                 "address": None,
                 "title": "Reply topic",
-                "description": "The topic named by the request's reply_topic: an existing topic under the reply "
-                "prefix (default inferline.reply.). All events of one request go "
+                "description": "The topic named by the request's reply_topic: an existing topic "
+                "under the reply prefix (default inferline.reply.). All events of one request go "
                 "to one partition (by key, or reply_partition), so they arrive in order.",
                 "messages": {
                     "started": {"$ref": "#/components/messages/started"},
@@ -657,8 +661,8 @@ def document() -> dict:
             "deadLetters": {
                 "address": "llm.requests.dlq",
                 "title": "Dead-letter topic",
-                "description": f"Undecodable request records, and requests naming a reply topic the worker may not "
-                f"write to. {default} INFERLINE_KAFKA__DLQ_TOPIC.",
+                "description": "Undecodable request records, and requests naming a reply topic "
+                f"the worker may not write to. {default} INFERLINE_KAFKA__DLQ_TOPIC.",
                 "messages": {"deadLetter": {"$ref": "#/components/messages/deadLetter"}},
                 "bindings": {
                     "kafka": {"topic": "llm.requests.dlq", "bindingVersion": KAFKA_BINDING}
@@ -669,11 +673,11 @@ def document() -> dict:
             "receiveRequest": {
                 "action": "receive",
                 "title": "Run a request",
-                "summary": "Workers consume the request topic as one consumer group and answer on the reply "
-                "topic: started, then tokens (unless stream is false), then done.",
-                "description": "A request that is decodable and has a usable id and reply_topic (one the worker "
-                "may write to) but breaks another rule gets a done with finish_reason rejected "
-                "naming the field.",
+                "summary": "Workers consume the request topic as one consumer group and answer on "
+                "the reply topic: started, then tokens (unless stream is false), then done.",
+                "description": "A request that is decodable and has a usable id and reply_topic "
+                "(one the worker may write to) but breaks another rule gets a done with "
+                "finish_reason rejected naming the field.",
                 "channel": {"$ref": "#/channels/requests"},
                 "messages": _refs("requests", ["request"]),
                 "bindings": {
@@ -698,16 +702,18 @@ def document() -> dict:
             "receiveCancel": {
                 "action": "receive",
                 "title": "Cancel a request",
-                "summary": "Every worker reads every partition of the cancel topic, without a consumer group, "
-                "from its end; the worker running the request ends it with finish_reason cancelled.",
+                "summary": "Every worker reads every partition of the cancel topic, without a "
+                "consumer group, from its end; the worker running the request ends it with "
+                "finish_reason cancelled.",
                 "channel": {"$ref": "#/channels/cancels"},
                 "messages": _refs("cancels", ["cancel"]),
             },
             "sendDeadLetter": {
                 "action": "send",
                 "title": "Dead-letter an undecodable record",
-                "summary": "Not msgpack, not a map, over the size limit, or no usable id / reply_topic: "
-                "nobody can be answered, so the record is copied here and its offset committed.",
+                "summary": "Not msgpack, not a map, over the size limit, or no usable id / "
+                "reply_topic: nobody can be answered, so the record is copied here and its offset "
+                "committed.",
                 "channel": {"$ref": "#/channels/deadLetters"},
                 "messages": _refs("deadLetters", ["deadLetter"]),
             },

@@ -37,18 +37,20 @@ SOURCE = Path(settings_module.__file__)
 SECTIONS = {
     "kafka": "Brokers, topics, the consumer group, reply batching, and security.",
     "model": "Which model runs, where, and in what precision.",
-    "cache": "The paged KV cache: block size and how many blocks (see docs/operations.md for sizing).",
-    "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and the waiting pool.",
-    "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, verified in the "
-    "same step; greedy output is unchanged.",
-    "structured": "Structured outputs (grammars): the compile time budget, the compile pool and the compiled-grammar "
-    "cache (docs/security.md).",
+    "cache": "The paged KV cache: block size and how many blocks (see docs/operations.md for "
+    "sizing).",
+    "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and "
+    "the waiting pool.",
+    "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, "
+    "verified in the same step; greedy output is unchanged.",
+    "structured": "Structured outputs (grammars): the compile time budget, the compile pool and "
+    "the compiled-grammar cache (docs/security.md).",
     "limits": "Per-request caps, deadlines, per-tenant rate limits, and load shedding.",
     "http": "The /healthz, /readyz and /metrics server.",
     "log": "Structured logs (structlog).",
     "worker": "Identity and shutdown.",
-    "gateway": "The OpenAI-compatible HTTP gateway (`inferline gateway`, docs/gateway.md); it reads the "
-    "`kafka` section too.",
+    "gateway": "The OpenAI-compatible HTTP gateway (`inferline gateway`, docs/gateway.md); it "
+    "reads the `kafka` section too.",
 }
 
 # For fields without a comment in config/settings.py, or whose comment needs the context of its
@@ -56,12 +58,13 @@ SECTIONS = {
 MEANINGS = {
     "kafka.bootstrap_servers": "Kafka brokers, `host:port[,host:port...]`.",
     "kafka.request_topic": "Topic the workers consume requests from, as one consumer group.",
-    "kafka.cancel_topic": "Topic of cancel messages; every worker reads all its partitions, without a group.",
+    "kafka.cancel_topic": "Topic of cancel messages; every worker reads all its partitions, "
+    "without a group.",
     "kafka.dlq_topic": "Where undecodable request records are copied (dead-letter topic).",
     "kafka.group_id": "Consumer group of the workers on the request topic.",
     "kafka.client_id": "Client id of the worker's Kafka clients (shows in broker logs and quotas).",
-    "kafka.session_timeout_ms": "Consumer group session timeout; heartbeats every quarter of it. A revoked "
-    "partition's requests get half of it to be requeued.",
+    "kafka.session_timeout_ms": "Consumer group session timeout; heartbeats every quarter of it. "
+    "A revoked partition's requests get half of it to be requeued.",
     "kafka.security_protocol": "Protocol to the brokers.",
     "kafka.sasl_mechanism": "SASL mechanism, with `SASL_PLAINTEXT` or `SASL_SSL`.",
     "kafka.sasl_username": "SASL user name.",
@@ -75,36 +78,37 @@ MEANINGS = {
     "`max_position_embeddings`. Longer requests are rejected with `prompt_too_long`.",
     "cache.block_size": "Tokens per KV cache block; a power of two.",
     "cache.kv_memory_gb": "CPU: the KV cache size in GB (10^9 bytes). Not used on CUDA.",
-    "cache.gpu_memory_utilization": "CUDA: fraction of the free GPU memory (measured after the model "
-    "loads) given to the KV cache.",
-    "scheduler.policy": "`continuous`: requests join and leave the batch at every step. `static`: a new "
-    "batch forms only when the last one has finished (a baseline for benchmarks).",
+    "cache.gpu_memory_utilization": "CUDA: fraction of the free GPU memory (measured after the "
+    "model loads) given to the KV cache.",
+    "scheduler.policy": "`continuous`: requests join and leave the batch at every step. `static`: "
+    "a new batch forms only when the last one has finished (a baseline for benchmarks).",
     "scheduler.max_num_seqs": "Sequences in the running batch at most.",
-    "scheduler.max_num_batched_tokens": "Tokens per engine step at most, decodes and prefill chunks together; "
-    "longer prompts are prefilled in chunks over several steps.",
-    "scheduler.max_waiting": "Requests taken from Kafka and not yet running, per worker. When full, intake "
-    "pauses its partitions.",
-    "limits.default_timeout_s": "Deadline of a request without `timeout_s`: seconds from its `created_at` "
-    "(or from receipt). Past it the request ends with `timeout`.",
-    "limits.overload_reject_after_s": "Once the waiting pool has been full this long, new requests are "
-    "rejected with `overloaded` instead of waiting in Kafka; unset: never.",
+    "scheduler.max_num_batched_tokens": "Tokens per engine step at most, decodes and prefill "
+    "chunks together; longer prompts are prefilled in chunks over several steps.",
+    "scheduler.max_waiting": "Requests taken from Kafka and not yet running, per worker. When "
+    "full, intake pauses its partitions.",
+    "limits.default_timeout_s": "Deadline of a request without `timeout_s`: seconds from its "
+    "`created_at` (or from receipt). Past it the request ends with `timeout`.",
+    "limits.overload_reject_after_s": "Once the waiting pool has been full this long, new "
+    "requests are rejected with `overloaded` instead of waiting in Kafka; unset: never.",
     "limits.default_tenant": "Rate limits of every tenant not named in `tenants`.",
     "limits.tenants": "Rate limits by tenant name (the request's `tenant` field).",
     "tenant.requests_per_s": "Requests per second (token bucket); unset: no limit.",
     "tenant.tokens_per_min": "Generated tokens per minute, charged at admission with the request's "
     "`max_tokens` and refunded by what it did not use; unset: no limit.",
     "tenant.burst_requests": "Request bucket size; default `max(1, requests_per_s)`.",
-    "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and may preempt), "
-    "in every tenancy mode: a tenant cannot jump ahead of others by its own say; unset: "
-    "`INFERLINE_LIMITS__MIN_PRIORITY`.",
-    "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: `INFERLINE_LIMITS__MAX_PRIORITY`.",
+    "tenant.min_priority": "Requests' `priority` is raised to at least this (lower runs first and "
+    "may preempt), in every tenancy mode: a tenant cannot jump ahead of others by its own say; "
+    "unset: `INFERLINE_LIMITS__MIN_PRIORITY`.",
+    "tenant.max_priority": "Requests' `priority` is lowered to at most this; unset: "
+    "`INFERLINE_LIMITS__MAX_PRIORITY`.",
     "http.host": "Address the HTTP server binds.",
     "http.port": "Port of /healthz, /readyz and /metrics; 0 picks a free one.",
     "log.level": "Lowest level logged.",
     "log.format": "`auto`: console on a terminal, JSON lines otherwise.",
     "gateway.host": "Address the gateway binds.",
-    "worker.drain_timeout_s": "On SIGTERM or SIGINT: seconds running requests get to finish before they "
-    "are requeued (a second signal stops waiting).",
+    "worker.drain_timeout_s": "On SIGTERM or SIGINT: seconds running requests get to finish "
+    "before they are requeued (a second signal stops waiting).",
 }
 
 # INFERLINE_* variables the packages read directly, outside the settings tree.
@@ -266,7 +270,8 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
             continue
         if typing.get_origin(annotation) is list:
             out.append(
-                f"| `{env(*prefix, name)}` | JSON list of {type_text(typing.get_args(annotation)[0])}s | "
+                f"| `{env(*prefix, name)}` | "
+                f"JSON list of {type_text(typing.get_args(annotation)[0])}s | "
                 f"`{field.get_default()}` | {meaning(model, key, name, comments)} |"
             )
             continue
@@ -291,7 +296,9 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
 
 def render() -> str:
     comments = source_comments()
-    head = f"""<!-- Generated by scripts/gen_config_docs.py from config/settings.py: do not edit by hand. -->
+    head = (
+        "<!-- Generated by scripts/gen_config_docs.py from config/settings.py: "
+        f"""do not edit by hand. -->
 # Configuration reference
 
 Every setting of the worker (and of the `inferline` client, which reads the same `kafka` section)
@@ -308,6 +315,7 @@ Names are case-insensitive. A bad value stops `inferline-worker` at start-up wit
 one line naming the variable, e.g. `invalid setting INFERLINE_CACHE__BLOCK_SIZE: ...`.
 
 """
+    )
     parts = [head]
     for name, field in Settings.model_fields.items():
         if name not in SECTIONS:

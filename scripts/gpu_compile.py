@@ -70,9 +70,9 @@ PREFILL_BATCHES = ((1, 2048), (7, 4096))
 LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # (constexpr, label) shown in the shape column
 SHOWN = (
-    ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"), ("SPLITS_P2", "SPLITS_P2"),
-    ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"), ("INTER", "inter"), ("HAS_RESIDUAL", "residual"),
-    ("HEADS_BLOCK", "heads/program"),
+    ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"),
+    ("SPLITS_P2", "SPLITS_P2"), ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"),
+    ("INTER", "inter"), ("HAS_RESIDUAL", "residual"), ("HEADS_BLOCK", "heads/program"),
 )  # fmt: skip
 
 
@@ -141,8 +141,8 @@ def job_of(plan: LaunchPlan, arch: int, dtype: torch.dtype, args: dict) -> Job:
             constexprs[name] = args[name]
         else:
             params.append((name, type_, aligned))
-    return Job(plan.kernel, arch, TYPE_NAMES[dtype], tuple(constexprs.items()), tuple(params), plan.num_warps,
-               plan.num_stages)  # fmt: skip
+    return Job(plan.kernel, arch, TYPE_NAMES[dtype], tuple(constexprs.items()), tuple(params),
+               plan.num_warps, plan.num_stages)  # fmt: skip
 
 
 def specialize(value, values: bool = True, alignment: bool = True) -> tuple[str, bool]:
@@ -160,21 +160,23 @@ def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, 
     num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
     for num_seqs, context in DECODE_BATCHES:
         max_blocks = context // block_size
-        plan = decode.plan_decode(num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size, max_blocks, dtype,
-                                  target(arch))  # fmt: skip
+        plan = decode.plan_decode(num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
+                                  max_blocks, dtype, target(arch))  # fmt: skip
         # the arguments of launch_decode, for contiguous q/out [S, H, D] and the paged caches
         yield job_of(plan.stage1, arch, dtype, dict(
-            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", context_lens_ptr="*i32",
-            out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-            qk_scale=0.125, split_len=plan.split_len, num_splits=plan.num_splits,
-            stride_qs=num_heads * head_dim, stride_qh=head_dim, stride_cb=block_size * NUM_KV_HEADS * head_dim,
+            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+            context_lens_ptr="*i32", out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32",
+            part_l_ptr="*fp32", qk_scale=0.125, split_len=plan.split_len,
+            num_splits=plan.num_splits,
+            stride_qs=num_heads * head_dim, stride_qh=head_dim,
+            stride_cb=block_size * NUM_KV_HEADS * head_dim,
             stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim, stride_bt=max_blocks,
             stride_os=num_heads * head_dim, stride_oh=head_dim,
         ))  # fmt: skip
         if plan.stage2 is not None:
             yield job_of(plan.stage2, arch, dtype, dict(
-                out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", context_lens_ptr="*i32",
-                split_len=plan.split_len, num_splits=plan.num_splits,
+                out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                context_lens_ptr="*i32", split_len=plan.split_len, num_splits=plan.num_splits,
                 stride_os=num_heads * head_dim, stride_oh=head_dim,
             ))  # fmt: skip
 
@@ -184,13 +186,16 @@ def prefill_jobs(
 ):
     num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
     for num_seqs, total in PREFILL_BATCHES:
-        plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size, dtype,
-                                    target(arch), **tiles)  # fmt: skip
+        plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
+                                    dtype, target(arch), **tiles)  # fmt: skip
         yield job_of(plan, arch, dtype, dict(
-            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", cu_seqlens_ptr="*i32",
-            context_lens_ptr="*i32", out_ptr=ptr, qk_scale=0.125, num_seqs=num_seqs,
-            stride_qt=num_heads * head_dim, stride_qh=head_dim, stride_cb=block_size * NUM_KV_HEADS * head_dim,
-            stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim, stride_bt=(total + block_size - 1) // block_size,
+            q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+            cu_seqlens_ptr="*i32", context_lens_ptr="*i32", out_ptr=ptr, qk_scale=0.125,
+            num_seqs=num_seqs,
+            stride_qt=num_heads * head_dim, stride_qh=head_dim,
+            stride_cb=block_size * NUM_KV_HEADS * head_dim,
+            stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim,
+            stride_bt=(total + block_size - 1) // block_size,
             stride_ot=num_heads * head_dim, stride_oh=head_dim,
         ))  # fmt: skip
 
@@ -211,7 +216,8 @@ def rope_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, ar
     yield job_of(plan, arch, dtype, dict(
         qkv_ptr=ptr, cos_ptr=ptr, sin_ptr=ptr, slot_ptr="*i64", k_cache_ptr=ptr, v_cache_ptr=ptr,
         stride_t=(num_heads + 2 * NUM_KV_HEADS) * head_dim, stride_cos=head_dim,
-        stride_cb=block_size * NUM_KV_HEADS * head_dim, stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim,
+        stride_cb=block_size * NUM_KV_HEADS * head_dim, stride_cs=NUM_KV_HEADS * head_dim,
+        stride_ch=head_dim,
     ))  # fmt: skip
 
 
@@ -286,8 +292,10 @@ def compile_job(job: Job) -> Row:
     }
     source = ASTSource(fn, {n: signature[n] for n in fn.arg_names}, dict(job.constexprs), attrs)
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", job.arch, 32),
-                                  options={"num_warps": job.num_warps, "num_stages": job.num_stages})  # fmt: skip
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", job.arch, 32),
+            options={"num_warps": job.num_warps, "num_stages": job.num_stages},
+        )  # fmt: skip
         regs, stores, loads = assemble(compiled.asm["ptx"], job.arch)
     except Exception as exc:  # noqa: BLE001 - a failed compile is a report row, not a crash
         cause = exc.__cause__ or exc  # a CompilationError's text is the source excerpt
@@ -304,7 +312,8 @@ def assemble(ptx: str, arch: int) -> tuple[int, int, int]:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        cmd = [ptxas_path(arch), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={ARCHS[arch].name}", src,
+        cmd = [ptxas_path(arch), "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={ARCHS[arch].name}", src,
                "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode:
@@ -369,7 +378,8 @@ def run(jobs: list[Job], workers: int) -> list[Row]:
             row = future.result()
             rows[row.job] = row
             note = "; ".join(row.problems()) or f"{row.registers} regs"
-            print(f"[{n}/{len(jobs)} {time.monotonic() - start:5.0f} s] {' '.join(table_row(row)[:4])}: {note}",
+            print(f"[{n}/{len(jobs)} {time.monotonic() - start:5.0f} s] "
+                  f"{' '.join(table_row(row)[:4])}: {note}",
                   file=sys.stderr, flush=True)  # fmt: skip
     return [rows[job] for job in jobs]
 

@@ -35,8 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--full",
         action="store_true",
         default=False,
-        help="also run the tests marked `full` (exhaustive matrices, the bench scripts' smoke runs), "
-        "which `make test` leaves out; `make test-full` runs everything",
+        help="also run the tests marked `full` (exhaustive matrices, the bench scripts' smoke "
+        "runs), which `make test` leaves out; `make test-full` runs everything",
     )
 
 

@@ -1,9 +1,11 @@
 """A fleet for the gateway's tests: fresh topics, one in-process worker over the session's shared
 model, and the gateway under uvicorn on a free port, shared by a test module.
 
-    fleet (module, async) -> Fleet     .url (the OpenAI base URL), .topics, .settings, .worker, .server
+    fleet (module, async) -> Fleet     .url (the OpenAI base URL), .topics, .settings, .worker,
+                                       .server
     start_gateway(settings)            another gateway in this process: (server, task, base url)
-    make_topics / delete_topics        the topics of a fleet (with per-tenant ones for topic tenancy)
+    make_topics / delete_topics        the topics of a fleet (with per-tenant ones for topic
+                                       tenancy)
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ Fixtures
         ``name = await new_topic(partitions=4)`` creates a uniquely named topic, waits until every
         partition has a leader (a just-created topic may answer UnknownTopicOrPartition for a
         moment), and deletes it after the test. Keyword arguments: ``partitions`` (1),
-        ``prefix`` (the test's name), ``config`` (topic configs, e.g. ``{"retention.ms": "60000"}``).
+        ``prefix`` (the test's name), ``config`` (topic configs, e.g.
+        ``{"retention.ms": "60000"}``).
 
-Helpers (plain coroutines, importable: ``from tests.kafka_fixtures import produce_raw, consume_until``)
-    produce_raw(bootstrap, topic, values, ...)   sends raw bytes with acks=all, returns RecordMetadata
+Helpers (plain coroutines, importable:
+``from tests.kafka_fixtures import produce_raw, consume_until``)
+    produce_raw(bootstrap, topic, values, ...)   sends raw bytes with acks=all, returns
+                                                 RecordMetadata
     consume_until(bootstrap, topic, ...)         reads a topic without a consumer group until a
                                                  predicate holds (or, without one, to its end)
     wait_topic_ready(admin, topic, partitions)   waits until a topic's partitions all have leaders
@@ -102,7 +105,8 @@ def kafka_bootstrap() -> Iterable[str]:
         done = _kafka_sh("acquire", str(os.getpid()))
         if done.returncode != 0:
             pytest.fail(
-                f"could not start the local Kafka broker (scripts/kafka.sh acquire):\n{done.stderr}",
+                "could not start the local Kafka broker (scripts/kafka.sh acquire):\n"
+                f"{done.stderr}",
                 pytrace=False,
             )
     try:
@@ -186,7 +190,8 @@ async def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest):
         config: dict[str, str] | None = None,
         reply: bool = False,
     ) -> str:
-        # reply=True: under the reply prefix, where a worker (worker/intake/reply_topics.py) may answer
+        # reply=True: under the reply prefix, where a worker (worker/intake/reply_topics.py)
+        # may answer
         name = (REPLY_TOPIC_PREFIX if reply else "") + unique_topic_name(
             prefix or request.node.name
         )

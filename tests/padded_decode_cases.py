@@ -81,7 +81,8 @@ def syncs_in_the_captured_step(padded) -> list[str]:
 
 
 def served(runner: ModelRunner) -> tuple[dict, list]:
-    """Three requests finishing one after another (decode batches of 3, 2, 1 rows: buckets 4, 2, 1)."""
+    """Three requests finishing one after another (decode batches of 3, 2, 1 rows:
+    buckets 4, 2, 1)."""
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(70)]
     arrivals = {
         0: [

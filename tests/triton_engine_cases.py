@@ -4,9 +4,9 @@
     python tests/triton_engine_cases.py dummy-bf16 CONFIG_DIR   logits: Triton vs the torch path
 
 TRITON_INTERPRET must be set before triton is first imported (and an out-of-range load kills the
-process), so tests/kernels/test_triton_engine.py runs this script in a subprocess and reads JSON lines.
-The runner is set up as `auto` sets it up on CUDA: attention (prefill, decode) and the fused
-elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary with the K/V store) on
+process), so tests/kernels/test_triton_engine.py runs this script in a subprocess and reads JSON
+lines. The runner is set up as `auto` sets it up on CUDA: attention (prefill, decode) and the
+fused elementwise ops (RMSNorm with the residual add, SiLU-and-mul, rotary with the K/V store) on
 Triton, linear layers on PyTorch.
 """
 
@@ -43,9 +43,9 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
 
 
 def run_smollm2(cases: dict) -> None:
-    """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name", "scheduler": {...}, "arrivals": {step:
-    [[id, prompt_ids, max_tokens]]}}]}; each run is one engine over the same runner; prints each
-    request's tokens and the run's stats."""
+    """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name",
+    "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}}]}; each run is one
+    engine over the same runner; prints each request's tokens and the run's stats."""
     settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)

@@ -1,4 +1,5 @@
-"""The Kubernetes JSON schemas of one version, from the kubernetes-validate wheel (PyPI), for kubeconform.
+"""The Kubernetes JSON schemas of one version, from the kubernetes-validate wheel (PyPI), for
+kubeconform.
 
     python deploy/helm/k8s_schemas.py WHEEL v1.33.0-local-strict OUT_DIR
 

@@ -96,7 +96,7 @@ def gemm(
     return y
 
 
-# ---- weights as 8-bit codes (csrc/gemm.c, "weights stored as 8-bit codes") ---------------------------
+# ---- weights as 8-bit codes (csrc/gemm.c, "weights stored as 8-bit codes") -----------------------
 
 
 @dataclass(frozen=True)

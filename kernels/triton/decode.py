@@ -273,8 +273,8 @@ def launch_decode(
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
     launch(
-        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m,
-        part_l, scale * LOG2E, plan.split_len, plan.num_splits,
+        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens, out,
+        part_acc, part_m, part_l, scale * LOG2E, plan.split_len, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip

@@ -23,8 +23,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask,
-    stride_cb, stride_cs,
+    q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off, dims,
+    dim_mask, stride_cb, stride_cs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -104,13 +104,15 @@ def _prefill_kernel(
         full_end = (context_len - q_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         for key_start in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off,
-                dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr,
+                head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False,
+                DOT_F32, PRECISION,
             )  # fmt: skip
         for key_start in range(full_end, key_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off,
-                dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr,
+                head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, True,
+                DOT_F32, PRECISION,
             )  # fmt: skip
         out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
         out_off = (

@@ -19,8 +19,8 @@ HALF_TILE = 1024  # the same tile at every head size
 def _rope_store_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     stride_t, stride_cos, stride_cb, stride_cs, stride_ch,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_P2: tl.constexpr,
-    HEADS_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF_P2: tl.constexpr, HEADS_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)

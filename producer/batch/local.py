@@ -176,8 +176,8 @@ async def cmd_batch(args: argparse.Namespace, make_client) -> int:
     state, resumed = State.load_or_create(dst.with_name(dst.name + STATE_SUFFIX), _sha256(text))
     if resumed and state.input_sha256 != _sha256(text):
         print(
-            f"inferline batch: {src} changed since this batch started; lines are matched by custom_id "
-            "and content, so changed lines are sent as new requests",
+            f"inferline batch: {src} changed since this batch started; lines are matched by "
+            "custom_id and content, so changed lines are sent as new requests",
             file=sys.stderr,
         )
     todo = [ln for ln in lines if ln.key not in written]
@@ -187,8 +187,8 @@ async def cmd_batch(args: argparse.Namespace, make_client) -> int:
         args, reply_topic=topic, reply_retention_ms=REPLY_RETENTION_MS, settings=settings
     )
     print(
-        f"inferline batch: {state.batch_id}: {len(lines)} lines, {len(lines) - len(todo)} answered before, "
-        f"{len(todo)} to do",
+        f"inferline batch: {state.batch_id}: {len(lines)} lines, "
+        f"{len(lines) - len(todo)} answered before, {len(todo)} to do",
         file=sys.stderr,
     )
     t0 = time.monotonic()
@@ -196,9 +196,9 @@ async def cmd_batch(args: argparse.Namespace, make_client) -> int:
     outputs = read_output(dst)
     bad = sum(failed(o) for o in outputs.values())
     print(
-        f"inferline batch: {state.batch_id}: {len(outputs)} lines in {dst}, {bad} failed; this run: "
-        f"{progress.done} lines ({progress.found} answered by an earlier run, {progress.followed} sent by one and "
-        f"awaited), {progress.retries} retries, "
+        f"inferline batch: {state.batch_id}: {len(outputs)} lines in {dst}, {bad} failed; "
+        f"this run: {progress.done} lines ({progress.found} answered by an earlier run, "
+        f"{progress.followed} sent by one and awaited), {progress.retries} retries, "
         f"{progress.completion_tokens} completion tokens in {time.monotonic() - t0:.1f} s",
         file=sys.stderr,
     )
@@ -241,8 +241,9 @@ async def _run(
             except asyncio.CancelledError:  # Ctrl-C: every line written so far is whole
                 bar.close()
                 print(
-                    f"\ninferline batch: interrupted after {runner.progress.done} lines this run; requests "
-                    "already sent go on running, and the same command collects them and sends the rest",
+                    f"\ninferline batch: interrupted after {runner.progress.done} lines this run; "
+                    "requests already sent go on running, and the same command collects them and "
+                    "sends the rest",
                     file=sys.stderr,
                 )
                 raise

@@ -1,4 +1,5 @@
-"""`inferline-gateway` and `python -m inferline.producer.gateway`: serve the OpenAI-compatible API."""
+"""`inferline-gateway` and `python -m inferline.producer.gateway`: serve the OpenAI-compatible
+API."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ def load_keys(settings: GatewaySettings, topic_tenancy: bool, kafka=None) -> dic
             )
     if topic_tenancy and not keys:
         raise SystemExit(
-            "INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: keys name the tenants"
+            "INFERLINE_KAFKA__TENANCY=topic needs INFERLINE_GATEWAY__API_KEYS: "
+            "keys name the tenants"
         )
     return keys
 

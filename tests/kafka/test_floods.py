@@ -112,7 +112,8 @@ async def test_noisy_tenant_beside_a_quiet_one(kafka_bootstrap, topics, start_wo
     base, under = statistics.median(unloaded), statistics.median(loaded)
     print(
         f"\nquiet tenant median latency: unloaded {base:.3f}s, beside the flood {under:.3f}s "
-        f"(x{under / base:.2f}); noisy: {reasons.count('length')} ran, {reasons.count('rejected')} rejected"
+        f"(x{under / base:.2f}); noisy: {reasons.count('length')} ran, "
+        f"{reasons.count('rejected')} rejected"
     )
     assert reasons.count("rejected") >= 150 and reasons.count("length") >= 2
     assert all(

@@ -6,9 +6,9 @@ users created at format time) on a free port:
   CA are refused; one with the credentials produces and consumes. The clients are built by the
   project's own option builders (KafkaSettings.client_options, KafkaSettings.connection_options)
   from a Settings tree, so the path tested is the one the worker and the client use.
-- `python -m inferline.worker` configured only through INFERLINE_KAFKA__* (password from the environment)
-  serves a request sent by InferenceClient over SASL_SSL, and its logs (DEBUG) never contain the
-  password.
+- `python -m inferline.worker` configured only through INFERLINE_KAFKA__* (password from the
+  environment) serves a request sent by InferenceClient over SASL_SSL, and its logs (DEBUG) never
+  contain the password.
 
 The offline checks (secrets out of errors, no code from requests): tests/unit/test_security.py."""
 

@@ -287,7 +287,8 @@ async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tm
 
 async def test_the_projects_broker_lets_a_lock_outlast_the_default_request_timeout(share_broker):
     """scripts/kafka.sh's broker caps share locks at an hour, not Kafka's 60 s: the worker's lock
-    for the default 600 s timeout is not cut short (it would be, and logged, on a default broker)."""
+    for the default 600 s timeout is not cut short (it would be, and logged, on a default
+    broker)."""
     from inferline.config.settings import KafkaSettings, Settings
     from inferline.worker.intake.share import lock_ms, read_broker_limits
 
@@ -369,10 +370,10 @@ async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp
 
 
 async def test_a_record_on_the_brokers_last_delivery_is_dead_lettered(share_broker, tmp_path):
-    """The broker archives a record unseen once it has been delivered group.share.delivery.count.limit
-    times (10 on the test broker). A worker whose MAX_DELIVERIES is not below that (10 here) must
-    still dead-letter it on that last delivery instead of running it: if it killed this worker
-    too, nothing would show where it went."""
+    """The broker archives a record unseen once it has been delivered
+    group.share.delivery.count.limit times (10 on the test broker). A worker whose MAX_DELIVERIES
+    is not below that (10 here) must still dead-letter it on that last delivery instead of running
+    it: if it killed this worker too, nothing would show where it went."""
     from confluent_kafka import AcknowledgeType, ShareConsumer
 
     bootstrap = share_broker.bootstrap

@@ -17,8 +17,9 @@ from tests.kernels.test_triton_engine import hf_greedy  # noqa: F401
 async def test_worker_on_triton_kernels_answers_through_kafka(
     kafka_bootstrap, topics, tmp_path, monkeypatch, model_runner, hf_model
 ):
-    """`python -m inferline.worker` with TRITON_INTERPRET=1 and INFERLINE_MODEL__ATTENTION_BACKEND=triton
-    (plus linears and elementwise ops on PyTorch, as on CUDA) answers with HF's greedy tokens."""
+    """`python -m inferline.worker` with TRITON_INTERPRET=1 and
+    INFERLINE_MODEL__ATTENTION_BACKEND=triton (plus linears and elementwise ops on PyTorch, as on
+    CUDA) answers with HF's greedy tokens."""
     from inferline.contract.schema import TokensEvent
     from tests.worker_fixtures import collect, final_done, request, spawn_worker, submit, wait_log
 

@@ -95,7 +95,8 @@ async def test_a_redelivered_finished_request_is_not_run_twice(
     kafka_bootstrap, topics, start_worker
 ):
     """A lost commit (broker restart, rebalance) redelivers finished requests: not run again; its
-    final `done` is sent again as it was (same attempt, same bytes) for a requester that missed it."""
+    final `done` is sent again as it was (same attempt, same bytes) for a requester that missed
+    it."""
     from tests.worker_fixtures import collect as collect_replies
 
     worker = await start_worker(topics)

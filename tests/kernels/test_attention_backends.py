@@ -113,7 +113,9 @@ def test_names_and_classes():
 TRITON_CASE = """
 import torch
 from inferline.kernels.attention import make_attention
-from tests.kernels.test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, expected, step_tables
+from tests.kernels.test_attention_backends import (
+    BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, expected, step_tables,
+)
 gen = torch.Generator().manual_seed(0)
 k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
 step = step_tables()
@@ -125,8 +127,8 @@ backend.store_kv(k, v, k_cache, v_cache, step.slot_mapping)
 assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 q = torch.randn(step.slot_mapping.shape[0], HEADS, DIM, generator=gen)
 meta = backend.prepare(step)
-torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 0.125), expected(q, k_cache, v_cache, step),
-                           rtol=1e-4, atol=1e-4)
+torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 0.125),
+                           expected(q, k_cache, v_cache, step), rtol=1e-4, atol=1e-4)
 print("triton ok")
 """
 

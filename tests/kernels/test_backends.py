@@ -1,6 +1,7 @@
 """kernels/backends.py: what `auto` picks on each device, and that an explicit backend this
 machine cannot run is refused at load with one line naming the setting to change.
-(Through the engine: tests/unit/test_engine.py for the CPU paths, tests/kernels/test_triton_engine.py for Triton.)"""
+(Through the engine: tests/unit/test_engine.py for the CPU paths,
+tests/kernels/test_triton_engine.py for Triton.)"""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_auto_keeps_the_faster_backend_and_remembers_it(tmp_path, fake_speeds, f
 
 @needs_both
 def test_the_estimate_scales_the_sampled_layers_to_the_whole_model(tmp_path, fake_speeds):
-    """Layers and head cost 1 s a pass each: 4 of 12 layers sampled -> 3 x layers + head, per row."""
+    """Layers and head cost 1 s a pass each: 4 of 12 layers sampled -> 3 x layers + head,
+    per row."""
     model = tiny_model(12)
     seconds = calibration.measure(model, ("c",), codes=False)
     per_row = sum(1.0 / rows for rows in calibration.ROWS)

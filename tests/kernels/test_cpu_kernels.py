@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def auto_attention(device, dtype, shape=(64, 8, 16), kv_dtype=None) -> str:
-    """What INFERLINE_MODEL__ATTENTION_BACKEND=auto picks; shape = (head_dim, num_heads, block_size)."""
+    """What INFERLINE_MODEL__ATTENTION_BACKEND=auto picks; shape = (head_dim, num_heads,
+    block_size)."""
     head_dim, num_heads, block_size = shape
     return select_attention(
         device, dtype, kv_dtype or dtype, ModelShape(head_dim, num_heads, 1, block_size)
@@ -425,7 +426,8 @@ def test_the_package_ships_every_source_and_header_the_build_reads():
 
 
 def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
-    """bench/attention.py decode on a tiny step (a smoke test: it checks results, never times them)."""
+    """bench/attention.py decode on a tiny step (a smoke test: it checks results, never times
+    them)."""
     from bench import attention as bench_attention
 
     for hot in ([], ["--hot"]):
@@ -457,7 +459,8 @@ def test_decode_attention_benchmark_runs_and_checks_against_reference(capsys):
 
 
 def test_prompt_attention_benchmark_runs_and_checks_tiles_against_rows(capsys):
-    """bench/attention.py prompt on short prompts (a smoke test: it checks results, never times them)."""
+    """bench/attention.py prompt on short prompts (a smoke test: it checks results, never times
+    them)."""
     from bench import attention as bench_attention
 
     res = bench_attention.main(

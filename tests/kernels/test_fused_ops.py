@@ -106,7 +106,8 @@ def test_rope_store_kv_matches_torch(gen, tokens, heads, kv_heads, head_dim):
 def test_rope_store_kv_into_an_fp16_cache_matches_torch(gen, tokens, heads, kv_heads, head_dim):
     """The C store rounds to the nearest half as torch's .to(float16) does: each stored row equals
     the rotated fp32 row (left in qkv) rounded by torch, bit for bit, and the caches match the torch
-    path's to its rounding (head_dim 40, not a multiple of 16, takes the torch path for the store)."""
+    path's to its rounding (head_dim 40, not a multiple of 16, takes the torch path for the
+    store)."""
     qkv, cos, sin, slots, cache = rope_inputs(gen, tokens, heads, kv_heads, head_dim)
     cache = cache.half()
     k_want, v_want, k_got, v_got = (cache.clone() for _ in range(4))

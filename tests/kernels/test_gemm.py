@@ -1,5 +1,5 @@
-"""kernels/cpu/gemm.py (csrc/gemm.c): the linear layers' C GEMM equals F.linear on random shapes, and a
-row's bits depend neither on the batch around it nor on the thread count."""
+"""kernels/cpu/gemm.py (csrc/gemm.c): the linear layers' C GEMM equals F.linear on random shapes,
+and a row's bits depend neither on the batch around it nor on the thread count."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def test_linear_dispatches_on_the_packed_copy():
 def test_the_16_float_layout_equals_f_linear_too(tmp_path):
     """The library's own build has 8-float vectors on AVX2 (tiles of 6 x 16) and 16-float ones
     with AVX-512 or without AVX2 (tiles of 8 x 32): CI's machine runs one. This builds gemm.c for
-    plain x86-64 (no AVX2: the same C path as AVX-512, in SSE registers) and checks it runs right."""
+    plain x86-64 (no AVX2: the same C path as AVX-512, in SSE registers) and checks it runs
+    right."""
     lib = build_x86_64(tmp_path)
     width = lib.gemm_panel_width()
     assert width == 32

@@ -118,7 +118,8 @@ def mixed_weight(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(6))
 def test_the_c_search_gives_the_reference_codes(seed):
     """exact_codes (the C search over candidate steps) equals exact_codes_reference (PyTorch, format
-    by format) bit for bit, on blocks of mixed formats, constant blocks and a block never quantized."""
+    by format) bit for bit, on blocks of mixed formats, constant blocks and a block never
+    quantized."""
     for w in (mixed_weight(seed), weight(48, 128, QUANTIZERS[seed % 4], seed)):
         found, expected = gemm.exact_codes(w, BLOCK), gemm.exact_codes_reference(w, BLOCK)
         assert (found is None) == (expected is None)

@@ -80,7 +80,8 @@ def test_linear_module_keeps_nn_linear_state_dict_and_results():
 
 
 def test_a_failing_pack_falls_back_to_f_linear(monkeypatch):
-    """A PyTorch whose oneDNN cannot pack (another CPU, another build) keeps F.linear, never crashes."""
+    """A PyTorch whose oneDNN cannot pack (another CPU, another build) keeps F.linear, never
+    crashes."""
 
     def refuse(weight, batch_size):
         raise RuntimeError("no oneDNN kernel for this CPU")

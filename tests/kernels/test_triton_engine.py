@@ -1,11 +1,12 @@
 """The engine on the Triton kernels, under the interpreter, against HF transformers.
 
 What `auto` picks on CUDA (Triton: rotary with the K/V store, prefill and decode attention,
-RMSNorm with the residual add, SiLU-and-mul, with the launch plans of an H200) runs here on the CPU through the whole model and the engine: SmolLM2 in
-fp32 must give HF's greedy tokens through chunked prefill, prompts on cached prefix blocks, decode
-across block boundaries and a preemption; a Llama-shaped dummy model (head_dim 128, GQA 4) in bf16
-must give the torch path's logits within bf16 tolerance. The runs happen in a subprocess
-(tests/triton_engine_cases.py): TRITON_INTERPRET must be set before triton is imported.
+RMSNorm with the residual add, SiLU-and-mul, with the launch plans of an H200) runs here on the CPU
+through the whole model and the engine: SmolLM2 in fp32 must give HF's greedy tokens through
+chunked prefill, prompts on cached prefix blocks, decode across block boundaries and a preemption;
+a Llama-shaped dummy model (head_dim 128, GQA 4) in bf16 must give the torch path's logits within
+bf16 tolerance. The runs happen in a subprocess (tests/triton_engine_cases.py): TRITON_INTERPRET
+must be set before triton is imported.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """bench/peer_llamacpp.py's pure parts: arguments, the workload's lengths, the server's context
-and the backends read from a worker's metrics. The llama.cpp build and the runs themselves are `make bench-peer`, not tests."""
+and the backends read from a worker's metrics. The llama.cpp build and the runs themselves are
+`make bench-peer`, not tests."""
 
 from __future__ import annotations
 

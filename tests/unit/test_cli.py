@@ -154,7 +154,7 @@ def test_exit_codes():
     assert exit_code(RequestCancelled("x")) == 5 and exit_code(WorkerError("x")) == 1
 
 
-# --------------------------------------------------------------------------- bench workload and stats
+# ------------------------------------------------------------------------- bench workload and stats
 
 
 @pytest.mark.parametrize(
@@ -205,7 +205,8 @@ def test_workload_is_reproducible_and_within_bounds():
 def test_dataset_workload(tmp_path):
     path = tmp_path / "w.jsonl"
     path.write_text(
-        '{"prompt": "a", "output_len": 4, "extra": 1}\n\n{"prompt_token_ids": [1, 2], "max_tokens": 3}\n'
+        '{"prompt": "a", "output_len": 4, "extra": 1}\n\n'
+        '{"prompt_token_ids": [1, 2], "max_tokens": 3}\n'
     )
     assert load_dataset(str(path)) == [
         {"prompt": "a", "max_tokens": 4},
@@ -307,12 +308,12 @@ async def test_topics_acls_prints_the_recipe():
     assert rc == 0, err
     lines = out.splitlines()
     assert (
-        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme --operation Write "
-        "--topic llm.requests.acme"
+        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme "
+        "--operation Write --topic llm.requests.acme"
     ) in lines
     assert (
-        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme --operation Read "
-        "--topic inferline.reply.acme. --resource-pattern-type prefixed"
+        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:acme "
+        "--operation Read --topic inferline.reply.acme. --resource-pattern-type prefixed"
     ) in lines
     assert not [
         ln
@@ -321,8 +322,8 @@ async def test_topics_acls_prints_the_recipe():
     ]
     assert sum("User:w " in ln for ln in lines) == 8
     assert (
-        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:w --operation Write "
-        "--transactional-id inferline-workers. --resource-pattern-type prefixed"
+        "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:w "
+        "--operation Write --transactional-id inferline-workers. --resource-pattern-type prefixed"
     ) in lines
     rc, _, err = await run_cli(env, "topics", "acls", "--tenant", "a.b")
     assert rc != 0 and "must be 1-64 of" in err

@@ -304,4 +304,4 @@ def test_reply_topics_follow_the_workers_reply_prefix():
     assert InferenceClient(settings=Settings()).reply_topic.startswith("inferline.reply.")
 
 
-# --------------------------------------------------------------------------- scripted stand-in worker
+# ------------------------------------------------------------------------- scripted stand-in worker

@@ -9,7 +9,8 @@ Two real parsers:
   x86_64) cannot run.
 Then the file's content: every INFERLINE_* variable is a real setting, the broker has the full
 KRaft set, the topic-init step creates the worker's topics, the GPU variant reserves a GPU,
-Prometheus and Grafana mount their config from deploy/ (tests/unit/test_dashboard.py checks its content).
+Prometheus and Grafana mount their config from deploy/ (tests/unit/test_dashboard.py checks its
+content).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_compose_file_matches_the_compose_spec_schema(compose):
 
 
 def test_the_schema_rejects_a_broken_file(compose):
-    # The vendored schema is strict (no unknown keys): a typo must fail, or the test above means nothing.
+    # The vendored schema is strict (no unknown keys): a typo must fail, or the test above means
+    # nothing.
     broken = json.loads(json.dumps(compose))
     broken["services"]["worker"]["enviroment"] = {"X": "1"}
     assert not jsonschema.Draft7Validator(json.loads(SCHEMA_FILE.read_text())).is_valid(broken)
@@ -143,7 +145,8 @@ def is_settings_field(parts: list[str], section: bool = False) -> bool:
 
 
 def variables_read_by_the_code() -> set[str]:
-    """INFERLINE_* variables the packages read themselves (os.environ / os.getenv), outside Settings."""
+    """INFERLINE_* variables the packages read themselves (os.environ / os.getenv), outside
+    Settings."""
     pattern = re.compile(
         r"""(?:environ(?:\.get)?\s*[(\[]|getenv\s*\()\s*["'](INFERLINE_[A-Z0-9_]+)["']"""
     )

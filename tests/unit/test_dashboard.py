@@ -113,7 +113,8 @@ def promql_metric_names(expr: str) -> set[str]:
     [
         ('up{job="inferline"} == 0', {"up"}),
         (
-            'histogram_quantile(0.99, sum by (le) (rate(a_bucket{x=~"$v", y="by (z)"}[$__rate_interval])))',
+            "histogram_quantile(0.99, sum by (le) "
+            '(rate(a_bucket{x=~"$v", y="by (z)"}[$__rate_interval])))',
             {"a_bucket"},
         ),
         (

@@ -114,7 +114,8 @@ def test_a_dead_engine_hands_every_job_back_and_stops_the_worker():
 
 
 class BrokenEngine:
-    """An engine whose every step fails, so the loop's own recovery (fail_all, step again) fails too."""
+    """An engine whose every step fails, so the loop's own recovery (fail_all, step again) fails
+    too."""
 
     def has_unfinished_requests(self) -> bool:
         return True

@@ -189,7 +189,7 @@ def test_free_memory_is_read_after_the_allocator_cache_is_emptied(monkeypatch):
     assert calls == ["empty_cache", ("mem_get_info", CUDA)]
 
 
-# ---- where the KV cache lives ---------------------------------------------------------------------
+# ---- where the KV cache lives --------------------------------------------------------------------
 
 
 def test_cpu_kv_cache_is_zeroed_host_memory():
@@ -276,7 +276,7 @@ def test_a_host_tensor_goes_to_cuda_from_pinned_memory(monkeypatch):
     assert calls == ["pin_memory", ("to", CUDA, True)]
 
 
-# ---- on a GPU ---------------------------------------------------------------------------------------
+# ---- on a GPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu

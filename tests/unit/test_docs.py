@@ -173,7 +173,8 @@ EXTERNAL_NAMES = {
 
 
 def repo_paths() -> set[str]:
-    """Every file and folder (folders with a trailing /) under the source folders, and root files."""
+    """Every file and folder (folders with a trailing /) under the source folders, and root
+    files."""
     out = {p.name for p in REPO.iterdir() if p.is_file()}
     for top in SOURCE_DIRS:
         for path in (REPO / top).rglob("*"):
@@ -244,7 +245,8 @@ def bound_names(stmt: ast.stmt) -> set[str]:
 def has_member(cls: str, member: str, members, bases) -> bool:
     if member in members.get(cls, ()):
         return True
-    # a member of a base class; a base from outside the repository (pydantic, Exception) may hold any
+    # a member of a base class; a base from outside the repository (pydantic, Exception)
+    # may hold any
     return any(
         b not in members or has_member(b, member, members, bases) for b in bases.get(cls, ())
     )
@@ -470,15 +472,17 @@ def test_every_name_in_the_docs_exists(doc, known, gen):
 
 def test_the_name_check_catches_each_kind(known, gen):
     real = """See `worker/engine/scheduler.py`, [the design](design.md), kernels/backends.py,
-`INFERLINE_CACHE__BLOCK_SIZE`, `INFERLINE_KAFKA_PORT`, `make test`, `inferline topics create --partitions 8`,
-`inferline_preemptions_total`, `Scheduler.schedule`, `python -m bench.engine`, `LLMEngine`, 100 tokens/s, K/V.
+`INFERLINE_CACHE__BLOCK_SIZE`, `INFERLINE_KAFKA_PORT`, `make test`,
+`inferline topics create --partitions 8`, `inferline_preemptions_total`, `Scheduler.schedule`,
+`python -m bench.engine`, `LLMEngine`, 100 tokens/s, K/V.
 ```
 $ inferline submit "hi"
 ```"""
     assert unknown_names(real, DOCS, known, gen) == {}
-    made_up = """See `worker/engine/paged_attention.py`, FIELD-NOTES.md, `INFERLINE_CACHE__BLOCKSIZE`, INFERLINE_KAFKA_PROT,
-`make benchmark`, `inferline stream`, `inferline topics drop`, `inferline_preemption_total`,
-`Scheduler.update()`, `python -m bench.engines`, a `WaitingPool`.
+    made_up = """See `worker/engine/paged_attention.py`, FIELD-NOTES.md,
+`INFERLINE_CACHE__BLOCKSIZE`, INFERLINE_KAFKA_PROT, `make benchmark`, `inferline stream`,
+`inferline topics drop`, `inferline_preemption_total`, `Scheduler.update()`,
+`python -m bench.engines`, a `WaitingPool`.
 ```
 $ inferline-stream
 ```"""

@@ -140,11 +140,11 @@ def test_prefix_cache_skips_shared_prefixes_and_keeps_greedy_output(
 )
 def test_every_cpu_path_equals_hf_generate_too(model_runner, prompts, hf_outputs, setting, value):
     """The default runner packs its linear weights for the C GEMM (as 8-bit codes: the GGUF's
-    weights are Q4_1 and Q8_0) or oneDNN, whichever `auto` timed faster here (models/calibration.py), runs norms, SiLU and rope as
-    C kernels (kernels/fused.py) and attention, prompt rows included, in the C kernel
-    (kernels/cpu/); a runner with any other linear backend, fp32 panels
-    (INFERLINE_MODEL__CPU_WEIGHT_CODES=off), or the others on PyTorch (CPU_FUSED_OPS or
-    ATTENTION_BACKEND = torch), must give HF's greedy tokens too."""
+    weights are Q4_1 and Q8_0) or oneDNN, whichever `auto` timed faster here
+    (models/calibration.py), runs norms, SiLU and rope as C kernels (kernels/fused.py) and
+    attention, prompt rows included, in the C kernel (kernels/cpu/); a runner with any other linear
+    backend, fp32 panels (INFERLINE_MODEL__CPU_WEIGHT_CODES=off), or the others on PyTorch
+    (CPU_FUSED_OPS or ATTENTION_BACKEND = torch), must give HF's greedy tokens too."""
     from inferline.config.settings import Settings
     from inferline.kernels import backends, fused
     from inferline.kernels.cpu import gemm

@@ -1,11 +1,12 @@
 """Fuzzing the intake: hostile messages through decode_request and the worker's triage.
 
 Offline (no broker, no model): at least 10,000 generated and mutated messages go through the real
-`Intake._handle` of a real `Worker` (decode, validation, triage, rejection / dead letter / admission,
-reply building and msgpack encoding, offset tracking); admitted requests are tokenized by the real
-`LLMEngine.tokenize` and completed through the worker's engine-output path. Every message must end as
-exactly one of: dead letter, a `done` that never ran (rejected / timeout / cancelled), or a request
-that runs and gets its `done`; nothing may raise, every offset must be finished, memory stays bounded.
+`Intake._handle` of a real `Worker` (decode, validation, triage, rejection / dead letter /
+admission, reply building and msgpack encoding, offset tracking); admitted requests are tokenized by
+the real `LLMEngine.tokenize` and completed through the worker's engine-output path. Every message
+must end as exactly one of: dead letter, a `done` that never ran (rejected / timeout / cancelled),
+or a request that runs and gets its `done`; nothing may raise, every offset must be finished, memory
+stays bounded.
 
 Online: tests/kafka/test_fuzz_intake.py sends a few hundred hostile messages into a running
 worker; each ends as a dead letter or a `done`, and the worker serves a valid request afterwards.
@@ -347,7 +348,8 @@ def test_memory_stays_bounded(tokenizer):
         tracemalloc.stop()
     largest = max(len(v) for v in msgs)
     print(
-        f"\nmemory: largest message {largest / 2**20:.2f} MiB, peak {(peak - base) / 2**20:.1f} MiB, "
+        f"\nmemory: largest message {largest / 2**20:.2f} MiB, "
+        f"peak {(peak - base) / 2**20:.1f} MiB, "
         f"retained {(current - base) / 2**10:.1f} KiB over {len(msgs)} messages"
     )
     # A 1 MiB message may unpack to a few tens of MB (a million small ints); never more.

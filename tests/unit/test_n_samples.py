@@ -278,7 +278,7 @@ def test_waiting_forks_let_go_of_their_blocks_when_nothing_else_can_free_memory(
     assert finished == {"r", "h"}
 
 
-# ---- the gateway's mapping (no broker) ------------------------------------------------------------
+# ---- the gateway's mapping (no broker) -----------------------------------------------------------
 
 
 def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
@@ -320,7 +320,7 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
     assert second.feed(done) == "" and TextFollower(0).feed(done) == "a"
 
 
-# ---- the intake's bound on n x max_tokens (no model) -----------------------------------------------
+# ---- the intake's bound on n x max_tokens (no model) ---------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def source_copy(dst: Path) -> Path:
-    """What an sdist holds (pyproject, README, the packages): pip builds there, not in the checkout."""
+    """What an sdist holds (pyproject, README, the packages): pip builds there, not in the
+    checkout."""
     dst.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, dst / name)
@@ -82,7 +83,9 @@ import kernels, transformers
 from transformers import AutoConfig
 import inferline.producer.client, inferline.worker.app, inferline.kernels.backends
 site = os.path.realpath(sys.argv[1])
-assert os.path.realpath(inferline.worker.app.__file__).startswith(site), inferline.worker.app.__file__
+assert os.path.realpath(inferline.worker.app.__file__).startswith(site), (
+    inferline.worker.app.__file__
+)
 assert hasattr(kernels, "get_kernel"), kernels.__file__  # Hugging Face's distribution, not ours
 print("ok", transformers.__version__)
 """

@@ -93,7 +93,8 @@ def eager_runner() -> ModelRunner:
 
 
 class Recorder:
-    """Wraps a method; records (rows of the padded step, real rows) per call of PaddedDecode.load."""
+    """Wraps a method; records (rows of the padded step, real rows) per call of
+    PaddedDecode.load."""
 
     def __init__(self, padded: PaddedDecode):
         self.padded, self.load, self.steps = padded, padded.load, []

@@ -1,5 +1,5 @@
-"""Where the worker may write (worker/intake/reply_topics.py): the policy and its cache, offline. On the
-real broker: tests/kafka/test_reply_topics.py."""
+"""Where the worker may write (worker/intake/reply_topics.py): the policy and its cache, offline.
+On the real broker: tests/kafka/test_reply_topics.py."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ def seq(
 
 
 def fits(sched: Scheduler, s: Sequence) -> bool:
-    """Can `s` ever finish in this pool? The engine rejects the rest (prompt_too_long) before the scheduler sees them."""
+    """Can `s` ever finish in this pool? The engine rejects the rest (prompt_too_long) before the
+    scheduler sees them."""
     bm = sched.block_manager
     return bm.num_blocks_for(s.num_prompt_tokens + s.sampling.max_tokens) <= bm.num_blocks
 
@@ -265,7 +266,8 @@ class FakeKV:
 
 
 def cached_step(sched: Scheduler, kv: FakeKV, rng_token) -> list[Sequence]:
-    """fake_step with K/V tracked and computed blocks offered to the prefix cache, as the engine does."""
+    """fake_step with K/V tracked and computed blocks offered to the prefix cache, as the engine
+    does."""
     out = sched.schedule()
     finished = []
     for chunk in out.scheduled:
@@ -409,7 +411,7 @@ def test_prefix_cache_off_never_shares():
     assert bm.cached_prefix(b) == [] and bm.prefix_cache is None
 
 
-# ---- background work (a batch) beside foreground work ----------------------------------------------
+# ---- background work (a batch) beside foreground work --------------------------------------------
 
 
 def background_sched(max_tokens: int = 2) -> Scheduler:

@@ -1,7 +1,7 @@
 """Share mode's bookkeeping without a broker (worker/intake/share.py; the verdicts in
-worker/delivery/finals.py): what is handed to the worker and when, where a verdict goes, which verdict each
-outcome sends, when a record is dead-lettered, the client settings. The broker-backed behaviour
-is tests/kafka/test_share_intake.py."""
+worker/delivery/finals.py): what is handed to the worker and when, where a verdict goes, which
+verdict each outcome sends, when a record is dead-lettered, the client settings. The
+broker-backed behaviour is tests/kafka/test_share_intake.py."""
 
 from __future__ import annotations
 
@@ -327,7 +327,7 @@ def test_share_mode_is_body_tenancy_only():
         Settings(kafka={"intake": "share", "tenancy": "topic"})
 
 
-# -- the verdicts: which acknowledgement each outcome sends (worker/delivery/finals.py) ----------------
+# -- the verdicts: which acknowledgement each outcome sends (worker/delivery/finals.py) ------------
 
 
 class AckingPublisher:

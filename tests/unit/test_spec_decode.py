@@ -38,7 +38,8 @@ def test_proposes_what_followed_the_most_recent_longest_match():
     p = NgramProposer(num_tokens=3, max_n=3, min_n=1)
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
-    # "6 7" occurs at 1 and 5 (3-gram "2 6 7" does not recur); the most recent (5) is followed by 9 2 6
+    # "6 7" occurs at 1 and 5 (3-gram "2 6 7" does not recur); the most recent (5) is
+    # followed by 9 2 6
     assert p.propose(tokens) == [9, 2, 6]
     assert p.propose(tokens, limit=2) == [9, 2]
     assert p.propose(tokens, limit=0) == []
@@ -259,7 +260,8 @@ def mixed_requests(prompts, tokenizer) -> list[EngineRequest]:
 
 
 def test_every_kind_of_request_gets_the_same_output_with_drafts(model_runner, prompts):
-    """Stops inside accepted drafts, max_tokens, seeded sampling and penalties beside drafted rows."""
+    """Stops inside accepted drafts, max_tokens, seeded sampling and penalties beside drafted
+    rows."""
     plain = run_to_completion(
         make_engine(model_runner), {0: mixed_requests(prompts, model_runner.tokenizer)}
     )
@@ -297,7 +299,8 @@ def fake_model(tokens: list[int]) -> int:
 
 def spec_step(sched: Scheduler, kv, outputs: dict) -> None:
     """One engine step as LLMEngine does it: compute every row (K/V of each row's own prefix, drafts
-    included), take each row's "argmax" from fake_model, accept, move the counter, retire at max_tokens."""
+    included), take each row's "argmax" from fake_model, accept, move the counter, retire at
+    max_tokens."""
     out = sched.schedule()
     assert out.num_batched_tokens <= sched.max_num_batched_tokens
     for chunk in out.scheduled:

@@ -151,7 +151,8 @@ def test_the_decode_step_benchs_batches_build_as_the_reference():
 
 def test_a_decode_step_dispatches_a_few_torch_ops_whatever_the_batch():
     """A torch op costs more than its values at these sizes (docs/benchmarks.md), so a decode
-    step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks included."""
+    step's preparation dispatches the same few ops for 4 sequences as for 64, new blocks
+    included."""
 
     def ops(num_seqs: int) -> list[str]:
         batch = decode_step.make_batch(num_seqs, 512)

@@ -183,7 +183,7 @@ def test_logprobs_fields_decode():
     assert (req.logprobs, req.top_logprobs) == (True, 20)
 
 
-# --------------------------------------------------------------------------- compiler, bitmask, sampler
+# ----------------------------------------------------------------------- compiler, bitmask, sampler
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def test_sampler_logprobs_are_log_softmax_after_penalties():
     assert out.logprobs[1]["top_logprobs"] == [] and out.token_ids[1] == logits[1].argmax()
 
 
-# --------------------------------------------------------------------------- the engine, default model
+# ------------------------------------------------------------------------ the engine, default model
 
 
 def test_json_schema_holds_where_free_sampling_breaks_it(shallow_runner):
@@ -358,7 +358,8 @@ def test_regex_and_choice_outputs_match(shallow_runner):
 
 
 def hf_constrained_greedy(hf_model, info, compiled, ids: list[int], max_tokens: int) -> list[int]:
-    """The reference: HF logits, the grammar's bitmask unpacked by numpy, argmax, in a plain loop."""
+    """The reference: HF logits, the grammar's bitmask unpacked by numpy, argmax, in a plain
+    loop."""
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
     out, cache, x = [], None, torch.tensor([ids])
@@ -623,8 +624,8 @@ def _running(pid: int) -> bool:
 
 def test_a_grammar_whose_mask_costs_the_batch_too_much_is_ended(shallow_runner):
     """Issue 38: a row whose token mask alone is over INFERLINE_STRUCTURED__MASK_BUDGET_MS in 3
-    steps in a row ends its request (`error`, naming the field); the rest of the batch goes on. A budget
-    of 0 makes every constrained row over it."""
+    steps in a row ends its request (`error`, naming the field); the rest of the batch goes on. A
+    budget of 0 makes every constrained row over it."""
     model_runner = shallow_runner  # grammars do not depend on the model's depth
     engine = make_engine(model_runner)
     budget, model_runner.token_bitmask.budget_s = model_runner.token_bitmask.budget_s, 0.0

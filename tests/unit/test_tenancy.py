@@ -1,5 +1,5 @@
-"""Topic tenancy (worker/service/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the request
-topic's, never the body's. Offline through the intake harness; on the broker:
+"""Topic tenancy (worker/service/tenancy.py, INFERLINE_KAFKA__TENANCY=topic): the tenant is the
+request topic's, never the body's. Offline through the intake harness; on the broker:
 tests/kafka/test_tenancy.py."""
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ RESERVED_CASES = [
 
 def test_tenant_names_that_name_internal_topics_are_refused():
     """A tenant named like an internal topic or suffix (issue 38): `dlq` would own
-    `llm.requests.dlq`, the dead-letter topic, and `inferline topics acls` would grant it write there."""
+    `llm.requests.dlq`, the dead-letter topic, and `inferline topics acls` would grant it write
+    there."""
     from inferline.contract.topics import tenant_problem
 
     kafka = KafkaSettings()

@@ -1,8 +1,8 @@
 """Exactly one final result per request: final results and their input offsets commit in one
 Kafka transaction per owned partition (worker/delivery/transactions.py), with the offset ledger of
-worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker resuming
-from it, and PartitionTxn's batching, retries and fencing over a recording producer. Against the
-broker: tests/kafka/test_transactions.py."""
+worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker
+resuming from it, and PartitionTxn's batching, retries and fencing over a recording producer.
+Against the broker: tests/kafka/test_transactions.py."""
 
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ class PartitionTxn:
             except Exception as exc:  # noqa: BLE001 - a fenced producer's stop may raise
                 log.debug("txn.stop_failed", error=repr(exc))
 
-    # -- the loop -----------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         while not self.fenced:
@@ -394,7 +394,7 @@ class PartitionTxn:
         except Exception:  # noqa: BLE001 - missing, unauthorized or slow: "not now"
             return None
 
-    # -- failures -----------------------------------------------------------------------------------
+    # -- failures ----------------------------------------------------------------------------------
 
     async def _reopen(self, exc: BaseException) -> None:
         """Replace the producer after a failed transaction (after a refused batch aiokafka's

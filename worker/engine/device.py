@@ -63,7 +63,7 @@ def pick_cuda_graphs(name: str, device_type: str, attention: str) -> str:
     return "capture"
 
 
-# ---- KV cache size and memory ---------------------------------------------------------------------
+# ---- KV cache size and memory --------------------------------------------------------------------
 
 
 def kv_cache_budget(
@@ -129,7 +129,7 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     )  # the tensor keeps the mapping alive
 
 
-# ---- host-to-device copies --------------------------------------------------------------------------
+# ---- host-to-device copies -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,8 @@ class LLMEngine:
                     seq.request_id,
                     "error",
                     f"{seq.sampling.structured.field}: the grammar's token mask "
-                    f"took over {budget * 1e3:g} ms per step (INFERLINE_STRUCTURED__MASK_BUDGET_MS)",
+                    f"took over {budget * 1e3:g} ms per step "
+                    "(INFERLINE_STRUCTURED__MASK_BUDGET_MS)",
                 )
 
     def _expire_deadlines(self) -> None:

@@ -44,8 +44,8 @@ def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
         return None
     field = "n" if req.n > 1 else "max_tokens"
     return (
-        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, at most "
-        f"{limits.max_request_tokens} per request"
+        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, "
+        f"at most {limits.max_request_tokens} per request"
     )
 
 

@@ -45,7 +45,10 @@ def unsafe_limits(configs: dict[str, str], replicas: int, min_message_bytes: int
     """Why a topic with these configs and replicas cannot take a transaction's replies, or None."""
     max_bytes = configs.get("max.message.bytes")
     if max_bytes is not None and int(max_bytes) < min_message_bytes:
-        return f"max.message.bytes={max_bytes} is below the {min_message_bytes} a reply topic must accept"
+        return (
+            f"max.message.bytes={max_bytes} is below the {min_message_bytes} "
+            "a reply topic must accept"
+        )
     min_isr = configs.get("min.insync.replicas")
     if min_isr is not None and replicas and int(min_isr) > replicas:
         return (

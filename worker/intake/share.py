@@ -453,7 +453,10 @@ class ShareIntake(Intake):
         self._delivery.hold(tp, record)
         limit = self.max_deliveries
         if record.delivery_count > limit:
-            reason = f"delivered {record.delivery_count} times (max_deliveries {limit}): its workers died or gave it up"
+            reason = (
+                f"delivered {record.delivery_count} times (max_deliveries {limit}): "
+                "its workers died or gave it up"
+            )
             log.warning(
                 "share_intake.dead_letter",
                 partition=tp.partition,

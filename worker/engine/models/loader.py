@@ -183,7 +183,7 @@ def load_dummy(path: str, dtype, device, max_positions):
     return model.eval(), config, load_tokenizer(None)
 
 
-# ---- safetensors, read in place ---------------------------------------------------------------------
+# ---- safetensors, read in place ------------------------------------------------------------------
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
