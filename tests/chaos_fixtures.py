@@ -176,7 +176,8 @@ def field_attack(rng: random.Random, reply_topic: str) -> dict:
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
-    """One byte-level mutation: bit flip, truncation, insertion, deletion, duplication, bad UTF-8."""
+    """One byte-level mutation: bit flip, truncation, insertion, deletion, duplication, bad
+    UTF-8."""
     if not data:
         return bytes([rng.getrandbits(8)])
     buf = bytearray(data)
@@ -398,7 +399,8 @@ class FakeEngineLoop:
 class IntakeHarness:
     """A real Worker (intake triage, rate limiter, reply building and encoding, offset tracking)
     with Kafka I/O replaced at the last step: `Publisher._enqueue` records each outgoing message and
-    acknowledges it at once (a final one as its transaction would: committed with its offset); the engine loop records each admitted request, which `finish_admitted`
+    acknowledges it at once (a final one as its transaction would: committed with its offset); the
+    engine loop records each admitted request, which `finish_admitted`
     completes through the Worker's own engine-output path. So every record goes through the same
     code as on a live worker, from `Intake._handle` to the bytes handed to aiokafka."""
 
@@ -514,7 +516,8 @@ async def private_topics(
 
 
 def running_private_broker(kdir: Path, **env: str):
-    """A module fixture's body: a PrivateBroker started in `kdir` (with extra `env`), stopped after."""
+    """A module fixture's body: a PrivateBroker started in `kdir` (with extra `env`), stopped
+    after."""
     broker = PrivateBroker(kdir)
     broker.env.update(env)
     broker.start()
@@ -662,7 +665,8 @@ class ReplyWatcher:
 
 
 class WorkerProcess:
-    """One logical worker (`python -m inferline.worker`), killed and restarted; a fresh log per incarnation."""
+    """One logical worker (`python -m inferline.worker`), killed and restarted; a fresh log per
+    incarnation."""
 
     def __init__(self, name: str, bootstrap: str, topics, log_dir: Path, **config) -> None:
         self.name, self.bootstrap, self.topics, self.log_dir, self.config = (

@@ -4,7 +4,7 @@
     start_worker (function, async) -> factory   `w = await start_worker(topics, scheduler={...})`
         runs a Worker in this process on an engine over the session's shared ModelRunner (one
         model load per session) and waits until it is in the group; stopped after the test.
-    spawn_worker(...)                           `python -m inferline.worker` as a subprocess (kill/restart)
+    spawn_worker(...)         `python -m inferline.worker` as a subprocess (kill/restart)
 
 Requests are raw msgpack maps (so malformed ones are easy to write); events come back decoded
 and grouped by request id with `collect()`, and `check_attempts()` asserts the contract's
@@ -133,8 +133,8 @@ async def wait_ready(worker: Worker, task: asyncio.Task, timeout: float = 60.0) 
 def spawn_worker(
     bootstrap: str, topics: Topics, log_path: Path, env_extra: dict | None = None, **overrides
 ) -> subprocess.Popen:
-    """`python -m inferline.worker` with INFERLINE_* settings (and `env_extra`); its logs (JSON lines) go
-    to log_path."""
+    """`python -m inferline.worker` with INFERLINE_* settings (and `env_extra`); its logs (JSON
+    lines) go to log_path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLINE_")}
     env.update(config_env(worker_config(bootstrap, topics, **overrides)))
     env["INFERLINE_LOG__FORMAT"] = "json"

@@ -265,7 +265,8 @@ async def test_batch_survives_worker_kill_and_cli_interrupt(
     assert outs[: len(partial)] == partial  # the resumed run only appended
     found = int(err.split("(")[1].split(" answered by an earlier run")[0])
     followed = int(err.split("earlier run, ")[1].split(" sent by one")[0])
-    # In flight at the interrupt: answered meanwhile (found) or still running (awaited), never sent again.
+    # In flight at the interrupt: answered meanwhile (found) or still running (awaited), never
+    # sent again.
     assert found + followed >= 1, err
 
     # Every request id on the request topic is a line's; a line sent twice (a send cut by the

@@ -224,7 +224,8 @@ def _reason(error: str) -> str:
 
 
 async def dead_letters(bootstrap: str, dlq: str) -> dict[str, str]:
-    """request id (the record key) -> the `error` header, for every record on the dead-letter topic."""
+    """request id (the record key) -> the `error` header, for every record on the dead-letter
+    topic."""
     records = await consume_until(bootstrap, dlq, timeout=30)
     return {r.key.decode(): dict(r.headers).get("error", b"").decode() for r in records if r.key}
 
@@ -460,8 +461,9 @@ async def test_chaos_kills_broker_restart_and_rebalance(private_broker, tmp_path
     (out / f"chaos-{report['form']}.json").write_text(json.dumps(report, indent=2))
     assert report["lost"] == 0, report
     assert report["conflicting_final_results"] == 0, report
-    # A final `done` and its offset commit in one transaction (worker/delivery/transactions.py): a SIGKILL
-    # at any point leaves both or neither, so read_committed sees one final result per request.
+    # A final `done` and its offset commit in one transaction (worker/delivery/transactions.py):
+    # a SIGKILL at any point leaves both or neither, so read_committed sees one final result per
+    # request.
     assert report["duplicated_final_results"] == 0, report
     assert not report["not_length"], report
     assert rc == 0 and rc_b == 0
