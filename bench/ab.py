@@ -14,11 +14,8 @@ step counts and times, drafts accepted, the B/A ratio of the means, the requests
 
 from __future__ import annotations
 
-import argparse
-import gc
-
 from bench import roofline, stats
-from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
+from bench.engine import engine_settings, gc_frozen, run_engine, summarize, warm_up_engine
 from bench.workload import make_workload
 
 EXPERIMENTS = {"kv-dtype": ("auto", "float16"), "spec-decode": ("none", "ngram")}
@@ -28,10 +25,12 @@ def settings_for(args, mode: str):
     kv = mode if args.experiment == "kv-dtype" else "auto"
     s = engine_settings(args.policy, args.seats, 512, True, kv)
     if args.experiment == "spec-decode":
-        s.speculative.method, s.speculative.num_tokens = mode, args.num_tokens
         spec = s.speculative
-        spec.prompt_lookup_max, spec.prompt_lookup_min = args.lookup_max, args.lookup_min
-        s.speculative.disable_by_batch_size = args.disable_by_batch_size
+        spec.method, spec.num_tokens, spec.prompt_lookup_min = (
+            mode,
+            args.num_tokens,
+            args.lookup_min,
+        )
     return s
 
 
@@ -42,20 +41,16 @@ def measure(args) -> dict:
     settings = {m: settings_for(args, m) for m in (a, b)}
     runners = {a: ModelRunner(settings[a])}
     runners[b] = ModelRunner(settings[b]) if args.experiment == "kv-dtype" else runners[a]
-    items = make_workload(
-        runners[a].tokenizer, args.num_requests, max_output=args.max_output, seed=args.seed
-    )
+    tokenizer = runners[a].tokenizer
+    items = make_workload(tokenizer, args.num_requests, max_output=args.max_output, seed=args.seed)
     for runner in {id(r): r for r in runners.values()}.values():
         warm_up_engine(runner)
-    gc.freeze()  # as the worker's EngineLoop does once its engine is built
     runs, tokens = {a: [], b: []}, {}
-    try:
+    with gc_frozen():
         for mode in stats.abba([a, b], 2):
             record = run_engine(runners[mode], settings[mode], items, mode)
             runs[mode].append(summarize(record))
             tokens.setdefault(mode, record.token_ids)
-    finally:
-        gc.unfreeze()
     mean = {m: sum(s["tokens_per_s"] for s in ss) / len(ss) for m, ss in runs.items()}
     return {
         "experiment": args.experiment,
@@ -68,40 +63,31 @@ def measure(args) -> dict:
 
 def report(args, res: dict) -> None:
     a, b = EXPERIMENTS[args.experiment]
-    print(
-        f"{args.experiment}: {args.policy} batching, {args.seats} seats, {res['num_requests']} "
-        "requests, ABBA:"
-    )
+    seats, n = args.seats, res["num_requests"]
+    print(f"{args.experiment}: {args.policy} batching, {seats} seats, {n} requests, ABBA:")
     for mode, i in ((a, 0), (b, 0), (b, 1), (a, 1)):
         s = res["runs"][mode][i]
-        steps = ", ".join(
-            f"{k} {v['count']} x {v['mean_ms']:.1f} ms" for k, v in s["step_time_ms"].items()
-        )
+        steps = [f"{k} {v['count']} x {v['mean_ms']:.1f} ms" for k, v in s["step_time_ms"].items()]
         drafts = s["spec_draft_tokens"]
         accepted = f"; drafts {drafts}, accepted {s['spec_accepted_tokens']}" if drafts else ""
+        canary = f"canary {s['canary_gflops']:.0f} GFLOP/s"
         print(
-            f"  {mode:8s} {s['tokens_per_s']:6.1f} tok/s ({steps}{accepted}; canary "
-            f"{s['canary_gflops']:.0f} GFLOP/s)"
+            f"  {mode:8s} {s['tokens_per_s']:6.1f} tok/s ({', '.join(steps)}{accepted}; {canary})"
         )
-    print(
-        f"  {b} / {a}: {res['ratio']:.3f}x (means); greedy tokens equal for "
-        f"{res['same_greedy']} of {res['num_requests']} requests"
-    )
+    same = f"greedy tokens equal for {res['same_greedy']} of {n} requests"
+    print(f"  {b} / {a}: {res['ratio']:.3f}x (means); {same}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    p = stats.parser("ab", __doc__, threads=2)
     p.add_argument("experiment", choices=sorted(EXPERIMENTS))
     p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
     p.add_argument("--seats", type=int, default=0, help="max_num_seqs (default: 64, static 16)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-tokens", type=int, default=4, help="spec-decode: drafts per step")
-    p.add_argument("--lookup-max", type=int, default=4)
-    p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--disable-by-batch-size", type=int, default=None)
+    p.add_argument("--lookup-min", type=int, default=2, help="spec-decode: the shortest n-gram")
     args = p.parse_args(argv)
     args.seats = args.seats or (64 if args.policy == "continuous" else 16)
     return args

@@ -14,7 +14,6 @@ copy); tiles must equal rows bit for bit. Variants alternate (ABBA) on a thread 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -27,22 +26,16 @@ from inferline.kernels.cpu import attention, build
 
 def decode_variants(args, gen) -> tuple[dict, dict]:
     """name: a step's call over every layer; name: K/V bytes it reads."""
-    bs, width = args.block_size, -(-args.max_context // args.block_size)
-    cache = torch.randn(
-        (args.layers, 2, args.num_blocks, bs, args.kv_heads, args.head_dim), generator=gen
-    )
-    lens = torch.randint(
-        args.min_context, args.max_context + 1, (args.batch,), generator=gen, dtype=torch.int32
-    )
-    assert args.batch * width <= args.num_blocks, "--num-blocks too small for the batch"
+    bs, width, n = args.block_size, -(-args.max_context // args.block_size), args.batch
+    shape = (args.layers, 2, args.num_blocks, bs, args.kv_heads, args.head_dim)
+    cache = torch.randn(shape, generator=gen)
+    lens = torch.randint(args.min_context, args.max_context + 1, (n,), generator=gen).int()
+    assert n * width <= args.num_blocks, "--num-blocks too small for the batch"
     # Every block somewhere else in the cache, as after many steps; or 4 hot blocks.
-    ids = (
-        torch.arange(args.batch * width) % 4
-        if args.hot
-        else torch.randperm(args.num_blocks, generator=gen)[: args.batch * width]
-    )
-    tables = ids.view(args.batch, width).to(torch.int32).contiguous()
-    q = torch.randn(args.batch, args.heads, args.head_dim, generator=gen)
+    spread = torch.randperm(args.num_blocks, generator=gen)[: n * width]
+    ids = torch.arange(n * width) % 4 if args.hot else spread
+    tables = ids.view(n, width).to(torch.int32).contiguous()
+    q = torch.randn(n, args.heads, args.head_dim, generator=gen)
     scale = args.head_dim**-0.5
     caches = {
         "cpu": (attention.paged_decode_attention_cpu, cache),
@@ -51,33 +44,22 @@ def decode_variants(args, gen) -> tuple[dict, dict]:
     }
     for name, (fn, c) in caches.items():
         want = reference.paged_decode_attention(q, c[0, 0], c[0, 1], tables, lens, scale)
-        torch.testing.assert_close(
-            fn(q, c[0, 0], c[0, 1], tables, lens, scale),
-            want,
-            rtol=1e-4,
-            atol=1e-5,
-            msg=f"{name} differs from reference.py",
-        )
+        got, msg = fn(q, c[0, 0], c[0, 1], tables, lens, scale), f"{name} differs from reference.py"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=msg)
     elements = float(lens.sum()) * args.kv_heads * args.head_dim * 2 * args.layers
-    fns = {
-        name: (
-            lambda fn=fn, c=c: [
-                fn(q, c[i, 0], c[i, 1], tables, lens, scale) for i in range(args.layers)
-            ]
-        )
-        for name, (fn, c) in caches.items()
-    }
+
+    def step(fn, c):  # every layer once
+        return lambda: [fn(q, c[i, 0], c[i, 1], tables, lens, scale) for i in range(args.layers)]
+
+    fns = {name: step(fn, c) for name, (fn, c) in caches.items()}
     return fns, {name: elements * c.dtype.itemsize for name, (_, c) in caches.items()}
 
 
 def prompt_variants(args, n: int, gen) -> dict:
     """name: one prompt chunk of n tokens through every layer; tiles checked against rows."""
     bs, blocks = args.block_size, -(-n // args.block_size) + 1
-    shape = (blocks, bs, args.kv_heads, args.head_dim)
-    caches = [
-        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-        for _ in range(args.layers)
-    ]
+    shape = (args.layers, 2, blocks, bs, args.kv_heads, args.head_dim)
+    caches = list(torch.randn(shape, generator=gen))
     table = torch.randperm(blocks, generator=gen)[: blocks - 1].to(torch.int32).view(1, -1)
     rows = table.expand(n, -1).contiguous()
     q, scale = torch.randn(n, args.heads, args.head_dim, generator=gen), args.head_dim**-0.5
@@ -129,35 +111,27 @@ def report(args, res: dict) -> None:
         f"{args.repeats} calls per variant (medians)"
     )
     if args.mode == "decode":
+        hot = " (hot: 4 blocks)" if args.hot else ""
         print(
-            f"decode step, batch {args.batch}, contexts {args.min_context}-{args.max_context}"
-            f"{' (hot: 4 blocks)' if args.hot else ''}:"
+            f"decode step, batch {args.batch}, contexts {args.min_context}-{args.max_context}{hot}:"
         )
         for name, ts in res["times"].items():
             med = statistics.median(ts)
-            print(
-                f"  {name:<8} {med * 1e3:7.1f} ms/step (min {min(ts) * 1e3:6.1f}), "
-                f"{res['kv_bytes'][name] / med / 1e9:5.1f} GB/s of K/V"
-            )
+            gbs = f"{res['kv_bytes'][name] / med / 1e9:5.1f} GB/s of K/V"
+            print(f"  {name:<8} {med * 1e3:7.1f} ms/step (min {min(ts) * 1e3:6.1f}), {gbs}")
         return
-    flop = lambda n: n * (n + 1) / 2 * args.heads * args.head_dim * 4  # QK and PV
-    print(
-        f"{'tokens':>7} "
-        + " ".join(f"{name + ' ms':>10}" for name in res[args.lens[0]])
-        + "   rows/tiles  GFLOP/s tiles"
-    )
+    names = " ".join(f"{name + ' ms':>10}" for name in res[args.lens[0]])
+    print(f"{'tokens':>7} {names}   rows/tiles  GFLOP/s tiles")
     for n, ms in res.items():
         cells = " ".join(f"{t * 1e3:10.2f}" for t in ms.values())
+        flop = n * (n + 1) / 2 * args.heads * args.head_dim * 4  # QK and PV
         print(
-            f"{n:7d} {cells}   {ms['rows'] / ms['tiles']:9.2f}x  "
-            f"{flop(n) / ms['tiles'] / 1e9:12.1f}"
+            f"{n:7d} {cells}   {ms['rows'] / ms['tiles']:9.2f}x  {flop / ms['tiles'] / 1e9:12.1f}"
         )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.attention", description=__doc__.split("\n\n")[0]
-    )
+def parse_args(argv=None):
+    p = stats.parser("attention", __doc__, threads=2)
     p.add_argument("mode", choices=("decode", "prompt"))
     p.add_argument("--layers", type=int, help="default: 30 (decode), 4 (prompt)")
     p.add_argument("--repeats", type=int, help="calls per variant; default: 12 decode, 6 prompt")
@@ -165,7 +139,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=32, help="decode")
     p.add_argument("--min-context", type=int, default=173, help="decode")

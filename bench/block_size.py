@@ -13,15 +13,13 @@ bench/results/block_size.json. The kernels are the settings' pick (C on a CPU, T
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 
 from bench import roofline, stats
-from bench.engine import engine_settings, run_engine, summarize, warm_up_engine
-from bench.workload import CONTEXT, WorkItem, add_workload_args, apply_quick, chat_ids, from_args
+from bench.engine import engine_settings, gc_frozen, run_engine, summarize, warm_up_engine
+from bench.workload import CONTEXT, WorkItem, add_workload_args, chat_ids, from_args, parse
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Two long system prompts (~190 tokens each): the prefixes that requests share.
@@ -38,9 +36,8 @@ def make_items(tokenizer, args) -> list[WorkItem]:
         messages = item.messages
         if i % 3:
             messages = [{"role": "system", "content": SYSTEM_PROMPTS[i // 3 % 2]}, *messages]
-        out.append(
-            WorkItem(item.request_id, messages, chat_ids(tokenizer, messages), item.max_tokens, 0.0)
-        )
+        ids = chat_ids(tokenizer, messages)
+        out.append(WorkItem(item.request_id, messages, ids, item.max_tokens, 0.0))
     return out
 
 
@@ -53,22 +50,13 @@ def run_at(args, block_size: int, items: list[WorkItem] | None) -> tuple[dict, l
     runner = ModelRunner(settings)
     items = items or make_items(runner.tokenizer, args)
     warm_up_engine(runner)
-    gc.freeze()  # as the worker's EngineLoop does once its engine is built
-    try:
+    with gc_frozen():
         rec = run_engine(runner, settings, items, f"block {block_size}")
-    finally:
-        gc.unfreeze()
-    used = [s["kv_waste"] for s in rec.steps if s["kv_usage"]] or [0.0]
-    of_all = [s["kv_waste"] * s["kv_usage"] for s in rec.steps]
-    return {
-        **summarize(rec),
-        "largest_batch": max(s["num_running"] for s in rec.steps),
-        "kv_waste": {
-            "mean": statistics.fmean(used),
-            "peak": max(used),
-            "of_cache_mean": statistics.fmean(of_all),
-        },
-    }, items
+    used = [s["kv_cache_waste"] for s in rec.steps if s["kv_cache_usage"]] or [0.0]
+    of_all = statistics.fmean(s["kv_cache_waste"] * s["kv_cache_usage"] for s in rec.steps)
+    waste = {"mean": statistics.fmean(used), "peak": max(used), "of_cache_mean": of_all}
+    largest = max(s["num_running"] for s in rec.steps)
+    return {**summarize(rec), "largest_batch": largest, "kv_waste": waste}, items
 
 
 def measure(args) -> dict:
@@ -86,8 +74,7 @@ def measure(args) -> dict:
         "num_requests": len(items),
         "output_tokens": sum(i.max_tokens for i in items),
         "runs": {
-            str(b): sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2]
-            for b, rs in runs.items()
+            str(b): stats.median_run(rs, lambda r: r["tokens_per_s"]) for b, rs in runs.items()
         },
     }
 
@@ -111,28 +98,17 @@ def report(res: dict) -> None:
             f"{fmt(w['of_cache_mean'], '.1%'):>9}{r['prefix_cache_hit_tokens']:>7}"
             f"{r['largest_batch']:>8}{fmt(r['mean_running']):>8}{r['preemptions']:>8}"
         )
-    print(
-        "  (hits: prompt tokens found in the prefix cache; largest, running: the most sequences "
-        "running at once, and the mean)"
-    )
+    print("  (hits: prompt tokens found in the prefix cache; largest, running: the most sequences")
+    print("   running at once, and the mean)")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.block_size", description=__doc__.split("\n\n")[0]
-    )
-    add_workload_args(p)
-    p.set_defaults(num_requests=64, max_output=200, max_prompt=200)
+def parse_args(argv=None):
+    p = stats.parser("block_size", __doc__, threads=2, out="block_size.json")
+    add_workload_args(p, max_output=200, max_prompt=200)
     p.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
     p.add_argument("--kv-slots", type=int, default=8192, help="token slots at every block size")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1, help="runs of every size, in ABBA order")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=stats.RESULTS / "block_size.json")
-    args = p.parse_args(argv)
-    apply_quick(args)
+    args = parse(p, argv)
     if args.quick:
         args.kv_slots = min(args.kv_slots, 512)  # one or two requests at a time
     if any(args.kv_slots % b for b in args.block_sizes):
@@ -142,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args, started = parse_args(argv), time.time()
-    res = {"command": stats.command("block_size", argv), "machine": stats.machine_info()}
+    res = stats.header("block_size", argv)
     res.update(roofline.in_thread(lambda: measure(args), args.threads))
     return stats.save(res, args.out, started, report)
 

@@ -18,7 +18,6 @@ kernel's attention metadata for `--seqs` decodes, a new block every 16 steps, in
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import random
@@ -42,15 +41,10 @@ def build_engine(args):
     settings = engine_settings("continuous", args.batch, 512)
     runner = ModelRunner(settings)
     eng = LLMEngine(runner, settings)
+    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)  # nobody finishes
     for item in make_workload(runner.tokenizer, args.batch, seed=args.seed):
         prompt = item.prompt_token_ids + (item.prompt_token_ids * 8)[: args.extra_context]
-        eng.add_request(
-            EngineRequest(  # more tokens than the run takes: nobody finishes
-                request_id=item.request_id,
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True),
-            )
-        )
+        eng.add_request(EngineRequest(item.request_id, sampling=params, prompt_token_ids=prompt))
     while True:  # prefill everyone
         eng.step()
         st = eng.stats()
@@ -126,10 +120,9 @@ VARIANTS = {
     "torch": lambda eng: attention_on(eng, "torch"),
     "cpu": lambda eng: attention_on(eng, "cpu"),
     "mkl": lambda eng: linears_on(eng, None),
+    # the backends are read by prepare() every step
     "unfused": lambda eng: swapped(
-        eng.runner,
-        "backends",  # read by prepare() every step
-        dataclasses.replace(eng.runner.backends, fused_ops="torch"),
+        eng.runner, "backends", dataclasses.replace(eng.runner.backends, fused_ops="torch")
     ),
     "no-attn": attention_skipped,
     "c-gemm": lambda eng: linears_on(eng, "c"),
@@ -140,19 +133,12 @@ VARIANTS = {
 
 def measure_steps(args) -> dict:
     eng = build_engine(args)
-    names = (
-        ["torch", "cpu", "mkl", "unfused", "no-attn"]
-        if args.compare
-        else ["c-codes", "c-gemm", "onednn", "mkl"]
-        if args.linears
-        else [eng.runner.backends.attention]
-    )
+    names = [eng.runner.backends.attention]
+    names = ["c-codes", "c-gemm", "onednn", "mkl"] if args.linears else names
+    names = ["torch", "cpu", "mkl", "unfused", "no-attn"] if args.compare else names
     ops = roofline.linear_ops(eng.runner.model)
-    res = {
-        "lens": [s.num_computed_tokens + 1 for s in eng.scheduler.running],
-        "floor": [],
-        "steps": {name: [] for name in names},
-    }
+    lens = [s.num_computed_tokens + 1 for s in eng.scheduler.running]
+    res = {"lens": lens, "floor": [], "steps": {name: [] for name in names}}
     for i, name in enumerate(stats.abba(names, args.steps)):
         if i % (4 * len(names)) == 0:
             res["floor"].append(roofline.time_step_matmuls(ops, args.batch, repeats=3))
@@ -165,9 +151,9 @@ def measure_steps(args) -> dict:
 
 def report_steps(args, res: dict) -> None:
     lens, batch = res["lens"], args.batch
+    threads, steps = torch.get_num_threads(), args.steps
     print(
-        f"batch {batch}, contexts {min(lens)}-{max(lens)}, {torch.get_num_threads()} threads, "
-        f"{args.steps} timed steps per variant"
+        f"batch {batch}, contexts {min(lens)}-{max(lens)}, {threads} threads, {steps} timed steps"
     )
     floor = statistics.median(res["floor"]) * 1e3
     med = {name: statistics.median(ts) * 1e3 for name, ts in res["steps"].items()}
@@ -177,15 +163,8 @@ def report_steps(args, res: dict) -> None:
             f"{batch / med[name] * 1e3:6.1f} tok/s; matmul floor = {floor / med[name]:.0%} of it"
         )
     print(f"  matmul floor (this batch): {floor:.1f} ms, {batch / floor * 1e3:.0f} tok/s")
-    pairs = (
-        ("torch", "cpu"),
-        ("mkl", "cpu"),
-        ("unfused", "cpu"),
-        ("onednn", "c-gemm"),
-        ("mkl", "c-gemm"),
-        ("c-gemm", "c-codes"),
-    )
-    for a, b in pairs:
+    pairs = ("torch", "cpu"), ("mkl", "cpu"), ("unfused", "cpu"), ("onednn", "c-gemm")
+    for a, b in [*pairs, ("mkl", "c-gemm"), ("c-gemm", "c-codes")]:
         if a in med and b in med:
             print(f"  {a} / {b}: {med[a] / med[b]:.2f}x (medians)")
     if "no-attn" in med:
@@ -210,9 +189,8 @@ def make_batch(num_seqs: int, context: int, seed: int = 0) -> list:
     rng.shuffle(pool)
     batch = []
     for i, n in enumerate(lengths):
-        seq = Sequence(
-            f"s{i}", [rng.randrange(1000) for _ in range(n - 8)], SamplingParams(max_tokens=10**6)
-        )
+        prompt = [rng.randrange(1000) for _ in range(n - 8)]
+        seq = Sequence(f"s{i}", prompt, SamplingParams(max_tokens=10**6))
         seq.output_token_ids = [rng.randrange(1000) for _ in range(8)]
         seq.num_computed_tokens = n - 1
         seq.block_table = [pool.pop() for _ in range(-(-n // BLOCK))]
@@ -245,22 +223,17 @@ def measure_prep(args) -> dict:
             times += [time.perf_counter() - start] if i >= 5 else []
             advance(batch, fresh.__next__)
         out[context] = statistics.median(times) * 1e6
-        print(
-            f"{args.seqs} seqs x {context:>6} context: {out[context]:7.0f} us a step "
-            f"(median of {args.steps})"
-        )
+        median = f"{out[context]:7.0f} us a step (median of {args.steps})"
+        print(f"{args.seqs} seqs x {context:>6} context: {median}")
     return out
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.decode_step", description=__doc__.split("\n\n")[0]
-    )
+def parse_args(argv=None):
+    p = stats.parser("decode_step", __doc__, threads=2)
     p.add_argument("--batch", type=int, default=32, help="decoding sequences per step")
     p.add_argument("--steps", type=int, default=20, help="timed steps (passes) per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--extra-context", type=int, default=120, help="tokens added to each prompt")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compare", action="store_true", help="attention, linears, fused ops")

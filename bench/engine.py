@@ -14,18 +14,17 @@ bench/results/engine.json. `canary`, a matmul probe before each run, shows the m
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from bench import roofline, stats
-from bench.workload import WorkItem, add_workload_args, apply_quick, describe, from_args
+from bench.workload import WorkItem, add_workload_args, describe, from_args, line, parse
 from bench.workload import with_arrivals
 
 TARGETS = {"continuous_over_hf": 5.0, "continuous_over_static": 1.6, "roofline_fraction": 0.4}
@@ -67,6 +66,7 @@ def summarize(rec: RunRecord) -> dict:
         return statistics.fmean(values) if values else None
 
     kinds = {k: [s for s in steps if s["kind"] == k] for k in ("decode", "mixed")}
+    peak = max((s.get("kv_cache_usage") or 0 for s in steps), default=0)
     out.update(
         label=rec.label,
         cpu_s=rec.cpu_s,
@@ -76,13 +76,10 @@ def summarize(rec: RunRecord) -> dict:
         num_steps=len(steps),
         mean_batch_size=mean("batch_size"),
         mean_running=mean("num_running"),
-        kv_usage={
-            "mean": mean("kv_usage"),
-            "peak": max((s.get("kv_usage") or 0 for s in steps), default=0),
-        },
-        preemptions=steps[-1].get("preemptions", 0) if steps else 0,
+        kv_usage={"mean": mean("kv_cache_usage"), "peak": peak},
+        preemptions=steps[-1].get("num_preemptions", 0) if steps else 0,
         step_time_ms={
-            k: {"count": len(sel), "mean_ms": 1e3 * mean("step_s", sel)}
+            k: {"count": len(sel), "mean_ms": 1e3 * mean("step_time_s", sel)}
             for k, sel in kinds.items()
             if sel
         },
@@ -91,22 +88,30 @@ def summarize(rec: RunRecord) -> dict:
     return out
 
 
+def lengths(items: list[WorkItem]) -> dict[str, int]:
+    return {i.request_id: i.max_tokens for i in items}
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """gc.freeze() as the worker's EngineLoop does once its engine is built, unfrozen after."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 
-def engine_settings(
-    policy: str,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    prefix_caching: bool = True,
-    kv_dtype: str = "auto",
-):
+def engine_settings(policy: str, seats: int, budget: int, prefix_caching=True, kv_dtype="auto"):
     from inferline.config.settings import Settings
 
     s = Settings()
     s.cache.enable_prefix_caching, s.cache.dtype = prefix_caching, kv_dtype
-    s.scheduler.policy, s.scheduler.max_num_seqs = policy, max_num_seqs
-    s.scheduler.max_num_batched_tokens = max_num_batched_tokens
+    s.scheduler.policy, s.scheduler.max_num_seqs = policy, seats
+    s.scheduler.max_num_batched_tokens = budget
     return s
 
 
@@ -126,11 +131,7 @@ def run_engine(runner, settings, items: list[WorkItem], label: str) -> RunRecord
     from inferline.worker.engine.engine import LLMEngine
 
     eng = LLMEngine(runner, settings)
-    rec = RunRecord(
-        label,
-        {i.request_id: i.arrival_s for i in items},
-        {i.request_id: i.max_tokens for i in items},
-    )
+    rec = RunRecord(label, {i.request_id: i.arrival_s for i in items}, lengths(items))
     pending = sorted(items, key=lambda i: i.arrival_s)
     t0, wall0, cpu0 = time.perf_counter(), time.time(), time.process_time()
     while pending or eng.has_unfinished_requests():
@@ -150,18 +151,7 @@ def run_engine(runner, settings, items: list[WorkItem], label: str) -> RunRecord
                 )
         st = eng.stats()
         decode = st.num_batched_tokens - st.num_draft_tokens == st.batch_size
-        rec.steps.append(
-            {
-                "t": t,
-                "step_s": st.step_time_s,
-                "batch_size": st.batch_size,
-                "num_running": st.num_running,
-                "kv_usage": st.kv_cache_usage,
-                "kv_waste": st.kv_cache_waste,
-                "preemptions": st.num_preemptions,
-                "kind": "decode" if decode else "mixed",
-            }
-        )
+        rec.steps.append({"t": t, "kind": "decode" if decode else "mixed", **asdict(st)})
     rec.cpu_s = time.process_time() - cpu0
     st = eng.stats()
     rec.extra = {
@@ -183,11 +173,8 @@ def warm_up_engine(runner) -> None:
 
     eng = LLMEngine(runner, engine_settings("continuous", 8, 512))
     for i in range(4):
-        eng.add_request(
-            engine_request(
-                WorkItem(f"warm-{i}", [], list(range(1, 40 + 20 * i)), 4, 0), time.time()
-            )
-        )
+        item = WorkItem(f"warm-{i}", [], list(range(1, 40 + 20 * i)), 4, 0)
+        eng.add_request(engine_request(item, time.time()))
     while eng.has_unfinished_requests():
         eng.step()
 
@@ -222,11 +209,7 @@ def load_hf(dtype=torch.float32):
 def run_hf(model, tokenizer, items: list[WorkItem], batch_size: int = 16) -> RunRecord:
     """Static batches of `batch_size` (all at t=0), left-padded, each generating its longest
     member's length; a request's tokens past its own length are computed but not counted."""
-    rec = RunRecord(
-        f"hf_static{batch_size}",
-        {i.request_id: 0.0 for i in items},
-        {i.request_id: i.max_tokens for i in items},
-    )
+    rec = RunRecord(f"hf_static{batch_size}", {i.request_id: 0.0 for i in items}, lengths(items))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     t0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, len(items), batch_size):
@@ -238,30 +221,24 @@ def run_hf(model, tokenizer, items: list[WorkItem], batch_size: int = 16) -> Run
             t = time.perf_counter() - t0
             for item, tok in zip(batch, ids):
                 rec.add_tokens(item.request_id, [tok], t)
+            took = time.perf_counter() - last[0]
             rec.steps.append(
-                {
-                    "t": t,
-                    "step_s": time.perf_counter() - last[0],
-                    "kind": last[1],
-                    "batch_size": len(batch),
-                }
+                {"t": t, "step_time_s": took, "kind": last[1], "batch_size": len(batch)}
             )
             last[:] = time.perf_counter(), "decode"
 
         pads = [width - len(i.prompt_token_ids) for i in batch]
         ids = torch.tensor([[pad] * p + i.prompt_token_ids for p, i in zip(pads, batch)])
         mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads])
+        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        streamer = TimingStreamer(on_step)
         model.generate(
-            input_ids=ids,
+            ids,
             attention_mask=mask,
             max_new_tokens=n,
             min_new_tokens=n,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-            streamer=TimingStreamer(on_step),
+            streamer=streamer,
+            **greedy,
         )
     rec.cpu_s = time.process_time() - cpu0
     return rec
@@ -294,48 +271,28 @@ def print_report(res: dict) -> None:
         f"\nroofline ({roof['dtype']}, {roof['threads']} threads): "
         f"{roof['tokens_per_s']:.0f} tokens/s ({roof['gflops']:.1f} GFLOP/s)"
     )
-    print(
-        f"workload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
-        f"{w['output_tokens']} (total {w['total_output']}), greedy, ignore_eos"
-    )
+    print(f"workload: {line(w)}, greedy, ignore_eos")
     print_table(f"All at t=0 (engine_static: {res['static_seats']} seats):", res["runs"])
     if p := res.get("poisson"):
         print_table(f"Poisson arrivals at {p['rate_rps']:.2f} req/s:", p["runs"])
     print("\nratios (one run) against the targets:")
     for key, value in res["ratios"].items():
-        print(
-            f"  {key:<24}{value:8.2f}   target >= {TARGETS[key]:<5} "
-            f"{'MET' if value >= TARGETS[key] else 'not met'}"
-        )
+        met = "MET" if value >= TARGETS[key] else "not met"
+        print(f"  {key:<24}{value:8.2f}   target >= {TARGETS[key]:<5} {met}")
     print(f"greedy tokens equal to the first mode's: {res['greedy_agreement']}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    p = stats.parser("engine", __doc__, threads=0, out="engine.json")
     add_workload_args(p)
     p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
-    p.add_argument(
-        "--rate",
-        default="auto",
-        help="Poisson arrivals in requests/s; 'auto': 80%% "
-        "of the continuous engine's measured capacity; 0 skips them",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    rate = "Poisson arrivals in requests/s; 'auto': 80%% of continuous's capacity; 0: none"
+    p.add_argument("--rate", default="auto", help=rate)
     p.add_argument("--hf-batch-size", type=int, default=16, help="also the static engine's seats")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="engine modes in ABBA order; the median run of each is reported",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=stats.RESULTS / "engine.json")
-    args = p.parse_args(argv)
+    p.add_argument("--repeats", type=int, default=1, help="modes in ABBA order; the median run")
+    args = parse(p, argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    apply_quick(args)
     return args
 
 
@@ -355,65 +312,43 @@ def run_all(args, argv) -> dict:
     }
     runner = ModelRunner(modes["engine_continuous"])
     items = from_args(runner.tokenizer, args)
-    res = {
-        "command": stats.command("engine", argv),
-        "machine": stats.machine_info(),
-        "targets": TARGETS,
-        "static_seats": args.hf_batch_size,
-        "workload": describe(items),
-        "roofline": roofline.measure(
-            runner.model, batches=(64,) if args.quick else (64, 256), repeats=1 if args.quick else 5
-        ),
-    }
+    batches, repeats = ((64,), 1) if args.quick else ((64, 256), 5)
+    res = stats.header("engine", argv, targets=TARGETS, static_seats=args.hf_batch_size)
+    res.update(workload=describe(items), roofline=roofline.measure(runner.model, batches, repeats))
     records: dict[str, RunRecord] = {}
     if not args.skip_hf:
-        hf = load_hf(runner.dtype)
+        hf, seats = load_hf(runner.dtype), args.hf_batch_size
         run_hf(hf, runner.tokenizer, [WorkItem("w", [], list(range(1, 20)), 3, 0.0)], 2)  # warm-up
-        records[f"hf_static{args.hf_batch_size}"] = run_hf(
-            hf, runner.tokenizer, items, args.hf_batch_size
-        )
+        records[f"hf_static{seats}"] = run_hf(hf, runner.tokenizer, items, seats)
         del hf
     warm_up_engine(runner)
-    gc.freeze()  # as the worker's EngineLoop does once its engine is built
-    repeated: dict[str, list[RunRecord]] = {label: [] for label in modes}
-    for label in stats.abba(list(modes), args.repeats):
-        repeated[label].append(run_engine(runner, modes[label], items, label))
-    for label, recs in repeated.items():  # the median run (the lower of an even count)
-        records[label] = sorted(recs, key=lambda r: summarize(r)["tokens_per_s"])[
-            (len(recs) - 1) // 2
-        ]
-    runs = res["runs"] = {label: summarize(rec) for label, rec in records.items()}
-    first = next(iter(records.values())).token_ids
-    res["greedy_agreement"] = {
-        label: sum(rec.token_ids.get(r) == ids for r, ids in first.items())
-        for label, rec in list(records.items())[1:]
-    }
-    cont = runs["engine_continuous"]["tokens_per_s"]
-    res["ratios"] = {
-        "continuous_over_static": cont / runs["engine_static"]["tokens_per_s"],
-        "roofline_fraction": cont / res["roofline"]["tokens_per_s"],
-    }
-    if hf_run := runs.get(f"hf_static{args.hf_batch_size}"):
-        res["ratios"]["continuous_over_hf"] = cont / hf_run["tokens_per_s"]
-    rate = (
-        0.0
-        if str(args.rate) in ("0", "none")
-        else (
-            0.8 * cont * len(items) / res["workload"]["total_output"]
-            if args.rate == "auto"
-            else float(args.rate)
-        )
-    )
-    if rate:
-        arriving = with_arrivals(items, rate, args.seed)
-        res["poisson"] = {
-            "rate_rps": rate,
-            "runs": {
-                label: summarize(run_engine(runner, s, arriving, f"poisson {label}"))
-                for label, s in modes.items()
-            },
+    with gc_frozen():
+        repeated: dict[str, list[RunRecord]] = {label: [] for label in modes}
+        for label in stats.abba(list(modes), args.repeats):
+            repeated[label].append(run_engine(runner, modes[label], items, label))
+        for label, recs in repeated.items():
+            records[label] = stats.median_run(recs, lambda r: summarize(r)["tokens_per_s"])
+        runs = res["runs"] = {label: summarize(rec) for label, rec in records.items()}
+        first = next(iter(records.values())).token_ids
+        res["greedy_agreement"] = {
+            label: sum(rec.token_ids.get(r) == ids for r, ids in first.items())
+            for label, rec in list(records.items())[1:]
         }
-    gc.unfreeze()  # as EngineLoop.stop does
+        cont = runs["engine_continuous"]["tokens_per_s"]
+        res["ratios"] = {
+            "continuous_over_static": cont / runs["engine_static"]["tokens_per_s"],
+            "roofline_fraction": cont / res["roofline"]["tokens_per_s"],
+        }
+        if hf_run := runs.get(f"hf_static{args.hf_batch_size}"):
+            res["ratios"]["continuous_over_hf"] = cont / hf_run["tokens_per_s"]
+        rate = 0.8 * cont * len(items) / res["workload"]["total_output"]
+        rate = rate if args.rate == "auto" else float(args.rate)
+        if rate:
+            arriving = with_arrivals(items, rate, args.seed)
+            res["poisson"] = {"rate_rps": rate, "runs": {}}
+            for label, s in modes.items():
+                rec = run_engine(runner, s, arriving, f"poisson {label}")
+                res["poisson"]["runs"][label] = summarize(rec)
     return stats.save(res, args.out, started, print_report)
 
 

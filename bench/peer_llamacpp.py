@@ -17,7 +17,6 @@ worker chose; writes bench/results/peer_llamacpp.json. llama.cpp multiplies 4-bi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import http.client
@@ -32,43 +31,25 @@ from pathlib import Path
 
 from bench import kafka_e2e as e2e
 from bench import stats
-from bench.workload import describe, from_args
-
-LINEAR_CHOICES = ("auto", "c", "onednn", "torch")
+from bench.workload import add_workload_args, describe, from_args, line, parse
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.peer_llamacpp", description=__doc__.split("\n\n")[0]
-    )
+def parse_args(argv=None):
+    p = stats.parser("peer_llamacpp", __doc__, out="peer_llamacpp.json")
+    add_workload_args(p, num_requests=48, max_output=384)
     p.add_argument("--server-bin", type=Path, help="llama-server (peer_llamacpp.sh builds it)")
     p.add_argument("--gguf", type=Path, help="the GGUF file for both (default: the model's)")
-    p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--median-output", type=int, default=96)
     p.add_argument("--sigma", type=float, default=0.6, help="of the log of the output length")
-    p.add_argument("--max-output", type=int, default=384)
-    p.add_argument("--max-prompt", type=int, default=270, help="user message tokens")
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (its slots)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
-    p.add_argument(
-        "--linear",
-        nargs="+",
-        default=["auto", "c", "onednn"],
-        choices=LINEAR_CHOICES,
-        help="one inferline worker per INFERLINE_MODEL__CPU_LINEAR value",
-    )
+    linear = "one inferline worker per INFERLINE_MODEL__CPU_LINEAR value"
+    p.add_argument("--linear", nargs="+", default=["auto", "c", "onednn"], help=linear)
     p.add_argument("--repeats", type=int, default=1, help="rounds, in ABBA order")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--skip-llamacpp", action="store_true", help="inferline only")
-    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, short prompts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=stats.RESULTS / "peer_llamacpp.json")
     p.add_argument("--ready-timeout", type=float, default=900.0)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.median_output = min(args.num_requests, 4), 8
-        args.max_output, args.max_prompt = 8, 40
+    args = parse(p, argv)
+    args.median_output = 8 if args.quick else args.median_output
     if not args.skip_llamacpp and args.server_bin is None:
         p.error("--server-bin is needed (bench/peer_llamacpp.sh builds it), or --skip-llamacpp")
     args.min_output = min(8, args.max_output)
@@ -109,22 +90,8 @@ def start_server(args, gguf: Path, ctx: int, port: int):
     import subprocess
 
     log = args.out.with_suffix(".llama-server.log")
-    command = [
-        str(args.server_bin),
-        "-m",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-np",
-        str(args.parallel),
-        "-c",
-        str(ctx),
-        "-t",
-        str(args.threads),
-        "--no-webui",
-    ]
+    flags = f"--host 127.0.0.1 --port {port} -np {args.parallel} -c {ctx} -t {args.threads}"
+    command = [str(args.server_bin), "-m", str(gguf), *flags.split(), "--no-webui"]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -138,17 +105,8 @@ def start_server(args, gguf: Path, ctx: int, port: int):
 
 def complete(port: int, item, t0: float) -> stats.Timed:
     """One streamed /completion, timed from t0."""
-    body = json.dumps(
-        {
-            "prompt": item.prompt_token_ids,
-            "n_predict": item.max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "top_k": 1,
-            "cache_prompt": False,
-            "stream": True,
-        }
-    )
+    body = {"prompt": item.prompt_token_ids, "n_predict": item.max_tokens, "ignore_eos": True}
+    body = json.dumps(body | {"temperature": 0, "top_k": 1, "cache_prompt": False, "stream": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -183,9 +141,9 @@ def make_items(args) -> list:
     """bench/workload.py's prompts with lognormal output lengths."""
     from inferline.worker.engine.models.loader import load_tokenizer
 
-    work = from_args(load_tokenizer(None), args)
+    work, median = from_args(load_tokenizer(None), args), args.median_output
     lengths = lognormal_lengths(
-        len(work), args.median_output, args.sigma, args.min_output, args.max_output, args.seed
+        len(work), median, args.sigma, args.min_output, args.max_output, args.seed
     )
     return [dataclasses.replace(w, max_tokens=n) for w, n in zip(work, lengths)]
 
@@ -196,10 +154,7 @@ def print_report(res: dict) -> None:
     for path, backends in res["backends"].items():
         chosen = ", ".join(f"{k} {v['backend']} ({v['how']})" for k, v in backends.items())
         print(f"{path}: {chosen}")
-    print(
-        f"workload: {w['num_requests']} requests, outputs {w['output_tokens']} (total "
-        f"{w['total_output']}), prompts {w['prompt_tokens']} tokens"
-    )
+    print(f"workload: {line(w)}")
     print(f"{'path':20} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}  vs llama.cpp: tok/s  p99")
     for path, row in res["summary"].items():
         vs = row.get("vs_baseline") or {}
@@ -216,17 +171,8 @@ def main(argv=None) -> dict:
 
     started, gguf, items = time.time(), args.gguf or bundled_model_path(), make_items(args)
     settings = e2e.bench_settings(args)
-    res = {
-        "command": stats.command("peer_llamacpp", argv),
-        "machine": stats.machine_info(),
-        "gguf": str(gguf),
-        "workload": describe(items),
-        "settings": {
-            "parallel": args.parallel,
-            "threads": args.threads,
-            "max_num_seqs": args.max_num_seqs,
-        },
-    }
+    res = stats.header("peer_llamacpp", argv, gguf=str(gguf), workload=describe(items))
+    res["settings"] = {k: getattr(args, k) for k in ("parallel", "threads", "max_num_seqs")}
     server, runs = None, []
     with e2e.Fleet(settings, args.out.parent) as fleet:
         workers = {

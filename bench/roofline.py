@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from inferline.worker.engine.models.linear import Packed, linear, pack_weight
 
 
-def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(every decoder linear weight in forward order, the LM head weight) of a LlamaForCausalLM."""
-    layers = []
+def linear_modules(model) -> list:
+    """Every decoder linear layer of a LlamaForCausalLM, in forward order."""
+    out = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers += [
-            attn.qkv_proj.weight,
-            attn.o_proj.weight,
-            mlp.gate_up_proj.weight,
-            mlp.down_proj.weight,
-        ]
-    return layers, model.lm_head_weight()
+        out += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return out
+
+
+def linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(every decoder linear weight in forward order, the LM head weight) of a LlamaForCausalLM."""
+    return [m.weight for m in linear_modules(model)], model.lm_head_weight()
 
 
 def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Packed | None]]:
@@ -37,16 +37,7 @@ def linear_ops(model, backend: str | None = None) -> list[tuple[torch.Tensor, Pa
     layers, head = linear_weights(model)
     if backend is not None:
         return [(w, pack_for(w, backend)) for w in layers + [head]]
-    packed = [
-        m.packed
-        for layer in model.layers
-        for m in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    packed = [m.packed for m in linear_modules(model)]
     return list(zip(layers + [head], packed + [model.lm_head_packed]))
 
 
@@ -89,11 +80,8 @@ def measure(model, batches=(64, 128, 256), repeats: int = 5) -> dict:
     by_batch = {}
     for b in batches:
         t = time_step_matmuls(ops, b, repeats)
-        by_batch[str(b)] = {
-            "step_matmul_s": t,
-            "gflops": b * flops["total"] / t / 1e9,
-            "tokens_per_s": b / t,
-        }
+        gflops = b * flops["total"] / t / 1e9
+        by_batch[str(b)] = {"step_matmul_s": t, "gflops": gflops, "tokens_per_s": b / t}
     best = max(by_batch.values(), key=lambda r: r["tokens_per_s"])
     return {
         "flops_per_token": flops,

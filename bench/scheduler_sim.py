@@ -17,22 +17,21 @@ share under the interactive load.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import random
 import statistics
 from dataclasses import dataclass, field
 
+from bench import stats
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.request import SamplingParams
 from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler
 from inferline.worker.engine.sequence import Sequence
 
-# ms per step: fixed, per decode row, per prompt token. cpu: docs/benchmarks.md ("The worker, from
-# figures of this page": 30 ms + 4.5 ms a running sequence, SmolLM2 on the 2-core VM; a prompt
-# token about a row). gpu: an assumption for a small model on one GPU (launch-bound steps),
-# unmeasured.
+# ms per step: fixed, per decode row, per prompt token. cpu: 30 ms + 4.5 ms a running sequence,
+# SmolLM2 on the 2-core VM, a prompt token about a row. gpu: an assumption for a small model on
+# one GPU (launch-bound steps), unmeasured.
 COSTS = {"cpu": (30.0, 4.5, 4.0), "gpu": (8.0, 0.05, 0.02)}
 BATCH_PRIORITY = 100
 
@@ -100,35 +99,20 @@ class Engine:
 
 
 def _seq(rid: str, prompt: int, tokens: int, priority: int) -> Sequence:
-    return Sequence(
-        request_id=rid,
-        prompt_token_ids=[1] * prompt,
-        sampling=SamplingParams(max_tokens=tokens),
-        priority=priority,
-    )
+    return Sequence(rid, [1] * prompt, SamplingParams(max_tokens=tokens), priority=priority)
 
 
 def run(
-    load: Load,
-    cost,
-    background: BackgroundLimit | None,
-    interactive: bool,
-    batch: bool,
-    seed: int = 0,
-    max_num_seqs: int = 64,
-    budget: int = 512,
-    num_blocks: int = 1356,
-) -> dict:
-    """One load on a fresh engine: with `batch`, the lines run at full width first; with
-    `interactive`, Poisson arrivals start then (after 5 s of batch alone)."""
-    engine = Engine(
-        Scheduler(BlockManager(num_blocks, 16), max_num_seqs, budget, background=background), cost
-    )
-    engine.scheduler.clock = lambda: engine.now / 1000
+    load: Load, cost, background: BackgroundLimit | None, interactive: bool, batch: bool, seed=0
+):
+    """One load on a fresh engine (64 seats, 512 tokens a step, the 1 GB cache's 1,356 blocks):
+    with `batch`, the lines run at full width first; with `interactive`, Poisson arrivals start
+    then (after 5 s of batch alone)."""
+    scheduler = Scheduler(BlockManager(1356, 16), 64, 512, background=background)
+    engine = Engine(scheduler, cost)
+    scheduler.clock = lambda: engine.now / 1000
     rng = random.Random(seed)
-    lines = iter(
-        range(load.batch_lines if interactive is False else 10**9)
-    )  # beside: outlasts the chats
+    lines = iter(range(load.batch_lines if not interactive else 10**9))  # beside: outlasts chats
 
     def next_line() -> None:
         i = next(lines, None)
@@ -155,22 +139,17 @@ def run(
             end = engine.now
             if batch:
                 break
-    window = (start, end if interactive else engine.now)
-    batch_tokens = sum(
-        s.num_output_tokens
-        for t, s in engine.finished
-        if s.priority == BATCH_PRIORITY and window[0] <= t < window[1]
-    )
-    seconds = (window[1] - window[0]) / 1000
+    t0, t1 = start, end if interactive else engine.now
+    in_window = [s for t, s in engine.finished if s.priority == BATCH_PRIORITY and t0 <= t < t1]
+    batch_tokens, chat_tokens = (sum(s.num_output_tokens for s in ss) for ss in (in_window, chats))
+    seconds = (t1 - t0) / 1000
     ttfts = sorted(engine.first_token[s] - s.arrival_time for s in chats)
     return {
         "ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
         "batch_tokens_per_s": batch_tokens / seconds if seconds else 0.0,
-        "interactive_tokens_per_s": sum(s.num_output_tokens for s in chats) / seconds
-        if chats
-        else 0.0,
-        "busy_share": engine.busy / (engine.now - 0.0) if engine.now else 0.0,
+        "interactive_tokens_per_s": chat_tokens / seconds if chats else 0.0,
+        "busy_share": engine.busy / engine.now if engine.now else 0.0,
     }
 
 
@@ -195,60 +174,34 @@ def compare(load: Load, cost, background: BackgroundLimit | None, seed: int = 0)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.scheduler_sim", description=__doc__.split("\n\n")[0]
-    )
+    p = stats.parser("scheduler_sim", __doc__)
     p.add_argument("--cost", choices=sorted(COSTS), default="cpu")
     p.add_argument("--fixed-ms", type=float)
     p.add_argument("--row-ms", type=float)
     p.add_argument("--prefill-ms", type=float)
-    p.add_argument(
-        "--seats",
-        default="8,16,24,32,64",
-        help="background_max_tokens values to try (beside 'off')",
-    )
-    p.add_argument(
-        "--alone",
-        default="",
-        help="alone_max_tokens values to try with each --seats value "
-        "(background tokens a step with no interactive work; empty: none)",
-    )
-    p.add_argument(
-        "--quiet-s",
-        type=float,
-        default=BackgroundLimit.quiet_s,
-        help="seconds without interactive work after which --alone no longer applies",
-    )
+    seats = "background_max_tokens values to try (beside 'off')"
+    p.add_argument("--seats", default="8,16,24,32,64", help=seats)
+    alone = "alone_max_tokens values to try with each --seats value (no interactive work)"
+    p.add_argument("--alone", default="", help=alone)
+    quiet = "seconds without interactive work after which --alone applies"
+    p.add_argument("--quiet-s", type=float, default=BackgroundLimit.quiet_s, help=quiet)
     p.add_argument("--rate", type=float, default=Load.rate)
-    p.add_argument(
-        "--interactive", type=int, default=Load.interactive, help="interactive requests per load"
-    )
-    p.add_argument(
-        "--seeds", type=int, default=3, help="runs per policy (Poisson arrivals); medians"
-    )
+    p.add_argument("--interactive", type=int, default=Load.interactive, help="requests per load")
+    p.add_argument("--seeds", type=int, default=3, help="runs per policy (Poisson); medians")
     args = p.parse_args(argv)
     fixed, row, prefill = COSTS[args.cost]
     cost = (args.fixed_ms or fixed, args.row_ms or row, args.prefill_ms or prefill)
     load = Load(rate=args.rate, interactive=args.interactive)
-    print(
-        f"cost model (ms): fixed {cost[0]}, per decode row {cost[1]}, "
-        f"per prompt token {cost[2]}; {load}"
-    )
+    print(f"cost model (ms): fixed, per decode row, per prompt token {cost}; {load}")
     alone = [None, *(int(n) for n in args.alone.split(",") if n)]
-    limits = [
-        BackgroundLimit(BATCH_PRIORITY, int(n), a, args.quiet_s)
-        for n in args.seats.split(",")
-        for a in alone
-    ]
+    seats = [int(n) for n in args.seats.split(",")]
+    limits = [BackgroundLimit(BATCH_PRIORITY, n, a, args.quiet_s) for n in seats for a in alone]
     for background in [None, *limits]:
         runs = [compare(load, cost, background, seed) for seed in range(args.seeds)]
-        row_ = {
-            k: statistics.median(r[k] for r in runs)
-            if isinstance(runs[0][k], float)
-            else runs[0][k]
-            for k in runs[0]
-        }
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row_.items()}))
+        row_ = dict(runs[0])
+        for k in [k for k, v in row_.items() if isinstance(v, float)]:
+            row_[k] = round(statistics.median(r[k] for r in runs), 3)
+        print(json.dumps(row_))
 
 
 if __name__ == "__main__":

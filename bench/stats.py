@@ -3,6 +3,7 @@ path against a baseline, the run order that cancels a drifting load, the machine
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -129,8 +130,30 @@ def machine_info() -> dict:
     }
 
 
-def command(name: str, argv) -> str:
-    return f"python -m bench.{name} " + " ".join(argv if argv is not None else sys.argv[1:])
+def parser(name: str, doc: str, threads: int | None = None, out: str | None = None):
+    """`python -m bench.NAME`'s parser: the docstring's first paragraph for a description, and
+    where given --threads (the measuring thread's torch threads; 0: torch's) and --out."""
+    p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.split("\n\n")[0])
+    if threads is not None:
+        p.add_argument("--threads", type=int, default=threads, help="torch threads (0: torch's)")
+    if out:
+        p.add_argument("--out", type=Path, default=RESULTS / out)
+    return p
+
+
+def header(name: str, argv, **extra) -> dict:
+    """A result's first keys: the command that wrote it, the machine, then `extra`."""
+    argv = argv if argv is not None else sys.argv[1:]
+    return {
+        "command": f"python -m bench.{name} " + " ".join(argv),
+        "machine": machine_info(),
+        **extra,
+    }
+
+
+def median_run(runs: list, key):
+    """The median of `runs` by `key` (the lower one of an even count)."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 def save(results: dict, out: Path, started: float, report) -> dict:

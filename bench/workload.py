@@ -130,6 +130,14 @@ def describe(items: list[WorkItem]) -> dict:
     }
 
 
+def line(w: dict) -> str:
+    """describe()'s figures in words."""
+    return (
+        f"{w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
+        f"{w['output_tokens']} (total {w['total_output']})"
+    )
+
+
 def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> list[WorkItem]:
     """The same requests with new arrival times (Poisson at `rate`, or all at 0)."""
     rng = random.Random(seed + 1)
@@ -141,16 +149,23 @@ def with_arrivals(items: list[WorkItem], rate: float | None, seed: int = 0) -> l
     return out
 
 
-def add_workload_args(parser) -> None:
-    """The workload's command-line options, the same in every benchmark that runs it."""
+def add_workload_args(parser, **defaults) -> None:
+    """The workload's and the engine's options, the same in every benchmark that runs them;
+    `defaults`: this benchmark's own. parse() applies --quick."""
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-output", type=int, default=256, help="outputs uniform in [8, this]")
+    parser.add_argument("--max-output", type=int, default=256, help="outputs in [8, this]")
     parser.add_argument("--max-prompt", type=int, default=270, help="user message tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, short prompts")
+    parser.set_defaults(**defaults)
 
 
-def apply_quick(args) -> None:
-    """--quick shrinks the workload to a smoke run."""
+def parse(parser, argv):
+    """The arguments, --quick shrinking the workload to a smoke run."""
+    args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_output = min(args.num_requests, 4), min(args.max_output, 8)
         args.max_prompt = 40
+    return args
