@@ -46,11 +46,12 @@ def share_broker(tmp_path_factory):
     )
 
 
+@pytest.mark.full  # the bench's share mode, smoke-run (test_share_intake.py covers joins and kills)
 @pytest.mark.parametrize("step", ["join", "leave"])
 async def test_a_share_mode_step_finishes_every_request_once(share_broker, tmp_path, step):
     """`python -m bench.scaling_step --mode share` on a quick load: the joiner takes work, or the
     leaver drains; every request ends with exactly one final `done`."""
-    load = Load(**{**QUICK.__dict__, "initial": SHARE.initial, "max_tokens": 16})
+    load = Load(**{**QUICK.__dict__, "initial": SHARE.initial, "max_tokens": 16, "step_delay_s": 0})
     run = await run_step(share_broker.bootstrap, step, "hold", tmp_path, load, "share")
     result = figures(run, "share")
     print(result)
