@@ -273,15 +273,12 @@ def main(argv=None) -> dict:
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     started, stem = time.time(), uuid.uuid4().hex[:8]
-    res = {
-        "command": stats.command("reply_topics", argv),
-        "machine": stats.machine_info(),
-        "settings": {
-            "topics": args.topics,
-            "concurrency": args.concurrency,
-            "max_producer_topics": MAX_PRODUCER_TOPICS,
-        },
+    settings = {
+        "topics": args.topics,
+        "concurrency": args.concurrency,
+        "max_producer_topics": MAX_PRODUCER_TOPICS,
     }
+    res = stats.header("reply_topics", argv, settings=settings)
     kdir = Path(tempfile.mkdtemp(prefix="inferline-bench-reply-topics-"))
     # The broker keeps per-partition state on its heap; the default is sized for tests.
     broker = PrivateBroker(kdir, heap=args.heap or f"-Xmx{512 + args.topics // 10}m -Xms256m")
