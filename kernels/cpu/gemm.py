@@ -125,7 +125,7 @@ def exact_codes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(codes uint8 [out, in], scale, offset [out, in / block]) with weight == scale * codes +
     offset exactly, scales fp16 values; None where some block has no such codes. The search runs
-    in C (csrc/codes.c), exact_codes_reference's result in seconds."""
+    in C (csrc/codes.c), exact_codes_reference's result in seconds (docs/benchmarks.md)."""
     out_features, in_features = weight.shape
     if in_features % block or not weight.isfinite().all():
         return None
