@@ -135,7 +135,6 @@ def exact_codes(
     formats = _formats_by_fit(w[todo], low[todo])
     steps = torch.stack([s for f in formats for s in _half_and_neighbours(_step(w, low, *f))], -1)
     scale, codes = torch.empty_like(low), torch.empty(w.shape, dtype=torch.uint8)
-    steps = steps.contiguous()
     unfitted = build.call(
         "gemm_codes_search",
         w.data_ptr(),
