@@ -93,15 +93,11 @@ class Worker:
             generation,
             self.fatal,
         )
-        self.intake = (ShareIntake if share else Intake)(
-            settings,
-            self.requests,
-            self.tracker,
-            self.limiter,
-            self.metrics,
-            self.cancels,
-            self.transactions,
-            self.delivery,
+        parts = (settings, self.requests, self.tracker, self.limiter, self.metrics, self.cancels)
+        self.intake = (
+            ShareIntake(*parts, self.delivery)
+            if share
+            else Intake(*parts, self.transactions, self.delivery)
         )
         self.cancel_listener = CancelListener(settings, self.requests.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)

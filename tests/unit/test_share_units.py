@@ -28,7 +28,6 @@ from inferline.worker.intake.share import (
     lock_ms,
     max_deliveries,
 )
-from inferline.worker.delivery.transactions import Transactions
 
 TOPIC = "llm.requests"
 
@@ -58,7 +57,6 @@ def make_intake(room: int, **kafka) -> ShareIntake:
         RateLimiter(settings.limits),
         metrics,
         RecentCancels(ttl_s=60),
-        Transactions(settings, tracker, metrics),
         sink,
     )
     intake._handle_safely = lambda tp, record, unverified=None: intake._sink.handled.append(

@@ -7,56 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocol
 
-from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from inferline.worker.delivery.offsets import LagGauge, OffsetTracker
+from inferline.worker.delivery.transactions import Transactions
 from inferline.worker.intake import group_join
 from inferline.worker.intake.cancels import RecentCancels
-from inferline.worker.delivery.offsets import LagGauge, OffsetTracker
-from inferline.worker.delivery.publisher import ReplyRoute
+from inferline.worker.intake.triage import Sink, Triage, _Unverified
 from inferline.worker.service.ratelimit import RateLimiter
-from inferline.worker.intake.admission import (
-    Admission,
-    capped_max_tokens,
-    deadline_of,
-    sample_budget_problem,
-)
-from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
-from inferline.worker.delivery.transactions import Transactions
-from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of, tenant_pattern
+from inferline.worker.service.tenancy import tenant_pattern
 
 log = structlog.get_logger(__name__)
 POLL_MS = 100  # how soon a freed slot is noticed
-LIST_TOPICS_TRIES = 3
 TAKE_OVER_TRIES = 5
 OVERLOAD_BATCH = 64
-REFUSAL_LOG_S = 1.0
-
-
-class Sink(Protocol):
-    def room(self) -> int: ...
-    def pool_full(self) -> bool: ...
-    def admit(self, admission: "Admission") -> None: ...
-    async def requeue(self, tps: set[TopicPartition]) -> None: ...
-    def fatal(self, exc: BaseException) -> None: ...
-
-
-@dataclass
-class _Unverified:
-    tp: TopicPartition
-    record: object
-    decoded: Request | InvalidRequest
-    generation: int
-    since: float = float("-inf")  # when it was read: a topic list after it decides
 
 
 def assignors(rebalance: str) -> tuple:
@@ -81,7 +50,7 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._intake.take_over(assigned - kept, moved=moved, kept=kept)
 
 
-class Intake:
+class Intake(Triage):
     def __init__(
         self,
         settings,
@@ -93,35 +62,19 @@ class Intake:
         transactions: Transactions,
         delivery,
     ) -> None:
-        self._s = settings
-        self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
-        self._delivery = delivery
-        self._cancels, self._txns = cancels, transactions
+        super().__init__(settings, sink, tracker, limiter, metrics, cancels, delivery)
+        self._txns = transactions
         self._consumer: AIOKafkaConsumer | None = None
-        self.joined = False
-        self.fetching = True  # False once draining: the loop keeps polling, takes nothing
         self._full_since: float | None = None
-        self._overloading = False  # this batch was fetched past the pool's room, to reject
         self._revoking: set[TopicPartition] = set()
         self._given_up: set[TopicPartition] = set()  # another worker holds its transactional id
         self._taking_over: set[TopicPartition] = set()  # ledger not read yet: untouched
         self.lag = LagGauge(tracker, metrics.consumer_lag)
-        self._tasks: list[asyncio.Task] = []
-        self._verifying: set[asyncio.Task] = set()
-        self._num_verifying = 0
-        self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
         self._generation = 0
         self._epochs: dict[TopicPartition, int] = {}  # partition -> generation it was taken in
-        self._holding: set[TopicPartition] = (
-            set()
-        )  # revoked, work held until the assignment is known
+        self._holding: set[TopicPartition] = set()  # revoked, held until the assignment is known
         self._rebalanced = asyncio.Event()  # set while no revocation waits for its assignment
         self._rebalanced.set()
-        self._admin: AIOKafkaAdminClient | None = None
-        self._replicas: dict[str, int] = {}
-        self.reply_topics = ReplyTopics(
-            settings.kafka, self._list_topics, check_topics=self._check_topics
-        )
         transactions.owner = self
 
     @property
@@ -133,39 +86,19 @@ class Intake:
         here."""
         return self._epochs.get(tp, self._generation)
 
-    async def _admin_client(self) -> AIOKafkaAdminClient:
-        if self._admin is None:
-            self._admin = AIOKafkaAdminClient(**self._s.kafka.client_options())
-            await self._admin.start()
-        return self._admin
+    def _claim(self, tp: TopicPartition, record) -> bool:
+        if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self.epoch(tp)):
+            return False  # untracked: read again by the next owner or after the seek
+        if not self._tracker.add(tp, record.offset):
+            self._m.redeliveries.labels("already_final").inc()
+            return False
+        return True
 
-    async def _list_topics(self) -> list[str]:
-        # Every topic's metadata: asking for one by name could auto-create it.
-        described = await (await self._admin_client()).describe_topics()
-        self._replicas = {
-            t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
-            for t in described
-            if t["error_code"] == 0
-        }
-        return list(self._replicas)
+    async def _settled(self) -> None:
+        await self._rebalanced.wait()
 
-    async def _check_topics(self, topics: list[str]) -> dict[str, str | None]:
-        names = {"max.message.bytes": None, "min.insync.replicas": None}
-        responses = await (await self._admin_client()).describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics]
-        )
-        reasons: dict[str, str | None] = {}
-        for response in responses:
-            for res in response.to_object()["resources"]:
-                topic = res["resource_name"]
-                if res["error_code"]:
-                    reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
-                    continue
-                configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
-                reasons[topic] = unsafe_limits(
-                    configs, self._replicas.get(topic, 0), self._s.kafka.min_reply_message_bytes
-                )
-        return reasons
+    def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
+        return generation == self.epoch(tp) and tp not in self._revoking
 
     async def start(self) -> None:
         k = self._s.kafka
@@ -200,13 +133,9 @@ class Intake:
 
     async def close(self) -> None:
         """Leave the group; offsets commit with their finals, so nothing is left to commit."""
-        for task in [*self._tasks, *self._verifying]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
+        await self._close_triage()
         if self._consumer:
             await self._consumer.stop()
-        if self._admin:
-            await self._admin.close()
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -226,97 +155,6 @@ class Intake:
             if unverified:  # off the fetch loop: a slow lookup holds up no other request
                 self._verify_in_background(unverified)
             self.lag.update()
-
-    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
-        try:
-            self._handle(tp, record, unverified)
-        except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
-            log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
-            self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
-
-    def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
-        decoded = self._decode(tp, record)
-        if decoded is None:
-            return
-        verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
-        if verdict is None and unverified is not None:
-            unverified.append(
-                _Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock())
-            )
-            return
-        self._dispatch(tp, record, decoded, verdict)
-
-    def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None) -> None:
-        if verdict != "ok":
-            reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
-            self._log_refusal(tp, record.offset, reason)
-            self._m.reply_topic_refusals.inc()
-            self._delivery.dead_letter(record, reason)
-        elif isinstance(decoded, InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
-        elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
-        else:
-            self._triage(tp, record.offset, decoded, time.time())
-
-    def _log_refusal(self, tp, offset: int, reason: str) -> None:
-        """At most one line per REFUSAL_LOG_S; the metric counts them all."""
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_S:
-            log.warning(
-                "intake.reply_topic_refused",
-                partition=tp.partition,
-                offset=offset,
-                reason=reason,
-                unlogged=self._refusals_unlogged,
-            )
-            self._refusal_logged_at, self._refusals_unlogged = now, 0
-        else:
-            self._refusals_unlogged += 1
-
-    def _verify_in_background(self, unverified: list[_Unverified]) -> None:
-        """Look unknown reply topics up in a task; they count against the pool's room meanwhile."""
-        self._num_verifying += len(unverified)
-        task = asyncio.create_task(self._verify_reply_topics(unverified))
-        self._verifying.add(task)
-
-        def done(t: asyncio.Task) -> None:
-            self._verifying.discard(t)
-            self._num_verifying -= len(unverified)
-
-        task.add_done_callback(done)
-
-    async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One shared look at the broker's topic list for the batch's unknown reply topics; a few
-        tries, then dead letters."""
-        listed = False
-        for attempt in range(LIST_TOPICS_TRIES):
-            try:
-                await self.reply_topics.refresh_after(max(u.since for u in unverified))
-                await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
-                listed = True
-                break
-            except Exception as exc:  # noqa: BLE001 - no answer: try again, then refuse
-                log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
-                await asyncio.sleep(0.5 * (attempt + 1))
-        await self._rebalanced.wait()  # a held partition may stay here: then its records are ours
-        for u in unverified:
-            if u.generation != self.epoch(u.tp) or u.tp in self._revoking:
-                continue
-            try:
-                verdict = self.reply_topics.verdict(
-                    u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed
-                )
-                self._dispatch(u.tp, u.record, u.decoded, verdict)
-            except Exception as exc:  # noqa: BLE001 - as in _handle_safely
-                log.exception(
-                    "intake.handle_failed", partition=u.tp.partition, offset=u.record.offset
-                )
-                self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
 
     async def _fetch_once(self) -> dict:
         room = self._sink.room() - self._num_verifying if self.fetching else 0
@@ -349,106 +187,6 @@ class Intake:
         ):
             self._consumer.resume(*resumable)
         self._m.intake_paused.set(1 if paused and assigned else 0)
-
-    def _tenant_of(self, tp: TopicPartition) -> str | None:
-        k = self._s.kafka
-        return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
-
-    def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
-        """The request with the topic's tenant (a body claiming another is rejected) and the
-        tenant's priority range."""
-        tenant = self._tenant_of(tp)
-        # "default" (the contract's default, sent unasked) claims nothing
-        if tenant is not None and req.tenant not in (tenant, "default"):
-            return InvalidRequest(
-                "tenant",
-                f"tenant: {req.tenant!r} is not the tenant of this request topic",
-                request_id=req.id,
-                reply_topic=req.reply_topic,
-                reply_partition=req.reply_partition,
-            )
-        tenant = tenant or req.tenant
-        priority = clamp_priority(req.priority, self._s.limits, tenant)
-        if tenant == req.tenant and priority == req.priority:
-            return req
-        return req.model_copy(update={"tenant": tenant, "priority": priority})
-
-    def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
-        """A valid request, an invalid one (rejected once its reply topic is known good), or None if
-        dead-lettered."""
-        if tp in self._revoking or tp in self._taking_over or not self.owns(tp, self.epoch(tp)):
-            return None  # untracked: read again by the next owner or after the seek
-        if not self._tracker.add(tp, record.offset):
-            self._m.redeliveries.labels("already_final").inc()
-            return None
-        self._delivery.hold(tp, record)
-        try:
-            req = decode_request(
-                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
-            )
-        except UndecodableMessage as exc:
-            log.warning(
-                "intake.dead_letter",
-                partition=tp.partition,
-                offset=record.offset,
-                reason=exc.reason,
-            )
-            self._delivery.dead_letter(record, exc.reason)
-            return None
-        except InvalidRequest as exc:
-            log.info(
-                "intake.invalid",
-                request_id=exc.request_id,
-                partition=tp.partition,
-                offset=record.offset,
-                field=exc.field,
-            )
-            return exc
-        return req
-
-    def _triage(self, tp, offset: int, req: Request, received: float) -> None:
-        route, meta = ReplyRoute.of(req), req.metadata
-        deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
-        max_tokens = capped_max_tokens(req, self._s)
-        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
-            self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
-        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "cancelled",
-                "cancelled before it started",
-                finish_reason="cancelled",
-                metadata=meta,
-            )
-        elif deadline <= time.time():
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "timeout",
-                "deadline passed before it was read",
-                finish_reason="timeout",
-                metadata=meta,
-            )
-        elif self._overloading and self._sink.room() <= 0:
-            self._delivery.reject(
-                tp, offset, route, "overloaded", "the worker's waiting pool is full", metadata=meta
-            )
-        elif not self._limiter.admit(req.tenant, max_tokens * req.n):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "rate_limited",
-                f"tenant {req.tenant!r} is over its rate limit",
-                metadata=meta,
-            )
-        else:
-            self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
-
-    # -- rebalance --------------------------------------------------------------------------------
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Requeue what runs from these partitions, commit what finished, let them go; to hold,

@@ -17,7 +17,7 @@ import structlog
 from aiokafka import TopicPartition
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
-from inferline.worker.intake.group import Intake
+from inferline.worker.intake.triage import Triage
 
 log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot is noticed
@@ -270,7 +270,7 @@ def _ack_types() -> dict:
     }
 
 
-class ShareIntake(Intake):
+class ShareIntake(Triage):
     """The intake of share mode: the same Sink calls as Intake, records from a share group."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -337,10 +337,7 @@ class ShareIntake(Intake):
         for lane in self._lanes:
             lane.closing.set()
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
-        for task in [*self._tasks, *self._verifying]:
-            task.cancel()
-        if self._admin:
-            await self._admin.close()
+        await self._close_triage()
 
     # -- lanes (their threads call these) ---------------------------------------------------------
 
@@ -449,7 +446,7 @@ class ShareIntake(Intake):
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
     def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
-        """As Intake._decode, without offsets; too many deliveries is a dead letter."""
+        """As Triage._decode, without offsets; too many deliveries is a dead letter."""
         self._delivery.hold(tp, record)
         limit = self.max_deliveries
         if record.delivery_count > limit:

@@ -1,0 +1,322 @@
+"""Triage, shared by both intakes: each record becomes a dead letter, a rejection or an
+admission (decode, reply-topic check, tenancy, validation, admission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from inferline.worker.delivery.publisher import ReplyRoute
+from inferline.worker.intake.admission import (
+    Admission,
+    capped_max_tokens,
+    deadline_of,
+    sample_budget_problem,
+)
+from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
+from inferline.worker.service.ratelimit import RateLimiter
+from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
+
+log = structlog.get_logger(__name__)
+LIST_TOPICS_TRIES = 3
+REFUSAL_LOG_S = 1.0
+
+
+class Sink(Protocol):
+    def room(self) -> int: ...
+    def pool_full(self) -> bool: ...
+    def admit(self, admission: "Admission") -> None: ...
+    async def requeue(self, tps: set[TopicPartition]) -> None: ...
+    def fatal(self, exc: BaseException) -> None: ...
+
+
+@dataclass
+class _Unverified:
+    tp: TopicPartition
+    record: object
+    decoded: Request | InvalidRequest
+    generation: int
+    since: float = float("-inf")  # when it was read: a topic list after it decides
+
+
+class Triage:
+    """What both intakes do with a record once it is theirs; subclasses bring the records."""
+
+    def __init__(
+        self,
+        settings,
+        sink: Sink,
+        tracker,
+        limiter: RateLimiter,
+        metrics,
+        cancels: RecentCancels,
+        delivery,
+    ) -> None:
+        self._s = settings
+        self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
+        self._delivery, self._cancels = delivery, cancels
+        self.joined = False
+        self.fetching = True  # False once draining: the loop keeps polling, takes nothing
+        self._overloading = False  # this batch was fetched past the pool's room, to reject
+        self._tasks: list[asyncio.Task] = []
+        self._verifying: set[asyncio.Task] = set()
+        self._num_verifying = 0
+        self._refusal_logged_at, self._refusals_unlogged = float("-inf"), 0
+        self._admin: AIOKafkaAdminClient | None = None
+        self._replicas: dict[str, int] = {}
+        self.reply_topics = ReplyTopics(
+            settings.kafka, self._list_topics, check_topics=self._check_topics
+        )
+
+    def epoch(self, tp: TopicPartition) -> int:
+        """The assignment `tp` was taken in (group mode); work of another is stale."""
+        return 0
+
+    def _claim(self, tp: TopicPartition, record) -> bool:
+        """Whether this intake takes `record` (group mode: owned, not final already)."""
+        return True
+
+    async def _settled(self) -> None:
+        """Returns once no rebalance leaves a partition's owner unknown."""
+
+    def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
+        return True
+
+    async def _close_triage(self) -> None:
+        for task in [*self._tasks, *self._verifying]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._verifying, return_exceptions=True)
+        if self._admin:
+            await self._admin.close()
+
+    async def _admin_client(self) -> AIOKafkaAdminClient:
+        if self._admin is None:
+            self._admin = AIOKafkaAdminClient(**self._s.kafka.client_options())
+            await self._admin.start()
+        return self._admin
+
+    async def _list_topics(self) -> list[str]:
+        # Every topic's metadata: asking for one by name could auto-create it.
+        described = await (await self._admin_client()).describe_topics()
+        self._replicas = {
+            t["topic"]: min((len(p["replicas"]) for p in t["partitions"]), default=0)
+            for t in described
+            if t["error_code"] == 0
+        }
+        return list(self._replicas)
+
+    async def _check_topics(self, topics: list[str]) -> dict[str, str | None]:
+        names = {"max.message.bytes": None, "min.insync.replicas": None}
+        responses = await (await self._admin_client()).describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics]
+        )
+        reasons: dict[str, str | None] = {}
+        for response in responses:
+            for res in response.to_object()["resources"]:
+                topic = res["resource_name"]
+                if res["error_code"]:
+                    reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
+                    continue
+                configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
+                reasons[topic] = unsafe_limits(
+                    configs, self._replicas.get(topic, 0), self._s.kafka.min_reply_message_bytes
+                )
+        return reasons
+
+    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+        try:
+            self._handle(tp, record, unverified)
+        except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
+            log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
+            self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
+
+    def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+        decoded = self._decode(tp, record)
+        if decoded is None:
+            return
+        verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
+        if verdict is None and unverified is not None:
+            unverified.append(
+                _Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock())
+            )
+            return
+        self._dispatch(tp, record, decoded, verdict)
+
+    def _dispatch(self, tp, record, decoded: Request | InvalidRequest, verdict: str | None) -> None:
+        if verdict != "ok":
+            reason = verdict or f"reply_topic {decoded.reply_topic!r} could not be looked up"
+            self._log_refusal(tp, record.offset, reason)
+            self._m.reply_topic_refusals.inc()
+            self._delivery.dead_letter(record, reason)
+        elif isinstance(decoded, InvalidRequest):
+            self._delivery.reject(
+                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
+            )
+        elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
+            self._delivery.reject(
+                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
+            )
+        else:
+            self._triage(tp, record.offset, decoded, time.time())
+
+    def _log_refusal(self, tp, offset: int, reason: str) -> None:
+        """At most one line per REFUSAL_LOG_S; the metric counts them all."""
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_S:
+            log.warning(
+                "intake.reply_topic_refused",
+                partition=tp.partition,
+                offset=offset,
+                reason=reason,
+                unlogged=self._refusals_unlogged,
+            )
+            self._refusal_logged_at, self._refusals_unlogged = now, 0
+        else:
+            self._refusals_unlogged += 1
+
+    def _verify_in_background(self, unverified: list[_Unverified]) -> None:
+        """Look unknown reply topics up in a task; they count against the pool's room meanwhile."""
+        self._num_verifying += len(unverified)
+        task = asyncio.create_task(self._verify_reply_topics(unverified))
+        self._verifying.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._verifying.discard(t)
+            self._num_verifying -= len(unverified)
+
+        task.add_done_callback(done)
+
+    async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
+        """One shared look at the broker's topic list for the batch's unknown reply topics; a few
+        tries, then dead letters."""
+        listed = False
+        for attempt in range(LIST_TOPICS_TRIES):
+            try:
+                await self.reply_topics.refresh_after(max(u.since for u in unverified))
+                await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
+                listed = True
+                break
+            except Exception as exc:  # noqa: BLE001 - no answer: try again, then refuse
+                log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        await self._settled()  # a held partition may stay here: then its records are ours
+        for u in unverified:
+            if not self._still_ours(u.tp, u.generation):
+                continue
+            try:
+                verdict = self.reply_topics.verdict(
+                    u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed
+                )
+                self._dispatch(u.tp, u.record, u.decoded, verdict)
+            except Exception as exc:  # noqa: BLE001 - as in _handle_safely
+                log.exception(
+                    "intake.handle_failed", partition=u.tp.partition, offset=u.record.offset
+                )
+                self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
+
+    def _tenant_of(self, tp: TopicPartition) -> str | None:
+        k = self._s.kafka
+        return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
+
+    def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
+        """The request with the topic's tenant (a body claiming another is rejected) and the
+        tenant's priority range."""
+        tenant = self._tenant_of(tp)
+        # "default" (the contract's default, sent unasked) claims nothing
+        if tenant is not None and req.tenant not in (tenant, "default"):
+            return InvalidRequest(
+                "tenant",
+                f"tenant: {req.tenant!r} is not the tenant of this request topic",
+                request_id=req.id,
+                reply_topic=req.reply_topic,
+                reply_partition=req.reply_partition,
+            )
+        tenant = tenant or req.tenant
+        priority = clamp_priority(req.priority, self._s.limits, tenant)
+        if tenant == req.tenant and priority == req.priority:
+            return req
+        return req.model_copy(update={"tenant": tenant, "priority": priority})
+
+    def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
+        """A valid request, an invalid one (rejected once its reply topic is known good), or None if
+        dead-lettered."""
+        if not self._claim(tp, record):
+            return None
+        self._delivery.hold(tp, record)
+        try:
+            req = decode_request(
+                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
+            )
+        except UndecodableMessage as exc:
+            log.warning(
+                "intake.dead_letter",
+                partition=tp.partition,
+                offset=record.offset,
+                reason=exc.reason,
+            )
+            self._delivery.dead_letter(record, exc.reason)
+            return None
+        except InvalidRequest as exc:
+            log.info(
+                "intake.invalid",
+                request_id=exc.request_id,
+                partition=tp.partition,
+                offset=record.offset,
+                field=exc.field,
+            )
+            return exc
+        return req
+
+    def _triage(self, tp, offset: int, req: Request, received: float) -> None:
+        route, meta = ReplyRoute.of(req), req.metadata
+        deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
+        max_tokens = capped_max_tokens(req, self._s)
+        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+            self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
+        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "cancelled",
+                "cancelled before it started",
+                finish_reason="cancelled",
+                metadata=meta,
+            )
+        elif deadline <= time.time():
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "timeout",
+                "deadline passed before it was read",
+                finish_reason="timeout",
+                metadata=meta,
+            )
+        elif self._overloading and self._sink.room() <= 0:
+            self._delivery.reject(
+                tp, offset, route, "overloaded", "the worker's waiting pool is full", metadata=meta
+            )
+        elif not self._limiter.admit(req.tenant, max_tokens * req.n):
+            self._delivery.reject(
+                tp,
+                offset,
+                route,
+                "rate_limited",
+                f"tenant {req.tenant!r} is over its rate limit",
+                metadata=meta,
+            )
+        else:
+            self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
+
+    # -- rebalance --------------------------------------------------------------------------------
