@@ -23,7 +23,7 @@ from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.delivery.publisher import Publisher
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.intake.share import ShareIntake
-from inferline.worker.delivery.transactions import Transactions
+from inferline.worker.delivery.commit import Committer
 
 log = structlog.get_logger(__name__)
 # Benchmark hook: join the group once this file exists (a scaling step timed apart from loading).
@@ -59,16 +59,18 @@ class Worker:
         self.tracker = OffsetTracker()
         self.limiter = RateLimiter(settings.limits)
         self.cancels = RecentCancels(ttl_s=settings.kafka.cancel_lookback_s)
-        self.transactions = Transactions(settings, self.tracker, self.metrics)
+        share = settings.kafka.intake == "share"
+        self.committer = (
+            None if share else Committer(settings, self.tracker, self.metrics, self.name)
+        )
         self.publisher = Publisher(
             settings,
             self.metrics,
             self.name,
-            self.transactions,
+            self.committer,
             on_send_failed=lambda topic: self.intake.reply_topics.forget(topic),
         )
         self.ledger = JobLedger()
-        share = settings.kafka.intake == "share"
         generation = lambda tp: self.intake.epoch(tp)  # noqa: E731
         if share:
             self.delivery = AcknowledgedDelivery(
@@ -97,7 +99,7 @@ class Worker:
         self.intake = (
             ShareIntake(*parts, self.delivery)
             if share
-            else Intake(*parts, self.transactions, self.delivery)
+            else Intake(*parts, self.committer, self.delivery)
         )
         self.cancel_listener = CancelListener(settings, self.requests.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
@@ -138,6 +140,8 @@ class Worker:
         )  # an engine may be reused: deltas from here
         self.engine_loop = engine_loop
         await self.publisher.start()
+        if self.committer is not None:
+            await self.committer.start()
         await self.cancel_listener.start()
         await _join_gate()
         await self.intake.start()
@@ -171,10 +175,12 @@ class Worker:
         self.intake.fetching = False
         await self.requests.drain(self.settings.worker.drain_timeout_s)
         # Each step is bounded: with the broker gone, aiokafka would retry for minutes.
+        # Finals commit while the group still lists this member; then it leaves.
+        await _bounded(self.publisher.stop(), 15.0, "publisher.stop")
+        if self.committer is not None:
+            await _bounded(self.committer.close(), 15.0, "committer.close")
         await _bounded(self.intake.close(), 15.0, "intake.close")
         await _bounded(self.cancel_listener.close(), 5.0, "cancels.close")
-        await _bounded(self.publisher.stop(), 15.0, "publisher.stop")
-        await _bounded(self.transactions.close_all(), 15.0, "transactions.close")
         if self.engine_loop:
             await asyncio.to_thread(self.engine_loop.stop, 10.0)
         await self.http.stop()
@@ -185,6 +191,7 @@ class Worker:
             "model_loaded": self.engine_loop is not None,
             "engine_alive": self.engine_died is None,
             "in_group": self.intake.joined,
+            "producer": self.committer is None or self.committer.ready,
             "cancel_listener": self.cancel_listener.ready,
             "not_draining": not self.requests.draining,
         }

@@ -11,6 +11,7 @@ import structlog
 from aiokafka import TopicPartition
 
 from inferline.contract.schema import Request, Sample
+from inferline.worker.delivery.commit import Outcome
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
 from inferline.worker.engine.request import RequestOutput
@@ -165,14 +166,14 @@ class Delivery:
         generation: int,
         error: str | None,
     ) -> None:
-        """A `done` is final, or refused for good and dead-lettered; fenced: another worker owns the
+        """A `done` is final, or refused for good and dead-lettered; moved: another worker owns the
         partition."""
         if outcome != "failed":
             self._input_done(tp, offset, outcome, generation)
             return
         record = self.ledger.held(tp, offset)
         if record is None or generation != self._generation(tp):
-            self._input_done(tp, offset, "fenced", generation)  # its new owner reads it again
+            self._input_done(tp, offset, Outcome.MOVED, generation)  # its new owner reads it again
             return
         log.error(
             "request.reply_undeliverable",
@@ -195,7 +196,7 @@ class Delivery:
         generation: int,
         verdict: str = "accept",
     ) -> None:
-        # Committed with its offset, or (fenced, stopping) left for the partition's next owner.
+        # Committed with its offset, or (moved, stopping) left for the partition's next owner.
         if outcome == "ok" and generation == self._generation(tp):
             self.ledger.release(tp, offset)
         self._verdict(tp, offset, verdict if outcome == "ok" else "release")

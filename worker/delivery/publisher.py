@@ -12,6 +12,15 @@ from typing import Callable
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTopicError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+)
 
 from inferline.contract.schema import (
     DoneEvent,
@@ -25,20 +34,41 @@ from inferline.contract.schema import (
     Usage,
     encode_event,
 )
-from inferline.worker.delivery.transactions import (
-    MAX_PRODUCER_TOPICS,
-    Final,
-    Outcome,
-    Transactions,
-    listed,
-    permanent,
-    reply_batch_bytes,
-)
+from inferline.worker.delivery.commit import Committer, Final, Outcome
 
 log = structlog.get_logger(__name__)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
+# Reply topics the producer keeps metadata for; past it, idle ones are dropped.
+MAX_PRODUCER_TOPICS = 512
+# Refusals no retry changes: the record, or the topic, is not this worker's to write.
+PERMANENT = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    InvalidTopicError,
+    CorruptRecordException,
+    UnsupportedForMessageFormatError,
+)
+
+
+def permanent(exc: BaseException) -> bool:
+    return isinstance(exc, PERMANENT)
+
+
+def listed(producer, topic: str) -> None:
+    """Put `topic` on the producer's metadata list before sending: aiokafka lists only uncached
+    topics, and a refresh drops unlisted ones."""
+    client = producer.client
+    if topic not in client._topics:
+        client.add_topic(topic)
+
+
+def reply_batch_bytes(kafka) -> int:
+    """Batches as large as every reply topic takes: fewer, larger batches than aiokafka's 16 KiB."""
+    return kafka.min_reply_message_bytes
 
 
 @dataclass(frozen=True)
@@ -120,12 +150,12 @@ class Publisher:
         settings,
         metrics,
         worker_name: str,
-        transactions: Transactions,
+        committer: Committer | None,
         on_send_failed: Callable[[str], None] | None = None,
     ) -> None:
         self._kafka = settings.kafka
-        self._txns = transactions
-        self._transactional = settings.kafka.intake == "group"
+        self._committer = committer
+        self._transactional = committer is not None
         self._metrics = metrics
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
@@ -399,15 +429,15 @@ class Publisher:
             await out.stream.drained()  # the done must land after the attempt's tokens
         records = [(out.topic, out.partition, out.key, out.value, out.headers)] if out.topic else []
         tp, offset, generation = out.source
-        self._txns.submit(
-            tp,
+        self._committer.submit(
             Final(
+                tp,
                 offset,
+                generation,
                 records,
                 lambda outcome, error=None: self._settle(out, outcome, error),
-                forever=out.forever,
-                generation=generation,
-            ),
+                dead_letter=out.forever,
+            )
         )
 
     async def _send(self, out: _Outgoing):
@@ -440,9 +470,12 @@ class Publisher:
             return
         # As for a transaction's final: permanent refusals at once, passing causes after a while.
         out.first_failed = out.first_failed or time.monotonic()
-        if not out.forever and (
-            permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s
-        ):
+        if permanent(exc) or time.monotonic() - out.first_failed >= self._kafka.final_retry_s:
+            if out.forever:  # a dead letter the DLQ will not take: its input ends anyway
+                log.error("publisher.dead_letter_lost", key=out.key, error=repr(exc))
+                self._metrics.dead_letters_lost.inc()
+                self._settle(out, Outcome.COMMITTED)
+                return
             log.error(
                 "publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc)
             )

@@ -132,7 +132,7 @@ class Metrics:
         self.transactions = Counter(
             "inferline_transactions",
             "Transactions of final results, by outcome "
-            "(committed, aborted: retried, fenced: another worker owns the partition)",
+            "(committed; aborted: retried; lost: the producer was replaced)",
             ["outcome"],
             registry=r,
         )
@@ -140,6 +140,16 @@ class Metrics:
             "inferline_transaction_seconds",
             "Begin to commit of one transaction of final results",
             buckets=_STEP,
+            registry=r,
+        )
+        self.dead_letters_lost = Counter(
+            "inferline_dead_letters_lost",
+            "Dead letters the DLQ would not take within their budget; their offsets advanced",
+            registry=r,
+        )
+        self.producer_start_failures = Counter(
+            "inferline_producer_start_failures",
+            "Transactional producers that failed to start (each is tried again)",
             registry=r,
         )
         self.intake_paused = Gauge(
