@@ -368,18 +368,10 @@ def hostile_messages(rng: random.Random, reply_topic: str, n: int) -> list[bytes
 # ------------------------------------------------------------------------------ the intake, offline
 
 
-class FakeConsumer:
-    def __init__(self, tps) -> None:
-        self._tps = set(tps)
-
-    def assignment(self):
-        return set(self._tps)
-
-
 def assign(intake, tps) -> None:
     """`tps` assigned to `intake` and taken over, as a rebalance leaves them, with no broker."""
-    intake._consumer = FakeConsumer(tps)
-    intake._epochs = {tp: intake.generation for tp in tps}
+    intake._epochs = {tp: intake._next_epoch for tp in tps}
+    intake._next_epoch += 1
 
 
 class FakeEngineLoop:

@@ -39,7 +39,7 @@ class Peaks:
             # Jobs in the engine (waiting or running); a finished one waiting for its transaction
             # holds no engine resources and is bounded by max_pending_replies instead.
             self.jobs = max(self.jobs, sum(1 for j in w.jobs.values() if j.state != "finishing"))
-            self.paused = max(self.paused, len(w.intake._consumer.paused()))
+            self.paused = max(self.paused, w.intake.num_paused())
             await asyncio.sleep(0.005)
 
     def stop(self) -> None:

@@ -84,13 +84,13 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(
 ):
     """A paused partition is not fetched, so fetch responses no longer bring its high watermark:
     the lag gauge must still grow with the records that pile up (the operator's signal to scale)."""
-    import inferline.worker.delivery.offsets as offsets
+    import inferline.worker.intake.group as group
 
-    monkeypatch.setattr(offsets, "LAG_EVERY_S", 0.3)
+    monkeypatch.setattr(group, "LAG_EVERY_S", 0.3)
     worker = await start_worker(topics, scheduler={"max_num_seqs": 1, "max_waiting": 1})
     first = [request(topics.replies, max_tokens=400, ignore_eos=True) for _ in range(4)]
     await submit(kafka_bootstrap, topics.requests, first)
-    while not worker.intake._consumer.paused():
+    while not worker.intake.num_paused():
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
     before = _lag(worker)
@@ -101,5 +101,5 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(
         if _lag(worker) >= before + 30 - 2:  # the 1-2 taken meanwhile are not lag
             break
         await asyncio.sleep(0.1)
-    assert worker.intake._consumer.paused(), "the test needs intake paused throughout"
+    assert worker.intake.num_paused(), "the test needs intake paused throughout"
     assert _lag(worker) >= before + 28, (before, _lag(worker))

@@ -148,8 +148,7 @@ def record_peaks(worker) -> dict[str, int]:
     misses one that lasts less than its period). `paused`: partitions the intake ever paused."""
     peak = {"waiting": 0, "in_engine": 0, "jobs": 0, "paused": 0}
     tracker, admit = worker.requests, worker.requests.admit
-    consumer = worker.intake._consumer
-    pause = consumer.pause
+    set_paused = worker.intake._set_paused
 
     def admit_and_record(adm) -> None:
         admit(adm)
@@ -157,31 +156,31 @@ def record_peaks(worker) -> dict[str, int]:
         peak["in_engine"] = max(peak["in_engine"], in_engine(worker))
         peak["jobs"] = max(peak["jobs"], len(worker.jobs))
 
-    def pause_and_record(*tps) -> None:
-        pause(*tps)
-        peak["paused"] = max(peak["paused"], len(consumer.paused()))
+    def pause_and_record(paused: bool) -> None:  # on the intake's poll thread
+        set_paused(paused)
+        peak["paused"] = max(peak["paused"], worker.intake.num_paused())
 
-    tracker.admit, consumer.pause = admit_and_record, pause_and_record
+    tracker.admit, worker.intake._set_paused = admit_and_record, pause_and_record
     return peak
 
 
 def hold_first_commit(worker, monkeypatch, timeout: float = 20.0) -> None:
     """The first transaction waits, committed but not yet settled, until no job is left in the
     engine: its partition's finals pile up behind it, as behind a slow broker, until only
-    max_pending_replies stops the intake (timeout: under TRANSACTION_WAIT_S, 30 s)."""
-    from inferline.worker.delivery import transactions
+    max_pending_replies stops the intake (timeout: under the transaction timeout)."""
+    from inferline.worker.delivery import commit
 
     held = []
 
-    async def after_commit() -> None:
+    def after_commit() -> None:  # on the committer's thread
         if held:
             return
         held.append(True)
         deadline = time.monotonic() + timeout
         while in_engine(worker) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+            time.sleep(0.01)
 
-    monkeypatch.setattr(transactions, "after_commit", after_commit)
+    monkeypatch.setattr(commit, "after_commit", after_commit)
 
 
 async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_worker, monkeypatch):

@@ -79,8 +79,7 @@ def test_while_the_dead_letter_is_not_acked_the_offset_stays_unfinished():
 def test_a_job_of_a_revoked_assignment_publishes_requeued_and_finishes_no_offset():
     h = harness()
     _, (admitted,) = h.feed(body())
-    h.worker.intake._generation += 1  # a rebalance happened since (it was handed back then)
-    assign(h.worker.intake, [h.tp])
+    assign(h.worker.intake, [h.tp])  # a rebalance happened since (it was handed back then)
     (done,) = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
     assert msgpack.unpackb(done.value)["finish_reason"] == "requeued"
     assert committed(h) == 0 and not h.worker.jobs
@@ -153,7 +152,7 @@ def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_even
     from inferline.worker.delivery.publisher import Publisher, ReplyStream
     from inferline.worker.service.metrics import Metrics
 
-    pub = Publisher(Settings(), Metrics(), "w", transactions=None)
+    pub = Publisher(Settings(), Metrics(), "w", committer=None)
     sent = []
     pub._enqueue = sent.append  # recorded, never acked: the stream's last event stays in flight
     rs = ReplyStream(

@@ -1,35 +1,26 @@
-"""Exactly one final result per request: final results and their input offsets commit in one
-Kafka transaction per owned partition (worker/delivery/transactions.py), with the offset ledger of
-worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the tracker
-resuming from it, and PartitionTxn's batching, retries and fencing over a recording producer.
-Against the broker: tests/kafka/test_transactions.py."""
+"""Exactly one final result per request: final results and their input offsets commit in Kafka
+transactions of the worker's one transactional producer (worker/delivery/commit.py), with the offset
+ledger of worker/delivery/offsets.py in the commit's metadata. Offline: the ledger's encoding, the
+tracker resuming from it, and the Committer's batching, retries and recovery over a recording
+producer. Against the broker: tests/kafka/test_transactions.py."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 from aiokafka import TopicPartition
-from aiokafka.errors import MessageSizeTooLargeError, ProducerFenced
+from confluent_kafka import KafkaError, KafkaException
 from hypothesis import given, strategies as st
 
-from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
-    Topics,
-    collect,
-    final_dones,
-    request,
-    spawn_worker,
-    submit,
-    topics,
-    wait_ready,
-    worker_config,
-)
-from inferline.worker.delivery import transactions
-from inferline.worker.service.metrics import Metrics
+from inferline.config.settings import Settings
+from inferline.worker.delivery import commit
+from inferline.worker.delivery.commit import Committer, Final, Outcome
 from inferline.worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
-from inferline.worker.delivery.transactions import Final, PartitionTxn
+from inferline.worker.service.metrics import Metrics
 
-TP = TopicPartition("requests", 0)
+TP, TP1 = TopicPartition("requests", 0), TopicPartition("requests", 1)
 
 
 # ------------------------------------------------------------------------------------ the ledger
@@ -67,119 +58,88 @@ def test_a_partition_never_committed_starts_with_an_empty_ledger():
     assert tracker.add(TP, 0) and tracker.ledger(TP, [0]) == (1, "1:")
 
 
-# ----------------------------------------------------------------------- PartitionTxn, offline
+# ------------------------------------------------------------------------- Committer, offline
 
 
 class RecordingProducer:
-    """The transactional producer's calls, recorded; `fail_topics` fail their sends, `fenced`
-    fails the next commit as a newer owner's producer would make it fail."""
+    """confluent-kafka's transactional Producer, recorded: `refuse` maps a topic to the error its
+    records' deliveries fail with (`refuse_now`: produce() raises it)."""
 
     def __init__(self) -> None:
         self.transactions: list[dict] = []
-        self.fail_topics: dict[str, type] = {}  # topic -> the exception its sends fail with
-        self.fenced = False
-        self.lose_commit_answer = False  # the commit happens, its answer is lost (a timeout)
-        self.client = type(
-            "Client",
-            (),
-            {
-                "_topics": set(),
-                "set_topics": lambda s, t: None,
-                "add_topic": lambda s, t: s._topics.add(t),
-            },
-        )()
+        self.refuse: dict[str, int] = {}
+        self.refuse_now: dict[str, int] = {}
         self._open: dict | None = None
+        self._acks: list = []
 
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
-    async def flush(self) -> None: ...
+    def begin_transaction(self) -> None:
+        self._open = {"records": [], "offsets": {}}
 
-    async def partitions_for(self, topic):
-        return {0}
-
-    async def begin_transaction(self) -> None:
-        self._open = {"records": [], "offsets": None}
-
-    async def abort_transaction(self) -> None:
-        self._open = None
-
-    async def send(self, topic, value, key=None, partition=None, headers=None):
-        if topic in self.fail_topics:
-            raise self.fail_topics[topic](f"{topic} refuses")
+    def produce(self, topic, value, key, on_delivery, **kwargs) -> None:
+        if topic in self.refuse_now:
+            raise KafkaException(KafkaError(self.refuse_now[topic]))
         self._open["records"].append((topic, value))
-        acked = asyncio.get_running_loop().create_future()
-        acked.set_result(None)
-        return acked
+        error = KafkaError(self.refuse[topic]) if topic in self.refuse else None
+        self._acks.append((on_delivery, error))
 
-    async def send_offsets_to_transaction(self, offsets, group_id) -> None:
-        self._open["offsets"] = offsets
+    def flush(self, timeout) -> int:
+        for on_delivery, error in self._acks:
+            on_delivery(error, None)
+        self._acks = []
+        return 0
 
-    async def commit_transaction(self) -> None:
-        if self.fenced:
-            raise ProducerFenced()
+    def send_offsets_to_transaction(self, offsets, group_metadata, timeout) -> None:
+        for o in offsets:
+            self._open["offsets"][TopicPartition(o.topic, o.partition)] = (o.offset, o.metadata)
+
+    def commit_transaction(self, timeout) -> None:
         self.transactions.append(self._open)
         self._open = None
-        if self.lose_commit_answer:
-            self.lose_commit_answer = False
-            raise asyncio.TimeoutError()
+
+    def abort_transaction(self, timeout) -> None:
+        if self._open is None:  # as librdkafka: no transaction in progress
+            raise KafkaException(KafkaError(KafkaError._STATE))
+        self._open = None
 
 
 class FakeOwner:
-    """Ownership as the intake answers it: `owner` is what the coordinator says; `committed`
-    what the group's offsets say (from the recording producer's transactions)."""
+    """The group intake as the committer asks it; `committed` reads the recorded transactions."""
 
-    def __init__(self, producer: RecordingProducer, owner: bool = True) -> None:
-        self.producer, self.owner, self.given_up = producer, owner, []
+    def __init__(self, producer: RecordingProducer) -> None:
+        self.producer, self.gone = producer, set()
 
     def owns(self, tp, generation) -> bool:
-        return True
+        return tp not in self.gone
 
-    async def confirm(self, tp) -> bool:
-        return self.owner
+    def group_metadata(self):
+        return None
 
-    async def committed(self, tp):
-        offsets = [t["offsets"][tp] for t in self.producer.transactions if t["offsets"]]
-        return offsets[-1] if offsets else None
-
-    async def gone(self, topic) -> bool:
-        return topic == "deleted"
-
-    def give_up(self, tp) -> None:
-        self.given_up.append(tp)
+    def committed(self, tps):
+        out = {}
+        for txn in self.producer.transactions:
+            out.update({tp: ledger for tp, ledger in txn["offsets"].items() if tp in tps})
+        return out
 
 
-async def _partition(
-    tracker: OffsetTracker,
-    offsets,
-    owner: bool = True,
-    retry_s: float = 300.0,
-    interval_s: float = 0.0,
-) -> tuple[PartitionTxn, RecordingProducer]:
+async def _committer(tracker, offsets, **kafka) -> tuple[Committer, RecordingProducer]:
     producer = RecordingProducer()
-    part = PartitionTxn(
-        TP,
-        lambda tp: producer,
-        tracker,
-        "group",
-        Metrics(),
-        4096,
-        owner=FakeOwner(producer, owner),
-        retry_s=retry_s,
-        interval_s=interval_s,
-    )
-    for o in offsets:
-        tracker.add(TP, o)
-    await part.start()
-    return part, producer
+    settings = Settings(kafka={"transaction_interval_ms": 0, **kafka})
+    committer = Committer(settings, tracker, Metrics())
+    committer._new_producer = lambda: producer
+    committer.owner = FakeOwner(producer)
+    for tp in (TP, TP1):
+        tracker.resume(tp, None, None)
+        for o in offsets:
+            tracker.add(tp, o)
+    await committer.start()
+    return committer, producer
 
 
-def _final(offset: int, outcomes: dict, topic: str = "replies", forever: bool = False) -> Final:
-    return Final(
-        offset,
-        [(topic, None, b"k", f"done {offset}".encode(), None)],
-        lambda outcome, error=None: outcomes.__setitem__(offset, outcome),
-        forever=forever,
-    )
+def _final(offset, outcomes, topic="replies", tp=TP, dead_letter=False) -> Final:
+    def done(outcome, error=None) -> None:
+        outcomes[(tp.partition, offset)] = outcome
+
+    return Final(tp, offset, 1, [(topic, None, b"k", b"done", None)], done, dead_letter)
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:
@@ -189,156 +149,120 @@ async def _until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_finals_queued_together_commit_in_one_transaction_with_the_ledger():
+async def test_finals_of_every_partition_share_one_transaction_with_their_ledgers():
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(4))
+    committer, producer = await _committer(tracker, range(4))
     for o in (0, 2, 3):
-        part.submit(_final(o, outcomes))
-    await _until(lambda: len(outcomes) == 3)
-    await part.stop()
-    assert outcomes == {0: "ok", 2: "ok", 3: "ok"}
-    (txn,) = producer.transactions
-    assert [v for _, v in txn["records"]] == [b"done 0", b"done 2", b"done 3"]
-    assert txn["offsets"] == {TP: (1, encode_ledger(1, {2, 3}))}  # 1 runs on: the ledger skips 2, 3
-    assert tracker.watermark(TP) == 1
-
-
-async def test_finals_of_several_cycles_share_one_transaction_within_the_interval_each_once():
-    tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(5), interval_s=0.5)
-    part.submit(_final(0, outcomes))  # an idle partition: at once
-    await _until(lambda: 0 in outcomes)
-    for o in (1, 3, 2, 4):  # the partition's task runs between them: each would have been a cycle
-        part.submit(_final(o, outcomes))
-        await asyncio.sleep(0)
-    await _until(lambda: len(outcomes) == 5)
-    await part.stop()
-    assert outcomes == dict.fromkeys(range(5), "ok")
-    assert [[v for _, v in t["records"]] for t in producer.transactions] == [
-        [b"done 0"],
-        [b"done 1", b"done 3", b"done 2", b"done 4"],
-    ]
-    assert producer.transactions[1]["offsets"] == {TP: (5, encode_ledger(5, set()))}
-    assert tracker.watermark(TP) == 5
-
-
-async def test_within_the_interval_a_refused_record_still_costs_only_its_own_final():
-    tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(4), interval_s=0.5)
-    producer.fail_topics = {"tiny": MessageSizeTooLargeError}
-    part.submit(_final(0, outcomes))
-    await _until(lambda: 0 in outcomes)
-    for final in (_final(1, outcomes), _final(2, outcomes, topic="tiny"), _final(3, outcomes)):
-        part.submit(final)
+        committer.submit(_final(o, outcomes))
+    committer.submit(_final(0, outcomes, tp=TP1))
     await _until(lambda: len(outcomes) == 4)
-    await part.stop()
-    assert outcomes == {0: "ok", 1: "ok", 2: "failed", 3: "ok"}
-    committed = [v for t in producer.transactions for _, v in t["records"]]
-    assert sorted(committed) == [b"done 0", b"done 1", b"done 3"]  # each once
-    assert tracker.watermark(TP) == 2  # 2 waits for its dead letter (the Publisher's part)
+    await committer.close()
+    assert set(outcomes.values()) == {Outcome.COMMITTED}
+    (txn,) = producer.transactions
+    assert len(txn["records"]) == 4
+    assert txn["offsets"] == {TP: (1, "1:1+2"), TP1: (1, "1:")}
 
 
-async def test_a_refused_record_costs_only_its_own_final_and_a_dead_letter_is_never_given_up(
-    monkeypatch,
-):
-    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
+async def test_a_refused_record_costs_only_its_own_final_and_a_retried_one_never_starves():
+    """Before issue 48 a final that failed once went alone behind every fresh one (`_take`) and its
+    deadline never fired; now each record's refusal is charged to it and it goes with the rest."""
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(3))
-    producer.fail_topics = {"tiny": MessageSizeTooLargeError, "dlq": RuntimeError}
-    for final in (
-        _final(0, outcomes, topic="tiny"),
-        _final(1, outcomes),
-        _final(2, outcomes, topic="dlq", forever=True),
-    ):
-        part.submit(final)
-    await _until(lambda: 0 in outcomes and 1 in outcomes)
-    # A permanent refusal is not retried; 1 went again at once, as if it had never failed.
-    assert outcomes == {0: "failed", 1: "ok"} and part._queue and part._queue[0].offset == 2
-    producer.fail_topics = {}  # the dead-letter topic comes back
-    await _until(lambda: 2 in outcomes)
-    await part.stop()
-    assert outcomes[2] == "ok" and tracker.watermark(TP) == 0  # 0 waits for its dead letter
+    committer, producer = await _committer(tracker, range(4), final_retry_s=60)
+    producer.refuse["flaky"] = KafkaError.NOT_ENOUGH_REPLICAS  # passing
+    committer.submit(_final(0, outcomes, topic="flaky"))
+    committer.submit(_final(1, outcomes))
+    await _until(lambda: (0, 1) in outcomes)
+    assert (0, 0) not in outcomes and committer._queue[0].tries == 1
+    del producer.refuse["flaky"]
+    committer.submit(_final(2, outcomes))  # fresh ones keep coming: the retried one goes with them
+    await _until(lambda: len(outcomes) == 3)
+    await committer.close()
+    assert set(outcomes.values()) == {Outcome.COMMITTED}
+    assert producer.transactions[-1]["offsets"][TP] == (3, "1:")
 
 
-async def test_a_passing_cause_is_retried_for_retry_s_and_a_gone_topic_not_at_all(monkeypatch):
-    monkeypatch.setattr(transactions, "RETRY_BACKOFF_S", 0.01)
-    monkeypatch.setattr(transactions, "METADATA_WAIT_S", 0.01)
+@pytest.mark.parametrize("when", ["delivery", "produce"])
+async def test_a_permanent_refusal_is_never_retried_and_a_dead_letter_still_ends(when):
+    """A reply too large fails its final at once; a dead letter the DLQ refuses for good is logged
+    and counted, and its offset commits without it (before issue 48 it was retried forever, and
+    the partition's offsets never moved again)."""
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(2), retry_s=0.5)
-    producer.fail_topics = {"flaky": RuntimeError}
-    producer.partitions_for = lambda topic: _never() if topic == "deleted" else _partitions()
-    started = time.monotonic()
-    part.submit(_final(0, outcomes, topic="flaky"))
-    part.submit(_final(1, outcomes, topic="deleted"))
-    await _until(lambda: 1 in outcomes)
-    assert outcomes == {1: "failed"}  # the broker lists no such topic: at once
-    await _until(lambda: 0 in outcomes)
-    await part.stop()
-    assert outcomes[0] == "failed" and time.monotonic() - started >= 0.5
+    committer, producer = await _committer(tracker, range(3))
+    refuse = producer.refuse if when == "delivery" else producer.refuse_now
+    refuse["replies"] = refuse["dlq"] = KafkaError.MSG_SIZE_TOO_LARGE
+    committer.submit(_final(0, outcomes))
+    committer.submit(_final(1, outcomes, topic="dlq", dead_letter=True))
+    await _until(lambda: len(outcomes) == 2)
+    await committer.close()
+    assert outcomes == {(0, 0): Outcome.FAILED, (0, 1): Outcome.COMMITTED}
+    assert committer._m.dead_letters_lost._value.get() == 1
+    assert producer.transactions[-1]["records"] == []  # the offset alone
+    assert producer.transactions[-1]["offsets"][TP] == (0, "1:1")
 
 
-async def _never():
-    await asyncio.sleep(3600)
-
-
-async def _partitions():
-    return {0}
-
-
-async def test_a_fence_of_a_partition_still_owned_takes_the_id_back_and_commits():
+async def test_a_passing_cause_is_retried_for_final_retry_s_then_fails():
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(2))
-    producer.fenced = True  # the broker fenced it (a timed-out transaction), nobody else owns it
-
-    async def unfence():
-        producer.fenced = False
-
-    producer.start = unfence  # the new InitProducerId takes the id back
-    part.submit(_final(0, outcomes))
-    await _until(lambda: 0 in outcomes)
-    part.submit(_final(1, outcomes))
-    await _until(lambda: 1 in outcomes)
-    await part.stop()
-    assert outcomes == {0: "ok", 1: "ok"} and not part._owner.given_up
+    committer, producer = await _committer(tracker, range(1), final_retry_s=1.0)
+    producer.refuse["replies"] = KafkaError.NOT_ENOUGH_REPLICAS
+    committer.submit(_final(0, outcomes))
+    await _until(lambda: outcomes)
+    await committer.close()
+    assert outcomes == {(0, 0): Outcome.FAILED} and not producer.transactions
 
 
-async def test_a_fenced_partition_owned_elsewhere_is_given_up_and_commits_nothing():
+async def test_a_commit_whose_answer_was_lost_is_resolved_not_sent_again(monkeypatch):
+    """The commit happened, its answer did not come: a new producer takes the id, then the
+    group's committed offsets say the finals are committed; nothing is sent twice."""
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(2), owner=False)
-    producer.fenced = True
-    part.submit(_final(0, outcomes))
-    await _until(lambda: 0 in outcomes)
-    part.submit(_final(1, outcomes))  # after the fence: refused at once
-    await part.stop()
-    assert outcomes == {0: "fenced", 1: "fenced"} and part._owner.given_up == [TP]
-    assert producer.transactions == [] and tracker.watermark(TP) == 0
+    committer, producer = await _committer(tracker, range(2))
+    lost = []
+
+    def lose_the_answer() -> None:
+        if not lost:
+            lost.append(True)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    monkeypatch.setattr(commit, "after_commit", lose_the_answer)
+    committer.submit(_final(0, outcomes))
+    committer.submit(_final(1, outcomes))
+    await _until(lambda: len(outcomes) == 2)
+    await committer.close()
+    assert set(outcomes.values()) == {Outcome.COMMITTED} and len(producer.transactions) == 1
+    assert committer._m.transactions.labels("lost")._value.get() == 1
 
 
-async def test_a_final_of_another_assignment_is_never_committed_in_this_one():
+async def test_a_replacement_producer_that_fails_to_start_is_tried_again(monkeypatch):
+    """Before issue 48 a replacement that failed to start was never replaced."""
+    monkeypatch.setattr(commit, "_FAILED_STARTS", 2)
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(1))
-    part.generation = 2  # the partition came back to this worker
-    stale = _final(0, outcomes)
-    stale.generation = 1
-    part.submit(stale)
-    await part.stop()
-    assert outcomes == {0: "fenced"} and producer.transactions == []
+    producer = RecordingProducer()
+    committer = Committer(Settings(kafka={"transaction_interval_ms": 0}), tracker, Metrics())
+    made = []
+    real = committer._new_producer
+    committer._new_producer = lambda: made.append(1) or (real() if False else _starting(producer))
+    committer.owner = FakeOwner(producer)
+    tracker.resume(TP, None, None)
+    tracker.add(TP, 0)
+    await committer.start()
+    assert committer.ready and committer._m.producer_start_failures._value.get() == 2
+    committer.submit(_final(0, outcomes))
+    await _until(lambda: outcomes)
+    await committer.close()
+    assert outcomes == {(0, 0): Outcome.COMMITTED}
 
 
-async def test_a_commit_whose_answer_was_lost_is_resolved_not_sent_again():
+def _starting(producer):
+    """As Committer._new_producer with the fault hook: the first _FAILED_STARTS tries raise."""
+    if commit._FAILED_STARTS > 0:
+        commit._FAILED_STARTS -= 1
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+    return producer
+
+
+async def test_a_final_of_a_partition_no_longer_owned_is_never_committed():
     tracker, outcomes = OffsetTracker(), {}
-    part, producer = await _partition(tracker, range(2))
-    producer.lose_commit_answer = True
-    part.submit(_final(0, outcomes))
-    await _until(lambda: 0 in outcomes)
-    part.submit(_final(1, outcomes))
-    await _until(lambda: 1 in outcomes)
-    await part.stop()
-    assert outcomes == {0: "ok", 1: "ok"}
-    assert [[v for _, v in t["records"]] for t in producer.transactions] == [
-        [b"done 0"],
-        [b"done 1"],
-    ]
-
-
-# ----------------------------------------------------------------------------- with the broker
+    committer, producer = await _committer(tracker, range(1))
+    committer.owner.gone.add(TP)
+    committer.submit(_final(0, outcomes))
+    await committer.close()
+    assert outcomes == {(0, 0): Outcome.MOVED} and not producer.transactions

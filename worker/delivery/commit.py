@@ -351,6 +351,7 @@ class Committer:
             _fault_point()
             result.commit_sent = True
             _commit(p)
+            after_commit()
             result.committed = True
         except KafkaException as exc:
             result.error = exc.args[0]
@@ -420,6 +421,11 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, KafkaException):
         return f"{exc.args[0].name()}: {exc.args[0].str()}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def after_commit() -> None:
+    """Test hook, on the committer's thread after each commit: a test makes it raise, as a lost
+    answer would, or wait, as a slow broker would."""
 
 
 def _fault_point() -> None:

@@ -127,6 +127,10 @@ class Intake(Triage):
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         return generation != 0 and self._epochs.get(tp) == generation
 
+    def num_paused(self) -> int:
+        """Partitions paused for backpressure now."""
+        return len(self._consumer.assignment()) if self._paused else 0
+
     def group_metadata(self):
         return self._consumer.consumer_group_metadata()
 
