@@ -1,20 +1,30 @@
-"""Exactly one final result per request, against the broker: a zombie is fenced, a new owner skips
-what the ledger lists, and a worker SIGKILLed between a `done`'s send and its commit (a test hook,
-not luck) leaves a `done` that read_committed readers never see; the request's rerun is its only
-final result. The ledger and PartitionTxn offline: tests/unit/test_transactions.py."""
+"""Exactly one final result per request, against the broker: a stale member's commit is fenced by
+its group metadata (KIP-447), finals of every partition share transactions, a new owner skips what
+the ledger lists, and a worker SIGKILLed between a `done`'s send and its commit (a test hook, not
+luck) leaves a `done` that read_committed readers never see; the request's rerun is its only final
+result. The ledger and the Committer offline: tests/unit/test_transactions.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from confluent_kafka import Consumer
 
 from inferline.config.settings import Settings
 from inferline.contract.schema import DoneEvent, Timing, Usage, decode_event, encode_event
+from inferline.worker.app import Worker, engine_settings
+from inferline.worker.delivery.commit import Committer, Final, Outcome
+from inferline.worker.delivery.offsets import OffsetTracker
+from inferline.worker.engine.engine import LLMEngine
+from inferline.worker.intake.group import Intake, consumer_config
+from inferline.worker.service.metrics import Metrics
 from tests.kafka_fixtures import consume_until
+from tests.unit.test_transactions import _until
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics,
     collect,
@@ -26,130 +36,133 @@ from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     wait_ready,
     worker_config,
 )
-from inferline.worker.app import Worker, engine_settings
-from inferline.worker.engine.engine import LLMEngine
-from inferline.worker.service.metrics import Metrics
-from inferline.worker.delivery.offsets import OffsetTracker
-from inferline.worker.delivery.transactions import Final, Owner, Transactions
-from tests.unit.test_transactions import _final, _until  # noqa: F401
 
 
-def _settings(bootstrap: str, topics: Topics, group: str) -> Settings:
-    return Settings(**worker_config(bootstrap, topics, kafka={"group_id": group}))
+def _settings(bootstrap: str, topics: Topics, group: str, **kafka) -> Settings:
+    return Settings(**worker_config(bootstrap, topics, kafka={"group_id": group, **kafka}))
 
 
-class Evicted(Owner):
-    async def confirm(self, tp) -> bool:
-        return False
+class Member:
+    """A real member of the group (KIP-848) as the committer asks it: its group metadata and the
+    stable committed offsets; it believes it owns every partition it was ever given."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.consumer = Consumer(consumer_config(settings.kafka))
+        self.consumer.subscribe([settings.kafka.request_topic])
+        self.metadata = None
+
+    def join(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.consumer.assignment():
+            assert time.monotonic() < deadline, "no assignment"
+            self.consumer.poll(0.1)
+        self.metadata = self.consumer.consumer_group_metadata()
+
+    def owns(self, tp, generation) -> bool:
+        return True
+
+    def group_metadata(self):
+        return self.metadata
+
+    committed = Intake.committed
+
+    @property
+    def _consumer(self):
+        return self.consumer
 
 
-@pytest.mark.kafka
-async def test_a_new_owner_fences_the_old_one(kafka_bootstrap, topics):
-    settings = _settings(kafka_bootstrap, topics, f"g-{uuid.uuid4().hex[:8]}")
-    tp = TopicPartition(topics.requests, 0)
-    old_tracker, new_tracker, outcomes = OffsetTracker(), OffsetTracker(), {}
-    old, new = (Transactions(settings, t, Metrics()) for t in (old_tracker, new_tracker))
-    old.owner = (
-        Evicted()
-    )  # the group moved the partition: the coordinator no longer lists it as old's
-    for t in (old_tracker, new_tracker):
-        t.add(tp, 0)
-    await old.open([tp])
-    await new.open([tp])  # same transactional id: the old owner is fenced now
-    try:
-        old.submit(tp, _final(0, outcomes, topic=topics.replies))
-        await _until(lambda: 0 in outcomes, 30)
-        assert outcomes[0] == "fenced" and old.fenced(tp)
-        new.submit(
-            tp,
-            Final(
-                0,
-                [(topics.replies, None, b"k", b"from the new owner", None)],
-                lambda outcome, error=None: outcomes.__setitem__("new", outcome),
-            ),
-        )
-        await _until(lambda: "new" in outcomes, 30)
-        assert outcomes["new"] == "ok"
-    finally:
-        await old.close_all()
-        await new.close_all()
-    records = await consume_until(kafka_bootstrap, topics.replies)
-    assert [r.value for r in records] == [b"from the new owner"]
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+async def _committer(settings, tracker, member: Member) -> Committer:
+    committer = Committer(settings, tracker, Metrics())
+    committer.owner = member
+    await committer.start()
+    return committer
+
+
+def _final(tp, offset, outcomes, value: bytes, topic: str) -> Final:
+    def done(outcome, error=None) -> None:
+        outcomes[(tp.partition, offset)] = outcome
+
+    return Final(tp, offset, 1, [(topic, None, b"k", value, None)], done)
+
+
+async def _committed(bootstrap: str, group: str, tps) -> dict:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        committed = await admin.list_consumer_group_offsets(
-            settings.kafka.group_id, partitions=[tp]
-        )
+        return await admin.list_consumer_group_offsets(group, partitions=list(tps))
     finally:
         await admin.close()
-    assert committed[tp].offset == 1
 
 
 @pytest.mark.kafka
-async def test_finals_sharing_transactions_commit_once_each_and_a_refused_one_costs_only_itself(
+async def test_a_member_that_left_the_group_cannot_commit_a_final(kafka_bootstrap, topics):
+    """A zombie (it left, or was evicted, and still believes it owns the partition) commits with
+    its stale group metadata: the broker refuses the offsets, the transaction aborts, and
+    read_committed readers see only the new owner's final. Before issue 48 this rested on one
+    transactional id per partition and ownership round trips (two finals were possible)."""
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    settings = _settings(kafka_bootstrap, topics, group)
+    tp = TopicPartition(topics.requests, 0)
+    zombie, owner = Member(settings), Member(settings)
+    await asyncio.to_thread(zombie.join)
+    await asyncio.to_thread(zombie.consumer.close)  # its metadata is stale from here on
+    await asyncio.to_thread(owner.join)
+    trackers, outcomes = (OffsetTracker(), OffsetTracker()), {}
+    for t in trackers:
+        t.resume(tp, None, None)
+        t.add(tp, 0)
+    stale, live = [await _committer(settings, t, m) for t, m in zip(trackers, (zombie, owner))]
+    try:
+        stale.submit(_final(tp, 0, outcomes, b"from the zombie", topics.replies))
+        await _until(lambda: stale._m.transactions.labels("aborted")._value.get() >= 2, 60)
+        assert not outcomes  # refused, and retried: never committed
+        live.submit(_final(tp, 0, {}, b"from the owner", topics.replies))
+        await _until(lambda: not live._queue and not live._committing, 30)
+    finally:
+        await stale.close(timeout=0)
+        await live.close()
+        await asyncio.to_thread(owner.consumer.close)
+    assert outcomes == {(0, 0): Outcome.MOVED}
+    records = await consume_until(kafka_bootstrap, topics.replies)
+    assert [r.value for r in records] == [b"from the owner"]
+    assert (await _committed(kafka_bootstrap, group, [tp]))[tp].offset == 1
+
+
+@pytest.mark.kafka
+async def test_finals_of_both_partitions_share_transactions_and_a_refused_one_costs_only_itself(
     kafka_bootstrap, topics
 ):
-    settings = Settings(
-        **worker_config(
-            kafka_bootstrap,
-            topics,
-            kafka={"group_id": f"g-{uuid.uuid4().hex[:8]}", "transaction_interval_ms": 500},
-        )
-    )
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    settings = _settings(kafka_bootstrap, topics, group, transaction_interval_ms=500)
     tps = [TopicPartition(topics.requests, p) for p in (0, 1)]
-    tracker, metrics, outcomes = OffsetTracker(), Metrics(), {}
-    txns = Transactions(settings, tracker, metrics)
+    tracker, outcomes, member = OffsetTracker(), {}, Member(settings)
+    await asyncio.to_thread(member.join)
     for tp in tps:
+        tracker.resume(tp, None, None)
         for o in range(6):
             tracker.add(tp, o)
-    await txns.open(tps)
+    committer = await _committer(settings, tracker, member)
     try:
-        for o in range(
-            6
-        ):  # a burst over both partitions: each partition's finals share transactions
+        for o in range(6):  # a burst over both partitions: their finals share transactions
             for tp in tps:
-                refused = (tp.partition, o) == (
-                    1,
-                    3,
-                )  # over the producer's max_request_size: refused for good
+                refused = (tp.partition, o) == (1, 3)  # over message.max.bytes: refused for good
                 value = (
                     b"x" * 2 * settings.kafka.max_message_bytes
                     if refused
-                    else f"{tp.partition}:{o}".encode()
+                    else b"%d:%d" % (tp.partition, o)
                 )
-                txns.submit(
-                    tp,
-                    Final(
-                        o,
-                        [(topics.replies, None, b"k", value, None)],
-                        lambda outcome, error=None, k=(tp.partition, o): outcomes.__setitem__(
-                            k, outcome
-                        ),
-                    ),
-                )
+                committer.submit(_final(tp, o, outcomes, value, topics.replies))
                 await asyncio.sleep(0)
         await _until(lambda: len(outcomes) == 12, 60)
     finally:
-        await txns.close_all()
-    assert outcomes.pop((1, 3)) == "failed" and set(outcomes.values()) == {"ok"}
+        await committer.close()
+        await asyncio.to_thread(member.consumer.close)
+    assert outcomes.pop((1, 3)) == Outcome.FAILED and set(outcomes.values()) == {"ok"}
     records = await consume_until(kafka_bootstrap, topics.replies)  # read_committed
-    assert sorted(r.value for r in records) == sorted(
-        f"{p}:{o}".encode() for p, o in outcomes
-    )  # each once
-    assert (
-        metrics.registry.get_sample_value("inferline_transactions_total", {"outcome": "committed"})
-        < 11
-    )
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(settings.kafka.group_id, partitions=tps)
-    finally:
-        await admin.close()
-    assert (
-        committed[tps[0]].offset == 6 and committed[tps[1]].offset == 3
-    )  # 3 waits for its dead letter
+    assert sorted(r.value for r in records) == sorted(b"%d:%d" % k for k in outcomes)  # each once
+    assert committer._m.transactions.labels("committed")._value.get() < 6
+    committed = await _committed(kafka_bootstrap, group, tps)
+    assert committed[tps[0]].offset == 6 and committed[tps[1]].offset == 3  # 3 awaits its DLQ
 
 
 @pytest.mark.kafka
@@ -168,10 +181,12 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(
     reqs = [request(t.replies, f"Say the number {n}.", max_tokens=2) for n in range(4)]
     await submit(kafka_bootstrap, t.requests, reqs)
     tp, tracker, outcomes = TopicPartition(t.requests, 0), OffsetTracker(), {}
-    previous = Transactions(settings, tracker, Metrics())
-    await previous.open([tp])
+    member = Member(settings)
+    await asyncio.to_thread(member.join)
+    tracker.resume(tp, None, None)
     for o in range(4):
         tracker.add(tp, o)
+    previous = await _committer(settings, tracker, member)
     for o in (0, 2, 3):
         done = encode_event(
             DoneEvent(
@@ -184,16 +199,12 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(
                 text="x",
             )
         )
-        previous.submit(
-            tp,
-            Final(
-                o,
-                [(t.replies, None, reqs[o]["id"].encode(), done, None)],
-                lambda outcome, error=None, o=o: outcomes.__setitem__(o, outcome),
-            ),
-        )
+        final = _final(tp, o, outcomes, done, t.replies)
+        final.records = [(t.replies, None, reqs[o]["id"].encode(), done, None)]
+        previous.submit(final)
     await _until(lambda: len(outcomes) == 3, 30)
-    await previous.close_all()
+    await previous.close()
+    await asyncio.to_thread(member.consumer.close)
 
     worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
     task = asyncio.create_task(worker.run())
@@ -236,7 +247,7 @@ async def test_sigkill_between_a_dones_send_and_its_commit(
     finally:
         killed.kill()
     assert killed.returncode == -9, (tmp_path / "killed.log").read_text()[-2000:]
-    assert "txn.fault_kill_before_commit" in (tmp_path / "killed.log").read_text()
+    assert "commit.fault_kill_before_commit" in (tmp_path / "killed.log").read_text()
     uncommitted = await _read_uncommitted(kafka_bootstrap, topics.replies)
     orphans = {e.attempt for e in uncommitted if isinstance(e, DoneEvent)}
     assert orphans, "the killed worker's done was not on the broker: the window was not hit"
@@ -277,53 +288,3 @@ async def _read_uncommitted(bootstrap: str, topic: str) -> list:
         return events
     finally:
         await consumer.stop()
-
-
-@pytest.mark.kafka
-@pytest.mark.parametrize("lead_s", [0.0, 0.02, 0.1, 0.5])
-async def test_a_final_committed_while_its_partition_moves_is_seen_by_the_new_owner_or_never(
-    kafka_bootstrap, topics, lead_s
-):
-    """A worker holding its partitions through a rebalance (#37) commits a final while the partition
-    moves: its commit races the new owner's InitProducerId. Either it committed first and the
-    new owner's take-over (committed offset + ledger) skips the request, or it is fenced and
-    read_committed readers never see it: one final either way, never none, never two."""
-    settings = _settings(kafka_bootstrap, topics, f"g-{uuid.uuid4().hex[:8]}")
-    tp = TopicPartition(topics.requests, 0)
-    old_tracker, new_tracker, outcomes = OffsetTracker(), OffsetTracker(), {}
-    old, new = (Transactions(settings, t, Metrics()) for t in (old_tracker, new_tracker))
-    old.owner = Evicted()
-    for offset in (0, 1):  # 0 still runs: the commit's ledger lists 1 above the mark 0
-        old_tracker.add(tp, offset)
-    await old.open([tp])
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        old.submit(tp, _final(1, outcomes, topic=topics.replies))
-        await asyncio.sleep(lead_s)
-        await new.open([tp])  # the new owner's take-over: fence, then read the commit
-        committed = (
-            await admin.list_consumer_group_offsets(settings.kafka.group_id, partitions=[tp])
-        ).get(tp)
-        await _until(lambda: 1 in outcomes, 30)
-    finally:
-        await admin.close()
-        await old.close_all()
-        await new.close_all()
-    has_commit = committed is not None and committed.offset >= 0
-    new_tracker.resume(
-        tp, committed.offset if has_commit else None, committed.metadata if has_commit else None
-    )
-    visible = await consume_until(
-        kafka_bootstrap,
-        topics.replies,
-        timeout=2,
-        raise_on_timeout=False,
-        predicate=lambda rs: bool(rs),
-    )
-    print(f"lead {lead_s}s: old owner's final {outcomes[1]}")
-    assert new_tracker.add(tp, 0)  # the request still running is the new owner's to run
-    if outcomes[1] == "ok":
-        assert [r.value for r in visible] == [b"done 1"] and not new_tracker.add(tp, 1)
-    else:
-        assert outcomes[1] == "fenced" and not visible and new_tracker.add(tp, 1)
