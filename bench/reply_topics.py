@@ -6,8 +6,8 @@ producer, which keeps every topic it ever wrote to.
 
 On a private broker (tests.chaos_fixtures.PrivateBroker), N reply topics of one partition, then,
 after a warm-up request and at most --concurrency requests in flight: (a) `worker`: the worker's
-Publisher and Transactions send each topic one request's events as worker/app.py does (the final
-`done` committed with its input offset); (b) `baseline`: one plain idempotent AIOKafkaProducer
+Publisher and Committer send each topic one request's events as worker/app.py does (the final
+`done` committed with its input offset; the Committer's librdkafka producer is not inspected); (b) `baseline`: one plain idempotent AIOKafkaProducer
 sends the same three events. Per variant: the producers' metadata topic sets at the end (empty:
 every topic of the cluster), the topics a refresh fetches and its time, events/s. Writes
 bench/results/reply-topics.json.
@@ -95,13 +95,13 @@ async def load(args, send, stem: str) -> dict:
 
 
 async def run_worker(args) -> dict:
-    """The worker's Publisher and Transactions, called as worker/app.py calls them."""
+    """The worker's Publisher and Committer, called as worker/app.py calls them."""
     from aiokafka import TopicPartition
 
     from inferline.config.settings import Settings
     from inferline.worker.delivery.offsets import OffsetTracker
     from inferline.worker.delivery.publisher import Publisher, ReplyStream
-    from inferline.worker.delivery.transactions import Transactions
+    from inferline.worker.delivery.commit import Committer
     from inferline.worker.service.metrics import Metrics
 
     requests = f"bench-reply-topics-{args.stem}.requests"
@@ -114,10 +114,13 @@ async def run_worker(args) -> dict:
         }
     )
     metrics, tracker, tp = Metrics(), OffsetTracker(), TopicPartition(requests, 0)
-    transactions = Transactions(settings, tracker, metrics)
-    publisher = Publisher(settings, metrics, "bench-worker", transactions)
+    member = await asyncio.to_thread(_GroupMember, settings)
+    committer = Committer(settings, tracker, metrics)
+    committer.owner = member
+    publisher = Publisher(settings, metrics, "bench-worker", committer)
     await publisher.start()
-    await transactions.open([tp])
+    await committer.start()
+    tracker.resume(tp, None, None)
 
     def send(i: int, topic: str) -> asyncio.Future:
         acked = asyncio.get_running_loop().create_future()
@@ -136,7 +139,7 @@ async def run_worker(args) -> dict:
             queue_s=0.001,
             ttft_s=0.002,
             total_s=0.003,
-            source=(tp, offset, 0),
+            source=(tp, offset, 1),
             on_acked=lambda out, error=None: acked.set_result(out),
         )
         return acked
@@ -144,12 +147,32 @@ async def run_worker(args) -> dict:
     report = await load(args, send, args.stem)
     report.update(
         publisher_producer=await metadata(publisher._producer.client),
-        transactional_producer=await metadata(transactions._parts[tp]._producer.client),
         send_failures=metrics.send_failures._value.get(),
     )
     await publisher.stop()
-    await transactions.close_all()
+    await committer.close()
+    await asyncio.to_thread(member.consumer.close)
     return report
+
+
+class _GroupMember:
+    """A member of the worker's group on the request topic: the committer's group metadata."""
+
+    def __init__(self, settings) -> None:
+        from confluent_kafka import Consumer
+
+        from inferline.worker.intake.group import consumer_config
+
+        self.consumer = Consumer(consumer_config(settings.kafka))
+        self.consumer.subscribe([settings.kafka.request_topic])
+        while not self.consumer.assignment():
+            self.consumer.poll(0.1)
+
+    def owns(self, tp, generation) -> bool:
+        return True
+
+    def group_metadata(self):
+        return self.consumer.consumer_group_metadata()
 
 
 async def run_baseline(args) -> dict:
@@ -242,7 +265,7 @@ async def end_offsets(bootstrap: str, stem: str, n: int, timeout_ms: int = 40_00
 
 def table(res: dict) -> str:
     w, b = res["runs"]["worker"], res["runs"]["baseline"]
-    pub, txn, base = w["publisher_producer"], w["transactional_producer"], b["producer"]
+    pub, base = w["publisher_producer"], b["producer"]
 
     def md(m: dict, key: str) -> str:
         if key == "refresh_s":
@@ -253,7 +276,7 @@ def table(res: dict) -> str:
         ("", "(a) worker (pruned)", "(b) plain producer"),
         ("outcomes", json.dumps(w["outcomes"]), json.dumps(b["outcomes"])),
         *[
-            (f"metadata: {k}", f"{md(pub, k)} + txn {md(txn, k)}", md(base, k))
+            (f"metadata: {k}", md(pub, k), md(base, k))
             for k in ("topics", "cached_topics", "refresh_s")
         ],
         ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}"),
@@ -264,7 +287,7 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from inferline.worker.delivery.transactions import MAX_PRODUCER_TOPICS
+    from inferline.worker.delivery.publisher import MAX_PRODUCER_TOPICS
     from tests.chaos_fixtures import PrivateBroker
 
     # The broker keeps each partition's active segment open: an fd each, besides ~2,000 others.

@@ -1,13 +1,12 @@
 """A scaling step under steady load: a worker joins two, or one of three leaves (SIGTERM, drain).
 
-    python -m bench.scaling_step                         # group mode: join, leave x requeue, hold
-    python -m bench.scaling_step --step join --rebalance hold --quick
+    python -m bench.scaling_step                         # group mode: join, leave
+    python -m bench.scaling_step --step join --quick
     python -m bench.scaling_step --mode share            # share mode (a private Kafka 4.2 broker)
 
 Long streaming requests run on 8 partitions (group) or one (share: whichever worker has room takes
-the next record); the joiner loads its model first and joins at the step. Group: `--rebalance
-requeue` requeues every revoked partition's requests, `hold` (the default) only those of
-partitions that moved. Per step: the requests running at it, how many were requeued, the tokens
+the next record); the joiner loads its model first and joins at the step. Group mode rebalances
+incrementally (KIP-848): only the requests of partitions that moved are requeued. Per step: the requests running at it, how many were requeued, the tokens
 computed twice (output of requeued attempts and their prompts again), the TTFT p99 of requests
 sent during the step, requests finished more than once, and how long the step took (group: to
 stable again; share: to the joiner's first `started`, or to the leaver's exit). Writes
@@ -261,11 +260,7 @@ async def run_step(
     partitions = 1 if share else PARTITIONS
     topics = await private_topics(bootstrap, "scale", partitions, partitions)
     group, run = f"scale-{uuid.uuid4().hex[:8]}", StepRun(step, rebalance)
-    kafka = (
-        {"intake": "share"}
-        if share
-        else {"rebalance": rebalance, "session_timeout_ms": SESSION_TIMEOUT_MS}
-    )
+    kafka = {"intake": "share"} if share else {"session_timeout_ms": SESSION_TIMEOUT_MS}
     workers = {
         n: WorkerProcess(
             n,
@@ -372,13 +367,6 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["group", "share"], default="group")
     p.add_argument("--step", choices=["join", "leave"], nargs="+", default=["join", "leave"])
-    p.add_argument(
-        "--rebalance",
-        choices=["requeue", "hold"],
-        nargs="+",
-        default=["requeue", "hold"],
-        help="group mode",
-    )
     p.add_argument("--max-tokens", type=int, default=Load.max_tokens)
     p.add_argument("--quick", action="store_true", help="the test's load, shorter")
     p.add_argument("--out", type=Path, default=stats.RESULTS / "scaling_step.json")
@@ -394,7 +382,7 @@ async def main() -> None:
             broker.env["INFERLINE_KAFKA_VERSION"] = "4.2.0"  # share groups
         broker.start()
         try:
-            rebalances = ["hold"] if share else args.rebalance
+            rebalances = ["share"] if share else ["incremental"]
             for step, rebalance in itertools.product(args.step, rebalances):
                 run = await run_step(broker.bootstrap, step, rebalance, Path(tmp), load, args.mode)
                 results.append(figures(run, args.mode))

@@ -35,9 +35,6 @@ class KafkaSettings(BaseModel):
     # `group`: a consumer group, exactly one final result per request. `share`: a share group
     # (KIP-932, broker 4.2+), at least once, body tenancy only (docs/operations.md).
     intake: Literal["group", "share"] = "group"
-    # Group mode, on a rebalance. `hold`: only the requests of partitions that moved are requeued.
-    # `requeue`: those of every revoked partition (docs/operations.md, "Scaling").
-    rebalance: Literal["hold", "requeue"] = "hold"
     # Share mode: a record delivered more often goes to the dead-letter topic; lowered below the
     # broker's group.share.delivery.count.limit.
     max_deliveries: int = Field(4, ge=1)
@@ -49,6 +46,8 @@ class KafkaSettings(BaseModel):
     # Static membership: a worker restarted within the session timeout keeps its partitions.
     group_instance_id: str | None = None
     client_id: str = "inferline"
+    # Group mode: the group's `consumer.session.timeout.ms`, set by the worker (KIP-848 keeps it on
+    # the broker, within its group.consumer.min/max.session.timeout.ms; refused: the broker's).
     session_timeout_ms: int = Field(10_000, ge=1_000)
     # No request message over this size is decoded (the broker default is 1 MiB).
     max_message_bytes: int = Field(1_048_576, ge=1_024)
@@ -64,7 +63,8 @@ class KafkaSettings(BaseModel):
     # The broker aborts a dead worker's open transaction after this; readers of its reply partitions
     # wait that long, so keep it short.
     transaction_timeout_ms: int = Field(10_000, ge=1_000)
-    # A partition begins at most one transaction per interval (0: no wait): finals share one.
+    # The worker begins at most one transaction per interval (0: no wait): the finals of every
+    # partition it owns share one.
     transaction_interval_ms: float = Field(250.0, ge=0)
     # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
     offset_metadata_max_bytes: int = Field(4096, ge=64)

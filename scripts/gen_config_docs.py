@@ -128,7 +128,12 @@ OTHER_VARIABLES = {
         "`0`",
         "Test hook: `N` makes the worker SIGKILL itself after "
         "its Nth transaction's records reach the broker and before the "
-        "commit (worker/delivery/transactions.py; tests and `make chaos`).",
+        "commit (worker/delivery/commit.py; tests and `make chaos`).",
+    ),
+    "INFERLINE_FAULT_PRODUCER_START_FAILS": (
+        "`0`",
+        "Test hook: the first `N` starts of the worker's transactional producer fail "
+        "(worker/delivery/commit.py: each is tried again).",
     ),
     "INFERLINE_FAULT_STEP_DELAY_S": (
         "`0`",

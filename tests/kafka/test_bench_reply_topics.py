@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from inferline.worker.delivery.transactions import MAX_PRODUCER_TOPICS
+from inferline.worker.delivery.publisher import MAX_PRODUCER_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -51,9 +51,8 @@ def test_writes_both_runs_and_every_event_arrives(results):
     assert ends["min"] >= ends["expected_min"]
 
 
-@pytest.mark.parametrize("producer", ["publisher_producer", "transactional_producer"])
-def test_worker_producer_metadata_stays_bounded(results, producer):
-    md = results["runs"]["worker"][producer]
+def test_worker_producer_metadata_stays_bounded(results):
+    md = results["runs"]["worker"]["publisher_producer"]
     # An empty topic set is not small: aiokafka then asks for every topic of the cluster.
     assert 0 < md["topics"] <= MAX_PRODUCER_TOPICS + SPARE, md
     assert md["cached_topics"] <= MAX_PRODUCER_TOPICS + SPARE, md

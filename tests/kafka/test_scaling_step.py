@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(
     kafka_bootstrap, tmp_path, step
 ):
-    run = await run_step(kafka_bootstrap, step, "hold", tmp_path, QUICK)
+    run = await run_step(kafka_bootstrap, step, "incremental", tmp_path, QUICK)
     assert 0 < len(run.moved) < PARTITIONS, (run.before, run.after)
     requeued = run.requeued()
     running = len(run.running_at(run.begin))
@@ -52,7 +52,7 @@ async def test_a_share_mode_step_finishes_every_request_once(share_broker, tmp_p
     """`python -m bench.scaling_step --mode share` on a quick load: the joiner takes work, or the
     leaver drains; every request ends with exactly one final `done`."""
     load = Load(**{**QUICK.__dict__, "initial": SHARE.initial, "max_tokens": 16, "step_delay_s": 0})
-    run = await run_step(share_broker.bootstrap, step, "hold", tmp_path, load, "share")
+    run = await run_step(share_broker.bootstrap, step, "share", tmp_path, load, "share")
     result = figures(run, "share")
     print(result)
     assert result["finished_more_than_once"] == 0 and result["running_at_step"] > 0
