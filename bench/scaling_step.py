@@ -8,9 +8,10 @@ Long streaming requests run on 8 partitions (group) or one (share: whichever wor
 the next record); the joiner loads its model first and joins at the step. Group mode rebalances
 incrementally (KIP-848): only the requests of partitions that moved are requeued. Per step: the
 requests running at it, how many were requeued, the tokens computed twice (output of requeued
-attempts and their prompts again), the TTFT p99 of requests sent during the step, requests finished more than once, and how long the step took (group: to
-stable again; share: to the joiner's first `started`, or to the leaver's exit). Writes
-bench/results/scaling_step.json. tests/kafka/test_scaling_step.py asserts on `run_step`.
+attempts and their prompts again), the TTFT p99 of requests sent during the step, requests
+finished more than once, and how long the step took (group: to stable again; share: to the
+joiner's first `started`, or to the leaver's exit). Writes bench/results/scaling_step.json.
+tests/kafka/test_scaling_step.py asserts on `run_step`.
 """
 
 from __future__ import annotations
