@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.coordinator.protocol import ConsumerProtocol
-from aiokafka.errors import KafkaError
+from confluent_kafka import ConsumerGroupState
+from confluent_kafka.admin import AdminClient
 
 from bench import stats
 from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent
@@ -169,48 +168,44 @@ class StepRun:
         }
 
 
+def group_owners(admin, group: str) -> tuple[str, dict[int, str]]:
+    """Blocking: the group's state and each partition's member (ConsumerGroupDescribe: the
+    classic DescribeGroups does not see KIP-848 groups)."""
+    try:
+        g = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    except Exception:  # noqa: BLE001 - the coordinator moving or loading: not known now
+        return "Unknown", {}
+    owners = {
+        p.partition: m.member_id
+        for m in g.members
+        if m.assignment is not None
+        for p in m.assignment.topic_partitions
+    }
+    return ("Stable" if g.state == ConsumerGroupState.STABLE else str(g.state)), owners
+
+
 async def watch_group(
     bootstrap: str, group: str, members: int, run: StepRun | None = None, timeout: float = 600.0
 ) -> dict[int, str]:
     """Polls until the group is stable with `members` members owning every partition (after a
     rebalance, with `run`: its unstable and stable times are marked); returns the owners."""
-    admin, deadline = AIOKafkaAdminClient(bootstrap_servers=bootstrap), time.monotonic() + timeout
-    await admin.start()
-    try:
-        while time.monotonic() < deadline:
-            try:
-                (response,) = await admin.describe_consumer_groups([group])
-                g = response.groups[0]  # members: (id, ..., assignment bytes)
-                state, owners = (
-                    g[2],
-                    {
-                        p: m[0]
-                        for m in g[5]
-                        if m[-1]
-                        for _, parts in ConsumerProtocol.ASSIGNMENT.decode(m[-1]).assignment
-                        for p in parts
-                    },
-                )
-            except (KafkaError, IndexError):  # the coordinator moving or loading: not known now
-                state, owners = "Unknown", {}
-            if run is not None and state != "Stable" and run.unstable_at is None:
-                run.unstable_at = time.time()
-            stable = (
-                state == "Stable"
-                and len(owners) == PARTITIONS
-                and len(set(owners.values())) == members
-            )
-            if stable and (
-                run is None
-                or run.unstable_at is not None
-                or set(owners.values()) != set(run.before.values())
-            ):
-                if run is not None:
-                    run.stable_at, run.after = time.time(), owners
-                return owners
-            await asyncio.sleep(POLL_S)
-    finally:
-        await admin.close()
+    admin, deadline = AdminClient({"bootstrap.servers": bootstrap}), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state, owners = await asyncio.to_thread(group_owners, admin, group)
+        if run is not None and state != "Stable" and run.unstable_at is None:
+            run.unstable_at = time.time()
+        stable = (
+            state == "Stable" and len(owners) == PARTITIONS and len(set(owners.values())) == members
+        )
+        if stable and (
+            run is None
+            or run.unstable_at is not None
+            or set(owners.values()) != set(run.before.values())
+        ):
+            if run is not None:
+                run.stable_at, run.after = time.time(), owners
+            return owners
+        await asyncio.sleep(POLL_S)
     raise TimeoutError(f"group {group} not stable with {members} members")
 
 
