@@ -5,7 +5,6 @@ design: docs/reliability.md#exactly-one-final-result-transactions
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import heapq
 import zlib
@@ -16,7 +15,6 @@ import structlog
 from aiokafka import TopicPartition
 
 log = structlog.get_logger(__name__)
-LAG_EVERY_S = 5.0  # how often paused partitions' lag is refreshed
 _PLAIN, _PACKED = "1:", "2:"
 _PACK_ABOVE = 256  # characters: longer ledgers are zlib-packed
 
@@ -153,49 +151,3 @@ class OffsetTracker:
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)
-
-
-class LagGauge:
-    """Consumer lag per partition: records from the watermark to the end offset."""
-
-    def __init__(self, tracker: OffsetTracker, gauge) -> None:
-        self._tracker, self._gauge = tracker, gauge
-        self.consumer = None
-
-    def update(self) -> None:
-        """After a fetch: the high watermarks it brought."""
-        for tp in self.consumer.assignment() - self.consumer.paused():
-            high = self.consumer.highwater(tp)
-            if high is not None:
-                self._set(tp, high, self._tracker.watermark(tp))
-
-    async def run(self) -> None:
-        # A paused partition is not fetched, so its high watermark stops moving: ask now and then.
-        while True:
-            await asyncio.sleep(LAG_EVERY_S)
-            try:
-                await self._update_paused()
-            except Exception as exc:  # noqa: BLE001 - a gauge is worth a log line at most
-                log.debug("intake.lag_error", error=repr(exc))
-
-    def remove(self, tps) -> None:
-        """Partitions that moved: their new owner reports them."""
-        for tp in tps:
-            try:
-                self._gauge.remove(str(tp.partition))
-            except KeyError:
-                pass
-
-    async def _update_paused(self) -> None:
-        paused = self.consumer.paused() & self.consumer.assignment()
-        if not paused:
-            return
-        ends = await self.consumer.end_offsets(list(paused))
-        for tp, end in ends.items():
-            if tp in self.consumer.assignment():  # nothing taken yet: from where we would start
-                start = self._tracker.watermark(tp)
-                self._set(tp, end, start if start is not None else await self.consumer.position(tp))
-
-    def _set(self, tp: TopicPartition, end: int, mark: int | None) -> None:
-        if mark is not None:
-            self._gauge.labels(str(tp.partition)).set(max(0, end - mark))
