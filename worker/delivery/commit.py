@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -187,26 +188,37 @@ class Committer:
     def _take(self) -> list[Final]:
         """Every due final of an owned partition, within each partition's ledger limit; none waits
         behind another's failures (retries are charged per record)."""
-        now, batch, later = time.monotonic(), [], []
-        for f in sorted(self._queue, key=lambda f: (f.tp, f.offset)):
+        now, due, later = time.monotonic(), defaultdict(list), []
+        for f in self._queue:
             if not self.owner.owns(f.tp, f.generation):
                 f.on_done(Outcome.MOVED)
-            elif f.not_before > now or not self._ledger_fits(f.tp, batch, f):
+            elif f.not_before > now:
                 later.append(f)
             else:
-                batch.append(f)
+                due[f.tp].append(f)
+        batch = []
+        for tp, finals in due.items():
+            fitting = self._fitting(tp, sorted(finals, key=lambda f: f.offset))
+            batch += fitting
+            later += finals[len(fitting) :]
         self._queue = later
         if later:
             wake_in = max(0.0, min(f.not_before for f in later) - now)
             asyncio.get_running_loop().call_later(wake_in, self._wake.set)
         return batch
 
-    def _ledger_fits(self, tp, batch: list[Final], final: Final) -> bool:
-        same = [f.offset for f in batch if f.tp == tp]
-        if not same:  # the lowest always fits: finishing it shortens the ledger
-            return True
-        ledger = self._tracker.ledger(tp, same + [final.offset])
-        return ledger is None or len(ledger[1]) <= self._k.offset_metadata_max_bytes
+    def _fitting(self, tp: TopicPartition, finals: list[Final]) -> list[Final]:
+        """The lowest offsets whose ledger fits the metadata limit (the lowest always fits:
+        finishing it shortens the ledger)."""
+        limit = self._k.offset_metadata_max_bytes
+        whole = self._tracker.ledger(tp, [f.offset for f in finals])
+        if whole is None or len(whole[1]) <= limit:
+            return finals
+        for n in range(2, len(finals) + 1):
+            ledger = self._tracker.ledger(tp, [f.offset for f in finals[:n]])
+            if ledger is not None and len(ledger[1]) > limit:
+                return finals[: n - 1]
+        return finals
 
     async def _commit(self, batch: list[Final]) -> None:
         ledgers = self._ledgers(batch)
