@@ -62,7 +62,7 @@ async def test_refused_replies_do_not_pause_intake_for_other_topics(
     assert all(
         dict(r.headers)["error"].startswith(b"the reply could not be delivered") for r in dead
     )
-    assert all(b"MessageSizeTooLarge" in dict(r.headers)["error"] for r in dead)
+    assert all(b"MSG_SIZE_TOO_LARGE" in dict(r.headers)["error"] for r in dead)
     for _ in range(100):
         if not worker.tracker.to_commit() and not worker.jobs:
             break

@@ -258,7 +258,7 @@ class Intake(Triage):
             try:
                 ends[TopicPartition(p.topic, p.partition)] = self._consumer.get_watermark_offsets(
                     p, timeout=1.0
-                )[1]
+                )
             except Exception as exc:  # noqa: BLE001 - a gauge is worth a log line at most
                 log.debug("intake.lag_error", error=repr(exc))
         self._loop.call_soon_threadsafe(self._set_lag, ends)
@@ -349,11 +349,14 @@ class Intake(Triage):
             except KeyError:
                 pass
 
-    def _set_lag(self, ends: dict[TopicPartition, int]) -> None:
-        for tp, end in ends.items():
-            mark = self._tracker.watermark(tp)
-            if mark is not None and tp in self._epochs:
-                self._m.consumer_lag.labels(str(tp.partition)).set(max(0, end - mark))
+    def _set_lag(self, ends: dict[TopicPartition, tuple[int, int]]) -> None:
+        """Records from the commit watermark (nothing taken or committed: the log's start) to the
+        end, per owned partition."""
+        for tp, (start, end) in ends.items():
+            if tp in self._epochs:
+                mark = self._tracker.watermark(tp)
+                lag = end - (start if mark is None else mark)
+                self._m.consumer_lag.labels(str(tp.partition)).set(max(0, lag))
 
 
 def _names(tps) -> list[str]:
