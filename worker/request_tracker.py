@@ -57,9 +57,12 @@ class RequestTracker:
     # -- intake sink ------------------------------------------------------------------------------
 
     def room(self) -> int:
+        """Records intake may take now: the waiting pool's room, less the dead letters in flight
+        (a flood of them must not grow memory while the dead-letter topic is slow)."""
         if self.draining or self.delivery.publisher.full():
             return 0
-        return max(0, self.settings.scheduler.max_waiting - self._num_waiting)
+        busy = self._num_waiting + self.delivery.dead_letters_in_flight
+        return max(0, self.settings.scheduler.max_waiting - busy)
 
     def pool_full(self) -> bool:
         return self._num_waiting >= self.settings.scheduler.max_waiting
