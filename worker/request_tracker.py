@@ -69,8 +69,6 @@ class RequestTracker:
 
     def admit(self, adm: Admission) -> None:
         req, tp, offset = adm.request, adm.tp, adm.offset
-        if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
-            return
         rs = ReplyStream(
             req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream
         )

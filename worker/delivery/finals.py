@@ -18,6 +18,11 @@ from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStre
 from inferline.worker.engine.request import RequestOutput
 
 log = structlog.get_logger(__name__)
+# A resubmission whose final `done` is no longer kept here: it is on its reply topic already.
+ANSWERED_BEFORE = (
+    "answered_before",
+    "this request was answered before; its final done is on the reply topic, no longer kept here",
+)
 
 
 class Delivery:
@@ -127,7 +132,8 @@ class Delivery:
 
     def answered_before(self, tp, offset: int, req: Request) -> bool:
         """The same request again after its final `done`: the remembered `done` is resent with its
-        offset."""
+        offset, or, when it is not kept (too big, evicted), a fresh `done` saying it was answered
+        before. Either one that cannot be delivered dead-letters the request."""
         if not self.ledger.finished(req):
             return False
         log.warning(
@@ -137,14 +143,18 @@ class Delivery:
             offset=offset,
         )
         self.num_resubmitted += 1
+        final = self.ledger.final_event(req.id)
+        if final is None:
+            self.reject(tp, offset, ReplyRoute.of(req), *ANSWERED_BEFORE, metadata=req.metadata)
+            return True
         generation = self._generation(tp)
         self.ledger.taken(tp)
-        final = self.ledger.final_event(req.id)
-        record = (final[0], final[1], req.id.encode(), final[2]) if final is not None else None
         self.publisher.finish_offset(
             (tp, offset, generation),
-            record,
-            lambda outcome, error=None: self._input_done(tp, offset, outcome, generation),
+            (final[0], final[1], req.id.encode(), final[2]),
+            lambda outcome, error=None: self._answered(
+                tp, offset, outcome, final[0], generation, error
+            ),
         )
         return True
 

@@ -278,6 +278,10 @@ class Triage:
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
+        # First: a resubmission gets its first final again, never a second, different one (the
+        # same id with other content runs).
+        if self._delivery.answered_before(tp, offset, req):
+            return
         route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
