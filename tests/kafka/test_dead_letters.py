@@ -81,3 +81,29 @@ async def test_a_hostile_record_under_the_request_limit_is_dead_lettered_and_its
     assert worker.delivery.dlq_limit.topic_limit == BROKER_DEFAULT_MAX_MESSAGE_BYTES
     group = worker.settings.kafka.group_id
     assert await _wait_committed(kafka_bootstrap, group, tp, 1 + len(honest)) == 1 + len(honest)
+
+
+async def test_a_resubmission_whose_reply_topic_was_deleted_is_dead_lettered_and_commits(
+    kafka_bootstrap, topics, start_worker
+):
+    worker = await start_worker(topics)
+    tp = TopicPartition(topics.requests, 0)
+    req = request(topics.replies, "Say hello.", max_tokens=2)
+    record = (req["id"].encode(), msgpack.packb(req))
+    await produce_raw(kafka_bootstrap, topics.requests, [record], partition=0)
+    events = await collect(kafka_bootstrap, topics.replies, [req["id"]], timeout=60)
+    assert len(final_dones(events[req["id"]])) == 1
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([topics.replies])
+    finally:
+        await admin.close()
+    await produce_raw(kafka_bootstrap, topics.requests, [record], partition=0)  # sent again
+    (letter,) = await consume_until(
+        kafka_bootstrap, topics.dlq, lambda rs: len(rs) >= 1, timeout=90
+    )
+    assert letter.value == record[1] and dict(letter.headers)["source-offset"] == b"1"
+    assert worker.delivery.num_resubmitted == 1
+    group = worker.settings.kafka.group_id
+    assert await _wait_committed(kafka_bootstrap, group, tp, 2) == 2
