@@ -54,7 +54,8 @@ class KafkaSettings(BaseModel):
     # A reply topic's `max.message.bytes` must be at least this, else its requests are dead-lettered
     # (a topic refusing a transaction's markers would wedge it).
     min_reply_message_bytes: int = Field(65_536, ge=100)
-    # Seconds a final result failing for a passing cause is retried before it is dead-lettered.
+    # Seconds a final result failing for a passing cause is retried before it is dead-lettered;
+    # also how long a request waits on a reply-topic lookup the broker does not answer.
     final_retry_s: float = Field(300.0, ge=1.0)
     # Tokens made within this interval travel in one `tokens` event (the first at once).
     flush_interval_ms: float = Field(100.0, ge=0)

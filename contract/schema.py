@@ -76,6 +76,7 @@ ErrorCode = Literal[
     "timeout",
     "cancelled",
     "internal",
+    "answered_before",
 ]
 EventType = Literal["started", "tokens", "done"]
 FINISH_REASONS: tuple[str, ...] = FinishReason.__args__

@@ -49,6 +49,12 @@ class Overloaded(RequestRejected):
     code: ErrorCode = "overloaded"
 
 
+class AnsweredBefore(RequestRejected):
+    """A resubmission of a request answered before: its first final `done` is its answer."""
+
+    code: ErrorCode = "answered_before"
+
+
 class RequestTimeout(InferenceError):
     """The worker's deadline passed, or (``client_side``) no ``done`` came in time."""
 
@@ -84,6 +90,7 @@ ERRORS_BY_CODE: dict[str, type[InferenceError]] = {
     "timeout": RequestTimeout,
     "cancelled": RequestCancelled,
     "internal": WorkerError,
+    "answered_before": AnsweredBefore,
 }
 # When a done carries no error, its finish_reason decides.
 _CODE_BY_REASON = {

@@ -581,10 +581,27 @@ def messages() -> dict:
                     "source-topic": {"type": "string"},
                     "source-partition": {"type": "string", "pattern": "^[0-9]+$"},
                     "source-offset": {"type": "string", "pattern": "^[0-9]+$"},
+                    "truncated": {
+                        "type": "string",
+                        "enum": ["value", "key,value"],
+                        "description": "Present when the record was cut to fit the dead-letter "
+                        "topic's max.message.bytes.",
+                    },
+                    "original-size": {
+                        "type": "string",
+                        "pattern": "^[0-9]+$",
+                        "description": "The original value's size in bytes, when truncated.",
+                    },
+                    "original-key-size": {
+                        "type": "string",
+                        "pattern": "^[0-9]+$",
+                        "description": "The original key's size in bytes, when the key was cut.",
+                    },
                 },
             },
             "payload": {
-                "description": "The original record value, byte for byte (empty for a tombstone)."
+                "description": "The original record value, byte for byte (empty for a tombstone), "
+                "or its head when `truncated` says so."
             },
             "bindings": {
                 "kafka": {

@@ -407,6 +407,8 @@ class IntakeHarness:
         assign(self.worker.intake, [self.tp])
         self.worker.engine_loop = self.worker.requests.engine_loop = FakeEngineLoop()
         self.worker.publisher._enqueue = self._enqueue
+        # The dead-letter topic's limit as a broker's default would say (no broker is asked).
+        self.worker.delivery.dlq_limit.topic_limit = settings.kafka.max_message_bytes + 12
         # Every topic the policy allows exists (worker/intake/reply_topics.py asks no broker here).
         kafka = settings.kafka
         self.worker.intake.reply_topics.verdict = lambda topic, tenant=None: (

@@ -140,6 +140,7 @@ class Worker:
         )  # an engine may be reused: deltas from here
         self.engine_loop = engine_loop
         await self.publisher.start()
+        await self.delivery.start()  # the DLQ's limit, read before the first dead letter
         if self.committer is not None:
             await self.committer.start()
         await self.cancel_listener.start()

@@ -57,17 +57,18 @@ class RequestTracker:
     # -- intake sink ------------------------------------------------------------------------------
 
     def room(self) -> int:
+        """Records intake may take now: the waiting pool's room, less the dead letters in flight
+        (a flood of them must not grow memory while the dead-letter topic is slow)."""
         if self.draining or self.delivery.publisher.full():
             return 0
-        return max(0, self.settings.scheduler.max_waiting - self._num_waiting)
+        busy = self._num_waiting + self.delivery.dead_letters_in_flight
+        return max(0, self.settings.scheduler.max_waiting - busy)
 
     def pool_full(self) -> bool:
         return self._num_waiting >= self.settings.scheduler.max_waiting
 
     def admit(self, adm: Admission) -> None:
         req, tp, offset = adm.request, adm.tp, adm.offset
-        if self.delivery.answered_before(tp, offset, req):  # the same id with other content runs
-            return
         rs = ReplyStream(
             req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream
         )

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferline.config.settings import Settings
+from inferline.worker.delivery.dead_letters import batch_size
 from inferline.contract.schema import (
     ERROR_CODES,
     DoneEvent,
@@ -108,14 +109,14 @@ class Checker:
 
     def _dead_letter(self, value: bytes, out) -> str:
         headers = dict(out.headers)
-        assert (
-            {"error", "source-topic", "source-partition", "source-offset"}
-            <= set(headers)
-            <= {"error", "source-topic", "source-partition", "source-offset", "original-size"}
-        )
-        if "original-size" in headers:  # too big to produce again: the head of it, and its size
+        source = {"error", "source-topic", "source-partition", "source-offset"}
+        assert source <= set(headers) <= source | {"truncated", "original-size"}
+        if "truncated" in headers:  # too big for the dead-letter topic: the head, and its size
+            assert headers["truncated"] == b"value"
             assert int(headers["original-size"]) == len(value) and value.startswith(out.value)
             assert len(out.value) < len(value)
+            limit = self.h.worker.delivery.dlq_limit.known()
+            assert batch_size(out.key, out.value, out.headers) <= limit
         else:
             assert out.value == value
         assert 0 < len(headers["error"]) <= 400

@@ -99,6 +99,7 @@ def test_constants():
         "timeout",
         "cancelled",
         "internal",
+        "answered_before",
     )
 
 

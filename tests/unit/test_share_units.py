@@ -361,6 +361,7 @@ def share_worker(done_outcome: str = "ok"):
     worker = Worker(Settings(kafka={"intake": "share"}))
     worker.publisher = worker.delivery.publisher = AckingPublisher(done_outcome)
     worker.engine_loop = worker.requests.engine_loop = FakeEngineLoop()
+    worker.delivery.dlq_limit.topic_limit = 1_048_588  # as read from the DLQ at start
     decided = []
     worker.intake.decide = lambda tp, offset, verdict: decided.append((offset, verdict))
     return worker, decided
@@ -414,10 +415,9 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
     worker.requests._finish(
         worker.jobs[attempt], RequestOutput(attempt, finished=True, finish_reason="stop")
     )
-    # The same record again (its lock expired just after the done): answered from the ledger.
-    worker.requests.admit(
-        Admission(TopicPartition(TOPIC, 0), 3, make_request(3), time.time(), 8, time.time() + 60)
-    )
+    # The same record again (its lock expired just after the done): answered from the ledger,
+    # first thing in triage.
+    worker.intake._triage(TopicPartition(TOPIC, 0), 3, make_request(3), time.time())
     assert decided == [(3, "accept"), (3, "accept")] and not worker.jobs
 
 
@@ -439,6 +439,7 @@ def test_group_mode_sends_no_verdicts():
 
     worker = Worker(Settings())
     worker.publisher = worker.delivery.publisher = AckingPublisher()
+    worker.delivery.dlq_limit.topic_limit = 1_048_588  # as read from the DLQ at start
     assert not hasattr(worker.intake, "decide")
     worker.delivery.hold(TopicPartition(TOPIC, 0), record(1))
     worker.delivery.dead_letter(record(1), "undecodable")

@@ -103,6 +103,7 @@ def producer_config(kafka, txn_id: str) -> dict:
         "allow.auto.create.topics": False,  # a deleted reply topic stays deleted
         "topic.metadata.propagation.max.ms": 5000,  # an unknown topic is refused after this
         "linger.ms": 5,
+        "batch.size": kafka.min_reply_message_bytes,  # a batch every reply topic and the DLQ take
         "partitioner": "murmur2_random",  # the Java client's and aiokafka's: one reply partition
     }
 

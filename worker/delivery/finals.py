@@ -4,6 +4,7 @@ and its input finished. design: docs/architecture.md#the-delivery-path
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Callable
 
@@ -12,11 +13,17 @@ from aiokafka import TopicPartition
 
 from inferline.contract.schema import Request, Sample
 from inferline.worker.delivery.commit import Outcome
+from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
 from inferline.worker.engine.request import RequestOutput
 
 log = structlog.get_logger(__name__)
+# A resubmission whose final `done` is no longer kept here: it is on its reply topic already.
+ANSWERED_BEFORE = (
+    "answered_before",
+    "this request was answered before; its final done is on the reply topic, no longer kept here",
+)
 
 
 class Delivery:
@@ -34,6 +41,13 @@ class Delivery:
         self.publisher, self.ledger, self._m = publisher, ledger, metrics
         self._generation = generation  # a partition's assignment generation (Intake.epoch)
         self.num_resubmitted = 0
+        self.dlq_limit = DeadLetterLimit(self._k)
+        self.dead_letters_in_flight = 0  # not acked yet: they count against intake's room
+        self._sizing: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Read the dead-letter topic's limit before the first dead letter needs it."""
+        await self.dlq_limit.load()
 
     # -- what the intake hands over ---------------------------------------------------------------
 
@@ -42,28 +56,50 @@ class Delivery:
         self.ledger.hold(tp, record)
 
     def dead_letter(self, record, reason: str) -> None:
+        """Send `record` to the dead-letter topic with `reason`, cut to fit the topic's limit; its
+        offset finishes once the dead letter is on the broker."""
         tp = TopicPartition(record.topic, record.partition)
         generation = self._generation(tp)
         self.ledger.taken(tp)
+        self.dead_letters_in_flight += 1
         headers = [
             ("error", reason.encode()),
             ("source-topic", record.topic.encode()),
             ("source-partition", str(record.partition).encode()),
             ("source-offset", str(record.offset).encode()),
         ]
-        value, limit = record.value, self._k.max_message_bytes
-        if value is not None and len(value) > limit:  # could never be produced: keep the head
-            value = value[: limit - 4096]
-            headers.append(("original-size", str(len(record.value)).encode()))
+        limit = self.dlq_limit.known()
+        if limit is None or self.dlq_limit.due():  # unread, or unreadable a while ago: ask
+            task = asyncio.ensure_future(self._send_when_sized(record, headers, tp, generation))
+            self._sizing.add(task)
+            task.add_done_callback(self._sizing.discard)
+            if limit is None:
+                return
+        self._send_dead_letter(record, headers, tp, generation, limit)
+
+    async def _send_when_sized(self, record, headers, tp, generation: int) -> None:
+        first = self.dlq_limit.known() is None
+        limit = await self.dlq_limit.load()
+        if first:
+            self._send_dead_letter(record, headers, tp, generation, limit)
+
+    def _send_dead_letter(self, record, headers, tp, generation: int, limit: int) -> None:
+        key, value, headers = fit(record.key, record.value, headers, limit)
+        if len(headers) > 4:
+            log.warning(
+                "dead_letter.truncated",
+                partition=tp.partition,
+                offset=record.offset,
+                original_size=len(record.value or b""),
+                limit=limit,
+            )
+
+        def on_acked(outcome, error=None) -> None:
+            self.dead_letters_in_flight -= 1
+            self._input_done(tp, record.offset, outcome, generation, "reject")
+
         self.publisher.dead_letter(
-            self._k.dlq_topic,
-            record.key,
-            value,
-            headers,
-            (tp, record.offset, generation),
-            on_acked=lambda outcome, error=None: self._input_done(
-                tp, record.offset, outcome, generation, "reject"
-            ),
+            self._k.dlq_topic, key, value, headers, (tp, record.offset, generation), on_acked
         )
 
     def reject(
@@ -97,7 +133,8 @@ class Delivery:
 
     def answered_before(self, tp, offset: int, req: Request) -> bool:
         """The same request again after its final `done`: the remembered `done` is resent with its
-        offset."""
+        offset, or, when it is not kept (too big, evicted), a fresh `done` saying it was answered
+        before. Either one that cannot be delivered dead-letters the request."""
         if not self.ledger.finished(req):
             return False
         log.warning(
@@ -107,14 +144,18 @@ class Delivery:
             offset=offset,
         )
         self.num_resubmitted += 1
+        final = self.ledger.final_event(req.id)
+        if final is None:
+            self.reject(tp, offset, ReplyRoute.of(req), *ANSWERED_BEFORE, metadata=req.metadata)
+            return True
         generation = self._generation(tp)
         self.ledger.taken(tp)
-        final = self.ledger.final_event(req.id)
-        record = (final[0], final[1], req.id.encode(), final[2]) if final is not None else None
         self.publisher.finish_offset(
             (tp, offset, generation),
-            record,
-            lambda outcome, error=None: self._input_done(tp, offset, outcome, generation),
+            (final[0], final[1], req.id.encode(), final[2]),
+            lambda outcome, error=None: self._answered(
+                tp, offset, outcome, final[0], generation, error
+            ),
         )
         return True
 

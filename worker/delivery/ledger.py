@@ -20,6 +20,8 @@ MAX_REMEMBERED_DONE = 100_000
 # The last final `done`s, resent when their request comes back (bounded bytes).
 MAX_REMEMBERED_EVENTS = 10_000
 MAX_REMEMBERED_EVENT_BYTES = 64 * 1024
+# All of them together: the oldest go first (a `done` not kept is answered `answered_before`).
+MAX_REMEMBERED_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -59,6 +61,7 @@ class JobLedger:
         self._final_events: OrderedDict[str, tuple] = (
             OrderedDict()
         )  # id -> (topic, partition, done bytes)
+        self._final_bytes = 0  # of the `done`s in _final_events
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
 
     # -- jobs -------------------------------------------------------------------------------------
@@ -117,15 +120,26 @@ class JobLedger:
     # -- requests finished here -------------------------------------------------------------------
 
     def remember(self, job: Job) -> None:
+        """`job`'s request finished here: its id, and its final `done` within the bounds."""
         req = job.request
         self._completed[req.id] = fingerprint(req)
         if len(self._completed) > MAX_REMEMBERED_DONE:
             self._completed.popitem(last=False)
+        self._forget_event(req.id)
         done = job.reply.final_event
         if done is not None and len(done) <= MAX_REMEMBERED_EVENT_BYTES:
             self._final_events[req.id] = (job.reply.topic, job.reply.partition, done)
-            if len(self._final_events) > MAX_REMEMBERED_EVENTS:
-                self._final_events.popitem(last=False)
+            self._final_bytes += len(done)
+        while self._final_events and (
+            len(self._final_events) > MAX_REMEMBERED_EVENTS
+            or self._final_bytes > MAX_REMEMBERED_BYTES
+        ):
+            self._forget_event(next(iter(self._final_events)))
+
+    def _forget_event(self, request_id: str) -> None:
+        event = self._final_events.pop(request_id, None)
+        if event is not None:
+            self._final_bytes -= len(event[2])
 
     def finished(self, req: Request) -> bool:
         """This very request (same id and content) was answered here before."""

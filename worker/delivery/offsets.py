@@ -6,6 +6,7 @@ design: docs/reliability.md#exactly-one-final-result-transactions
 from __future__ import annotations
 
 import base64
+import bisect
 import heapq
 import zlib
 from collections.abc import Iterable
@@ -52,19 +53,62 @@ def decode_ledger(mark: int, metadata: str | None) -> set[int]:
 
 @dataclass
 class _PartitionState:
-    unfinished: list[int] = field(default_factory=list)  # min-heap, may hold finished offsets
-    finished: set[int] = field(default_factory=set)  # finished but still in the heap
-    ahead: set[int] = field(default_factory=set)  # final before this owner read them (ledger)
+    """One partition's offsets in flight. The heap may hold finished offsets (lazy deletion),
+    compacted once they outnumber the open ones; `done` and `ahead` hold only offsets above the
+    watermark, sorted: a commit costs O(log n) amortised, plus the ledger it writes."""
+
+    heap: list[int] = field(default_factory=list)  # min-heap of taken offsets, some finished
+    open: set[int] = field(default_factory=set)  # taken, not finished
+    done: list[int] = field(default_factory=list)  # finished above the watermark, sorted
+    ahead: list[int] = field(default_factory=list)  # final before this owner read them, sorted
     last_seen: int = -1
     committed: int | None = None  # the last watermark committed
 
     def watermark(self) -> int | None:
-        # Lazily drop finished offsets from the top of the heap.
-        while self.unfinished and self.unfinished[0] in self.finished:
-            self.finished.discard(heapq.heappop(self.unfinished))
-        if self.unfinished:
-            return self.unfinished[0]
-        return self.last_seen + 1 if self.last_seen >= 0 else None
+        self._drop_finished_top()
+        if self.heap:
+            mark = self.heap[0]
+        elif self.last_seen >= 0:
+            mark = self.last_seen + 1
+        else:
+            return None
+        _drop_through(self.done, mark)  # no later ledger's mark is lower
+        return mark
+
+    def mark_without(self, finishing: set[int]) -> int:
+        """The watermark once `finishing` are finished too: those set aside, then put back."""
+        self._drop_finished_top()
+        aside = []
+        while self.heap and self.heap[0] in finishing:
+            aside.append(heapq.heappop(self.heap))
+            self._drop_finished_top()
+        mark = self.heap[0] if self.heap else self.last_seen + 1
+        for o in aside:
+            heapq.heappush(self.heap, o)
+        return mark
+
+    def finish(self, offset: int) -> None:
+        if offset not in self.open:  # not in flight here: nothing to remember
+            return
+        self.open.discard(offset)
+        bisect.insort(self.done, offset)
+        if len(self.heap) > 2 * len(self.open) + 64:  # mostly finished: rebuild, O(1) amortised
+            self.heap = list(self.open)
+            heapq.heapify(self.heap)
+
+    def _drop_finished_top(self) -> None:
+        while self.heap and self.heap[0] not in self.open:
+            heapq.heappop(self.heap)
+
+
+def _drop_through(offsets: list[int], mark: int) -> None:
+    """Remove the sorted `offsets` at or below `mark`."""
+    if offsets and offsets[0] <= mark:
+        del offsets[: bisect.bisect_right(offsets, mark)]
+
+
+def _above(offsets: list[int], mark: int) -> list[int]:
+    return offsets[bisect.bisect_right(offsets, mark) :]
 
 
 class OffsetTracker:
@@ -78,7 +122,7 @@ class OffsetTracker:
         st = self._parts[tp] = _PartitionState()
         if committed is not None:
             st.last_seen, st.committed = committed - 1, committed
-            st.ahead = decode_ledger(committed, metadata)
+            st.ahead = sorted(decode_ledger(committed, metadata))
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
         """An offset was taken; it blocks the watermark until finished. False if read before or
@@ -88,16 +132,18 @@ class OffsetTracker:
         if offset <= st.last_seen:
             return False
         st.last_seen = offset
-        if offset in st.ahead:  # stays listed until the watermark passes it
+        i = bisect.bisect_left(st.ahead, offset)
+        if i < len(st.ahead) and st.ahead[i] == offset:  # stays listed until the mark passes it
             return False
-        heapq.heappush(st.unfinished, offset)
+        heapq.heappush(st.heap, offset)
+        st.open.add(offset)
         return True
 
     def finish(self, tp: TopicPartition, offset: int) -> None:
+        """`offset` is final; an offset not in flight here (revoked, never taken) is ignored."""
         st = self._parts.get(tp)
-        if st is None:  # revoked and forgotten meanwhile
-            return
-        st.finished.add(offset)
+        if st is not None:
+            st.finish(offset)
 
     def next_offset(self, tp: TopicPartition) -> int | None:
         """The first offset not taken yet (where a kept partition reads on)."""
@@ -105,8 +151,9 @@ class OffsetTracker:
         return None if st is None or st.last_seen < 0 else st.last_seen + 1
 
     def pending(self, tp: TopicPartition) -> int:
+        """Offsets taken and not finished."""
         st = self._parts.get(tp)
-        return 0 if st is None else len(st.unfinished) - len(st.finished)
+        return 0 if st is None else len(st.open)
 
     def watermark(self, tp: TopicPartition) -> int | None:
         """The next unfinished offset (what a commit now would say), if any was seen."""
@@ -116,14 +163,13 @@ class OffsetTracker:
     def ledger(self, tp: TopicPartition, finishing: Iterable[int] = ()) -> tuple[int, str] | None:
         """(offset, metadata) a commit would carry once `finishing` are finished too."""
         st = self._parts.get(tp)
-        if st is None:
+        if st is None or st.last_seen < 0 and st.committed is None:
             return None
         finishing = set(finishing)
-        open_ = [o for o in st.unfinished if o not in st.finished and o not in finishing]
-        mark = min(open_, default=st.last_seen + 1)
-        if st.last_seen < 0 and st.committed is None:
-            return None
-        done = {o for o in st.finished | finishing | st.ahead if o > mark}
+        st.watermark()  # drops what no ledger lists any more
+        mark = st.mark_without(finishing)
+        done = {*_above(st.done, mark), *_above(st.ahead, mark)}
+        done.update(o for o in finishing if o > mark)
         return mark, encode_ledger(mark, done)
 
     def to_commit(self, tps=None) -> dict[TopicPartition, int]:
@@ -139,13 +185,15 @@ class OffsetTracker:
         return out
 
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
+        """These marks are committed: the ledger forgets what they passed."""
         for tp, mark in offsets.items():
             if tp in self._parts:
                 st = self._parts[tp]
                 st.committed = mark
-                st.ahead = {o for o in st.ahead if o > mark}
+                _drop_through(st.ahead, mark)
 
     def forget(self, tps) -> None:
+        """Partitions that moved: their state goes."""
         for tp in tps:
             self._parts.pop(tp, None)
 

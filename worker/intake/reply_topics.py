@@ -83,19 +83,29 @@ class ReplyTopics:
         self._inflight: asyncio.Future | None = None
 
     def verdict(
-        self, topic: str, tenant: str | None = None, listed_after: bool = False
+        self,
+        topic: str,
+        tenant: str | None = None,
+        listed_after: bool = False,
+        last_known: bool = False,
     ) -> str | None:
         """ "ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
-        last listing was read after the request, so a topic missing from it does not exist."""
+        last listing was read after the request, so a topic missing from it does not exist.
+        `last_known`: the broker was just asked (maybe in vain): a topic listed and checked before
+        keeps its last verdict, however old (a failed re-check is no reason to refuse)."""
         reason = refusal(topic, self._kafka, tenant)
         if reason:
             return reason
         now = self.clock()
-        if now - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S:
+        if now - self._seen.get(topic, float("-inf")) < KNOWN_FOR_S or (
+            last_known and topic in self._seen
+        ):
             if self._check_topics is None:
                 return "ok"
-            when, unsafe = self._checked.get(topic, (float("-inf"), None))
-            if now - when < CHECKED_FOR_S:
+            if topic not in self._checked:
+                return None
+            when, unsafe = self._checked[topic]
+            if now - when < CHECKED_FOR_S or last_known:
                 return (
                     f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
                 )
@@ -128,7 +138,8 @@ class ReplyTopics:
         log.debug("reply_topics.refreshed", allowed=len(self._seen), missing=len(self._missing))
 
     async def check(self, wanted) -> None:
-        """Read the limits of the `wanted` topics that exist and were not read lately."""
+        """Read the limits of the `wanted` topics that exist and were not read lately; a topic the
+        answer leaves out (its configs could not be read just now) keeps its last verdict."""
         if self._check_topics is None:
             return
         now = self.clock()
@@ -142,7 +153,7 @@ class ReplyTopics:
         )
         if stale:
             reasons = await self._check_topics(stale)
-            self._checked.update({t: (now, reasons.get(t)) for t in stale})
+            self._checked.update({t: (now, reasons[t]) for t in stale if t in reasons})
             for t in [t for t in stale if reasons.get(t)]:
                 log.warning("reply_topics.unsafe", topic=t, reason=reasons[t])
         if len(self._checked) > 4 * len(self._seen) + 1024:  # deleted topics' entries

@@ -28,7 +28,12 @@ from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
 
 log = structlog.get_logger(__name__)
-LIST_TOPICS_TRIES = 3
+# A lookup the broker did not answer is tried again after this, doubling up to the max, until the
+# request has waited final_retry_s: a passing fault dead-letters no honest request.
+LOOKUP_BACKOFF_S = 0.5
+MAX_LOOKUP_BACKOFF_S = 10.0
+# Per-topic errors of a config read that are the broker's word on the topic, not a passing fault.
+UNKNOWN_TOPIC, TOPIC_AUTHORIZATION_FAILED = 3, 29
 REFUSAL_LOG_S = 1.0
 
 
@@ -123,9 +128,12 @@ class Triage:
         reasons: dict[str, str | None] = {}
         for response in responses:
             for res in response.to_object()["resources"]:
-                topic = res["resource_name"]
-                if res["error_code"]:
-                    reasons[topic] = f"its configs cannot be read (error {res['error_code']})"
+                topic, error = res["resource_name"], res["error_code"]
+                if error in (UNKNOWN_TOPIC, TOPIC_AUTHORIZATION_FAILED):
+                    reasons[topic] = f"its configs cannot be read (error {error})"
+                    continue
+                if error:  # left out: asked again, meanwhile its last verdict holds
+                    log.warning("intake.topic_configs_unread", topic=topic, error_code=error)
                     continue
                 configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
                 reasons[topic] = unsafe_limits(
@@ -197,32 +205,48 @@ class Triage:
         task.add_done_callback(done)
 
     async def _verify_reply_topics(self, unverified: list[_Unverified]) -> None:
-        """One shared look at the broker's topic list for the batch's unknown reply topics; a few
-        tries, then dead letters."""
-        listed = False
-        for attempt in range(LIST_TOPICS_TRIES):
-            try:
-                await self.reply_topics.refresh_after(max(u.since for u in unverified))
-                await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
-                listed = True
-                break
-            except Exception as exc:  # noqa: BLE001 - no answer: try again, then refuse
-                log.warning("intake.list_topics_failed", error=repr(exc), attempt=attempt + 1)
-                await asyncio.sleep(0.5 * (attempt + 1))
-        await self._settled()  # a held partition may stay here: then its records are ours
-        for u in unverified:
-            if not self._still_ours(u.tp, u.generation):
-                continue
-            try:
-                verdict = self.reply_topics.verdict(
-                    u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed
-                )
-                self._dispatch(u.tp, u.record, u.decoded, verdict)
-            except Exception as exc:  # noqa: BLE001 - as in _handle_safely
-                log.exception(
-                    "intake.handle_failed", partition=u.tp.partition, offset=u.record.offset
-                )
-                self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
+        """Look the batch's unknown reply topics up, one shared topic list at a time. A topic the
+        broker lists as missing (or unsafe) is refused; one it cannot be asked about keeps its
+        requests waiting, asked again with backoff for up to final_retry_s, then dead-lettered."""
+        started, backoff = time.monotonic(), LOOKUP_BACKOFF_S
+        while True:
+            listed = await self._look_up(unverified)
+            await self._settled()  # a held partition may stay here: then its records are ours
+            give_up = time.monotonic() - started >= self._s.kafka.final_retry_s
+            unverified = [u for u in unverified if not self._decide(u, listed, give_up)]
+            if not unverified:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_LOOKUP_BACKOFF_S)
+
+    async def _look_up(self, unverified: list[_Unverified]) -> bool:
+        """Whether a topic list read after these requests is in; their topics' configs read."""
+        try:
+            await self.reply_topics.refresh_after(max(u.since for u in unverified))
+        except Exception as exc:  # noqa: BLE001 - no answer: the requests wait
+            log.warning("intake.list_topics_failed", error=repr(exc))
+            return False
+        try:
+            await self.reply_topics.check({u.decoded.reply_topic for u in unverified})
+        except Exception as exc:  # noqa: BLE001 - as above; known topics keep their verdict
+            log.warning("intake.check_topics_failed", error=repr(exc))
+        return True
+
+    def _decide(self, u: _Unverified, listed: bool, give_up: bool) -> bool:
+        """Dispatch `u` if its topic has a verdict (or it waited long enough); False: it waits."""
+        if not self._still_ours(u.tp, u.generation):
+            return True
+        try:
+            verdict = self.reply_topics.verdict(
+                u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed, last_known=True
+            )
+            if verdict is None and not give_up:
+                return False
+            self._dispatch(u.tp, u.record, u.decoded, verdict)
+        except Exception as exc:  # noqa: BLE001 - as in _handle_safely
+            log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
+            self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
+        return True
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
         k = self._s.kafka
@@ -278,6 +302,10 @@ class Triage:
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
+        # First: a resubmission gets its first final again, never a second, different one (the
+        # same id with other content runs).
+        if self._delivery.answered_before(tp, offset, req):
+            return
         route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)

@@ -1,0 +1,126 @@
+"""Dead letters sized to the dead-letter topic's real limit: a record the request topic accepted
+may be too big for the DLQ once headers are added, and a refused dead letter would wedge its
+partition. design: docs/reliability.md
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+# The broker's default message.max.bytes (1 MiB plus the 12-byte log overhead).
+BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
+# A record batch's header (base offset, length, CRC, ...), as the broker counts it.
+BATCH_OVERHEAD = 61
+# A record's own fields at their widest (length, attributes, timestamp and offset deltas).
+RECORD_OVERHEAD = 5 + 1 + 10 + 5
+PRODUCER_MARGIN = 64 * 1024  # the worker's producers take max_message_bytes plus this
+RETRY_READ_S = 60.0  # an unreadable limit is asked again after this
+
+
+def _varint_len(n: int) -> int:
+    """Bytes of `n` as Kafka's zigzag varint."""
+    z, size = (n << 1) ^ (n >> 63), 1
+    while z >= 0x80:
+        z >>= 7
+        size += 1
+    return size
+
+
+def _field_len(data: bytes | None) -> int:
+    return _varint_len(-1 if data is None else len(data)) + len(data or b"")
+
+
+def batch_size(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> int:
+    """Bytes the broker counts for one record alone in a batch (uncompressed), at most."""
+    body = RECORD_OVERHEAD + _field_len(key) + _field_len(value) + _varint_len(len(headers))
+    body += sum(_field_len(k.encode()) + _field_len(v) for k, v in headers)
+    return BATCH_OVERHEAD + body
+
+
+def fit(
+    key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]], limit: int
+) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
+    """(key, value, headers) cut to `limit` bytes: the value's head first, then the key's; a
+    `truncated` header names what was cut, `original-size`/`original-key-size` its size."""
+    if batch_size(key, value, headers) <= limit:
+        return key, value, headers
+    cut = [("truncated", b"value"), ("original-size", str(len(value or b"")).encode())]
+    room = _room(limit - batch_size(key, b"", headers + cut))
+    if room >= 0:
+        return key, (value or b"")[:room], headers + cut
+    cut = [
+        ("truncated", b"key,value"),
+        ("original-size", str(len(value or b"")).encode()),
+        ("original-key-size", str(len(key or b"")).encode()),
+    ]
+    room = _room(limit - batch_size(b"", b"", headers + cut))
+    if room < 0:  # the headers alone are too big (a tiny limit): the reason goes short
+        headers = [(k, v[:64]) for k, v in headers]
+        room = max(0, _room(limit - batch_size(b"", b"", headers + cut)))
+    return (key or b"")[:room], b"", headers + cut
+
+
+def _room(spare: int) -> int:
+    """Bytes of data that fit in `spare` bytes beyond an empty field: its length's varint grows."""
+    return spare - (_varint_len(spare) - 1) if spare > 0 else spare
+
+
+class DeadLetterLimit:
+    """The DLQ topic's `max.message.bytes`, read once and cached (the broker's default, logged,
+    while it cannot be read); capped by what the worker's producers send."""
+
+    def __init__(self, kafka, read: Callable[[object, str], int] | None = None) -> None:
+        self._kafka = kafka
+        self._read = read or read_topic_max_bytes
+        self.topic_limit: int | None = None
+        self._failed_at = float("-inf")
+        self._loading: asyncio.Future | None = None
+
+    def known(self) -> int | None:
+        """The limit to fit dead letters to, or None until it was asked for (or given up on)."""
+        if self.topic_limit is None:
+            return None
+        return min(self.topic_limit, self._kafka.max_message_bytes + PRODUCER_MARGIN)
+
+    def due(self) -> bool:
+        """Whether it must be read (again) before the next dead letter is sized."""
+        return self.topic_limit is None or (
+            self._failed_at > float("-inf") and time.monotonic() - self._failed_at >= RETRY_READ_S
+        )
+
+    async def load(self) -> int:
+        """Read the limit (one read at a time), or fall back to the broker default; the limit."""
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.ensure_future(asyncio.to_thread(self._load))
+        await asyncio.shield(self._loading)
+        return self.known()
+
+    def _load(self) -> None:
+        topic = self._kafka.dlq_topic
+        try:
+            self.topic_limit, self._failed_at = self._read(self._kafka, topic), float("-inf")
+        except Exception as exc:  # noqa: BLE001 - unreadable: assume the default, say so
+            self._failed_at = time.monotonic()
+            if self.topic_limit is None:
+                self.topic_limit = BROKER_DEFAULT_MAX_MESSAGE_BYTES
+            log.warning(
+                "dead_letters.limit_unknown",
+                topic=topic,
+                error=repr(exc),
+                assumed=self.topic_limit,
+            )
+
+
+def read_topic_max_bytes(kafka, topic: str) -> int:
+    """Blocking: the topic's `max.message.bytes` as the broker describes it."""
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    admin = AdminClient(kafka.librdkafka_config())
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    configs = admin.describe_configs([resource], request_timeout=10)[resource].result(timeout=15)
+    return int(configs["max.message.bytes"].value)
