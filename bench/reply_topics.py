@@ -8,9 +8,9 @@ On a private broker (tests.chaos_fixtures.PrivateBroker), N reply topics of one 
 after a warm-up request and at most --concurrency requests in flight: (a) `worker`: the worker's
 Publisher and Committer send each topic one request's events as worker/app.py does (the final
 `done` committed with its input offset; the Committer's librdkafka producer is not inspected);
-(b) `baseline`: one plain idempotent AIOKafkaProducer sends the same three events. Per variant: the producers' metadata topic sets at the end (empty:
-every topic of the cluster), the topics a refresh fetches and its time, events/s. Writes
-bench/results/reply-topics.json.
+(b) `baseline`: one plain idempotent AIOKafkaProducer sends the same three events. Per variant:
+the producers' metadata topic sets at the end (empty: every topic of the cluster), the topics a
+refresh fetches and its time, events/s. Writes bench/results/reply-topics.json.
 """
 
 from __future__ import annotations
