@@ -306,7 +306,10 @@ class Intake(Triage):
         if unverified:  # off the poll thread: a slow lookup holds up no other request
             self._verify_in_background(unverified)
         room = self._sink.room() - self._num_verifying if self.fetching else 0
-        self._overloading = self.fetching and room <= 0 and self._overloaded()
+        # Rejecting a full pool's overflow takes records past its room: at most one batch of dead
+        # letters may wait for the broker meanwhile, or a flood of them would grow memory.
+        calm = self._delivery.dead_letters_in_flight < OVERLOAD_BATCH
+        self._overloading = self.fetching and room <= 0 and calm and self._overloaded()
         self._want = room if room > 0 else OVERLOAD_BATCH if self._overloading else 0
 
     def _overloaded(self) -> bool:
