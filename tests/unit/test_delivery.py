@@ -7,6 +7,7 @@ the dead engine on the real broker: tests/kafka/test_delivery.py."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import msgpack
@@ -171,3 +172,29 @@ def test_a_stream_with_an_event_unacked_keeps_buffering_its_tokens_into_one_even
     pub.tokens(rs, [4], "d")
     pub.flush_all(force=True)  # stop(): everything goes
     assert decode_event(sent[-1].value).seq == 3 and rs.seq == 4
+
+
+async def test_the_overload_path_takes_nothing_while_a_batch_of_dead_letters_waits():
+    """Past overload_reject_after_s a full pool's overflow is taken to be rejected; dead letters
+    of such records waiting for the broker stop it (issue 48: a flood must not grow memory)."""
+    from inferline.worker.intake.group import OVERLOAD_BATCH
+
+    h = IntakeHarness(Settings(limits={"overload_reject_after_s": 0.001}))
+    intake = h.worker.intake
+
+    class Full:
+        def room(self) -> int:
+            return 0
+
+        def pool_full(self) -> bool:
+            return True
+
+    intake._sink = Full()
+    await intake._take([])  # the pool is full from here on
+    time.sleep(0.01)
+    h.worker.delivery.dead_letters_in_flight = OVERLOAD_BATCH
+    await intake._take([])
+    assert intake._want == 0
+    h.worker.delivery.dead_letters_in_flight = 0
+    await intake._take([])
+    assert intake._want == OVERLOAD_BATCH
