@@ -350,6 +350,8 @@ async def measure(args, brk: Broker, worker, port: int, topics: Topics) -> dict:
         "worker_cpu_s": None if w0 is None or w1 is None else w1 - w0,
         "idle_worker_cpu_per_s": idle_worker,
         "transactions": delta(transactions(m1), transactions(m0)),
+        # The machine's load over the window: on a shared machine CPU per request grows with it.
+        "loadavg_1m_at_end": os.getloadavg()[0],
     }
 
 
@@ -466,6 +468,7 @@ COLUMNS = (  # key, heading, width, format
     ("idle_broker_ms_per_s", "idle ms/s", 11, ".1f"),
     ("idle_worker_ms_per_s", "wkr idle", 10, ".1f"),
     ("worker_cpu_ms", "worker ms/req", 15, ".2f"),
+    ("loadavg_1m_at_end", "load", 6, ".1f"),
 )
 
 
@@ -523,7 +526,8 @@ def print_report(res: dict) -> None:
     print(
         f"\nbroker ms/req: broker CPU over the window less the idle broker's for as long, per "
         f"served request (target <= {TARGET_CPU_MS:g}); raw: nothing subtracted; -idle wkr: less "
-        f"the broker's CPU beside the idle worker; idle columns in broker CPU-ms per second"
+        f"the broker's CPU beside the idle worker; idle columns in broker CPU-ms per second; load: "
+        f"the machine's 1-minute load average at the window's end"
     )
 
 
