@@ -14,7 +14,8 @@ the broker and the measurement are this tree's for both sides.
 One broker for the whole command (default: a private one, started here on a free port, so no
 other test's traffic is counted; `--broker local`: the broker of INFERLINE_KAFKA__BOOTSTRAP_SERVERS,
 its JVM found through $INFERLINE_KAFKA_DIR/kafka.pid), primed first (its internal topics made by
-one transaction, then --settle-s of quiet), with fresh topics and a fresh group per run. Per run:
+one transaction, then --settle-s of quiet) and warmed (an unmeasured run of this tree, since a
+broker's first minutes under load cost more), with fresh topics and a fresh group per run. Per run:
 the idle broker's CPU for --idle-s; the worker started, a warm-up; the broker's CPU beside the
 idle worker for --idle-s; then --requests requests offered at --rate per second (open loop, an
 InferenceClient reading replies read_committed), measured from the first send to the last final.
@@ -30,6 +31,7 @@ for as long, over the served requests; also less the idle worker's instead). Tar
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -89,6 +91,12 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="runs per side, in ABBA order")
     p.add_argument("--broker", choices=("private", "local"), default="private")
     p.add_argument("--settle-s", type=float, default=10.0, help="quiet after priming the broker")
+    p.add_argument(
+        "--broker-warmup",
+        type=int,
+        default=300,
+        help="requests of an unmeasured run of this tree before the measured ones (0: none)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to /readyz")
     args = p.parse_args(argv)
     if min(args.requests, args.partitions, args.repeats) < 1 or args.rate <= 0:
@@ -175,7 +183,9 @@ async def prime(bootstrap: str, settle_s: float) -> None:
 
 
 async def cpu_over(pid: int | None, seconds: float) -> float | None:
-    """A process's CPU-seconds per second over `seconds` of sleep here."""
+    """A process's CPU-seconds per second over `seconds` of sleep here (None: not measured)."""
+    if seconds <= 0:
+        return None
     c0, t0 = cpu_s(pid), time.monotonic()
     await asyncio.sleep(seconds)
     c1, t1 = cpu_s(pid), time.monotonic()
@@ -531,11 +541,20 @@ def print_report(res: dict) -> None:
     )
 
 
+def warm_broker(args, brk: Broker, tree: dict, model: Path) -> dict:
+    """An unmeasured run first: the broker's first minutes under load cost more CPU per request
+    (its JIT), which would otherwise fall on whichever side runs first."""
+    print(f"broker warm-up: {args.broker_warmup} requests...", file=sys.stderr)
+    warm = argparse.Namespace(**{**vars(args), "requests": args.broker_warmup, "idle_s": 0.0})
+    run = run_side(warm, brk, "current", tree, model, "broker-warmup")
+    return {k: run[k] for k in ("served", "broker_cpu_ms_raw", "transactions_per_request")}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.time()
     keys = ("requests", "rate", "max_tokens", "warmup", "partitions", "idle_s", "repeats")
-    keys += ("settle_s",)
+    keys += ("settle_s", "broker_warmup")
     res = stats.header(
         "broker_cost", argv, settings={k: getattr(args, k) for k in keys} | {"broker": args.broker}
     )
@@ -545,6 +564,8 @@ def main(argv=None) -> dict:
         res["sides"] = trees
         with broker(args.broker) as brk:
             asyncio.run(prime(brk.bootstrap, args.settle_s))
+            if args.broker_warmup:
+                res["broker_warmup"] = warm_broker(args, brk, trees["current"], model)
             order = stats.abba(list(trees), args.repeats)
             for i, name in enumerate(order):
                 label = f"{name}#{i // len(trees) + 1}" if args.repeats > 1 else name

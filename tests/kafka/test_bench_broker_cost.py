@@ -22,7 +22,8 @@ REQUESTS = 10
 def results(kafka_bootstrap, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-broker-cost") / "broker_cost.json"
     argv = ["--no-baseline", "--broker", "local", "--requests", str(REQUESTS), "--rate", "20"]
-    argv += ["--warmup", "2", "--idle-s", "1", "--settle-s", "0", "--out", str(out)]
+    argv += ["--warmup", "2", "--idle-s", "1", "--settle-s", "0", "--broker-warmup", "0"]
+    argv += ["--out", str(out)]
     broker_cost.main(argv)
     return json.loads(out.read_text())
 
