@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer chaos gpu-compile clean
+.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile clean
 
 # constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
 # new upstream release cannot break a fresh install between two commits.
@@ -63,6 +63,11 @@ bench: install
 # through Kafka on the same GGUF file and workload: bench/peer_llamacpp.sh, docs/benchmarks.md.
 bench-peer: install
 	PYTHON=$(BIN)/python bench/peer_llamacpp.sh
+
+# What a served request costs the broker (transactions, broker CPU-ms), the baseline tree against
+# this one on a private broker: bench/broker_cost.py. BASELINE=<ref> (default: merge-base with main).
+bench-broker-cost: install
+	$(BIN)/python -m bench.broker_cost $(if $(BASELINE),--baseline $(BASELINE))
 
 chaos: install
 	scripts/test.sh -m chaos --chaos-long
