@@ -581,3 +581,20 @@ def test_group_mode_sends_no_verdicts():
     worker.delivery.hold(TopicPartition(TOPIC, 0), record(1))
     worker.delivery.dead_letter(record(1), "undecodable")
     assert worker.ledger.empty()
+
+
+def test_a_verdict_for_a_record_no_longer_in_flight_unpins_its_lane():
+    """The client refuses to acknowledge a record whose lock is gone: the lane lets it go
+    (held, it would pin the lane for good)."""
+
+    class Refusing(AckingConsumer):
+        def acknowledge_offset(self, topic, partition, offset, kind) -> None:
+            raise RuntimeError("IllegalStateException: not in flight")
+
+    intake = make_intake(room=4)
+    lane = _Lane(intake, 0, {})
+    consumer = Refusing()
+    held = {(TOPIC, 0, 5)}
+    lane.verdicts.put((TOPIC, 0, 5, "accept"))
+    lane._acknowledge(consumer, held, wait=None)
+    assert not held and consumer.commits == 0

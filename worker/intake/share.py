@@ -260,9 +260,9 @@ class _Lane:
             except queue.Empty:
                 break
             if (topic, partition, offset) in held:
-                consumer.acknowledge_offset(topic, partition, offset, types[verdict])
-                held.discard((topic, partition, offset))
-                sent.append((topic, partition, offset, types[verdict]))
+                held.discard((topic, partition, offset))  # acknowledged, or no longer ours
+                if self._mark_acks(consumer, [(topic, partition, offset, types[verdict])]):
+                    sent.append((topic, partition, offset, types[verdict]))
         if sent:
             self._commit(consumer, sent)
 
@@ -281,7 +281,7 @@ class _Lane:
             if not acks:
                 return
             log.warning("share_intake.ack_failed", attempt=attempt, errors=failed)
-            if attempt == COMMIT_TRIES or not self._acknowledge_again(consumer, acks):
+            if attempt == COMMIT_TRIES or not self._mark_acks(consumer, acks):
                 break
             time.sleep(LANE_BACKOFF_S)
         log.error(
@@ -291,8 +291,9 @@ class _Lane:
         )
 
     @staticmethod
-    def _acknowledge_again(consumer, acks: list) -> bool:
-        """Acknowledge `acks` again; False when the client no longer holds them (lock gone)."""
+    def _mark_acks(consumer, acks: list) -> bool:
+        """Acknowledge `acks`; False when the client no longer holds them (lock gone): a record
+        left held would pin its lane for good."""
         try:
             for topic, partition, offset, kind in acks:
                 consumer.acknowledge_offset(topic, partition, offset, kind)
