@@ -1,8 +1,9 @@
 """Share mode (INFERLINE_KAFKA__INTAKE=share, worker/intake/share.py) against a real broker.
 
 Three workers in one share group on a one-partition request topic all serve requests; one of
-them is SIGKILLed while it runs requests, whose records come back to the others when their locks
-expire, and every request still ends with a final `done`; a worker that joins mid-run takes
+them is SIGKILLed while it runs requests, whose records come back to the others as its
+connections close (long before their lock expires), and every request still ends with a final
+`done`; a worker that joins mid-run takes
 requests while the others go on serving. A request delivered more often than
 `max_deliveries` goes to the dead-letter topic while the fleet keeps serving.
 

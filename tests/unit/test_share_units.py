@@ -133,7 +133,7 @@ def test_a_handed_off_record_keeps_its_deliveries():
     assert offset == 7 and "delivered" not in reason  # dead-lettered as undecodable, not counted
 
 
-def test_overflow_kept_on_its_last_delivery_is_logged():
+def test_overflow_kept_past_its_first_delivery_is_logged():
     """Kept here while other workers may idle: an operator must see it (#37)."""
     from structlog.testing import capture_logs
 
