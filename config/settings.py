@@ -35,8 +35,8 @@ class KafkaSettings(BaseModel):
     # `group`: a consumer group, exactly one final result per request. `share`: a share group
     # (KIP-932, broker 4.2+), at least once, body tenancy only (docs/operations.md).
     intake: Literal["group", "share"] = "group"
-    # Share mode: a record delivered more often goes to the dead-letter topic; lowered below the
-    # broker's group.share.delivery.count.limit.
+    # Share mode: a record delivered more often (one hand-off of overflow not counted) goes to the
+    # dead-letter topic; lowered to two below the broker's group.share.delivery.count.limit.
     max_deliveries: int = Field(4, ge=1)
     # Share mode: how long a taken record stays locked to its worker. Unset: the request timeout
     # plus a margin. Capped by the broker's group.share.max.record.lock.duration.ms (60 s default).

@@ -27,6 +27,8 @@ from inferline.worker.intake.share import (
     group_configs,
     lock_ms,
     max_deliveries,
+    overflow_hops,
+    read_broker_limits,
 )
 
 TOPIC = "llm.requests"
@@ -107,18 +109,31 @@ def test_a_batch_set_aside_for_a_reply_topic_lookup_takes_room():
     ]  # before: the whole batch went to the lookup, then the engine
 
 
-def test_a_record_on_its_last_delivery_here_waits_for_room():
-    intake = make_intake(room=1, max_deliveries=3)
-    intake.max_deliveries = 3
+def test_overflow_is_handed_off_on_its_first_delivery_only():
+    """Every acquisition counts as a delivery: handed off again and again, a record would run out
+    of deliveries unstarted (#48: 24 honest requests dead-lettered). Past its first delivery it
+    waits here for room."""
+    intake = make_intake(room=1)
     lane = _Lane(intake, 0, {})
-    intake._take(lane, [record(0), record(1, delivery_count=3), record(2, delivery_count=2)])
-    assert intake._sink.handled == [0] and released(lane) == [2]  # released, 2 comes back as 3
-    intake._sink.capacity = 2  # a request started
+    intake._take(lane, [record(0), record(1), record(2, delivery_count=2)])
+    assert intake._sink.handled == [0] and released(lane) == [1]
+    assert [r.offset for _, r in intake._polled] == [2]
+    intake._sink.capacity = 2  # a request finished
     intake._hand_out()
-    assert intake._sink.handled == [0, 1]
+    assert intake._sink.handled == [0, 2]
 
 
-def test_overflow_kept_on_its_last_delivery_is_logged():
+def test_a_handed_off_record_keeps_its_deliveries():
+    """One hand-off of overflow is not counted: a record handed off, then taken by workers that
+    died max_deliveries - 1 times, still runs."""
+    intake = make_intake(room=4, max_deliveries=3)
+    tp = TopicPartition(TOPIC, 0)
+    intake._decode(tp, record(7, delivery_count=4))  # 1 hand-off + 3 deliveries: b"v" decoded
+    ((offset, reason),) = intake._sink.dead
+    assert offset == 7 and "delivered" not in reason  # dead-lettered as undecodable, not counted
+
+
+def test_overflow_kept_past_its_first_delivery_is_logged():
     """Kept here while other workers may idle: an operator must see it (#37)."""
     from structlog.testing import capture_logs
 
@@ -251,11 +266,11 @@ def test_a_record_back_while_it_runs_is_no_overflow():
 
 def test_past_max_deliveries_is_a_dead_letter():
     intake = make_intake(room=4, max_deliveries=3)
-    assert intake._decode(TopicPartition(TOPIC, 0), record(7, delivery_count=4)) is None
+    assert intake._decode(TopicPartition(TOPIC, 0), record(7, delivery_count=5)) is None
     ((offset, reason),) = intake._sink.dead
-    assert offset == 7 and "delivered 4 times" in reason
+    assert offset == 7 and "delivered 5 times" in reason
     intake._sink.dead.clear()
-    intake._decode(TopicPartition(TOPIC, 0), record(8, delivery_count=3))  # b"v": not a request
+    intake._decode(TopicPartition(TOPIC, 0), record(8, delivery_count=4))  # b"v": not a request
     ((offset, reason),) = intake._sink.dead
     assert offset == 8 and "delivered" not in reason
 
@@ -296,11 +311,134 @@ def test_the_lock_follows_the_request_timeout_within_the_brokers_cap():
 
 def test_max_deliveries_stays_below_the_brokers_limit():
     kafka = Settings(kafka={"intake": "share", "max_deliveries": 10}).kafka
-    assert (
-        max_deliveries(kafka, BrokerLimits(delivery_limit=5)) == 4
-    )  # the 5th is dead-lettered, not run
+    # 3 plus one hand-off of overflow: the 5th is dead-lettered, not run (and not archived unseen)
+    assert max_deliveries(kafka, BrokerLimits(delivery_limit=5)) == 3
+    assert overflow_hops(BrokerLimits(delivery_limit=5)) == 1
     assert max_deliveries(kafka, BrokerLimits(delivery_limit=20)) == 10
-    assert max_deliveries(Settings().kafka, BrokerLimits()) == 4  # the defaults agree
+    assert max_deliveries(Settings().kafka, BrokerLimits()) == 3  # the defaults agree
+    # The broker's smallest limit leaves no delivery to spare: overflow is never handed off.
+    assert overflow_hops(BrokerLimits(delivery_limit=2)) == 0
+    assert max_deliveries(kafka, BrokerLimits(delivery_limit=2)) == 1
+
+
+def test_no_hand_offs_when_the_broker_leaves_none():
+    intake = make_intake(room=1)
+    intake.hops = 0
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(0), record(1)])
+    assert intake._sink.handled == [0] and released(lane) == []
+
+
+def test_unreadable_broker_limits_stop_the_start(monkeypatch):
+    """Guessed limits would archive records unseen or let a long request's lock run out: no
+    guess."""
+    import confluent_kafka.admin
+
+    class Unreachable:
+        def __init__(self, conf) -> None:
+            pass
+
+        def list_topics(self, timeout):
+            raise RuntimeError("no DESCRIBE_CONFIGS right")
+
+    monkeypatch.setattr(confluent_kafka.admin, "AdminClient", Unreachable)
+    with pytest.raises(RuntimeError, match="share limits"):
+        read_broker_limits(Settings(kafka={"intake": "share"}).kafka, tries=1)
+
+
+class AckingConsumer(FakeShareConsumer):
+    """Acknowledgements and commits as a lane sends them; the first `failures` commits fail."""
+
+    def __init__(self, failures: int = 0, poll_error: Exception | None = None) -> None:
+        super().__init__([])
+        self.acks, self.commits, self.failures, self.poll_error = [], 0, failures, poll_error
+
+    def acknowledge_offset(self, topic, partition, offset, kind) -> None:
+        self.acks.append((offset, kind))
+
+    def commit_sync(self, timeout):
+        from confluent_kafka import KafkaError, KafkaException
+
+        self.commits += 1
+        error = None
+        if self.commits <= self.failures:
+            error = KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return {FakeTP(TOPIC, 0): error}
+
+    def poll(self, timeout):
+        if self.poll_error is not None:
+            error, self.poll_error = self.poll_error, None
+            raise error
+        return super().poll(timeout)
+
+
+class FakeTP:
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic, self.partition = topic, partition
+
+
+def test_an_accept_whose_commit_failed_is_sent_again(monkeypatch):
+    """Only logged, a lost ACCEPT lets the lock expire and another worker answer again."""
+    from confluent_kafka import AcknowledgeType
+
+    monkeypatch.setattr("inferline.worker.intake.share.LANE_BACKOFF_S", 0)
+    intake = make_intake(room=4)
+    lane = _Lane(intake, 0, {})
+    consumer = AckingConsumer(failures=1)
+    held = {(TOPIC, 0, 5)}
+    lane.verdicts.put((TOPIC, 0, 5, "accept"))
+    lane._acknowledge(consumer, held, wait=None)
+    assert consumer.commits == 2 and consumer.acks == [(5, AcknowledgeType.ACCEPT)] * 2
+
+
+def test_a_lane_error_keeps_the_lane_and_its_consumer(monkeypatch):
+    """Closed on an error, the consumer would release the records still running here (#48): the
+    lane goes on after a pause, the worker keeps serving."""
+    monkeypatch.setattr("inferline.worker.intake.share.LANE_BACKOFF_S", 0)
+    intake = make_intake(room=4)
+    intake._hand_out()
+    failed = []
+    intake.lane_failed = failed.append
+    intake.hand_over = intake._take
+    lane = _Lane(intake, 0, {})
+    intake._lanes = [lane]
+    consumer = AckingConsumer(poll_error=RuntimeError("broker said something odd"))
+    consumer.records = [record(3)]
+    lane._step(consumer, lane.held)  # the error: logged, the claim freed
+    assert not failed and not lane.claimed and consumer.subscribed
+    lane._step(consumer, lane.held)
+    assert intake._sink.handled == [3]
+
+
+def test_close_waits_for_the_verdicts_of_finals_on_their_way():
+    """Shutdown closed the lanes before the last finals' verdicts came: their records were
+    released although answered, and answered again elsewhere (#48)."""
+    import asyncio
+
+    intake = make_intake(room=4)
+    lane = _Lane(intake, 0, {})
+    intake._take(lane, [record(0)])  # handed to the worker; its `done` is on its way
+    order = []
+
+    class StubThread:
+        def join(self, timeout) -> None:
+            order.append("joined")
+
+    lane.thread = StubThread()
+    intake._lanes = [lane]
+
+    async def scenario() -> None:
+        intake._close_triage = lambda: asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        loop.call_later(
+            0.3,
+            lambda: (order.append("verdict"), intake.decide(TopicPartition(TOPIC, 0), 0, "accept")),
+        )
+        await intake.close()
+
+    asyncio.run(scenario())
+    assert order == ["verdict", "joined"]
+    assert lane.verdicts.get_nowait() == (TOPIC, 0, 0, "accept")
 
 
 def test_a_lane_opens_when_every_lane_is_pinned():
@@ -444,3 +582,20 @@ def test_group_mode_sends_no_verdicts():
     worker.delivery.hold(TopicPartition(TOPIC, 0), record(1))
     worker.delivery.dead_letter(record(1), "undecodable")
     assert worker.ledger.empty()
+
+
+def test_a_verdict_for_a_record_no_longer_in_flight_unpins_its_lane():
+    """The client refuses to acknowledge a record whose lock is gone: the lane lets it go
+    (held, it would pin the lane for good)."""
+
+    class Refusing(AckingConsumer):
+        def acknowledge_offset(self, topic, partition, offset, kind) -> None:
+            raise RuntimeError("IllegalStateException: not in flight")
+
+    intake = make_intake(room=4)
+    lane = _Lane(intake, 0, {})
+    consumer = Refusing()
+    held = {(TOPIC, 0, 5)}
+    lane.verdicts.put((TOPIC, 0, 5, "accept"))
+    lane._acknowledge(consumer, held, wait=None)
+    assert not held and consumer.commits == 0

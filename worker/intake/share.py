@@ -25,6 +25,14 @@ COMMIT_TIMEOUT_S = 10.0
 VERDICTS = ("accept", "release", "reject")
 LOCK_MARGIN_S = 10.0  # past a request's deadline: its `done` and the ack
 POLL_INTERVAL_MARGIN_MS = 60_000  # a pinned lane polls again within its lock, plus this
+# Every acquisition counts as a delivery, a RELEASE of overflow included: a record is handed off
+# unstarted at most this often (on its first delivery), and max_deliveries does not count it. More
+# would let a poison request kill as many more workers.
+OVERFLOW_HOPS = 1
+LIMITS_TRIES = 5  # reads of the broker's limits before the worker gives up starting
+LANE_BACKOFF_S = 1.0  # after a lane's unexpected error, before it goes on
+COMMIT_TRIES = 3  # sends of the acknowledgements of one commit
+CLOSE_WAIT_S = 10.0  # for the verdicts of finals still on their way, before lanes close
 
 
 @dataclass
@@ -46,24 +54,27 @@ class BrokerLimits:
     max_lock_ms: int = 60_000  # static on the broker
 
 
-def read_broker_limits(kafka) -> BrokerLimits:
-    """Blocking: the limits the broker describes, or Kafka's defaults when it cannot be asked."""
+def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
+    """Blocking: the limits the broker describes. Raises when it cannot be asked: a guessed
+    delivery limit or lock cap would archive records unseen or run long requests twice."""
     from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
     admin = AdminClient(kafka.librdkafka_config())
-    try:
-        broker_id = next(iter(admin.list_topics(timeout=30).brokers))
-        resource = ConfigResource(ResourceType.BROKER, str(broker_id))
-        configs = admin.describe_configs([resource])[resource].result(timeout=30)
-        return BrokerLimits(
-            int(configs["group.share.delivery.count.limit"].value),
-            int(configs["group.share.max.record.lock.duration.ms"].value),
-        )
-    except Exception as exc:  # noqa: BLE001 - assume the defaults, say so
-        log.warning(
-            "share_intake.broker_limits_unknown", error=repr(exc), assumed=str(BrokerLimits())
-        )
-        return BrokerLimits()
+    for attempt in range(1, tries + 1):
+        try:
+            broker_id = next(iter(admin.list_topics(timeout=30).brokers))
+            resource = ConfigResource(ResourceType.BROKER, str(broker_id))
+            configs = admin.describe_configs([resource])[resource].result(timeout=30)
+            return BrokerLimits(
+                int(configs["group.share.delivery.count.limit"].value),
+                int(configs["group.share.max.record.lock.duration.ms"].value),
+            )
+        except Exception as exc:  # noqa: BLE001 - broker starting, no DESCRIBE_CONFIGS right
+            log.warning("share_intake.broker_limits_unread", attempt=attempt, error=repr(exc))
+            if attempt == tries:
+                raise RuntimeError(f"share mode needs the broker's share limits: {exc!r}") from exc
+            time.sleep(2.0 * attempt)
+    raise AssertionError("unreachable")
 
 
 def lock_ms(settings, broker: BrokerLimits) -> int:
@@ -83,10 +94,17 @@ def lock_ms(settings, broker: BrokerLimits) -> int:
     return min(wanted, broker.max_lock_ms)
 
 
+def overflow_hops(broker: BrokerLimits) -> int:
+    """Hand-offs of unstarted overflow a record may have: none when the broker's limit leaves no
+    delivery to spare (its smallest, 2)."""
+    return max(0, min(OVERFLOW_HOPS, broker.delivery_limit - 2))
+
+
 def max_deliveries(kafka, broker: BrokerLimits) -> int:
-    """Deliveries a record may have here: below the broker's limit, so the last is dead-lettered,
-    not archived unseen."""
-    return max(1, min(kafka.max_deliveries, broker.delivery_limit - 1))
+    """Deliveries a record may have here, overflow hand-offs not counted: with them, below the
+    broker's limit, so the last is dead-lettered, not archived unseen."""
+    limit = broker.delivery_limit - 1 - overflow_hops(broker)
+    return max(1, min(kafka.max_deliveries, limit))
 
 
 def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
@@ -155,19 +173,31 @@ class _Lane:
     def _run(self) -> None:
         from confluent_kafka import ShareConsumer
 
-        consumer = ShareConsumer(self._conf)
+        try:
+            consumer = ShareConsumer(self._conf)
+        except Exception as exc:  # noqa: BLE001 - a lane that cannot start: the worker must stop
+            log.exception("share_intake.lane_failed")
+            self._intake.lane_failed(exc)
+            return
         held = self.held
         try:
             while not self.closing.is_set():
-                if held:
-                    self._acknowledge(consumer, held, wait=POLL_S)
-                else:
-                    self._take(consumer, held)
-        except Exception as exc:  # noqa: BLE001 - a dead lane takes nothing: the worker must stop
-            log.exception("share_intake.lane_failed")
-            self._intake.lane_failed(exc)
+                self._step(consumer, held)
         finally:
             self._close(consumer, held)
+
+    def _step(self, consumer, held: set) -> None:
+        """One poll or one round of acknowledgements. An error goes on after a pause, the consumer
+        kept: closed, it would release records still running here to other workers."""
+        try:
+            if held:
+                self._acknowledge(consumer, held, wait=POLL_S)
+            else:
+                self._take(consumer, held)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("share_intake.lane_error", held=len(held))
+            self._intake.free_claim(self)
+            time.sleep(LANE_BACKOFF_S)
 
     def _take(self, consumer, held: set) -> None:
         if not self._intake.fetching:
@@ -219,7 +249,7 @@ class _Lane:
     def _acknowledge(self, consumer, held: set, wait: float | None) -> None:
         """Acknowledge the verdicts that came (waiting `wait` s for the first), then send them."""
         types = _ack_types()
-        sent = 0
+        sent: list[tuple[str, int, int, object]] = []
         while True:
             try:
                 topic, partition, offset, verdict = (
@@ -230,31 +260,59 @@ class _Lane:
             except queue.Empty:
                 break
             if (topic, partition, offset) in held:
-                consumer.acknowledge_offset(topic, partition, offset, types[verdict])
-                held.discard((topic, partition, offset))
-                sent += 1
+                held.discard((topic, partition, offset))  # acknowledged, or no longer ours
+                if self._mark_acks(consumer, [(topic, partition, offset, types[verdict])]):
+                    sent.append((topic, partition, offset, types[verdict]))
         if sent:
-            self._commit(consumer)
+            self._commit(consumer, sent)
 
-    def _commit(self, consumer) -> None:
-        for tp, error in (consumer.commit_sync(COMMIT_TIMEOUT_S) or {}).items():
-            if error is not None:  # e.g. the lock expired: the record went to another worker
-                log.warning(
-                    "share_intake.ack_failed",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    error=str(error),
-                )
+    def _commit(self, consumer, acks: list) -> None:
+        """Send `acks`; those of a partition whose send failed are sent again. An ACCEPT lost here
+        lets the record's lock expire and another worker answer it a second time."""
+        from confluent_kafka import KafkaException
+
+        for attempt in range(1, COMMIT_TRIES + 1):
+            try:
+                results = consumer.commit_sync(COMMIT_TIMEOUT_S) or {}
+                failed = {(tp.topic, tp.partition): str(e) for tp, e in results.items() if e}
+            except KafkaException as exc:  # the whole request: every partition again
+                failed = {(t, p): str(exc) for t, p, _, _ in acks}
+            acks = [a for a in acks if (a[0], a[1]) in failed]
+            if not acks:
+                return
+            log.warning("share_intake.ack_failed", attempt=attempt, errors=failed)
+            if attempt == COMMIT_TRIES or not self._mark_acks(consumer, acks):
+                break
+            time.sleep(LANE_BACKOFF_S)
+        log.error(
+            "share_intake.ack_lost",
+            records=[(t, p, o) for t, p, o, _ in acks],
+            consequence="once its lock expires, another worker may run it again",
+        )
+
+    @staticmethod
+    def _mark_acks(consumer, acks: list) -> bool:
+        """Acknowledge `acks`; False when the client no longer holds them (lock gone): a record
+        left held would pin its lane for good."""
+        try:
+            for topic, partition, offset, kind in acks:
+                consumer.acknowledge_offset(topic, partition, offset, kind)
+        except Exception as exc:  # noqa: BLE001 - IllegalStateException: no longer in flight
+            log.warning("share_intake.ack_not_in_flight", error=repr(exc))
+            return False
+        return True
 
     def _close(self, consumer, held: set) -> None:
         """Verdicts that came, then RELEASE for the rest, and leave."""
         try:
             self._acknowledge(consumer, held, wait=None)
-            for topic, partition, offset in held:
-                consumer.acknowledge_offset(topic, partition, offset, _ack_types()["release"])
-            if held:
-                log.info("share_intake.released", records=len(held))
-                self._commit(consumer)
+            release = _ack_types()["release"]
+            acks = [(topic, partition, offset, release) for topic, partition, offset in held]
+            for ack in acks:
+                consumer.acknowledge_offset(*ack)
+            if acks:
+                log.info("share_intake.released", records=len(acks))
+                self._commit(consumer, acks)
         finally:
             consumer.close()
 
@@ -283,6 +341,7 @@ class ShareIntake(Triage):
         self._conf: dict = {}
         self.broker = BrokerLimits()
         self.max_deliveries = self._s.kafka.max_deliveries
+        self.hops = OVERFLOW_HOPS  # hand-offs of unstarted overflow, not counted as deliveries
         self._verifying: set[asyncio.Task] = set()
         # Room for records nobody polled yet, set by the loop; lanes claim it before they poll.
         self.free_room = 0
@@ -300,6 +359,7 @@ class ShareIntake(Triage):
         self._loop = asyncio.get_running_loop()
         self.broker = await asyncio.to_thread(read_broker_limits, k)
         self.max_deliveries = max_deliveries(k, self.broker)
+        self.hops = overflow_hops(self.broker)
         lock = lock_ms(self._s, self.broker)
         await asyncio.to_thread(set_group_configs, k, group_configs(lock))
         per_poll = max(1, self._s.scheduler.max_waiting // 2)
@@ -312,6 +372,7 @@ class ShareIntake(Triage):
             group=k.group_id,
             lock_ms=lock,
             max_deliveries=self.max_deliveries,
+            overflow_hops=self.hops,
             delivery_limit=self.broker.delivery_limit,
         )
 
@@ -333,7 +394,14 @@ class ShareIntake(Triage):
             self._open_lane()
 
     async def close(self) -> None:
-        """Release what was taken and not answered, leave the share group."""
+        """Wait (bounded) for the verdicts of what was handed to the worker, then release what was
+        taken and not answered, and leave the share group. Closed before a final's verdict came,
+        a lane would release a record already answered: another worker would answer it again."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._owner and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if self._owner:
+            log.warning("share_intake.closed_with_verdicts_pending", records=len(self._owner))
         for lane in self._lanes:
             lane.closing.set()
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
@@ -372,24 +440,20 @@ class ShareIntake(Triage):
         self.free_claim(lane)  # after _hand_out: free_room counts these now
 
     def _release_overflow(self) -> None:
-        """Release what the pool has no room for, for a worker with room; a record on its last
-        delivery here waits instead (released, it would come back as a dead letter)."""
+        """Release what the pool has no room for, for a worker with room, on its first delivery
+        only (`hops`): every acquisition counts as a delivery, so a record handed off again and
+        again would run out of deliveries unstarted. The rest waits here for room (a poll claims
+        room first, so only a producer batch's overshoot of max.poll.records waits)."""
         keep: deque[tuple[_Lane, ShareRecord]] = deque()
         for lane, record in self._polled:
-            if self.fetching and record.delivery_count >= self.max_deliveries:
+            if self.fetching and record.delivery_count > self.hops:
                 keep.append((lane, record))
             else:
                 lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
         if len(keep) < len(self._polled):
-            log.info(
-                "share_intake.overflow_released",
-                records=len(self._polled) - len(keep),
-                kept=len(keep),
-            )
-        elif keep:  # every hop cost a delivery: these wait here
-            log.warning(
-                "share_intake.overflow_kept", records=len(keep), max_deliveries=self.max_deliveries
-            )
+            log.info("share_intake.overflow_released", records=len(self._polled) - len(keep))
+        if keep:  # handed off already: another hop would cost a delivery
+            log.warning("share_intake.overflow_kept", records=len(keep), hops=self.hops)
         self._polled = keep
         self.free_room = self._room() - len(self._polled) if self.fetching else 0
 
@@ -446,13 +510,14 @@ class ShareIntake(Triage):
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
     def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
-        """As Triage._decode, without offsets; too many deliveries is a dead letter."""
+        """As Triage._decode, without offsets; too many deliveries is a dead letter (a record's
+        first delivery may have ended in a hand-off of overflow: not counted)."""
         self._delivery.hold(tp, record)
         limit = self.max_deliveries
-        if record.delivery_count > limit:
+        if record.delivery_count > limit + self.hops:
             reason = (
-                f"delivered {record.delivery_count} times (max_deliveries {limit}): "
-                "its workers died or gave it up"
+                f"delivered {record.delivery_count} times (max_deliveries {limit}, "
+                f"plus {self.hops} hand-off of overflow): its workers died or gave it up"
             )
             log.warning(
                 "share_intake.dead_letter",
