@@ -7,6 +7,7 @@ where triage and the partitions' state live. design: docs/operations.md#scaling
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import threading
 import time
@@ -32,7 +33,6 @@ LAG_EVERY_S = 5.0
 SUBSCRIBE_EVERY_S = 30.0  # how soon a new tenant's topic is subscribed
 FLUSH_ON_REVOKE_S = 5.0  # a revoked partition's queued finals get this long to commit
 ASSIGN_TRIES_S = 120.0  # committed offsets unreadable this long: the worker stops
-CALL_S = 60.0
 
 
 @dataclass
@@ -195,8 +195,17 @@ class Intake(Triage):
         finally:
             self._consumer.close()  # revokes what is left through on_revoke
 
-    def _call(self, coro, timeout: float = CALL_S):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, coro):
+        """Run `coro` on the event loop and wait for it, however long the loop is busy (a slow
+        loop is no reason to stop taking requests); only closing gives up."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self._closing.is_set() and self._loop.is_closed():
+                    future.cancel()
+                    raise
 
     def _records(self, messages) -> list[Record]:
         records = []
