@@ -599,3 +599,23 @@ def test_a_verdict_for_a_record_no_longer_in_flight_unpins_its_lane():
     lane.verdicts.put((TOPIC, 0, 5, "accept"))
     lane._acknowledge(consumer, held, wait=None)
     assert not held and consumer.commits == 0
+
+
+def test_no_lane_opens_right_after_a_release():
+    """Its own new lane would take the released overflow back before an idle worker polls (seen:
+    one worker took 28 of 32 released records back and ran all 36, the others none)."""
+    import time
+
+    from inferline.worker.intake import share
+
+    intake = make_intake(room=8)
+    opened = []
+    intake._open_lane = lambda: opened.append(1)
+    intake._lanes = [type("Pinned", (), {"pinned": True})()]
+    intake.free_room = 4
+    intake._released_at = time.monotonic()
+    intake._lanes_wanted()
+    assert not opened
+    intake._released_at -= share.RELEASE_GRACE_S
+    intake._lanes_wanted()
+    assert opened == [1]

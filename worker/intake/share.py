@@ -21,6 +21,7 @@ from inferline.worker.intake.triage import Triage
 
 log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot is noticed
+RELEASE_GRACE_S = 3.0  # after a release, other workers' polls get the records first
 COMMIT_TIMEOUT_S = 10.0
 VERDICTS = ("accept", "release", "reject")
 LOCK_MARGIN_S = 10.0  # past a request's deadline: its `done` and the ack
@@ -346,6 +347,7 @@ class ShareIntake(Triage):
         # Room for records nobody polled yet, set by the loop; lanes claim it before they poll.
         self.free_room = 0
         self._claims = threading.Lock()
+        self._released_at = float("-inf")  # the last overflow release
 
     @property
     def topics(self) -> list[str]:
@@ -384,10 +386,12 @@ class ShareIntake(Triage):
             log.info("share_intake.lane_opened", lanes=len(self._lanes))
 
     def _lanes_wanted(self) -> None:
-        """Room, and every lane pinned: open another, up to share_consumers."""
+        """Room, and every lane pinned: open another, up to share_consumers; not just after a
+        release (its own new lane would take the released records back before an idle worker)."""
         if (
             self._lanes
             and self.free_room > 0
+            and time.monotonic() - self._released_at >= RELEASE_GRACE_S
             and len(self._lanes) < self._s.kafka.share_consumers
             and all(lane.pinned for lane in self._lanes)
         ):
@@ -451,6 +455,7 @@ class ShareIntake(Triage):
             else:
                 lane.verdicts.put((record.topic, record.partition, record.offset, "release"))
         if len(keep) < len(self._polled):
+            self._released_at = time.monotonic()
             log.info("share_intake.overflow_released", records=len(self._polled) - len(keep))
         if keep:  # handed off already: another hop would cost a delivery
             log.warning("share_intake.overflow_kept", records=len(keep), hops=self.hops)
