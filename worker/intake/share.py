@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.intake.triage import Triage
 
 log = structlog.get_logger(__name__)
@@ -514,36 +513,18 @@ class ShareIntake(Triage):
         if lane is not None:
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
-    def _decode(self, tp: TopicPartition, record: ShareRecord) -> Request | InvalidRequest | None:
-        """As Triage._decode, without offsets; too many deliveries is a dead letter (a record's
-        first delivery may have ended in a hand-off of overflow: not counted)."""
-        self._delivery.hold(tp, record)
+    def _claim(self, tp: TopicPartition, record: ShareRecord) -> bool:
+        """Too many deliveries is a dead letter (a record's first delivery may have ended in a
+        hand-off of overflow: not counted)."""
         limit = self.max_deliveries
-        if record.delivery_count > limit + self.hops:
-            reason = (
-                f"delivered {record.delivery_count} times (max_deliveries {limit}, "
-                f"plus {self.hops} hand-off of overflow): its workers died or gave it up"
-            )
-            log.warning(
-                "share_intake.dead_letter",
-                partition=tp.partition,
-                offset=record.offset,
-                reason=reason,
-            )
-            self._delivery.dead_letter(record, reason)
-            return None
-        try:
-            return decode_request(
-                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
-            )
-        except UndecodableMessage as exc:
-            log.warning(
-                "share_intake.dead_letter",
-                partition=tp.partition,
-                offset=record.offset,
-                reason=exc.reason,
-            )
-            self._delivery.dead_letter(record, exc.reason)
-            return None
-        except InvalidRequest as exc:
-            return exc
+        if record.delivery_count <= limit + self.hops:
+            return True
+        reason = (
+            f"delivered {record.delivery_count} times (max_deliveries {limit}, "
+            f"plus {self.hops} hand-off of overflow): its workers died or gave it up"
+        )
+        log.warning(
+            "share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason
+        )
+        self._delivery.dead_letter(record, reason)
+        return False
