@@ -266,3 +266,27 @@ async def test_a_final_of_a_partition_no_longer_owned_is_never_committed():
     committer.submit(_final(0, outcomes))
     await committer.close()
     assert outcomes == {(0, 0): Outcome.MOVED} and not producer.transactions
+
+
+async def test_a_transaction_stuck_past_its_timeouts_is_given_up_and_its_producer_replaced(
+    monkeypatch,
+):
+    """Seen in the chaos run after a broker restart: send_offsets_to_transaction blocked for
+    minutes past its own 30 s timeout, and with it every final of the worker. Now the committer
+    leaves the stuck call to its thread, a new producer takes the id, and the finals go again."""
+    import threading
+
+    monkeypatch.setattr(commit, "STUCK_S", 0.5, raising=False)
+    tracker, outcomes, release = OffsetTracker(), {}, threading.Event()
+    committer, stuck = await _committer(tracker, range(1))
+    healthy = RecordingProducer()
+    stuck.send_offsets_to_transaction = lambda *args: release.wait(30)
+    committer._new_producer = lambda: healthy
+    try:
+        committer.submit(_final(0, outcomes))
+        await _until(lambda: outcomes)
+    finally:
+        release.set()
+    await committer.close()
+    assert outcomes == {(0, 0): Outcome.COMMITTED} and len(healthy.transactions) == 1
+    assert committer._m.transactions.labels("lost")._value.get() == 1

@@ -37,6 +37,9 @@ PERMANENT = {
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one producer call (begin, flush, send offsets, commit, abort)
+# A transaction not done by then is given up and its producer replaced (InitProducerId aborts it,
+# or waits for its commit): librdkafka's calls can outlast their own timeouts.
+STUCK_S = 2 * CALL_TIMEOUT_S
 # Test hooks: SIGKILL after the Nth transaction's records reach the broker, before its commit;
 # the first N producer starts fail (a replacement that cannot start).
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
@@ -223,8 +226,14 @@ class Committer:
 
     async def _commit(self, batch: list[Final]) -> None:
         ledgers = self._ledgers(batch)
-        started = time.perf_counter()
-        result = await self._call(self._transact, batch, ledgers)
+        started, result = time.perf_counter(), _Result()
+        try:
+            await asyncio.wait_for(self._call(self._transact, batch, ledgers, result), STUCK_S)
+        except asyncio.TimeoutError:  # seen after a broker restart: a call past its own timeout
+            log.warning("commit.transaction_stuck", finals=len(batch), after_s=STUCK_S)
+            self._abandon_thread()
+            result.lost = True
+            result.error = KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
         if result.committed:
             self._m.transaction_seconds.observe(time.perf_counter() - started)
             self._committed(batch, ledgers)
@@ -346,8 +355,14 @@ class Committer:
         producer.init_transactions(CALL_TIMEOUT_S)
         return producer
 
-    def _transact(self, batch: list[Final], ledgers) -> _Result:
-        p, result = self._producer, _Result()
+    def _abandon_thread(self) -> None:
+        """Leave a stuck call to its thread (the replacement producer fences it) and go on in a
+        new one."""
+        self._thread.shutdown(wait=False)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="committer")
+
+    def _transact(self, batch: list[Final], ledgers, result: _Result) -> _Result:
+        p = self._producer
         try:
             p.begin_transaction()
             self._produce(p, batch, result.refused)
