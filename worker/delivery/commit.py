@@ -10,10 +10,10 @@ import asyncio
 import enum
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -121,7 +121,6 @@ class Committer:
         self._interval = self._k.transaction_interval_ms / 1000
         self.owner: Owner | None = None
         self._producer: Producer | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="committer")
         self._queue: list[Final] = []
         self._committing: list[Final] = []
         self._wake = asyncio.Event()
@@ -165,7 +164,6 @@ class Committer:
         self.drop({f.tp for f in self._queue})
         if self._producer is not None:
             await self._call(self._producer.flush, 1.0)
-        self._thread.shutdown(wait=False)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -231,7 +229,6 @@ class Committer:
             await asyncio.wait_for(self._call(self._transact, batch, ledgers, result), STUCK_S)
         except asyncio.TimeoutError:  # seen after a broker restart: a call past its own timeout
             log.warning("commit.transaction_stuck", finals=len(batch), after_s=STUCK_S)
-            self._abandon_thread()
             result.lost = True
             result.error = KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
         if result.committed:
@@ -328,7 +325,23 @@ class Committer:
     # -- the producer's thread ---------------------------------------------------------------------
 
     async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        """`fn(*args)` on a daemon thread of its own, one call at a time (the loop awaits each):
+        a call stuck past its timeouts is left there, and cannot hold the process's exit."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                outcome = (fn(*args), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                outcome = (None, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        threading.Thread(target=run, name="committer", daemon=True).start()
+        return await future
 
     async def _replace_producer(self) -> None:
         """A producer holding the transactional id, tried until one starts (each try fences the
@@ -354,12 +367,6 @@ class Committer:
         producer = Producer(producer_config(self._k, self._txn_id))
         producer.init_transactions(CALL_TIMEOUT_S)
         return producer
-
-    def _abandon_thread(self) -> None:
-        """Leave a stuck call to its thread (the replacement producer fences it) and go on in a
-        new one."""
-        self._thread.shutdown(wait=False)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="committer")
 
     def _transact(self, batch: list[Final], ledgers, result: _Result) -> _Result:
         p = self._producer
@@ -403,6 +410,15 @@ class Committer:
                 except KafkaException as exc:  # too large, unknown partition: this record's
                     refused[f] = exc.args[0]
                     _fix_partition(f, exc.args[0])
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():  # given up (stuck) meanwhile
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
 
 
 def _commit(p: Producer) -> None:
