@@ -39,7 +39,7 @@ MAX_BACKOFF_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one producer call (begin, flush, send offsets, commit, abort)
 # A transaction not done by then is given up and its producer replaced (InitProducerId aborts it,
 # or waits for its commit): librdkafka's calls can outlast their own timeouts.
-STUCK_S = 2 * CALL_TIMEOUT_S
+STUCK_S = 1.5 * CALL_TIMEOUT_S
 # Test hooks: SIGKILL after the Nth transaction's records reach the broker, before its commit;
 # the first N producer starts fail (a replacement that cannot start).
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
