@@ -86,6 +86,27 @@ def test_a_job_of_a_revoked_assignment_publishes_requeued_and_finishes_no_offset
     assert committed(h) == 0 and not h.worker.jobs
 
 
+def test_a_final_that_never_committed_because_its_partition_moved_ends_its_attempt():
+    """The committer answers `moved` (the partition was revoked before the final committed, its
+    `done` aborted): the attempt still ends, with a `requeued` after it, and no offset finishes."""
+    h = harness()
+    _, (admitted,) = h.feed(body())
+    acked = h._enqueue
+
+    def moved(out) -> None:
+        if out.source is None:
+            acked(out)
+            return
+        h.sent.append(out)
+        out.on_acked("moved")
+
+    h.worker.publisher._enqueue = moved
+    dones = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
+    reasons = [msgpack.unpackb(o.value)["finish_reason"] for o in dones]
+    assert reasons[-1] == "requeued" and len(reasons) == 2, reasons
+    assert committed(h) == 0 and not h.worker.jobs
+
+
 def test_a_resubmitted_finished_request_gets_its_final_done_again():
     h = harness()
     value = body()

@@ -196,7 +196,20 @@ class Delivery:
             return
         if outcome == "ok":
             self.ledger.remember(job)
+        elif outcome == Outcome.MOVED:
+            self._moved(job)
         self._answered(job.tp, job.offset, outcome, job.reply.topic, job.generation, error)
+
+    def _moved(self, job: Job) -> None:
+        """Its final never committed (the partition moved first): the attempt still ends, with a
+        `requeued` outside any transaction, and the partition's new owner runs the request."""
+        job.reply.closed = False
+        self.publisher.done(
+            job.reply,
+            finish_reason="requeued",
+            metadata=job.request.metadata,
+            on_acked=lambda outcome, err=None: None,
+        )
 
     def _answered(
         self,
