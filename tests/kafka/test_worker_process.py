@@ -87,13 +87,17 @@ async def test_sigterm_drains_running_requeues_waiting_and_commits(
 ):
     group = f"g-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "worker.log"
+    # Paced steps and every admission logged: SIGTERM comes once all 6 are in the worker and 2
+    # run, whatever the machine's speed (the records may reach the worker in several fetches).
     proc = spawn_worker(
         kafka_bootstrap,
         topics,
         log,
+        {"INFERLINE_FAULT_STEP_DELAY_S": "0.2"},
         kafka={"group_id": group},
         scheduler={"max_num_seqs": 2},
         worker={"drain_timeout_s": 60},
+        log={"level": "DEBUG"},
     )
     try:
         await wait_log(log, "intake.assigned", proc)
@@ -108,6 +112,9 @@ async def test_sigterm_drains_running_requeues_waiting_and_commits(
             timeout=120,
             predicate=lambda rs: count(rs, StartedEvent) >= 2,
         )
+        while log.read_text().count('"request.admitted"') < 6:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
         assert await stop(proc) == 0
     finally:
         proc.kill()
