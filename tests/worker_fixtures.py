@@ -122,7 +122,9 @@ async def start_worker(kafka_bootstrap, model_runner):
 
 async def wait_ready(worker: Worker, task: asyncio.Task, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while not (all(worker.readiness().values()) and worker.intake._consumer.assignment()):
+    # The loop-side state: a call into the consumer from here could wait for the rebalance
+    # callback, which waits for this loop.
+    while not (all(worker.readiness().values()) and worker.intake._epochs):
         if task.done():
             task.result()  # raises what killed it
             raise RuntimeError("worker stopped before it was ready")

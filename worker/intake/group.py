@@ -129,7 +129,7 @@ class Intake(Triage):
 
     def num_paused(self) -> int:
         """Partitions paused for backpressure now."""
-        return len(self._consumer.assignment()) if self._paused else 0
+        return len(self._epochs) if self._paused else 0  # no consumer call: see _call
 
     def group_metadata(self):
         return self._consumer.consumer_group_metadata()
@@ -197,7 +197,8 @@ class Intake(Triage):
 
     def _call(self, coro):
         """Run `coro` on the event loop and wait for it, however long the loop is busy (a slow
-        loop is no reason to stop taking requests); only closing gives up."""
+        loop is no reason to stop taking requests); only closing gives up. So the loop never calls
+        the consumer: a call could wait for the rebalance callback that waits here."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         while True:
             try:
