@@ -21,6 +21,7 @@ from confluent_kafka import TopicPartition as KafkaPartition
 from inferline.worker.delivery.commit import Committer
 from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.intake.triage import Record as TriageRecord
 from inferline.worker.intake.triage import Sink, Triage
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import tenant_pattern
@@ -36,15 +37,9 @@ ASSIGN_TRIES_S = 120.0  # committed offsets unreadable this long: the worker sto
 
 
 @dataclass
-class Record:
-    """One request record, as triage reads it."""
+class Record(TriageRecord):
+    """A record of the consumer group, with its timestamp."""
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list | None
     timestamp: int
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.worker.intake.triage import Triage
+from inferline.worker.intake.triage import Record, Triage
 
 log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot is noticed
@@ -36,13 +36,9 @@ CLOSE_WAIT_S = 10.0  # for the verdicts of finals still on their way, before lan
 
 
 @dataclass
-class ShareRecord:
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list | None
+class ShareRecord(Record):
+    """A record of the share group, with the broker's count of its deliveries."""
+
     delivery_count: int
 
 

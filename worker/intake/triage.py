@@ -54,6 +54,18 @@ class _Unverified:
     since: float = float("-inf")  # when it was read: a topic list after it decides
 
 
+@dataclass
+class Record:
+    """One request record as triage reads it, whichever consumer brought it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list | None
+
+
 class Triage:
     """What both intakes do with a record once it is theirs; subclasses bring the records."""
 
