@@ -1,7 +1,10 @@
 """tests/time_cap.py: a test over the cap fails, a module fixture's set-up included (a session
-fixture's is not); under the cap, or with the cap off, it passes."""
+fixture's is not); under the cap, or with the cap off, it passes; a hung test ends the run with
+every thread's stack."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +53,12 @@ def test_a_test_over_the_cap_fails_and_its_fixture_counts(suite):
 @pytest.mark.parametrize("args", [["--time-cap", "5"], ["--time-cap", "0"], ["--full"]])
 def test_under_the_cap_or_with_it_off_everything_passes(suite, args):
     suite.runpytest_inprocess("-p", "no:cacheprovider", *args).assert_outcomes(passed=3)
+
+
+def test_a_hung_test_ends_the_run_with_every_threads_stack(suite, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))  # `tests`, in a subprocess
+    suite.makepyfile(test_hangs="import time\ndef test_hangs():\n    time.sleep(60)\n")
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider", "--hang-s", "1", "test_hangs.py")
+    assert result.ret == 1
+    result.stderr.fnmatch_lines(["*test_hangs.py::test_hangs still runs after 1 s: hung*"])
+    result.stderr.fnmatch_lines(["*in test_hangs*"])
