@@ -7,6 +7,7 @@ result. The ledger and the Committer offline: tests/unit/test_transactions.py.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -21,7 +22,7 @@ from inferline.worker.app import Worker, engine_settings
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.engine.engine import LLMEngine
-from inferline.worker.intake.group import Intake, consumer_config
+from inferline.worker.intake.group import Intake, consumer_config, set_session_timeout
 from inferline.worker.service.metrics import Metrics
 from tests.kafka_fixtures import consume_until
 from tests.unit.test_transactions import _until
@@ -47,16 +48,28 @@ class Member:
     stable committed offsets; it believes it owns every partition it was ever given."""
 
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.consumer = Consumer(consumer_config(settings.kafka))
         self.consumer.subscribe([settings.kafka.request_topic])
         self.metadata = None
+        self.closed = False
 
-    def join(self, timeout: float = 30.0) -> None:
+    def join(self, timeout: float = 60.0) -> None:
+        # As the worker does: a leave the broker missed (seen on a fresh broker) then costs the
+        # next member the test's 6 s session, not the broker's default 45 s.
+        set_session_timeout(self.settings.kafka)
         deadline = time.monotonic() + timeout
         while not self.consumer.assignment():
             assert time.monotonic() < deadline, "no assignment"
             self.consumer.poll(0.1)
         self.metadata = self.consumer.consumer_group_metadata()
+
+    def close(self) -> None:
+        """Once, and always: an unclosed consumer is closed by the garbage collector, on whatever
+        thread runs it (the event loop's included), and a KIP-848 close can block."""
+        if not self.closed:
+            self.closed = True
+            self.consumer.close()
 
     def owns(self, tp, generation) -> bool:
         return True
@@ -69,6 +82,16 @@ class Member:
     @property
     def _consumer(self):
         return self.consumer
+
+
+@contextlib.asynccontextmanager
+async def _joined(settings: Settings):
+    member = Member(settings)
+    try:
+        await asyncio.to_thread(member.join)
+        yield member
+    finally:
+        await asyncio.to_thread(member.close)
 
 
 async def _committer(settings, tracker, member: Member) -> Committer:
@@ -104,25 +127,28 @@ async def test_a_member_that_left_the_group_cannot_commit_a_final(kafka_bootstra
     settings = _settings(kafka_bootstrap, topics, group)
     tp = TopicPartition(topics.requests, 0)
     zombie, owner = Member(settings), Member(settings)
-    await asyncio.to_thread(zombie.join)
-    await asyncio.to_thread(zombie.consumer.close)  # its metadata is stale from here on
-    await asyncio.to_thread(owner.join)
     trackers, outcomes = (OffsetTracker(), OffsetTracker()), {}
-    for t in trackers:
-        t.resume(tp, None, None)
-        t.add(tp, 0)
-    stale, live = [await _committer(settings, t, m) for t, m in zip(trackers, (zombie, owner))]
     try:
-        stale.submit(_final(tp, 0, outcomes, b"from the zombie", topics.replies))
-        failed = stale._m.transactions.labels  # refused and aborted, or stuck and given up
-        await _until(lambda: failed("aborted")._value.get() + failed("lost")._value.get() >= 1, 90)
-        assert not outcomes  # refused, and retried: never committed
-        live.submit(_final(tp, 0, {}, b"from the owner", topics.replies))
-        await _until(lambda: not live._queue and not live._committing, 30)
+        await asyncio.to_thread(zombie.join)
+        await asyncio.to_thread(zombie.close)  # its metadata is stale from here on
+        await asyncio.to_thread(owner.join)
+        for t in trackers:
+            t.resume(tp, None, None)
+            t.add(tp, 0)
+        stale = await _committer(settings, trackers[0], zombie)
+        live = await _committer(settings, trackers[1], owner)
+        try:
+            stale.submit(_final(tp, 0, outcomes, b"from the zombie", topics.replies))
+            failed = stale._m.transactions.labels  # refused and aborted, or stuck and given up
+            await _until(lambda: failed("aborted")._value.get() + failed("lost")._value.get(), 90)
+            assert not outcomes  # refused, and retried: never committed
+            live.submit(_final(tp, 0, {}, b"from the owner", topics.replies))
+            await _until(lambda: not live._queue and not live._committing, 30)
+        finally:
+            await stale.close(timeout=0)
+            await live.close()
     finally:
-        await stale.close(timeout=0)
-        await live.close()
-        await asyncio.to_thread(owner.consumer.close)
+        await asyncio.to_thread(owner.close)
     assert outcomes == {(0, 0): Outcome.MOVED}
     records = await consume_until(kafka_bootstrap, topics.replies)
     assert [r.value for r in records] == [b"from the owner"]
@@ -136,28 +162,27 @@ async def test_finals_of_both_partitions_share_transactions_and_a_refused_one_co
     group = f"g-{uuid.uuid4().hex[:8]}"
     settings = _settings(kafka_bootstrap, topics, group, transaction_interval_ms=500)
     tps = [TopicPartition(topics.requests, p) for p in (0, 1)]
-    tracker, outcomes, member = OffsetTracker(), {}, Member(settings)
-    await asyncio.to_thread(member.join)
-    for tp in tps:
-        tracker.resume(tp, None, None)
-        for o in range(6):
-            tracker.add(tp, o)
-    committer = await _committer(settings, tracker, member)
-    try:
-        for o in range(6):  # a burst over both partitions: their finals share transactions
-            for tp in tps:
-                refused = (tp.partition, o) == (1, 3)  # over message.max.bytes: refused for good
-                value = (
-                    b"x" * 2 * settings.kafka.max_message_bytes
-                    if refused
-                    else b"%d:%d" % (tp.partition, o)
-                )
-                committer.submit(_final(tp, o, outcomes, value, topics.replies))
-                await asyncio.sleep(0)
-        await _until(lambda: len(outcomes) == 12, 60)
-    finally:
-        await committer.close()
-        await asyncio.to_thread(member.consumer.close)
+    tracker, outcomes = OffsetTracker(), {}
+    async with _joined(settings) as member:
+        for tp in tps:
+            tracker.resume(tp, None, None)
+            for o in range(6):
+                tracker.add(tp, o)
+        committer = await _committer(settings, tracker, member)
+        try:
+            for o in range(6):  # a burst over both partitions: their finals share transactions
+                for tp in tps:
+                    refused = (tp.partition, o) == (1, 3)  # over message.max.bytes: for good
+                    value = (
+                        b"x" * 2 * settings.kafka.max_message_bytes
+                        if refused
+                        else b"%d:%d" % (tp.partition, o)
+                    )
+                    committer.submit(_final(tp, o, outcomes, value, topics.replies))
+                    await asyncio.sleep(0)
+            await _until(lambda: len(outcomes) == 12, 60)
+        finally:
+            await committer.close()
     assert outcomes.pop((1, 3)) == Outcome.FAILED and set(outcomes.values()) == {"ok"}
     records = await consume_until(kafka_bootstrap, topics.replies)  # read_committed
     assert sorted(r.value for r in records) == sorted(b"%d:%d" % k for k in outcomes)  # each once
@@ -182,30 +207,28 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(
     reqs = [request(t.replies, f"Say the number {n}.", max_tokens=2) for n in range(4)]
     await submit(kafka_bootstrap, t.requests, reqs)
     tp, tracker, outcomes = TopicPartition(t.requests, 0), OffsetTracker(), {}
-    member = Member(settings)
-    await asyncio.to_thread(member.join)
-    tracker.resume(tp, None, None)
-    for o in range(4):
-        tracker.add(tp, o)
-    previous = await _committer(settings, tracker, member)
-    for o in (0, 2, 3):
-        done = encode_event(
-            DoneEvent(
-                id=reqs[o]["id"],
-                attempt="previous",
-                seq=0,
-                finish_reason="length",
-                usage=Usage(prompt_tokens=1, completion_tokens=2),
-                timing=Timing(queue_s=0, ttft_s=0, total_s=0),
-                text="x",
+    async with _joined(settings) as member:
+        tracker.resume(tp, None, None)
+        for o in range(4):
+            tracker.add(tp, o)
+        previous = await _committer(settings, tracker, member)
+        for o in (0, 2, 3):
+            done = encode_event(
+                DoneEvent(
+                    id=reqs[o]["id"],
+                    attempt="previous",
+                    seq=0,
+                    finish_reason="length",
+                    usage=Usage(prompt_tokens=1, completion_tokens=2),
+                    timing=Timing(queue_s=0, ttft_s=0, total_s=0),
+                    text="x",
+                )
             )
-        )
-        final = _final(tp, o, outcomes, done, t.replies)
-        final.records = [(t.replies, None, reqs[o]["id"].encode(), done, None)]
-        previous.submit(final)
-    await _until(lambda: len(outcomes) == 3, 30)
-    await previous.close()
-    await asyncio.to_thread(member.consumer.close)
+            final = _final(tp, o, outcomes, done, t.replies)
+            final.records = [(t.replies, None, reqs[o]["id"].encode(), done, None)]
+            previous.submit(final)
+        await _until(lambda: len(outcomes) == 3, 30)
+        await previous.close()
 
     worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
     task = asyncio.create_task(worker.run())
