@@ -62,10 +62,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "these tests use the broker but are not in tests/kafka/: " + ", ".join(misplaced)
         )
     if not config.getoption("--full") and "full" not in config.getoption("markexpr"):
-        left_out = [item for item in items if item.get_closest_marker("full") is not None]
+        left_out = [item for item in items if _left_out(config, item)]
         if left_out:  # deselected, not skipped: they are not run, and the summary counts them apart
             config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if item.get_closest_marker("full") is None]
+            items[:] = [item for item in items if not _left_out(config, item)]
+
+
+def _left_out(config: pytest.Config, item: pytest.Item) -> bool:
+    """`full` tests stay out of `make test`; `make chaos` (--chaos-long) runs the `chaos` ones."""
+    if item.get_closest_marker("full") is None:
+        return False
+    return not (config.getoption("--chaos-long") and item.get_closest_marker("chaos"))
 
 
 # The suite's own process, not a pytester run inside it: (config, exit status).

@@ -88,7 +88,8 @@ def test_a_job_of_a_revoked_assignment_publishes_requeued_and_finishes_no_offset
 
 def test_a_final_that_never_committed_because_its_partition_moved_ends_its_attempt():
     """The committer answers `moved` (the partition was revoked before the final committed, its
-    `done` aborted): the attempt still ends, with a `requeued` after it, and no offset finishes."""
+    `done` aborted): the attempt still ends, with a `requeued` in the aborted `done`'s seq (no
+    gap for read_committed readers), and no offset finishes."""
     h = harness()
     _, (admitted,) = h.feed(body())
     acked = h._enqueue
@@ -104,6 +105,8 @@ def test_a_final_that_never_committed_because_its_partition_moved_ends_its_attem
     dones = [o for o in h.finish_admitted(admitted) if msgpack.unpackb(o.value)["type"] == "done"]
     reasons = [msgpack.unpackb(o.value)["finish_reason"] for o in dones]
     assert reasons[-1] == "requeued" and len(reasons) == 2, reasons
+    seqs = [msgpack.unpackb(o.value)["seq"] for o in dones]
+    assert seqs[0] == seqs[1], seqs
     assert committed(h) == 0 and not h.worker.jobs
 
 

@@ -202,8 +202,10 @@ class Delivery:
 
     def _moved(self, job: Job) -> None:
         """Its final never committed (the partition moved first): the attempt still ends, with a
-        `requeued` outside any transaction, and the partition's new owner runs the request."""
+        `requeued` outside any transaction, and the partition's new owner runs the request. It
+        takes the final's seq: read_committed readers never saw that `done`, so no gap shows."""
         job.reply.closed = False
+        job.reply.seq -= 1
         self.publisher.done(
             job.reply,
             finish_reason="requeued",
