@@ -21,6 +21,8 @@ _spec = importlib.util.spec_from_file_location(
 )
 _spec.loader.exec_module(sys.modules.setdefault("bench", importlib.util.module_from_spec(_spec)))
 
+LOG_TAIL_LINES = 60
+
 pytest_plugins = ["tests.kafka_fixtures", "tests.engine_fixtures", "tests.time_cap"]
 
 
@@ -99,3 +101,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_top["status"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test's worker logs (*.log under its tmp_path) end its report: a subprocess's
+    story is otherwise gone with the tmp dir, on CI above all."""
+    report = (yield).get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and tmp is not None:
+        for log in sorted(Path(tmp).glob("**/*.log"))[:6]:
+            tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"last lines of {log.relative_to(tmp)}", "\n".join(tail)))

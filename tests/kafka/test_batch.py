@@ -203,6 +203,8 @@ async def wait_lines(
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.full  # `make chaos` runs it: kills and restarts, a minute or more
+@pytest.mark.chaos
 async def test_batch_survives_worker_kill_and_cli_interrupt(
     kafka_bootstrap, topics, batch_env, tmp_path
 ):

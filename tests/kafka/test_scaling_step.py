@@ -16,7 +16,10 @@ from tests.worker_fixtures import attempts_of, check_attempts
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("step", ["join", "leave"])
+# A join in `make test`; the leave (a SIGTERM drain, as in test_worker_process.py) in make chaos.
+@pytest.mark.parametrize(
+    "step", ["join", pytest.param("leave", marks=[pytest.mark.full, pytest.mark.chaos])]
+)
 async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(
     kafka_bootstrap, tmp_path, step
 ):

@@ -88,7 +88,8 @@ def workers_of(events: list) -> tuple[set[str], set[str]]:
     return started, final
 
 
-@pytest.mark.chaos  # `make chaos` runs it too: the share-mode kill
+@pytest.mark.full  # `make chaos` runs it: several worker processes, a minute or more
+@pytest.mark.chaos
 async def test_three_workers_share_one_partition_and_survive_a_kill(share_broker, tmp_path):
     bootstrap = share_broker.bootstrap
     topics = await make_topics(bootstrap)
@@ -260,6 +261,8 @@ def finals_of(events) -> list[DoneEvent]:
     return [e for _, e in events if isinstance(e, DoneEvent) and e.finish_reason != "requeued"]
 
 
+@pytest.mark.full  # `make chaos` runs it: several worker processes, a minute or more
+@pytest.mark.chaos
 async def test_a_full_worker_hands_its_overflow_to_idle_workers(share_broker, tmp_path):
     """36 requests in one producer batch (the broker hands a share consumer whole batches) to
     three workers whose pools hold 8 each: the one that takes the batch keeps what it can run and
@@ -425,6 +428,8 @@ async def test_a_record_on_the_brokers_last_delivery_is_dead_lettered(share_brok
             await worker.terminate()
 
 
+@pytest.mark.full  # `make chaos` runs it: several worker processes, a minute or more
+@pytest.mark.chaos
 async def test_long_requests_do_not_stall_intake(share_broker, tmp_path):
     """A share consumer whose requests still run cannot poll (explicit acknowledgement): two long
     requests pin two consumers. Short requests sent after them must still be taken and finish
@@ -479,6 +484,8 @@ def kept_overflow(workers: list[WorkerProcess]) -> WorkerProcess | None:
     return None
 
 
+@pytest.mark.full  # `make chaos` runs it: several worker processes, a minute or more
+@pytest.mark.chaos
 async def test_overflow_hand_offs_do_not_dead_letter_after_one_death(share_broker, tmp_path):
     """36 requests in one producer batch to three workers whose pools hold 2 each: most of the
     batch is overflow wherever it lands. The worker that ends up keeping the overflow is then
