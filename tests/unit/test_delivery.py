@@ -11,6 +11,7 @@ import time
 import uuid
 
 import msgpack
+import pytest
 
 from inferline.config.settings import Settings
 from tests.chaos_fixtures import IntakeHarness, assign
@@ -222,3 +223,24 @@ async def test_the_overload_path_takes_nothing_while_a_batch_of_dead_letters_wai
     h.worker.delivery.dead_letters_in_flight = 0
     await intake._take([])
     assert intake._want == OVERLOAD_BATCH
+
+
+def test_a_fatal_consumer_error_stops_the_poll_thread():
+    """A fatal error (e.g. the broker refusing a static member's instance id) kills librdkafka's
+    consumer: the intake must stop (the worker exits and is restarted), not poll it forever."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    intake = IntakeHarness(Settings()).worker.intake
+
+    class Message:
+        def __init__(self, fatal: bool) -> None:
+            self._error = KafkaError(
+                KafkaError._FATAL if fatal else KafkaError._TRANSPORT, "test", fatal=fatal
+            )
+
+        def error(self):
+            return self._error
+
+    assert intake._records([Message(fatal=False)]) == []  # passing: logged, polled again
+    with pytest.raises(KafkaException):
+        intake._records([Message(fatal=True)])

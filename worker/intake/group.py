@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 from aiokafka import TopicPartition
-from confluent_kafka import OFFSET_BEGINNING, Consumer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException
 from confluent_kafka import TopicPartition as KafkaPartition
 
 from inferline.worker.delivery.commit import Committer
@@ -207,6 +207,8 @@ class Intake(Triage):
         records = []
         for m in messages:
             if m.error() is not None:
+                if m.error().fatal():  # the consumer is dead: stop, not poll a dead one forever
+                    raise KafkaException(m.error())
                 log.warning("intake.fetch_error", error=str(m.error()))
                 continue
             records.append(
