@@ -5,6 +5,7 @@ admission (decode, reply-topic check, tenancy, validation, admission).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,6 +14,7 @@ import structlog
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from confluent_kafka import admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
@@ -22,7 +24,6 @@ from inferline.worker.intake.admission import (
     deadline_of,
     sample_budget_problem,
 )
-from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
@@ -65,22 +66,46 @@ class Record:
     value: bytes | None
     headers: list | None
 
+    @classmethod
+    def read(cls, messages) -> list:
+        """confluent-kafka's messages as records; one that carries an error is logged, skipped."""
+        records = []
+        for m in messages:
+            if m.error() is not None:
+                log.warning("intake.fetch_error", error=str(m.error()))
+                continue
+            fields = (m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers())
+            records.append(cls(*fields, *cls._extra(m)))
+        return records
+
+    @staticmethod
+    def _extra(message) -> tuple:
+        """A subclass's own fields, read from the message."""
+        return ()
+
+
+def set_group_configs(kafka, configs: dict[str, str]) -> None:
+    """Blocking: set the group's `configs` one at a time; a refused one (no ALTER_CONFIGS right,
+    out of the broker's bounds) leaves the broker's own, logged, and stops no other."""
+    client = admin.AdminClient(kafka.librdkafka_config())  # kept: a collected one drops futures
+    for name, value in configs.items():
+        entry = admin.ConfigEntry(name, value, incremental_operation=admin.AlterConfigOpType.SET)
+        group = admin.ConfigResource("group", kafka.group_id, incremental_configs=[entry])
+        try:
+            for future in client.incremental_alter_configs([group]).values():
+                future.result(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the broker's own then applies
+            log.warning("intake.group_config_failed", config=name, error=repr(exc))
+
 
 class Triage:
     """What both intakes do with a record once it is theirs; subclasses bring the records."""
 
     def __init__(
-        self,
-        settings,
-        sink: Sink,
-        tracker,
-        limiter: RateLimiter,
-        metrics,
-        cancels: RecentCancels,
-        delivery,
+        self, settings, sink: Sink, tracker, limiter: RateLimiter, metrics, cancels, delivery
     ) -> None:
         self._s = settings
-        self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
+        self._sink, self._tracker, self._limiter, self._m = (sink, tracker, limiter, metrics)
         self._delivery, self._cancels = delivery, cancels
         self.joined = False
         self.fetching = True  # False once draining: the loop keeps polling, takes nothing
@@ -95,16 +120,9 @@ class Triage:
             settings.kafka, self._list_topics, check_topics=self._check_topics
         )
 
-    def epoch(self, tp: TopicPartition) -> int:
-        """The assignment `tp` was taken in (group mode); work of another is stale."""
-        return 0
-
     def _claim(self, tp: TopicPartition, record) -> bool:
         """Whether this intake takes `record` (group mode: owned, not final already)."""
         return True
-
-    async def _settled(self) -> None:
-        """Returns once no rebalance leaves a partition's owner unknown."""
 
     def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
         return True
@@ -153,12 +171,17 @@ class Triage:
                 )
         return reasons
 
-    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+    @contextlib.contextmanager
+    def _dead_letter_on_bug(self, tp: TopicPartition, record):
         try:
-            self._handle(tp, record, unverified)
+            yield
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
             self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
+
+    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+        with self._dead_letter_on_bug(tp, record):
+            self._handle(tp, record, unverified)
 
     def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
         decoded = self._decode(tp, record)
@@ -166,9 +189,8 @@ class Triage:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(
-                _Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock())
-            )
+            epoch, now = self._tracker.epoch(tp), self.reply_topics.clock()
+            unverified.append(_Unverified(tp, record, decoded, epoch, now))
             return
         self._dispatch(tp, record, decoded, verdict)
 
@@ -178,14 +200,12 @@ class Triage:
             self._log_refusal(tp, record.offset, reason)
             self._m.reply_topic_refusals.inc()
             self._delivery.dead_letter(record, reason)
-        elif isinstance(decoded, InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
-        elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
+            return
+        if isinstance(decoded, Request):
+            decoded = self._apply_tenancy(tp, decoded)
+        if isinstance(decoded, InvalidRequest):
+            route = ReplyRoute.of(decoded)
+            self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
@@ -193,13 +213,8 @@ class Triage:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
         now = time.monotonic()
         if now - self._refusal_logged_at >= REFUSAL_LOG_S:
-            log.warning(
-                "intake.reply_topic_refused",
-                partition=tp.partition,
-                offset=offset,
-                reason=reason,
-                unlogged=self._refusals_unlogged,
-            )
+            where = {"partition": tp.partition, "offset": offset, "reason": reason}
+            log.warning("intake.reply_topic_refused", **where, unlogged=self._refusals_unlogged)
             self._refusal_logged_at, self._refusals_unlogged = now, 0
         else:
             self._refusals_unlogged += 1
@@ -223,7 +238,6 @@ class Triage:
         started, backoff = time.monotonic(), LOOKUP_BACKOFF_S
         while True:
             listed = await self._look_up(unverified)
-            await self._settled()  # a held partition may stay here: then its records are ours
             give_up = time.monotonic() - started >= self._s.kafka.final_retry_s
             unverified = [u for u in unverified if not self._decide(u, listed, give_up)]
             if not unverified:
@@ -248,16 +262,12 @@ class Triage:
         """Dispatch `u` if its topic has a verdict (or it waited long enough); False: it waits."""
         if not self._still_ours(u.tp, u.generation):
             return True
-        try:
-            verdict = self.reply_topics.verdict(
-                u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed, last_known=True
-            )
+        with self._dead_letter_on_bug(u.tp, u.record):
+            topic, tenant = u.decoded.reply_topic, self._tenant_of(u.tp)
+            verdict = self.reply_topics.verdict(topic, tenant, listed_after=listed, last_known=True)
             if verdict is None and not give_up:
                 return False
             self._dispatch(u.tp, u.record, u.decoded, verdict)
-        except Exception as exc:  # noqa: BLE001 - as in _handle_safely
-            log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
-            self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
         return True
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
@@ -294,22 +304,13 @@ class Triage:
                 record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
             )
         except UndecodableMessage as exc:
-            log.warning(
-                "intake.dead_letter",
-                partition=tp.partition,
-                offset=record.offset,
-                reason=exc.reason,
-            )
+            where = {"partition": tp.partition, "offset": record.offset}
+            log.warning("intake.dead_letter", **where, reason=exc.reason)
             self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:
-            log.info(
-                "intake.invalid",
-                request_id=exc.request_id,
-                partition=tp.partition,
-                offset=record.offset,
-                field=exc.field,
-            )
+            where = {"partition": tp.partition, "offset": record.offset}
+            log.info("intake.invalid", request_id=exc.request_id, **where, field=exc.field)
             return exc
         return req
 
@@ -318,45 +319,27 @@ class Triage:
         # same id with other content runs).
         if self._delivery.answered_before(tp, offset, req):
             return
-        route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
         max_tokens = capped_max_tokens(req, self._s)
-        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
-            self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
-        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "cancelled",
-                "cancelled before it started",
-                finish_reason="cancelled",
-                metadata=meta,
-            )
-        elif deadline <= time.time():
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "timeout",
-                "deadline passed before it was read",
-                finish_reason="timeout",
-                metadata=meta,
-            )
-        elif self._overloading and self._sink.room() <= 0:
-            self._delivery.reject(
-                tp, offset, route, "overloaded", "the worker's waiting pool is full", metadata=meta
-            )
-        elif not self._limiter.admit(req.tenant, max_tokens * req.n):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "rate_limited",
-                f"tenant {req.tenant!r} is over its rate limit",
-                metadata=meta,
-            )
-        else:
+        refused = self._refusal(tp, req, deadline, max_tokens)
+        if refused is None:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
+            return
+        code, message, reason = refused
+        route, meta = ReplyRoute.of(req), req.metadata
+        self._delivery.reject(tp, offset, route, code, message, reason, metadata=meta)
 
-    # -- rebalance --------------------------------------------------------------------------------
+    def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
+        """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is
+        asked last (it counts what it admits)."""
+        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+            return "invalid_request", problem, "rejected"
+        if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
+            return "cancelled", "cancelled before it started", "cancelled"
+        if deadline <= time.time():
+            return "timeout", "deadline passed before it was read", "timeout"
+        if self._overloading and self._sink.room() <= 0:
+            return "overloaded", "the worker's waiting pool is full", "rejected"
+        if not self._limiter.admit(req.tenant, max_tokens * req.n):
+            return ("rate_limited", f"tenant {req.tenant!r} is over its rate limit", "rejected")
+        return None
