@@ -44,6 +44,11 @@ class Job:
     def attempt(self) -> str:
         return self.reply.attempt
 
+    @property
+    def source(self) -> tuple[TopicPartition, int, int]:
+        """Its input: (partition, offset, generation)."""
+        return self.tp, self.offset, self.generation
+
 
 def fingerprint(req: Request) -> str:
     return hashlib.blake2b(req.model_dump_json().encode(), digest_size=16).hexdigest()

@@ -327,7 +327,7 @@ class Triage:
             return
         code, message, reason = refused
         route, meta = ReplyRoute.of(req), req.metadata
-        self._delivery.reject(tp, offset, route, code, message, reason, metadata=meta)
+        self._delivery.reject(tp, offset, route, code, message, finish_reason=reason, metadata=meta)
 
     def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
         """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is
