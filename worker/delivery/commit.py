@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Protocol
 
 import structlog
@@ -138,11 +139,11 @@ class Committer:
         self._queue.append(final)
         self._wake.set()
 
-    def busy(self, tps) -> bool:
-        return any(f.tp in tps for f in self._queue + self._committing)
+    def busy(self, tps=None) -> bool:
+        return any(tps is None or f.tp in tps for f in self._queue + self._committing)
 
-    async def flush(self, tps, timeout: float) -> None:
-        """Wait (bounded) until what is queued for `tps` is committed or given up."""
+    async def flush(self, tps=None, timeout: float = 10.0) -> None:
+        """Wait (bounded) until what is queued (for `tps`, or all) is committed or given up."""
         deadline = time.monotonic() + timeout
         while self.busy(tps) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -155,9 +156,7 @@ class Committer:
             f.on_done(Outcome.MOVED)
 
     async def close(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (self._queue or self._committing) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await self.flush(timeout=timeout)
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -244,12 +243,11 @@ class Committer:
             self._retry(batch, KafkaException(result.error), charge=False)
 
     def _ledgers(self, batch: list[Final]) -> dict[TopicPartition, tuple[int, str]]:
-        ledgers = {}
-        for tp in {f.tp for f in batch}:
-            ledger = self._tracker.ledger(tp, [f.offset for f in batch if f.tp == tp])
-            if ledger is not None:
-                ledgers[tp] = ledger
-        return ledgers
+        finishing = defaultdict(list)
+        for f in batch:
+            finishing[f.tp].append(f.offset)
+        ledgers = {tp: self._tracker.ledger(tp, offsets) for tp, offsets in finishing.items()}
+        return {tp: ledger for tp, ledger in ledgers.items() if ledger is not None}
 
     def _committed(self, batch: list[Final], ledgers) -> None:
         self._m.transactions.labels("committed").inc()
@@ -310,14 +308,13 @@ class Committer:
         self._wake.set()
 
     def _give_up(self, f: Final, exc: BaseException) -> None:
+        where = {"partition": f.tp.partition, "offset": f.offset, "error": repr(exc)}
         if not f.dead_letter:
-            log.error("commit.gave_up", partition=f.tp.partition, offset=f.offset, error=repr(exc))
+            log.error("commit.gave_up", **where)
             f.on_done(Outcome.FAILED, _cause(exc))
             return
         # A dead letter the DLQ will not take: the offset advances anyway, logged and counted.
-        log.error(
-            "commit.dead_letter_lost", partition=f.tp.partition, offset=f.offset, error=repr(exc)
-        )
+        log.error("commit.dead_letter_lost", **where)
         self._m.dead_letters_lost.inc()
         f.records, f.not_before = [], 0.0
         self._queue.append(f)
@@ -378,10 +375,7 @@ class Committer:
                 p.abort_transaction(CALL_TIMEOUT_S)
                 return result
             if ledgers:
-                offsets = [
-                    OffsetEntry(tp.topic, tp.partition, mark, metadata=meta)
-                    for tp, (mark, meta) in ledgers.items()
-                ]
+                offsets = [OffsetEntry(tp.topic, tp.partition, *lg) for tp, lg in ledgers.items()]
                 p.send_offsets_to_transaction(offsets, self.owner.group_metadata(), CALL_TIMEOUT_S)
             _fault_point()
             result.commit_sent = True
@@ -399,17 +393,10 @@ class Committer:
                 kwargs = {"headers": headers} if headers else {}
                 if partition is not None:
                     kwargs["partition"] = partition
-
-                def delivered(err, _msg, f=f) -> None:
-                    if err is not None:
-                        refused[f] = err
-                        _fix_partition(f, err)
-
                 try:
-                    p.produce(topic, value, key, on_delivery=delivered, **kwargs)
+                    p.produce(topic, value, key, on_delivery=partial(_refuse, refused, f), **kwargs)
                 except KafkaException as exc:  # too large, unknown partition: this record's
-                    refused[f] = exc.args[0]
-                    _fix_partition(f, exc.args[0])
+                    _refuse(refused, f, exc.args[0])
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
@@ -443,9 +430,12 @@ def _aborted(p: Producer, error: KafkaError) -> bool:
         return False
 
 
-def _fix_partition(f: Final, err: KafkaError) -> None:
-    """A reply partition the topic lacks gives way to the key's partition: better a `done` by key
-    than none."""
+def _refuse(refused: dict, f: Final, err: KafkaError | None, _msg=None) -> None:
+    """`f`'s record was refused (if `err`). A reply partition the topic lacks gives way to the
+    key's partition: better a `done` by key than none."""
+    if err is None:
+        return
+    refused[f] = err
     if err.code() == KafkaError._UNKNOWN_PARTITION:
         f.records = [(t, None, k, v, h) for t, _, k, v, h in f.records]
 
