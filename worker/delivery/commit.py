@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 import structlog
 from aiokafka import TopicPartition
+from aiokafka import errors as aiokafka_errors
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as OffsetEntry
 
@@ -35,6 +36,12 @@ PERMANENT = {
     KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError._UNKNOWN_TOPIC,
 }
+_AIOKAFKA_PERMANENT = tuple(  # the same, as the reply events' producer (aiokafka) says them
+    getattr(aiokafka_errors, name)
+    for name in "MessageSizeTooLargeError RecordListTooLargeError RecordTooLargeError "
+    "TopicAuthorizationFailedError InvalidTopicError CorruptRecordException "
+    "UnsupportedForMessageFormatError".split()
+)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one producer call (begin, flush, send offsets, commit, abort)
@@ -441,7 +448,10 @@ def _refuse(refused: dict, f: Final, err: KafkaError | None, _msg=None) -> None:
 
 
 def permanent(exc: BaseException) -> bool:
-    return isinstance(exc, KafkaException) and exc.args[0].code() in PERMANENT
+    """A refusal no retry changes (either producer's)."""
+    if isinstance(exc, KafkaException):
+        return exc.args[0].code() in PERMANENT
+    return isinstance(exc, _AIOKAFKA_PERMANENT)
 
 
 def _covered(committed: tuple | None, offset: int) -> bool:

@@ -55,16 +55,15 @@ def fingerprint(req: Request) -> str:
 
 
 class JobLedger:
+    """The jobs held here, and the requests finished here; what is held per partition lives in
+    the partitions' `Partition`s."""
+
     def __init__(self, partitions: OffsetTracker | None = None) -> None:
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
         self._parts = partitions or OffsetTracker()
-        self._completed: OrderedDict[str, str] = (
-            OrderedDict()
-        )  # id -> fingerprint, final done committed
-        self._final_events: OrderedDict[str, tuple] = (
-            OrderedDict()
-        )  # id -> (topic, partition, done bytes)
+        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, committed
+        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, part., done)
         self._final_bytes = 0  # of the `done`s in _final_events
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
 

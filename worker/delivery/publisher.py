@@ -12,15 +12,6 @@ from typing import Callable
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import (
-    CorruptRecordException,
-    InvalidTopicError,
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    UnsupportedForMessageFormatError,
-)
 
 from inferline.contract.schema import (
     DoneEvent,
@@ -34,31 +25,14 @@ from inferline.contract.schema import (
     Usage,
     encode_event,
 )
+from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 
 log = structlog.get_logger(__name__)
-RETRY_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
 # Reply topics the producer keeps metadata for; past it, idle ones are dropped.
 MAX_PRODUCER_TOPICS = 512
-# Refusals no retry changes: the record, or the topic, is not this worker's to write.
-PERMANENT = (
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    InvalidTopicError,
-    CorruptRecordException,
-    UnsupportedForMessageFormatError,
-)
-
-
 Source = tuple[TopicPartition, int, int]  # a final's input: (partition, offset, generation)
-
-
-def permanent(exc: BaseException) -> bool:
-    return isinstance(exc, PERMANENT)
 
 
 @dataclass(frozen=True)

@@ -114,10 +114,7 @@ class CancelListener:
             positions = {tp: await self._consumer.position(tp) for tp in tps}
             if all(positions[tp] >= ends[tp] for tp in tps):
                 return
-            batch = await self._consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                for record in records:
-                    self._handle(record)
+            self._handle(await self._consumer.getmany(timeout_ms=200))
         log.warning("cancels.catch_up_incomplete", wait_s=CATCH_UP_WAIT_S)
 
     async def _loop(self) -> None:
@@ -136,18 +133,16 @@ class CancelListener:
                 log.warning("cancels.fetch_error", error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
-            for records in batch.values():
-                for record in records:
-                    self._handle(record)
+            self._handle(batch)
 
-    def _handle(self, record) -> None:
-        try:
-            cancel = decode_cancel(record.value)
-        except UndecodableMessage as exc:
-            log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
-            return
-        self._m.cancels.inc()
+    def _handle(self, batch: dict) -> None:
         k = self._s.kafka
-        self._on_cancel(
-            cancel.id, tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None
-        )
+        for record in (r for records in batch.values() for r in records):
+            try:
+                cancel = decode_cancel(record.value)
+            except UndecodableMessage as exc:
+                log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
+                continue
+            self._m.cancels.inc()
+            tenant = tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None
+            self._on_cancel(cancel.id, tenant)
