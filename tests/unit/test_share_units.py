@@ -477,7 +477,7 @@ class AckingPublisher:
         self.sent.append(("dead_letter", source[1]))
         on_acked("ok")
 
-    def done(self, rs, *, finish_reason: str, source=None, on_acked, **fields) -> None:
+    def done(self, rs, on_acked, source=None, *, finish_reason: str, **fields) -> None:
         self.sent.append((finish_reason, source and source[1]))
         on_acked(self.done_outcome)
 

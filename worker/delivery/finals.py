@@ -95,9 +95,7 @@ class Delivery:
         def on_acked(outcome, error=None) -> None:
             self._answered(source, outcome, rs.topic, error)
 
-        self.publisher.done(
-            rs, text="", error=(code, message), source=source, on_acked=on_acked, **done
-        )
+        self.publisher.done(rs, on_acked, source, text="", error=(code, message), **done)
         self._m.requests.labels(reason).inc()
         if reason == "rejected":
             self._m.rejections.labels(code).inc()
@@ -137,18 +135,15 @@ class Delivery:
         final = reason != "requeued"
         self.publisher.done(
             job.reply,
+            lambda outcome, err=None: self._settle(job, final, outcome, err),
+            job.source if final else None,
+            usage=(out.num_prompt_tokens, out.num_output_tokens),
+            timing=(out.queue_s if ran else out.total_s, out.ttft_s, out.total_s),
             finish_reason=reason,
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            queue_s=out.queue_s if ran else out.total_s,
-            ttft_s=out.ttft_s,
-            total_s=out.total_s,
             text=out.text,
             error=error,
             metadata=job.request.metadata,
             samples=wire_samples(out) if final else None,
-            source=job.source if final else None,
-            on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err),
         )
 
     def stale(self, job: Job) -> bool:
@@ -170,9 +165,7 @@ class Delivery:
             # transaction, and the partition's new owner runs the request.
             job.reply.closed = False
             meta = job.request.metadata
-            self.publisher.done(
-                job.reply, finish_reason="requeued", metadata=meta, on_acked=_ignore
-            )
+            self.publisher.done(job.reply, _ignore, finish_reason="requeued", metadata=meta)
         self._answered(job.source, outcome, job.reply.topic, error)
 
     def _answered(self, source: Source, outcome: str, topic: str, error: str | None) -> None:

@@ -13,18 +13,8 @@ from typing import Callable
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from inferline.contract.schema import (
-    DoneEvent,
-    ErrorInfo,
-    InvalidRequest,
-    Request,
-    Sample,
-    StartedEvent,
-    Timing,
-    TokensEvent,
-    Usage,
-    encode_event,
-)
+from inferline.contract.schema import DoneEvent, ErrorInfo, InvalidRequest, Request, StartedEvent
+from inferline.contract.schema import Timing, TokensEvent, Usage, encode_event
 from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 
@@ -181,43 +171,19 @@ class Publisher:
         else:
             self._dirty[rs.attempt] = rs
 
-    def done(
-        self,
-        rs: ReplyStream,
-        *,
-        finish_reason: str,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-        queue_s: float = 0.0,
-        ttft_s: float | None = None,
-        total_s: float = 0.0,
-        text: str | None = None,
-        error: tuple[str, str] | None = None,
-        metadata: dict[str, str] | None = None,
-        source: Source | None = None,
-        samples: list[Sample] | None = None,
-        on_acked: Callable[..., None],
-    ) -> None:
-        """The attempt's last event; with `source` (partition, offset, generation) a final one,
-        committed with that offset, `on_acked(outcome, error)` saying how it went."""
+    def done(self, rs, on_acked, source=None, usage=(0, 0), timing=(0.0, None, 0.0), **fields):
+        """The attempt's last event: `usage` (prompt, completion tokens), `timing` (queue_s, ttft_s,
+        total_s), an `error` (code, message) and DoneEvent's other `fields`. With `source`
+        (partition, offset, generation) a final one, committed with that offset,
+        `on_acked(outcome, error)` saying how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
-        ev = _event(
-            DoneEvent,
-            rs,
-            finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-            timing=Timing(
-                queue_s=max(0.0, queue_s),
-                ttft_s=None if ttft_s is None else max(0.0, ttft_s),
-                total_s=max(0.0, total_s),
-            ),
-            text=text,
-            error=ErrorInfo(code=error[0], message=error[1]) if error else None,
-            metadata=metadata or {},
-            worker=self.worker_name,
-            samples=samples,
-        )
+        if error := fields.get("error"):
+            fields["error"] = ErrorInfo(code=error[0], message=error[1])
+        queue_s, ttft_s, total_s = (None if t is None else max(0.0, t) for t in timing)
+        timing = Timing(queue_s=queue_s, ttft_s=ttft_s, total_s=total_s)
+        usage = Usage(prompt_tokens=usage[0], completion_tokens=usage[1])
+        ev = _event(DoneEvent, rs, usage=usage, timing=timing, worker=self.worker_name, **fields)
         rs.closed = True
         rs.final_event = encode_event(ev)
         key = rs.request_id.encode()

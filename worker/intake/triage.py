@@ -18,12 +18,8 @@ from confluent_kafka import admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
-from inferline.worker.intake.admission import (
-    Admission,
-    capped_max_tokens,
-    deadline_of,
-    sample_budget_problem,
-)
+from inferline.worker.intake.admission import Admission, capped_max_tokens, deadline_of
+from inferline.worker.intake.admission import sample_budget_problem
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
