@@ -171,8 +171,6 @@ class Committer:
         if self._producer is not None:
             await self._call(self._producer.flush, 1.0)
 
-    # -- the loop ----------------------------------------------------------------------------------
-
     async def _run(self) -> None:
         last_begin = float("-inf")
         while True:
@@ -325,8 +323,6 @@ class Committer:
         self._m.dead_letters_lost.inc()
         f.records, f.not_before = [], 0.0
         self._queue.append(f)
-
-    # -- the producer's thread ---------------------------------------------------------------------
 
     async def _call(self, fn, *args):
         """`fn(*args)` on a daemon thread of its own, one call at a time (the loop awaits each):

@@ -42,8 +42,6 @@ class Delivery:
         """Read the dead-letter topic's limit before the first dead letter needs it."""
         await self.dlq_limit.load()
 
-    # -- what the intake hands over ---------------------------------------------------------------
-
     def hold(self, tp: TopicPartition, record) -> None:
         """Keep `record` until its input is finished, to dead-letter it if need be."""
         self.ledger.hold(tp, record)
@@ -126,8 +124,6 @@ class Delivery:
         self.ledger.taken(tp)
         return tp, offset, self._generation(tp)
 
-    # -- what the engine finished -----------------------------------------------------------------
-
     def finish(
         self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None, ran: bool
     ) -> None:
@@ -149,8 +145,6 @@ class Delivery:
     def stale(self, job: Job) -> bool:
         """Its partition moved since admission: a final from here would be a second one."""
         return job.generation != self._generation(job.tp)
-
-    # -- outcomes ---------------------------------------------------------------------------------
 
     def _settle(self, job: Job, final: bool, outcome: str, error: str | None) -> None:
         self.ledger.forget(job)

@@ -67,8 +67,6 @@ class JobLedger:
         self._final_bytes = 0  # of the `done`s in _final_events
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
 
-    # -- jobs -------------------------------------------------------------------------------------
-
     def add(self, job: Job) -> None:
         self.jobs[job.attempt] = job
         self._by_id.setdefault(job.request.id, set()).add(job.attempt)
@@ -87,8 +85,6 @@ class JobLedger:
 
     def empty(self) -> bool:
         return not self.jobs and not self.unacked() and not self._by_id
-
-    # -- records whose offsets are not finished, outcomes in flight (their partition's) ----------
 
     def hold(self, tp: TopicPartition, record) -> None:
         self._parts.partition(tp).held[record.offset] = record
@@ -123,8 +119,6 @@ class JobLedger:
 
     def busy_partitions(self) -> set[TopicPartition]:
         return self.busy() | {j.tp for j in self.jobs.values()}
-
-    # -- requests finished here -------------------------------------------------------------------
 
     def remember(self, job: Job) -> None:
         """`job`'s request finished here: its id, and its final `done` within the bounds."""

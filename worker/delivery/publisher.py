@@ -152,8 +152,6 @@ class Publisher:
     def failing(self, topic: str) -> bool:
         return self._failing.get(topic, 0.0) > time.monotonic()
 
-    # -- events ---------------------------------------------------------------------------------
-
     def started(self, rs: ReplyStream, queue_s: float) -> None:
         self._emit(rs, _event(StartedEvent, rs, worker=self.worker_name, queue_s=max(0.0, queue_s)))
 
@@ -204,8 +202,6 @@ class Publisher:
         resent, in the same transaction as the offset."""
         self._enqueue(_Outgoing(*record, None, on_acked, source=source))
 
-    # -- coalescing -------------------------------------------------------------------------------
-
     def _flush(self, rs: ReplyStream) -> None:
         self._dirty.pop(rs.attempt, None)
         pending, rs.pending = rs.pending, {}
@@ -225,8 +221,6 @@ class Publisher:
         while True:
             await asyncio.sleep(interval)
             self.flush_all()
-
-    # -- sending ----------------------------------------------------------------------------------
 
     def _emit(self, rs: ReplyStream, ev) -> None:
         key = rs.request_id.encode()

@@ -55,7 +55,8 @@ def set_session_timeout(kafka) -> None:
 
 class Intake(Triage):
     """Takes what the waiting pool has room for; each partition it owns is a `Partition` in the
-    tracker (its epoch: work taken under an older one is stale)."""
+    tracker (its epoch: work taken under an older one is stale). The poll thread runs the consumer
+    and its rebalance callbacks (`_on_*`); the coroutines run on the loop."""
 
     def __init__(self, *parts, committer: Committer) -> None:
         super().__init__(*parts)  # as Triage's
@@ -69,8 +70,6 @@ class Intake(Triage):
         self._paused = False  # the poll thread's: every partition paused
         self._full_since: float | None = None
         self._subscribed: list[str] | None = None
-
-    # -- ownership (the committer and the delivery ask) --------------------------------------------
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         return self._tracker.owns(tp, generation)
@@ -103,8 +102,6 @@ class Intake(Triage):
     def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
         return self._tracker.taking(tp, generation)
 
-    # -- start and stop ---------------------------------------------------------------------------
-
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(set_session_timeout, self._s.kafka)
@@ -119,8 +116,6 @@ class Intake(Triage):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
         await self._close_triage()
-
-    # -- the poll thread --------------------------------------------------------------------------
 
     def _poll_thread(self) -> None:
         next_lag = next_subscribe = time.monotonic()
@@ -199,8 +194,6 @@ class Intake(Triage):
                 log.debug("intake.lag_error", error=repr(exc))
         self._loop.call_soon_threadsafe(self._set_lag, ends)
 
-    # -- rebalance callbacks (on the poll thread) --------------------------------------------------
-
     def _on_assign(self, consumer, partitions) -> None:
         tps = [_tp(p) for p in partitions]
         committed = self._read_committed(tps)
@@ -228,8 +221,6 @@ class Intake(Triage):
 
     def _on_lost(self, consumer, partitions) -> None:
         self._call(self._revoked({_tp(p) for p in partitions}, False))
-
-    # -- the loop's side --------------------------------------------------------------------------
 
     async def _take(self, records: list[Record]) -> None:
         """Triage what was polled; then say how many the poll thread may take next."""

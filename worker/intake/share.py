@@ -258,7 +258,9 @@ def _ack_type(verdict: str):
 
 
 class ShareIntake(Triage):
-    """The intake of share mode: the same Sink calls as Intake, records from a share group."""
+    """The intake of share mode: the same Sink calls as Intake, records from a share group. The
+    lanes' threads call hand_over, claim_room, free_claim and lane_failed; the rest runs on the
+    loop."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -336,8 +338,6 @@ class ShareIntake(Triage):
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
         await self._close_triage()
 
-    # -- lanes (their threads call these) ---------------------------------------------------------
-
     def hand_over(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._loop.call_soon_threadsafe(self._take, lane, records)
 
@@ -355,8 +355,6 @@ class ShareIntake(Triage):
 
     def lane_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._sink.fatal, exc)
-
-    # -- the loop's side --------------------------------------------------------------------------
 
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._polled.extend((lane, r) for r in records if not self._running_here(lane, r))
