@@ -138,7 +138,8 @@ class RequestTracker:
         self.draining = True
         self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
         await self._wait_jobs(lambda: not self.jobs, timeout)
-        await self.requeue(self.ledger.busy_partitions(), timeout=10.0)
+        busy = self.ledger.unacked() | {j.tp for j in self.jobs.values()}
+        await self.requeue(busy, timeout=10.0)
 
     def on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         now = time.time()

@@ -109,16 +109,10 @@ class JobLedger:
             p.unacked = max(0, p.unacked - 1)
         self.settled.set()
 
-    def unacked(self, tps=None) -> bool:
-        return bool(self.busy(tps))
-
-    def busy(self, tps=None) -> set[TopicPartition]:
+    def unacked(self, tps=None) -> set[TopicPartition]:
         """Partitions (of `tps`, or all) with outcomes not on the broker yet."""
         tps = self._parts.partitions() if tps is None else tps
         return {tp for tp in tps if (p := self._parts.get(tp)) is not None and p.unacked}
-
-    def busy_partitions(self) -> set[TopicPartition]:
-        return self.busy() | {j.tp for j in self.jobs.values()}
 
     def remember(self, job: Job) -> None:
         """`job`'s request finished here: its id, and its final `done` within the bounds."""
