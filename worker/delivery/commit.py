@@ -204,7 +204,8 @@ class Committer:
                 due[f.tp].append(f)
         batch = []
         for tp, finals in due.items():
-            fitting = self._fitting(tp, sorted(finals, key=lambda f: f.offset))
+            finals.sort(key=lambda f: f.offset)  # the rest is cut from the same order
+            fitting = self._fitting(tp, finals)
             batch += fitting
             later += finals[len(fitting) :]
         self._queue = later
