@@ -215,8 +215,7 @@ class Committer:
         return batch
 
     def _fitting(self, tp: TopicPartition, finals: list[Final]) -> list[Final]:
-        """The lowest offsets whose ledger fits the metadata limit (the lowest always fits:
-        finishing it shortens the ledger)."""
+        """The lowest offsets whose ledger fits the limit (the lowest always does)."""
         limit = self._k.offset_metadata_max_bytes
         whole = self._tracker.ledger(tp, [f.offset for f in finals])
         if whole is None or len(whole[1]) <= limit:

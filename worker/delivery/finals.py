@@ -163,8 +163,7 @@ class Delivery:
         self._answered(job.source, outcome, job.reply.topic, error)
 
     def _answered(self, source: Source, outcome: str, topic: str, error: str | None) -> None:
-        """A `done` is final, or refused for good and dead-lettered; moved: another worker owns the
-        partition."""
+        """A `done` is final, or refused for good (dead-lettered), or moved (to the next owner)."""
         tp, offset, generation = source
         if outcome != "failed":
             self._input_done(source, outcome)

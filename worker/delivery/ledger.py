@@ -55,8 +55,7 @@ def fingerprint(req: Request) -> str:
 
 
 class JobLedger:
-    """The jobs held here, and the requests finished here; what is held per partition lives in
-    the partitions' `Partition`s."""
+    """The jobs held here and the requests finished here; per-partition state is in `Partition`."""
 
     def __init__(self, partitions: OffsetTracker | None = None) -> None:
         self.jobs: dict[str, Job] = {}  # attempt -> job

@@ -177,8 +177,7 @@ class OffsetTracker:
             self._parts[tp].epoch = 0
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
-        """An offset was taken; it blocks the watermark until finished. False if read before or
-        final."""
+        """An offset was taken: it blocks the watermark until finished. False: read or final."""
         p = self.partition(tp)
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
         if offset <= p.last_seen:

@@ -142,8 +142,7 @@ class Publisher:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses (failing topics and dead letters do
-        not count)."""
+        """Too many replies wait (failing topics, dead letters aside): intake pauses."""
         now = time.monotonic()
         self._failing = {t: until for t, until in self._failing.items() if until > now}
         stuck = sum(self._topic_backlog[t] for t in [*self._failing, self._kafka.dlq_topic])
@@ -210,8 +209,7 @@ class Publisher:
             self._emit(rs, _event(TokensEvent, rs, text="".join(p.text), **fields))
 
     def flush_all(self, force: bool = False) -> None:
-        """Each stream's buffered tokens as one event; a stream with an unacked event keeps
-        buffering, unless `force`."""
+        """Buffered tokens as one event per stream; one with an event unacked waits, or `force`."""
         for rs in list(self._dirty.values()):
             if force or not rs.in_flight:
                 self._flush(rs)

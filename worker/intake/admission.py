@@ -1,5 +1,4 @@
-"""Admission: a wire request becoming an engine request, with its capped token budget and
-deadline."""
+"""Admission: a wire request becoming an engine request, with its capped tokens and deadline."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class Admission:
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
-    """Unix time by which the request must be done: from created_at, else receipt. A future
-    created_at counts as receipt."""
+    """Unix time by which the request must be done: from created_at (if past), else receipt."""
     start = min(req.created_at, received) if req.created_at is not None else received
     return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
 

@@ -71,8 +71,7 @@ class CancelListener:
         return [t for t in cluster.topics() if tenant_of(t, k.cancel_topic)]
 
     async def _assign_all(self, at_start: bool = False) -> None:
-        """(Re)assign all partitions: from their end at start-up, from the beginning for one found
-        later."""
+        """(Re)assign every partition: from the end at start-up, from the start if found later."""
         # consumer.topics() drops its fresh metadata: read partitions from the fetched cluster.
         cluster = await self._consumer._client.fetch_all_metadata()
         topics = self._cancel_topics(cluster)

@@ -271,8 +271,7 @@ class Intake(Triage):
                 self._m.consumer_lag.remove(str(tp.partition))
 
     def _set_lag(self, ends: dict[TopicPartition, tuple[int, int]]) -> None:
-        """Records from the commit watermark (nothing taken or committed: the log's start) to the
-        end, per owned partition."""
+        """Per owned partition, records from the watermark (else the log's start) to the end."""
         for tp, (start, end) in ends.items():
             if self._tracker.epoch(tp):
                 mark = self._tracker.watermark(tp)

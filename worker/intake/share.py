@@ -77,8 +77,7 @@ def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
 
 
 def lock_ms(settings, broker: BrokerLimits) -> int:
-    """The group's record lock: longer than the longest request, or share_lock_ms; never over the
-    broker's cap."""
+    """The record lock: share_lock_ms, or past the longest request; never over the broker's cap."""
     longest_ms = math.ceil((settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000)
     wanted = settings.kafka.share_lock_ms or longest_ms
     if wanted > broker.max_lock_ms:  # a request running longer is run again by another worker
@@ -87,8 +86,7 @@ def lock_ms(settings, broker: BrokerLimits) -> int:
 
 
 def overflow_hops(broker: BrokerLimits) -> int:
-    """Hand-offs of unstarted overflow a record may have: none when the broker's limit leaves no
-    delivery to spare (its smallest, 2)."""
+    """Hand-offs of unstarted overflow a record may have: none at the broker's least limit (2)."""
     return max(0, min(OVERFLOW_HOPS, broker.delivery_limit - 2))
 
 
@@ -100,8 +98,7 @@ def max_deliveries(kafka, broker: BrokerLimits) -> int:
 
 
 def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
-    """librdkafka settings of a share consumer: the worker's connection, explicit acks, and a poll
-    interval a pinned lane stays within."""
+    """A share consumer's settings: explicit acks, a poll interval a pinned lane stays within."""
     return {
         **kafka.librdkafka_config(),
         "group.id": group_id,
@@ -112,8 +109,7 @@ def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dic
 
 
 def group_configs(lock: int) -> dict[str, str]:
-    """The share group's settings; a new share group would start at the topic's end, never reading
-    the waiting requests."""
+    """The share group's settings (a new one would start at the end, skipping waiting requests)."""
     return {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(lock)}
 
 
@@ -423,8 +419,7 @@ class ShareIntake(Triage):
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
     def _claim(self, tp: TopicPartition, record: ShareRecord) -> bool:
-        """Too many deliveries is a dead letter (a record's first delivery may have ended in a
-        hand-off of overflow: not counted)."""
+        """Too many deliveries is a dead letter (a first one's hand-off of overflow not counted)."""
         limit = self.max_deliveries
         if record.delivery_count <= limit + self.hops:
             return True

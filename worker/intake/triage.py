@@ -271,8 +271,7 @@ class Triage:
         return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
 
     def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
-        """The request with the topic's tenant (a body claiming another is rejected) and the
-        tenant's priority range."""
+        """The request with the topic's tenant (a body claiming another is rejected) and range."""
         tenant = self._tenant_of(tp)
         # "default" (the contract's default, sent unasked) claims nothing
         if tenant is not None and req.tenant not in (tenant, "default"):
@@ -290,8 +289,7 @@ class Triage:
         return req.model_copy(update={"tenant": tenant, "priority": priority})
 
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
-        """A valid request, an invalid one (rejected once its reply topic is known good), or None if
-        dead-lettered."""
+        """A valid request, an invalid one (rejected once its reply topic is good), or None."""
         if not self._claim(tp, record):
             return None
         self._delivery.hold(tp, record)
@@ -311,8 +309,7 @@ class Triage:
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
-        # First: a resubmission gets its first final again, never a second, different one (the
-        # same id with other content runs).
+        # First: a resubmission gets its first final again, never a second (other content runs).
         if self._delivery.answered_before(tp, offset, req):
             return
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
