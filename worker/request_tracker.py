@@ -17,7 +17,7 @@ from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import ReplyStream
 from inferline.worker.engine.engine import EngineStats
 from inferline.worker.engine.request import RequestOutput
-from inferline.worker.intake.admission import Admission
+from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.service.metrics import priority_label
 from inferline.worker.service.tenancy import cancel_key

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import os
 import signal
 import threading
@@ -233,8 +234,7 @@ class Committer:
             await asyncio.wait_for(self._call(self._transact, batch, ledgers, result), STUCK_S)
         except asyncio.TimeoutError:  # seen after a broker restart: a call past its own timeout
             log.warning("commit.transaction_stuck", finals=len(batch), after_s=STUCK_S)
-            result.lost = True
-            result.error = KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
+            result.lost, result.error = True, KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
         if result.committed:
             self._m.transaction_seconds.observe(time.perf_counter() - started)
             self._committed(batch, ledgers)
@@ -347,14 +347,12 @@ class Committer:
         """A producer holding the transactional id, tried until one starts (each try fences the
         last and aborts its open transaction)."""
         self.ready = False
-        tries = 0
-        while True:
+        for tries in itertools.count(1):
             try:
                 self._producer = await self._call(self._new_producer)
                 self.ready = True
                 return
             except Exception as exc:  # noqa: BLE001 - coordinator away, broker restarting
-                tries += 1
                 self._m.producer_start_failures.inc()
                 log.warning("commit.producer_start_failed", error=repr(exc), tries=tries)
                 await asyncio.sleep(min(RETRY_BACKOFF_S * tries, MAX_BACKOFF_S))

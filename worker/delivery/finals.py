@@ -42,10 +42,6 @@ class Delivery:
         """Read the dead-letter topic's limit before the first dead letter needs it."""
         await self.dlq_limit.load()
 
-    def hold(self, tp: TopicPartition, record) -> None:
-        """Keep `record` until its input is finished, to dead-letter it if need be."""
-        self.ledger.hold(tp, record)
-
     def dead_letter(self, record, reason: str) -> None:
         """Send `record` to the dead-letter topic with `reason`, cut to fit the topic's limit; its
         offset finishes once the dead letter is on the broker."""

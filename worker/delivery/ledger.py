@@ -85,9 +85,6 @@ class JobLedger:
     def empty(self) -> bool:
         return not self.jobs and not self.unacked() and not self._by_id
 
-    def hold(self, tp: TopicPartition, record) -> None:
-        self._parts.partition(tp).held[record.offset] = record
-
     def held(self, tp: TopicPartition, offset: int):
         p = self._parts.get(tp)
         return None if p is None else p.held.get(offset)

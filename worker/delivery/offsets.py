@@ -72,11 +72,6 @@ class Partition:
     last_seen: int = -1
     committed: int | None = None  # the last watermark committed
 
-    @property
-    def taking(self) -> bool:
-        """Owned and not being revoked: records read from it are this worker's to run."""
-        return self.epoch != 0 and not self.revoking
-
     def watermark(self) -> int | None:
         self._drop_finished_top()
         if self.heap:
@@ -159,22 +154,13 @@ class OffsetTracker:
         return generation != 0 and self.epoch(tp) == generation
 
     def taking(self, tp: TopicPartition, generation: int | None = None) -> bool:
-        """Whether records of `tp` (taken in `generation`, if given) are this worker's to run."""
+        """Whether records of `tp` (taken in `generation`, if given) are this worker's to run:
+        owned, and not being revoked."""
         p = self._parts.get(tp)
-        return p is not None and p.taking and generation in (None, p.epoch)
+        return p is not None and p.epoch != 0 and not p.revoking and generation in (None, p.epoch)
 
     def owned(self) -> list[TopicPartition]:
         return [tp for tp, p in self._parts.items() if p.epoch]
-
-    def revoke(self, tps) -> None:
-        """`tps` are being given up: nothing more is taken from them."""
-        for tp in tps:
-            self._parts[tp].revoking = True
-
-    def disown(self, tps) -> None:
-        """`tps` are no longer this worker's: finals of theirs are their next owner's."""
-        for tp in tps:
-            self._parts[tp].epoch = 0
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
         """An offset was taken: it blocks the watermark until finished. False: read or final."""

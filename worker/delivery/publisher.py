@@ -293,12 +293,11 @@ class Publisher:
             return await self._producer.send(out.topic, out.value, key=out.key, headers=out.headers)
 
     def _acked(self, out: _Outgoing, fut: asyncio.Future) -> None:
-        if fut.cancelled():
-            self._failed(out, asyncio.CancelledError())
-        elif fut.exception() is not None:
-            self._failed(out, fut.exception())
-        else:
+        exc = asyncio.CancelledError() if fut.cancelled() else fut.exception()
+        if exc is None:
             self._settle(out, "ok")
+        else:
+            self._failed(out, exc)
 
     def _failed(self, out: _Outgoing, exc: BaseException) -> None:
         out.tries += 1

@@ -179,9 +179,8 @@ class Intake(Triage):
         k = self._s.kafka
         if k.tenancy != "topic":
             return [k.request_topic]
-        pattern = re.compile(
-            tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic, k.reply_topic_prefix))
-        )
+        reserved = (k.dlq_topic, k.cancel_topic, k.reply_topic_prefix)
+        pattern = re.compile(tenant_pattern(k.request_topic, reserved))
         listed = self._consumer.list_topics(timeout=10).topics
         return sorted(t for t in listed if pattern.match(t))
 
@@ -259,10 +258,13 @@ class Intake(Triage):
         if not tps:
             return
         log.info("intake.revoked", partitions=_names(tps), orderly=orderly)
-        self._tracker.revoke(tps)
+        parts = [self._tracker.get(tp) for tp in tps]
+        for p in parts:
+            p.revoking = True  # nothing more is taken from it
         if orderly:
             await self._committer.flush(tps, FLUSH_ON_REVOKE_S)
-        self._tracker.disown(tps)
+        for p in parts:
+            p.epoch = 0  # its finals are its next owner's now
         self._committer.drop(tps)
         await self._sink.requeue(tps)
         self._tracker.forget(tps)

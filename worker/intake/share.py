@@ -163,15 +163,13 @@ class _Lane:
         if not self._intake.fetching:
             time.sleep(POLL_S)
             return
-        if not self._intake.claim_room(self):
-            if self.subscribed:
-                consumer.unsubscribe()
-                self.subscribed = False
+        claimed = self._intake.claim_room(self)
+        if claimed != self.subscribed:  # no room: out of the share group meanwhile
+            consumer.subscribe(self._intake.topics) if claimed else consumer.unsubscribe()
+            self.subscribed = claimed
+        if not claimed:
             time.sleep(POLL_S)
             return
-        if not self.subscribed:
-            consumer.subscribe(self._intake.topics)
-            self.subscribed = True
         records = self._poll(consumer)
         if records:
             held.update((r.topic, r.partition, r.offset) for r in records)

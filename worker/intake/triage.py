@@ -1,5 +1,6 @@
 """Triage, shared by both intakes: each record becomes a dead letter, a rejection or an
-admission (decode, reply-topic check, tenancy, validation, admission).
+admission (decode, reply-topic check, tenancy, validation, admission): an `Admission` is where a
+wire request becomes an engine request, with its capped token budget and deadline.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from confluent_kafka import admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
-from inferline.worker.intake.admission import Admission, capped_max_tokens, deadline_of
-from inferline.worker.intake.admission import sample_budget_problem
+from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
@@ -32,6 +32,73 @@ MAX_LOOKUP_BACKOFF_S = 10.0
 # Per-topic errors of a config read that are the broker's word on the topic, not a passing fault.
 UNKNOWN_TOPIC, TOPIC_AUTHORIZATION_FAILED = 3, 29
 REFUSAL_LOG_S = 1.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request the intake admitted."""
+
+    tp: TopicPartition
+    offset: int
+    request: Request
+    received: float  # Unix seconds
+    max_tokens: int
+    deadline: float  # Unix seconds
+
+    def engine_request(self, attempt: str) -> EngineRequest:
+        """The engine's request for one attempt (the engine's request id)."""
+        return engine_request(self.request, attempt, self.max_tokens, self.received, self.deadline)
+
+
+def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
+    """Unix time by which the request must be done: from created_at (if past), else receipt."""
+    start = min(req.created_at, received) if req.created_at is not None else received
+    return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
+
+
+def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
+    """Why n x max_tokens (capped) is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
+    if req.n * max_tokens <= limits.max_request_tokens:
+        return None
+    field = "n" if req.n > 1 else "max_tokens"
+    return (
+        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, "
+        f"at most {limits.max_request_tokens} per request"
+    )
+
+
+def engine_request(
+    req: Request, attempt: str, max_tokens: int, received: float, deadline: float
+) -> EngineRequest:
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+    )
+    messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+    return EngineRequest(
+        request_id=attempt,
+        sampling=sampling,
+        prompt=req.prompt,
+        messages=messages,
+        prompt_token_ids=req.prompt_token_ids,
+        priority=req.priority,
+        arrival_time=received,
+        deadline=deadline,
+        tenant=req.tenant,
+    )
 
 
 class Sink(Protocol):
@@ -152,6 +219,7 @@ class Triage:
             [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics]
         )
         reasons: dict[str, str | None] = {}
+        least = self._s.kafka.min_reply_message_bytes  # bytes a reply topic must take
         for response in responses:
             for res in response.to_object()["resources"]:
                 topic, error = res["resource_name"], res["error_code"]
@@ -162,9 +230,7 @@ class Triage:
                     log.warning("intake.topic_configs_unread", topic=topic, error_code=error)
                     continue
                 configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
-                reasons[topic] = unsafe_limits(
-                    configs, self._replicas.get(topic, 0), self._s.kafka.min_reply_message_bytes
-                )
+                reasons[topic] = unsafe_limits(configs, self._replicas.get(topic, 0), least)
         return reasons
 
     @contextlib.contextmanager
@@ -292,7 +358,7 @@ class Triage:
         """A valid request, an invalid one (rejected once its reply topic is good), or None."""
         if not self._claim(tp, record):
             return None
-        self._delivery.hold(tp, record)
+        self._tracker.partition(tp).held[record.offset] = record  # to dead-letter it if need be
         try:
             req = decode_request(
                 record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
@@ -313,7 +379,7 @@ class Triage:
         if self._delivery.answered_before(tp, offset, req):
             return
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
-        max_tokens = capped_max_tokens(req, self._s)
+        max_tokens = min(req.max_tokens, self._s.limits.max_tokens_cap)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
