@@ -54,11 +54,8 @@ def fit(
     room = _room(limit - batch_size(key, b"", headers + cut))
     if room >= 0:
         return key, (value or b"")[:room], headers + cut
-    cut = [
-        ("truncated", b"key,value"),
-        ("original-size", str(len(value or b"")).encode()),
-        ("original-key-size", str(len(key or b"")).encode()),
-    ]
+    key_size = ("original-key-size", str(len(key or b"")).encode())
+    cut = [("truncated", b"key,value"), cut[1], key_size]
     room = _room(limit - batch_size(b"", b"", headers + cut))
     if room < 0:  # the headers alone are too big (a tiny limit): the reason goes short
         headers = [(k, v[:64]) for k, v in headers]

@@ -108,11 +108,11 @@ class Delivery:
             self.reject(tp, offset, ReplyRoute.of(req), *ANSWERED_BEFORE, metadata=req.metadata)
             return True
         source, (topic, partition, done) = self._taken(tp, offset), final
-        self.publisher.finish_offset(
-            source,
-            (topic, partition, req.id.encode(), done),
-            lambda outcome, error=None: self._answered(source, outcome, topic, error),
-        )
+
+        def on_acked(outcome, error=None) -> None:
+            self._answered(source, outcome, topic, error)
+
+        self.publisher.finish_offset(source, (topic, partition, req.id.encode(), done), on_acked)
         return True
 
     def _taken(self, tp: TopicPartition, offset: int) -> Source:

@@ -111,7 +111,7 @@ class Publisher:
         self.backlog = 0  # queued or in flight, not acked
         self._topic_backlog: Counter[str] = Counter()
         self._failing: dict[str, float] = {}
-        self._on_send_failed = on_send_failed
+        self._on_send_failed = on_send_failed or (lambda topic: None)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -134,9 +134,7 @@ class Publisher:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             log.warning("publisher.stop_timeout", backlog=self.backlog)
-        if self._flusher:
-            self._flusher.cancel()
-        for task in list(self._tasks):
+        for task in filter(None, [self._flusher, *self._tasks]):
             task.cancel()
         if self._producer:
             await self._producer.stop()
@@ -305,8 +303,7 @@ class Publisher:
         if not self.failing(out.topic):
             self._failing[out.topic] = time.monotonic() + FAILING_FOR_S
             log.warning("publisher.topic_failing", topic=out.topic, error=repr(exc))
-            if self._on_send_failed:
-                self._on_send_failed(out.topic)
+            self._on_send_failed(out.topic)
         if out.on_acked is None:  # streamed: counted, not logged (a dead topic would flood)
             self._settle(out, "failed")
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import re
 import threading
 import time
@@ -168,7 +169,7 @@ class Intake(Triage):
                     topics,
                     on_assign=self._on_assign,
                     on_revoke=self._on_revoke,
-                    on_lost=self._on_lost,
+                    on_lost=functools.partial(self._on_revoke, orderly=False),
                 )
             else:
                 self._consumer.unsubscribe()
@@ -215,11 +216,9 @@ class Intake(Triage):
                     raise
                 time.sleep(1.0)
 
-    def _on_revoke(self, consumer, partitions) -> None:
-        self._call(self._revoked({_tp(p) for p in partitions}, True))
-
-    def _on_lost(self, consumer, partitions) -> None:
-        self._call(self._revoked({_tp(p) for p in partitions}, False))
+    def _on_revoke(self, consumer, partitions, orderly: bool = True) -> None:
+        """Revoked (`orderly`: this member may still commit) or lost."""
+        self._call(self._revoked({_tp(p) for p in partitions}, orderly))
 
     async def _take(self, records: list[Record]) -> None:
         """Triage what was polled; then say how many the poll thread may take next."""

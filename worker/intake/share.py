@@ -64,10 +64,8 @@ def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
             broker_id = next(iter(client.list_topics(timeout=30).brokers))
             resource = admin.ConfigResource("broker", str(broker_id))
             configs = client.describe_configs([resource])[resource].result(timeout=30)
-            return BrokerLimits(
-                int(configs["group.share.delivery.count.limit"].value),
-                int(configs["group.share.max.record.lock.duration.ms"].value),
-            )
+            names = "group.share.delivery.count.limit", "group.share.max.record.lock.duration.ms"
+            return BrokerLimits(*(int(configs[name].value) for name in names))
         except Exception as exc:  # noqa: BLE001 - broker starting, no DESCRIBE_CONFIGS right
             log.warning("share_intake.broker_limits_unread", attempt=attempt, error=repr(exc))
             if attempt == tries:
