@@ -370,8 +370,8 @@ def hostile_messages(rng: random.Random, reply_topic: str, n: int) -> list[bytes
 
 def assign(intake, tps) -> None:
     """`tps` assigned to `intake` and taken over, as a rebalance leaves them, with no broker."""
-    intake._epochs = {tp: intake._next_epoch for tp in tps}
-    intake._next_epoch += 1
+    for tp in tps:
+        intake._tracker.resume(tp, None, None)
 
 
 class FakeEngineLoop:

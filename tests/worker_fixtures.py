@@ -124,7 +124,7 @@ async def wait_ready(worker: Worker, task: asyncio.Task, timeout: float = 60.0) 
     deadline = time.monotonic() + timeout
     # The loop-side state: a call into the consumer from here could wait for the rebalance
     # callback, which waits for this loop.
-    while not (all(worker.readiness().values()) and worker.intake._epochs):
+    while not (all(worker.readiness().values()) and worker.tracker.owned()):
         if task.done():
             task.result()  # raises what killed it
             raise RuntimeError("worker stopped before it was ready")

@@ -70,8 +70,8 @@ class Worker:
             self.committer,
             on_send_failed=lambda topic: self.intake.reply_topics.forget(topic),
         )
-        self.ledger = JobLedger()
-        generation = lambda tp: self.intake.epoch(tp)  # noqa: E731
+        self.ledger = JobLedger(self.tracker)
+        generation = self.tracker.epoch  # share mode owns no partition: always 0
         if share:
             self.delivery = AcknowledgedDelivery(
                 settings,
@@ -99,7 +99,7 @@ class Worker:
         self.intake = (
             ShareIntake(*parts, self.delivery)
             if share
-            else Intake(*parts, self.committer, self.delivery)
+            else Intake(*parts, self.delivery, committer=self.committer)
         )
         self.cancel_listener = CancelListener(settings, self.requests.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)

@@ -17,7 +17,7 @@ from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import ReplyStream
 from inferline.worker.engine.engine import EngineStats
 from inferline.worker.engine.request import RequestOutput
-from inferline.worker.intake.admission import Admission
+from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.service.metrics import priority_label
 from inferline.worker.service.tenancy import cancel_key
@@ -138,7 +138,8 @@ class RequestTracker:
         self.draining = True
         self._abort([a for a, j in self.jobs.items() if j.state == "waiting"], "requeued")
         await self._wait_jobs(lambda: not self.jobs, timeout)
-        await self.requeue(self.ledger.busy_partitions(), timeout=10.0)
+        busy = self.ledger.unacked() | {j.tp for j in self.jobs.values()}
+        await self.requeue(busy, timeout=10.0)
 
     def on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         now = time.time()

@@ -230,7 +230,7 @@ def test_a_fatal_consumer_error_stops_the_poll_thread():
     consumer: the intake must stop (the worker exits and is restarted), not poll it forever."""
     from confluent_kafka import KafkaError, KafkaException
 
-    intake = IntakeHarness(Settings()).worker.intake
+    from inferline.worker.intake.group import Record
 
     class Message:
         def __init__(self, fatal: bool) -> None:
@@ -241,6 +241,6 @@ def test_a_fatal_consumer_error_stops_the_poll_thread():
         def error(self):
             return self._error
 
-    assert intake._records([Message(fatal=False)]) == []  # passing: logged, polled again
+    assert Record.read([Message(fatal=False)]) == []  # passing: logged, polled again
     with pytest.raises(KafkaException):
-        intake._records([Message(fatal=True)])
+        Record.read([Message(fatal=True)])

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from inferline.config.settings import Settings
 from inferline.contract.schema import Request
 from inferline.worker.intake.cancels import RecentCancels
-from inferline.worker.intake.admission import Admission
+from inferline.worker.intake.triage import Admission
 from inferline.worker.service.metrics import Metrics
 from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.service.ratelimit import RateLimiter
@@ -477,7 +477,7 @@ class AckingPublisher:
         self.sent.append(("dead_letter", source[1]))
         on_acked("ok")
 
-    def done(self, rs, *, finish_reason: str, source=None, on_acked, **fields) -> None:
+    def done(self, rs, on_acked, source=None, *, finish_reason: str, **fields) -> None:
         self.sent.append((finish_reason, source and source[1]))
         on_acked(self.done_outcome)
 
@@ -526,7 +526,7 @@ def test_share_verdicts_follow_each_outcome():
 
     worker, decided = share_worker()
     tp = TopicPartition(TOPIC, 0)
-    worker.delivery.hold(tp, record(1))
+    worker.tracker.partition(tp).held[1] = record(1)
     worker.delivery.dead_letter(
         record(1), "undecodable"
     )  # dead-lettered: REJECT once the DLQ has it
@@ -564,7 +564,7 @@ def test_share_an_undeliverable_done_dead_letters_the_record():
 
     worker, decided = share_worker(done_outcome="failed")
     tp = TopicPartition(TOPIC, 0)
-    worker.delivery.hold(tp, record(6))
+    worker.tracker.partition(tp).held[6] = record(6)
     worker.delivery.reject(
         tp, 6, ReplyRoute("r-6", "inferline.reply.t", None), "invalid_request", "bad"
     )
@@ -579,7 +579,7 @@ def test_group_mode_sends_no_verdicts():
     worker.publisher = worker.delivery.publisher = AckingPublisher()
     worker.delivery.dlq_limit.topic_limit = 1_048_588  # as read from the DLQ at start
     assert not hasattr(worker.intake, "decide")
-    worker.delivery.hold(TopicPartition(TOPIC, 0), record(1))
+    worker.tracker.partition(TopicPartition(TOPIC, 0)).held[1] = record(1)
     worker.delivery.dead_letter(record(1), "undecodable")
     assert worker.ledger.empty()
 

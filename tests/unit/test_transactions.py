@@ -290,3 +290,17 @@ async def test_a_transaction_stuck_past_its_timeouts_is_given_up_and_its_produce
     await committer.close()
     assert outcomes == {(0, 0): Outcome.COMMITTED} and len(healthy.transactions) == 1
     assert committer._m.transactions.labels("lost")._value.get() == 1
+
+
+async def test_finals_past_the_ledger_limit_go_in_offset_order_and_each_ends_once():
+    """Finals queued out of offset order, more than one ledger can list: the lowest go first and
+    the rest wait. The rest was once cut from the unsorted queue: some finals were committed
+    twice, others never."""
+    tracker, ended = OffsetTracker(), []
+    committer, producer = await _committer(tracker, range(200), offset_metadata_max_bytes=64)
+    record = ("replies", None, b"k", b"done", None)
+    for o in range(199, 0, -2):  # every other offset: each leaves a gap in the ledger
+        committer.submit(Final(TP, o, 1, [record], lambda *outcome, o=o: ended.append(o)))
+    await _until(lambda: len(ended) >= 100)
+    await committer.close()
+    assert sorted(ended) == list(range(1, 200, 2)) and len(producer.transactions) > 1

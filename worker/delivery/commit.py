@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import os
 import signal
 import threading
@@ -15,10 +16,12 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Protocol
 
 import structlog
 from aiokafka import TopicPartition
+from aiokafka import errors as aiokafka_errors
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as OffsetEntry
 
@@ -34,6 +37,12 @@ PERMANENT = {
     KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError._UNKNOWN_TOPIC,
 }
+_AIOKAFKA_PERMANENT = tuple(  # the same, as the reply events' producer (aiokafka) says them
+    getattr(aiokafka_errors, name)
+    for name in "MessageSizeTooLargeError RecordListTooLargeError RecordTooLargeError "
+    "TopicAuthorizationFailedError InvalidTopicError CorruptRecordException "
+    "UnsupportedForMessageFormatError".split()
+)
 RETRY_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 CALL_TIMEOUT_S = 30.0  # one producer call (begin, flush, send offsets, commit, abort)
@@ -138,11 +147,11 @@ class Committer:
         self._queue.append(final)
         self._wake.set()
 
-    def busy(self, tps) -> bool:
-        return any(f.tp in tps for f in self._queue + self._committing)
+    def busy(self, tps=None) -> bool:
+        return any(tps is None or f.tp in tps for f in self._queue + self._committing)
 
-    async def flush(self, tps, timeout: float) -> None:
-        """Wait (bounded) until what is queued for `tps` is committed or given up."""
+    async def flush(self, tps=None, timeout: float = 10.0) -> None:
+        """Wait (bounded) until what is queued (for `tps`, or all) is committed or given up."""
         deadline = time.monotonic() + timeout
         while self.busy(tps) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -155,17 +164,13 @@ class Committer:
             f.on_done(Outcome.MOVED)
 
     async def close(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (self._queue or self._committing) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await self.flush(timeout=timeout)
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self.drop({f.tp for f in self._queue})
         if self._producer is not None:
             await self._call(self._producer.flush, 1.0)
-
-    # -- the loop ----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         last_begin = float("-inf")
@@ -200,7 +205,8 @@ class Committer:
                 due[f.tp].append(f)
         batch = []
         for tp, finals in due.items():
-            fitting = self._fitting(tp, sorted(finals, key=lambda f: f.offset))
+            finals.sort(key=lambda f: f.offset)  # the rest is cut from the same order
+            fitting = self._fitting(tp, finals)
             batch += fitting
             later += finals[len(fitting) :]
         self._queue = later
@@ -210,8 +216,7 @@ class Committer:
         return batch
 
     def _fitting(self, tp: TopicPartition, finals: list[Final]) -> list[Final]:
-        """The lowest offsets whose ledger fits the metadata limit (the lowest always fits:
-        finishing it shortens the ledger)."""
+        """The lowest offsets whose ledger fits the limit (the lowest always does)."""
         limit = self._k.offset_metadata_max_bytes
         whole = self._tracker.ledger(tp, [f.offset for f in finals])
         if whole is None or len(whole[1]) <= limit:
@@ -229,8 +234,7 @@ class Committer:
             await asyncio.wait_for(self._call(self._transact, batch, ledgers, result), STUCK_S)
         except asyncio.TimeoutError:  # seen after a broker restart: a call past its own timeout
             log.warning("commit.transaction_stuck", finals=len(batch), after_s=STUCK_S)
-            result.lost = True
-            result.error = KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
+            result.lost, result.error = True, KafkaError(KafkaError._TIMED_OUT, "transaction stuck")
         if result.committed:
             self._m.transaction_seconds.observe(time.perf_counter() - started)
             self._committed(batch, ledgers)
@@ -244,12 +248,11 @@ class Committer:
             self._retry(batch, KafkaException(result.error), charge=False)
 
     def _ledgers(self, batch: list[Final]) -> dict[TopicPartition, tuple[int, str]]:
-        ledgers = {}
-        for tp in {f.tp for f in batch}:
-            ledger = self._tracker.ledger(tp, [f.offset for f in batch if f.tp == tp])
-            if ledger is not None:
-                ledgers[tp] = ledger
-        return ledgers
+        finishing = defaultdict(list)
+        for f in batch:
+            finishing[f.tp].append(f.offset)
+        ledgers = {tp: self._tracker.ledger(tp, offsets) for tp, offsets in finishing.items()}
+        return {tp: ledger for tp, ledger in ledgers.items() if ledger is not None}
 
     def _committed(self, batch: list[Final], ledgers) -> None:
         self._m.transactions.labels("committed").inc()
@@ -310,19 +313,16 @@ class Committer:
         self._wake.set()
 
     def _give_up(self, f: Final, exc: BaseException) -> None:
+        where = {"partition": f.tp.partition, "offset": f.offset, "error": repr(exc)}
         if not f.dead_letter:
-            log.error("commit.gave_up", partition=f.tp.partition, offset=f.offset, error=repr(exc))
+            log.error("commit.gave_up", **where)
             f.on_done(Outcome.FAILED, _cause(exc))
             return
         # A dead letter the DLQ will not take: the offset advances anyway, logged and counted.
-        log.error(
-            "commit.dead_letter_lost", partition=f.tp.partition, offset=f.offset, error=repr(exc)
-        )
+        log.error("commit.dead_letter_lost", **where)
         self._m.dead_letters_lost.inc()
         f.records, f.not_before = [], 0.0
         self._queue.append(f)
-
-    # -- the producer's thread ---------------------------------------------------------------------
 
     async def _call(self, fn, *args):
         """`fn(*args)` on a daemon thread of its own, one call at a time (the loop awaits each):
@@ -347,14 +347,12 @@ class Committer:
         """A producer holding the transactional id, tried until one starts (each try fences the
         last and aborts its open transaction)."""
         self.ready = False
-        tries = 0
-        while True:
+        for tries in itertools.count(1):
             try:
                 self._producer = await self._call(self._new_producer)
                 self.ready = True
                 return
             except Exception as exc:  # noqa: BLE001 - coordinator away, broker restarting
-                tries += 1
                 self._m.producer_start_failures.inc()
                 log.warning("commit.producer_start_failed", error=repr(exc), tries=tries)
                 await asyncio.sleep(min(RETRY_BACKOFF_S * tries, MAX_BACKOFF_S))
@@ -378,10 +376,7 @@ class Committer:
                 p.abort_transaction(CALL_TIMEOUT_S)
                 return result
             if ledgers:
-                offsets = [
-                    OffsetEntry(tp.topic, tp.partition, mark, metadata=meta)
-                    for tp, (mark, meta) in ledgers.items()
-                ]
+                offsets = [OffsetEntry(tp.topic, tp.partition, *lg) for tp, lg in ledgers.items()]
                 p.send_offsets_to_transaction(offsets, self.owner.group_metadata(), CALL_TIMEOUT_S)
             _fault_point()
             result.commit_sent = True
@@ -399,17 +394,10 @@ class Committer:
                 kwargs = {"headers": headers} if headers else {}
                 if partition is not None:
                     kwargs["partition"] = partition
-
-                def delivered(err, _msg, f=f) -> None:
-                    if err is not None:
-                        refused[f] = err
-                        _fix_partition(f, err)
-
                 try:
-                    p.produce(topic, value, key, on_delivery=delivered, **kwargs)
+                    p.produce(topic, value, key, on_delivery=partial(_refuse, refused, f), **kwargs)
                 except KafkaException as exc:  # too large, unknown partition: this record's
-                    refused[f] = exc.args[0]
-                    _fix_partition(f, exc.args[0])
+                    _refuse(refused, f, exc.args[0])
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
@@ -443,15 +431,21 @@ def _aborted(p: Producer, error: KafkaError) -> bool:
         return False
 
 
-def _fix_partition(f: Final, err: KafkaError) -> None:
-    """A reply partition the topic lacks gives way to the key's partition: better a `done` by key
-    than none."""
+def _refuse(refused: dict, f: Final, err: KafkaError | None, _msg=None) -> None:
+    """`f`'s record was refused (if `err`). A reply partition the topic lacks gives way to the
+    key's partition: better a `done` by key than none."""
+    if err is None:
+        return
+    refused[f] = err
     if err.code() == KafkaError._UNKNOWN_PARTITION:
         f.records = [(t, None, k, v, h) for t, _, k, v, h in f.records]
 
 
 def permanent(exc: BaseException) -> bool:
-    return isinstance(exc, KafkaException) and exc.args[0].code() in PERMANENT
+    """A refusal no retry changes (either producer's)."""
+    if isinstance(exc, KafkaException):
+        return exc.args[0].code() in PERMANENT
+    return isinstance(exc, _AIOKAFKA_PERMANENT)
 
 
 def _covered(committed: tuple | None, offset: int) -> bool:

@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 import structlog
+from confluent_kafka import admin
 
 log = structlog.get_logger(__name__)
 # The broker's default message.max.bytes (1 MiB plus the 12-byte log overhead).
@@ -53,11 +54,8 @@ def fit(
     room = _room(limit - batch_size(key, b"", headers + cut))
     if room >= 0:
         return key, (value or b"")[:room], headers + cut
-    cut = [
-        ("truncated", b"key,value"),
-        ("original-size", str(len(value or b"")).encode()),
-        ("original-key-size", str(len(key or b"")).encode()),
-    ]
+    key_size = ("original-key-size", str(len(key or b"")).encode())
+    cut = [("truncated", b"key,value"), cut[1], key_size]
     room = _room(limit - batch_size(b"", b"", headers + cut))
     if room < 0:  # the headers alone are too big (a tiny limit): the reason goes short
         headers = [(k, v[:64]) for k, v in headers]
@@ -106,21 +104,14 @@ class DeadLetterLimit:
             self.topic_limit, self._failed_at = self._read(self._kafka, topic), float("-inf")
         except Exception as exc:  # noqa: BLE001 - unreadable: assume the default, say so
             self._failed_at = time.monotonic()
-            if self.topic_limit is None:
-                self.topic_limit = BROKER_DEFAULT_MAX_MESSAGE_BYTES
-            log.warning(
-                "dead_letters.limit_unknown",
-                topic=topic,
-                error=repr(exc),
-                assumed=self.topic_limit,
-            )
+            self.topic_limit = self.topic_limit or BROKER_DEFAULT_MAX_MESSAGE_BYTES
+            assumed = self.topic_limit
+            log.warning("dead_letters.limit_unknown", topic=topic, error=repr(exc), assumed=assumed)
 
 
 def read_topic_max_bytes(kafka, topic: str) -> int:
     """Blocking: the topic's `max.message.bytes` as the broker describes it."""
-    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
-
-    admin = AdminClient(kafka.librdkafka_config())
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    configs = admin.describe_configs([resource], request_timeout=10)[resource].result(timeout=15)
+    resource = admin.ConfigResource("topic", topic)
+    client = admin.AdminClient(kafka.librdkafka_config())
+    configs = client.describe_configs([resource], request_timeout=10)[resource].result(timeout=15)
     return int(configs["max.message.bytes"].value)

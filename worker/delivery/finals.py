@@ -15,7 +15,7 @@ from inferline.contract.schema import Request, Sample
 from inferline.worker.delivery.commit import Outcome
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
-from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream
+from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream, Source
 from inferline.worker.engine.request import RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -29,17 +29,10 @@ ANSWERED_BEFORE = (
 class Delivery:
     """Answers, dead letters and give-backs, and what finishes their input."""
 
-    def __init__(
-        self,
-        settings,
-        publisher: Publisher,
-        ledger: JobLedger,
-        metrics,
-        generation: Callable[[TopicPartition], int],
-    ) -> None:
+    def __init__(self, settings, publisher: Publisher, ledger: JobLedger, metrics, generation):
         self._k = settings.kafka
         self.publisher, self.ledger, self._m = publisher, ledger, metrics
-        self._generation = generation  # a partition's assignment generation (Intake.epoch)
+        self._generation = generation  # a partition's assignment epoch (OffsetTracker.epoch)
         self.num_resubmitted = 0
         self.dlq_limit = DeadLetterLimit(self._k)
         self.dead_letters_in_flight = 0  # not acked yet: they count against intake's room
@@ -49,86 +42,56 @@ class Delivery:
         """Read the dead-letter topic's limit before the first dead letter needs it."""
         await self.dlq_limit.load()
 
-    # -- what the intake hands over ---------------------------------------------------------------
-
-    def hold(self, tp: TopicPartition, record) -> None:
-        """Keep `record` until its input is finished, to dead-letter it if need be."""
-        self.ledger.hold(tp, record)
-
     def dead_letter(self, record, reason: str) -> None:
         """Send `record` to the dead-letter topic with `reason`, cut to fit the topic's limit; its
         offset finishes once the dead letter is on the broker."""
-        tp = TopicPartition(record.topic, record.partition)
-        generation = self._generation(tp)
-        self.ledger.taken(tp)
+        source = self._taken(TopicPartition(record.topic, record.partition), record.offset)
         self.dead_letters_in_flight += 1
-        headers = [
-            ("error", reason.encode()),
-            ("source-topic", record.topic.encode()),
-            ("source-partition", str(record.partition).encode()),
-            ("source-offset", str(record.offset).encode()),
-        ]
+        where = {"topic": record.topic, "partition": record.partition, "offset": record.offset}
+        headers = [("error", reason.encode())]
+        headers += [(f"source-{name}", str(value).encode()) for name, value in where.items()]
         limit = self.dlq_limit.known()
         if limit is None or self.dlq_limit.due():  # unread, or unreadable a while ago: ask
-            task = asyncio.ensure_future(self._send_when_sized(record, headers, tp, generation))
+            task = asyncio.ensure_future(self._send_when_sized(record, headers, source))
             self._sizing.add(task)
             task.add_done_callback(self._sizing.discard)
             if limit is None:
                 return
-        self._send_dead_letter(record, headers, tp, generation, limit)
+        self._send_dead_letter(record, headers, source, limit)
 
-    async def _send_when_sized(self, record, headers, tp, generation: int) -> None:
+    async def _send_when_sized(self, record, headers, source: Source) -> None:
         first = self.dlq_limit.known() is None
         limit = await self.dlq_limit.load()
         if first:
-            self._send_dead_letter(record, headers, tp, generation, limit)
+            self._send_dead_letter(record, headers, source, limit)
 
-    def _send_dead_letter(self, record, headers, tp, generation: int, limit: int) -> None:
+    def _send_dead_letter(self, record, headers, source: Source, limit: int) -> None:
         key, value, headers = fit(record.key, record.value, headers, limit)
         if len(headers) > 4:
+            where = {"partition": record.partition, "offset": record.offset}
             log.warning(
-                "dead_letter.truncated",
-                partition=tp.partition,
-                offset=record.offset,
-                original_size=len(record.value or b""),
-                limit=limit,
+                "dead_letter.truncated", **where, size=len(record.value or b""), limit=limit
             )
 
         def on_acked(outcome, error=None) -> None:
             self.dead_letters_in_flight -= 1
-            self._input_done(tp, record.offset, outcome, generation, "reject")
+            self._input_done(source, outcome, "reject")
 
-        self.publisher.dead_letter(
-            self._k.dlq_topic, key, value, headers, (tp, record.offset, generation), on_acked
-        )
+        self.publisher.dead_letter(self._k.dlq_topic, key, value, headers, source, on_acked)
 
-    def reject(
-        self,
-        tp,
-        offset: int,
-        route: ReplyRoute,
-        code: str,
-        message: str,
-        finish_reason: str = "rejected",
-        metadata: dict | None = None,
-    ) -> None:
-        """Answer a request that will not run: one `done` (seq 0)."""
+    def reject(self, tp, offset: int, route: ReplyRoute, code: str, message: str, **done) -> None:
+        """Answer a request that will not run: one `done` (seq 0); `done`: its finish_reason
+        ("rejected" unless given) and metadata."""
+        reason = done.setdefault("finish_reason", "rejected")
         rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
-        generation = self._generation(tp)
-        self.ledger.taken(tp)
-        self.publisher.done(
-            rs,
-            finish_reason=finish_reason,
-            text="",
-            error=(code, message),
-            metadata=metadata,
-            source=(tp, offset, generation),
-            on_acked=lambda outcome, error=None: self._answered(
-                tp, offset, outcome, rs.topic, generation, error
-            ),
-        )
-        self._m.requests.labels(finish_reason).inc()
-        if finish_reason == "rejected":
+        source = self._taken(tp, offset)
+
+        def on_acked(outcome, error=None) -> None:
+            self._answered(source, outcome, rs.topic, error)
+
+        self.publisher.done(rs, on_acked, source, text="", error=(code, message), **done)
+        self._m.requests.labels(reason).inc()
+        if reason == "rejected":
             self._m.rejections.labels(code).inc()
 
     def answered_before(self, tp, offset: int, req: Request) -> bool:
@@ -137,29 +100,25 @@ class Delivery:
         before. Either one that cannot be delivered dead-letters the request."""
         if not self.ledger.finished(req):
             return False
-        log.warning(
-            "request.resubmitted_after_done",
-            request_id=req.id,
-            partition=tp.partition,
-            offset=offset,
-        )
+        where = {"partition": tp.partition, "offset": offset}
+        log.warning("request.resubmitted_after_done", request_id=req.id, **where)
         self.num_resubmitted += 1
         final = self.ledger.final_event(req.id)
         if final is None:
             self.reject(tp, offset, ReplyRoute.of(req), *ANSWERED_BEFORE, metadata=req.metadata)
             return True
-        generation = self._generation(tp)
-        self.ledger.taken(tp)
-        self.publisher.finish_offset(
-            (tp, offset, generation),
-            (final[0], final[1], req.id.encode(), final[2]),
-            lambda outcome, error=None: self._answered(
-                tp, offset, outcome, final[0], generation, error
-            ),
-        )
+        source, (topic, partition, done) = self._taken(tp, offset), final
+
+        def on_acked(outcome, error=None) -> None:
+            self._answered(source, outcome, topic, error)
+
+        self.publisher.finish_offset(source, (topic, partition, req.id.encode(), done), on_acked)
         return True
 
-    # -- what the engine finished -----------------------------------------------------------------
+    def _taken(self, tp: TopicPartition, offset: int) -> Source:
+        """A final of `tp` is on its way: counted until acked; its input, as of now."""
+        self.ledger.taken(tp)
+        return tp, offset, self._generation(tp)
 
     def finish(
         self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None, ran: bool
@@ -168,25 +127,20 @@ class Delivery:
         final = reason != "requeued"
         self.publisher.done(
             job.reply,
+            lambda outcome, err=None: self._settle(job, final, outcome, err),
+            job.source if final else None,
+            usage=(out.num_prompt_tokens, out.num_output_tokens),
+            timing=(out.queue_s if ran else out.total_s, out.ttft_s, out.total_s),
             finish_reason=reason,
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            queue_s=out.queue_s if ran else out.total_s,
-            ttft_s=out.ttft_s,
-            total_s=out.total_s,
             text=out.text,
             error=error,
             metadata=job.request.metadata,
             samples=wire_samples(out) if final else None,
-            source=(job.tp, job.offset, job.generation) if final else None,
-            on_acked=lambda outcome, err=None: self._settle(job, final, outcome, err),
         )
 
     def stale(self, job: Job) -> bool:
         """Its partition moved since admission: a final from here would be a second one."""
         return job.generation != self._generation(job.tp)
-
-    # -- outcomes ---------------------------------------------------------------------------------
 
     def _settle(self, job: Job, final: bool, outcome: str, error: str | None) -> None:
         self.ledger.forget(job)
@@ -197,62 +151,34 @@ class Delivery:
         if outcome == "ok":
             self.ledger.remember(job)
         elif outcome == Outcome.MOVED:
-            self._moved(job)
-        self._answered(job.tp, job.offset, outcome, job.reply.topic, job.generation, error)
+            # Its final never committed: the attempt still ends, with a `requeued` outside any
+            # transaction, and the partition's new owner runs the request. The `requeued` takes
+            # the final's seq: read_committed readers never saw that `done`, so no gap shows.
+            job.reply.closed = False
+            job.reply.seq -= 1
+            meta = job.request.metadata
+            self.publisher.done(job.reply, _ignore, finish_reason="requeued", metadata=meta)
+        self._answered(job.source, outcome, job.reply.topic, error)
 
-    def _moved(self, job: Job) -> None:
-        """Its final never committed (the partition moved first): the attempt still ends, with a
-        `requeued` outside any transaction, and the partition's new owner runs the request. It
-        takes the final's seq: read_committed readers never saw that `done`, so no gap shows."""
-        job.reply.closed = False
-        job.reply.seq -= 1
-        self.publisher.done(
-            job.reply,
-            finish_reason="requeued",
-            metadata=job.request.metadata,
-            on_acked=lambda outcome, err=None: None,
-        )
-
-    def _answered(
-        self,
-        tp: TopicPartition,
-        offset: int,
-        outcome: str,
-        topic: str,
-        generation: int,
-        error: str | None,
-    ) -> None:
-        """A `done` is final, or refused for good and dead-lettered; moved: another worker owns the
-        partition."""
+    def _answered(self, source: Source, outcome: str, topic: str, error: str | None) -> None:
+        """A `done` is final, or refused for good (dead-lettered), or moved (to the next owner)."""
+        tp, offset, generation = source
         if outcome != "failed":
-            self._input_done(tp, offset, outcome, generation)
+            self._input_done(source, outcome)
             return
         record = self.ledger.held(tp, offset)
         if record is None or generation != self._generation(tp):
-            self._input_done(tp, offset, Outcome.MOVED, generation)  # its new owner reads it again
+            self._input_done(source, Outcome.MOVED)  # its new owner reads it again
             return
-        log.error(
-            "request.reply_undeliverable",
-            partition=tp.partition,
-            offset=offset,
-            topic=topic,
-            error=error,
-        )
-        self.dead_letter(
-            record,
-            f"the reply could not be delivered to {topic!r}" + (f": {error}" if error else ""),
-        )
+        where = {"partition": tp.partition, "offset": offset}
+        log.error("request.reply_undeliverable", **where, topic=topic, error=error)
+        cause = f"the reply could not be delivered to {topic!r}" + (f": {error}" if error else "")
+        self.dead_letter(record, cause)
         self.ledger.acked(tp)
 
-    def _input_done(
-        self,
-        tp: TopicPartition,
-        offset: int,
-        outcome: str,
-        generation: int,
-        verdict: str = "accept",
-    ) -> None:
+    def _input_done(self, source: Source, outcome: str, verdict: str = "accept") -> None:
         # Committed with its offset, or (moved, stopping) left for the partition's next owner.
+        tp, offset, generation = source
         if outcome == "ok" and generation == self._generation(tp):
             self.ledger.release(tp, offset)
         self._verdict(tp, offset, verdict if outcome == "ok" else "release")
@@ -286,3 +212,7 @@ def wire_samples(out: RequestOutput) -> list[Sample] | None:
         )
         for s in out.samples
     ]
+
+
+def _ignore(*outcome) -> None:
+    """A `requeued` after a moved final: nothing waits for it."""

@@ -1,18 +1,20 @@
 """The job ledger: each request held here (a `Job` per attempt) until its outcome is committed,
-and the ids finished here, so a resubmission is answered, not rerun.
+and the ids finished here, so a resubmission is answered, not rerun. What is held per partition
+lives in its `Partition` (worker/delivery/offsets.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import TopicPartition
 
 from inferline.contract.schema import Request
+from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.delivery.publisher import ReplyStream
 
 # Ids finished here, so a resubmission does not run twice.
@@ -42,29 +44,27 @@ class Job:
     def attempt(self) -> str:
         return self.reply.attempt
 
+    @property
+    def source(self) -> tuple[TopicPartition, int, int]:
+        """Its input: (partition, offset, generation)."""
+        return self.tp, self.offset, self.generation
+
 
 def fingerprint(req: Request) -> str:
     return hashlib.blake2b(req.model_dump_json().encode(), digest_size=16).hexdigest()
 
 
 class JobLedger:
-    def __init__(self) -> None:
+    """The jobs held here and the requests finished here; per-partition state is in `Partition`."""
+
+    def __init__(self, partitions: OffsetTracker | None = None) -> None:
         self.jobs: dict[str, Job] = {}  # attempt -> job
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
-        self._held: dict[
-            tuple[TopicPartition, int], object
-        ] = {}  # records taken, offset not finished
-        self._unacked: Counter[TopicPartition] = Counter()  # outcomes not committed yet
-        self._completed: OrderedDict[str, str] = (
-            OrderedDict()
-        )  # id -> fingerprint, final done committed
-        self._final_events: OrderedDict[str, tuple] = (
-            OrderedDict()
-        )  # id -> (topic, partition, done bytes)
+        self._parts = partitions or OffsetTracker()
+        self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, committed
+        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, part., done)
         self._final_bytes = 0  # of the `done`s in _final_events
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
-
-    # -- jobs -------------------------------------------------------------------------------------
 
     def add(self, job: Job) -> None:
         self.jobs[job.attempt] = job
@@ -83,41 +83,32 @@ class JobLedger:
         return list(self._by_id.get(request_id, ()))
 
     def empty(self) -> bool:
-        return not self.jobs and not self._unacked and not self._by_id
-
-    # -- records whose offsets are not finished ---------------------------------------------------
-
-    def hold(self, tp: TopicPartition, record) -> None:
-        self._held[(tp, record.offset)] = record
+        return not self.jobs and not self.unacked() and not self._by_id
 
     def held(self, tp: TopicPartition, offset: int):
-        return self._held.get((tp, offset))
+        p = self._parts.get(tp)
+        return None if p is None else p.held.get(offset)
 
     def release(self, tp: TopicPartition, offset: int) -> None:
-        self._held.pop((tp, offset), None)
+        if (p := self._parts.get(tp)) is not None:
+            p.held.pop(offset, None)
 
     def release_partitions(self, tps) -> None:
-        for key in [k for k in self._held if k[0] in tps]:
-            del self._held[key]
-
-    # -- outcomes in flight -----------------------------------------------------------------------
+        for p in filter(None, map(self._parts.get, tps)):
+            p.held.clear()
 
     def taken(self, tp: TopicPartition) -> None:
-        self._unacked[tp] += 1
+        self._parts.partition(tp).unacked += 1
 
     def acked(self, tp: TopicPartition) -> None:
-        self._unacked[tp] -= 1
-        if self._unacked[tp] <= 0:
-            del self._unacked[tp]
+        if (p := self._parts.get(tp)) is not None:
+            p.unacked = max(0, p.unacked - 1)
         self.settled.set()
 
-    def unacked(self, tps=None) -> bool:
-        return any(self._unacked[tp] for tp in tps) if tps is not None else bool(self._unacked)
-
-    def busy_partitions(self) -> set[TopicPartition]:
-        return set(self._unacked) | {j.tp for j in self.jobs.values()}
-
-    # -- requests finished here -------------------------------------------------------------------
+    def unacked(self, tps=None) -> set[TopicPartition]:
+        """Partitions (of `tps`, or all) with outcomes not on the broker yet."""
+        tps = self._parts.partitions() if tps is None else tps
+        return {tp for tp in tps if (p := self._parts.get(tp)) is not None and p.unacked}
 
     def remember(self, job: Job) -> None:
         """`job`'s request finished here: its id, and its final `done` within the bounds."""

@@ -1,5 +1,6 @@
-"""Per-partition offset ledgers: the committed offset (lowest unfinished) and the finished
-offsets above it, in the commit's metadata.
+"""The input partitions this worker holds, one `Partition` each: its assignment epoch, whether
+it is being revoked, and its offsets in flight, whose ledger (the committed offset, the lowest
+unfinished, and the finished offsets above it) goes in the commit's metadata.
 design: docs/reliability.md#exactly-one-final-result-transactions
 """
 
@@ -51,12 +52,19 @@ def decode_ledger(mark: int, metadata: str | None) -> set[int]:
     return done
 
 
-@dataclass
-class _PartitionState:
-    """One partition's offsets in flight. The heap may hold finished offsets (lazy deletion),
-    compacted once they outnumber the open ones; `done` and `ahead` hold only offsets above the
-    watermark, sorted: a commit costs O(log n) amortised, plus the ledger it writes."""
+@dataclass(eq=False)
+class Partition:
+    """One input partition as this worker holds it. `epoch` is the assignment its work is taken
+    under (0: not owned; work of another epoch is stale); `revoking`: it is being given up, so
+    nothing more is taken from it; `held`: its records whose outcome is not final, `unacked`: its
+    outcomes not on the broker yet. Its offsets in flight: the heap may hold finished offsets (lazy
+    deletion), compacted once they outnumber the open ones; `done` and `ahead` hold only offsets
+    above the watermark, sorted: a commit costs O(log n) amortised, plus the ledger it writes."""
 
+    epoch: int = 0
+    revoking: bool = False
+    held: dict[int, object] = field(default_factory=dict)  # offset -> record
+    unacked: int = 0
     heap: list[int] = field(default_factory=list)  # min-heap of taken offsets, some finished
     open: set[int] = field(default_factory=set)  # taken, not finished
     done: list[int] = field(default_factory=list)  # finished above the watermark, sorted
@@ -112,63 +120,86 @@ def _above(offsets: list[int], mark: int) -> list[int]:
 
 
 class OffsetTracker:
-    """Tracks taken and finished offsets; says what a commit may say."""
+    """The registry of partitions this worker holds: who owns what (and since which epoch), what
+    was taken and finished, and what a commit may say."""
 
     def __init__(self) -> None:
-        self._parts: dict[TopicPartition, _PartitionState] = {}
+        self._parts: dict[TopicPartition, Partition] = {}
+        self._next_epoch = 1
 
-    def resume(self, tp: TopicPartition, committed: int | None, metadata: str | None) -> None:
-        """A newly assigned partition starts from its last commit and its ledger."""
-        st = self._parts[tp] = _PartitionState()
+    def resume(self, tp: TopicPartition, committed: int | None, metadata: str | None) -> Partition:
+        """A newly assigned partition, in a new epoch, starts from its last commit and ledger."""
+        old = self._parts.get(tp)
+        p = self._parts[tp] = Partition(self._next_epoch, unacked=old.unacked if old else 0)
+        self._next_epoch += 1
         if committed is not None:
-            st.last_seen, st.committed = committed - 1, committed
-            st.ahead = sorted(decode_ledger(committed, metadata))
+            p.last_seen, p.committed = committed - 1, committed
+            p.ahead = sorted(decode_ledger(committed, metadata))
+        return p
+
+    def get(self, tp: TopicPartition) -> Partition | None:
+        return self._parts.get(tp)
+
+    def partition(self, tp: TopicPartition) -> Partition:
+        """`tp`'s state; one never assigned (share mode) is made, not owned."""
+        return self._parts.setdefault(tp, Partition())
+
+    def epoch(self, tp: TopicPartition) -> int:
+        """The epoch `tp` is owned in; 0 if it is not."""
+        p = self._parts.get(tp)
+        return 0 if p is None else p.epoch
+
+    def owns(self, tp: TopicPartition, generation: int) -> bool:
+        """Whether work taken in epoch `generation` is still this worker's to finish."""
+        return generation != 0 and self.epoch(tp) == generation
+
+    def taking(self, tp: TopicPartition, generation: int | None = None) -> bool:
+        """Whether records of `tp` (taken in `generation`, if given) are this worker's to run:
+        owned, and not being revoked."""
+        p = self._parts.get(tp)
+        return p is not None and p.epoch != 0 and not p.revoking and generation in (None, p.epoch)
+
+    def owned(self) -> list[TopicPartition]:
+        return [tp for tp, p in self._parts.items() if p.epoch]
 
     def add(self, tp: TopicPartition, offset: int) -> bool:
-        """An offset was taken; it blocks the watermark until finished. False if read before or
-        final."""
-        st = self._parts.setdefault(tp, _PartitionState())
+        """An offset was taken: it blocks the watermark until finished. False: read or final."""
+        p = self.partition(tp)
         # A redelivery after a seek can repeat offsets: tracking one twice would wedge it.
-        if offset <= st.last_seen:
+        if offset <= p.last_seen:
             return False
-        st.last_seen = offset
-        i = bisect.bisect_left(st.ahead, offset)
-        if i < len(st.ahead) and st.ahead[i] == offset:  # stays listed until the mark passes it
+        p.last_seen = offset
+        i = bisect.bisect_left(p.ahead, offset)
+        if i < len(p.ahead) and p.ahead[i] == offset:  # stays listed until the mark passes it
             return False
-        heapq.heappush(st.heap, offset)
-        st.open.add(offset)
+        heapq.heappush(p.heap, offset)
+        p.open.add(offset)
         return True
 
     def finish(self, tp: TopicPartition, offset: int) -> None:
         """`offset` is final; an offset not in flight here (revoked, never taken) is ignored."""
-        st = self._parts.get(tp)
-        if st is not None:
-            st.finish(offset)
-
-    def next_offset(self, tp: TopicPartition) -> int | None:
-        """The first offset not taken yet (where a kept partition reads on)."""
-        st = self._parts.get(tp)
-        return None if st is None or st.last_seen < 0 else st.last_seen + 1
+        if (p := self._parts.get(tp)) is not None:
+            p.finish(offset)
 
     def pending(self, tp: TopicPartition) -> int:
         """Offsets taken and not finished."""
-        st = self._parts.get(tp)
-        return 0 if st is None else len(st.open)
+        p = self._parts.get(tp)
+        return 0 if p is None else len(p.open)
 
     def watermark(self, tp: TopicPartition) -> int | None:
         """The next unfinished offset (what a commit now would say), if any was seen."""
-        st = self._parts.get(tp)
-        return None if st is None else st.watermark()
+        p = self._parts.get(tp)
+        return None if p is None else p.watermark()
 
     def ledger(self, tp: TopicPartition, finishing: Iterable[int] = ()) -> tuple[int, str] | None:
         """(offset, metadata) a commit would carry once `finishing` are finished too."""
-        st = self._parts.get(tp)
-        if st is None or st.last_seen < 0 and st.committed is None:
+        p = self._parts.get(tp)
+        if p is None or p.last_seen < 0 and p.committed is None:
             return None
         finishing = set(finishing)
-        st.watermark()  # drops what no ledger lists any more
-        mark = st.mark_without(finishing)
-        done = {*_above(st.done, mark), *_above(st.ahead, mark)}
+        p.watermark()  # drops what no ledger lists any more
+        mark = p.mark_without(finishing)
+        done = {*_above(p.done, mark), *_above(p.ahead, mark)}
         done.update(o for o in finishing if o > mark)
         return mark, encode_ledger(mark, done)
 
@@ -176,26 +207,25 @@ class OffsetTracker:
         """Watermarks that moved since the last commit (all partitions, or `tps`)."""
         out = {}
         for tp in self._parts if tps is None else tps:
-            st = self._parts.get(tp)
-            if st is None:
-                continue
-            mark = st.watermark()
-            if mark is not None and mark != st.committed:
-                out[tp] = mark
+            if (p := self._parts.get(tp)) is not None:
+                mark = p.watermark()
+                if mark is not None and mark != p.committed:
+                    out[tp] = mark
         return out
 
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
         """These marks are committed: the ledger forgets what they passed."""
         for tp, mark in offsets.items():
-            if tp in self._parts:
-                st = self._parts[tp]
-                st.committed = mark
-                _drop_through(st.ahead, mark)
+            if (p := self._parts.get(tp)) is not None:
+                p.committed = mark
+                _drop_through(p.ahead, mark)
 
     def forget(self, tps) -> None:
-        """Partitions that moved: their state goes."""
+        """Partitions that moved: their state goes, but for the count of outcomes still due."""
         for tp in tps:
-            self._parts.pop(tp, None)
+            p = self._parts.pop(tp, None)
+            if p is not None and p.unacked:
+                self._parts[tp] = Partition(unacked=p.unacked)
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)

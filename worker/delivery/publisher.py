@@ -12,63 +12,17 @@ from typing import Callable
 
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import (
-    CorruptRecordException,
-    InvalidTopicError,
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    UnsupportedForMessageFormatError,
-)
 
-from inferline.contract.schema import (
-    DoneEvent,
-    ErrorInfo,
-    InvalidRequest,
-    Request,
-    Sample,
-    StartedEvent,
-    Timing,
-    TokensEvent,
-    Usage,
-    encode_event,
-)
+from inferline.contract.schema import DoneEvent, ErrorInfo, InvalidRequest, Request, StartedEvent
+from inferline.contract.schema import Timing, TokensEvent, Usage, encode_event
+from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 
 log = structlog.get_logger(__name__)
-RETRY_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 10.0
 FAILING_FOR_S = 30.0
 # Reply topics the producer keeps metadata for; past it, idle ones are dropped.
 MAX_PRODUCER_TOPICS = 512
-# Refusals no retry changes: the record, or the topic, is not this worker's to write.
-PERMANENT = (
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    InvalidTopicError,
-    CorruptRecordException,
-    UnsupportedForMessageFormatError,
-)
-
-
-def permanent(exc: BaseException) -> bool:
-    return isinstance(exc, PERMANENT)
-
-
-def listed(producer, topic: str) -> None:
-    """Put `topic` on the producer's metadata list before sending: aiokafka lists only uncached
-    topics, and a refresh drops unlisted ones."""
-    client = producer.client
-    if topic not in client._topics:
-        client.add_topic(topic)
-
-
-def reply_batch_bytes(kafka) -> int:
-    """Batches as large as every reply topic takes: fewer, larger batches than aiokafka's 16 KiB."""
-    return kafka.min_reply_message_bytes
+Source = tuple[TopicPartition, int, int]  # a final's input: (partition, offset, generation)
 
 
 @dataclass(frozen=True)
@@ -95,9 +49,7 @@ class ReplyStream:
     partition: int | None
     stream: bool = True
     seq: int = 0
-    pending: dict[int, "_Pending"] = field(
-        default_factory=dict
-    )  # by sample index: not yet in an event
+    pending: dict[int, "_Pending"] = field(default_factory=dict)  # by sample: not in an event yet
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
     in_flight: int = 0
@@ -139,24 +91,17 @@ class _Outgoing:
     first_failed: float | None = None
     forever: bool = False  # retried until the broker takes it (dead letters)
     stream: ReplyStream | None = None  # streamed: its attempt's `done` waits for its ack
-    source: tuple[TopicPartition, int, int] | None = (
-        None  # final: committed with (tp, offset, generation)
-    )
+    source: Source | None = None  # final: committed with its input
 
 
 class Publisher:
-    def __init__(
-        self,
-        settings,
-        metrics,
-        worker_name: str,
-        committer: Committer | None,
-        on_send_failed: Callable[[str], None] | None = None,
-    ) -> None:
-        self._kafka = settings.kafka
-        self._committer = committer
-        self._transactional = committer is not None
-        self._metrics = metrics
+    """Sends reply events; hands finals to the committer (group mode) or sends them as events that
+    must be delivered (share mode, `on_acked` saying how it went)."""
+
+    def __init__(self, settings, metrics, worker_name: str, committer, on_send_failed=None) -> None:
+        """`committer`: None in share mode; `on_send_failed(topic)`: a reply topic is failing."""
+        self._kafka, self._metrics = settings.kafka, metrics
+        self._committer: Committer | None = committer
         self.worker_name = worker_name
         self._producer: AIOKafkaProducer | None = None
         self._lanes: dict[str, asyncio.Queue[_Outgoing]] = {}
@@ -166,7 +111,7 @@ class Publisher:
         self.backlog = 0  # queued or in flight, not acked
         self._topic_backlog: Counter[str] = Counter()
         self._failing: dict[str, float] = {}
-        self._on_send_failed = on_send_failed
+        self._on_send_failed = on_send_failed or (lambda topic: None)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -177,7 +122,7 @@ class Publisher:
             acks="all",
             linger_ms=5,  # batch many small events into few requests
             max_request_size=self._kafka.max_message_bytes + 64 * 1024,
-            max_batch_size=reply_batch_bytes(self._kafka),
+            max_batch_size=self._kafka.min_reply_message_bytes,  # one every reply topic takes
         )
         await self._producer.start()
         self._flusher = asyncio.create_task(self._flush_loop(), name="publisher-flush")
@@ -189,51 +134,25 @@ class Publisher:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             log.warning("publisher.stop_timeout", backlog=self.backlog)
-        if self._flusher:
-            self._flusher.cancel()
-        for task in list(self._tasks):
+        for task in filter(None, [self._flusher, *self._tasks]):
             task.cancel()
         if self._producer:
             await self._producer.stop()
 
     def full(self) -> bool:
-        """Too many replies wait for the broker: intake pauses (failing topics and dead letters do
-        not count)."""
-        stuck = (
-            sum(self._topic_backlog[t] for t in self._failing_topics())
-            + self._topic_backlog[self._kafka.dlq_topic]
-        )
-        return self.backlog - stuck >= self._kafka.max_pending_replies
-
-    def _failing_topics(self) -> list[str]:
+        """Too many replies wait (failing topics, dead letters aside): intake pauses."""
         now = time.monotonic()
-        for topic in [t for t, until in self._failing.items() if until <= now]:
-            del self._failing[topic]
-        return list(self._failing)
+        self._failing = {t: until for t, until in self._failing.items() if until > now}
+        stuck = sum(self._topic_backlog[t] for t in [*self._failing, self._kafka.dlq_topic])
+        return self.backlog - stuck >= self._kafka.max_pending_replies
 
     def failing(self, topic: str) -> bool:
         return self._failing.get(topic, 0.0) > time.monotonic()
 
-    # -- events ---------------------------------------------------------------------------------
-
     def started(self, rs: ReplyStream, queue_s: float) -> None:
-        ev = StartedEvent(
-            id=rs.request_id,
-            attempt=rs.attempt,
-            seq=rs.next_seq(),
-            worker=self.worker_name,
-            queue_s=max(0.0, queue_s),
-        )
-        self._emit(rs, ev)
+        self._emit(rs, _event(StartedEvent, rs, worker=self.worker_name, queue_s=max(0.0, queue_s)))
 
-    def tokens(
-        self,
-        rs: ReplyStream,
-        token_ids: list[int],
-        text: str,
-        logprobs: list[dict] | None = None,
-        index: int = 0,
-    ) -> None:
+    def tokens(self, rs: ReplyStream, token_ids: list[int], text: str, logprobs=None, index=0):
         if not rs.stream or not token_ids and not text:
             return
         pending = rs.pending.setdefault(index, _Pending())
@@ -247,116 +166,48 @@ class Publisher:
         else:
             self._dirty[rs.attempt] = rs
 
-    def done(
-        self,
-        rs: ReplyStream,
-        *,
-        finish_reason: str,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-        queue_s: float = 0.0,
-        ttft_s: float | None = None,
-        total_s: float = 0.0,
-        text: str | None = None,
-        error: tuple[str, str] | None = None,
-        metadata: dict[str, str] | None = None,
-        source: tuple[TopicPartition, int, int] | None = None,
-        samples: list[Sample] | None = None,
-        on_acked: Callable[..., None],
-    ) -> None:
-        """The attempt's last event; with `source` (partition, offset, generation) a final one,
-        committed with that offset, `on_acked(outcome, error)` saying how it went."""
+    def done(self, rs, on_acked, source=None, usage=(0, 0), timing=(0.0, None, 0.0), **fields):
+        """The attempt's last event: `usage` (prompt, completion tokens), `timing` (queue_s, ttft_s,
+        total_s), an `error` (code, message) and DoneEvent's other `fields`. With `source`
+        (partition, offset, generation) a final one, committed with that offset,
+        `on_acked(outcome, error)` saying how it went."""
         assert not rs.closed, "done twice for one attempt"
         self._flush(rs)
-        ev = DoneEvent(
-            id=rs.request_id,
-            attempt=rs.attempt,
-            seq=rs.next_seq(),
-            finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-            timing=Timing(
-                queue_s=max(0.0, queue_s),
-                ttft_s=None if ttft_s is None else max(0.0, ttft_s),
-                total_s=max(0.0, total_s),
-            ),
-            text=text,
-            error=ErrorInfo(code=error[0], message=error[1]) if error else None,
-            metadata=metadata or {},
-            worker=self.worker_name,
-            samples=samples,
-        )
+        if error := fields.get("error"):
+            fields["error"] = ErrorInfo(code=error[0], message=error[1])
+        queue_s, ttft_s, total_s = (None if t is None else max(0.0, t) for t in timing)
+        timing = Timing(queue_s=queue_s, ttft_s=ttft_s, total_s=total_s)
+        usage = Usage(prompt_tokens=usage[0], completion_tokens=usage[1])
+        ev = _event(DoneEvent, rs, usage=usage, timing=timing, worker=self.worker_name, **fields)
         rs.closed = True
         rs.final_event = encode_event(ev)
-        self._enqueue(
-            _Outgoing(
-                rs.topic,
-                rs.partition,
-                rs.request_id.encode(),
-                rs.final_event,
-                None,
-                on_acked,
-                stream=rs,
-                source=source,
-            )
-        )
+        key = rs.request_id.encode()
+        out = _Outgoing(rs.topic, rs.partition, key, rs.final_event, None, on_acked, stream=rs)
+        out.source = source
+        self._enqueue(out)
 
-    def dead_letter(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, bytes]],
-        source: tuple[TopicPartition, int, int],
-        on_acked: Callable[..., None],
-    ) -> None:
-        # A tombstone (value None) stays a tombstone.
-        self._enqueue(
-            _Outgoing(
-                topic,
-                None,
-                key,
-                value if value is not None else b"",
-                headers,
-                on_acked,
-                forever=True,
-                source=source,
-            )
+    def dead_letter(self, topic: str, key, value, headers: list, source: Source, on_acked) -> None:
+        """A dead letter, retried until the broker takes it; an empty value for none."""
+        out = _Outgoing(
+            topic, None, key, value or b"", headers, on_acked, forever=True, source=source
         )
+        self._enqueue(out)
         self._metrics.dead_letters.inc()
 
-    def finish_offset(
-        self,
-        source: tuple[TopicPartition, int, int],
-        record: tuple | None,
-        on_acked: Callable[..., None],
-    ) -> None:
-        """Finish an input answered before: its remembered `done` resent in the same transaction,
-        or no record."""
-        topic, partition, key, value = record if record is not None else ("", None, None, b"")
-        self._enqueue(_Outgoing(topic, partition, key, value, None, on_acked, source=source))
-
-    # -- coalescing -------------------------------------------------------------------------------
+    def finish_offset(self, source: Source, record: tuple, on_acked) -> None:
+        """Finish an input answered before: its remembered `done` (topic, partition, key, value)
+        resent, in the same transaction as the offset."""
+        self._enqueue(_Outgoing(*record, None, on_acked, source=source))
 
     def _flush(self, rs: ReplyStream) -> None:
         self._dirty.pop(rs.attempt, None)
         pending, rs.pending = rs.pending, {}
         for index, p in sorted(pending.items()):
-            self._emit(
-                rs,
-                TokensEvent(
-                    id=rs.request_id,
-                    attempt=rs.attempt,
-                    seq=rs.next_seq(),
-                    index=index,
-                    token_ids=p.token_ids,
-                    text="".join(p.text),
-                    logprobs=p.logprobs,
-                ),
-            )
+            fields = {"index": index, "token_ids": p.token_ids, "logprobs": p.logprobs}
+            self._emit(rs, _event(TokensEvent, rs, text="".join(p.text), **fields))
 
     def flush_all(self, force: bool = False) -> None:
-        """Each stream's buffered tokens as one event; a stream with an unacked event keeps
-        buffering, unless `force`."""
+        """Buffered tokens as one event per stream; one with an event unacked waits, or `force`."""
         for rs in list(self._dirty.values()):
             if force or not rs.in_flight:
                 self._flush(rs)
@@ -367,38 +218,33 @@ class Publisher:
             await asyncio.sleep(interval)
             self.flush_all()
 
-    # -- sending ----------------------------------------------------------------------------------
-
     def _emit(self, rs: ReplyStream, ev) -> None:
-        self._enqueue(
-            _Outgoing(rs.topic, rs.partition, rs.request_id.encode(), encode_event(ev), stream=rs)
-        )
+        key = rs.request_id.encode()
+        self._enqueue(_Outgoing(rs.topic, rs.partition, key, encode_event(ev), stream=rs))
 
     def _enqueue(self, out: _Outgoing) -> None:
+        """Count `out` and send it; a final (with a `source`) goes to the committer (group mode),
+        or (share mode) is sent like any event, final once acked."""
         self.backlog += 1
         self._topic_backlog[out.topic] += 1
         self._idle.clear()
         self._metrics.pending_replies.set(self.backlog)
-        if out.source is not None:
-            if self._transactional:
-                # The loop holds tasks weakly: keep this one until it has handed off.
-                task = asyncio.get_running_loop().create_task(self._to_transaction(out))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                return
-            out.source = None  # share mode: sent like any event, final once acked
-            if not out.topic:  # answered before: nothing to send
-                asyncio.get_running_loop().call_soon(self._settle, out, "ok")
-                return
+        if out.source is not None and self._committer is not None:
+            self._keep(asyncio.get_running_loop().create_task(self._to_transaction(out)))
+            return
+        out.source = None  # share mode: sent like any event, final once acked
         if out.stream is not None:
             out.stream.in_flight += 1
         lane = self._lanes.get(out.topic)
         if lane is None:
             lane = self._lanes[out.topic] = asyncio.Queue()
-            task = asyncio.create_task(self._lane(out.topic, lane), name=f"lane-{out.topic}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._keep(asyncio.create_task(self._lane(out.topic, lane), name=f"lane-{out.topic}"))
         lane.put_nowait(out)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        # The loop holds tasks weakly: keep each until it is done.
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _lane(self, topic: str, lane: asyncio.Queue) -> None:
         # The lane ends when drained: per-request reply topics leave no idle tasks.
@@ -427,21 +273,14 @@ class Publisher:
     async def _to_transaction(self, out: _Outgoing) -> None:
         if out.stream is not None:
             await out.stream.drained()  # the done must land after the attempt's tokens
-        records = [(out.topic, out.partition, out.key, out.value, out.headers)] if out.topic else []
-        tp, offset, generation = out.source
-        self._committer.submit(
-            Final(
-                tp,
-                offset,
-                generation,
-                records,
-                lambda outcome, error=None: self._settle(out, outcome, error),
-                dead_letter=out.forever,
-            )
-        )
+        records = [(out.topic, out.partition, out.key, out.value, out.headers)]
+        on_done = lambda outcome, error=None: self._settle(out, outcome, error)  # noqa: E731
+        self._committer.submit(Final(*out.source, records, on_done, dead_letter=out.forever))
 
     async def _send(self, out: _Outgoing):
-        listed(self._producer, out.topic)
+        # aiokafka lists only uncached topics, and a refresh drops unlisted ones: list it first.
+        if out.topic not in self._producer.client._topics:
+            self._producer.client.add_topic(out.topic)
         try:
             return await self._producer.send(
                 out.topic, out.value, key=out.key, partition=out.partition, headers=out.headers
@@ -452,10 +291,11 @@ class Publisher:
             return await self._producer.send(out.topic, out.value, key=out.key, headers=out.headers)
 
     def _acked(self, out: _Outgoing, fut: asyncio.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self._failed(out, fut.exception() if not fut.cancelled() else asyncio.CancelledError())
-            return
-        self._settle(out, "ok")
+        exc = asyncio.CancelledError() if fut.cancelled() else fut.exception()
+        if exc is None:
+            self._settle(out, "ok")
+        else:
+            self._failed(out, exc)
 
     def _failed(self, out: _Outgoing, exc: BaseException) -> None:
         out.tries += 1
@@ -463,8 +303,7 @@ class Publisher:
         if not self.failing(out.topic):
             self._failing[out.topic] = time.monotonic() + FAILING_FOR_S
             log.warning("publisher.topic_failing", topic=out.topic, error=repr(exc))
-            if self._on_send_failed:
-                self._on_send_failed(out.topic)
+            self._on_send_failed(out.topic)
         if out.on_acked is None:  # streamed: counted, not logged (a dead topic would flood)
             self._settle(out, "failed")
             return
@@ -476,9 +315,7 @@ class Publisher:
                 self._metrics.dead_letters_lost.inc()
                 self._settle(out, Outcome.COMMITTED)
                 return
-            log.error(
-                "publisher.gave_up", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc)
-            )
+            log.error("publisher.gave_up", topic=out.topic, key=out.key, error=repr(exc))
             self._settle(out, "failed", repr(exc))
             return
         log.debug("publisher.retry", topic=out.topic, key=out.key, tries=out.tries, error=repr(exc))
@@ -504,3 +341,8 @@ class Publisher:
             out.on_acked(outcome, error)
         if self.backlog == 0:
             self._idle.set()
+
+
+def _event(cls, rs: ReplyStream, **fields):
+    """Event `cls` of `rs`'s attempt, with its next seq."""
+    return cls(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), **fields)

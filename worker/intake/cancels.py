@@ -71,8 +71,7 @@ class CancelListener:
         return [t for t in cluster.topics() if tenant_of(t, k.cancel_topic)]
 
     async def _assign_all(self, at_start: bool = False) -> None:
-        """(Re)assign all partitions: from their end at start-up, from the beginning for one found
-        later."""
+        """(Re)assign every partition: from the end at start-up, from the start if found later."""
         # consumer.topics() drops its fresh metadata: read partitions from the fetched cluster.
         cluster = await self._consumer._client.fetch_all_metadata()
         topics = self._cancel_topics(cluster)
@@ -114,10 +113,7 @@ class CancelListener:
             positions = {tp: await self._consumer.position(tp) for tp in tps}
             if all(positions[tp] >= ends[tp] for tp in tps):
                 return
-            batch = await self._consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                for record in records:
-                    self._handle(record)
+            self._handle(await self._consumer.getmany(timeout_ms=200))
         log.warning("cancels.catch_up_incomplete", wait_s=CATCH_UP_WAIT_S)
 
     async def _loop(self) -> None:
@@ -136,18 +132,16 @@ class CancelListener:
                 log.warning("cancels.fetch_error", error=repr(exc))
                 await asyncio.sleep(1.0)
                 continue
-            for records in batch.values():
-                for record in records:
-                    self._handle(record)
+            self._handle(batch)
 
-    def _handle(self, record) -> None:
-        try:
-            cancel = decode_cancel(record.value)
-        except UndecodableMessage as exc:
-            log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
-            return
-        self._m.cancels.inc()
+    def _handle(self, batch: dict) -> None:
         k = self._s.kafka
-        self._on_cancel(
-            cancel.id, tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None
-        )
+        for record in (r for records in batch.values() for r in records):
+            try:
+                cancel = decode_cancel(record.value)
+            except UndecodableMessage as exc:
+                log.warning("cancels.undecodable", offset=record.offset, reason=exc.reason)
+                continue
+            self._m.cancels.inc()
+            tenant = tenant_of(record.topic, k.cancel_topic) if k.tenancy == "topic" else None
+            self._on_cancel(cancel.id, tenant)

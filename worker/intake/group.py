@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import re
 import threading
 import time
-from dataclasses import dataclass
 
 import structlog
 from aiokafka import TopicPartition
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException
+from confluent_kafka import OFFSET_BEGINNING, Consumer
 from confluent_kafka import TopicPartition as KafkaPartition
 
 from inferline.worker.delivery.commit import Committer
-from inferline.worker.delivery.offsets import OffsetTracker
-from inferline.worker.intake.cancels import RecentCancels
-from inferline.worker.intake.triage import Record as TriageRecord
-from inferline.worker.intake.triage import Sink, Triage
-from inferline.worker.service.ratelimit import RateLimiter
+from inferline.worker.intake.triage import Record, Triage, set_group_configs
 from inferline.worker.service.tenancy import tenant_pattern
 
 log = structlog.get_logger(__name__)
@@ -34,13 +31,6 @@ LAG_EVERY_S = 5.0
 SUBSCRIBE_EVERY_S = 30.0  # how soon a new tenant's topic is subscribed
 FLUSH_ON_REVOKE_S = 5.0  # a revoked partition's queued finals get this long to commit
 ASSIGN_TRIES_S = 120.0  # committed offsets unreadable this long: the worker stops
-
-
-@dataclass
-class Record(TriageRecord):
-    """A record of the consumer group, with its timestamp."""
-
-    timestamp: int
 
 
 def consumer_config(kafka) -> dict:
@@ -60,46 +50,17 @@ def consumer_config(kafka) -> dict:
 
 
 def set_session_timeout(kafka) -> None:
-    """Blocking: the group's session timeout (the broker keeps it under KIP-848); a broker that
-    refuses (no ALTER_CONFIGS right, out of its bounds) leaves its own, logged."""
-    from confluent_kafka.admin import (
-        AdminClient,
-        AlterConfigOpType,
-        ConfigEntry,
-        ConfigResource,
-        ResourceType,
-    )
-
-    entry = ConfigEntry(
-        "consumer.session.timeout.ms",
-        str(kafka.session_timeout_ms),
-        incremental_operation=AlterConfigOpType.SET,
-    )
-    resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=[entry])
-    admin = AdminClient(kafka.librdkafka_config())  # kept: a collected client drops its futures
-    try:
-        for future in admin.incremental_alter_configs([resource]).values():
-            future.result(timeout=30)
-    except Exception as exc:  # noqa: BLE001 - the broker's default then applies
-        log.warning("intake.session_timeout_not_set", group=kafka.group_id, error=repr(exc))
+    """Blocking: the group's session timeout (the broker keeps it under KIP-848)."""
+    set_group_configs(kafka, {"consumer.session.timeout.ms": str(kafka.session_timeout_ms)})
 
 
 class Intake(Triage):
-    """Takes what the waiting pool has room for; each partition it owns has an epoch (work taken
-    under an older one is stale) and an offset ledger in the tracker."""
+    """Takes what the waiting pool has room for; each partition it owns is a `Partition` in the
+    tracker (its epoch: work taken under an older one is stale). The poll thread runs the consumer
+    and its rebalance callbacks (`_on_*`); the coroutines run on the loop."""
 
-    def __init__(
-        self,
-        settings,
-        sink: Sink,
-        tracker: OffsetTracker,
-        limiter: RateLimiter,
-        metrics,
-        cancels: RecentCancels,
-        committer: Committer,
-        delivery,
-    ) -> None:
-        super().__init__(settings, sink, tracker, limiter, metrics, cancels, delivery)
+    def __init__(self, *parts, committer: Committer) -> None:
+        super().__init__(*parts)  # as Triage's
         self._committer = committer
         committer.owner = self
         self._consumer: Consumer | None = None
@@ -109,39 +70,30 @@ class Intake(Triage):
         self._want = 0  # records the poll thread may take next; set on the loop
         self._paused = False  # the poll thread's: every partition paused
         self._full_since: float | None = None
-        self._epochs: dict[TopicPartition, int] = {}  # owned partitions, by epoch
-        self._next_epoch = 1
-        self._revoking: set[TopicPartition] = set()
         self._subscribed: list[str] | None = None
 
-    # -- ownership (the committer and the delivery ask) --------------------------------------------
-
-    def epoch(self, tp: TopicPartition) -> int:
-        return self._epochs.get(tp, 0)
-
     def owns(self, tp: TopicPartition, generation: int) -> bool:
-        return generation != 0 and self._epochs.get(tp) == generation
+        return self._tracker.owns(tp, generation)
 
     def num_paused(self) -> int:
         """Partitions paused for backpressure now."""
-        return len(self._epochs) if self._paused else 0  # no consumer call: see _call
+        return len(self._tracker.owned()) if self._paused else 0  # no consumer call: see _call
 
     def group_metadata(self):
         return self._consumer.consumer_group_metadata()
 
     def committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple]:
         """Blocking: (offset, ledger) of each partition that has a commit, read stable."""
-        asked = [KafkaPartition(tp.topic, tp.partition) for tp in tps]
         out = {}
-        for p in self._consumer.committed(asked, timeout=10):
+        for p in self._consumer.committed([_kafka(tp) for tp in tps], timeout=10):
             if p.error is not None:
                 raise RuntimeError(f"committed offset of {p.topic}[{p.partition}]: {p.error}")
             if p.offset >= 0:
-                out[TopicPartition(p.topic, p.partition)] = (p.offset, p.metadata)
+                out[_tp(p)] = (p.offset, p.metadata)
         return out
 
     def _claim(self, tp: TopicPartition, record) -> bool:
-        if tp in self._revoking or tp not in self._epochs:
+        if not self._tracker.taking(tp):
             return False  # read again by the partition's next owner
         if not self._tracker.add(tp, record.offset):
             self._m.redeliveries.labels("already_final").inc()
@@ -149,9 +101,7 @@ class Intake(Triage):
         return True
 
     def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
-        return self.owns(tp, generation) and tp not in self._revoking
-
-    # -- start and stop ---------------------------------------------------------------------------
+        return self._tracker.taking(tp, generation)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -168,15 +118,13 @@ class Intake(Triage):
             await asyncio.to_thread(self._thread.join, 30.0)
         await self._close_triage()
 
-    # -- the poll thread --------------------------------------------------------------------------
-
     def _poll_thread(self) -> None:
         next_lag = next_subscribe = time.monotonic()
         try:
             while not self._closing.is_set():
                 self._set_paused(self._want <= 0)
                 messages = self._consumer.consume(max(1, min(self._want, MAX_BATCH)), POLL_S)
-                self._call(self._take(self._records(messages)))
+                self._call(self._take(Record.read(messages)))
                 now = time.monotonic()
                 if now >= next_subscribe:
                     self._subscribe()
@@ -203,27 +151,6 @@ class Intake(Triage):
                     future.cancel()
                     raise
 
-    def _records(self, messages) -> list[Record]:
-        records = []
-        for m in messages:
-            if m.error() is not None:
-                if m.error().fatal():  # the consumer is dead: stop, not poll a dead one forever
-                    raise KafkaException(m.error())
-                log.warning("intake.fetch_error", error=str(m.error()))
-                continue
-            records.append(
-                Record(
-                    m.topic(),
-                    m.partition(),
-                    m.offset(),
-                    m.key(),
-                    m.value(),
-                    m.headers(),
-                    m.timestamp()[1],
-                )
-            )
-        return records
-
     def _set_paused(self, paused: bool) -> None:
         if paused != self._paused:
             self._paused = paused
@@ -242,7 +169,7 @@ class Intake(Triage):
                     topics,
                     on_assign=self._on_assign,
                     on_revoke=self._on_revoke,
-                    on_lost=self._on_lost,
+                    on_lost=functools.partial(self._on_revoke, orderly=False),
                 )
             else:
                 self._consumer.unsubscribe()
@@ -253,9 +180,8 @@ class Intake(Triage):
         k = self._s.kafka
         if k.tenancy != "topic":
             return [k.request_topic]
-        pattern = re.compile(
-            tenant_pattern(k.request_topic, (k.dlq_topic, k.cancel_topic, k.reply_topic_prefix))
-        )
+        reserved = (k.dlq_topic, k.cancel_topic, k.reply_topic_prefix)
+        pattern = re.compile(tenant_pattern(k.request_topic, reserved))
         listed = self._consumer.list_topics(timeout=10).topics
         return sorted(t for t in listed if pattern.match(t))
 
@@ -263,23 +189,16 @@ class Intake(Triage):
         ends = {}
         for p in self._consumer.assignment():
             try:
-                ends[TopicPartition(p.topic, p.partition)] = self._consumer.get_watermark_offsets(
-                    p, timeout=1.0
-                )
+                ends[_tp(p)] = self._consumer.get_watermark_offsets(p, timeout=1.0)
             except Exception as exc:  # noqa: BLE001 - a gauge is worth a log line at most
                 log.debug("intake.lag_error", error=repr(exc))
         self._loop.call_soon_threadsafe(self._set_lag, ends)
 
-    # -- rebalance callbacks (on the poll thread) --------------------------------------------------
-
     def _on_assign(self, consumer, partitions) -> None:
-        tps = [TopicPartition(p.topic, p.partition) for p in partitions]
+        tps = [_tp(p) for p in partitions]
         committed = self._read_committed(tps)
         self._call(self._assigned(tps, committed))
-        starts = [
-            KafkaPartition(tp.topic, tp.partition, committed.get(tp, (OFFSET_BEGINNING,))[0])
-            for tp in tps
-        ]
+        starts = [_kafka(tp, committed.get(tp, (OFFSET_BEGINNING,))[0]) for tp in tps]
         consumer.incremental_assign(starts)
         if self._paused and starts:
             consumer.pause(starts)
@@ -297,13 +216,9 @@ class Intake(Triage):
                     raise
                 time.sleep(1.0)
 
-    def _on_revoke(self, consumer, partitions) -> None:
-        self._call(self._revoked({TopicPartition(p.topic, p.partition) for p in partitions}, True))
-
-    def _on_lost(self, consumer, partitions) -> None:
-        self._call(self._revoked({TopicPartition(p.topic, p.partition) for p in partitions}, False))
-
-    # -- the loop's side --------------------------------------------------------------------------
+    def _on_revoke(self, consumer, partitions, orderly: bool = True) -> None:
+        """Revoked (`orderly`: this member may still commit) or lost."""
+        self._call(self._revoked({_tp(p) for p in partitions}, orderly))
 
     async def _take(self, records: list[Record]) -> None:
         """Triage what was polled; then say how many the poll thread may take next."""
@@ -332,38 +247,34 @@ class Intake(Triage):
         for tp in tps:
             offset, metadata = committed.get(tp, (None, None))
             self._tracker.resume(tp, offset, metadata)
-            self._epochs[tp] = self._next_epoch
-            self._next_epoch += 1
         self.joined = True
-        log.info("intake.assigned", partitions=_names(tps), owned=_names(self._epochs))
+        log.info("intake.assigned", partitions=_names(tps), owned=_names(self._tracker.owned()))
 
     async def _revoked(self, tps: set[TopicPartition], orderly: bool) -> None:
         """Moved partitions: what is queued commits (if the group still lets this member), what
         runs is requeued, and their state goes."""
-        tps &= set(self._epochs)
+        tps &= set(self._tracker.owned())
         if not tps:
             return
         log.info("intake.revoked", partitions=_names(tps), orderly=orderly)
-        self._revoking |= tps
+        parts = [self._tracker.get(tp) for tp in tps]
+        for p in parts:
+            p.revoking = True  # nothing more is taken from it
         if orderly:
             await self._committer.flush(tps, FLUSH_ON_REVOKE_S)
-        for tp in tps:
-            del self._epochs[tp]
+        for p in parts:
+            p.epoch = 0  # its finals are its next owner's now
         self._committer.drop(tps)
         await self._sink.requeue(tps)
         self._tracker.forget(tps)
-        self._revoking -= tps
         for tp in tps:
-            try:
+            with contextlib.suppress(KeyError):
                 self._m.consumer_lag.remove(str(tp.partition))
-            except KeyError:
-                pass
 
     def _set_lag(self, ends: dict[TopicPartition, tuple[int, int]]) -> None:
-        """Records from the commit watermark (nothing taken or committed: the log's start) to the
-        end, per owned partition."""
+        """Per owned partition, records from the watermark (else the log's start) to the end."""
         for tp, (start, end) in ends.items():
-            if tp in self._epochs:
+            if self._tracker.epoch(tp):
                 mark = self._tracker.watermark(tp)
                 lag = end - (start if mark is None else mark)
                 self._m.consumer_lag.labels(str(tp.partition)).set(max(0, lag))
@@ -371,3 +282,11 @@ class Intake(Triage):
 
 def _names(tps) -> list[str]:
     return sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)
+
+
+def _tp(p) -> TopicPartition:
+    return TopicPartition(p.topic, p.partition)
+
+
+def _kafka(tp: TopicPartition, *offset) -> KafkaPartition:
+    return KafkaPartition(tp.topic, tp.partition, *offset)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import structlog
 
@@ -21,9 +21,8 @@ KNOWN_FOR_S = 300.0  # meanwhile the publisher's sends notice a deleted topic
 
 def refusal(topic: str, kafka, tenant: str | None = None) -> str | None:
     """Why the worker must not write to `topic` (policy only), or None."""
-    if topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic) or _per_tenant_topic(
-        topic, kafka
-    ):
+    own = topic in (kafka.request_topic, kafka.cancel_topic, kafka.dlq_topic)
+    if own or _per_tenant_topic(topic, kafka):
         return f"reply_topic {topic!r} is one of the worker's own topics"
     if topic.startswith("__"):
         return f"reply_topic {topic!r} is an internal topic"
@@ -61,34 +60,21 @@ class ReplyTopics:
     """The allowed-and-existing check, with the broker's topic list cached."""
 
     def __init__(
-        self,
-        kafka,
-        list_topics: Callable,
-        clock: Callable[[], float] = time.monotonic,
-        missing_ttl_s: float | None = None,
-        check_topics: Callable | None = None,
+        self, kafka, list_topics, clock=time.monotonic, missing_ttl_s=None, check_topics=None
     ) -> None:
-        self._kafka = kafka
-        self._list_topics = list_topics  # async () -> every topic name
-        self._check_topics = check_topics  # async (topics) -> {topic: reason or None}
+        """`list_topics`: async () -> every topic name; `check_topics`: async (topics) ->
+        {topic: reason or None}; `clock`: monotonic seconds."""
+        self._kafka, self._list_topics, self._check_topics = kafka, list_topics, check_topics
         self._checked: dict[str, tuple[float, str | None]] = {}  # topic -> (when, reason or None)
         self.clock = clock
         self._seen: dict[str, float] = {}  # topic -> when last listed
-        self._missing: dict[
-            str, float
-        ] = {}  # topic -> when a list read after its request lacked it
+        self._missing: dict[str, float] = {}  # topic -> when a list after its request lacked it
         ttl = getattr(kafka, "missing_reply_topic_ttl_s", 10.0)
         self.missing_ttl_s = ttl if missing_ttl_s is None else missing_ttl_s
         self._listed_at = float("-inf")
         self._inflight: asyncio.Future | None = None
 
-    def verdict(
-        self,
-        topic: str,
-        tenant: str | None = None,
-        listed_after: bool = False,
-        last_known: bool = False,
-    ) -> str | None:
+    def verdict(self, topic: str, tenant=None, listed_after=False, last_known=False) -> str | None:
         """ "ok", a reason to refuse, or None when the broker must be asked. `listed_after`: the
         last listing was read after the request, so a topic missing from it does not exist.
         `last_known`: the broker was just asked (maybe in vain): a topic listed and checked before
@@ -105,11 +91,9 @@ class ReplyTopics:
             if topic not in self._checked:
                 return None
             when, unsafe = self._checked[topic]
-            if now - when < CHECKED_FOR_S or last_known:
-                return (
-                    f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
-                )
-            return None
+            if now - when >= CHECKED_FOR_S and not last_known:
+                return None
+            return f"reply_topic {topic!r} would wedge transactions: {unsafe}" if unsafe else "ok"
         if listed_after:
             self._missing[topic] = now
         elif now - self._missing.get(topic, float("-inf")) >= self.missing_ttl_s:
@@ -142,15 +126,9 @@ class ReplyTopics:
         answer leaves out (its configs could not be read just now) keeps its last verdict."""
         if self._check_topics is None:
             return
-        now = self.clock()
-        stale = sorted(
-            {
-                t
-                for t in wanted
-                if t in self._seen
-                and now - self._checked.get(t, (float("-inf"), None))[0] >= CHECKED_FOR_S
-            }
-        )
+        now, never = self.clock(), (float("-inf"), None)
+        last = {t: self._checked.get(t, never)[0] for t in wanted if t in self._seen}
+        stale = sorted(t for t, at in last.items() if now - at >= CHECKED_FOR_S)
         if stale:
             reasons = await self._check_topics(stale)
             self._checked.update({t: (now, reasons[t]) for t in stale if t in reasons})

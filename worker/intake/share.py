@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import structlog
 from aiokafka import TopicPartition
+from confluent_kafka import KafkaException, admin
 
-from inferline.worker.intake.triage import Record, Triage
+from inferline.worker.intake.triage import Record, Triage, set_group_configs  # noqa: F401
 
 log = structlog.get_logger(__name__)
 POLL_S = 0.1  # how soon a freed slot is noticed
@@ -41,6 +42,10 @@ class ShareRecord(Record):
 
     delivery_count: int
 
+    @staticmethod
+    def _extra(message) -> tuple:
+        return (message.delivery_count() or 1,)
+
 
 @dataclass(frozen=True)
 class BrokerLimits:
@@ -53,18 +58,14 @@ class BrokerLimits:
 def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
     """Blocking: the limits the broker describes. Raises when it cannot be asked: a guessed
     delivery limit or lock cap would archive records unseen or run long requests twice."""
-    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
-
-    admin = AdminClient(kafka.librdkafka_config())
+    client = admin.AdminClient(kafka.librdkafka_config())
     for attempt in range(1, tries + 1):
         try:
-            broker_id = next(iter(admin.list_topics(timeout=30).brokers))
-            resource = ConfigResource(ResourceType.BROKER, str(broker_id))
-            configs = admin.describe_configs([resource])[resource].result(timeout=30)
-            return BrokerLimits(
-                int(configs["group.share.delivery.count.limit"].value),
-                int(configs["group.share.max.record.lock.duration.ms"].value),
-            )
+            broker_id = next(iter(client.list_topics(timeout=30).brokers))
+            resource = admin.ConfigResource("broker", str(broker_id))
+            configs = client.describe_configs([resource])[resource].result(timeout=30)
+            names = "group.share.delivery.count.limit", "group.share.max.record.lock.duration.ms"
+            return BrokerLimits(*(int(configs[name].value) for name in names))
         except Exception as exc:  # noqa: BLE001 - broker starting, no DESCRIBE_CONFIGS right
             log.warning("share_intake.broker_limits_unread", attempt=attempt, error=repr(exc))
             if attempt == tries:
@@ -74,25 +75,16 @@ def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
 
 
 def lock_ms(settings, broker: BrokerLimits) -> int:
-    """The group's record lock: longer than the longest request, or share_lock_ms; never over the
-    broker's cap."""
-    k = settings.kafka
-    wanted = k.share_lock_ms or math.ceil(
-        (settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000
-    )
-    if wanted > broker.max_lock_ms:
-        log.warning(
-            "share_intake.lock_capped",
-            wanted_ms=wanted,
-            broker_max_ms=broker.max_lock_ms,
-            consequence="a request running longer than the lock is run again by another worker",
-        )
+    """The record lock: share_lock_ms, or past the longest request; never over the broker's cap."""
+    longest_ms = math.ceil((settings.limits.default_timeout_s + LOCK_MARGIN_S) * 1000)
+    wanted = settings.kafka.share_lock_ms or longest_ms
+    if wanted > broker.max_lock_ms:  # a request running longer is run again by another worker
+        log.warning("share_intake.lock_capped", wanted_ms=wanted, broker_max_ms=broker.max_lock_ms)
     return min(wanted, broker.max_lock_ms)
 
 
 def overflow_hops(broker: BrokerLimits) -> int:
-    """Hand-offs of unstarted overflow a record may have: none when the broker's limit leaves no
-    delivery to spare (its smallest, 2)."""
+    """Hand-offs of unstarted overflow a record may have: none at the broker's least limit (2)."""
     return max(0, min(OVERFLOW_HOPS, broker.delivery_limit - 2))
 
 
@@ -104,8 +96,7 @@ def max_deliveries(kafka, broker: BrokerLimits) -> int:
 
 
 def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dict:
-    """librdkafka settings of a share consumer: the worker's connection, explicit acks, and a poll
-    interval a pinned lane stays within."""
+    """A share consumer's settings: explicit acks, a poll interval a pinned lane stays within."""
     return {
         **kafka.librdkafka_config(),
         "group.id": group_id,
@@ -116,35 +107,8 @@ def client_config(kafka, group_id: str, max_poll_records: int, lock: int) -> dic
 
 
 def group_configs(lock: int) -> dict[str, str]:
-    """The share group's settings; a new share group would start at the topic's end, never reading
-    the waiting requests."""
+    """The share group's settings (a new one would start at the end, skipping waiting requests)."""
     return {"share.auto.offset.reset": "earliest", "share.record.lock.duration.ms": str(lock)}
-
-
-def set_group_configs(kafka, configs: dict[str, str]) -> None:
-    """Blocking: apply `configs` one at a time (a refused lock must not stop the offset reset)."""
-    from confluent_kafka.admin import (
-        AdminClient,
-        AlterConfigOpType,
-        ConfigEntry,
-        ConfigResource,
-        ResourceType,
-    )
-
-    admin = AdminClient(kafka.librdkafka_config())
-    for name, value in configs.items():
-        entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
-        resource = ConfigResource(ResourceType.GROUP, kafka.group_id, incremental_configs=[entry])
-        try:
-            for future in admin.incremental_alter_configs([resource]).values():
-                future.result(timeout=30)
-        except Exception as exc:  # noqa: BLE001 - no ALTER_CONFIGS right, value out of range
-            log.warning(
-                "share_intake.group_config_failed",
-                group=kafka.group_id,
-                config=name,
-                error=repr(exc),
-            )
 
 
 class _Lane:
@@ -152,9 +116,7 @@ class _Lane:
 
     def __init__(self, intake: "ShareIntake", index: int, conf: dict) -> None:
         self._intake, self._conf = intake, conf
-        self.verdicts: queue.SimpleQueue = (
-            queue.SimpleQueue()
-        )  # (topic, partition, offset, verdict)
+        self.verdicts = queue.SimpleQueue()  # (topic, partition, offset, verdict) to send
         self.closing = threading.Event()
         self.claim_size = conf.get("max.poll.records", 1)
         self.claimed = 0  # room claimed for a poll not yet queued in the intake
@@ -199,15 +161,13 @@ class _Lane:
         if not self._intake.fetching:
             time.sleep(POLL_S)
             return
-        if not self._intake.claim_room(self):
-            if self.subscribed:
-                consumer.unsubscribe()
-                self.subscribed = False
+        claimed = self._intake.claim_room(self)
+        if claimed != self.subscribed:  # no room: out of the share group meanwhile
+            consumer.subscribe(self._intake.topics) if claimed else consumer.unsubscribe()
+            self.subscribed = claimed
+        if not claimed:
             time.sleep(POLL_S)
             return
-        if not self.subscribed:
-            consumer.subscribe(self._intake.topics)
-            self.subscribed = True
         records = self._poll(consumer)
         if records:
             held.update((r.topic, r.partition, r.offset) for r in records)
@@ -216,57 +176,31 @@ class _Lane:
             self._intake.free_claim(self)
 
     def _poll(self, consumer) -> list[ShareRecord]:
-        from confluent_kafka import KafkaException
-
-        records = []
         try:
-            polled = consumer.poll(POLL_S)
+            return ShareRecord.read(consumer.poll(POLL_S))
         except KafkaException as exc:  # broker restarting, coordinator moving: try again
             log.warning("share_intake.poll_failed", error=str(exc))
             time.sleep(1.0)
-            return records
-        for msg in polled:
-            if msg.error() is not None:
-                log.warning("share_intake.poll_error", error=str(msg.error()))
-                continue
-            records.append(
-                ShareRecord(
-                    msg.topic(),
-                    msg.partition(),
-                    msg.offset(),
-                    msg.key(),
-                    msg.value(),
-                    msg.headers(),
-                    msg.delivery_count() or 1,
-                )
-            )
-        return records
+            return []
 
     def _acknowledge(self, consumer, held: set, wait: float | None) -> None:
         """Acknowledge the verdicts that came (waiting `wait` s for the first), then send them."""
-        types = _ack_types()
         sent: list[tuple[str, int, int, object]] = []
         while True:
             try:
-                topic, partition, offset, verdict = (
-                    self.verdicts.get(timeout=wait)
-                    if wait and not sent
-                    else self.verdicts.get_nowait()
-                )
+                *key, verdict = self.verdicts.get(timeout=wait if wait and not sent else 0)
             except queue.Empty:
                 break
-            if (topic, partition, offset) in held:
-                held.discard((topic, partition, offset))  # acknowledged, or no longer ours
-                if self._mark_acks(consumer, [(topic, partition, offset, types[verdict])]):
-                    sent.append((topic, partition, offset, types[verdict]))
+            if tuple(key) in held:
+                held.discard(tuple(key))  # acknowledged, or no longer ours
+                if self._mark_acks(consumer, [ack := (*key, _ack_type(verdict))]):
+                    sent.append(ack)
         if sent:
             self._commit(consumer, sent)
 
     def _commit(self, consumer, acks: list) -> None:
         """Send `acks`; those of a partition whose send failed are sent again. An ACCEPT lost here
         lets the record's lock expire and another worker answer it a second time."""
-        from confluent_kafka import KafkaException
-
         for attempt in range(1, COMMIT_TRIES + 1):
             try:
                 results = consumer.commit_sync(COMMIT_TIMEOUT_S) or {}
@@ -280,11 +214,8 @@ class _Lane:
             if attempt == COMMIT_TRIES or not self._mark_acks(consumer, acks):
                 break
             time.sleep(LANE_BACKOFF_S)
-        log.error(
-            "share_intake.ack_lost",
-            records=[(t, p, o) for t, p, o, _ in acks],
-            consequence="once its lock expires, another worker may run it again",
-        )
+        # Once its lock expires, another worker may run it again.
+        log.error("share_intake.ack_lost", records=[(t, p, o) for t, p, o, _ in acks])
 
     @staticmethod
     def _mark_acks(consumer, acks: list) -> bool:
@@ -302,8 +233,7 @@ class _Lane:
         """Verdicts that came, then RELEASE for the rest, and leave."""
         try:
             self._acknowledge(consumer, held, wait=None)
-            release = _ack_types()["release"]
-            acks = [(topic, partition, offset, release) for topic, partition, offset in held]
+            acks = [(*key, _ack_type("release")) for key in held]
             for ack in acks:
                 consumer.acknowledge_offset(*ack)
             if acks:
@@ -313,19 +243,16 @@ class _Lane:
             consumer.close()
 
 
-def _ack_types() -> dict:
-    # confluent-kafka is needed in share mode only (the `share` extra).
-    from confluent_kafka import AcknowledgeType
+def _ack_type(verdict: str):
+    from confluent_kafka import AcknowledgeType  # share mode's client (the `share` extra)
 
-    return {
-        "accept": AcknowledgeType.ACCEPT,
-        "release": AcknowledgeType.RELEASE,
-        "reject": AcknowledgeType.REJECT,
-    }
+    return getattr(AcknowledgeType, verdict.upper())
 
 
 class ShareIntake(Triage):
-    """The intake of share mode: the same Sink calls as Intake, records from a share group."""
+    """The intake of share mode: the same Sink calls as Intake, records from a share group. The
+    lanes' threads call hand_over, claim_room, free_claim and lane_failed; the rest runs on the
+    loop."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -338,7 +265,6 @@ class ShareIntake(Triage):
         self.broker = BrokerLimits()
         self.max_deliveries = self._s.kafka.max_deliveries
         self.hops = OVERFLOW_HOPS  # hand-offs of unstarted overflow, not counted as deliveries
-        self._verifying: set[asyncio.Task] = set()
         # Room for records nobody polled yet, set by the loop; lanes claim it before they poll.
         self.free_room = 0
         self._claims = threading.Lock()
@@ -350,9 +276,7 @@ class ShareIntake(Triage):
 
     async def start(self) -> None:
         k = self._s.kafka
-        assert k.tenancy == "body", (
-            "share mode reads one request topic (tenancy=topic is group mode only)"
-        )
+        assert k.tenancy == "body", "share mode reads one topic (tenancy=topic: group mode only)"
         self._loop = asyncio.get_running_loop()
         self.broker = await asyncio.to_thread(read_broker_limits, k)
         self.max_deliveries = max_deliveries(k, self.broker)
@@ -406,18 +330,14 @@ class ShareIntake(Triage):
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
         await self._close_triage()
 
-    # -- lanes (their threads call these) ---------------------------------------------------------
-
     def hand_over(self, lane: _Lane, records: list[ShareRecord]) -> None:
         self._loop.call_soon_threadsafe(self._take, lane, records)
 
     def claim_room(self, lane: _Lane) -> bool:
         """May `lane` poll? While room is left that no other lane's poll has claimed."""
         with self._claims:
-            if (
-                not lane.claimed
-                and self.free_room - sum(other.claimed for other in self._lanes) > 0
-            ):
+            unclaimed = self.free_room - sum(other.claimed for other in self._lanes)
+            if not lane.claimed and unclaimed > 0:
                 lane.claimed = lane.claim_size
             return lane.claimed > 0
 
@@ -428,12 +348,8 @@ class ShareIntake(Triage):
     def lane_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._sink.fatal, exc)
 
-    # -- the loop's side --------------------------------------------------------------------------
-
     def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
-        self._polled.extend(
-            (lane, record) for record in records if not self._running_here(lane, record)
-        )
+        self._polled.extend((lane, r) for r in records if not self._running_here(lane, r))
         self._hand_out()
         self._release_overflow()
         self.free_claim(lane)  # after _hand_out: free_room counts these now
@@ -469,38 +385,27 @@ class ShareIntake(Triage):
         unverified = []
         while self._polled and self.fetching and self._room() - len(unverified) > 0:
             lane, record = self._polled.popleft()
-            tp = TopicPartition(record.topic, record.partition)
-            earlier = self._owner.get((tp, record.offset))
-            self._owner[(tp, record.offset)] = lane
-            if earlier is not None:
-                self._taken_again(tp, record, earlier)
-                continue
-            self._handle_safely(tp, record, unverified)
+            if not self._running_here(lane, record):
+                tp = TopicPartition(record.topic, record.partition)
+                self._owner[(tp, record.offset)] = lane
+                self._handle_safely(tp, record, unverified)
         self.free_room = self._room() - len(self._polled) if self.fetching else 0
         if unverified:
             self._verify_in_background(unverified)
         self._lanes_wanted()
 
     def _running_here(self, lane: _Lane, record: ShareRecord) -> bool:
-        """A record back while it still runs here needs no room."""
-        tp = TopicPartition(record.topic, record.partition)
-        earlier = self._owner.get((tp, record.offset))
+        """A record back while it still runs here (its lock expired) needs no room: its verdict
+        goes to the live delivery through `lane`, the stale one is let go."""
+        key = (TopicPartition(record.topic, record.partition), record.offset)
+        earlier = self._owner.get(key)
         if earlier is None:
             return False
-        self._owner[(tp, record.offset)] = lane
-        self._taken_again(tp, record, earlier)
+        self._owner[key] = lane
+        where = {"partition": record.partition, "offset": record.offset}
+        log.warning("share_intake.lock_expired", **where, delivery_count=record.delivery_count)
+        earlier.verdicts.put((record.topic, record.partition, record.offset, "release"))
         return True
-
-    def _taken_again(self, tp: TopicPartition, record: ShareRecord, earlier: _Lane) -> None:
-        """A running record came back (its lock expired): its verdict goes to the live delivery, the
-        stale one is let go."""
-        log.warning(
-            "share_intake.lock_expired",
-            partition=tp.partition,
-            offset=record.offset,
-            delivery_count=record.delivery_count,
-        )
-        earlier.verdicts.put((tp.topic, tp.partition, record.offset, "release"))
 
     def decide(self, tp: TopicPartition, offset: int, verdict: str) -> None:
         """The worker's verdict on a record: sent to the broker by its lane."""
@@ -510,8 +415,7 @@ class ShareIntake(Triage):
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
     def _claim(self, tp: TopicPartition, record: ShareRecord) -> bool:
-        """Too many deliveries is a dead letter (a record's first delivery may have ended in a
-        hand-off of overflow: not counted)."""
+        """Too many deliveries is a dead letter (a first one's hand-off of overflow not counted)."""
         limit = self.max_deliveries
         if record.delivery_count <= limit + self.hops:
             return True
@@ -519,8 +423,7 @@ class ShareIntake(Triage):
             f"delivered {record.delivery_count} times (max_deliveries {limit}, "
             f"plus {self.hops} hand-off of overflow): its workers died or gave it up"
         )
-        log.warning(
-            "share_intake.dead_letter", partition=tp.partition, offset=record.offset, reason=reason
-        )
+        where = {"partition": tp.partition, "offset": record.offset}
+        log.warning("share_intake.dead_letter", **where, reason=reason)
         self._delivery.dead_letter(record, reason)
         return False

@@ -1,10 +1,12 @@
 """Triage, shared by both intakes: each record becomes a dead letter, a rejection or an
-admission (decode, reply-topic check, tenancy, validation, admission).
+admission (decode, reply-topic check, tenancy, validation, admission): an `Admission` is where a
+wire request becomes an engine request, with its capped token budget and deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,16 +15,11 @@ import structlog
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from confluent_kafka import KafkaException, admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
-from inferline.worker.intake.admission import (
-    Admission,
-    capped_max_tokens,
-    deadline_of,
-    sample_budget_problem,
-)
-from inferline.worker.intake.cancels import RecentCancels
+from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
@@ -35,6 +32,73 @@ MAX_LOOKUP_BACKOFF_S = 10.0
 # Per-topic errors of a config read that are the broker's word on the topic, not a passing fault.
 UNKNOWN_TOPIC, TOPIC_AUTHORIZATION_FAILED = 3, 29
 REFUSAL_LOG_S = 1.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request the intake admitted."""
+
+    tp: TopicPartition
+    offset: int
+    request: Request
+    received: float  # Unix seconds
+    max_tokens: int
+    deadline: float  # Unix seconds
+
+    def engine_request(self, attempt: str) -> EngineRequest:
+        """The engine's request for one attempt (the engine's request id)."""
+        return engine_request(self.request, attempt, self.max_tokens, self.received, self.deadline)
+
+
+def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
+    """Unix time by which the request must be done: from created_at (if past), else receipt."""
+    start = min(req.created_at, received) if req.created_at is not None else received
+    return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
+
+
+def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
+    """Why n x max_tokens (capped) is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
+    if req.n * max_tokens <= limits.max_request_tokens:
+        return None
+    field = "n" if req.n > 1 else "max_tokens"
+    return (
+        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, "
+        f"at most {limits.max_request_tokens} per request"
+    )
+
+
+def engine_request(
+    req: Request, attempt: str, max_tokens: int, received: float, deadline: float
+) -> EngineRequest:
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+    )
+    messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+    return EngineRequest(
+        request_id=attempt,
+        sampling=sampling,
+        prompt=req.prompt,
+        messages=messages,
+        prompt_token_ids=req.prompt_token_ids,
+        priority=req.priority,
+        arrival_time=received,
+        deadline=deadline,
+        tenant=req.tenant,
+    )
 
 
 class Sink(Protocol):
@@ -65,22 +129,49 @@ class Record:
     value: bytes | None
     headers: list | None
 
+    @classmethod
+    def read(cls, messages) -> list:
+        """confluent-kafka's messages as records; one that carries an error is logged, skipped,
+        unless the error is fatal: the consumer is dead, and polling it on would take nothing."""
+        records = []
+        for m in messages:
+            if m.error() is not None:
+                if m.error().fatal():
+                    raise KafkaException(m.error())
+                log.warning("intake.fetch_error", error=str(m.error()))
+                continue
+            fields = (m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers())
+            records.append(cls(*fields, *cls._extra(m)))
+        return records
+
+    @staticmethod
+    def _extra(message) -> tuple:
+        """A subclass's own fields, read from the message."""
+        return ()
+
+
+def set_group_configs(kafka, configs: dict[str, str]) -> None:
+    """Blocking: set the group's `configs` one at a time; a refused one (no ALTER_CONFIGS right,
+    out of the broker's bounds) leaves the broker's own, logged, and stops no other."""
+    client = admin.AdminClient(kafka.librdkafka_config())  # kept: a collected one drops futures
+    for name, value in configs.items():
+        entry = admin.ConfigEntry(name, value, incremental_operation=admin.AlterConfigOpType.SET)
+        group = admin.ConfigResource("group", kafka.group_id, incremental_configs=[entry])
+        try:
+            for future in client.incremental_alter_configs([group]).values():
+                future.result(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the broker's own then applies
+            log.warning("intake.group_config_failed", config=name, error=repr(exc))
+
 
 class Triage:
     """What both intakes do with a record once it is theirs; subclasses bring the records."""
 
     def __init__(
-        self,
-        settings,
-        sink: Sink,
-        tracker,
-        limiter: RateLimiter,
-        metrics,
-        cancels: RecentCancels,
-        delivery,
+        self, settings, sink: Sink, tracker, limiter: RateLimiter, metrics, cancels, delivery
     ) -> None:
         self._s = settings
-        self._sink, self._tracker, self._limiter, self._m = sink, tracker, limiter, metrics
+        self._sink, self._tracker, self._limiter, self._m = (sink, tracker, limiter, metrics)
         self._delivery, self._cancels = delivery, cancels
         self.joined = False
         self.fetching = True  # False once draining: the loop keeps polling, takes nothing
@@ -95,16 +186,9 @@ class Triage:
             settings.kafka, self._list_topics, check_topics=self._check_topics
         )
 
-    def epoch(self, tp: TopicPartition) -> int:
-        """The assignment `tp` was taken in (group mode); work of another is stale."""
-        return 0
-
     def _claim(self, tp: TopicPartition, record) -> bool:
         """Whether this intake takes `record` (group mode: owned, not final already)."""
         return True
-
-    async def _settled(self) -> None:
-        """Returns once no rebalance leaves a partition's owner unknown."""
 
     def _still_ours(self, tp: TopicPartition, generation: int) -> bool:
         return True
@@ -138,6 +222,7 @@ class Triage:
             [ConfigResource(ConfigResourceType.TOPIC, t, dict(names)) for t in topics]
         )
         reasons: dict[str, str | None] = {}
+        least = self._s.kafka.min_reply_message_bytes  # bytes a reply topic must take
         for response in responses:
             for res in response.to_object()["resources"]:
                 topic, error = res["resource_name"], res["error_code"]
@@ -148,17 +233,20 @@ class Triage:
                     log.warning("intake.topic_configs_unread", topic=topic, error_code=error)
                     continue
                 configs = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
-                reasons[topic] = unsafe_limits(
-                    configs, self._replicas.get(topic, 0), self._s.kafka.min_reply_message_bytes
-                )
+                reasons[topic] = unsafe_limits(configs, self._replicas.get(topic, 0), least)
         return reasons
 
-    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+    @contextlib.contextmanager
+    def _dead_letter_on_bug(self, tp: TopicPartition, record):
         try:
-            self._handle(tp, record, unverified)
+            yield
         except Exception as exc:  # noqa: BLE001 - a bug must not wedge the partition's watermark
             log.exception("intake.handle_failed", partition=tp.partition, offset=record.offset)
             self._delivery.dead_letter(record, f"internal error: {exc!r}"[:300])
+
+    def _handle_safely(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
+        with self._dead_letter_on_bug(tp, record):
+            self._handle(tp, record, unverified)
 
     def _handle(self, tp: TopicPartition, record, unverified: list | None = None) -> None:
         decoded = self._decode(tp, record)
@@ -166,9 +254,8 @@ class Triage:
             return
         verdict = self.reply_topics.verdict(decoded.reply_topic, self._tenant_of(tp))
         if verdict is None and unverified is not None:
-            unverified.append(
-                _Unverified(tp, record, decoded, self.epoch(tp), self.reply_topics.clock())
-            )
+            epoch, now = self._tracker.epoch(tp), self.reply_topics.clock()
+            unverified.append(_Unverified(tp, record, decoded, epoch, now))
             return
         self._dispatch(tp, record, decoded, verdict)
 
@@ -178,14 +265,12 @@ class Triage:
             self._log_refusal(tp, record.offset, reason)
             self._m.reply_topic_refusals.inc()
             self._delivery.dead_letter(record, reason)
-        elif isinstance(decoded, InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
-        elif isinstance(decoded := self._apply_tenancy(tp, decoded), InvalidRequest):
-            self._delivery.reject(
-                tp, record.offset, ReplyRoute.of(decoded), decoded.code, decoded.message
-            )
+            return
+        if isinstance(decoded, Request):
+            decoded = self._apply_tenancy(tp, decoded)
+        if isinstance(decoded, InvalidRequest):
+            route = ReplyRoute.of(decoded)
+            self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
             self._triage(tp, record.offset, decoded, time.time())
 
@@ -193,13 +278,8 @@ class Triage:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
         now = time.monotonic()
         if now - self._refusal_logged_at >= REFUSAL_LOG_S:
-            log.warning(
-                "intake.reply_topic_refused",
-                partition=tp.partition,
-                offset=offset,
-                reason=reason,
-                unlogged=self._refusals_unlogged,
-            )
+            where = {"partition": tp.partition, "offset": offset, "reason": reason}
+            log.warning("intake.reply_topic_refused", **where, unlogged=self._refusals_unlogged)
             self._refusal_logged_at, self._refusals_unlogged = now, 0
         else:
             self._refusals_unlogged += 1
@@ -223,7 +303,6 @@ class Triage:
         started, backoff = time.monotonic(), LOOKUP_BACKOFF_S
         while True:
             listed = await self._look_up(unverified)
-            await self._settled()  # a held partition may stay here: then its records are ours
             give_up = time.monotonic() - started >= self._s.kafka.final_retry_s
             unverified = [u for u in unverified if not self._decide(u, listed, give_up)]
             if not unverified:
@@ -248,16 +327,12 @@ class Triage:
         """Dispatch `u` if its topic has a verdict (or it waited long enough); False: it waits."""
         if not self._still_ours(u.tp, u.generation):
             return True
-        try:
-            verdict = self.reply_topics.verdict(
-                u.decoded.reply_topic, self._tenant_of(u.tp), listed_after=listed, last_known=True
-            )
+        with self._dead_letter_on_bug(u.tp, u.record):
+            topic, tenant = u.decoded.reply_topic, self._tenant_of(u.tp)
+            verdict = self.reply_topics.verdict(topic, tenant, listed_after=listed, last_known=True)
             if verdict is None and not give_up:
                 return False
             self._dispatch(u.tp, u.record, u.decoded, verdict)
-        except Exception as exc:  # noqa: BLE001 - as in _handle_safely
-            log.exception("intake.handle_failed", partition=u.tp.partition, offset=u.record.offset)
-            self._delivery.dead_letter(u.record, f"internal error: {exc!r}"[:300])
         return True
 
     def _tenant_of(self, tp: TopicPartition) -> str | None:
@@ -265,8 +340,7 @@ class Triage:
         return tenant_of(tp.topic, k.request_topic) if k.tenancy == "topic" else None
 
     def _apply_tenancy(self, tp: TopicPartition, req: Request) -> Request | InvalidRequest:
-        """The request with the topic's tenant (a body claiming another is rejected) and the
-        tenant's priority range."""
+        """The request with the topic's tenant (a body claiming another is rejected) and range."""
         tenant = self._tenant_of(tp)
         # "default" (the contract's default, sent unasked) claims nothing
         if tenant is not None and req.tenant not in (tenant, "default"):
@@ -284,79 +358,50 @@ class Triage:
         return req.model_copy(update={"tenant": tenant, "priority": priority})
 
     def _decode(self, tp: TopicPartition, record) -> Request | InvalidRequest | None:
-        """A valid request, an invalid one (rejected once its reply topic is known good), or None if
-        dead-lettered."""
+        """A valid request, an invalid one (rejected once its reply topic is good), or None."""
         if not self._claim(tp, record):
             return None
-        self._delivery.hold(tp, record)
+        self._tracker.partition(tp).held[record.offset] = record  # to dead-letter it if need be
         try:
             req = decode_request(
                 record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
             )
         except UndecodableMessage as exc:
-            log.warning(
-                "intake.dead_letter",
-                partition=tp.partition,
-                offset=record.offset,
-                reason=exc.reason,
-            )
+            where = {"partition": tp.partition, "offset": record.offset}
+            log.warning("intake.dead_letter", **where, reason=exc.reason)
             self._delivery.dead_letter(record, exc.reason)
             return None
         except InvalidRequest as exc:
-            log.info(
-                "intake.invalid",
-                request_id=exc.request_id,
-                partition=tp.partition,
-                offset=record.offset,
-                field=exc.field,
-            )
+            where = {"partition": tp.partition, "offset": record.offset}
+            log.info("intake.invalid", request_id=exc.request_id, **where, field=exc.field)
             return exc
         return req
 
     def _triage(self, tp, offset: int, req: Request, received: float) -> None:
-        # First: a resubmission gets its first final again, never a second, different one (the
-        # same id with other content runs).
+        # First: a resubmission gets its first final again, never a second (other content runs).
         if self._delivery.answered_before(tp, offset, req):
             return
-        route, meta = ReplyRoute.of(req), req.metadata
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
-        max_tokens = capped_max_tokens(req, self._s)
-        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
-            self._delivery.reject(tp, offset, route, "invalid_request", problem, metadata=meta)
-        elif self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "cancelled",
-                "cancelled before it started",
-                finish_reason="cancelled",
-                metadata=meta,
-            )
-        elif deadline <= time.time():
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "timeout",
-                "deadline passed before it was read",
-                finish_reason="timeout",
-                metadata=meta,
-            )
-        elif self._overloading and self._sink.room() <= 0:
-            self._delivery.reject(
-                tp, offset, route, "overloaded", "the worker's waiting pool is full", metadata=meta
-            )
-        elif not self._limiter.admit(req.tenant, max_tokens * req.n):
-            self._delivery.reject(
-                tp,
-                offset,
-                route,
-                "rate_limited",
-                f"tenant {req.tenant!r} is over its rate limit",
-                metadata=meta,
-            )
-        else:
+        max_tokens = min(req.max_tokens, self._s.limits.max_tokens_cap)
+        refused = self._refusal(tp, req, deadline, max_tokens)
+        if refused is None:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
+            return
+        code, message, reason = refused
+        route, meta = ReplyRoute.of(req), req.metadata
+        self._delivery.reject(tp, offset, route, code, message, finish_reason=reason, metadata=meta)
 
-    # -- rebalance --------------------------------------------------------------------------------
+    def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
+        """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is
+        asked last (it counts what it admits)."""
+        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+            return "invalid_request", problem, "rejected"
+        if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
+            return "cancelled", "cancelled before it started", "cancelled"
+        if deadline <= time.time():
+            return "timeout", "deadline passed before it was read", "timeout"
+        if self._overloading and self._sink.room() <= 0:
+            return "overloaded", "the worker's waiting pool is full", "rejected"
+        if not self._limiter.admit(req.tenant, max_tokens * req.n):
+            return ("rate_limited", f"tenant {req.tenant!r} is over its rate limit", "rejected")
+        return None
