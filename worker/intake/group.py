@@ -107,7 +107,13 @@ class Intake(Triage):
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(set_session_timeout, self._s.kafka)
         self._consumer = Consumer(consumer_config(self._s.kafka))
-        await asyncio.to_thread(self._subscribe)
+        try:
+            await asyncio.to_thread(self._subscribe)
+        except BaseException:
+            # Never left to the garbage collector: librdkafka 2.16 can spin forever destroying a
+            # KIP-848 consumer that was not closed, holding the thread that collected it.
+            await asyncio.to_thread(self._consumer.close)
+            raise
         self._thread = threading.Thread(target=self._poll_thread, name="group-intake", daemon=True)
         self._thread.start()
 
