@@ -240,7 +240,7 @@ async def fault_kill(a: WorkerProcess, rng: random.Random, stats: dict) -> None:
         await asyncio.wait_for(asyncio.to_thread(a.proc.wait), 120)
     except asyncio.TimeoutError:  # fewer transactions than the hook waited for: a plain kill
         a.kill()
-    if "txn.fault_kill_before_commit" in a.log_path.read_text(errors="replace"):
+    if "commit.fault_kill_before_commit" in a.log_path.read_text(errors="replace"):
         stats["kills_before_commit"] += 1
     stats["kills"] += 1
     a.spawn()
