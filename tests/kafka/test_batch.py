@@ -243,6 +243,7 @@ async def test_batch_survives_worker_kill_and_cli_interrupt(
         await wait_lines(dst, 40, cli)
         worker.kill()
         worker.wait()
+        await asyncio.sleep(8.0)  # the static member's session expires (see test_worker_process)
         worker = spawn_worker(kafka_bootstrap, topics, log, **cfg)
         await wait_lines(dst, 100, cli)
         cli.send_signal(signal.SIGINT)
