@@ -70,6 +70,11 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+# A killed static member's instance id is free again only when its session expires (KIP-848
+# refuses a restart before that, fatally): worker_config's session_timeout_ms, plus two heartbeats.
+SESSION_EXPIRY_S = 8.0
+
+
 def worker_config(bootstrap: str, topics: Topics, **overrides) -> dict:
     """Settings for a test worker as a nested dict: small batches, fast flushes, quick timeouts."""
     base = {

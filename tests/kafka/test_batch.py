@@ -20,7 +20,14 @@ from openai.types.chat import ChatCompletion
 from inferline.contract.schema import DoneEvent, decode_event, decode_request
 from tests.kafka_fixtures import consume_until
 from tests.unit.test_cli import REPO, run_cli
-from tests.worker_fixtures import PROMPTS, spawn_worker, start_worker, topics, wait_log  # noqa: F401 - fixtures
+from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    PROMPTS,
+    SESSION_EXPIRY_S,
+    spawn_worker,
+    start_worker,
+    topics,
+    wait_log,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -243,7 +250,7 @@ async def test_batch_survives_worker_kill_and_cli_interrupt(
         await wait_lines(dst, 40, cli)
         worker.kill()
         worker.wait()
-        await asyncio.sleep(8.0)  # the static member's session expires (see test_worker_process)
+        await asyncio.sleep(SESSION_EXPIRY_S)  # the killed static member's session expires
         worker = spawn_worker(kafka_bootstrap, topics, log, **cfg)
         await wait_lines(dst, 100, cli)
         cli.send_signal(signal.SIGINT)

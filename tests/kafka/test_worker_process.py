@@ -11,6 +11,7 @@ import pytest
 from inferline.contract.schema import DoneEvent, StartedEvent, TokensEvent, decode_event
 from tests.kafka_fixtures import consume_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
+    SESSION_EXPIRY_S,
     attempts_of,
     check_attempts,
     collect,
@@ -35,9 +36,6 @@ def count(records, kind, ids=None) -> int:
 async def stop(proc, sig=signal.SIGTERM, timeout=90.0) -> int:
     proc.send_signal(sig)
     return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
-
-
-SESSION_EXPIRY_S = 8.0  # worker_config's session_timeout_ms (6 s), plus two heartbeats
 
 
 async def test_kill_9_mid_run_and_restart_loses_nothing(kafka_bootstrap, topics, tmp_path):
