@@ -265,6 +265,14 @@ async def _wait_partitions(bootstrap: str, topic: str, deadline: float) -> list[
         await admin.close()
 
 
+async def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll `predicate` until true; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def consume_until(
     bootstrap: str,
     topic: str,

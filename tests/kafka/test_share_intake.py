@@ -22,7 +22,7 @@ import pytest
 
 from inferline.contract.schema import DoneEvent, StartedEvent
 from tests.chaos_fixtures import ReplyWatcher, WorkerProcess, private_topics, running_private_broker
-from tests.kafka_fixtures import consume_until
+from tests.kafka_fixtures import consume_until, wait_until
 from tests.worker_fixtures import Topics, check_attempts, submit
 from tests.worker_fixtures import request as make_request
 
@@ -72,13 +72,6 @@ async def submit_each(bootstrap: str, topic: str, requests: list[dict]) -> list[
     """One produce per request, as independent clients send them: the broker hands a share
     consumer whole producer batches, so one batch of many requests would go to one worker."""
     return [(await submit(bootstrap, topic, [r]))[0] for r in requests]
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 def workers_of(events: list) -> tuple[set[str], set[str]]:

@@ -24,8 +24,7 @@ from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.engine.engine import LLMEngine
 from inferline.worker.intake.group import Intake, consumer_config, set_session_timeout
 from inferline.worker.service.metrics import Metrics
-from tests.kafka_fixtures import consume_until
-from tests.unit.test_transactions import _until
+from tests.kafka_fixtures import consume_until, wait_until
 from tests.worker_fixtures import (  # noqa: F401 - topics is a fixture
     Topics,
     collect,
@@ -143,10 +142,12 @@ async def test_a_member_that_left_the_group_cannot_commit_a_final(kafka_bootstra
         try:
             stale.submit(_final(tp, 0, outcomes, b"from the zombie", topics.replies))
             failed = stale._m.transactions.labels  # refused and aborted, or stuck and given up
-            await _until(lambda: failed("aborted")._value.get() + failed("lost")._value.get(), 90)
+            await wait_until(
+                lambda: failed("aborted")._value.get() + failed("lost")._value.get(), 90
+            )
             assert not outcomes  # refused, and retried: never committed
             live.submit(_final(tp, 0, {}, b"from the owner", topics.replies))
-            await _until(lambda: not live._queue and not live._committing, 30)
+            await wait_until(lambda: not live._queue and not live._committing, 30)
         finally:
             await stale.close(timeout=0)
             await live.close()
@@ -185,7 +186,7 @@ async def test_finals_of_both_partitions_share_transactions_and_a_refused_one_co
                     )
                     committer.submit(_final(tp, o, outcomes, value, topics.replies))
                     await asyncio.sleep(0)
-            await _until(lambda: len(outcomes) == 12, 60)
+            await wait_until(lambda: len(outcomes) == 12, 60)
         finally:
             await committer.close()
     assert outcomes.pop((1, 3)) == Outcome.FAILED and set(outcomes.values()) == {"ok"}
@@ -232,7 +233,7 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(
             final = _final(tp, o, outcomes, done, t.replies)
             final.records = [(t.replies, None, reqs[o]["id"].encode(), done, None)]
             previous.submit(final)
-        await _until(lambda: len(outcomes) == 3, 30)
+        await wait_until(lambda: len(outcomes) == 3, 30)
         await previous.close()
 
     worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
@@ -240,7 +241,7 @@ async def test_a_worker_skips_what_the_previous_owners_ledger_lists(
     try:
         await wait_ready(worker, task)
         events = await collect(kafka_bootstrap, t.replies, [reqs[1]["id"]], timeout=90)
-        await _until(lambda: not worker.jobs and worker.tracker.pending(tp) == 0, 30)
+        await wait_until(lambda: not worker.jobs and worker.tracker.pending(tp) == 0, 30)
         metrics = worker.metrics.render().decode()
     finally:
         worker.request_stop()

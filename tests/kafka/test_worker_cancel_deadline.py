@@ -6,7 +6,7 @@ import time
 import pytest
 
 from inferline.contract.schema import StartedEvent, TokensEvent, decode_event
-from tests.kafka_fixtures import consume_until
+from tests.kafka_fixtures import consume_until, wait_until
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     cancel,
     check_attempts,
@@ -58,7 +58,8 @@ async def test_cancel_running_waiting_and_early(kafka_bootstrap, topics, start_w
     assert 0 < final_done(run_events).usage.completion_tokens < 60
     assert len(events[waiting["id"]]) == 1 and len(events[early["id"]]) == 1  # never started
     assert worker.metrics.cancels._value.get() == 3
-    assert not worker.jobs
+    # A done is readable once its transaction commits; the job leaves a moment later.
+    await wait_until(lambda: not worker.jobs, 30, "every job to leave the worker")
 
 
 async def test_deadlines_while_running_waiting_and_on_arrival(

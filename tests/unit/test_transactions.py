@@ -19,6 +19,7 @@ from inferline.worker.delivery import commit
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 from inferline.worker.delivery.offsets import OffsetTracker, decode_ledger, encode_ledger
 from inferline.worker.service.metrics import Metrics
+from tests.kafka_fixtures import wait_until
 
 TP, TP1 = TopicPartition("requests", 0), TopicPartition("requests", 1)
 
@@ -142,20 +143,13 @@ def _final(offset, outcomes, topic="replies", tp=TP, dead_letter=False) -> Final
     return Final(tp, offset, 1, [(topic, None, b"k", b"done", None)], done, dead_letter)
 
 
-async def _until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def test_finals_of_every_partition_share_one_transaction_with_their_ledgers():
     tracker, outcomes = OffsetTracker(), {}
     committer, producer = await _committer(tracker, range(4))
     for o in (0, 2, 3):
         committer.submit(_final(o, outcomes))
     committer.submit(_final(0, outcomes, tp=TP1))
-    await _until(lambda: len(outcomes) == 4)
+    await wait_until(lambda: len(outcomes) == 4)
     await committer.close()
     assert set(outcomes.values()) == {Outcome.COMMITTED}
     (txn,) = producer.transactions
@@ -171,11 +165,11 @@ async def test_a_refused_record_costs_only_its_own_final_and_a_retried_one_never
     producer.refuse["flaky"] = KafkaError.NOT_ENOUGH_REPLICAS  # passing
     committer.submit(_final(0, outcomes, topic="flaky"))
     committer.submit(_final(1, outcomes))
-    await _until(lambda: (0, 1) in outcomes)
+    await wait_until(lambda: (0, 1) in outcomes)
     assert (0, 0) not in outcomes and committer._queue[0].tries == 1
     del producer.refuse["flaky"]
     committer.submit(_final(2, outcomes))  # fresh ones keep coming: the retried one goes with them
-    await _until(lambda: len(outcomes) == 3)
+    await wait_until(lambda: len(outcomes) == 3)
     await committer.close()
     assert set(outcomes.values()) == {Outcome.COMMITTED}
     assert producer.transactions[-1]["offsets"][TP] == (3, "1:")
@@ -192,7 +186,7 @@ async def test_a_permanent_refusal_is_never_retried_and_a_dead_letter_still_ends
     refuse["replies"] = refuse["dlq"] = KafkaError.MSG_SIZE_TOO_LARGE
     committer.submit(_final(0, outcomes))
     committer.submit(_final(1, outcomes, topic="dlq", dead_letter=True))
-    await _until(lambda: len(outcomes) == 2)
+    await wait_until(lambda: len(outcomes) == 2)
     await committer.close()
     assert outcomes == {(0, 0): Outcome.FAILED, (0, 1): Outcome.COMMITTED}
     assert committer._m.dead_letters_lost._value.get() == 1
@@ -205,7 +199,7 @@ async def test_a_passing_cause_is_retried_for_final_retry_s_then_fails():
     committer, producer = await _committer(tracker, range(1), final_retry_s=1.0)
     producer.refuse["replies"] = KafkaError.NOT_ENOUGH_REPLICAS
     committer.submit(_final(0, outcomes))
-    await _until(lambda: outcomes)
+    await wait_until(lambda: outcomes)
     await committer.close()
     assert outcomes == {(0, 0): Outcome.FAILED} and not producer.transactions
 
@@ -225,7 +219,7 @@ async def test_a_commit_whose_answer_was_lost_is_resolved_not_sent_again(monkeyp
     monkeypatch.setattr(commit, "after_commit", lose_the_answer)
     committer.submit(_final(0, outcomes))
     committer.submit(_final(1, outcomes))
-    await _until(lambda: len(outcomes) == 2)
+    await wait_until(lambda: len(outcomes) == 2)
     await committer.close()
     assert set(outcomes.values()) == {Outcome.COMMITTED} and len(producer.transactions) == 1
     assert committer._m.transactions.labels("lost")._value.get() == 1
@@ -246,7 +240,7 @@ async def test_a_replacement_producer_that_fails_to_start_is_tried_again(monkeyp
     await committer.start()
     assert committer.ready and committer._m.producer_start_failures._value.get() == 2
     committer.submit(_final(0, outcomes))
-    await _until(lambda: outcomes)
+    await wait_until(lambda: outcomes)
     await committer.close()
     assert outcomes == {(0, 0): Outcome.COMMITTED}
 
@@ -284,7 +278,7 @@ async def test_a_transaction_stuck_past_its_timeouts_is_given_up_and_its_produce
     committer._new_producer = lambda: healthy
     try:
         committer.submit(_final(0, outcomes))
-        await _until(lambda: outcomes)
+        await wait_until(lambda: outcomes)
     finally:
         release.set()
     await committer.close()
@@ -301,6 +295,6 @@ async def test_finals_past_the_ledger_limit_go_in_offset_order_and_each_ends_onc
     record = ("replies", None, b"k", b"done", None)
     for o in range(199, 0, -2):  # every other offset: each leaves a gap in the ledger
         committer.submit(Final(TP, o, 1, [record], lambda *outcome, o=o: ended.append(o)))
-    await _until(lambda: len(ended) >= 100)
+    await wait_until(lambda: len(ended) >= 100)
     await committer.close()
     assert sorted(ended) == list(range(1, 200, 2)) and len(producer.transactions) > 1
