@@ -70,11 +70,6 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-# A killed static member's instance id is free again only when its session expires (KIP-848
-# refuses a restart before that, fatally): worker_config's session_timeout_ms, plus two heartbeats.
-SESSION_EXPIRY_S = 8.0
-
-
 def worker_config(bootstrap: str, topics: Topics, **overrides) -> dict:
     """Settings for a test worker as a nested dict: small batches, fast flushes, quick timeouts."""
     base = {
@@ -111,12 +106,14 @@ def config_env(config: dict, prefix: str = "INFERLINE_") -> dict[str, str]:
 async def start_worker(kafka_bootstrap, model_runner):
     running: list[tuple[Worker, asyncio.Task]] = []
 
-    async def start(topics: Topics, **overrides) -> Worker:
+    async def start(topics: Topics, ready: bool = True, **overrides) -> Worker:
+        """`ready=False`: returns at once, the worker starting in a task (`worker.task`)."""
         settings = Settings(**worker_config(kafka_bootstrap, topics, **overrides))
         worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
-        task = asyncio.create_task(worker.run())
+        worker.task = task = asyncio.create_task(worker.run())
         running.append((worker, task))
-        await wait_ready(worker, task)
+        if ready:
+            await wait_ready(worker, task)
         return worker
 
     yield start

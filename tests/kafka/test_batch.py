@@ -22,7 +22,6 @@ from tests.kafka_fixtures import consume_until
 from tests.unit.test_cli import REPO, run_cli
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     PROMPTS,
-    SESSION_EXPIRY_S,
     spawn_worker,
     start_worker,
     topics,
@@ -250,7 +249,6 @@ async def test_batch_survives_worker_kill_and_cli_interrupt(
         await wait_lines(dst, 40, cli)
         worker.kill()
         worker.wait()
-        await asyncio.sleep(SESSION_EXPIRY_S)  # the killed static member's session expires
         worker = spawn_worker(kafka_bootstrap, topics, log, **cfg)
         await wait_lines(dst, 100, cli)
         cli.send_signal(signal.SIGINT)

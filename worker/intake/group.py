@@ -16,11 +16,11 @@ import time
 
 import structlog
 from aiokafka import TopicPartition
-from confluent_kafka import OFFSET_BEGINNING, Consumer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException
 from confluent_kafka import TopicPartition as KafkaPartition
 
 from inferline.worker.delivery.commit import Committer
-from inferline.worker.intake.triage import Record, Triage, set_group_configs
+from inferline.worker.intake.triage import Record, Triage, is_fatal, set_group_configs
 from inferline.worker.service.tenancy import tenant_pattern
 
 log = structlog.get_logger(__name__)
@@ -31,6 +31,8 @@ LAG_EVERY_S = 5.0
 SUBSCRIBE_EVERY_S = 30.0  # how soon a new tenant's topic is subscribed
 FLUSH_ON_REVOKE_S = 5.0  # a revoked partition's queued finals get this long to commit
 ASSIGN_TRIES_S = 120.0  # committed offsets unreadable this long: the worker stops
+REJOIN_EVERY_S = 1.0  # a consumer the broker refused is replaced this often
+BROKER_SESSION_TIMEOUT_MS = 45_000  # the broker's default, kept where the group's is not ours
 
 
 def consumer_config(kafka) -> dict:
@@ -71,6 +73,7 @@ class Intake(Triage):
         self._paused = False  # the poll thread's: every partition paused
         self._full_since: float | None = None
         self._subscribed: list[str] | None = None
+        self._refusals = (0.0, 0.0)  # the poll thread's: (first, last) of a run of refusals
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         return self._tracker.owns(tp, generation)
@@ -125,24 +128,53 @@ class Intake(Triage):
         await self._close_triage()
 
     def _poll_thread(self) -> None:
-        next_lag = next_subscribe = time.monotonic()
         try:
             while not self._closing.is_set():
-                self._set_paused(self._want <= 0)
-                messages = self._consumer.consume(max(1, min(self._want, MAX_BATCH)), POLL_S)
-                self._call(self._take(Record.read(messages)))
-                now = time.monotonic()
-                if now >= next_subscribe:
-                    self._subscribe()
-                    next_subscribe = now + SUBSCRIBE_EVERY_S
-                if now >= next_lag:
-                    self._report_lag()
-                    next_lag = now + LAG_EVERY_S
+                try:
+                    self._poll()
+                except KafkaException as exc:
+                    if not is_fatal(exc.args[0]):
+                        raise
+                    self._rejoin(exc)  # this consumer can take nothing more
         except BaseException as exc:  # noqa: BLE001 - stopped, the worker would take nothing
             log.exception("intake.poll_thread_died")
             self._loop.call_soon_threadsafe(self._sink.fatal, exc)
         finally:
             self._consumer.close()  # revokes what is left through on_revoke
+
+    def _poll(self) -> None:
+        next_lag = next_subscribe = time.monotonic()
+        while not self._closing.is_set():
+            self._set_paused(self._want <= 0)
+            messages = self._consumer.consume(max(1, min(self._want, MAX_BATCH)), POLL_S)
+            self._call(self._take(Record.read(messages)))
+            now = time.monotonic()
+            if now >= next_subscribe:
+                self._subscribe()
+                next_subscribe = now + SUBSCRIBE_EVERY_S
+            if now >= next_lag:
+                self._report_lag()
+                next_lag = now + LAG_EVERY_S
+
+    def _rejoin(self, exc: KafkaException) -> None:
+        """A new consumer in place of one the broker refused for good. KIP-848 refuses a static
+        member's instance id while the session of its killed predecessor lasts (a restart is
+        quicker than that); past the longest session a broker may keep, `exc` stops the worker:
+        another live member holds the id (two workers configured with one group_instance_id)."""
+        k = self._s.kafka
+        now, (first, last) = time.monotonic(), self._refusals
+        give_up_s = max(k.session_timeout_ms, BROKER_SESSION_TIMEOUT_MS) / 1000 + 5 * REJOIN_EVERY_S
+        first = first if now - last < 10 * REJOIN_EVERY_S else now  # else a new run
+        self._refusals = (first, now)
+        if now - first > give_up_s:
+            raise exc
+        log.warning("intake.consumer_refused", error=str(exc.args[0]), retry_in_s=REJOIN_EVERY_S)
+        self._m.consumer_restarts.inc()
+        self._consumer.close()  # revokes (as lost) what it still held
+        self._closing.wait(REJOIN_EVERY_S)
+        self._consumer = Consumer(consumer_config(k))
+        self._subscribed = None
+        self._subscribe()
 
     def _call(self, coro):
         """Run `coro` on the event loop and wait for it, however long the loop is busy (a slow

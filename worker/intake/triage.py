@@ -15,7 +15,7 @@ import structlog
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from confluent_kafka import KafkaException, admin
+from confluent_kafka import KafkaError, KafkaException, admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
@@ -136,7 +136,7 @@ class Record:
         records = []
         for m in messages:
             if m.error() is not None:
-                if m.error().fatal():
+                if is_fatal(m.error()):
                     raise KafkaException(m.error())
                 log.warning("intake.fetch_error", error=str(m.error()))
                 continue
@@ -148,6 +148,11 @@ class Record:
     def _extra(message) -> tuple:
         """A subclass's own fields, read from the message."""
         return ()
+
+
+def is_fatal(error: KafkaError) -> bool:
+    """librdkafka reports a consumer's fatal error as an event of code _FATAL, fatal() false."""
+    return error.fatal() or error.code() == KafkaError._FATAL
 
 
 def set_group_configs(kafka, configs: dict[str, str]) -> None:

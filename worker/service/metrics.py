@@ -152,6 +152,12 @@ class Metrics:
             "Transactional producers that failed to start (each is tried again)",
             registry=r,
         )
+        self.consumer_restarts = Counter(
+            "inferline_consumer_restarts",
+            "Group consumers replaced after the broker refused them (a static member's "
+            "instance id still held by its killed predecessor's session)",
+            registry=r,
+        )
         self.intake_paused = Gauge(
             "inferline_intake_paused", "1 while intake is paused (backpressure)", registry=r
         )
