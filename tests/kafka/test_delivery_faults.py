@@ -6,22 +6,27 @@ Offline, over a recording producer: tests/unit/test_transactions.py."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 import uuid
 
 import msgpack
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from tests.kafka_fixtures import consume_until, produce_raw
+from tests.kafka_fixtures import consume_until, produce_raw, wait_until
 from tests.worker_fixtures import (  # noqa: F401 - topics, start_worker are fixtures
     check_attempts,
     collect,
     final_dones,
     request,
+    spawn_worker,
     start_worker,
     topics,
+    wait_log,
 )
 from inferline.worker.delivery import commit
+from inferline.worker.intake.group import FLUSH_ON_REVOKE_S
 
 pytestmark = pytest.mark.kafka
 
@@ -100,3 +105,56 @@ async def test_a_producer_that_fails_to_start_is_tried_again(
     await _submit_to(kafka_bootstrap, topics.requests, 0, reqs)
     await _one_final_each(kafka_bootstrap, topics.replies, reqs)
     assert worker.metrics.producer_start_failures._value.get() == 2 and worker.committer.ready
+
+
+async def test_a_revoke_waits_for_the_transaction_that_carries_its_finals(
+    kafka_bootstrap, topics, start_worker, monkeypatch, tmp_path
+):
+    """A partition moving while a transaction with its finals is in flight (a slow broker): the
+    revoke returned after FLUSH_ON_REVOKE_S, so the joiner could read the committed offsets before
+    that transaction sent them and run the request again (two finals, seen in CI on a join)."""
+    held, revoking, joined = threading.Event(), threading.Event(), threading.Event()
+    released_by_join, made = [], []
+
+    class HeldFlush(commit.Producer):
+        """Worker A's producer (the first made; B is a process): its first transaction's records
+        wait to be flushed until B owns a partition, or well past the revoke's flush bound."""
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self._hold = not made
+            made.append(self)
+
+        def flush(self, *args):
+            if self._hold and not held.is_set():
+                held.set()
+                revoking.wait(60)
+                released_by_join.append(joined.wait(FLUSH_ON_REVOKE_S + 5))
+            return super().flush(*args)
+
+    monkeypatch.setattr(commit, "Producer", HeldFlush)
+    group = {"group_id": f"g-{uuid.uuid4().hex[:8]}"}
+    a = await start_worker(topics, kafka=group)
+    flush = a.committer.flush
+
+    async def revoke_flush(tps=None, timeout: float = 10.0) -> None:  # the revoke's, first
+        revoking.set()
+        await flush(tps, timeout)
+
+    a.committer.flush = revoke_flush
+    reqs = [request(topics.replies, f"Say the number {n}.", max_tokens=2) for n in range(2)]
+    for partition, r in enumerate(reqs):  # one final on each: whichever moves, it is held
+        await _submit_to(kafka_bootstrap, topics.requests, partition, [r])
+    assert await asyncio.to_thread(held.wait, 60)
+    log = tmp_path / "worker-b.log"
+    b = spawn_worker(kafka_bootstrap, topics, log, kafka=group)
+    try:
+        await wait_log(log, f'"partitions": ["{topics.requests}', b)  # B owns one
+        joined.set()
+        await wait_until(lambda: not (a.jobs or a.committer.busy()), 60, "worker A to settle")
+        b.send_signal(signal.SIGTERM)  # drains: what it runs ends and commits
+        assert await asyncio.to_thread(b.wait, 90) == 0
+    finally:
+        b.kill()
+    assert released_by_join == [False], "B owned the partition while its finals were in flight"
+    await _one_final_each(kafka_bootstrap, topics.replies, reqs)

@@ -156,6 +156,18 @@ class Committer:
         while self.busy(tps) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
+    async def settle(self, tps) -> None:
+        """Wait until no transaction in flight carries a final of `tps` (a revoke that returned
+        sooner would let the partitions' next owner read their committed offsets before that
+        transaction sends them, and run the requests again), bounded past a stuck transaction's
+        give-up: its lost-commit check asks the consumer, which waits for the revoke."""
+        deadline = time.monotonic() + STUCK_S + 15.0
+        while any(f.tp in tps for f in self._committing):
+            if time.monotonic() > deadline:
+                log.error("commit.revoke_unsettled", partitions=len(tps))
+                return
+            await asyncio.sleep(0.02)
+
     def drop(self, tps) -> None:
         """Partitions gone: their queued finals are their next owner's."""
         gone = [f for f in self._queue if f.tp in tps]

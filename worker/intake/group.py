@@ -74,6 +74,7 @@ class Intake(Triage):
         self._full_since: float | None = None
         self._subscribed: list[str] | None = None
         self._refusals = (0.0, 0.0)  # the poll thread's: (first, last) of a run of refusals
+        self._metadata = None  # the consumer's group metadata, read on the poll thread
 
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         return self._tracker.owns(tp, generation)
@@ -83,7 +84,9 @@ class Intake(Triage):
         return len(self._tracker.owned()) if self._paused else 0  # no consumer call: see _call
 
     def group_metadata(self):
-        return self._consumer.consumer_group_metadata()
+        """The consumer's, as of its last poll: asked from another thread while a rebalance
+        callback runs, librdkafka would block until the callback returned."""
+        return self._metadata
 
     def committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple]:
         """Blocking: (offset, ledger) of each partition that has a commit, read stable."""
@@ -147,6 +150,7 @@ class Intake(Triage):
         while not self._closing.is_set():
             self._set_paused(self._want <= 0)
             messages = self._consumer.consume(max(1, min(self._want, MAX_BATCH)), POLL_S)
+            self._metadata = self._consumer.consumer_group_metadata()  # epoch of what it owns
             self._call(self._take(Record.read(messages)))
             now = time.monotonic()
             if now >= next_subscribe:
@@ -303,6 +307,9 @@ class Intake(Triage):
         for p in parts:
             p.epoch = 0  # its finals are its next owner's now
         self._committer.drop(tps)
+        if orderly:  # a lost member's commits are refused by the broker: no need to wait
+            await self._committer.settle(tps)
+            self._committer.drop(tps)  # what that transaction gave back
         await self._sink.requeue(tps)
         self._tracker.forget(tps)
         for tp in tps:
