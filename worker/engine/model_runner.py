@@ -81,7 +81,7 @@ class ModelRunner:
             settings.model.cuda_graphs, self.device.type, self.backends.attention
         )
         self.attention: AttentionBackend = make_attention(
-            self.backends.attention, self.block_size, self.config.num_key_value_heads
+            self.backends.attention, *self._kv_shape()
         )
         copy = host_copy(self.device.type)
         self.step_builder = StepBuilder(
