@@ -119,7 +119,8 @@ def _decode_stage2_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    num_valid = tl.cdiv(context_len, tl.load(split_len_ptr))  # the splits stage 1 wrote
+    # The splits stage 1 wrote (capped: a bad split length never reads past the partials).
+    num_valid = tl.minimum(tl.cdiv(context_len, tl.load(split_len_ptr)), num_splits)
     if num_valid < 2:  # one split (or none) held the context: stage 1 wrote the output
         return
     splits = tl.arange(0, SPLITS_P2)
