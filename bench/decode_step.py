@@ -84,7 +84,8 @@ def attention_on(eng, name: str):
     from inferline.kernels.attention import make_attention
 
     runner = eng.runner
-    new = make_attention(name, runner.block_size, runner.config.num_key_value_heads)
+    a = runner.attention
+    new = make_attention(name, a.block_size, a.num_kv_heads, a.head_dim)
     with (
         swapped(runner, "backends", dataclasses.replace(runner.backends, attention=name)),
         swapped(runner, "attention", new),

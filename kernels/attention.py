@@ -24,6 +24,9 @@ class StepTables:
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: sequence i owns rows cu[i] .. cu[i + 1] - 1
     num_decodes: int
     block_tables: Callable[[int, int], torch.Tensor]  # (first, stop) -> int32 rows
+    max_decode_context: int | None = None  # on the host; None: as long as the tables hold
+    # int32 [1], persistent (a padded decode step's): the host writes the split length each step
+    decode_split_len: torch.Tensor | None = None
 
 
 @dataclass
@@ -46,6 +49,8 @@ class SplitMetadata(AttentionMetadata):
     prefill_cu_seqlens_q: torch.Tensor | None = None  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor | None = None  # int32 [num_prefills]
     decode_plan: reference.DecodePlan | None = None  # torch: the decode index math, once a step
+    decode_split_len: torch.Tensor | None = None  # triton: int32 [1], tokens per split
+    decode_reduce: bool = True  # triton: False when every context fits one split (no stage 2)
 
 
 @dataclass
@@ -62,11 +67,18 @@ class AttentionBackend:
 
     name = ""
 
-    def __init__(self, block_size: int, num_kv_heads: int):
-        self.block_size, self.num_kv_heads = block_size, num_kv_heads
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int | None = None):
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
 
     def prepare(self, step: StepTables, fused_ops: str = "torch") -> AttentionMetadata:
         raise NotImplementedError
+
+    def decode_split_len(
+        self, num_rows: int, max_blocks: int, max_context: int, num_seqs: int, device
+    ) -> int | None:
+        """Tokens per split of a decode step of `num_seqs` sequences, the longest `max_context`,
+        on a grid of `num_rows` rows of tables `max_blocks` wide; None: this backend has none."""
+        return None
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (negative: skipped)."""
@@ -152,8 +164,9 @@ class TorchAttention(_SplitBackend):
 class TritonAttention(_SplitBackend):
     name = "triton"
 
-    def __init__(self, block_size: int, num_kv_heads: int):
-        super().__init__(block_size, num_kv_heads)
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int | None = None):
+        assert head_dim, "the Triton attention needs head_dim (its split length depends on it)"
+        super().__init__(block_size, num_kv_heads, head_dim)
         # TRITON_INTERPRET must be set before triton is imported.
         from inferline.kernels.triton.decode import paged_decode_attention_triton
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
@@ -164,6 +177,38 @@ class TritonAttention(_SplitBackend):
             paged_prefill_attention_triton,
         )
         self._store_kernel = store_kv_triton
+
+    def prepare(self, step: StepTables, fused_ops: str = "torch") -> SplitMetadata:
+        """As the split backends, plus the decode rows' split length, once a step: the padded
+        step's buffer as it stands, else a fresh one for the step's longest context."""
+        meta = super().prepare(step, fused_ops)
+        if meta.decode_block_tables is None:
+            return meta
+        if step.decode_split_len is not None:  # stage 2 stays: a graph replays it every step
+            meta.decode_split_len = step.decode_split_len
+            return meta
+        nd, width = meta.num_decode_tokens, meta.decode_block_tables.shape[1]
+        longest = step.max_decode_context
+        longest = width * self.block_size if longest is None else longest
+        device = meta.decode_context_lens.device
+        split_len = self.decode_split_len(nd, width, longest, nd, device)
+        meta.decode_split_len = torch.full((1,), split_len, dtype=torch.int32, device=device)
+        meta.decode_reduce = longest > split_len
+        return meta
+
+    def decode_split_len(
+        self, num_rows: int, max_blocks: int, max_context: int, num_seqs: int, device
+    ) -> int:
+        from inferline.kernels.triton.decode import choose_split_len, decode_grid
+        from inferline.kernels.triton.launch import target_of
+
+        num_sms = target_of(device).num_sms
+        num_splits, _, block_n = decode_grid(
+            num_rows, self.num_kv_heads, self.head_dim, max_blocks * self.block_size, num_sms
+        )
+        return choose_split_len(
+            max_context, num_seqs, self.num_kv_heads, num_splits, block_n, num_sms
+        )
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
@@ -181,7 +226,15 @@ class TritonAttention(_SplitBackend):
         self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None
     ) -> torch.Tensor:
         return self._decode_kernel(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            split_len=meta.decode_split_len,
+            reduce=meta.decode_reduce,
+            out=out,
         )
 
     def _prefill(
@@ -235,7 +288,10 @@ class CpuAttention(AttentionBackend):
 BACKENDS = {b.name: b for b in (TritonAttention, CpuAttention, TorchAttention)}
 
 
-def make_attention(name: str, block_size: int, num_kv_heads: int) -> AttentionBackend:
-    """The backend kernels.backends.select_attention chose (never `auto`)."""
+def make_attention(
+    name: str, block_size: int, num_kv_heads: int, head_dim: int | None = None
+) -> AttentionBackend:
+    """The backend kernels.backends.select_attention chose (never `auto`); Triton needs
+    head_dim."""
     assert name in BACKENDS, f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}"
-    return BACKENDS[name](block_size, num_kv_heads)
+    return BACKENDS[name](block_size, num_kv_heads, head_dim)

@@ -166,7 +166,7 @@ def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, 
         yield job_of(plan.stage1, arch, dtype, dict(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
             context_lens_ptr="*i32", out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32",
-            part_l_ptr="*fp32", qk_scale=0.125, split_len=plan.split_len,
+            part_l_ptr="*fp32", split_len_ptr="*i32", qk_scale=0.125,
             num_splits=plan.num_splits,
             stride_qs=num_heads * head_dim, stride_qh=head_dim,
             stride_cb=block_size * NUM_KV_HEADS * head_dim,
@@ -176,7 +176,7 @@ def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, 
         if plan.stage2 is not None:
             yield job_of(plan.stage2, arch, dtype, dict(
                 out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-                context_lens_ptr="*i32", split_len=plan.split_len, num_splits=plan.num_splits,
+                context_lens_ptr="*i32", split_len_ptr="*i32", num_splits=plan.num_splits,
                 stride_os=num_heads * head_dim, stride_oh=head_dim,
             ))  # fmt: skip
 

@@ -27,16 +27,18 @@ sys.path.append(os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 from inferline.kernels import reference  # noqa: E402
-from inferline.kernels.triton.decode import paged_decode_attention_triton  # noqa: E402
+from inferline.kernels.triton.decode import paged_decode_attention_triton, plan_decode  # noqa: E402
+from inferline.kernels.triton.launch import INTERPRETER  # noqa: E402
 from inferline.kernels.triton.prefill import paged_prefill_attention_triton  # noqa: E402
 from inferline.kernels.triton.store import store_kv_triton  # noqa: E402
-from tests.paged_cache import PagedCache  # noqa: E402
+from tests.paged_cache import GARBAGE_BLOCK, PagedCache  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GQA_RATIOS = (1, 3, 4, 8)
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 80, 96, 128, 256)
+TABLE_TOKENS = 2048  # the split-length cases' table width: a graph's plan, sized for this
 
 
 def report(name: str, ok: bool, **detail) -> None:
@@ -100,6 +102,68 @@ def decode_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
         shape = f"gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
         name = f"decode[{idx}:{label}] {str(dtype)[6:]} {shape} lens={lens} {kw}"
         report(name, result is out and err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
+def split_len_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    """One plan for tables TABLE_TOKENS wide (a CUDA graph's) run on steps of other contexts, the
+    split length rewritten in one buffer each step: a longest context far shorter than the table
+    (several splits), one that fits one split (stage 2 passes over it; a flat step launches no
+    stage 2), one that fills the table; any split length the grid covers; a shorter one fails."""
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    width = TABLE_TOKENS // block_size
+    plan = plan_decode(3, num_heads, num_kv_heads, head_dim, block_size, width, dtype, INTERPRETER)
+    shape = f"{str(dtype)[6:]} gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+    buffer = torch.zeros(1, dtype=torch.int32)  # the graph's: one tensor, new contents each step
+    steps = (
+        ("short", [1, randint(gen, 100, 400), randint(gen, 600, 1000)], None),
+        ("one split", [0, 5, randint(gen, 20, 250)], None),
+        ("max", [randint(gen, 1, 100), 7, TABLE_TOKENS], None),
+        ("covering", [randint(gen, 1, 300), 3, randint(gen, 1000, TABLE_TOKENS)], "any"),
+    )
+    for label, lens, pick_len in steps:
+        longest = max(lens)
+        least = -(-longest // plan.num_splits)  # the shortest split length the grid covers
+        split_len = plan.split_len_for(longest) if pick_len is None else randint(gen, least, 2100)
+        buffer.fill_(split_len)
+        args, ref = wide_decode_args(
+            gen, lens, block_size, num_kv_heads, num_heads, head_dim, dtype
+        )
+        splits = -(-longest // split_len)
+        name = f"split_len[{idx}:{label}] {shape} lens={lens} split_len={split_len} ({splits})"
+        runs = [("graph", {"split_len": buffer})]
+        if splits == 1:
+            runs.append(("flat", {"split_len": buffer.clone(), "reduce": False}))
+        for how, kw in runs:
+            out = poisoned_like(args[0])
+            paged_decode_attention_triton(*args, plan=plan, out=out, **kw)
+            err = rel_err(out, ref)
+            report(f"{name} {how}", err <= TOL[dtype], err=err, tol=TOL[dtype])
+    # A split length one token short of covering the longest context: the range check refuses it.
+    buffer.fill_(least - 1)
+    expect_assert(
+        f"split_len[{idx}] short refused",
+        lambda: paged_decode_attention_triton(*args, plan=plan, split_len=buffer),
+    )
+    # Unchecked (as on CUDA) the kernels read what the buffer holds: half that misses half.
+    buffer.fill_(least // 2)
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "0"
+    try:
+        err = rel_err(paged_decode_attention_triton(*args, plan=plan, split_len=buffer), ref)
+    finally:
+        del os.environ["INFERLINE_KERNEL_CHECKS"]
+    report(f"split_len[{idx}] short gives a mismatch", err > TOL[dtype], err=err)
+
+
+def wide_decode_args(gen, lens, block_size, num_kv_heads, num_heads, head_dim, dtype):
+    """(launcher arguments, reference output) for `lens` on tables TABLE_TOKENS wide."""
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    width = TABLE_TOKENS // block_size
+    tables = torch.full((len(lens), width), GARBAGE_BLOCK, dtype=torch.int32)
+    used = min(width, cache.block_tables.shape[1])
+    tables[:, :used] = cache.block_tables[:, :used]
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, tables, cache.context_lens, head_dim**-0.5)
+    return args, reference.paged_decode_attention(*args)
 
 
 def prefill_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
@@ -231,6 +295,9 @@ def main() -> None:
     if group in ("decode", "decode_full"):
         for case in matrix(group.endswith("full")):
             decode_case(gen, *case)
+    elif group == "split_len":
+        for case in matrix(False)[::2]:
+            split_len_case(gen, *case)
     elif group in ("prefill", "prefill_full"):
         for case in matrix(group.endswith("full")):
             prefill_case(gen, *case)

@@ -111,7 +111,7 @@ def count(
     fused_ops: str = "triton",
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    backend = TritonAttention(BLOCK, CONFIG.num_key_value_heads)
+    backend = TritonAttention(BLOCK, CONFIG.num_key_value_heads, CONFIG.head_dim)
     meta = backend.prepare(tables, fused_ops=fused_ops)
     num_tokens = tables.positions.shape[0]
     hidden, residual = (torch.randn(num_tokens, CONFIG.hidden_size, dtype=dtype) for _ in range(2))

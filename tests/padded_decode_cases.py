@@ -9,6 +9,9 @@ forwards on padding rows first: they must write no K/V). tests/kernels/test_padd
 checks the three give the same tokens. Last, the step a graph captures runs once under a
 TorchDispatchMode that records device syncs (`_local_scalar_dense`: .item(), int(); `nonzero`),
 which a capture refuses, with the launchers' range checks off as on CUDA.
+The decode plans are a small GPU's (4 SMs) with splits of at least 16 tokens, so these short
+contexts split as long ones do on a big one: each step's split length (written to the padded
+step's buffer) is recorded with its longest context.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.append(os.path.dirname(_HERE))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from inferline.kernels.triton import decode, launch  # noqa: E402
 from tests.engine_fixtures import greedy, make_engine, run_to_completion  # noqa: E402
 from tests.triton_engine_cases import cuda_like_settings  # noqa: E402
 from inferline.worker.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -83,20 +87,27 @@ def syncs_in_the_captured_step(padded) -> list[str]:
 def served(runner: ModelRunner) -> tuple[dict, list]:
     """Three requests finishing one after another (decode batches of 3, 2, 1 rows:
     buckets 4, 2, 1)."""
-    prompt = [(7 * i + 3) % 1000 + 10 for i in range(70)]
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(140)]
     arrivals = {
         0: [
             EngineRequest(request_id=f"r{n}", prompt_token_ids=prompt[:n], sampling=greedy(t))
-            for n, t in ((20, 6), (40, 4), (70, 3))
+            for n, t in ((20, 6), (40, 4), (140, 3))
         ]
     }
     steps, padded = [], runner.padded_decode
     if padded is not None:
         load = padded.load
         padded.load = lambda step: (
-            steps.append([step.tokens.shape[1], len(step.ordered)]),
             load(step),
-        )[1]
+            steps.append(
+                [
+                    step.tokens.shape[1],
+                    len(step.ordered),
+                    step.max_context,
+                    int(padded.buffers.split_len[0]),
+                ]
+            ),
+        )[0]
     try:
         results = run_to_completion(make_engine(runner), arrivals)
     finally:
@@ -107,6 +118,8 @@ def served(runner: ModelRunner) -> tuple[dict, list]:
 
 def main() -> None:
     torch.set_num_threads(1)  # the interpreter is Python-bound; leave the other core alone
+    launch.INTERPRETER = launch.Target(num_sms=4, interpreter=True)
+    decode.MIN_SPLIT_TOKENS = 16
     settings = cuda_like_settings(
         path=sys.argv[1],
         load_format="dummy",

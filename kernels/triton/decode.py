@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferline.kernels.triton.checks import check_cache, check_out, check_tables
+from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
 from inferline.kernels.triton.launch import (
     LaunchPlan,
     Target,
@@ -28,11 +28,19 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallel
 TILE_ELEMENTS = 8192
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt"])
+@triton.jit
+def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh):
+    # context_len 0 leaves l_i = 0: define the output as 0, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_off = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_stage1_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, split_len, num_splits,
+    qk_scale, num_splits,
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -42,10 +50,16 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * split_len
-    # A split past the context runs an empty loop and writes m = -inf, l = 0; stage 2 skips it.
-    # In DIRECT mode context_len 0 gives l = 0 and a zero output.
-    end = tl.minimum(start + split_len, context_len)
+    if DIRECT:  # a grid of one split: it takes every context whole
+        start = 0
+        end = context_len
+    else:
+        # The step's split length, written by the host (choose_split_len): one grid, any context.
+        split_len = tl.load(split_len_ptr)
+        start = split * split_len
+        if (start >= context_len) & (split > 0):  # past the context: nothing to read or write
+            return
+        end = tl.minimum(start + split_len, context_len)
     rows = tl.arange(0, GROUP_P2)
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, DIM_P2)
@@ -86,10 +100,9 @@ def _decode_stage1_kernel(
         m_i = m_new
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
-        # context_len 0 leaves l_i = 0: define the output as 0, not NaN.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_off = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
+    elif context_len <= split_len:  # split 0 holds the whole context: stage 2 passes it over
+        _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64
         tl.store(part_m_ptr + part, m_i, mask=row_mask)
@@ -97,16 +110,19 @@ def _decode_stage1_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr,
-    split_len, num_splits, stride_os, stride_oh,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, split_len_ptr,
+    num_splits, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    num_valid = tl.cdiv(context_len, split_len)  # splits past the context were never written
+    # The splits stage 1 wrote (capped: a bad split length never reads past the partials).
+    num_valid = tl.minimum(tl.cdiv(context_len, tl.load(split_len_ptr)), num_splits)
+    if num_valid < 2:  # one split (or none) held the context: stage 1 wrote the output
+        return
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
     split_mask = splits < num_valid
@@ -119,11 +135,11 @@ def _decode_stage2_kernel(
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    # Clamped so no valid split (context 0) gives -inf - -inf = NaN.
-    m_max = tl.maximum(tl.max(m, 0), -1e30)
+    # At least two splits hold tokens: m_max is finite and total > 0.
+    m_max = tl.max(m, 0)
     weight = tl.where(split_mask, tl.exp2(m - m_max), 0.0)
     total = tl.sum(weight * l_part, 0)
-    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(weight[:, None] * acc, 0) / total
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -135,8 +151,19 @@ def _decode_stage2_kernel(
 class DecodePlan:
     stage1: LaunchPlan
     stage2: LaunchPlan | None  # None: one split, stage 1 writes the output itself
-    num_splits: int
-    split_len: int
+    num_splits: int  # the grid's, for the table's width
+    split_len: int  # tokens per split when a context fills the table
+    num_sms: int
+
+    def split_len_for(self, max_context: int, num_seqs: int | None = None) -> int:
+        """choose_split_len on this plan's grid for a step whose longest context is max_context
+        (num_seqs: the real sequences, None: the grid's)."""
+        grid_seqs, num_kv_heads, _ = self.stage1.grid
+        block_n = self.stage1.constexpr("BLOCK_N")
+        seqs = grid_seqs if num_seqs is None else num_seqs
+        return choose_split_len(
+            max_context, seqs, num_kv_heads, self.num_splits, block_n, self.num_sms
+        )
 
 
 def plan_decode(
@@ -156,13 +183,10 @@ def plan_decode(
     override the heuristics."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     dim_p2 = triton.next_power_of_2(head_dim)
-    # Not widened to block_size: registers do not grow with the page size.
-    block_n = block_n or max(16, TILE_ELEMENTS // dim_p2)
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
-    max_len = max(max_blocks * block_size, 1)
-    if num_splits is None:
-        num_splits = choose_splits(num_seqs, num_kv_heads, max_len, target.num_sms)
-    num_splits, split_len = split_tokens(max_len, num_splits, block_n)
+    max_len = max_blocks * block_size
+    num_splits, split_len, block_n = decode_grid(
+        num_seqs, num_kv_heads, head_dim, max_len, target.num_sms, num_splits, block_n
+    )
     group = num_heads // num_kv_heads
     # 8 warps for rows wider than 128: each thread's share of acc stays as at 128.
     stage1 = LaunchPlan(
@@ -199,7 +223,26 @@ def plan_decode(
             num_stages=1,
         )
     )
-    return DecodePlan(stage1, stage2, num_splits, split_len)
+    return DecodePlan(stage1, stage2, num_splits, split_len, target.num_sms)
+
+
+def decode_grid(
+    num_seqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> tuple[int, int, int]:
+    """(num_splits, split_len, BLOCK_N) of stage 1's grid on tables of max_len tokens."""
+    # Not widened to block_size: registers do not grow with the page size.
+    block_n = block_n or max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
+    max_len = max(max_len, 1)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, num_kv_heads, max_len, num_sms)
+    return *split_tokens(max_len, num_splits, block_n), block_n
 
 
 def split_tokens(max_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
@@ -215,6 +258,26 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) 
     return max(1, min(want, most))
 
 
+def choose_split_len(
+    max_context: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    num_splits: int,
+    block_n: int,
+    num_sms: int,
+) -> int:
+    """Tokens per split for one step whose longest context is max_context, on a grid of
+    num_splits splits (fixed per plan: a CUDA graph replays one launch).
+
+    The grid is sized for a context filling the table; cut that way, a 2k context on 4096-token
+    tables would leave half the splits idle. So the step's splits are cut from its longest
+    context: as many as fill the GPU (num_seqs x num_kv_heads x splits programs, choose_splits),
+    none shorter than MIN_SPLIT_TOKENS, never more than the grid holds, each whole BLOCK_N tiles.
+    The splits past a context exit at once; with one split stage 1 writes the output."""
+    wish = min(num_splits, choose_splits(num_seqs, num_kv_heads, max_context, num_sms))
+    return split_tokens(max(max_context, 1), wish, block_n)[1]
+
+
 def paged_decode_attention_triton(
     q,
     k_cache,
@@ -224,11 +287,16 @@ def paged_decode_attention_triton(
     scale,
     *,
     plan: DecodePlan | None = None,
+    split_len: torch.Tensor | None = None,
+    reduce: bool = True,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
-    is written in place."""
+    is written in place. split_len: the step's tokens per split, int32 [1] on q's device, read
+    by the kernels (a CUDA graph replays the buffer's new contents; see choose_split_len); None:
+    the plan's, for contexts that fill the table. reduce=False: every context fits one split,
+    stage 2 is not launched."""
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -257,12 +325,40 @@ def paged_decode_attention_triton(
         q.shape,
         k_cache.shape,
     )
-    launch_decode(plan, q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    if split_len is None:
+        split_len = torch.full((1,), plan.split_len, dtype=torch.int32, device=q.device)
+    check_split_len(split_len, reduce, plan, context_lens)
+    launch_decode(
+        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce
+    )
     return out
 
 
+def check_split_len(split_len: torch.Tensor, reduce: bool, plan: DecodePlan, context_lens) -> None:
+    """The buffer's form; with range checks on (check_ranges), that the grid's splits of it cover
+    every context, and that a context fits one split when stage 2 is left out."""
+    assert split_len.dtype == torch.int32 and split_len.shape == (1,), split_len
+    assert split_len.device == context_lens.device, (split_len.device, context_lens.device)
+    if plan.stage2 is None or not check_ranges(context_lens):
+        return
+    longest, length = int(context_lens.max()), int(split_len[0])
+    assert length > 0 and longest <= plan.num_splits * length, (
+        f"{plan.num_splits} splits of {length} tokens do not cover a context of {longest}"
+    )
+    assert reduce or longest <= length, f"reduce=False but a context of {longest} > {length}"
+
+
 def launch_decode(
-    plan: DecodePlan, q, k_cache, v_cache, block_tables, context_lens, scale, out
+    plan: DecodePlan,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    out,
+    split_len: torch.Tensor,
+    reduce: bool = True,
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -273,12 +369,12 @@ def launch_decode(
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
     launch(
-        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens, out,
-        part_acc, part_m, part_l, scale * LOG2E, plan.split_len, plan.num_splits,
+        _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens,
+        split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
-    if not direct:
+    if not direct and reduce:
         launch(
             _decode_stage2_kernel,
             plan.stage2,
@@ -287,7 +383,7 @@ def launch_decode(
             part_m,
             part_l,
             context_lens,
-            plan.split_len,
+            split_len,
             plan.num_splits,
             out.stride(0),
             out.stride(1),

@@ -119,7 +119,7 @@ from tests.kernels.test_attention_backends import (
 gen = torch.Generator().manual_seed(0)
 k_cache, v_cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
 step = step_tables()
-backend = make_attention("triton", BLOCK, KV_HEADS)
+backend = make_attention("triton", BLOCK, KV_HEADS, DIM)
 k, v = (torch.randn(step.slot_mapping.shape[0], KV_HEADS, DIM, generator=gen) for _ in range(2))
 want_k, want_v = k_cache.clone(), v_cache.clone()
 make_attention("torch", BLOCK, KV_HEADS).store_kv(k, v, want_k, want_v, step.slot_mapping)

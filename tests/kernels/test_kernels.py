@@ -20,6 +20,8 @@ import torch
 from inferline import kernels
 from inferline.kernels import reference
 from inferline.kernels.reference import dense_causal_attention
+from inferline.kernels.triton.decode import MIN_SPLIT_TOKENS, plan_decode
+from inferline.kernels.triton.launch import Target
 from tests.paged_cache import PagedCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +162,7 @@ def run_script(script: str, group: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("group", ["store", "checks", "decode", "prefill"])
+@pytest.mark.parametrize("group", ["store", "checks", "decode", "split_len", "prefill"])
 def test_triton_kernel_matches_reference(group):
     run_cases(group)
 
@@ -172,3 +174,52 @@ def test_triton_kernel_full_matrix(group):
     """Every dtype x GQA ratio x block size (36 cases per kernel); `make test` runs every value of
     every axis (test_triton_kernel_matches_reference), `make test-full` this cross product too."""
     run_cases(group)
+
+
+# --- the decode split length, chosen per step (pure: no kernel runs) ----------------------------
+
+H200 = Target(90, 132)
+
+
+@pytest.mark.parametrize(
+    "num_seqs,table_tokens,grid_splits,old_working,new_working",
+    [
+        (64, 4096, 2, 1, 2),  # the issue's case: a 2k context on 4096-token tables
+        (16, 4096, 5, 3, 5),  # a mid batch
+        (64, 32768, 2, 1, 2),  # a long max_model_len
+    ],
+)
+def test_split_len_keeps_the_grid_busy_on_a_2k_context(
+    num_seqs, table_tokens, grid_splits, old_working, new_working
+):
+    """Llama-3-8B's shapes on an H200: the grid's split count is sized for the table; the step's
+    split length for a 2k context, so every split of the grid works."""
+    plan = plan_decode(num_seqs, 32, 8, 128, 16, table_tokens // 16, torch.bfloat16, H200)
+    split_len = plan.split_len_for(2048)
+    assert plan.num_splits == grid_splits
+    assert -(-2048 // plan.split_len) == old_working  # the table's split length
+    assert -(-2048 // split_len) == new_working
+
+
+def test_split_len_covers_the_longest_context_in_the_grid(gen):
+    """Random plans and steps: the splits of the step's length cover its longest context within
+    the grid, in whole tiles; one split when it fits; the table's own length at full width."""
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    for _ in range(500):
+        num_rows, kv_heads = draw(1, 256), draw(1, 8)
+        head_dim, block_size = (64, 80, 128, 256)[draw(0, 3)], 16
+        width = draw(1, 2048)
+        plan = plan_decode(num_rows, kv_heads, kv_heads, head_dim, block_size, width,
+                           torch.float16, H200)  # fmt: skip
+        longest = draw(0, width * block_size)
+        num_seqs = draw(1, num_rows)  # padding rows: a bucket's
+        split_len = plan.split_len_for(longest, num_seqs)
+        case = (num_rows, kv_heads, head_dim, width, longest, num_seqs, split_len)
+        assert split_len % plan.stage1.constexpr("BLOCK_N") == 0, case
+        assert longest <= plan.num_splits * split_len, case
+        if longest < 2 * MIN_SPLIT_TOKENS:
+            assert longest <= split_len, case  # one split: no stage 2 work
+        assert plan.split_len_for(width * block_size) == plan.split_len, case

@@ -80,8 +80,9 @@ class ModelRunner:
         self.cuda_graphs = pick_cuda_graphs(
             settings.model.cuda_graphs, self.device.type, self.backends.attention
         )
+        block_size, num_kv_heads, head_dim = self._kv_shape()
         self.attention: AttentionBackend = make_attention(
-            self.backends.attention, self.block_size, self.config.num_key_value_heads
+            self.backends.attention, block_size, num_kv_heads, head_dim
         )
         copy = host_copy(self.device.type)
         self.step_builder = StepBuilder(

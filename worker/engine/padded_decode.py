@@ -27,7 +27,8 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 class DecodeBuffers:
     """The padded step's persistent tensors, sized for the largest bucket: tokens int64 [3, rows]
-    (ids, positions, slots), context_lens, cu_seqlens_q (never written), block_tables, logits."""
+    (ids, positions, slots), context_lens, cu_seqlens_q (never written), block_tables, logits,
+    split_len (int32 [1]: the decode attention's tokens per split, where the backend has one)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class DecodeBuffers:
         self.cu_seqlens_q = torch.arange(max_rows + 1, **i32)
         self.block_tables = torch.zeros((max_rows, max_blocks), **i32)
         self.logits = torch.zeros((max_rows, vocab_size), dtype=dtype, device=device)
+        self.split_len = torch.ones(1, **i32)
 
     def load(self, step: PaddedDecodeInputs) -> None:
         rows, n = step.tokens.shape[1], step.block_tables.shape[0]
@@ -60,6 +62,7 @@ class DecodeBuffers:
             self.cu_seqlens_q[: rows + 1],
             rows,
             lambda first, stop: self.block_tables[first:stop],
+            decode_split_len=self.split_len,
         )
 
 
@@ -85,7 +88,7 @@ class PaddedDecode:
             attention,
             fused_ops,
         )
-        self.sizes = sizes
+        self.sizes, self.max_blocks = sizes, max_blocks
         self.buffers = DecodeBuffers(max(sizes), max_blocks, vocab_size, dtype, device)
 
     def bucket(self, scheduled: list[ScheduledSequence]) -> int | None:
@@ -95,8 +98,10 @@ class PaddedDecode:
         return bucket_for(len(scheduled), self.sizes)
 
     def load(self, step: PaddedDecodeInputs) -> None:
-        assert step.tokens.shape[1] in self.sizes, f"{step.tokens.shape[1]} rows: not a bucket"
+        bucket = step.tokens.shape[1]
+        assert bucket in self.sizes, f"{bucket} rows: not a bucket"
         self.buffers.load(step)
+        self._set_split_len(bucket, step.max_context, len(step.ordered))
 
     def load_padding(self, bucket: int) -> None:
         """Every row of `bucket` padding (start-up capture writes no K/V)."""
@@ -104,6 +109,15 @@ class PaddedDecode:
         b.tokens[:2, :bucket] = 0
         b.tokens[2, :bucket] = -1
         b.context_lens[:bucket] = 0
+        self._set_split_len(bucket, 0, 0)
+
+    def _set_split_len(self, bucket: int, max_context: int, num_seqs: int) -> None:
+        """The step's split length into its buffer: a graph's kernels read it at replay."""
+        split_len = self.attention.decode_split_len(
+            bucket, self.max_blocks, max_context, num_seqs, self.buffers.split_len.device
+        )
+        if split_len is not None:
+            self.buffers.split_len.fill_(split_len)  # queued on the stream, no host sync
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         return self.attention.prepare(self.buffers.tables(bucket), fused_ops=self.fused_ops)

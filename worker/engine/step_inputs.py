@@ -116,6 +116,7 @@ class PaddedDecodeInputs:
     block_tables: torch.Tensor  # int32 [num_seqs, widest]: real rows only
     logits_indices: torch.Tensor  # int64, on the device: rows whose logits are sampled
     ordered: list[ScheduledSequence]  # the real rows' sequences, in row order
+    max_context: int = 0  # the real rows' longest context
 
 
 class StepBuilder:
@@ -148,6 +149,7 @@ class StepBuilder:
             dev(cu_seqlens_q),
             len(decodes),
             block_tables,
+            max(per_seq[: len(decodes)], default=None),  # decodes first: their context lengths
         )
         return StepInputs(dev(ids_t), tables, dev(logits_rows), ordered)
 
@@ -172,6 +174,7 @@ class StepBuilder:
             self.rows.gather(rows, max(widths)),
             self.to_device(self._host(logits_indices, torch.int64)),
             ordered,
+            max(per_seq[:n], default=0),
         )
 
     @staticmethod
