@@ -89,10 +89,10 @@ GPU_IMAGE := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4" msgpac
 GPU_WHEELS := structlog pydantic pydantic-core pydantic-settings annotated-types \
 	typing-inspection python-dotenv
 
+# typer (transformers' CLI) pulls pydantic in today; the image has none, so it goes.
 $(GPU_VENV)/.installed:
 	test -x $(GPU_VENV)/bin/python || $(GPU_PY) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install -q $(GPU_IMAGE)
-	# typer (transformers' CLI) pulls pydantic in today; the image has none.
 	$(GPU_VENV)/bin/pip uninstall -q -y pydantic pydantic-core
 	touch $@
 

@@ -93,21 +93,8 @@ def install_wheels() -> str:
     mib = sum(w.stat().st_size for w in wheels) / 2**20
     assert mib <= WHEELS_MAX_MIB, f".whl/ holds {mib:.1f} MiB"
     target = str(WORK / "wheels")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-deps",
-            "--target",
-            target,
-            *map(str, wheels),
-        ],
-        check=True,
-    )
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    subprocess.run([*pip, "--target", target, *map(str, wheels)], check=True)
     sys.path.insert(0, target)
     os.environ["PYTHONPATH"] = target  # for the compile process
     importlib.invalidate_caches()
