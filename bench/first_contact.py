@@ -10,7 +10,8 @@ $OUT/first_contact.json) as it ends; a summary table is printed last:
                 the image lacks the engine's imports (structlog, pydantic-settings)
     ceilings    a 1 GiB device-to-device copy and a read-only pass (do_bench medians)
     kernels     decode (1 split, the heuristic, many), chunked prefill, store, RMSNorm,
-                SiLU-and-mul and rotary against kernels/reference.py at serving shapes; NaN-poisoned outputs
+                SiLU-and-mul and rotary against kernels/reference.py at serving shapes;
+                outputs pre-filled with NaN
     attention   decode attention at the engine's own plans (graphs: tables max_model_len wide;
                 flat: as wide as the batch), batch 64/16/1 at 2k contexts: ms per layer, GB/s,
                 % of the copy, splits and working CTAs
