@@ -400,6 +400,7 @@ def section_kernels(run: Run) -> dict:
     PyTorch, outputs pre-filled with NaN (an unwritten element fails), blocks of 16."""
     import torch
 
+    checks_before = os.environ.get("INFERLINE_KERNEL_CHECKS")
     os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # index range checks (they sync: fine here)
     gen, checks = torch.Generator().manual_seed(0), Checks()
     sets, lens = kernel_sets(run)
@@ -409,7 +410,9 @@ def section_kernels(run: Run) -> dict:
             attention_checks(run, checks, gen, lens, (heads, kv_heads, dim, dtype), label)
             fused_checks(run, checks, gen, (heads, kv_heads, dim, dtype), label)
     finally:
-        os.environ["INFERLINE_KERNEL_CHECKS"] = "0"
+        os.environ.pop("INFERLINE_KERNEL_CHECKS")
+        if checks_before is not None:
+            os.environ["INFERLINE_KERNEL_CHECKS"] = checks_before
     worst = max(checks.rows, key=lambda r: r["rel_err"] / max(r["tol"], 1e-30))
     return {
         "checks": checks.rows,
@@ -691,37 +694,47 @@ def section_dummy_8b(run: Run) -> dict:
 
 def dummy_engine_checks(run: Run, plan: DummyPlan) -> dict:
     """Start-up, one decode step four ways, replay time against the bound, a per-kernel split,
-    tok/s and the host-time split, and compiles after warm-up."""
+    tok/s and the host-time split, and compiles after warm-up. After the start-up each part is
+    guarded: one that raises is recorded as a failure and the next runs."""
     from inferline.kernels.triton import launch
     from inferline.kernels.triton.variants import variant_of
 
-    warmed, served = set(), set()
+    warmed, served, failures, data = set(), set(), [], {}
     observe = lambda kernel, lp, args: target.add(variant_of(kernel, lp, args))  # noqa: E731
     target = warmed
     launch.OBSERVERS.append(observe)
     try:
-        engine, startup = build_engine(run, plan)
+        engine, data["startup"] = build_engine(run, plan)
         compiles_at_ready, target = len(run.compiles), served
-        lens = prefill(engine, plan)
-        step = compare_step(run, engine)
+        prefill(engine, plan)
+        data["step"] = part(failures, "step", compare_step, run, engine)
     finally:
         launch.OBSERVERS.remove(observe)  # its host cost stays out of the timings
-    data = {"startup": startup, "step": step, "checks": step.pop("checks")}
-    failures = step.pop("failures")
-    data["replay"] = replay_vs_bound(run, engine, plan)
-    data["kernels"] = kernel_split(run, engine, plan.batch)
-    data["throughput"] = throughput(run, engine, plan)
+    data["checks"] = data["step"].pop("checks", [])
+    failures += data["step"].pop("failures", [])
+    data["replay"] = part(failures, "replay", replay_vs_bound, run, engine)
+    data["kernels"] = part(failures, "kernels", kernel_split, run, engine, plan.batch)
+    data["throughput"] = part(failures, "throughput", throughput, run, engine, plan)
     unwarmed = sorted({v.kernel for v in served - warmed})
     compiles = run.compiles[compiles_at_ready:]
     data["after_warmup"] = {"triton_compiles": compiles, "variants_not_warmed": unwarmed}
     if unwarmed or compiles:
         failures.append(f"after warm-up: {len(compiles)} compiles, unwarmed {unwarmed}")
     data["xgrammar_imported"] = "xgrammar" in sys.modules
-    finish(engine)
-    del engine, lens
+    part(failures, "finish", finish, engine)
+    del engine
     data["failures"] = failures
-    data["summary"] = dummy_summary(run, data)
+    data["summary"] = dummy_summary(data)
     return data
+
+
+def part(failures: list[str], name: str, fn, *args) -> dict:
+    """fn(*args), or {"error": ...} with a failure recorded when it raises."""
+    try:
+        return fn(*args) or {}
+    except Exception as e:  # noqa: BLE001 - the section's other parts still run
+        failures.append(f"{name} raised {type(e).__name__}: {str(e)[:200]}")
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-4)}
 
 
 def build_engine(run: Run, plan: DummyPlan):
@@ -775,13 +788,13 @@ def build_engine(run: Run, plan: DummyPlan):
     return engine, startup
 
 
-def prefill(engine, plan: DummyPlan) -> list[int]:
+def prefill(engine, plan: DummyPlan) -> None:
     """`plan.batch` random prompts, stepped until each has its first token."""
     import torch
 
     from inferline.worker.engine.request import EngineRequest, SamplingParams
 
-    vocab = engine.runner.config.vocab_size
+    vocab = engine.runner.config.vocab_size  # random ids: no prefix shared
     params = SamplingParams(
         max_tokens=plan.max_model_len - plan.prompt - 1, temperature=0, ignore_eos=True
     )
@@ -792,7 +805,6 @@ def prefill(engine, plan: DummyPlan) -> list[int]:
     started: set[str] = set()
     while len(started) < plan.batch:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    return [plan.prompt + 1] * plan.batch
 
 
 @contextlib.contextmanager
@@ -882,7 +894,7 @@ def decode_context_total(engine) -> tuple[int, int]:
     return len(seqs), sum(s.num_tokens for s in seqs)
 
 
-def replay_vs_bound(run: Run, engine, plan: DummyPlan) -> dict:
+def replay_vs_bound(run: Run, engine) -> dict:
     from inferline.worker.engine.padded_decode import bucket_for
 
     runner = engine.runner
@@ -1008,25 +1020,28 @@ def finish(engine) -> None:
         engine.step()
 
 
-def dummy_summary(run: Run, data: dict) -> str:
-    s, r, t = data["startup"], data["replay"], data["throughput"]
+def dummy_summary(data: dict) -> str:
+    s, r, k, t = (data[n] for n in ("startup", "replay", "kernels", "throughput"))
     parts = [
         f"start-up {s['seconds']:.1f} s (warm-up {s['warmup_s'] or 0:.1f}, "
-        f"capture {s['capture_s'] or 0:.1f}, compiles {s['triton_compiles']})"
+        f"capture {s['capture_s'] or 0:.1f}, compiles {s['triton_compiles']})",
+        "step: " + ", ".join(f"{c['check']} {c['rel_err']:.1e}" for c in data["checks"]),
     ]
-    step = data["checks"]
-    parts.append("step: " + ", ".join(f"{c['check']} {c['rel_err']:.1e}" for c in step))
     if "replay_ms" in r:
-        bound = (
-            ""
-            if r["bound_ms"] is None
-            else f" vs bound {r['bound_ms']:.2f} ms ({100 * r['of_bound']:.0f}%)"
-        )
+        bound = "" if r["bound_ms"] is None else f" vs {r['bound_ms']:.2f} ms at the copy rate"
+        bound += "" if r["of_bound"] is None else f" ({100 * r['of_bound']:.0f}% of the bound)"
         parts.append(f"replay b{r['batch']} {r['replay_ms']:.2f} ms{bound}")
-    else:
-        parts.append(f"replay skipped ({r['skipped']})")
-    split = ", ".join(f"{k} {v:.2f}" for k, v in t["host_split_ms"].items())
-    parts.append(f"{t['tok_s']:.0f} tok/s at b{t['batch']}, step {t['step_ms']:.2f} ms ({split})")
+    if "top" in k:
+        top = ", ".join(f"{e['kernel'][:24]} {100 * e['share']:.0f}%" for e in k["top"][:3])
+        parts.append(f"kernels {k['ms_per_step']:.2f} ms/step: {top}")
+    if "tok_s" in t:
+        split = ", ".join(f"{n} {v:.2f}" for n, v in t["host_split_ms"].items())
+        parts.append(
+            f"{t['tok_s']:.0f} tok/s at b{t['batch']}, {t['step_ms']:.2f} ms/step ({split})"
+        )
+    for name in ("replay", "kernels", "throughput"):
+        if "skipped" in data[name] or "error" in data[name]:
+            parts.append(f"{name}: {data[name].get('skipped') or data[name]['error'][:80]}")
     after = data["after_warmup"]
     parts.append(
         f"after warm-up: {len(after['triton_compiles'])} compiles, "
