@@ -313,7 +313,7 @@ def nvidia_smi() -> dict[str, str]:
 
 
 def section_env(run: Run) -> dict:
-    wheels = ensure_wheels()  # before anything imports the engine
+    wheels = run.meta.get("wheels") or ensure_wheels()
     import torch
 
     data = {"versions": versions(), "wheels": wheels, "imports": import_origins()}
@@ -810,25 +810,22 @@ def prefill(engine, plan: DummyPlan) -> None:
 @contextlib.contextmanager
 def decode_path(runner, mode: str):
     """The runner's decode as graphs (replayed), eager (padded, no graph), flat (unpadded
-    batches) or torch (flat, PyTorch attention and fused ops)."""
+    batches; gpu_engine_check's "off") or torch (flat, PyTorch attention and fused ops)."""
     from dataclasses import replace
 
+    from bench.gpu_engine_check import decode_mode
     from inferline.kernels.attention import make_attention
 
-    saved = runner.padded_decode, runner.decode_graphs, runner.attention, runner.backends
-    if mode in ("flat", "torch"):
-        runner.padded_decode = runner.decode_graphs = None
-    elif mode == "eager":
-        runner.decode_graphs = None
-    if mode == "torch":
-        runner.attention = make_attention(
-            "torch", runner.block_size, runner.config.num_key_value_heads
-        )
-        runner.backends = replace(runner.backends, fused_ops="torch")
-    try:
-        yield
-    finally:
-        runner.padded_decode, runner.decode_graphs, runner.attention, runner.backends = saved
+    saved = runner.attention, runner.backends
+    with decode_mode(runner, "off" if mode in ("flat", "torch") else mode):
+        if mode == "torch":
+            kv_heads = runner.config.num_key_value_heads
+            runner.attention = make_attention("torch", runner.block_size, kv_heads)
+            runner.backends = replace(runner.backends, fused_ops="torch")
+        try:
+            yield
+        finally:
+            runner.attention, runner.backends = saved
 
 
 def compare_step(run: Run, engine) -> dict:
@@ -898,53 +895,54 @@ def replay_vs_bound(run: Run, engine) -> dict:
     from inferline.worker.engine.padded_decode import bucket_for
 
     runner = engine.runner
-    if runner.decode_graphs is None:
-        return {"skipped": "no graph to replay: needs CUDA"}
     seqs, tokens = decode_context_total(engine)
+    read, gbs = bytes_per_step(runner, tokens), run.copy_gbs
+    bound_ms = None if gbs is None else read["total"] / gbs / 1e6
+    data = {"batch": seqs, "context_tokens": tokens, "bytes": read, "copy_gbs": gbs}
+    data["bound_ms"] = bound_ms
+    if runner.decode_graphs is None:
+        return {**data, "skipped": "no graph to replay: needs CUDA"}
     bucket = bucket_for(seqs, runner.padded_decode.sizes)
     # the buffers hold the last step's inputs: each replay recomputes it (same K/V rewritten)
     ms = timed_ms(run, lambda: runner.decode_graphs.replay(bucket), warmup=25, rep=200)
-    read = bytes_per_step(runner, tokens)
-    gbs = run.copy_gbs
-    bound_ms = None if gbs is None else read["total"] / gbs / 1e6
     return {
-        "batch": seqs,
+        **data,
         "bucket": bucket,
-        "context_tokens": tokens,
         "replay_ms": ms,
-        "bytes": read,
         "achieved_gbs": read["total"] / ms / 1e6,
-        "copy_gbs": gbs,
-        "bound_ms": bound_ms,
         "of_bound": None if bound_ms is None else bound_ms / ms,
     }
 
 
 def kernel_split(run: Run, engine, batch: int) -> dict:
-    """Device time per kernel over a few eager padded steps (the graph's launches, one by one)."""
+    """Device time per kernel over a few eager padded steps (the graph's launches, one by one);
+    rehearsing, the CPU's time per operator (the same code, numbers that mean nothing)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    runner = engine.runner
-    if run.device != "cuda" or runner.padded_decode is None:
-        return {"skipped": "the profiler's CUDA activity needs CUDA"}
-    bucket, steps = batch, 3
+    runner, cuda = engine.runner, run.device == "cuda"
+    if runner.padded_decode is None:
+        return {"skipped": "no padded decode step on this runner"}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    bucket, steps = batch, 3 if cuda else 1
     forward = runner.padded_decode.forward
     with torch.inference_mode():
         forward(bucket)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=[activity]) as prof:
             for _ in range(steps):
                 forward(bucket)
-            torch.cuda.synchronize()
+            sync()
     totals: dict[str, float] = {}
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
         if us:
             totals[e.key[:80]] = totals.get(e.key[:80], 0.0) + us / steps / 1e3
     whole = sum(totals.values()) or 1.0
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:12]
     return {
+        "activity": activity.name,
         "ms_per_step": whole,
         "top": [{"kernel": k, "ms": ms, "share": ms / whole} for k, ms in top],
     }
@@ -1039,6 +1037,8 @@ def dummy_summary(data: dict) -> str:
         parts.append(
             f"{t['tok_s']:.0f} tok/s at b{t['batch']}, {t['step_ms']:.2f} ms/step ({split})"
         )
+    if "skipped" in r and r.get("bound_ms") is not None:
+        parts.append(f"bound b{r['batch']} {r['bound_ms']:.2f} ms at the copy rate")
     for name in ("replay", "kernels", "throughput"):
         if "skipped" in data[name] or "error" in data[name]:
             parts.append(f"{name}: {data[name].get('skipped') or data[name]['error'][:80]}")
@@ -1104,6 +1104,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("INFERLINE_KERNEL_CHECKS", "0")
     else:
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    try:  # before any section imports the engine
+        run.meta["wheels"] = ensure_wheels()
+    except Exception as e:  # noqa: BLE001 - the kernel sections need no wheels: they still run
+        run.meta["wheels"] = f"not installed: {type(e).__name__}: {e}"
     names = args.only.split(",") if args.only else [s.name for s in SECTIONS]
     unknown = set(names) - {s.name for s in SECTIONS}
     assert not unknown, f"no such sections: {sorted(unknown)}"
