@@ -65,10 +65,11 @@ TINY_LLAMA = dict(
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
-# One bf16 decode step of the 8B shape against each other path: graphs and eager run the same
-# launches on the same buffers (expected equal); flat plans split differently; the PyTorch path
-# rounds differently in every one of 32 layers.
-STEP_TOL = {"eager": 1e-3, "flat": 1e-2, "torch": 5e-2}
+# One bf16 decode step of the 8B shape against the graphs' (bf16 relative norm errors): eager runs
+# the same launches on the same buffers (expected equal, unless cuBLAS picks other algorithms under
+# capture); flat plans split the attention differently; the PyTorch path rounds differently in
+# every one of 32 layers. A stale buffer or a wrong plan is an error near 1.
+STEP_TOL = {"eager": 1e-2, "flat": 2e-2, "torch": 5e-2}
 
 
 class Skip(Exception):
@@ -306,9 +307,9 @@ def nvidia_smi() -> dict[str, str]:
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": f"{type(e).__name__}: {e}"}
-    values = (
-        [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")] if out.stdout else []
-    )
+    if out.returncode != 0 or not out.stdout.strip():
+        return {"error": (out.stderr or out.stdout).strip()[:200]}
+    values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
     return dict(zip(fields.split(","), values)) or {"error": out.stderr.strip()[:200]}
 
 
