@@ -7,8 +7,8 @@ kernels imported with the image alone, .whl/ installed as the device installs it
 imported (no xgrammar), a dummy model's synthesized tokenizer, the first-contact script itself
 (`python -m bench.first_contact --rehearse`: the kernels against their references, a random-weight
 transformers Llama on the engine against HF, a dummy model's engine, under the interpreter at tiny
-shapes), and the Triton plans compiled for sm_90a by the image's triton. Exits non-zero on any
-failure. Not part of `make test`.
+shapes), and the Triton plans the device run launches compiled for sm_90a by the image's triton.
+Exits non-zero on any failure. Not part of `make test`.
 design: docs/gpu.md#rehearsing-the-device-image
 """
 
@@ -128,9 +128,10 @@ def first_contact() -> str:
 
 
 def compile_for_sm90(all_plans: bool) -> str:
-    """scripts/gpu_compile.py with the image's triton, in its own process (no interpreter)."""
+    """scripts/gpu_compile.py with the image's triton, in its own process (no interpreter): the
+    serving plans and every plan bench/first_contact.py launches on a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = [sys.executable, __file__, "--compile", "--archs", "90"] + (
+    argv = [sys.executable, __file__, "--compile", "--archs", "90", "--first-contact"] + (
         [] if all_plans else ["--quick"]
     )
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
