@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from bench import first_contact as fc
 
 
@@ -68,3 +71,11 @@ def test_a_run_of_passing_sections_exits_zero(tmp_path):
     run = fc.Run("cpu", tmp_path / "fc.json", budget_s=60.0)
     sections = [fc.Section("fine", lambda run: {"summary": "ok"}, 1, 1)]
     assert fc.run_sections(run, sections) == 0
+
+
+def test_without_cuda_it_says_so_unless_rehearsing(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: main() would run the first contact")
+    assert fc.main(["--out", str(tmp_path / "fc.json")]) == 2
+    assert "--rehearse" in capsys.readouterr().out
+    assert not (tmp_path / "fc.json").exists()
