@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile clean
+.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
 
 # constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
 # new upstream release cannot break a fresh install between two commits.
@@ -76,6 +76,40 @@ chaos: install
 # compile error, a register spill or too much shared memory (scripts/gpu_compile.py).
 gpu-compile: install
 	$(BIN)/python scripts/gpu_compile.py
+
+# The GPU machine's image on the CPU (shared/FIELD-NOTES.md): python3.12 and only the image's
+# packages, built once. The wheels a device run carries go to .whl/ (at most 48 MiB).
+GPU_PY ?= $(or $(wildcard /root/.pyenv/versions/3.12.1/bin/python3.12),python3.12)
+GPU_VENV := .venv-gpu-image
+# numpy<2.4: triton 3.6's interpreter calls int() on one-element arrays, which numpy 2.4 refuses
+# (the device runs compiled kernels, so its numpy does not matter there).
+GPU_IMAGE := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4" msgpack safetensors \
+	tokenizers prometheus-client pytest
+# What the engine imports and the image lacks (not xgrammar: only constrained requests need it).
+GPU_WHEELS := structlog pydantic pydantic-core pydantic-settings annotated-types \
+	typing-inspection python-dotenv
+
+# typer (transformers' CLI) pulls pydantic in today; the image has none, so it goes.
+$(GPU_VENV)/.installed:
+	test -x $(GPU_VENV)/bin/python || $(GPU_PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q $(GPU_IMAGE)
+	$(GPU_VENV)/bin/pip uninstall -q -y pydantic pydantic-core
+	touch $@
+
+# The versions `make install` pins (constraints.txt), as cp312 manylinux wheels for the device
+# (manylinux_2_17 named too: an older pip does not count it as part of manylinux_2_28).
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q -d .whl -c constraints.txt --no-deps --only-binary=:all: \
+	  --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  $(GPU_WHEELS)
+	test "$$(du -sm .whl | cut -f1)" -le 48 || { echo ".whl/ is over 48 MiB"; exit 1; }
+	@ls -s .whl; du -sh .whl
+
+# Everything of the first contact that needs no CUDA, in that image with .whl/ installed as the
+# device run installs it (scripts/gpu_rehearsal.py). Not part of `make test`.
+gpu-rehearsal: $(GPU_VENV)/.installed gpu-wheels
+	$(GPU_VENV)/bin/python scripts/gpu_rehearsal.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

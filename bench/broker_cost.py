@@ -233,7 +233,7 @@ def sides(args):
 
 def tiny_model(folder: Path) -> Path:
     """A config.json of SmolLM2-135M cut to one layer: with `load_format=dummy` the worker builds
-    it with random weights (and the bundled tokenizer), so a request costs it a few ms."""
+    it with random weights (and a synthesized tokenizer), so a request costs it a few ms."""
     from inferline.worker.engine.models.loader import DUMMY_PRESETS
 
     shape = {**DUMMY_PRESETS["smollm2-135m"], "num_hidden_layers": 1}

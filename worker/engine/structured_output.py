@@ -11,13 +11,16 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
-import xgrammar as xgr
 
 from inferline.worker.engine.grammar_process import CompilerDied, CompilerProcess
 from inferline.worker.engine.request import StructuredSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +48,7 @@ class GrammarCompiler:
         cache_bytes: int = CACHE_BYTES,
         processes: bool = True,
     ):
+        xgr = xgrammar()
         self.info = (
             tokenizer
             if isinstance(tokenizer, xgr.TokenizerInfo)
@@ -202,12 +206,14 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 del self._processes[future]
-        return xgr.CompiledGrammar.deserialize_json(text, self.info)
+        return xgrammar().CompiledGrammar.deserialize_json(text, self.info)
 
     def _thread_compiler(self):
         with self._lock:
             if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+                self._compiler = xgrammar().GrammarCompiler(
+                    self.info, max_threads=1, cache_enabled=False
+                )
             return self._compiler
 
     def _account(self, key, future: Future, size: int) -> None:
@@ -274,6 +280,14 @@ def _close(lock: threading.Condition, children: list) -> None:
         process.kill()
 
 
+def xgrammar():
+    """The xgrammar module, imported by the first constrained request: an engine that serves none
+    starts and runs without it (the GPU image has no xgrammar)."""
+    import xgrammar
+
+    return xgrammar
+
+
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec):
     if spec.kind == "json_schema":
         return compiler.compile_json_schema(
@@ -299,7 +313,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec):
 
 
 def new_matcher(compiled) -> xgr.GrammarMatcher:
-    return xgr.GrammarMatcher(compiled)
+    return xgrammar().GrammarMatcher(compiled)
 
 
 class TokenBitmask:
@@ -315,7 +329,7 @@ class TokenBitmask:
     ):
         self.vocab_size = vocab_size
         self.device = device
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the engine thread's own core
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made by the first fill
         self._host = self._allocate(max_rows)
         self.budget_s = budget_s  # None: never timed
         self.slow: list[int] = []  # rows of the last fill over budget_s alone
@@ -331,6 +345,8 @@ class TokenBitmask:
         if len(matchers) > self._host.shape[0]:
             self._host = self._allocate(len(matchers))
         host = self._host[: len(matchers)]
+        if self._batch is None:  # one thread: the engine thread's own core
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=1)
         started = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, host)
         self.slow = []

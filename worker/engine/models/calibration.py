@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from inferline.config.settings import cache_dir
+from inferline.config.paths import cache_dir
 from inferline.kernels.cpu import build
 from inferline.worker.engine.models.linear import Linear, linear, pack_weight
 

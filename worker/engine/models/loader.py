@@ -16,7 +16,7 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
-from inferline.config.settings import bundled_model_path, cache_dir
+from inferline.config.paths import bundled_model_path, cache_dir
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -166,12 +166,14 @@ def empty_model(
 
 
 def load_dummy(path: str, dtype, device, max_positions):
-    """Random weights with the shapes of a preset, a config.json or an HF directory (bundled
-    tokenizer)."""
+    """Random weights with the shapes of a preset, a config.json or an HF directory; that
+    directory's tokenizer if it has one, else one synthesized in memory (no file needed)."""
+    model_dir = None
     if path in DUMMY_PRESETS:
         config = LlamaConfig(**DUMMY_PRESETS[path])
     else:
-        config = load_config(resolve_model_dir(path or None))
+        model_dir = resolve_model_dir(path or None)
+        config = load_config(model_dir)
     model = empty_model(config, max_positions, dtype, device)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -180,7 +182,32 @@ def load_dummy(path: str, dtype, device, max_positions):
                 param.normal_(0.0, 0.02)
             else:  # norms' weights 1, biases 0
                 param.fill_(0.0 if name.endswith("bias") else 1.0)
-    return model.eval(), config, load_tokenizer(None)
+    has_tokenizer = model_dir is not None and any(
+        (model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+    tokenizer = load_tokenizer(model_dir) if has_tokenizer else synthetic_tokenizer(config)
+    return model.eval(), config, tokenizer
+
+
+def synthetic_tokenizer(config):
+    """A tokenizer of the config's vocabulary size, built in memory for random weights: token i
+    reads as the word `t<i>`, the config's bos and eos ids as `<s>` and `</s>`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"t{i}" for i in range(config.vocab_size)]
+    specials = {}
+    for role, word in (("bos", "<s>"), ("eos", "</s>")):
+        ids = getattr(config, f"{role}_token_id", None)
+        first = ids[0] if isinstance(ids, (list, tuple)) and ids else ids
+        if isinstance(first, int) and 0 <= first < len(words):
+            if words[first].startswith("t"):  # bos == eos: one word for both
+                words[first] = word
+            specials[f"{role}_token"] = words[first]
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0], **specials)
 
 
 # ---- safetensors, read in place ------------------------------------------------------------------
