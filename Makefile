@@ -47,11 +47,11 @@ demo: install
 
 # The Helm chart's test needs the k8s tools (cached after the first build).
 test: install k8s-tools
-	scripts/test.sh
+	scripts/test.sh --parts
 
 # make test plus the tests marked `full` (exhaustive kernel matrices, the bench scripts' smoke runs).
 test-full: install k8s-tools
-	scripts/test.sh --full
+	scripts/test.sh --parts --full
 
 bench: install
 	$(BIN)/python -m bench.engine

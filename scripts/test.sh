@@ -4,6 +4,8 @@
 # Starts the local broker (scripts/kafka.sh) unless INFERLINE_KAFKA__BOOTSTRAP_SERVERS names another
 # one, runs `.venv/bin/python -m pytest "$@"`, and stops the broker at the end only if this run
 # started it (and no other run is still using it: runs hold a lease, see scripts/kafka.sh).
+# `scripts/test.sh --parts [pytest arguments]` (make test) runs the broker's tests and the others
+# side by side, in two pytest processes (see parts() below).
 # Exits with pytest's code, except that "no tests collected" (5) counts as success.
 set -uo pipefail
 
@@ -37,7 +39,42 @@ export INFERLINE_KAFKA__BOOTSTRAP_SERVERS=${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-
 echo "test.sh: Kafka broker: $how (${INFERLINE_KAFKA__BOOTSTRAP_SERVERS:-localhost:${INFERLINE_KAFKA_PORT:-9092}})" >&2
 
 # The slowest tests in every run's log: where the suite's time goes, on whatever machine ran it.
-"$PYTHON" -m pytest --durations=25 "$@"
+pytest() { "$PYTHON" -m pytest --durations=25 "$@"; }
+
+# --parts: the broker's tests (tests/kafka) and the others run side by side, in two pytest
+# processes. The broker's mostly wait (sessions, transactions, worker processes: about one core of
+# two), the others mostly compute, so together they take about as long as the broker's alone. The
+# broker's stream live; the others' log follows, then every failure of both again.
+parts() {
+    local log rest kafka_rc rest_rc
+    log=$(mktemp)
+    rest=$(find tests -mindepth 1 -maxdepth 1 -type d ! -name kafka ! -name data ! -name '__*' \
+        -exec sh -c 'ls "$1"/test_*.py >/dev/null 2>&1' _ {} \; -print | sort)
+    # shellcheck disable=SC2086 - one word per directory
+    pytest -p no:cacheprovider "$@" $rest >"$log" 2>&1 &
+    local pid=$!
+    pytest "$@" tests/kafka
+    kafka_rc=$?
+    wait "$pid"
+    rest_rc=$?
+    echo "==================== test.sh: the other tests ($rest) ===================="
+    cat "$log"
+    echo "test.sh: tests/kafka exit code $kafka_rc; the others $rest_rc"
+    grep -h -E '^(FAILED|ERROR) ' "$log" || true
+    rm -f "$log"
+    for code in "$kafka_rc" "$rest_rc"; do
+        [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && return "$code"
+    done
+    [ "$kafka_rc" -eq 5 ] && [ "$rest_rc" -eq 5 ] && return 5
+    return 0
+}
+
+if [ "${1:-}" = "--parts" ]; then
+    shift
+    parts "$@"
+else
+    pytest "$@"
+fi
 rc=$?
 [ "$rc" -eq 5 ] && { echo "test.sh: no tests collected: counted as success" >&2; rc=0; }
 
