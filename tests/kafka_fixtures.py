@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from inferline.producer.replies import REPLY_TOPIC_PREFIX
@@ -246,23 +247,28 @@ async def produce_raw(
 
 
 async def _wait_partitions(bootstrap: str, topic: str, deadline: float) -> list[int]:
+    """The topic's partitions once it exists. A broker that does not answer yet (just started,
+    restarted or resumed by a test) is asked again until `deadline`."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
     try:
         while True:
-            # All topics: asking for this one by name could auto-create it.
-            for described in await admin.describe_topics():
-                if (
-                    described["topic"] == topic
-                    and described["error_code"] == 0
-                    and described["partitions"]
-                ):
-                    return sorted(p["partition"] for p in described["partitions"])
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"topic {topic!r} does not exist")
+            try:
+                return await _described_partitions(admin, topic)
+            except (KafkaError, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"topic {topic!r}: {exc!r}") from exc
             await asyncio.sleep(0.1)
     finally:
         await admin.close()
+
+
+async def _described_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
+    await admin.start()  # again after a failure: a no-op once started
+    # All topics: asking for this one by name could auto-create it.
+    for described in await admin.describe_topics():
+        if described["topic"] == topic and described["error_code"] == 0 and described["partitions"]:
+            return sorted(p["partition"] for p in described["partitions"])
+    raise TimeoutError(f"topic {topic!r} does not exist")
 
 
 async def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
