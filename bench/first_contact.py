@@ -229,9 +229,13 @@ def print_summary(run: Run) -> None:
 
 
 def timed_ms(run: Run, fn, warmup: int = 25, rep: int = 100) -> float:
+    return median_ms(run.device, fn, warmup, rep)
+
+
+def median_ms(device: str, fn, warmup: int = 25, rep: int = 100) -> float:
     """Median ms: triton.testing.do_bench (CUDA events) on CUDA; one timed call after one warm-up
-    when rehearsing."""
-    if run.device == "cuda":
+    elsewhere (a rehearsal: the figure means nothing)."""
+    if device == "cuda":
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.first_contact import median_ms, rel_err
+
 DEV, SMOKE = "cuda", False  # --cpu-smoke: "cpu", True
 H200_NOMINAL_GBS = 4800  # HBM3e, the data sheet's figure: the dry run's paper limit
 TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -185,15 +187,7 @@ def paged_cache(
 
 
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median ms: triton.testing.do_bench on CUDA; one timed call in a CPU smoke run."""
-    if DEV == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=warmup, rep=rep)
-    fn()
-    started = time.perf_counter()
-    fn()
-    return (time.perf_counter() - started) * 1e3
+    return median_ms(DEV, fn, warmup, rep)
 
 
 def _empty_cache() -> None:
@@ -203,10 +197,6 @@ def _empty_cache() -> None:
 
 def free_memory() -> int:
     return torch.cuda.mem_get_info()[0] if DEV == "cuda" else 1 << 34
-
-
-def rel_err(out, ref) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
 # --- 1. correctness -----------------------------------------------------------------------------
