@@ -39,7 +39,7 @@ class Peaks:
             # Jobs in the engine (waiting or running); a finished one waiting for its transaction
             # holds no engine resources and is bounded by max_pending_replies instead.
             self.jobs = max(self.jobs, sum(1 for j in w.jobs.values() if j.state != "finishing"))
-            self.paused = max(self.paused, w.intake.num_paused())
+            self.paused = max(self.paused, w.metrics.intake_paused._value.get())
             await asyncio.sleep(0.005)
 
     def stop(self) -> None:
@@ -68,7 +68,7 @@ async def test_burst_of_10x_the_pool(kafka_bootstrap, topics, start_worker):
         assert final_done(events[i]).finish_reason == "length"
     print(
         f"\nburst {len(ids)}: peak waiting {peaks.waiting}/{pool}, peak jobs {peaks.jobs}, "
-        f"paused partitions {peaks.paused}"
+        f"intake paused {peaks.paused}"
     )
     assert peaks.waiting <= pool and peaks.jobs <= pool + running
     assert peaks.paused >= 1  # backpressure reached the consumer

@@ -145,7 +145,7 @@ def in_engine(worker) -> int:
 def record_peaks(worker) -> dict[str, int]:
     """Peaks of the waiting pool, of the jobs in the engine (waiting or running) and of all jobs,
     taken after each admission: the only place they grow, so the peaks are exact (a sampler
-    misses one that lasts less than its period). `paused`: partitions the intake ever paused."""
+    misses one that lasts less than its period). `paused`: whether the intake ever paused."""
     peak = {"waiting": 0, "in_engine": 0, "jobs": 0, "paused": 0}
     tracker, admit = worker.requests, worker.requests.admit
     set_paused = worker.intake._set_paused
@@ -158,7 +158,7 @@ def record_peaks(worker) -> dict[str, int]:
 
     def pause_and_record(paused: bool) -> None:  # on the intake's poll thread
         set_paused(paused)
-        peak["paused"] = max(peak["paused"], worker.intake.num_paused())
+        peak["paused"] = max(peak["paused"], worker.metrics.intake_paused._value.get())
 
     tracker.admit, worker.intake._set_paused = admit_and_record, pause_and_record
     return peak

@@ -82,12 +82,32 @@ async def test_the_limit_is_the_dlq_topics_config_or_the_broker_default_when_unr
     assert any(e["event"] == "dead_letters.limit_unknown" for e in logs)
 
 
-async def test_a_dead_letter_waits_for_the_limit_when_it_was_not_read_yet():
+async def test_a_dead_letter_is_sized_to_the_limit_read_at_start():
     h = harness()
     h.worker.delivery.dlq_limit = DeadLetterLimit(h.worker.settings.kafka, read=lambda k, t: 4096)
+    await h.worker.delivery.start()
     h.feed(b"\xc1" * 10_000)
-    assert not _letters(h)  # being sized
-    await next(iter(h.worker.delivery._sizing))
     (letter,) = _letters(h)
     assert batch_size(letter.key, letter.value, letter.headers) <= 4096
     assert dict(letter.headers)["original-size"] == b"10000"
+
+
+async def test_a_limit_unreadable_at_start_is_read_again_by_a_later_dead_letter(monkeypatch):
+    from inferline.worker.delivery import dead_letters
+
+    answers = iter([TimeoutError("no broker"), 4096])
+
+    def read(k, topic):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    h = harness()
+    h.worker.delivery.dlq_limit = limit = DeadLetterLimit(h.worker.settings.kafka, read=read)
+    await h.worker.delivery.start()
+    assert limit.known() == BROKER_DEFAULT_MAX_MESSAGE_BYTES and not limit.due()
+    monkeypatch.setattr(dead_letters, "RETRY_READ_S", 0.0)
+    h.feed(b"\xc1" * 10_000)  # sized to the default, and asks again
+    await limit._loading
+    assert limit.known() == 4096 and not limit.due()

@@ -11,8 +11,8 @@ TP = TopicPartition("t", 0)
 TP1 = TopicPartition("t", 1)
 
 
-def test_nothing_seen_nothing_to_commit():
-    assert OffsetTracker().to_commit() == {}
+def test_nothing_seen_no_watermark():
+    assert OffsetTracker().watermark(TP) is None
 
 
 def test_watermark_stops_at_first_unfinished():
@@ -22,11 +22,11 @@ def test_watermark_stops_at_first_unfinished():
     tr.finish(TP, 0)
     tr.finish(TP, 1)
     tr.finish(TP, 3)
-    assert tr.to_commit() == {TP: 2}
+    assert tr.watermark(TP) == 2
     tr.finish(TP, 2)
-    assert tr.to_commit() == {TP: 4}
+    assert tr.watermark(TP) == 4
     tr.finish(TP, 4)
-    assert tr.to_commit() == {TP: 5}
+    assert tr.watermark(TP) == 5
 
 
 def test_unfinished_first_offset_blocks_and_watermark_is_lowest():
@@ -35,7 +35,7 @@ def test_unfinished_first_offset_blocks_and_watermark_is_lowest():
         tr.add(TP, o)
     tr.finish(TP, 12)
     tr.finish(TP, 11)
-    assert tr.to_commit() == {TP: 10}
+    assert tr.watermark(TP) == 10
 
 
 def test_gaps_in_offsets_are_skipped():
@@ -44,33 +44,30 @@ def test_gaps_in_offsets_are_skipped():
         tr.add(TP, o)
     for o in (100, 101, 103):
         tr.finish(TP, o)
-    assert tr.to_commit() == {TP: 107}
+    assert tr.watermark(TP) == 107
     tr.finish(TP, 107)
-    assert tr.to_commit() == {TP: 108}
+    assert tr.watermark(TP) == 108
 
 
-def test_only_moved_watermarks_are_reported():
+def test_partitions_have_their_own_watermarks():
     tr = OffsetTracker()
     tr.add(TP, 0)
     tr.add(TP1, 0)
     tr.finish(TP, 0)
-    marks = tr.to_commit()
-    assert marks == {TP: 1, TP1: 0}
-    tr.committed(marks)
-    assert tr.to_commit() == {}
+    assert (tr.watermark(TP), tr.watermark(TP1)) == (1, 0)
     tr.finish(TP1, 0)
-    assert tr.to_commit() == {TP1: 1}
+    assert tr.watermark(TP1) == 1
 
 
-def test_filter_by_partition_and_forget():
+def test_forget_drops_a_partition():
     tr = OffsetTracker()
     tr.add(TP, 0)
     tr.add(TP1, 5)
     tr.finish(TP1, 5)
-    assert tr.to_commit([TP1]) == {TP1: 6}
+    assert tr.watermark(TP1) == 6
     tr.forget([TP1])
     tr.finish(TP1, 6)  # late ack for a forgotten partition: ignored
-    assert tr.to_commit() == {TP: 0}
+    assert tr.watermark(TP) == 0 and tr.watermark(TP1) is None
     assert tr.partitions() == [TP]
 
 
@@ -82,7 +79,7 @@ def test_redelivered_offsets_are_not_tracked_twice():
     tr.finish(TP, 0)
     tr.finish(TP, 1)
     assert tr.pending(TP) == 0
-    assert tr.to_commit() == {TP: 2}
+    assert tr.watermark(TP) == 2
 
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.randoms())
@@ -102,7 +99,7 @@ def test_watermark_is_lowest_unfinished_for_any_order(gaps, rnd):
         done.add(off)
         unfinished = [x for x in offsets if x not in done]
         expect = min(unfinished) if unfinished else offsets[-1] + 1
-        assert tr.to_commit() == {TP: expect}
+        assert tr.watermark(TP) == expect
         assert tr.pending(TP) == len(unfinished)
 
 
@@ -132,7 +129,7 @@ def test_a_ledger_looks_at_a_few_offsets_not_at_every_one_in_flight():
     tr.finish(TP, _Counted(5))
     _Counted.ops = 0
     assert tr.ledger(TP, [_Counted(0), _Counted(7)]) == (1, encode_ledger(1, {5, 7}))
-    assert tr.to_commit() == {TP: 0}
+    assert tr.watermark(TP) == 0
     assert _Counted.ops < 500
 
 
@@ -145,7 +142,7 @@ def test_a_finish_of_an_offset_not_in_flight_leaves_no_state():
         tr.add(TP, o)
     for o in (*range(0, 100), 102, 200, *range(100, 104)):
         tr.finish(TP, o)
-    assert tr.to_commit() == {TP: 104} and tr.pending(TP) == 0
+    assert tr.watermark(TP) == 104 and tr.pending(TP) == 0
     st = tr._parts[TP]
     assert (st.heap, st.open, st.done) == ([], set(), [])
 

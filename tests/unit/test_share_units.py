@@ -611,7 +611,7 @@ def test_no_lane_opens_right_after_a_release():
     intake = make_intake(room=8)
     opened = []
     intake._open_lane = lambda: opened.append(1)
-    intake._lanes = [type("Pinned", (), {"pinned": True})()]
+    intake._lanes = [type("Pinned", (), {"held": {("t", 0, 0)}})()]
     intake.free_room = 4
     intake._released_at = time.monotonic()
     intake._lanes_wanted()

@@ -91,10 +91,14 @@ class DeadLetterLimit:
             self._failed_at > float("-inf") and time.monotonic() - self._failed_at >= RETRY_READ_S
         )
 
-    async def load(self) -> int:
-        """Read the limit (one read at a time), or fall back to the broker default; the limit."""
+    def refresh(self) -> None:
+        """Read the limit in the background (one read at a time)."""
         if self._loading is None or self._loading.done():
             self._loading = asyncio.ensure_future(asyncio.to_thread(self._load))
+
+    async def load(self) -> int:
+        """Read the limit, or fall back to the broker default; the limit."""
+        self.refresh()
         await asyncio.shield(self._loading)
         return self.known()
 

@@ -4,7 +4,6 @@ and its input finished. design: docs/architecture.md#the-delivery-path
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Callable
 
@@ -13,6 +12,7 @@ from aiokafka import TopicPartition
 
 from inferline.contract.schema import Request, Sample
 from inferline.worker.delivery.commit import Outcome
+from inferline.worker.delivery.dead_letters import BROKER_DEFAULT_MAX_MESSAGE_BYTES
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream, Source
@@ -36,7 +36,6 @@ class Delivery:
         self.num_resubmitted = 0
         self.dlq_limit = DeadLetterLimit(self._k)
         self.dead_letters_in_flight = 0  # not acked yet: they count against intake's room
-        self._sizing: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Read the dead-letter topic's limit before the first dead letter needs it."""
@@ -50,20 +49,10 @@ class Delivery:
         where = {"topic": record.topic, "partition": record.partition, "offset": record.offset}
         headers = [("error", reason.encode())]
         headers += [(f"source-{name}", str(value).encode()) for name, value in where.items()]
-        limit = self.dlq_limit.known()
-        if limit is None or self.dlq_limit.due():  # unread, or unreadable a while ago: ask
-            task = asyncio.ensure_future(self._send_when_sized(record, headers, source))
-            self._sizing.add(task)
-            task.add_done_callback(self._sizing.discard)
-            if limit is None:
-                return
+        if self.dlq_limit.due():  # unreadable a while ago: read again, for the next ones
+            self.dlq_limit.refresh()
+        limit = self.dlq_limit.known() or BROKER_DEFAULT_MAX_MESSAGE_BYTES  # known since start
         self._send_dead_letter(record, headers, source, limit)
-
-    async def _send_when_sized(self, record, headers, source: Source) -> None:
-        first = self.dlq_limit.known() is None
-        limit = await self.dlq_limit.load()
-        if first:
-            self._send_dead_letter(record, headers, source, limit)
 
     def _send_dead_letter(self, record, headers, source: Source, limit: int) -> None:
         key, value, headers = fit(record.key, record.value, headers, limit)

@@ -203,16 +203,6 @@ class OffsetTracker:
         done.update(o for o in finishing if o > mark)
         return mark, encode_ledger(mark, done)
 
-    def to_commit(self, tps=None) -> dict[TopicPartition, int]:
-        """Watermarks that moved since the last commit (all partitions, or `tps`)."""
-        out = {}
-        for tp in self._parts if tps is None else tps:
-            if (p := self._parts.get(tp)) is not None:
-                mark = p.watermark()
-                if mark is not None and mark != p.committed:
-                    out[tp] = mark
-        return out
-
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
         """These marks are committed: the ledger forgets what they passed."""
         for tp, mark in offsets.items():

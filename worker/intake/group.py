@@ -79,10 +79,6 @@ class Intake(Triage):
     def owns(self, tp: TopicPartition, generation: int) -> bool:
         return self._tracker.owns(tp, generation)
 
-    def num_paused(self) -> int:
-        """Partitions paused for backpressure now."""
-        return len(self._tracker.owned()) if self._paused else 0  # no consumer call: see _call
-
     def group_metadata(self):
         """The consumer's, as of its last poll: asked from another thread while a rebalance
         callback runs, librdkafka would block until the callback returned."""
@@ -306,10 +302,9 @@ class Intake(Triage):
             await self._committer.flush(tps, FLUSH_ON_REVOKE_S)
         for p in parts:
             p.epoch = 0  # its finals are its next owner's now
-        self._committer.drop(tps)
         if orderly:  # a lost member's commits are refused by the broker: no need to wait
             await self._committer.settle(tps)
-            self._committer.drop(tps)  # what that transaction gave back
+        self._committer.drop(tps)  # what is queued, and what a settled transaction gave back
         await self._sink.requeue(tps)
         self._tracker.forget(tps)
         for tp in tps:

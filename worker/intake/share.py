@@ -124,10 +124,6 @@ class _Lane:
         self.held: set[tuple[str, int, int]] = set()  # polled, not acknowledged yet: pinned
         self.thread = threading.Thread(target=self._run, name=f"share-intake-{index}", daemon=True)
 
-    @property
-    def pinned(self) -> bool:
-        return bool(self.held)
-
     def _run(self) -> None:
         from confluent_kafka import ShareConsumer
 
@@ -312,7 +308,7 @@ class ShareIntake(Triage):
             and self.free_room > 0
             and time.monotonic() - self._released_at >= RELEASE_GRACE_S
             and len(self._lanes) < self._s.kafka.share_consumers
-            and all(lane.pinned for lane in self._lanes)
+            and all(lane.held for lane in self._lanes)  # each waits for its verdicts
         ):
             self._open_lane()
 
