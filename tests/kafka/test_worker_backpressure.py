@@ -3,9 +3,11 @@ the topic is failing and its backlog does not pause intake for the others; nothi
 
 import asyncio
 
+import msgpack
 import pytest
+from aiokafka import TopicPartition
 
-from tests.kafka_fixtures import consume_until
+from tests.kafka_fixtures import consume_until, produce_raw
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts,
     collect,
@@ -103,3 +105,55 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(
         await asyncio.sleep(0.1)
     assert worker.metrics.intake_paused._value.get(), "the test needs intake paused throughout"
     assert _lag(worker) >= before + 28, (before, _lag(worker))
+
+
+def _gauge(gauge, **labels) -> float:
+    return gauge.labels(**labels)._value.get()
+
+
+async def test_the_backlog_counts_one_unfinished_request_where_kafkas_lag_counts_a_hundred(
+    kafka_bootstrap, topics, start_worker, monkeypatch
+):
+    """The autoscaler's signal (docs/operations.md): one request unfinished below 100 finished
+    ones is a backlog of 1, while Kafka's lag (end minus the committed watermark) is 101. The
+    request is held unfinished by holding its final, so that the machine's speed decides nothing."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    import inferline.worker.intake.group as group
+
+    monkeypatch.setattr(group, "LAG_EVERY_S", 0.3)
+    worker = await start_worker(topics)
+    slow, *short = [request(topics.replies, max_tokens=2) for _ in range(101)]
+    held, submit_final = [], worker.committer.submit
+
+    def hold_slow(final) -> None:
+        if final.records and final.records[0][2] == slow["id"].encode():
+            held.append(final)
+        else:
+            submit_final(final)
+
+    worker.committer.submit = hold_slow
+    await produce_raw(kafka_bootstrap, topics.requests, [_record(slow)], partition=0)
+    await produce_raw(kafka_bootstrap, topics.requests, [_record(r) for r in short], partition=0)
+    await collect(kafka_bootstrap, topics.replies, [r["id"] for r in short], timeout=120)
+    where = {"topic": topics.requests, "partition": "0"}
+    for _ in range(100):  # the next report after the last commit
+        if _gauge(worker.metrics.partition_backlog, **where) == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert _gauge(worker.metrics.partition_backlog, **where) == 1
+    assert _gauge(worker.metrics.consumer_lag, partition="0") == 101
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(worker.settings.kafka.group_id)
+    finally:
+        await admin.close()
+    assert offsets[TopicPartition(topics.requests, 0)].offset == 0  # Kafka's lag: 101 - 0
+    submit_final(held.pop())
+    events = await collect(kafka_bootstrap, topics.replies, [slow["id"]], timeout=60)
+    assert final_done(events[slow["id"]]).finish_reason == "length"
+
+
+def _record(req: dict) -> tuple[bytes, bytes]:
+    return req["id"].encode(), msgpack.packb(req)

@@ -291,20 +291,25 @@ def test_probes_scrape_and_query_use_the_workers_endpoints_and_metrics(k8s):
         "valueFrom"
     ] == {"fieldRef": {"fieldPath": "metadata.name"}}
     scaled = kind(docs, "ScaledObject")[0]["spec"]
-    query = [t for t in scaled["triggers"] if t["type"] == "prometheus"][0]["metadata"]["query"]
+    backlog, utilization = [
+        t["metadata"]["query"] for t in scaled["triggers"] if t["type"] == "prometheus"
+    ]
     exported = {fam.name for fam in Metrics().registry.collect()}
-    used = set(re.findall(r"\binferline_\w+", query))
+    used = set(re.findall(r"\binferline_\w+", utilization))
     assert used == {
         "inferline_kv_cache_usage",
         "inferline_running_requests",
         "inferline_waiting_requests",
     }
     assert used <= exported
+    assert set(re.findall(r"\binferline_\w+", backlog)) == {"inferline_partition_backlog"}
+    assert "inferline_partition_backlog" in exported
     kafka = [t for t in scaled["triggers"] if t["type"] == "kafka"][0]["metadata"]
     assert (kafka["topic"], kafka["consumerGroup"]) == (
         Settings().kafka.request_topic,
         Settings().kafka.group_id,
     )
+    assert int(kafka["lagThreshold"]) >= 10**9  # Kafka's lag only wakes a fleet at zero
     grace = pod["spec"]["terminationGracePeriodSeconds"]
     assert grace > Settings().worker.drain_timeout_s + Settings().kafka.session_timeout_ms / 2000
 
@@ -322,6 +327,12 @@ def test_the_guards(k8s, tmp_path):
         tmp=tmp_path,
     )
     assert [t["type"] for t in kind(share, "ScaledObject")[0]["spec"]["triggers"]] == ["prometheus"]
+    lag = render(k8s, {"autoscaling": {"kafka": {"signal": "lag"}}}, tmp=tmp_path)
+    triggers = kind(lag, "ScaledObject")[0]["spec"]["triggers"]
+    assert [t["type"] for t in triggers] == ["kafka", "prometheus"]
+    assert triggers[0]["metadata"]["lagThreshold"] == "16"
+    typo = helm_template(k8s, "--set", "autoscaling.kafka.signal=lags", check=False)
+    assert typo.returncode != 0 and "backlog or lag" in typo.stderr
     zero = render(k8s, {"autoscaling": {"scaleToZero": True}}, tmp=tmp_path)
     assert kind(zero, "ScaledObject")[0]["spec"]["minReplicaCount"] == 0
     tenancy = render(k8s, {"settings": {"kafka": {"tenancy": "topic"}}}, tmp=tmp_path)

@@ -186,6 +186,15 @@ class OffsetTracker:
         p = self._parts.get(tp)
         return 0 if p is None else len(p.open)
 
+    def backlog(self, tp: TopicPartition, start: int, end: int) -> int:
+        """Records of `tp` not finished: unread up to `end` (from `start`, the log's start, if
+        none was read) plus taken and unfinished. Unlike Kafka's lag (`end` minus the committed
+        watermark), what finished above a slow request does not count."""
+        p = self._parts.get(tp)
+        if p is None:
+            return 0
+        return max(0, end - max(start, p.last_seen + 1)) + len(p.open)
+
     def watermark(self, tp: TopicPartition) -> int | None:
         """The next unfinished offset (what a commit now would say), if any was seen."""
         p = self._parts.get(tp)

@@ -310,14 +310,19 @@ class Intake(Triage):
         for tp in tps:
             with contextlib.suppress(KeyError):
                 self._m.consumer_lag.remove(str(tp.partition))
+            with contextlib.suppress(KeyError):
+                self._m.partition_backlog.remove(tp.topic, str(tp.partition))
 
     def _set_lag(self, ends: dict[TopicPartition, tuple[int, int]]) -> None:
-        """Per owned partition, records from the watermark (else the log's start) to the end."""
+        """Per owned partition, records from the watermark (else the log's start) to the end, and
+        the backlog: what of them is not finished (the autoscaler's signal)."""
         for tp, (start, end) in ends.items():
             if self._tracker.epoch(tp):
                 mark = self._tracker.watermark(tp)
                 lag = end - (start if mark is None else mark)
                 self._m.consumer_lag.labels(str(tp.partition)).set(max(0, lag))
+                backlog = self._tracker.backlog(tp, start, end)
+                self._m.partition_backlog.labels(tp.topic, str(tp.partition)).set(backlog)
 
 
 def _names(tps) -> list[str]:

@@ -122,6 +122,13 @@ class Metrics:
             ["partition"],
             registry=r,
         )
+        self.partition_backlog = Gauge(
+            "inferline_partition_backlog",
+            "Records of an owned request partition not finished: unread up to its end offset, "
+            "plus taken and unfinished (finished ones above a slow request do not count)",
+            ["topic", "partition"],
+            registry=r,
+        )
         self.redeliveries = Counter(
             "inferline_redeliveries",
             "Records read again whose result is final already (the offset ledger "

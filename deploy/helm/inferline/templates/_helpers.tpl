@@ -215,8 +215,8 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* PromQL label matchers of this release's worker pods. */}}
 {{- define "inferline.workerSelector" -}}
-{{- if .Values.autoscaling.utilization.prometheus.selector -}}
-{{- .Values.autoscaling.utilization.prometheus.selector -}}
+{{- if .Values.autoscaling.prometheus.selector -}}
+{{- .Values.autoscaling.prometheus.selector -}}
 {{- else -}}
 namespace="{{ .Release.Namespace }}",pod=~"{{ include "inferline.fullname" . }}-worker-[0-9]+"
 {{- end -}}
