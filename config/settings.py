@@ -18,6 +18,54 @@ ENV_PREFIX = "INFERLINE_"
 ENV_DELIMITER = "__"
 
 
+# Client settings the worker sets itself, for its guarantees or from its own settings: a
+# passthrough may not change them (a client's own choices, the committer's linger.ms, also win).
+RESERVED_LIBRDKAFKA = frozenset(
+    "bootstrap.servers client.id security.protocol sasl.mechanism sasl.mechanisms sasl.username "
+    "sasl.password ssl.ca.location ssl.certificate.location ssl.key.location transactional.id "
+    "enable.idempotence isolation.level group.id group.protocol group.instance.id "
+    "enable.auto.commit enable.auto.offset.store share.acknowledgement.mode "
+    "allow.auto.create.topics".split()
+)
+RESERVED_AIOKAFKA = frozenset(
+    "bootstrap_servers client_id security_protocol sasl_mechanism sasl_plain_username "
+    "sasl_plain_password ssl_context transactional_id enable_idempotence acks isolation_level "
+    "group_id enable_auto_commit".split()
+)
+
+
+def check_passthrough(value: dict, reserved: frozenset, library: str) -> None:
+    owned = sorted(set(value) & reserved)
+    if owned:
+        raise ValueError(
+            f"{', '.join(owned)}: set by inferline itself (its own setting or a guarantee), "
+            f"not through the {library} passthrough"
+        )
+
+
+def librdkafka_refusal(value: dict) -> None:
+    """Raise if librdkafka refuses `value` (an unknown name, a bad value): a client is made with
+    no broker to reach and thrown away."""
+    from confluent_kafka import KafkaException, Producer
+
+    try:
+        Producer({**value, "bootstrap.servers": "", "log_level": 0})
+    except KafkaException as exc:
+        raise ValueError(f"librdkafka refuses it: {exc.args[0].str()}") from None
+
+
+def aiokafka_common_options() -> set[str]:
+    """Keyword arguments every aiokafka client the project makes accepts."""
+    import inspect
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    clients = (AIOKafkaProducer, AIOKafkaConsumer, AIOKafkaAdminClient)
+    names = [set(inspect.signature(c.__init__).parameters) for c in clients]
+    return set.intersection(*names) - {"self", "loop"}
+
+
 class KafkaSettings(BaseModel):
     bootstrap_servers: str = "localhost:9092"
     request_topic: str = "llm.requests"
@@ -81,6 +129,39 @@ class KafkaSettings(BaseModel):
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+    # librdkafka settings inferline does not model, by librdkafka's names, for its confluent-kafka
+    # clients (group intake, the transactional producer of finals, share intake, admin), e.g.
+    # {"socket.keepalive.enable": true}. Checked at start-up by librdkafka (an unknown name or bad
+    # value stops the worker); a consumer-only one is ignored, with librdkafka's warning, by the
+    # producers. Refused: what inferline sets from its own settings or for its guarantees
+    # (bootstrap, security, ids, idempotence, isolation, group, commits, topic creation); a
+    # setting one client sets itself (the transactional producer's linger.ms) keeps its value.
+    librdkafka: dict[str, str | int | float | bool] = {}
+    # aiokafka keyword arguments for every aiokafka client (reply events, cancels, lookups, the
+    # Python client and the gateway): only those all of them take, e.g. request_timeout_ms,
+    # retry_backoff_ms, metadata_max_age_ms, connections_max_idle_ms; the ones inferline sets
+    # (acks, enable_idempotence, isolation_level, ...) are refused.
+    aiokafka: dict[str, str | int | float | bool] = {}
+
+    @field_validator("librdkafka")
+    @classmethod
+    def _known_to_librdkafka(cls, value: dict) -> dict:
+        check_passthrough(value, RESERVED_LIBRDKAFKA, "librdkafka")
+        if value:
+            librdkafka_refusal(value)
+        return value
+
+    @field_validator("aiokafka")
+    @classmethod
+    def _known_to_aiokafka(cls, value: dict) -> dict:
+        check_passthrough(value, RESERVED_AIOKAFKA, "aiokafka")
+        unknown = sorted(set(value) - aiokafka_common_options())
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: not a keyword argument of every aiokafka client the "
+                "project makes (producer, consumer, admin)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _share_reads_one_topic(self) -> "KafkaSettings":
@@ -128,7 +209,7 @@ class KafkaSettings(BaseModel):
         ):
             if path is not None:
                 config[name] = str(path)
-        return config
+        return {**config, **self.librdkafka}
 
     def connection_options(self) -> dict:
         """aiokafka options shared by every client (servers and security): the one place Kafka
@@ -149,7 +230,7 @@ class KafkaSettings(BaseModel):
             opts["ssl_context"] = create_ssl_context(
                 cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
             )
-        return opts
+        return {**opts, **self.aiokafka}
 
 
 class ModelSettings(BaseModel):

@@ -209,6 +209,8 @@ def type_text(annotation) -> str:
         text = "path"
     elif inner in (str, int, float, bool):
         text = {str: "string", int: "integer", float: "number", bool: "boolean"}[inner]
+    elif set(typing.get_args(inner)) == {str, int, float, bool}:
+        text = "string, number or boolean"
     else:
         raise SystemExit(f"gen_config_docs: no rendering for {annotation!r}")
     return text
@@ -263,13 +265,15 @@ def rows(model: type[BaseModel], prefix: tuple[str, ...], key_prefix: str, comme
         if typing.get_origin(annotation) is dict:
             sub = typing.get_args(annotation)[1]
             # Variable names are lower-cased: a per-key variable only suits models keyed by name.
+            is_model = isinstance(sub, type) and issubclass(sub, BaseModel)
             per_key = (
                 f" Or one variable per value: `{env(*prefix, name)}__<NAME>__<FIELD>` (see below)."
-                if issubclass(sub, BaseModel)
+                if is_model
                 else ""
             )
+            values = sub.__name__ if is_model else type_text(sub)
             out.append(
-                f"| `{env(*prefix, name)}` | JSON object: name → {sub.__name__} | `{{}}` | "
+                f"| `{env(*prefix, name)}` | JSON object: name → {values} | `{{}}` | "
                 f"{meaning(model, key, name, comments)}{per_key} |"
             )
             continue

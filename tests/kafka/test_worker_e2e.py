@@ -96,3 +96,17 @@ async def test_speculative_decoding_streams_what_plain_decoding_does(
         metric["inferline_spec_draft_tokens_total"]
         >= metric["inferline_spec_accepted_tokens_total"]
     )
+
+
+async def test_client_settings_the_project_does_not_model_reach_both_libraries(
+    kafka_bootstrap, topics, start_worker, capfd
+):
+    """#51: librdkafka's `debug` reaches the group consumer (its log shows the consumer group's
+    protocol), aiokafka's request timeout the reply producer, and requests are served."""
+    passthrough = {"librdkafka": {"debug": "cgrp"}, "aiokafka": {"request_timeout_ms": 17_000}}
+    worker = await start_worker(topics, kafka=passthrough)
+    ids = await submit(kafka_bootstrap, topics.requests, [request(topics.replies, max_tokens=2)])
+    events = await collect(kafka_bootstrap, topics.replies, ids, timeout=60)
+    assert final_done(events[ids[0]]).finish_reason == "length"
+    assert worker.publisher._producer.client._request_timeout_ms == 17_000
+    assert "CGRP" in capfd.readouterr().err  # librdkafka's consumer-group debug lines

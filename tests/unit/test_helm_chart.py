@@ -30,7 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 HELM_DIR = REPO / "deploy" / "helm"
 CHART = HELM_DIR / "inferline"
 EXAMPLES = sorted((HELM_DIR / "examples").glob("*.yaml"))
-JSON_SETTINGS = {("limits", "tenants"), ("gateway", "api_keys")}  # maps: one JSON value each
+JSON_SETTINGS = {  # maps: one JSON value each
+    ("limits", "tenants"),
+    ("gateway", "api_keys"),
+    ("kafka", "librdkafka"),
+    ("kafka", "aiokafka"),
+}
 
 
 def env_name(path: tuple[str, ...]) -> str:

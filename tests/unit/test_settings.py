@@ -59,3 +59,30 @@ def test_password_from_a_file_and_never_in_repr(monkeypatch, tmp_path):
     assert "from-env" not in repr(s)
     monkeypatch.setenv("INFERLINE_KAFKA__SASL_PASSWORD_FILE", str(secret))
     assert load_settings().kafka.connection_options()["sasl_plain_password"] == "s3cret-from-file"
+
+
+def test_client_settings_pass_through_from_json_variables(monkeypatch):
+    monkeypatch.setenv("INFERLINE_KAFKA__LIBRDKAFKA", '{"socket.keepalive.enable": true}')
+    monkeypatch.setenv("INFERLINE_KAFKA__AIOKAFKA", '{"request_timeout_ms": 17000}')
+    k = load_settings().kafka
+    assert k.librdkafka_config()["socket.keepalive.enable"] is True
+    assert k.connection_options()["request_timeout_ms"] == 17000
+    assert k.client_options()["request_timeout_ms"] == 17000
+
+
+@pytest.mark.parametrize(
+    "name,value,said",
+    [
+        ("INFERLINE_KAFKA__LIBRDKAFKA", '{"no.such.setting": 1}', "No such configuration property"),
+        ("INFERLINE_KAFKA__LIBRDKAFKA", '{"linger.ms": "soon"}', "Invalid value"),
+        ("INFERLINE_KAFKA__LIBRDKAFKA", '{"isolation.level": "read_uncommitted"}', "itself"),
+        ("INFERLINE_KAFKA__AIOKAFKA", '{"fetch_max_bytes": 1}', "every aiokafka client"),
+        ("INFERLINE_KAFKA__AIOKAFKA", '{"acks": 1}', "itself"),
+    ],
+)
+def test_a_client_setting_a_library_refuses_stops_start_up_by_name(monkeypatch, name, value, said):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError) as err:
+        load_settings()
+    message = str(err.value.code)
+    assert name in message and said in message and "\n" not in message

@@ -65,7 +65,7 @@ app.kubernetes.io/component: {{ .component }}
      (dict "prefix" "INFERLINE" "values" .Values.settings) */}}
 {{- define "inferline.flattenSettings" -}}
 {{- $out := dict -}}
-{{- $asJson := list "INFERLINE_LIMITS__TENANTS" "INFERLINE_GATEWAY__API_KEYS" -}}
+{{- $asJson := list "INFERLINE_LIMITS__TENANTS" "INFERLINE_GATEWAY__API_KEYS" "INFERLINE_KAFKA__LIBRDKAFKA" "INFERLINE_KAFKA__AIOKAFKA" -}}
 {{- range $key, $value := .values -}}
 {{- $name := ternary (printf "INFERLINE_%s" (upper $key)) (printf "%s__%s" $.prefix (upper $key)) (eq $.prefix "INFERLINE") -}}
 {{- if kindIs "invalid" $value -}}
