@@ -78,3 +78,45 @@ async def test_a_broker_paused_past_the_transaction_timeout_loses_and_dead_lette
         (final,) = final_dones(events[r["id"]])
         assert final.finish_reason == "length" and final.usage.completion_tokens == 12
     assert dead == []
+
+
+async def test_an_assignment_while_the_broker_is_paused_waits_for_it(
+    private_broker, model_runner, monkeypatch
+):
+    """The broker stops answering (SIGSTOP) just as an assignment reads its committed offsets:
+    the read is asked again until the broker is back (its retry, not a lucky timing: the pause
+    starts inside the first read), then every request waiting there is answered once."""
+    import threading
+
+    import inferline.worker.intake.group as group
+
+    bootstrap = private_broker.bootstrap
+    topics = await private_topics(bootstrap, "assign", 2, 2)
+    pid = int((private_broker.kdir / "kafka.pid").read_text())
+    reqs = [request(topics.replies, f"Say {n}.", max_tokens=4, ignore_eos=True) for n in range(6)]
+    await submit(bootstrap, topics.requests, reqs)
+    read_committed, reads = group.Intake.committed, []
+
+    def pause_on_first_read(intake, tps):
+        reads.append(len(tps))
+        if len(reads) == 1:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(5.0, os.kill, (pid, signal.SIGCONT)).start()
+        return read_committed(intake, tps)
+
+    monkeypatch.setattr(group.Intake, "committed", pause_on_first_read)
+    kafka = {"group_id": f"assign-{uuid.uuid4().hex[:8]}"}
+    settings = Settings(**worker_config(bootstrap, topics, kafka=kafka))
+    worker = Worker(settings, LLMEngine(model_runner, engine_settings(settings)))
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_ready(worker, task, timeout=120)
+        events = await collect(bootstrap, topics.replies, [r["id"] for r in reqs], timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        worker.request_stop()
+        await asyncio.wait_for(task, 90)
+    assert len(reads) >= 2, reads  # the first read failed while paused, a later one succeeded
+    for r in reqs:
+        (final,) = final_dones(events[r["id"]])
+        assert final.finish_reason == "length"
