@@ -129,6 +129,12 @@ class KafkaSettings(BaseModel):
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+    # Replicas of every topic inferline creates (`inferline topics create`, the clients' and the
+    # gateway's reply topics, the gateway's state topic); unset: the broker's
+    # default.replication.factor.
+    replication_factor: int | None = Field(None, ge=1)
+    # The `min.insync.replicas` of those topics; unset: the broker's.
+    min_insync_replicas: int | None = Field(None, ge=1)
     # librdkafka settings inferline does not model, by librdkafka's names, for its confluent-kafka
     # clients (group intake, the transactional producer of finals, share intake, admin), e.g.
     # {"socket.keepalive.enable": true}. Checked at start-up by librdkafka (an unknown name or bad

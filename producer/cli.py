@@ -191,7 +191,12 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
     create.add_argument(
         "--partitions", type=int, default=8, help="of the request topic (the workers' parallelism)"
     )
-    create.add_argument("--replication-factor", type=int, default=1)
+    create.add_argument(
+        "--replication-factor",
+        type=int,
+        default=None,
+        help="unset: INFERLINE_KAFKA__REPLICATION_FACTOR, else the broker's default",
+    )
     create.add_argument(
         "--retention-ms", type=int, default=7 * 86_400_000, help="request topic retention"
     )
@@ -477,7 +482,8 @@ async def cmd_topics(args: argparse.Namespace) -> int:
             created = await create_topics(
                 admin,
                 [(name, partitions)],
-                replication_factor=args.replication_factor,
+                replication_factor=args.replication_factor or client.kafka.replication_factor,
+                min_insync_replicas=client.kafka.min_insync_replicas,
                 configs=configs,
             )
             print(

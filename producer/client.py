@@ -112,7 +112,7 @@ class InferenceClient:
         timeout_s: float | None = None,
         reply_partitions: int = 4,
         reply_retention_ms: int = 3_600_000,
-        replication_factor: int = 1,
+        replication_factor: int | None = None,
         settings: Settings | None = None,
         producer_options: dict[str, Any] | None = None,
     ):
@@ -132,7 +132,7 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.reply_partitions = reply_partitions
         self.reply_retention_ms = reply_retention_ms
-        self.replication_factor = replication_factor
+        self.replication_factor = replication_factor or kafka.replication_factor
         self._producer_options = producer_options or {}
         self._handles: dict[str, RequestHandle] = {}
         self._replies: ReplyRouter | None = None
@@ -190,6 +190,7 @@ class InferenceClient:
             partitions=self.reply_partitions,
             retention_ms=self.reply_retention_ms,
             replication_factor=self.replication_factor,
+            min_insync_replicas=self.kafka.min_insync_replicas,
             max_event_bytes=max(self.kafka.max_message_bytes, 4 * 1_048_576),
         )
         if self.reply_topic != PER_REQUEST:

@@ -40,15 +40,17 @@ class ReplyRouter:
         *,
         partitions: int,
         retention_ms: int,
-        replication_factor: int,
+        replication_factor: int | None,
+        min_insync_replicas: int | None,
         max_event_bytes: int,
     ):
         self.consumer, self.admin, self.handles, self._spawn = consumer, admin, handles, spawn
-        self.partitions, self.retention_ms, self.replication_factor = (
-            partitions,
-            retention_ms,
-            replication_factor,
-        )
+        self.partitions, self.retention_ms = partitions, retention_ms
+        # Unset: the broker's defaults.
+        self.replicas = {
+            "replication_factor": replication_factor,
+            "min_insync_replicas": min_insync_replicas,
+        }
         self.max_event_bytes = max_event_bytes
         self.watched: set[str] = set()
         self.undecodable = 0
@@ -70,8 +72,8 @@ class ReplyRouter:
         created = await create_topics(
             self.admin,
             [(topic, self.partitions)],
-            replication_factor=self.replication_factor,
-            configs=self._reply_configs(),
+            **self.replicas,
+            configs=topic_configs(self.retention_ms),
         )
         parts = await topic_partitions(self.admin, topic)
         tps = [TopicPartition(topic, p) for p in parts]
@@ -81,15 +83,10 @@ class ReplyRouter:
         await create_topics(
             self.admin,
             [(topic, 1)],
-            replication_factor=self.replication_factor,
-            configs=self._reply_configs(),
+            **self.replicas,
+            configs=topic_configs(self.retention_ms),
         )
         await self._reassign(add=[TopicPartition(topic, 0)], from_start=True)
-
-    def _reply_configs(self) -> dict[str, str]:
-        # Short-lived reply topics may have fewer replicas than min.insync.replicas: the worker's
-        # acks=all must not fail on them.
-        return {**topic_configs(self.retention_ms), "min.insync.replicas": "1"}
 
     async def _reassign(
         self,

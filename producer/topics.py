@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from inferline.contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
 
@@ -27,17 +28,19 @@ async def create_topics(
     admin: AIOKafkaAdminClient,
     topics: Iterable[tuple[str, int]],
     *,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
+    min_insync_replicas: int | None = None,
     configs: dict[str, str] | None = None,
     wait_s: float = 10.0,
 ) -> list[str]:
     """Create each missing (name, partitions) and wait until all have leaders; returns the names
-    created."""
+    created. Unset, the replication factor and min.insync.replicas are the broker's defaults."""
     wanted = list(topics)
-    new = [
-        NewTopic(name, n, replication_factor, topic_configs=dict(configs or {}))
-        for name, n in wanted
-    ]
+    replicas = replication_factor or await default_replication_factor(admin)
+    configs = dict(configs or {})
+    if min_insync_replicas is not None:
+        configs["min.insync.replicas"] = str(min_insync_replicas)
+    new = [NewTopic(name, n, replicas, topic_configs=configs) for name, n in wanted]
     response = await admin.create_topics(new)
     created = []
     for name, code, *rest in response.topic_errors:
@@ -49,6 +52,18 @@ async def create_topics(
             )
     await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
     return created
+
+
+async def default_replication_factor(admin: AIOKafkaAdminClient) -> int:
+    """The broker's `default.replication.factor` (aiokafka's CreateTopics predates the -1 that
+    asks the broker to apply it)."""
+    broker = (await admin.describe_cluster())["brokers"][0]["node_id"]
+    name = "default.replication.factor"
+    resource = ConfigResource(ConfigResourceType.BROKER, str(broker), {name: None})
+    (response,) = await admin.describe_configs([resource])
+    (res,) = response.to_object()["resources"]
+    entries = {e["config_names"]: e["config_value"] for e in res["config_entries"]}
+    return int(entries[name])
 
 
 async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] | None:

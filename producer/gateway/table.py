@@ -45,7 +45,13 @@ class TopicTable:
         admin = AIOKafkaAdminClient(**opts)
         await admin.start()
         try:
-            await create_topics(admin, [(self.topic, 1)], configs={"cleanup.policy": "compact"})
+            await create_topics(
+                admin,
+                [(self.topic, 1)],
+                replication_factor=self.kafka.replication_factor,
+                min_insync_replicas=self.kafka.min_insync_replicas,
+                configs={"cleanup.policy": "compact"},
+            )
         finally:
             await admin.close()
         self._producer = AIOKafkaProducer(

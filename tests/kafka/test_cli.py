@@ -218,3 +218,30 @@ async def test_bench_writes_report_and_plots(kafka_bootstrap, cli_env, tmp_path)
         r.temperature == 0 and r.ignore_eos and len(r.prompt_token_ids) == 4
         for r in worker.requests
     )
+
+
+@pytest.mark.kafka
+async def test_topics_take_their_replicas_from_the_settings_or_the_broker(kafka_bootstrap):
+    """#51: no topic is made with a hard-coded replication factor of 1. On this one-broker
+    cluster the broker's default is 1, so a factor of 2 from the settings reaching the broker shows
+    as its refusal, and min.insync.replicas lands in the topic's configs."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from inferline.producer.topics import create_topics, default_replication_factor
+
+    topic = f"test-replicas-{os.getpid()}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        assert await default_replication_factor(admin) == 1  # scripts/kafka.sh's broker
+        with pytest.raises(RuntimeError, match="error 38"):  # INVALID_REPLICATION_FACTOR
+            await create_topics(admin, [(topic, 1)], replication_factor=2)
+        assert await create_topics(admin, [(topic, 1)], min_insync_replicas=1) == [topic]
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"min.insync.replicas": None})
+        (response,) = await admin.describe_configs([resource])
+        (entry,) = response.to_object()["resources"][0]["config_entries"]
+        assert (entry["config_value"], entry["config_source"]) == ("1", 1)  # a topic config
+    finally:
+        await admin.delete_topics([topic])
+        await admin.close()
