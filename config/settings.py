@@ -129,6 +129,11 @@ class KafkaSettings(BaseModel):
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
+    # The Python client and the gateway create their reply topics when missing and delete those
+    # they made (CREATE and DELETE under the reply prefix). false: reply topics are made ahead
+    # (`inferline topics create --reply-topic`) and named (the client's reply_topic,
+    # INFERLINE_GATEWAY__REPLY_TOPIC): nothing is created or deleted at run time, READ suffices.
+    create_reply_topics: bool = True
     # Replicas of every topic inferline creates (`inferline topics create`, the clients' and the
     # gateway's reply topics, the gateway's state topic); unset: the broker's
     # default.replication.factor.
@@ -410,6 +415,11 @@ class GatewaySettings(BaseModel):
     retry_after_s: int = Field(1, ge=0)
     # Partitions of each reply topic the gateway creates (one per tenant per instance).
     reply_partitions: int = Field(4, ge=1)
+    # One reply topic for every gateway replica, `<reply prefix>[<tenant>.]<reply_topic>`, read
+    # from its end by each (made ahead with `inferline topics create --reply-topic`, or at start
+    # when INFERLINE_KAFKA__CREATE_REPLY_TOPICS allows; never deleted). Empty: one per replica
+    # (and tenant), made at start and deleted at stop.
+    reply_topic: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=64)
 
 
 class Settings(BaseSettings):

@@ -31,7 +31,8 @@ class AclRule:
 def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
     """Workers read tenants' request and cancel topics and write replies and dead letters (in
     transactions named by the group id); each tenant writes its own request and cancel topics and
-    reads and creates topics under its own reply prefix."""
+    reads topics under its own reply prefix, and creates them there unless they are made ahead
+    (`kafka.create_reply_topics` false)."""
     req, cancel, reply = kafka.request_topic, kafka.cancel_topic, kafka.reply_topic_prefix
     rules = [
         AclRule(worker, "READ", "TOPIC", f"{req}.", prefixed=True),
@@ -50,8 +51,9 @@ def recipe(kafka, worker: str, tenants: list[str]) -> list[AclRule]:
             AclRule(principal, "WRITE", "TOPIC", f"{req}.{tenant}"),
             AclRule(principal, "WRITE", "TOPIC", f"{cancel}.{tenant}"),
             AclRule(principal, "READ", "TOPIC", f"{reply}{tenant}.", prefixed=True),
-            AclRule(principal, "CREATE", "TOPIC", f"{reply}{tenant}.", prefixed=True),
         ]
+        if kafka.create_reply_topics:
+            rules.append(AclRule(principal, "CREATE", "TOPIC", f"{reply}{tenant}.", prefixed=True))
     return rules
 
 

@@ -208,6 +208,18 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
         "(compacted: one record per id)",
     )
     create.add_argument("--dlq-retention-ms", type=int, default=14 * 86_400_000)
+    create.add_argument(
+        "--reply-topic",
+        action="append",
+        default=[],
+        metavar="NAME",
+        type=reply_topic_name,
+        help="also the shared reply topic <reply prefix>NAME (<reply prefix><tenant>.NAME for each "
+        "--tenant), made ahead for clients and gateways that make none "
+        "(INFERLINE_KAFKA__CREATE_REPLY_TOPICS=false, INFERLINE_GATEWAY__REPLY_TOPIC)",
+    )
+    create.add_argument("--reply-partitions", type=int, default=4)
+    create.add_argument("--reply-retention-ms", type=int, default=3_600_000)
     create.add_argument("--dlq-topic", default=None, help="default: INFERLINE_KAFKA__DLQ_TOPIC")
     create.add_argument(
         "--tenant",
@@ -438,6 +450,13 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def reply_topic_name(name: str) -> str:
+    """A --reply-topic: what follows the reply prefix (and the tenant) in a topic name."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+        raise argparse.ArgumentTypeError(f"{name!r}: 1-64 of a-z, A-Z, 0-9, '.', '_', '-'")
+    return name
+
+
 def checked_tenants(args: argparse.Namespace, kafka) -> list[str]:
     """--tenant names: each one topic-name segment, none naming or colliding with an internal
     topic (`dlq` would grant `<request topic>.dlq`)."""
@@ -475,6 +494,12 @@ async def cmd_topics(args: argparse.Namespace) -> int:
                 (f"{client.request_topic}.{tenant}", args.partitions, args.retention_ms),
                 (f"{client.cancel_topic}.{tenant}", 1, args.cancel_retention_ms),
             ]
+        prefix = client.kafka.reply_topic_prefix
+        plan += [
+            (f"{prefix}{tenant}{name}", args.reply_partitions, args.reply_retention_ms)
+            for name in args.reply_topic
+            for tenant in ([f"{t}." for t in tenants] or [""])
+        ]
         for name, partitions, retention in plan:
             configs = topic_configs(retention)
             if name in cancel_topics:  # compaction keeps one cancel per request id

@@ -45,6 +45,8 @@ from inferline.producer.replies import (
     PER_REQUEST,
     REPLY_TOPIC_PREFIX,
     ReplyRouter,
+    ReplyTopicError,
+    missing_reply_topic,
     per_request_topic,
 )
 from inferline.contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
@@ -163,6 +165,8 @@ class InferenceClient:
         opts = self.kafka.connection_options()
         self._admin = AIOKafkaAdminClient(**opts, client_id=f"{self.kafka.client_id}-admin")
         await self._admin.start()
+        if not self.kafka.create_reply_topics:
+            await self._check_made_ahead()
         # Idempotent (acks=all): a retried send cannot duplicate a request on the log.
         self._producer = AIOKafkaProducer(
             **opts,
@@ -192,10 +196,21 @@ class InferenceClient:
             replication_factor=self.replication_factor,
             min_insync_replicas=self.kafka.min_insync_replicas,
             max_event_bytes=max(self.kafka.max_message_bytes, 4 * 1_048_576),
+            create=self.kafka.create_reply_topics,
         )
         if self.reply_topic != PER_REQUEST:
             await self._replies.watch_shared(self.reply_topic, fresh=self._own_reply_topic)
         self._consumer_task = asyncio.create_task(self._replies.run(), name="inferline-replies")
+
+    async def _check_made_ahead(self) -> None:
+        """Where clients make no topics: the reply topic is named, and exists."""
+        if self._own_reply_topic or self.reply_topic == PER_REQUEST:
+            raise ReplyTopicError(
+                "INFERLINE_KAFKA__CREATE_REPLY_TOPICS is false: name a reply topic made ahead "
+                "(InferenceClient(reply_topic=...), inferline topics create --reply-topic)"
+            )
+        if await topic_partitions(self._admin, self.reply_topic) is None:
+            raise missing_reply_topic(self.reply_topic)
 
     async def close(self) -> None:
         """Fail what is in flight (ClientClosed), drop the topics this client made, disconnect."""
@@ -211,7 +226,7 @@ class InferenceClient:
             for t in watched
             if t.startswith(self.reply_prefix) and (self._own_reply_topic or t != self.reply_topic)
         ]
-        if drop and self._admin:
+        if drop and self._admin and self.kafka.create_reply_topics:
             with contextlib.suppress(Exception):
                 await self._admin.delete_topics(drop)
         for stop in (

@@ -22,6 +22,17 @@ PER_REQUEST = "per-request"
 REPLY_TOPIC_PREFIX = "inferline.reply."
 
 
+class ReplyTopicError(RuntimeError):
+    """A reply topic that is missing, or would have to be made, where topics are made ahead."""
+
+
+def missing_reply_topic(topic: str) -> ReplyTopicError:
+    return ReplyTopicError(
+        f"reply topic {topic!r} does not exist: make it ahead (inferline topics create "
+        "--reply-topic), or let clients make theirs (INFERLINE_KAFKA__CREATE_REPLY_TOPICS)"
+    )
+
+
 def per_request_topic(request_id: str, prefix: str = REPLY_TOPIC_PREFIX) -> str:
     # ':' is legal in ids, not in topic names; a 16-char prefix + 128 chars stays under 249.
     return prefix + request_id.replace(":", "_")
@@ -43,6 +54,7 @@ class ReplyRouter:
         replication_factor: int | None,
         min_insync_replicas: int | None,
         max_event_bytes: int,
+        create: bool = True,
     ):
         self.consumer, self.admin, self.handles, self._spawn = consumer, admin, handles, spawn
         self.partitions, self.retention_ms = partitions, retention_ms
@@ -52,6 +64,7 @@ class ReplyRouter:
             "min_insync_replicas": min_insync_replicas,
         }
         self.max_event_bytes = max_event_bytes
+        self.create = create  # may make (and delete) reply topics at run time
         self.watched: set[str] = set()
         self.undecodable = 0
         self._assign_lock = asyncio.Lock()
@@ -67,19 +80,28 @@ class ReplyRouter:
             await self.watch_shared(topic, fresh=False)
 
     async def watch_shared(self, topic: str, fresh: bool) -> None:
-        """Create the topic if missing and read it: from the start when this client created it,
-        else from its end."""
-        created = await create_topics(
-            self.admin,
-            [(topic, self.partitions)],
-            **self.replicas,
-            configs=topic_configs(self.retention_ms),
-        )
+        """Read the topic (created first if missing, where topics may be made at run time): from
+        the start when this client created it, else from its end."""
+        created = []
+        if self.create:
+            created = await create_topics(
+                self.admin,
+                [(topic, self.partitions)],
+                **self.replicas,
+                configs=topic_configs(self.retention_ms),
+            )
         parts = await topic_partitions(self.admin, topic)
+        if parts is None:
+            raise missing_reply_topic(topic)
         tps = [TopicPartition(topic, p) for p in parts]
         await self._reassign(add=tps, from_start=fresh or topic in created)
 
     async def _add_fresh_topic(self, topic: str) -> None:
+        if not self.create:
+            raise ReplyTopicError(
+                "per-request reply topics are made at run time, and "
+                "INFERLINE_KAFKA__CREATE_REPLY_TOPICS is false: name a reply topic made ahead"
+            )
         await create_topics(
             self.admin,
             [(topic, 1)],
@@ -122,7 +144,7 @@ class ReplyRouter:
         await asyncio.sleep(0.2)
         topics, self._retiring = set(self._retiring), set()
         await self._reassign(remove=topics)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # retire() is reached only where topics are made
             await self.admin.delete_topics(sorted(topics))
 
     # --- the one consumer task ----------------------------------------------------------------

@@ -40,7 +40,9 @@ class ClientPool:
             cancel_topic=cancel_topic,
             settings=self.settings,
             # Topic tenancy: the worker answers a tenant only under `<prefix><tenant>.`.
-            reply_topic=kafka.reply_topic_prefix + (f"{tenant}." if tenant else "") + self.instance,
+            reply_topic=kafka.reply_topic_prefix
+            + (f"{tenant}." if tenant else "")
+            + (self.settings.gateway.reply_topic or self.instance),
             reply_partitions=self.settings.gateway.reply_partitions,
         )
 
@@ -90,7 +92,9 @@ class ClientPool:
         await self._delete_reply_topics()
 
     async def _delete_reply_topics(self) -> None:
-        # Named reply topics may be shared; these are this instance's own.
+        # The instance's own; a named one (gateway.reply_topic) is every replica's.
+        if self.settings.gateway.reply_topic or not self.settings.kafka.create_reply_topics:
+            return
         admin = AIOKafkaAdminClient(**self.settings.kafka.connection_options())
         with contextlib.suppress(Exception):
             await admin.start()

@@ -150,6 +150,15 @@ async def test_topics_create(kafka_bootstrap, cli_env):
         assert described[names[3]] == 2 and described[names[4]] == 1
         rc, _, err = await run_cli(env, "topics", "create", "--tenant", "a.b")
         assert rc != 0 and "must be 1-64 of" in err
+        # reply topics made ahead, for clients and gateways that make none
+        app = f"app-{os.getpid()}"
+        rc, out, err = await run_cli(
+            env, "topics", "create", "--tenant", "acme", "--reply-topic", app
+        )
+        names.append(f"inferline.reply.acme.{app}")
+        assert rc == 0 and f"{names[-1]}: created (4 partitions" in out, err
+        rc, _, err = await run_cli(env, "topics", "create", "--reply-topic", "a/b")
+        assert rc != 0 and "'a/b': 1-64 of" in err
     finally:
         await admin.delete_topics(names)
         await admin.close()

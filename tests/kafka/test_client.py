@@ -176,6 +176,49 @@ async def test_named_reply_topic_shared_by_two_clients(kafka_bootstrap, kafka_to
     assert all(r.text == "w0 w1 " for r in ra) and all(r.text == "w0 w1 w2 w3 " for r in rb)
 
 
+@pytest.mark.kafka
+async def test_a_client_that_makes_no_topics_uses_one_made_ahead_and_names_what_is_missing(
+    kafka_bootstrap, kafka_topics, new_topic
+):
+    from inferline.config.settings import Settings
+    from inferline.producer.replies import ReplyTopicError
+
+    settings = Settings(kafka={"bootstrap_servers": kafka_bootstrap, "create_reply_topics": False})
+    ahead = await new_topic(2, prefix="ahead", reply=True)
+    async with scripted(kafka_bootstrap, kafka_topics, reply_topic=ahead, settings=settings) as (
+        client,
+        _,
+    ):
+        result = await asyncio.wait_for((await client.submit("x", max_tokens=2)).result(), 60)
+        assert result.text == "w0 w1 "
+        with pytest.raises(ReplyTopicError, match="per-request reply topics are made at run"):
+            await client.submit("x", reply_topic="per-request")
+    assert await topic_exists(kafka_bootstrap, ahead)  # not deleted on close
+    for reply_topic, said in (
+        (None, "name a reply topic made ahead"),
+        ("inferline.reply.nowhere-" + uuid.uuid4().hex[:8], "does not exist"),
+    ):
+        client = InferenceClient(
+            kafka_bootstrap, reply_topic=reply_topic, settings=settings, request_topic="r"
+        )
+        with pytest.raises(ReplyTopicError, match=said):
+            await client.start()
+        await client.close()
+        if reply_topic:
+            assert not await topic_exists(kafka_bootstrap, reply_topic)
+
+
+async def topic_exists(bootstrap: str, topic: str) -> bool:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return topic in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
 def restart_script(req: Request) -> list:
     """Attempt a1 dies mid-stream; a2 runs to the end; a zombie a1 event comes late; and a2's
     first two events are delivered twice (at least once)."""

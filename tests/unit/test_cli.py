@@ -325,6 +325,15 @@ async def test_topics_acls_prints_the_recipe():
         "kafka-acls.sh --bootstrap-server broker:9092 --add --allow-principal User:w "
         "--operation Write --transactional-id inferline-workers. --resource-pattern-type prefixed"
     ) in lines
+    creates = "--operation Create --topic inferline.reply.acme. --resource-pattern-type prefixed"
+    assert any(creates in ln for ln in lines)
+    # Reply topics made ahead (#51): the tenant's smaller grant, READ and WRITE only.
+    env["INFERLINE_KAFKA__CREATE_REPLY_TOPICS"] = "false"
+    rc, out, err = await run_cli(env, "topics", "acls", "--tenant", "acme")
+    tenant = [ln.split()[ln.split().index("--operation") + 1] for ln in out.splitlines()]
+    tenant = [op for op, ln in zip(tenant, out.splitlines()) if "User:acme" in ln]
+    assert rc == 0 and sorted(tenant) == ["Read", "Write", "Write"], (err, tenant)
+    del env["INFERLINE_KAFKA__CREATE_REPLY_TOPICS"]
     rc, _, err = await run_cli(env, "topics", "acls", "--tenant", "a.b")
     assert rc != 0 and "must be 1-64 of" in err
     # Tenants named like internal topics (issue 38): refused before anything is printed or created.

@@ -338,6 +338,9 @@ def test_the_guards(k8s, tmp_path):
     assert triggers[0]["metadata"]["lagThreshold"] == "16"
     typo = helm_template(k8s, "--set", "autoscaling.kafka.signal=lags", check=False)
     assert typo.returncode != 0 and "backlog or lag" in typo.stderr
+    ahead = render(k8s, {"settings": {"gateway": {"reply_topic": "gw"}}}, tmp=tmp_path)
+    args = kind(ahead, "Job")[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert args[args.index("--reply-topic") + 1 :][:3] == ["gw", "--reply-partitions", "4"]
     zero = render(k8s, {"autoscaling": {"scaleToZero": True}}, tmp=tmp_path)
     assert kind(zero, "ScaledObject")[0]["spec"]["minReplicaCount"] == 0
     tenancy = render(k8s, {"settings": {"kafka": {"tenancy": "topic"}}}, tmp=tmp_path)
