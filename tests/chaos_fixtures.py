@@ -427,15 +427,16 @@ class IntakeHarness:
         if out.on_acked:
             out.on_acked("failed" if failed else "ok")
 
-    def feed(self, value: bytes | None, key: bytes | None = b"k"):
-        """Hands one record to the intake; returns the outgoing messages and admitted requests."""
+    def feed(self, value: bytes | None, key: bytes | None = b"k", timestamp_ms: int | None = None):
+        """Hands one record to the intake (its Kafka timestamp `timestamp_ms`, else now; -1:
+        none); returns the outgoing messages and admitted requests."""
         from aiokafka.structs import ConsumerRecord
 
         record = ConsumerRecord(
             self.tp.topic,
             0,
             self.offset,
-            int(time.time() * 1000),
+            int(time.time() * 1000) if timestamp_ms is None else timestamp_ms,
             0,
             key,
             value,

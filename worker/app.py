@@ -55,7 +55,7 @@ class Worker:
     def __init__(self, settings, engine: LLMEngine | None = None) -> None:
         self.settings = settings
         self.name = settings.worker.name or f"{socket.gethostname()}:{os.getpid()}"
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.gateway.model_name, settings.model.max_model_len)
         self.tracker = OffsetTracker()
         self.limiter = RateLimiter(settings.limits)
         self.cancels = RecentCancels(ttl_s=settings.kafka.cancel_lookback_s)

@@ -19,7 +19,6 @@ from inferline.worker.engine.engine import EngineStats
 from inferline.worker.engine.request import RequestOutput
 from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
-from inferline.worker.service.metrics import priority_label
 from inferline.worker.service.tenancy import cancel_key
 
 log = structlog.get_logger(__name__)
@@ -73,6 +72,8 @@ class RequestTracker:
             req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream
         )
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
+        job.sent_at = adm.sent_at  # for TTFT from the record's timestamp
+        self.metrics.observe_receipt(adm.received, adm.sent_at)
         job.log = log.bind(
             request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset
         )
@@ -160,18 +161,30 @@ class RequestTracker:
         job.state = "running"
         self._num_waiting -= 1
         self.delivery.publisher.started(job.reply, out.queue_s)
-        self.metrics.queue_time.labels(priority_label(job.request.priority)).observe(out.queue_s)
+        self.metrics.by_priority(self.metrics.queue_time, job.request.priority).observe(out.queue_s)
 
     def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
         if job.first_token_at is None:
             job.first_token_at = now
-            self.metrics.ttft.labels(priority_label(job.request.priority)).observe(
-                now - job.received
+            # A timestamp after receipt (clock skew, or set by the producer) counts as receipt.
+            origin = min(job.sent_at, job.received) if job.sent_at is not None else job.received
+            self.metrics.observe_first_token(
+                job.request.priority, now - job.received, now - origin, out.num_prompt_tokens
             )
         job.last_token_at = now
+        if out.new_token_ids:
+            self._token_gap(job, out.index, now)
         self.delivery.publisher.tokens(
             job.reply, out.new_token_ids, out.text_delta, out.logprobs, out.index
         )
+
+    def _token_gap(self, job: Job, index: int, now: float) -> None:
+        """One gap per sample and step, however many tokens the step gave it (as vLLM counts
+        its inter-token latency): the user gets them together."""
+        last = job.token_at.get(index)
+        if last is not None:
+            self.metrics.observe_gap(now - last)
+        job.token_at[index] = now
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         ran = job.state == "running"
@@ -205,6 +218,9 @@ class RequestTracker:
         self.metrics.observe_finish(
             reason, out.error_code, job.request.priority, time.time() - job.received, itl
         )
+        # A requeued request's lengths are counted where it ends.
+        if job.first_token_at is not None and reason != "requeued":
+            self.metrics.observe_lengths(out.num_prompt_tokens, out.num_output_tokens)
         job.log.info(
             "request.done",
             finish_reason=reason,

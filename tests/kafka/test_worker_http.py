@@ -38,9 +38,17 @@ async def test_health_ready_and_metrics(kafka_bootstrap, topics, start_worker):
         "inferline_tokens_generated_total",
         "inferline_dead_letters_total",
         "inferline_consumer_lag",
+        "inferline_prompt_tokens_total",
+        "inferline_inter_token_gap_seconds_bucket",
+        "inferline_request_prompt_tokens_bucket",
+        "inferline_request_generation_tokens_bucket",
     ):
         assert name in text, name
-    assert 'inferline_e2e_seconds_count{priority="3"} 1.0' in text
+    model = f'model_name="{worker.settings.gateway.model_name}"'
+    assert f'inferline_e2e_seconds_count{{{model},priority="3"}} 1.0' in text
+    # The records' Kafka timestamps came through the consumer: both were timed in Kafka.
+    assert f"inferline_time_in_kafka_seconds_count{{{model}}} 2.0" in text
+    assert f"inferline_e2e_ttft_seconds_count{{{model}}} 2.0" in text
     assert 'inferline_requests_total{outcome="length"} 2.0' in text
 
     threshold = worker.settings.http.stall_threshold_s

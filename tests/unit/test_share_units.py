@@ -198,6 +198,9 @@ class FakeMessage:
     def headers(self):
         return self.r.headers
 
+    def timestamp(self):  # confluent-kafka's (type, ms): 0 is TIMESTAMP_NOT_AVAILABLE
+        return (0, -1) if self.r.timestamp is None else (1, self.r.timestamp)
+
     def delivery_count(self):
         return self.r.delivery_count
 

@@ -38,6 +38,8 @@ class Job:
     state: str = "waiting"  # waiting -> running -> finishing
     first_token_at: float | None = None
     last_token_at: float | None = None
+    sent_at: float | None = None  # its record's Kafka timestamp (Unix seconds), if any
+    token_at: dict[int, float] = field(default_factory=dict)  # sample -> its last token's time
     log: structlog.BoundLogger = field(default=None, repr=False)
 
     @property

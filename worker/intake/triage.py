@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from confluent_kafka import KafkaError, KafkaException, admin
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException, admin
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
@@ -44,6 +44,7 @@ class Admission:
     received: float  # Unix seconds
     max_tokens: int
     deadline: float  # Unix seconds
+    sent_at: float | None = None  # the record's Kafka timestamp, Unix seconds, if it has one
 
     def engine_request(self, attempt: str) -> EngineRequest:
         """The engine's request for one attempt (the engine's request id)."""
@@ -128,6 +129,7 @@ class Record:
     key: bytes | None
     value: bytes | None
     headers: list | None
+    timestamp: int | None = field(default=None, kw_only=True)  # ms, as aiokafka's records
 
     @classmethod
     def read(cls, messages) -> list:
@@ -141,13 +143,23 @@ class Record:
                 log.warning("intake.fetch_error", error=str(m.error()))
                 continue
             fields = (m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers())
-            records.append(cls(*fields, *cls._extra(m)))
+            kind, ms = m.timestamp()
+            stamp = None if kind == TIMESTAMP_NOT_AVAILABLE else ms
+            records.append(cls(*fields, *cls._extra(m), timestamp=stamp))
         return records
 
     @staticmethod
     def _extra(message) -> tuple:
         """A subclass's own fields, read from the message."""
         return ()
+
+
+def record_time(record) -> float | None:
+    """The record's Kafka timestamp in Unix seconds, or None where it has none. CreateTime is
+    the producer's clock (or any value it set); LogAppendTime, where the topic asks for it, the
+    broker's."""
+    ms = getattr(record, "timestamp", None)
+    return ms / 1000 if ms is not None and ms >= 0 else None
 
 
 def is_fatal(error: KafkaError) -> bool:
@@ -277,7 +289,7 @@ class Triage:
             route = ReplyRoute.of(decoded)
             self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
-            self._triage(tp, record.offset, decoded, time.time())
+            self._triage(tp, record.offset, decoded, time.time(), record_time(record))
 
     def _log_refusal(self, tp, offset: int, reason: str) -> None:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
@@ -382,7 +394,9 @@ class Triage:
             return exc
         return req
 
-    def _triage(self, tp, offset: int, req: Request, received: float) -> None:
+    def _triage(
+        self, tp, offset: int, req: Request, received: float, sent_at: float | None = None
+    ) -> None:
         # First: a resubmission gets its first final again, never a second (other content runs).
         if self._delivery.answered_before(tp, offset, req):
             return
@@ -390,7 +404,8 @@ class Triage:
         max_tokens = min(req.max_tokens, self._s.limits.max_tokens_cap)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
-            self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
+            adm = Admission(tp, offset, req, received, max_tokens, deadline, sent_at)
+            self._sink.admit(adm)
             return
         code, message, reason = refused
         route, meta = ReplyRoute.of(req), req.metadata

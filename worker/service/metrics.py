@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Latency buckets from 5 ms to 10 min: queue time spans that range under load.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# A gap between two tokens is one decode step or a few: finer than _LATENCY where steps are.
+_GAP = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15)
+_GAP += (0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30)
 
 
 def priority_label(priority: int) -> str:
@@ -18,8 +21,23 @@ def priority_label(priority: int) -> str:
     return str(priority)
 
 
+def length_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (as vLLM's token-count histograms)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """The worker's metrics; the latency ones and the token counts carry `model_name`, the name
+    clients call the model by (INFERLINE_GATEWAY__MODEL_NAME: what /v1/models lists)."""
+
+    def __init__(self, model_name: str = "", max_model_len: int = 2048) -> None:
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "inferline_requests",
@@ -41,7 +59,13 @@ class Metrics:
         )
         self.cancels = Counter("inferline_cancels_received", "Cancel messages read", registry=r)
         self.tokens_generated = Counter(
-            "inferline_tokens_generated", "Output tokens generated", registry=r
+            "inferline_tokens_generated", "Output tokens generated", ["model_name"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "inferline_prompt_tokens",
+            "Prompt tokens of requests that got their first token",
+            ["model_name"],
+            registry=r,
         )
         self.preemptions = Counter(
             "inferline_preemptions", "Sequences preempted by the scheduler", registry=r
@@ -79,6 +103,7 @@ class Metrics:
             "Mean time between tokens of one request (one sample per request)",
         )
         self.e2e = self._hist("inferline_e2e_seconds", "Receipt to done")
+        self._add_user_latency(max_model_len)
         self.running = Gauge(
             "inferline_running_requests", "Requests in the running batch", registry=r
         )
@@ -170,7 +195,41 @@ class Metrics:
         )
 
     def _hist(self, name: str, doc: str) -> Histogram:
-        return Histogram(name, doc, ["priority"], buckets=_LATENCY, registry=self.registry)
+        labels = ["model_name", "priority"]
+        return Histogram(name, doc, labels, buckets=_LATENCY, registry=self.registry)
+
+    def _model_hist(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def _add_user_latency(self, max_model_len: int) -> None:
+        """Latency as the user feels it: before receipt, between tokens; request sizes."""
+        self.time_in_kafka = self._model_hist(
+            "inferline_time_in_kafka_seconds",
+            "Record timestamp to receipt (0 for a timestamp after receipt)",
+            _LATENCY,
+        )
+        self.e2e_ttft = self._model_hist(
+            "inferline_e2e_ttft_seconds",
+            "Record timestamp (or receipt, if earlier) to first token",
+            _LATENCY,
+        )
+        self.token_gap = self._model_hist(
+            "inferline_inter_token_gap_seconds",
+            "Time between a sample's consecutive engine steps with tokens, one per step",
+            _GAP,
+        )
+        lengths = length_buckets(max_model_len)
+        self.request_prompt_tokens = self._model_hist(
+            "inferline_request_prompt_tokens", "Prompt tokens per finished request", lengths
+        )
+        self.request_generation_tokens = self._model_hist(
+            "inferline_request_generation_tokens",
+            "Output tokens per finished request (all its samples)",
+            lengths,
+        )
+        # Bound once: a gap is observed per sample and step. Kept in a dict, not as attributes,
+        # so that only the families are attributes (tests walk them).
+        self._bound = {"gap": self.token_gap.labels(self.model_name)}
 
     def set_backends(self, backends, calibration=None) -> None:
         """The loaded model's KernelBackends and the linear layers' calibration."""
@@ -186,16 +245,43 @@ class Metrics:
                 kind, getattr(backends, kind), how if kind == "linear" else "set"
             ).set(1)
 
+    def by_priority(self, hist: Histogram, priority: int):
+        """`hist`'s child for this model and `priority` (one of _hist's histograms)."""
+        return hist.labels(self.model_name, priority_label(priority))
+
+    def observe_receipt(self, received: float, sent_at: float | None) -> None:
+        """A request admitted at `received`, its record stamped `sent_at` (Unix seconds)."""
+        if sent_at is not None:
+            # Clamped: a producer's clock ahead of ours (or a timestamp it set in the future)
+            # would make a negative time; it counts as no time in Kafka.
+            self.time_in_kafka.labels(self.model_name).observe(max(0.0, received - sent_at))
+
+    def observe_first_token(
+        self, priority: int, ttft_s: float, e2e_ttft_s: float, num_prompt_tokens: int
+    ) -> None:
+        """A request's first token: TTFT from receipt and from its record's timestamp."""
+        self.by_priority(self.ttft, priority).observe(ttft_s)
+        self.e2e_ttft.labels(self.model_name).observe(max(0.0, e2e_ttft_s))
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def observe_gap(self, gap_s: float) -> None:
+        """The time since the sample's previous step with tokens."""
+        self._bound["gap"].observe(gap_s)
+
+    def observe_lengths(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A finished request's prompt and output lengths."""
+        self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+
     def observe_finish(
         self, reason: str, error_code: str | None, priority: int, e2e_s: float, itl_s: float | None
     ) -> None:
-        label = priority_label(priority)
         self.requests.labels(reason).inc()
         if reason == "rejected":
             self.rejections.labels(error_code or "invalid_request").inc()
-        self.e2e.labels(label).observe(max(0.0, e2e_s))
+        self.by_priority(self.e2e, priority).observe(max(0.0, e2e_s))
         if itl_s is not None:
-            self.itl.labels(label).observe(itl_s)
+            self.by_priority(self.itl, priority).observe(itl_s)
 
     def observe_engine(self, st, prev, num_waiting: int) -> None:
         """One engine step's EngineStats; `prev`'s totals make deltas."""
@@ -208,7 +294,8 @@ class Metrics:
         if st.num_steps > prev.num_steps and st.batch_size:
             self.iteration.observe(st.step_time_s)
         self.preemptions.inc(max(0, st.num_preemptions - prev.num_preemptions))
-        self.tokens_generated.inc(max(0, st.num_generated_tokens - prev.num_generated_tokens))
+        generated = max(0, st.num_generated_tokens - prev.num_generated_tokens)
+        self.tokens_generated.labels(self.model_name).inc(generated)
         self.prefix_queries.inc(max(0, st.prefix_cache_queries - prev.prefix_cache_queries))
         self.prefix_hits.inc(max(0, st.prefix_cache_hits - prev.prefix_cache_hits))
         self.spec_drafts.inc(max(0, st.spec_draft_tokens - prev.spec_draft_tokens))
