@@ -268,7 +268,7 @@ class TenantLimit(BaseModel):
 
 class LimitsSettings(BaseModel):
     # max_tokens at most (more is rejected naming it); a request without one gets what the model
-    # length leaves after its prompt, at most this.
+    # length leaves after its prompt, at most this (and max_request_tokens / n).
     max_tokens_cap: int = Field(1024, ge=1)
     # Tokens a request may ask for over all its samples (n x max_tokens); more is rejected.
     max_request_tokens: int = Field(4096, ge=1)

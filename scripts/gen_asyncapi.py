@@ -78,7 +78,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "prompt_token_ids": "An already tokenized prompt.",
         "max_tokens": "New tokens at most; over the worker's INFERLINE_LIMITS__MAX_TOKENS_CAP, or "
         "more than the model length leaves after the prompt: rejected naming max_tokens. Absent: "
-        "what the model length leaves after the prompt, at most that cap.",
+        "what the model length leaves after the prompt, at most that cap and "
+        "INFERLINE_LIMITS__MAX_REQUEST_TOKENS / n.",
         "temperature": "0 means greedy.",
         "top_p": "Nucleus sampling mass.",
         "top_k": "0 = off.",

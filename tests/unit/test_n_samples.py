@@ -333,6 +333,8 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
         (2, 100, {"max_request_tokens": 150}, "n"),
         (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, "max_tokens"),
         (1, 150, {"max_request_tokens": 150, "max_tokens_cap": 150}, None),
+        (16, None, {}, None),  # left out: 4096 / 16 = 256 each, not the cap of 1024 (issue 50)
+        (5, None, {"max_request_tokens": 4}, "n"),  # not even one token each
     ],
 )
 def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, refused):
@@ -352,7 +354,7 @@ def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, refuse
                 "reply_topic": "inferline.reply.c",
                 "prompt": "Hi.",
                 "n": n,
-                "max_tokens": max_tokens,
+                **({} if max_tokens is None else {"max_tokens": max_tokens}),
             }
         )
     )

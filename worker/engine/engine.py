@@ -344,12 +344,7 @@ class LLMEngine:
 
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
         total = len(prompt_ids) + max_tokens
-        if total > self.max_model_len:
-            raise Rejected(
-                "prompt_too_long",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                f"({max_tokens}) exceeds the model length {self.max_model_len}",
-            )
+        assert total <= self.max_model_len, "_fit_max_tokens first"
         needed = self.num_blocks_needed(len(prompt_ids), max_tokens, n)
         if needed > self.block_manager.num_blocks:
             what = "prompt + max_tokens" if n == 1 else f"n ({n}) samples of prompt + max_tokens"

@@ -56,6 +56,12 @@ def deadline_of(req: Request, received: float, default_timeout_s: float) -> floa
     return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
 
 
+def default_max_tokens(n: int, limits) -> int:
+    """max_tokens of a request that left it out, until the engine knows what its prompt leaves:
+    the cap, and no more than n samples may take of INFERLINE_LIMITS__MAX_REQUEST_TOKENS."""
+    return max(1, min(limits.max_tokens_cap, limits.max_request_tokens // n))
+
+
 def max_tokens_problem(max_tokens: int, limits) -> str | None:
     """Why max_tokens is over the worker's cap (INFERLINE_LIMITS__MAX_TOKENS_CAP), or None."""
     if max_tokens <= limits.max_tokens_cap:
@@ -399,8 +405,7 @@ class Triage:
         if self._delivery.answered_before(tp, offset, req):
             return
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
-        # Left out: the cap, until the engine knows what the prompt leaves.
-        max_tokens = self._s.limits.max_tokens_cap if req.max_tokens is None else req.max_tokens
+        max_tokens = req.max_tokens or default_max_tokens(req.n, self._s.limits)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
             self._sink.admit(Admission(tp, offset, req, received, max_tokens, deadline))
