@@ -534,3 +534,16 @@ def test_max_tokens_left_out_is_what_the_model_length_leaves(model_runner):
     assert asked.error_message.startswith("max_tokens: 5 does not fit"), asked.error_message
     assert (full.finish_reason, full.error_code) == ("rejected", "prompt_too_long")
     assert full.error_message.startswith("prompt (24 tokens)"), full.error_message
+
+
+def test_max_tokens_left_out_is_at_most_what_the_kv_cache_holds(model_runner):
+    """Left out, max_tokens is never more than the whole KV cache holds beside the prompt: such a
+    request runs instead of being rejected for a max_tokens it did not ask for."""
+    engine = make_engine(model_runner, num_blocks=3)
+    bs, prompt = engine.block_manager.block_size, list(range(100, 120))
+    sampling = greedy(1024, ignore_eos=True, fit_to_model_len=True)
+    results = run_to_completion(
+        engine, {0: [EngineRequest(request_id="kv", prompt_token_ids=prompt, sampling=sampling)]}
+    )
+    final = results["kv"]["final"]
+    assert (final.finish_reason, final.num_output_tokens) == ("length", 3 * bs - len(prompt))

@@ -332,7 +332,8 @@ class LLMEngine:
                 f"{self.max_model_len}",
             )
         if sampling.fit_to_model_len:
-            return replace(sampling, max_tokens=min(sampling.max_tokens, left))
+            room = self._kv_room(num_prompt_tokens, sampling.n)
+            return replace(sampling, max_tokens=max(1, min(sampling.max_tokens, left, room)))
         if sampling.max_tokens > left:
             raise Rejected(
                 "prompt_too_long",
@@ -341,6 +342,13 @@ class LLMEngine:
                 f"(at most {left} left)",
             )
         return sampling
+
+    def _kv_room(self, num_prompt_tokens: int, n: int) -> int:
+        """New tokens each of n samples can have with the whole KV cache to themselves (the
+        inverse of num_blocks_needed); below 1 when even the prompt does not fit."""
+        bm = self.block_manager
+        shared = (num_prompt_tokens - 1) // bm.block_size if n > 1 else 0
+        return (shared + (bm.num_blocks - shared) // n) * bm.block_size - num_prompt_tokens
 
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
         total = len(prompt_ids) + max_tokens
