@@ -128,8 +128,9 @@ def _common(body: dict, known: frozenset[str]) -> Mapped:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options: must be an object")
-    for name in [k for k in options if k != "include_usage"]:
-        raise bad_request("stream_options", f"stream_options.{name} is not supported")
+    unknown = [k for k in options if k != "include_usage"]
+    if unknown:
+        raise bad_request("stream_options", f"stream_options.{unknown[0]} is not supported")
     # No tokens events for a whole answer: it arrives in `done`, one event instead of many.
     fields["stream"] = stream
     return Mapped(fields, stream, stream and bool(options.get("include_usage")), rename)
