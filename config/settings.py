@@ -359,9 +359,10 @@ class TenantLimit(BaseModel):
 
 
 class LimitsSettings(BaseModel):
-    # Every request's max_tokens is capped at this.
+    # max_tokens at most (more is rejected naming it); a request without one gets what the model
+    # length leaves after its prompt, at most this (and max_request_tokens / n).
     max_tokens_cap: int = Field(1024, ge=1)
-    # Tokens a request may ask for over all its samples (n x capped max_tokens); more is rejected.
+    # Tokens a request may ask for over all its samples (n x max_tokens); more is rejected.
     max_request_tokens: int = Field(4096, ge=1)
     default_timeout_s: float = Field(600.0, gt=0)
     default_tenant: TenantLimit = TenantLimit()

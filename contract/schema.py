@@ -66,6 +66,9 @@ MAX_CHOICE_LEN = 1024
 MAX_TOP_LOGPROBS = 20
 # Samples per request: each costs its own decode tokens (the prompt is computed once).
 MAX_N = 16
+# OpenAI's caps on logit_bias: entries, and each bias (added to a logit before sampling).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100, 100)
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
@@ -155,6 +158,13 @@ def _utf8(s: str) -> str:
     return s
 
 
+def _token_id_key(s: str) -> str:
+    # JSON keys are strings: a token id in decimal, as OpenAI's logit_bias.
+    if not (s.isascii() and s.isdigit() and len(s) <= 10 and int(s) <= MAX_TOKEN_ID):
+        raise ValueError(f"must be a token id in decimal, 0 to {MAX_TOKEN_ID}")
+    return s
+
+
 def _legal_id(s: str) -> str:
     if not is_legal_id(s):
         raise ValueError("must be 1-128 characters of [A-Za-z0-9._:-]")
@@ -169,6 +179,8 @@ RequestId = Annotated[str, AfterValidator(_legal_id)]
 TopicName = Annotated[str, AfterValidator(_legal_topic)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Seconds = Annotated[float, Field(ge=0)]
+TokenIdKey = Annotated[str, AfterValidator(_token_id_key)]
+Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
 
 
 def is_legal_id(value: object) -> bool:
@@ -302,7 +314,8 @@ class Request(_Wire):
     prompt_token_ids: (
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None
     ) = None
-    max_tokens: Annotated[int, Field(ge=1)] = 256
+    # None: what the model length leaves after the prompt, at most the worker's cap.
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
@@ -330,6 +343,7 @@ class Request(_Wire):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # after logprobs
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     @field_validator("structured")
     @classmethod
@@ -614,6 +628,7 @@ _COUNT_CAPS = (
     ("stop", MAX_STOP, "strings"),
     ("stop_token_ids", MAX_STOP_TOKEN_IDS, "ids"),
     ("metadata", MAX_METADATA_KEYS, "keys"),
+    ("logit_bias", MAX_LOGIT_BIAS, "entries"),
 )
 
 
@@ -723,6 +738,8 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_CHOICE_LEN",
     "MAX_TOP_LOGPROBS",
+    "MAX_LOGIT_BIAS",
+    "LOGIT_BIAS_RANGE",
     "ChatMessage",
     "JsonSchemaFormat",
     "ResponseFormat",

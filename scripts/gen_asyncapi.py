@@ -76,8 +76,10 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "prompt": "Text to continue. Exactly one of prompt, messages, prompt_token_ids.",
         "messages": "Chat messages: the model's chat template is applied, generation prompt added.",
         "prompt_token_ids": "An already tokenized prompt.",
-        "max_tokens": "New tokens at most (capped by the worker's "
-        "INFERLINE_LIMITS__MAX_TOKENS_CAP).",
+        "max_tokens": "New tokens at most; over the worker's INFERLINE_LIMITS__MAX_TOKENS_CAP, or "
+        "more than the model length leaves after the prompt: rejected naming max_tokens. Absent: "
+        "what the model length leaves after the prompt, at most that cap and "
+        "INFERLINE_LIMITS__MAX_REQUEST_TOKENS / n.",
         "temperature": "0 means greedy.",
         "top_p": "Nucleus sampling mass.",
         "top_k": "0 = off.",
@@ -105,6 +107,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "top_logprobs": "With logprobs: also the k most likely tokens of each step (0-20).",
         "n": "Samples of the prompt (1-16): computed once, sampled n times; sample i draws with "
         "seed + i. Each sample may use max_tokens, so the request costs up to n x max_tokens.",
+        "logit_bias": "Token id (decimal string) -> bias in [-100, 100], added to that token's "
+        "logit before sampling (greedy too), as OpenAI's; at most 300 entries. Workers older "
+        "than this field ignore it.",
     },
     "ResponseFormat": {
         "type": "text, json_object or json_schema.",

@@ -3,6 +3,7 @@ model, and the gateway under uvicorn on a free port, shared by a test module.
 
     fleet (module, async) -> Fleet     .url (the OpenAI base URL), .topics, .settings, .worker,
                                        .server
+    shallow_fleet (module, async)      the same over the 4-layer shallow model
     start_gateway(settings)            another gateway in this process: (server, task, base url)
     make_topics / delete_topics        the topics of a fleet (with per-tenant ones for topic
                                        tenancy)
@@ -99,11 +100,11 @@ async def delete_topics(bootstrap: str, topics: Topics, tenants: tuple[str, ...]
         await admin.close()
 
 
-@pytest.fixture(scope="module")
-async def fleet(kafka_bootstrap, model_runner):
+async def run_fleet(kafka_bootstrap: str, runner):
+    """Topics, a worker over `runner` and a gateway; yields the Fleet, then stops it all."""
     topics = await make_topics(kafka_bootstrap)
     wsettings = Settings(**worker_config(kafka_bootstrap, topics, limits=LIMITS))
-    worker = Worker(wsettings, LLMEngine(model_runner, engine_settings(wsettings)))
+    worker = Worker(wsettings, LLMEngine(runner, engine_settings(wsettings)))
     wtask = asyncio.create_task(worker.run())
     await wait_ready(worker, wtask)
     settings = gateway_settings(kafka_bootstrap, topics)
@@ -113,3 +114,16 @@ async def fleet(kafka_bootstrap, model_runner):
     worker.request_stop()
     await asyncio.wait_for(wtask, 60)
     await delete_topics(kafka_bootstrap, topics)
+
+
+@pytest.fixture(scope="module")
+async def fleet(kafka_bootstrap, model_runner):
+    async for f in run_fleet(kafka_bootstrap, model_runner):
+        yield f
+
+
+@pytest.fixture(scope="module")
+async def shallow_fleet(kafka_bootstrap, shallow_runner):
+    """The same fleet over the 4-layer model, for tests about fields rather than text."""
+    async for f in run_fleet(kafka_bootstrap, shallow_runner):
+        yield f

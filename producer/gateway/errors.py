@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from inferline.contract.schema import Request
 from inferline.producer.errors import (
     ClientClosed,
     InferenceError,
@@ -73,11 +74,23 @@ def from_validation(exc: ValidationError, rename: dict[str, str]) -> OpenAIError
     )
 
 
+def named_param(exc: InferenceError, rename: dict[str, str]) -> str | None:
+    """The parameter a worker's rejection names ("max_tokens: ..."), as the client called it."""
+    field = exc.message.removeprefix(f"{exc.code}: ").split(":", 1)[0].split(".", 1)[0]
+    return rename.get(field, field) if field in Request.model_fields else None
+
+
 def from_inference(
-    exc: InferenceError, retry_after_s: int, prompt_param: str = "messages"
+    exc: InferenceError,
+    retry_after_s: int,
+    prompt_param: str = "messages",
+    rename: dict[str, str] | None = None,
 ) -> OpenAIError:
-    """The status of a request the worker (or the client side) ended without text."""
+    """The status of a request the worker (or the client side) ended without text; a rejection
+    names the parameter the worker's message starts with (``rename``: contract field -> OpenAI
+    parameter)."""
     text = exc.message
+    rename = {"prompt_token_ids": prompt_param, **(rename or {})}
     if isinstance(exc, (RateLimited, Overloaded)):
         kind = "rate_limit_exceeded" if isinstance(exc, RateLimited) else "overloaded"
         return OpenAIError(
@@ -88,9 +101,10 @@ def from_inference(
             headers={"Retry-After": str(retry_after_s)},
         )
     if isinstance(exc, PromptTooLong):
-        return bad_request(prompt_param, text, code="context_length_exceeded")
+        param = named_param(exc, rename) or prompt_param
+        return bad_request(param, text, code="context_length_exceeded")
     if isinstance(exc, RequestRejected):
-        return bad_request(None, text, code="invalid_request")
+        return bad_request(named_param(exc, rename), text, code="invalid_request")
     if isinstance(exc, RequestTimeout):
         return OpenAIError(504, text, type="timeout", code="timeout")
     if isinstance(exc, (RequestCancelled, ClientClosed)):

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from inferline.producer.gateway.errors import bad_request
+from inferline.producer.gateway.guided import CONSTRAINTS, constraint
 from inferline.contract.schema import ChatMessage
 
 # Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, where the
@@ -21,6 +22,7 @@ PASSTHROUGH = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "top_k",
     "min_p",
     "repetition_penalty",
@@ -28,8 +30,22 @@ PASSTHROUGH = (
     "priority",
     "stop_token_ids",
 )
-# Features the engine does not have: refused by name rather than silently ignored.
-UNSUPPORTED = ("tools", "functions", "suffix")
+# Every field either endpoint honours; any other is refused by name, never silently ignored.
+COMMON = (
+    "model",
+    *PASSTHROUGH,
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "user",
+    "stream",
+    "stream_options",
+    *CONSTRAINTS,
+)
+CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs"))
+LEGACY_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
+# Fields the gateway does not implement, accepted only with the value that asks for nothing.
+NO_OP = {"tools": [], "functions": [], "tool_choice": "none", "echo": False, "best_of": 1}
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 
 
@@ -47,21 +63,19 @@ class Mapped:
 
 def chat_request(body: dict) -> Mapped:
     """POST /v1/chat/completions."""
-    mapped = _common(body)
+    mapped = _common(body, CHAT_FIELDS)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs", "logprobs: must be a boolean")
     if logprobs or body.get("top_logprobs") is not None:  # the contract checks the pair
         _ask_logprobs(mapped, bool(logprobs), body.get("top_logprobs"))
-    if body.get("response_format") is not None:
-        mapped.fields["response_format"] = body["response_format"]
     mapped.fields["messages"] = _messages(body.get("messages"))
     return mapped
 
 
 def completion_request(body: dict) -> Mapped:
     """POST /v1/completions (legacy)."""
-    mapped = _common(body)
+    mapped = _common(body, LEGACY_FIELDS)
     top = body.get("logprobs")  # legacy: the number of alternatives
     if top is not None:
         if type(top) is not int or not 0 <= top <= MAX_LEGACY_LOGPROBS:
@@ -70,10 +84,6 @@ def completion_request(body: dict) -> Mapped:
             )
         _ask_logprobs(mapped, True, top)
         mapped.rename["top_logprobs"] = "logprobs"
-    if body.get("echo"):
-        raise bad_request("echo", "echo is not supported")
-    if (body.get("best_of") or 1) != 1:
-        raise bad_request("best_of", "best_of must be 1")
     mapped.fields.update(_prompt(body.get("prompt")))
     mapped.rename["prompt_token_ids"] = "prompt"
     return mapped
@@ -87,12 +97,22 @@ def _ask_logprobs(mapped: Mapped, logprobs: bool, top: Any) -> None:
     mapped.logprobs = True
 
 
-def _common(body: dict) -> Mapped:
-    for name in UNSUPPORTED:
-        if body.get(name):
-            raise bad_request(name, f"{name} is not supported")
+def _refuse_unknown(body: dict, known: frozenset[str]) -> None:
+    """A 400 naming the first field that asks for something the gateway does not do."""
+    for name, value in body.items():
+        if name in known or value is None:  # null: the field is not set
+            continue
+        if name in NO_OP and type(value) is type(NO_OP[name]) and value == NO_OP[name]:
+            continue
+        raise bad_request(name, f"{name} is not supported")
+
+
+def _common(body: dict, known: frozenset[str]) -> Mapped:
+    _refuse_unknown(body, known)
     fields = {k: body[k] for k in PASSTHROUGH if body.get(k) is not None}
     rename = {}
+    if (found := constraint(body)) is not None:
+        fields[found[0]], rename[found[0]] = found[2], found[1]
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as at OpenAI
         if body.get(name) is not None:
             fields["max_tokens"], rename["max_tokens"] = body[name], name
@@ -108,6 +128,9 @@ def _common(body: dict) -> Mapped:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options: must be an object")
+    unknown = [k for k in options if k != "include_usage"]
+    if unknown:
+        raise bad_request("stream_options", f"stream_options.{unknown[0]} is not supported")
     # No tokens events for a whole answer: it arrives in `done`, one event instead of many.
     fields["stream"] = stream
     return Mapped(fields, stream, stream and bool(options.get("include_usage")), rename)

@@ -59,7 +59,7 @@ class Gateway:
         if mapped.stream:
             return await self._stream(request, handle, shape, mapped, endpoint, t0)
         try:
-            response = await self._whole(request, handle, shape, mapped.logprobs)
+            response = await self._whole(request, handle, shape, mapped)
         except OpenAIError as exc:
             response = exc.response()
         finally:
@@ -95,15 +95,15 @@ class Gateway:
             ) from None
 
     async def _whole(
-        self, request: HttpRequest, handle: RequestHandle, shape: Shape, logprobs: bool
+        self, request: HttpRequest, handle: RequestHandle, shape: Shape, mapped: Mapped
     ) -> Response:
         if not await self._until(request, handle.wait()):
             return Response(status_code=CLIENT_CLOSED)
         try:
             result = await handle.result()
         except InferenceError as exc:
-            raise self._failure(exc, shape) from None
-        by_sample = logprobs_by_sample(handle) if logprobs else None
+            raise self._failure(exc, shape, mapped) from None
+        by_sample = logprobs_by_sample(handle) if mapped.logprobs else None
         return JSONResponse(
             shape.whole(result.text, result.finish_reason, result.usage, result.samples, by_sample)
         )
@@ -143,7 +143,7 @@ class Gateway:
             response = (
                 Response(status_code=CLIENT_CLOSED)
                 if first is False
-                else self._failure(failure, shape).response()
+                else self._failure(failure, shape, mapped).response()
             )
             return self._answer(endpoint, t0, response)
 
@@ -197,10 +197,10 @@ class Gateway:
                         )
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
-            yield self._stream_error(exc, shape, outcome)
+            yield self._stream_error(exc, shape, mapped, outcome)
             return
         if handle.failure is not None:  # ended by the worker after it started
-            yield self._stream_error(handle.failure, shape, outcome)
+            yield self._stream_error(handle.failure, shape, mapped, outcome)
             return
         done = handle.done_event
         reasons = {s.index: s.finish_reason for s in done.samples or []}
@@ -215,15 +215,14 @@ class Gateway:
             yield shape.usage_chunk(done.usage)
         yield DONE
 
-    def _failure(self, exc: InferenceError, shape: Shape) -> OpenAIError:
-        return from_inference(
-            exc, self.settings.gateway.retry_after_s, "messages" if shape.chat else "prompt"
-        )
+    def _failure(self, exc: InferenceError, shape: Shape, mapped: Mapped) -> OpenAIError:
+        prompt_param = "messages" if shape.chat else "prompt"
+        return from_inference(exc, self.settings.gateway.retry_after_s, prompt_param, mapped.rename)
 
-    def _stream_error(self, exc: Exception, shape: Shape, outcome: dict) -> str:
+    def _stream_error(self, exc: Exception, shape: Shape, mapped: Mapped, outcome: dict) -> str:
         # Headers are sent: the status goes into the event, as vLLM does.
         error = (
-            self._failure(exc, shape)
+            self._failure(exc, shape, mapped)
             if isinstance(exc, InferenceError)
             else OpenAIError(500, str(exc), type="server_error", code="diverged")
         )

@@ -353,6 +353,7 @@ FULL_REQUEST = {
     "logprobs": True,
     "top_logprobs": None,  # set, it needs logprobs: not independent of it
     "n": 2,
+    "logit_bias": {"50256": -100, "7": 2.5},
 }
 
 

@@ -500,3 +500,50 @@ def test_the_cpu_kv_cache_is_advised_onto_huge_pages(model_runner):
         assert smaps_kb(t.data_ptr() + (8 << 20)) > 0, "the advice did not give 2 MB pages"
     k_cache, v_cache = model_runner.kv_cache[0]
     assert k_cache.data_ptr() != v_cache.data_ptr() and not k_cache.is_cuda
+
+
+def test_max_tokens_left_out_is_what_the_model_length_leaves(model_runner):
+    """Issue 50, item 5, as vLLM: a request without max_tokens (fit_to_model_len) runs to what the
+    model length leaves after its prompt, at most the worker's cap; one whose max_tokens cannot
+    fit is rejected naming max_tokens, and a prompt that fills the model length names the prompt."""
+    engine = make_engine(model_runner)
+    engine.max_model_len = 24
+    prompt = list(range(100, 120))  # 20 tokens: 4 left
+    fit = dict(ignore_eos=True, fit_to_model_len=True)
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                EngineRequest(
+                    request_id="left", prompt_token_ids=prompt, sampling=greedy(1024, **fit)
+                ),
+                EngineRequest(
+                    request_id="cap", prompt_token_ids=prompt[:10], sampling=greedy(3, **fit)
+                ),
+                EngineRequest(request_id="asked", prompt_token_ids=prompt, sampling=greedy(5)),
+                EngineRequest(
+                    request_id="full", prompt_token_ids=[1] * 24, sampling=greedy(9, **fit)
+                ),
+            ]
+        },
+    )
+    left, cap, asked, full = (results[k]["final"] for k in ("left", "cap", "asked", "full"))
+    assert (left.finish_reason, left.num_output_tokens) == ("length", 4)
+    assert (cap.finish_reason, cap.num_output_tokens) == ("length", 3)
+    assert (asked.finish_reason, asked.error_code) == ("rejected", "prompt_too_long")
+    assert asked.error_message.startswith("max_tokens: 5 does not fit"), asked.error_message
+    assert (full.finish_reason, full.error_code) == ("rejected", "prompt_too_long")
+    assert full.error_message.startswith("prompt (24 tokens)"), full.error_message
+
+
+def test_max_tokens_left_out_is_at_most_what_the_kv_cache_holds(model_runner):
+    """Left out, max_tokens is never more than the whole KV cache holds beside the prompt: such a
+    request runs instead of being rejected for a max_tokens it did not ask for."""
+    engine = make_engine(model_runner, num_blocks=3)
+    bs, prompt = engine.block_manager.block_size, list(range(100, 120))
+    sampling = greedy(1024, ignore_eos=True, fit_to_model_len=True)
+    results = run_to_completion(
+        engine, {0: [EngineRequest(request_id="kv", prompt_token_ids=prompt, sampling=sampling)]}
+    )
+    final = results["kv"]["final"]
+    assert (final.finish_reason, final.num_output_tokens) == ("length", 3 * bs - len(prompt))

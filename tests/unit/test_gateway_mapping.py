@@ -189,3 +189,138 @@ def test_priority_is_forwarded_only_for_keys_allowed_to_set_it(tenant, forwarded
     mapped = chat_request({"messages": [{"role": "user", "content": "hi"}], "priority": -1000})
     asyncio.run(gateway._submit(tenant, mapped))
     assert ("priority" in pool.sent[-1]) is forwarded
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    "extra, field, value",
+    [
+        ({"guided_regex": "a+"}, "structured", {"regex": "a+"}),
+        ({"guided_choice": ["yes", "no"]}, "structured", {"choice": ["yes", "no"]}),
+        ({"guided_grammar": "root ::= [a-z]+"}, "structured", {"grammar": "root ::= [a-z]+"}),
+        (
+            {"guided_json": {"type": "object"}},
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "guided_json", "schema": {"type": "object"}},
+            },
+        ),
+        (
+            {"guided_json": '{"type": "object"}'},
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "guided_json", "schema": {"type": "object"}},
+            },
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, "structured", {"regex": "a+"}),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured", {"choice": ["a", "b"]}),
+        ({"structured_outputs": {"json_object": True}}, "response_format", {"type": "json_object"}),
+        (
+            {"structured_outputs": {"json": {"type": "integer"}}},
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "structured_outputs", "schema": {"type": "integer"}},
+            },
+        ),
+    ],
+)
+def test_vllm_guided_extras_become_the_contracts_constraints(extra, field, value):
+    """vLLM's guided_* and structured_outputs reach the worker as the contract's constraint
+    (issue 50, item 5), on both endpoints, and a rule the contract breaks names the parameter."""
+    for request in (
+        chat_request({**CHAT_BODY, **extra}),
+        completion_request({"prompt": "x", **extra}),
+    ):
+        assert request.fields[field] == value
+        assert request.rename[field] == next(iter(extra))
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": "a+"}, "structured_outputs"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ],
+)
+def test_bad_or_unsupported_constraints_name_the_parameter(extra, param):
+    with pytest.raises(OpenAIError) as err:
+        chat_request({**CHAT_BODY, **extra})
+    assert err.value.status == 400 and err.value.param == param and param in err.value.message
+
+
+def test_response_format_works_on_legacy_completions():
+    m = completion_request({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert m.fields["response_format"] == {"type": "json_object"}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"min_tokens": 3}, "min_tokens"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"allowed_token_ids": [1]}, "allowed_token_ids"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"chat_template": "{{x}}"}, "chat_template"),
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"a_field_nobody_knows": 1}, "a_field_nobody_knows"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+        ({"echo": True}, "echo"),  # a legacy field on the chat endpoint
+    ],
+)
+def test_every_field_the_gateway_does_not_implement_is_refused_by_name(extra, param):
+    """Nothing silently dropped (issue 50, item 5): a field the gateway does not honour is a 400
+    naming it, whatever it asks for."""
+    with pytest.raises(OpenAIError) as err:
+        chat_request({**CHAT_BODY, **extra})
+    assert err.value.status == 400 and err.value.param == param
+    assert param in err.value.message
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"suffix": "end"}, "suffix"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # a chat field: legacy's `logprobs` is the count
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ],
+)
+def test_legacy_fields_not_implemented_are_refused_by_name(extra, param):
+    with pytest.raises(OpenAIError) as err:
+        completion_request({"prompt": "x", **extra})
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_fields_that_ask_for_nothing_are_accepted():
+    """Nulls, and the values that mean "the default" for fields that are otherwise refused."""
+    chat_request({**CHAT_BODY, "tools": [], "tool_choice": "none", "logit_bias": None, "n": None})
+    completion_request({"prompt": "x", "echo": False, "best_of": 1, "suffix": None})
+
+
+def test_a_text_response_format_goes_with_a_guided_extra():
+    m = chat_request({**CHAT_BODY, "response_format": {"type": "text"}, "guided_regex": "a"})
+    assert m.fields["structured"] == {"regex": "a"} and "response_format" not in m.fields

@@ -324,17 +324,20 @@ def test_the_gateway_maps_n_and_answers_one_choice_per_sample():
 
 
 @pytest.mark.parametrize(
-    "n, max_tokens, limits, admitted",
+    "n, max_tokens, limits, refused",
     [
-        (16, 256, {}, True),  # the default bound admits n=16 at the contract's default max_tokens
-        (16, 1024, {}, False),
-        (4, 5000, {}, True),  # max_tokens is capped to 1024 first: 4 x 1024 fits
-        (5, 1024, {}, False),
-        (2, 100, {"max_request_tokens": 150}, False),
-        (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, True),
+        (16, 256, {}, None),  # the default bound admits n=16 at 256 tokens each
+        (16, 1024, {}, "n"),
+        (4, 5000, {}, "max_tokens"),  # over the cap of 1024: refused, never cut (issue 50)
+        (5, 1024, {}, "n"),
+        (2, 100, {"max_request_tokens": 150}, "n"),
+        (1, 200, {"max_request_tokens": 150, "max_tokens_cap": 150}, "max_tokens"),
+        (1, 150, {"max_request_tokens": 150, "max_tokens_cap": 150}, None),
+        (16, None, {}, None),  # left out: 4096 / 16 = 256 each, not the cap of 1024 (issue 50)
+        (5, None, {"max_request_tokens": 4}, "n"),  # not even one token each
     ],
 )
-def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitted):
+def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, refused):
     """INFERLINE_LIMITS__MAX_REQUEST_TOKENS bounds n x max_tokens: over it the request is
     rejected naming `n` (issue 38); the rate limiter already charged every sample."""
     import msgpack
@@ -351,12 +354,12 @@ def test_n_times_max_tokens_is_bounded_per_request(n, max_tokens, limits, admitt
                 "reply_topic": "inferline.reply.c",
                 "prompt": "Hi.",
                 "n": n,
-                "max_tokens": max_tokens,
+                **({} if max_tokens is None else {"max_tokens": max_tokens}),
             }
         )
     )
-    assert bool(added) is admitted
-    if not admitted:
+    assert bool(added) is (refused is None)
+    if refused:
         (done,) = sent
         error = msgpack.unpackb(done.value)["error"]
-        assert error["code"] == "invalid_request" and error["message"].startswith("n: ")
+        assert error["code"] == "invalid_request" and error["message"].startswith(f"{refused}: ")

@@ -471,3 +471,38 @@ def test_cuda_greedy_and_seeded():
     assert torch.equal(
         counter_uniforms(seeds.cuda(), indexes.cuda()).cpu(), counter_uniforms(seeds, indexes)
     )
+
+
+# --- logit_bias ---------------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_bans_tokens_in_the_rows_that_have_it():
+    """OpenAI's logit_bias (issue 50, item 5): added to the logits before sampling, greedy too;
+    +100 forces a token, -100 bans the one greedy would pick; rows without it are untouched."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    argmax = logits.argmax(-1).tolist()
+    forced = (argmax[0] + 1) % VOCAB
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((forced, 100.0),)),
+        SamplingParams(temperature=0.0, logit_bias=((argmax[1], -100.0),)),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=5, logit_bias=((forced, 100.0),)),
+    ]
+    second = logits[1].topk(2).indices[1].item()
+    assert call(logits, params) == [forced, second, argmax[2], forced]
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_shifts_the_sampled_distribution_and_the_logprobs():
+    logits = torch.zeros(1, VOCAB)
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=1, logit_bias=((7, math.log(3)),))]
+    out = Sampler().sample(logits, params, [[]], [[]], [make_stream(1)])
+    top = out.logprobs[0]["top_logprobs"][0]
+    assert top["token_id"] == 7 and top["logprob"] == pytest.approx(math.log(3 / (VOCAB + 2)))
+
+
+def test_a_batch_without_logit_bias_takes_the_greedy_fast_path(monkeypatch):
+    monkeypatch.setattr(sampler, "_biased", lambda *a: pytest.fail("biased a plain batch"))
+    logits = torch.randn(3, VOCAB)
+    assert call(logits, [SamplingParams(temperature=0.0)] * 3) == logits.argmax(-1).tolist()

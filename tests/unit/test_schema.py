@@ -18,6 +18,7 @@ from inferline.contract.schema import (
     FINISH_REASONS,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
+    MAX_LOGIT_BIAS,
     MAX_METADATA_KEYS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_REPLY_PARTITION,
@@ -107,8 +108,9 @@ def test_defaults_are_the_contracts():
     req = decode_request(pack(BASE))
     assert (req.v, req.id, req.reply_topic, req.prompt) == (1, "req-1", "replies", "Hello")
     assert req.reply_partition is None and req.messages is None and req.prompt_token_ids is None
+    # max_tokens None: what the model length leaves after the prompt (issue 50)
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.min_p) == (
-        256,
+        None,
         1.0,
         1.0,
         0,
@@ -120,6 +122,7 @@ def test_defaults_are_the_contracts():
     )
     assert req.priority == 0 and req.timeout_s is None and req.created_at is None
     assert req.tenant == "default" and req.stream is True and req.metadata == {}
+    assert req.logit_bias is None
 
 
 # --- v, id, reply_topic, reply_partition -------------------------------------------------------
@@ -281,6 +284,10 @@ def chat(n: int, role: str = "user") -> list[dict]:
     return [{"role": role, "content": ""}] * n
 
 
+def bias(n: int) -> dict[str, float]:
+    return {str(i): 1.0 for i in range(n)}
+
+
 def keys(n: int) -> dict[str, str]:
     return {f"k{i}": "" for i in range(n)}
 
@@ -330,6 +337,10 @@ CAPS = [
         {"metadata": {"k": "x" * (MAX_METADATA_BYTES - 1)}},
         {"metadata": {"k": "x" * MAX_METADATA_BYTES}},
     ),
+    ("logit_bias", {"logit_bias": bias(MAX_LOGIT_BIAS)}, {"logit_bias": bias(MAX_LOGIT_BIAS + 1)}),
+    ("logit_bias", {"logit_bias": {"1": 100}}, {"logit_bias": {"1": 100.01}}),
+    ("logit_bias", {"logit_bias": {"1": -100}}, {"logit_bias": {"1": -100.01}}),
+    ("logit_bias", {"logit_bias": {str(MAX_TOKEN_ID): 1}}, {"logit_bias": {str(2**31): 1}}),
 ]
 # The longest prompt_token_ids at the cap is a few bytes over the default message size.
 BIG = 4 * DEFAULT_MAX_MESSAGE_BYTES
@@ -404,7 +415,7 @@ def test_huge_lists_are_rejected_by_count(field, value):
 NAN, INF = float("nan"), float("inf")
 
 GOOD = [
-    ("max_tokens", [1, 256, 100_000]),
+    ("max_tokens", [None, 1, 256, 100_000]),
     ("temperature", [0, 0.0, 0.7, 2, 100.0]),
     ("top_p", [1e-9, 0.5, 1, 1.0]),
     ("top_k", [0, 1, 50]),
@@ -422,10 +433,14 @@ GOOD = [
     ("tenant", ["default", "acme", "t" * 256, "a.b_c:d-9"]),
     ("stream", [True, False]),
     ("metadata", [{}, {"k": "v"}, {"a": "x" * 4095}, {"é": "x" * 4094}]),
+    (
+        "logit_bias",
+        [None, {}, {"0": 1}, {"50256": -100}, {"1": 100.0, "2": -0.5}, {"2147483647": 0}],
+    ),
 ]
 
 BAD = [
-    ("max_tokens", [0, -1, 1.0, "5", True, None]),
+    ("max_tokens", [0, -1, 1.0, "5", True]),
     ("temperature", [-0.1, -1, NAN, INF, "1", True, None]),
     ("top_p", [0, 0.0, -0.5, 1.0001, 2, NAN, True, None]),
     ("top_k", [-1, 1.0, "1", True]),
@@ -453,6 +468,11 @@ BAD = [
             ["k", "v"],
             None,
         ],
+    ),
+    (
+        "logit_bias",
+        [{"a": 1}, {"-1": 1}, {"1": 101}, {"1": -100.5}, {"1": NAN}, {"1": True}, {"1": "1"}]
+        + [{"2147483648": 1}, {"1x": 1}, {"": 1}, [[1, 1]], {"1": None}, {"1" * 11: 1}],
     ),
 ]
 

@@ -89,6 +89,8 @@ def test_only_greedy_requests_without_penalties_are_drafted_for():
     assert not can_speculate(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     assert not can_speculate(SamplingParams(temperature=0.0, presence_penalty=0.5))
     assert not can_speculate(SamplingParams(temperature=0.0, frequency_penalty=0.5))
+    # drafts are checked against plain argmaxes: a bias would change them (issue 50, item 5)
+    assert not can_speculate(SamplingParams(temperature=0.0, logit_bias=((7, 1.0),)))
 
 
 def test_settings_refuse_an_empty_lookup_range():

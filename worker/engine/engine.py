@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import structlog
@@ -20,7 +20,12 @@ from inferline.config.settings import Settings
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from inferline.worker.engine.model_runner import ModelRunner
-from inferline.worker.engine.request import EngineRequest, RequestOutput, SampleResult
+from inferline.worker.engine.request import (
+    EngineRequest,
+    RequestOutput,
+    SampleResult,
+    SamplingParams,
+)
 from inferline.worker.engine.sampler import SamplerOutput, make_stream
 from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
 from inferline.worker.engine.sequence import ERROR_CODE_OF, Sequence
@@ -232,7 +237,12 @@ class LLMEngine:
 
     def _make_sequence(self, req: EngineRequest) -> Sequence:
         prompt_ids = self.tokenize(req)
-        self._check_fits(prompt_ids, req.sampling.max_tokens, req.sampling.n)
+        if any(not 0 <= t < self.vocab_size for t, _ in req.sampling.logit_bias):
+            raise Rejected(
+                "invalid_request", f"logit_bias: token ids must be in [0, {self.vocab_size})"
+            )
+        sampling = self._fit_max_tokens(len(prompt_ids), req.sampling)
+        self._check_fits(prompt_ids, sampling.max_tokens, sampling.n)
         # Preempted sequences wait too; only new arrivals count.
         num_new = sum(s.first_scheduled_time is None for s in self.scheduler.waiting) + len(
             self._compiling
@@ -242,7 +252,7 @@ class LLMEngine:
         return Sequence(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
-            sampling=req.sampling,
+            sampling=sampling,
             priority=req.priority,
             arrival_time=req.arrival_time,
             deadline=req.deadline,
@@ -311,14 +321,38 @@ class LLMEngine:
             raise Rejected("invalid_request", "prompt: empty after tokenization")
         return ids
 
-    def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
-        total = len(prompt_ids) + max_tokens
-        if total > self.max_model_len:
+    def _fit_max_tokens(self, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with the max_tokens this prompt can have (as vLLM): what the model length
+        leaves when it was left out; an explicit one that cannot fit is rejected naming it."""
+        left = self.max_model_len - num_prompt_tokens
+        if left < 1:
             raise Rejected(
                 "prompt_too_long",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                f"({max_tokens}) exceeds the model length {self.max_model_len}",
+                f"prompt ({num_prompt_tokens} tokens) leaves no room in the model length "
+                f"{self.max_model_len}",
             )
+        if sampling.fit_to_model_len:
+            room = self._kv_room(num_prompt_tokens, sampling.n)
+            return replace(sampling, max_tokens=max(1, min(sampling.max_tokens, left, room)))
+        if sampling.max_tokens > left:
+            raise Rejected(
+                "prompt_too_long",
+                f"max_tokens: {sampling.max_tokens} does not fit: the prompt has "
+                f"{num_prompt_tokens} tokens and the model length is {self.max_model_len} "
+                f"(at most {left} left)",
+            )
+        return sampling
+
+    def _kv_room(self, num_prompt_tokens: int, n: int) -> int:
+        """New tokens each of n samples can have with the whole KV cache to themselves (the
+        inverse of num_blocks_needed); below 1 when even the prompt does not fit."""
+        bm = self.block_manager
+        shared = (num_prompt_tokens - 1) // bm.block_size if n > 1 else 0
+        return (shared + (bm.num_blocks - shared) // n) * bm.block_size - num_prompt_tokens
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, n: int = 1) -> None:
+        total = len(prompt_ids) + max_tokens
+        assert total <= self.max_model_len, "_fit_max_tokens first"
         needed = self.num_blocks_needed(len(prompt_ids), max_tokens, n)
         if needed > self.block_manager.num_blocks:
             what = "prompt + max_tokens" if n == 1 else f"n ({n}) samples of prompt + max_tokens"

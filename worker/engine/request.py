@@ -39,6 +39,11 @@ class SamplingParams:
     structured: StructuredSpec | None = None
     logprobs: int | None = None  # None: off; k: the token's logprob and the k most likely
     n: int = 1  # samples of one prompt; sample i draws with seed + i
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # max_tokens was left out: the engine lowers it to what the model length leaves after the
+    # prompt (max_tokens is then the worker's cap); else a max_tokens that cannot fit is rejected.
+    fit_to_model_len: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))

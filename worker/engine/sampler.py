@@ -88,11 +88,12 @@ class Sampler:
         if (
             not grammar_rows
             and not wants_logprobs
-            and all(p.greedy and not has_penalties(p) for p in params)
+            and all(p.greedy and not has_penalties(p) and not p.logit_bias for p in params)
         ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)
         # Rows are viewed flat and in blocks below; a padded-vocab slice would not view.
-        work = _penalized(logits.contiguous(), params, prompt_ids, output_ids)
+        work = _biased(logits.contiguous(), params)
+        work = _penalized(work, params, prompt_ids, output_ids)
         if grammar_rows:
             work = _masked(work, logits, list(grammar_rows), bitmask)
         next_ids = self._pick(work, params, streams)
@@ -148,6 +149,22 @@ def _logprobs(
             ],
         }
     return out
+
+
+def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """An fp32 copy with each row's logit_bias added (as vLLM, before penalties); `logits`
+    itself when no row has one."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    flat = [i * vocab + t for i in rows for t, _ in params[i].logit_bias]
+    bias = [b for i in rows for _, b in params[i].logit_bias]
+    work = logits.to(torch.float32, copy=True)
+    index = host_to_device(flat, torch.int64, logits.device)
+    # Keys of one row are distinct token ids, so indices are unique: deterministic.
+    work.view(-1).index_add_(0, index, host_to_device(bias, torch.float32, logits.device))
+    return work
 
 
 def _penalized(logits, params, prompt_ids, output_ids) -> torch.Tensor:

@@ -13,10 +13,12 @@ _ITEM = array("i").itemsize  # token ids are searched as packed int32 bytes
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Drafts are checked against argmaxes: greedy rows with no penalties, grammar or logprobs."""
+    """Drafts are checked against argmaxes: greedy rows with no penalties, logit_bias, grammar or
+    logprobs."""
     return (
         params.greedy
         and not has_penalties(params)
+        and not params.logit_bias
         and params.structured is None
         and params.logprobs is None
     )

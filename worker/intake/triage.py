@@ -57,8 +57,24 @@ def deadline_of(req: Request, received: float, default_timeout_s: float) -> floa
     return start + (req.timeout_s if req.timeout_s is not None else default_timeout_s)
 
 
+def default_max_tokens(n: int, limits) -> int:
+    """max_tokens of a request that left it out, until the engine knows what its prompt leaves:
+    the cap, and no more than n samples may take of INFERLINE_LIMITS__MAX_REQUEST_TOKENS."""
+    return max(1, min(limits.max_tokens_cap, limits.max_request_tokens // n))
+
+
+def max_tokens_problem(max_tokens: int, limits) -> str | None:
+    """Why max_tokens is over the worker's cap (INFERLINE_LIMITS__MAX_TOKENS_CAP), or None."""
+    if max_tokens <= limits.max_tokens_cap:
+        return None
+    return (
+        f"max_tokens: {max_tokens} is over this worker's cap of {limits.max_tokens_cap} "
+        "(INFERLINE_LIMITS__MAX_TOKENS_CAP)"
+    )
+
+
 def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
-    """Why n x max_tokens (capped) is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
+    """Why n x max_tokens is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
     if req.n * max_tokens <= limits.max_request_tokens:
         return None
     field = "n" if req.n > 1 else "max_tokens"
@@ -84,9 +100,11 @@ def engine_request(
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        fit_to_model_len=req.max_tokens is None,
         structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         n=req.n,
+        logit_bias=tuple((int(t), bias) for t, bias in (req.logit_bias or {}).items()),
     )
     messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
     return EngineRequest(
@@ -401,7 +419,7 @@ class Triage:
         if self._delivery.answered_before(tp, offset, req):
             return
         deadline = deadline_of(req, received, self._s.limits.default_timeout_s)
-        max_tokens = min(req.max_tokens, self._s.limits.max_tokens_cap)
+        max_tokens = req.max_tokens or default_max_tokens(req.n, self._s.limits)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
             adm = Admission(tp, offset, req, received, max_tokens, deadline, sent_at)
@@ -414,6 +432,8 @@ class Triage:
     def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
         """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is
         asked last (it counts what it admits)."""
+        if (problem := max_tokens_problem(max_tokens, self._s.limits)) is not None:
+            return "invalid_request", problem, "rejected"
         if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
             return "invalid_request", problem, "rejected"
         if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):

@@ -1,0 +1,103 @@
+"""Nothing silently dropped at the gateway (issue 50, item 5), through a running gateway and a
+worker on the real broker: logit_bias, vLLM's guided extras, response_format on /v1/completions,
+the max_tokens default and refusals, and a field the gateway does not implement."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.gateway_fixtures import shallow_fleet  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.kafka
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Is the sky blue?"}]
+MAX_MODEL_LEN = 512  # tests.worker_fixtures.worker_config
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key="sk-acme", max_retries=0)
+
+
+async def refused(create, **kw) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as err:
+        await create(model=MODEL, **kw)
+    return err.value
+
+
+async def test_logit_bias_forces_a_token_and_is_bounded(shallow_fleet, shallow_runner):
+    aio = client(shallow_fleet.url)
+    forced = 1000
+    out = await aio.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced): 100},
+    )
+    assert out.choices[0].text == shallow_runner.tokenizer.decode([forced] * 3)
+    vocab = shallow_runner.config.vocab_size
+    for bias in ({str(vocab): 1}, {"5": 101}, {"x": 1}):  # the worker's vocab, the contract's range
+        err = await refused(aio.chat.completions.create, messages=CHAT, logit_bias=bias)
+        assert err.param == "logit_bias" and "logit_bias" in err.message
+
+
+async def test_guided_extras_and_response_format_constrain_the_output(shallow_fleet):
+    aio = client(shallow_fleet.url)
+    chat = await aio.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert chat.choices[0].message.content in ("yes", "no")
+    legacy = await aio.completions.create(
+        model=MODEL,
+        prompt="Three digits:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )
+    assert re.fullmatch("[0-9]{3}", legacy.choices[0].text)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}
+    legacy = await aio.completions.create(
+        model=MODEL,
+        prompt="JSON:",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
+    assert isinstance(json.loads(legacy.choices[0].text)["a"], bool)
+    err = await refused(aio.chat.completions.create, messages=CHAT, extra_body={"guided_regex": ""})
+    assert err.param == "guided_regex"
+
+
+async def test_fields_not_implemented_are_refused_by_name(shallow_fleet):
+    aio = client(shallow_fleet.url)
+    for extra in ({"min_tokens": 2}, {"tool_choice": "auto"}, {"guided_decoding_backend": "x"}):
+        err = await refused(aio.chat.completions.create, messages=CHAT, extra_body=extra)
+        assert err.param == next(iter(extra)) and err.param in err.message
+
+
+async def test_max_tokens_defaults_to_what_the_model_length_leaves(shallow_fleet):
+    """Left out, max_tokens is what the model length leaves after the prompt (the worker's cap,
+    1024, is above it); one that cannot fit, or is over the cap, is a 400 naming it (as vLLM)."""
+    aio = client(shallow_fleet.url)
+    prompt = list(range(1000, 1000 + MAX_MODEL_LEN - 4))
+    out = await aio.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (4, "length")
+    err = await refused(aio.completions.create, prompt=prompt, max_tokens=5)
+    assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
+    assert "max_tokens: 5 does not fit" in err.message
+    err = await refused(aio.chat.completions.create, messages=CHAT, max_completion_tokens=600)
+    assert err.param == "max_completion_tokens"
+    err = await refused(aio.chat.completions.create, messages=CHAT, max_tokens=2000)
+    assert err.param == "max_tokens" and "INFERLINE_LIMITS__MAX_TOKENS_CAP" in err.message
