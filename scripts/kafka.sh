@@ -21,6 +21,12 @@
 #   INFERLINE_KAFKA_START_TIMEOUT  seconds to wait for the broker to answer (default 90)
 #   INFERLINE_KAFKA_FEATURES  space-separated features set when storage is formatted, e.g.
 #                           "share.version=1" (share groups, KIP-932; off by default on 4.1)
+#   INFERLINE_KAFKA_VOTERS  a node of a cluster (replication tests): the static quorum of every
+#                           node's controller, "1@localhost:9193,2@localhost:9195,...", with
+#                           INFERLINE_KAFKA_NODE_ID this node's id and INFERLINE_KAFKA_CLUSTER_ID
+#                           the cluster's; every topic then defaults to one replica per node and
+#                           min.insync.replicas 2. Start the nodes together: none answers before
+#                           a majority of them runs.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,6 +41,8 @@ HEAP_OPTS=${INFERLINE_KAFKA_HEAP:--Xmx512m -Xms256m}
 START_TIMEOUT=${INFERLINE_KAFKA_START_TIMEOUT:-90}
 STOP_TIMEOUT=30
 FEATURES=${INFERLINE_KAFKA_FEATURES:-}
+VOTERS=${INFERLINE_KAFKA_VOTERS:-}
+NODE_ID=${INFERLINE_KAFKA_NODE_ID:-1}
 
 CACHE=${INFERLINE_CACHE_DIR:-$HOME/.cache/inferline}/kafka-$KAFKA_VERSION
 LIBS=$CACHE/libs
@@ -117,6 +125,18 @@ write_config() {
     mkdir -p "$DATA" "$LOGS" "$LEASES"
     sed -e "s#@DATA_DIR@#$DATA#" -e "s/@PORT@/$PORT/g" -e "s/@CONTROLLER_PORT@/$CONTROLLER_PORT/g" \
         "$HERE/server.properties.in" >"$CONFIG"
+    [ -n "$VOTERS" ] && cluster_config
+    return 0
+}
+
+cluster_config() {  # this node of a static quorum; a replica of everything per node
+    local nodes isr
+    nodes=$(($(tr -cd , <<<"$VOTERS" | wc -c) + 1))
+    isr=$((nodes > 1 ? 2 : 1))
+    sed -i -e "s/^node.id=.*/node.id=$NODE_ID/" \
+        -e "s/^controller.quorum.bootstrap.servers=.*/controller.quorum.voters=$VOTERS/" \
+        -e "s/^\(.*replication.factor\)=.*/\1=$nodes/" \
+        -e "s/^\(min.insync.replicas\|.*min.isr\)=.*/\1=$isr/" "$CONFIG"
 }
 
 JVM_FLAGS=()
@@ -131,18 +151,19 @@ jvm_flags() {  # the broker's JVM flags (as the Kafka start script, with a small
 format_storage() {
     [ -f "$DATA/meta.properties" ] && return 0
     local cluster_id
-    cluster_id=$(cat "$KDIR/cluster.id" 2>/dev/null || true)
+    cluster_id=${INFERLINE_KAFKA_CLUSTER_ID:-$(cat "$KDIR/cluster.id" 2>/dev/null || true)}
     if [ -z "$cluster_id" ]; then
         cluster_id=$(java -cp "$LIBS/*" -Dlog4j2.configurationFile="$HERE/log4j2.properties" \
             -Dkafka.logs.dir="$LOGS" kafka.tools.StorageTool random-uuid)
         echo "$cluster_id" >"$KDIR/cluster.id"
     fi
     say "formatting KRaft storage in $DATA (cluster id $cluster_id)"
-    local feature features=()
+    local feature features=() quorum=(--standalone)
     for feature in $FEATURES; do features+=(--feature "$feature"); done
+    [ -n "$VOTERS" ] && quorum=()  # a static quorum (controller.quorum.voters)
     java -Xmx256m -cp "$LIBS/*" -Dlog4j2.configurationFile="$HERE/log4j2.properties" \
         -Dkafka.logs.dir="$LOGS" kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" \
-        --standalone "${features[@]}" >>"$OUT" 2>&1 || { tail -n 20 "$OUT" >&2; die "formatting $DATA failed"; }
+        "${quorum[@]}" "${features[@]}" >>"$OUT" 2>&1 || { tail -n 20 "$OUT" >&2; die "formatting $DATA failed"; }
 }
 
 show_failure() {
