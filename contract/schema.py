@@ -69,6 +69,11 @@ MAX_N = 16
 # OpenAI's caps on logit_bias: entries, and each bias (added to a logit before sampling).
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = (-100, 100)
+# The tool calls of one assistant turn (parallel calls), and a call's or a function's name
+# (OpenAI's function names: 1-64 of a-z, A-Z, 0-9, '_', '-').
+MAX_TOOL_CALLS = 128
+MAX_TOOL_CALL_ID_LEN = 128
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
@@ -202,9 +207,57 @@ class _Wire(BaseModel):
 # Request and cancel
 
 
+class ToolCallFunction(_Wire):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    arguments: Utf8Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Wire):
+    """A function call the assistant made in an earlier turn."""
+
+    id: Annotated[NonEmptyText, Field(max_length=MAX_TOOL_CALL_ID_LEN)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Wire):
+    """One turn. An assistant turn may carry the `tool_calls` it made, a `tool` turn the
+    `tool_call_id` it answers; `name` names the speaker. A field this contract does not know is
+    refused by name, not dropped: a conversation must reach the model whole."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
     role: Annotated[NonEmptyText, Field(max_length=MAX_ROLE_LEN)]
     content: Utf8Text
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | None = (
+        None
+    )
+    tool_call_id: Annotated[NonEmptyText, Field(max_length=MAX_TOOL_CALL_ID_LEN)] | None = None
+
+    @model_validator(mode="after")
+    def _turn_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant turn makes tool calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool turn, and only a tool turn, answers a call")
+        return self
+
+    def template_dict(self) -> dict:
+        """The turn as chat templates read it (transformers' convention): absent fields left
+        out, a call's arguments as an object where they are a JSON object."""
+        turn = self.model_dump(exclude_none=True)
+        for call in turn.get("tool_calls", []):
+            call["function"]["arguments"] = _json_object_or_text(call["function"]["arguments"])
+        return turn
+
+
+def _json_object_or_text(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _grammar_size(text: str) -> str:

@@ -44,6 +44,8 @@ MESSAGE_MODELS = {
 }
 PART_MODELS = {
     "ChatMessage": schema.ChatMessage,
+    "ToolCall": schema.ToolCall,
+    "ToolCallFunction": schema.ToolCallFunction,
     "Usage": schema.Usage,
     "Timing": schema.Timing,
     "ErrorInfo": schema.ErrorInfo,
@@ -138,7 +140,22 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "logprob": "Its log-probability.",
         "token": "Its own text.",
     },
-    "ChatMessage": {"role": "e.g. system, user, assistant.", "content": "The message text."},
+    "ChatMessage": {
+        "role": "e.g. system, user, assistant, tool.",
+        "content": "The message text (empty for an assistant turn that only called tools).",
+        "name": "The speaker's name, as OpenAI's `name` (1-64 of a-z, A-Z, 0-9, _, -).",
+        "tool_calls": "An assistant turn's function calls (at most 128), replayed to the model.",
+        "tool_call_id": "A tool turn's answer to this call id (required on a tool turn only).",
+    },
+    "ToolCall": {
+        "id": "The call's id, which a later tool turn's tool_call_id names.",
+        "type": "function.",
+        "function": "The function called and its arguments.",
+    },
+    "ToolCallFunction": {
+        "name": "The function's name.",
+        "arguments": "The arguments as JSON text, as the model wrote them.",
+    },
     "Cancel": {
         "v": "Protocol version, 1 (the worker also accepts it absent).",
         "id": "The request to stop.",
@@ -261,7 +278,10 @@ def schemas() -> dict[str, dict]:
     out["Cancel"] = cancel
     for name in EVENT_MODELS:
         out[name] = event_schema(name)
+    out["ChatMessage"]["additionalProperties"] = False  # extra="forbid": refused by name
     for name in (
+        "ToolCall",
+        "ToolCallFunction",
         "Usage",
         "Timing",
         "ErrorInfo",

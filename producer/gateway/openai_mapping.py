@@ -143,12 +143,12 @@ def _messages(messages: Any) -> list[ChatMessage]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request("messages", f"messages.{i}: must be an object with role and content")
+        # Every field goes to the contract, which refuses one it does not know by name (a
+        # conversation replayed without its tool calls would mislead the model); null is absent.
+        turn = {k: v for k, v in m.items() if v is not None}
+        turn["content"] = _content(m.get("content"), i)
         try:  # the contract's message rules, located in the list
-            out.append(
-                ChatMessage.model_validate(
-                    {"role": m.get("role"), "content": _content(m.get("content"), i)}
-                )
-            )
+            out.append(ChatMessage.model_validate(turn))
         except ValidationError as exc:
             err = exc.errors(include_url=False, include_input=False)[0]
             where = ".".join(str(p) for p in (i, *err["loc"]))

@@ -305,9 +305,7 @@ class LLMEngine:
                     "invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})"
                 )
         elif req.messages is not None:
-            check_text_size(
-                sum(len(m.get("content", "")) for m in req.messages), "messages", self.max_model_len
-            )
+            check_text_size(sum(map(turn_chars, req.messages)), "messages", self.max_model_len)
             ids = list(
                 self.tokenizer.apply_chat_template(
                     req.messages, add_generation_prompt=True, tokenize=True, return_dict=True
@@ -598,6 +596,12 @@ def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
             "prompt_too_long",
             f"{field}: {num_chars} characters cannot fit in {max_model_len} tokens",
         )
+
+
+def turn_chars(turn: dict) -> int:
+    """Characters of a chat turn's text: its content and its tool calls' arguments."""
+    calls = turn.get("tool_calls", [])
+    return len(turn.get("content", "")) + sum(len(str(c["function"]["arguments"])) for c in calls)
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -106,7 +106,7 @@ def engine_request(
         n=req.n,
         logit_bias=tuple((int(t), bias) for t, bias in (req.logit_bias or {}).items()),
     )
-    messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+    messages = [m.template_dict() for m in req.messages] if req.messages is not None else None
     return EngineRequest(
         request_id=attempt,
         sampling=sampling,
