@@ -416,6 +416,10 @@ class GatewaySettings(BaseModel):
     retry_after_s: int = Field(1, ge=0)
     # Partitions of each reply topic the gateway creates (one per tenant per instance).
     reply_partitions: int = Field(4, ge=1)
+    # Where a reasoning model's thinking goes (as vLLM's --reasoning-parser): `think` (Qwen3:
+    # an answer that opens with <think> ... </think>) or `deepseek_r1` (the template opened it:
+    # the answer starts inside) put it in the chat answer's `reasoning_content`; empty: no split.
+    reasoning_parser: Literal["", "think", "deepseek_r1"] = ""
     # One reply topic for every gateway replica, `<reply prefix>[<tenant>.]<reply_topic>`, read
     # from its end by each (made ahead with `inferline topics create --reply-topic`, or at start
     # when INFERLINE_KAFKA__CREATE_REPLY_TOPICS allows; never deleted). Empty: one per replica

@@ -74,6 +74,15 @@ LOGIT_BIAS_RANGE = (-100, 100)
 MAX_TOOL_CALLS = 128
 MAX_TOOL_CALL_ID_LEN = 128
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Variables for the chat template (Qwen3's enable_thinking, ...): a few short values.
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_VALUE_LEN = 256
+# Arguments of apply_chat_template that are the worker's, not the template's.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt "
+    "continue_final_message tokenize padding truncation max_length return_tensors return_dict "
+    "return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "rejected", "requeued", "error"]
 ErrorCode = Literal[
@@ -205,6 +214,12 @@ class _Wire(BaseModel):
 
 # ---------------------------------------------------------------------------------------------
 # Request and cancel
+
+
+TEMPLATE_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+TemplateValue = Union[
+    bool, int, float, Annotated[Utf8Text, Field(max_length=MAX_TEMPLATE_VALUE_LEN)]
+]
 
 
 class ToolCallFunction(_Wire):
@@ -397,6 +412,20 @@ class Request(_Wire):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # after logprobs
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    chat_template_kwargs: (
+        Annotated[dict[str, TemplateValue], Field(max_length=MAX_TEMPLATE_KWARGS)] | None
+    ) = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value):
+        for name in value or ():
+            if not TEMPLATE_KEY_RE.fullmatch(name):
+                raise ValueError(f"{name[:64]!r}: 1-64 of letters, digits and _, not first a digit")
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"{reserved[0]}: an argument of the worker's, not the template's")
+        return value
 
     @field_validator("structured")
     @classmethod

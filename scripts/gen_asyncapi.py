@@ -112,6 +112,10 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "logit_bias": "Token id (decimal string) -> bias in [-100, 100], added to that token's "
         "logit before sampling (greedy too), as OpenAI's; at most 300 entries. Workers older "
         "than this field ignore it.",
+        "chat_template_kwargs": "Variables for the model's chat template (Qwen3's "
+        "enable_thinking, ...): at most 16, names of letters, digits and _ (up to 64), values "
+        "booleans, numbers or strings of at most 256 characters; apply_chat_template's own "
+        "arguments (tokenize, tools, ...) are refused. Workers older than this field ignore it.",
     },
     "ResponseFormat": {
         "type": "text, json_object or json_schema.",

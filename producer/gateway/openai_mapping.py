@@ -42,7 +42,7 @@ COMMON = (
     "stream_options",
     *CONSTRAINTS,
 )
-CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs"))
+CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "chat_template_kwargs"))
 LEGACY_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
 # Fields the gateway does not implement, accepted only with the value that asks for nothing.
 NO_OP = {"tools": [], "functions": [], "tool_choice": "none", "echo": False, "best_of": 1}
@@ -70,6 +70,8 @@ def chat_request(body: dict) -> Mapped:
     if logprobs or body.get("top_logprobs") is not None:  # the contract checks the pair
         _ask_logprobs(mapped, bool(logprobs), body.get("top_logprobs"))
     mapped.fields["messages"] = _messages(body.get("messages"))
+    if body.get("chat_template_kwargs") is not None:  # the contract bounds them
+        mapped.fields["chat_template_kwargs"] = body["chat_template_kwargs"]
     return mapped
 
 

@@ -6,6 +6,7 @@ import json
 import time
 
 from inferline.contract.schema import Sample, TokenLogprob, Usage
+from inferline.producer.gateway.reasoning import ReasoningParserName, split
 
 # OpenAI's finish reasons are `stop` and `length` (errors never reach a body).
 FINISH = {"stop": "stop", "length": "length"}
@@ -23,8 +24,11 @@ def usage_body(usage: Usage | None) -> dict:
 class Shape:
     """One endpoint's response shape: ``chat`` for /v1/chat/completions, else /v1/completions."""
 
-    def __init__(self, chat: bool, request_id: str, model: str):
+    def __init__(
+        self, chat: bool, request_id: str, model: str, reasoning: ReasoningParserName = ""
+    ):
         self.chat = chat
+        self.reasoning = reasoning if chat else ""  # the chat answer's reasoning parser
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -60,9 +64,12 @@ class Shape:
 
     def _choice(self, index: int, text: str, finish: str, logprobs: dict | None) -> dict:
         if self.chat:
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning_content"], message["content"] = split(text, self.reasoning)
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
@@ -90,8 +97,10 @@ class Shape:
         include_usage: bool = False,
         index: int = 0,
         logprobs: dict | None = None,
+        reasoning: str = "",
     ) -> str:
-        """One SSE event with new text of choice `index` (chat: ``first`` carries the role)."""
+        """One SSE event with new text of choice `index` (chat: ``first`` carries the role, and
+        `reasoning` is new reasoning text, in `reasoning_content`)."""
         finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = (
@@ -99,6 +108,8 @@ class Shape:
                 if first
                 else ({"content": text} if text else {})
             )
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:

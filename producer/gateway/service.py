@@ -26,6 +26,7 @@ from inferline.producer.gateway.follower import Diverged, TextFollower
 from inferline.producer.gateway.metrics import GatewayMetrics
 from inferline.producer.gateway.openai_mapping import Mapped, chat_request, completion_request
 from inferline.producer.gateway.openai_responses import DONE, Shape, sse
+from inferline.producer.gateway.reasoning import ReasoningSplitter
 from inferline.producer.gateway.sse import SSEResponse
 from inferline.contract.schema import DoneEvent, TokenLogprob, TokensEvent
 
@@ -55,7 +56,7 @@ class Gateway:
         except OpenAIError as exc:
             return self._answer(endpoint, t0, exc.response())
         self.metrics.in_flight.inc()
-        shape = Shape(chat, handle.id, self.model)
+        shape = Shape(chat, handle.id, self.model, self.settings.gateway.reasoning_parser)
         if mapped.stream:
             return await self._stream(request, handle, shape, mapped, endpoint, t0)
         try:
@@ -170,6 +171,7 @@ class Gateway:
     ) -> AsyncIterator[str]:
         include_usage = mapped.include_usage
         followers, ev, quiet = [TextFollower(i) for i in range(handle.request.n)], first, True
+        splitters = [ReasoningSplitter(shape.reasoning) for _ in followers]
         offsets = [0] * len(followers)  # legacy logprobs' text_offset, per choice
         if shape.chat:
             for f in followers:
@@ -191,9 +193,16 @@ class Gateway:
                     if text and quiet:
                         quiet = False
                         self.metrics.ttft.observe(time.monotonic() - t0)
-                    if text or logprobs:
+                    reasoning = ""
+                    if text and shape.reasoning:
+                        reasoning, text = splitters[f.index].feed(text)
+                    if text or reasoning or logprobs:
                         yield shape.chunk(
-                            text, include_usage=include_usage, index=f.index, logprobs=logprobs
+                            text,
+                            include_usage=include_usage,
+                            index=f.index,
+                            logprobs=logprobs,
+                            reasoning=reasoning,
                         )
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
@@ -205,6 +214,11 @@ class Gateway:
         done = handle.done_event
         reasons = {s.index: s.finish_reason for s in done.samples or []}
         for f in followers:
+            reasoning, text = splitters[f.index].finish() if shape.reasoning else ("", "")
+            if reasoning or text:  # held back: it might have begun a tag
+                yield shape.chunk(
+                    text, include_usage=include_usage, index=f.index, reasoning=reasoning
+                )
             yield shape.chunk(
                 None,
                 reasons.get(f.index, done.finish_reason),

@@ -354,6 +354,7 @@ FULL_REQUEST = {
     "top_logprobs": None,  # set, it needs logprobs: not independent of it
     "n": 2,
     "logit_bias": {"50256": -100, "7": 2.5},
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 
 

@@ -87,3 +87,33 @@ def test_a_turn_the_contract_cannot_carry_whole_is_refused_by_name(turn, said):
     with pytest.raises(InvalidRequest) as bad:  # at the worker, from any producer
         decode_request(msgpack.packb(raw), 1 << 20, 2048)
     assert bad.value.field.startswith("messages")
+
+
+def test_chat_template_kwargs_reach_the_template(model_runner, monkeypatch):
+    mapped = chat_request(
+        {
+            "messages": [{"role": "user", "content": "2+2?"}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
+    req = decode_request(
+        encode_request(
+            request(mapped.fields["messages"]).model_copy(
+                update={"chat_template_kwargs": mapped.fields["chat_template_kwargs"]}
+            )
+        ),
+        1 << 20,
+        2048,
+    )
+    engine = LLMEngine(model_runner, engine_settings(Settings()))
+    template = "{{ messages[0].content }}{% if enable_thinking %}<think>{% else %}<no>{% endif %}"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    ids = engine.tokenize(engine_request(req, "a1", 8, 0.0, None))
+    assert engine.tokenizer.decode(ids) == "2+2?<no>"
+    with pytest.raises(ValueError, match="tokenize: an argument of the worker"):
+        request([{"role": "user", "content": "x"}]).model_validate(
+            {
+                **request([{"role": "user", "content": "x"}]).model_dump(),
+                "chat_template_kwargs": {"tokenize": False},
+            }
+        )

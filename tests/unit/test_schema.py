@@ -19,6 +19,8 @@ from inferline.contract.schema import (
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_LOGIT_BIAS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TEMPLATE_VALUE_LEN,
     MAX_METADATA_KEYS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_REPLY_PARTITION,
@@ -340,6 +342,26 @@ CAPS = [
     ("logit_bias", {"logit_bias": bias(MAX_LOGIT_BIAS)}, {"logit_bias": bias(MAX_LOGIT_BIAS + 1)}),
     ("logit_bias", {"logit_bias": {"1": 100}}, {"logit_bias": {"1": 100.01}}),
     ("logit_bias", {"logit_bias": {"1": -100}}, {"logit_bias": {"1": -100.01}}),
+    (
+        "chat_template_kwargs",
+        {"chat_template_kwargs": {f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS)}},
+        {"chat_template_kwargs": {f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)}},
+    ),
+    (
+        "chat_template_kwargs",
+        {"chat_template_kwargs": {"x": "y" * MAX_TEMPLATE_VALUE_LEN}},
+        {"chat_template_kwargs": {"x": "y" * (MAX_TEMPLATE_VALUE_LEN + 1)}},
+    ),
+    (
+        "chat_template_kwargs",
+        {"chat_template_kwargs": {"a" * 64: 1}},
+        {"chat_template_kwargs": {"a" * 65: 1}},
+    ),
+    (
+        "chat_template_kwargs",
+        {"chat_template_kwargs": {"enable": 1}},
+        {"chat_template_kwargs": {"tokenize": 1}},
+    ),
     ("logit_bias", {"logit_bias": {str(MAX_TOKEN_ID): 1}}, {"logit_bias": {str(2**31): 1}}),
 ]
 # The longest prompt_token_ids at the cap is a few bytes over the default message size.

@@ -308,7 +308,11 @@ class LLMEngine:
             check_text_size(sum(map(turn_chars, req.messages)), "messages", self.max_model_len)
             ids = list(
                 self.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                    req.messages,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    **(req.chat_template_kwargs or {}),
                 )["input_ids"]
             )
         else:

@@ -62,7 +62,8 @@ class EngineRequest:
     request_id: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # variables for the chat template
     prompt_token_ids: list[int] | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)  # Unix seconds

@@ -112,6 +112,7 @@ def engine_request(
         sampling=sampling,
         prompt=req.prompt,
         messages=messages,
+        chat_template_kwargs=req.chat_template_kwargs,
         prompt_token_ids=req.prompt_token_ids,
         priority=req.priority,
         arrival_time=received,
