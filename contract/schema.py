@@ -263,16 +263,19 @@ class ChatMessage(_Wire):
         out, a call's arguments as an object where they are a JSON object."""
         turn = self.model_dump(exclude_none=True)
         for call in turn.get("tool_calls", []):
-            call["function"]["arguments"] = _json_object_or_text(call["function"]["arguments"])
+            parsed = json_object(call["function"]["arguments"])
+            if parsed is not None:
+                call["function"]["arguments"] = parsed
         return turn
 
 
-def _json_object_or_text(text: str) -> dict | str:
+def json_object(text: str) -> dict | None:
+    """`text` parsed, when it is a JSON object; else None."""
     try:
         value = json.loads(text)
     except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _grammar_size(text: str) -> str:

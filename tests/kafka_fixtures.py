@@ -362,3 +362,13 @@ def free_port_pair() -> int:
                 continue
         return port
     raise RuntimeError("no free port pair")
+
+
+async def committed_offsets(bootstrap: str, group: str) -> dict:
+    """The group's committed offsets, as Kafka's lag reads them."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()

@@ -27,6 +27,7 @@ from inferline.producer.batch.lines import (
 )
 from inferline.producer.batch.runner import BatchRunner, Progress
 from inferline.config.settings import load_settings
+from inferline.contract.schema import json_object
 from inferline.producer.client import InferenceClient
 
 STATE_SUFFIX = ".state"
@@ -85,10 +86,10 @@ class State:
         """The state of an earlier run (resumed: True), or a new batch."""
         if path.exists():
             lines = path.read_text(encoding="utf-8").splitlines()
-            head = _json(lines[0]) if lines else None
+            head = json_object(lines[0]) if lines else None
             if head and isinstance(head.get("batch_id"), str):
                 sent = {
-                    d["sent"] for d in map(_json, lines[1:]) if d and isinstance(d.get("sent"), str)
+                    d["sent"] for d in map(json_object, lines[1:]) if d and isinstance(d.get("sent"), str)
                 }
                 return cls(path, head["batch_id"], head.get("input_sha256", ""), sent), True
         state = cls(path, f"batch_{uuid.uuid4().hex[:16]}", input_sha256)
@@ -110,14 +111,6 @@ class State:
         self._file.flush()
 
 
-def _json(text: str) -> dict | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def read_output(path: Path) -> dict[str, dict]:
     """The output lines already written, by key; a last line cut short by a kill is dropped."""
     if not path.exists():
@@ -129,7 +122,7 @@ def read_output(path: Path) -> dict[str, dict]:
             f.truncate(len(whole))
     out = {}
     for raw in whole.decode("utf-8", "replace").splitlines():
-        obj = _json(raw)
+        obj = json_object(raw)
         key = line_key(obj) if obj else None
         if key is not None:
             out[key] = obj

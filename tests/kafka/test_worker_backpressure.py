@@ -7,7 +7,7 @@ import msgpack
 import pytest
 from aiokafka import TopicPartition
 
-from tests.kafka_fixtures import consume_until, produce_raw
+from tests.kafka_fixtures import committed_offsets, consume_until, produce_raw
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts,
     collect,
@@ -117,7 +117,6 @@ async def test_the_backlog_counts_one_unfinished_request_where_kafkas_lag_counts
     """The autoscaler's signal (docs/operations.md): one request unfinished below 100 finished
     ones is a backlog of 1, while Kafka's lag (end minus the committed watermark) is 101. The
     request is held unfinished by holding its final, so that the machine's speed decides nothing."""
-    from aiokafka.admin import AIOKafkaAdminClient
 
     import inferline.worker.intake.group as group
 
@@ -143,12 +142,7 @@ async def test_the_backlog_counts_one_unfinished_request_where_kafkas_lag_counts
         await asyncio.sleep(0.1)
     assert _gauge(worker.metrics.partition_backlog, **where) == 1
     assert _gauge(worker.metrics.consumer_lag, partition="0") == 101
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(worker.settings.kafka.group_id)
-    finally:
-        await admin.close()
+    offsets = await committed_offsets(kafka_bootstrap, worker.settings.kafka.group_id)
     assert offsets[TopicPartition(topics.requests, 0)].offset == 0  # Kafka's lag: 101 - 0
     submit_final(held.pop())
     events = await collect(kafka_bootstrap, topics.replies, [slow["id"]], timeout=60)

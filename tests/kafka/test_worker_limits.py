@@ -5,7 +5,7 @@ import statistics
 import time
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from tests.kafka_fixtures import committed_offsets
 
 from tests.worker_fixtures import (  # noqa: F401 - fixtures
     check_attempts,
@@ -227,10 +227,5 @@ async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_wor
     # hence this bound (the default 10,000 would be none).
     assert peak["jobs"] <= pool + running + pending - 1
     await asyncio.sleep(0.5)  # the last commit
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(worker.settings.kafka.group_id)
-    finally:
-        await admin.close()
+    committed = await committed_offsets(kafka_bootstrap, worker.settings.kafka.group_id)
     assert sum(m.offset for tp, m in committed.items() if tp.topic == topics.requests) == 500
