@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock k8s-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
+.PHONY: install lock k8s-tools prometheus-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
 
 # constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
 # new upstream release cannot break a fresh install between two commits.
@@ -31,6 +31,12 @@ lock: $(STAMP)
 k8s-tools: $(STAMP)
 	PYTHON=$(BIN)/python deploy/helm/tools.sh || echo "make: the k8s tools are not installed; k8s-check and tests/unit/test_helm_chart.py will skip"
 
+# prometheus and promtool from Debian's `prometheus` package (apt-get download, or curl from
+# deb.debian.org), cached under ~/.cache/inferline/prometheus (deploy/prometheus/tools.sh; seconds).
+# Best effort: without them tests/kafka/test_dashboard_queries.py and promtool's checks skip.
+prometheus-tools:
+	deploy/prometheus/tools.sh || echo "make: prometheus is not installed; its tests will skip"
+
 # The Helm chart without a cluster: helm lint, helm template (defaults and deploy/helm/examples/),
 # kubeconform against the Kubernetes and KEDA schemas (deploy/helm/check.sh).
 k8s-check: k8s-tools
@@ -45,12 +51,13 @@ kafka-stop:
 demo: install
 	scripts/demo.sh
 
-# The Helm chart's test needs the k8s tools (cached after the first build).
-test: install k8s-tools
+# The Helm chart's test needs the k8s tools (cached after the first build); the dashboard's
+# (tests/kafka/test_dashboard_queries.py) needs prometheus.
+test: install k8s-tools prometheus-tools
 	scripts/test.sh --parts
 
 # make test plus the tests marked `full` (exhaustive kernel matrices, the bench scripts' smoke runs).
-test-full: install k8s-tools
+test-full: install k8s-tools prometheus-tools
 	scripts/test.sh --parts --full
 
 bench: install

@@ -8,6 +8,8 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 
 class GatewayMetrics:
+    """The gateway's metrics (deploy/grafana's dashboard has a row of them)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -19,6 +21,11 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge(
             "inferline_gateway_in_flight", "Requests waiting on the fleet", registry=r
+        )
+        self.streams_open = Gauge(
+            "inferline_gateway_streams_open",
+            "Streamed responses (SSE) open: headers sent, the last event not yet",
+            registry=r,
         )
         self.ttft = Histogram(
             "inferline_gateway_ttft_seconds",

@@ -152,11 +152,13 @@ class Gateway:
         outcome = {"status": 200}
 
         def closed() -> None:
+            self.metrics.streams_open.dec()
             status = CLIENT_CLOSED if not handle.finished else outcome["status"]
             self._release(handle)
             self._answer(endpoint, t0, None, status)
 
         chunks = self._chunks(handle, events, first, shape, mapped, t0, outcome)
+        self.metrics.streams_open.inc()
         return SSEResponse(chunks, closed)
 
     async def _chunks(

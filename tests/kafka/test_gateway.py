@@ -259,6 +259,11 @@ async def test_sixteen_concurrent_streams(fleet):
 
 
 async def test_hang_up_sends_a_cancel(fleet, kafka_bootstrap):
+    registry = fleet.server.config.app.state.gateway.metrics.registry
+
+    def streams_open() -> float:
+        return registry.get_sample_value("inferline_gateway_streams_open")
+
     body = {
         "model": MODEL,
         "messages": CHAT,
@@ -278,6 +283,7 @@ async def test_hang_up_sends_a_cancel(fleet, kafka_bootstrap):
                 ):
                     request_id = json.loads(line[6:])["id"].removeprefix("chatcmpl-")
                     break
+            assert streams_open() == 1
         # leaving the block closes the connection mid-stream
     cancels = await consume_until(
         kafka_bootstrap,
@@ -306,6 +312,7 @@ async def test_hang_up_sends_a_cancel(fleet, kafka_bootstrap):
         if isinstance(e := decode_event(r.value), DoneEvent) and e.id == request_id
     ][0]
     assert done.finish_reason == "cancelled" and done.usage.completion_tokens < 400
+    assert streams_open() == 0  # the stream closed with the hang-up
 
 
 async def test_health_ready_and_metrics(fleet):

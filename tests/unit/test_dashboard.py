@@ -1,8 +1,9 @@
 """The Grafana dashboard and the Prometheus config in deploy/, checked against the worker's metrics.
 
 Every metric name that a dashboard query, a template variable or an alert rule uses must be one
-that worker.metrics exports, with the suffixes Prometheus exposition adds (counter `_total`,
-histogram `_bucket`/`_sum`/`_count`); and every exported metric is on the dashboard. PromQL names
+that worker.metrics or the gateway's metrics export, with the suffixes Prometheus exposition adds
+(counter `_total`, histogram `_bucket`/`_sum`/`_count`); and every exported metric is on the
+dashboard. tests/kafka/test_dashboard_queries.py runs every query on a real Prometheus. PromQL names
 are read by a small lexer below (strings, label matchers, ranges and grouping clauses removed;
 what remains and is not a function call or keyword is a metric name). Where the optional
 `promql-parser` package is installed, every query is also parsed by it, and its names must agree.
@@ -19,6 +20,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferline.producer.gateway.metrics import GatewayMetrics
 from inferline.worker.service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +46,9 @@ SUFFIXES = {
 
 
 def metric_families() -> dict[str, str]:
-    """name -> type of every metric family on a fresh worker registry."""
-    return {fam.name: fam.type for fam in Metrics().registry.collect()}
+    """name -> type of every metric family on fresh worker and gateway registries."""
+    registries = (Metrics().registry, GatewayMetrics().registry)
+    return {fam.name: fam.type for r in registries for fam in r.collect()}
 
 
 def exported_series_names() -> set[str]:
@@ -53,13 +56,16 @@ def exported_series_names() -> set[str]:
 
 
 def rendered_series_names() -> set[str]:
-    """Sample names of a real /metrics page, with every labelled metric given one child."""
-    metrics = Metrics()
-    for obj in vars(metrics).values():
-        if isinstance(obj, MetricWrapperBase) and obj._labelnames:
-            obj.labels(*["x"] * len(obj._labelnames))
-    text = metrics.render().decode()
-    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    """Sample names of real /metrics pages (the worker's and the gateway's), with every labelled
+    metric given one child."""
+    names = set()
+    for metrics in (Metrics(), GatewayMetrics()):
+        for obj in vars(metrics).values():
+            if isinstance(obj, MetricWrapperBase) and obj._labelnames:
+                obj.labels(*["x"] * len(obj._labelnames))
+        text = metrics.render().decode()
+        names |= {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return names
 
 
 def test_derived_names_are_the_exposed_names():
@@ -183,13 +189,13 @@ def unknown_names(queries: list[tuple[str, str]]) -> list[str]:
 def test_every_dashboard_metric_is_exported(dashboard):
     queries = dashboard_queries(dashboard)
     assert len(queries) > 20
-    assert not unknown_names(queries), "queried but not exported by worker.metrics"
+    assert not unknown_names(queries), "queried but exported by neither the worker nor the gateway"
 
 
 def test_every_alert_metric_is_exported():
     queries = alert_queries()
     assert queries
-    assert not unknown_names(queries), "queried but not exported by worker.metrics"
+    assert not unknown_names(queries), "queried but exported by neither the worker nor the gateway"
 
 
 def test_every_exported_metric_is_on_the_dashboard(dashboard):
@@ -229,6 +235,10 @@ def test_the_issue_panels_are_there(dashboard):
         "preemptions",
         "rejections",
         "consumer lag",
+        "gateway requests",
+        "gateway status codes",
+        "gateway time to first token",
+        "gateway streams open",
     ):
         assert wanted in titles, f"no panel for {wanted!r}"
     for title in (

@@ -319,6 +319,18 @@ def test_probes_scrape_and_query_use_the_workers_endpoints_and_metrics(k8s):
     assert grace > Settings().worker.drain_timeout_s + Settings().kafka.session_timeout_ms / 2000
 
 
+def test_the_service_monitor_names_the_jobs_as_compose_does(k8s, tmp_path):
+    docs = render(k8s, {"metrics": {"serviceMonitor": {"enabled": True}}}, tmp=tmp_path)
+    (endpoint,) = kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"]
+    jobs = {r["regex"]: r["replacement"] for r in endpoint["relabelings"]}
+    compose = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    assert set(jobs.values()) == {j["job_name"] for j in compose["scrape_configs"]}
+    components = {
+        s["metadata"]["labels"]["app.kubernetes.io/component"] for s in kind(docs, "Service")
+    }
+    assert set(jobs) == components == {"worker", "gateway"}
+
+
 def test_the_guards(k8s, tmp_path):
     too_many = helm_template(
         k8s, "--set", "autoscaling.maxReplicas=16", "--set", "topics.partitions=8", check=False

@@ -3,20 +3,27 @@
 Each rule reads only series the worker's registry exports (names read as in test_dashboard.py);
 a histogram is recorded whole (`_bucket`, `_sum` and `_count`, from the same suffix of one of
 ours, `le` never aggregated away), a counter from a counter; and the vLLM names that
-docs/operations.md lists are exactly the ones recorded. Where `promtool` is on the PATH, it checks
-the file too; where `promql-parser` is installed, every expression parses.
+docs/operations.md lists are exactly the ones recorded. promtool (deploy/prometheus/tools.sh) checks
+the file, the alerts and compose's prometheus.yml too; where `promql-parser` is installed, every
+expression parses.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
 import yaml
 
-from tests.unit.test_dashboard import PROMETHEUS, REPO, exported_series_names, promql_metric_names
+from tests.prometheus_tools import prometheus_tool
+from tests.unit.test_dashboard import (
+    ALERTS,
+    PROMETHEUS,
+    REPO,
+    exported_series_names,
+    promql_metric_names,
+)
 
 RULES = PROMETHEUS.parent / "vllm-names.yml"
 HISTOGRAM = ("_bucket", "_sum", "_count")
@@ -92,9 +99,12 @@ def test_the_rules_parse_as_promql():
         promql_parser.parse(name)  # a name with colons is a valid metric name
 
 
-def test_promtool_accepts_the_rules():
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed")
-    done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+@pytest.mark.parametrize(
+    "what, path",
+    [("rules", RULES), ("rules", ALERTS), ("config", PROMETHEUS)],
+    ids=["recording-rules", "alerts", "prometheus.yml"],
+)
+def test_promtool_accepts_the_files(what, path):
+    promtool = prometheus_tool("promtool")
+    done = subprocess.run([promtool, "check", what, str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
