@@ -381,11 +381,10 @@ class LLMEngine:
             self._resolve(*in_flight, outputs)
             in_flight = None
             sched.scheduled = [c for c in sched.scheduled if not c.seq.is_finished]
-        launched = (
-            self.runner.launch(sched.scheduled, self._runner_token, in_flight and in_flight[1])
-            if sched.scheduled
-            else None
-        )
+        launched = None
+        if sched.scheduled:
+            previous = in_flight[1] if in_flight is not None else None
+            launched = self.runner.launch(sched.scheduled, self._runner_token, previous)
         speculative = self.scheduler.proposer is not None
         stays = (
             launched is not None
