@@ -30,7 +30,7 @@ class Watch:
     the device."""
 
     def __init__(self, engine):
-        self.engine, self.in_flight, self.gathered = engine, 0, 0
+        self.engine, self.in_flight, self.gathered, self.rows = engine, 0, 0, 0
         self.overlapped: set[str] = set()  # request ids with a row in a step left in flight
         runner, pending = engine.runner, engine.runner._take_pending
 
@@ -68,6 +68,7 @@ def drive(engine, arrivals: dict, aborts: dict | None = None) -> tuple[dict, Wat
                 watch.in_flight += 1
                 watch.overlapped |= {c.seq.request_id for c in engine._in_flight[0].scheduled}
             engine.check_integrity()
+            watch.rows += engine.stats().num_batched_tokens
             step += 1
     finally:
         watch.close()
@@ -158,6 +159,30 @@ def test_a_batch_with_requests_that_cannot_overlap_falls_back_and_keeps_tokens(
         assert results[(f"r{i}", 0)]["tokens"] == hf_outputs[i][:n], f"r{i} diverged from HF"
     assert results[("r4", 1)]["tokens"] == hf_outputs[4][:4]
     assert results[("r3", 0)]["tokens"] == serial[("r3", 0)]["tokens"]
+
+
+def test_seeded_sampling_overlaps_and_draws_what_the_serial_engine_draws(model_runner, prompts):
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    arrivals = {0: [req(0, prompts[0], params)], 2: [req(1, prompts[1], params)]}
+    serial = drive(make_engine(model_runner), arrivals)[0]
+    results, watch = drive(overlapped(model_runner), arrivals)
+    assert watch.overlapped == {"r0", "r1"}, vars(watch)
+    for key in serial:
+        assert results[key]["tokens"] == serial[key]["tokens"], key
+
+
+def test_greedy_requests_stay_serial_under_speculative_decoding(model_runner, prompts, hf_outputs):
+    engine = overlapped(model_runner, speculative={"method": "ngram"})
+    results, watch = drive(engine, {0: [req(0, prompts[0], greedy(10))]})
+    assert watch.in_flight == 0 and results[("r0", 0)]["tokens"] == hf_outputs[0][:10]
+
+
+def test_a_sequence_its_token_in_flight_ends_by_length_gets_no_more_rows(
+    model_runner, prompts, hf_outputs
+):
+    results, watch = drive(overlapped(model_runner), {0: [req(0, prompts[0], greedy(6))]})
+    assert results[("r0", 0)]["tokens"] == hf_outputs[0][:6]
+    assert watch.rows == len(prompts[0]) + 5  # the prompt, then a row for each token but the last
 
 
 def test_preempted_sequences_keep_their_tokens(model_runner, prompts, hf_outputs):
