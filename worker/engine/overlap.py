@@ -8,7 +8,8 @@ a gather from the step in flight's sampled ids (`pending_rows`); the step in fli
 (tokens read back, appended, detokenized, stops) only after the next one is launched. A sequence
 that step N ends had a wasted row in step N+1: it has finished when N+1 resolves, and that row's
 token is dropped. Its blocks are freed when N resolves, while N+1 may still write that row's K/V:
-safe, since whatever reuses them is launched later on the same stream.
+safe, since whatever reuses them is launched later on the same stream. A sequence that its token
+in flight certainly ends (max_tokens, the model length) sits the next step out (Scheduler.hold).
 """
 
 from __future__ import annotations
