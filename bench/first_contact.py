@@ -651,13 +651,13 @@ def engine_greedy(settings, prompt: list[int], new_tokens: int):
     runner = ModelRunner(settings)
     backends = (runner.backends.attention, runner.backends.fused_ops)
     assert backends == ("triton", "triton"), runner.backends
-    rows, sample = [], runner.sampler.sample
+    rows, sample = [], runner.sampler.sample_on_device
 
     def capture(logits, *args, **kwargs):
         rows.extend(logits.float().clone())
         return sample(logits, *args, **kwargs)
 
-    runner.sampler.sample = capture
+    runner.sampler.sample_on_device = capture
     engine = LLMEngine(runner, settings)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest("r", sampling=params, prompt_token_ids=prompt))
@@ -974,7 +974,7 @@ def throughput(run: Run, engine, plan: DummyPlan) -> dict:
         ("schedule", engine.scheduler, "schedule"),
         ("prepare", runner, "prepare"),
         ("forward", runner, "_forward"),
-        ("sample", runner.sampler, "sample"),
+        ("sample", runner.sampler, "sample_on_device"),
     ]
     with phases_timed(targets, spent, sync):
         sync()

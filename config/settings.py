@@ -308,6 +308,12 @@ class SchedulerSettings(BaseModel):
     background_quiet_s: float = Field(10.0, ge=0)
 
 
+class EngineSettings(BaseModel):
+    # Schedule and launch step N+1 while step N runs, hiding the host's work per step behind the
+    # device's (docs/architecture.md, "The engine step"); `auto`: on with CUDA, off on the CPU.
+    overlap: Literal["auto", "on", "off"] = "auto"
+
+
 class SpeculativeSettings(BaseModel):
     # `ngram`: prompt-lookup drafts for greedy requests, verified in the same step; same output,
     # more tokens per step on repetitive text (docs/operations.md, "Speculative decoding").
@@ -436,6 +442,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    engine: EngineSettings = EngineSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
     structured: StructuredSettings = StructuredSettings()
     limits: LimitsSettings = LimitsSettings()

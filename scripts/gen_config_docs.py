@@ -41,6 +41,7 @@ SECTIONS = {
     "sizing).",
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and "
     "the waiting pool.",
+    "engine": "The engine step: whether step N+1 is prepared while step N runs.",
     "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, "
     "verified in the same step; greedy output is unchanged.",
     "structured": "Structured outputs (grammars): the compile time budget, the compile pool and "

@@ -77,13 +77,13 @@ def run_smollm2(cases: dict) -> None:
 def logits_rows(
     runner: ModelRunner, prompt: list[int], max_tokens: int
 ) -> tuple[list[torch.Tensor], list[int]]:
-    rows, sample = [], runner.sampler.sample
+    rows, sample = [], runner.sampler.sample_on_device
 
     def capture(logits, *args, **kwargs):
         rows.extend(logits.float().clone())
         return sample(logits, *args, **kwargs)
 
-    runner.sampler.sample = capture  # an instance attribute over the method
+    runner.sampler.sample_on_device = capture  # an instance attribute over the method
     try:
         result = run_to_completion(
             make_engine(runner),
@@ -96,7 +96,7 @@ def logits_rows(
             },
         )
     finally:
-        del runner.sampler.sample
+        del runner.sampler.sample_on_device
     return rows, result["r"]["tokens"]
 
 

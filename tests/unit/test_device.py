@@ -21,6 +21,7 @@ from inferline.worker.engine.device import (
     pick_device,
     pick_dtype,
     pick_kv_dtype,
+    start_host_copy,
 )
 
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
@@ -276,6 +277,38 @@ def test_a_host_tensor_goes_to_cuda_from_pinned_memory(monkeypatch):
     assert calls == ["pin_memory", ("to", CUDA, True)]
 
 
+def test_sampled_ids_come_back_through_pinned_memory_and_an_event(monkeypatch):
+    """The overlapped step's read-back (start_host_copy): on the CPU the tensor itself; the CUDA
+    arm's calls recorded (a pinned buffer, an enqueued copy, an event recorded after it)."""
+    ids = torch.arange(3)
+    assert start_host_copy(ids) == (ids, None)
+    calls = []
+
+    class Device:
+        type = "cuda"
+
+    class OnDevice:
+        device, shape, dtype = Device(), (3,), torch.int64
+
+    class Host:
+        def copy_(self, src, non_blocking):
+            calls.append(("copy_", non_blocking))
+
+    class Event:
+        def record(self):
+            calls.append("record")
+
+    def fake_empty(shape, dtype, pin_memory):
+        calls.append(("empty", shape, dtype, pin_memory))
+        return Host()
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    host, ready = start_host_copy(OnDevice())
+    assert isinstance(host, Host) and isinstance(ready, Event)
+    assert calls == [("empty", (3,), torch.int64, True), ("copy_", True), "record"]
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------
 
 
@@ -287,5 +320,8 @@ def test_cuda_calls():
     assert blocks("cuda", free_bytes=free) == int(free * 0.85) // LLAMA3_8B_BLOCK
     t = host_to_device(list(range(1000)), torch.long, CUDA)
     assert t.is_cuda and t.sum().item() == 999 * 1000 // 2  # .item() waits for the async copy
+    host, ready = start_host_copy(t)
+    ready.synchronize()
+    assert host.is_pinned() and host.tolist() == list(range(1000))
     cache = kv_cache_tensor((2, 2, 4, 16, 8, 128), torch.bfloat16, CUDA)
     assert cache.is_cuda and cache.shape == (2, 2, 4, 16, 8, 128)

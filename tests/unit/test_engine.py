@@ -55,17 +55,17 @@ def test_alone_equals_inside_a_batch_of_30(model_runner, prompts):
 
 def logits_rows_of(model_runner, prompt: list[int], arrivals) -> list[torch.Tensor]:
     """Every logits row the sampler got for the request whose prompt is `prompt`, step by step."""
-    rows, sample = [], model_runner.sampler.sample
+    rows, sample = [], model_runner.sampler.sample_on_device
 
     def capture(logits, params, prompt_ids, *rest):
         rows.extend(logits[i].clone() for i, ids in enumerate(prompt_ids) if ids == prompt)
         return sample(logits, params, prompt_ids, *rest)
 
-    model_runner.sampler.sample = capture  # an instance attribute over the method
+    model_runner.sampler.sample_on_device = capture  # an instance attribute over the method
     try:
         run_to_completion(make_engine(model_runner), arrivals)
     finally:
-        del model_runner.sampler.sample
+        del model_runner.sampler.sample_on_device
     return rows
 
 

@@ -168,3 +168,18 @@ def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not host.is_pinned():
         host = host.pin_memory()  # CUDA only
     return host.to(device, non_blocking=True)
+
+
+# ---- device-to-host copies -----------------------------------------------------------------------
+
+
+def start_host_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """(the host copy of `tensor`, what to wait on before reading it): on CUDA a copy into pinned
+    memory queued behind the work that writes `tensor`, and its event; elsewhere `tensor` itself."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # CUDA only
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event()  # CUDA only
+    ready.record()
+    return host, ready

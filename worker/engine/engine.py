@@ -19,7 +19,8 @@ import torch
 from inferline.config.settings import Settings
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from inferline.worker.engine.model_runner import ModelRunner
+from inferline.worker.engine import overlap
+from inferline.worker.engine.model_runner import LaunchedStep, ModelRunner
 from inferline.worker.engine.request import (
     EngineRequest,
     RequestOutput,
@@ -28,7 +29,7 @@ from inferline.worker.engine.request import (
 )
 from inferline.worker.engine.sampler import SamplerOutput, make_stream
 from inferline.worker.engine.scheduler import BackgroundLimit, Scheduler, SchedulerOutput
-from inferline.worker.engine.sequence import ERROR_CODE_OF, Sequence
+from inferline.worker.engine.sequence import ERROR_CODE_OF, PENDING, Sequence
 from inferline.worker.engine.spec_decode import NgramProposer, accept
 from inferline.worker.engine.structured_output import GrammarCompiler, new_matcher
 
@@ -121,6 +122,9 @@ class LLMEngine:
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
         self._token_texts = TokenTexts(self.tokenizer)
+        self.overlap = overlap.pick_overlap(settings.engine.overlap, runner.device.type)
+        # The step left on the device while the next is scheduled (overlap), and its schedule.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "LLMEngine":
@@ -384,7 +388,12 @@ class LLMEngine:
         self._finished.append(self._final_output(samples, reason, message))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._finished) or self.scheduler.has_unfinished() or bool(self._compiling)
+        return (
+            bool(self._finished)
+            or self.scheduler.has_unfinished()
+            or bool(self._compiling)
+            or self._in_flight is not None
+        )
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -395,14 +404,71 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs = {(o.request_id, o.index): o for o in self._finished}
         self._finished = []
-        if not sched.is_empty or sched.started:
-            sampled = (
-                self.runner.run(sched.scheduled, self._runner_token) if sched.scheduled else []
-            )
-            self._update(sched, sampled, outputs)
-            self._end_costly_grammars(sched)
+        if not sched.is_empty or sched.started or self._in_flight is not None:
+            self._run(sched, outputs)
         self._record_stats(sched, time.perf_counter() - started)
         return list(outputs.values())
+
+    def _run(self, sched: SchedulerOutput, outputs: dict) -> None:
+        """Launch the step; resolve the one in flight after it (worker/engine/overlap.py); then
+        leave this one in flight where it may, else resolve it now."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and overlap.needs_tokens_first(sched.scheduled):
+            self._resolve(*in_flight, outputs)
+            in_flight = None
+            sched.scheduled = [c for c in sched.scheduled if not c.seq.is_finished]
+        launched = None
+        if sched.scheduled:
+            previous = in_flight[1] if in_flight is not None else None
+            launched = self.runner.launch(sched.scheduled, self._runner_token, previous)
+        speculative = self.scheduler.proposer is not None
+        stays = (
+            launched is not None
+            and self.overlap
+            and overlap.can_overlap(sched.scheduled, speculative)
+        )
+        if stays:
+            self._launched(sched, outputs)
+        if in_flight is not None:
+            self._resolve(*in_flight, outputs)
+        if stays:
+            self._leave_in_flight(sched, launched)
+        else:
+            self._update(sched, self.runner.resolve(launched) if launched else [], outputs)
+            self._end_costly_grammars(sched)
+
+    def _launched(self, sched: SchedulerOutput, outputs: dict) -> None:
+        """A step staying in flight: what the host knows at launch (no drafts in such a step)."""
+        self._mark_started(sched, outputs)
+        for chunk in sched.scheduled:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+
+    def _leave_in_flight(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Each sampling sequence takes a PENDING token; one that the token ends by length sits
+        out the next schedules (no wasted row, no slot past its limits)."""
+        for chunk in launched.samples:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue  # ended by the step resolved just now: this row is wasted
+            seq.output_token_ids.append(PENDING)
+            limit = seq.sampling.max_tokens
+            if seq.num_output_tokens >= limit or seq.num_tokens >= self.max_model_len:
+                self.scheduler.hold(seq)
+        self._in_flight = (sched, launched)
+
+    def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep, outputs: dict) -> None:
+        """The step in flight's tokens in place of its PENDING ones; a finished sequence's row
+        is dropped."""
+        now = time.time()
+        for chunk, drawn in zip(launched.samples, self.runner.resolve(launched)):
+            seq = chunk.seq
+            if not seq.is_finished:
+                assert seq.output_token_ids[-1] == PENDING, seq.request_id
+                seq.output_token_ids.pop()
+                self._append_token(seq, drawn.token_ids[0], now, outputs, drawn.logprobs[0])
+        for chunk in sched.scheduled:  # every computed token is known now
+            if not chunk.seq.is_finished:
+                self.block_manager.cache_computed_blocks(chunk.seq)
 
     def _end_costly_grammars(self, sched: SchedulerOutput) -> None:
         """End with `error` a request whose token mask keeps costing the batch over budget."""
@@ -428,15 +494,21 @@ class LLMEngine:
         ]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
-    def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
+    def _mark_started(self, sched: SchedulerOutput, outputs: dict) -> None:
         now = time.time()
         for seq in sched.started:
             seq.first_scheduled_time = now
             outputs[(seq.request_id, 0)] = self._output(seq, started=True)
+
+    def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
+        now = time.time()
+        self._mark_started(sched, outputs)
         sampled_iter = iter(sampled)
         for chunk in sched.scheduled:
             seq, drafts = chunk.seq, chunk.spec_token_ids
             drawn = next(sampled_iter) if chunk.samples else None
+            if seq.is_finished:
+                continue  # ended by the step in flight resolved before this one (overlap)
             new_tokens = accept(drafts, drawn.token_ids) if drawn is not None else []
             # K/V is valid for the known tokens and accepted drafts, not rejected ones.
             num_accepted = max(0, len(new_tokens) - 1)
@@ -516,6 +588,7 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> None:
         """After an unexpected step error: end every request with `error`, keep serving."""
+        self._in_flight = None  # whatever it computed is not trusted
         for request_id in list(self.requests):
             self.abort(request_id, "error", message)
 
@@ -574,7 +647,7 @@ class LLMEngine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting) + len(self._compiling)
         s.kv_cache_usage = self.block_manager.usage
-        s.kv_cache_waste = self.block_manager.waste(self.scheduler.running + self.scheduler.waiting)
+        s.kv_cache_waste = self.block_manager.waste(self.scheduler.owners())
         s.num_preemptions = self.scheduler.num_preemptions
         s.batch_size, s.num_batched_tokens = len(sched.scheduled), sched.num_batched_tokens
         s.num_draft_tokens = sum(len(c.spec_token_ids) for c in sched.scheduled)
@@ -590,7 +663,7 @@ class LLMEngine:
         return EngineStats(**vars(self._stats))
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(self.scheduler.running + self.scheduler.waiting)
+        self.block_manager.check_integrity(self.scheduler.owners())
 
 
 def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:

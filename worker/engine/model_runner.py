@@ -30,9 +30,11 @@ from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor is 
     pick_device,
     pick_dtype,
     pick_kv_dtype,
+    start_host_copy,
 )
 from inferline.worker.engine.models.calibration import Calibration, choose_linear_backend
 from inferline.worker.engine.models.loader import load_model
+from inferline.worker.engine.overlap import pending_rows
 from inferline.worker.engine.padded_decode import PaddedDecode, capture_sizes
 from inferline.worker.engine.sampler import Sampler, SamplerOutput
 from inferline.worker.engine.scheduler import ScheduledSequence
@@ -50,7 +52,20 @@ class Batch:
     meta: AttentionMetadata | None  # None in a padded decode step
     logits_indices: torch.Tensor  # rows whose next-token logits are sampled
     sampling: list[ScheduledSequence]  # in logits_indices order (1 + len(drafts) rows each)
+    ordered: list[ScheduledSequence]  # every chunk, in input order (decodes first)
     bucket: int | None = None  # a decode-only step padded to this many rows
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampled ids, on their way to the host."""
+
+    samples: list[ScheduledSequence]  # the chunks that sample, in the scheduler's order
+    rows_of: dict[int, int]  # id(seq) -> its first row in token_ids
+    token_ids: torch.Tensor | None = None  # int64 [rows], on the device; None: nothing sampled
+    host_ids: torch.Tensor | None = None  # token_ids' host copy, valid once `ready` is done
+    ready: object | None = None  # a CUDA event; None: host_ids is valid now
+    logprobs: list[dict | None] | None = None  # per row
 
 
 class ModelRunner:
@@ -201,21 +216,67 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(
         self, scheduled: list[ScheduledSequence], owner: object | None = None
     ) -> list[SamplerOutput]:
         """One forward over `scheduled`: for each chunk that samples, in order, its sampled tokens
         (and logprobs); with drafts, one per row. `owner`: claim()'s token."""
+        return self.resolve(self.launch(scheduled, owner))
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        scheduled: list[ScheduledSequence],
+        owner: object | None = None,
+        in_flight: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Prepare, forward and sample on the device, then start the sampled ids' copy to the
+        host; no wait for the device. Decodes whose input is PENDING take it from `in_flight`'s
+        sampled ids (worker/engine/overlap.py)."""
         if owner is not None and owner is not self.owner:
             raise RuntimeError(
                 "this engine's ModelRunner was claimed by a newer LLMEngine: "
                 "its KV cache no longer holds this engine's blocks"
             )
+        samples = [s for s in scheduled if s.samples]
         batch = self.prepare(scheduled)
+        if in_flight is not None:
+            self._take_pending(batch, in_flight)
         logits = self._forward(batch)
         if logits is None:
+            return LaunchedStep(samples, {})
+        token_ids, logprobs = self._sample(batch, logits)
+        host_ids, ready = start_host_copy(token_ids)
+        rows_of, first = {}, 0
+        for s in batch.sampling:
+            rows_of[id(s.seq)] = first
+            first += 1 + len(s.spec_token_ids)
+        return LaunchedStep(samples, rows_of, token_ids, host_ids, ready, logprobs)
+
+    def resolve(self, step: LaunchedStep) -> list[SamplerOutput]:
+        """A launched step's tokens (run()'s list), once the device has sampled them."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        if step.host_ids is None:
             return []
+        tokens = step.host_ids.tolist()
+        out = []
+        for s in step.samples:
+            first, num_rows = step.rows_of[id(s.seq)], 1 + len(s.spec_token_ids)
+            rows = slice(first, first + num_rows)
+            out.append(SamplerOutput(tokens[rows], step.logprobs[rows]))
+        return out
+
+    def _take_pending(self, batch: Batch, in_flight: LaunchedStep) -> None:
+        """Write the PENDING inputs' tokens into the batch's input ids, on the device."""
+        dst, src = pending_rows(batch.ordered, in_flight.rows_of)
+        if dst:
+            index = self._to_device(torch.tensor(dst))
+            tokens = in_flight.token_ids.index_select(0, self._to_device(torch.tensor(src)))
+            batch.input_ids.index_copy_(0, index, tokens)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor):
+        """(token ids on the device, logprobs) of the batch's sampled rows."""
         rows = [s.seq for s in batch.sampling for _ in range(1 + len(s.spec_token_ids))]
         # Filled while a GPU still computes the logits: the matchers' CPU work overlaps it.
         grammar_rows = [i for i, seq in enumerate(rows) if seq.grammar is not None]
@@ -227,7 +288,7 @@ class ModelRunner:
         slow = set(self.token_bitmask.slow) if grammar_rows else set()
         for j, i in enumerate(grammar_rows):  # steps in a row over the mask budget
             rows[i].mask_strikes = rows[i].mask_strikes + 1 if j in slow else 0
-        out = self.sampler.sample(
+        return self.sampler.sample_on_device(
             logits,
             [s.sampling for s in rows],
             [s.prompt_token_ids for s in rows],
@@ -236,15 +297,6 @@ class ModelRunner:
             bitmask,
             grammar_rows,
         )
-        tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
-        # The batch put decodes first; hand the tokens back in the scheduler's order.
-        by_seq = {}
-        for s in batch.sampling:
-            num_rows = 1 + len(s.spec_token_ids)
-            by_seq[id(s.seq)] = SamplerOutput(
-                [next(tokens) for _ in range(num_rows)], [next(logprobs) for _ in range(num_rows)]
-            )
-        return [by_seq[id(s.seq)] for s in scheduled if s.samples]
 
     def _forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits of the batch's sampled rows (logits_indices order); None if no row samples."""
@@ -267,6 +319,7 @@ class ModelRunner:
             meta,
             step.logits_indices,
             [s for s in step.ordered if s.samples],
+            step.ordered,
         )
 
     def _prepare_padded(self, scheduled: list[ScheduledSequence], bucket: int) -> Batch:
@@ -279,6 +332,7 @@ class ModelRunner:
             None,
             step.logits_indices,
             [s for s in step.ordered if s.samples],
+            step.ordered,
             bucket,
         )
 

@@ -81,6 +81,23 @@ class Sampler:
     ) -> SamplerOutput:
         """logits [num_seqs, vocab], rows aligned with params, prompt_ids, output_ids and streams;
         `bitmask` [len(grammar_rows), words] int32: the tokens allowed in those rows."""
+        next_ids, logprobs = self.sample_on_device(
+            logits, params, prompt_ids, output_ids, streams, bitmask, grammar_rows
+        )
+        return SamplerOutput(next_ids.tolist(), logprobs)
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        streams: list[SeededStream | None],
+        bitmask: torch.Tensor | None = None,
+        grammar_rows: list[int] = (),
+    ) -> tuple[torch.Tensor, list[dict | None]]:
+        """sample()'s tokens left on the logits' device (int64 [num_seqs]), and the logprobs; no
+        device sync without logprobs (an overlapped step reads the tokens later)."""
         num_seqs = logits.shape[0]
         assert logits.dim() == 2, logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(streams) == num_seqs
@@ -90,7 +107,7 @@ class Sampler:
             and not wants_logprobs
             and all(p.greedy and not has_penalties(p) and not p.logit_bias for p in params)
         ):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_seqs)
+            return logits.argmax(dim=-1), [None] * num_seqs
         # Rows are viewed flat and in blocks below; a padded-vocab slice would not view.
         work = _biased(logits.contiguous(), params)
         work = _penalized(work, params, prompt_ids, output_ids)
@@ -98,7 +115,7 @@ class Sampler:
             work = _masked(work, logits, list(grammar_rows), bitmask)
         next_ids = self._pick(work, params, streams)
         logprobs = _logprobs(work, next_ids, params) if wants_logprobs else [None] * num_seqs
-        return SamplerOutput(next_ids.tolist(), logprobs)
+        return next_ids, logprobs
 
     def _pick(
         self, work: torch.Tensor, params: list[SamplingParams], streams: list

@@ -81,6 +81,8 @@ class Scheduler:
         self.spec_disable_batch_size = spec_disable_batch_size
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
+        # Out of the batch, blocks kept: the token in flight ends them (worker/engine/overlap.py).
+        self.held: list[Sequence] = []
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
@@ -90,12 +92,22 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of either queue and give its blocks back."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        """Take a sequence out of any queue and give its blocks back."""
+        for queue in (self.running, self.waiting, self.held):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.block_manager.free(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Keep a running sequence out of the next schedules until remove(): its last token, still
+        on the device, certainly ends it."""
+        self.running.remove(seq)
+        self.held.append(seq)
+
+    def owners(self) -> list[Sequence]:
+        """Every sequence that may hold blocks."""
+        return self.running + self.waiting + self.held
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

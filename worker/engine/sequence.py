@@ -20,6 +20,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# An output token sampled on the device and not read back yet (worker/engine/overlap.py).
+PENDING = -1
+
 # finish_reason (wire contract) -> error code, for reasons that are errors.
 ERROR_CODE_OF = {"cancelled": "cancelled", "timeout": "timeout", "error": "internal"}
 
@@ -83,6 +86,8 @@ class Sequence:
         return (self.priority, self.arrival_time)
 
     def finish(self, reason: str, message: str | None = None, code: str | None = None) -> None:
+        if self.output_token_ids[-1:] == [PENDING]:  # ended with a token in flight: never emitted
+            self.output_token_ids.pop()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.error_code = code or ERROR_CODE_OF.get(reason)
