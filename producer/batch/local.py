@@ -89,7 +89,9 @@ class State:
             head = json_object(lines[0]) if lines else None
             if head and isinstance(head.get("batch_id"), str):
                 sent = {
-                    d["sent"] for d in map(json_object, lines[1:]) if d and isinstance(d.get("sent"), str)
+                    d["sent"]
+                    for d in map(json_object, lines[1:])
+                    if d and isinstance(d.get("sent"), str)
                 }
                 return cls(path, head["batch_id"], head.get("input_sha256", ""), sent), True
         state = cls(path, f"batch_{uuid.uuid4().hex[:16]}", input_sha256)

@@ -547,3 +547,28 @@ def test_max_tokens_left_out_is_at_most_what_the_kv_cache_holds(model_runner):
     )
     final = results["kv"]["final"]
     assert (final.finish_reason, final.num_output_tokens) == ("length", 3 * bs - len(prompt))
+
+
+def test_a_requests_queue_time_never_exceeds_its_time_to_first_token(model_runner, monkeypatch):
+    """A step's first tokens and the start of the requests it ran share one clock reading (the
+    overlapped step's merge read the clock twice: queue_s came out above ttft_s, caught by a
+    broker test once in CI). A clock that moves on every reading makes a second reading show."""
+    import itertools
+    from types import SimpleNamespace
+
+    import inferline.worker.engine.engine as engine_module
+    from inferline.config.settings import Settings
+    from inferline.worker.app import engine_settings
+    from inferline.worker.engine.engine import LLMEngine
+
+    ticks = itertools.count(1_000.0)
+    clock = SimpleNamespace(
+        time=lambda: next(ticks), perf_counter=time.perf_counter, monotonic=time.monotonic
+    )
+    monkeypatch.setattr(engine_module, "time", clock)
+    eng = LLMEngine(model_runner, engine_settings(Settings()))
+    eng.add_request(
+        EngineRequest("q", SamplingParams(max_tokens=2), prompt="Hello", arrival_time=999.0)
+    )
+    final = run_to_completion(eng, check=False)["q"]["final"]
+    assert 0 <= final.queue_s <= final.ttft_s <= final.total_s

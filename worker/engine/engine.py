@@ -439,7 +439,7 @@ class LLMEngine:
 
     def _launched(self, sched: SchedulerOutput, outputs: dict) -> None:
         """A step staying in flight: what the host knows at launch (no drafts in such a step)."""
-        self._mark_started(sched, outputs)
+        self._mark_started(sched, outputs, time.time())
         for chunk in sched.scheduled:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
 
@@ -494,15 +494,16 @@ class LLMEngine:
         ]:
             self.abort(seq.request_id, "timeout", "deadline passed")
 
-    def _mark_started(self, sched: SchedulerOutput, outputs: dict) -> None:
-        now = time.time()
+    def _mark_started(self, sched: SchedulerOutput, outputs: dict, now: float) -> None:
+        """`now`: the step's own clock reading, which its first tokens share (a later reading
+        would make a request's queue time exceed its time to first token)."""
         for seq in sched.started:
             seq.first_scheduled_time = now
             outputs[(seq.request_id, 0)] = self._output(seq, started=True)
 
     def _update(self, sched: SchedulerOutput, sampled: list[SamplerOutput], outputs: dict) -> None:
         now = time.time()
-        self._mark_started(sched, outputs)
+        self._mark_started(sched, outputs, now)
         sampled_iter = iter(sampled)
         for chunk in sched.scheduled:
             seq, drafts = chunk.seq, chunk.spec_token_ids
