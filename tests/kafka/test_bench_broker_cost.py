@@ -13,7 +13,8 @@ import pytest
 
 from bench import broker_cost
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# A bench smoke run: `make test-full` (make test stays under its 20 minutes).
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.full]
 
 REQUESTS = 10
 

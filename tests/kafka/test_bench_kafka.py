@@ -14,7 +14,8 @@ import pytest
 
 from bench import kafka_e2e
 
-pytestmark = pytest.mark.kafka
+# A bench smoke run: `make test-full` (make test stays under its 20 minutes).
+pytestmark = [pytest.mark.kafka, pytest.mark.full]
 
 RUN_KEYS = {
     "path",
