@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Coroutine
 
 import structlog
@@ -19,6 +20,7 @@ from inferline.producer.topics import create_topics, topic_configs, topic_partit
 log = structlog.get_logger(__name__)
 
 PER_REQUEST = "per-request"
+NEW_TOPIC_WAIT_S = 10.0  # a topic just made, unknown yet to some broker of the cluster
 REPLY_TOPIC_PREFIX = "inferline.reply."
 
 
@@ -90,9 +92,12 @@ class ReplyRouter:
                 **self.replicas,
                 configs=topic_configs(self.retention_ms),
             )
-        parts = await topic_partitions(self.admin, topic)
-        if parts is None:
-            raise missing_reply_topic(topic)
+        # Made just now, it may be unknown yet to the broker asked (a cluster's metadata spreads).
+        deadline = time.monotonic() + (NEW_TOPIC_WAIT_S if self.create else 0.0)
+        while (parts := await topic_partitions(self.admin, topic)) is None:
+            if time.monotonic() >= deadline:
+                raise missing_reply_topic(topic)
+            await asyncio.sleep(0.1)
         tps = [TopicPartition(topic, p) for p in parts]
         await self._reassign(add=tps, from_start=fresh or topic in created)
 

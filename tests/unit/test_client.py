@@ -305,3 +305,39 @@ def test_reply_topics_follow_the_workers_reply_prefix():
 
 
 # ------------------------------------------------------------------------- scripted stand-in worker
+
+
+async def test_a_reply_topic_made_just_now_is_waited_for_where_the_asked_broker_lags(monkeypatch):
+    """On a cluster, a broker may not know a topic another just created (the 3-node replication
+    test hit it: 'does not exist' right after the create): the client asks again."""
+    from inferline.producer import replies
+
+    answers = iter([None, None, [0, 1]])
+
+    async def created(admin, topics, **kwargs):
+        return [name for name, _ in topics]
+
+    async def partitions(admin, topic):
+        return next(answers)
+
+    reassigned = []
+
+    async def reassign(self, add=(), remove=frozenset(), from_start=True):
+        reassigned.extend(add)
+
+    monkeypatch.setattr(replies, "create_topics", created)
+    monkeypatch.setattr(replies, "topic_partitions", partitions)
+    monkeypatch.setattr(replies.ReplyRouter, "_reassign", reassign)
+    router = replies.ReplyRouter(
+        None,
+        None,
+        {},
+        lambda c: None,
+        partitions=2,
+        retention_ms=1,
+        replication_factor=None,
+        min_insync_replicas=None,
+        max_event_bytes=1,
+    )
+    await router.watch_shared("inferline.reply.t", fresh=True)
+    assert [tp.partition for tp in reassigned] == [0, 1]
