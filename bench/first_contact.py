@@ -844,22 +844,22 @@ def compare_step(run: Run, engine) -> dict:
         for m in ("graphs", "eager", "flat", "torch")
         if m != "graphs" or runner.decode_graphs is not None
     ]
-    real_run = runner.run
+    real_launch = runner.launch  # the engine's step is launch + resolve (overlap or not)
 
-    def run_each(scheduled, owner=None):
+    def launch_each(scheduled, owner=None, previous=None):
         for mode in modes:
             with decode_path(runner, mode), torch.inference_mode():
                 batch = runner.prepare(scheduled)
                 rows = runner._forward(batch).float()
                 order = {id(s.seq): i for i, s in enumerate(batch.sampling)}
                 logits[mode] = rows[[order[id(s.seq)] for s in scheduled]].cpu()
-        return real_run(scheduled, owner)
+        return real_launch(scheduled, owner, previous)
 
-    runner.run = run_each
+    runner.launch = launch_each
     try:
         engine.step()
     finally:
-        runner.run = real_run
+        runner.launch = real_launch
     base, checks = modes[0], Checks()
     agree = {}
     for mode in modes[1:]:
