@@ -12,16 +12,56 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
+from inferline.contract.schema import Request
 from inferline.worker.delivery.finals import Delivery
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import ReplyStream
 from inferline.worker.engine.engine import EngineStats
-from inferline.worker.engine.request import RequestOutput
+from inferline.worker.engine.request import EngineRequest, RequestOutput, SamplingParams
+from inferline.worker.engine.request import StructuredSpec
 from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.service.tenancy import cancel_key
 
 log = structlog.get_logger(__name__)
+
+
+def engine_request(
+    req: Request, attempt: str, max_tokens: int, received: float, deadline: float
+) -> EngineRequest:
+    """The engine's request for one attempt of `req` (`attempt`: the engine's request id)."""
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        fit_to_model_len=req.max_tokens is None,
+        structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
+        logit_bias=tuple((int(t), bias) for t, bias in (req.logit_bias or {}).items()),
+    )
+    messages = [m.template_dict() for m in req.messages] if req.messages is not None else None
+    return EngineRequest(
+        request_id=attempt,
+        sampling=sampling,
+        prompt=req.prompt,
+        messages=messages,
+        chat_template_kwargs=req.chat_template_kwargs,
+        prompt_token_ids=req.prompt_token_ids,
+        priority=req.priority,
+        arrival_time=received,
+        deadline=deadline,
+        tenant=req.tenant,
+    )
 
 
 class RequestTracker:
@@ -79,7 +119,8 @@ class RequestTracker:
         )
         self.ledger.add(job)
         self._num_waiting += 1
-        self.engine_loop.add_request(adm.engine_request(rs.attempt))
+        attempt = engine_request(req, rs.attempt, adm.max_tokens, adm.received, adm.deadline)
+        self.engine_loop.add_request(attempt)
         job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
 
     async def requeue(self, tps: set[TopicPartition], timeout: float | None = None) -> None:

@@ -17,7 +17,7 @@ from tests.worker_fixtures import (  # noqa: F401 - fixtures
     topics,
 )
 from inferline.worker.app import engine_settings
-from inferline.worker.intake.triage import engine_request
+from inferline.worker.request_tracker import engine_request
 from inferline.worker.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.kafka

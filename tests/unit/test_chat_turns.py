@@ -20,7 +20,7 @@ from inferline.producer.gateway.errors import OpenAIError
 from inferline.producer.gateway.openai_mapping import chat_request
 from inferline.worker.app import engine_settings
 from inferline.worker.engine.engine import LLMEngine
-from inferline.worker.intake.triage import engine_request
+from inferline.worker.request_tracker import engine_request
 
 CALL = {
     "id": "call_1",

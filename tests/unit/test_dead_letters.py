@@ -71,7 +71,7 @@ async def test_the_limit_is_the_dlq_topics_config_or_the_broker_default_when_unr
 
     kafka = Settings().kafka
     read = DeadLetterLimit(kafka, read=lambda k, topic: 2000)
-    assert read.known() is None and await read.load() == 2000 and not read.due()
+    assert await read.load() == 2000 and read.bytes() == 2000
 
     def unreadable(k, topic):
         raise TimeoutError("no broker")
@@ -106,8 +106,8 @@ async def test_a_limit_unreadable_at_start_is_read_again_by_a_later_dead_letter(
     h = harness()
     h.worker.delivery.dlq_limit = limit = DeadLetterLimit(h.worker.settings.kafka, read=read)
     await h.worker.delivery.start()
-    assert limit.known() == BROKER_DEFAULT_MAX_MESSAGE_BYTES and not limit.due()
+    assert limit.bytes() == BROKER_DEFAULT_MAX_MESSAGE_BYTES  # and not read again yet
     monkeypatch.setattr(dead_letters, "RETRY_READ_S", 0.0)
     h.feed(b"\xc1" * 10_000)  # sized to the default, and asks again
     await limit._loading
-    assert limit.known() == 4096 and not limit.due()
+    assert limit.bytes() == 4096

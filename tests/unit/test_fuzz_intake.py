@@ -116,7 +116,7 @@ class Checker:
             assert headers["truncated"] == b"value"
             assert int(headers["original-size"]) == len(value) and value.startswith(out.value)
             assert len(out.value) < len(value)
-            limit = self.h.worker.delivery.dlq_limit.known()
+            limit = self.h.worker.delivery.dlq_limit.bytes()
             assert batch_size(out.key, out.value, out.headers) <= limit
         else:
             assert out.value == value

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka.structs import ConsumerRecord
 
 from inferline.worker.intake import triage
 from inferline.worker.intake.reply_topics import ReplyTopics
@@ -53,7 +52,7 @@ def with_broker(broker: Broker, **kafka):
 
 async def feed(h, value: bytes) -> None:
     """One record through the intake as the fetch loop hands it over; its lookup awaited."""
-    record = ConsumerRecord(h.tp.topic, 0, h.offset, 0, 0, b"k", value, None, 1, len(value), [])
+    record = triage.Record(h.tp.topic, 0, h.offset, b"k", value, [])
     h.offset += 1
     unverified = []
     h.worker.intake._handle(h.tp, record, unverified)

@@ -171,9 +171,9 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
     import time
 
     import msgpack
-    from aiokafka.structs import ConsumerRecord
 
     from inferline.config.settings import Settings
+    from inferline.worker.intake.triage import Record
     from tests.chaos_fixtures import IntakeHarness
 
     h = IntakeHarness(Settings())
@@ -182,7 +182,7 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
     intake.reply_topics = ReplyTopics(h.worker.settings.kafka, broker.list_topics)
     await intake.reply_topics.refresh()
 
-    def record(offset: int, reply_topic: str) -> ConsumerRecord:
+    def record(offset: int, reply_topic: str) -> Record:
         value = msgpack.packb(
             {
                 "v": 1,
@@ -192,9 +192,7 @@ async def test_reply_topic_lookups_run_off_the_fetch_loop():
                 "max_tokens": 2,
             }
         )
-        return ConsumerRecord(
-            h.tp.topic, 0, offset, int(time.time() * 1000), 0, b"k", value, None, 1, len(value), []
-        )
+        return Record(h.tp.topic, 0, offset, b"k", value, [], sent_at=time.time())
 
     broker.gate.clear()
     # As the poll thread hands batches over: the first one's lookup must not hold up the second.

@@ -21,7 +21,7 @@ from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.intake.share import (
     BrokerLimits,
     ShareIntake,
-    ShareRecord,
+    Record,
     _Lane,
     client_config,
     group_configs,
@@ -67,8 +67,8 @@ def make_intake(room: int, **kafka) -> ShareIntake:
     return intake
 
 
-def record(offset: int, delivery_count: int = 1) -> ShareRecord:
-    return ShareRecord(TOPIC, 0, offset, b"k", b"v", None, delivery_count)
+def record(offset: int, delivery_count: int = 1) -> Record:
+    return Record(TOPIC, 0, offset, b"k", b"v", None, delivery_count=delivery_count)
 
 
 def released(lane) -> list[int]:
@@ -157,7 +157,7 @@ def test_nothing_is_handed_out_while_draining():
 
 
 class FakeShareConsumer:
-    def __init__(self, records: list[ShareRecord]) -> None:
+    def __init__(self, records: list[Record]) -> None:
         self.records, self.subscribed, self.polls = records, False, 0
 
     def subscribe(self, topics) -> None:
@@ -174,7 +174,7 @@ class FakeShareConsumer:
 
 
 class FakeMessage:
-    def __init__(self, r: ShareRecord) -> None:
+    def __init__(self, r: Record) -> None:
         self.r = r
 
     def error(self):
@@ -199,7 +199,7 @@ class FakeMessage:
         return self.r.headers
 
     def timestamp(self):  # confluent-kafka's (type, ms): 0 is TIMESTAMP_NOT_AVAILABLE
-        return (0, -1) if self.r.timestamp is None else (1, self.r.timestamp)
+        return (0, -1) if self.r.sent_at is None else (1, int(self.r.sent_at * 1000))
 
     def delivery_count(self):
         return self.r.delivery_count

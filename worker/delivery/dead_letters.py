@@ -69,43 +69,38 @@ def _room(spare: int) -> int:
 
 
 class DeadLetterLimit:
-    """The DLQ topic's `max.message.bytes`, read once and cached (the broker's default, logged,
+    """The DLQ topic's `max.message.bytes`, read at start and cached (the broker's default, logged,
     while it cannot be read); capped by what the worker's producers send."""
 
     def __init__(self, kafka, read: Callable[[object, str], int] | None = None) -> None:
         self._kafka = kafka
         self._read = read or read_topic_max_bytes
         self.topic_limit: int | None = None
-        self._failed_at = float("-inf")
+        self._failed_at: float | None = None  # the last read failed then
         self._loading: asyncio.Future | None = None
 
-    def known(self) -> int | None:
-        """The limit to fit dead letters to, or None until it was asked for (or given up on)."""
-        if self.topic_limit is None:
-            return None
-        return min(self.topic_limit, self._kafka.max_message_bytes + PRODUCER_MARGIN)
-
-    def due(self) -> bool:
-        """Whether it must be read (again) before the next dead letter is sized."""
-        return self.topic_limit is None or (
-            self._failed_at > float("-inf") and time.monotonic() - self._failed_at >= RETRY_READ_S
-        )
-
-    def refresh(self) -> None:
-        """Read the limit in the background (one read at a time)."""
-        if self._loading is None or self._loading.done():
-            self._loading = asyncio.ensure_future(asyncio.to_thread(self._load))
+    def bytes(self) -> int:
+        """The limit to fit the next dead letter to. One unreadable a while ago is read again in
+        the background, for the ones after."""
+        if self._failed_at is not None and time.monotonic() - self._failed_at >= RETRY_READ_S:
+            self._start_read()
+        topic_limit = self.topic_limit or BROKER_DEFAULT_MAX_MESSAGE_BYTES
+        return min(topic_limit, self._kafka.max_message_bytes + PRODUCER_MARGIN)
 
     async def load(self) -> int:
-        """Read the limit, or fall back to the broker default; the limit."""
-        self.refresh()
+        """Read the limit (or fall back to the broker default); the limit."""
+        self._start_read()
         await asyncio.shield(self._loading)
-        return self.known()
+        return self.bytes()
+
+    def _start_read(self) -> None:
+        if self._loading is None or self._loading.done():  # one read at a time
+            self._loading = asyncio.ensure_future(asyncio.to_thread(self._load))
 
     def _load(self) -> None:
         topic = self._kafka.dlq_topic
         try:
-            self.topic_limit, self._failed_at = self._read(self._kafka, topic), float("-inf")
+            self.topic_limit, self._failed_at = self._read(self._kafka, topic), None
         except Exception as exc:  # noqa: BLE001 - unreadable: assume the default, say so
             self._failed_at = time.monotonic()
             self.topic_limit = self.topic_limit or BROKER_DEFAULT_MAX_MESSAGE_BYTES

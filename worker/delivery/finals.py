@@ -12,7 +12,6 @@ from aiokafka import TopicPartition
 
 from inferline.contract.schema import Request, Sample
 from inferline.worker.delivery.commit import Outcome
-from inferline.worker.delivery.dead_letters import BROKER_DEFAULT_MAX_MESSAGE_BYTES
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream, Source
@@ -49,10 +48,7 @@ class Delivery:
         where = {"topic": record.topic, "partition": record.partition, "offset": record.offset}
         headers = [("error", reason.encode())]
         headers += [(f"source-{name}", str(value).encode()) for name, value in where.items()]
-        if self.dlq_limit.due():  # unreadable a while ago: read again, for the next ones
-            self.dlq_limit.refresh()
-        limit = self.dlq_limit.known() or BROKER_DEFAULT_MAX_MESSAGE_BYTES  # known since start
-        self._send_dead_letter(record, headers, source, limit)
+        self._send_dead_letter(record, headers, source, self.dlq_limit.bytes())
 
     def _send_dead_letter(self, record, headers, source: Source, limit: int) -> None:
         key, value, headers = fit(record.key, record.value, headers, limit)

@@ -36,17 +36,6 @@ COMMIT_TRIES = 3  # sends of the acknowledgements of one commit
 CLOSE_WAIT_S = 10.0  # for the verdicts of finals still on their way, before lanes close
 
 
-@dataclass
-class ShareRecord(Record):
-    """A record of the share group, with the broker's count of its deliveries."""
-
-    delivery_count: int
-
-    @staticmethod
-    def _extra(message) -> tuple:
-        return (message.delivery_count() or 1,)
-
-
 @dataclass(frozen=True)
 class BrokerLimits:
     """The broker's share-group limits (Kafka's defaults until read)."""
@@ -171,9 +160,9 @@ class _Lane:
         else:
             self._intake.free_claim(self)
 
-    def _poll(self, consumer) -> list[ShareRecord]:
+    def _poll(self, consumer) -> list[Record]:
         try:
-            return ShareRecord.read(consumer.poll(POLL_S))
+            return Record.read(consumer.poll(POLL_S))
         except KafkaException as exc:  # broker restarting, coordinator moving: try again
             log.warning("share_intake.poll_failed", error=str(exc))
             time.sleep(1.0)
@@ -256,7 +245,7 @@ class ShareIntake(Triage):
         self._lanes: list[_Lane] = []
         self._owner: dict[tuple[TopicPartition, int], _Lane] = {}
         # Polled, not yet handed to the worker: past the room only last-delivery records wait here.
-        self._polled: deque[tuple[_Lane, ShareRecord]] = deque()
+        self._polled: deque[tuple[_Lane, Record]] = deque()
         self._conf: dict = {}
         self.broker = BrokerLimits()
         self.max_deliveries = self._s.kafka.max_deliveries
@@ -326,7 +315,7 @@ class ShareIntake(Triage):
         await asyncio.gather(*(asyncio.to_thread(lane.thread.join, 30.0) for lane in self._lanes))
         await self._close_triage()
 
-    def hand_over(self, lane: _Lane, records: list[ShareRecord]) -> None:
+    def hand_over(self, lane: _Lane, records: list[Record]) -> None:
         self._loop.call_soon_threadsafe(self._take, lane, records)
 
     def claim_room(self, lane: _Lane) -> bool:
@@ -344,7 +333,7 @@ class ShareIntake(Triage):
     def lane_failed(self, exc: BaseException) -> None:
         self._loop.call_soon_threadsafe(self._sink.fatal, exc)
 
-    def _take(self, lane: _Lane, records: list[ShareRecord]) -> None:
+    def _take(self, lane: _Lane, records: list[Record]) -> None:
         self._polled.extend((lane, r) for r in records if not self._running_here(lane, r))
         self._hand_out()
         self._release_overflow()
@@ -355,7 +344,7 @@ class ShareIntake(Triage):
         only (`hops`): every acquisition counts as a delivery, so a record handed off again and
         again would run out of deliveries unstarted. The rest waits here for room (a poll claims
         room first, so only a producer batch's overshoot of max.poll.records waits)."""
-        keep: deque[tuple[_Lane, ShareRecord]] = deque()
+        keep: deque[tuple[_Lane, Record]] = deque()
         for lane, record in self._polled:
             if self.fetching and record.delivery_count > self.hops:
                 keep.append((lane, record))
@@ -390,7 +379,7 @@ class ShareIntake(Triage):
             self._verify_in_background(unverified)
         self._lanes_wanted()
 
-    def _running_here(self, lane: _Lane, record: ShareRecord) -> bool:
+    def _running_here(self, lane: _Lane, record: Record) -> bool:
         """A record back while it still runs here (its lock expired) needs no room: its verdict
         goes to the live delivery through `lane`, the stale one is let go."""
         key = (TopicPartition(record.topic, record.partition), record.offset)
@@ -410,7 +399,7 @@ class ShareIntake(Triage):
         if lane is not None:
             lane.verdicts.put((tp.topic, tp.partition, offset, verdict))
 
-    def _claim(self, tp: TopicPartition, record: ShareRecord) -> bool:
+    def _claim(self, tp: TopicPartition, record: Record) -> bool:
         """Too many deliveries is a dead letter (a first one's hand-off of overflow not counted)."""
         limit = self.max_deliveries
         if record.delivery_count <= limit + self.hops:

@@ -19,7 +19,6 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException,
 
 from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
-from inferline.worker.engine.request import EngineRequest, SamplingParams, StructuredSpec
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
@@ -45,10 +44,6 @@ class Admission:
     max_tokens: int
     deadline: float  # Unix seconds
     sent_at: float | None = None  # the record's Kafka timestamp, Unix seconds, if it has one
-
-    def engine_request(self, attempt: str) -> EngineRequest:
-        """The engine's request for one attempt (the engine's request id)."""
-        return engine_request(self.request, attempt, self.max_tokens, self.received, self.deadline)
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
@@ -84,43 +79,6 @@ def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
     )
 
 
-def engine_request(
-    req: Request, attempt: str, max_tokens: int, received: float, deadline: float
-) -> EngineRequest:
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        seed=req.seed,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        fit_to_model_len=req.max_tokens is None,
-        structured=StructuredSpec(*c) if (c := req.output_constraint()) else None,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        n=req.n,
-        logit_bias=tuple((int(t), bias) for t, bias in (req.logit_bias or {}).items()),
-    )
-    messages = [m.template_dict() for m in req.messages] if req.messages is not None else None
-    return EngineRequest(
-        request_id=attempt,
-        sampling=sampling,
-        prompt=req.prompt,
-        messages=messages,
-        chat_template_kwargs=req.chat_template_kwargs,
-        prompt_token_ids=req.prompt_token_ids,
-        priority=req.priority,
-        arrival_time=received,
-        deadline=deadline,
-        tenant=req.tenant,
-    )
-
-
 class Sink(Protocol):
     def room(self) -> int: ...
     def pool_full(self) -> bool: ...
@@ -148,10 +106,13 @@ class Record:
     key: bytes | None
     value: bytes | None
     headers: list | None
-    timestamp: int | None = field(default=None, kw_only=True)  # ms, as aiokafka's records
+    # Its Kafka timestamp, Unix seconds, if it has one: CreateTime is the producer's clock (or
+    # any value it set); LogAppendTime, where the topic asks for it, the broker's.
+    sent_at: float | None = field(default=None, kw_only=True)
+    delivery_count: int = field(default=1, kw_only=True)  # share groups count them
 
     @classmethod
-    def read(cls, messages) -> list:
+    def read(cls, messages) -> list[Record]:
         """confluent-kafka's messages as records; one that carries an error is logged, skipped,
         unless the error is fatal: the consumer is dead, and polling it on would take nothing."""
         records = []
@@ -163,22 +124,10 @@ class Record:
                 continue
             fields = (m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers())
             kind, ms = m.timestamp()
-            stamp = None if kind == TIMESTAMP_NOT_AVAILABLE else ms
-            records.append(cls(*fields, *cls._extra(m), timestamp=stamp))
+            sent_at = ms / 1000 if kind != TIMESTAMP_NOT_AVAILABLE and ms >= 0 else None
+            count = m.delivery_count() or 1
+            records.append(cls(*fields, sent_at=sent_at, delivery_count=count))
         return records
-
-    @staticmethod
-    def _extra(message) -> tuple:
-        """A subclass's own fields, read from the message."""
-        return ()
-
-
-def record_time(record) -> float | None:
-    """The record's Kafka timestamp in Unix seconds, or None where it has none. CreateTime is
-    the producer's clock (or any value it set); LogAppendTime, where the topic asks for it, the
-    broker's."""
-    ms = getattr(record, "timestamp", None)
-    return ms / 1000 if ms is not None and ms >= 0 else None
 
 
 def is_fatal(error: KafkaError) -> bool:
@@ -308,7 +257,7 @@ class Triage:
             route = ReplyRoute.of(decoded)
             self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
-            self._triage(tp, record.offset, decoded, time.time(), record_time(record))
+            self._triage(tp, record.offset, decoded, time.time(), record.sent_at)
 
     def _log_refusal(self, tp, offset: int, reason: str) -> None:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
