@@ -12,7 +12,7 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.contract.schema import Request
+from inferline.contract.schema import Request, Sample
 from inferline.worker.delivery.finals import Delivery
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import ReplyStream
@@ -62,6 +62,21 @@ def engine_request(
         deadline=deadline,
         tenant=req.tenant,
     )
+
+
+def wire_samples(out: RequestOutput) -> list[Sample] | None:
+    """The engine's samples of an n > 1 request, as the `done` lists them."""
+    if out.samples is None:
+        return None
+    return [
+        Sample(
+            index=s.index,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            completion_tokens=s.num_output_tokens,
+        )
+        for s in out.samples
+    ]
 
 
 class RequestTracker:
@@ -242,7 +257,17 @@ class RequestTracker:
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
-        self.delivery.finish(job, out, reason, error, ran)
+        final = reason != "requeued"
+        self.delivery.finish(
+            job,
+            final,
+            usage=(out.num_prompt_tokens, out.num_output_tokens),
+            timing=(out.queue_s if ran else out.total_s, out.ttft_s, out.total_s),
+            finish_reason=reason,
+            text=out.text,
+            error=error,
+            samples=wire_samples(out) if final else None,
+        )
         self.limiter.refund(
             job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens
         )

@@ -144,7 +144,7 @@ async def test_the_backlog_counts_one_unfinished_request_where_kafkas_lag_counts
             break
         await asyncio.sleep(0.1)
     assert _gauge(worker.metrics.partition_backlog, **where) == 1
-    assert _gauge(worker.metrics.consumer_lag, partition="0") == 101
+    assert _gauge(worker.metrics.consumer_lag, **where) == 101
     offsets = await committed_offsets(kafka_bootstrap, worker.settings.kafka.group_id)
     assert offsets[TopicPartition(topics.requests, 0)].offset == 0  # Kafka's lag: 101 - 0
     submit_final(held.pop())

@@ -5,6 +5,7 @@ client import no torch, and a result becomes final only in worker/delivery/."""
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 import importlib.util
 import subprocess
@@ -170,3 +171,55 @@ def test_the_kernels_and_the_engine_import_without_what_they_do_not_use(tmp_path
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def top_level_imports(top: str) -> dict[str, set[str]]:
+    """file -> the third-party top-level packages its module body imports (not lazy ones)."""
+    out = {}
+    for path in (REPO / top).rglob("*.py"):
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        out[path.relative_to(REPO).as_posix()] = (
+            names
+            - set(sys.stdlib_module_names)
+            - {
+                "inferline",
+                "__future__",
+            }
+        )
+    return out
+
+
+def declared(*extras: str) -> set[str]:
+    """Distribution names pyproject declares: the core dependencies plus these extras."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + [
+        r for e in extras for r in project["optional-dependencies"][e]
+    ]
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+# FastAPI's own types are Starlette's and AnyIO's: a FastAPI install always brings them.
+FASTAPI_S_OWN = {"starlette": ["fastapi"], "anyio": ["fastapi"]}
+
+
+@pytest.mark.parametrize("top", ["worker", "kernels", "config", "contract", "producer"])
+def test_what_a_package_imports_is_declared_by_its_install(top):
+    """`pip install 'inferline[worker]'` (the Docker image's install) must bring every package the
+    worker imports: before, the group intake needed confluent-kafka, which only the `share` and
+    `dev` extras named. The client side needs the core dependencies alone."""
+    from importlib.metadata import packages_distributions
+
+    providers = {**packages_distributions(), **FASTAPI_S_OWN}
+    wanted = declared("worker") if top in ("worker", "kernels") else declared()
+    missing = sorted(
+        f"{f}: {name}"
+        for f, names in top_level_imports(top).items()
+        for name in names
+        if not {d.lower().replace("_", "-") for d in providers.get(name, [name])} & wanted
+    )
+    assert missing == []

@@ -7,6 +7,7 @@ design: docs/reliability.md#exactly-one-final-result-transactions
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import itertools
 import os
@@ -339,21 +340,18 @@ class Committer:
     async def _call(self, fn, *args):
         """`fn(*args)` on a daemon thread of its own, one call at a time (the loop awaits each):
         a call stuck past its timeouts is left there, and cannot hold the process's exit."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = concurrent.futures.Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():  # given up before it started
+                return
             try:
-                outcome = (fn(*args), None)
+                future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                outcome = (None, exc)
-            try:
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
+                future.set_exception(exc)
 
         threading.Thread(target=run, name="committer", daemon=True).start()
-        return await future
+        return await asyncio.wrap_future(future)
 
     async def _replace_producer(self) -> None:
         """A producer holding the transactional id, tried until one starts (each try fences the
@@ -410,15 +408,6 @@ class Committer:
                     p.produce(topic, value, key, on_delivery=partial(_refuse, refused, f), **kwargs)
                 except KafkaException as exc:  # too large, unknown partition: this record's
                     _refuse(refused, f, exc.args[0])
-
-
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
-    if future.done():  # given up (stuck) meanwhile
-        return
-    if exc is None:
-        future.set_result(result)
-    else:
-        future.set_exception(exc)
 
 
 def _commit(p: Producer) -> None:

@@ -10,12 +10,11 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.contract.schema import Request, Sample
+from inferline.contract.schema import Request
 from inferline.worker.delivery.commit import Outcome
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.delivery.publisher import Publisher, ReplyRoute, ReplyStream, Source
-from inferline.worker.engine.request import RequestOutput
 
 log = structlog.get_logger(__name__)
 # A resubmission whose final `done` is no longer kept here: it is on its reply topic already.
@@ -105,22 +104,15 @@ class Delivery:
         self.ledger.taken(tp)
         return tp, offset, self._generation(tp)
 
-    def finish(
-        self, job: Job, out: RequestOutput, reason: str, error: tuple[str, str] | None, ran: bool
-    ) -> None:
-        """The attempt's last event. A final one ends its input; `requeued` gives it back."""
-        final = reason != "requeued"
+    def finish(self, job: Job, final: bool, **done) -> None:
+        """The attempt's last event, `done` its DoneEvent fields: a final one ends its input, else
+        (`requeued`) gives it back."""
         self.publisher.done(
             job.reply,
             lambda outcome, err=None: self._settle(job, final, outcome, err),
             job.source if final else None,
-            usage=(out.num_prompt_tokens, out.num_output_tokens),
-            timing=(out.queue_s if ran else out.total_s, out.ttft_s, out.total_s),
-            finish_reason=reason,
-            text=out.text,
-            error=error,
             metadata=job.request.metadata,
-            samples=wire_samples(out) if final else None,
+            **done,
         )
 
     def stale(self, job: Job) -> bool:
@@ -183,20 +175,6 @@ class AcknowledgedDelivery(Delivery):
     def _verdict(self, tp: TopicPartition, offset: int, verdict: str) -> None:
         self.ledger.release(tp, offset)
         self._decide(tp, offset, verdict)
-
-
-def wire_samples(out: RequestOutput) -> list[Sample] | None:
-    if out.samples is None:
-        return None
-    return [
-        Sample(
-            index=s.index,
-            text=s.text,
-            finish_reason=s.finish_reason,
-            completion_tokens=s.num_output_tokens,
-        )
-        for s in out.samples
-    ]
 
 
 def _ignore(*outcome) -> None:

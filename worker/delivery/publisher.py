@@ -55,10 +55,6 @@ class ReplyStream:
     in_flight: int = 0
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq - 1
-
     async def drained(self) -> None:
         """Every event queued so far is acked (or given up)."""
         if self.in_flight:
@@ -345,4 +341,5 @@ class Publisher:
 
 def _event(cls, rs: ReplyStream, **fields):
     """Event `cls` of `rs`'s attempt, with its next seq."""
-    return cls(id=rs.request_id, attempt=rs.attempt, seq=rs.next_seq(), **fields)
+    rs.seq += 1
+    return cls(id=rs.request_id, attempt=rs.attempt, seq=rs.seq - 1, **fields)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import re
 import threading
@@ -308,10 +307,7 @@ class Intake(Triage):
         await self._sink.requeue(tps)
         self._tracker.forget(tps)
         for tp in tps:
-            with contextlib.suppress(KeyError):
-                self._m.consumer_lag.remove(str(tp.partition))
-            with contextlib.suppress(KeyError):
-                self._m.partition_backlog.remove(tp.topic, str(tp.partition))
+            self._m.forget_partition(tp.topic, tp.partition)
 
     def _set_lag(self, ends: dict[TopicPartition, tuple[int, int]]) -> None:
         """Per owned partition, records from the watermark (else the log's start) to the end, and
@@ -320,9 +316,8 @@ class Intake(Triage):
             if self._tracker.epoch(tp):
                 mark = self._tracker.watermark(tp)
                 lag = end - (start if mark is None else mark)
-                self._m.consumer_lag.labels(str(tp.partition)).set(max(0, lag))
                 backlog = self._tracker.backlog(tp, start, end)
-                self._m.partition_backlog.labels(tp.topic, str(tp.partition)).set(backlog)
+                self._m.set_partition(tp.topic, tp.partition, lag, backlog)
 
 
 def _names(tps) -> list[str]:

@@ -6,6 +6,7 @@ design: docs/operations.md#group-or-share-mode
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import queue
 import threading
@@ -48,7 +49,7 @@ def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
     """Blocking: the limits the broker describes. Raises when it cannot be asked: a guessed
     delivery limit or lock cap would archive records unseen or run long requests twice."""
     client = admin.AdminClient(kafka.librdkafka_config())
-    for attempt in range(1, tries + 1):
+    for attempt in itertools.count(1):
         try:
             broker_id = next(iter(client.list_topics(timeout=30).brokers))
             resource = admin.ConfigResource("broker", str(broker_id))
@@ -60,7 +61,6 @@ def read_broker_limits(kafka, tries: int = LIMITS_TRIES) -> BrokerLimits:
             if attempt == tries:
                 raise RuntimeError(f"share mode needs the broker's share limits: {exc!r}") from exc
             time.sleep(2.0 * attempt)
-    raise AssertionError("unreachable")
 
 
 def lock_ms(settings, broker: BrokerLimits) -> int:

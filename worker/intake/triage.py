@@ -1,6 +1,6 @@
 """Triage, shared by both intakes: each record becomes a dead letter, a rejection or an
-admission (decode, reply-topic check, tenancy, validation, admission): an `Admission` is where a
-wire request becomes an engine request, with its capped token budget and deadline.
+`Admission`, a request with its capped token budget and deadline (decode, reply-topic check,
+tenancy, validation, admission); the request tracker hands it to the engine.
 """
 
 from __future__ import annotations
@@ -58,25 +58,16 @@ def default_max_tokens(n: int, limits) -> int:
     return max(1, min(limits.max_tokens_cap, limits.max_request_tokens // n))
 
 
-def max_tokens_problem(max_tokens: int, limits) -> str | None:
-    """Why max_tokens is over the worker's cap (INFERLINE_LIMITS__MAX_TOKENS_CAP), or None."""
-    if max_tokens <= limits.max_tokens_cap:
-        return None
-    return (
-        f"max_tokens: {max_tokens} is over this worker's cap of {limits.max_tokens_cap} "
-        "(INFERLINE_LIMITS__MAX_TOKENS_CAP)"
-    )
-
-
-def sample_budget_problem(req: Request, max_tokens: int, limits) -> str | None:
-    """Why n x max_tokens is over INFERLINE_LIMITS__MAX_REQUEST_TOKENS, or None."""
-    if req.n * max_tokens <= limits.max_request_tokens:
-        return None
-    field = "n" if req.n > 1 else "max_tokens"
-    return (
-        f"{field}: {req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens, "
-        f"at most {limits.max_request_tokens} per request"
-    )
+def budget_problem(req: Request, max_tokens: int, limits) -> str | None:
+    """Why max_tokens is over the worker's cap, or n x max_tokens over a request's, or None."""
+    if max_tokens > limits.max_tokens_cap:
+        cap = f"this worker's cap of {limits.max_tokens_cap} (INFERLINE_LIMITS__MAX_TOKENS_CAP)"
+        return f"max_tokens: {max_tokens} is over {cap}"
+    if req.n * max_tokens > limits.max_request_tokens:
+        field = "n" if req.n > 1 else "max_tokens"
+        total = f"{req.n} samples x max_tokens {max_tokens} = {req.n * max_tokens} tokens"
+        return f"{field}: {total}, at most {limits.max_request_tokens} per request"
+    return None
 
 
 class Sink(Protocol):
@@ -382,9 +373,7 @@ class Triage:
     def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
         """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is
         asked last (it counts what it admits)."""
-        if (problem := max_tokens_problem(max_tokens, self._s.limits)) is not None:
-            return "invalid_request", problem, "rejected"
-        if (problem := sample_budget_problem(req, max_tokens, self._s.limits)) is not None:
+        if (problem := budget_problem(req, max_tokens, self._s.limits)) is not None:
             return "invalid_request", problem, "rejected"
         if self._cancels.seen(cancel_key(req.id, self._tenant_of(tp))):
             return "cancelled", "cancelled before it started", "cancelled"

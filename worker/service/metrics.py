@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 5 ms to 10 min: queue time spans that range under load.
@@ -144,7 +146,7 @@ class Metrics:
         self.consumer_lag = Gauge(
             "inferline_consumer_lag",
             "Records behind the high watermark, per partition",
-            ["partition"],
+            ["topic", "partition"],
             registry=r,
         )
         self.partition_backlog = Gauge(
@@ -248,6 +250,17 @@ class Metrics:
     def by_priority(self, hist: Histogram, priority: int):
         """`hist`'s child for this model and `priority` (one of _hist's histograms)."""
         return hist.labels(self.model_name, priority_label(priority))
+
+    def set_partition(self, topic: str, partition: int, lag: int, backlog: int) -> None:
+        """An owned request partition's lag and backlog (group mode)."""
+        self.consumer_lag.labels(topic, str(partition)).set(max(0, lag))
+        self.partition_backlog.labels(topic, str(partition)).set(backlog)
+
+    def forget_partition(self, topic: str, partition: int) -> None:
+        """A partition no longer owned: its gauges go (another worker reports them)."""
+        for gauge in (self.consumer_lag, self.partition_backlog):
+            with contextlib.suppress(KeyError):
+                gauge.remove(topic, str(partition))
 
     def observe_receipt(self, received: float, sent_at: float | None) -> None:
         """A request admitted at `received`, its record stamped `sent_at` (Unix seconds)."""
