@@ -427,9 +427,11 @@ class IntakeHarness:
         if out.on_acked:
             out.on_acked("failed" if failed else "ok")
 
-    def feed(self, value: bytes | None, key: bytes | None = b"k", timestamp_ms: int | None = None):
+    def feed(
+        self, value: bytes | None, key: bytes | None = b"k", timestamp_ms=None, headers=()
+    ):
         """Hands one record to the intake (its Kafka timestamp `timestamp_ms`, else now; -1:
-        none); returns the outgoing messages and admitted requests."""
+        none; its `headers`); returns the outgoing messages and admitted requests."""
         from aiokafka.structs import ConsumerRecord
 
         record = ConsumerRecord(
@@ -443,7 +445,7 @@ class IntakeHarness:
             None,
             len(key or b""),
             len(value or b""),
-            [],
+            list(headers),
         )
         self.offset += 1
         sent_before, added_before = len(self.sent), len(self.worker.engine_loop.added)

@@ -20,6 +20,7 @@ from inferline.worker.engine.request import RequestOutput
 from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.service.tenancy import cancel_key
+from inferline.worker.tracing import request_trace
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +74,8 @@ class RequestTracker:
         )
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
         job.sent_at = adm.sent_at  # for TTFT from the record's timestamp
+        job.trace = request_trace(adm, adm.headers)
+        rs.headers = job.trace.headers
         self.metrics.observe_receipt(adm.received, adm.sent_at)
         job.log = log.bind(
             request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset
@@ -149,7 +152,7 @@ class RequestTracker:
             if job is None or job.state == "finishing":
                 continue
             if out.started:
-                self._started(job, out)
+                self._started(job, out, now)
             if out.new_token_ids or out.text_delta:
                 self._tokens(job, out, now)
             if out.finished:
@@ -157,8 +160,9 @@ class RequestTracker:
         self.metrics.observe_engine(stats, self._stats, self._num_waiting)
         self._stats = stats
 
-    def _started(self, job: Job, out: RequestOutput) -> None:
+    def _started(self, job: Job, out: RequestOutput, now: float) -> None:
         job.state = "running"
+        job.trace.started(now)
         self._num_waiting -= 1
         self.delivery.publisher.started(job.reply, out.queue_s)
         self.metrics.by_priority(self.metrics.queue_time, job.request.priority).observe(out.queue_s)
@@ -166,6 +170,7 @@ class RequestTracker:
     def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
         if job.first_token_at is None:
             job.first_token_at = now
+            job.trace.first_token(now)
             # A timestamp after receipt (clock skew, or set by the producer) counts as receipt.
             origin = min(job.sent_at, job.received) if job.sent_at is not None else job.received
             self.metrics.observe_first_token(
@@ -201,6 +206,7 @@ class RequestTracker:
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
+        job.trace.finished(time.time(), out.num_prompt_tokens, out.num_output_tokens, reason)
         self.delivery.finish(job, out, reason, error, ran)
         self.limiter.refund(
             job.request.tenant, job.max_tokens * job.request.n - out.num_output_tokens
