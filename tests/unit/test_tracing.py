@@ -155,9 +155,9 @@ def test_malformed_or_huge_headers_are_ignored(spans, headers):
 
 
 def test_a_huge_tracestate_is_dropped_the_traceparent_kept(spans):
-    ctx = tracing.extract_headers(
-        [("traceparent", TRACEPARENT.encode()), ("tracestate", b"a=" + b"b" * 5000)]
-    )
+    # 30 valid members, 1.4 kB: what the SDK alone would take (it allows 8 kB)
+    huge = ",".join(f"k{i}={'v' * 40}" for i in range(30)).encode()
+    ctx = tracing.extract_headers([("traceparent", TRACEPARENT.encode()), ("tracestate", huge)])
     got = trace.get_current_span(ctx).get_span_context()
     assert format(got.trace_id, "032x") == TRACE_ID and len(got.trace_state) == 0
 
@@ -224,10 +224,14 @@ def test_baggage_and_other_headers_set_no_attribute(spans, clock):
         ("baggage", b"inferline.tenant=evil,user.id=7"),
         ("inferline.priority", b"100"),
     ]
-    run_one(clock, headers)
+    sent = run_one(clock, headers)
     for span in spans.get_finished_spans():
         assert set(span.attributes) <= REQUEST_ATTRIBUTES, span.name
     assert by_name(spans)["inferline.request"].attributes["inferline.tenant"] == "default"
+    # Nor is baggage passed on, to the requester or anyone else, even on a rejection.
+    rejected, _ = IntakeHarness(Settings()).feed(body(max_tokens=10**9), headers=headers)
+    for out in [*sent, *rejected]:
+        assert [k for k, _ in out.headers] == ["traceparent"]
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(spans, clock):
