@@ -283,3 +283,42 @@ async def test_the_gateway_continues_the_http_traceparent(spans):
     assert first.attributes["http.response.status_code"] == 200
     assert seen["headers"] and second.parent is None
     assert dict(seen["headers"])["traceparent"].decode().split("-")[1] != TRACE_ID
+
+
+# -- the real exporter ---------------------------------------------------------------------------
+
+
+def test_otlp_over_http_reaches_the_endpoint_the_variables_name(monkeypatch, off):
+    """The OTLP/HTTP exporter that OTEL_TRACES_EXPORTER=otlp sets up posts spans to
+    OTEL_EXPORTER_OTLP_ENDPOINT's /v1/traces, as protobuf, with OTEL_SERVICE_NAME in them."""
+    import http.server
+    import threading
+
+    posts = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            posts.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None: ...
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "otlp-check")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    try:
+        assert tracing.setup_tracing("inferline-worker", set_global=False)
+        with tracing.tracer().start_as_current_span("inferline.request"):
+            pass
+        assert tracing._provider.force_flush(10_000)
+    finally:
+        tracing.reset_tracing()
+        server.shutdown()
+    path, content_type, body = posts[0]
+    assert path == "/v1/traces" and content_type == "application/x-protobuf"
+    assert b"otlp-check" in body and b"inferline.request" in body
