@@ -1,12 +1,14 @@
-"""One trace per request across the Kafka hop: the Python client (in a caller's span) sends
-through the real broker to a real worker in this process, both exporting to the SDK's in-memory
-exporter; the worker's spans continue the client's, and each event on the reply topic carries
-the worker's request span as its trace context. Headers alone: tests/unit/test_tracing.py."""
+"""One trace per request across the Kafka hop: the Python client (in a caller's span), and the
+gateway (continuing an HTTP traceparent), send through the real broker to a real worker in this
+process, all exporting to the SDK's in-memory exporter; the worker's spans continue the
+sender's, and each event on the reply topic carries the worker's request span as its trace
+context. Headers alone: tests/unit/test_tracing.py."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from opentelemetry import trace
 
@@ -14,8 +16,10 @@ from inferline.config import tracing
 from inferline.contract.schema import decode_event
 from inferline.producer.client import InferenceClient
 from tests.kafka_fixtures import consume_until, wait_until
-from tests.unit.test_tracing import WORKER_SPANS, spans  # noqa: F401 - fixture
-from tests.worker_fixtures import PROMPTS, start_worker, topics  # noqa: F401 - fixtures
+from tests.gateway_fixtures import fleet  # noqa: F401 - fixture
+from tests.unit.test_tracing import PARENT_ID, TRACE_ID, TRACEPARENT, WORKER_SPANS
+from tests.unit.test_tracing import spans  # noqa: F401 - fixture
+from tests.worker_fixtures import PROMPTS
 
 pytestmark = pytest.mark.kafka
 N = 3
@@ -25,10 +29,14 @@ def hex_id(value: int, width: int) -> str:
     return format(value, f"0{width}x")
 
 
+def ended(spans, name: str) -> list:  # noqa: F811
+    return [s for s in spans.get_finished_spans() if s.name == name]
+
+
 async def test_one_trace_per_request_parented_across_kafka(
-    kafka_bootstrap, topics, start_worker, spans  # noqa: F811
+    kafka_bootstrap, fleet, spans  # noqa: F811
 ):
-    await start_worker(topics)
+    topics = fleet.topics
     callers, handles = {}, []
     async with InferenceClient(
         kafka_bootstrap,
@@ -43,9 +51,7 @@ async def test_one_trace_per_request_parented_across_kafka(
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 60)
     reasons = {h.id: r.finish_reason for h, r in zip(handles, results)}
 
-    def requests_ended() -> list:
-        return [s for s in spans.get_finished_spans() if s.name == "inferline.request"]
-
+    requests_ended = lambda: ended(spans, "inferline.request")  # noqa: E731
     await wait_until(lambda: len(requests_ended()) == N, 10, "every request span to end")
     finished = spans.get_finished_spans()
     records = await consume_until(kafka_bootstrap, topics.replies, timeout=10)
@@ -68,3 +74,24 @@ async def test_one_trace_per_request_parented_across_kafka(
         assert len(events) >= 3  # started, tokens, done
         for r in events:  # version-traceid-spanid-flags
             assert dict(r.headers)["traceparent"].decode().split("-")[1:3] == expected, r
+
+
+async def test_the_gateway_continues_the_http_trace_into_the_worker(fleet, spans):  # noqa: F811
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}
+    headers = {"authorization": "Bearer sk-acme", "traceparent": TRACEPARENT}
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as http:
+        response = await http.post("/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    await wait_until(lambda: ended(spans, "inferline.request"), 10, "the request span to end")
+    in_trace = {s.name: s for s in spans.get_finished_spans()}
+    assert set(in_trace) == {
+        "POST /v1/chat/completions", "inferline.submit", "inferline.request", *WORKER_SPANS
+    }
+    assert {hex_id(s.context.trace_id, 32) for s in in_trace.values()} == {TRACE_ID}
+    server = in_trace["POST /v1/chat/completions"]
+    assert hex_id(server.parent.span_id, 16) == PARENT_ID
+    assert server.attributes["http.response.status_code"] == 200
+    submit, root = in_trace["inferline.submit"], in_trace["inferline.request"]
+    assert submit.parent.span_id == server.context.span_id
+    assert root.parent.span_id == submit.context.span_id
+    assert root.attributes["inferline.tenant"] == "acme"
