@@ -40,6 +40,7 @@ from inferline.producer.client import (
 )
 from inferline.producer.loadgen import Length, load_dataset, make_workload, run_load  # noqa: F401 - re-exported
 from inferline.producer.tail import format_event, tail  # noqa: F401 - re-exported
+from inferline.config.tracing import setup_tracing
 from inferline.contract.topics import tenant_problem
 from inferline.producer.topics import create_topics, topic_configs
 
@@ -590,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                 Length.parse(spec)
             except argparse.ArgumentTypeError as exc:
                 build_parser().error(str(exc))
+    if args.command != "gateway":  # the gateway sets up its own, under its own name
+        setup_tracing("inferline-client")  # OTEL_TRACES_EXPORTER: off unless it names one
     try:
         return asyncio.run(COMMANDS[args.command](args))
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from inferline.config.settings import Settings, load_settings
+from inferline.config.tracing import producer_span
 from inferline.producer.errors import (
     ERRORS_BY_CODE,
     ClientClosed,
@@ -289,8 +290,13 @@ class InferenceClient:
         handle._on_finish = self._finished
         # Registered before sending: the first event can beat send()'s acknowledgement.
         self._handles[req.id] = handle
+        span = {"gen_ai.request.id": req.id, "messaging.system": "kafka"}
+        span["messaging.destination.name"] = self.request_topic
         try:
-            await self._producer.send_and_wait(self.request_topic, payload, key=req.id.encode())
+            with producer_span("inferline.submit", span) as headers:
+                await self._producer.send_and_wait(
+                    self.request_topic, payload, key=req.id.encode(), headers=headers
+                )
         except BaseException:
             self._handles.pop(req.id, None)
             raise

@@ -550,8 +550,36 @@ def _kafka_key() -> dict:
     }
 
 
+EVENT_TRACED = (
+    "when tracing is on: the worker's inferline.request span (on a rejection, the producer's)"
+)
+
+
+def _trace_headers(written_by: str) -> dict:
+    """W3C trace context in record headers (docs/operations.md#tracing), all optional."""
+    header = {"type": "string", "maxLength": 512}
+    return {
+        "type": "object",
+        "description": f"W3C trace context, {written_by}; a malformed one, or one over 512 "
+        "bytes, is ignored. docs/operations.md#tracing",
+        "properties": {
+            "traceparent": {
+                **header,
+                "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
+            },
+            "tracestate": header,
+        },
+    }
+
+
 def _message(
-    name: str, title: str, summary: str, schema_name: str, examples: list, key: bool = True
+    name: str,
+    title: str,
+    summary: str,
+    schema_name: str,
+    examples: list,
+    key: bool = True,
+    traced: str | None = None,
 ) -> dict:
     msg = {
         "name": name,
@@ -559,8 +587,10 @@ def _message(
         "summary": summary,
         "contentType": "application/msgpack",
         "correlationId": {"$ref": "#/components/correlationIds/requestId"},
-        "payload": {"$ref": REF.format(model=schema_name)},
     }
+    if traced is not None:
+        msg["headers"] = _trace_headers(traced)
+    msg["payload"] = {"$ref": REF.format(model=schema_name)}
     if key:
         msg["bindings"] = _kafka_key()
     msg["examples"] = examples
@@ -570,7 +600,12 @@ def _message(
 def messages() -> dict:
     return {
         "request": _message(
-            "request", "Request", "One generation request.", "Request", REQUEST_EXAMPLES
+            "request",
+            "Request",
+            "One generation request.",
+            "Request",
+            REQUEST_EXAMPLES,
+            traced="optional: the worker continues the producer's trace",
         ),
         "started": _message(
             "started",
@@ -578,6 +613,7 @@ def messages() -> dict:
             "First event of every attempt: the request entered the running batch.",
             "StartedEvent",
             EVENT_EXAMPLES["StartedEvent"],
+            traced=EVENT_TRACED,
         ),
         "tokens": _message(
             "tokens",
@@ -585,6 +621,7 @@ def messages() -> dict:
             "New tokens and the text they add.",
             "TokensEvent",
             EVENT_EXAMPLES["TokensEvent"],
+            traced=EVENT_TRACED,
         ),
         "done": _message(
             "done",
@@ -592,6 +629,7 @@ def messages() -> dict:
             "Last event of every attempt, exactly once.",
             "DoneEvent",
             EVENT_EXAMPLES["DoneEvent"],
+            traced=EVENT_TRACED,
         ),
         "cancel": _message(
             "cancel", "Cancel", "Stop a request, wherever it runs.", "Cancel", CANCEL_EXAMPLES

@@ -12,6 +12,7 @@ import structlog
 
 from inferline.config.logging import configure_logging
 from inferline.config.settings import SettingsError, load_settings
+from inferline.config.tracing import setup_tracing
 
 
 async def serve(settings) -> None:
@@ -31,6 +32,7 @@ def main() -> int:
         print(f"inferline-worker: {exc.code}", file=sys.stderr)
         return 2
     configure_logging(settings.log.level, settings.log.format)
+    setup_tracing("inferline-worker")  # OTEL_TRACES_EXPORTER: off unless it names one
     try:
         asyncio.run(serve(settings))
     except Exception as exc:  # start-up failures: one line with the cause, not a hang

@@ -22,6 +22,7 @@ from inferline.worker.engine.request import StructuredSpec
 from inferline.worker.intake.triage import Admission
 from inferline.worker.intake.cancels import RecentCancels
 from inferline.worker.service.tenancy import cancel_key
+from inferline.worker.tracing import request_trace
 
 log = structlog.get_logger(__name__)
 
@@ -128,6 +129,8 @@ class RequestTracker:
         )
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
         job.sent_at = adm.sent_at  # for TTFT from the record's timestamp
+        job.trace = request_trace(adm, adm.headers)
+        rs.headers = job.trace.headers
         self.metrics.observe_receipt(adm.received, adm.sent_at)
         job.log = log.bind(
             request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset
@@ -205,7 +208,7 @@ class RequestTracker:
             if job is None or job.state == "finishing":
                 continue
             if out.started:
-                self._started(job, out)
+                self._started(job, out, now)
             if out.new_token_ids or out.text_delta:
                 self._tokens(job, out, now)
             if out.finished:
@@ -213,8 +216,9 @@ class RequestTracker:
         self.metrics.observe_engine(stats, self._stats, self._num_waiting)
         self._stats = stats
 
-    def _started(self, job: Job, out: RequestOutput) -> None:
+    def _started(self, job: Job, out: RequestOutput, now: float) -> None:
         job.state = "running"
+        job.trace.started(now)
         self._num_waiting -= 1
         self.delivery.publisher.started(job.reply, out.queue_s)
         self.metrics.by_priority(self.metrics.queue_time, job.request.priority).observe(out.queue_s)
@@ -222,6 +226,7 @@ class RequestTracker:
     def _tokens(self, job: Job, out: RequestOutput, now: float) -> None:
         if job.first_token_at is None:
             job.first_token_at = now
+            job.trace.first_token(now)
             # A timestamp after receipt (clock skew, or set by the producer) counts as receipt.
             origin = min(job.sent_at, job.received) if job.sent_at is not None else job.received
             self.metrics.observe_first_token(
@@ -257,6 +262,7 @@ class RequestTracker:
         error = None
         if out.error_code and reason != "requeued":
             error = (out.error_code, out.error_message or out.error_code)
+        job.trace.finished(time.time(), out.num_prompt_tokens, out.num_output_tokens, reason)
         final = reason != "requeued"
         self.delivery.finish(
             job,

@@ -9,6 +9,7 @@ import sys
 
 from inferline.config.logging import configure_logging
 from inferline.config.settings import load_settings
+from inferline.config.tracing import setup_tracing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,7 @@ async def serve(args: argparse.Namespace) -> int:
     if kafka:
         settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update=kafka)})
     configure_logging(settings.log.level, settings.log.format)
+    setup_tracing("inferline-gateway")  # OTEL_TRACES_EXPORTER: off unless it names one
     from inferline.producer.gateway.server import (
         make_server,
     )  # FastAPI and uvicorn: only when serving

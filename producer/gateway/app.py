@@ -19,6 +19,7 @@ from inferline.producer.gateway.errors import OpenAIError
 from inferline.producer.gateway.files import parse_upload
 from inferline.producer.gateway.metrics import GatewayMetrics
 from inferline.producer.gateway.service import Gateway, json_object
+from inferline.producer.gateway.tracing import TraceMiddleware
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -39,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="inferline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
     app.state.batches = batches
+    app.add_middleware(TraceMiddleware)  # a no-op while tracing is off
     _add_routes(app, gateway)
     _add_batch_routes(app, gateway, batches)
     _add_error_handlers(app)

@@ -68,6 +68,7 @@ class Delivery:
         ("rejected" unless given) and metadata."""
         reason = done.setdefault("finish_reason", "rejected")
         rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
+        rs.headers = route.headers
         source = self._taken(tp, offset)
 
         def on_acked(outcome, error=None) -> None:
@@ -121,6 +122,7 @@ class Delivery:
 
     def _settle(self, job: Job, final: bool, outcome: str, error: str | None) -> None:
         self.ledger.forget(job)
+        job.trace.delivered(outcome)
         if not final:
             self._verdict(job.tp, job.offset, "release")
             self.ledger.acked(job.tp)

@@ -16,6 +16,7 @@ from aiokafka import TopicPartition
 from inferline.contract.schema import Request
 from inferline.worker.delivery.offsets import OffsetTracker
 from inferline.worker.delivery.publisher import ReplyStream
+from inferline.worker.tracing import NO_TRACE, NoTrace
 
 # Ids finished here, so a resubmission does not run twice.
 MAX_REMEMBERED_DONE = 100_000
@@ -40,6 +41,7 @@ class Job:
     last_token_at: float | None = None
     sent_at: float | None = None  # its record's Kafka timestamp (Unix seconds), if any
     token_at: dict[int, float] = field(default_factory=dict)  # sample -> its last token's time
+    trace: NoTrace = NO_TRACE  # its spans (worker/tracing.py), when tracing is on
     log: structlog.BoundLogger = field(default=None, repr=False)
 
     @property

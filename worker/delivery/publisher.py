@@ -32,11 +32,12 @@ class ReplyRoute:
     request_id: str
     topic: str
     partition: int | None
+    headers: list[tuple[str, bytes]] | None = None  # on its events: trace context
 
     @classmethod
-    def of(cls, req: Request | InvalidRequest) -> "ReplyRoute":
+    def of(cls, req: Request | InvalidRequest, headers=None) -> "ReplyRoute":
         rid = req.request_id if isinstance(req, InvalidRequest) else req.id
-        return cls(rid, req.reply_topic, req.reply_partition)
+        return cls(rid, req.reply_topic, req.reply_partition, headers)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ReplyStream:
     closed: bool = False
     final_event: bytes | None = None  # the `done` as sent (a resubmitted id gets it again)
     in_flight: int = 0
+    headers: list[tuple[str, bytes]] | None = None  # on each of its events: trace context
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
     async def drained(self) -> None:
@@ -178,8 +180,8 @@ class Publisher:
         rs.closed = True
         rs.final_event = encode_event(ev)
         key = rs.request_id.encode()
-        out = _Outgoing(rs.topic, rs.partition, key, rs.final_event, None, on_acked, stream=rs)
-        out.source = source
+        out = _Outgoing(rs.topic, rs.partition, key, rs.final_event, rs.headers, on_acked)
+        out.stream, out.source = rs, source
         self._enqueue(out)
 
     def dead_letter(self, topic: str, key, value, headers: list, source: Source, on_acked) -> None:
@@ -216,7 +218,8 @@ class Publisher:
 
     def _emit(self, rs: ReplyStream, ev) -> None:
         key = rs.request_id.encode()
-        self._enqueue(_Outgoing(rs.topic, rs.partition, key, encode_event(ev), stream=rs))
+        out = _Outgoing(rs.topic, rs.partition, key, encode_event(ev), rs.headers, stream=rs)
+        self._enqueue(out)
 
     def _enqueue(self, out: _Outgoing) -> None:
         """Count `out` and send it; a final (with a `source`) goes to the committer (group mode),

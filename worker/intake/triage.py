@@ -22,6 +22,7 @@ from inferline.worker.delivery.publisher import ReplyRoute
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
 from inferline.worker.service.tenancy import cancel_key, clamp_priority, tenant_of
+from inferline.worker.tracing import reply_headers
 
 log = structlog.get_logger(__name__)
 # A lookup the broker did not answer is tried again after this, doubling up to the max, until the
@@ -44,6 +45,7 @@ class Admission:
     max_tokens: int
     deadline: float  # Unix seconds
     sent_at: float | None = None  # the record's Kafka timestamp, Unix seconds, if it has one
+    headers: list | None = None  # the record's: its trace context (worker/tracing.py)
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
@@ -245,10 +247,11 @@ class Triage:
         if isinstance(decoded, Request):
             decoded = self._apply_tenancy(tp, decoded)
         if isinstance(decoded, InvalidRequest):
-            route = ReplyRoute.of(decoded)
+            route = ReplyRoute.of(decoded, reply_headers(record.headers))
             self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
-            self._triage(tp, record.offset, decoded, time.time(), record.sent_at)
+            when = (time.time(), record.sent_at)
+            self._triage(tp, record.offset, decoded, *when, headers=record.headers)
 
     def _log_refusal(self, tp, offset: int, reason: str) -> None:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
@@ -354,7 +357,7 @@ class Triage:
         return req
 
     def _triage(
-        self, tp, offset: int, req: Request, received: float, sent_at: float | None = None
+        self, tp, offset: int, req: Request, received: float, sent_at=None, headers=None
     ) -> None:
         # First: a resubmission gets its first final again, never a second (other content runs).
         if self._delivery.answered_before(tp, offset, req):
@@ -363,11 +366,11 @@ class Triage:
         max_tokens = req.max_tokens or default_max_tokens(req.n, self._s.limits)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
-            adm = Admission(tp, offset, req, received, max_tokens, deadline, sent_at)
+            adm = Admission(tp, offset, req, received, max_tokens, deadline, sent_at, headers)
             self._sink.admit(adm)
             return
         code, message, reason = refused
-        route, meta = ReplyRoute.of(req), req.metadata
+        route, meta = ReplyRoute.of(req, reply_headers(headers)), req.metadata
         self._delivery.reject(tp, offset, route, code, message, finish_reason=reason, metadata=meta)
 
     def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
