@@ -558,7 +558,7 @@ def test_share_a_request_answered_here_before_is_accepted_without_running():
     )
     # The same record again (its lock expired just after the done): answered from the ledger,
     # first thing in triage.
-    worker.intake._triage(TopicPartition(TOPIC, 0), 3, make_request(3), time.time())
+    worker.intake._triage(TopicPartition(TOPIC, 0), record(3), make_request(3))
     assert decided == [(3, "accept"), (3, "accept")] and not worker.jobs
 
 

@@ -250,8 +250,7 @@ class Triage:
             route = ReplyRoute.of(decoded, reply_headers(record.headers))
             self._delivery.reject(tp, record.offset, route, decoded.code, decoded.message)
         else:
-            when = (time.time(), record.sent_at)
-            self._triage(tp, record.offset, decoded, *when, headers=record.headers)
+            self._triage(tp, record, decoded)
 
     def _log_refusal(self, tp, offset: int, reason: str) -> None:
         """At most one line per REFUSAL_LOG_S; the metric counts them all."""
@@ -356,9 +355,8 @@ class Triage:
             return exc
         return req
 
-    def _triage(
-        self, tp, offset: int, req: Request, received: float, sent_at=None, headers=None
-    ) -> None:
+    def _triage(self, tp, record: Record, req: Request) -> None:
+        offset, received, headers = record.offset, time.time(), record.headers
         # First: a resubmission gets its first final again, never a second (other content runs).
         if self._delivery.answered_before(tp, offset, req):
             return
@@ -366,7 +364,9 @@ class Triage:
         max_tokens = req.max_tokens or default_max_tokens(req.n, self._s.limits)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
-            adm = Admission(tp, offset, req, received, max_tokens, deadline, sent_at, headers)
+            adm = Admission(
+                tp, offset, req, received, max_tokens, deadline, record.sent_at, headers
+            )
             self._sink.admit(adm)
             return
         code, message, reason = refused
