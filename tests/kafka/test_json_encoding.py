@@ -1,0 +1,117 @@
+"""The JSON encoding from a tool that knows nothing of msgpack: Debian's kcat produces JSON requests
+with `content-type: application/json` and reads the reply topic, and a running worker answers each
+in JSON with that header (docs/protocol.md "Encodings"). kcat comes from deploy/kcat/tools.sh
+(`make kcat-tools`, run by `make test`) or the PATH; the test skips, saying why, without it. The
+codec's own rules: tests/unit/test_json_encoding.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.worker_fixtures import request, start_worker, topics  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.kafka
+TOOLS = Path(__file__).resolve().parents[2] / "deploy" / "kcat" / "tools.sh"
+
+
+def kcat_path() -> str:
+    """The wrapper deploy/kcat/tools.sh caches, else kcat on the PATH; skips without either."""
+    done = subprocess.run([str(TOOLS), "--paths"], capture_output=True, text=True, check=True)
+    path = done.stdout.strip()
+    if os.access(path, os.X_OK):
+        return path
+    found = shutil.which("kcat") or shutil.which("kafkacat")
+    if found is None:
+        pytest.skip("kcat is missing: deploy/kcat/tools.sh (make kcat-tools) could not install it")
+    return found
+
+
+async def kcat(*args: str, stdin: bytes = b"") -> str:
+    proc = await asyncio.create_subprocess_exec(
+        kcat_path(),
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 30)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+def headers_of(record: dict) -> dict[str, str]:
+    flat = record["headers"] or []  # kcat -J: [key, value, key, value, ...]
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+def by_id(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
+    """kcat -J's records -> request id -> (headers, event) in reply-topic order."""
+    out: dict[str, list] = {}
+    for record in records:
+        event = json.loads(record["payload"])  # JSON, or this fails
+        assert record["key"] == event["id"]
+        out.setdefault(event["id"], []).append((headers_of(record), event))
+    return out
+
+
+async def read_until(bootstrap: str, topic: str, enough, timeout: float = 30.0) -> list[dict]:
+    """The topic's records as kcat -J reads them (read_committed), until `enough(records)`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = await kcat("-C", "-b", bootstrap, "-t", topic, "-o", "beginning", "-e", "-J")
+        records = [json.loads(line) for line in lines.splitlines() if line]
+        if enough(records):
+            return records
+        assert time.monotonic() < deadline, f"not enough on {topic}: {records}"
+        await asyncio.sleep(0.3)
+
+
+def all_done(ids: list[str]):
+    def enough(records: list[dict]) -> bool:
+        replies = by_id(records)
+        return all(any(e["type"] == "done" for _, e in replies.get(i, [])) for i in ids)
+
+    return enough
+
+
+async def test_kcat_sends_json_requests_and_reads_json_events(
+    kafka_bootstrap, topics, start_worker
+):
+    kcat_path()  # skips, before a worker starts, where there is none
+    await start_worker(topics, model={"max_model_len": 256})
+    good = request(topics.replies, max_tokens=4, created_at=time.time())
+    rejected = request(topics.replies, temperature=-1.0)
+    produced = [good, rejected]
+    for req in produced:
+        await kcat(
+            "-P", "-b", kafka_bootstrap, "-t", topics.requests, "-k", req["id"],
+            "-H", "content-type=application/json", stdin=json.dumps(req).encode(),
+        )  # fmt: skip
+    # JSON without the header is read as msgpack, the default: dead-lettered, saying why.
+    unmarked = json.dumps(request(topics.replies)).encode()
+    await kcat("-P", "-b", kafka_bootstrap, "-t", topics.requests, stdin=unmarked)
+    ids = [r["id"] for r in produced]
+    replies = by_id(await read_until(kafka_bootstrap, topics.replies, all_done(ids)))
+
+    for request_id in ids:
+        records = replies[request_id]
+        assert [h.get("content-type") for h, _ in records] == ["application/json"] * len(records)
+        events = [e for _, e in records]
+        assert [e["seq"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "done" and len({e["attempt"] for e in events}) == 1
+    streamed = [e for _, e in replies[good["id"]]]
+    assert streamed[0]["type"] == "started" and streamed[-1]["finish_reason"] in ("stop", "length")
+    assert "".join(e["text"] for e in streamed if e["type"] == "tokens") == streamed[-1]["text"]
+    (done,) = [e for _, e in replies[rejected["id"]]]
+    assert done["finish_reason"] == "rejected" and "temperature" in done["error"]["message"]
+    (dead,) = await read_until(kafka_bootstrap, topics.dlq, bool)
+    assert "content-type: application/json" in headers_of(dead)["error"]
+    assert dead["payload"] == unmarked.decode()
