@@ -707,8 +707,8 @@ def content_type_of(headers: list | None) -> str:
     return MSGPACK
 
 
-def event_headers(content_type: str) -> list[tuple[str, bytes]]:
-    """The headers of an event written in `content_type`."""
+def content_headers(content_type: str) -> list[tuple[str, bytes]]:
+    """The headers of a record (a request, an event) encoded as `content_type`."""
     return [(CONTENT_TYPE_HEADER, content_type.encode())]
 
 
@@ -955,7 +955,7 @@ __all__ = [
     "CONTENT_TYPES",
     "CONTENT_TYPE_HEADER",
     "content_type_of",
-    "event_headers",
+    "content_headers",
     "sniff",
     "transcode_event",
     "decode_request",

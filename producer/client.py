@@ -49,7 +49,8 @@ from inferline.producer.replies import (
     missing_reply_topic,
     per_request_topic,
 )
-from inferline.contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
+from inferline.contract.schema import MSGPACK, Cancel, ChatMessage, Request, content_headers
+from inferline.contract.schema import encode_cancel, encode_request
 from inferline.producer.topics import (
     TOPIC_ALREADY_EXISTS,
     UNKNOWN_TOPIC,
@@ -102,7 +103,8 @@ class InferenceClient:
 
     ``settings`` default to the worker's ``INFERLINE_`` environment; keyword arguments override
     them. ``timeout_s``: the client-side limit per request (None: the worker's deadline plus a
-    grace period)."""
+    grace period). ``content_type``: how requests are encoded (contract MSGPACK, the default, or
+    JSON; the worker answers in the same); events are read in either."""
 
     def __init__(
         self,
@@ -117,6 +119,7 @@ class InferenceClient:
         replication_factor: int | None = None,
         settings: Settings | None = None,
         producer_options: dict[str, Any] | None = None,
+        content_type: str = MSGPACK,
     ):
         self.settings = settings or load_settings()
         kafka = self.settings.kafka
@@ -136,6 +139,7 @@ class InferenceClient:
         self.reply_retention_ms = reply_retention_ms
         self.replication_factor = replication_factor or kafka.replication_factor
         self._producer_options = producer_options or {}
+        self.content_type = content_type
         self._handles: dict[str, RequestHandle] = {}
         self._replies: ReplyRouter | None = None
         self._background: set[asyncio.Task] = set()
@@ -275,7 +279,7 @@ class InferenceClient:
             created_at=time.time(),
             **params,
         )
-        payload = encode_request(req)
+        payload = encode_request(req, self.content_type)
         if len(payload) > self.kafka.max_message_bytes:
             raise ValueError(
                 f"request is {len(payload)} bytes, "
@@ -290,7 +294,12 @@ class InferenceClient:
         # Registered before sending: the first event can beat send()'s acknowledgement.
         self._handles[req.id] = handle
         try:
-            await self._producer.send_and_wait(self.request_topic, payload, key=req.id.encode())
+            await self._producer.send_and_wait(
+                self.request_topic,
+                payload,
+                key=req.id.encode(),
+                headers=content_headers(self.content_type),
+            )
         except BaseException:
             self._handles.pop(req.id, None)
             raise

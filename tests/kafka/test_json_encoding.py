@@ -1,8 +1,8 @@
 """The JSON encoding from a tool that knows nothing of msgpack: Debian's kcat produces JSON requests
 with `content-type: application/json` and reads the reply topic, and a running worker answers each
-in JSON with that header (docs/protocol.md "Encodings"). kcat comes from deploy/kcat/tools.sh
-(`make kcat-tools`, run by `make test`) or the PATH; the test skips, saying why, without it. The
-codec's own rules: tests/unit/test_json_encoding.py."""
+in JSON with that header (docs/protocol.md "Encodings"); the Python client's JSON option too. kcat
+comes from deploy/kcat/tools.sh (`make kcat-tools`, run by `make test`) or the PATH; the test
+skips, saying why, without it. The codec's own rules: tests/unit/test_json_encoding.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from inferline.contract.schema import JSON
+from inferline.producer.client import InferenceClient
 from tests.worker_fixtures import request, start_worker, topics  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.kafka
@@ -98,7 +100,17 @@ async def test_kcat_sends_json_requests_and_reads_json_events(
     # JSON without the header is read as msgpack, the default: dead-lettered, saying why.
     unmarked = json.dumps(request(topics.replies)).encode()
     await kcat("-P", "-b", kafka_bootstrap, "-t", topics.requests, stdin=unmarked)
-    ids = [r["id"] for r in produced]
+    # The Python client sends JSON too, and reads JSON events back.
+    async with InferenceClient(
+        kafka_bootstrap,
+        request_topic=topics.requests,
+        reply_topic=topics.replies,
+        content_type=JSON,
+    ) as client:
+        handle = await client.submit("Say hello.", max_tokens=4, temperature=0.0)
+        result = await asyncio.wait_for(handle.result(), 30)
+    assert result.finish_reason in ("stop", "length") and client.undecodable == 0
+    ids = [r["id"] for r in produced] + [handle.id]
     replies = by_id(await read_until(kafka_bootstrap, topics.replies, all_done(ids)))
 
     for request_id in ids:
@@ -107,6 +119,7 @@ async def test_kcat_sends_json_requests_and_reads_json_events(
         events = [e for _, e in records]
         assert [e["seq"] for e in events] == list(range(len(events)))
         assert events[-1]["type"] == "done" and len({e["attempt"] for e in events}) == 1
+    assert [e for _, e in replies[handle.id]][-1]["text"] == result.text
     streamed = [e for _, e in replies[good["id"]]]
     assert streamed[0]["type"] == "started" and streamed[-1]["finish_reason"] in ("stop", "length")
     assert "".join(e["text"] for e in streamed if e["type"] == "tokens") == streamed[-1]["text"]

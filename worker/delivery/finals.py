@@ -10,7 +10,7 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.contract.schema import Request, event_headers, transcode_event
+from inferline.contract.schema import Request, content_headers, transcode_event
 from inferline.worker.delivery.commit import Outcome
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
@@ -97,7 +97,7 @@ class Delivery:
         def on_acked(outcome, error=None) -> None:
             self._answered(source, outcome, topic, error)
 
-        record = (topic, partition, req.id.encode(), done, event_headers(req.content_type))
+        record = (topic, partition, req.id.encode(), done, content_headers(req.content_type))
         self.publisher.finish_offset(source, record, on_acked)
         return True
 

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 
 from inferline.contract.schema import MSGPACK, DoneEvent, ErrorInfo, InvalidRequest, Request
 from inferline.contract.schema import StartedEvent, Timing, TokensEvent, Usage, encode_event
-from inferline.contract.schema import event_headers
+from inferline.contract.schema import content_headers
 from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 
@@ -219,7 +219,7 @@ class Publisher:
 
     def _outgoing(self, rs: ReplyStream, ev, on_acked=None) -> _Outgoing:
         """`ev` in its request's encoding, with that content-type header, keyed by request id."""
-        value, headers = encode_event(ev, rs.content_type), event_headers(rs.content_type)
+        value, headers = encode_event(ev, rs.content_type), content_headers(rs.content_type)
         key = rs.request_id.encode()
         return _Outgoing(rs.topic, rs.partition, key, value, headers, on_acked, stream=rs)
 
