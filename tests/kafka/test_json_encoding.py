@@ -2,7 +2,10 @@
 with `content-type: application/json` and reads the reply topic, and a running worker answers each
 in JSON with that header (docs/protocol.md "Encodings"); the Python client's JSON option too. kcat
 comes from deploy/kcat/tools.sh (`make kcat-tools`, run by `make test`) or the PATH; the test
-skips, saying why, without it. The codec's own rules: tests/unit/test_json_encoding.py."""
+skips, saying why, without it. Kafka Connect's conventions too (marked `full`: a JVM start costs
+about 20 s here): a file source with the InsertHeader transform produces the request, a file sink
+with JsonConverter (schemas.enable=false) reads the events. The codec's own rules:
+tests/unit/test_json_encoding.py."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from inferline.producer.client import InferenceClient
 from tests.worker_fixtures import request, start_worker, topics  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.kafka
-TOOLS = Path(__file__).resolve().parents[2] / "deploy" / "kcat" / "tools.sh"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+TOOLS = DEPLOY / "kcat" / "tools.sh"
+CONNECT_TOOLS = DEPLOY / "kafka-connect" / "tools.sh"
 
 
 def kcat_path() -> str:
@@ -128,3 +133,86 @@ async def test_kcat_sends_json_requests_and_reads_json_events(
     (dead,) = await read_until(kafka_bootstrap, topics.dlq, bool)
     assert "content-type: application/json" in headers_of(dead)["error"]
     assert dead["payload"] == unmarked.decode()
+
+
+def connect_libs() -> Path:
+    """Kafka Connect's classpath folder (deploy/kafka-connect/tools.sh fetches it once); skips
+    without it."""
+    done = subprocess.run([str(CONNECT_TOOLS)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.skip(
+            f"Kafka Connect is missing: deploy/kafka-connect/tools.sh: {done.stderr[-300:]}"
+        )
+    return Path(done.stdout.strip())
+
+
+def properties(path: Path, **settings: str) -> str:
+    path.write_text(
+        "".join(f"{key.replace('_', '.')}={value}\n" for key, value in settings.items())
+    )
+    return str(path)
+
+
+@pytest.mark.full
+async def test_kafka_connect_produces_a_request_and_reads_the_events_as_json(
+    kafka_bootstrap, topics, start_worker, tmp_path
+):
+    libs = connect_libs()
+    await start_worker(topics, model={"max_model_len": 256})
+    req = request(topics.replies, max_tokens=4)
+    (tmp_path / "in.txt").write_text(json.dumps(req) + "\n")
+    sink_file = tmp_path / "out.txt"
+    sink_file.write_text("")
+    string = "org.apache.kafka.connect.storage.StringConverter"
+    worker = properties(
+        tmp_path / "worker.properties",
+        bootstrap_servers=kafka_bootstrap,
+        key_converter=string,
+        value_converter=string,
+        offset_storage_file_filename=str(tmp_path / "offsets"),
+        offset_flush_interval_ms="1000",
+        listeners="http://127.0.0.1:0",
+    )
+    source = properties(
+        tmp_path / "source.properties",
+        name="requests-in",
+        connector_class="org.apache.kafka.connect.file.FileStreamSourceConnector",
+        file=str(tmp_path / "in.txt"),
+        topic=topics.requests,
+        transforms="json",  # Connect's own transform marks each record as JSON
+        transforms_json_type="org.apache.kafka.connect.transforms.InsertHeader",
+        transforms_json_header="content-type",
+        transforms_json_value_literal="application/json",
+    )
+    sink = properties(
+        tmp_path / "sink.properties",
+        name="replies-out",
+        connector_class="org.apache.kafka.connect.file.FileStreamSinkConnector",
+        file=str(sink_file),
+        topics=topics.replies,
+        value_converter="org.apache.kafka.connect.json.JsonConverter",
+        value_converter_schemas_enable="false",
+        consumer_override_isolation_level="read_committed",
+        consumer_override_auto_offset_reset="earliest",
+    )
+    main = "org.apache.kafka.connect.cli.ConnectStandalone"
+    with open(tmp_path / "connect.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["java", "-Xmx256m", "-cp", f"{libs}/*", main, worker, source, sink],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "type=done" not in sink_file.read_text():
+            assert proc.poll() is None, (tmp_path / "connect.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "connect.log").read_text()[-3000:]
+            await asyncio.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    # The sink writes each event as JsonConverter parsed it (a Java map), in reply-topic order.
+    text = sink_file.read_text()
+    events = text.count(f"id={req['id']}")
+    assert events >= 3 and text.count("type=") == events  # every event, all of this request
+    assert "type=started" in text.splitlines()[0] and "finish_reason=length" in text
