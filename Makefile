@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock k8s-tools prometheus-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
+.PHONY: install lock k8s-tools prometheus-tools kcat-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
 
 # constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
 # new upstream release cannot break a fresh install between two commits.
@@ -37,6 +37,12 @@ k8s-tools: $(STAMP)
 prometheus-tools:
 	deploy/prometheus/tools.sh || echo "make: prometheus is not installed; its tests will skip"
 
+# kcat from Debian's `kcat` package with its librdkafka1 and libyajl2 (apt-get download, or curl
+# from deb.debian.org), cached under ~/.cache/inferline/kcat (deploy/kcat/tools.sh; seconds).
+# Best effort: without it tests/kafka/test_json_encoding.py skips.
+kcat-tools:
+	deploy/kcat/tools.sh || echo "make: kcat is not installed; its test will skip"
+
 # The Helm chart without a cluster: helm lint, helm template (defaults and deploy/helm/examples/),
 # kubeconform against the Kubernetes and KEDA schemas (deploy/helm/check.sh).
 k8s-check: k8s-tools
@@ -52,12 +58,12 @@ demo: install
 	scripts/demo.sh
 
 # The Helm chart's test needs the k8s tools (cached after the first build); the dashboard's
-# (tests/kafka/test_dashboard_queries.py) needs prometheus.
-test: install k8s-tools prometheus-tools
+# (tests/kafka/test_dashboard_queries.py) needs prometheus; the JSON encoding's needs kcat.
+test: install k8s-tools prometheus-tools kcat-tools
 	scripts/test.sh --parts
 
 # make test plus the tests marked `full` (exhaustive kernel matrices, the bench scripts' smoke runs).
-test-full: install k8s-tools prometheus-tools
+test-full: install k8s-tools prometheus-tools kcat-tools
 	scripts/test.sh --parts --full
 
 bench: install

@@ -1,5 +1,6 @@
-"""The inferline wire contract v1 (docs/protocol.md): typed models and the msgpack codec, shared by
-both sides; bad requests raise ``UndecodableMessage`` or ``InvalidRequest``.
+"""The inferline wire contract v1 (docs/protocol.md): typed models and their codec (msgpack, the
+default, or JSON, as a record's `content-type` header says), shared by both sides; bad requests
+raise ``UndecodableMessage`` or ``InvalidRequest``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -22,6 +24,11 @@ from pydantic import (
 )
 
 PROTOCOL_VERSION = 1
+# The encodings of the contract: a record's `content-type` header names one (msgpack without it),
+# and every event written for a request carries the request's.
+MSGPACK, JSON = "application/msgpack", "application/json"
+CONTENT_TYPES = (MSGPACK, JSON)
+CONTENT_TYPE_HEADER = "content-type"
 # The broker's default message.max.bytes, as KafkaSettings.max_message_bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
 MAX_ID_LEN = 128
@@ -123,7 +130,8 @@ class InvalidRequest(Exception):
     """A decodable request with a usable id and reply topic that breaks a rule of the contract.
 
     ``field``: the top-level field at fault; ``path``: its location (``"messages.0.role"``);
-    ``code``: ``invalid_request`` or ``prompt_too_long``; ``reply_partition``: None if unusable."""
+    ``code``: ``invalid_request`` or ``prompt_too_long``; ``reply_partition``: None if unusable;
+    ``content_type``: the request's encoding, which its `done` takes."""
 
     def __init__(
         self,
@@ -135,8 +143,10 @@ class InvalidRequest(Exception):
         reply_partition: int | None = None,
         code: ErrorCode = "invalid_request",
         path: str | None = None,
+        content_type: str = MSGPACK,
     ):
         super().__init__(message)
+        self.content_type = content_type  # the request's encoding: its rejection's too
         self.field = field
         self.path = path or field
         self.message = message
@@ -418,6 +428,22 @@ class Request(_Wire):
     chat_template_kwargs: (
         Annotated[dict[str, TemplateValue], Field(max_length=MAX_TEMPLATE_KWARGS)] | None
     ) = None
+    # Not a field: the encoding the request came in (decode_request sets it), its events' too.
+    _content_type: str = PrivateAttr(default=MSGPACK)
+
+    @property
+    def content_type(self) -> str:
+        """The request's encoding (MSGPACK or JSON): every event written for it takes it."""
+        return self._content_type
+
+    def route(self) -> dict:
+        """Where its answer goes, as InvalidRequest's keyword arguments."""
+        return dict(
+            request_id=self.id,
+            reply_topic=self.reply_topic,
+            reply_partition=self.reply_partition,
+            content_type=self.content_type,
+        )
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -612,15 +638,19 @@ _EVENT = TypeAdapter(Event)
 # Codec
 
 
+def _sized(data: Any, max_bytes: int) -> None:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise UndecodableMessage(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise UndecodableMessage(f"message is {len(data)} bytes, over the {max_bytes}-byte limit")
+
+
 def _unpack(data: Any, max_bytes: int) -> Any:
     """msgpack bytes -> Python objects, never decoding more than ``max_bytes``.
 
     The size bounds every length; deep nesting is UndecodableMessage. Bad UTF-8 is kept
     (surrogateescape) so its field fails validation: a `rejected` reply, not a dead letter."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise UndecodableMessage(f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise UndecodableMessage(f"message is {len(data)} bytes, over the {max_bytes}-byte limit")
+    _sized(data, max_bytes)
     try:
         return msgpack.unpackb(
             data,
@@ -635,7 +665,59 @@ def _unpack(data: Any, max_bytes: int) -> Any:
             max_map_len=max_bytes // 2,
         )
     except (ValueError, TypeError, RecursionError, MemoryError, msgpack.UnpackException) as exc:
-        raise UndecodableMessage(f"not msgpack: {type(exc).__name__}: {exc}"[:300]) from None
+        hint = " (a JSON record needs the header content-type: application/json)"
+        hint = hint if sniff(data) == JSON else ""
+        raise UndecodableMessage(f"not msgpack: {type(exc).__name__}: {exc}"[:300] + hint) from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(data: Any, max_bytes: int) -> Any:
+    """JSON (RFC 8259) bytes -> Python objects, under the msgpack path's rules: the same size cap,
+    deep nesting UndecodableMessage (RecursionError), bad UTF-8 inside a string kept
+    (surrogateescape) so its field fails validation. NaN and Infinity are not JSON."""
+    _sized(data, max_bytes)
+    try:
+        text = bytes(data).decode("utf-8", "surrogateescape")
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise UndecodableMessage(f"not JSON: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _load(data: Any, max_bytes: int, content_type: str) -> Any:
+    if content_type == MSGPACK:
+        return _unpack(data, max_bytes)
+    if content_type == JSON:
+        return _parse_json(data, max_bytes)
+    raise UndecodableMessage(
+        f"unsupported content-type {content_type!r:.80}: {MSGPACK} (the default) or {JSON}"
+    )
+
+
+def content_type_of(headers: list | None) -> str:
+    """The media type a record's (last) `content-type` header names, lower case, parameters
+    (`; charset=utf-8`) dropped; MSGPACK when there is none. An unknown one is returned as is:
+    decode_request dead-letters it."""
+    for key, value in reversed(headers or ()):
+        if isinstance(key, str) and key.lower() == CONTENT_TYPE_HEADER:
+            text = bytes(value or b"").decode("utf-8", "replace")
+            return text.split(";", 1)[0].strip().lower()
+    return MSGPACK
+
+
+def content_headers(content_type: str) -> list[tuple[str, bytes]]:
+    """The headers of a record (a request, an event) encoded as `content_type`."""
+    return [(CONTENT_TYPE_HEADER, content_type.encode())]
+
+
+def sniff(data: Any) -> str:
+    """JSON when the bytes start (after blanks) with `{`, else MSGPACK: a msgpack map never starts
+    with that byte (0x7b is a positive fixint), so a reader needs no header to tell events apart."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return MSGPACK  # not bytes at all: the msgpack path says so
+    return JSON if bytes(data[:64]).lstrip()[:1] == b"{" else MSGPACK
 
 
 def _error_location(loc: tuple) -> str:
@@ -726,24 +808,33 @@ def _over_count_cap(obj: dict) -> tuple[str, str, str] | None:
 
 
 def decode_request(
-    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_prompt_tokens: int | None = None
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_prompt_tokens: int | None = None,
+    content_type: str = MSGPACK,
 ) -> Request:
-    """Decode and validate one request message.
+    """Decode and validate one request message, encoded as `content_type` says (MSGPACK or JSON:
+    the same schema and caps; see content_type_of). The request remembers it (its events').
 
-    Raises only UndecodableMessage (dead-letter it) or InvalidRequest (reply ``rejected``).
-    ``max_prompt_tokens`` rejects longer ``prompt_token_ids`` as ``prompt_too_long``."""
-    obj = _unpack(data, max_bytes)
+    Raises only UndecodableMessage (dead-letter it: an unknown content type too) or
+    InvalidRequest (reply ``rejected``, in the request's encoding). ``max_prompt_tokens`` rejects
+    longer ``prompt_token_ids`` as ``prompt_too_long``."""
+    obj = _load(data, max_bytes, content_type)
     if not isinstance(obj, dict):
-        raise UndecodableMessage(f"not a map: a msgpack {type(obj).__name__}")
+        kind = "JSON" if content_type == JSON else "msgpack"
+        raise UndecodableMessage(f"not a map: a {kind} {type(obj).__name__}")
     request_id, reply_topic, partition = _check_routing(obj)
     route = dict(request_id=request_id, reply_topic=reply_topic, reply_partition=partition)
+    route["content_type"] = content_type
     broken = _precheck(obj, max_prompt_tokens)
     if broken:
         raise InvalidRequest(broken[0], broken[1], code=broken[2], **route)
     # Only str keys name fields; others are unknown (ignored) fields.
     fields = {k: v for k, v in obj.items() if type(k) is str}
     try:
-        return Request.model_validate(fields)
+        req = Request.model_validate(fields)
+        req._content_type = content_type
+        return req
     except ValidationError as exc:
         loc, msg = _first_error(exc)
         path = _error_location(loc) or "request"
@@ -757,21 +848,37 @@ def _pack(model: BaseModel, exclude_none: bool) -> bytes:
     )
 
 
-def encode_request(req: Request) -> bytes:
-    """Request -> msgpack map; None fields are omitted."""
-    return _pack(req, exclude_none=True)
+def _encode(model: BaseModel, exclude_none: bool, content_type: str) -> bytes:
+    if content_type == MSGPACK:
+        return _pack(model, exclude_none)
+    if content_type == JSON:
+        return model.model_dump_json(exclude_none=exclude_none).encode()
+    raise ValueError(f"unsupported content type {content_type!r}")
 
 
-def encode_event(ev: StartedEvent | TokensEvent | DoneEvent) -> bytes:
-    """Event -> msgpack map; optional fields are written as nil, never omitted."""
-    return _pack(ev, exclude_none=False)
+def encode_request(req: Request, content_type: str = MSGPACK) -> bytes:
+    """Request -> msgpack map (or JSON object); None fields are omitted."""
+    return _encode(req, True, content_type)
+
+
+def encode_event(ev: StartedEvent | TokensEvent | DoneEvent, content_type: str = MSGPACK) -> bytes:
+    """Event -> msgpack map (or JSON object); optional fields are written as nil, never omitted."""
+    return _encode(ev, False, content_type)
+
+
+def transcode_event(data: bytes, content_type: str, to: str) -> bytes:
+    """An encoded event in another encoding (`data` itself when it is the same)."""
+    if content_type == to:
+        return data
+    return encode_event(decode_event(data, len(data), content_type), to)
 
 
 def decode_event(
-    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, content_type: str | None = None
 ) -> StartedEvent | TokensEvent | DoneEvent:
-    """Decode one reply-topic event; UndecodableMessage on anything that is not a v1 event."""
-    obj = _unpack(data, max_bytes)
+    """Decode one reply-topic event, msgpack or JSON (by `content_type`, else by its first byte:
+    see sniff); UndecodableMessage on anything that is not a v1 event."""
+    obj = _load(data, max_bytes, content_type or sniff(data))
     try:
         return _EVENT.validate_python(obj)
     except ValidationError as exc:
@@ -779,14 +886,15 @@ def decode_event(
         raise UndecodableMessage(f"not a v1 event: {_error_location(loc)}: {msg}") from None
 
 
-def encode_cancel(c: Cancel) -> bytes:
-    """Cancel -> msgpack map ``{"v": 1, "id": ...}``."""
-    return _pack(c, exclude_none=True)
+def encode_cancel(c: Cancel, content_type: str = MSGPACK) -> bytes:
+    """Cancel -> msgpack map (or JSON object) ``{"v": 1, "id": ...}``."""
+    return _encode(c, True, content_type)
 
 
 def decode_cancel(data: bytes, max_bytes: int = 64 * 1024) -> Cancel:
-    """Decode one cancel-topic message; UndecodableMessage on anything else."""
-    obj = _unpack(data, max_bytes)
+    """Decode one cancel-topic message, msgpack or JSON (told apart by the first byte, as
+    decode_event's); UndecodableMessage on anything else."""
+    obj = _load(data, max_bytes, sniff(data))
     if not isinstance(obj, dict):
         raise UndecodableMessage("not a map")
     try:
@@ -842,6 +950,14 @@ __all__ = [
     "Event",
     "UndecodableMessage",
     "InvalidRequest",
+    "MSGPACK",
+    "JSON",
+    "CONTENT_TYPES",
+    "CONTENT_TYPE_HEADER",
+    "content_type_of",
+    "content_headers",
+    "sniff",
+    "transcode_event",
     "decode_request",
     "encode_request",
     "encode_event",

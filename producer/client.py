@@ -50,7 +50,8 @@ from inferline.producer.replies import (
     missing_reply_topic,
     per_request_topic,
 )
-from inferline.contract.schema import Cancel, ChatMessage, Request, encode_cancel, encode_request
+from inferline.contract.schema import MSGPACK, Cancel, ChatMessage, Request, content_headers
+from inferline.contract.schema import encode_cancel, encode_request
 from inferline.producer.topics import (
     TOPIC_ALREADY_EXISTS,
     UNKNOWN_TOPIC,
@@ -103,7 +104,8 @@ class InferenceClient:
 
     ``settings`` default to the worker's ``INFERLINE_`` environment; keyword arguments override
     them. ``timeout_s``: the client-side limit per request (None: the worker's deadline plus a
-    grace period)."""
+    grace period). ``content_type``: how requests are encoded (contract MSGPACK, the default, or
+    JSON; the worker answers in the same); events are read in either."""
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class InferenceClient:
         replication_factor: int | None = None,
         settings: Settings | None = None,
         producer_options: dict[str, Any] | None = None,
+        content_type: str = MSGPACK,
     ):
         self.settings = settings or load_settings()
         kafka = self.settings.kafka
@@ -137,6 +140,7 @@ class InferenceClient:
         self.reply_retention_ms = reply_retention_ms
         self.replication_factor = replication_factor or kafka.replication_factor
         self._producer_options = producer_options or {}
+        self.content_type = content_type
         self._handles: dict[str, RequestHandle] = {}
         self._replies: ReplyRouter | None = None
         self._background: set[asyncio.Task] = set()
@@ -276,7 +280,7 @@ class InferenceClient:
             created_at=time.time(),
             **params,
         )
-        payload = encode_request(req)
+        payload = encode_request(req, self.content_type)
         if len(payload) > self.kafka.max_message_bytes:
             raise ValueError(
                 f"request is {len(payload)} bytes, "
@@ -293,7 +297,8 @@ class InferenceClient:
         span = {"gen_ai.request.id": req.id, "messaging.system": "kafka"}
         span["messaging.destination.name"] = self.request_topic
         try:
-            with producer_span("inferline.submit", span) as headers:
+            with producer_span("inferline.submit", span) as trace:
+                headers = content_headers(self.content_type) + (trace or [])
                 await self._producer.send_and_wait(
                     self.request_topic, payload, key=req.id.encode(), headers=headers
                 )

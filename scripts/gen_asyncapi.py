@@ -572,6 +572,31 @@ def _trace_headers(written_by: str) -> dict:
     }
 
 
+def _content_type_header(content_type: str, event: bool) -> dict:
+    """The record headers of a message encoded as `content_type`."""
+    if content_type == schema.JSON:
+        said = "Required: a request without it is read as msgpack."
+        if event:
+            said = "Always set on an event written for a JSON request."
+        return {"const": schema.JSON, "description": said}
+    said = "Optional on a request: msgpack is the default. Any other value is dead-lettered."
+    if event:
+        said = "Always set on an event written for a msgpack request (workers older than the JSON "
+        said += "encoding leave it out)."
+    return {"const": schema.MSGPACK, "description": said}
+
+
+def _headers(content_type: str, event: bool) -> dict:
+    header = _content_type_header(content_type, event)
+    out = {
+        "type": "object",
+        "properties": {schema.CONTENT_TYPE_HEADER: {"type": "string", **header}},
+    }
+    if event or content_type == schema.JSON:
+        out["required"] = [schema.CONTENT_TYPE_HEADER]
+    return out
+
+
 def _message(
     name: str,
     title: str,
@@ -579,25 +604,74 @@ def _message(
     schema_name: str,
     examples: list,
     key: bool = True,
+    content_type: str = schema.MSGPACK,
     traced: str | None = None,
 ) -> dict:
+    json_twin = content_type == schema.JSON
     msg = {
-        "name": name,
-        "title": title,
+        "name": name + "Json" if json_twin else name,
+        "title": title + " (JSON)" if json_twin else title,
         "summary": summary,
-        "contentType": "application/msgpack",
+        "contentType": content_type,
         "correlationId": {"$ref": "#/components/correlationIds/requestId"},
     }
-    if traced is not None:
-        msg["headers"] = _trace_headers(traced)
+    if schema_name != "Cancel":  # cancels are told apart by their first byte, no header needed
+        msg["headers"] = _headers(content_type, event=schema_name in EVENT_MODELS)
+    if traced is not None:  # beside the content type: W3C trace context
+        trace = _trace_headers(traced)
+        msg["headers"]["description"] = trace["description"]
+        msg["headers"]["properties"].update(trace["properties"])
     msg["payload"] = {"$ref": REF.format(model=schema_name)}
     if key:
         msg["bindings"] = _kafka_key()
-    msg["examples"] = examples
+    if json_twin:
+        msg["description"] = (
+            f"The same payload as `{name}`, as a JSON object (RFC 8259, UTF-8; no NaN or "
+            "Infinity): docs/protocol.md, Encodings. The JSON Schema alone: "
+            f"docs/schemas/{JSON_SCHEMA_FILES[schema_name]}."
+        )
+    else:
+        msg["examples"] = examples
     return msg
 
 
+# The JSON Schema file of each message's payload in docs/schemas/ (scripts/gen_json_schemas.py).
+JSON_SCHEMA_FILES = {
+    "Request": "request.schema.json",
+    "Cancel": "cancel.schema.json",
+    "StartedEvent": "started.schema.json",
+    "TokensEvent": "tokens.schema.json",
+    "DoneEvent": "done.schema.json",
+}
+ENCODED = ("request", "started", "tokens", "done", "cancel")  # a msgpack and a JSON message each
+
+
 def messages() -> dict:
+    out = _msgpack_messages()
+    for name in ENCODED:
+        m = out[name]
+        twin = _message(
+            name,
+            m["title"],
+            m["summary"],
+            ref_name(m["payload"]["$ref"]),
+            [],
+            key="bindings" in m,
+            content_type=schema.JSON,
+        )
+        out[twin["name"]] = twin
+    return out
+
+
+def ref_name(ref: str) -> str:
+    return ref.rsplit("/", 1)[1]
+
+
+def _both(names) -> list[str]:
+    return [n for name in names for n in (name, name + "Json")]
+
+
+def _msgpack_messages() -> dict:
     return {
         "request": _message(
             "request",
@@ -639,7 +713,8 @@ def messages() -> dict:
             "title": "Dead letter",
             "contentType": "application/octet-stream",
             "summary": "A request record that could not be decoded far enough to answer its "
-            "sender, or that names a reply topic the worker may not write to.",
+            "sender (an unknown content-type header included), or that names a reply topic the "
+            "worker may not write to.",
             "headers": {
                 "type": "object",
                 "required": ["error", "source-topic", "source-partition", "source-offset"],
@@ -680,6 +755,10 @@ def messages() -> dict:
     }
 
 
+def _channel_messages(names) -> dict:
+    return {n: {"$ref": f"#/components/messages/{n}"} for n in _both(names)}
+
+
 def _refs(channel: str, names) -> list[dict]:
     return [{"$ref": f"#/channels/{channel}/messages/{n}"} for n in names]
 
@@ -695,7 +774,10 @@ def document() -> dict:
             "description": (
                 "Kafka topics and messages of the inferline worker, protocol v"
                 f"{schema.PROTOCOL_VERSION}, seen from the worker. Every payload is a msgpack "
-                "map with string keys; text is UTF-8 str, never bin. Unknown fields are ignored, "
+                "map with string keys (text is UTF-8 str, never bin), or the same as a JSON "
+                "object where the record's content-type header says application/json; every "
+                "event is written in its request's encoding, with that header. Unknown fields "
+                "are ignored, "
                 "so optional fields may be added; renaming, removing or changing the meaning of "
                 "one bumps `v`. Delivery is at least once: a request's offset is committed only "
                 "after its done event is acknowledged by the broker (acks=all)."
@@ -720,7 +802,7 @@ def document() -> dict:
                 "title": "Request topic",
                 "description": "Requests, keyed by id. Its partitions bound how many workers "
                 f"share the load. {default} INFERLINE_KAFKA__REQUEST_TOPIC.",
-                "messages": {"request": {"$ref": "#/components/messages/request"}},
+                "messages": _channel_messages(["request"]),
                 "bindings": {"kafka": {"topic": "llm.requests", "bindingVersion": KAFKA_BINDING}},
             },
             "replies": {
@@ -729,17 +811,13 @@ def document() -> dict:
                 "description": "The topic named by the request's reply_topic: an existing topic "
                 "under the reply prefix (default inferline.reply.). All events of one request go "
                 "to one partition (by key, or reply_partition), so they arrive in order.",
-                "messages": {
-                    "started": {"$ref": "#/components/messages/started"},
-                    "tokens": {"$ref": "#/components/messages/tokens"},
-                    "done": {"$ref": "#/components/messages/done"},
-                },
+                "messages": _channel_messages(["started", "tokens", "done"]),
             },
             "cancels": {
                 "address": "llm.cancel",
                 "title": "Cancel topic",
                 "description": f"Cancels, keyed by id. {default} INFERLINE_KAFKA__CANCEL_TOPIC.",
-                "messages": {"cancel": {"$ref": "#/components/messages/cancel"}},
+                "messages": _channel_messages(["cancel"]),
                 "bindings": {"kafka": {"topic": "llm.cancel", "bindingVersion": KAFKA_BINDING}},
             },
             "deadLetters": {
@@ -763,7 +841,7 @@ def document() -> dict:
                 "(one the worker may write to) but breaks another rule gets a done with "
                 "finish_reason rejected naming the field.",
                 "channel": {"$ref": "#/channels/requests"},
-                "messages": _refs("requests", ["request"]),
+                "messages": _refs("requests", _both(["request"])),
                 "bindings": {
                     "kafka": {
                         "groupId": {
@@ -780,7 +858,7 @@ def document() -> dict:
                         "description": "The request's reply_topic.",
                     },
                     "channel": {"$ref": "#/channels/replies"},
-                    "messages": _refs("replies", ["started", "tokens", "done"]),
+                    "messages": _refs("replies", _both(["started", "tokens", "done"])),
                 },
             },
             "receiveCancel": {
@@ -790,12 +868,13 @@ def document() -> dict:
                 "consumer group, from its end; the worker running the request ends it with "
                 "finish_reason cancelled.",
                 "channel": {"$ref": "#/channels/cancels"},
-                "messages": _refs("cancels", ["cancel"]),
+                "messages": _refs("cancels", _both(["cancel"])),
             },
             "sendDeadLetter": {
                 "action": "send",
                 "title": "Dead-letter an undecodable record",
-                "summary": "Not msgpack, not a map, over the size limit, or no usable id / "
+                "summary": "Not msgpack (or not JSON, with content-type: application/json), an "
+                "unknown content-type, not a map, over the size limit, or no usable id / "
                 "reply_topic: nobody can be answered, so the record is copied here and its offset "
                 "committed.",
                 "channel": {"$ref": "#/channels/deadLetters"},

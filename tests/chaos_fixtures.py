@@ -427,14 +427,20 @@ class IntakeHarness:
         if out.on_acked:
             out.on_acked("failed" if failed else "ok")
 
-    def feed(self, value: bytes | None, key: bytes | None = b"k", timestamp_ms=None, headers=()):
+    def feed(
+        self,
+        value: bytes | None,
+        key: bytes | None = b"k",
+        timestamp_ms: int | None = None,
+        headers: list | None = None,
+    ):
         """Hands one record to the intake (its Kafka timestamp `timestamp_ms`, else now; -1:
         none; its `headers`); returns the outgoing messages and admitted requests."""
         from inferline.worker.intake.triage import Record
 
         ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         sent_at = ms / 1000 if ms >= 0 else None
-        record = Record(self.tp.topic, 0, self.offset, key, value, list(headers), sent_at=sent_at)
+        record = Record(self.tp.topic, 0, self.offset, key, value, headers or [], sent_at=sent_at)
         self.offset += 1
         sent_before, added_before = len(self.sent), len(self.worker.engine_loop.added)
         self.worker.intake._handle(self.tp, record)  # decode + triage, no catch-all

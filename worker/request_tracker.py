@@ -127,6 +127,7 @@ class RequestTracker:
         rs = ReplyStream(
             req.id, uuid.uuid4().hex, req.reply_topic, req.reply_partition, stream=req.stream
         )
+        rs.content_type = req.content_type  # every event in the request's encoding
         job = Job(req, rs, tp, offset, adm.received, adm.max_tokens, self._generation(tp))
         job.sent_at = adm.sent_at  # for TTFT from the record's timestamp
         job.trace = request_trace(adm, adm.headers)

@@ -108,13 +108,15 @@ def test_every_message_has_a_payload_of_a_model(doc, components):
         for name, m in doc["components"]["messages"].items()
         if "$ref" in m["payload"]
     }
-    assert payloads == {
+    msgpack_payloads = {
         "request": "Request",
         "cancel": "Cancel",
         "started": "StartedEvent",
         "tokens": "TokensEvent",
         "done": "DoneEvent",
     }
+    json_twins = {f"{name}Json": model for name, model in msgpack_payloads.items()}
+    assert payloads == {**msgpack_payloads, **json_twins}
     for name in components:
         assert isinstance(getattr(schema, name, None), type) and issubclass(
             getattr(schema, name), BaseModel
@@ -128,13 +130,29 @@ def test_reply_channel_carries_every_event_type(doc, components):
         ref_name(doc["channels"]["replies"]["messages"][m]["$ref"])
         for m in doc["channels"]["replies"]["messages"]
     ]
-    kinds = [
-        components[ref_name(doc["components"]["messages"][n]["payload"]["$ref"])]["properties"][
-            "type"
-        ]["const"]
-        for n in names
-    ]
-    assert sorted(kinds) == sorted(schema.EVENT_TYPES)
+    for content_type in schema.CONTENT_TYPES:
+        messages = [doc["components"]["messages"][n] for n in names]
+        kinds = [
+            components[ref_name(m["payload"]["$ref"])]["properties"]["type"]["const"]
+            for m in messages
+            if m["contentType"] == content_type
+        ]
+        assert sorted(kinds) == sorted(schema.EVENT_TYPES), content_type
+
+
+def test_every_message_has_a_json_twin_and_says_its_content_type(doc):
+    messages = doc["components"]["messages"]
+    for name, m in messages.items():
+        if "$ref" not in m["payload"] or m["contentType"] == schema.JSON:
+            continue
+        twin = messages[name + "Json"]
+        assert (m["contentType"], twin["contentType"]) == (schema.MSGPACK, schema.JSON)
+        assert twin["payload"] == m["payload"] and "Encodings" in twin["description"]
+        if name == "cancel":  # told apart by the first byte
+            continue
+        header = twin["headers"]["properties"]["content-type"]
+        assert header["const"] == schema.JSON and twin["headers"]["required"] == ["content-type"]
+        assert m["headers"]["properties"]["content-type"]["const"] == schema.MSGPACK
 
 
 def test_topics_are_the_settings_defaults(doc):
@@ -358,9 +376,16 @@ FULL_REQUEST = {
 }
 
 
-def decodes(decoder, payload: dict) -> bool:
+def decodes(decoder, payload: dict, content_type: str = schema.MSGPACK) -> bool:
+    """Whether `decoder` takes `payload` encoded as `content_type`."""
+    if content_type == schema.JSON:
+        data, kwargs = json.dumps(payload).encode(), {"content_type": content_type}
+    else:
+        data, kwargs = msgpack.packb(payload, use_bin_type=True), {}
+    if decoder is schema.decode_cancel:
+        kwargs = {}  # the first byte tells
     try:
-        decoder(msgpack.packb(payload, use_bin_type=True))
+        decoder(data, **kwargs)
     except (schema.UndecodableMessage, schema.InvalidRequest):
         return False
     return True
@@ -411,15 +436,19 @@ def test_required_event_fields_are_what_the_worker_writes(components):
 def test_examples_validate_and_decode(doc):
     decoders = {**RECEIVED, **{n: schema.decode_event for n in EVENTS}}
     checked = 0
-    for message in doc["components"]["messages"].values():
+    messages = doc["components"]["messages"]
+    for key, message in messages.items():
         if "$ref" not in message["payload"]:
             continue
         name = ref_name(message["payload"]["$ref"])
-        for example in message["examples"]:
+        # A JSON twin's examples are its msgpack message's, encoded as JSON.
+        examples = messages[key.removesuffix("Json")]["examples"]
+        for example in examples:
             validator(doc, name).validate(example["payload"])
-            assert decodes(decoders[name], example["payload"]), example["name"]
+            content_type = message["contentType"]
+            assert decodes(decoders[name], example["payload"], content_type), example["name"]
             checked += 1
-    assert checked >= 8
+    assert checked >= 16
 
 
 def test_events_from_the_models_validate(doc):
@@ -515,6 +544,7 @@ def test_schema_and_decoder_agree_on_requests(doc, change, valid):
     payload = {**BASE, **change}
     assert validator(doc, "Request").is_valid(payload) == valid, "the AsyncAPI schema"
     assert decodes(schema.decode_request, payload) == valid, "decode_request"
+    assert decodes(schema.decode_request, payload, schema.JSON) == valid, "as JSON"
 
 
 def test_known_gaps_of_json_schema(doc, components):

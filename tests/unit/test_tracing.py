@@ -231,7 +231,7 @@ def test_baggage_and_other_headers_set_no_attribute(spans, clock):
     # Nor is baggage passed on, to the requester or anyone else, even on a rejection.
     rejected, _ = IntakeHarness(Settings()).feed(body(max_tokens=10**9), headers=headers)
     for out in [*sent, *rejected]:
-        assert [k for k, _ in out.headers] == ["traceparent"]
+        assert [k for k, _ in out.headers] == ["content-type", "traceparent"]
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(spans, clock):
@@ -254,10 +254,15 @@ def test_off_means_no_spans_and_no_headers(off, clock, monkeypatch):
 
     monkeypatch.setattr(worker_tracing, "RequestTrace", no_span)
     sent = run_one(clock, [("traceparent", TRACEPARENT.encode())])
-    assert len(sent) >= 3 and all(out.headers is None for out in sent)
+    assert len(sent) >= 3 and all(trace_headers(out) == [] for out in sent)
     h = IntakeHarness(Settings())
     sent, _ = h.feed(body(max_tokens=10**9), headers=[("traceparent", TRACEPARENT.encode())])
-    assert sent[0].headers is None
+    assert trace_headers(sent[0]) == []
+
+
+def trace_headers(out) -> list[str]:
+    """The names of `out`'s headers beside its content type."""
+    return [k for k, _ in out.headers or () if k != "content-type"]
 
 
 # -- the gateway's HTTP side ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Callable
 import structlog
 from aiokafka import TopicPartition
 
-from inferline.contract.schema import Request
+from inferline.contract.schema import Request, content_headers, transcode_event
 from inferline.worker.delivery.commit import Outcome
 from inferline.worker.delivery.dead_letters import DeadLetterLimit, fit
 from inferline.worker.delivery.ledger import Job, JobLedger
@@ -67,8 +67,7 @@ class Delivery:
         """Answer a request that will not run: one `done` (seq 0); `done`: its finish_reason
         ("rejected" unless given) and metadata."""
         reason = done.setdefault("finish_reason", "rejected")
-        rs = ReplyStream(route.request_id, uuid.uuid4().hex, route.topic, route.partition)
-        rs.headers = route.headers
+        rs = ReplyStream(attempt=uuid.uuid4().hex, **vars(route))
         source = self._taken(tp, offset)
 
         def on_acked(outcome, error=None) -> None:
@@ -92,12 +91,14 @@ class Delivery:
         if final is None:
             self.reject(tp, offset, ReplyRoute.of(req), *ANSWERED_BEFORE, metadata=req.metadata)
             return True
-        source, (topic, partition, done) = self._taken(tp, offset), final
+        source, (topic, partition, done, encoding) = self._taken(tp, offset), final
+        done = transcode_event(done, encoding, req.content_type)  # it may come in the other one
 
         def on_acked(outcome, error=None) -> None:
             self._answered(source, outcome, topic, error)
 
-        self.publisher.finish_offset(source, (topic, partition, req.id.encode(), done), on_acked)
+        record = (topic, partition, req.id.encode(), done, content_headers(req.content_type))
+        self.publisher.finish_offset(source, record, on_acked)
         return True
 
     def _taken(self, tp: TopicPartition, offset: int) -> Source:

@@ -66,7 +66,7 @@ class JobLedger:
         self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
         self._parts = partitions or OffsetTracker()
         self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, committed
-        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, part., done)
+        self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, p., done, type)
         self._final_bytes = 0  # of the `done`s in _final_events
         self.settled = asyncio.Event()  # pulses whenever an outcome is acked
 
@@ -121,9 +121,9 @@ class JobLedger:
         if len(self._completed) > MAX_REMEMBERED_DONE:
             self._completed.popitem(last=False)
         self._forget_event(req.id)
-        done = job.reply.final_event
+        rs, done = job.reply, job.reply.final_event
         if done is not None and len(done) <= MAX_REMEMBERED_EVENT_BYTES:
-            self._final_events[req.id] = (job.reply.topic, job.reply.partition, done)
+            self._final_events[req.id] = (rs.topic, rs.partition, done, rs.content_type)
             self._final_bytes += len(done)
         while self._final_events and (
             len(self._final_events) > MAX_REMEMBERED_EVENTS
@@ -141,5 +141,6 @@ class JobLedger:
         return self._completed.get(req.id) == fingerprint(req)
 
     def final_event(self, request_id: str) -> tuple | None:
-        """(topic, partition, done bytes) of a request finished here, if remembered."""
+        """(topic, partition, done bytes, their content type) of a request finished here, if
+        remembered."""
         return self._final_events.get(request_id)

@@ -13,8 +13,9 @@ from typing import Callable
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from inferline.contract.schema import DoneEvent, ErrorInfo, InvalidRequest, Request, StartedEvent
-from inferline.contract.schema import Timing, TokensEvent, Usage, encode_event
+from inferline.contract.schema import MSGPACK, DoneEvent, ErrorInfo, InvalidRequest, Request
+from inferline.contract.schema import StartedEvent, Timing, TokensEvent, Usage, encode_event
+from inferline.contract.schema import content_headers
 from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
 from inferline.worker.delivery.commit import Committer, Final, Outcome
 
@@ -32,12 +33,13 @@ class ReplyRoute:
     request_id: str
     topic: str
     partition: int | None
+    content_type: str = MSGPACK  # the request's encoding: its events take it
     headers: list[tuple[str, bytes]] | None = None  # on its events: trace context
 
     @classmethod
     def of(cls, req: Request | InvalidRequest, headers=None) -> "ReplyRoute":
         rid = req.request_id if isinstance(req, InvalidRequest) else req.id
-        return cls(rid, req.reply_topic, req.reply_partition, headers)
+        return cls(rid, req.reply_topic, req.reply_partition, req.content_type, headers)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class ReplyStream:
     topic: str
     partition: int | None
     stream: bool = True
+    content_type: str = MSGPACK  # the request's encoding (contract MSGPACK or JSON)
     seq: int = 0
     pending: dict[int, "_Pending"] = field(default_factory=dict)  # by sample: not in an event yet
     closed: bool = False
@@ -178,24 +181,21 @@ class Publisher:
         usage = Usage(prompt_tokens=usage[0], completion_tokens=usage[1])
         ev = _event(DoneEvent, rs, usage=usage, timing=timing, worker=self.worker_name, **fields)
         rs.closed = True
-        rs.final_event = encode_event(ev)
-        key = rs.request_id.encode()
-        out = _Outgoing(rs.topic, rs.partition, key, rs.final_event, rs.headers, on_acked)
-        out.stream, out.source = rs, source
+        out = self._outgoing(rs, ev, on_acked)
+        rs.final_event, out.source = out.value, source
         self._enqueue(out)
 
     def dead_letter(self, topic: str, key, value, headers: list, source: Source, on_acked) -> None:
         """A dead letter, retried until the broker takes it; an empty value for none."""
-        out = _Outgoing(
-            topic, None, key, value or b"", headers, on_acked, forever=True, source=source
-        )
+        out = _Outgoing(topic, None, key, value or b"", headers, on_acked, forever=True)
+        out.source = source
         self._enqueue(out)
         self._metrics.dead_letters.inc()
 
     def finish_offset(self, source: Source, record: tuple, on_acked) -> None:
-        """Finish an input answered before: its remembered `done` (topic, partition, key, value)
-        resent, in the same transaction as the offset."""
-        self._enqueue(_Outgoing(*record, None, on_acked, source=source))
+        """Finish an input answered before: its remembered `done` (topic, partition, key, value,
+        headers) resent, in the same transaction as the offset."""
+        self._enqueue(_Outgoing(*record, on_acked, source=source))
 
     def _flush(self, rs: ReplyStream) -> None:
         self._dirty.pop(rs.attempt, None)
@@ -217,9 +217,14 @@ class Publisher:
             self.flush_all()
 
     def _emit(self, rs: ReplyStream, ev) -> None:
+        self._enqueue(self._outgoing(rs, ev))
+
+    def _outgoing(self, rs: ReplyStream, ev, on_acked=None) -> _Outgoing:
+        """`ev` in its request's encoding, with that content-type header, keyed by request id."""
+        value = encode_event(ev, rs.content_type)
+        headers = content_headers(rs.content_type) + (rs.headers or [])
         key = rs.request_id.encode()
-        out = _Outgoing(rs.topic, rs.partition, key, encode_event(ev), rs.headers, stream=rs)
-        self._enqueue(out)
+        return _Outgoing(rs.topic, rs.partition, key, value, headers, on_acked, stream=rs)
 
     def _enqueue(self, out: _Outgoing) -> None:
         """Count `out` and send it; a final (with a `source`) goes to the committer (group mode),

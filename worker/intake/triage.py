@@ -17,7 +17,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException, admin
 
-from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, decode_request
+from inferline.contract.schema import InvalidRequest, Request, UndecodableMessage, content_type_of
+from inferline.contract.schema import decode_request
 from inferline.worker.delivery.publisher import ReplyRoute
 from inferline.worker.intake.reply_topics import ReplyTopics, unsafe_limits
 from inferline.worker.service.ratelimit import RateLimiter
@@ -322,13 +323,8 @@ class Triage:
         tenant = self._tenant_of(tp)
         # "default" (the contract's default, sent unasked) claims nothing
         if tenant is not None and req.tenant not in (tenant, "default"):
-            return InvalidRequest(
-                "tenant",
-                f"tenant: {req.tenant!r} is not the tenant of this request topic",
-                request_id=req.id,
-                reply_topic=req.reply_topic,
-                reply_partition=req.reply_partition,
-            )
+            message = f"tenant: {req.tenant!r} is not the tenant of this request topic"
+            return InvalidRequest("tenant", message, **req.route())
         tenant = tenant or req.tenant
         priority = clamp_priority(req.priority, self._s.limits, tenant)
         if tenant == req.tenant and priority == req.priority:
@@ -341,9 +337,8 @@ class Triage:
             return None
         self._tracker.partition(tp).held[record.offset] = record  # to dead-letter it if need be
         try:
-            req = decode_request(
-                record.value, self._s.kafka.max_message_bytes, self._s.model.max_model_len
-            )
+            caps = (self._s.kafka.max_message_bytes, self._s.model.max_model_len)
+            req = decode_request(record.value, *caps, content_type_of(record.headers))
         except UndecodableMessage as exc:
             where = {"partition": tp.partition, "offset": record.offset}
             log.warning("intake.dead_letter", **where, reason=exc.reason)
