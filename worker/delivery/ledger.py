@@ -63,7 +63,6 @@ class JobLedger:
 
     def __init__(self, partitions: OffsetTracker | None = None) -> None:
         self.jobs: dict[str, Job] = {}  # attempt -> job
-        self._by_id: dict[str, set[str]] = {}  # wire id -> attempts
         self._parts = partitions or OffsetTracker()
         self._completed: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint, committed
         self._final_events: OrderedDict[str, tuple] = OrderedDict()  # id -> (topic, p., done, type)
@@ -72,22 +71,17 @@ class JobLedger:
 
     def add(self, job: Job) -> None:
         self.jobs[job.attempt] = job
-        self._by_id.setdefault(job.request.id, set()).add(job.attempt)
         self.taken(job.tp)
 
     def forget(self, job: Job) -> None:
         self.jobs.pop(job.attempt, None)
-        attempts = self._by_id.get(job.request.id)
-        if attempts is not None:
-            attempts.discard(job.attempt)
-            if not attempts:
-                del self._by_id[job.request.id]
 
     def attempts(self, request_id: str) -> list[str]:
-        return list(self._by_id.get(request_id, ()))
+        """The attempts held for a wire id (a scan: only a cancel asks, and few jobs are held)."""
+        return [a for a, job in self.jobs.items() if job.request.id == request_id]
 
     def empty(self) -> bool:
-        return not self.jobs and not self.unacked() and not self._by_id
+        return not self.jobs and not self.unacked()
 
     def held(self, tp: TopicPartition, offset: int):
         p = self._parts.get(tp)
@@ -141,6 +135,5 @@ class JobLedger:
         return self._completed.get(req.id) == fingerprint(req)
 
     def final_event(self, request_id: str) -> tuple | None:
-        """(topic, partition, done bytes, their content type) of a request finished here, if
-        remembered."""
+        """(topic, partition, done, its content type) of a request finished here, if kept."""
         return self._final_events.get(request_id)
