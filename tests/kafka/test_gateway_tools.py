@@ -79,7 +79,8 @@ def calls(message) -> list[tuple[str, dict]]:
 async def streamed(aio: openai.AsyncOpenAI, **kw):
     """The SDK's stream helper: (final completion, how many argument pieces came)."""
     async with aio.chat.completions.stream(model=MODEL, **kw) as events:
-        pieces = [e async for e in events if e.type == "tool_calls.function.arguments.delta"]
+        kind = "tool_calls.function.arguments.delta"
+        pieces = [e async for e in events if e.type == kind and e.arguments_delta]
         return await events.get_final_completion(), len(pieces)
 
 
