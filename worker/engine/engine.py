@@ -303,15 +303,6 @@ class LLMEngine:
             self.grammars.abandon(compiling[1])  # nobody else waits for it
         return self.requests.pop(request_id, [])
 
-    def _chat(self, req: EngineRequest) -> tuple[list[dict], list[dict] | None]:
-        """(messages, tools) for apply_chat_template: a template that does not render tools
-        gets them in its system turn instead, in the request's tool format."""
-        if not req.tools:
-            return req.messages, None
-        if renders_tools(getattr(self.tokenizer, "chat_template", None)):
-            return req.messages, req.tools
-        return fallback_messages(req.messages, req.tools, req.tool_format), None
-
     def tokenize(self, req: EngineRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
@@ -322,7 +313,7 @@ class LLMEngine:
         elif req.messages is not None:
             chars = sum(map(turn_chars, req.messages)) + len(json.dumps(req.tools or []))
             check_text_size(chars, "messages", self.max_model_len)
-            messages, tools = self._chat(req)
+            messages, tools = chat_inputs(self.tokenizer, req)
             ids = list(
                 self.tokenizer.apply_chat_template(
                     messages,
@@ -688,6 +679,16 @@ def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
             "prompt_too_long",
             f"{field}: {num_chars} characters cannot fit in {max_model_len} tokens",
         )
+
+
+def chat_inputs(tokenizer, req: EngineRequest) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for apply_chat_template: a template that does not render tools gets
+    them in its system turn instead, in the request's tool format."""
+    if not req.tools:
+        return req.messages, None
+    if renders_tools(getattr(tokenizer, "chat_template", None)):
+        return req.messages, req.tools
+    return fallback_messages(req.messages, req.tools, req.tool_format), None
 
 
 def turn_chars(turn: dict) -> int:
