@@ -9,7 +9,8 @@ from inferline.contract.schema import Sample, TokenLogprob, Usage
 from inferline.producer.gateway.reasoning import ReasoningParserName, split
 from inferline.producer.gateway.tool_calls import ToolMode, parse
 
-# OpenAI's finish reasons are `stop` and `length` (errors never reach a body).
+# OpenAI's finish reasons are `stop` and `length` (errors never reach a body), and `tool_calls`
+# for a chat answer that made calls (tool_finish).
 FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -78,7 +79,7 @@ class Shape:
                 message["content"], calls = parse(message["content"], self.tools)
                 if calls:
                     message["tool_calls"] = calls
-                    message["content"] = message["content"] or None
+                    message["content"] = message["content"] if message["content"].strip() else None
                     finish = tool_finish(finish, True)
             return {
                 "index": index,

@@ -14,6 +14,7 @@ from inferline.config.settings import Settings
 from inferline.contract.schema import decode_request, encode_request, Request
 from inferline.producer.gateway.errors import OpenAIError
 from inferline.producer.gateway.openai_mapping import chat_request
+from inferline.producer.gateway.openai_responses import Shape
 from inferline.producer.gateway.tool_calls import ToolCallParser, ToolMode, parse
 from inferline.worker.app import engine_settings
 from inferline.worker.engine.engine import LLMEngine
@@ -238,3 +239,15 @@ def test_a_template_without_tools_gets_the_fallback_prompt(model_runner, monkeyp
     call = f'{{"name": "get_weather", "{key}": {{"city": "Paris"}}}}'
     assert (f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call) in text
     assert "<tool_response>\n18C\n</tool_response>" in text
+
+
+def test_a_whole_chat_answer_carries_the_calls_after_the_reasoning():
+    shape = Shape(True, "r1", "m", "think", HERMES)
+    text = f"<think>Paris, then.</think>\n<tool_call>{WEATHER}</tool_call>"
+    (choice,) = shape.whole(text, "stop", None)["choices"]
+    message = choice["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Paris, then.", None)
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice["finish_reason"] == "tool_calls"
+    (choice,) = shape.whole("No call.", "stop", None)["choices"]  # no calls: as before
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
