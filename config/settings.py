@@ -426,6 +426,11 @@ class GatewaySettings(BaseModel):
     # an answer that opens with <think> ... </think>) or `deepseek_r1` (the template opened it:
     # the answer starts inside) put it in the chat answer's `reasoning_content`; empty: no split.
     reasoning_parser: Literal["", "think", "deepseek_r1"] = ""
+    # The format the model writes tool calls in (as vLLM's --tool-call-parser): `hermes`
+    # (<tool_call>{"name", "arguments"}</tool_call>: Qwen2.5, Hermes) or `llama3_json` (bare
+    # {"name", "parameters"}: Llama 3.x); also the format of the fallback prompt that shows a
+    # model the tools where its chat template does not (docs/gateway.md, "Tool calling").
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
     # One reply topic for every gateway replica, `<reply prefix>[<tenant>.]<reply_topic>`, read
     # from its end by each (made ahead with `inferline topics create --reply-topic`, or at start
     # when INFERLINE_KAFKA__CREATE_REPLY_TOPICS allows; never deleted). Empty: one per replica

@@ -81,6 +81,12 @@ LOGIT_BIAS_RANGE = (-100, 100)
 MAX_TOOL_CALLS = 128
 MAX_TOOL_CALL_ID_LEN = 128
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Functions offered to the model (OpenAI allows 128) and a function's description.
+MAX_TOOLS = 128
+MAX_TOOL_DESCRIPTION_LEN = 4096
+# How the model writes a call where its chat template does not render tools (docs/gateway.md).
+ToolFormat = Literal["hermes", "llama3_json"]
+TOOL_FORMATS: tuple[str, ...] = ToolFormat.__args__
 # Variables for the chat template (Qwen3's enable_thinking, ...): a few short values.
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_VALUE_LEN = 256
@@ -308,6 +314,31 @@ def _json_text(value: dict) -> str:
 GrammarText = Annotated[Utf8Text, Field(min_length=1), AfterValidator(_grammar_size)]
 
 
+def _bounded_schema(value: dict) -> dict:
+    # A JSON schema's caps: it may become a grammar.
+    depth = json_depth(value, MAX_SCHEMA_DEPTH)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    _grammar_size(_json_text(value))
+    return value
+
+
+class FunctionDefinition(_Wire):
+    """A function the model may call (OpenAI's `tools[].function`)."""
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: Annotated[Utf8Text, Field(max_length=MAX_TOOL_DESCRIPTION_LEN)] | None = None
+    parameters: Annotated[dict, AfterValidator(_bounded_schema)] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Wire):
+    """One tool offered to the model: a function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class JsonSchemaFormat(_Wire):
     """OpenAI's ``response_format.json_schema``: the output is JSON valid against ``schema``."""
 
@@ -328,11 +359,7 @@ class JsonSchemaFormat(_Wire):
     @field_validator("schema_")
     @classmethod
     def _schema_size(cls, value: dict) -> dict:
-        depth = json_depth(value, MAX_SCHEMA_DEPTH)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        _grammar_size(_json_text(value))
-        return value
+        return _bounded_schema(value)
 
 
 class ResponseFormat(_Wire):
@@ -428,6 +455,19 @@ class Request(_Wire):
     chat_template_kwargs: (
         Annotated[dict[str, TemplateValue], Field(max_length=MAX_TEMPLATE_KWARGS)] | None
     ) = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_format: ToolFormat = "hermes"
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, value: list[Tool] | None, info) -> list[Tool] | None:
+        if value is not None and info.data.get("messages") is None:
+            raise ValueError("only with messages (the chat template shows the tools)")
+        names = [t.function.name for t in value or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be distinct")
+        return value
+
     # Not a field: the encoding the request came in (decode_request sets it), its events' too.
     _content_type: str = PrivateAttr(default=MSGPACK)
 

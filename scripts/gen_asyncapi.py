@@ -46,6 +46,8 @@ PART_MODELS = {
     "ChatMessage": schema.ChatMessage,
     "ToolCall": schema.ToolCall,
     "ToolCallFunction": schema.ToolCallFunction,
+    "Tool": schema.Tool,
+    "FunctionDefinition": schema.FunctionDefinition,
     "Usage": schema.Usage,
     "Timing": schema.Timing,
     "ErrorInfo": schema.ErrorInfo,
@@ -116,6 +118,18 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "enable_thinking, ...): at most 16, names of letters, digits and _ (up to 64), values "
         "booleans, numbers or strings of at most 256 characters; apply_chat_template's own "
         "arguments (tokenize, tools, ...) are refused. Workers older than this field ignore it.",
+        "tools": "Functions the model may call (1-128, distinct names; only with messages): "
+        "passed to the chat template when it renders tools, else shown in the system turn in "
+        "tool_format. Workers older than this field ignore it.",
+        "tool_format": "hermes or llama3_json: how the model is told to write calls where its "
+        "chat template does not render tools (docs/gateway.md, Tool calling).",
+    },
+    "Tool": {"type": "function.", "function": "The function."},
+    "FunctionDefinition": {
+        "name": "1-64 of a-z, A-Z, 0-9, _, -.",
+        "description": "What it does, for the model (at most 4096 characters).",
+        "parameters": "A JSON Schema of its arguments (at most 64 KiB as compact JSON).",
+        "strict": "Accepted for OpenAI compatibility.",
     },
     "ResponseFormat": {
         "type": "text, json_object or json_schema.",
@@ -286,6 +300,8 @@ def schemas() -> dict[str, dict]:
     for name in (
         "ToolCall",
         "ToolCallFunction",
+        "Tool",
+        "FunctionDefinition",
         "Usage",
         "Timing",
         "ErrorInfo",

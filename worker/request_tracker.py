@@ -57,6 +57,8 @@ def engine_request(
         prompt=req.prompt,
         messages=messages,
         chat_template_kwargs=req.chat_template_kwargs,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        tool_format=req.tool_format,
         prompt_token_ids=req.prompt_token_ids,
         priority=req.priority,
         arrival_time=received,

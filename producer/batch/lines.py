@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from inferline.contract.schema import Request
-from inferline.producer.gateway.errors import OpenAIError, from_validation
+from inferline.producer.gateway.errors import OpenAIError, bad_request, from_validation
 from inferline.producer.gateway.openai_mapping import chat_request, completion_request
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -113,6 +113,8 @@ def _envelope_problem(obj: dict) -> str | None:
 def _map_body(line: BatchLine, body: dict, priority: int) -> None:
     """The gateway's mapping and the contract's rules, so a line fails where the same HTTP request
     would (OpenAIError naming the field)."""
+    if body.get("tools"):  # output lines do not read tool calls out of the answer (yet)
+        raise bad_request("tools", "tools is not supported in batch lines")
     mapped = (chat_request if line.chat else completion_request)(body)
     fields = dict(mapped.fields)
     # Batch work never outranks interactive work: a line may ask to be later, not sooner.

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 
 from inferline.producer.gateway.errors import bad_request
 from inferline.producer.gateway.guided import CONSTRAINTS, constraint
+from inferline.producer.gateway.tool_calls import ToolMode
+from inferline.producer.gateway.tool_choice import tool_fields
 from inferline.contract.schema import ChatMessage
 
 # Passed through unchanged: OpenAI's sampling fields and vLLM's extras (top level, where the
@@ -42,10 +44,22 @@ COMMON = (
     "stream_options",
     *CONSTRAINTS,
 )
-CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "chat_template_kwargs"))
+CHAT_FIELDS = frozenset(
+    (
+        *COMMON,
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    )
+)
 LEGACY_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
 # Fields the gateway does not implement, accepted only with the value that asks for nothing.
-NO_OP = {"tools": [], "functions": [], "tool_choice": "none", "echo": False, "best_of": 1}
+# (`functions` and `function_call`, deprecated at OpenAI: `tools` instead.)
+NO_OP = {"functions": [], "echo": False, "best_of": 1}
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' `logprobs` cap at OpenAI
 
 
@@ -59,11 +73,18 @@ class Mapped:
     # contract field -> the OpenAI parameter it came from, for error messages
     rename: dict[str, str] = field(default_factory=dict)
     logprobs: bool = False  # the answer carries logprobs
+    tools: ToolMode | None = None  # how tool calls are read from the answer
 
 
-def chat_request(body: dict) -> Mapped:
-    """POST /v1/chat/completions."""
+def chat_request(body: dict, tool_parser: str = "hermes") -> Mapped:
+    """POST /v1/chat/completions; `tool_parser`: the format the model writes calls in."""
     mapped = _common(body, CHAT_FIELDS)
+    tools, mapped.tools = tool_fields(body, tool_parser)
+    if "response_format" in tools:  # tool_choice required or named: the grammar forces a call
+        if "response_format" in mapped.fields or "structured" in mapped.fields:
+            raise bad_request("tool_choice", "tool_choice: forces calls, so no output constraint")
+        mapped.rename["response_format"] = "tool_choice"
+    mapped.fields.update(tools)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs", "logprobs: must be a boolean")

@@ -7,8 +7,10 @@ import time
 
 from inferline.contract.schema import Sample, TokenLogprob, Usage
 from inferline.producer.gateway.reasoning import ReasoningParserName, split
+from inferline.producer.gateway.tool_calls import ToolMode, parse
 
-# OpenAI's finish reasons are `stop` and `length` (errors never reach a body).
+# OpenAI's finish reasons are `stop` and `length` (errors never reach a body), and `tool_calls`
+# for a chat answer that made calls (tool_finish).
 FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -25,10 +27,16 @@ class Shape:
     """One endpoint's response shape: ``chat`` for /v1/chat/completions, else /v1/completions."""
 
     def __init__(
-        self, chat: bool, request_id: str, model: str, reasoning: ReasoningParserName = ""
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        reasoning: ReasoningParserName = "",
+        tools: ToolMode | None = None,
     ):
         self.chat = chat
         self.reasoning = reasoning if chat else ""  # the chat answer's reasoning parser
+        self.tools = tools  # how the chat answer's tool calls are read, if it may make any
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -67,6 +75,12 @@ class Shape:
             message = {"role": "assistant", "content": text}
             if self.reasoning:
                 message["reasoning_content"], message["content"] = split(text, self.reasoning)
+            if self.tools is not None:
+                message["content"], calls = parse(message["content"], self.tools)
+                if calls:
+                    message["tool_calls"] = calls
+                    message["content"] = message["content"] if message["content"].strip() else None
+                    finish = tool_finish(finish, True)
             return {
                 "index": index,
                 "message": message,
@@ -98,9 +112,11 @@ class Shape:
         index: int = 0,
         logprobs: dict | None = None,
         reasoning: str = "",
+        tool_calls: list[dict] | None = None,
     ) -> str:
-        """One SSE event with new text of choice `index` (chat: ``first`` carries the role, and
-        `reasoning` is new reasoning text, in `reasoning_content`)."""
+        """One SSE event with new text of choice `index` (chat: ``first`` carries the role,
+        `reasoning` is new reasoning text, in `reasoning_content`, and `tool_calls` are
+        `delta.tool_calls` entries)."""
         finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = (
@@ -110,6 +126,8 @@ class Shape:
             )
             if reasoning:
                 delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -128,6 +146,11 @@ class Shape:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse({**self._head(obj), "choices": [], "usage": usage_body(usage)})
+
+
+def tool_finish(finish: str, called: bool) -> str:
+    """An answer that ended by itself after making calls finishes with `tool_calls`."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def _chat_entry(e: TokenLogprob) -> dict:

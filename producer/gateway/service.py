@@ -25,9 +25,10 @@ from inferline.producer.gateway.errors import (
 from inferline.producer.gateway.follower import Diverged, TextFollower
 from inferline.producer.gateway.metrics import GatewayMetrics
 from inferline.producer.gateway.openai_mapping import Mapped, chat_request, completion_request
-from inferline.producer.gateway.openai_responses import DONE, Shape, sse
+from inferline.producer.gateway.openai_responses import DONE, FINISH, Shape, sse, tool_finish
 from inferline.producer.gateway.reasoning import ReasoningSplitter
 from inferline.producer.gateway.sse import SSEResponse
+from inferline.producer.gateway.tool_calls import ToolCallParser
 from inferline.contract.schema import DoneEvent, TokenLogprob, TokensEvent
 
 log = structlog.get_logger(__name__)
@@ -51,12 +52,18 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         try:
             tenant = self.keys.tenant_of(request.headers.get("authorization"))
-            mapped = (chat_request if chat else completion_request)(await self._body(request))
+            body = await self._body(request)
+            gateway = self.settings.gateway
+            mapped = (
+                chat_request(body, gateway.tool_call_parser) if chat else completion_request(body)
+            )
             handle = await self._submit(tenant, mapped)
         except OpenAIError as exc:
             return self._answer(endpoint, t0, exc.response())
         self.metrics.in_flight.inc()
-        shape = Shape(chat, handle.id, self.model, self.settings.gateway.reasoning_parser)
+        shape = Shape(
+            chat, handle.id, self.model, self.settings.gateway.reasoning_parser, mapped.tools
+        )
         if mapped.stream:
             return await self._stream(request, handle, shape, mapped, endpoint, t0)
         try:
@@ -174,6 +181,7 @@ class Gateway:
         include_usage = mapped.include_usage
         followers, ev, quiet = [TextFollower(i) for i in range(handle.request.n)], first, True
         splitters = [ReasoningSplitter(shape.reasoning) for _ in followers]
+        callers = [ToolCallParser(shape.tools) for _ in followers] if shape.tools else []
         offsets = [0] * len(followers)  # legacy logprobs' text_offset, per choice
         if shape.chat:
             for f in followers:
@@ -195,16 +203,19 @@ class Gateway:
                     if text and quiet:
                         quiet = False
                         self.metrics.ttft.observe(time.monotonic() - t0)
-                    reasoning = ""
+                    reasoning, calls = "", None
                     if text and shape.reasoning:
                         reasoning, text = splitters[f.index].feed(text)
-                    if text or reasoning or logprobs:
+                    if text and callers:
+                        text, calls = callers[f.index].feed(text)
+                    if text or reasoning or logprobs or calls:
                         yield shape.chunk(
                             text,
                             include_usage=include_usage,
                             index=f.index,
                             logprobs=logprobs,
                             reasoning=reasoning,
+                            tool_calls=calls,
                         )
                 ev = await anext(events, None)
         except (InferenceError, Diverged) as exc:
@@ -217,13 +228,24 @@ class Gateway:
         reasons = {s.index: s.finish_reason for s in done.samples or []}
         for f in followers:
             reasoning, text = splitters[f.index].finish() if shape.reasoning else ("", "")
-            if reasoning or text:  # held back: it might have begun a tag
+            calls: list[dict] = []
+            if callers:  # what the reasoning parser held, then what the tool parser held
+                text, calls = callers[f.index].feed(text) if text else ("", [])
+                rest, more = callers[f.index].finish()
+                text, calls = text + rest, calls + more
+            if reasoning or text or calls:  # held back: it might have begun a tag or a call
                 yield shape.chunk(
-                    text, include_usage=include_usage, index=f.index, reasoning=reasoning
+                    text,
+                    include_usage=include_usage,
+                    index=f.index,
+                    reasoning=reasoning,
+                    tool_calls=calls,
                 )
+            reason = reasons.get(f.index, done.finish_reason)
+            called = bool(callers) and bool(callers[f.index].calls)
             yield shape.chunk(
                 None,
-                reasons.get(f.index, done.finish_reason),
+                tool_finish(FINISH.get(reason, reason), called),
                 include_usage=include_usage,
                 index=f.index,
             )

@@ -1,6 +1,7 @@
 """Nothing silently dropped at the gateway (issue 50, item 5), through a running gateway and a
 worker on the real broker: logit_bias, vLLM's guided extras, response_format on /v1/completions,
-the max_tokens default and refusals, and a field the gateway does not implement."""
+the max_tokens default and refusals, a field the gateway does not implement, and a named tool
+call that the grammar engine forces (issue 50, item 1)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import openai
 import pytest
 
 from tests.gateway_fixtures import shallow_fleet  # noqa: F401 - fixture
+from tests.kafka.test_gateway_tools import function
 
 pytestmark = pytest.mark.kafka
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Is the sky blue?"}]
+CITIES = ["Paris", "Oslo"]
 MAX_MODEL_LEN = 512  # tests.worker_fixtures.worker_config
 
 
@@ -101,3 +104,23 @@ async def test_max_tokens_defaults_to_what_the_model_length_leaves(shallow_fleet
     assert err.param == "max_completion_tokens"
     err = await refused(aio.chat.completions.create, messages=CHAT, max_tokens=2000)
     assert err.param == "max_tokens" and "INFERLINE_LIMITS__MAX_TOKENS_CAP" in err.message
+
+
+async def test_a_named_call_from_the_real_worker_follows_the_schema(shallow_fleet):
+    """The grammar engine, not the model, makes the call: the shallow model's arguments are
+    valid against the function's schema (its template shows the tools by the fallback prompt)."""
+    aio = client(shallow_fleet.url)
+    out = await aio.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[function("get_weather", CITIES), function("get_time", CITIES)],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=40,
+    )
+    ((name, args),) = [
+        (c.function.name, json.loads(c.function.arguments))
+        for c in out.choices[0].message.tool_calls
+    ]
+    assert name == "get_time" and args["city"] in ("Paris", "Oslo")
+    assert out.choices[0].finish_reason == "tool_calls"

@@ -373,6 +373,8 @@ FULL_REQUEST = {
     "n": 2,
     "logit_bias": {"50256": -100, "7": 2.5},
     "chat_template_kwargs": {"enable_thinking": False},
+    "tools": None,  # set, it needs messages: not independent of them
+    "tool_format": "llama3_json",
 }
 
 

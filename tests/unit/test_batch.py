@@ -60,7 +60,7 @@ def line(custom_id="a", url="/v1/chat/completions", **body) -> str:
         ),
         (
             line(messages=[{"role": "user", "content": "x"}], tools=[{}]),
-            "line 3: body.tools is not supported",
+            "line 3: body.tools is not supported in batch lines",
         ),
         (line(url="/v1/completions", prompt=["a", "b"]), "line 3: body.prompt: must be one string"),
         (

@@ -267,11 +267,8 @@ def test_response_format_works_on_legacy_completions():
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"functions": [{"name": "f"}]}, "functions"),  # deprecated: tools instead
         ({"function_call": "auto"}, "function_call"),
-        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"min_tokens": 3}, "min_tokens"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"bad_words": ["x"]}, "bad_words"),

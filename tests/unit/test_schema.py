@@ -20,6 +20,9 @@ from inferline.contract.schema import (
     MAX_METADATA_BYTES,
     MAX_LOGIT_BIAS,
     MAX_TEMPLATE_KWARGS,
+    MAX_GRAMMAR_BYTES,
+    MAX_TOOL_DESCRIPTION_LEN,
+    MAX_TOOLS,
     MAX_TEMPLATE_VALUE_LEN,
     MAX_METADATA_KEYS,
     MAX_PROMPT_TOKEN_IDS,
@@ -290,6 +293,12 @@ def bias(n: int) -> dict[str, float]:
     return {str(i): 1.0 for i in range(n)}
 
 
+def tools(n: int, **function) -> dict:
+    """A chat request offering `n` functions (tools need messages)."""
+    fns = [{"type": "function", "function": {"name": f"f{i}", **function}} for i in range(n)]
+    return {"prompt": ..., "messages": chat(1), "tools": fns}
+
+
 def keys(n: int) -> dict[str, str]:
     return {f"k{i}": "" for i in range(n)}
 
@@ -363,6 +372,20 @@ CAPS = [
         {"chat_template_kwargs": {"tokenize": 1}},
     ),
     ("logit_bias", {"logit_bias": {str(MAX_TOKEN_ID): 1}}, {"logit_bias": {str(2**31): 1}}),
+    ("tools", tools(MAX_TOOLS), tools(MAX_TOOLS + 1)),
+    (
+        "tools",
+        tools(1, description="d" * MAX_TOOL_DESCRIPTION_LEN),
+        tools(1, description="d" * (MAX_TOOL_DESCRIPTION_LEN + 1)),
+    ),
+    (
+        "tools",
+        tools(1, parameters={"description": "d" * (MAX_GRAMMAR_BYTES - 18)}),
+        tools(1, parameters={"description": "d" * (MAX_GRAMMAR_BYTES - 17)}),
+    ),
+    ("tools", tools(1), {**tools(1), "tools": tools(1)["tools"] * 2}),  # names distinct
+    ("tools", tools(1), {**tools(1), "messages": None, "prompt": "x"}),  # with messages only
+    ("tool_format", {"tool_format": "llama3_json"}, {"tool_format": "mistral"}),
 ]
 # The longest prompt_token_ids at the cap is a few bytes over the default message size.
 BIG = 4 * DEFAULT_MAX_MESSAGE_BYTES

@@ -5,6 +5,7 @@ asyncio through an inbox and `on_outputs`. design: docs/architecture.md#the-engi
 from __future__ import annotations
 
 import gc
+import json
 import os
 import queue
 import threading
@@ -17,6 +18,7 @@ import structlog
 import torch
 
 from inferline.config.settings import Settings
+from inferline.contract.tool_format import fallback_messages, renders_tools
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from inferline.worker.engine import overlap
@@ -309,10 +311,13 @@ class LLMEngine:
                     "invalid_request", f"prompt_token_ids: ids must be in [0, {self.vocab_size})"
                 )
         elif req.messages is not None:
-            check_text_size(sum(map(turn_chars, req.messages)), "messages", self.max_model_len)
+            chars = sum(map(turn_chars, req.messages)) + len(json.dumps(req.tools or []))
+            check_text_size(chars, "messages", self.max_model_len)
+            messages, tools = chat_inputs(self.tokenizer, req)
             ids = list(
                 self.tokenizer.apply_chat_template(
-                    req.messages,
+                    messages,
+                    tools=tools,
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=True,
@@ -674,6 +679,16 @@ def check_text_size(num_chars: int, field: str, max_model_len: int) -> None:
             "prompt_too_long",
             f"{field}: {num_chars} characters cannot fit in {max_model_len} tokens",
         )
+
+
+def chat_inputs(tokenizer, req: EngineRequest) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for apply_chat_template: a template that does not render tools gets
+    them in its system turn instead, in the request's tool format."""
+    if not req.tools:
+        return req.messages, None
+    if renders_tools(getattr(tokenizer, "chat_template", None)):
+        return req.messages, req.tools
+    return fallback_messages(req.messages, req.tools, req.tool_format), None
 
 
 def turn_chars(turn: dict) -> int:

@@ -64,6 +64,8 @@ class EngineRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     chat_template_kwargs: dict | None = None  # variables for the chat template
+    tools: list[dict] | None = None  # functions the model may call, as OpenAI's `tools`
+    tool_format: str = "hermes"  # how calls are shown where the template does not render tools
     prompt_token_ids: list[int] | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)  # Unix seconds
