@@ -20,6 +20,7 @@ import time
 import uuid
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from inferline.config.oauth import OAuthTokenError
 from inferline.config.settings import KafkaSettings, Settings
@@ -118,4 +119,8 @@ async def test_a_wrong_secret_stops_start_up_naming_endpoint_and_client(
     client = InferenceClient(request_topic=topics.requests, settings=Settings(kafka=kafka))
     with pytest.raises(OAuthTokenError, match="HTTP 401 invalid_client"):
         await asyncio.wait_for(client.start(), 30)
+    # A confluent-kafka client made first (share intake's admin, `inferline topics acls`): a
+    # raising oauth_cb would leave its constructor waiting 10 s, then "OAuth token not set".
+    with pytest.raises(OAuthTokenError, match="HTTP 401 invalid_client"):
+        AdminClient(KafkaSettings(**kafka).librdkafka_config())
     assert endpoint.requests and not endpoint.granted()
