@@ -168,6 +168,9 @@ class TokenProvider(AbstractTokenProvider):
             self._refresh_at = now + REFRESH_AT * (self._expiry - now)
             return self._token, self._expiry
 
+    def holds_token(self) -> bool:
+        return self._token is not None
+
     def due(self) -> bool:
         return self._token is None or self._clock() >= self._refresh_at
 
@@ -209,7 +212,7 @@ def shared_provider(kafka) -> TokenProvider:
         provider = _shared.get(key)
         if provider is None:
             provider = _shared[key] = _build(kafka)
-    if provider.due():
+    if not provider.holds_token():  # later refreshes come from the hooks, off the event loop
         provider.current()
     return provider
 
