@@ -29,6 +29,8 @@ from aiokafka.abc import AbstractTokenProvider
 # Fraction of a token's lifetime after which it is fetched again.
 REFRESH_AT = 0.8
 HTTP_TIMEOUT_S = 10.0
+# Seconds between tries while a refresh fails and the cached token is still valid.
+RETRY_S = 5.0
 
 Fetch = Callable[[], tuple[str, float]]
 
@@ -155,8 +157,10 @@ class TokenProvider(AbstractTokenProvider):
             try:
                 token, expiry = self._fetch()
             except Exception as exc:
-                # A passing endpoint outage: the cached token serves until it expires.
+                # A passing endpoint outage: the cached token serves until it expires, and the
+                # endpoint is asked again after RETRY_S, not by every new connection.
                 if self._token is not None and now < self._expiry:
+                    self._refresh_at = min(self._expiry, now + RETRY_S)
                     return self._token, self._expiry
                 if isinstance(exc, OAuthTokenError):
                     raise

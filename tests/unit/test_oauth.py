@@ -117,15 +117,19 @@ def test_a_token_is_reused_until_80_percent_of_its_lifetime_then_fetched_again()
     assert provider.current() == ("token-2", 1_181.0) and issuer.calls == 2
 
 
-def test_a_failed_refresh_keeps_the_valid_token_and_fails_once_it_expired():
+def test_a_failed_refresh_keeps_the_valid_token_retries_later_and_fails_once_it_expired():
     clock = Clock()
     issuer = Issuer(clock)
     provider = TokenProvider(issuer, clock=clock)
     provider.current()
     issuer.down = True
     clock.now += 90  # due, not expired
-    assert provider.current()[0] == "token-1"
-    clock.now += 11  # expired
+    assert provider.current()[0] == "token-1" and issuer.calls == 2
+    clock.now += 4  # within RETRY_S of the failure: no new try
+    assert provider.current()[0] == "token-1" and issuer.calls == 2
+    clock.now += 2
+    assert provider.current()[0] == "token-1" and issuer.calls == 3
+    clock.now += 5  # expired
     with pytest.raises(OAuthTokenError, match="endpoint down"):
         provider.current()
 
