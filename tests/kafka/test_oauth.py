@@ -3,10 +3,10 @@
 whose scope must hold `kafka`) and a token endpoint the test runs (client credentials: unsigned
 JWTs for the right secret, 401 otherwise).
 
-- The Python client sends a request that an in-process worker (group mode: aiokafka publisher,
-  cancel listener and lookups; confluent-kafka consumer, transactional producer and admin)
-  answers, every client authenticated by tokens from the one provider (config/oauth.py); both
-  libraries asked it, and short-lived tokens were fetched again.
+- The Python client and the gateway send requests that an in-process worker (group mode:
+  aiokafka publisher, cancel listener and lookups; confluent-kafka consumer, transactional
+  producer and admin) answers, every client authenticated by tokens from the one provider
+  (config/oauth.py); both libraries asked it, and short-lived tokens were fetched again.
 - A wrong client secret stops the worker's and the client's start-up at once with the endpoint
   and the client id named.
 
@@ -86,6 +86,7 @@ async def test_client_and_worker_serve_over_oauthbearer(
             handle = await client.submit("Say hi.", max_tokens=3)
             result = await asyncio.wait_for(handle.result(), 120)
         assert result.finish_reason == "length"
+        await gateway_completion(kafka, topics)
         provider = settings.kafka.oauth()
         # Past the first token's lifetime, a new connection has the provider fetch anew.
         await asyncio.sleep(max(0.0, endpoint.first_at + LIFETIME_S + 0.5 - time.time()))
@@ -98,6 +99,30 @@ async def test_client_and_worker_serve_over_oauthbearer(
     assert granted and all(r[:2] == (CLIENT_ID, SCOPE) for r in granted), endpoint.requests
     assert len(granted) >= 2, "no token was fetched again before the first expired"
     assert len(granted) == len(endpoint.requests)  # nothing refused
+
+
+async def gateway_completion(kafka: dict, topics: Topics) -> None:
+    """A chat completion through an in-process gateway on the same OAuth settings."""
+    import httpx
+
+    from tests.gateway_fixtures import KEYS, start_gateway, stop_gateway
+
+    gateway_kafka = {**kafka, "request_topic": topics.requests, "cancel_topic": topics.cancel}
+    settings = Settings(
+        kafka=gateway_kafka, gateway={"host": "127.0.0.1", "port": 0, "api_keys": KEYS}
+    )
+    server, task, url = await start_gateway(settings)
+    try:
+        headers = {"Authorization": "Bearer sk-acme"}
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+            model = (await http.get("/models")).json()["data"][0]["id"]
+            chat = [{"role": "user", "content": "Hi."}]
+            body = {"model": model, "messages": chat, "max_tokens": 3}
+            answer = await http.post("/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        await stop_gateway(server, task)
 
 
 async def test_a_wrong_secret_stops_start_up_naming_endpoint_and_client(

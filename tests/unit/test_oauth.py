@@ -52,8 +52,8 @@ class TokenEndpoint:
                 now = int(time.time())
                 claims = {"sub": client, "iat": now, "exp": now + LIFETIME_S, "scope": scope}
                 body = {"access_token": f"{b64url({'alg': 'none'})}.{b64url(claims)}."}
-                if expires_in:
-                    body.update(token_type="Bearer", expires_in=LIFETIME_S)
+                if expires_in:  # a second less than exp: the claim's whole seconds
+                    body.update(token_type="Bearer", expires_in=LIFETIME_S - 1)
                 if not granted:
                     body = {"error": "invalid_client", "error_description": "bad secret"}
                 self.send_response(200 if granted else 401)
@@ -157,7 +157,7 @@ def test_client_credentials_post_the_grant_and_scope_with_basic_auth(endpoint, t
     token, expiry = fetch()
     assert endpoint.forms == [{"grant_type": "client_credentials", "scope": SCOPE}]
     assert endpoint.requests == [(CLIENT_ID, SCOPE, True)]
-    assert token.count(".") == 2 and before + LIFETIME_S <= expiry <= time.time() + LIFETIME_S
+    assert token.count(".") == 2 and before + LIFETIME_S - 1 <= expiry <= time.time() + LIFETIME_S
 
 
 def test_without_expires_in_the_jwt_exp_claim_is_the_expiry(tmp_path):
