@@ -25,12 +25,12 @@ RESERVED_LIBRDKAFKA = frozenset(
     "sasl.password ssl.ca.location ssl.certificate.location ssl.key.location transactional.id "
     "enable.idempotence isolation.level group.id group.protocol group.instance.id "
     "enable.auto.commit enable.auto.offset.store share.acknowledgement.mode "
-    "allow.auto.create.topics".split()
+    "allow.auto.create.topics oauth_cb sasl.oauthbearer.method sasl.oauthbearer.config".split()
 )
 RESERVED_AIOKAFKA = frozenset(
     "bootstrap_servers client_id security_protocol sasl_mechanism sasl_plain_username "
     "sasl_plain_password ssl_context transactional_id enable_idempotence acks isolation_level "
-    "group_id enable_auto_commit".split()
+    "group_id enable_auto_commit sasl_oauth_token_provider".split()
 )
 
 
@@ -121,11 +121,24 @@ class KafkaSettings(BaseModel):
     # The broker's `offset.metadata.max.bytes`: the offset ledger of a commit must fit in it.
     offset_metadata_max_bytes: int = Field(4096, ge=64)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
     # The password read from a file (a mounted secret) instead.
     sasl_password_file: Path | None = None
+    # OAUTHBEARER (docs/security.md): an OIDC client-credentials token from this endpoint, for
+    # oauth_client_id with its secret (from the file, a mounted secret, or literal) and scope,
+    # fetched at start-up (a refusal stops it) and again at 80% of its lifetime.
+    oauth_token_endpoint_url: str | None = None
+    oauth_client_id: str | None = None
+    oauth_client_secret: SecretStr | None = None
+    oauth_client_secret_file: Path | None = None
+    oauth_scope: str | None = None
+    # SASL extensions sent with the token (KIP-342), e.g. {"logicalCluster": "lkc-abc"}.
+    oauth_extensions: dict[str, str] = {}
+    # Instead of the endpoint: `module:function`, a callable with no arguments returning
+    # (token, expiry in Unix seconds), for cloud-specific signers (MSK IAM, Event Hubs, ...).
+    oauth_token_provider: str | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
@@ -174,6 +187,40 @@ class KafkaSettings(BaseModel):
             )
         return value
 
+    @field_validator("oauth_token_provider")
+    @classmethod
+    def _importable(cls, value: str | None) -> str | None:
+        if value:
+            from inferline.config.oauth import load_callable
+
+            try:
+                load_callable(value)
+            except (ImportError, AttributeError, ValueError) as exc:
+                raise ValueError(f"no callable {value!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _oauth_complete(self) -> "KafkaSettings":
+        if self.sasl_mechanism != "OAUTHBEARER" or self.oauth_token_provider:
+            return self
+        missing = [
+            name
+            for name, value in (
+                ("oauth_token_endpoint_url", self.oauth_token_endpoint_url),
+                ("oauth_client_id", self.oauth_client_id),
+                (
+                    "oauth_client_secret or oauth_client_secret_file",
+                    self.oauth_client_secret or self.oauth_client_secret_file,
+                ),
+            )
+            if not value
+        ]
+        if missing:
+            raise ValueError(
+                "sasl_mechanism OAUTHBEARER needs oauth_token_provider or " + ", ".join(missing)
+            )
+        return self
+
     @model_validator(mode="after")
     def _share_reads_one_topic(self) -> "KafkaSettings":
         if self.intake == "share" and self.tenancy != "body":
@@ -194,6 +241,13 @@ class KafkaSettings(BaseModel):
             return self.sasl_password_file.read_text().strip()
         return self.sasl_password.get_secret_value() if self.sasl_password else None
 
+    def oauth(self):
+        """The process's OAUTHBEARER token provider for these settings, holding a token (the first
+        is fetched here: an OAuthTokenError names the endpoint and client id)."""
+        from inferline.config.oauth import shared_provider
+
+        return shared_provider(self)
+
     def client_options(self) -> dict:
         """aiokafka options of one of the worker's clients, with its client id."""
         return {**self.connection_options(), "client_id": self.client_id}
@@ -205,7 +259,9 @@ class KafkaSettings(BaseModel):
             "security.protocol": self.security_protocol,
             "client.id": self.client_id,
         }
-        if self.sasl_mechanism:
+        if self.sasl_mechanism == "OAUTHBEARER":
+            config.update({"sasl.mechanism": "OAUTHBEARER", "oauth_cb": self.oauth().oauth_cb})
+        elif self.sasl_mechanism:
             config.update(
                 {
                     "sasl.mechanism": self.sasl_mechanism,
@@ -229,7 +285,9 @@ class KafkaSettings(BaseModel):
             "bootstrap_servers": self.bootstrap_servers,
             "security_protocol": self.security_protocol,
         }
-        if self.sasl_mechanism:
+        if self.sasl_mechanism == "OAUTHBEARER":
+            opts.update(sasl_mechanism="OAUTHBEARER", sasl_oauth_token_provider=self.oauth())
+        elif self.sasl_mechanism:
             opts.update(
                 sasl_mechanism=self.sasl_mechanism,
                 sasl_plain_username=self.sasl_username,

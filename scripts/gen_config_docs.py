@@ -67,9 +67,19 @@ MEANINGS = {
     "kafka.session_timeout_ms": "Consumer group session timeout; heartbeats every quarter of it. "
     "A revoked partition's requests get half of it to be requeued.",
     "kafka.security_protocol": "Protocol to the brokers.",
-    "kafka.sasl_mechanism": "SASL mechanism, with `SASL_PLAINTEXT` or `SASL_SSL`.",
     "kafka.sasl_username": "SASL user name.",
     "kafka.sasl_password": "SASL password (never logged).",
+    "kafka.sasl_mechanism": "SASL mechanism, with `SASL_PLAINTEXT` or `SASL_SSL`; `OAUTHBEARER` "
+    "takes tokens from the `oauth_*` settings (docs/security.md).",
+    "kafka.oauth_token_endpoint_url": "OAUTHBEARER: the OIDC token endpoint, asked for client "
+    "credentials tokens (one provider per process for every Kafka client); the first is fetched "
+    "at start-up (a refusal stops it naming endpoint and client id), the next at 80% of a "
+    "token's lifetime.",
+    "kafka.oauth_client_id": "OAUTHBEARER: the client id at the token endpoint.",
+    "kafka.oauth_client_secret": "OAUTHBEARER: the client secret (never logged).",
+    "kafka.oauth_client_secret_file": "OAUTHBEARER: the client secret read from a file (a mounted "
+    "secret) instead, read again at each token request.",
+    "kafka.oauth_scope": "OAUTHBEARER: the `scope` of the token request (space-separated).",
     "kafka.ssl_cafile": "CA bundle to verify the brokers, with `SSL` or `SASL_SSL`.",
     "kafka.ssl_certfile": "Client certificate (mutual TLS).",
     "kafka.ssl_keyfile": "Client private key (mutual TLS).",

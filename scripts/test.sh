@@ -47,7 +47,7 @@ pytest() { "$PYTHON" -m pytest --durations=25 "$@"; }
 # broker's stream live; the others' log follows, then every failure of both again.
 # Broker tests that start brokers of their own (the shared one unused) run with the others, to
 # even out the two parts: the broker's part is the longer (about 15 minutes against 12 on 2 cores).
-OWN_BROKERS="tests/kafka/test_acl_tenancy.py tests/kafka/test_replication.py"
+OWN_BROKERS="tests/kafka/test_acl_tenancy.py tests/kafka/test_replication.py tests/kafka/test_oauth.py"
 parts() {
     local log rest kafka_rc rest_rc
     log=$(mktemp)

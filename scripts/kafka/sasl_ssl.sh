@@ -14,6 +14,9 @@
 #   INFERLINE_KAFKA_SASL_EXTRA_USERS   more users created at format time, space-separated (tenants)
 #   INFERLINE_KAFKA_AUTHORIZER  1: KRaft's StandardAuthorizer on, nothing allowed without an ACL
 #                          (`admin` and the controller listener are super users)
+#   INFERLINE_KAFKA_OAUTH  1: OAUTHBEARER too on the client listener, checked by Kafka's unsecured
+#                          validator (unsigned JWTs; sub is the principal; scope must hold
+#                          `kafka`); between brokers stays SCRAM
 #   INFERLINE_CACHE_DIR, INFERLINE_KAFKA_VERSION, INFERLINE_KAFKA_HEAP, INFERLINE_KAFKA_START_TIMEOUT
 #                          as for scripts/kafka.sh
 #
@@ -37,6 +40,7 @@ START_TIMEOUT=${INFERLINE_KAFKA_START_TIMEOUT:-90}
 USER_NAME=${INFERLINE_KAFKA_SASL_USER:-inferline}
 EXTRA_USERS=${INFERLINE_KAFKA_SASL_EXTRA_USERS:-}
 AUTHORIZER=${INFERLINE_KAFKA_AUTHORIZER:-0}
+OAUTH=${INFERLINE_KAFKA_OAUTH:-0}
 CACHE=${INFERLINE_CACHE_DIR:-$HOME/.cache/inferline}/kafka-$KAFKA_VERSION
 LIBS=$CACHE/libs
 KDIR=${INFERLINE_KAFKA_DIR:-$REPO/.kafka-sasl}
@@ -126,6 +130,14 @@ num.recovery.threads.per.data.dir=1
 log.retention.hours=24
 EOF
     )
+    if [ "$OAUTH" = 1 ]; then
+        # The default server callback for OAUTHBEARER, OAuthBearerUnsecuredValidatorCallbackHandler,
+        # takes unsigned JWTs (alg none): a test token endpoint needs no keys.
+        sed -i 's/^sasl.enabled.mechanisms=.*/sasl.enabled.mechanisms=SCRAM-SHA-512,OAUTHBEARER/' "$CONFIG"
+        cat >>"$CONFIG" <<EOF
+listener.name.sasl_ssl.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required unsecuredLoginStringClaim_sub="admin" unsecuredValidatorRequiredScope="kafka";
+EOF
+    fi
     if [ "$AUTHORIZER" = 1 ]; then
         # The controller listener is PLAINTEXT on loopback (principal ANONYMOUS): a super user too.
         cat >>"$CONFIG" <<EOF

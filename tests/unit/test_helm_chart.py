@@ -35,6 +35,7 @@ JSON_SETTINGS = {  # maps: one JSON value each
     ("gateway", "api_keys"),
     ("kafka", "librdkafka"),
     ("kafka", "aiokafka"),
+    ("kafka", "oauth_extensions"),
 }
 
 
@@ -208,12 +209,14 @@ def test_every_setting_reaches_the_environment(k8s, tmp_path):
     settings = sample_values()
     del (
         settings["kafka"]["sasl_password"],
+        settings["kafka"]["oauth_client_secret"],
         settings["gateway"]["api_keys"],
-    )  # those two go through a Secret
+    )  # those go through a Secret
     docs = render(k8s, {"settings": settings, "workers": {"staticMembership": False}}, tmp=tmp_path)
     env = {e["name"]: e.get("value") for e in container_env(docs)}
     expected = {env_name(p) for p in settings_leaves()} - {
         "INFERLINE_KAFKA__SASL_PASSWORD",
+        "INFERLINE_KAFKA__OAUTH_CLIENT_SECRET",
         "INFERLINE_GATEWAY__API_KEYS",
     }
     assert expected <= set(env), sorted(expected - set(env))
@@ -261,6 +264,45 @@ def test_the_secrets_are_files_never_values(k8s, tmp_path):
     ]
     trigger = kind(docs, "ScaledObject")[0]["spec"]["triggers"][0]
     assert trigger["metadata"]["sasl"] == "scram_sha512" and trigger["metadata"]["tls"] == "enable"
+
+
+def test_oauthbearer_mounts_the_client_secret_and_maps_it_for_keda(k8s, tmp_path):
+    kafka = {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "OAUTHBEARER",
+        "oauth_token_endpoint_url": "https://idp.example/oauth2/token",
+        "oauth_client_id": "fleet",
+        "oauth_client_secret": "hunter3",
+        "oauth_scope": "kafka",
+        "oauth_extensions": {"logicalCluster": "lkc-1"},
+    }
+    docs = render(k8s, {"settings": {"kafka": kafka}}, tmp=tmp_path)
+    assert kind(docs, "Secret")[0]["stringData"] == {"oauth-client-secret": "hunter3"}
+    for workload in ("StatefulSet", "Deployment"):
+        env = {e["name"]: e.get("value") for e in container_env(docs, workload)}
+        assert "hunter3" not in json.dumps(kind(docs, workload)[0])
+        assert env["INFERLINE_KAFKA__OAUTH_CLIENT_SECRET_FILE"] == (
+            "/etc/inferline/kafka-oauth/client-secret"
+        )
+        assert json.loads(env["INFERLINE_KAFKA__OAUTH_EXTENSIONS"]) == {"logicalCluster": "lkc-1"}
+    auth = kind(docs, "TriggerAuthentication")[0]["spec"]
+    assert auth["secretTargetRef"] == [
+        {"parameter": "password", "name": "inferline-secrets", "key": "oauth-client-secret"}
+    ]
+    assert {(e["parameter"], e["name"]) for e in auth["env"]} == {
+        ("username", "INFERLINE_KAFKA__OAUTH_CLIENT_ID"),
+        ("oauthTokenEndpointUri", "INFERLINE_KAFKA__OAUTH_TOKEN_ENDPOINT_URL"),
+        ("scopes", "INFERLINE_KAFKA__OAUTH_SCOPE"),
+    }
+    trigger = kind(docs, "ScaledObject")[0]["spec"]["triggers"][0]
+    assert trigger["metadata"]["sasl"] == "oauthbearer" and trigger["metadata"]["tls"] == "enable"
+    signer = tmp_path / "signer.yaml"
+    del kafka["oauth_client_secret"], kafka["oauth_token_endpoint_url"]
+    signer.write_text(
+        yaml.safe_dump({"settings": {"kafka": {**kafka, "oauth_token_provider": "m:f"}}})
+    )
+    refused = helm_template(k8s, "-f", str(signer), check=False)
+    assert refused.returncode != 0 and "client credentials only" in refused.stderr
 
 
 @pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda p: p.stem if p else "default")

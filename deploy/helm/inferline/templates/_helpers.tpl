@@ -65,7 +65,7 @@ app.kubernetes.io/component: {{ .component }}
      (dict "prefix" "INFERLINE" "values" .Values.settings) */}}
 {{- define "inferline.flattenSettings" -}}
 {{- $out := dict -}}
-{{- $asJson := list "INFERLINE_LIMITS__TENANTS" "INFERLINE_GATEWAY__API_KEYS" "INFERLINE_KAFKA__LIBRDKAFKA" "INFERLINE_KAFKA__AIOKAFKA" -}}
+{{- $asJson := list "INFERLINE_LIMITS__TENANTS" "INFERLINE_GATEWAY__API_KEYS" "INFERLINE_KAFKA__LIBRDKAFKA" "INFERLINE_KAFKA__AIOKAFKA" "INFERLINE_KAFKA__OAUTH_EXTENSIONS" -}}
 {{- range $key, $value := .values -}}
 {{- $name := ternary (printf "INFERLINE_%s" (upper $key)) (printf "%s__%s" $.prefix (upper $key)) (eq $.prefix "INFERLINE") -}}
 {{- if kindIs "invalid" $value -}}
@@ -83,7 +83,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Names the chart sets itself (from Secrets and the pod), never from a literal setting. */}}
 {{- define "inferline.chartOwnedEnv" -}}
-{{- $owned := list "INFERLINE_KAFKA__SASL_PASSWORD" "INFERLINE_GATEWAY__API_KEYS" -}}
+{{- $owned := list "INFERLINE_KAFKA__SASL_PASSWORD" "INFERLINE_KAFKA__OAUTH_CLIENT_SECRET" "INFERLINE_GATEWAY__API_KEYS" -}}
 {{- if .Values.workers.staticMembership }}{{ $owned = append $owned "INFERLINE_KAFKA__GROUP_INSTANCE_ID" }}{{ end -}}
 {{- toJson $owned -}}
 {{- end -}}
@@ -105,6 +105,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.kafkaAuth.passwordSecret.name }}{{ .Values.kafkaAuth.passwordSecret.key }}{{ else }}sasl-password{{ end -}}
 {{- end -}}
 
+{{/* The Secret holding the OAUTHBEARER client secret: kafkaAuth.oauthSecret, or the chart's. */}}
+{{- define "inferline.oauthSecretName" -}}
+{{- if .Values.kafkaAuth.oauthSecret.name -}}
+{{- .Values.kafkaAuth.oauthSecret.name -}}
+{{- else if .Values.settings.kafka.oauth_client_secret -}}
+{{- include "inferline.chartSecretName" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "inferline.oauthSecretKey" -}}
+{{- if .Values.kafkaAuth.oauthSecret.name }}{{ .Values.kafkaAuth.oauthSecret.key }}{{ else }}oauth-client-secret{{ end -}}
+{{- end -}}
+
 {{/* The env list shared by the worker, the gateway and the topics Job: every setting that is set,
      then the files of the mounted Secrets. */}}
 {{- define "inferline.env" -}}
@@ -112,6 +125,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- $env := include "inferline.flattenSettings" (dict "prefix" "INFERLINE" "values" .Values.settings) | fromJson -}}
 {{- $mounted := dict -}}
 {{- if include "inferline.saslSecretName" . }}{{ $_ := set $mounted "INFERLINE_KAFKA__SASL_PASSWORD_FILE" "a password Secret" }}{{ end -}}
+{{- if include "inferline.oauthSecretName" . }}{{ $_ := set $mounted "INFERLINE_KAFKA__OAUTH_CLIENT_SECRET_FILE" "an OAuth client secret" }}{{ end -}}
 {{- if .Values.kafkaAuth.tlsSecret.name }}
 {{- range $n := list "INFERLINE_KAFKA__SSL_CAFILE" "INFERLINE_KAFKA__SSL_CERTFILE" "INFERLINE_KAFKA__SSL_KEYFILE" }}{{ $_ := set $mounted $n "kafkaAuth.tlsSecret" }}{{ end }}
 {{- end -}}
@@ -132,6 +146,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- if include "inferline.saslSecretName" . }}
 - name: INFERLINE_KAFKA__SASL_PASSWORD_FILE
   value: /etc/inferline/kafka-sasl/password
+{{- end }}
+{{- if include "inferline.oauthSecretName" . }}
+- name: INFERLINE_KAFKA__OAUTH_CLIENT_SECRET_FILE
+  value: /etc/inferline/kafka-oauth/client-secret
 {{- end }}
 {{- with .Values.kafkaAuth.tlsSecret }}
 {{- if .name }}
@@ -159,6 +177,11 @@ app.kubernetes.io/component: {{ .component }}
   mountPath: /etc/inferline/kafka-sasl
   readOnly: true
 {{- end }}
+{{- if include "inferline.oauthSecretName" . }}
+- name: kafka-oauth
+  mountPath: /etc/inferline/kafka-oauth
+  readOnly: true
+{{- end }}
 {{- if .Values.kafkaAuth.tlsSecret.name }}
 - name: kafka-tls
   mountPath: /etc/inferline/kafka-tls
@@ -175,6 +198,14 @@ app.kubernetes.io/component: {{ .component }}
     items:
       - key: {{ include "inferline.saslSecretKey" . }}
         path: password
+{{- end }}
+{{- if include "inferline.oauthSecretName" . }}
+- name: kafka-oauth
+  secret:
+    secretName: {{ include "inferline.oauthSecretName" . }}
+    items:
+      - key: {{ include "inferline.oauthSecretKey" . }}
+        path: client-secret
 {{- end }}
 {{- with .Values.kafkaAuth.tlsSecret }}
 {{- if .name }}
