@@ -25,7 +25,7 @@ from inferline.kernels.triton.launch import (
 from inferline.kernels.triton.numerics import rounded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # changes every step: one binary for all
 def _fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_slots, stride_am, stride_be, stride_bn, stride_cm,

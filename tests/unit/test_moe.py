@@ -50,11 +50,12 @@ FAMILIES = {
 NEW_TOKENS = 12
 
 
-def hf_model(family: str):
+def hf_model(family: str, **extra):
+    """A random transformers model of `family` (SHAPE, FAMILIES[family], then `extra`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **extra})
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
