@@ -125,6 +125,13 @@ class SparseMoeBlock(nn.Module):
         return out.to(x.dtype)
 
 
+def warmup_prompt_tokens(model: nn.Module) -> int:
+    """A prompt length whose token slots take the fused-MoE kernel's prefill-sized plan (more
+    slots than twice the experts: kernels.triton.moe.block_m_for); 0 for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return max((2 * b.spec.num_experts // b.spec.top_k + 1 for b in blocks), default=0)
+
+
 def moe_destinations(params: dict, block: SparseMoeBlock, src: str, dst: str) -> dict:
     """HF checkpoint name -> the part of the block's parameters it fills, for one layer; `src`
     and `dst` are the layer's prefixes. Experts are stored one tensor per projection."""
