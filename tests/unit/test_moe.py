@@ -10,6 +10,8 @@ import torch
 
 from inferline.config.settings import Settings
 from inferline.kernels import moe
+from inferline.kernels.backends import onednn_available
+from inferline.kernels.cpu import gemm
 from inferline.worker.engine.model_runner import ModelRunner
 from inferline.worker.engine.models.loader import SUPPORTED, load_config, synthetic_tokenizer
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_spec
@@ -82,10 +84,15 @@ def hf_greedy(hf, ids: list[int]) -> list[int]:
     return y[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("cpu_linear", ["auto", "torch"])
+LINEAR_AVAILABLE = {"c": gemm.available, "onednn": onednn_available, "torch": lambda: True}
+
+
+@pytest.mark.parametrize("cpu_linear", list(LINEAR_AVAILABLE))
 def test_moe_engine_greedy_equals_hf_generate(family, cpu_linear):
     """Four prompts batched together through chunked prefill and decode: each gets HF's greedy
-    tokens, on the packed GEMM (auto) and on F.linear (torch)."""
+    tokens, with the experts on the C GEMM's and oneDNN's packed weights, and on F.linear."""
+    if not LINEAR_AVAILABLE[cpu_linear]():
+        pytest.skip(f"{cpu_linear} is not available here")
     name, hf, folder = family
     settings = Settings()
     m = settings.model
@@ -93,10 +100,11 @@ def test_moe_engine_greedy_equals_hf_generate(family, cpu_linear):
     m.cpu_linear = cpu_linear
     settings.cache.kv_memory_gb = 0.05
     runner = ModelRunner(settings)
+    assert runner.backends.linear == cpu_linear
     blocks = [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert len(blocks) == (1 if name == "qwen3_moe" else 2), name
-    if runner.backends.linear != "torch":  # the experts run on the packed GEMM
-        assert all(b.packed13 is not None and b.packed2 is not None for b in blocks)
+    packed = cpu_linear != "torch"  # the experts run on the packed GEMM
+    assert all((b.packed13 is not None and b.packed2 is not None) == packed for b in blocks)
     engine = make_engine(runner, max_num_batched_tokens=24, max_num_seqs=4)
     arrivals = {0: [EngineRequest(request_id=f"r{i}", prompt_token_ids=ids,
                                   sampling=greedy(NEW_TOKENS, ignore_eos=True))
