@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from inferline.kernels.triton import activation, decode, norm, prefill, rotary, store
+from inferline.kernels.triton import activation, decode, moe, norm, prefill, rotary, store
 from inferline.kernels.triton.launch import LaunchPlan, Target
 from inferline.kernels.triton.variants import exemptions
 
@@ -53,6 +53,7 @@ KERNELS = {
     "_rms_norm_kernel": norm._rms_norm_kernel,
     "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
     "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
+    "_fused_moe_kernel": moe._fused_moe_kernel,
 }
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -68,11 +69,16 @@ DECODE_BATCHES = ((256, 2048), (8, 4096), (1, 32768))
 PREFILL_BATCHES = ((1, 2048), (7, 4096))
 # The layer's elementwise kernels: (hidden, intermediate) of SmolLM2-135M, Llama-3-8B, Llama-3-70B.
 LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
+# The fused-MoE layers: (hidden, one expert's intermediate, experts, top-k) of Mixtral-8x7B,
+# Qwen3-30B-A3B, Qwen3-235B-A22B and Qwen1.5-MoE-A2.7B (Qwen2-MoE).
+MOE_SIZES = ((4096, 14336, 8, 2), (2048, 768, 128, 8), (4096, 1536, 128, 8), (2048, 1408, 60, 4))
+MOE_TOKENS = (1, 256, 8192)  # a decode of one sequence, a decode batch, a prefill chunk
 # (constexpr, label) shown in the shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"),
     ("SPLITS_P2", "SPLITS_P2"), ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"),
     ("INTER", "inter"), ("HAS_RESIDUAL", "residual"), ("HEADS_BLOCK", "heads/program"),
+    ("N", "N"), ("K", "K"), ("TOP_K", "k"), ("BLOCK_K", "BLOCK_K"),
 )  # fmt: skip
 
 
@@ -281,6 +287,25 @@ def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
     )
 
 
+def moe_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, arch: int,
+             tokens=MOE_TOKENS):  # fmt: skip
+    """The fused-MoE layer's two grouped GEMMs (gate/up on token rows, down on slot rows with the
+    routing weights) as fused_experts_triton launches them, per row-block size."""
+    ptr = "*" + TYPE_NAMES[dtype]
+    for num_tokens in tokens:
+        slots = num_tokens * top_k
+        block_m = moe.block_m_for(slots, experts)
+        blocks = -(-(slots + min(experts, slots) * (block_m - 1)) // block_m)
+        for n, k, first in ((2 * inter, hidden, True), (hidden, inter, False)):
+            plan = moe.plan_fused_moe(blocks, n, k, top_k, first, not first, block_m, dtype,
+                                      target(arch))  # fmt: skip
+            yield job_of(plan, arch, dtype, dict(
+                a_ptr=ptr, b_ptr=ptr, c_ptr=ptr, weights_ptr="*fp32", sorted_ids_ptr="*i32",
+                expert_ids_ptr="*i32", num_padded_ptr="*i32", num_slots=slots, stride_am=k,
+                stride_be=n * k, stride_bn=k, stride_cm=n,
+            ))  # fmt: skip
+
+
 # bench/first_contact.py's launches on top of the serving shape (32/8/128 bf16): its kernel sets,
 # and its HF check's tiny fp32 Llama (3/1/64, hidden 192, intermediate 384).
 FIRST_CONTACT_SETS = (
@@ -337,6 +362,10 @@ def all_jobs(archs, quick: bool = False, first_contact: bool = False) -> list[Jo
     sizes = LAYER_SIZES[1:2] if quick else LAYER_SIZES
     for arch, (hidden, inter), dt in itertools.product(archs, sizes, axes[3]):
         for job in elementwise_jobs(hidden, inter, dt, arch):
+            jobs.setdefault(job, None)
+    moe_sizes = MOE_SIZES[:1] if quick else MOE_SIZES
+    for arch, size, dt in itertools.product(archs, moe_sizes, axes[3]):
+        for job in moe_jobs(*size, dt, arch):
             jobs.setdefault(job, None)
     for arch in archs if first_contact else ():
         for job in first_contact_jobs(arch):

@@ -1,5 +1,6 @@
 """`make gpu-compile` on a few plans (no GPU needed): the launch plans at head_dim 128 in bf16
-(attention, rotary with the K/V store; RMSNorm and SiLU-and-mul at Llama-3-8B's sizes) compile
+(attention, rotary with the K/V store; RMSNorm and SiLU-and-mul at Llama-3-8B's sizes; the fused
+MoE's grouped GEMMs at Mixtral-8x7B's, decode- and prefill-sized) compile
 for sm_90a without spills and within shared memory, and the check does catch a plan
 that is too large. The whole matrix is `make gpu-compile` (minutes)."""
 
@@ -31,6 +32,10 @@ def rows() -> dict[str, cc.Row]:
                 cc.elementwise_jobs(4096, 14336, torch.bfloat16, ARCH),
             )
         ),
+        **{
+            f"moe_{i}": job
+            for i, job in enumerate(cc.moe_jobs(*cc.MOE_SIZES[0], torch.bfloat16, ARCH, (1, 8192)))
+        },
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -42,7 +47,7 @@ def test_the_plans_compile_without_spills_within_shared_memory(rows):
         assert row.spill_stores == row.spill_loads == 0, (name, row)
         assert row.shared <= cc.ARCHS[ARCH].max_shared and row.problems() == [], (name, row)
     assert (
-        rows["split"].shared > 0 and rows["prefill"].shared > 0
+        rows["split"].shared > 0 and rows["prefill"].shared > 0 and rows["moe_3"].shared > 0
     )  # tl.dot operands staged in shared memory
 
 
@@ -74,6 +79,7 @@ def test_every_kernel_is_in_the_matrix():
             "_rms_norm_kernel",
             "_silu_and_mul_kernel",
             "_rope_store_kv_kernel",
+            "_fused_moe_kernel",
         }
     )
 
@@ -156,3 +162,17 @@ def test_first_contact_jobs_cover_the_first_contacts_kernel_sets():
         ]  # fmt: skip
         assert {c["DIRECT"] for c in mine} == {True, False}, (heads, dim, dtype)
     assert len(jobs) > len(set(jobs)) > 40  # shared plans counted once by all_jobs
+
+
+def test_moe_jobs_are_the_launchers_plans():
+    """Each MoE shape compiles the gate/up and down GEMMs at both row-block sizes; the slot count
+    (every step's) is no constant, so one binary serves all batch sizes of a block size."""
+    jobs = list(cc.moe_jobs(4096, 14336, 8, 2, torch.bfloat16, ARCH, (1, 256, 8192)))
+    assert len(set(jobs)) == 4, jobs
+    cx = [dict(j.constexprs) for j in dict.fromkeys(jobs)]
+    assert {(c["BLOCK_M"], c["N"], c["K"], c["A_PER_TOKEN"], c["MUL_WEIGHTS"]) for c in cx} == {
+        (m, n, k, first, not first)
+        for m in (16, 64)
+        for n, k, first in ((2 * 14336, 4096, True), (4096, 14336, False))
+    }
+    assert all(("num_slots", "i32", False) in j.params for j in jobs)

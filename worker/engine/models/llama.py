@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2; with sparse MoE blocks:
+Mixtral, Qwen2-MoE, Qwen3-MoE) over the paged KV cache.
 design: docs/architecture.md#the-model
 """
 
@@ -12,6 +13,7 @@ from torch import nn
 from inferline.kernels.attention import AttentionMetadata
 from inferline.kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
 from inferline.worker.engine.models.linear import Linear, Packed, linear, pack_weight
+from inferline.worker.engine.models.moe import SparseMoeBlock, is_sparse_layer, moe_spec
 
 
 def rope_parameters(config) -> dict:
@@ -95,10 +97,14 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        bias = (
+            getattr(config, "attention_bias", False)
+            or getattr(config, "qkv_bias", False)  # Qwen2-MoE
+            or config.model_type == "qwen2"
+        )
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
             self.k_norm = nn.Parameter(torch.ones(self.head_dim))
@@ -133,11 +139,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), ops))
@@ -147,10 +153,10 @@ class DecoderLayer(nn.Module):
     """Carries the residual stream apart from the sublayers' outputs (as vLLM), so each output
     joins it in the pass that normalizes the sum."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.eps = config.rms_norm_eps
@@ -171,6 +177,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, ops), residual
 
 
+def make_mlp(config, layer_idx: int) -> nn.Module:
+    """The dense MLP, or the sparse MoE block where the family has experts in this layer."""
+    if not is_sparse_layer(config, layer_idx):
+        return MLP(config)
+    spec = moe_spec(config)
+    shared = spec.shared_intermediate_size
+    return SparseMoeBlock(config, spec, MLP(config, shared) if shared else None)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
@@ -180,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -190,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_linears(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Give every linear layer and the LM head a packed weight for `backend` once loaded;
         False where packing does not apply (not CPU fp32)."""
-        packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, Linear)]
+        packable = (Linear, SparseMoeBlock)  # an MoE block packs its stacked experts
+        packed = [m.pack(backend, codes) for m in self.modules() if isinstance(m, packable)]
         tied = self.tie_word_embeddings  # no Linear for a tied head: pack it here
         self.lm_head_packed = (
             pack_weight(self.embed_tokens.weight, backend, codes) if tied else self.lm_head.packed
@@ -199,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
 
     def packed_weights(self) -> list:
         linears = [m.packed for m in self.modules() if isinstance(m, Linear)]
-        return linears + ([self.lm_head_packed] if self.tie_word_embeddings else [])
+        experts = [p for m in self.modules() if isinstance(m, SparseMoeBlock)
+                   for p in m.packed_experts()]  # fmt: skip
+        return linears + experts + ([self.lm_head_packed] if self.tie_word_embeddings else [])
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -18,10 +18,11 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from inferline.config.paths import bundled_model_path, cache_dir
 from inferline.worker.engine.models.llama import LlamaForCausalLM
+from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # Shapes for speed work without weights (`load_format=dummy`, model path = a preset name).
 DUMMY_PRESETS = {
@@ -308,24 +309,22 @@ def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, torch.Tensor]:
-    attn, q, kv, inter = (
-        layer.self_attn,
-        layer.self_attn.q_size,
-        layer.self_attn.kv_size,
-        layer.mlp.intermediate_size,
-    )
+    attn, q, kv = layer.self_attn, layer.self_attn.q_size, layer.self_attn.kv_size
     out = {}
     for part, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
         out[f"{src}self_attn.{part}_proj.weight"] = params[dst + "self_attn.qkv_proj.weight"][a:b]
         if attn.qkv_proj.bias is not None:
             out[f"{src}self_attn.{part}_proj.bias"] = params[dst + "self_attn.qkv_proj.bias"][a:b]
-    gate_up = params[dst + "mlp.gate_up_proj.weight"]
+    if isinstance(layer.mlp, SparseMoeBlock):
+        out.update(moe_destinations(params, layer.mlp, src, dst))
+    else:
+        inter, gate_up = layer.mlp.intermediate_size, params[dst + "mlp.gate_up_proj.weight"]
+        out[src + "mlp.gate_proj.weight"] = gate_up[:inter]
+        out[src + "mlp.up_proj.weight"] = gate_up[inter:]
+        out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
     out.update(
         {
             src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
-            src + "mlp.gate_proj.weight": gate_up[:inter],
-            src + "mlp.up_proj.weight": gate_up[inter:],
-            src + "mlp.down_proj.weight": params[dst + "mlp.down_proj.weight"],
             src + "input_layernorm.weight": params[dst + "input_layernorm"],
             src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
         }

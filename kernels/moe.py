@@ -1,0 +1,92 @@
+"""Mixture-of-experts ops under vLLM's names: routing (`select_experts`), the block padding of
+tokens sorted by expert (`align_block_size`) and the experts' two GEMMs (`fused_experts`), on
+Triton or in PyTorch (the reference). design: docs/architecture.md#mixture-of-experts
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+# How a family turns router logits into k experts and their weights.
+TOPK_SOFTMAX = "topk_softmax"  # Mixtral: the k largest logits, softmax over those k
+SOFTMAX_TOPK = "softmax_topk"  # Qwen2/3-MoE: softmax over all, the k largest (renormalized or not)
+SCORINGS = (TOPK_SOFTMAX, SOFTMAX_TOPK)
+
+
+def select_experts(
+    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [tokens, k], expert ids int64 [tokens, k]) from router logits [tokens, E].
+    `renormalize` divides softmax_topk's k probabilities by their sum (Qwen's norm_topk_prob)."""
+    logits = logits.float()
+    if scoring == TOPK_SOFTMAX:
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1), ids
+    assert scoring == SOFTMAX_TOPK, f"scoring must be one of {SCORINGS}, got {scoring!r}"
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size in PyTorch ops, with no host sync (CUDA-graph safe).
+
+    The token slots (token * k + j, one per routed pair) sorted by expert, each expert's run
+    padded to a multiple of `block_m` with the sentinel `tokens * k`: (sorted_ids int32
+    [blocks * block_m], expert_ids int32 [blocks], num_padded int32 [1]). Blocks at or past
+    num_padded are unused; `blocks` is the most any routing can need (at most min(E, slots)
+    experts have tokens, each wasting under block_m rows)."""
+    flat = topk_ids.reshape(-1)
+    slots, device = flat.numel(), flat.device
+    blocks = -(-(slots + min(num_experts, slots) * (block_m - 1)) // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # slots by expert, in token order within one
+    experts = flat[order]
+    rank = torch.arange(slots, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
+    sorted_ids = torch.full((blocks * block_m,), slots, dtype=torch.int32, device=device)
+    sorted_ids[(ends - padded)[experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=device) * block_m
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    ops: str = "torch",
+) -> torch.Tensor:
+    """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids[j].
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. ops: triton or torch."""
+    if ops == "triton":
+        return _triton().fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+    assert ops == "torch", f"ops must be triton or torch, got {ops!r}"
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_experts_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The reference: every (token, expert) pair computed on its own gathered weights in fp32
+    (memory T * k * the expert's size: for tests, not serving)."""
+    h = torch.einsum("th,tkoh->tko", x.float(), w13[topk_ids].float())
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2[topk_ids].float())
+    return (y * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+
+
+@functools.cache
+def _triton():
+    """The launcher, imported on first use: TRITON_INTERPRET must be set first."""
+    from inferline.kernels.triton import moe
+
+    return moe

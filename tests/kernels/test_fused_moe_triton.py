@@ -1,0 +1,16 @@
+"""The Triton fused-MoE kernel against its PyTorch reference under TRITON_INTERPRET=1, in fp32,
+fp16 and bf16, decode-sized and prefill-sized (tests/moe_cases.py, in a subprocess). Shapes are
+drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.test_kernels import run_script
+
+
+@pytest.mark.parametrize("group", ["experts", "checks"])
+def test_fused_moe_kernel_matches_torch(group):
+    results = run_script("moe_cases.py", group)
+    if group == "experts":  # both block sizes in every dtype
+        assert len(results) == 6, results

@@ -1,0 +1,79 @@
+"""The Triton fused-MoE kernel (kernels/triton/moe.py) against its PyTorch reference
+(kernels.moe.fused_experts_torch) under the interpreter, in its own process.
+
+    python tests/moe_cases.py GROUP SEED        GROUP: experts | checks
+
+As tests/fused_cases.py: tests/kernels/test_fused_moe_triton.py runs this in a subprocess and
+reads one JSON line per case. Shapes are tiny (the interpreter runs each program in Python) and
+drawn from the seed: tokens from 1 (decode, 16-row blocks) to past 2 * experts (64-row blocks),
+experts with no token, K and N not multiples of the tiles.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+
+from inferline.kernels import moe  # noqa: E402
+from tests.kernel_cases import DTYPES, expect_assert, pick, randint, report  # noqa: E402
+
+# fp32: summation order only; 16-bit: the intermediate is rounded to the dtype between the GEMMs
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def experts_case(gen, idx: int, dtype: torch.dtype) -> None:
+    num_experts, top_k = pick(gen, ((4, 2), (8, 2), (6, 3)))
+    # even cases decode-sized (16-row blocks), odd ones past 2 * experts slots (64-row blocks)
+    tokens = pick(gen, (1, 3)) if idx % 2 == 0 else randint(gen, 2 * num_experts + 1, 40)
+    hidden, inter = pick(gen, (32, 48, 64)), pick(gen, (16, 40, 64))
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    logits[:, -1] -= 100.0  # the last expert gets no token: an empty run in the sorted order
+    weights, ids = moe.select_experts(logits, top_k, pick(gen, moe.SCORINGS), True)
+    got = moe.fused_experts(x, w13, w2, weights, ids, ops="triton")
+    want = moe.fused_experts_torch(x, w13, w2, weights, ids)
+    err = rel_err(got, want)
+    shape = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={inter}"
+    report(f"experts[{idx}] {str(dtype)[6:]} {shape}", err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
+def checks_cases(gen) -> None:
+    x, w13, w2 = torch.randn(3, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    weights, ids = moe.select_experts(torch.randn(3, 4), 2, moe.SOFTMAX_TOPK)
+    wrong = w2.transpose(1, 2).contiguous()  # [E, I, H]: down_proj's weight the wrong way round
+    expect_assert("w2 [E, I, H]", lambda: moe.fused_experts(x, w13, wrong, weights, ids, "triton"))
+    half = w13.half()
+    expect_assert("mixed dtypes", lambda: moe.fused_experts(x, half, w2, weights, ids, "triton"))
+    empty = moe.fused_experts(x[:0], w13, w2, weights[:0], ids[:0], ops="triton")
+    report("no tokens", empty.shape == (0, 32))
+
+
+def main() -> None:
+    group, seed = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)  # the interpreter is Python-bound; leave the other core alone
+    gen = torch.Generator().manual_seed(seed)
+    if group == "experts":
+        for i, dtype in enumerate(d for d in DTYPES for _ in range(2)):
+            experts_case(gen, i, dtype)
+    elif group == "checks":
+        checks_cases(gen)
+    else:
+        raise SystemExit(f"unknown group {group!r}")
+
+
+if __name__ == "__main__":
+    main()
