@@ -19,6 +19,7 @@ import torch
 from inferline.config.settings import Settings
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from inferline.worker.engine.fair_share import FairShare
 from inferline.worker.engine import overlap
 from inferline.worker.engine.model_runner import LaunchedStep, ModelRunner
 from inferline.worker.engine.request import (
@@ -109,6 +110,7 @@ class LLMEngine:
                 sched.background_alone_max_tokens or None,
                 sched.background_quiet_s,
             ),
+            fair=FairShare(sched.tenant_weights, sched.default_tenant_weight),
         )
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
@@ -260,6 +262,7 @@ class LLMEngine:
             priority=req.priority,
             arrival_time=req.arrival_time,
             deadline=req.deadline,
+            tenant=req.tenant or "default",
             stream=make_stream(req.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop),
         )
@@ -273,6 +276,7 @@ class LLMEngine:
             priority=seq.priority,
             arrival_time=seq.arrival_time,
             deadline=seq.deadline,
+            tenant=seq.tenant,
             index=index,
             stream=make_stream(sample_seed(seq.sampling.seed, index)),
             detokenizer=IncrementalDetokenizer(
