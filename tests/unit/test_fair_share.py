@@ -11,6 +11,7 @@ from inferline.worker.engine.fair_share import FairShare
 from inferline.worker.engine.request import EngineRequest, SamplingParams
 from inferline.worker.engine.scheduler import Scheduler, SchedulerOutput
 from inferline.worker.engine.sequence import Sequence
+from inferline.worker.service.metrics import OTHER_TENANTS, TENANT_LABELS, Metrics
 from tests.engine_fixtures import (
     greedy,
     make_engine,
@@ -184,7 +185,45 @@ def test_greedy_outputs_are_unchanged_by_shares_and_their_preemptions(
         arrivals[0 if tenant == "a" else 2].append(
             EngineRequest(f"r{i}", greedy(16), prompt_token_ids=ids, tenant=tenant)
         )
+    tokens: dict[str, int] = {}
+    step = engine.step
+
+    def counted_step():
+        outputs = step()
+        for tenant, num in engine.stats().tenant_tokens.items():
+            tokens[tenant] = tokens.get(tenant, 0) + num
+        return outputs
+
+    engine.step = counted_step  # an instance attribute over the method
     results = run_to_completion(engine, arrivals)
     assert engine.stats().num_preemptions > 0  # b took seats from a, over its share
+    assert tokens == {"a": 3 * 16, "b": 2 * 16} and engine.stats().tenant_load == {}
     for i, want in enumerate(expected):
         assert results[f"r{i}"]["tokens"] == want, f"prompt {i} diverged from HF generate"
+
+
+def series(metrics: Metrics, family: str) -> dict[str, float]:
+    """`family`'s samples by tenant label."""
+    return {
+        s.labels["tenant"]: s.value
+        for fam in metrics.registry.collect()
+        for s in fam.samples
+        if s.name == family
+    }
+
+
+def test_tenant_metrics_name_the_heaviest_and_stay_bounded_under_rotating_names():
+    m = Metrics()
+    steady = {f"t{j}": (2, 1) for j in range(12)} | {"big": (30, 4)}
+    for i in range(300):
+        # A new name every step, each with one request and one token.
+        m.observe_tenants(steady | {f"r{i}": (1, 0)}, {"big": 4, f"r{i}": 1})
+        waiting = series(m, "inferline_tenant_waiting_requests")
+        assert len(waiting) <= TENANT_LABELS + 1
+        assert len(series(m, "inferline_tenant_tokens_generated_total")) <= TENANT_LABELS + 1
+    assert waiting["big"] == 30 and sum(waiting.values()) == 30 + 24 + 1  # nothing lost
+    assert series(m, "inferline_tenant_running_requests")["big"] == 4
+    tokens = series(m, "inferline_tenant_tokens_generated_total")
+    assert tokens["big"] == 4 * 300 and tokens[OTHER_TENANTS] == 300  # every rotating name
+    m.observe_tenants({}, {})
+    assert set(series(m, "inferline_tenant_waiting_requests")) == {OTHER_TENANTS}
