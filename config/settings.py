@@ -364,6 +364,17 @@ class SchedulerSettings(BaseModel):
     background_alone_max_tokens: int = Field(0, ge=0)
     # Seconds without foreground work after which background_alone_max_tokens lapses.
     background_quiet_s: float = Field(10.0, ge=0)
+    # Within a priority class, seats and step tokens go to tenants in proportion to these
+    # weights (docs/operations.md, "Fair share between tenants"); JSON, e.g. {"batch": 0.5}.
+    tenant_weights: dict[str, float] = {}
+    # The weight of every tenant not in tenant_weights (below 1: unlisted names count for less).
+    default_tenant_weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _positive_weights(self) -> "SchedulerSettings":
+        if any(not w > 0 for w in self.tenant_weights.values()):
+            raise ValueError("tenant_weights must be positive")
+        return self
 
 
 class EngineSettings(BaseModel):

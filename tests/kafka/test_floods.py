@@ -210,3 +210,44 @@ async def test_kv_cache_for_a_quarter_of_the_load(kafka_bootstrap, topics, start
     print(f"\nKV pressure: {n} requests x 2 blocks on 8 blocks: {preemptions} preemptions")
     assert preemptions > 0
     assert all(len(t) == 1 for t in texts.values()), texts
+
+
+async def quiet_burst(client: InferenceClient, n: int = 4) -> float:
+    """The median latency of `n` short requests of tenant `quiet` sent at once."""
+    handles = [
+        await client.submit(
+            f"Say {i}.", max_tokens=3, temperature=0.0, tenant="quiet", ignore_eos=True
+        )
+        for i in range(n)
+    ]
+    results = await asyncio.gather(*(h.result() for h in handles))
+    return statistics.median(r.client_total_s for r in results)
+
+
+async def test_a_quiet_tenant_beside_another_tenants_flood(kafka_bootstrap, topics, start_worker):
+    """Issue 52: with no rate limits, a quiet tenant's requests sent after another tenant's
+    160-request flood run within its fair share of the seats, not after the flood."""
+    await start_worker(
+        topics,
+        scheduler={"max_num_seqs": 8, "max_waiting": 256},  # the flood fits the pool (as default)
+        worker={"drain_timeout_s": 0},  # the flood's rest is handed back at stop
+    )
+    client = InferenceClient(
+        kafka_bootstrap,
+        reply_topic=topics.replies,
+        request_topic=topics.requests,
+        cancel_topic=topics.cancel,
+        timeout_s=120,
+    )
+    async with client:
+        await quiet_burst(client, 2)  # warm-up: first batches, reply-topic metadata
+        alone = await quiet_burst(client)
+        noisy = [
+            request(topics.replies, max_tokens=16, ignore_eos=True, tenant="noisy")
+            for _ in range(160)
+        ]
+        await submit(kafka_bootstrap, topics.requests, noisy)
+        await asyncio.sleep(1.0)  # the flood is read and holds every seat
+        beside = await quiet_burst(client)
+    print(f"\nquiet tenant p50: alone {alone:.3f}s, beside a flood {beside:.3f}s")
+    assert beside <= 3.0 * alone, f"quiet tenant slowed x{beside / alone:.2f} by a flood"

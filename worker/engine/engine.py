@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import structlog
@@ -21,6 +21,7 @@ from inferline.config.settings import Settings
 from inferline.contract.tool_format import fallback_messages, renders_tools
 from inferline.worker.engine.block_manager import BlockManager
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from inferline.worker.engine.fair_share import FairShare
 from inferline.worker.engine import overlap
 from inferline.worker.engine.model_runner import LaunchedStep, ModelRunner
 from inferline.worker.engine.request import (
@@ -72,6 +73,9 @@ class EngineStats:
     spec_draft_tokens: int = 0  # total
     spec_accepted_tokens: int = 0  # of which accepted, total
     num_forks: int = 0  # total
+    # By tenant: (waiting, running) sequences now, and tokens generated in the last step.
+    tenant_load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tenant_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -111,6 +115,7 @@ class LLMEngine:
                 sched.background_alone_max_tokens or None,
                 sched.background_quiet_s,
             ),
+            fair=FairShare(sched.tenant_weights, sched.default_tenant_weight),
         )
         self.eos_token_ids = eos_token_ids(runner.config, self.tokenizer)
         self.vocab_size = runner.config.vocab_size
@@ -123,6 +128,7 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._finished: list[RequestOutput] = []  # rejections and aborts, reported by the next step
         self._stats = EngineStats()
+        self._tenant_tokens: dict[str, int] = {}  # generated this step
         self._token_texts = TokenTexts(self.tokenizer)
         self.overlap = overlap.pick_overlap(settings.engine.overlap, runner.device.type)
         # The step left on the device while the next is scheduled (overlap), and its schedule.
@@ -262,6 +268,7 @@ class LLMEngine:
             priority=req.priority,
             arrival_time=req.arrival_time,
             deadline=req.deadline,
+            tenant=req.tenant or "default",
             stream=make_stream(req.sampling.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, req.sampling.stop),
         )
@@ -275,6 +282,7 @@ class LLMEngine:
             priority=seq.priority,
             arrival_time=seq.arrival_time,
             deadline=seq.deadline,
+            tenant=seq.tenant,
             index=index,
             stream=make_stream(sample_seed(seq.sampling.seed, index)),
             detokenizer=IncrementalDetokenizer(
@@ -536,6 +544,7 @@ class LLMEngine:
             seq.first_token_time = now
         seq.output_token_ids.append(token_id)
         self._stats.num_generated_tokens += 1
+        self._tenant_tokens[seq.tenant] = self._tenant_tokens.get(seq.tenant, 0) + 1
         out = outputs.setdefault((seq.request_id, seq.index), self._output(seq))
         out.new_token_ids.append(token_id)
         if seq.sampling.logprobs is not None:
@@ -659,11 +668,21 @@ class LLMEngine:
         s.num_draft_tokens = sum(len(c.spec_token_ids) for c in sched.scheduled)
         s.step_time_s = step_time
         s.num_steps += 1
+        s.tenant_load = self._tenant_load()
+        s.tenant_tokens, self._tenant_tokens = self._tenant_tokens, {}
         if cache := self.block_manager.prefix_cache:
             s.prefix_cache_queries, s.prefix_cache_hits = (
                 cache.num_queried_tokens,
                 cache.num_hit_tokens,
             )
+
+    def _tenant_load(self) -> dict[str, tuple[int, int]]:
+        """(waiting, running) sequences by tenant; compiling ones wait."""
+        load = self.scheduler.fair.load()
+        for seq, _, _ in self._compiling.values():
+            waiting, running = load.get(seq.tenant, (0, 0))
+            load[seq.tenant] = (waiting + 1, running)
+        return load
 
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self._stats))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.fair_share import FairShare
 from inferline.worker.engine.sequence import Sequence, SequenceStatus
 from inferline.worker.engine.spec_decode import NgramProposer, can_speculate
 
@@ -67,6 +68,7 @@ class Scheduler:
         spec_disable_batch_size: int | None = None,
         background: BackgroundLimit | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fair: FairShare | None = None,
     ):
         assert policy in ("continuous", "static")
         self.background = background
@@ -80,6 +82,8 @@ class Scheduler:
         self.proposer = proposer  # None: no speculative decoding
         self.spec_disable_batch_size = spec_disable_batch_size
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        # Who is admitted next within a priority class, who is preempted first: tenants' shares.
+        self.fair = fair if fair is not None else FairShare()
         self.running: list[Sequence] = []
         # Out of the batch, blocks kept: the token in flight ends them (worker/engine/overlap.py).
         self.held: list[Sequence] = []
@@ -88,14 +92,23 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """A new sequence waits (its tenant's share counts it from now)."""
+        self.fair.join(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.fair.enqueue(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of any queue and give its blocks back."""
         for queue in (self.running, self.waiting, self.held):
             if seq in queue:
                 queue.remove(seq)
+                if queue is self.waiting:
+                    self.fair.dequeue(seq)
+                self.fair.leave(seq)
                 break
         self.block_manager.free(seq)
 
@@ -171,7 +184,7 @@ class Scheduler:
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, seats: list[int] | None = None
     ) -> int:
-        self.running.sort(key=lambda s: s.sort_key)
+        self.running.sort(key=self.fair.rank)
         resting = self._resting(seats)
         # Best first, the resting at the end: victims come from the end.
         queue = [s for s in self.running if s not in resting] + [
@@ -189,6 +202,7 @@ class Scheduler:
             drafts = self._drafts(seq, room, len(queue)) if decoding else []
             self.block_manager.append(seq, num_new + len(drafts))
             out.scheduled.append(ScheduledSequence(seq, num_new + len(drafts), drafts))
+            self.fair.charge(seq, num_new + len(drafts))
             budget -= num_new + len(drafts)
             self._take_seats(seq, seats, num_new + len(drafts))
         return budget
@@ -240,14 +254,20 @@ class Scheduler:
         whole_batch: bool = False,
         seats: list[int] | None = None,
     ) -> None:
+        full: set[str] = set()  # tenants at their share of the seats: the others go first
         while self.waiting and (budget > 0 or whole_batch):
-            seq = self.waiting[0]
-            if self._seats_left(seq, seats) <= 0:
-                break  # the waiting queue is in priority order: only background is left
+            seq = self.fair.pick(full)  # the best priority's, by tenants' shares
+            if seq is None or self._seats_left(seq, seats) <= 0:
+                break  # picks are in priority order: only background is left
             cached = self.block_manager.cached_prefix(seq)
             if not self._admit(seq, cached, out):
+                at_share = self.fair.at_share(seq, self.running, self.max_num_seqs)
+                if seq.tenant in at_share:
+                    full |= at_share
+                    continue
                 break  # strict order: nobody jumps a request waiting for memory
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
+            self.fair.dequeue(seq)
             # Reserve the whole prompt now, so later admissions in this step cannot overcommit.
             self.block_manager.allocate(seq, cached)
             budget = self.max_num_batched_tokens - out.num_batched_tokens  # preemption frees budget
@@ -258,22 +278,33 @@ class Scheduler:
                 out.started.append(seq)
             if num_new:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
+                self.fair.charge(seq, num_new)
                 self._take_seats(seq, seats, num_new)
             budget -= num_new
 
     def _admit(self, seq: Sequence, cached: list[int], out: SchedulerOutput) -> bool:
         """Room and a seat for `seq`'s uncomputed prompt, preempting strictly worse running
-        sequences (their blocks stay cached: `cached` holds)."""
+        sequences, or equal ones of a tenant over its share (their blocks stay cached: `cached`
+        holds)."""
         while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
             self.block_manager.num_blocks_to_admit(seq, cached)
         ):
-            victim = max(self.running, key=lambda s: s.sort_key, default=None)
-            if victim is not None and victim.priority > seq.priority:
-                out.scheduled = [c for c in out.scheduled if c.seq is not victim]
+            victim = max(self.running, key=self.fair.rank, default=None)
+            if victim is None or victim.priority <= seq.priority:
+                # Equal priorities: only a tenant over its share of the seats gives one up.
+                victim = self.fair.over_share(seq, self.running, self.max_num_seqs)
+            if victim is not None:
+                self._unschedule(victim, out)
                 self._preempt(victim, out)
             elif self.running or not self._release_held(seq):
                 return False
         return True
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take `seq`'s chunk out of this step: it is not computed after all."""
+        for chunk in [c for c in out.scheduled if c.seq is seq]:
+            out.scheduled.remove(chunk)
+            self.fair.charge(seq, -chunk.num_new_tokens)
 
     def _release_held(self, seq: Sequence) -> bool:
         """Nothing runs to free memory: the worst waiting fork drops its shared prompt blocks."""
@@ -292,4 +323,4 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
-        self.add(seq)
+        self._enqueue(seq)

@@ -40,6 +40,7 @@ class Sequence:
     grammar: object | None = None  # xgrammar GrammarMatcher, once compiled
     mask_strikes: int = 0  # steps in a row this row's mask took over budget
     index: int = 0  # which of the request's n samples
+    tenant: str = "default"  # whose share it counts in (the worker's tenancy decided it)
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -14,6 +14,43 @@ _GAP = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075
 _GAP += (0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30)
 
 
+# Tenants with a label of their own, at most; the rest share OTHER_TENANTS, which no tenant name
+# can be (contract.schema.TENANT_PATTERN has no parentheses).
+TENANT_LABELS = 10
+OTHER_TENANTS = "(other)"
+
+
+class TenantLabels:
+    """Which tenants get their own `tenant` label: at most `limit`, the heaviest by requests in the
+    pool. A named tenant keeps its label while it has work, unless one with twice its requests
+    has none (labels churn no faster than the heavy tenants change)."""
+
+    def __init__(self, limit: int = TENANT_LABELS):
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def update(self, load: dict[str, int]) -> set[str]:
+        """Relabel for `load` (requests in the pool by tenant); returns the labels dropped."""
+        dropped = {t for t in self.named if not load.get(t)}
+        self.named -= dropped
+        for tenant in sorted((t for t in load if load[t] and t not in self.named), key=load.get)[
+            ::-1
+        ]:
+            if len(self.named) < self.limit:
+                self.named.add(tenant)
+                continue
+            lightest = min(self.named, key=load.get)
+            if load[tenant] < 2 * load[lightest]:
+                break  # sorted heaviest first: nobody after it is heavier
+            self.named.remove(lightest)
+            dropped.add(lightest)
+            self.named.add(tenant)
+        return dropped - self.named
+
+    def label(self, tenant: str) -> str:
+        return tenant if tenant in self.named else OTHER_TENANTS
+
+
 def priority_label(priority: int) -> str:
     """Priorities are producer-chosen ints: clamp the label to bound cardinality."""
     if priority < -10:
@@ -195,6 +232,50 @@ class Metrics:
         self.intake_paused = Gauge(
             "inferline_intake_paused", "1 while intake is paused (backpressure)", registry=r
         )
+        self._add_tenants()
+
+    def _add_tenants(self) -> None:
+        """Per-tenant load and tokens, labelled by TenantLabels (docs/operations.md, "Fair
+        share between tenants")."""
+        r, labels = self.registry, ["tenant"]
+        self.tenant_waiting = Gauge(
+            "inferline_tenant_waiting_requests",
+            "Sequences waiting in the engine, by tenant (the heaviest; `(other)`: the rest)",
+            labels,
+            registry=r,
+        )
+        self.tenant_running = Gauge(
+            "inferline_tenant_running_requests",
+            "Sequences in the running batch, by tenant (the heaviest; `(other)`: the rest)",
+            labels,
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "inferline_tenant_tokens_generated",
+            "Output tokens generated, by tenant (the heaviest; `(other)`: the rest)",
+            labels,
+            registry=r,
+        )
+        self._tenant_labels = {"labels": TenantLabels()}  # not an attribute: tests walk those
+
+    def observe_tenants(self, load: dict[str, tuple[int, int]], tokens: dict[str, int]) -> None:
+        """One step's (waiting, running) sequences and generated tokens by tenant."""
+        labels: TenantLabels = self._tenant_labels["labels"]
+        # A tenant whose last request ended in this step keeps its label for the step's tokens.
+        counts = {t: 1 for t in tokens} | {t: w + r for t, (w, r) in load.items() if w + r}
+        for tenant in labels.update(counts):
+            for family in (self.tenant_waiting, self.tenant_running, self.tenant_tokens):
+                family.remove(tenant)
+        for tenant, num in tokens.items():
+            self.tenant_tokens.labels(labels.label(tenant)).inc(num)
+        sums: dict[str, list[int]] = {t: [0, 0] for t in (*labels.named, OTHER_TENANTS)}
+        for tenant, (waiting, running) in load.items():
+            row = sums[labels.label(tenant)]
+            row[0] += waiting
+            row[1] += running
+        for label, (waiting, running) in sums.items():
+            self.tenant_waiting.labels(label).set(waiting)
+            self.tenant_running.labels(label).set(running)
 
     def _hist(self, name: str, doc: str) -> Histogram:
         labels = ["model_name", "priority"]
@@ -314,6 +395,7 @@ class Metrics:
         self.spec_drafts.inc(max(0, st.spec_draft_tokens - prev.spec_draft_tokens))
         self.spec_accepted.inc(max(0, st.spec_accepted_tokens - prev.spec_accepted_tokens))
         self.forked_samples.inc(max(0, st.num_forks - prev.num_forks))
+        self.observe_tenants(st.tenant_load, st.tenant_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
