@@ -21,7 +21,9 @@ from inferline.worker.engine.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
+FUSED_CHECKPOINTS = ("phi3",)
 
 # Shapes for speed work without weights (`load_format=dummy`, model path = a preset name).
 DUMMY_PRESETS = {
@@ -298,8 +300,9 @@ def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
     if not model.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head.weight"]
+    fused = model.config.model_type in FUSED_CHECKPOINTS
     for i, layer in enumerate(model.layers):
-        out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}."))
+        out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}.", fused))
     covered = sum(t.numel() for t in out.values())
     assert covered == sum(p.numel() for p in params.values()), (
         "a parameter no checkpoint tensor fills"
@@ -307,7 +310,9 @@ def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, torch.Tensor]:
+def layer_destinations(
+    params: dict, layer, src: str, dst: str, fused: bool = False
+) -> dict[str, torch.Tensor]:
     attn, q, kv, inter = (
         layer.self_attn,
         layer.self_attn.q_size,
@@ -315,16 +320,20 @@ def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, tor
         layer.mlp.intermediate_size,
     )
     out = {}
-    for part, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
+    parts = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    for part, (a, b) in ({"qkv": (0, q + 2 * kv)} if fused else parts).items():
         out[f"{src}self_attn.{part}_proj.weight"] = params[dst + "self_attn.qkv_proj.weight"][a:b]
         if attn.qkv_proj.bias is not None:
             out[f"{src}self_attn.{part}_proj.bias"] = params[dst + "self_attn.qkv_proj.bias"][a:b]
     gate_up = params[dst + "mlp.gate_up_proj.weight"]
+    if fused:
+        out[src + "mlp.gate_up_proj.weight"] = gate_up
+    else:
+        out[src + "mlp.gate_proj.weight"] = gate_up[:inter]
+        out[src + "mlp.up_proj.weight"] = gate_up[inter:]
     out.update(
         {
             src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
-            src + "mlp.gate_proj.weight": gate_up[:inter],
-            src + "mlp.up_proj.weight": gate_up[inter:],
             src + "mlp.down_proj.weight": params[dst + "mlp.down_proj.weight"],
             src + "input_layernorm.weight": params[dst + "input_layernorm"],
             src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
