@@ -104,9 +104,10 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = (head // GROUP) * stride_ch
-        # The tile's rows sit at positions [low_q, key_end). Keys [full_start, full_end) are
-        # visible to every row; [window_lo, mid) and [mid_end, key_end) to some (masked): the
-        # sliding window's edge and the diagonal band. Without a window, window_lo = mid = 0.
+        # The tile's rows sit at positions [low_q, key_end). Keys [mid, mid_end) are visible to
+        # every row; [window_lo, mid) and [mid_end, key_end) to some (masked, in one loop: a third
+        # inlined tile spilled on sm_100a): the sliding window's edge and the diagonal band.
+        # Without a window, window_lo = mid = 0: the loops of plain causal attention.
         low_q = context_len - q_len + q_block * BLOCK_M
         key_end = context_len - q_len + tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len)
         full_end = (low_q + 1) // BLOCK_N * BLOCK_N
@@ -114,19 +115,14 @@ def _prefill_kernel(
         full_start = tl.cdiv(tl.maximum(key_end - window, 0), BLOCK_N) * BLOCK_N
         mid = tl.maximum(window_lo, tl.minimum(full_start, full_end))
         mid_end = tl.maximum(mid, full_end)
-        for key_start in range(window_lo, mid, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
-                v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                True, DOT_F32, PRECISION,
-            )  # fmt: skip
         for key_start in range(mid, mid_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
                 v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
                 False, DOT_F32, PRECISION,
             )  # fmt: skip
-        for key_start in range(mid_end, key_end, BLOCK_N):
+        for masked_start in range(window_lo, mid + key_end - mid_end, BLOCK_N):
+            key_start = masked_start + (masked_start >= mid).to(tl.int32) * (mid_end - mid)
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
                 v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
