@@ -49,6 +49,7 @@ class SplitMetadata(AttentionMetadata):
     prefill_cu_seqlens_q: torch.Tensor | None = None  # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor | None = None  # int32 [num_prefills]
     decode_plan: reference.DecodePlan | None = None  # torch: the decode index math, once a step
+    window_plans: dict | None = None  # torch: the decode plan of each sliding window, made lazily
     decode_split_len: torch.Tensor | None = None  # triton: int32 [1], tokens per split
     decode_reduce: bool = True  # triton: False when every context fits one split (no stage 2)
 
@@ -84,8 +85,11 @@ class AttentionBackend:
         """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (negative: skipped)."""
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [num_tokens, num_heads, head_dim] (all K/V stored) -> the same shape."""
+    def forward(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] (all K/V stored) -> the same shape. `window`: the
+        layer's sliding window (a query at position p sees keys p - window < j <= p), None: all."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -108,19 +112,21 @@ class _SplitBackend(AttentionBackend):
             meta.prefill_cu_seqlens_q = cu - cu[:1] if nd else cu
         return meta
 
-    def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta, scale)
-        prefill = self._prefill(q[nd:], k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, window)
+        prefill = self._prefill(q[nd:], k_cache, v_cache, meta, scale, window)
         if nd == 0:
             return prefill
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale), prefill))
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale, window), prefill))
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
         raise NotImplementedError
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
         raise NotImplementedError
 
 
@@ -138,7 +144,7 @@ class TorchAttention(_SplitBackend):
             )
         return meta
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
         return reference.paged_decode_attention(
             q,
             k_cache,
@@ -146,10 +152,26 @@ class TorchAttention(_SplitBackend):
             meta.decode_block_tables,
             meta.decode_context_lens,
             scale,
-            plan=meta.decode_plan,
+            plan=self._window_plan(meta, window),
+            window=window,
         )
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def _window_plan(self, meta: SplitMetadata, window: int | None) -> reference.DecodePlan:
+        """The step's plan for this window: made by the first layer that has it, shared after."""
+        if not window:
+            return meta.decode_plan
+        meta.window_plans = meta.window_plans or {}
+        if window not in meta.window_plans:
+            meta.window_plans[window] = reference.plan_decode(
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.block_size,
+                self.num_kv_heads,
+                window=window,
+            )
+        return meta.window_plans[window]
+
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
         return reference.paged_prefill_attention(
             q,
             k_cache,
@@ -158,6 +180,7 @@ class TorchAttention(_SplitBackend):
             meta.prefill_cu_seqlens_q,
             meta.prefill_context_lens,
             scale,
+            window=window,
         )
 
 
@@ -213,17 +236,19 @@ class TritonAttention(_SplitBackend):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         """Each kernel writes its rows of one output: a mixed step needs no concatenation."""
         nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, out[:nd])
         if nd < q.shape[0]:
-            self._prefill(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+            self._prefill(q[nd:], k_cache, v_cache, meta, scale, window, out[nd:])
         return out
 
     def _decode(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None, out=None
     ) -> torch.Tensor:
         return self._decode_kernel(
             q,
@@ -234,11 +259,12 @@ class TritonAttention(_SplitBackend):
             scale,
             split_len=meta.decode_split_len,
             reduce=meta.decode_reduce,
+            window=window,
             out=out,
         )
 
     def _prefill(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, out=None
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None, out=None
     ) -> torch.Tensor:
         return self._prefill_kernel(
             q,
@@ -248,6 +274,7 @@ class TritonAttention(_SplitBackend):
             meta.prefill_cu_seqlens_q,
             meta.prefill_context_lens,
             scale,
+            window=window,
             out=out,
         )
 
@@ -279,9 +306,18 @@ class CpuAttention(AttentionBackend):
             (step.positions + 1).to(torch.int32),
         )
 
-    def forward(self, q, k_cache, v_cache, meta: TokenMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k_cache, v_cache, meta: TokenMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         return cpu_attention.paged_decode_attention_cpu(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.cu_seqlens
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            meta.cu_seqlens,
+            window=window,
         )
 
 

@@ -9,6 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+
+def window_start(context_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """The first key the last query of each context sees under a sliding window: a query at
+    position p sees keys j with p - j < window (transformers' sliding_window_overlay)."""
+    return (context_lens - window).clamp_min(0)
+
+
 # Decode attends in chunks of this many length-sorted sequences: small dense copies that stay in
 # cache, with little padding.
 _DECODE_CHUNK_SEQS = 8
@@ -63,13 +70,20 @@ class DecodePlan:
     order: torch.Tensor | None  # sorted position -> batch row; None when already sorted
     chunks: list[DecodeChunk]
     empty: torch.Tensor | None  # bool, batch order: context_len 0
+    window: int | None = None  # the sliding window it masks to
 
 
 def plan_decode(
-    block_tables, context_lens, block_size: int, num_kv_heads: int, chunk_seqs: int | None = None
+    block_tables,
+    context_lens,
+    block_size: int,
+    num_kv_heads: int,
+    chunk_seqs: int | None = None,
+    window: int | None = None,
 ) -> DecodePlan:
     """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the sequence's own token
-    0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`)."""
+    0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`).
+    Keys before a sliding `window` get the -inf bias too."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
     lens = context_lens.long()
     num_seqs = lens.shape[0]
@@ -84,16 +98,18 @@ def plan_decode(
         stop = min(start + chunk_seqs, num_seqs)
         max_len = max(ascending[stop - 1], 1)
         rows, bias = _chunk_rows(
-            tables[start:stop], sorted_lens[start:stop], max_len, block_size, num_kv_heads
+            tables[start:stop], sorted_lens[start:stop], max_len, block_size, num_kv_heads, window
         )
         chunks.append(DecodeChunk(start, stop, max_len, rows, bias))
     empty = (lens == 0).view(num_seqs, 1, 1, 1)
-    return DecodePlan(num_seqs, order, chunks, empty if bool(empty.any()) else None)
+    return DecodePlan(num_seqs, order, chunks, empty if bool(empty.any()) else None, window)
 
 
-def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
+def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int, window=None):
     pos = torch.arange(max_len, device=lens.device)
     valid = pos[None, :] < lens[:, None]  # [c, L]
+    if window:
+        valid &= pos[None, :] >= window_start(lens, window)[:, None]
     tok = torch.where(valid, pos[None, :], 0)  # padding -> token 0
     slots = tables.long().gather(1, tok // block_size) * block_size + tok % block_size
     slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0: any in-range slot
@@ -106,18 +122,21 @@ def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int):
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None
+    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None, window=None
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> [num_seqs, num_heads, head_dim].
-    `plan`: plan_decode of these tables, computed once for all layers."""
+    `plan`: plan_decode of these tables and this `window`, computed once for all layers."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
     if num_seqs == 0:
         return torch.empty_like(q)
     if plan is None:
-        plan = plan_decode(block_tables, context_lens, k_cache.shape[1], k_cache.shape[2])
+        plan = plan_decode(
+            block_tables, context_lens, k_cache.shape[1], k_cache.shape[2], window=window
+        )
     assert plan.num_seqs == num_seqs, "plan made for another batch"
+    assert (plan.window or None) == (window or None), "plan made for another window"
     return decode_with_plan(q, k_cache, v_cache, plan, scale)
 
 
@@ -149,11 +168,12 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=None
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query tokens over its paged context: rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] are the last q_len of context_lens[i] tokens, so row j sits
-    at position context_len - q_len + j."""
+    at position context_len - q_len + j; with a sliding `window`, it sees the last `window`
+    positions up to its own."""
     total, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
@@ -167,21 +187,24 @@ def paged_prefill_attention(
         if hi == lo:
             continue
         assert 0 < hi - lo <= ctx, f"seq {i}: q_len {hi - lo} > context_len {ctx}"
-        out[lo:hi] = _prefill_one(q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale)
+        out[lo:hi] = _prefill_one(
+            q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale, window
+        )
     return out
 
 
-def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale):
+def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None):
     q_len = q.shape[0]
     # Slicing to ctx tokens drops the last block's unused tail.
     k = gather_kv(k_cache, block_table, ctx)[0].float().transpose(0, 1)  # [KH, ctx, D]
     v = gather_kv(v_cache, block_table, ctx)[0].float().transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, q_len, D]
-    if q_len == ctx:  # a whole prompt: SDPA's own causal mask is cheaper
+    if q_len == ctx and not window:  # a whole prompt: SDPA's own causal mask is cheaper
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        pos_q = torch.arange(ctx - q_len, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]  # [q_len, ctx]
+        pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        pos_k = torch.arange(ctx, device=q.device)[None, :]
+        mask = (pos_k <= pos_q) & (pos_k > pos_q - window if window else True)  # [q_len, ctx]
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1).to(q.dtype)
 
@@ -192,8 +215,9 @@ def _check_cache(q, k_cache, v_cache):
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
 
 
-def dense_causal_attention(q, k, v, scale) -> torch.Tensor:
-    """Textbook attention for the tests: q [q_len, H, D], k/v [ctx, KH, D], bottom-right causal."""
+def dense_causal_attention(q, k, v, scale, window=None) -> torch.Tensor:
+    """Textbook attention for the tests: q [q_len, H, D], k/v [ctx, KH, D], bottom-right causal;
+    a sliding `window` hides keys `window` or more positions back."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -201,5 +225,7 @@ def dense_causal_attention(q, k, v, scale) -> torch.Tensor:
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     pos_q = torch.arange(ctx - q_len, ctx)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos_q, float("-inf"))
+    pos_k = torch.arange(ctx)[None, :]
+    hidden = (pos_k > pos_q) | (pos_k <= pos_q - window if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v).to(q.dtype)

@@ -205,6 +205,44 @@ def prefill_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
         report(name, result is out and err <= TOL[dtype], err=err, tol=TOL[dtype])
 
 
+def window_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    """Sliding windows (keys p - window < j <= p): one key, under a page, over a page, a long one
+    and one past every context, through both kernels, the decode with several splits too (they
+    cut the window, not the context) and the prefill with small tiles (the window's edge, the
+    keys every row sees and the diagonal band in separate loops)."""
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    scale = head_dim**-0.5
+    shape = f"{str(dtype)[6:]} gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+    lens = [1, block_size + 1, randint(gen, 60, 200)]
+    pairs = [(block_size + 3, block_size + 3), (randint(gen, 60, 200), randint(gen, 20, 50))]
+    windows = (1, randint(gen, 2, block_size), block_size + 3, randint(gen, 20, 50), 1000)
+    for window in windows[idx % 2 :: 2]:
+        cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+        q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+        ref = reference.paged_decode_attention(*args, window=window)
+        for label, kw in (
+            ("gpu plan", {}),
+            ("split", {"num_splits": randint(gen, 2, 4), "block_n": 16}),
+        ):
+            out = poisoned_like(q)
+            paged_decode_attention_triton(*args, out=out, window=window, **kw)
+            err = rel_err(out, ref)
+            name = f"window decode[{idx}:{label}] {shape} lens={lens} window={window} {kw}"
+            report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+        cache = PagedCache(gen, [c for c, _ in pairs], block_size, num_kv_heads, head_dim, dtype)
+        cu = torch.tensor([0, pairs[0][1], pairs[0][1] + pairs[1][1]], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, scale)
+        ref = reference.paged_prefill_attention(*args, window=window)
+        for tiles in ({}, {"block_m": 16, "block_n": 16}):
+            out = poisoned_like(q)
+            paged_prefill_attention_triton(*args, out=out, window=window, **tiles)
+            err = rel_err(out, ref)
+            name = f"window prefill[{idx}] {shape} pairs={pairs} window={window} {tiles}"
+            report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
 def store_case(gen, idx, dtype, block_size, head_dim) -> None:
     num_kv_heads, num_blocks, num_tokens = pick(gen, (1, 2, 3)), 6, 40
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -301,6 +339,9 @@ def main() -> None:
     elif group in ("prefill", "prefill_full"):
         for case in matrix(group.endswith("full")):
             prefill_case(gen, *case)
+    elif group == "window":
+        for case in matrix(False)[1::3]:
+            window_case(gen, *case)
     elif group == "store":
         for i, (dtype, bs) in enumerate((d, b) for d in DTYPES for b in BLOCK_SIZES):
             store_case(gen, i, dtype, bs, HEAD_DIMS[i % len(HEAD_DIMS)])

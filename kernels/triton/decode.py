@@ -24,6 +24,9 @@ LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
+# The window argument of a layer without a sliding window: longer than any context, so every key
+# is in it (one binary for every layer: the window is a run-time value, never specialized).
+NO_WINDOW = 1 << 30
 # BLOCK_N * DIM_P2: a 16 KB K/V tile at every head size, spill-free (`make gpu-compile`).
 TILE_ELEMENTS = 8192
 
@@ -36,11 +39,11 @@ def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -50,13 +53,16 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    # The sliding window's keys [first, context_len): the splits cut that span, not the context.
+    first = tl.maximum(context_len - window, 0)
+    span = context_len - first
     if DIRECT:  # a grid of one split: it takes every context whole
-        start = 0
+        start = first
         end = context_len
     else:
         # The step's split length, written by the host (choose_split_len): one grid, any context.
         split_len = tl.load(split_len_ptr)
-        start = split * split_len
+        start = first + split * split_len
         if (start >= context_len) & (split > 0):  # past the context: nothing to read or write
             return
         end = tl.minimum(start + split_len, context_len)
@@ -101,7 +107,7 @@ def _decode_stage1_kernel(
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
-    elif context_len <= split_len:  # split 0 holds the whole context: stage 2 passes it over
+    elif span <= split_len:  # split 0 holds the whole window: stage 2 passes it over
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64
@@ -110,17 +116,18 @@ def _decode_stage1_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_stage2_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, split_len_ptr,
-    num_splits, stride_os, stride_oh,
+    num_splits, window, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
+    span = tl.minimum(context_len, window)  # the keys of the window, as stage 1 split them
     # The splits stage 1 wrote (capped: a bad split length never reads past the partials).
-    num_valid = tl.minimum(tl.cdiv(context_len, tl.load(split_len_ptr)), num_splits)
+    num_valid = tl.minimum(tl.cdiv(span, tl.load(split_len_ptr)), num_splits)
     if num_valid < 2:  # one split (or none) held the context: stage 1 wrote the output
         return
     splits = tl.arange(0, SPLITS_P2)
@@ -289,6 +296,7 @@ def paged_decode_attention_triton(
     plan: DecodePlan | None = None,
     split_len: torch.Tensor | None = None,
     reduce: bool = True,
+    window: int | None = None,
     out=None,
     **overrides,
 ):
@@ -296,7 +304,8 @@ def paged_decode_attention_triton(
     is written in place. split_len: the step's tokens per split, int32 [1] on q's device, read
     by the kernels (a CUDA graph replays the buffer's new contents; see choose_split_len); None:
     the plan's, for contexts that fill the table. reduce=False: every context fits one split,
-    stage 2 is not launched."""
+    stage 2 is not launched. window: the layer's sliding window (keys p - window < j <= p),
+    None: every key; the splits cut each window, so split_len may come from the contexts."""
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -329,7 +338,7 @@ def paged_decode_attention_triton(
         split_len = torch.full((1,), plan.split_len, dtype=torch.int32, device=q.device)
     check_split_len(split_len, reduce, plan, context_lens)
     launch_decode(
-        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce
+        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce, window
     )
     return out
 
@@ -359,6 +368,7 @@ def launch_decode(
     out,
     split_len: torch.Tensor,
     reduce: bool = True,
+    window: int | None = None,
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -368,9 +378,10 @@ def launch_decode(
     )
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
+    window = window or NO_WINDOW
     launch(
         _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens,
-        split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits,
+        split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
@@ -385,6 +396,7 @@ def launch_decode(
             context_lens,
             split_len,
             plan.num_splits,
+            window,
             out.stride(0),
             out.stride(1),
         )

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inferline.kernels.triton.decode import NO_WINDOW
 from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -23,8 +24,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr, head_off, dims,
-    dim_mask, stride_cb, stride_cs,
+    q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr, v_cache_ptr, head_off,
+    dims, dim_mask, stride_cb, stride_cs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -40,13 +41,17 @@ def _attend_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-    if CAUSAL:
-        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_mask[None, :], s, float("-inf"))
+    if CAUSAL:  # the causal band, or keys where the sliding window starts
+        seen = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen & key_mask[None, :], s, float("-inf"))
     else:
         s = tl.where(key_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_exp = m_new
+    if CAUSAL:  # a row may see none of a tile below its window: keep -inf - -inf (NaN) out
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_exp)
+    p = tl.exp2(s - m_exp[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -54,12 +59,12 @@ def _attend_tile(
 
 # Per-step values are not specialized: one binary per plan.
 @triton.jit(
-    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize=["num_seqs", "window", "stride_bt"],
     do_not_specialize_on_alignment=["cu_seqlens_ptr", "context_lens_ptr"],
 )
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -99,22 +104,31 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = (head // GROUP) * stride_ch
-        # Keys [0, full_end) are visible to every row; [full_end, key_end) is the diagonal band.
+        # The tile's rows sit at positions [low_q, key_end). Keys [mid, mid_end) are visible to
+        # every row; [window_lo, mid) and [mid_end, key_end) to some (masked, in one loop: a third
+        # inlined tile spilled on sm_100a): the sliding window's edge and the diagonal band.
+        # Without a window, window_lo = mid = 0: the loops of plain causal attention.
+        low_q = context_len - q_len + q_block * BLOCK_M
         key_end = context_len - q_len + tl.minimum(q_block * BLOCK_M + BLOCK_M, q_len)
-        full_end = (context_len - q_len + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-        for key_start in range(0, full_end, BLOCK_N):
+        full_end = (low_q + 1) // BLOCK_N * BLOCK_N
+        window_lo = tl.maximum(low_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_start = tl.cdiv(tl.maximum(key_end - window, 0), BLOCK_N) * BLOCK_N
+        mid = tl.maximum(window_lo, tl.minimum(full_start, full_end))
+        mid_end = tl.maximum(mid, full_end)
+        for key_start in range(mid, mid_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr,
-                head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False,
-                DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
+                v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
+                False, DOT_F32, PRECISION,
             )  # fmt: skip
-        for key_start in range(full_end, key_end, BLOCK_N):
+        for masked_start in range(window_lo, mid + key_end - mid_end, BLOCK_N):
+            key_start = masked_start + (masked_start >= mid).to(tl.int32) * (mid_end - mid)
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, table, k_cache_ptr, v_cache_ptr,
-                head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, True,
-                DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
+                v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
+                True, DOT_F32, PRECISION,
             )  # fmt: skip
-        out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
+        out = acc / l_i[:, None]  # every row sees at least its own key: l_i > 0
         out_off = (
             (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
         )
@@ -180,11 +194,13 @@ def paged_prefill_attention_triton(
     scale,
     *,
     plan: LaunchPlan | None = None,
+    window: int | None = None,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
-    is written in place."""
+    is written in place. window: the layer's sliding window (keys p - window < j <= p), None:
+    every key."""
     check_cache(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -227,7 +243,7 @@ def paged_prefill_attention_triton(
     )
     launch(
         _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip

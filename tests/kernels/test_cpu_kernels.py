@@ -218,6 +218,39 @@ def test_prompt_rows_in_tiles_have_the_bits_of_decodes(gen, dtype, head_dim, thr
     assert torch.equal(alone[0], tiled[100])
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (48, 4)])
+@pytest.mark.parametrize("window", [1, 5, 19, 600])
+def test_sliding_windows_match_reference(gen, block_size, head_dim, gqa, window):
+    """A sliding window (keys p - window < j <= p) in decodes, long ones over several parts, and
+    in prompt rows in tiles (rows whose windows start in different blocks): the reference's
+    output, and no part before a window read (the cache there is NaN-free, yet a part wholly
+    before the window must add nothing)."""
+    lens = [1, 9, 40, 700, 1300]
+    cache = PagedCache(gen, lens, block_size, 2, head_dim, torch.float32)
+    q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
+    out = attention.paged_decode_attention_cpu(*args, window=window)
+    ref = reference.paged_decode_attention(*args, window=window)
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: decode, window {window}"
+    lens, q_lens = [37, 300, 90, 700, 1100], [37, 120, 1, 600, 17]
+    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, block_size, 2, gqa, head_dim)
+    out = attention.paged_decode_attention_cpu(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu, window=window
+    )
+    ref = reference.paged_prefill_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        cu,
+        cache.context_lens,
+        0.125,
+        window=window,
+    )
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows, window {window}"
+
+
 @pytest.mark.parametrize("bad", ["not_from_0", "decreasing", "past_the_rows", "block_id"])
 def test_prompt_rows_refuse_bad_cu_seqlens_before_reading(gen, bad):
     cache, q, cu, ctx, _ = prompt_chunks(gen, [40, 20], [40, 20], 16, 1, 2, 64)

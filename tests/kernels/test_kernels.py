@@ -75,6 +75,35 @@ def test_reference_prefill_matches_dense_attention(gen, gqa, block_size):
         assert rel_err(out[rows], dense) < 1e-5, f"seed {SEED}, seq {i}, (ctx, q_len) {pairs[i]}"
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 500])
+def test_reference_sliding_window_matches_dense_attention(gen, window):
+    """Keys p - window < j <= p (transformers' sliding_window_overlay) in decode and prefill."""
+    lens = [1, 15, 17, 60, 300]
+    cache = PagedCache(gen, lens, 16, 2, 64, torch.float32)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    out = kernels.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125,
+        backend="torch", window=window,
+    )  # fmt: skip
+    for i in range(len(lens)):
+        dense = dense_causal_attention(q[i : i + 1], cache.k[i], cache.v[i], 0.125, window)
+        assert rel_err(out[i : i + 1], dense) < 1e-5, f"seed {SEED}, decode {i}, window {window}"
+    q_lens = [1, 15, 3, 60, 70]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 64, generator=gen)
+    out = kernels.paged_prefill_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, 0.125,
+        backend="torch", window=window,
+    )  # fmt: skip
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        dense = dense_causal_attention(q[rows], cache.k[i], cache.v[i], 0.125, window)
+        assert rel_err(out[rows], dense) < 1e-5, f"seed {SEED}, prefill {i}, window {window}"
+    if window < 60:  # the window hides keys: not the causal result
+        causal = dense_causal_attention(q[rows], cache.k[i], cache.v[i], 0.125)
+        assert rel_err(out[rows], causal) > 1e-3
+
+
 def test_reference_last_prefill_row_equals_decode(gen):
     cache = PagedCache(gen, [40, 9], 16, 2, 64, torch.float32)
     q = torch.randn(2, 8, 64, generator=gen)
@@ -162,7 +191,7 @@ def run_script(script: str, group: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("group", ["store", "checks", "decode", "split_len", "prefill"])
+@pytest.mark.parametrize("group", ["store", "checks", "decode", "split_len", "prefill", "window"])
 def test_triton_kernel_matches_reference(group):
     run_cases(group)
 

@@ -33,6 +33,7 @@ from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor is 
     start_host_copy,
 )
 from inferline.worker.engine.models.calibration import Calibration, choose_linear_backend
+from inferline.worker.engine.models.llama import length_limit
 from inferline.worker.engine.models.loader import load_model
 from inferline.worker.engine.overlap import pending_rows
 from inferline.worker.engine.padded_decode import PaddedDecode, capture_sizes
@@ -81,9 +82,7 @@ class ModelRunner:
             self.device,
             max_positions=settings.model.max_model_len,
         )
-        self.max_model_len = min(
-            settings.model.max_model_len, getattr(self.config, "max_position_embeddings", 1 << 30)
-        )
+        self.max_model_len = min(settings.model.max_model_len, length_limit(self.config))
         self.num_blocks = self._num_blocks(settings)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler()

@@ -22,7 +22,19 @@ typedef struct {
     int64_t q_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
     int kv_half;
+    int64_t window; /* sliding window: a row of context ctx sees tokens [ctx - window, ctx); 0: all */
 } decode_args;
+
+/* The first token a row of context `ctx` sees (transformers' sliding window: p - j < window). */
+INLINE int64_t first_token(const decode_args *a, int64_t ctx) {
+    return a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+}
+
+/* Scores of tokens before `lo` in block b (of bs tokens) to -inf, for `heads` runs ss apart. */
+INLINE void mask_before(float *s, int64_t heads, int64_t ss, int64_t b, int64_t bs, int64_t lo) {
+    for (int64_t t = 0; t < lo - b * bs && t < bs; t++)
+        for (int64_t h = 0; h < heads; h++) s[h * ss + t] = -INFINITY;
+}
 
 /* K/V elements are floats or halves: `half` is a constant in each compiled variant of the loops
  * (attend_blocks), so the loads below compile to plain vector loads or to widening ones. */
@@ -297,11 +309,12 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *tabl
                             float *out, float *m, float *l, const int64_t d, const int half) {
     int64_t heads = a->num_heads, kv_heads = a->num_kv_heads, group = heads / kv_heads;
     int64_t bs = a->block_size, ss = score_stride(bs), ctx = a->context_lens[r], row = kv_heads * d;
-    int64_t row_bytes = row * (half ? 2 : 4);
+    int64_t row_bytes = row * (half ? 2 : 4), lo = first_token(a, ctx);
     const float *q = a->q + r * a->q_stride;
     float s[heads * ss] __attribute__((aligned(64))), corr[heads];
     memset(out, 0, sizeof(float) * heads * d);
     for (int64_t h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    if (b0 < lo / bs) b0 = lo / bs; /* blocks wholly before the sliding window */
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx - b * bs < bs ? ctx - b * bs : bs;
         const char *k, *v, *pk, *pv;
@@ -314,6 +327,7 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *tabl
         FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
                         q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, pf,
                         half)
+        if (b * bs < lo) mask_before(s, heads, ss, b, bs, lo);
         for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &m[h], &l[h]);
         FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
                         out + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h,
@@ -425,7 +439,7 @@ INLINE void transpose_block(float *kt, const char *k, int64_t n, int64_t row_byt
  * row has no tokens in this item's part. */
 typedef struct {
     float *acc, *m, *l;
-    int64_t ctx, b1;
+    int64_t ctx, b1, lo; /* lo: its first token (first_token) */
 } tile_row;
 
 /* Rows r0 .. r0 + nr - 1 of sequence `table` over blocks [b0, ...): row i up to its own b1. */
@@ -435,11 +449,14 @@ INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const in
     int64_t bs = a->block_size, ss = score_stride(bs), chunks = ss / VEC, row = kv_heads * d;
     int64_t row_bytes = row * (half ? 2 : 4), b_end = b0, ctx_max = 0;
     float s[heads * ss] __attribute__((aligned(64))), corr[heads];
+    int64_t b_start = INT64_MAX;
     for (int64_t i = 0; i < nr; i++)
         if (rows[i].acc) {
             b_end = rows[i].b1 > b_end ? rows[i].b1 : b_end;
             ctx_max = rows[i].ctx > ctx_max ? rows[i].ctx : ctx_max;
+            b_start = rows[i].lo / bs < b_start ? rows[i].lo / bs : b_start;
         }
+    if (b0 < b_start && b_start != INT64_MAX) b0 = b_start; /* no row's window reaches back */
     for (int64_t b = b0; b < b_end; b++) {
         int64_t n_block = ctx_max - b * bs < bs ? ctx_max - b * bs : bs;
         const char *k, *v, *pk, *pv;
@@ -447,11 +464,12 @@ INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const in
         transpose_block(kt, k, n_block, row_bytes, kv_heads, chunks, pk, pv, bs, d, half);
         for (int64_t i = 0; i < nr; i++) {
             tile_row *tr = &rows[i];
-            if (!tr->acc || b >= tr->b1) continue;
+            if (!tr->acc || b >= tr->b1 || b < tr->lo / bs) continue;
             int64_t n = tr->ctx - b * bs < bs ? tr->ctx - b * bs : bs;
             const float *q = a->q + (r0 + i) * a->q_stride;
             FOR_HEAD_CHUNKS(tile_scores, group, kv_heads, d, h, j,
                             q + h * d, kt + j * chunks * d * VEC, n, s + h * ss, ss, a->scale)
+            if (b * bs < tr->lo) mask_before(s, heads, ss, b, bs, tr->lo);
             for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &tr->m[h], &tr->l[h]);
             FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
                             tr->acc + h * d, kv_at(v, j * d, half), n, row, s + h * ss, ss, corr + h, NULL, half)

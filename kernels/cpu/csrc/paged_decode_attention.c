@@ -137,7 +137,8 @@ typedef struct {
     decode_args a;
     const int32_t *cu;      /* rows of sequence s: cu[s] .. cu[s + 1] - 1 */
     int64_t part_blocks;    /* blocks per part */
-    int64_t *row_parts;     /* parts of each row's context */
+    int64_t *row_parts;     /* parts of each row's context (its sliding window's) */
+    int64_t *part0;         /* each row's first part: parts before its window are skipped */
     int64_t *part_first;    /* where a row's parts start in `parts` (rows of more than one part) */
     float *parts;
     work_item *items;
@@ -175,9 +176,12 @@ static int64_t make_items(plan *pl, int64_t num_seqs) {
     for (int64_t s = 0; s < num_seqs; s++) {
         int64_t r0 = pl->cu[s], r1 = pl->cu[s + 1], tile = r1 - r0 > 1 ? TILE_ROWS : 1;
         for (int64_t t = r0; t < r1; t += tile) {
-            int64_t nr = r1 - t < tile ? r1 - t : tile, parts = 0;
-            for (int64_t r = t; r < t + nr; r++) parts = pl->row_parts[r] > parts ? pl->row_parts[r] : parts;
-            for (int64_t p = 0; p < parts; p++, count++)
+            int64_t nr = r1 - t < tile ? r1 - t : tile, p0 = INT64_MAX, p1 = 0;
+            for (int64_t r = t; r < t + nr; r++) {
+                p0 = pl->part0[r] < p0 ? pl->part0[r] : p0;
+                p1 = pl->part0[r] + pl->row_parts[r] > p1 ? pl->part0[r] + pl->row_parts[r] : p1;
+            }
+            for (int64_t p = p0; p < p1; p++, count++)
                 if (pl->items) pl->items[count] = (work_item){s, t, nr, p};
         }
     }
@@ -193,12 +197,13 @@ static void run_item(const plan *pl, const work_item *it, float *m, float *l, fl
         int64_t r = it->row + i, ctx = a->context_lens[r], b1 = b0 + pl->part_blocks;
         b1 = b1 < blocks_of(a, ctx) ? b1 : blocks_of(a, ctx);
         tile_row *tr = &rows[i];
-        *tr = (tile_row){NULL, m + i * heads, l + i * heads, ctx, b1};
-        if (it->part >= pl->row_parts[r]) continue; /* none of this row's context is in the part */
+        *tr = (tile_row){NULL, m + i * heads, l + i * heads, ctx, b1, first_token(a, ctx)};
+        int64_t p = it->part - pl->part0[r];
+        if (p < 0 || p >= pl->row_parts[r]) continue; /* none of this row's context is in the part */
         if (pl->row_parts[r] == 1) { /* the whole context: normalized in place below */
             tr->acc = a->out + r * heads * d;
         } else {
-            tr->acc = pl->parts + (pl->part_first[r] + it->part) * part_floats;
+            tr->acc = pl->parts + (pl->part_first[r] + p) * part_floats;
             tr->m = tr->acc + heads * d, tr->l = tr->m + heads;
         }
         if (it->rows > 1) {
@@ -218,6 +223,7 @@ static void run_item(const plan *pl, const work_item *it, float *m, float *l, fl
 
 static void free_plan(plan *pl) {
     free(pl->row_parts);
+    free(pl->part0);
     free(pl->part_first);
     free(pl->parts);
     free(pl->items);
@@ -228,12 +234,16 @@ static int make_plan(plan *pl, int64_t num_seqs, int64_t num_rows) {
     const decode_args *a = &pl->a;
     int64_t part_floats = a->num_heads * (a->head_dim + 2);
     pl->row_parts = malloc(sizeof(int64_t) * (num_rows + 1));
+    pl->part0 = malloc(sizeof(int64_t) * (num_rows + 1));
     pl->part_first = malloc(sizeof(int64_t) * (num_rows + 1));
-    if (!pl->row_parts || !pl->part_first) return -1;
+    if (!pl->row_parts || !pl->part0 || !pl->part_first) return -1;
     pl->part_first[0] = 0;
     for (int64_t r = 0; r < num_rows; r++) {
-        int64_t blocks = blocks_of(a, a->context_lens[r]);
-        pl->row_parts[r] = blocks <= pl->part_blocks ? 1 : (blocks + pl->part_blocks - 1) / pl->part_blocks;
+        int64_t ctx = a->context_lens[r], blocks = blocks_of(a, ctx);
+        int64_t p0 = first_token(a, ctx) / a->block_size / pl->part_blocks;
+        int64_t p1 = (blocks + pl->part_blocks - 1) / pl->part_blocks;
+        pl->part0[r] = p0;
+        pl->row_parts[r] = p1 - p0 <= 1 ? 1 : p1 - p0;
         pl->part_first[r + 1] = pl->part_first[r] + (pl->row_parts[r] > 1 ? pl->row_parts[r] : 0);
     }
     if (pl->part_first[num_rows] > 0) {
@@ -254,9 +264,9 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *cu_seqlens, const int32_t *context_lens, float *out, int64_t num_rows,
                         int64_t num_seqs, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                        int num_threads, int kv_half) {
+                        int num_threads, int kv_half, int64_t window) {
     plan pl = {{q, k_cache, v_cache, block_tables, context_lens, out, q_stride, num_heads, num_kv_heads,
-                head_dim, block_size, max_blocks, scale, kv_half}};
+                head_dim, block_size, max_blocks, scale, kv_half, window}};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
     if (kv_half && !HAVE_F16) return -3;
     if (cu_seqlens == NULL && num_seqs != num_rows) return -2;

@@ -22,7 +22,9 @@ from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
+FUSED_CHECKPOINTS = ("phi3",)
 
 # Shapes for speed work without weights (`load_format=dummy`, model path = a preset name).
 DUMMY_PRESETS = {
@@ -299,8 +301,9 @@ def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
     if not model.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head.weight"]
+    fused = model.config.model_type in FUSED_CHECKPOINTS
     for i, layer in enumerate(model.layers):
-        out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}."))
+        out.update(layer_destinations(params, layer, f"model.layers.{i}.", f"layers.{i}.", fused))
     covered = sum(t.numel() for t in out.values())
     assert covered == sum(p.numel() for p in params.values()), (
         "a parameter no checkpoint tensor fills"
@@ -308,15 +311,21 @@ def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def layer_destinations(params: dict, layer, src: str, dst: str) -> dict[str, torch.Tensor]:
+def layer_destinations(
+    params: dict, layer, src: str, dst: str, fused: bool = False
+) -> dict[str, torch.Tensor]:
     attn, q, kv = layer.self_attn, layer.self_attn.q_size, layer.self_attn.kv_size
     out = {}
-    for part, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
+    parts = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    for part, (a, b) in ({"qkv": (0, q + 2 * kv)} if fused else parts).items():
         out[f"{src}self_attn.{part}_proj.weight"] = params[dst + "self_attn.qkv_proj.weight"][a:b]
         if attn.qkv_proj.bias is not None:
             out[f"{src}self_attn.{part}_proj.bias"] = params[dst + "self_attn.qkv_proj.bias"][a:b]
     if isinstance(layer.mlp, SparseMoeBlock):
         out.update(moe_destinations(params, layer.mlp, src, dst))
+    elif fused:
+        out[src + "mlp.gate_up_proj.weight"] = params[dst + "mlp.gate_up_proj.weight"]
+        out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
     else:
         inter, gate_up = layer.mlp.intermediate_size, params[dst + "mlp.gate_up_proj.weight"]
         out[src + "mlp.gate_proj.weight"] = gate_up[:inter]
