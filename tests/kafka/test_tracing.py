@@ -34,7 +34,9 @@ def ended(spans, name: str) -> list:  # noqa: F811
 
 
 async def test_one_trace_per_request_parented_across_kafka(
-    kafka_bootstrap, fleet, spans  # noqa: F811
+    kafka_bootstrap,
+    fleet,
+    spans,  # noqa: F811
 ):
     topics = fleet.topics
     callers, handles = {}, []
@@ -58,8 +60,12 @@ async def test_one_trace_per_request_parented_across_kafka(
     for rid, caller in callers.items():
         trace_id = caller.trace_id
         in_trace = {s.name: s for s in finished if s.context.trace_id == trace_id}
-        assert set(in_trace) == {f"caller-{list(callers).index(rid)}", "inferline.submit",
-                                 "inferline.request", *WORKER_SPANS}, rid
+        assert set(in_trace) == {
+            f"caller-{list(callers).index(rid)}",
+            "inferline.submit",
+            "inferline.request",
+            *WORKER_SPANS,
+        }, rid
         submit, root = in_trace["inferline.submit"], in_trace["inferline.request"]
         assert submit.parent.span_id == caller.span_id
         assert submit.kind == trace.SpanKind.PRODUCER
@@ -85,7 +91,10 @@ async def test_the_gateway_continues_the_http_trace_into_the_worker(fleet, spans
     await wait_until(lambda: ended(spans, "inferline.request"), 10, "the request span to end")
     in_trace = {s.name: s for s in spans.get_finished_spans()}
     assert set(in_trace) == {
-        "POST /v1/chat/completions", "inferline.submit", "inferline.request", *WORKER_SPANS
+        "POST /v1/chat/completions",
+        "inferline.submit",
+        "inferline.request",
+        *WORKER_SPANS,
     }
     assert {hex_id(s.context.trace_id, 32) for s in in_trace.values()} == {TRACE_ID}
     server = in_trace["POST /v1/chat/completions"]
