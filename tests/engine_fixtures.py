@@ -115,8 +115,8 @@ def prompts(model_runner) -> list[list[int]]:
     return [prompt_ids(model_runner.tokenizer, i) for i in range(len(TOPICS))]
 
 
-def greedy_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
-    """HF greedy output of each prompt alone, NEW_TOKENS long."""
+def greedy_outputs(hf_model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    """HF greedy output of each prompt alone, `new_tokens` long (at most: EOS stops it)."""
     outs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -124,7 +124,7 @@ def greedy_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
             y = hf_model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )

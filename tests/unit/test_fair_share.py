@@ -14,6 +14,7 @@ from inferline.worker.engine.sequence import Sequence
 from inferline.worker.service.metrics import OTHER_TENANTS, TENANT_LABELS, Metrics
 from tests.engine_fixtures import (
     greedy,
+    greedy_outputs,
     make_engine,
     prompt_ids,
     run_to_completion,
@@ -148,30 +149,12 @@ def test_state_stays_bounded_under_rotating_tenant_names():
     assert not fair.counters and not fair.members and not fair.waiting
 
 
-def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF generate's greedy tokens for each prompt alone (engine_fixtures.greedy_outputs, shorter:
-    the suite is near its time budget)."""
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf_model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs
-
-
 def test_greedy_outputs_are_unchanged_by_shares_and_their_preemptions(
     shallow_runner, shallow_hf_model
 ):
     """Weights, seat-share preemptions and a tight KV pool reorder the work, never the tokens."""
     prompts = [prompt_ids(shallow_runner.tokenizer, i) for i in range(5)]
-    expected = hf_greedy(shallow_hf_model, prompts, 16)
+    expected = greedy_outputs(shallow_hf_model, prompts, 16)  # shorter: the suite's budget
     engine = make_engine(
         shallow_runner,
         max_num_seqs=3,

@@ -24,8 +24,8 @@ from inferline.worker.engine.engine import EngineStats
 from inferline.worker import tracing as worker_tracing
 from inferline.worker.engine.request import RequestOutput
 from tests.chaos_fixtures import IntakeHarness
+from tests.unit.test_latency_metrics import START, clock  # noqa: F401 - the fixture
 
-START = 1_800_000_000.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
@@ -50,21 +50,6 @@ REQUEST_ATTRIBUTES = {
     "gen_ai.response.finish_reasons",
     "inferline.delivery.outcome",
 }
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch) -> Clock:
-    clock = Clock()
-    monkeypatch.setattr(time, "time", clock)
-    return clock
 
 
 @pytest.fixture
