@@ -238,5 +238,12 @@ async def _join_gate() -> None:
 async def _bounded(coro, timeout: float, what: str) -> None:
     try:
         await asyncio.wait_for(coro, timeout)
+    except asyncio.CancelledError:
+        # A step's own cancelled task (aiokafka's consumer stop awaits its fetch tasks after
+        # cancelling them: a broken connection's fetch raises it) is a failed step; only a
+        # cancel of the shutdown itself goes on up.
+        if asyncio.current_task().cancelling():
+            raise
+        log.warning("worker.shutdown_step_failed", step=what, error="cancelled inside the step")
     except Exception as exc:  # noqa: BLE001 - shutting down: log, go on
         log.warning("worker.shutdown_step_failed", step=what, error=repr(exc))
