@@ -193,7 +193,7 @@ def test_rope_tables_equal_transformers_cos_sin(name):
 TRITON_TOKENS = 10
 
 
-@pytest.mark.slow
+@pytest.mark.full  # ~14 s each on the interpreter: make test-full (the suite's time budget)
 @pytest.mark.parametrize("family", [n for n in configs() if "window" in n], indirect=True)
 def test_triton_kernels_equal_hf_generate(family):
     """The same engine runs on the Triton kernels under the interpreter (prefill chunks on
