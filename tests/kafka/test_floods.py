@@ -85,18 +85,23 @@ async def quiet_latencies(client: InferenceClient, n: int) -> list[float]:
     return out
 
 
-async def test_noisy_tenant_beside_a_quiet_one(kafka_bootstrap, topics, start_worker):
-    """A tenant sending 20x its rate limit does not slow a well-behaved one down by more than 2x."""
-    await start_worker(
-        topics, limits={"tenants": {"noisy": {"requests_per_s": 2.0, "burst_requests": 2}}}
-    )
-    client = InferenceClient(
+def flood_client(kafka_bootstrap: str, topics) -> InferenceClient:
+    """The quiet tenant's client: long enough a timeout to outwait a flood on the old order."""
+    return InferenceClient(
         kafka_bootstrap,
         reply_topic=topics.replies,
         request_topic=topics.requests,
         cancel_topic=topics.cancel,
         timeout_s=120,
     )
+
+
+async def test_noisy_tenant_beside_a_quiet_one(kafka_bootstrap, topics, start_worker):
+    """A tenant sending 20x its rate limit does not slow a well-behaved one down by more than 2x."""
+    await start_worker(
+        topics, limits={"tenants": {"noisy": {"requests_per_s": 2.0, "burst_requests": 2}}}
+    )
+    client = flood_client(kafka_bootstrap, topics)
     async with client:
         await quiet_latencies(client, 2)  # warm-up: first batches, reply-topic metadata
         unloaded = await quiet_latencies(client, 5)
@@ -233,13 +238,7 @@ async def test_a_quiet_tenant_beside_another_tenants_flood(kafka_bootstrap, topi
         worker={"drain_timeout_s": 0},  # the flood's rest is handed back at stop
     )
     order = record_admissions_and_starts(worker)
-    client = InferenceClient(
-        kafka_bootstrap,
-        reply_topic=topics.replies,
-        request_topic=topics.requests,
-        cancel_topic=topics.cancel,
-        timeout_s=120,
-    )
+    client = flood_client(kafka_bootstrap, topics)
     async with client:
         await quiet_burst(client, 2)  # warm-up: first batches, reply-topic metadata
         alone = await quiet_burst(client)

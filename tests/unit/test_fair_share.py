@@ -19,20 +19,13 @@ from tests.engine_fixtures import (
     prompt_ids,
     run_to_completion,
 )
-from tests.unit.test_scheduler import check
+from tests.unit.test_scheduler import check, seq
 
 
 def tseq(
     rid: str, tenant: str, prompt_len: int = 8, max_tokens: int = 16, priority: int = 0, t=0.0
 ) -> Sequence:
-    return Sequence(
-        request_id=rid,
-        prompt_token_ids=[1] * prompt_len,
-        sampling=SamplingParams(max_tokens=max_tokens),
-        priority=priority,
-        arrival_time=t,
-        tenant=tenant,
-    )
+    return seq(rid, prompt_len, max_tokens, priority, t, tenant)
 
 
 def fair_sched(weights=None, num_blocks=1024, max_seqs=8, budget=64, **fair) -> Scheduler:

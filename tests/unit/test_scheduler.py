@@ -13,7 +13,12 @@ from inferline.worker.engine.sequence import Sequence
 
 
 def seq(
-    rid: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    priority: int = 0,
+    arrival: float = 0.0,
+    tenant: str = "default",
 ) -> Sequence:
     return Sequence(
         request_id=rid,
@@ -21,6 +26,7 @@ def seq(
         sampling=SamplingParams(max_tokens=max_tokens),
         priority=priority,
         arrival_time=arrival,
+        tenant=tenant,
     )
 
 
