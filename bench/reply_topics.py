@@ -7,10 +7,11 @@ producer, which keeps every topic it ever wrote to.
 On a private broker (tests.chaos_fixtures.PrivateBroker), N reply topics of one partition, then,
 after a warm-up request and at most --concurrency requests in flight: (a) `worker`: the worker's
 Publisher and Committer send each topic one request's events as worker/app.py does (the final
-`done` committed with its input offset; the Committer's librdkafka producer is not inspected);
-(b) `baseline`: one plain idempotent AIOKafkaProducer sends the same three events. Per variant:
-the producers' metadata topic sets at the end (empty: every topic of the cluster), the topics a
-refresh fetches and its time, events/s. Writes bench/results/reply-topics.json.
+`done` committed with its input offset; the Committer's librdkafka producer is renewed past
+MAX_PRODUCER_TOPICS, its topic handles read from librdkafka's statistics); (b) `baseline`: one
+plain idempotent AIOKafkaProducer sends the same three events. Per variant: the producers'
+metadata topic sets at the end (empty: every topic of the cluster), the topics a refresh fetches
+and its time, events/s. Writes bench/results/reply-topics.json.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ async def run_worker(args) -> dict:
         }
     )
     metrics, tracker, tp = Metrics(), OffsetTracker(), TopicPartition(requests, 0)
+    handles = watch_committer_topics()
     member = await asyncio.to_thread(_GroupMember, settings)
     committer = Committer(settings, tracker, metrics)
     committer.owner = member
@@ -145,14 +147,41 @@ async def run_worker(args) -> dict:
         return acked
 
     report = await load(args, send, args.stem)
+    await asyncio.to_thread(committer._producer.poll, 1.0)  # the current producer's statistics
     report.update(
         publisher_producer=await metadata(publisher._producer.client),
+        committer_producer={
+            "topics": len(handles[-1]),
+            "producers": len(handles),
+            "renewals": metrics.producer_renewals._value.get(),
+        },
         send_failures=metrics.send_failures._value.get(),
     )
     await publisher.stop()
     await committer.close()
     await asyncio.to_thread(member.consumer.close)
     return report
+
+
+def watch_committer_topics() -> list[set[str]]:
+    """The topics each committer producer holds a librdkafka handle for (its latest statistics
+    report), newest producer last: librdkafka's own count, not the committer's bookkeeping."""
+    from inferline.worker.delivery import commit
+
+    handles: list[set[str]] = []
+    config = commit.producer_config
+
+    def with_statistics(kafka, txn_id: str) -> dict:
+        slot = len(handles)
+        handles.append(set())
+
+        def report(doc: str) -> None:
+            handles[slot] = set(json.loads(doc)["topics"])
+
+        return {**config(kafka, txn_id), "statistics.interval.ms": 200, "stats_cb": report}
+
+    commit.producer_config = with_statistics  # this process is the benchmark's own
+    return handles
 
 
 class _GroupMember:
@@ -279,6 +308,8 @@ def table(res: dict) -> str:
             (f"metadata: {k}", md(pub, k), md(base, k))
             for k in ("topics", "cached_topics", "refresh_s")
         ],
+        ("committer: librdkafka topic handles", str(w["committer_producer"]["topics"]), "-"),
+        ("committer: producers renewed", str(w["committer_producer"]["renewals"]), "-"),
         ("events/s", f"{w['events_per_s']:.0f}", f"{b['events_per_s']:.0f}"),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -287,7 +318,7 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from inferline.worker.delivery.publisher import MAX_PRODUCER_TOPICS
+    from inferline.worker.delivery.commit import MAX_PRODUCER_TOPICS
     from tests.chaos_fixtures import PrivateBroker
 
     # The broker keeps each partition's active segment open: an fd each, besides ~2,000 others.

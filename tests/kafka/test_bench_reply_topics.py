@@ -1,5 +1,6 @@
 """Quick run of the reply-topic metadata benchmark (bench/reply_topics.py): 600 reply topics, just
-past MAX_PRODUCER_TOPICS, so that the worker's producers must prune their metadata.
+past MAX_PRODUCER_TOPICS, so that the worker's producers must prune their metadata (the aiokafka
+publisher) or be renewed (the committer's librdkafka producer).
 
 It checks what the producers keep, never a speed: the figures come from
 `python -m bench.reply_topics` (10,000 topics). Runs its own private broker, not the shared one.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from inferline.worker.delivery.publisher import MAX_PRODUCER_TOPICS
+from inferline.worker.delivery.commit import MAX_PRODUCER_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -56,6 +57,14 @@ def test_worker_producer_metadata_stays_bounded(results):
     # An empty topic set is not small: aiokafka then asks for every topic of the cluster.
     assert 0 < md["topics"] <= MAX_PRODUCER_TOPICS + SPARE, md
     assert md["cached_topics"] <= MAX_PRODUCER_TOPICS + SPARE, md
+
+
+def test_the_committers_producer_is_renewed_past_the_bound(results):
+    """librdkafka keeps a handle, and refreshes metadata, for every topic a producer wrote to:
+    the committer's transactional producer is renewed instead of growing with every topic."""
+    committer = results["runs"]["worker"]["committer_producer"]
+    assert committer["topics"] <= MAX_PRODUCER_TOPICS + SPARE, committer
+    assert committer["renewals"] >= 1 and committer["producers"] == 1 + committer["renewals"]
 
 
 def test_plain_producer_keeps_every_topic(results):

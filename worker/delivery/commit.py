@@ -50,6 +50,9 @@ CALL_TIMEOUT_S = 30.0  # one producer call (begin, flush, send offsets, commit, 
 # A transaction not done by then is given up and its producer replaced (InitProducerId aborts it,
 # or waits for its commit): librdkafka's calls can outlast their own timeouts.
 STUCK_S = 1.5 * CALL_TIMEOUT_S
+# librdkafka keeps, and keeps refreshing, metadata for every topic a producer ever wrote to (a
+# deleted one every second): past this many reply topics the producer is renewed.
+MAX_PRODUCER_TOPICS = 512
 # Test hooks: SIGKILL after the Nth transaction's records reach the broker, before its commit;
 # the first N producer starts fail (a replacement that cannot start).
 _KILL_BEFORE_COMMIT = int(os.environ.get("INFERLINE_FAULT_KILL_BEFORE_COMMIT", "0"))
@@ -131,6 +134,7 @@ class Committer:
         self._interval = self._k.transaction_interval_ms / 1000
         self.owner: Owner | None = None
         self._producer: Producer | None = None
+        self._topics: set[str] = set()  # what the producer has written to
         self._queue: list[Final] = []
         self._committing: list[Final] = []
         self._wake = asyncio.Event()
@@ -202,6 +206,8 @@ class Committer:
                 log.exception("commit.unexpected")
                 self._retry(batch, exc, charge=False)
             self._committing = []
+            if len(self._topics) > MAX_PRODUCER_TOPICS and self._producer is not None:
+                await self._renew_producer()
             if self._queue:
                 self._wake.set()
 
@@ -367,6 +373,21 @@ class Committer:
                 log.warning("commit.producer_start_failed", error=repr(exc), tries=tries)
                 await asyncio.sleep(min(RETRY_BACKOFF_S * tries, MAX_BACKOFF_S))
 
+    async def _renew_producer(self) -> None:
+        """A new producer takes the transactional id between two transactions (fencing the idle
+        old one, which closes); if it cannot start, the old one serves on (a fenced one fails its
+        next transaction, and the lost-commit path replaces it)."""
+        old, topics = [self._producer], len(self._topics)
+        try:
+            self._producer = await self._call(self._new_producer)
+        except Exception as exc:  # noqa: BLE001 - coordinator away: renewed after the next one
+            self._m.producer_start_failures.inc()
+            log.warning("commit.producer_renewal_failed", error=repr(exc))
+            return
+        self._m.producer_renewals.inc()
+        log.info("commit.producer_renewed", topics=topics)
+        await self._call(lambda: old.pop().close())  # destroyed off the loop: it may block
+
     def _new_producer(self) -> Producer:
         global _FAILED_STARTS
         if _FAILED_STARTS > 0:
@@ -374,6 +395,7 @@ class Committer:
             raise KafkaException(KafkaError(KafkaError._TRANSPORT, "test hook: start fails"))
         producer = Producer(producer_config(self._k, self._txn_id))
         producer.init_transactions(CALL_TIMEOUT_S)
+        self._topics = set()
         return producer
 
     def _transact(self, batch: list[Final], ledgers, result: _Result) -> _Result:
@@ -401,6 +423,7 @@ class Committer:
     def _produce(self, p: Producer, batch: list[Final], refused: dict) -> None:
         for f in batch:
             for topic, partition, key, value, headers in f.records:
+                self._topics.add(topic)
                 kwargs = {"headers": headers} if headers else {}
                 if partition is not None:
                     kwargs["partition"] = partition

@@ -17,12 +17,10 @@ from inferline.contract.schema import MSGPACK, DoneEvent, ErrorInfo, InvalidRequ
 from inferline.contract.schema import StartedEvent, Timing, TokensEvent, Usage, encode_event
 from inferline.contract.schema import content_headers
 from inferline.worker.delivery.commit import MAX_BACKOFF_S, RETRY_BACKOFF_S, permanent
-from inferline.worker.delivery.commit import Committer, Final, Outcome
+from inferline.worker.delivery.commit import MAX_PRODUCER_TOPICS, Committer, Final, Outcome
 
 log = structlog.get_logger(__name__)
 FAILING_FOR_S = 30.0
-# Reply topics the producer keeps metadata for; past it, idle ones are dropped.
-MAX_PRODUCER_TOPICS = 512
 Source = tuple[TopicPartition, int, int]  # a final's input: (partition, offset, generation)
 
 
@@ -267,7 +265,8 @@ class Publisher:
         self._prune_metadata()
 
     def _prune_metadata(self) -> None:
-        # aiokafka refreshes metadata for every topic it ever sent to: keep the ones in use.
+        # aiokafka refreshes metadata for every topic it ever sent to: past MAX_PRODUCER_TOPICS,
+        # keep the ones in use.
         client = self._producer.client
         if len(client._topics) > MAX_PRODUCER_TOPICS:
             client.set_topics(

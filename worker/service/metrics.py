@@ -223,6 +223,12 @@ class Metrics:
             "Transactional producers that failed to start (each is tried again)",
             registry=r,
         )
+        self.producer_renewals = Counter(
+            "inferline_producer_renewals",
+            "Transactional producers replaced after writing to MAX_PRODUCER_TOPICS reply topics "
+            "(librdkafka keeps every topic's metadata)",
+            registry=r,
+        )
         self.consumer_restarts = Counter(
             "inferline_consumer_restarts",
             "Group consumers replaced after the broker refused them (a static member's "
