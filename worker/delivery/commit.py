@@ -377,7 +377,7 @@ class Committer:
         """A new producer takes the transactional id between two transactions (fencing the idle
         old one, which closes); if it cannot start, the old one serves on (a fenced one fails its
         next transaction, and the lost-commit path replaces it)."""
-        old, topics = [self._producer], len(self._topics)
+        old, topics = self._producer, len(self._topics)
         try:
             self._producer = await self._call(self._new_producer)
         except Exception as exc:  # noqa: BLE001 - coordinator away: renewed after the next one
@@ -386,7 +386,8 @@ class Committer:
             return
         self._m.producer_renewals.inc()
         log.info("commit.producer_renewed", topics=topics)
-        await self._call(lambda: old.pop().close())  # destroyed off the loop: it may block
+        # Closed on a thread of its own: it may block, and the next transaction need not wait.
+        threading.Thread(target=old.close, name="committer-close", daemon=True).start()
 
     def _new_producer(self) -> Producer:
         global _FAILED_STARTS
