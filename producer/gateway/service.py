@@ -52,7 +52,24 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         try:
             tenant = self.keys.tenant_of(request.headers.get("authorization"))
-            body = await self._body(request)
+            body = await self.body(request)
+        except OpenAIError as exc:
+            return self._answer(endpoint, t0, exc.response())
+        return await self.run(request, tenant, body, chat, endpoint, t0)
+
+    async def run(
+        self,
+        request: HttpRequest,
+        tenant: str | None,
+        body: dict,
+        chat: bool = True,
+        endpoint: str = "chat",
+        t0: float | None = None,
+    ) -> Response:
+        """Answer an OpenAI chat (``chat``) or legacy body for ``tenant``; ``request`` only tells
+        whether the client hung up (``is_disconnected``)."""
+        t0 = time.monotonic() if t0 is None else t0
+        try:
             gateway = self.settings.gateway
             mapped = (
                 chat_request(body, gateway.tool_call_parser) if chat else completion_request(body)
@@ -74,7 +91,8 @@ class Gateway:
             self._release(handle)
         return self._answer(endpoint, t0, response)
 
-    async def _body(self, request: HttpRequest) -> dict:
+    async def body(self, request: HttpRequest) -> dict:
+        """The request's JSON object; a 404 when it names another model."""
         body = await json_object(request)
         model = body.get("model")
         if model is not None and model != self.model:
