@@ -456,30 +456,20 @@ class EventStream:
         return out
 
     def completed(self) -> list[str]:
-        """The last events: open items closed, then the whole response."""
+        """Open items closed; the response is then whole (`last` sends it)."""
         out = self.close()
         finish(self.response, self.output, self.finish_reason, self.usage)
-        kind = (
-            "response.completed"
-            if self.response["status"] == "completed"
-            else ("response.incomplete")
-        )
-        return out + [self.event(kind, response=self.response)]
+        return out
 
     def error(self, error: dict) -> list[str]:
-        """A failure after the stream began: OpenAI's `error` event, then `response.failed`."""
-        self.response.update(
-            status="failed",
-            error={
-                "code": error.get("code") or "server_error",
-                "message": error.get("message", ""),
-            },
-        )
-        fields = {k: error.get(k) for k in ("code", "message", "param")}
-        return [
-            self.event("error", **fields),
-            self.event("response.failed", response=self.response),
-        ]
+        """A failure after the stream began: OpenAI's `error` event (`last`: response.failed)."""
+        code = error.get("code") or "server_error"
+        self.response.update(status="failed", error={"code": code, "message": error["message"]})
+        return [self.event("error", **{k: error.get(k) for k in ("code", "message", "param")})]
+
+    def last(self) -> str:
+        """The response as it ended: response.completed, .incomplete or .failed."""
+        return self.event(f"response.{self.response['status']}", response=self.response)
 
 
 async def translate(
@@ -487,23 +477,26 @@ async def translate(
     events: EventStream,
     on_end: Callable[[dict], Awaitable[None]],
 ) -> AsyncIterator[str]:
-    """A chat SSE stream -> the Responses stream; `on_end(response)` once it has ended (stores
-    it)."""
+    """A chat SSE stream -> the Responses stream; `on_end(response)` (which stores it) runs
+    before the last event, so a client that has it can read the response back."""
     for e in events.start():
         yield e
+    tail: list[str] = []
     async for raw in chunks:
-        for line in raw.split("\n"):
-            data = line.removeprefix("data: ")
-            if not line.startswith("data: ") or data == "[DONE]":
-                continue
-            body = json.loads(data)
-            if "error" in body:
-                for e in events.error(body["error"]):
-                    yield e
-                await on_end(events.response)
-                return
+        for body in _bodies(raw):
+            if "error" in body:  # the chat stream's last event
+                tail = events.error(body["error"])
+                break
             for e in events.chunk(body):
                 yield e
-    for e in events.completed():
-        yield e
+    if events.response["status"] != "failed":
+        tail = events.completed()
     await on_end(events.response)
+    for e in [*tail, events.last()]:
+        yield e
+
+
+def _bodies(raw: str) -> list[dict]:
+    """The JSON bodies of a piece of a chat SSE stream ([DONE] left out)."""
+    datas = [line.removeprefix("data: ") for line in raw.split("\n") if line.startswith("data: ")]
+    return [json.loads(d) for d in datas if d != "[DONE]"]

@@ -239,7 +239,7 @@ class Responses:
             return exc.response()
 
     async def _record(self, resp_id: str, tenant: str | None, param: str = "response_id") -> dict:
-        raw = await self.table.get(resp_id)
+        raw = await self.table.get(resp_id, fresh=True)
         rec = json.loads(raw) if raw is not None else None
         if rec is None or rec.get("tenant") != tenant:
             raise OpenAIError(404, f"no such response: {resp_id}", param=param, code="not_found")

@@ -157,12 +157,14 @@ async def test_a_background_response_is_cancelled_from_another_replica(replicas)
     before = cancels._value.get()
     queued = await aio.responses.create(model=MODEL, input=SLOW, background=True)
     assert queued.status == "queued" and queued.background
-    while worker.requests[-1].messages[-1].content != SLOW:  # it reached the worker
-        await asyncio.sleep(0.05)
+    async with asyncio.timeout(30):
+        while worker.requests[-1].messages[-1].content != SLOW:  # it reached the worker
+            await asyncio.sleep(0.05)
     cancelled = await other.responses.cancel(queued.id)
     assert cancelled.status == "cancelled"
-    while cancels._value.get() == before:  # the owner heard it and cancelled the request
-        await asyncio.sleep(0.05)
+    async with asyncio.timeout(30):
+        while cancels._value.get() == before:  # the owner heard it and cancelled the request
+            await asyncio.sleep(0.05)
     assert (await aio.responses.retrieve(queued.id)).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # only background ones
         await aio.responses.cancel((await aio.responses.create(model=MODEL, input="Hi")).id)
