@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from inferline.config.settings import Settings
 from inferline.producer.gateway.errors import OpenAIError, bad_request
+from inferline.producer.gateway.responses_events import EventStream, translate
 from inferline.producer.gateway.responses_mapping import (
-    EventStream,
     chat_body,
     finish,
     new_id,
@@ -24,7 +24,6 @@ from inferline.producer.gateway.responses_mapping import (
     param_of,
     response_object,
     assistant_turn,
-    translate,
 )
 from inferline.producer.gateway.service import Gateway
 from inferline.producer.gateway.sse import SSEResponse
