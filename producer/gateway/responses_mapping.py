@@ -72,7 +72,10 @@ def chat_body(body: dict, history: list[dict]) -> dict:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if (response_format := _text_format(body.get("text"))) is not None:
+    response_format = _text_format(body.get("text"))
+    # A forced call (tool_choice required or named) writes no text for text.format to shape: the
+    # call's grammar stands alone (instructor sends both, the tool's schema in each).
+    if response_format is not None and not _forces_call(chat.get("tool_choice")):
         chat["response_format"] = response_format
     return chat
 
@@ -172,6 +175,10 @@ def _tool_choice(choice: Any) -> Any:
         "tool_choice",
         'tool_choice: must be "none", "auto", "required" or {"type": "function", "name": ...}',
     )
+
+
+def _forces_call(choice: Any) -> bool:
+    return choice == "required" or isinstance(choice, dict)
 
 
 def _text_format(text: Any) -> dict | None:

@@ -49,6 +49,8 @@ def test_items_become_chat_turns_and_the_chat_mapping_takes_them():
         "const": "f"
     }  # the named function is forced, as chat's tool_choice
     fmt = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
+    both = chat_body({**body, "text": {"format": fmt}}, [])  # as instructor sends them
+    assert "response_format" not in both and chat_request(both).fields["response_format"]
     chat = chat_body({"input": "Hi", "text": {"format": fmt}}, [])
     assert chat["response_format"]["json_schema"] == {
         k: fmt[k] for k in ("name", "schema", "strict")
