@@ -46,6 +46,7 @@ PARAMS = {
 }
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_METADATA_PAIRS = 16
 
 
 def new_id(prefix: str) -> str:
@@ -87,6 +88,22 @@ def _refuse_unknown(body: dict) -> None:
         raise bad_request(name, f"{name} is not supported")
     if "n" in body and body["n"] not in (None, 1):
         raise bad_request("n", "n is not supported")
+    _check_metadata(body.get("metadata"))
+
+
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return
+    if not (
+        isinstance(metadata, dict)
+        and len(metadata) <= MAX_METADATA_PAIRS
+        and all(isinstance(k, str) and len(k) <= 64 for k in metadata)
+        and all(isinstance(v, str) and len(v) <= 512 for v in metadata.values())
+    ):
+        raise bad_request(
+            "metadata", "metadata: at most 16 string pairs, keys up to 64 characters, values 512"
+        )
 
 
 def _instructions(body: dict) -> list[dict]:

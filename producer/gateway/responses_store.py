@@ -91,8 +91,8 @@ class Responses:
                 chat["messages"][1:] if body.get("instructions") is not None else chat["messages"]
             )
             store = store and self._can_store(turns, background)
-            if background and body.get("stream"):
-                raise bad_request("stream", "stream: a background response is not streamed")
+            if background and (body.get("stream") or not store):
+                raise bad_request("background", "background: needs store and no stream")
         except OpenAIError as exc:
             return exc.response()
         response = response_object({**body, "store": store}, new_id("resp"), self.gateway.model)
@@ -136,11 +136,12 @@ class Responses:
         return rec["messages"]
 
     async def _keep(self, response: dict, turns: list[dict], tenant: str | None) -> None:
-        """Store the response with its conversation, unless cancelled meanwhile."""
+        """Store the response with its conversation; a background one only while its record
+        is still running (not cancelled, not deleted)."""
         if response["status"] == "failed":
             turns = []
         stored = json.loads(self.table.data.get(response["id"], b"{}"))
-        if stored.get("response", {}).get("status") == "cancelled":
+        if response["background"] and stored.get("response", {}).get("status") != "in_progress":
             return
         messages = [*turns, assistant_turn(response["output"])]
         await self._save(response, messages, tenant)
@@ -167,6 +168,8 @@ class Responses:
     async def _run(self, run: _Cancelled, response: dict, tenant, chat: dict, keep) -> None:
         try:
             response = {**response, "status": "in_progress"}
+            if run.event.is_set():  # cancelled while queued
+                return
             await self._save(response, [], tenant)
             answer = await self.gateway.run(run, tenant, chat, endpoint=ENDPOINT)
             if run.event.is_set():
@@ -197,6 +200,8 @@ class Responses:
 
     async def retrieve(self, request: HttpRequest, resp_id: str) -> Response:
         async def work(tenant):
+            for name in request.query_params:  # `stream`, `include`, ...: not implemented
+                raise bad_request(name, f"{name} is not supported")
             return (await self._record(resp_id, tenant))["response"]
 
         return await self._answer(request, work)

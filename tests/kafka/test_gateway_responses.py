@@ -145,6 +145,7 @@ async def test_text_format_reaches_the_worker_and_fields_are_refused_by_name(rep
         ({"input": [{"role": "user", "content": "x"}] * 2049}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"background": True, "store": False}, "background"),
     ):
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as err:
             await aio.responses.create(model=MODEL, **{"input": "x", **kw})

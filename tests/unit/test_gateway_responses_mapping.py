@@ -69,6 +69,8 @@ def test_items_become_chat_turns_and_the_chat_mapping_takes_them():
         ({"input": "x", "tool_choice": "any"}, "tool_choice"),
         ({"input": []}, "input"),
         ({"input": "x", "n": 2}, "n"),
+        ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
     ],
 )
 def test_what_is_not_supported_is_refused_by_name(body, param):
