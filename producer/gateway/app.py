@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -34,8 +35,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await gateway.pool.start()
-        await batches.start()  # a refused topic leaves only the Batch API off (503)
-        await responses.start()  # ... and only stored responses
+        # Side by side (each reads a topic to its end); a refused topic leaves only the Batch API
+        # off (503), or only stored responses.
+        await asyncio.gather(batches.start(), responses.start())
         yield
         await responses.close()
         await batches.close()
