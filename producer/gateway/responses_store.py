@@ -81,6 +81,7 @@ class Responses:
     # --- create -------------------------------------------------------------------------------
 
     async def create(self, request: HttpRequest) -> Response:
+        t0 = time.monotonic()
         try:
             tenant = self.gateway.keys.tenant_of(request.headers.get("authorization"))
             body = await self.gateway.body(request)
@@ -94,7 +95,7 @@ class Responses:
             if background and (body.get("stream") or not store):
                 raise bad_request("background", "background: needs store and no stream")
         except OpenAIError as exc:
-            return exc.response()
+            return self.gateway.answered(ENDPOINT, t0, exc.response())
         response = response_object({**body, "store": store}, new_id("resp"), self.gateway.model)
         keep = (lambda r: self._keep(r, turns, tenant)) if store else _nothing
         if background:
