@@ -203,11 +203,11 @@ def _text_format(text: Any) -> dict | None:
     if text is None:
         return None
     fmt = text.get("format") if isinstance(text, dict) else None
-    unknown = (
-        [k for k in text if k not in ("format", "verbosity")] if isinstance(text, dict) else []
-    )
-    if not isinstance(text, dict) or unknown or not isinstance(fmt, (dict, type(None))):
+    if not isinstance(text, dict) or not isinstance(fmt, (dict, type(None))):
         raise bad_request("text", "text: must be an object with `format`")
+    unknown = [k for k, v in text.items() if k != "format" and v is not None]
+    if unknown:  # `verbosity`, ...
+        raise bad_request("text", f"text.{unknown[0]} is not supported")
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
         return None

@@ -65,6 +65,7 @@ def test_items_become_chat_turns_and_the_chat_mapping_takes_them():
         ({"input": [{"type": "input_image"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
+        ({"input": "x", "text": {"verbosity": "low"}}, "text"),
         ({"input": "x", "tools": [{"type": "file_search"}]}, "tools"),
         ({"input": "x", "tool_choice": "any"}, "tool_choice"),
         ({"input": []}, "input"),
