@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from inferline.producer.gateway.batches import BatchService
 from inferline.producer.gateway.errors import OpenAIError
 from inferline.producer.gateway.files import parse_upload
 from inferline.producer.gateway.metrics import GatewayMetrics
+from inferline.producer.gateway.responses_store import Responses
 from inferline.producer.gateway.service import Gateway, json_object
 from inferline.producer.gateway.tracing import TraceMiddleware
 
@@ -28,21 +30,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = ApiKeys(load_keys(settings.gateway, settings.kafka.tenancy == "topic", settings.kafka))
     gateway = Gateway(settings, keys, ClientPool(settings, keys.tenants), GatewayMetrics())
     batches = BatchService(settings, gateway.pool.instance)
+    responses = Responses(settings, gateway)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await gateway.pool.start()
-        await batches.start()  # a refused topic leaves only the Batch API off (503)
+        # Side by side (each reads a topic to its end); a refused topic leaves only the Batch API
+        # off (503), or only stored responses.
+        await asyncio.gather(batches.start(), responses.start())
         yield
+        await responses.close()
         await batches.close()
         await gateway.pool.close()
 
     app = FastAPI(title="inferline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
     app.state.batches = batches
+    app.state.responses = responses
     app.add_middleware(TraceMiddleware)  # a no-op while tracing is off
     _add_routes(app, gateway)
     _add_batch_routes(app, gateway, batches)
+    _add_responses_routes(app, responses)
     _add_error_handlers(app)
     return app
 
@@ -158,6 +166,26 @@ def _add_batch_routes(app: FastAPI, gateway: Gateway, batches: BatchService) -> 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:
         return await answer(request, lambda tenant: batches.cancel(tenant, batch_id))
+
+
+def _add_responses_routes(app: FastAPI, responses: Responses) -> None:
+    """OpenAI's Responses API; stored responses belong to the key's tenant."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await responses.delete(request, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await responses.cancel(request, response_id)
 
 
 async def _now(value):

@@ -52,14 +52,31 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         try:
             tenant = self.keys.tenant_of(request.headers.get("authorization"))
-            body = await self._body(request)
+            body = await self.body(request)
+        except OpenAIError as exc:
+            return self.answered(endpoint, t0, exc.response())
+        return await self.run(request, tenant, body, chat, endpoint, t0)
+
+    async def run(
+        self,
+        request: HttpRequest,
+        tenant: str | None,
+        body: dict,
+        chat: bool = True,
+        endpoint: str = "chat",
+        t0: float | None = None,
+    ) -> Response:
+        """Answer an OpenAI chat (``chat``) or legacy body for ``tenant``; ``request`` only tells
+        whether the client hung up (``is_disconnected``)."""
+        t0 = time.monotonic() if t0 is None else t0
+        try:
             gateway = self.settings.gateway
             mapped = (
                 chat_request(body, gateway.tool_call_parser) if chat else completion_request(body)
             )
             handle = await self._submit(tenant, mapped)
         except OpenAIError as exc:
-            return self._answer(endpoint, t0, exc.response())
+            return self.answered(endpoint, t0, exc.response())
         self.metrics.in_flight.inc()
         shape = Shape(
             chat, handle.id, self.model, self.settings.gateway.reasoning_parser, mapped.tools
@@ -72,9 +89,10 @@ class Gateway:
             response = exc.response()
         finally:
             self._release(handle)
-        return self._answer(endpoint, t0, response)
+        return self.answered(endpoint, t0, response)
 
-    async def _body(self, request: HttpRequest) -> dict:
+    async def body(self, request: HttpRequest) -> dict:
+        """The request's JSON object; a 404 when it names another model."""
         body = await json_object(request)
         model = body.get("model")
         if model is not None and model != self.model:
@@ -153,7 +171,7 @@ class Gateway:
                 if first is False
                 else self._failure(failure, shape, mapped).response()
             )
-            return self._answer(endpoint, t0, response)
+            return self.answered(endpoint, t0, response)
 
         # Counted when the stream closes: a hang-up (499), or the error's status.
         outcome = {"status": 200}
@@ -162,7 +180,7 @@ class Gateway:
             self.metrics.streams_open.dec()
             status = CLIENT_CLOSED if not handle.finished else outcome["status"]
             self._release(handle)
-            self._answer(endpoint, t0, None, status)
+            self.answered(endpoint, t0, None, status)
 
         chunks = self._chunks(handle, events, first, shape, mapped, t0, outcome)
         self.metrics.streams_open.inc()
@@ -277,9 +295,10 @@ class Gateway:
             self.metrics.cancels.inc()
         self.pool.release(handle)
 
-    def _answer(
+    def answered(
         self, endpoint: str, t0: float, response: Response | None, status: int = 200
     ) -> Response | None:
+        """Count an answer (or, for a stream that closed, its `status`) in the metrics."""
         status = response.status_code if response is not None else status
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.duration.observe(time.monotonic() - t0)

@@ -17,7 +17,7 @@ class SSEResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
         # no-cache, no proxy buffering: each event must reach the client as written.
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+        self.on_close = on_close  # public: a re-shaped stream keeps it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette only sees a hang-up when a write fails: listen for it instead.
@@ -36,4 +36,4 @@ class SSEResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(Exception):
                     await self.body_iterator.aclose()
-            self._on_close()
+            self.on_close()

@@ -92,9 +92,10 @@ class TopicTable:
                 if self.on_change:
                     self.on_change(key, r.value)
 
-    async def get(self, key: str) -> bytes | None:
-        """The key's value; on a miss, first follow the topic up to its end."""
-        if key not in self.data:
+    async def get(self, key: str, fresh: bool = False) -> bytes | None:
+        """The key's value; on a miss (or always, when `fresh`: another replica may have changed
+        or deleted it), first follow the topic up to its end."""
+        if fresh or key not in self.data:
             try:
                 await self.caught_up()
             except TimeoutError:

@@ -124,3 +124,22 @@ async def test_a_named_call_from_the_real_worker_follows_the_schema(shallow_flee
     ]
     assert name == "get_time" and args["city"] in ("Paris", "Oslo")
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+async def test_responses_text_format_from_the_real_worker_follows_the_schema(shallow_fleet):
+    """/v1/responses' json_schema `text.format` is the contract's constraint: the grammar engine
+    holds the shallow model's answer to the schema, whole and streamed."""
+    aio = client(shallow_fleet.url)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": CITIES}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "place", "schema": schema, "strict": True}
+    kw = {"model": MODEL, "input": "Where?", "text": {"format": fmt}, "temperature": 0}
+    out = await aio.responses.create(**kw, max_output_tokens=24)
+    assert json.loads(out.output_text)["city"] in CITIES and out.status == "completed"
+    async with aio.responses.stream(**kw, max_output_tokens=24, store=False) as events:
+        final = await events.get_final_response()
+    assert json.loads(final.output_text)["city"] in CITIES and final.usage.output_tokens > 0
