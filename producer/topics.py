@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError, NodeNotReadyError
 
 from inferline.contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
 
@@ -34,8 +35,40 @@ async def create_topics(
     wait_s: float = 10.0,
 ) -> list[str]:
     """Create each missing (name, partitions) and wait until all have leaders; returns the names
-    created. Unset, the replication factor and min.insync.replicas are the broker's defaults."""
+    created. Unset, the replication factor and min.insync.replicas are the broker's defaults.
+    Topics that exist are not asked for: a principal without CREATE on them, or a client that
+    starts while a broker it still thinks alive is dead (aiokafka waits out its request timeout on
+    that one when it is the controller), goes on."""
     wanted = list(topics)
+    existing = await existing_topics(admin)
+    missing = [(name, n) for name, n in wanted if name not in existing]
+    created: list[str] = []
+    if missing:
+        created = await _create(admin, missing, replication_factor, min_insync_replicas, configs)
+    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
+    return created
+
+
+async def existing_topics(admin: AIOKafkaAdminClient, tries: int = 3) -> set[str]:
+    """Every topic the cluster has; by listing them all, as naming one may auto-create it. A
+    broker that does not answer gives way to another."""
+    for attempt in range(tries):
+        try:
+            return set(await admin.list_topics())
+        except (NodeNotReadyError, KafkaConnectionError):
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+async def _create(
+    admin: AIOKafkaAdminClient,
+    wanted: list[tuple[str, int]],
+    replication_factor: int | None,
+    min_insync_replicas: int | None,
+    configs: dict[str, str] | None,
+) -> list[str]:
     replicas = replication_factor or await default_replication_factor(admin)
     configs = dict(configs or {})
     if min_insync_replicas is not None:
@@ -50,7 +83,6 @@ async def create_topics(
             raise RuntimeError(
                 f"cannot create topic {name}: error {code} {rest[0] if rest else ''}"
             )
-    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
     return created
 
 
@@ -78,7 +110,14 @@ async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] 
 async def wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     for topic in topics:
-        while await topic_partitions(admin, topic) is None:
+        while not await _has_leaders(admin, topic):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"topic {topic} has no leader after {wait_s} s")
             await asyncio.sleep(0.05)
+
+
+async def _has_leaders(admin: AIOKafkaAdminClient, topic: str) -> bool:
+    try:
+        return await topic_partitions(admin, topic) is not None
+    except (NodeNotReadyError, KafkaConnectionError):  # a lost broker: the next try asks another
+        return False
