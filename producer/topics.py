@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, NodeNotReadyError
 
 from inferline.contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
+
+T = TypeVar("T")
 
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36
@@ -49,12 +52,18 @@ async def create_topics(
     return created
 
 
-async def existing_topics(admin: AIOKafkaAdminClient, tries: int = 3) -> set[str]:
-    """Every topic the cluster has; by listing them all, as naming one may auto-create it. A
-    broker that does not answer gives way to another."""
+async def existing_topics(admin: AIOKafkaAdminClient) -> set[str]:
+    """Every topic the cluster has; by listing them all, as naming one may auto-create it."""
+    return set(await any_broker(admin.list_topics))
+
+
+async def any_broker(call: Callable[[], Awaitable[T]], tries: int = 10) -> T:
+    """`await call()` (a metadata read: aiokafka asks a broker at random), again while the broker
+    asked does not answer: a lost one stays in the metadata until the cluster fences it (the
+    brokers' session timeout), so a client starting then would fail on it a third of the time."""
     for attempt in range(tries):
         try:
-            return set(await admin.list_topics())
+            return await call()
         except (NodeNotReadyError, KafkaConnectionError):
             if attempt == tries - 1:
                 raise
@@ -100,7 +109,7 @@ async def default_replication_factor(admin: AIOKafkaAdminClient) -> int:
 
 async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] | None:
     """Partition ids of a topic whose partitions all have leaders, or None."""
-    (meta,) = await admin.describe_topics([topic])
+    (meta,) = await any_broker(lambda: admin.describe_topics([topic]))
     parts = meta["partitions"]
     if meta["error_code"] or not parts or any(p["leader"] < 0 for p in parts):
         return None
@@ -110,14 +119,7 @@ async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] 
 async def wait_for_topics(admin: AIOKafkaAdminClient, topics: list[str], wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     for topic in topics:
-        while not await _has_leaders(admin, topic):
+        while await topic_partitions(admin, topic) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"topic {topic} has no leader after {wait_s} s")
             await asyncio.sleep(0.05)
-
-
-async def _has_leaders(admin: AIOKafkaAdminClient, topic: str) -> bool:
-    try:
-        return await topic_partitions(admin, topic) is not None
-    except (NodeNotReadyError, KafkaConnectionError):  # a lost broker: the next try asks another
-        return False

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from aiokafka.errors import NodeNotReadyError
 
-from inferline.producer.topics import create_topics
+from inferline.producer.topics import create_topics, topic_partitions
 
 
 class Admin:
@@ -53,3 +53,8 @@ async def test_only_the_missing_are_created_and_a_lost_broker_gives_way_to_anoth
     wanted = [("inferline.reply.shared", 4), ("inferline.reply.new", 4)]
     assert await create_topics(admin, wanted, replication_factor=3) == ["inferline.reply.new"]
     assert admin.asked == ["inferline.reply.new"]
+
+
+async def test_a_reply_topics_partitions_are_read_past_a_lost_broker():
+    """A gateway starting while a lost broker is still in the metadata (watch_shared)."""
+    assert await topic_partitions(Admin({"inferline.reply.shared"}, unreachable=3), "t") == [0]
