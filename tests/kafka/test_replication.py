@@ -299,8 +299,9 @@ async def test_topics_take_the_clusters_replicas_and_streams_survive_the_reply_l
     )
     api, first_sse = client(fleet.url), asyncio.Event()
     async with client_:
-        replies = await describe(cluster.bootstrap, client_.reply_topic)
-        assert {len(p["replicas"]) for p in replies["partitions"]} == {NODES}
+        for replies in (client_.reply_topic, fleet.reply_topic):
+            meta = await describe(cluster.bootstrap, replies)
+            assert {len(p["replicas"]) for p in meta["partitions"]} == {NODES}, replies
         fleet.gate.hold()  # both in the engine before its first step
         handle = await client_.submit("Count to twenty.", max_tokens=48, ignore_eos=True)
         streaming = asyncio.create_task(
