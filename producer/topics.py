@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError, NodeNotReadyError
 
 from inferline.contract.topics import TENANT_SEGMENT  # noqa: F401 - re-exported for the CLI
+
+T = TypeVar("T")
 
 # Kafka protocol error codes.
 TOPIC_ALREADY_EXISTS = 36
@@ -34,8 +38,46 @@ async def create_topics(
     wait_s: float = 10.0,
 ) -> list[str]:
     """Create each missing (name, partitions) and wait until all have leaders; returns the names
-    created. Unset, the replication factor and min.insync.replicas are the broker's defaults."""
+    created. Unset, the replication factor and min.insync.replicas are the broker's defaults.
+    Topics that exist are not asked for: a principal without CREATE on them, or a client that
+    starts while a broker it still thinks alive is dead (aiokafka waits out its request timeout on
+    that one when it is the controller), goes on."""
     wanted = list(topics)
+    existing = await existing_topics(admin)
+    missing = [(name, n) for name, n in wanted if name not in existing]
+    created: list[str] = []
+    if missing:
+        created = await _create(admin, missing, replication_factor, min_insync_replicas, configs)
+    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
+    return created
+
+
+async def existing_topics(admin: AIOKafkaAdminClient) -> set[str]:
+    """Every topic the cluster has; by listing them all, as naming one may auto-create it."""
+    return set(await any_broker(admin.list_topics))
+
+
+async def any_broker(call: Callable[[], Awaitable[T]], tries: int = 10) -> T:
+    """`await call()` (a metadata read: aiokafka asks a broker at random), again while the broker
+    asked does not answer: a lost one stays in the metadata until the cluster fences it (the
+    brokers' session timeout), so a client starting then would fail on it a third of the time."""
+    for attempt in range(tries):
+        try:
+            return await call()
+        except (NodeNotReadyError, KafkaConnectionError):
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+async def _create(
+    admin: AIOKafkaAdminClient,
+    wanted: list[tuple[str, int]],
+    replication_factor: int | None,
+    min_insync_replicas: int | None,
+    configs: dict[str, str] | None,
+) -> list[str]:
     replicas = replication_factor or await default_replication_factor(admin)
     configs = dict(configs or {})
     if min_insync_replicas is not None:
@@ -50,7 +92,6 @@ async def create_topics(
             raise RuntimeError(
                 f"cannot create topic {name}: error {code} {rest[0] if rest else ''}"
             )
-    await wait_for_topics(admin, [name for name, _ in wanted], wait_s)
     return created
 
 
@@ -68,7 +109,7 @@ async def default_replication_factor(admin: AIOKafkaAdminClient) -> int:
 
 async def topic_partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int] | None:
     """Partition ids of a topic whose partitions all have leaders, or None."""
-    (meta,) = await admin.describe_topics([topic])
+    (meta,) = await any_broker(lambda: admin.describe_topics([topic]))
     parts = meta["partitions"]
     if meta["error_code"] or not parts or any(p["leader"] < 0 for p in parts):
         return None

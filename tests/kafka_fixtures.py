@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import socket
 import subprocess
@@ -348,11 +349,21 @@ ProduceRaw = Callable[..., Awaitable[list[RecordMetadata]]]
 
 
 def free_port_pair() -> int:
-    """A port P such that P and P + 1 (a private broker's controller) are free on localhost."""
+    """A port P such that P and P + 1 (a private broker's controller) are free on localhost; from
+    INFERLINE_TEST_PORTS ("LOW-HIGH") when set (runs side by side, each in a range of its own)."""
+    low, _, high = os.environ.get("INFERLINE_TEST_PORTS", "").partition("-")
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if low:
+            port = random.randrange(int(low), int(high))
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         if port > 64000:
             continue
         with socket.socket() as s:
