@@ -341,6 +341,7 @@ async def test_topics_take_the_clusters_replicas_and_streams_survive_the_reply_l
     assert len(tokens) == chunks[-1].usage.completion_tokens == 48  # none lost, none twice
 
 
+@pytest.mark.full  # one or two SIGKILLs and broker restarts: a minute and more (make test-full)
 async def test_a_batchs_state_and_files_survive_their_leaders_sigkill(cluster, fleet):
     """The Batch API's topics have 3 replicas and min.insync.replicas 2; a batch whose requests
     are in the worker, unanswered, when the state topic's leader is SIGKILLed (and then the files
