@@ -47,6 +47,19 @@ def state_topics(settings: Settings) -> tuple[str, str]:
     return f"{base}.batch.files", f"{base}.batch.state"
 
 
+def batches_need_topic_rights(prefix: str) -> OpenAIError:
+    """Each batch reads its replies from a topic of its own, made and deleted by the gateway: a
+    gateway without topic rights refuses batches at once rather than failing each at its start."""
+    return OpenAIError(
+        501,
+        "batches: this gateway runs without topic rights (INFERLINE_KAFKA__CREATE_REPLY_TOPICS="
+        f"false), and each batch needs a reply topic of its own ({prefix}batch-<id>: CREATE and "
+        "DELETE on that prefix)",
+        type="server_error",
+        code="batches_unavailable",
+    )
+
+
 class BatchService:
     def __init__(self, settings: Settings, instance: str):
         self.settings, self.instance = settings, instance
@@ -100,6 +113,8 @@ class BatchService:
 
     async def create(self, tenant: str | None, body: dict) -> dict:
         """POST /v1/batches."""
+        if not self.settings.kafka.create_reply_topics:
+            raise batches_need_topic_rights(self.settings.kafka.reply_topic_prefix)
         file_id, endpoint, window = (
             body.get("input_file_id"),
             body.get("endpoint"),
