@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock k8s-tools prometheus-tools kcat-tools k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
+.PHONY: install lock k8s-tools prometheus-tools kcat-tools jaeger-tools trace-check k8s-check demo test test-full kafka kafka-stop bench bench-peer bench-broker-cost chaos gpu-compile gpu-wheels gpu-rehearsal clean
 
 # constraints.txt: the versions the suite last passed with (`make lock` rewrites it from .venv), so a
 # new upstream release cannot break a fresh install between two commits.
@@ -42,6 +42,17 @@ prometheus-tools:
 # Best effort: without it tests/kafka/test_json_encoding.py skips.
 kcat-tools:
 	deploy/kcat/tools.sh || echo "make: kcat is not installed; its test will skip"
+
+# Jaeger v2 built from the Go module proxy (deploy/jaeger/tools.sh; several minutes the first
+# time), cached under ~/.cache/inferline/jaeger. Not run by `make test`, whose trace test
+# (tests/kafka/test_jaeger.py) runs when the binary is cached and otherwise skips, naming this.
+jaeger-tools:
+	deploy/jaeger/tools.sh
+
+# The trace test against a real Jaeger: one trace per request through the gateway, Kafka and the
+# worker. Builds Jaeger first; here a missing binary fails the test instead of skipping it.
+trace-check: install jaeger-tools
+	INFERLINE_REQUIRE_JAEGER=1 scripts/test.sh tests/kafka/test_jaeger.py
 
 # The Helm chart without a cluster: helm lint, helm template (defaults and deploy/helm/examples/),
 # kubeconform against the Kubernetes and KEDA schemas (deploy/helm/check.sh).

@@ -221,7 +221,9 @@ class RequestTracker:
 
     def _started(self, job: Job, out: RequestOutput, now: float) -> None:
         job.state = "running"
-        job.trace.started(now)
+        # The engine's first schedule, not this output's time: one step may both start it and
+        # give its first token, and the step's time is prefill, not pool (as queue_time counts).
+        job.trace.started(min(now, job.received + max(0.0, out.queue_s)))
         self._num_waiting -= 1
         self.delivery.publisher.started(job.reply, out.queue_s)
         self.metrics.by_priority(self.metrics.queue_time, job.request.priority).observe(out.queue_s)

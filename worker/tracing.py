@@ -93,9 +93,10 @@ class RequestTrace(NoTrace):
 
     def delivered(self, outcome: str) -> None:
         """The `done`'s outcome (committed, moved, failed): the request span ends."""
-        self._next(time.time(), None)
+        now = time.time()  # one instant: delivery ends where the request does
+        self._next(now, None)
         self.span.set_attribute("inferline.delivery.outcome", str(outcome))
-        self.span.end()
+        self.span.end(end_time=_ns(now))
 
 
 def request_trace(adm, headers) -> NoTrace:

@@ -43,7 +43,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await batches.close()
         await gateway.pool.close()
 
-    app = FastAPI(title="inferline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # FastAPI's own tracing (0.16x, on once a global provider is set) would add a second server
+    # span, a sibling of TraceMiddleware's, with the URL's query as attributes: ours only.
+    # (An older FastAPI keeps the unknown keyword in app.extra.)
+    app = FastAPI(
+        title="inferline gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        telemetry={"tracing": False},
+    )
     app.state.gateway = gateway
     app.state.batches = batches
     app.state.responses = responses

@@ -79,10 +79,10 @@ def run_one(clock: Clock, headers, **fields):
     token, 3 tokens 0.125 s apart; returns what the worker sent (started, tokens, done)."""
     h = IntakeHarness(Settings())
     _, (req,) = h.feed(body(**fields), timestamp_ms=int((START - 2) * 1000), headers=headers)
-    clock.now += 0.5
-    step(h, req, started=True)
-    clock.now += 0.25
-    step(h, req, new_token_ids=[42], text_delta="a", num_prompt_tokens=3)
+    # As the engine reports a prefill done in one step: `started` (with its time in the pool)
+    # and the first token in one output, at the end of that step.
+    clock.now += 0.75
+    step(h, req, started=True, queue_s=0.5, new_token_ids=[42], text_delta="a", num_prompt_tokens=3)
     for _ in range(2):
         clock.now += 0.125
         step(h, req, new_token_ids=[42], text_delta="a")
