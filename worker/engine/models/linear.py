@@ -11,6 +11,7 @@ from torch import nn
 
 from inferline.kernels.backends import onednn_available
 from inferline.kernels.cpu import gemm
+from inferline.kernels.fp8 import FP8, fp8_linear
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not per weight
@@ -81,9 +82,21 @@ def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear computed on a packed copy of the weight once `pack()` made one."""
+    """nn.Linear computed on a packed copy of the weight once `pack()` made one, or on FP8 codes
+    once `use_fp8()` made the weight hold them."""
 
     packed: Packed | None = None
+    group_k: int = 0  # FP8 weights: the scale groups' width (0: one scale per row)
+
+    def use_fp8(self, group_k: int = 0) -> None:
+        """Hold the weight as e4m3 codes beside fp32 scales [out, groups] (`weight_scale`), both
+        unset, on the weight's device (meta before `to_empty`)."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=device), requires_grad=False)
+        groups = -(-k // group_k) if group_k else 1
+        self.register_buffer("weight_scale", torch.empty(n, groups, device=device))
+        self.group_k = group_k
 
     def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Make the packed copy once the weights are final; False where none applies."""
@@ -91,4 +104,6 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.group_k)
         return linear(x, self.weight, self.bias, self.packed)

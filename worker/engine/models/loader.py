@@ -1,5 +1,5 @@
-"""Weights in: a local HF directory (safetensors), a GGUF file (converted once and cached), or
-random (`load_format=dummy`)."""
+"""Weights in: a local HF directory (safetensors, FP8 checkpoints too), a GGUF file (converted once
+and cached), or random (`load_format=dummy`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from inferline.config.paths import bundled_model_path, cache_dir
+from inferline.kernels.fp8 import FP8, dequantize
+from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
+from inferline.worker.engine.models.quantization import (
+    Fp8Scheme,
+    UnsupportedQuantization,
+    fp8_scheme,
+    scale_name,
+    scale_rows,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +114,7 @@ def load_config(model_dir: Path):
         raise ValueError(
             f"model type {config.model_type!r} is not supported (supported: {SUPPORTED})"
         )
+    fp8_scheme(config)  # refuses an unsupported quantization before any weight is read
     return config
 
 
@@ -113,59 +123,175 @@ def load_tokenizer(model_dir: Path | None):
 
 
 def load_model(
-    path: str, load_format: str, dtype: torch.dtype, device: torch.device, max_positions: int
+    path: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    fp8_codes: bool = False,
 ):
-    """Returns (model, config, tokenizer)."""
+    """Returns (model, config, tokenizer); `fp8_codes`: an FP8 checkpoint's linear layers keep
+    their codes and scales (for the W8A16 kernel) instead of being dequantized to `dtype`."""
     if load_format == "dummy":
         return load_dummy(path, dtype, device, max_positions)
     model_dir = resolve_model_dir(path or None)
     config = load_config(model_dir)
     return (
-        load_weights(model_dir, config, dtype, device, max_positions),
+        load_weights(model_dir, config, dtype, device, max_positions, fp8_codes),
         config,
         load_tokenizer(model_dir),
     )
 
 
 def load_weights(
-    model_dir: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    fp8_codes: bool = False,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, each checkpoint tensor read straight into its place:
-    memory peaks at the weights plus one chunk."""
-    model = empty_model(config, max_positions, dtype, device)
+    memory peaks at the weights plus one chunk. FP8 weights are dequantized into `dtype`, or
+    with `fp8_codes` kept as codes in the decoder layers' linear layers."""
     index = safetensors_index(model_dir)
+    scheme = fp8_scheme(config)
+    coded: dict[str, tuple[Linear, int]] = {}
+
+    def prepare(model: LlamaForCausalLM) -> None:
+        if fp8_codes and scheme is not None and scheme.codes_fit():
+            coded.update(keep_fp8_codes(model, index, scheme))
+
+    model = empty_model(config, max_positions, dtype, device, prepare)
     targets = destinations(model)
     missing = [name for name in targets if name not in index]
     if missing:
         raise KeyError(
             f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}"
         )
+    fp8 = [name for name in targets if index[name].dtype in FP8_DTYPES]
+    check_fp8(fp8, index, scheme, model_dir)
     handles: dict[Path, object] = {}
+
+    def handle(file: Path):
+        if file not in handles:
+            handles[file] = open(file, "rb", buffering=0)
+        return handles[file]
+
     scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
     try:
         for name in sorted(
             targets, key=lambda n: (index[n].file, index[n].offset)
         ):  # sequential reads
-            stored = index[name]
-            if stored.file not in handles:
-                handles[stored.file] = open(stored.file, "rb", buffering=0)
-            read_into(handles[stored.file], stored, targets[name], name, scratch)
+            stored, dst = index[name], targets[name]
+            if stored.dtype not in FP8_DTYPES:
+                read_into(handle(stored.file), stored, dst, name, scratch)
+                continue
+            rows = read_scale(handle, index, scheme, name)
+            if name in coded:
+                linear, row = coded[name]
+                read_into(handle(stored.file), stored, dst, name, scratch)
+                linear.weight_scale[row : row + len(rows)].copy_(rows)
+            else:
+                read_dequantized(handle(stored.file), stored, dst, name, rows, scheme.group_k)
     finally:
-        for handle in handles.values():
-            handle.close()
+        for f in handles.values():
+            f.close()
+    if fp8:
+        log.info(
+            "fp8 weights",
+            scheme=scheme.describe(),
+            tensors=len(fp8),
+            kept_as_codes=len(coded),
+            activation_scales=f"{scheme.activations}, unused",
+        )
     return model.eval()
 
 
 def empty_model(
-    config, max_positions: int, dtype: torch.dtype, device: torch.device
+    config, max_positions: int, dtype: torch.dtype, device: torch.device, prepare=None
 ) -> LlamaForCausalLM:
     """The model's parameters in `dtype` on `device`, unset, built on the meta device: no fp32
-    copy of the weights ever exists."""
+    copy of the weights ever exists. `prepare(model)` may change parameters while on meta."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if prepare is not None:
+        prepare(model)
+    model = model.to_empty(device=device)
     model.rotary.fill()
     return model
+
+
+# ---- FP8 checkpoints -----------------------------------------------------------------------------
+
+
+def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple[Linear, int]]:
+    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one (on
+    the meta model); checkpoint name -> (that layer, its first row there)."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    by_base: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, dst in destinations(model, params).items():
+        base = dst if dst._base is None else dst._base
+        by_base.setdefault(id(base), []).append((name, dst))
+    coded = {}
+    for module_name, module in model.named_modules():
+        if not (isinstance(module, Linear) and module_name.startswith("layers.")):
+            continue
+        weight = params[module_name + ".weight"]
+        sources = by_base.get(id(weight), [])
+        if not sources or any(index.get(n) is None or index[n].dtype != FP8 for n, _ in sources):
+            continue
+        width = weight.shape[1]
+        for name, dst in sources:
+            coded[name] = (module, (dst.storage_offset() - weight.storage_offset()) // width)
+        module.use_fp8(scheme.group_k)
+    return coded
+
+
+def check_fp8(names: list[str], index: dict, scheme: Fp8Scheme | None, model_dir) -> None:
+    """Refuse FP8 tensors the config does not declare, and any but 2-D e4m3 weights."""
+    if not names:
+        return
+    if scheme is None:
+        raise UnsupportedQuantization(
+            f"{model_dir}: {names[0]} is stored as {index[names[0]].dtype} but config.json has "
+            "no quantization_config (compressed-tensors or fp8) to give its scales"
+        )
+    for name in names:
+        stored = index[name]
+        if stored.dtype != FP8 or len(stored.shape) != 2:
+            raise UnsupportedQuantization(
+                f"{name}: {scheme.describe()}: a {stored.dtype} tensor of shape "
+                f"{list(stored.shape)} (2-D float8 e4m3 weights are supported)"
+            )
+
+
+def read_scale(handle, index: dict, scheme: Fp8Scheme, name: str) -> torch.Tensor:
+    """The fp32 scales [rows, groups] of the FP8 weight `name`, checked against its shape."""
+    sname = scale_name(scheme, name)
+    stored = index.get(sname)
+    if stored is None:
+        raise UnsupportedQuantization(
+            f"{name} is fp8 but the checkpoint lacks its scale {sname} ({scheme.describe()})"
+        )
+    scale = torch.empty(stored.shape, dtype=torch.float32)
+    read_into(handle(stored.file), stored, scale, sname)
+    return scale_rows(scheme, sname, scale, index[name].shape)
+
+
+def read_dequantized(
+    f, stored: StoredTensor, dst: torch.Tensor, name: str, rows: torch.Tensor, group_k: int
+) -> None:
+    """The FP8 weight `stored` times its scales `rows`, into `dst` (any float dtype and device),
+    a chunk of rows at a time in fp32."""
+    codes = torch.empty(stored.shape, dtype=stored.dtype)
+    read_into(f, stored, codes, name)
+    step = max(1, CHUNK_BYTES // (4 * stored.shape[1]))
+    with torch.no_grad():
+        for start in range(0, stored.shape[0], step):
+            part = slice(start, start + step)
+            dst[part].copy_(dequantize(codes[part], rows[part], group_k))
 
 
 def load_dummy(path: str, dtype, device, max_positions):
@@ -226,7 +352,10 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 8 << 20  # held beside the model when a read must cast or copy to a device
 
 
@@ -292,9 +421,10 @@ def read_into(
             part.copy_(buffer)
 
 
-def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF checkpoint name -> the part of this model's parameters it fills (each parameter once)."""
-    params = {name: p.detach() for name, p in model.named_parameters()}
+def destinations(model: LlamaForCausalLM, params: dict | None = None) -> dict[str, torch.Tensor]:
+    """HF checkpoint name -> the part of this model's parameters it fills (each parameter once);
+    `params`: the detached parameters to slice (by name), made here if not given."""
+    params = params or {name: p.detach() for name, p in model.named_parameters()}
     out = {
         "model.embed_tokens.weight": params["embed_tokens.weight"],
         "model.norm.weight": params["norm"],
