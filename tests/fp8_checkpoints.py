@@ -22,6 +22,7 @@ SHAPE = dict(
     max_position_embeddings=512,
     initializer_range=0.2,  # decisive logits: greedy ties stay out of the comparison
     tie_word_embeddings=False,
+    eos_token_id=None,  # no early stop: every request runs its whole length
 )
 BLOCK = (32, 32)  # the tests' fp8 block format: several blocks per weight at these sizes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,8 +37,13 @@ FORMATS = {
 
 
 def ct_config(strategy: str, static: bool) -> dict:
-    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
-            "strategy": "tensor" if static else "token"}  # fmt: skip
+    acts = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": not static,
+        "strategy": "tensor" if static else "token",
+    }
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -46,8 +52,13 @@ def ct_config(strategy: str, static: bool) -> dict:
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                            "dynamic": False, "strategy": strategy},  # fmt: skip
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "dynamic": False,
+                    "strategy": strategy,
+                },
                 "input_activations": acts,
             }
         },
@@ -58,8 +69,12 @@ def quantization_config(fmt: str) -> dict:
     return {
         "ct-tensor": lambda: ct_config("tensor", True),
         "ct-channel": lambda: ct_config("channel", False),
-        "fp8-block": lambda: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                              "weight_block_size": list(BLOCK)},  # fmt: skip
+        "fp8-block": lambda: {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(BLOCK),
+        },
         "fp8-tensor": lambda: {"quant_method": "fp8", "activation_scheme": "static"},
     }[fmt]()
 
@@ -122,8 +137,10 @@ def write_checkpoint(hf, fmt: str, folder: Path, drop: str | None = None) -> dic
         state[name] = deq
     hf.load_state_dict(state)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v for k, v in out.items() if not (drop and k.endswith(drop))},
-              str(folder / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k: v for k, v in out.items() if not (drop and k.endswith(drop))},
+        str(folder / "model.safetensors"),
+    )
     config = {**hf.config.to_dict(), "quantization_config": quantization_config(fmt)}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     synthetic_tokenizer(hf.config).save_pretrained(folder)
