@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from inferline.kernels.triton.launch import interpreting
 
 FP8 = torch.float8_e4m3fn
+DECODE_ROWS = 16  # the W8A16 kernel's small row tile takes up to this many rows, then 64
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, group_k: int = 0) -> torch.Tensor:

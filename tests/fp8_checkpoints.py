@@ -24,6 +24,9 @@ SHAPE = dict(
     tie_word_embeddings=False,
     eos_token_id=None,  # no early stop: every request runs its whole length
 )
+# Qwen3-MoE: 4 experts, top-2; its experts' projections are FP8 too (dequantized at load)
+EXTRA = {"qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+                           norm_topk_prob=True)}  # fmt: skip
 BLOCK = (32, 32)  # the tests' fp8 block format: several blocks per weight at these sizes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -106,11 +109,11 @@ def dequantized(codes: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Ten
     return codes.float() * scale
 
 
-def hf_model(family: str = "llama"):
+def hf_model(family: str = "llama", **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **SHAPE)
+    config = AutoConfig.for_model(family, **{**SHAPE, **EXTRA.get(family, {}), **extra})
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
@@ -122,9 +125,9 @@ def write_checkpoint(hf, fmt: str, folder: Path, drop: str | None = None) -> dic
 
     from inferline.worker.engine.models.loader import synthetic_tokenizer
 
-    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    state = per_expert({k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()})
     out, errors, suffix = {}, {}, "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
-    for name, w in state.items():
+    for name, w in list(state.items()):
         if not any(name.endswith(f"{p}.weight") for p in PROJECTIONS):
             out[name] = w
             continue
@@ -135,7 +138,7 @@ def write_checkpoint(hf, fmt: str, folder: Path, drop: str | None = None) -> dic
         deq = dequantized(codes, scale, fmt)
         errors[name] = float((deq - w).norm() / w.norm())
         state[name] = deq
-    hf.load_state_dict(state)
+    hf.load_state_dict(stacked(state))
     folder.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v for k, v in out.items() if not (drop and k.endswith(drop))},
@@ -145,6 +148,47 @@ def write_checkpoint(hf, fmt: str, folder: Path, drop: str | None = None) -> dic
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     synthetic_tokenizer(hf.config).save_pretrained(folder)
     return errors
+
+
+def per_expert(state: dict) -> dict:
+    """transformers 5 holds a layer's experts stacked (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]); checkpoints hold one tensor per expert and projection."""
+    out = {}
+    for name, w in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            inter = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{name.removesuffix('gate_up_proj')}{e}.gate_proj.weight"] = w[
+                    e, :inter
+                ].contiguous()
+                out[f"{name.removesuffix('gate_up_proj')}{e}.up_proj.weight"] = w[
+                    e, inter:
+                ].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(w.shape[0]):
+                out[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = w[e].contiguous()
+        else:
+            out[name] = w
+    return out
+
+
+def stacked(state: dict) -> dict:
+    """per_expert's inverse, for loading the dequantized weights into transformers' model."""
+    out, experts = {}, {}
+    for name, w in state.items():
+        head, sep, tail = name.partition("experts.")
+        if not sep:
+            out[name] = w
+            continue
+        e, proj = tail.split(".")[:2]
+        experts.setdefault(head + sep, {}).setdefault(int(e), {})[proj] = w
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids]
+        )
+        out[prefix + "down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+    return out
 
 
 def prompts() -> list[list[int]]:

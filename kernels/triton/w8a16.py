@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inferline.kernels.fp8 import DECODE_ROWS
 from inferline.kernels.triton.checks import FLOAT_DTYPES
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -75,7 +76,7 @@ def _w8a16_kernel(
 
 def block_m_for(m: int) -> int:
     """Rows per program: 16 for decode-sized steps, 64 for prefill chunks."""
-    return 16 if m <= 16 else 64
+    return 16 if m <= DECODE_ROWS else 64
 
 
 def plan_w8a16(

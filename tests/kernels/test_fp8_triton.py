@@ -29,7 +29,8 @@ def test_w8a16_kernel_matches_torch():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, fmt",
-    [pytest.param(f, fmt, marks=pytest.mark.full) for f in ("llama", "qwen3") for fmt in FORMATS],
+    [pytest.param(f, fmt, marks=pytest.mark.full) for f in ("llama", "qwen3") for fmt in FORMATS]
+    + [pytest.param("qwen3_moe", "fp8-block", marks=pytest.mark.full)],
 )
 def test_fp8_checkpoint_on_the_w8a16_kernel_equals_hf_generate(family, fmt, tmp_path):
     """The engine as `auto` sets it up on CUDA, under the interpreter: the decoder's linear layers
@@ -51,6 +52,20 @@ def test_fp8_checkpoint_on_the_w8a16_kernel_equals_hf_generate(family, fmt, tmp_
     }
     backends, run = run_cases(["smollm2"], json.dumps(cases))
     layers = hf.config.num_hidden_layers
-    assert backends["fp8_weights"] == 4 * layers, backends  # qkv, o, gate_up, down: codes
+    per_layer = 2 if family == "qwen3_moe" else 4  # qkv, o (gate_up, down); experts dequantized
+    assert backends["fp8_weights"] == per_layer * layers, backends
     assert backends["backends"]["fused_ops"] == "triton", backends
     assert run["tokens"] == {"a": hf_greedy(hf, a, NEW), "b": hf_greedy(hf, b, NEW)}, (family, fmt)
+
+
+@pytest.mark.full  # a 600-token prompt on the interpreter: make test-full
+def test_fp8_warm_up_launches_every_w8a16_binary_a_served_run_launches(tmp_path):
+    """tests/warmup_cases.py on an FP8 (per block) Llama: the served run's prompt chunks take the
+    W8A16 kernel's 64-row plan, its decodes the 16-row one; the warm-up must launch both."""
+    from tests.interpreted import run_cases as run_script
+
+    hf = hf_model("llama", vocab_size=1200, max_position_embeddings=2048)
+    write_checkpoint(hf, "fp8-block", tmp_path)
+    (result,) = run_script("warmup_cases.py", str(tmp_path), "auto", timeout=3000)
+    assert "_w8a16_kernel" in result["served_kernels"], result
+    assert result["missing"] == [], result

@@ -29,7 +29,7 @@ CASES = [
     pytest.param(f, fmt, marks=() if (f, fmt) == ("llama", "ct-channel") else pytest.mark.full)
     for f in ("llama", "qwen3")
     for fmt in FORMATS
-]
+] + [pytest.param("qwen3_moe", fmt, marks=pytest.mark.full) for fmt in ("ct-channel", "fp8-block")]
 
 
 def cpu_runner(folder) -> ModelRunner:
@@ -64,13 +64,18 @@ def test_fp8_checkpoint_on_cpu_equals_the_dequantized_model(family, fmt, tmp_pat
     errors = write_checkpoint(hf, fmt, tmp_path)  # hf now holds the dequantized weights
     assert 0 < max(errors.values()) < 0.05, errors  # e4m3 rounding (3 mantissa bits), no more
     runner = cpu_runner(tmp_path)
-    layer, ref = runner.model.layers[1], hf.model.layers[1]
     # dequantized once at load: plain fp32 weights, the reference's exactly (q, k, v fused)
     assert all(m.weight.dtype == torch.float32 for m in runner.model.modules()
                if isinstance(m, Linear))  # fmt: skip
-    want = torch.cat([getattr(ref.self_attn, f"{p}_proj").weight for p in "qkv"])
-    assert torch.equal(layer.self_attn.qkv_proj.weight, want)
-    assert torch.equal(layer.mlp.down_proj.weight, ref.mlp.down_proj.weight)
+    layer, ref = runner.model.layers[1], hf.model.layers[1]
+    if family == "qwen3_moe":  # the experts' stacked weights
+        assert torch.equal(layer.mlp.w13, ref.mlp.experts.gate_up_proj)
+        assert torch.equal(layer.mlp.w2, ref.mlp.experts.down_proj)
+    else:
+        assert torch.equal(layer.mlp.down_proj.weight, ref.mlp.down_proj.weight)
+    layer, ref = layer.self_attn, ref.self_attn
+    want = torch.cat([getattr(ref, f"{p}_proj").weight for p in "qkv"])
+    assert torch.equal(layer.qkv_proj.weight, want)
     ids = prompts()[1]
     rows, tokens = engine_logits(runner, ids)
     with torch.inference_mode():

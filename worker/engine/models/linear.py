@@ -11,7 +11,7 @@ from torch import nn
 
 from inferline.kernels.backends import onednn_available
 from inferline.kernels.cpu import gemm
-from inferline.kernels.fp8 import FP8, fp8_linear
+from inferline.kernels.fp8 import DECODE_ROWS, FP8, fp8_linear
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not per weight
@@ -107,3 +107,10 @@ class Linear(nn.Linear):
         if self.weight.dtype == FP8:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.group_k)
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def fp8_prompt_tokens(model: nn.Module) -> int:
+    """A prompt length that takes the W8A16 kernel's prefill-sized plan (more rows than its
+    decode tile), for the warm-up; 0 for a model with no FP8 linear layer."""
+    coded = any(isinstance(m, Linear) and m.weight.dtype == FP8 for m in model.modules())
+    return DECODE_ROWS + 1 if coded else 0
