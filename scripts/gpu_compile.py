@@ -74,11 +74,12 @@ LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # Qwen3-30B-A3B, Qwen3-235B-A22B and Qwen1.5-MoE-A2.7B (Qwen2-MoE).
 MOE_SIZES = ((4096, 14336, 8, 2), (2048, 768, 128, 8), (4096, 1536, 128, 8), (2048, 1408, 60, 4))
 MOE_TOKENS = (1, 256, 8192)  # a decode of one sequence, a decode batch, a prefill chunk
-# FP8 (W8A16) linear layers: N and K are not constants, so one shape (Llama-3-8B's qkv_proj)
-# stands for all; per-row scales (per tensor, per channel) and 128-column blocks, with and
-# without a bias, decode- and prefill-sized.
+# W8A16 linear layers: N and K are not constants, so one shape (Llama-3-8B's qkv_proj) stands
+# for all; FP8 codes with per-row scales (per tensor, per channel) or 128-column blocks, and
+# GGUF's uint8 levels with a scale and offset per 32 columns; with and without a bias, decode-
+# and prefill-sized. (affine, group_k) pairs:
 W8A16_SHAPE = (6144, 4096)
-W8A16_GROUPS = (0, 128)
+W8A16_GROUPS = ((False, 0), (False, 128), (True, 32))
 W8A16_TOKENS = (1, 8192)
 # (constexpr, label) shown in the shape column
 SHOWN = (
@@ -86,7 +87,7 @@ SHOWN = (
     ("SPLITS_P2", "SPLITS_P2"), ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"),
     ("INTER", "inter"), ("HAS_RESIDUAL", "residual"), ("HEADS_BLOCK", "heads/program"),
     ("N", "N"), ("K", "K"), ("TOP_K", "k"), ("BLOCK_K", "BLOCK_K"), ("GROUP_K", "group_k"),
-    ("HAS_BIAS", "bias"),
+    ("HAS_BIAS", "bias"), ("AFFINE", "affine"),
 )  # fmt: skip
 
 
@@ -318,10 +319,11 @@ def w8a16_jobs(dtype: torch.dtype, arch: int, tokens=W8A16_TOKENS, groups=W8A16_
     """The FP8 linear layer as w8a16_linear_triton launches it: contiguous rows, codes [N, K]
     as bytes, fp32 scales [N, groups]."""
     ptr, (n, k) = "*" + TYPE_NAMES[dtype], W8A16_SHAPE
-    for m, group_k, bias in itertools.product(tokens, groups, (False, True)):
-        plan = w8a16.plan_w8a16(m, n, group_k, bias, dtype, target(arch))
+    for m, (affine, group_k), bias in itertools.product(tokens, groups, (False, True)):
+        plan = w8a16.plan_w8a16(m, n, group_k, bias, dtype, target(arch), affine)
         yield job_of(plan, arch, dtype, dict(
-            x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr if bias else "*fp32",
+            x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", offset_ptr="*fp32",
+            bias_ptr=ptr if bias else "*fp32",
             out_ptr=ptr, M=m, N=n, K=k, stride_xm=k, stride_wn=k,
             stride_sn=-(-k // group_k) if group_k else 1, stride_om=n,
         ))  # fmt: skip

@@ -50,6 +50,19 @@ def linear_case(gen, idx: int, dtype: torch.dtype) -> None:
     report(f"linear[{idx}] {str(dtype)[6:]} {shape}", ok, err=err, tol=TOL[dtype])
 
 
+def affine_case(gen, idx: int, dtype: torch.dtype) -> None:
+    """uint8 levels with a scale and an offset per 32 columns (GGUF's Q8_0, Q4_1, ... blocks)."""
+    m = pick(gen, (1, 5)) if idx % 2 == 0 else randint(gen, 17, 40)
+    n, k = randint(gen, 20, 100), 32 * randint(gen, 1, 4)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=gen) / 100).half().float()
+    offset = -128 * scale + torch.randn(n, k // 32, generator=gen).half().float() / 100
+    got = fp8.fp8_linear(x, codes, scale, None, 32, offset)
+    err = rel_err(got, fp8.fp8_linear_torch(x, codes, scale, None, 32, offset))
+    report(f"affine[{idx}] {str(dtype)[6:]} M={m} N={n} K={k}", err <= TOL[dtype], err=err)
+
+
 def checks_cases(gen) -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(fp8.FP8)
     codes = codes[~codes.float().isnan()].reshape(-1, 1).contiguous()  # 254 codes, K = 1
@@ -59,6 +72,8 @@ def checks_cases(gen) -> None:
     expect_assert("bf16 weight", lambda: fp8.fp8_linear(x, w.bfloat16(), s))
     expect_assert("scale groups", lambda: fp8.fp8_linear(x, w, torch.ones(8, 3), group_k=32))
     expect_assert("group_k 48", lambda: fp8.fp8_linear(x, w, torch.ones(8, 2), group_k=48))
+    levels = torch.zeros(8, 64, dtype=torch.uint8)
+    expect_assert("uint8 without offsets", lambda: fp8.fp8_linear(x, levels, s, group_k=32))
     batched = fp8.fp8_linear(x.view(1, 2, 64), w, s)
     report("leading dims kept", batched.shape == (1, 2, 8))
 
@@ -72,6 +87,8 @@ def main() -> None:
     if group in ("linear", "all"):
         for i, dtype in enumerate(d for d in DTYPES for _ in range(3)):
             linear_case(gen, i, dtype)
+        for i, dtype in enumerate(DTYPES):
+            affine_case(gen, i, dtype)
     if group in ("checks", "all"):
         checks_cases(gen)
 

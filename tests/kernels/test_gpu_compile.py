@@ -37,8 +37,9 @@ def rows() -> dict[str, cc.Row]:
             f"moe_{i}": job
             for i, job in enumerate(cc.moe_jobs(*cc.MOE_SIZES[0], torch.bfloat16, ARCH, (1, 8192)))
         },
-        "w8a16_block": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), (128,)))),
-        "w8a16_row": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (1,), (0,)))),
+        "w8a16_block": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((False, 128),)))),
+        "w8a16_row": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (1,), ((False, 0),)))),
+        "w8a16_affine": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((True, 32),)))),
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -183,12 +184,15 @@ def test_moe_jobs_are_the_launchers_plans():
 
 
 def test_w8a16_jobs_are_the_launchers_plans():
-    """Per dtype and arch: 2 row blocks x 2 scale kinds x bias or not; the row count (every
+    """Per dtype and arch: 2 row blocks x 3 code kinds x bias or not; the row count (every
     step's) is no constant, and N and K are run-time arguments."""
     jobs = list(cc.w8a16_jobs(torch.bfloat16, ARCH, (1, 7, 256, 8192)))
-    assert len(set(jobs)) == 8, jobs
+    assert len(set(jobs)) == 12, jobs
     cx = [dict(j.constexprs) for j in dict.fromkeys(jobs)]
-    assert {(c["BLOCK_M"], c["GROUP_K"], c["HAS_BIAS"]) for c in cx} == {
-        (m, g, b) for m in (16, 64) for g in (0, 128) for b in (False, True)
+    assert {(c["BLOCK_M"], c["AFFINE"], c["GROUP_K"], c["HAS_BIAS"]) for c in cx} == {
+        (m, a, g, b)
+        for m in (16, 64)
+        for a, g in ((False, 0), (False, 128), (True, 32))
+        for b in (False, True)
     }
     assert all(("M", "i32", False) in j.params and ("K", "i32", True) in j.params for j in jobs)

@@ -3,7 +3,8 @@
 each published format (compressed-tensors per tensor and per channel, fp8 per 32 x 32 block and per
 tensor) load on the CPU as the dequantized weights, exactly, and give transformers' logits and
 greedy tokens on those weights through the engine; unsupported schemes and malformed scales are
-refused at load, naming the scheme. The Triton W8A16 path: tests/kernels/test_fp8_triton.py."""
+refused at load, naming the scheme. The Triton W8A16 path: tests/kernels/test_fp8_triton.py. And a
+GGUF's exact uint8 levels kept as codes (the shallow SmolLM2)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inferline.config.settings import Settings
+from inferline.kernels.cpu import gemm
+from inferline.kernels.fp8 import dequantize
 from inferline.worker.engine.model_runner import ModelRunner
 from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.loader import load_config, load_weights
@@ -165,3 +168,22 @@ def test_malformed_fp8_checkpoints_are_refused_naming_the_scheme(case, checkpoin
         load_weights(tmp_path, load_config(tmp_path), torch.float32, torch.device("cpu"), 64)
     if case != "no quantization_config":  # the scheme named
         assert "compressed-tensors (float8 e4m3 weights, per-channel" in str(err.value), err.value
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the exact-levels search is in the C kernels")
+def test_gguf_levels_stay_uint8_codes_where_the_kernel_runs(shallow_smollm2):
+    """`gguf_levels` (on CUDA): the GGUF's Q4_1 linear weights load as uint8 levels with a scale
+    and an offset per 32 inputs that give back every fp32 weight exactly, and the layers compute
+    with them (here on the kernel's PyTorch reference; the kernel: tests/fp8_cases.py)."""
+    config, cpu = load_config(shallow_smollm2), torch.device("cpu")
+    plain = load_weights(shallow_smollm2, config, torch.float32, cpu, 64)
+    coded = load_weights(shallow_smollm2, config, torch.float32, cpu, 64, gguf_levels=True)
+    pairs = [(a, b) for a, b in zip(coded.modules(), plain.modules()) if isinstance(a, Linear)]
+    assert len(pairs) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down
+    for a, b in pairs:
+        assert a.weight.dtype == torch.uint8 and a.group_k == 32
+        assert torch.equal(dequantize(a.weight, a.weight_scale, 32, a.weight_offset), b.weight)
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    qkv, ref = pairs[0]
+    assert torch.allclose(qkv(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(coded.embed_tokens.weight, plain.embed_tokens.weight)  # not a linear layer

@@ -82,7 +82,8 @@ class ModelRunner:
             self.dtype,
             self.device,
             max_positions=settings.model.max_model_len,
-            fp8_codes=self._fp8_codes(settings),
+            weight_codes=self._weight_codes(settings),
+            gguf_levels=self.device.type == "cuda",  # not interpreted: seconds a layer-step
         )
         self.max_model_len = min(settings.model.max_model_len, length_limit(self.config))
         self.num_blocks = self._num_blocks(settings)
@@ -148,9 +149,10 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.padded_decode)
             self.graph_capture = self.decode_graphs.capture_all()
 
-    def _fp8_codes(self, settings: Settings) -> bool:
+    def _weight_codes(self, settings: Settings) -> bool:
         """FP8 checkpoints keep their codes where the W8A16 Triton kernel runs: on CUDA, and under
-        the interpreter with the Triton attention (as on CUDA); the CPU dequantizes once."""
+        the interpreter with the Triton attention (as on CUDA); the CPU dequantizes once. (A
+        GGUF's exact levels stay codes on CUDA only.)"""
         triton_here = interpreting() and settings.model.attention_backend == "triton"
         return self.device.type == "cuda" or triton_here
 

@@ -86,7 +86,7 @@ class Linear(nn.Linear):
     once `use_fp8()` made the weight hold them."""
 
     packed: Packed | None = None
-    group_k: int = 0  # FP8 weights: the scale groups' width (0: one scale per row)
+    group_k: int = 0  # coded weights: the scale groups' width (0: one scale per row)
 
     def use_fp8(self, group_k: int = 0) -> None:
         """Hold the weight as e4m3 codes beside fp32 scales [out, groups] (`weight_scale`), both
@@ -98,19 +98,43 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale", torch.empty(n, groups, device=device))
         self.group_k = group_k
 
+    def use_levels(self, group_k: int) -> None:
+        """Hold the weight as uint8 levels with an fp32 scale and offset per `group_k` inputs
+        (w = scale * level + offset: GGUF's Q8_0, Q4_1, ... blocks), unset, on the weight's
+        device (meta before `to_empty`)."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(n, k, dtype=torch.uint8, device=device), requires_grad=False
+        )
+        self.register_buffer("weight_scale", torch.empty(n, k // group_k, device=device))
+        self.register_buffer("weight_offset", torch.empty(n, k // group_k, device=device))
+        self.group_k = group_k
+
+    def coded(self) -> bool:
+        """Whether the weight holds codes (FP8 or uint8 levels) for the W8A16 kernel."""
+        return self.weight.dtype in (FP8, torch.uint8)
+
     def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Make the packed copy once the weights are final; False where none applies."""
         self.packed = pack_weight(self.weight, backend, codes)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == FP8:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.group_k)
+        if self.coded():
+            return fp8_linear(
+                x,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                self.group_k,
+                self._buffers.get("weight_offset"),
+            )
         return linear(x, self.weight, self.bias, self.packed)
 
 
 def fp8_prompt_tokens(model: nn.Module) -> int:
     """A prompt length that takes the W8A16 kernel's prefill-sized plan (more rows than its
-    decode tile), for the warm-up; 0 for a model with no FP8 linear layer."""
-    coded = any(isinstance(m, Linear) and m.weight.dtype == FP8 for m in model.modules())
+    decode tile), for the warm-up; 0 for a model with no coded linear layer."""
+    coded = any(isinstance(m, Linear) and m.coded() for m in model.modules())
     return DECODE_ROWS + 1 if coded else 0

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from inferline.config.paths import bundled_model_path, cache_dir
+from inferline.kernels.cpu import gemm
 from inferline.kernels.fp8 import FP8, dequantize
 from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.llama import LlamaForCausalLM
@@ -128,16 +129,18 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    fp8_codes: bool = False,
+    weight_codes: bool = False,
+    gguf_levels: bool = False,
 ):
-    """Returns (model, config, tokenizer); `fp8_codes`: an FP8 checkpoint's linear layers keep
-    their codes and scales (for the W8A16 kernel) instead of being dequantized to `dtype`."""
+    """Returns (model, config, tokenizer); `weight_codes`: decoder linear layers keep an FP8
+    checkpoint's codes and scales for the W8A16 kernel instead of being dequantized to `dtype`;
+    `gguf_levels`: and the exact uint8 levels of a GGUF's blocks."""
     if load_format == "dummy":
         return load_dummy(path, dtype, device, max_positions)
     model_dir = resolve_model_dir(path or None)
     config = load_config(model_dir)
     return (
-        load_weights(model_dir, config, dtype, device, max_positions, fp8_codes),
+        load_weights(model_dir, config, dtype, device, max_positions, weight_codes, gguf_levels),
         config,
         load_tokenizer(model_dir),
     )
@@ -149,20 +152,50 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    fp8_codes: bool = False,
+    weight_codes: bool = False,
+    gguf_levels: bool = False,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, each checkpoint tensor read straight into its place:
     memory peaks at the weights plus one chunk. FP8 weights are dequantized into `dtype`, or
-    with `fp8_codes` kept as codes in the decoder layers' linear layers."""
+    with `weight_codes` kept as codes in the decoder layers' linear layers; with `gguf_levels`
+    fp32 weights that are exact uint8 levels per 32 inputs (a GGUF's) keep those."""
     index = safetensors_index(model_dir)
     scheme = fp8_scheme(config)
     coded: dict[str, tuple[Linear, int]] = {}
+    levels: dict[str, tuple[Linear, int, tuple]] = {}
+    handles: dict[Path, object] = {}
+
+    def handle(file: Path):
+        if file not in handles:
+            handles[file] = open(file, "rb", buffering=0)
+        return handles[file]
 
     def prepare(model: LlamaForCausalLM) -> None:
-        if fp8_codes and scheme is not None and scheme.codes_fit():
+        if weight_codes and scheme is not None and scheme.codes_fit():
             coded.update(keep_fp8_codes(model, index, scheme))
+        if gguf_levels:
+            levels.update(keep_levels(model, index, handle))
 
-    model = empty_model(config, max_positions, dtype, device, prepare)
+    try:
+        model = empty_model(config, max_positions, dtype, device, prepare)
+        fp8 = fill(model, model_dir, index, scheme, coded, levels, handle)
+    finally:
+        for f in handles.values():
+            f.close()
+    if fp8 or levels:
+        log.info(
+            "coded weights",
+            scheme=scheme.describe() if fp8 else None,
+            fp8_tensors=len(fp8),
+            fp8_kept_as_codes=len(coded),
+            activation_scales=f"{scheme.activations}, unused" if fp8 else None,
+            uint8_levels_kept=len(levels),
+        )
+    return model.eval()
+
+
+def fill(model, model_dir, index, scheme, coded, levels, handle) -> list[str]:
+    """Read every checkpoint tensor into its place in `model`; the FP8 names."""
     targets = destinations(model)
     missing = [name for name in targets if name not in index]
     if missing:
@@ -171,41 +204,28 @@ def load_weights(
         )
     fp8 = [name for name in targets if index[name].dtype in FP8_DTYPES]
     check_fp8(fp8, index, scheme, model_dir)
-    handles: dict[Path, object] = {}
-
-    def handle(file: Path):
-        if file not in handles:
-            handles[file] = open(file, "rb", buffering=0)
-        return handles[file]
-
     scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-    try:
+    with torch.no_grad():
         for name in sorted(
             targets, key=lambda n: (index[n].file, index[n].offset)
         ):  # sequential reads
             stored, dst = index[name], targets[name]
-            if stored.dtype not in FP8_DTYPES:
+            if name in levels:  # read and coded while preparing
+                linear, row, (codes, scale, offset) = levels[name]
+                dst.copy_(codes)
+                linear.weight_scale[row : row + len(codes)].copy_(scale)
+                linear.weight_offset[row : row + len(codes)].copy_(offset)
+            elif stored.dtype not in FP8_DTYPES:
                 read_into(handle(stored.file), stored, dst, name, scratch)
-                continue
-            rows = read_scale(handle, index, scheme, name)
-            if name in coded:
+            elif name in coded:
+                rows = read_scale(handle, index, scheme, name)
                 linear, row = coded[name]
                 read_into(handle(stored.file), stored, dst, name, scratch)
                 linear.weight_scale[row : row + len(rows)].copy_(rows)
             else:
+                rows = read_scale(handle, index, scheme, name)
                 read_dequantized(handle(stored.file), stored, dst, name, rows, scheme.group_k)
-    finally:
-        for f in handles.values():
-            f.close()
-    if fp8:
-        log.info(
-            "fp8 weights",
-            scheme=scheme.describe(),
-            tensors=len(fp8),
-            kept_as_codes=len(coded),
-            activation_scales=f"{scheme.activations}, unused",
-        )
-    return model.eval()
+    return fp8
 
 
 def empty_model(
@@ -226,27 +246,63 @@ def empty_model(
 # ---- FP8 checkpoints -----------------------------------------------------------------------------
 
 
-def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple[Linear, int]]:
-    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one (on
-    the meta model); checkpoint name -> (that layer, its first row there)."""
+def decoder_linears(model, index: dict):
+    """(layer, its weight, [(checkpoint name, first row)]) for each decoder linear layer of the
+    meta model that holds plain weights and whose checkpoint tensors are all in `index`."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     by_base: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, dst in destinations(model, params).items():
         base = dst if dst._base is None else dst._base
         by_base.setdefault(id(base), []).append((name, dst))
-    coded = {}
     for module_name, module in model.named_modules():
         if not (isinstance(module, Linear) and module_name.startswith("layers.")):
             continue
         weight = params[module_name + ".weight"]
         sources = by_base.get(id(weight), [])
-        if not sources or any(index.get(n) is None or index[n].dtype != FP8 for n, _ in sources):
+        if module.coded() or not sources or any(n not in index for n, _ in sources):
             continue
         width = weight.shape[1]
-        for name, dst in sources:
-            coded[name] = (module, (dst.storage_offset() - weight.storage_offset()) // width)
-        module.use_fp8(scheme.group_k)
+        rows = [
+            (n, (dst.storage_offset() - weight.storage_offset()) // width) for n, dst in sources
+        ]
+        yield module, weight, rows
+
+
+def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple[Linear, int]]:
+    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one (on
+    the meta model); checkpoint name -> (that layer, its first row there)."""
+    coded = {}
+    for module, _, rows in list(decoder_linears(model, index)):
+        if all(index[n].dtype == FP8 for n, _ in rows):
+            coded.update({n: (module, row) for n, row in rows})
+            module.use_fp8(scheme.group_k)
     return coded
+
+
+def keep_levels(model, index: dict, handle) -> dict[str, tuple[Linear, int, tuple]]:
+    """Turn each decoder linear layer whose fp32 checkpoint tensors are all exact uint8 levels
+    with a scale and offset per 32 inputs (a GGUF's Q8_0, Q4_1, ... weights, which the
+    conversion dequantized) into a levels layer (on the meta model); checkpoint name -> (that
+    layer, its first row, (levels, scales, offsets)), held on the host until the load. Found
+    by the C GEMM's exact search: none without the C kernels."""
+    if not gemm.available():
+        return {}
+    block, found = gemm.codes_block(), {}
+    for module, weight, rows in list(decoder_linears(model, index)):
+        if weight.shape[1] % block or any(index[n].dtype != torch.float32 for n, _ in rows):
+            continue
+        mine = {}
+        for name, row in rows:
+            w = torch.empty(index[name].shape, dtype=torch.float32)
+            read_into(handle(index[name].file), index[name], w, name)
+            codes = gemm.exact_codes(w, block)
+            if codes is None:
+                break
+            mine[name] = (module, row, codes)
+        else:
+            found.update(mine)
+            module.use_levels(block)
+    return found
 
 
 def check_fp8(names: list[str], index: dict, scheme: Fp8Scheme | None, model_dir) -> None:
