@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from inferline.kernels.triton import activation, decode, moe, norm, prefill, rotary, store
+from inferline.kernels.triton import activation, decode, moe, norm, prefill, rotary, store, w8a16
 from inferline.kernels.triton.launch import LaunchPlan, Target
 from inferline.kernels.triton.variants import exemptions
 
@@ -54,6 +54,7 @@ KERNELS = {
     "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
     "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
     "_fused_moe_kernel": moe._fused_moe_kernel,
+    "_w8a16_kernel": w8a16._w8a16_kernel,
 }
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -73,12 +74,20 @@ LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # Qwen3-30B-A3B, Qwen3-235B-A22B and Qwen1.5-MoE-A2.7B (Qwen2-MoE).
 MOE_SIZES = ((4096, 14336, 8, 2), (2048, 768, 128, 8), (4096, 1536, 128, 8), (2048, 1408, 60, 4))
 MOE_TOKENS = (1, 256, 8192)  # a decode of one sequence, a decode batch, a prefill chunk
+# W8A16 linear layers: N and K are not constants, so one shape (Llama-3-8B's qkv_proj) stands
+# for all; FP8 codes with per-row scales (per tensor, per channel) or 128-column blocks, and
+# GGUF's uint8 levels with a scale and offset per 32 columns; with and without a bias, decode-
+# and prefill-sized. (affine, group_k) pairs:
+W8A16_SHAPE = (6144, 4096)
+W8A16_GROUPS = ((False, 0), (False, 128), (True, 32))
+W8A16_TOKENS = (1, 8192)
 # (constexpr, label) shown in the shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"),
     ("SPLITS_P2", "SPLITS_P2"), ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"),
     ("INTER", "inter"), ("HAS_RESIDUAL", "residual"), ("HEADS_BLOCK", "heads/program"),
-    ("N", "N"), ("K", "K"), ("TOP_K", "k"), ("BLOCK_K", "BLOCK_K"),
+    ("N", "N"), ("K", "K"), ("TOP_K", "k"), ("BLOCK_K", "BLOCK_K"), ("GROUP_K", "group_k"),
+    ("HAS_BIAS", "bias"), ("AFFINE", "affine"),
 )  # fmt: skip
 
 
@@ -306,6 +315,20 @@ def moe_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dty
             ))  # fmt: skip
 
 
+def w8a16_jobs(dtype: torch.dtype, arch: int, tokens=W8A16_TOKENS, groups=W8A16_GROUPS):
+    """The FP8 linear layer as w8a16_linear_triton launches it: contiguous rows, codes [N, K]
+    as bytes, fp32 scales [N, groups]."""
+    ptr, (n, k) = "*" + TYPE_NAMES[dtype], W8A16_SHAPE
+    for m, (affine, group_k), bias in itertools.product(tokens, groups, (False, True)):
+        plan = w8a16.plan_w8a16(m, n, group_k, bias, dtype, target(arch), affine)
+        yield job_of(plan, arch, dtype, dict(
+            x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", offset_ptr="*fp32",
+            bias_ptr=ptr if bias else "*fp32",
+            out_ptr=ptr, M=m, N=n, K=k, stride_xm=k, stride_wn=k,
+            stride_sn=-(-k // group_k) if group_k else 1, stride_om=n,
+        ))  # fmt: skip
+
+
 # bench/first_contact.py's launches on top of the serving shape (32/8/128 bf16): its kernel sets,
 # and its HF check's tiny fp32 Llama (3/1/64, hidden 192, intermediate 384).
 FIRST_CONTACT_SETS = (
@@ -366,6 +389,9 @@ def all_jobs(archs, quick: bool = False, first_contact: bool = False) -> list[Jo
     moe_sizes = MOE_SIZES[:1] if quick else MOE_SIZES
     for arch, size, dt in itertools.product(archs, moe_sizes, axes[3]):
         for job in moe_jobs(*size, dt, arch):
+            jobs.setdefault(job, None)
+    for arch, dt in itertools.product(archs, axes[3]):
+        for job in w8a16_jobs(dt, arch):
             jobs.setdefault(job, None)
     for arch in archs if first_contact else ():
         for job in first_contact_jobs(arch):

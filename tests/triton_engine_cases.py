@@ -49,7 +49,8 @@ def run_smollm2(cases: dict) -> None:
     settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)
-    print(json.dumps({"backends": runner.backends.__dict__}), flush=True)
+    fp8 = sum(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
+    print(json.dumps({"backends": runner.backends.__dict__, "fp8_weights": fp8}), flush=True)
     for run in cases["runs"]:
         engine = make_engine(runner, **run.get("scheduler", {}))
         arrivals = {

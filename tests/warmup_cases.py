@@ -1,6 +1,6 @@
 """Start-up warm-up against a served run, under the interpreter, in its own process.
 
-    python tests/warmup_cases.py CONFIG_DIR      one JSON line
+    python tests/warmup_cases.py CONFIG_DIR [LOAD_FORMAT]     one JSON line (LOAD_FORMAT: dummy)
 
 A Llama-shaped dummy model on the Triton kernels (as `auto` sets it up on CUDA): warm_up runs
 with every launch recorded (kernels/triton/variants.py names the binary each one runs), then a
@@ -48,7 +48,10 @@ def recorded(fn, *args):
 def main() -> None:
     torch.set_num_threads(1)
     settings = cuda_like_settings(
-        path=sys.argv[1], load_format="dummy", dtype="float32", max_model_len=1024
+        path=sys.argv[1],
+        load_format=sys.argv[2] if len(sys.argv) > 2 else "dummy",
+        dtype="float32",
+        max_model_len=1024,
     )
     runner = ModelRunner(settings)
     assert runner.warmup is None, "no warm-up off CUDA unless asked"

@@ -1,6 +1,7 @@
 """`make gpu-compile` on a few plans (no GPU needed): the launch plans at head_dim 128 in bf16
 (attention, rotary with the K/V store; RMSNorm and SiLU-and-mul at Llama-3-8B's sizes; the fused
-MoE's grouped GEMMs at Mixtral-8x7B's, decode- and prefill-sized) compile
+MoE's grouped GEMMs at Mixtral-8x7B's, decode- and prefill-sized; the FP8 W8A16 linear with block
+scales and a bias, prefill-sized, and per-row scales, decode-sized) compile
 for sm_90a without spills and within shared memory, and the check does catch a plan
 that is too large. The whole matrix is `make gpu-compile` (minutes)."""
 
@@ -36,6 +37,9 @@ def rows() -> dict[str, cc.Row]:
             f"moe_{i}": job
             for i, job in enumerate(cc.moe_jobs(*cc.MOE_SIZES[0], torch.bfloat16, ARCH, (1, 8192)))
         },
+        "w8a16_block": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((False, 128),)))),
+        "w8a16_row": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (1,), ((False, 0),)))),
+        "w8a16_affine": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((True, 32),)))),
     }
     return {name: cc.compile_job(job) for name, job in picks.items()}
 
@@ -80,6 +84,7 @@ def test_every_kernel_is_in_the_matrix():
             "_silu_and_mul_kernel",
             "_rope_store_kv_kernel",
             "_fused_moe_kernel",
+            "_w8a16_kernel",
         }
     )
 
@@ -176,3 +181,18 @@ def test_moe_jobs_are_the_launchers_plans():
         for n, k, first in ((2 * 14336, 4096, True), (4096, 14336, False))
     }
     assert all(("num_slots", "i32", False) in j.params for j in jobs)
+
+
+def test_w8a16_jobs_are_the_launchers_plans():
+    """Per dtype and arch: 2 row blocks x 3 code kinds x bias or not; the row count (every
+    step's) is no constant, and N and K are run-time arguments."""
+    jobs = list(cc.w8a16_jobs(torch.bfloat16, ARCH, (1, 7, 256, 8192)))
+    assert len(set(jobs)) == 12, jobs
+    cx = [dict(j.constexprs) for j in dict.fromkeys(jobs)]
+    assert {(c["BLOCK_M"], c["AFFINE"], c["GROUP_K"], c["HAS_BIAS"]) for c in cx} == {
+        (m, a, g, b)
+        for m in (16, 64)
+        for a, g in ((False, 0), (False, 128), (True, 32))
+        for b in (False, True)
+    }
+    assert all(("M", "i32", False) in j.params and ("K", "i32", True) in j.params for j in jobs)

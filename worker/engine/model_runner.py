@@ -18,6 +18,7 @@ from inferline.kernels.backends import (
     select_backends,
 )
 from inferline.kernels.cpu import gemm
+from inferline.kernels.triton.launch import interpreting
 from inferline.worker.engine.cuda_graphs import CaptureReport, DecodeGraphs
 from inferline.worker.engine.device import (  # noqa: F401 (huge_page_tensor is imported from here)
     free_device_memory,
@@ -81,6 +82,8 @@ class ModelRunner:
             self.dtype,
             self.device,
             max_positions=settings.model.max_model_len,
+            weight_codes=self._weight_codes(settings),
+            gguf_levels=self.device.type == "cuda",  # not interpreted: seconds a layer-step
         )
         self.max_model_len = min(settings.model.max_model_len, length_limit(self.config))
         self.num_blocks = self._num_blocks(settings)
@@ -145,6 +148,13 @@ class ModelRunner:
         ):  # after the warm-up: every binary a graph launches is compiled
             self.decode_graphs = DecodeGraphs(self.padded_decode)
             self.graph_capture = self.decode_graphs.capture_all()
+
+    def _weight_codes(self, settings: Settings) -> bool:
+        """FP8 checkpoints keep their codes where the W8A16 Triton kernel runs: on CUDA, and under
+        the interpreter with the Triton attention (as on CUDA); the CPU dequantizes once. (A
+        GGUF's exact levels stay codes on CUDA only.)"""
+        triton_here = interpreting() and settings.model.attention_backend == "triton"
+        return self.device.type == "cuda" or triton_here
 
     def _padded_decode(self, max_num_seqs: int) -> PaddedDecode:
         return PaddedDecode(

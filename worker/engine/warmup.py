@@ -14,6 +14,7 @@ import triton
 from inferline.kernels.attention import StepTables
 from inferline.kernels.triton.decode import MAX_SPLITS, TILE_ELEMENTS, choose_splits, split_tokens
 from inferline.kernels.triton.launch import Target
+from inferline.worker.engine.models.linear import fp8_prompt_tokens
 from inferline.worker.engine.models.moe import warmup_prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -74,9 +75,10 @@ def warm_up(runner, max_num_seqs: int) -> WarmupReport:
     )
     with torch.inference_mode():
         _forward(runner, [2], 0, 1)  # one prompt of two tokens
-        moe_tokens = warmup_prompt_tokens(runner.model)  # the MoE kernel's other row-block size
-        if moe_tokens:
-            _forward(runner, [moe_tokens], 0, -(-moe_tokens // runner.block_size))
+        # the fused-MoE and W8A16 kernels' other row-block sizes
+        tokens = max(warmup_prompt_tokens(runner.model), fp8_prompt_tokens(runner.model))
+        if tokens:
+            _forward(runner, [tokens], 0, -(-tokens // runner.block_size))
         for shape in shapes:
             _forward(runner, [1] * shape.num_seqs, shape.num_seqs, shape.width)
     if runner.device.type == "cuda":

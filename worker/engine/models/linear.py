@@ -11,6 +11,7 @@ from torch import nn
 
 from inferline.kernels.backends import onednn_available
 from inferline.kernels.cpu import gemm
+from inferline.kernels.fp8 import DECODE_ROWS, FP8, fp8_linear
 
 log = structlog.get_logger(__name__)
 _pack_failed = False  # warned once, not per weight
@@ -81,9 +82,38 @@ def lone_row_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear computed on a packed copy of the weight once `pack()` made one."""
+    """nn.Linear computed on a packed copy of the weight once `pack()` made one, or on FP8 codes
+    once `use_fp8()` made the weight hold them."""
 
     packed: Packed | None = None
+    group_k: int = 0  # coded weights: the scale groups' width (0: one scale per row)
+
+    def use_fp8(self, group_k: int = 0) -> None:
+        """Hold the weight as e4m3 codes beside fp32 scales [out, groups] (`weight_scale`), both
+        unset, on the weight's device (meta before `to_empty`)."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=device), requires_grad=False)
+        groups = -(-k // group_k) if group_k else 1
+        self.register_buffer("weight_scale", torch.empty(n, groups, device=device))
+        self.group_k = group_k
+
+    def use_levels(self, group_k: int) -> None:
+        """Hold the weight as uint8 levels with an fp32 scale and offset per `group_k` inputs
+        (w = scale * level + offset: GGUF's Q8_0, Q4_1, ... blocks), unset, on the weight's
+        device (meta before `to_empty`)."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(n, k, dtype=torch.uint8, device=device), requires_grad=False
+        )
+        self.register_buffer("weight_scale", torch.empty(n, k // group_k, device=device))
+        self.register_buffer("weight_offset", torch.empty(n, k // group_k, device=device))
+        self.group_k = group_k
+
+    def coded(self) -> bool:
+        """Whether the weight holds codes (FP8 or uint8 levels) for the W8A16 kernel."""
+        return self.weight.dtype in (FP8, torch.uint8)
 
     def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Make the packed copy once the weights are final; False where none applies."""
@@ -91,4 +121,20 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.coded():
+            return fp8_linear(
+                x,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                self.group_k,
+                self._buffers.get("weight_offset"),
+            )
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def fp8_prompt_tokens(model: nn.Module) -> int:
+    """A prompt length that takes the W8A16 kernel's prefill-sized plan (more rows than its
+    decode tile), for the warm-up; 0 for a model with no coded linear layer."""
+    coded = any(isinstance(m, Linear) and m.coded() for m in model.modules())
+    return DECODE_ROWS + 1 if coded else 0

@@ -1,5 +1,5 @@
-"""Weights in: a local HF directory (safetensors), a GGUF file (converted once and cached), or
-random (`load_format=dummy`)."""
+"""Weights in: a local HF directory (safetensors, FP8 checkpoints too), a GGUF file (converted once
+and cached), or random (`load_format=dummy`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,18 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from inferline.config.paths import bundled_model_path, cache_dir
+from inferline.kernels.cpu import gemm
+from inferline.kernels.fp8 import FP8, dequantize
+from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
+from inferline.worker.engine.models.quantization import (
+    Fp8Scheme,
+    UnsupportedQuantization,
+    fp8_scheme,
+    scale_name,
+    scale_rows,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +115,7 @@ def load_config(model_dir: Path):
         raise ValueError(
             f"model type {config.model_type!r} is not supported (supported: {SUPPORTED})"
         )
+    fp8_scheme(config)  # refuses an unsupported quantization before any weight is read
     return config
 
 
@@ -113,59 +124,230 @@ def load_tokenizer(model_dir: Path | None):
 
 
 def load_model(
-    path: str, load_format: str, dtype: torch.dtype, device: torch.device, max_positions: int
+    path: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    weight_codes: bool = False,
+    gguf_levels: bool = False,
 ):
-    """Returns (model, config, tokenizer)."""
+    """Returns (model, config, tokenizer); `weight_codes`: decoder linear layers keep an FP8
+    checkpoint's codes and scales for the W8A16 kernel instead of being dequantized to `dtype`;
+    `gguf_levels`: and the exact uint8 levels of a GGUF's blocks."""
     if load_format == "dummy":
         return load_dummy(path, dtype, device, max_positions)
     model_dir = resolve_model_dir(path or None)
     config = load_config(model_dir)
     return (
-        load_weights(model_dir, config, dtype, device, max_positions),
+        load_weights(model_dir, config, dtype, device, max_positions, weight_codes, gguf_levels),
         config,
         load_tokenizer(model_dir),
     )
 
 
 def load_weights(
-    model_dir: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    weight_codes: bool = False,
+    gguf_levels: bool = False,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, each checkpoint tensor read straight into its place:
-    memory peaks at the weights plus one chunk."""
-    model = empty_model(config, max_positions, dtype, device)
+    memory peaks at the weights plus one chunk. FP8 weights are dequantized into `dtype`, or
+    with `weight_codes` kept as codes in the decoder layers' linear layers; with `gguf_levels`
+    fp32 weights that are exact uint8 levels per 32 inputs (a GGUF's) keep those."""
     index = safetensors_index(model_dir)
+    scheme = fp8_scheme(config)
+    coded: dict[str, tuple[Linear, int]] = {}
+    levels: dict[str, tuple[Linear, int, tuple]] = {}
+    handles: dict[Path, object] = {}
+
+    def handle(file: Path):
+        if file not in handles:
+            handles[file] = open(file, "rb", buffering=0)
+        return handles[file]
+
+    def prepare(model: LlamaForCausalLM) -> None:
+        if weight_codes and scheme is not None and scheme.codes_fit():
+            coded.update(keep_fp8_codes(model, index, scheme))
+        if gguf_levels:
+            levels.update(keep_levels(model, index, handle))
+
+    try:
+        model = empty_model(config, max_positions, dtype, device, prepare)
+        fp8 = fill(model, model_dir, index, scheme, coded, levels, handle)
+    finally:
+        for f in handles.values():
+            f.close()
+    if fp8 or levels:
+        log.info(
+            "coded weights",
+            scheme=scheme.describe() if fp8 else None,
+            fp8_tensors=len(fp8),
+            fp8_kept_as_codes=len(coded),
+            activation_scales=f"{scheme.activations}, unused" if fp8 else None,
+            uint8_levels_kept=len(levels),
+        )
+    return model.eval()
+
+
+def fill(model, model_dir, index, scheme, coded, levels, handle) -> list[str]:
+    """Read every checkpoint tensor into its place in `model`; the FP8 names."""
     targets = destinations(model)
     missing = [name for name in targets if name not in index]
     if missing:
         raise KeyError(
             f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}"
         )
-    handles: dict[Path, object] = {}
+    fp8 = [name for name in targets if index[name].dtype in FP8_DTYPES]
+    check_fp8(fp8, index, scheme, model_dir)
     scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-    try:
+    with torch.no_grad():
         for name in sorted(
             targets, key=lambda n: (index[n].file, index[n].offset)
         ):  # sequential reads
-            stored = index[name]
-            if stored.file not in handles:
-                handles[stored.file] = open(stored.file, "rb", buffering=0)
-            read_into(handles[stored.file], stored, targets[name], name, scratch)
-    finally:
-        for handle in handles.values():
-            handle.close()
-    return model.eval()
+            stored, dst = index[name], targets[name]
+            if name in levels:  # read and coded while preparing
+                linear, row, (codes, scale, offset) = levels[name]
+                dst.copy_(codes)
+                linear.weight_scale[row : row + len(codes)].copy_(scale)
+                linear.weight_offset[row : row + len(codes)].copy_(offset)
+            elif stored.dtype not in FP8_DTYPES:
+                read_into(handle(stored.file), stored, dst, name, scratch)
+            elif name in coded:
+                rows = read_scale(handle, index, scheme, name)
+                linear, row = coded[name]
+                read_into(handle(stored.file), stored, dst, name, scratch)
+                linear.weight_scale[row : row + len(rows)].copy_(rows)
+            else:
+                rows = read_scale(handle, index, scheme, name)
+                read_dequantized(handle(stored.file), stored, dst, name, rows, scheme.group_k)
+    return fp8
 
 
 def empty_model(
-    config, max_positions: int, dtype: torch.dtype, device: torch.device
+    config, max_positions: int, dtype: torch.dtype, device: torch.device, prepare=None
 ) -> LlamaForCausalLM:
     """The model's parameters in `dtype` on `device`, unset, built on the meta device: no fp32
-    copy of the weights ever exists."""
+    copy of the weights ever exists. `prepare(model)` may change parameters while on meta."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if prepare is not None:
+        prepare(model)
+    model = model.to_empty(device=device)
     model.rotary.fill()
     return model
+
+
+# ---- FP8 checkpoints -----------------------------------------------------------------------------
+
+
+def decoder_linears(model, index: dict):
+    """(layer, its weight, [(checkpoint name, first row)]) for each decoder linear layer of the
+    meta model that holds plain weights and whose checkpoint tensors are all in `index`."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    by_base: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, dst in destinations(model, params).items():
+        base = dst if dst._base is None else dst._base
+        by_base.setdefault(id(base), []).append((name, dst))
+    for module_name, module in model.named_modules():
+        if not (isinstance(module, Linear) and module_name.startswith("layers.")):
+            continue
+        weight = params[module_name + ".weight"]
+        sources = by_base.get(id(weight), [])
+        if module.coded() or not sources or any(n not in index for n, _ in sources):
+            continue
+        width = weight.shape[1]
+        rows = [
+            (n, (dst.storage_offset() - weight.storage_offset()) // width) for n, dst in sources
+        ]
+        yield module, weight, rows
+
+
+def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple[Linear, int]]:
+    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one (on
+    the meta model); checkpoint name -> (that layer, its first row there)."""
+    coded = {}
+    for module, _, rows in list(decoder_linears(model, index)):
+        if all(index[n].dtype == FP8 for n, _ in rows):
+            coded.update({n: (module, row) for n, row in rows})
+            module.use_fp8(scheme.group_k)
+    return coded
+
+
+def keep_levels(model, index: dict, handle) -> dict[str, tuple[Linear, int, tuple]]:
+    """Turn each decoder linear layer whose fp32 checkpoint tensors are all exact uint8 levels
+    with a scale and offset per 32 inputs (a GGUF's Q8_0, Q4_1, ... weights, which the
+    conversion dequantized) into a levels layer (on the meta model); checkpoint name -> (that
+    layer, its first row, (levels, scales, offsets)), held on the host until the load. Found
+    by the C GEMM's exact search: none without the C kernels."""
+    if not gemm.available():
+        return {}
+    block, found = gemm.codes_block(), {}
+    for module, weight, rows in list(decoder_linears(model, index)):
+        if weight.shape[1] % block or any(index[n].dtype != torch.float32 for n, _ in rows):
+            continue
+        mine = {}
+        for name, row in rows:
+            w = torch.empty(index[name].shape, dtype=torch.float32)
+            read_into(handle(index[name].file), index[name], w, name)
+            codes = gemm.exact_codes(w, block)
+            if codes is None:
+                break
+            mine[name] = (module, row, codes)
+        else:
+            found.update(mine)
+            module.use_levels(block)
+    return found
+
+
+def check_fp8(names: list[str], index: dict, scheme: Fp8Scheme | None, model_dir) -> None:
+    """Refuse FP8 tensors the config does not declare, and any but 2-D e4m3 weights."""
+    if not names:
+        return
+    if scheme is None:
+        raise UnsupportedQuantization(
+            f"{model_dir}: {names[0]} is stored as {index[names[0]].dtype} but config.json has "
+            "no quantization_config (compressed-tensors or fp8) to give its scales"
+        )
+    for name in names:
+        stored = index[name]
+        if stored.dtype != FP8 or len(stored.shape) != 2:
+            raise UnsupportedQuantization(
+                f"{name}: {scheme.describe()}: a {stored.dtype} tensor of shape "
+                f"{list(stored.shape)} (2-D float8 e4m3 weights are supported)"
+            )
+
+
+def read_scale(handle, index: dict, scheme: Fp8Scheme, name: str) -> torch.Tensor:
+    """The fp32 scales [rows, groups] of the FP8 weight `name`, checked against its shape."""
+    sname = scale_name(scheme, name)
+    stored = index.get(sname)
+    if stored is None:
+        raise UnsupportedQuantization(
+            f"{name} is fp8 but the checkpoint lacks its scale {sname} ({scheme.describe()})"
+        )
+    scale = torch.empty(stored.shape, dtype=torch.float32)
+    read_into(handle(stored.file), stored, scale, sname)
+    return scale_rows(scheme, sname, scale, index[name].shape)
+
+
+def read_dequantized(
+    f, stored: StoredTensor, dst: torch.Tensor, name: str, rows: torch.Tensor, group_k: int
+) -> None:
+    """The FP8 weight `stored` times its scales `rows`, into `dst` (any float dtype and device),
+    a chunk of rows at a time in fp32."""
+    codes = torch.empty(stored.shape, dtype=stored.dtype)
+    read_into(f, stored, codes, name)
+    step = max(1, CHUNK_BYTES // (4 * stored.shape[1]))
+    with torch.no_grad():
+        for start in range(0, stored.shape[0], step):
+            part = slice(start, start + step)
+            dst[part].copy_(dequantize(codes[part], rows[part], group_k))
 
 
 def load_dummy(path: str, dtype, device, max_positions):
@@ -226,7 +408,10 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 8 << 20  # held beside the model when a read must cast or copy to a device
 
 
@@ -292,9 +477,10 @@ def read_into(
             part.copy_(buffer)
 
 
-def destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF checkpoint name -> the part of this model's parameters it fills (each parameter once)."""
-    params = {name: p.detach() for name, p in model.named_parameters()}
+def destinations(model: LlamaForCausalLM, params: dict | None = None) -> dict[str, torch.Tensor]:
+    """HF checkpoint name -> the part of this model's parameters it fills (each parameter once);
+    `params`: the detached parameters to slice (by name), made here if not given."""
+    params = params or {name: p.detach() for name, p in model.named_parameters()}
     out = {
         "model.embed_tokens.weight": params["embed_tokens.weight"],
         "model.norm.weight": params["norm"],
