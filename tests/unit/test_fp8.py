@@ -187,3 +187,12 @@ def test_gguf_levels_stay_uint8_codes_where_the_kernel_runs(shallow_smollm2):
     qkv, ref = pairs[0]
     assert torch.allclose(qkv(x), ref(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(coded.embed_tokens.weight, plain.embed_tokens.weight)  # not a linear layer
+
+
+def test_gpu_weight_codes_off_dequantizes_on_cuda_too():
+    """`INFERLINE_MODEL__GPU_WEIGHT_CODES=off`: a way back to dequantized weights on a GPU."""
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    assert ModelRunner._weight_codes(cuda, Settings())
+    assert not ModelRunner._weight_codes(cuda, Settings(model={"gpu_weight_codes": "off"}))

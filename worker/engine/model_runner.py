@@ -83,7 +83,8 @@ class ModelRunner:
             self.device,
             max_positions=settings.model.max_model_len,
             weight_codes=self._weight_codes(settings),
-            gguf_levels=self.device.type == "cuda",  # not interpreted: seconds a layer-step
+            # not interpreted: seconds a layer-step at SmolLM2's sizes
+            gguf_levels=self.device.type == "cuda" and settings.model.gpu_weight_codes == "auto",
         )
         self.max_model_len = min(settings.model.max_model_len, length_limit(self.config))
         self.num_blocks = self._num_blocks(settings)
@@ -154,7 +155,8 @@ class ModelRunner:
         the interpreter with the Triton attention (as on CUDA); the CPU dequantizes once. (A
         GGUF's exact levels stay codes on CUDA only.)"""
         triton_here = interpreting() and settings.model.attention_backend == "triton"
-        return self.device.type == "cuda" or triton_here
+        wanted = settings.model.gpu_weight_codes == "auto"
+        return wanted and (self.device.type == "cuda" or triton_here)
 
     def _padded_decode(self, max_num_seqs: int) -> PaddedDecode:
         return PaddedDecode(
