@@ -378,12 +378,13 @@ class SchedulerSettings(BaseModel):
 
 
 class LaneSettings(BaseModel):
-    # Requests read past the waiting pool's room wait in per-tenant lanes in memory, so that intake
-    # reads on past one tenant's backlog to the next tenant's records (docs/operations.md,
-    # "Lanes"); at most this many in all. 0: no lanes, intake pauses when the pool is full.
+    # Group mode: requests read past the waiting pool's room wait in per-tenant lanes in memory, so
+    # that intake reads on past one tenant's backlog to the next tenant's records
+    # (docs/operations.md, "Lanes"); at most this many in all. 0: no lanes, intake pauses when the
+    # pool is full.
     max_records: int = Field(1024, ge=0)
     # The lanes' bytes at most, counted as each record's key and value twice (the record and the
-    # request decoded from it) plus LANE_RECORD_OVERHEAD: an estimate of their memory.
+    # request decoded from it) plus 1 KiB: an estimate of their memory.
     max_bytes: int = Field(64 * 2**20, ge=0)
 
 

@@ -1,15 +1,16 @@
 """Lanes: admitted requests beyond the waiting pool's room wait here, in memory, one lane per
 tenant, so that intake reads on past one tenant's backlog to the next tenant's records. The pool's
-room goes to the lanes fairly: next to the tenant with the fewest requests in the pool for its
-weight. A parked record is unfinished in the offset tracker, so no commit passes it: a crash loses
-nothing (its next owner reads it again from Kafka). design: docs/operations.md#lanes
+room goes to the lanes by priority, then fairly: next to the tenant with the fewest requests in
+the pool for its weight. A parked record is unfinished in the offset tracker, so no commit passes
+it: a crash loses nothing (its next owner reads it again from Kafka).
+design: docs/operations.md#lanes
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -46,7 +47,8 @@ class Lanes:
         self.max_records, self.max_bytes = settings.lanes.max_records, settings.lanes.max_bytes
         self._weights = settings.scheduler.tenant_weights
         self._default_weight = settings.scheduler.default_tenant_weight
-        self.lanes: dict[str, deque[tuple[int, Admission, int]]] = {}  # (order, admission, bytes)
+        # Each a heap of (priority, order, admission, bytes): best priority, then first read.
+        self.lanes: dict[str, list[tuple[int, int, Admission, int]]] = {}
         self.num_records = self.num_bytes = 0
         self.recheck: Callable[[Admission], bool] = lambda adm: True
         self._order = itertools.count()
@@ -68,7 +70,8 @@ class Lanes:
             self._pool.admit(adm)
             return
         size = 2 * adm.size + LANE_RECORD_OVERHEAD
-        self.lanes.setdefault(adm.request.tenant, deque()).append((next(self._order), adm, size))
+        parked = (adm.request.priority, next(self._order), adm, size)
+        heapq.heappush(self.lanes.setdefault(adm.request.tenant, []), parked)
         self.num_records += 1
         self.num_bytes += size
         self.release()
@@ -76,9 +79,10 @@ class Lanes:
     async def requeue(self, tps: set[TopicPartition]) -> None:
         """Revoked partitions: their parked requests go (the next owner reads them again)."""
         for tenant in list(self.lanes):
-            kept = deque(p for p in self.lanes[tenant] if p[1].tp not in tps)
+            kept = [p for p in self.lanes[tenant] if p[2].tp not in tps]
             self._drop(self.lanes[tenant], kept)
             if kept:
+                heapq.heapify(kept)
                 self.lanes[tenant] = kept
             else:
                 del self.lanes[tenant]
@@ -100,8 +104,8 @@ class Lanes:
         return self._weights.get(tenant, self._default_weight)
 
     def release(self) -> None:
-        """Parked requests into the pool's room: each next to the tenant with the fewest requests
-        waiting in the pool for its weight (then the earliest parked)."""
+        """Parked requests into the pool's room: the best priority first; within it, next to the
+        tenant with the fewest requests waiting in the pool for its weight (then the earliest)."""
         if self._releasing:  # a recheck's rejection may call back in
             return
         self._releasing = True
@@ -109,7 +113,7 @@ class Lanes:
             while self.lanes and self._pool.room() > 0:
                 tenant = min(self.lanes, key=self._turn)
                 lane = self.lanes[tenant]
-                _, adm, size = lane.popleft()
+                _, _, adm, size = heapq.heappop(lane)
                 if not lane:
                     del self.lanes[tenant]
                 self.num_records -= 1
@@ -120,8 +124,9 @@ class Lanes:
             self._releasing = False
         self._observe()
 
-    def _turn(self, tenant: str) -> tuple[float, int]:
-        return ((self._pool.waiting_of(tenant) + 1) / self.weight(tenant), self.lanes[tenant][0][0])
+    def _turn(self, tenant: str) -> tuple[int, float, int]:
+        priority, order = self.lanes[tenant][0][:2]
+        return (priority, (self._pool.waiting_of(tenant) + 1) / self.weight(tenant), order)
 
     def crowded(self) -> set[str]:
         """Tenants whose lane holds its weighted share of the lanes (among the tenants parked, and
@@ -137,9 +142,9 @@ class Lanes:
         """Parked requests by tenant."""
         return {t: len(lane) for t, lane in self.lanes.items()}
 
-    def _drop(self, lane: deque, kept: deque) -> None:
+    def _drop(self, lane: list, kept: list) -> None:
         self.num_records -= len(lane) - len(kept)
-        self.num_bytes -= sum(p[2] for p in lane) - sum(p[2] for p in kept)
+        self.num_bytes -= sum(p[3] for p in lane) - sum(p[3] for p in kept)
 
     def _observe(self, force: bool = False) -> None:
         now = time.monotonic()
