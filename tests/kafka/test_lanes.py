@@ -95,8 +95,8 @@ async def test_quiet_records_behind_a_flood_in_their_partition_start_early(
     kafka_bootstrap, topics, lane_worker
 ):
     """60 records of `noisy`, then 4 of `quiet`, all in partition 0 before the worker starts: the
-    quiet ones start while most of the flood still waits (the pool holds 8: without lanes, the
-    whole flood started first)."""
+    quiet ones start while most of the flood still waits (without lanes they are read only once
+    all but a pool's worth, 8, of the flood has been admitted)."""
     flood = [short(topics, "noisy", 2) for _ in range(60)]
     quiet = [short(topics, "quiet", 2) for _ in range(4)]
     ids = await produce_to_one_partition(kafka_bootstrap, topics, flood + quiet)

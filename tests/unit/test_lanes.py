@@ -156,3 +156,33 @@ def test_crowded_tenants_hold_their_share_of_the_lanes():
     lanes.admit(adm("b"))
     # shares among a, b and a newcomer: 8/3 each
     assert lanes.crowded() == {"a"}
+
+
+def test_a_worker_parks_past_its_pool_and_answers_one_cancelled_meanwhile():
+    """Through a real Worker (tests/chaos_fixtures.py's harness): with a pool of one, the second
+    and third records wait in a lane; the engine starting the first lets the second in, starting
+    the second lets the third out, and the third, cancelled while it waited, is answered
+    `cancelled` without running."""
+    import msgpack
+
+    from inferline.worker.engine.engine import EngineStats
+    from inferline.worker.engine.request import RequestOutput
+    from tests.chaos_fixtures import IntakeHarness
+
+    h = IntakeHarness(Settings(scheduler={"max_waiting": 1}))
+
+    def record(rid: str) -> bytes:
+        body = {"v": 1, "id": rid, "reply_topic": "inferline.reply.c", "prompt": "Hi."}
+        return msgpack.packb({**body, "max_tokens": 2})
+
+    _, first = h.feed(record("r-1"))
+    assert [r.request_id for r in first] and h.feed(record("r-2"))[1] == []
+    assert h.feed(record("r-3"))[1] == [] and h.worker.lanes.num_records == 2
+    h.worker.requests.cancel("r-3")
+    added = h.worker.engine_loop.added
+    for n in (1, 2):  # the engine starts one: the pool has room again
+        started = RequestOutput(request_id=added[n - 1].request_id, started=True)
+        h.worker.requests.on_outputs([started], EngineStats())
+    assert len(added) == 2 and h.worker.lanes.num_records == 0
+    done = msgpack.unpackb(h.sent[-1].value)
+    assert done["id"] == "r-3" and done["finish_reason"] == "cancelled", done

@@ -375,6 +375,7 @@ class Triage:
         answered `cancelled` (the deadline the engine checks)."""
         if not self._cancels.seen(cancel_key(adm.request.id, self._tenant_of(adm.tp))):
             return True
+        self._limiter.refund(adm.request.tenant, adm.max_tokens * adm.request.n)  # never ran
         route = ReplyRoute.of(adm.request, reply_headers(adm.headers))
         reason = ("cancelled", "cancelled before it started")
         self._delivery.reject(
