@@ -5,7 +5,7 @@ started again, and every request ends with exactly one final `done` (read_commit
 
 A worker process over the shallow SmolLM2 (one output token per request). Measures the worker's
 RSS (/proc) and the lanes' gauges (/metrics) while the flood waits; prints the figures. `make chaos`
-only (marked `full` and `chaos`): it runs for minutes."""
+only (marked `full` and `chaos`, skipped without --chaos-long): it runs for minutes."""
 
 from __future__ import annotations
 
@@ -155,8 +155,10 @@ async def wait_finals(finals: Finals, at_least: int, worker: WorkerProcess, watc
 
 
 async def test_a_100k_flood_keeps_memory_bounded_and_loses_nothing_across_a_sigkill(
-    kafka_bootstrap, shallow_smollm2, tmp_path
+    kafka_bootstrap, shallow_smollm2, tmp_path, request
 ):
+    if not request.config.getoption("--chaos-long"):
+        pytest.skip("make chaos only (--chaos-long): minutes of a worker process")
     topics = await private_topics(kafka_bootstrap, "flood", 1, 4)
     t0 = time.monotonic()
     ids = await asyncio.to_thread(
