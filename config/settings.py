@@ -380,6 +380,17 @@ class SchedulerSettings(BaseModel):
         return self
 
 
+class LaneSettings(BaseModel):
+    # Group mode: requests read past the waiting pool's room wait in per-tenant lanes in memory, so
+    # that intake reads on past one tenant's backlog to the next tenant's records
+    # (docs/operations.md, "Lanes"); at most this many in all. 0: no lanes, intake pauses when the
+    # pool is full.
+    max_records: int = Field(1024, ge=0)
+    # The lanes' bytes at most, counted as each record's key and value twice (the record and the
+    # request decoded from it) plus 1 KiB: an estimate of their memory.
+    max_bytes: int = Field(64 * 2**20, ge=0)
+
+
 class EngineSettings(BaseModel):
     # Schedule and launch step N+1 while step N runs, hiding the host's work per step behind the
     # device's (docs/architecture.md, "The engine step"); `auto`: on with CUDA, off on the CPU.
@@ -519,6 +530,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    lanes: LaneSettings = LaneSettings()
     engine: EngineSettings = EngineSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
     structured: StructuredSettings = StructuredSettings()

@@ -15,6 +15,7 @@ from inferline.worker.engine.request import RequestOutput
 from inferline.worker.service.http import HttpServer
 from inferline.worker.intake.cancels import CancelListener, RecentCancels
 from inferline.worker.intake.group import Intake
+from inferline.worker.intake.lanes import Lanes
 from inferline.worker.delivery.finals import AcknowledgedDelivery, Delivery
 from inferline.worker.delivery.ledger import Job, JobLedger
 from inferline.worker.request_tracker import RequestTracker
@@ -95,12 +96,21 @@ class Worker:
             generation,
             self.fatal,
         )
-        parts = (settings, self.requests, self.tracker, self.limiter, self.metrics, self.cancels)
+        # Group mode: records past the pool's room wait in per-tenant lanes (share mode acquires
+        # only what it can run).
+        self.lanes = None
+        if not share and settings.lanes.max_records > 0:
+            self.lanes = Lanes(settings, self.requests, self.metrics)
+            self.requests.on_room = self.lanes.release
+        sink = self.lanes or self.requests
+        parts = (settings, sink, self.tracker, self.limiter, self.metrics, self.cancels)
         self.intake = (
             ShareIntake(*parts, self.delivery)
             if share
             else Intake(*parts, self.delivery, committer=self.committer)
         )
+        if self.lanes is not None:
+            self.lanes.recheck = self.intake.recheck
         self.cancel_listener = CancelListener(settings, self.requests.cancel, self.metrics)
         self.http = HttpServer(settings, self.metrics, self._last_tick, self.readiness)
         self.engine = engine

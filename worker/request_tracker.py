@@ -102,7 +102,9 @@ class RequestTracker:
         self.draining = False
         self.hurry = False  # a second signal: skip the drain wait
         self._num_waiting = 0
+        self._waiting_by_tenant: dict[str, int] = {}
         self._stats = EngineStats()
+        self.on_room: Callable[[], None] = lambda: None  # the lanes' release: the pool moved
 
     @property
     def jobs(self) -> dict[str, Job]:
@@ -124,6 +126,18 @@ class RequestTracker:
     def pool_full(self) -> bool:
         return self._num_waiting >= self.settings.scheduler.max_waiting
 
+    def waiting_of(self, tenant: str) -> int:
+        """The tenant's requests in the pool, not started yet."""
+        return self._waiting_by_tenant.get(tenant, 0)
+
+    def _count_waiting(self, tenant: str, delta: int) -> None:
+        self._num_waiting += delta
+        left = self._waiting_by_tenant.get(tenant, 0) + delta
+        if left:
+            self._waiting_by_tenant[tenant] = left
+        else:
+            self._waiting_by_tenant.pop(tenant, None)
+
     def admit(self, adm: Admission) -> None:
         req, tp, offset = adm.request, adm.tp, adm.offset
         rs = ReplyStream(
@@ -139,7 +153,7 @@ class RequestTracker:
             request_id=req.id, attempt=rs.attempt, partition=tp.partition, offset=offset
         )
         self.ledger.add(job)
-        self._num_waiting += 1
+        self._count_waiting(req.tenant, 1)
         attempt = engine_request(req, rs.attempt, adm.max_tokens, adm.received, adm.deadline)
         self.engine_loop.add_request(attempt)
         job.log.debug("request.admitted", priority=req.priority, tenant=req.tenant)
@@ -218,13 +232,14 @@ class RequestTracker:
                 self._finish(job, out)
         self.metrics.observe_engine(stats, self._stats, self._num_waiting)
         self._stats = stats
+        self.on_room()
 
     def _started(self, job: Job, out: RequestOutput, now: float) -> None:
         job.state = "running"
         # The engine's first schedule, not this output's time: one step may both start it and
         # give its first token, and the step's time is prefill, not pool (as queue_time counts).
         job.trace.started(min(now, job.received + max(0.0, out.queue_s)))
-        self._num_waiting -= 1
+        self._count_waiting(job.request.tenant, -1)
         self.delivery.publisher.started(job.reply, out.queue_s)
         self.metrics.by_priority(self.metrics.queue_time, job.request.priority).observe(out.queue_s)
 
@@ -255,7 +270,7 @@ class RequestTracker:
     def _finish(self, job: Job, out: RequestOutput) -> None:
         ran = job.state == "running"
         if job.state == "waiting":
-            self._num_waiting -= 1
+            self._count_waiting(job.request.tenant, -1)
         job.state = "finishing"
         reason = out.finish_reason or "error"
         if reason != "requeued" and self.delivery.stale(job):

@@ -29,7 +29,7 @@ class Peaks:
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        self.waiting = self.jobs = self.paused = 0
+        self.waiting = self.jobs = self.paused = self.parked = 0
         self._task = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -40,6 +40,7 @@ class Peaks:
             # holds no engine resources and is bounded by max_pending_replies instead.
             self.jobs = max(self.jobs, sum(1 for j in w.jobs.values() if j.state != "finishing"))
             self.paused = max(self.paused, w.metrics.intake_paused._value.get())
+            self.parked = max(self.parked, w.lanes.num_records if w.lanes else 0)
             await asyncio.sleep(0.005)
 
     def stop(self) -> None:
@@ -48,7 +49,11 @@ class Peaks:
 
 async def test_burst_of_10x_the_pool(kafka_bootstrap, topics, start_worker):
     pool, running = 6, 4
-    worker = await start_worker(topics, scheduler={"max_num_seqs": running, "max_waiting": pool})
+    worker = await start_worker(
+        topics,
+        scheduler={"max_num_seqs": running, "max_waiting": pool},
+        lanes={"max_records": pool},
+    )
     peaks = Peaks(worker)
     reqs = [
         request(
@@ -68,9 +73,9 @@ async def test_burst_of_10x_the_pool(kafka_bootstrap, topics, start_worker):
         assert final_done(events[i]).finish_reason == "length"
     print(
         f"\nburst {len(ids)}: peak waiting {peaks.waiting}/{pool}, peak jobs {peaks.jobs}, "
-        f"intake paused {peaks.paused}"
+        f"parked {peaks.parked}, intake paused {peaks.paused}"
     )
-    assert peaks.waiting <= pool and peaks.jobs <= pool + running
+    assert peaks.waiting <= pool and peaks.jobs <= pool + running and peaks.parked <= pool
     assert peaks.paused >= 1  # backpressure reached the consumer
 
 

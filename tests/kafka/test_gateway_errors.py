@@ -233,6 +233,7 @@ async def test_overloaded_worker_is_429_with_retry_after(kafka_bootstrap, start_
         await start_worker(
             topics,
             scheduler={"max_num_seqs": 1, "max_waiting": 2},
+            lanes={"max_records": 0},  # no lanes: the pool alone fills
             limits={"overload_reject_after_s": 0.3},
         )
         server, task, url = await start_gateway(

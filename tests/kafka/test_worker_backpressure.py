@@ -91,7 +91,10 @@ async def test_consumer_lag_keeps_counting_while_intake_is_paused(
     monkeypatch.setattr(group, "LAG_EVERY_S", 0.3)
     # drain_timeout_s 0: the 400-token requests still running at the end are handed back at once
     worker = await start_worker(
-        topics, scheduler={"max_num_seqs": 1, "max_waiting": 1}, worker={"drain_timeout_s": 0}
+        topics,
+        scheduler={"max_num_seqs": 1, "max_waiting": 1},
+        lanes={"max_records": 0},  # no lanes: a full pool pauses the intake
+        worker={"drain_timeout_s": 0},
     )
     first = [request(topics.replies, max_tokens=400, ignore_eos=True) for _ in range(4)]
     await submit(kafka_bootstrap, topics.requests, first)

@@ -122,6 +122,7 @@ async def test_overload_rejects_when_the_pool_stays_full(kafka_bootstrap, topics
     worker = await start_worker(
         topics,
         scheduler={"max_num_seqs": 1, "max_waiting": 2},
+        lanes={"max_records": 2},  # shedding starts once the pool and the lanes are full
         limits={"overload_reject_after_s": 0.3},
     )
     reqs = [request(topics.replies, max_tokens=12, ignore_eos=True) for _ in range(12)]
@@ -190,6 +191,7 @@ async def test_burst_of_500_with_a_small_pool(kafka_bootstrap, topics, start_wor
     worker = await start_worker(
         topics,
         scheduler={"max_num_seqs": running, "max_waiting": pool},
+        lanes={"max_records": pool},  # the intake pauses once the lanes are full too
         kafka={"max_pending_replies": pending},
     )
     peak = record_peaks(worker)

@@ -70,6 +70,8 @@ class Intake(Triage):
         self._closing = threading.Event()
         self._want = 0  # records the poll thread may take next; set on the loop
         self._paused = False  # the poll thread's: every partition paused
+        self._crowded: frozenset[str] = frozenset()  # topics left in Kafka: set on the loop
+        self._crowded_paused: frozenset[str] | None = frozenset()  # the poll thread's
         self._full_since: float | None = None
         self._subscribed: list[str] | None = None
         self._refusals = (0.0, 0.0)  # the poll thread's: (first, last) of a run of refusals
@@ -144,6 +146,7 @@ class Intake(Triage):
         next_lag = next_subscribe = time.monotonic()
         while not self._closing.is_set():
             self._set_paused(self._want <= 0)
+            self._pause_crowded()
             messages = self._consumer.consume(max(1, min(self._want, MAX_BATCH)), POLL_S)
             self._metadata = self._consumer.consumer_group_metadata()  # epoch of what it owns
             self._call(self._take(Record.read(messages)))
@@ -195,6 +198,22 @@ class Intake(Triage):
             if assigned:
                 (self._consumer.pause if paused else self._consumer.resume)(assigned)
             self._m.intake_paused.set(1 if paused else 0)
+            self._crowded_paused = None if not paused else self._crowded_paused
+
+    def _pause_crowded(self) -> None:
+        """Topic tenancy: the topics of tenants whose lane holds its share stay in Kafka, so the
+        fetches go to the other tenants' topics in turn (body tenancy mixes tenants in a
+        partition: nothing to pause)."""
+        crowded = self._crowded
+        if self._paused or crowded == self._crowded_paused:
+            return
+        assigned = self._consumer.assignment()
+        running = [p for p in assigned if p.topic not in crowded]
+        if running:
+            self._consumer.resume(running)
+        if len(running) < len(assigned):
+            self._consumer.pause([p for p in assigned if p.topic in crowded])
+        self._crowded_paused = crowded
 
     def _subscribe(self) -> None:
         topics = self._wanted_topics()
@@ -239,6 +258,7 @@ class Intake(Triage):
         consumer.incremental_assign(starts)
         if self._paused and starts:
             consumer.pause(starts)
+        self._crowded_paused = None  # new partitions of a crowded topic: paused next poll
 
     def _read_committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple]:
         """Stable reads wait out a previous owner's open transaction; a broker away for longer than
@@ -270,6 +290,13 @@ class Intake(Triage):
         calm = self._delivery.dead_letters_in_flight < OVERLOAD_BATCH
         self._overloading = self.fetching and room <= 0 and calm and self._overloaded()
         self._want = room if room > 0 else OVERLOAD_BATCH if self._overloading else 0
+        self._crowded = self._crowded_topics()
+
+    def _crowded_topics(self) -> frozenset[str]:
+        k = self._s.kafka
+        if k.tenancy != "topic" or not hasattr(self._sink, "crowded"):
+            return frozenset()
+        return frozenset(f"{k.request_topic}.{t}" for t in self._sink.crowded())
 
     def _overloaded(self) -> bool:
         after = self._s.limits.overload_reject_after_s

@@ -47,6 +47,7 @@ class Admission:
     deadline: float  # Unix seconds
     sent_at: float | None = None  # the record's Kafka timestamp, Unix seconds, if it has one
     headers: list | None = None  # the record's: its trace context (worker/tracing.py)
+    size: int = 0  # the record's key and value bytes (what a lane holding it counts)
 
 
 def deadline_of(req: Request, received: float, default_timeout_s: float) -> float:
@@ -359,14 +360,33 @@ class Triage:
         max_tokens = req.max_tokens or default_max_tokens(req.n, self._s.limits)
         refused = self._refusal(tp, req, deadline, max_tokens)
         if refused is None:
+            size = len(record.value or b"") + len(record.key or b"")
             adm = Admission(
-                tp, offset, req, received, max_tokens, deadline, record.sent_at, headers
+                tp, offset, req, received, max_tokens, deadline, record.sent_at, headers, size
             )
             self._sink.admit(adm)
             return
         code, message, reason = refused
         route, meta = ReplyRoute.of(req, reply_headers(headers)), req.metadata
         self._delivery.reject(tp, offset, route, code, message, finish_reason=reason, metadata=meta)
+
+    def recheck(self, adm: Admission) -> bool:
+        """Whether a request that waited in a lane may still run: one cancelled meanwhile is
+        answered `cancelled` (the deadline the engine checks)."""
+        if not self._cancels.seen(cancel_key(adm.request.id, self._tenant_of(adm.tp))):
+            return True
+        self._limiter.refund(adm.request.tenant, adm.max_tokens * adm.request.n)  # never ran
+        route = ReplyRoute.of(adm.request, reply_headers(adm.headers))
+        reason = ("cancelled", "cancelled before it started")
+        self._delivery.reject(
+            adm.tp,
+            adm.offset,
+            route,
+            *reason,
+            finish_reason="cancelled",
+            metadata=adm.request.metadata,
+        )
+        return False
 
     def _refusal(self, tp, req: Request, deadline: float, max_tokens: int) -> tuple | None:
         """(code, message, finish_reason) why `req` will not run, or None; the rate limiter is

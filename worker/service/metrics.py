@@ -262,7 +262,20 @@ class Metrics:
             labels,
             registry=r,
         )
-        self._tenant_labels = {"labels": TenantLabels()}  # not an attribute: tests walk those
+        self.tenant_lane = Gauge(
+            "inferline_tenant_lane_requests",
+            "Requests read past the waiting pool, parked in their tenant's lane (the heaviest; "
+            "`(other)`: the rest)",
+            labels,
+            registry=r,
+        )
+        self.lane_bytes = Gauge(
+            "inferline_lane_bytes",
+            "The lanes' bytes as INFERLINE_LANES__MAX_BYTES counts them",
+            registry=r,
+        )
+        # not attributes: tests walk those
+        self._tenant_labels = {"labels": TenantLabels(), "lanes": TenantLabels()}
 
     def observe_tenants(self, load: dict[str, tuple[int, int]], tokens: dict[str, int]) -> None:
         """One step's (waiting, running) sequences and generated tokens by tenant."""
@@ -282,6 +295,18 @@ class Metrics:
         for label, (waiting, running) in sums.items():
             self.tenant_waiting.labels(label).set(waiting)
             self.tenant_running.labels(label).set(running)
+
+    def observe_lanes(self, depths: dict[str, int], num_bytes: int) -> None:
+        """Parked requests by tenant, and the lanes' bytes."""
+        labels: TenantLabels = self._tenant_labels["lanes"]
+        for tenant in labels.update(depths):
+            self.tenant_lane.remove(tenant)
+        sums = dict.fromkeys((*labels.named, OTHER_TENANTS), 0)
+        for tenant, depth in depths.items():
+            sums[labels.label(tenant)] += depth
+        for label, depth in sums.items():
+            self.tenant_lane.labels(label).set(depth)
+        self.lane_bytes.set(num_bytes)
 
     def _hist(self, name: str, doc: str) -> Histogram:
         labels = ["model_name", "priority"]
