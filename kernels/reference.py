@@ -81,9 +81,10 @@ def plan_decode(
     chunk_seqs: int | None = None,
     window: int | None = None,
 ) -> DecodePlan:
-    """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the sequence's own token
-    0 under a -inf bias, and a context_len 0 row reads slot 0, its output set to 0 (`empty`).
-    Keys before a sliding `window` get the -inf bias too."""
+    """Sort by length and cut into chunks of `chunk_seqs`; padding re-reads the first token of the
+    sequence's window (token 0 without one) under a -inf bias, and a context_len 0 row reads slot
+    0, its output set to 0 (`empty`). Keys before a sliding `window` get the -inf bias too and are
+    never read: their blocks may be freed."""
     chunk_seqs = chunk_seqs or _DECODE_CHUNK_SEQS
     lens = context_lens.long()
     num_seqs = lens.shape[0]
@@ -108,9 +109,12 @@ def plan_decode(
 def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int, window=None):
     pos = torch.arange(max_len, device=lens.device)
     valid = pos[None, :] < lens[:, None]  # [c, L]
+    first = torch.zeros_like(lens)
     if window:
-        valid &= pos[None, :] >= window_start(lens, window)[:, None]
-    tok = torch.where(valid, pos[None, :], 0)  # padding -> token 0
+        first = window_start(lens, window)
+        valid &= pos[None, :] >= first[:, None]
+    # Padding re-reads the window's first token: blocks before it may be freed (block_manager).
+    tok = torch.where(valid, pos[None, :], first[:, None])
     slots = tables.long().gather(1, tok // block_size) * block_size + tok % block_size
     slots = slots.masked_fill(lens[:, None] == 0, 0)  # no token 0: any in-range slot
     heads = torch.arange(num_kv_heads, device=lens.device)
@@ -194,16 +198,19 @@ def paged_prefill_attention(
 
 
 def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None):
-    q_len = q.shape[0]
+    q_len, block_size = q.shape[0], k_cache.shape[1]
+    # Blocks wholly before the first row's window are never read: they may be freed.
+    skip = max(ctx - q_len - window + 1, 0) // block_size if window else 0
+    table, start = block_table[:, skip:], skip * block_size
     # Slicing to ctx tokens drops the last block's unused tail.
-    k = gather_kv(k_cache, block_table, ctx)[0].float().transpose(0, 1)  # [KH, ctx, D]
-    v = gather_kv(v_cache, block_table, ctx)[0].float().transpose(0, 1)
+    k = gather_kv(k_cache, table, ctx - start)[0].float().transpose(0, 1)  # [KH, ctx, D]
+    v = gather_kv(v_cache, table, ctx - start)[0].float().transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, q_len, D]
     if q_len == ctx and not window:  # a whole prompt: SDPA's own causal mask is cheaper
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        pos_k = torch.arange(ctx, device=q.device)[None, :]
+        pos_k = torch.arange(start, ctx, device=q.device)[None, :]
         mask = (pos_k <= pos_q) & (pos_k > pos_q - window if window else True)  # [q_len, ctx]
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1).to(q.dtype)

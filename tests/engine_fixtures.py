@@ -160,10 +160,13 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def run_to_completion(
-    engine: LLMEngine, arrivals: dict[int, list[EngineRequest]] | None = None, check: bool = True
+    engine: LLMEngine,
+    arrivals: dict[int, list[EngineRequest]] | None = None,
+    check: bool = True,
+    on_step=None,
 ) -> dict[str, dict]:
     """Step until idle, adding `arrivals[step]` before each step; returns per-request results:
-    token ids, concatenated text deltas and the final output."""
+    token ids, concatenated text deltas and the final output. `on_step(engine)` after each step."""
     arrivals = dict(arrivals or {})
     results: dict[str, dict] = {}
     step = 0
@@ -182,5 +185,36 @@ def run_to_completion(
                 r["final"] = out
         if check:
             engine.check_integrity()
+        if on_step is not None:
+            on_step(engine)
         step += 1
     return results
+
+
+class BlockWatch:
+    """An on_step for run_to_completion: after each step, the most blocks a decoding sequence
+    holds (freed ones not counted), the KV-usage metric, and how often a sequence took a block
+    that another one still running held before (freed behind its sliding window)."""
+
+    def __init__(self):
+        self.max_decode_blocks = 0
+        self.usage: list[float] = []
+        self.num_reused = 0
+        self.owner: dict[int, str] = {}  # block -> the last sequence seen holding it
+        self.computed: dict[str, int] = {}  # sequence -> its computed tokens a step before
+
+    def __call__(self, engine: LLMEngine) -> None:
+        running = engine.scheduler.running
+        ids = {s.request_id for s in running}
+        for seq in running:
+            held = seq.block_table[seq.num_freed_blocks :]
+            decoded = self.computed.get(seq.request_id) == seq.num_computed_tokens - 1
+            if decoded and seq.num_computed_tokens > seq.num_prompt_tokens:
+                self.max_decode_blocks = max(self.max_decode_blocks, len(held))
+            for block_id in held:
+                before = self.owner.get(block_id, seq.request_id)
+                self.num_reused += before != seq.request_id and before in ids
+                self.owner[block_id] = seq.request_id
+        for seq in engine.scheduler.owners():  # a preempted one starts over from 0
+            self.computed[seq.request_id] = seq.num_computed_tokens
+        self.usage.append(engine.stats().kv_cache_usage)

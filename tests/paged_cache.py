@@ -35,3 +35,14 @@ class PagedCache:
             self.v.append(v)
             self.slots.append(slots)
         self.context_lens = torch.tensor(lens, dtype=torch.int32)
+        self.spare = int(order[start]) if spare_blocks else None  # a block left NaN
+
+    def tables_freed_behind(self, window: int, first_queries) -> torch.Tensor:
+        """The block tables with each sequence's blocks wholly behind the window of its first
+        query (first_queries[i]: keys <= it - window), the blocks the engine frees
+        (BlockManager.free_behind_window), pointing at a NaN block: a kernel that reads one
+        writes NaN."""
+        tables = self.block_tables.clone()
+        for i, first_query in enumerate(first_queries):
+            tables[i, : max(first_query - window + 1, 0) // self.block_size] = self.spare
+        return tables

@@ -26,7 +26,7 @@ sys.path.append(os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 from inferline.config.settings import Settings  # noqa: E402
-from tests.engine_fixtures import greedy, make_engine, run_to_completion  # noqa: E402
+from tests.engine_fixtures import BlockWatch, greedy, make_engine, run_to_completion  # noqa: E402
 from inferline.worker.engine.model_runner import ModelRunner  # noqa: E402
 from inferline.worker.engine.request import EngineRequest  # noqa: E402
 
@@ -45,7 +45,8 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
 def run_smollm2(cases: dict) -> None:
     """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name",
     "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}}]}; each run is one
-    engine over the same runner; prints each request's tokens and the run's stats."""
+    engine over the same runner; prints each request's tokens and the run's stats (with
+    "watch": true, BlockWatch's too)."""
     settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)
@@ -60,7 +61,8 @@ def run_smollm2(cases: dict) -> None:
             ]
             for step, reqs in run["arrivals"].items()
         }
-        results = run_to_completion(engine, arrivals)
+        watch = BlockWatch()
+        results = run_to_completion(engine, arrivals, on_step=watch if run.get("watch") else None)
         stats = engine.stats()
         print(
             json.dumps(
@@ -69,6 +71,8 @@ def run_smollm2(cases: dict) -> None:
                     "tokens": {rid: r["tokens"] for rid, r in results.items()},
                     "preemptions": stats.num_preemptions,
                     "prefix_cache_hits": stats.prefix_cache_hits,
+                    "max_decode_blocks": watch.max_decode_blocks,
+                    "num_reused": watch.num_reused,
                 }
             ),
             flush=True,

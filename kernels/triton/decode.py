@@ -55,7 +55,6 @@ def _decode_stage1_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     # The sliding window's keys [first, context_len): the splits cut that span, not the context.
     first = tl.maximum(context_len - window, 0)
-    span = context_len - first
     if DIRECT:  # a grid of one split: it takes every context whole
         start = first
         end = context_len
@@ -107,7 +106,9 @@ def _decode_stage1_kernel(
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
-    elif span <= split_len:  # split 0 holds the whole window: stage 2 passes it over
+    # Split 0 ends at the context: it holds the whole window, stage 2 passes it over. (Testing
+    # the window's span instead kept it live through the loop: 12 B spilled at d=256, GQA 1.)
+    elif (tl.program_id(2) == 0) & (end == context_len):
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64

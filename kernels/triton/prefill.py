@@ -24,13 +24,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr, v_cache_ptr, head_off,
-    dims, dim_mask, stride_cb, stride_cs,
+    q, acc, m_i, l_i, key_start, key_end, key_floor, q_pos, window, table, k_cache_ptr, v_cache_ptr,
+    head_off, dims, dim_mask, stride_cb, stride_cs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     keys = key_start + tl.arange(0, BLOCK_N)
     key_mask = keys < key_end
+    if CAUSAL:  # keys before the first row's window (<= key_floor) are never read: may be freed
+        key_mask &= keys > key_floor
     block = tl.load(table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     kv_off = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_off
     kv_mask = key_mask[:, None] & dim_mask[None, :]
@@ -117,16 +119,16 @@ def _prefill_kernel(
         mid_end = tl.maximum(mid, full_end)
         for key_start in range(mid, mid_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
-                v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                False, DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, table,
+                k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
+                BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
             )  # fmt: skip
         for masked_start in range(window_lo, mid + key_end - mid_end, BLOCK_N):
             key_start = masked_start + (masked_start >= mid).to(tl.int32) * (mid_end - mid)
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, q_pos, window, table, k_cache_ptr,
-                v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                True, DOT_F32, PRECISION,
+                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, table,
+                k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
+                BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
             )  # fmt: skip
         out = acc / l_i[:, None]  # every row sees at least its own key: l_i > 0
         out_off = (

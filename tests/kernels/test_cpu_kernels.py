@@ -225,30 +225,42 @@ def test_sliding_windows_match_reference(gen, block_size, head_dim, gqa, window)
     """A sliding window (keys p - window < j <= p) in decodes, long ones over several parts, and
     in prompt rows in tiles (rows whose windows start in different blocks): the reference's
     output, and no part before a window read (the cache there is NaN-free, yet a part wholly
-    before the window must add nothing)."""
+    before the window must add nothing). Both kernels again on tables whose blocks behind the
+    window point at a NaN block (the engine's freed blocks): the same output, so never read."""
     lens = [1, 9, 40, 700, 1300]
     cache = PagedCache(gen, lens, block_size, 2, head_dim, torch.float32)
     q = torch.randn(len(lens), 2 * gqa, head_dim, generator=gen)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125)
-    out = attention.paged_decode_attention_cpu(*args, window=window)
-    ref = reference.paged_decode_attention(*args, window=window)
-    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: decode, window {window}"
-    lens, q_lens = [37, 300, 90, 700, 1100], [37, 120, 1, 600, 17]
-    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, block_size, 2, gqa, head_dim)
-    out = attention.paged_decode_attention_cpu(
-        q, cache.k_cache, cache.v_cache, cache.block_tables, ctx, 0.125, cu, window=window
-    )
-    ref = reference.paged_prefill_attention(
+    freed = cache.tables_freed_behind(window, [n - 1 for n in lens])
+    ref = reference.paged_decode_attention(
         q,
         cache.k_cache,
         cache.v_cache,
         cache.block_tables,
-        cu,
         cache.context_lens,
         0.125,
         window=window,
     )
-    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows, window {window}"
+    for tables in (cache.block_tables, freed):
+        args = (q, cache.k_cache, cache.v_cache, tables, cache.context_lens, 0.125)
+        out = attention.paged_decode_attention_cpu(*args, window=window)
+        assert rel_err(out, ref) < 1e-5, f"seed {SEED}: decode, window {window}"
+        out = reference.paged_decode_attention(*args, window=window)
+        assert rel_err(out, ref) < 1e-6, f"seed {SEED}: reference decode, window {window}"
+    lens, q_lens = [37, 300, 90, 700, 1100], [37, 120, 1, 600, 17]
+    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, block_size, 2, gqa, head_dim)
+    freed = cache.tables_freed_behind(window, [n - m for n, m in zip(lens, q_lens)])
+    ref = reference.paged_prefill_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, 0.125, window
+    )
+    for tables in (cache.block_tables, freed):
+        out = attention.paged_decode_attention_cpu(
+            q, cache.k_cache, cache.v_cache, tables, ctx, 0.125, cu, window=window
+        )
+        assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows, window {window}"
+        out = reference.paged_prefill_attention(
+            q, cache.k_cache, cache.v_cache, tables, cu, cache.context_lens, 0.125, window
+        )
+        assert rel_err(out, ref) < 1e-6, f"seed {SEED}: reference prefill, window {window}"
 
 
 @pytest.mark.parametrize("bad", ["not_from_0", "decreasing", "past_the_rows", "block_id"])

@@ -11,17 +11,37 @@ from inferline.worker.engine.sequence import Sequence
 
 
 RUN_BLOCKS = 4  # blocks kept free after a sequence's newest one, for its next ones
+# A block-table entry whose block was freed behind a sliding window (Sequence.num_freed_blocks):
+# the device tables hold block 0 there, which no attention kernel reads (docs/architecture.md).
+NULL_BLOCK = -1
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def sliding_window(windows: list[int | None] | None) -> int | None:
+    """The window blocks are freed behind: the widest of the layers' when every layer has one;
+    None when any layer attends to every key (it still reads every block) or none is known."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        assert num_blocks > 0 and block_size > 0
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        window: int | None = None,
+    ):
+        """`window`: the widest sliding window when every layer has one (see `sliding_window`):
+        blocks wholly behind it are freed as sequences move on; None keeps every block."""
+        assert num_blocks > 0 and block_size > 0 and (window is None or window > 0)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self.ref_counts = [0] * num_blocks
         # Insertion order = order freed; the front is handed out first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -97,12 +117,22 @@ class BlockManager:
 
     def fork(self, blocks: list[int], seq: Sequence) -> None:
         """Start `seq` on `blocks`, another sequence's full computed blocks with the same leading
-        tokens: shared, never written."""
-        assert not seq.block_table and all(self.ref_counts[b] > 0 for b in blocks)
+        tokens: shared, never written. Where that sequence freed a block `seq`'s window still
+        reads, `seq` shares none and computes its prompt itself."""
+        num_freed = blocks.count(NULL_BLOCK)
+        if num_freed and self.window is not None:
+            first_seen = len(blocks) * self.block_size - self.window + 1
+            if num_freed > max(first_seen, 0) // self.block_size:
+                blocks = []
+        assert not seq.block_table and all(self.ref_counts[b] > 0 for b in blocks[num_freed:])
         self._share(blocks, seq)
 
     def _share(self, blocks: list[int], seq: Sequence) -> None:
-        for block_id in blocks:
+        """`blocks` may start with NULL_BLOCK entries (a fork of a sequence that freed them)."""
+        num_freed = sum(b == NULL_BLOCK for b in blocks)
+        assert blocks[:num_freed] == [NULL_BLOCK] * num_freed and not seq.block_table
+        seq.num_freed_blocks = num_freed
+        for block_id in blocks[num_freed:]:
             if self.ref_counts[block_id] == 0:
                 del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
@@ -115,7 +145,7 @@ class BlockManager:
         if not self.prefix_cache:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for index in range(seq.num_cached_blocks, num_full):
+        for index in range(max(seq.num_cached_blocks, seq.num_freed_blocks), num_full):
             self.prefix_cache.insert(seq, index, seq.block_table[index])
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
@@ -123,10 +153,33 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         # Reverse: the tail blocks (least likely shared later) are handed out first.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table[seq.num_freed_blocks :]):
             self._release_block(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_freed_blocks = 0
+
+    def num_blocks_behind_window(self, seq: Sequence) -> int:
+        """Leading blocks of `seq` no query from its next token on reads: every token of them
+        lies at or before (next position - window); 0 without a window on every layer."""
+        if self.window is None:
+            return 0
+        # The next query, at position num_computed_tokens, sees keys j > position - window.
+        first_seen = seq.num_computed_tokens - self.window + 1
+        return min(max(first_seen, 0) // self.block_size, len(seq.block_table))
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        """Return `seq`'s blocks wholly behind the sliding window to the free pool (a shared one
+        loses this owner; a cached one stays findable until reused); their entries become
+        NULL_BLOCK. Returns how many were freed."""
+        end = self.num_blocks_behind_window(seq)
+        table, start = seq.block_table, seq.num_freed_blocks
+        # Oldest last: the free list hands out the front first, so recent blocks stay cached.
+        for index in range(end - 1, start - 1, -1):
+            self._release_block(table[index])
+            table[index] = NULL_BLOCK
+        seq.num_freed_blocks = max(start, end)
+        return max(0, end - start)
 
     def _allocate_block(self, after: int | None = None) -> int:
         """The block right after `after` where it can be taken, else the least recently freed."""
@@ -161,11 +214,19 @@ class BlockManager:
         """No block lost or double-booked; reference counts equal owners."""
         owners = [0] * self.num_blocks
         for seq in seqs:
-            assert len(seq.block_table) == len(set(seq.block_table)), (
-                f"{seq.request_id} repeats a block"
+            freed, held = (
+                seq.block_table[: seq.num_freed_blocks],
+                seq.block_table[seq.num_freed_blocks :],
             )
+            assert freed == [NULL_BLOCK] * len(freed) and NULL_BLOCK not in held, (
+                f"{seq.request_id}: freed entries not leading"
+            )
+            assert len(held) == len(set(held)), f"{seq.request_id} repeats a block"
             assert len(seq.block_table) >= self.num_blocks_for(seq.num_computed_tokens)
-            for block_id in seq.block_table:
+            assert seq.num_freed_blocks <= self.num_blocks_behind_window(seq), (
+                f"{seq.request_id}: a block its window still reads was freed"
+            )
+            for block_id in held:
                 owners[block_id] += 1
         for block_id in range(self.num_blocks):
             assert owners[block_id] == self.ref_counts[block_id], (

@@ -19,7 +19,7 @@ import torch
 
 from inferline.config.settings import Settings
 from inferline.contract.tool_format import fallback_messages, renders_tools
-from inferline.worker.engine.block_manager import BlockManager
+from inferline.worker.engine.block_manager import BlockManager, sliding_window
 from inferline.worker.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from inferline.worker.engine.fair_share import FairShare
 from inferline.worker.engine import overlap
@@ -93,7 +93,10 @@ class LLMEngine:
         self.max_waiting = settings.scheduler.max_waiting
         num_blocks = min(settings.cache.num_blocks or runner.num_blocks, runner.num_blocks)
         self.block_manager = BlockManager(
-            num_blocks, runner.block_size, settings.cache.enable_prefix_caching
+            num_blocks,
+            runner.block_size,
+            settings.cache.enable_prefix_caching,
+            sliding_window(getattr(runner.model, "windows", None)),
         )
         spec = settings.speculative
         proposer = (

@@ -130,6 +130,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.num_steps += 1
+        if self.block_manager.window is not None:  # blocks behind the sliding window go back first
+            for seq in self.running:
+                self.block_manager.free_behind_window(seq)
         seats = self._background_seats()
         budget = self._schedule_running(out, self.max_num_batched_tokens, seats)
         if self.policy == "continuous":

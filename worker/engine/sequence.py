@@ -47,6 +47,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_freed_blocks: int = 0  # leading block_table entries freed behind a sliding window
     block_keys: list[bytes] = field(default_factory=list)  # memoized prefix-cache keys
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -21,6 +21,7 @@ class _Row:
     table: list[int]  # the block_table list the row mirrors (kept: its id stays unique)
     written: int  # entries copied into the row
     step: int  # the last step that used it
+    cleared: int = 0  # leading entries set to 0: their blocks were freed behind a sliding window
 
 
 class BlockTableRows:
@@ -49,6 +50,9 @@ class BlockTableRows:
                 )
                 self.entries[row.index, row.written : len(table)] = table[row.written :]
                 row.written = self.extent[row.index] = len(table)
+            if row.cleared < seq.num_freed_blocks:  # NULL_BLOCK -> 0, an index never read
+                self.entries[row.index, row.cleared : seq.num_freed_blocks] = 0
+                row.cleared = seq.num_freed_blocks
             row.step = self.step
             indices.append(row.index)
         if len(rows) > len(seqs):
