@@ -64,7 +64,15 @@ def paged_decode_attention(
     if cu_seqlens_q is not None:
         if chosen == "cpu":
             return cpu_attention.paged_decode_attention_cpu(
-                q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q, window, softcap
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                cu_seqlens_q,
+                window,
+                softcap,
             )
         rows = torch.repeat_interleave(
             torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff()

@@ -312,7 +312,8 @@ def paged_decode_attention_triton(
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
-    is written in place. softcap: the scaled scores become cap * tanh(s / cap), 0: off. split_len: the step's tokens per split, int32 [1] on q's device, read
+    is written in place. softcap: the scaled scores become cap * tanh(s / cap), 0: off.
+    split_len: the step's tokens per split, int32 [1] on q's device, read
     by the kernels (a CUDA graph replays the buffer's new contents; see choose_split_len); None:
     the plan's, for contexts that fill the table. reduce=False: every context fits one split,
     stage 2 is not launched. window: the layer's sliding window (keys p - window < j <= p),
@@ -349,8 +350,8 @@ def paged_decode_attention_triton(
         split_len = torch.full((1,), plan.split_len, dtype=torch.int32, device=q.device)
     check_split_len(split_len, reduce, plan, context_lens)
     launch_decode(
-        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce, window,
-        softcap,
+        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce,
+        window, softcap,
     )  # fmt: skip
     return out
 
@@ -395,8 +396,8 @@ def launch_decode(
     launch(
         _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens,
         split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits, window,
-        float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     if not direct and reduce:
         launch(

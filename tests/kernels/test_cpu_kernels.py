@@ -265,9 +265,7 @@ def test_softcap_matches_reference(gen, head_dim, window):
     lens, q_lens = [37, 300, 90], [37, 120, 1]
     cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, 16, 2, 3, head_dim)
     kv = (cache.k_cache, cache.v_cache, cache.block_tables)
-    out = attention.paged_decode_attention_cpu(
-        q, *kv, ctx, scale, cu, window=window, softcap=cap
-    )
+    out = attention.paged_decode_attention_cpu(q, *kv, ctx, scale, cu, window=window, softcap=cap)
     ref = reference.paged_prefill_attention(
         q, *kv, cu, cache.context_lens, scale, window=window, softcap=cap
     )

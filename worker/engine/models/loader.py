@@ -17,12 +17,24 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from inferline.config.paths import bundled_model_path, cache_dir
+from inferline.worker.engine.models import gemma
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
 FUSED_CHECKPOINTS = ("phi3",)
 
@@ -153,6 +165,7 @@ def load_weights(
     finally:
         for handle in handles.values():
             handle.close()
+    model.finish_load()
     return model.eval()
 
 
@@ -163,8 +176,10 @@ def empty_model(
     copy of the weights ever exists."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to(dtype).to_empty(device=device)
-    model.rotary.fill()
+    model = model.to(dtype)
+    model.keep_fp32()
+    model = model.to_empty(device=device)
+    model.fill_tables()
     return model
 
 
@@ -331,13 +346,12 @@ def layer_destinations(
         out[src + "mlp.gate_proj.weight"] = gate_up[:inter]
         out[src + "mlp.up_proj.weight"] = gate_up[inter:]
         out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
-    out.update(
-        {
-            src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
-            src + "input_layernorm.weight": params[dst + "input_layernorm"],
-            src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
-        }
+    out[src + "self_attn.o_proj.weight"] = params[dst + "self_attn.o_proj.weight"]
+    norms = (
+        gemma.LAYER_NORMS if isinstance(layer, gemma.GemmaDecoderLayer) else gemma.LAYER_NORMS[:2]
     )
+    for norm in norms:
+        out[f"{src}{norm}.weight"] = params[dst + norm]
     if attn.qk_norm:
         out[src + "self_attn.q_norm.weight"] = params[dst + "self_attn.q_norm"]
         out[src + "self_attn.k_norm.weight"] = params[dst + "self_attn.k_norm"]
