@@ -44,13 +44,15 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
 
 def run_smollm2(cases: dict) -> None:
     """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name",
-    "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}}]}; each run is one
-    engine over the same runner; prints each request's tokens and the run's stats."""
+    "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}, "logits": bool
+    (optional)}]}; each run is one engine over the same runner; prints each request's tokens and
+    the run's stats (and with "logits", every sampled logits row in step order)."""
     settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)
     print(json.dumps({"backends": runner.backends.__dict__}), flush=True)
     for run in cases["runs"]:
+        rows = capture_logits(runner) if run.get("logits") else None
         engine = make_engine(runner, **run.get("scheduler", {}))
         arrivals = {
             int(step): [
@@ -61,6 +63,10 @@ def run_smollm2(cases: dict) -> None:
         }
         results = run_to_completion(engine, arrivals)
         stats = engine.stats()
+        extra = {}
+        if rows is not None:  # every sampled row, in step order
+            del runner.sampler.sample_on_device
+            extra["logits"] = [row.tolist() for row in rows]
         print(
             json.dumps(
                 {
@@ -68,10 +74,24 @@ def run_smollm2(cases: dict) -> None:
                     "tokens": {rid: r["tokens"] for rid, r in results.items()},
                     "preemptions": stats.num_preemptions,
                     "prefix_cache_hits": stats.prefix_cache_hits,
+                    **extra,
                 }
             ),
             flush=True,
         )
+
+
+def capture_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """The logits rows the sampler gets from now on, appended to the returned list (until
+    `del runner.sampler.sample_on_device`)."""
+    rows, sample = [], runner.sampler.sample_on_device
+
+    def capture(logits, *args, **kwargs):
+        rows.extend(logits.float().clone())
+        return sample(logits, *args, **kwargs)
+
+    runner.sampler.sample_on_device = capture  # an instance attribute over the method
+    return rows
 
 
 def logits_rows(
