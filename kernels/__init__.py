@@ -52,17 +52,27 @@ def paged_decode_attention(
     plan=None,
     cu_seqlens_q=None,
     window=None,
+    softcap=0.0,
 ):
     """q [num_seqs, num_heads, head_dim], one token per sequence (K/V stored); block_tables int32
     [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the current token. Returns
     [num_seqs, num_heads, head_dim]. `plan`: the torch path's index math (reference.plan_decode).
     With cu_seqlens_q, q holds several rows per sequence, each a decode over its own context
-    (context_lens [num_rows]). `window`: a sliding window (keys p - window < j <= p)."""
+    (context_lens [num_rows]). `window`: a sliding window (keys p - window < j <= p).
+    `softcap`: the scaled scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: off."""
     chosen = _resolve(backend, q, k_cache)
     if cu_seqlens_q is not None:
         if chosen == "cpu":
             return cpu_attention.paged_decode_attention_cpu(
-                q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q, window
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                cu_seqlens_q,
+                window,
+                softcap,
             )
         rows = torch.repeat_interleave(
             torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff()
@@ -72,14 +82,14 @@ def paged_decode_attention(
         from inferline.kernels.triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window=window
+            q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap
         )
     if chosen == "cpu":
         return cpu_attention.paged_decode_attention_cpu(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window=window
+            q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap
         )
     return reference.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan, window=window
+        q, k_cache, v_cache, block_tables, context_lens, scale, plan, window, softcap
     )
 
 
@@ -93,16 +103,14 @@ def paged_prefill_attention(
     scale,
     backend: str = "auto",
     window=None,
+    softcap=0.0,
 ):
     """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows cu_seqlens_q[i]:
     cu_seqlens_q[i+1], the last tokens of its context_lens[i], all stored; causal. Returns the
     same shape. `cpu` computes prompts on the reference path."""
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if _on_triton(backend, q):
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
-        return paged_prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=window
-        )
-    return reference.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=window
-    )
+        return paged_prefill_attention_triton(*args, window=window, softcap=softcap)
+    return reference.paged_prefill_attention(*args, window=window, softcap=softcap)

@@ -86,10 +86,18 @@ class AttentionBackend:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(
-        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim] (all K/V stored) -> the same shape. `window`: the
-        layer's sliding window (a query at position p sees keys p - window < j <= p), None: all."""
+        layer's sliding window (a query at position p sees keys p - window < j <= p), None: all.
+        `softcap`: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -113,20 +121,27 @@ class _SplitBackend(AttentionBackend):
         return meta
 
     def forward(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: SplitMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        nd = meta.num_decode_tokens
+        nd, args = meta.num_decode_tokens, (scale, window, softcap)
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta, scale, window)
-        prefill = self._prefill(q[nd:], k_cache, v_cache, meta, scale, window)
+            return self._decode(q, k_cache, v_cache, meta, *args)
+        prefill = self._prefill(q[nd:], k_cache, v_cache, meta, *args)
         if nd == 0:
             return prefill
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale, window), prefill))
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, *args), prefill))
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
         raise NotImplementedError
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
         raise NotImplementedError
 
 
@@ -144,7 +159,7 @@ class TorchAttention(_SplitBackend):
             )
         return meta
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
+    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
         return reference.paged_decode_attention(
             q,
             k_cache,
@@ -154,6 +169,7 @@ class TorchAttention(_SplitBackend):
             scale,
             plan=self._window_plan(meta, window),
             window=window,
+            softcap=softcap,
         )
 
     def _window_plan(self, meta: SplitMetadata, window: int | None) -> reference.DecodePlan:
@@ -171,7 +187,7 @@ class TorchAttention(_SplitBackend):
             )
         return meta.window_plans[window]
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None):
+    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
         return reference.paged_prefill_attention(
             q,
             k_cache,
@@ -181,6 +197,7 @@ class TorchAttention(_SplitBackend):
             meta.prefill_context_lens,
             scale,
             window=window,
+            softcap=softcap,
         )
 
 
@@ -237,18 +254,25 @@ class TritonAttention(_SplitBackend):
         self._store_kernel(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: SplitMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Each kernel writes its rows of one output: a mixed step needs no concatenation."""
         nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, out[:nd])
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, out[:nd])
         if nd < q.shape[0]:
-            self._prefill(q[nd:], k_cache, v_cache, meta, scale, window, out[nd:])
+            self._prefill(q[nd:], k_cache, v_cache, meta, scale, window, softcap, out[nd:])
         return out
 
     def _decode(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None, out=None
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, out=None
     ) -> torch.Tensor:
         return self._decode_kernel(
             q,
@@ -260,11 +284,12 @@ class TritonAttention(_SplitBackend):
             split_len=meta.decode_split_len,
             reduce=meta.decode_reduce,
             window=window,
+            softcap=softcap,
             out=out,
         )
 
     def _prefill(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale: float, window=None, out=None
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, out=None
     ) -> torch.Tensor:
         return self._prefill_kernel(
             q,
@@ -275,6 +300,7 @@ class TritonAttention(_SplitBackend):
             meta.prefill_context_lens,
             scale,
             window=window,
+            softcap=softcap,
             out=out,
         )
 
@@ -307,7 +333,14 @@ class CpuAttention(AttentionBackend):
         )
 
     def forward(
-        self, q, k_cache, v_cache, meta: TokenMetadata, scale: float, window: int | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: TokenMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         return cpu_attention.paged_decode_attention_cpu(
             q,
@@ -318,6 +351,7 @@ class CpuAttention(AttentionBackend):
             scale,
             meta.cu_seqlens,
             window=window,
+            softcap=softcap,
         )
 
 

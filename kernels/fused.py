@@ -110,6 +110,24 @@ def fused_add_rms_norm(
     return out, residual
 
 
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, ops: str = "torch", residual=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gemma's RMSNorm, `weight` holding 1 + w in fp32 (the loader adds the 1): normalized and
+    multiplied in fp32, rounded once (HF's Gemma2RMSNorm); with `residual`, of x + residual, as
+    fused_add_rms_norm. Returns (out, the new residual or None). fp32 x goes to the kernels of
+    `ops` (the same arithmetic); 16-bit x to PyTorch (the kernels round before the weight)."""
+    if x.dtype == torch.float32:
+        if residual is None:
+            return rms_norm(x, weight, eps, ops), None
+        return fused_add_rms_norm(x, residual, weight, eps, ops)
+    if residual is not None:
+        x = residual = x + residual
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype), residual
+
+
 # ---- MLP activation ------------------------------------------------------------------------------
 
 
@@ -134,6 +152,14 @@ def silu_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] (Gemma's `gelu_pytorch_tanh`): PyTorch on every
+    `ops` (no fused kernel yet)."""
+    assert ops in OPS, f"ops must be one of {OPS}, got {ops!r}"
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 # ---- rotary embedding + K/V store ----------------------------------------------------------------

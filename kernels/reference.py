@@ -125,11 +125,19 @@ def _chunk_rows(tables, lens, max_len: int, block_size: int, num_kv_heads: int, 
     return rows, bias[:, None, None, :]
 
 
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping, in place: cap * tanh(scores / cap); 0: off."""
+    if not softcap:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None, window=None
+    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None, window=None, softcap=0.0
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> [num_seqs, num_heads, head_dim].
-    `plan`: plan_decode of these tables and this `window`, computed once for all layers."""
+    `plan`: plan_decode of these tables and this `window`, computed once for all layers.
+    `softcap`: the scaled scores soft-capped (cap * tanh(s / cap)) before the mask; 0: off."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
@@ -141,10 +149,10 @@ def paged_decode_attention(
         )
     assert plan.num_seqs == num_seqs, "plan made for another batch"
     assert (plan.window or None) == (window or None), "plan made for another window"
-    return decode_with_plan(q, k_cache, v_cache, plan, scale)
+    return decode_with_plan(q, k_cache, v_cache, plan, scale, softcap)
 
 
-def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tensor:
+def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale, softcap=0.0) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -159,9 +167,8 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
         c = ch.stop - ch.start
         k = k_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
         v = v_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
-        scores = torch.matmul(qg[ch.start : ch.stop], k.transpose(-1, -2)).add_(
-            ch.bias
-        )  # [c, KH, G, L]
+        scores = soft_cap(torch.matmul(qg[ch.start : ch.stop], k.transpose(-1, -2)), softcap)
+        scores.add_(ch.bias)  # [c, KH, G, L]
         torch.matmul(torch.softmax(scores, dim=-1), v, out=out[ch.start : ch.stop])
     out = out.view(num_seqs, num_heads, head_dim)
     if plan.order is not None:
@@ -172,12 +179,12 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale) -> torch.Tens
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=None
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=None, softcap=0.0
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query tokens over its paged context: rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] are the last q_len of context_lens[i] tokens, so row j sits
     at position context_len - q_len + j; with a sliding `window`, it sees the last `window`
-    positions up to its own."""
+    positions up to its own. `softcap`: as paged_decode_attention's."""
     total, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
@@ -192,12 +199,12 @@ def paged_prefill_attention(
             continue
         assert 0 < hi - lo <= ctx, f"seq {i}: q_len {hi - lo} > context_len {ctx}"
         out[lo:hi] = _prefill_one(
-            q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale, window
+            q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale, window, softcap
         )
     return out
 
 
-def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None):
+def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None, softcap=0.0):
     q_len, block_size = q.shape[0], k_cache.shape[1]
     # Blocks wholly before the first row's window are never read: they may be freed.
     skip = max(ctx - q_len - window + 1, 0) // block_size if window else 0
@@ -206,12 +213,18 @@ def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None):
     k = gather_kv(k_cache, table, ctx - start)[0].float().transpose(0, 1)  # [KH, ctx, D]
     v = gather_kv(v_cache, table, ctx - start)[0].float().transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, q_len, D]
-    if q_len == ctx and not window:  # a whole prompt: SDPA's own causal mask is cheaper
+    if q_len == ctx and not window and not softcap:  # SDPA's own causal mask is cheaper
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1).to(q.dtype)
+    pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+    pos_k = torch.arange(start, ctx, device=q.device)[None, :]
+    mask = (pos_k <= pos_q) & (pos_k > pos_q - window if window else True)  # [q_len, ctx]
+    if softcap:  # SDPA has no soft-capping: the scores by hand
+        group = qh.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = soft_cap(torch.matmul(qh, k.transpose(-1, -2)).mul_(scale), softcap)
+        o = torch.matmul(torch.softmax(scores.masked_fill_(~mask, float("-inf")), -1), v)
     else:
-        pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        pos_k = torch.arange(start, ctx, device=q.device)[None, :]
-        mask = (pos_k <= pos_q) & (pos_k > pos_q - window if window else True)  # [q_len, ctx]
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1).to(q.dtype)
 
@@ -222,15 +235,18 @@ def _check_cache(q, k_cache, v_cache):
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
 
 
-def dense_causal_attention(q, k, v, scale, window=None) -> torch.Tensor:
+def dense_causal_attention(q, k, v, scale, window=None, softcap=0.0) -> torch.Tensor:
     """Textbook attention for the tests: q [q_len, H, D], k/v [ctx, KH, D], bottom-right causal;
-    a sliding `window` hides keys `window` or more positions back."""
+    a sliding `window` hides keys `window` or more positions back; `softcap`: cap * tanh(s / cap)
+    of the scaled scores."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     pos_q = torch.arange(ctx - q_len, ctx)[:, None]
     pos_k = torch.arange(ctx)[None, :]
     hidden = (pos_k > pos_q) | (pos_k <= pos_q - window if window else False)

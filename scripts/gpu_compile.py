@@ -198,7 +198,7 @@ def decode_jobs(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
             context_lens_ptr="*i32", out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32",
             part_l_ptr="*fp32", split_len_ptr="*i32", qk_scale=0.125,
-            num_splits=plan.num_splits, window=decode.NO_WINDOW,
+            num_splits=plan.num_splits, window=decode.NO_WINDOW, softcap=0.0,
             stride_qs=num_heads * head_dim, stride_qh=head_dim,
             stride_cb=block_size * NUM_KV_HEADS * head_dim,
             stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim, stride_bt=max_blocks,
@@ -230,7 +230,7 @@ def prefill_jobs(
         yield job_of(plan, arch, dtype, dict(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
             cu_seqlens_ptr="*i32", context_lens_ptr="*i32", out_ptr=ptr, qk_scale=0.125,
-            num_seqs=num_seqs, window=decode.NO_WINDOW,
+            num_seqs=num_seqs, window=decode.NO_WINDOW, softcap=0.0,
             stride_qt=num_heads * head_dim, stride_qh=head_dim,
             stride_cb=block_size * NUM_KV_HEADS * head_dim,
             stride_cs=NUM_KV_HEADS * head_dim, stride_ch=head_dim,

@@ -248,6 +248,39 @@ def window_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
             report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
 
 
+def softcap_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    """Gemma 2's attention logit soft-capping (cap * tanh(s / cap) of the scaled scores), a cap
+    that bends most scores, alone and beside a sliding window, through both kernels: decodes
+    with one split and several, prompts on cached context with the GPU's and small tiles."""
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    scale, cap = head_dim**-0.5 * 4, 1.0 + float(torch.rand((), generator=gen)) * 2
+    shape = f"{str(dtype)[6:]} gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+    window = (None, randint(gen, 5, 40))[(idx // 4) % 2]
+    lens = [1, block_size + 1, randint(gen, 60, 200)]
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    ref = reference.paged_decode_attention(*args, window=window, softcap=cap)
+    for label, kw in (("gpu plan", {}), ("split", {"num_splits": 3, "block_n": 16})):
+        out = poisoned_like(q)
+        paged_decode_attention_triton(*args, out=out, window=window, softcap=cap, **kw)
+        err = rel_err(out, ref)
+        name = f"softcap decode[{idx}:{label}] {shape} lens={lens} cap={cap:.2f} window={window}"
+        report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+    pairs = [(block_size + 3, block_size + 3), (randint(gen, 60, 200), randint(gen, 20, 50))]
+    cache = PagedCache(gen, [c for c, _ in pairs], block_size, num_kv_heads, head_dim, dtype)
+    cu = torch.tensor([0, pairs[0][1], pairs[0][1] + pairs[1][1]], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, scale)
+    ref = reference.paged_prefill_attention(*args, window=window, softcap=cap)
+    for tiles in ({}, {"block_m": 16, "block_n": 16}):
+        out = poisoned_like(q)
+        paged_prefill_attention_triton(*args, out=out, window=window, softcap=cap, **tiles)
+        err = rel_err(out, ref)
+        name = f"softcap prefill[{idx}] {shape} pairs={pairs} cap={cap:.2f} window={window}"
+        report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
 def store_case(gen, idx, dtype, block_size, head_dim) -> None:
     num_kv_heads, num_blocks, num_tokens = pick(gen, (1, 2, 3)), 6, 40
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -347,6 +380,9 @@ def main() -> None:
     elif group == "window":
         for case in matrix(False)[1::3]:
             window_case(gen, *case)
+    elif group == "softcap":
+        for case in matrix(False)[::4]:
+            softcap_case(gen, *case)
     elif group == "store":
         for i, (dtype, bs) in enumerate((d, b) for d in DTYPES for b in BLOCK_SIZES):
             store_case(gen, i, dtype, bs, HEAD_DIMS[i % len(HEAD_DIMS)])

@@ -44,15 +44,17 @@ def cuda_like_settings(attention: str = "triton", **model) -> Settings:
 
 def run_smollm2(cases: dict) -> None:
     """cases: {"model": HF directory (optional), "block_size": int (optional), "runs": [{"name",
-    "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}}]}; each run is one
-    engine over the same runner; prints each request's tokens and the run's stats (with
-    "watch": true, BlockWatch's too)."""
+    "scheduler": {...}, "arrivals": {step: [[id, prompt_ids, max_tokens]]}, "logits": bool
+    (optional)}]}; each run is one engine over the same runner; prints each request's tokens and
+    the run's stats (with "watch": true, BlockWatch's too; with "logits", every sampled logits
+    row in step order)."""
     settings = cuda_like_settings(path=cases.get("model", ""))
     settings.cache.block_size = cases.get("block_size", settings.cache.block_size)
     runner = ModelRunner(settings)
     fp8 = sum(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
     print(json.dumps({"backends": runner.backends.__dict__, "fp8_weights": fp8}), flush=True)
     for run in cases["runs"]:
+        rows = capture_logits(runner) if run.get("logits") else None
         engine = make_engine(runner, **run.get("scheduler", {}))
         arrivals = {
             int(step): [
@@ -64,6 +66,10 @@ def run_smollm2(cases: dict) -> None:
         watch = BlockWatch()
         results = run_to_completion(engine, arrivals, on_step=watch if run.get("watch") else None)
         stats = engine.stats()
+        extra = {}
+        if rows is not None:  # every sampled row, in step order
+            del runner.sampler.sample_on_device
+            extra["logits"] = [row.tolist() for row in rows]
         print(
             json.dumps(
                 {
@@ -73,10 +79,24 @@ def run_smollm2(cases: dict) -> None:
                     "prefix_cache_hits": stats.prefix_cache_hits,
                     "max_decode_blocks": watch.max_decode_blocks,
                     "num_reused": watch.num_reused,
+                    **extra,
                 }
             ),
             flush=True,
         )
+
+
+def capture_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """The logits rows the sampler gets from now on, appended to the returned list (until
+    `del runner.sampler.sample_on_device`)."""
+    rows, sample = [], runner.sampler.sample_on_device
+
+    def capture(logits, *args, **kwargs):
+        rows.extend(logits.float().clone())
+        return sample(logits, *args, **kwargs)
+
+    runner.sampler.sample_on_device = capture  # an instance attribute over the method
+    return rows
 
 
 def logits_rows(

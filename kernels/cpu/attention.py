@@ -30,11 +30,20 @@ def supports_kv_half(head_dim: int) -> bool:
 
 
 def paged_decode_attention_cpu(
-    q, k_cache, v_cache, block_tables, context_lens, scale, cu_seqlens_q=None, window=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    cu_seqlens_q=None,
+    window=None,
+    softcap=0.0,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention, for fp32 CPU q (rows may be apart) and
     fp32 or fp16 contiguous caches; with cu_seqlens_q, rows share their sequence's table row.
-    window: a sliding window (a row of context c sees its last `window` tokens), None: all."""
+    window: a sliding window (a row of context c sees its last `window` tokens), None: all.
+    softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = num_rows if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
@@ -92,6 +101,7 @@ def paged_decode_attention_cpu(
         torch.get_num_threads(),
         int(k_cache.dtype == torch.float16),
         int(window or 0),
+        float(softcap or 0.0),
     )
     if rc != 0:
         raise RuntimeError(f"paged_attention_f32: {_ERRORS.get(rc, rc)}")

@@ -32,6 +32,14 @@ TILE_ELEMENTS = 8192
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """Gemma 2's attention logit soft-capping of log2-scaled scores s (scale * q.k * log2 e):
+    cap * tanh(s / cap) with `cap` the soft cap times log2 e; tanh from exp (no libdevice: the
+    interpreter runs it too), saturating to +-1 where the exp overflows or underflows."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh):
     # context_len 0 leaves l_i = 0: define the output as 0, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -43,7 +51,7 @@ def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, num_splits, window,
+    qk_scale, num_splits, window, softcap,
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,6 +104,8 @@ def _decode_stage1_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_P2, BLOCK_N]
+        if softcap > 0:  # a run-time value (0: off): one binary with or without
+            s = soft_cap(s, softcap)
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -298,11 +308,13 @@ def paged_decode_attention_triton(
     split_len: torch.Tensor | None = None,
     reduce: bool = True,
     window: int | None = None,
+    softcap: float = 0.0,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
-    is written in place. split_len: the step's tokens per split, int32 [1] on q's device, read
+    is written in place. softcap: the scaled scores become cap * tanh(s / cap), 0: off.
+    split_len: the step's tokens per split, int32 [1] on q's device, read
     by the kernels (a CUDA graph replays the buffer's new contents; see choose_split_len); None:
     the plan's, for contexts that fill the table. reduce=False: every context fits one split,
     stage 2 is not launched. window: the layer's sliding window (keys p - window < j <= p),
@@ -339,8 +351,9 @@ def paged_decode_attention_triton(
         split_len = torch.full((1,), plan.split_len, dtype=torch.int32, device=q.device)
     check_split_len(split_len, reduce, plan, context_lens)
     launch_decode(
-        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce, window
-    )
+        plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce,
+        window, softcap,
+    )  # fmt: skip
     return out
 
 
@@ -370,6 +383,7 @@ def launch_decode(
     split_len: torch.Tensor,
     reduce: bool = True,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -383,8 +397,8 @@ def launch_decode(
     launch(
         _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens,
         split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits, window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     if not direct and reduce:
         launch(

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferline.kernels.triton.decode import NO_WINDOW
+from inferline.kernels.triton.decode import NO_WINDOW, soft_cap
 from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -24,8 +24,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, key_start, key_end, key_floor, q_pos, window, table, k_cache_ptr, v_cache_ptr,
-    head_off, dims, dim_mask, stride_cb, stride_cs,
+    q, acc, m_i, l_i, key_start, key_end, key_floor, q_pos, window, softcap, table, k_cache_ptr,
+    v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -43,6 +43,8 @@ def _attend_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if softcap > 0:  # a run-time value (0: off): one binary with or without
+        s = soft_cap(s, softcap)
     if CAUSAL:  # the causal band, or keys where the sliding window starts
         seen = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(seen & key_mask[None, :], s, float("-inf"))
@@ -66,7 +68,7 @@ def _attend_tile(
 )
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs, window,
+    qk_scale, num_seqs, window, softcap,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -119,15 +121,15 @@ def _prefill_kernel(
         mid_end = tl.maximum(mid, full_end)
         for key_start in range(mid, mid_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, table,
-                k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
+                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, softcap,
+                table, k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
                 BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
             )  # fmt: skip
         for masked_start in range(window_lo, mid + key_end - mid_end, BLOCK_N):
             key_start = masked_start + (masked_start >= mid).to(tl.int32) * (mid_end - mid)
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, table,
-                k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
+                q, acc, m_i, l_i, key_start, key_end, low_q - window, q_pos, window, softcap,
+                table, k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
                 BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
             )  # fmt: skip
         out = acc / l_i[:, None]  # every row sees at least its own key: l_i > 0
@@ -197,12 +199,13 @@ def paged_prefill_attention_triton(
     *,
     plan: LaunchPlan | None = None,
     window: int | None = None,
+    softcap: float = 0.0,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
     is written in place. window: the layer's sliding window (keys p - window < j <= p), None:
-    every key."""
+    every key. softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
     check_cache(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -245,7 +248,7 @@ def paged_prefill_attention_triton(
     )
     launch(
         _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, num_seqs, window or NO_WINDOW,
+        scale * LOG2E, num_seqs, window or NO_WINDOW, float(softcap or 0.0) * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip

@@ -263,6 +263,27 @@ def test_sliding_windows_match_reference(gen, block_size, head_dim, gqa, window)
         assert rel_err(out, ref) < 1e-6, f"seed {SEED}: reference prefill, window {window}"
 
 
+@pytest.mark.parametrize("head_dim,window", [(64, None), (48, 7)])
+def test_softcap_matches_reference(gen, head_dim, window):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap)) in decodes (a long one over several
+    parts) and in prompt rows in tiles, alone and beside a sliding window."""
+    lens, cap, scale = [1, 9, 40, 700], 1.5, 0.5
+    cache = PagedCache(gen, lens, 16, 2, head_dim, torch.float32)
+    q = torch.randn(len(lens), 6, head_dim, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    out = attention.paged_decode_attention_cpu(*args, window=window, softcap=cap)
+    ref = reference.paged_decode_attention(*args, window=window, softcap=cap)
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: decode"
+    lens, q_lens = [37, 300, 90], [37, 120, 1]
+    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, 16, 2, 3, head_dim)
+    kv = (cache.k_cache, cache.v_cache, cache.block_tables)
+    out = attention.paged_decode_attention_cpu(q, *kv, ctx, scale, cu, window=window, softcap=cap)
+    ref = reference.paged_prefill_attention(
+        q, *kv, cu, cache.context_lens, scale, window=window, softcap=cap
+    )
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows"
+
+
 @pytest.mark.parametrize("bad", ["not_from_0", "decreasing", "past_the_rows", "block_id"])
 def test_prompt_rows_refuse_bad_cu_seqlens_before_reading(gen, bad):
     cache, q, cu, ctx, _ = prompt_chunks(gen, [40, 20], [40, 20], 16, 1, 2, 64)

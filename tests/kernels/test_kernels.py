@@ -104,6 +104,33 @@ def test_reference_sliding_window_matches_dense_attention(gen, window):
         assert rel_err(out[rows], causal) > 1e-3
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_reference_softcap_matches_dense_attention(gen, window):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap)) in decode and prefill, alone and with a
+    sliding window; a cap that bends the scores changes the result."""
+    lens, q_lens, cap, scale = [1, 15, 40, 130], [1, 15, 3, 60], 2.0, 0.5
+    cache = PagedCache(gen, lens, 16, 2, 64, torch.float32)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    tables = (cache.k_cache, cache.v_cache, cache.block_tables)
+    out = kernels.paged_decode_attention(
+        q, *tables, cache.context_lens, scale, backend="torch", window=window, softcap=cap
+    )
+    for i in range(len(lens)):
+        dense = dense_causal_attention(q[i : i + 1], cache.k[i], cache.v[i], scale, window, cap)
+        assert rel_err(out[i : i + 1], dense) < 1e-5, f"seed {SEED}, decode {i}"
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 64, generator=gen)
+    out = kernels.paged_prefill_attention(
+        q, *tables, cu, cache.context_lens, scale, backend="torch", window=window, softcap=cap
+    )
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        dense = dense_causal_attention(q[rows], cache.k[i], cache.v[i], scale, window, cap)
+        assert rel_err(out[rows], dense) < 1e-5, f"seed {SEED}, prefill {i}"
+    uncapped = dense_causal_attention(q[rows], cache.k[i], cache.v[i], scale, window)
+    assert rel_err(out[rows], uncapped) > 1e-2
+
+
 def test_reference_last_prefill_row_equals_decode(gen):
     cache = PagedCache(gen, [40, 9], 16, 2, 64, torch.float32)
     q = torch.randn(2, 8, 64, generator=gen)
@@ -191,7 +218,9 @@ def run_script(script: str, group: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("group", ["store", "checks", "decode", "split_len", "prefill", "window"])
+@pytest.mark.parametrize(
+    "group", ["store", "checks", "decode", "split_len", "prefill", "window", "softcap"]
+)
 def test_triton_kernel_matches_reference(group):
     run_cases(group)
 

@@ -23,7 +23,14 @@ typedef struct {
     float scale;
     int kv_half;
     int64_t window; /* sliding window: a row of context ctx sees tokens [ctx - window, ctx); 0: all */
+    float softcap;  /* scores become softcap * tanh(s / softcap) before the mask (Gemma 2); 0: off */
 } decode_args;
+
+/* Gemma 2's attention logit soft-capping of a block's n scores for `heads` runs ss apart. */
+INLINE void soft_cap(float *s, int64_t heads, int64_t ss, int64_t n, float cap) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < n; t++) s[h * ss + t] = cap * tanhf(s[h * ss + t] / cap);
+}
 
 /* The first token a row of context `ctx` sees (transformers' sliding window: p - j < window). */
 INLINE int64_t first_token(const decode_args *a, int64_t ctx) {
@@ -327,6 +334,7 @@ INLINE void attend_blocks_d(const decode_args *a, int64_t r, const int32_t *tabl
         FOR_HEAD_CHUNKS(chunk_scores, group, kv_heads, d, h, j,
                         q + h * d, kv_at(k, j * d, half), n, row, s + h * ss, ss, a->scale, pf,
                         half)
+        if (a->softcap > 0.0f) soft_cap(s, heads, ss, n, a->softcap);
         if (b * bs < lo) mask_before(s, heads, ss, b, bs, lo);
         for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &m[h], &l[h]);
         FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,
@@ -469,6 +477,7 @@ INLINE void attend_tile_d(const decode_args *a, int64_t r0, int64_t nr, const in
             const float *q = a->q + (r0 + i) * a->q_stride;
             FOR_HEAD_CHUNKS(tile_scores, group, kv_heads, d, h, j,
                             q + h * d, kt + j * chunks * d * VEC, n, s + h * ss, ss, a->scale)
+            if (a->softcap > 0.0f) soft_cap(s, heads, ss, n, a->softcap);
             if (b * bs < tr->lo) mask_before(s, heads, ss, b, bs, tr->lo);
             for (int64_t h = 0; h < heads; h++) corr[h] = block_softmax(s + h * ss, n, &tr->m[h], &tr->l[h]);
             FOR_HEAD_CHUNKS(chunk_values, group, kv_heads, d, h, j,

@@ -47,6 +47,9 @@
  * tokens a vector, with a decode's bits (tested: tests/kernels/test_cpu_kernels.py; figures:
  * docs/benchmarks.md).
  *
+ * softcap > 0 (Gemma 2): a block's scaled scores become softcap * tanh(s / softcap) before the
+ * window's mask and the softmax; 0 leaves them as they are.
+ *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
  * the shape is not one it takes (kernels/cpu/ supports(): head_dim a multiple of 16 up to 256).
@@ -264,9 +267,9 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *cu_seqlens, const int32_t *context_lens, float *out, int64_t num_rows,
                         int64_t num_seqs, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                        int num_threads, int kv_half, int64_t window) {
+                        int num_threads, int kv_half, int64_t window, float softcap) {
     plan pl = {{q, k_cache, v_cache, block_tables, context_lens, out, q_stride, num_heads, num_kv_heads,
-                head_dim, block_size, max_blocks, scale, kv_half, window}};
+                head_dim, block_size, max_blocks, scale, kv_half, window, softcap}};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
     if (kv_half && !HAVE_F16) return -3;
     if (cu_seqlens == NULL && num_seqs != num_rows) return -2;

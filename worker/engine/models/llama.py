@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2; with sparse MoE blocks:
-Mixtral, Qwen2-MoE, Qwen3-MoE) over the paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, SmolLM2; Gemma 2 and 3 with
+their sandwich norms, gemma.py; with sparse MoE blocks: Mixtral, Qwen2-MoE, Qwen3-MoE) over the
+paged KV cache.
 design: docs/architecture.md#the-model
 """
 
@@ -11,14 +12,25 @@ import torch
 from torch import nn
 
 from inferline.kernels.attention import AttentionMetadata
-from inferline.kernels.fused import fused_add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
+from inferline.kernels.fused import (
+    fused_add_rms_norm,
+    gelu_tanh_and_mul,
+    gemma_rms_norm,
+    rms_norm,
+    rope_store_kv,
+    silu_and_mul,
+)
+from inferline.worker.engine.models import gemma
 from inferline.worker.engine.models.linear import Linear, Packed, linear, pack_weight
 from inferline.worker.engine.models.moe import SparseMoeBlock, is_sparse_layer, moe_spec
 
 
-def rope_parameters(config) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling."""
+def rope_parameters(config, layer_type: str = "full_attention") -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+    Gemma 3 keeps one set per layer type (its local layers' base: rope_local_base_freq)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     scaling = getattr(config, "rope_scaling", None) or {}
     for key, value in scaling.items():
@@ -28,9 +40,26 @@ def rope_parameters(config) -> dict:
         params.setdefault(
             "original_max_position_embeddings", config.original_max_position_embeddings
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor below 1 is not supported")
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return params
+
+
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """The head dims rope rotates (Phi-4-mini's partial_rotary_factor 0.75: the first 3/4)."""
+    return int(head_dim * (params.get("partial_rotary_factor") or 1.0))
+
+
+def rotary_order(head_dim: int, rot: int) -> torch.Tensor | None:
+    """Partial rotary as full: the order the loader puts each q and k head's dims in (the same for
+    both, so q.k is unchanged) that moves the rotated pairs (i, i + rot/2) to (j, j + head_dim/2),
+    the kept dims after them in each half; the tables leave the kept dims alone (cos 1, sin 0),
+    so every rope kernel rotates halves of the whole head as before. None: all dims rotate."""
+    if rot == head_dim:
+        return None
+    half, kept = rot // 2, list(range(rot, head_dim))
+    return torch.tensor(
+        [*range(half), *kept[: len(kept) // 2], *range(half, rot), *kept[len(kept) // 2 :]]
+    )
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -179,18 +208,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, params: dict, config=None):
         super().__init__()
-        self.max_positions = max_positions
+        self.max_positions, self.head_dim = max_positions, head_dim
+        rot = rotary_dim(head_dim, params)  # the rest: cos 1, sin 0 (rotary_order)
         with torch.device("cpu"):  # fp32 on the CPU, whatever the build device (meta too)
             # attributes: never cast or moved
-            self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, params, config)
+            self.inv_freq, self.attention_factor = rope_inv_freq(rot, params, config)
             self.threshold = rope_threshold(params, config)
             # a dynamic kind: positions past the threshold, each with its own scaling
             self.inv_freq_past = (
                 None
                 if self.threshold is None or max_positions <= self.threshold
-                else past_inv_freq(
-                    head_dim, params, config, torch.arange(self.threshold, max_positions)
-                )
+                else past_inv_freq(rot, params, config, torch.arange(self.threshold, max_positions))
             )
         cos, sin = self._tables(torch.empty(0).device, torch.float32)
         self.register_buffer("cos", cos, persistent=False)
@@ -205,6 +233,10 @@ class RotaryEmbedding(nn.Module):
             past = positions[self.threshold :, None] * self.inv_freq_past.to(device)
             freqs = torch.cat((freqs[: self.threshold], past))
         cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        kept = self.head_dim // 2 - cos.shape[1]  # partial rotary: dims left as they are
+        if kept:
+            cos = torch.cat((cos, torch.ones_like(cos[:, :1]).expand(-1, kept)), dim=-1)
+            sin = torch.cat((sin, torch.zeros_like(sin[:, :1]).expand(-1, kept)), dim=-1)
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def fill(self) -> None:
@@ -222,12 +254,15 @@ class Attention(nn.Module):
     def __init__(self, config, window: int | None = None):
         super().__init__()
         self.window = window  # sliding window: keys p - window < j <= p; None: all
+        self.gemma = gemma.is_gemma(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        # Gemma: query_pre_attn_scalar^-0.5, and the scores soft-capped (Gemma 2; 0: off)
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.eps = config.rms_norm_eps
         bias = (
             getattr(config, "attention_bias", False)
@@ -236,7 +271,7 @@ class Attention(nn.Module):
         )
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
         if self.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
             self.k_norm = nn.Parameter(torch.ones(self.head_dim))
@@ -257,17 +292,38 @@ class Attention(nn.Module):
             ops=meta.fused_ops,
             store=meta.backend.store_kv,
         )
-        out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
+        out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
-        """Qwen3: q and k heads RMS-normalized before the rotation, in place."""
+        """Qwen3, Gemma 3: q and k heads RMS-normalized before the rotation, in place."""
         heads = self.num_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(
             qkv.shape[0], heads + self.num_kv_heads, self.head_dim
         )
+        if self.gemma:  # 1 + w, in fp32
+            qk[:, :heads] = gemma_rms_norm(qk[:, :heads], self.q_norm, self.eps)[0]
+            qk[:, heads:] = gemma_rms_norm(qk[:, heads:], self.k_norm, self.eps)[0]
+            return
         qk[:, :heads] = rms_norm(qk[:, :heads], self.q_norm, self.eps)
         qk[:, heads:] = rms_norm(qk[:, heads:], self.k_norm, self.eps)
+
+    def order_rotary_dims(self, order: torch.Tensor) -> None:
+        """Partial rotary: each q and k head's weight rows (and bias, q/k norm, and a coded
+        weight's per-row scales and offsets) put in `order` (rotary_order), once loaded."""
+        q, kv, d, proj = self.q_size, self.kv_size, self.head_dim, self.qkv_proj
+        rows = ("weight", "bias", "weight_scale", "weight_offset")
+        for param in (getattr(proj, name, None) for name in rows):
+            if param is not None:
+                qk = param.data[: q + kv]
+                heads = qk.view(-1, d, *qk.shape[1:])
+                heads.copy_(heads.index_select(1, order.to(heads.device)))
+        if self.qk_norm:
+            for norm in (self.q_norm, self.k_norm):
+                norm.data.copy_(norm.data[order.to(norm.device)])
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 class MLP(nn.Module):
@@ -276,9 +332,14 @@ class MLP(nn.Module):
         self.intermediate_size = inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
+        # Gemma names it hidden_activation
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (supported: {list(ACTIVATIONS)})")
+        self.act_and_mul = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), ops))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x), ops))
 
 
 class DecoderLayer(nn.Module):
@@ -318,17 +379,34 @@ def make_mlp(config, layer_idx: int) -> nn.Module:
     return SparseMoeBlock(config, spec, MLP(config, shared) if shared else None)
 
 
+def make_layer(config, layer_idx: int, window: int | None) -> nn.Module:
+    if gemma.is_gemma(config):
+        return gemma.GemmaDecoderLayer(config, Attention(config, window), MLP(config))
+    return DecoderLayer(config, layer_idx, window)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        head_dim = (
+        self.head_dim = head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config), config)
+        params = rope_parameters(config)
+        self.rotary = RotaryEmbedding(head_dim, max_positions, params, config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.windows = layer_windows(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i, w in enumerate(self.windows))
+        self.layers = nn.ModuleList(make_layer(config, i, w) for i, w in enumerate(self.windows))
+        # Gemma 3: its local layers' own rope (rope_local_base_freq), a second table
+        local = rope_parameters(config, "sliding_attention")
+        types = getattr(config, "layer_types", None) or []
+        self.local_rotary = (
+            RotaryEmbedding(head_dim, max_positions, local, config) if local != params else None
+        )
+        self.local_layers = [t == "sliding_attention" and local != params for t in types] or [
+            False
+        ] * len(self.layers)
+        self.gemma = gemma.is_gemma(config)
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -355,15 +433,45 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
+    def fill_tables(self) -> None:
+        """The rope tables, computed into their buffers (unset after meta + to_empty)."""
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.fill()
+
+    def keep_fp32(self) -> None:
+        """After a cast to the model dtype: Gemma's norm weights back to fp32."""
+        if self.gemma:
+            gemma.keep_norms_fp32(self)
+
+    def finish_load(self) -> None:
+        """Once a checkpoint's tensors are in: Gemma's norms become 1 + w; partial rotary puts
+        each q and k head's dims in rotary_order."""
+        if self.gemma:
+            gemma.add_one_to_norms(self)
+        order = rotary_order(self.head_dim, rotary_dim(self.head_dim, self.rotary_params()))
+        if order is not None:
+            for layer in self.layers:
+                layer.self_attn.order_rotary_dims(order)
+
+    def rotary_params(self) -> dict:
+        return rope_parameters(self.config)
+
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token; `kv_cache[i]` is layer i's (k_cache, v_cache)."""
         hidden, residual = self.embed_tokens(input_ids), None  # a new tensor: in place is fine
-        rope = self.rotary.tables(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, meta)
-        return fused_add_rms_norm(
-            hidden, residual, self.norm, self.config.rms_norm_eps, meta.fused_ops
-        )[0]
+        if self.gemma:
+            hidden = hidden * gemma.embed_scale(self.config, hidden.dtype)
+        ropes = (self.rotary.tables(positions),)
+        if self.local_rotary is not None:
+            ropes += (self.local_rotary.tables(positions),)
+        for layer, local, (k_cache, v_cache) in zip(self.layers, self.local_layers, kv_cache):
+            hidden, residual = layer(ropes[local], hidden, residual, k_cache, v_cache, meta)
+        eps, ops = self.config.rms_norm_eps, meta.fused_ops
+        if self.gemma:
+            return gemma_rms_norm(hidden, self.norm, eps, ops, residual)[0]
+        return fused_add_rms_norm(hidden, residual, self.norm, eps, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight(), packed=self.lm_head_packed)
+        logits = linear(hidden, self.lm_head_weight(), packed=self.lm_head_packed)
+        return gemma.soft_cap(logits, getattr(self.config, "final_logit_softcapping", None))

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 from inferline.config.paths import bundled_model_path, cache_dir
 from inferline.kernels.cpu import gemm
 from inferline.kernels.fp8 import FP8, dequantize
+from inferline.worker.engine.models import gemma
 from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
@@ -32,7 +33,18 @@ from inferline.worker.engine.models.quantization import (
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
 FUSED_CHECKPOINTS = ("phi3",)
 
@@ -182,6 +194,7 @@ def load_weights(
     finally:
         for f in handles.values():
             f.close()
+    model.finish_load()
     if fp8 or levels:
         log.info(
             "coded weights",
@@ -236,10 +249,11 @@ def empty_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     model = model.to(dtype)
+    model.keep_fp32()
     if prepare is not None:
         prepare(model)
     model = model.to_empty(device=device)
-    model.rotary.fill()
+    model.fill_tables()
     return model
 
 
@@ -517,13 +531,12 @@ def layer_destinations(
         out[src + "mlp.gate_proj.weight"] = gate_up[:inter]
         out[src + "mlp.up_proj.weight"] = gate_up[inter:]
         out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
-    out.update(
-        {
-            src + "self_attn.o_proj.weight": params[dst + "self_attn.o_proj.weight"],
-            src + "input_layernorm.weight": params[dst + "input_layernorm"],
-            src + "post_attention_layernorm.weight": params[dst + "post_attention_layernorm"],
-        }
+    out[src + "self_attn.o_proj.weight"] = params[dst + "self_attn.o_proj.weight"]
+    norms = (
+        gemma.LAYER_NORMS if isinstance(layer, gemma.GemmaDecoderLayer) else gemma.LAYER_NORMS[:2]
     )
+    for norm in norms:
+        out[f"{src}{norm}.weight"] = params[dst + norm]
     if attn.qk_norm:
         out[src + "self_attn.q_norm.weight"] = params[dst + "self_attn.q_norm"]
         out[src + "self_attn.k_norm.weight"] = params[dst + "self_attn.k_norm"]
