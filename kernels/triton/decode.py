@@ -73,6 +73,9 @@ def _decode_stage1_kernel(
         if (start >= context_len) & (split > 0):  # past the context: nothing to read or write
             return
         end = tl.minimum(start + split_len, context_len)
+    # Split 0 ending at the context holds the whole window: stage 2 passes it over. Decided here
+    # (a predicate through the loop, not context_len: 4 B spilled at d=256 on sm_80 with both).
+    whole = (split == 0) & (end == context_len)
     rows = tl.arange(0, GROUP_P2)
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, DIM_P2)
@@ -116,9 +119,7 @@ def _decode_stage1_kernel(
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
-    # Split 0 ends at the context: it holds the whole window, stage 2 passes it over. (Testing
-    # the window's span instead kept it live through the loop: 12 B spilled at d=256, GQA 1.)
-    elif (tl.program_id(2) == 0) & (end == context_len):
+    elif whole:
         _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64
