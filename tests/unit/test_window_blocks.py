@@ -202,6 +202,8 @@ def test_a_fork_shares_no_block_its_window_needs_but_the_parent_freed():
     child = seq_of(23, "child")
     bm.fork(parent.block_table[:5], child)  # from 20 it reads keys > 12: block 3 only
     assert child.num_freed_blocks == 3 and child.num_computed_tokens == 20
+    bm.allocate(child, bm.cached_prefix(child))  # admitted as the scheduler admits a fork
+    assert child.num_freed_blocks == 3 and len(child.block_table) == 6
     late = seq_of(23, "late")
     bm.fork(parent.block_table[:4], late)  # from 16 it would read block 2: nothing shared
     assert late.block_table == [] and late.num_computed_tokens == 0

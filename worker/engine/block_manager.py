@@ -109,10 +109,14 @@ class BlockManager:
         return fresh + sum(self.ref_counts[b] == 0 for b in cached)
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
-        """Admit `seq`: share the `cached` blocks, then reserve blocks for the remaining tokens."""
-        if self.prefix_cache and not seq.block_table:  # a fork's shared prefix was no lookup
-            self.prefix_cache.record_lookup(seq.num_tokens, len(cached) * self.block_size)
-        self._share(cached, seq)
+        """Admit `seq`: share the `cached` blocks, then reserve blocks for the remaining tokens.
+        A fork holds its shared prefix already (fork()): it was no lookup, and nothing is cached."""
+        if not seq.block_table:
+            if self.prefix_cache:
+                self.prefix_cache.record_lookup(seq.num_tokens, len(cached) * self.block_size)
+            self._share(cached, seq)
+        else:
+            assert not cached, "a fork's prefix is its parent's"
         self.append(seq, seq.num_uncomputed_tokens)
 
     def fork(self, blocks: list[int], seq: Sequence) -> None:
