@@ -42,7 +42,7 @@ SECTIONS = {
     "scheduler": "Continuous batching: how many sequences and tokens one engine step takes, and "
     "the waiting pool.",
     "lanes": "Requests read past the waiting pool, in per-tenant lanes (docs/operations.md, "
-    "\"Lanes\"): their bounds.",
+    '"Lanes"): their bounds.',
     "engine": "The engine step: whether step N+1 is prepared while step N runs.",
     "speculative": "Speculative decoding (off by default): n-gram drafts for greedy requests, "
     "verified in the same step; greedy output is unchanged.",
