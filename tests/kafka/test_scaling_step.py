@@ -16,10 +16,11 @@ from tests.worker_fixtures import attempts_of, check_attempts
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-# A join in `make test`; the leave (a SIGTERM drain, as in test_worker_process.py) in make chaos.
-@pytest.mark.parametrize(
-    "step", ["join", pytest.param("leave", marks=[pytest.mark.full, pytest.mark.chaos])]
-)
+# Three worker processes, a minute or more each: `make chaos` (and make test-full) runs both;
+# `make test` keeps test_worker_process.py's join and SIGTERM drain under load.
+@pytest.mark.full
+@pytest.mark.chaos
+@pytest.mark.parametrize("step", ["join", "leave"])
 async def test_a_scaling_step_requeues_only_the_requests_of_moved_partitions(
     kafka_bootstrap, tmp_path, step
 ):
