@@ -201,5 +201,20 @@ def test_tenant_metrics_name_the_heaviest_and_stay_bounded_under_rotating_names(
     assert series(m, "inferline_tenant_running_requests")["big"] == 4
     tokens = series(m, "inferline_tenant_tokens_generated_total")
     assert tokens["big"] == 4 * 300 and tokens[OTHER_TENANTS] == 300  # every rotating name
-    m.observe_tenants({}, {})
-    assert set(series(m, "inferline_tenant_waiting_requests")) == {OTHER_TENANTS}
+    m.observe_tenants({}, {})  # all idle: the labels stay, at zero; the counters keep counting
+    assert set(series(m, "inferline_tenant_waiting_requests").values()) == {0}
+    assert series(m, "inferline_tenant_tokens_generated_total")["big"] == 4 * 300
+
+
+def test_a_tenant_idle_between_requests_keeps_its_series():
+    """A counter series that vanished whenever its tenant had nothing in the pool left rate()
+    without data for a tenant whose requests were short (seen in the dashboard's Prometheus
+    test); it goes only when a tenant with work needs its label."""
+    m = Metrics()
+    m.observe_tenants({"acme": (0, 1)}, {"acme": 5})
+    m.observe_tenants({}, {})  # acme's request has ended
+    assert series(m, "inferline_tenant_tokens_generated_total") == {"acme": 5}
+    busy = {f"t{j}": (1, 0) for j in range(TENANT_LABELS)}
+    m.observe_tenants(busy, {})  # ten tenants with work: the idle one gives way
+    assert "acme" not in series(m, "inferline_tenant_tokens_generated_total")
+    assert len(series(m, "inferline_tenant_waiting_requests")) <= TENANT_LABELS + 1

@@ -22,8 +22,10 @@ OTHER_TENANTS = "(other)"
 
 class TenantLabels:
     """Which tenants get their own `tenant` label: at most `limit`, the heaviest by requests in the
-    pool. A named tenant keeps its label while it has work, unless one with twice its requests
-    has none (labels churn no faster than the heavy tenants change)."""
+    pool. A named tenant keeps its label, idle or not, until a tenant with work needs the place:
+    an idle one gives way first, a busy one only to a tenant with twice its requests (labels churn
+    no faster than the heavy tenants change, and a counter's series does not vanish between one
+    tenant's requests)."""
 
     def __init__(self, limit: int = TENANT_LABELS):
         self.limit = limit
@@ -31,19 +33,16 @@ class TenantLabels:
 
     def update(self, load: dict[str, int]) -> set[str]:
         """Relabel for `load` (requests in the pool by tenant); returns the labels dropped."""
-        dropped = {t for t in self.named if not load.get(t)}
-        self.named -= dropped
-        for tenant in sorted((t for t in load if load[t] and t not in self.named), key=load.get)[
-            ::-1
-        ]:
-            if len(self.named) < self.limit:
-                self.named.add(tenant)
-                continue
-            lightest = min(self.named, key=load.get)
-            if load[tenant] < 2 * load[lightest]:
-                break  # sorted heaviest first: nobody after it is heavier
-            self.named.remove(lightest)
-            dropped.add(lightest)
+        dropped: set[str] = set()
+        waiting = (t for t in load if load[t] and t not in self.named)
+        for tenant in sorted(waiting, key=load.get)[::-1]:
+            if len(self.named) >= self.limit:
+                idle = sorted(t for t in self.named if not load.get(t))
+                lightest = idle[0] if idle else min(self.named, key=load.get)
+                if not idle and load[tenant] < 2 * load[lightest]:
+                    break  # sorted heaviest first: nobody after it is heavier
+                self.named.remove(lightest)
+                dropped.add(lightest)
             self.named.add(tenant)
         return dropped - self.named
 
