@@ -19,7 +19,7 @@ from inferline.worker.engine.request import EngineRequest
 from inferline.worker.engine.request import SamplingParams
 from inferline.worker.engine.sequence import Sequence
 from tests.engine_fixtures import BlockWatch, greedy, make_engine, run_to_completion
-from tests.unit.test_window_rope import SHAPE
+from tests.unit.test_window_rope import SHAPE, saved_with_greedy
 
 WINDOW, BLOCK = 16, 8
 # Blocks a decoding sequence holds: those a window of WINDOW tokens touches.
@@ -31,33 +31,13 @@ PROMPT_LENS = (37, 29, 19)
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """(model directory, prompts, HF greedy outputs) of a Mistral windowed on every layer."""
-    from transformers import AutoModelForCausalLM, MistralConfig
+    from transformers import MistralConfig
 
     config = MistralConfig(
         **{**SHAPE, "num_hidden_layers": 2}, sliding_window=WINDOW, max_position_embeddings=256
     )
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     folder = tmp_path_factory.mktemp("mistral-window-blocks")
-    hf.save_pretrained(folder)
-    synthetic_tokenizer(config).save_pretrained(folder)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [
-        torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS
-    ]
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(y[0, len(ids) :].tolist())
+    _, prompts, expected = saved_with_greedy(config, folder, 2, PROMPT_LENS, NEW_TOKENS)
     return folder, prompts, expected
 
 

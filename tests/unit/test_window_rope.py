@@ -105,17 +105,25 @@ PROMPT_LENS = (41, 30, 13)
 @pytest.fixture(scope="module", params=list(configs()))
 def family(request, tmp_path_factory):
     """(name, model directory, HF model, prompts, HF greedy outputs)."""
+    config = configs()[request.param]()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf, prompts, expected = saved_with_greedy(config, folder, 1, PROMPT_LENS, NEW_TOKENS)
+    return request.param, folder, hf, prompts, expected
+
+
+def saved_with_greedy(config, folder, seed: int, prompt_lens, new_tokens: int):
+    """A random-weight HF model of `config` saved to `folder` with a synthetic tokenizer; random
+    prompts of `prompt_lens` (generator `seed`) and HF's greedy `new_tokens` for each:
+    (HF model, prompts, outputs)."""
     from transformers import AutoModelForCausalLM
 
-    config = configs()[request.param]()
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     synthetic_tokenizer(config).save_pretrained(folder)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [
-        torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS
+        torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in prompt_lens
     ]
     expected = []
     with torch.inference_mode():
@@ -124,13 +132,13 @@ def family(request, tmp_path_factory):
             y = hf.generate(
                 x,
                 attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )
             expected.append(y[0, len(ids) :].tolist())
-    return request.param, folder, hf, prompts, expected
+    return hf, prompts, expected
 
 
 def runner_for(folder, attention: str) -> ModelRunner:
