@@ -4,28 +4,19 @@
 
 Sections, in order, each guarded (an exception is recorded and the next runs), timed, skipped when
 the budget left is under its estimated cost, and written to the JSON (default
-$OUT/first_contact.json) as it ends; a summary table is printed last:
+$OUT/first_contact.json) as it ends; a summary table is printed last (docs/gpu.md#first-contact
+says what each measures and how to read it):
 
-    env         GPU, capability, SMs, memory, clocks (read only), versions; .whl/ installed when
-                the image lacks the engine's imports (structlog, pydantic-settings)
-    ceilings    a 1 GiB device-to-device copy and a read-only pass (do_bench medians)
-    kernels     decode (1 split, the heuristic, many), chunked prefill, store, RMSNorm,
-                SiLU-and-mul and rotary against kernels/reference.py at serving shapes;
-                outputs pre-filled with NaN
-    attention   decode attention at the engine's own plans (graphs: tables max_model_len wide;
-                flat: as wide as the batch), batch 64/16/1 at 2k contexts: ms per layer, GB/s,
-                % of the copy, splits and working CTAs, against SDPA on gathered dense K/V;
-                chunked prefill against SDPA (causal)
-    engine-hf   a random-weight transformers Llama saved to a temporary folder, loaded by the
-                project's loader, greedy tokens and each step's logits against HF's (fp32, 1e-4),
-                with CUDA graphs and without
-    dummy-8b    Llama-3-8B-shaped dummy weights in bf16: load peak over the weights, start-up,
-                one decode step by graphs, eager, flat and the PyTorch path, replay time against
-                the HBM bound, a per-kernel split, tok/s with the host-time split, tok/s at batch
-                64/16/1 by graphs, eager and flat against the bound, Triton compiles after warm-up
-    layouts     decode and prefill at other layouts (head_dim 64..256, blocks 8..128, GQA 1..8,
-                three dtypes) and a cache past 2^31 elements, against kernels/reference.py; last,
-                on what is left of the budget
+    env         the GPU, its clocks (read only) and the versions; .whl/ installed if needed
+    ceilings    a 1 GiB device-to-device copy and a read-only pass: the rates below divide by it
+    kernels     every kernel against kernels/reference.py at serving shapes
+    attention   decode at the engine's own plans and chunked prefill, timed against SDPA
+    engine-hf   a random-weight transformers Llama on the engine against HF's greedy tokens
+                and logits (fp32), with CUDA graphs and without
+    dummy-8b    Llama-3-8B-shaped dummy weights: load, start-up, one decode step four ways,
+                replay and tok/s at batch 64/16/1 against the HBM bound, host split, compiles
+    layouts     decode and prefill at head_dim 64..256, blocks 8..128, GQA 1..8, and a cache
+                past 2^31 elements, against the reference (last: on what is left of the budget)
 
 `--rehearse` runs the same sections on the CPU (TRITON_INTERPRET=1, tiny shapes, a short budget):
 what needs CUDA is reported as skipped with the reason. Exits 1 if a section failed or raised.
@@ -101,15 +92,9 @@ class Run:
 
     def write(self) -> None:
         """The JSON as it stands, replaced atomically: a run killed mid-section keeps the rest."""
-        doc = {
-            "script": "bench/first_contact.py",
-            "device": self.device,
-            "rehearse": self.rehearse,
-            "budget_s": self.budget_s,
-            "elapsed_s": round(time.monotonic() - self.started, 1),
-            **self.meta,
-            "sections": self.sections,
-        }
+        doc = dict(script="bench/first_contact.py", device=self.device, rehearse=self.rehearse)
+        doc.update(budget_s=self.budget_s, elapsed_s=round(time.monotonic() - self.started, 1))
+        doc.update(**self.meta, sections=self.sections)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))
@@ -181,11 +166,8 @@ def run_sections(run: Run, sections: list[Section]) -> int:
 def run_one(run: Run, section: Section) -> dict:
     cost, left = (section.rehearsal_cost_s if run.rehearse else section.cost_s), run.left()
     if left < cost:
-        return {
-            "status": "skipped",
-            "seconds": 0.0,
-            "summary": f"budget: {left:.0f} s left, about {cost:.0f} s needed",
-        }
+        summary = f"budget: {left:.0f} s left, about {cost:.0f} s needed"
+        return {"status": "skipped", "seconds": 0.0, "summary": summary}
     started, compiles = time.monotonic(), len(run.compiles)
     try:
         data = section.fn(run) or {}
@@ -225,25 +207,15 @@ def print_summary(run: Run) -> None:
     print(f"| {'section':{width}} | status  | seconds | summary")
     for name, status, seconds, summary in rows:
         print(f"| {name:{width}} | {status:7} | {seconds:>7} | {summary}")
-    counts = {
-        k: sum(s["status"] == k for s in run.sections.values())
-        for k in ("ok", "fail", "error", "skipped")
-    }
-    print(
-        f"\n{', '.join(f'{v} {k}' for k, v in counts.items())}; "
-        f"{run.budget_s - run.left():.0f} s of {run.budget_s:.0f}; JSON: {run.out}",
-        flush=True,
-    )
+    statuses = [s["status"] for s in run.sections.values()]
+    counts = ", ".join(f"{statuses.count(k)} {k}" for k in ("ok", "fail", "error", "skipped"))
+    print(f"\n{counts}; {run.budget_s - run.left():.0f} s of {run.budget_s:.0f}; JSON: {run.out}")
 
 
 def timed_ms(run: Run, fn, warmup: int = 25, rep: int = 100) -> float:
-    return median_ms(run.device, fn, warmup, rep)
-
-
-def median_ms(device: str, fn, warmup: int = 25, rep: int = 100) -> float:
     """Median ms: triton.testing.do_bench (CUDA events) on CUDA; one timed call after one warm-up
     elsewhere (a rehearsal: the figure means nothing)."""
-    if device == "cuda":
+    if run.device == "cuda":
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
@@ -288,9 +260,7 @@ def import_origins() -> dict[str, str]:
     for name in (*WHEEL_MODULES, *NOT_NEEDED, "msgpack", "numpy", "safetensors", "tokenizers"):
         spec = importlib.util.find_spec(name)
         origin = (spec.origin or "") if spec else ""
-        found[name] = (
-            "missing" if spec is None else ("wheels" if "wheels" in origin else "installed")
-        )
+        found[name] = "missing" if spec is None else "wheels" if "wheels" in origin else "installed"
     return found
 
 
@@ -311,12 +281,8 @@ def nvidia_smi() -> dict[str, str]:
         "power.limit,temperature.gpu,persistence_mode,compute_mode,mig.mode.current"
     )
     try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-        )
+        query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": f"{type(e).__name__}: {e}"}
     if out.returncode != 0 or not out.stdout.strip():
@@ -330,37 +296,25 @@ def section_env(run: Run) -> dict:
     import torch
 
     data = {"versions": versions(), "wheels": wheels, "imports": import_origins()}
-    data["stubbed"] = []  # nothing is stubbed: the kernels need torch and triton only
     if run.device != "cuda":
         data["gpu"] = "none (rehearsal)" if run.rehearse else "none"
         v = data["versions"]
-        return {
-            **data,
-            "summary": f"CPU; torch {v['torch']}, triton {v['triton']}, "
-            f"transformers {v['transformers']}; wheels: {wheels}",
-        }
+        summary = f"CPU; torch {v['torch']}, triton {v['triton']}, "
+        return {**data, "summary": summary + f"transformers {v['transformers']}; wheels: {wheels}"}
     props = torch.cuda.get_device_properties(0)
     free, total = torch.cuda.mem_get_info()
-    gpu = {
-        "gpu": props.name,
-        "capability": f"{props.major}.{props.minor}",
-        "sms": props.multi_processor_count,
-        "memory_gib": round(total / 2**30, 1),
-        "free_gib": round(free / 2**30, 1),
-        "l2_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
-        "cuda": torch.version.cuda,
-        "smi": nvidia_smi(),
-    }
-    run.meta["gpu"] = props.name
-    smi = gpu["smi"]
-    return {
-        **data,
-        **gpu,
-        "summary": f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs,"
+    gpu = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    gpu.update(sms=props.multi_processor_count, smi=nvidia_smi())
+    gpu.update(memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1))
+    gpu["l2_mib"] = round(getattr(props, "L2_cache_size", 0) / 2**20, 1)
+    run.meta["gpu"], smi = props.name, gpu["smi"]
+    summary = (
+        f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs,"
         f" {gpu['free_gib']}/{gpu['memory_gib']} GiB free; SM {smi.get('clocks.sm', '?')}/"
         f"{smi.get('clocks.max.sm', '?')}, mem {smi.get('clocks.mem', '?')}; torch "
-        f"{data['versions']['torch']}, triton {data['versions']['triton']}; wheels: {wheels}",
-    }
+        f"{data['versions']['torch']}, triton {data['versions']['triton']}; wheels: {wheels}"
+    )
+    return {**data, **gpu, "summary": summary}
 
 
 # ---- ceilings -----------------------------------------------------------------------------------
@@ -399,13 +353,8 @@ def kernel_sets(run: Run):
 
     if run.rehearse:  # Llama-3-8B's head layout cut to 2 KV heads; SmolLM2's
         return [(8, 2, 128, torch.bfloat16), (9, 3, 64, torch.float32)], [1, 17, 70]
-    sets = [
-        (32, 8, 128, torch.bfloat16),
-        (32, 8, 128, torch.float16),
-        (9, 3, 64, torch.bfloat16),
-        (9, 3, 64, torch.float32),
-    ]
-    return sets, [1, 15, 17, 700, 2100]
+    sets = [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float16)]
+    return [*sets, (9, 3, 64, torch.bfloat16), (9, 3, 64, torch.float32)], [1, 15, 17, 700, 2100]
 
 
 def section_kernels(run: Run) -> dict:
@@ -803,8 +752,8 @@ def dummy_engine_checks(run: Run, plan: DummyPlan) -> dict:
     failures += data["step"].pop("failures", [])
     data["replay"] = part(failures, "replay", replay_vs_bound, run, engine)
     data["kernels"] = part(failures, "kernels", kernel_split, run, engine, plan.batch)
-    data["throughput"] = part(failures, "throughput", throughput, run, engine, plan)
     data["modes"] = part(failures, "modes", decode_modes, run, engine, plan)
+    data["host"] = part(failures, "host", host_split, run, engine, plan)
     unwarmed = sorted({v.kernel for v in served - warmed})
     compiles = run.compiles[compiles_at_ready:]
     data["after_warmup"] = {"triton_compiles": compiles, "variants_not_warmed": unwarmed}
@@ -869,21 +818,16 @@ def build_engine(run: Run, plan: DummyPlan):
         runner.warmup = warm_up(runner, plan.batch)
     seconds = time.perf_counter() - started
     warm, capture = runner.warmup, runner.graph_capture
-    startup = {
-        "seconds": seconds,
-        "warmup_s": None if warm is None else warm.seconds,
-        "decode_plans": None if warm is None else len(warm.decode_shapes),
-        "capture_s": None if capture is None else capture.seconds,
-        "buckets": None if capture is None else len(capture.buckets),
-        "triton_compiles": len(run.compiles) - compiles if cuda else "n/a (interpreter)",
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "backends": str(runner.backends),
-        "cuda_graphs": runner.cuda_graphs,
-        "load": loaded,
-    }
+    startup = dict(seconds=seconds, backends=str(runner.backends), cuda_graphs=runner.cuda_graphs)
+    startup.update(warmup_s=None, decode_plans=None, capture_s=None, buckets=None, load=loaded)
+    if warm is not None:
+        startup.update(warmup_s=warm.seconds, decode_plans=len(warm.decode_shapes))
+    if capture is not None:
+        startup.update(capture_s=capture.seconds, buckets=len(capture.buckets))
+    startup["triton_compiles"] = len(run.compiles) - compiles if cuda else "n/a (interpreter)"
+    startup["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rest = seconds - (startup["warmup_s"] or 0) - (startup["capture_s"] or 0)
-    startup["load_and_allocate_s"] = rest
-    return engine, startup
+    return engine, {**startup, "load_and_allocate_s": rest}
 
 
 def prefill(engine, plan: DummyPlan) -> None:
@@ -934,11 +878,8 @@ def compare_step(run: Run, engine) -> dict:
     import torch
 
     runner, logits = engine.runner, {}
-    modes = [
-        m
-        for m in ("graphs", "eager", "flat", "torch")
-        if m != "graphs" or runner.decode_graphs is not None
-    ]
+    modes = ["graphs"] if runner.decode_graphs is not None else []
+    modes += ["eager", "flat", "torch"]
     real_launch = runner.launch  # the engine's step is launch + resolve (overlap or not)
 
     def launch_each(scheduled, owner=None, previous=None):
@@ -1005,13 +946,8 @@ def replay_vs_bound(run: Run, engine) -> dict:
     bucket = bucket_for(seqs, runner.padded_decode.sizes)
     # the buffers hold the last step's inputs: each replay recomputes it (same K/V rewritten)
     ms = timed_ms(run, lambda: runner.decode_graphs.replay(bucket), warmup=25, rep=200)
-    return {
-        **data,
-        "bucket": bucket,
-        "replay_ms": ms,
-        "achieved_gbs": read["total"] / ms / 1e6,
-        "of_bound": None if bound_ms is None else bound_ms / ms,
-    }
+    data.update(bucket=bucket, replay_ms=ms, achieved_gbs=read["total"] / ms / 1e6)
+    return {**data, "of_bound": None if bound_ms is None else bound_ms / ms}
 
 
 def kernel_split(run: Run, engine, batch: int) -> dict:
@@ -1041,29 +977,17 @@ def kernel_split(run: Run, engine, batch: int) -> dict:
             totals[e.key[:80]] = totals.get(e.key[:80], 0.0) + us / steps / 1e3
     whole = sum(totals.values()) or 1.0
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:12]
-    return {
-        "activity": activity.name,
-        "ms_per_step": whole,
-        "top": [{"kernel": k, "ms": ms, "share": ms / whole} for k, ms in top],
-    }
+    top = [{"kernel": k, "ms": ms, "share": ms / whole} for k, ms in top]
+    return {"activity": activity.name, "ms_per_step": whole, "top": top}
 
 
-def throughput(run: Run, engine, plan: DummyPlan) -> dict:
-    """Engine tok/s over timed steps as served; then as many steps again with the host's phases
-    timed (the forward synchronized, so its time is the GPU's)."""
+def host_split(run: Run, engine, plan: DummyPlan) -> dict:
+    """Steps as served with the host's phases timed (the forward synchronized, so its time is the
+    GPU's): ms per step in each."""
     import torch
 
     sync = torch.cuda.synchronize if run.device == "cuda" else (lambda: None)
-    steps, out = plan.timed_steps, {}
-    sync()
-    started, produced = time.perf_counter(), 0
-    for _ in range(steps):
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    sync()
-    seconds = time.perf_counter() - started
-    out["batch"], out["steps"] = len(engine.scheduler.running), steps
-    out["tok_s"], out["step_ms"] = produced / seconds, 1e3 * seconds / steps
-    spent: dict[str, float] = {}
+    steps, spent = plan.timed_steps, {}
     runner = engine.runner
     targets = [
         ("schedule", engine.scheduler, "schedule"),
@@ -1079,8 +1003,7 @@ def throughput(run: Run, engine, plan: DummyPlan) -> dict:
         total = time.perf_counter() - started
     split = {k: 1e3 * v / steps for k, v in spent.items()}
     split["update and the rest"] = 1e3 * total / steps - sum(split.values())
-    out["host_split_ms"] = split
-    return out
+    return {"batch": len(engine.scheduler.running), "steps": steps, "host_split_ms": split}
 
 
 def decode_modes(run: Run, engine, plan: DummyPlan) -> dict:
@@ -1152,42 +1075,37 @@ def finish(engine) -> None:
 
 
 def dummy_summary(data: dict) -> str:
-    s, r, k, t = (data[n] for n in ("startup", "replay", "kernels", "throughput"))
+    s, r, k, h = (data[n] for n in ("startup", "replay", "kernels", "host"))
     parts = [
         f"start-up {s['seconds']:.1f} s (warm-up {s['warmup_s'] or 0:.1f}, "
         f"capture {s['capture_s'] or 0:.1f}, compiles {s['triton_compiles']})",
         "step: " + ", ".join(f"{c['check']} {c['rel_err']:.1e}" for c in data["checks"]),
     ]
+    if s["load"].get("peak_over_weights"):
+        parts.append(f"load peak {s['load']['peak_over_weights']:.2f}x the weights")
+    bound = "" if r.get("bound_ms") is None else f"bound {r['bound_ms']:.2f} ms at the copy rate"
     if "replay_ms" in r:
-        bound = "" if r["bound_ms"] is None else f" vs {r['bound_ms']:.2f} ms at the copy rate"
-        bound += "" if r["of_bound"] is None else f" ({100 * r['of_bound']:.0f}% of the bound)"
-        parts.append(f"replay b{r['batch']} {r['replay_ms']:.2f} ms{bound}")
+        of = "" if r["of_bound"] is None else f", {100 * r['of_bound']:.0f}% of it"
+        parts.append(
+            f"replay b{r['batch']} {r['replay_ms']:.2f} ms" + (bound and f" ({bound}{of})")
+        )
+    elif bound:
+        parts.append(f"b{r['batch']} {bound}")
     if "top" in k:
         top = ", ".join(f"{e['kernel'][:24]} {100 * e['share']:.0f}%" for e in k["top"][:3])
         parts.append(f"kernels {k['ms_per_step']:.2f} ms/step: {top}")
-    if "tok_s" in t:
-        split = ", ".join(f"{n} {v:.2f}" for n, v in t["host_split_ms"].items())
-        parts.append(
-            f"{t['tok_s']:.0f} tok/s at b{t['batch']}, {t['step_ms']:.2f} ms/step ({split})"
-        )
-    if "skipped" in r and r.get("bound_ms") is not None:
-        parts.append(f"bound b{r['batch']} {r['bound_ms']:.2f} ms at the copy rate")
     for row in data["modes"].get("rows", []):
         rates = "/".join(f"{row[f'{m}_tok_s']:.0f}" for m in data["modes"]["modes"])
-        bound = f", {100 * row['of_bound']:.0f}% of the bound" if "of_bound" in row else ""
-        parts.append(f"b{row['batch']} {rates} tok/s ({row['vs_flat']:.2f}x flat{bound})")
-    load = data["startup"]["load"]
-    if load.get("peak_over_weights"):
-        parts.append(f"load peak {load['peak_over_weights']:.2f}x the weights")
-    for name in ("replay", "kernels", "throughput", "modes"):
+        of = f", {100 * row['of_bound']:.0f}% of the bound" if "of_bound" in row else ""
+        parts.append(f"b{row['batch']} {rates} tok/s ({row['vs_flat']:.2f}x flat{of})")
+    if "host_split_ms" in h:
+        parts.append("host ms: " + ", ".join(f"{n} {v:.2f}" for n, v in h["host_split_ms"].items()))
+    for name in ("replay", "kernels", "modes", "host"):
         if "skipped" in data[name] or "error" in data[name]:
             parts.append(f"{name}: {data[name].get('skipped') or data[name]['error'][:80]}")
     after = data["after_warmup"]
-    parts.append(
-        f"after warm-up: {len(after['triton_compiles'])} compiles, "
-        f"{len(after['variants_not_warmed'])} unwarmed kernels"
-    )
-    return "; ".join(parts)
+    compiles, unwarmed = len(after["triton_compiles"]), len(after["variants_not_warmed"])
+    return "; ".join(parts + [f"after warm-up: {compiles} compiles, {unwarmed} unwarmed kernels"])
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -1207,11 +1125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     out = Path(os.environ.get("OUT", tempfile.gettempdir())) / "first_contact.json"
     p.add_argument("--out", type=Path, default=out, help=f"the JSON (default {out})")
-    p.add_argument(
-        "--budget",
-        type=float,
-        help=f"seconds (default {BUDGET_S:.0f}; rehearsal {REHEARSAL_BUDGET_S:.0f})",
-    )
+    budget = f"seconds (default {BUDGET_S:.0f}; rehearsal {REHEARSAL_BUDGET_S:.0f})"
+    p.add_argument("--budget", type=float, help=budget)
     p.add_argument("--only", help="comma-separated section names")
     p.add_argument("--rehearse", action="store_true", help="on the CPU, tiny shapes")
     return p.parse_args(argv)

@@ -24,7 +24,7 @@ def test_env_section_reports_versions_and_where_imports_come_from(tmp_path):
     data = fc.section_env(run)
     assert data["versions"]["torch"] != "missing" and data["versions"]["triton"] != "missing"
     assert data["wheels"] == "none needed"  # the project's venv has structlog and pydantic
-    assert data["imports"]["structlog"] == "installed" and data["stubbed"] == []
+    assert data["imports"]["structlog"] == "installed"
     assert data["summary"].startswith("CPU;")
 
 
