@@ -806,11 +806,9 @@ def build_engine(run: Run, plan: DummyPlan):
     base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    started, model_runner.load_model = time.perf_counter(), measured_load
-    try:
+    started = time.perf_counter()
+    with swapped(model_runner, load_model=measured_load):
         engine = LLMEngine.from_settings(settings)
-    finally:
-        model_runner.load_model = load
     runner = engine.runner
     if runner.warmup is None:  # only CUDA warms up on its own; the rehearsal checks it too
         from inferline.worker.engine.warmup import warm_up
@@ -849,27 +847,21 @@ def prefill(engine, plan: DummyPlan) -> None:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
 
 
-@contextlib.contextmanager
 def decode_path(runner, mode: str):
     """The runner's decode as graphs (replayed), eager (padded, no graph), flat (unpadded
-    batches) or torch (flat, PyTorch attention and fused ops); restored after."""
+    batches) or torch (flat, PyTorch attention and fused ops), for a `with` block."""
     from dataclasses import replace
 
     from inferline.kernels.attention import make_attention
 
-    saved = runner.attention, runner.backends, runner.padded_decode, runner.decode_graphs
-    if mode != "graphs":
-        runner.decode_graphs = None
+    swap = {} if mode == "graphs" else {"decode_graphs": None}
     if mode in ("flat", "torch"):
-        runner.padded_decode = None
+        swap["padded_decode"] = None
     if mode == "torch":
         kv_heads = runner.config.num_key_value_heads
-        runner.attention = make_attention("torch", runner.block_size, kv_heads)
-        runner.backends = replace(runner.backends, fused_ops="torch")
-    try:
-        yield
-    finally:
-        runner.attention, runner.backends, runner.padded_decode, runner.decode_graphs = saved
+        swap["attention"] = make_attention("torch", runner.block_size, kv_heads)
+        swap["backends"] = replace(runner.backends, fused_ops="torch")
+    return swapped(runner, **swap)
 
 
 def compare_step(run: Run, engine) -> dict:
@@ -891,11 +883,8 @@ def compare_step(run: Run, engine) -> dict:
                 logits[mode] = rows[[order[id(s.seq)] for s in scheduled]].cpu()
         return real_launch(scheduled, owner, previous)
 
-    runner.launch = launch_each
-    try:
+    with swapped(runner, launch=launch_each):
         engine.step()
-    finally:
-        runner.launch = real_launch
     base, checks = modes[0], Checks()
     agree = {}
     for mode in modes[1:]:
@@ -1043,28 +1032,36 @@ def decode_modes(run: Run, engine, plan: DummyPlan) -> dict:
 def phases_timed(targets, spent: dict, sync):
     """Each (name, object, method) wrapped to add its seconds to spent[name]; the forward is
     synchronized so its seconds are the GPU's."""
-    saved = []
-    for name, obj, attr in targets:
-        original = getattr(obj, attr)
-        saved.append((obj, attr, obj.__dict__.get(attr)))
 
-        def wrapped(*args, _fn=original, _name=name, **kwargs):
+    def timed(fn, name):
+        def wrapped(*args, **kwargs):
             started = time.perf_counter()
-            result = _fn(*args, **kwargs)
-            if _name == "forward":
+            result = fn(*args, **kwargs)
+            if name == "forward":
                 sync()
-            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - started
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
             return result
 
-        setattr(obj, attr, wrapped)
+        return wrapped
+
+    with contextlib.ExitStack() as stack:
+        for name, obj, attr in targets:
+            stack.enter_context(swapped(obj, **{attr: timed(getattr(obj, attr), name)}))
+        yield
+
+
+@contextlib.contextmanager
+def swapped(obj, **attrs):
+    """`obj`'s attributes set for the block, restored after (deleted again where the object had
+    none of its own, so its class's method shows through)."""
+    saved = {name: vars(obj)[name] for name in attrs if name in vars(obj)}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        for obj, attr, before in saved:
-            if before is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, before)
+        for name in attrs:
+            setattr(obj, name, saved[name]) if name in saved else delattr(obj, name)
 
 
 def finish(engine) -> None:
