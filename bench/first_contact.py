@@ -333,15 +333,9 @@ def section_ceilings(run: Run) -> dict:
     del src, dst, words
     copy_gbs, read_gbs = 2 * size / copy_ms / 1e6, size / read_ms / 1e6
     run.copy_gbs = copy_gbs
-    return {
-        "bytes": size,
-        "copy_ms": copy_ms,
-        "copy_gbs": copy_gbs,
-        "read_ms": read_ms,
-        "read_gbs": read_gbs,
-        "summary": f"copy {size >> 20} MiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (read+write); "
-        f"read-only: {read_ms:.3f} ms, {read_gbs:.0f} GB/s",
-    }
+    data = dict(bytes=size, copy_ms=copy_ms, copy_gbs=copy_gbs, read_ms=read_ms, read_gbs=read_gbs)
+    summary = f"copy {size >> 20} MiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (read+write); "
+    return {**data, "summary": summary + f"read-only: {read_ms:.3f} ms, {read_gbs:.0f} GB/s"}
 
 
 # ---- kernels ------------------------------------------------------------------------------------
