@@ -2,21 +2,10 @@
 
     python3 -m bench.first_contact [--out PATH] [--budget SECONDS] [--only NAME,...] [--rehearse]
 
-Sections, in order, each guarded (an exception is recorded and the next runs), timed, skipped when
-the budget left is under its estimated cost, and written to the JSON (default
-$OUT/first_contact.json) as it ends; a summary table is printed last (docs/gpu.md#first-contact
-says what each measures and how to read it):
-
-    env         the GPU, its clocks (read only) and the versions; .whl/ installed if needed
-    ceilings    a 1 GiB device-to-device copy and a read-only pass: the rates below divide by it
-    kernels     every kernel against kernels/reference.py at serving shapes
-    attention   decode at the engine's own plans and chunked prefill, timed against SDPA
-    engine-hf   a random-weight transformers Llama on the engine against HF's greedy tokens
-                and logits (fp32), with CUDA graphs and without
-    dummy-8b    Llama-3-8B-shaped dummy weights: load, start-up, one decode step four ways,
-                replay and tok/s at batch 64/16/1 against the HBM bound, host split, compiles
-    layouts     decode and prefill at head_dim 64..256, blocks 8..128, GQA 1..8, and a cache
-                past 2^31 elements, against the reference (last: on what is left of the budget)
+Sections, in order: env, ceilings, kernels, attention, engine-hf, dummy-8b, layouts (what each
+measures and how to read it: docs/gpu.md#first-contact). Each is guarded (an exception is recorded
+and the next runs), timed, skipped when the budget left is under its estimated cost, and written to
+the JSON (default $OUT/first_contact.json) as it ends; a summary table is printed last.
 
 `--rehearse` runs the same sections on the CPU (TRITON_INTERPRET=1, tiny shapes, a short budget):
 what needs CUDA is reported as skipped with the reason. Exits 1 if a section failed or raised.
@@ -108,10 +97,8 @@ class Checks:
         self.rows: list[dict] = []
         self.failures: list[str] = []
 
-    def close(self, name: str, out, ref, tol: float) -> float:
-        err = rel_err(out, ref)
-        self.add(name, err, tol)
-        return err
+    def close(self, name: str, out, ref, tol: float) -> None:
+        self.add(name, rel_err(out, ref), tol)
 
     def add(self, name: str, err: float, tol: float) -> None:
         ok = err <= tol  # NaN compares False
