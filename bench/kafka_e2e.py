@@ -139,35 +139,16 @@ class Fleet:
 
     def wait(self, timeout: float) -> None:
         """Until every process answers /readyz."""
-        start = time.monotonic()
+        deadline = time.monotonic() + timeout
         for p in self.procs.values():
-            while http_get(p.port, "/readyz")[0] != 200:
-                if p.proc.poll() is not None or time.monotonic() - start > timeout:
-                    log = p.log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{p.proc.args} not ready ({p.proc.returncode}):\n{log}")
-                time.sleep(0.2)
+            wait_ready(p.proc, p.port, p.log, deadline)
 
     def admin(self, fn):
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        async def run():
-            client = AIOKafkaAdminClient(**self.settings.kafka.connection_options())
-            await client.start()
-            try:
-                return await fn(client)
-            finally:
-                await client.close()
-
-        return asyncio.run(run())
+        return asyncio.run(admin(fn, **self.settings.kafka.connection_options()))
 
     def __exit__(self, *exc) -> None:
         for p in self.procs.values():
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-                try:
-                    p.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.proc.kill()
+            stop(p.proc)
         for t in self.topics:
             try:
                 self.admin(lambda a, t=t: a.delete_topics([t.requests, t.cancel, t.dlq]))
@@ -193,6 +174,39 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
         return exc.code, exc.read().decode(errors="replace")
     except OSError:
         return 0, ""
+
+
+def wait_ready(proc, port: int, log: Path, deadline: float, path: str = "/readyz") -> None:
+    """Until the process answers `path` with 200; its log's tail in the error when it exits or
+    the `deadline` (time.monotonic()) passes first."""
+    while http_get(port, path)[0] != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{proc.args} not ready ({proc.returncode}):\n{tail}")
+        time.sleep(0.2)
+
+
+def stop(proc) -> None:
+    """SIGTERM (a worker drains), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def admin(fn, **options):
+    """`fn` of an aiokafka admin client made with `options`, closed after."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    client = AIOKafkaAdminClient(**options)
+    await client.start()
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
 
 
 def metric(port: int, name: str) -> float:

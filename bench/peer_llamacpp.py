@@ -95,11 +95,7 @@ def start_server(args, gguf: Path, ctx: int, port: int):
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.ready_timeout
-    while e2e.http_get(port, "/health")[0] != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"llama-server not ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    e2e.wait_ready(proc, port, log, time.monotonic() + args.ready_timeout, "/health")
     return proc
 
 
@@ -203,8 +199,7 @@ def main(argv=None) -> dict:
                 runs.append({**{k: v for k, v in r.items() if not k.startswith("_")}, "path": path})
         finally:
             if server is not None:
-                server.terminate()
-                server.wait(30)
+                e2e.stop(server)
     res.update(runs=runs, summary=stats.compare(runs, "llamacpp"))
     return stats.save(res, args.out, started, print_report)
 
