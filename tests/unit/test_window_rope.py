@@ -37,7 +37,7 @@ NEW_TOKENS = 24
 
 
 def configs() -> dict:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     short, long = [1.0 + 0.1 * i for i in range(8)], [2.0 + 0.5 * i for i in range(8)]
     return {
@@ -50,6 +50,14 @@ def configs() -> dict:
             **SHAPE,
             use_sliding_window=True,
             sliding_window=7,
+            max_window_layers=1,
+            max_position_embeddings=256,
+        ),
+        # Qwen3's q/k norms; layers 1 and 2 windowed (9 tokens)
+        "qwen3-mixed-window": lambda: Qwen3Config(
+            **SHAPE,
+            use_sliding_window=True,
+            sliding_window=9,
             max_window_layers=1,
             max_position_embeddings=256,
         ),
