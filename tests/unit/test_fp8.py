@@ -196,3 +196,9 @@ def test_gpu_weight_codes_off_dequantizes_on_cuda_too():
     cuda = SimpleNamespace(device=torch.device("cuda"))
     assert ModelRunner._weight_codes(cuda, Settings())
     assert not ModelRunner._weight_codes(cuda, Settings(model={"gpu_weight_codes": "off"}))
+    # a GGUF's levels: codes by default on CUDA (tests/kernels/test_gguf_triton.py runs them),
+    # dequantized with `off` and on the CPU
+    assert ModelRunner._gguf_levels(cuda, Settings())
+    assert not ModelRunner._gguf_levels(cuda, Settings(model={"gpu_weight_codes": "off"}))
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert not ModelRunner._gguf_levels(cpu, Settings())
