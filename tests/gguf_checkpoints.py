@@ -21,15 +21,16 @@ STD = 0.2  # decisive logits: greedy ties stay out of the comparison
 
 # Each layer's projections' ggml types: layer 0 mixes every legacy format inside the fused
 # q/k/v and gate/up layers and stores down_proj as Q6_K (a scale per 16 values: no exact levels
-# per 32, dequantized); layer 1 keeps o_proj in F16 (not quantized: dequantized).
+# per 32, dequantized); layer 1 stores k_proj in F16 (not quantized), so its whole fused q/k/v
+# layer is dequantized.
 LAYER_TYPES = (
     dict(attn_q="Q8_0", attn_k="Q4_0", attn_v="Q5_1", attn_output="Q4_1", ffn_gate="Q5_0",
          ffn_up="Q4_1", ffn_down="Q6_K"),
-    dict(attn_q="Q4_1", attn_k="Q4_1", attn_v="Q4_1", attn_output="F16", ffn_gate="Q8_0",
+    dict(attn_q="Q4_1", attn_k="F16", attn_v="Q4_1", attn_output="Q4_1", ffn_gate="Q8_0",
          ffn_up="Q8_0", ffn_down="Q4_1"),
 )  # fmt: skip
 # The engine's linear layers (model.layers[i].<name>) that keep uint8 levels, per layer.
-CODED = (("qkv_proj", "o_proj", "gate_up_proj"), ("qkv_proj", "gate_up_proj", "down_proj"))
+CODED = (("qkv_proj", "o_proj", "gate_up_proj"), ("o_proj", "gate_up_proj", "down_proj"))
 
 
 def smollm2_gguf() -> Path:
