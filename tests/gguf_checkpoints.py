@@ -125,7 +125,8 @@ def write_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = Fals
                   ffn_down=(hidden, s["intermediate"]))  # fmt: skip
     for i, types in enumerate(LAYER_TYPES):
         for part, kind in types.items():
-            tensor(f"blk.{i}.{part}.weight", kind, out_in[part], STD / np.sqrt(out_in[part][1] / 64))
+            fan_in = out_in[part][1]
+            tensor(f"blk.{i}.{part}.weight", kind, out_in[part], STD / np.sqrt(fan_in / 64))
             if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
                 tensor(f"blk.{i}.{part}.bias", "F32", (out_in[part][0],), 0.1)
         tensor(f"blk.{i}.attn_norm.weight", "F32", (hidden,), 0.1)

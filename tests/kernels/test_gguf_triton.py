@@ -63,9 +63,7 @@ def matched_error(engine_rows: torch.Tensor, hf_rows: torch.Tensor) -> float:
     distance = torch.cdist(engine_rows, hf_rows)
     nearest = distance.argmin(dim=1)
     assert sorted(nearest.tolist()) == list(range(len(hf_rows))), "rows unmatched"
-    return max(
-        float(distance[i, j] / hf_rows[j].norm()) for i, j in enumerate(nearest.tolist())
-    )
+    return max(float(distance[i, j] / hf_rows[j].norm()) for i, j in enumerate(nearest.tolist()))
 
 
 @pytest.mark.slow
