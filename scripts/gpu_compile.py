@@ -547,11 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)"
     )
+    parser.add_argument(
+        "--kernels", default="", help="only these kernels' plans, comma-separated (KERNELS' names)"
+    )
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.archs.split(",")]
     if not set(archs) <= set(ARCHS):
         parser.error(f"--archs takes {','.join(map(str, ARCHS))}, got {args.archs}")
     jobs = all_jobs(archs, args.quick, args.first_contact)
+    if args.kernels:
+        wanted = set(args.kernels.split(","))
+        if not wanted <= set(KERNELS):
+            parser.error(f"--kernels takes names from {', '.join(KERNELS)}, got {args.kernels}")
+        jobs = [job for job in jobs if job.kernel in wanted]
     print(
         f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}",
         file=sys.stderr,

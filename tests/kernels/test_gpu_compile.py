@@ -217,3 +217,12 @@ def test_w8a16_jobs_are_the_launchers_plans():
         for b in (False, True)
     }
     assert all(("M", "i32", False) in j.params and ("K", "i32", True) in j.params for j in jobs)
+
+
+def test_kernels_option_names_known_kernels_only(capsys):
+    """`--kernels` compiles one kernel's plans (e.g. a new kernel's, without the whole matrix);
+    a name that is not a kernel is refused before anything compiles."""
+    with pytest.raises(SystemExit) as exit_info:
+        cc.main(["--kernels", "_fused_moe_w8a16_kernel,_no_such_kernel"])
+    assert exit_info.value.code == 2
+    assert "_fused_moe_w8a16_kernel" in capsys.readouterr().err
