@@ -74,13 +74,16 @@ def block_bytes(kind: str, w: np.ndarray, rng: np.random.Generator) -> np.ndarra
     return gguf.quants.quantize(w, T[kind])
 
 
-def write_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = False) -> Path:
-    """A random `arch` model ("llama" or "qwen2", which adds q/k/v biases) as the GGUF `path`."""
+def write_gguf(
+    path: Path, arch: str = "llama", seed: int = 0, tied: bool = False, **shape: int
+) -> Path:
+    """A random `arch` model ("llama" or "qwen2", which adds q/k/v biases) as the GGUF `path`;
+    `shape`: SHAPE's sizes to change (hidden a multiple of 32, intermediate of 256)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
     rng = np.random.default_rng(seed)
-    s = SHAPE
+    s = {**SHAPE, **shape}
     head_dim = s["hidden"] // s["heads"]
     tokens, merges, template = smollm2_tokenizer()
     writer = gguf.GGUFWriter(str(path), arch)

@@ -1,12 +1,12 @@
 """A GGUF checkpoint through the engine with its exact uint8 levels kept as codes for the W8A16
-Triton kernel (the default on CUDA), under the interpreter: a tiny random Llama (make test) and
-Qwen2 (q/k/v biases, tied embeddings; make test-full) written as real GGUF files
-(tests/gguf_checkpoints.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K and F16 projections, Q8_0
-embeddings, SmolLM2's tokenizer cut short). Two prompts batched through chunked prefill and
-decode give, with the codes, the tokens and logits of the same file dequantized
-(INFERLINE_MODEL__GPU_WEIGHT_CODES=off) and of transformers loading the GGUF; the layers the
-loader keeps as codes are exactly those whose every tensor is in a legacy 32-value block format.
-The runs happen in a subprocess (tests/gguf_engine_cases.py)."""
+Triton kernel (the default on CUDA), under the interpreter: a tiny random Llama (make test), a
+Qwen2 (q/k/v biases, tied embeddings) and a wider tied Llama (head_dim 64) (make test-full),
+written as real GGUF files (tests/gguf_checkpoints.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K and F16
+projections, Q8_0 embeddings, SmolLM2's tokenizer cut short). Two prompts batched through
+chunked prefill and decode give, with the codes, the tokens and logits of the same file
+dequantized (INFERLINE_MODEL__GPU_WEIGHT_CODES=off) and of transformers loading the GGUF; the
+layers the loader keeps as codes are exactly those whose every tensor is in a legacy 32-value
+block format. The runs happen in a subprocess (tests/gguf_engine_cases.py)."""
 
 from __future__ import annotations
 
@@ -66,16 +66,26 @@ def matched_error(engine_rows: torch.Tensor, hf_rows: torch.Tensor) -> float:
     return max(float(distance[i, j] / hf_rows[j].norm()) for i, j in enumerate(nearest.tolist()))
 
 
+WIDER = dict(hidden=256, intermediate=768, heads=4, kv_heads=2)  # head_dim 64, as SmolLM2's
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arch, tied", [("llama", False), pytest.param("qwen2", True, marks=pytest.mark.full)]
+    "arch, tied, shape",
+    [
+        ("llama", False, {}),
+        pytest.param("qwen2", True, {}, marks=pytest.mark.full),
+        pytest.param("llama", True, WIDER, marks=pytest.mark.full),
+    ],
 )
-def test_gguf_levels_on_the_w8a16_kernel_equal_the_dequantized_file_and_hf(arch, tied, tmp_path):
+def test_gguf_levels_on_the_w8a16_kernel_equal_the_dequantized_file_and_hf(
+    arch, tied, shape, tmp_path
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inferline.worker.engine.models.loader import resolve_model_dir
 
-    path = write_gguf(tmp_path / "tiny.gguf", arch, tied=tied)
+    path = write_gguf(tmp_path / "tiny.gguf", arch, tied=tied, **shape)
     converted = resolve_model_dir(path)  # the engine's one-time conversion, removed after
     try:
         hf = AutoModelForCausalLM.from_pretrained(
