@@ -8,7 +8,8 @@ exact uint8 levels with a scale and an offset per 32 inputs (INFERLINE_MODEL__GP
 auto, as on CUDA: ModelRunner keeps them on CUDA only, for the interpreter's sake), and "off",
 the same file dequantized (gpu_weight_codes=off). For each it prints one JSON line: the dtype of
 every linear layer's and the embeddings' weights, and per request the greedy tokens and every
-sampled row's logits. cases: {"arrivals": [[id, prompt_ids, max_tokens]], "scheduler": {...}}.
+sampled row's logits. cases: {"arrivals": [[id, prompt_ids, max_tokens]], "scheduler": {...},
+"variants": ["codes", "off"] (the default: both)}.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def run(path: str, codes: bool, cases: dict) -> dict:
 def main() -> None:
     torch.set_num_threads(1)  # the interpreter is Python-bound; leave the other core alone
     path, cases = sys.argv[1], json.load(sys.stdin)
-    for codes in (True, False):
-        print(json.dumps(run(path, codes, cases)), flush=True)
+    for variant in cases.get("variants", ["codes", "off"]):
+        print(json.dumps(run(path, variant == "codes", cases)), flush=True)
 
 
 if __name__ == "__main__":
