@@ -324,7 +324,8 @@ class ModelSettings(BaseModel):
     # ...): the same results from a third of the bytes. `off`: fp32 always.
     cpu_weight_codes: Literal["auto", "off"] = "auto"
     # `auto`: on CUDA the decoder's linear layers keep an FP8 checkpoint's codes, and a GGUF's
-    # exact levels, as 8-bit codes for the W8A16 Triton kernel. `off`: dequantized to `dtype`.
+    # exact levels, as 8-bit codes for the W8A16 Triton kernel; an FP8 checkpoint's MoE experts
+    # stay codes for the fused-MoE kernel's W8A16 variant. `off`: dequantized to `dtype`.
     gpu_weight_codes: Literal["auto", "off"] = "auto"
     # CPU fp32 RMSNorm, SiLU-and-mul, rope with the K/V store: `auto` C kernels, `torch` PyTorch.
     cpu_fused_ops: Literal["auto", "torch"] = "auto"

@@ -66,13 +66,30 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     ops: str = "torch",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    group_k: int = 0,
 ) -> torch.Tensor:
     """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids[j].
-    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. ops: triton or torch."""
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. ops: triton or torch. With
+    scales (fp32 [E, N, groups], kernels.fp8's): w13 and w2 are FP8 e4m3 codes."""
     if ops == "triton":
-        return _triton().fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+        return _triton().fused_experts_triton(
+            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_k
+        )
     assert ops == "torch", f"ops must be triton or torch, got {ops!r}"
+    if w13_scale is not None:
+        w13 = dequantize_experts(w13, w13_scale, group_k)
+        w2 = dequantize_experts(w2, w2_scale, group_k)
     return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+
+
+def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
+    """FP8 experts' codes [E, N, K] times their scales [E, N, groups], in fp32."""
+    from inferline.kernels.fp8 import dequantize
+
+    e, n, k = codes.shape
+    return dequantize(codes.reshape(e * n, k), scale.reshape(e * n, -1), group_k).view(e, n, k)
 
 
 def fused_experts_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:

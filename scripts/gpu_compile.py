@@ -54,6 +54,7 @@ KERNELS = {
     "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
     "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
     "_fused_moe_kernel": moe._fused_moe_kernel,
+    "_fused_moe_w8a16_kernel": moe._fused_moe_w8a16_kernel,
     "_w8a16_kernel": w8a16._w8a16_kernel,
 }
 TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -81,6 +82,9 @@ MOE_TOKENS = (1, 256, 8192)  # a decode of one sequence, a decode batch, a prefi
 W8A16_SHAPE = (6144, 4096)
 W8A16_GROUPS = ((False, 0), (False, 128), (True, 32))
 W8A16_TOKENS = (1, 8192)
+# FP8 MoE experts (the fused-MoE kernel's W8A16 variant): a scale per row (per tensor, per
+# channel: Mixtral FP8) or per 128-column block (Qwen3-MoE-FP8), on the MoE layers above.
+MOE_W8A16_GROUPS = (0, 128)
 # (constexpr, label) shown in the shape column
 SHOWN = (
     ("HEAD_DIM", "d"), ("GROUP", "gqa"), ("NUM_KV_HEADS", "kvh"), ("BLOCK_SIZE", "bs"),
@@ -315,6 +319,26 @@ def moe_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dty
             ))  # fmt: skip
 
 
+def moe_w8a16_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype,
+                   arch: int, tokens=MOE_TOKENS, groups=MOE_W8A16_GROUPS):  # fmt: skip
+    """moe_jobs on FP8 experts: codes [E, N, K] as bytes, fp32 scales [E, N, groups]."""
+    ptr = "*" + TYPE_NAMES[dtype]
+    for num_tokens, group_k in itertools.product(tokens, groups):
+        slots = num_tokens * top_k
+        block_m = moe.block_m_for(slots, experts)
+        blocks = -(-(slots + min(experts, slots) * (block_m - 1)) // block_m)
+        for n, k, first in ((2 * inter, hidden, True), (hidden, inter, False)):
+            plan = moe.plan_fused_moe(blocks, n, k, top_k, first, not first, block_m, dtype,
+                                      target(arch), group_k)  # fmt: skip
+            g = -(-k // group_k) if group_k else 1
+            yield job_of(plan, arch, dtype, dict(
+                a_ptr=ptr, b_ptr="*u8", scale_ptr="*fp32", c_ptr=ptr, weights_ptr="*fp32",
+                sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_padded_ptr="*i32",
+                num_slots=slots, stride_am=k, stride_be=n * k, stride_bn=k, stride_se=n * g,
+                stride_sn=g, stride_cm=n,
+            ))  # fmt: skip
+
+
 def w8a16_jobs(dtype: torch.dtype, arch: int, tokens=W8A16_TOKENS, groups=W8A16_GROUPS):
     """The FP8 linear layer as w8a16_linear_triton launches it: contiguous rows, codes [N, K]
     as bytes, fp32 scales [N, groups]."""
@@ -388,7 +412,7 @@ def all_jobs(archs, quick: bool = False, first_contact: bool = False) -> list[Jo
             jobs.setdefault(job, None)
     moe_sizes = MOE_SIZES[:1] if quick else MOE_SIZES
     for arch, size, dt in itertools.product(archs, moe_sizes, axes[3]):
-        for job in moe_jobs(*size, dt, arch):
+        for job in (*moe_jobs(*size, dt, arch), *moe_w8a16_jobs(*size, dt, arch)):
             jobs.setdefault(job, None)
     for arch, dt in itertools.product(archs, axes[3]):
         for job in w8a16_jobs(dt, arch):
@@ -523,11 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=2, help="compile processes (this machine: 2 at most)"
     )
+    parser.add_argument(
+        "--kernels", default="", help="only these kernels' plans, comma-separated (KERNELS' names)"
+    )
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.archs.split(",")]
     if not set(archs) <= set(ARCHS):
         parser.error(f"--archs takes {','.join(map(str, ARCHS))}, got {args.archs}")
     jobs = all_jobs(archs, args.quick, args.first_contact)
+    if args.kernels:
+        wanted = set(args.kernels.split(","))
+        if not wanted <= set(KERNELS):
+            parser.error(f"--kernels takes names from {', '.join(KERNELS)}, got {args.kernels}")
+        jobs = [job for job in jobs if job.kernel in wanted]
     print(
         f"{len(jobs)} distinct compiles for {', '.join(ARCHS[a].name for a in archs)}",
         file=sys.stderr,

@@ -1,7 +1,7 @@
 """The Triton fused-MoE kernel (kernels/triton/moe.py) against its PyTorch reference
 (kernels.moe.fused_experts_torch) under the interpreter, in its own process.
 
-    python tests/moe_cases.py GROUP SEED        GROUP: experts | checks
+    python tests/moe_cases.py GROUP SEED        GROUP: experts | fp8 | checks
 
 As tests/fused_cases.py: tests/kernels/test_fused_moe_triton.py runs this in a subprocess and
 reads one JSON line per case. Shapes are tiny (the interpreter runs each program in Python) and
@@ -51,6 +51,40 @@ def experts_case(gen, idx: int, dtype: torch.dtype) -> None:
     report(f"experts[{idx}] {str(dtype)[6:]} {shape}", err <= TOL[dtype], err=err, tol=TOL[dtype])
 
 
+def fp8_codes(w: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts' weights [E, N, K] as e4m3 codes and fp32 scales [E, N, groups] (a scale per row,
+    or per row and group_k columns), as an FP8 checkpoint's experts load."""
+    e, n, k = w.shape
+    width = group_k or k
+    groups = -(-k // width)
+    padded = torch.zeros(e, n, groups * width)
+    padded[..., :k] = w
+    amax = padded.abs().view(e, n, groups, width).amax(-1).clamp_min(1e-12)
+    scale = amax / 448.0
+    codes = (w / scale.repeat_interleave(width, -1)[..., :k]).to(torch.float8_e4m3fn)
+    return codes, scale.contiguous()
+
+
+def fp8_case(gen, idx: int, dtype: torch.dtype, group_k: int) -> None:
+    """The W8A16 variant on e4m3 experts against the reference on the dequantized experts."""
+    num_experts, top_k = pick(gen, ((4, 2), (6, 3)))
+    tokens = pick(gen, (1, 3)) if idx % 2 == 0 else randint(gen, 2 * num_experts + 1, 40)
+    hidden, inter = pick(gen, (32, 48, 64)), pick(gen, (16, 40, 64))
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    c13, s13 = fp8_codes(torch.randn(num_experts, 2 * inter, hidden, generator=gen), group_k)
+    c2, s2 = fp8_codes(torch.randn(num_experts, hidden, inter, generator=gen), group_k)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    logits[:, -1] -= 100.0
+    weights, ids = moe.select_experts(logits, top_k, pick(gen, moe.SCORINGS), True)
+    got = moe.fused_experts(x, c13, c2, weights, ids, "triton", s13, s2, group_k)
+    w13 = moe.dequantize_experts(c13, s13, group_k)
+    w2 = moe.dequantize_experts(c2, s2, group_k)
+    want = moe.fused_experts_torch(x, w13, w2, weights, ids)
+    err = rel_err(got, want)
+    shape = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={inter} group_k={group_k}"
+    report(f"fp8[{idx}] {str(dtype)[6:]} {shape}", err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
 def checks_cases(gen) -> None:
     x, w13, w2 = torch.randn(3, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
     weights, ids = moe.select_experts(torch.randn(3, 4), 2, moe.SOFTMAX_TOPK)
@@ -69,6 +103,9 @@ def main() -> None:
     if group == "experts":
         for i, dtype in enumerate(d for d in DTYPES for _ in range(2)):
             experts_case(gen, i, dtype)
+    elif group == "fp8":  # a scale per row, per 16 and per 32 columns, both block sizes
+        for i, (dtype, group_k) in enumerate((d, g) for d in DTYPES for g in (0, 16, 32)):
+            fp8_case(gen, i, dtype, group_k)
     elif group == "checks":
         checks_cases(gen)
     else:

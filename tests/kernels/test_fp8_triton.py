@@ -35,9 +35,10 @@ def test_w8a16_kernel_matches_torch():
 )
 def test_fp8_checkpoint_on_the_w8a16_kernel_equals_hf_generate(family, fmt, tmp_path):
     """The engine as `auto` sets it up on CUDA, under the interpreter: the decoder's linear layers
-    keep their FP8 codes and scales and run on the W8A16 kernel (attention and the fused ops on
-    Triton too); two prompts batched through chunked prefill and decode give transformers' greedy
-    tokens on the dequantized weights."""
+    keep their FP8 codes and scales and run on the W8A16 kernel, a Qwen3-MoE's experts on the
+    fused-MoE kernel's W8A16 variant (attention and the fused ops on Triton too); two prompts
+    batched through chunked prefill and decode give transformers' greedy tokens on the
+    dequantized weights."""
     hf = hf_model(family)
     write_checkpoint(hf, fmt, tmp_path)  # hf now holds the dequantized weights
     a, b = prompts()[1], prompts()[0]
@@ -53,7 +54,7 @@ def test_fp8_checkpoint_on_the_w8a16_kernel_equals_hf_generate(family, fmt, tmp_
     }
     backends, run = run_cases(["smollm2"], json.dumps(cases))
     layers = hf.config.num_hidden_layers
-    per_layer = 2 if family == "qwen3_moe" else 4  # qkv, o (gate_up, down); experts dequantized
+    per_layer = 4  # qkv, o, then gate_up and down, or the experts' stacked w13 and w2
     assert backends["fp8_weights"] == per_layer * layers, backends
     assert backends["backends"]["fused_ops"] == "triton", backends
     assert run["tokens"] == {"a": hf_greedy(hf, a, NEW), "b": hf_greedy(hf, b, NEW)}, (family, fmt)

@@ -1,6 +1,8 @@
 """The Triton fused-MoE kernel against its PyTorch reference under TRITON_INTERPRET=1, in fp32,
-fp16 and bf16, decode-sized and prefill-sized (tests/moe_cases.py, in a subprocess). Shapes are
-drawn fresh each run from a printed seed; INFERLINE_KERNEL_SEED=<n> replays one."""
+fp16 and bf16, decode-sized and prefill-sized (tests/moe_cases.py, in a subprocess); its W8A16
+variant on FP8 e4m3 experts (a scale per row, per 16 or per 32 columns) against the reference on
+the dequantized experts. Shapes are drawn fresh each run from a printed seed;
+INFERLINE_KERNEL_SEED=<n> replays one."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import pytest
 from tests.kernels.test_kernels import run_script
 
 
-@pytest.mark.parametrize("group", ["experts", "checks"])
+@pytest.mark.parametrize("group", ["experts", "fp8", "checks"])
 def test_fused_moe_kernel_matches_torch(group):
     results = run_script("moe_cases.py", group)
     if group == "experts":  # both block sizes in every dtype
         assert len(results) == 6, results
+    if group == "fp8":  # every dtype with each scale layout, both block sizes
+        assert len(results) == 9, results

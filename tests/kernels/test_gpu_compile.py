@@ -37,6 +37,12 @@ def rows() -> dict[str, cc.Row]:
             f"moe_{i}": job
             for i, job in enumerate(cc.moe_jobs(*cc.MOE_SIZES[0], torch.bfloat16, ARCH, (1, 8192)))
         },
+        **{
+            f"moe_w8a16_{i}": job
+            for i, job in enumerate(
+                cc.moe_w8a16_jobs(*cc.MOE_SIZES[1], torch.bfloat16, ARCH, (8192,), (128,))
+            )
+        },
         "w8a16_block": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((False, 128),)))),
         "w8a16_row": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (1,), ((False, 0),)))),
         "w8a16_affine": next(iter(cc.w8a16_jobs(torch.bfloat16, ARCH, (8192,), ((True, 32),)))),
@@ -84,6 +90,7 @@ def test_every_kernel_is_in_the_matrix():
             "_silu_and_mul_kernel",
             "_rope_store_kv_kernel",
             "_fused_moe_kernel",
+            "_fused_moe_w8a16_kernel",
             "_w8a16_kernel",
         }
     )
@@ -183,6 +190,20 @@ def test_moe_jobs_are_the_launchers_plans():
     assert all(("num_slots", "i32", False) in j.params for j in jobs)
 
 
+def test_moe_w8a16_jobs_are_the_launchers_plans():
+    """FP8 experts: each MoE shape's two GEMMs at both row-block sizes, with a scale per row and
+    per 128 columns (BLOCK_K inside a group); codes are bytes, scales fp32."""
+    jobs = list(cc.moe_w8a16_jobs(2048, 768, 128, 8, torch.bfloat16, ARCH, (1, 256, 8192)))
+    assert len(set(jobs)) == 8, jobs
+    cx = [dict(j.constexprs) for j in dict.fromkeys(jobs)]
+    assert {(c["BLOCK_M"], c["N"], c["GROUP_K"]) for c in cx} == {
+        (m, n, g) for m in (16, 64) for n in (2 * 768, 2048) for g in (0, 128)
+    }
+    assert all(128 % c["BLOCK_K"] == 0 for c in cx)
+    assert all(("b_ptr", "*u8", True) in j.params and ("scale_ptr", "*fp32", True) in j.params
+               for j in jobs)  # fmt: skip
+
+
 def test_w8a16_jobs_are_the_launchers_plans():
     """Per dtype and arch: 2 row blocks x 3 code kinds x bias or not; the row count (every
     step's) is no constant, and N and K are run-time arguments."""
@@ -196,3 +217,12 @@ def test_w8a16_jobs_are_the_launchers_plans():
         for b in (False, True)
     }
     assert all(("M", "i32", False) in j.params and ("K", "i32", True) in j.params for j in jobs)
+
+
+def test_kernels_option_names_known_kernels_only(capsys):
+    """`--kernels` compiles one kernel's plans (e.g. a new kernel's, without the whole matrix);
+    a name that is not a kernel is refused before anything compiles."""
+    with pytest.raises(SystemExit) as exit_info:
+        cc.main(["--kernels", "_fused_moe_w8a16_kernel,_no_such_kernel"])
+    assert exit_info.value.code == 2
+    assert "_fused_moe_w8a16_kernel" in capsys.readouterr().err

@@ -196,3 +196,35 @@ def test_gpu_weight_codes_off_dequantizes_on_cuda_too():
     cuda = SimpleNamespace(device=torch.device("cuda"))
     assert ModelRunner._weight_codes(cuda, Settings())
     assert not ModelRunner._weight_codes(cuda, Settings(model={"gpu_weight_codes": "off"}))
+    # a GGUF's levels: codes by default on CUDA (tests/kernels/test_gguf_triton.py runs them),
+    # dequantized with `off` and on the CPU
+    assert ModelRunner._gguf_levels(cuda, Settings())
+    assert not ModelRunner._gguf_levels(cuda, Settings(model={"gpu_weight_codes": "off"}))
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert not ModelRunner._gguf_levels(cpu, Settings())
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "fp8-block"])
+def test_fp8_moe_experts_stay_codes_where_the_kernel_runs(fmt, tmp_path):
+    """`weight_codes` (CUDA, or the interpreter with Triton attention): a Qwen3-MoE's FP8 experts
+    load as e4m3 codes with fp32 scales [E, N, groups], each expert's rows beside its own scales:
+    dequantized they are the CPU load's weights exactly, and the block computes the same (here
+    on the grouped PyTorch path; the fused kernel's W8A16 variant: tests/moe_cases.py)."""
+    from inferline.kernels.fp8 import FP8
+    from inferline.worker.engine.models.moe import SparseMoeBlock
+
+    write_checkpoint(hf_model("qwen3_moe"), fmt, tmp_path)
+    config, cpu = load_config(tmp_path), torch.device("cpu")
+    plain = load_weights(tmp_path, config, torch.float32, cpu, 64)
+    coded = load_weights(tmp_path, config, torch.float32, cpu, 64, weight_codes=True)
+    pairs = [(a, b) for a, b in zip(coded.modules(), plain.modules())
+             if isinstance(a, SparseMoeBlock)]  # fmt: skip
+    assert len(pairs) == config.num_hidden_layers
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for a, b in pairs:
+        assert a.coded() and a.w13.dtype == a.w2.dtype == FP8
+        assert a.group_k == (32 if fmt == "fp8-block" else 0)
+        for e in range(a.spec.num_experts):
+            w13, w2 = a.expert_weights(e)
+            assert torch.equal(w13, b.w13[e]) and torch.equal(w2, b.w2[e]), e
+        assert torch.allclose(a(x), b(x), rtol=1e-5, atol=1e-6)

@@ -83,8 +83,7 @@ class ModelRunner:
             self.device,
             max_positions=settings.model.max_model_len,
             weight_codes=self._weight_codes(settings),
-            # not interpreted: seconds a layer-step at SmolLM2's sizes
-            gguf_levels=self.device.type == "cuda" and settings.model.gpu_weight_codes == "auto",
+            gguf_levels=self._gguf_levels(settings),
         )
         self.max_model_len = min(settings.model.max_model_len, length_limit(self.config))
         self.num_blocks = self._num_blocks(settings)
@@ -157,6 +156,12 @@ class ModelRunner:
         triton_here = interpreting() and settings.model.attention_backend == "triton"
         wanted = settings.model.gpu_weight_codes == "auto"
         return wanted and (self.device.type == "cuda" or triton_here)
+
+    def _gguf_levels(self, settings: Settings) -> bool:
+        """A GGUF's exact uint8 levels stay codes for the W8A16 kernel on CUDA only: not under the
+        interpreter, where the kernel takes seconds a layer-step at SmolLM2's sizes
+        (tests/gguf_engine_cases.py runs them there as on CUDA, on a tiny model)."""
+        return self.device.type == "cuda" and settings.model.gpu_weight_codes == "auto"
 
     def _padded_decode(self, max_num_seqs: int) -> PaddedDecode:
         return PaddedDecode(

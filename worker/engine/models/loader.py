@@ -173,7 +173,7 @@ def load_weights(
     fp32 weights that are exact uint8 levels per 32 inputs (a GGUF's) keep those."""
     index = safetensors_index(model_dir)
     scheme = fp8_scheme(config)
-    coded: dict[str, tuple[Linear, int]] = {}
+    coded: dict[str, tuple] = {}
     levels: dict[str, tuple[Linear, int, tuple]] = {}
     handles: dict[Path, object] = {}
 
@@ -232,9 +232,11 @@ def fill(model, model_dir, index, scheme, coded, levels, handle) -> list[str]:
                 read_into(handle(stored.file), stored, dst, name, scratch)
             elif name in coded:
                 rows = read_scale(handle, index, scheme, name)
-                linear, row = coded[name]
+                module, scale_name_, expert, row = coded[name]
                 read_into(handle(stored.file), stored, dst, name, scratch)
-                linear.weight_scale[row : row + len(rows)].copy_(rows)
+                scale = getattr(module, scale_name_)
+                scale = scale if expert is None else scale[expert]
+                scale[row : row + len(rows)].copy_(rows)
             else:
                 rows = read_scale(handle, index, scheme, name)
                 read_dequantized(handle(stored.file), stored, dst, name, rows, scheme.group_k)
@@ -282,14 +284,34 @@ def decoder_linears(model, index: dict):
         yield module, weight, rows
 
 
-def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple[Linear, int]]:
-    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one (on
-    the meta model); checkpoint name -> (that layer, its first row there)."""
+def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple]:
+    """Turn each decoder linear layer whose checkpoint tensors are all FP8 into an FP8 one, and
+    each MoE block whose experts' tensors all are into one with coded experts (on the meta
+    model); checkpoint name -> (that layer or block, its scale buffer's name, the expert or None,
+    its first row there)."""
     coded = {}
     for module, _, rows in list(decoder_linears(model, index)):
         if all(index[n].dtype == FP8 for n, _ in rows):
-            coded.update({n: (module, row) for n, row in rows})
+            coded.update({n: (module, "weight_scale", None, row) for n, row in rows})
             module.use_fp8(scheme.group_k)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    targets = destinations(model, params)
+    for block_name, block in list(model.named_modules()):
+        if not isinstance(block, SparseMoeBlock) or block.coded():
+            continue
+        mine = {}
+        for attr in ("w13", "w2"):
+            weight = params[f"{block_name}.{attr}"]
+            per_expert, width = weight[0].numel(), weight.shape[2]
+            for name, dst in targets.items():
+                if dst._base is not weight:  # a view of that parameter (destinations' slices)
+                    continue
+                first = dst.storage_offset() - weight.storage_offset()
+                expert, within = divmod(first, per_expert)
+                mine[name] = (block, attr + "_scale", expert, within // width)
+        if mine and all(n in index and index[n].dtype == FP8 for n in mine):
+            coded.update(mine)
+            block.use_fp8(scheme.group_k)
     return coded
 
 

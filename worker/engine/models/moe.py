@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inferline.kernels.fp8 import FP8, dequantize
 from inferline.kernels.fused import silu_and_mul
 from inferline.kernels.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, fused_experts, select_experts
 from inferline.worker.engine.models.linear import Linear, Packed, linear, pack_weight
@@ -76,6 +77,33 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert else None
         self.packed13: list[Packed] | None = None
         self.packed2: list[Packed] | None = None
+        self.group_k = 0  # coded experts: the scale groups' width (0: one scale per row)
+
+    def use_fp8(self, group_k: int = 0) -> None:
+        """Hold the experts as e4m3 codes beside fp32 scales [E, N, groups] (`w13_scale`,
+        `w2_scale`), unset, on the weights' device (meta before `to_empty`): an FP8 checkpoint's
+        experts for the fused-MoE kernel's W8A16 variant."""
+        for name in ("w13", "w2"):
+            e, n, k = getattr(self, name).shape
+            device = getattr(self, name).device
+            codes = torch.empty(e, n, k, dtype=FP8, device=device)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            groups = -(-k // group_k) if group_k else 1
+            self.register_buffer(name + "_scale", torch.empty(e, n, groups, device=device))
+        self.group_k = group_k
+
+    def coded(self) -> bool:
+        """Whether the experts hold FP8 codes."""
+        return self.w13.dtype == FP8
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (w13, w2), dequantized to fp32 if coded (the grouped path's)."""
+        if not self.coded():
+            return self.w13[expert], self.w2[expert]
+        return tuple(
+            dequantize(getattr(self, n)[expert], getattr(self, n + "_scale")[expert], self.group_k)
+            for n in ("w13", "w2")
+        )
 
     def pack(self, backend: str = "onednn", codes: bool = False) -> bool:
         """Pack every expert's two weights for the CPU GEMM (the router and shared expert are
@@ -92,7 +120,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
         spec = self.spec
         weights, ids = select_experts(self.gate(x), spec.top_k, spec.scoring, spec.renormalize)
-        if ops == "triton":
+        if ops == "triton" and self.coded():
+            out = fused_experts(x, self.w13, self.w2, weights, ids, "triton", self.w13_scale,
+                                self.w2_scale, self.group_k)  # fmt: skip
+        elif ops == "triton":
             out = fused_experts(x, self.w13, self.w2, weights, ids, ops="triton")
         else:
             out = self.grouped_experts(x, weights, ids, ops)
@@ -119,8 +150,9 @@ class SparseMoeBlock(nn.Module):
             tokens = slots // top_k
             p13 = self.packed13[expert] if self.packed13 else None
             p2 = self.packed2[expert] if self.packed2 else None
-            act = silu_and_mul(linear(x[tokens], self.w13[expert], packed=p13), ops)
-            y = linear(act, self.w2[expert], packed=p2)
+            w13, w2 = self.expert_weights(expert)
+            act = silu_and_mul(linear(x[tokens], w13.to(x.dtype), packed=p13), ops)
+            y = linear(act, w2.to(x.dtype), packed=p2)
             out.index_add_(0, tokens, y.float() * flat_weights[slots, None])
         return out.to(x.dtype)
 
