@@ -373,8 +373,13 @@ async def test_real_worker_text_reassembles_and_cancels(kafka_bootstrap, real_wo
         assert (await per.result()).text
 
 
+# A worker SIGKILLed and another started: make chaos and make test-full (the suite's budget). In
+# make test the client's restart handling runs against the scripted worker
+# (test_new_attempt_through_kafka) and a real worker's kill and restart in test_worker_process.py.
 @pytest.mark.kafka
 @pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.full
 async def test_real_worker_restart_gives_new_attempt(kafka_bootstrap, real_worker):
     topics, spawn, procs = real_worker
     async with client_for(kafka_bootstrap, topics) as client:
