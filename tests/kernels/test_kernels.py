@@ -120,7 +120,9 @@ def test_reference_sinks_match_dense_attention(gen, window):
         q, *tables, cache.context_lens, scale, backend="torch", window=window, sinks=sinks
     )
     for i in range(len(lens)):
-        dense = dense_causal_attention(q[i : i + 1], cache.k[i], cache.v[i], scale, window, 0, sinks)
+        dense = dense_causal_attention(
+            q[i : i + 1], cache.k[i], cache.v[i], scale, window, 0, sinks
+        )
         assert rel_err(out[i : i + 1], dense) < 1e-5, f"seed {SEED}, decode {i}"
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), 8, 64, generator=gen)

@@ -44,6 +44,7 @@ SUPPORTED = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 )
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
 FUSED_CHECKPOINTS = ("phi3",)
@@ -532,6 +533,10 @@ def layer_destinations(
         out[src + "mlp.up_proj.weight"] = gate_up[inter:]
         out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
     out[src + "self_attn.o_proj.weight"] = params[dst + "self_attn.o_proj.weight"]
+    if attn.o_proj.bias is not None:
+        out[src + "self_attn.o_proj.bias"] = params[dst + "self_attn.o_proj.bias"]
+    if attn.sinks is not None:
+        out[src + "self_attn.sinks"] = params[dst + "self_attn.sinks"]
     norms = (
         gemma.LAYER_NORMS if isinstance(layer, gemma.GemmaDecoderLayer) else gemma.LAYER_NORMS[:2]
     )
