@@ -263,7 +263,7 @@ def run_script(script: str, group: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "group", ["store", "checks", "decode", "split_len", "prefill", "window", "softcap"]
+    "group", ["store", "checks", "decode", "split_len", "prefill", "window", "softcap", "sinks"]
 )
 def test_triton_kernel_matches_reference(group):
     run_cases(group)
