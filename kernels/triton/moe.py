@@ -59,9 +59,8 @@ def _fused_moe_kernel(
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:  # bias [E, N], contiguous; before the routing weight (as transformers)
-        acc += tl.load(bias_ptr + expert * N + cols, mask=col_mask, other=0.0).to(tl.float32)[
-            None, :
-        ]
+        bias = tl.load(bias_ptr + expert * N + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]
     out = rounded(acc, c_ptr.dtype.element_ty)

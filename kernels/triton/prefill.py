@@ -258,8 +258,9 @@ def paged_prefill_attention_triton(
     )
     launch(
         _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        out if sinks is None else sinks, scale * LOG2E, num_seqs, window or NO_WINDOW, float(softcap or 0.0) * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        out if sinks is None else sinks, scale * LOG2E, num_seqs, window or NO_WINDOW,
+        float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1),
     )  # fmt: skip
     return out
