@@ -21,6 +21,7 @@ from inferline.kernels.triton.launch import (
 )
 
 LOG2E = 1.4426950408889634
+SINK_SCALE = tl.constexpr(LOG2E)  # a sink's logit in the kernels' log2 units (a jit global)
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
@@ -43,7 +44,7 @@ def soft_cap(s, cap):
 def sink_term(sinks_ptr, heads, mask, m):
     """What each head's attention sink adds to its softmax sum under the running max m (log2
     units): 2^(sink * log2 e - m); 0 where m is -inf (no key seen)."""
-    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * LOG2E
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * SINK_SCALE
     return tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m))
 
 
@@ -179,7 +180,7 @@ def _decode_stage2_kernel(
     weight = tl.where(split_mask, tl.exp2(m - m_max), 0.0)
     total = tl.sum(weight * l_part, 0)
     if HAS_SINKS:  # the head's sink, once, under the splits' common max
-        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * LOG2E - m_max)
+        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * SINK_SCALE - m_max)
     out = tl.sum(weight[:, None] * acc, 0) / total
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + dims,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferline.kernels.triton.decode import NO_WINDOW, check_sinks, soft_cap
+from inferline.kernels.triton.decode import NO_WINDOW, SINK_SCALE, check_sinks, soft_cap
 from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -134,7 +134,7 @@ def _prefill_kernel(
                 BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
             )  # fmt: skip
         if HAS_SINKS:  # gpt-oss: the head's sink joins each row's sum (m_i finite: a key seen)
-            l_i += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * LOG2E - m_i)
+            l_i += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * SINK_SCALE - m_i)
         out = acc / l_i[:, None]  # every row sees at least its own key: l_i > 0
         out_off = (
             (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]

@@ -82,6 +82,7 @@ def test_every_kernel_is_in_the_matrix():
             "_store_kv_kernel",
             "_rms_norm_kernel",
             "_silu_and_mul_kernel",
+            "_swiglu_oai_kernel",
             "_rope_store_kv_kernel",
             "_fused_moe_kernel",
             "_w8a16_kernel",
