@@ -111,8 +111,8 @@ def test_reference_sinks_match_dense_attention(gen, window):
     (its sinks path) and the textbook attention; they change the result."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    lens, q_lens, scale = [1, 15, 40, 130], [1, 15, 3, 60], 0.5
-    sinks = torch.randn(8, generator=gen) * 2 + 3  # weighty beside 130 keys
+    lens, q_lens, scale = [1, 15, 40, 130], [1, 15, 3, 60], 0.125  # sinks weighty beside keys
+    sinks = torch.randn(8, generator=gen) * 2 + 3
     cache = PagedCache(gen, lens, 16, 2, 64, torch.float32)
     q = torch.randn(len(lens), 8, 64, generator=gen)
     tables = (cache.k_cache, cache.v_cache, cache.block_tables)
@@ -145,7 +145,7 @@ def test_reference_sinks_match_dense_attention(gen, window):
     )  # fmt: skip
     assert rel_err(out[rows], hf[0]) < 1e-5, f"seed {SEED}: transformers' eager attention"
     plain = dense_causal_attention(q[rows], cache.k[i], cache.v[i], scale, window)
-    assert rel_err(out[rows], plain) > 1e-3, "the sinks change nothing"
+    assert rel_err(out[rows], plain) > 1e-2, "the sinks change nothing"
 
 
 @pytest.mark.parametrize("window", [None, 9])
