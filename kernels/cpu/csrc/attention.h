@@ -24,7 +24,8 @@ typedef struct {
     int kv_half;
     int64_t window; /* sliding window: a row of context ctx sees tokens [ctx - window, ctx); 0: all */
     float softcap;  /* scores become softcap * tanh(s / softcap) before the mask (Gemma 2); 0: off */
-    const float *sinks; /* [num_heads]: a logit per head in each softmax, then dropped (gpt-oss); NULL: none */
+    /* [num_heads]: a logit per head in each softmax, then dropped (gpt-oss); NULL: none */
+    const float *sinks;
 } decode_args;
 
 /* What a head's sink adds to its softmax sum, under the running max m (0 without sinks). */
