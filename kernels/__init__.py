@@ -53,13 +53,16 @@ def paged_decode_attention(
     cu_seqlens_q=None,
     window=None,
     softcap=0.0,
+    sinks=None,
 ):
     """q [num_seqs, num_heads, head_dim], one token per sequence (K/V stored); block_tables int32
     [num_seqs, max_blocks]; context_lens int32 [num_seqs], including the current token. Returns
     [num_seqs, num_heads, head_dim]. `plan`: the torch path's index math (reference.plan_decode).
     With cu_seqlens_q, q holds several rows per sequence, each a decode over its own context
     (context_lens [num_rows]). `window`: a sliding window (keys p - window < j <= p).
-    `softcap`: the scaled scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: off."""
+    `softcap`: the scaled scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: off.
+    `sinks`: fp32 [num_heads], gpt-oss's attention sinks (a logit per head in each softmax,
+    dropped after); None: none."""
     chosen = _resolve(backend, q, k_cache)
     if cu_seqlens_q is not None:
         if chosen == "cpu":
@@ -73,6 +76,7 @@ def paged_decode_attention(
                 cu_seqlens_q,
                 window,
                 softcap,
+                sinks,
             )
         rows = torch.repeat_interleave(
             torch.arange(block_tables.shape[0], device=q.device), cu_seqlens_q.diff()
@@ -82,14 +86,30 @@ def paged_decode_attention(
         from inferline.kernels.triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
     if chosen == "cpu":
         return cpu_attention.paged_decode_attention_cpu(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
     return reference.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, plan, window, softcap
+        q, k_cache, v_cache, block_tables, context_lens, scale, plan, window, softcap, sinks
     )
 
 
@@ -104,6 +124,7 @@ def paged_prefill_attention(
     backend: str = "auto",
     window=None,
     softcap=0.0,
+    sinks=None,
 ):
     """q [total_query_tokens, num_heads, head_dim]; sequence i owns rows cu_seqlens_q[i]:
     cu_seqlens_q[i+1], the last tokens of its context_lens[i], all stored; causal. Returns the
@@ -112,5 +133,5 @@ def paged_prefill_attention(
     if _on_triton(backend, q):
         from inferline.kernels.triton.prefill import paged_prefill_attention_triton
 
-        return paged_prefill_attention_triton(*args, window=window, softcap=softcap)
-    return reference.paged_prefill_attention(*args, window=window, softcap=softcap)
+        return paged_prefill_attention_triton(*args, window=window, softcap=softcap, sinks=sinks)
+    return reference.paged_prefill_attention(*args, window=window, softcap=softcap, sinks=sinks)

@@ -94,10 +94,13 @@ class AttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim] (all K/V stored) -> the same shape. `window`: the
         layer's sliding window (a query at position p sees keys p - window < j <= p), None: all.
-        `softcap`: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
+        `softcap`: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off. `sinks`: fp32
+        [num_heads], a logit per head that joins each softmax and is dropped (gpt-oss), None:
+        none."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -129,8 +132,9 @@ class _SplitBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        nd, args = meta.num_decode_tokens, (scale, window, softcap)
+        nd, args = meta.num_decode_tokens, (scale, window, softcap, sinks)
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta, *args)
         prefill = self._prefill(q[nd:], k_cache, v_cache, meta, *args)
@@ -138,10 +142,14 @@ class _SplitBackend(AttentionBackend):
             return prefill
         return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, *args), prefill))
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
+    def _decode(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, sinks=None
+    ):
         raise NotImplementedError
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
+    def _prefill(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, sinks=None
+    ):
         raise NotImplementedError
 
 
@@ -159,7 +167,9 @@ class TorchAttention(_SplitBackend):
             )
         return meta
 
-    def _decode(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
+    def _decode(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, sinks=None
+    ):
         return reference.paged_decode_attention(
             q,
             k_cache,
@@ -170,6 +180,7 @@ class TorchAttention(_SplitBackend):
             plan=self._window_plan(meta, window),
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def _window_plan(self, meta: SplitMetadata, window: int | None) -> reference.DecodePlan:
@@ -187,7 +198,9 @@ class TorchAttention(_SplitBackend):
             )
         return meta.window_plans[window]
 
-    def _prefill(self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0):
+    def _prefill(
+        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, sinks=None
+    ):
         return reference.paged_prefill_attention(
             q,
             k_cache,
@@ -198,6 +211,7 @@ class TorchAttention(_SplitBackend):
             scale,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -262,17 +276,27 @@ class TritonAttention(_SplitBackend):
         scale: float,
         window: int | None = None,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each kernel writes its rows of one output: a mixed step needs no concatenation."""
         nd, out = meta.num_decode_tokens, torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, out[:nd])
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks, out[:nd])
         if nd < q.shape[0]:
-            self._prefill(q[nd:], k_cache, v_cache, meta, scale, window, softcap, out[nd:])
+            self._prefill(q[nd:], k_cache, v_cache, meta, scale, window, softcap, sinks, out[nd:])
         return out
 
     def _decode(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, out=None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: SplitMetadata,
+        scale,
+        window=None,
+        softcap=0.0,
+        sinks=None,
+        out=None,
     ) -> torch.Tensor:
         return self._decode_kernel(
             q,
@@ -285,11 +309,21 @@ class TritonAttention(_SplitBackend):
             reduce=meta.decode_reduce,
             window=window,
             softcap=softcap,
+            sinks=sinks,
             out=out,
         )
 
     def _prefill(
-        self, q, k_cache, v_cache, meta: SplitMetadata, scale, window=None, softcap=0.0, out=None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: SplitMetadata,
+        scale,
+        window=None,
+        softcap=0.0,
+        sinks=None,
+        out=None,
     ) -> torch.Tensor:
         return self._prefill_kernel(
             q,
@@ -301,6 +335,7 @@ class TritonAttention(_SplitBackend):
             scale,
             window=window,
             softcap=softcap,
+            sinks=sinks,
             out=out,
         )
 
@@ -341,6 +376,7 @@ class CpuAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return cpu_attention.paged_decode_attention_cpu(
             q,
@@ -352,6 +388,7 @@ class CpuAttention(AttentionBackend):
             meta.cu_seqlens,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 

@@ -59,6 +59,15 @@ def align_block_size(
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
+def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of h [..., 2I] = [gate | up] (transformers' GptOssExperts): the
+    gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -69,19 +78,24 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     group_k: int = 0,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids[j].
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. ops: triton or torch. With
-    scales (fp32 [E, N, groups], kernels.fp8's): w13 and w2 are FP8 e4m3 codes."""
+    scales (fp32 [E, N, groups], kernels.fp8's): w13 and w2 are FP8 e4m3 codes. gpt-oss: b13
+    [E, 2I] and b2 [E, H] the projections' biases, `swiglu` (alpha, limit) its clamped
+    activation (swiglu_oai) in place of SiLU-and-mul."""
     if ops == "triton":
         return _triton().fused_experts_triton(
-            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_k
+            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_k, b13, b2, swiglu
         )
     assert ops == "torch", f"ops must be triton or torch, got {ops!r}"
     if w13_scale is not None:
         w13 = dequantize_experts(w13, w13_scale, group_k)
         w2 = dequantize_experts(w2, w2_scale, group_k)
-    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, b13, b2, swiglu)
 
 
 def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
@@ -92,12 +106,22 @@ def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, group_k: int) -
     return dequantize(codes.reshape(e * n, k), scale.reshape(e * n, -1), group_k).view(e, n, k)
 
 
-def fused_experts_torch(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def fused_experts_torch(
+    x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, swiglu=None
+) -> torch.Tensor:
     """The reference: every (token, expert) pair computed on its own gathered weights in fp32
     (memory T * k * the expert's size: for tests, not serving)."""
     h = torch.einsum("th,tkoh->tko", x.float(), w13[topk_ids].float())
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2[topk_ids].float())
+    if b13 is not None:
+        h = h + b13[topk_ids].float()
+    if swiglu is not None:
+        act = swiglu_oai(h, *swiglu)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    y = torch.einsum("tki,tkhi->tkh", act, w2[topk_ids].float())
+    if b2 is not None:
+        y = y + b2[topk_ids].float()
     return (y * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
 
 

@@ -132,12 +132,33 @@ def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores.div_(softcap).tanh_().mul_(softcap)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim; with `sinks` (gpt-oss's attention sinks: one learned logit per
+    query head, shaped to broadcast against scores[..., :1]) each row's softmax has one more
+    column holding the sink, dropped after: the row's weights sum to less than 1."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, scale, plan=None, window=None, softcap=0.0
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    plan=None,
+    window=None,
+    softcap=0.0,
+    sinks=None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context -> [num_seqs, num_heads, head_dim].
     `plan`: plan_decode of these tables and this `window`, computed once for all layers.
-    `softcap`: the scaled scores soft-capped (cap * tanh(s / cap)) before the mask; 0: off."""
+    `softcap`: the scaled scores soft-capped (cap * tanh(s / cap)) before the mask; 0: off.
+    `sinks`: fp32 [num_heads], a logit per head that joins each softmax and is dropped (gpt-oss's
+    attention sinks); None: none."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
@@ -149,10 +170,12 @@ def paged_decode_attention(
         )
     assert plan.num_seqs == num_seqs, "plan made for another batch"
     assert (plan.window or None) == (window or None), "plan made for another window"
-    return decode_with_plan(q, k_cache, v_cache, plan, scale, softcap)
+    return decode_with_plan(q, k_cache, v_cache, plan, scale, softcap, sinks)
 
 
-def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale, softcap=0.0) -> torch.Tensor:
+def decode_with_plan(
+    q, k_cache, v_cache, plan: DecodePlan, scale, softcap=0.0, sinks=None
+) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -163,13 +186,15 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale, softcap=0.0) 
     # GQA without copies: the `group` query heads of one KV head are `group` query rows.
     qg = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim)
     out = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
+    if sinks is not None:  # [KH, G, 1]: the chunk's scores are [c, KH, G, L]
+        sinks = sinks.float().view(num_kv_heads, group, 1)
     for ch in plan.chunks:
         c = ch.stop - ch.start
         k = k_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
         v = v_rows.index_select(0, ch.rows).view(c, num_kv_heads, ch.max_len, head_dim).float()
         scores = soft_cap(torch.matmul(qg[ch.start : ch.stop], k.transpose(-1, -2)), softcap)
         scores.add_(ch.bias)  # [c, KH, G, L]
-        torch.matmul(torch.softmax(scores, dim=-1), v, out=out[ch.start : ch.stop])
+        torch.matmul(softmax_with_sinks(scores, sinks), v, out=out[ch.start : ch.stop])
     out = out.view(num_seqs, num_heads, head_dim)
     if plan.order is not None:
         out = torch.empty_like(out).index_copy_(0, plan.order, out)
@@ -179,12 +204,21 @@ def decode_with_plan(q, k_cache, v_cache, plan: DecodePlan, scale, softcap=0.0) 
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=None, softcap=0.0
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    scale,
+    window=None,
+    softcap=0.0,
+    sinks=None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query tokens over its paged context: rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] are the last q_len of context_lens[i] tokens, so row j sits
     at position context_len - q_len + j; with a sliding `window`, it sees the last `window`
-    positions up to its own. `softcap`: as paged_decode_attention's."""
+    positions up to its own. `softcap`, `sinks`: as paged_decode_attention's."""
     total, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
@@ -199,12 +233,14 @@ def paged_prefill_attention(
             continue
         assert 0 < hi - lo <= ctx, f"seq {i}: q_len {hi - lo} > context_len {ctx}"
         out[lo:hi] = _prefill_one(
-            q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale, window, softcap
+            q[lo:hi], k_cache, v_cache, block_tables[i : i + 1], ctx, scale, window, softcap, sinks
         )
     return out
 
 
-def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None, softcap=0.0):
+def _prefill_one(
+    q, k_cache, v_cache, block_table, ctx, scale, window=None, softcap=0.0, sinks=None
+):
     q_len, block_size = q.shape[0], k_cache.shape[1]
     # Blocks wholly before the first row's window are never read: they may be freed.
     skip = max(ctx - q_len - window + 1, 0) // block_size if window else 0
@@ -213,17 +249,20 @@ def _prefill_one(q, k_cache, v_cache, block_table, ctx, scale, window=None, soft
     k = gather_kv(k_cache, table, ctx - start)[0].float().transpose(0, 1)  # [KH, ctx, D]
     v = gather_kv(v_cache, table, ctx - start)[0].float().transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, q_len, D]
-    if q_len == ctx and not window and not softcap:  # SDPA's own causal mask is cheaper
+    by_hand = softcap or sinks is not None  # SDPA has neither soft-capping nor sinks
+    if q_len == ctx and not window and not by_hand:  # SDPA's own causal mask is cheaper
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(0, 1).to(q.dtype)
     pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
     pos_k = torch.arange(start, ctx, device=q.device)[None, :]
     mask = (pos_k <= pos_q) & (pos_k > pos_q - window if window else True)  # [q_len, ctx]
-    if softcap:  # SDPA has no soft-capping: the scores by hand
+    if by_hand:  # the scores by hand
         group = qh.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         scores = soft_cap(torch.matmul(qh, k.transpose(-1, -2)).mul_(scale), softcap)
-        o = torch.matmul(torch.softmax(scores.masked_fill_(~mask, float("-inf")), -1), v)
+        scores = scores.masked_fill_(~mask, float("-inf"))
+        head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
+        o = torch.matmul(softmax_with_sinks(scores, head_sinks), v)
     else:
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1).to(q.dtype)
@@ -235,10 +274,11 @@ def _check_cache(q, k_cache, v_cache):
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
 
 
-def dense_causal_attention(q, k, v, scale, window=None, softcap=0.0) -> torch.Tensor:
+def dense_causal_attention(q, k, v, scale, window=None, softcap=0.0, sinks=None) -> torch.Tensor:
     """Textbook attention for the tests: q [q_len, H, D], k/v [ctx, KH, D], bottom-right causal;
     a sliding `window` hides keys `window` or more positions back; `softcap`: cap * tanh(s / cap)
-    of the scaled scores."""
+    of the scaled scores; `sinks` [H]: a logit per head that joins the softmax, then dropped
+    (as transformers' gpt-oss eager attention)."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -251,4 +291,9 @@ def dense_causal_attention(q, k, v, scale, window=None, softcap=0.0) -> torch.Te
     pos_k = torch.arange(ctx)[None, :]
     hidden = (pos_k > pos_q) | (pos_k <= pos_q - window if window else False)
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v).to(q.dtype)
+    if sinks is not None:
+        column = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat((scores, column), -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

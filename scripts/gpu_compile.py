@@ -52,6 +52,7 @@ KERNELS = {
     "_store_kv_kernel": store._store_kv_kernel,
     "_rms_norm_kernel": norm._rms_norm_kernel,
     "_silu_and_mul_kernel": activation._silu_and_mul_kernel,
+    "_swiglu_oai_kernel": activation._swiglu_oai_kernel,
     "_rope_store_kv_kernel": rotary._rope_store_kv_kernel,
     "_fused_moe_kernel": moe._fused_moe_kernel,
     "_fused_moe_w8a16_kernel": moe._fused_moe_w8a16_kernel,
@@ -75,6 +76,12 @@ LAYER_SIZES = ((576, 1536), (4096, 14336), (8192, 28672))
 # Qwen3-30B-A3B, Qwen3-235B-A22B and Qwen1.5-MoE-A2.7B (Qwen2-MoE).
 MOE_SIZES = ((4096, 14336, 8, 2), (2048, 768, 128, 8), (4096, 1536, 128, 8), (2048, 1408, 60, 4))
 MOE_TOKENS = (1, 256, 8192)  # a decode of one sequence, a decode batch, a prefill chunk
+# gpt-oss-20b and -120b: attention with sinks (head_dim 64, 64 query / 8 KV heads), the fused MoE
+# with the experts' biases (hidden 2880, one expert's intermediate 2880, 32 or 128 experts,
+# top-4) and its clamped SwiGLU (alpha 1.702, limit 7)
+GPT_OSS_ATTENTION = (64, 8)  # (head_dim, GQA group)
+GPT_OSS_MOE_SIZES = ((2880, 2880, 32, 4), (2880, 2880, 128, 4))
+GPT_OSS_SWIGLU = (1.702, 7.0)
 # W8A16 linear layers: N and K are not constants, so one shape (Llama-3-8B's qkv_proj) stands
 # for all; FP8 codes with per-row scales (per tensor, per channel) or 128-column blocks, and
 # GGUF's uint8 levels with a scale and offset per 32 columns; with and without a bias, decode-
@@ -91,7 +98,7 @@ SHOWN = (
     ("SPLITS_P2", "SPLITS_P2"), ("BLOCK_M", "BLOCK_M"), ("BLOCK_N", "BLOCK_N"), ("COLS", "cols"),
     ("INTER", "inter"), ("HAS_RESIDUAL", "residual"), ("HEADS_BLOCK", "heads/program"),
     ("N", "N"), ("K", "K"), ("TOP_K", "k"), ("BLOCK_K", "BLOCK_K"), ("GROUP_K", "group_k"),
-    ("HAS_BIAS", "bias"), ("AFFINE", "affine"),
+    ("HAS_BIAS", "bias"), ("AFFINE", "affine"), ("HAS_SINKS", "sinks"),
 )  # fmt: skip
 
 
@@ -189,6 +196,7 @@ def decode_jobs(
     num_kv_heads: int = NUM_KV_HEADS,
     batches=DECODE_BATCHES,
     splits=(None,),  # None: the heuristic's
+    sinks: bool = False,
 ):
     num_heads, ptr = group * num_kv_heads, "*" + TYPE_NAMES[dtype]
     NUM_KV_HEADS = num_kv_heads  # noqa: N806 - the strides below
@@ -196,12 +204,12 @@ def decode_jobs(
         max_blocks = -(-context // block_size)
         plan = decode.plan_decode(num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
                                   max_blocks, dtype, target(arch),
-                                  num_splits=num_splits)  # fmt: skip
+                                  num_splits=num_splits, sinks=sinks)  # fmt: skip
         # the arguments of launch_decode, for contiguous q/out [S, H, D] and the paged caches
         yield job_of(plan.stage1, arch, dtype, dict(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
             context_lens_ptr="*i32", out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32",
-            part_l_ptr="*fp32", split_len_ptr="*i32", qk_scale=0.125,
+            part_l_ptr="*fp32", split_len_ptr="*i32", sinks_ptr="*fp32", qk_scale=0.125,
             num_splits=plan.num_splits, window=decode.NO_WINDOW, softcap=0.0,
             stride_qs=num_heads * head_dim, stride_qh=head_dim,
             stride_cb=block_size * NUM_KV_HEADS * head_dim,
@@ -211,7 +219,8 @@ def decode_jobs(
         if plan.stage2 is not None:
             yield job_of(plan.stage2, arch, dtype, dict(
                 out_ptr=ptr, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-                context_lens_ptr="*i32", split_len_ptr="*i32", num_splits=plan.num_splits,
+                context_lens_ptr="*i32", split_len_ptr="*i32", sinks_ptr="*fp32",
+                num_splits=plan.num_splits,
                 window=decode.NO_WINDOW, stride_os=num_heads * head_dim, stride_oh=head_dim,
             ))  # fmt: skip
 
@@ -224,16 +233,18 @@ def prefill_jobs(
     arch: int,
     num_kv_heads: int = NUM_KV_HEADS,
     batches=PREFILL_BATCHES,
+    sinks: bool = False,
     **tiles,
 ):
     num_heads, ptr = group * num_kv_heads, "*" + TYPE_NAMES[dtype]
     NUM_KV_HEADS = num_kv_heads  # noqa: N806 - the strides below
     for num_seqs, total in batches:
         plan = prefill.plan_prefill(total, num_seqs, num_heads, NUM_KV_HEADS, head_dim, block_size,
-                                    dtype, target(arch), **tiles)  # fmt: skip
+                                    dtype, target(arch), sinks=sinks, **tiles)  # fmt: skip
         yield job_of(plan, arch, dtype, dict(
             q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
-            cu_seqlens_ptr="*i32", context_lens_ptr="*i32", out_ptr=ptr, qk_scale=0.125,
+            cu_seqlens_ptr="*i32", context_lens_ptr="*i32", out_ptr=ptr,
+            sinks_ptr="*fp32" if sinks else ptr, qk_scale=0.125,
             num_seqs=num_seqs, window=decode.NO_WINDOW, softcap=0.0,
             stride_qt=num_heads * head_dim, stride_qh=head_dim,
             stride_cb=block_size * NUM_KV_HEADS * head_dim,
@@ -301,9 +312,10 @@ def elementwise_jobs(hidden: int, inter: int, dtype: torch.dtype, arch: int):
 
 
 def moe_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, arch: int,
-             tokens=MOE_TOKENS):  # fmt: skip
+             tokens=MOE_TOKENS, bias: bool = False):  # fmt: skip
     """The fused-MoE layer's two grouped GEMMs (gate/up on token rows, down on slot rows with the
-    routing weights) as fused_experts_triton launches them, per row-block size."""
+    routing weights) as fused_experts_triton launches them, per row-block size; `bias`: the
+    variant with the experts' biases (gpt-oss)."""
     ptr = "*" + TYPE_NAMES[dtype]
     for num_tokens in tokens:
         slots = num_tokens * top_k
@@ -311,10 +323,11 @@ def moe_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dty
         blocks = -(-(slots + min(experts, slots) * (block_m - 1)) // block_m)
         for n, k, first in ((2 * inter, hidden, True), (hidden, inter, False)):
             plan = moe.plan_fused_moe(blocks, n, k, top_k, first, not first, block_m, dtype,
-                                      target(arch))  # fmt: skip
+                                      target(arch), bias=bias)  # fmt: skip
             yield job_of(plan, arch, dtype, dict(
                 a_ptr=ptr, b_ptr=ptr, c_ptr=ptr, weights_ptr="*fp32", sorted_ids_ptr="*i32",
-                expert_ids_ptr="*i32", num_padded_ptr="*i32", num_slots=slots, stride_am=k,
+                expert_ids_ptr="*i32", num_padded_ptr="*i32", bias_ptr=ptr if bias else "*fp32",
+                num_slots=slots, stride_am=k,
                 stride_be=n * k, stride_bn=k, stride_cm=n,
             ))  # fmt: skip
 
@@ -337,6 +350,27 @@ def moe_w8a16_jobs(hidden: int, inter: int, experts: int, top_k: int, dtype: tor
                 num_slots=slots, stride_am=k, stride_be=n * k, stride_bn=k, stride_se=n * g,
                 stride_sn=g, stride_cm=n,
             ))  # fmt: skip
+
+
+def swiglu_oai_jobs(inter: int, dtype: torch.dtype, arch: int, swiglu=GPT_OSS_SWIGLU):
+    """gpt-oss's clamped SwiGLU between the fused MoE's GEMMs: slot rows of [gate | up]."""
+    ptr = "*" + TYPE_NAMES[dtype]
+    plan = activation.plan_swiglu_oai(4096, inter, *swiglu)
+    yield job_of(
+        plan, arch, dtype, dict(x_ptr=ptr, out_ptr=ptr, stride_x=2 * inter, stride_o=inter)
+    )
+
+
+def gpt_oss_jobs(arch: int, dtype: torch.dtype, quick: bool = False):
+    """gpt-oss's own variants: attention with sinks (decode with one split, a few and the most;
+    prefill), the fused MoE with biases and the clamped SwiGLU."""
+    head_dim, group = GPT_OSS_ATTENTION
+    for block_size in BLOCK_SIZES[:1] if quick else BLOCK_SIZES:
+        yield from decode_jobs(head_dim, group, block_size, dtype, arch, sinks=True)
+        yield from prefill_jobs(head_dim, group, block_size, dtype, arch, sinks=True)
+    for size in GPT_OSS_MOE_SIZES[:1] if quick else GPT_OSS_MOE_SIZES:
+        yield from moe_jobs(*size, dtype, arch, bias=True)
+    yield from swiglu_oai_jobs(GPT_OSS_MOE_SIZES[0][1], dtype, arch)
 
 
 def w8a16_jobs(dtype: torch.dtype, arch: int, tokens=W8A16_TOKENS, groups=W8A16_GROUPS):
@@ -416,6 +450,9 @@ def all_jobs(archs, quick: bool = False, first_contact: bool = False) -> list[Jo
             jobs.setdefault(job, None)
     for arch, dt in itertools.product(archs, axes[3]):
         for job in w8a16_jobs(dt, arch):
+            jobs.setdefault(job, None)
+    for arch, dt in itertools.product(archs, axes[3]):
+        for job in gpt_oss_jobs(arch, dt, quick):
             jobs.setdefault(job, None)
     for arch in archs if first_contact else ():
         for job in first_contact_jobs(arch):

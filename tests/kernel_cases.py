@@ -281,6 +281,41 @@ def softcap_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
         report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
 
 
+def sinks_case(gen, idx, dtype, gqa, block_size, head_dim) -> None:
+    """gpt-oss's attention sinks (a logit per head in each softmax, dropped after), weighty beside
+    the keys, alone and beside a sliding window, through both kernels: decodes with one split
+    (the sink where stage 1 writes the output) and several (once, in stage 2's combine),
+    prompts on cached context with the GPU's and small tiles."""
+    num_kv_heads, num_heads = shape_of(gen, gqa)
+    scale = head_dim**-0.5
+    sinks = torch.randn(num_heads, generator=gen) * 2 + 2
+    shape = f"{str(dtype)[6:]} gqa={gqa} kvh={num_kv_heads} bs={block_size} d={head_dim}"
+    window = (None, randint(gen, 5, 40))[(idx // 4) % 2]
+    lens = [1, block_size + 1, randint(gen, 60, 200)]
+    cache = PagedCache(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    ref = reference.paged_decode_attention(*args, window=window, sinks=sinks)
+    for label, kw in (("gpu plan", {}), ("split", {"num_splits": 3, "block_n": 16})):
+        out = poisoned_like(q)
+        paged_decode_attention_triton(*args, out=out, window=window, sinks=sinks, **kw)
+        err = rel_err(out, ref)
+        name = f"sinks decode[{idx}:{label}] {shape} lens={lens} window={window}"
+        report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+    pairs = [(block_size + 3, block_size + 3), (randint(gen, 60, 200), randint(gen, 20, 50))]
+    cache = PagedCache(gen, [c for c, _ in pairs], block_size, num_kv_heads, head_dim, dtype)
+    cu = torch.tensor([0, pairs[0][1], pairs[0][1] + pairs[1][1]], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, scale)
+    ref = reference.paged_prefill_attention(*args, window=window, sinks=sinks)
+    for tiles in ({}, {"block_m": 16, "block_n": 16}):
+        out = poisoned_like(q)
+        paged_prefill_attention_triton(*args, out=out, window=window, sinks=sinks, **tiles)
+        err = rel_err(out, ref)
+        name = f"sinks prefill[{idx}] {shape} pairs={pairs} window={window} {tiles}"
+        report(name, err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
 def store_case(gen, idx, dtype, block_size, head_dim) -> None:
     num_kv_heads, num_blocks, num_tokens = pick(gen, (1, 2, 3)), 6, 40
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -383,6 +418,9 @@ def main() -> None:
     elif group == "softcap":
         for case in matrix(False)[::4]:
             softcap_case(gen, *case)
+    elif group == "sinks":
+        for case in matrix(False)[2::4]:
+            sinks_case(gen, *case)
     elif group == "store":
         for i, (dtype, bs) in enumerate((d, b) for d in DTYPES for b in BLOCK_SIZES):
             store_case(gen, i, dtype, bs, HEAD_DIMS[i % len(HEAD_DIMS)])

@@ -1,7 +1,7 @@
 """The Triton fused-MoE kernel (kernels/triton/moe.py) against its PyTorch reference
 (kernels.moe.fused_experts_torch) under the interpreter, in its own process.
 
-    python tests/moe_cases.py GROUP SEED        GROUP: experts | fp8 | checks
+    python tests/moe_cases.py GROUP SEED        GROUP: experts | fp8 | gpt_oss | checks
 
 As tests/fused_cases.py: tests/kernels/test_fused_moe_triton.py runs this in a subprocess and
 reads one JSON line per case. Shapes are tiny (the interpreter runs each program in Python) and
@@ -85,6 +85,28 @@ def fp8_case(gen, idx: int, dtype: torch.dtype, group_k: int) -> None:
     report(f"fp8[{idx}] {str(dtype)[6:]} {shape}", err <= TOL[dtype], err=err, tol=TOL[dtype])
 
 
+def gpt_oss_case(gen, idx: int, dtype: torch.dtype) -> None:
+    """gpt-oss's variant: both projections with biases (HAS_BIAS) around the clamped SwiGLU,
+    inputs large enough that both clamps bite, top-k then softmax routing."""
+    num_experts, top_k = pick(gen, ((4, 2), (8, 2), (6, 3)))
+    tokens = pick(gen, (1, 3)) if idx % 2 == 0 else randint(gen, 2 * num_experts + 1, 40)
+    hidden, inter = pick(gen, (32, 48, 64)), pick(gen, (16, 40, 64))
+    x = (torch.randn(tokens, hidden, generator=gen) * 2).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    b13 = torch.randn(num_experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(num_experts, hidden, generator=gen).to(dtype)
+    swiglu = (1.702, 1.5)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    logits[:, -1] -= 100.0
+    weights, ids = moe.select_experts(logits, top_k, moe.TOPK_SOFTMAX)
+    got = moe.fused_experts(x, w13, w2, weights, ids, "triton", b13=b13, b2=b2, swiglu=swiglu)
+    want = moe.fused_experts_torch(x, w13, w2, weights, ids, b13, b2, swiglu)
+    err = rel_err(got, want)
+    shape = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={inter}"
+    report(f"gpt_oss[{idx}] {str(dtype)[6:]} {shape}", err <= TOL[dtype], err=err, tol=TOL[dtype])
+
+
 def checks_cases(gen) -> None:
     x, w13, w2 = torch.randn(3, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
     weights, ids = moe.select_experts(torch.randn(3, 4), 2, moe.SOFTMAX_TOPK)
@@ -106,6 +128,9 @@ def main() -> None:
     elif group == "fp8":  # a scale per row, per 16 and per 32 columns, both block sizes
         for i, (dtype, group_k) in enumerate((d, g) for d in DTYPES for g in (0, 16, 32)):
             fp8_case(gen, i, dtype, group_k)
+    elif group == "gpt_oss":
+        for i, dtype in enumerate(d for d in DTYPES for _ in range(2)):
+            gpt_oss_case(gen, i, dtype)
     elif group == "checks":
         checks_cases(gen)
     else:

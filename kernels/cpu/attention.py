@@ -39,11 +39,14 @@ def paged_decode_attention_cpu(
     cu_seqlens_q=None,
     window=None,
     softcap=0.0,
+    sinks=None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention, for fp32 CPU q (rows may be apart) and
     fp32 or fp16 contiguous caches; with cu_seqlens_q, rows share their sequence's table row.
     window: a sliding window (a row of context c sees its last `window` tokens), None: all.
-    softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
+    softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off.
+    sinks: fp32 [num_heads], a logit per head that joins each row's softmax and is dropped
+    (gpt-oss's attention sinks), None: none."""
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = num_rows if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
@@ -77,6 +80,12 @@ def paged_decode_attention_cpu(
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous(), (
             cu_seqlens_q.dtype
         )
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.is_cpu and sinks.shape == (num_heads,), (
+            sinks.dtype,
+            sinks.shape,
+        )
+        sinks = sinks.contiguous()
     out = torch.empty_like(q)
     # The C side checks tables and cu_seqlens_q before reading (an error, not a wild read).
     rc = build.call(
@@ -102,6 +111,7 @@ def paged_decode_attention_cpu(
         int(k_cache.dtype == torch.float16),
         int(window or 0),
         float(softcap or 0.0),
+        None if sinks is None else sinks.data_ptr(),
     )
     if rc != 0:
         raise RuntimeError(f"paged_attention_f32: {_ERRORS.get(rc, rc)}")

@@ -43,7 +43,7 @@ _tried = False
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # name: (argtypes, restype) of each exported function
 _FUNCTIONS = {
-    "paged_attention_f32": ([_PTR] * 7 + [_I64] * 9 + [_F32, _INT, _INT, _I64, _F32], _INT),
+    "paged_attention_f32": ([_PTR] * 7 + [_I64] * 9 + [_F32, _INT, _INT, _I64, _F32, _PTR], _INT),
     "rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "fused_add_rms_norm_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], None),
     "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64, _INT], None),

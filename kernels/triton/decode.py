@@ -21,6 +21,7 @@ from inferline.kernels.triton.launch import (
 )
 
 LOG2E = 1.4426950408889634
+SINK_SCALE = tl.constexpr(LOG2E)  # a sink's logit in the kernels' log2 units (a jit global)
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16 on NVIDIA GPUs
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed costs outweigh its parallelism
@@ -40,7 +41,20 @@ def soft_cap(s, cap):
 
 
 @triton.jit
-def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh):
+def sink_term(sinks_ptr, heads, mask, m):
+    """What each head's attention sink adds to its softmax sum under the running max m (log2
+    units): 2^(sink * log2 e - m); 0 where m is -inf (no key seen)."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * SINK_SCALE
+    return tl.where(m == float("-inf"), 0.0, tl.exp2(sink - m))
+
+
+@triton.jit
+def _write_out(
+    out_ptr, acc, l_i, m_i, sinks_ptr, seq, heads, dims, out_mask, row_mask, stride_os, stride_oh,
+    HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    if HAS_SINKS:  # once per query, where the whole context's sum is known
+        l_i += sink_term(sinks_ptr, heads, row_mask, m_i)
     # context_len 0 leaves l_i = 0: define the output as 0, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_off = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
@@ -50,13 +64,17 @@ def _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_
 @triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, split_len_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
     qk_scale, num_splits, window, softcap,
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
+    """A split's partial softmax (m, l, acc) per query head of one KV head; the whole context's
+    output when one split holds it. HAS_SINKS: gpt-oss's sinks join the sum where the output is
+    written (here for a whole context, else in stage 2): once per query, never per split."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,9 +136,11 @@ def _decode_stage1_kernel(
         m_i = m_new
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if DIRECT:
-        _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
+        _write_out(out_ptr, acc, l_i, m_i, sinks_ptr, seq, heads, dims, out_mask, row_mask,
+                   stride_os, stride_oh, HAS_SINKS)  # fmt: skip
     elif whole:
-        _write_out(out_ptr, acc, l_i, seq, heads, dims, out_mask, stride_os, stride_oh)
+        _write_out(out_ptr, acc, l_i, m_i, sinks_ptr, seq, heads, dims, out_mask, row_mask,
+                   stride_os, stride_oh, HAS_SINKS)  # fmt: skip
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_P2], int64
         tl.store(part_m_ptr + part, m_i, mask=row_mask)
@@ -130,9 +150,10 @@ def _decode_stage1_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_stage2_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, split_len_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, context_lens_ptr, split_len_ptr, sinks_ptr,
     num_splits, window, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -158,6 +179,8 @@ def _decode_stage2_kernel(
     m_max = tl.max(m, 0)
     weight = tl.where(split_mask, tl.exp2(m - m_max), 0.0)
     total = tl.sum(weight * l_part, 0)
+    if HAS_SINKS:  # the head's sink, once, under the splits' common max
+        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * SINK_SCALE - m_max)
     out = tl.sum(weight[:, None] * acc, 0) / total
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + dims,
@@ -197,9 +220,10 @@ def plan_decode(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    sinks: bool = False,
 ) -> DecodePlan:
     """The launches for these shapes on `target` (pure: no tensors); num_splits and block_n
-    override the heuristics."""
+    override the heuristics; `sinks`: the variant with attention sinks (gpt-oss)."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     dim_p2 = triton.next_power_of_2(head_dim)
     max_len = max_blocks * block_size
@@ -222,6 +246,7 @@ def plan_decode(
             ("DIRECT", num_splits == 1),
             ("DOT_F32", dot_in_fp32(dtype, target)),
             ("PRECISION", dot_precision(dtype)),
+            ("HAS_SINKS", sinks),
         ),
         # 4 warps at every head size: at head_dim 256 with 8, the split plans spilled 4 B on one
         # architecture or another once the soft-cap joined the window (`make gpu-compile`).
@@ -239,6 +264,7 @@ def plan_decode(
                 ("HEAD_DIM", head_dim),
                 ("DIM_P2", dim_p2),
                 ("SPLITS_P2", triton.next_power_of_2(num_splits)),
+                ("HAS_SINKS", sinks),
             ),
             num_warps=4,
             num_stages=1,
@@ -312,11 +338,14 @@ def paged_decode_attention_triton(
     reduce: bool = True,
     window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
     is written in place. softcap: the scaled scores become cap * tanh(s / cap), 0: off.
+    sinks: fp32 [num_heads] on q's device, gpt-oss's attention sinks (a logit per head that joins
+    each softmax once and is dropped; the plan's HAS_SINKS variant), None: none.
     split_len: the step's tokens per split, int32 [1] on q's device, read
     by the kernels (a CUDA graph replays the buffer's new contents; see choose_split_len); None:
     the plan's, for contexts that fill the table. reduce=False: every context fits one split,
@@ -331,6 +360,7 @@ def paged_decode_attention_triton(
     assert q.stride(2) == 1, "head_dim must be contiguous in q"
     check_tables(block_tables, context_lens, num_seqs, k_cache)
     out = check_out(out, q)
+    check_sinks(sinks, q)
     if num_seqs == 0:
         return out
     if plan is None:
@@ -343,8 +373,10 @@ def paged_decode_attention_triton(
             block_tables.shape[1],
             q.dtype,
             target_of(q.device),
+            sinks=sinks is not None,
             **overrides,
         )
+    assert plan.stage1.constexpr("HAS_SINKS") == (sinks is not None), "plan made for other sinks"
     assert plan.stage1.grid[:2] == (num_seqs, num_kv_heads), (
         plan.stage1.grid,
         q.shape,
@@ -355,9 +387,17 @@ def paged_decode_attention_triton(
     check_split_len(split_len, reduce, plan, context_lens)
     launch_decode(
         plan, q, k_cache, v_cache, block_tables, context_lens, scale, out, split_len, reduce,
-        window, softcap,
+        window, softcap, sinks,
     )  # fmt: skip
     return out
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sinks, if any: fp32 [num_heads], contiguous, on q's device."""
+    if sinks is None:
+        return
+    assert sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],), (sinks.dtype, sinks.shape)
+    assert sinks.is_contiguous() and sinks.device == q.device, sinks.device
 
 
 def check_split_len(split_len: torch.Tensor, reduce: bool, plan: DecodePlan, context_lens) -> None:
@@ -387,6 +427,7 @@ def launch_decode(
     reduce: bool = True,
     window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_seqs, num_heads, head_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -397,9 +438,10 @@ def launch_decode(
     part_m = torch.empty((0,) if direct else (num_seqs, num_heads, plan.num_splits), **f32)
     part_l = torch.empty_like(part_m)
     window = window or NO_WINDOW
+    sinks = part_m if sinks is None else sinks  # never read without HAS_SINKS
     launch(
         _decode_stage1_kernel, plan.stage1, q, k_cache, v_cache, block_tables, context_lens,
-        split_len, out, part_acc, part_m, part_l, scale * LOG2E, plan.num_splits, window,
+        split_len, out, part_acc, part_m, part_l, sinks, scale * LOG2E, plan.num_splits, window,
         float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
@@ -413,6 +455,7 @@ def launch_decode(
             part_l,
             context_lens,
             split_len,
+            sinks,
             plan.num_splits,
             window,
             out.stride(0),

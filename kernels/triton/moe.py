@@ -1,7 +1,8 @@
 """Triton kernel: the experts' grouped GEMM of a fused MoE layer (vLLM's fused_moe_kernel).
 Token slots come sorted by expert and padded per expert to BLOCK_M (kernels.moe.align_block_size):
 each program multiplies BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weight, so
-one launch covers every expert. A layer is two launches (gate/up, then down) around SiLU-and-mul.
+one launch covers every expert. A layer is two launches (gate/up, then down) around SiLU-and-mul
+(gpt-oss: each projection adds its expert's bias, HAS_BIAS, around the clamped SwiGLU).
 The W8A16 variant reads FP8 checkpoints' experts as e4m3 codes with fp32 scales [E, N, groups]
 (one per row, or per row and GROUP_K columns), decoded with integer ops as kernels/triton/w8a16.py
 does, the sum in fp32.
@@ -15,7 +16,7 @@ import triton
 import triton.language as tl
 
 from inferline.kernels.moe import align_block_size
-from inferline.kernels.triton.activation import silu_and_mul_triton
+from inferline.kernels.triton.activation import silu_and_mul_triton, swiglu_oai_triton
 from inferline.kernels.triton.checks import FLOAT_DTYPES
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -31,14 +32,15 @@ from inferline.kernels.triton.w8a16 import e4m3_to_fp16
 
 @triton.jit(do_not_specialize=["num_slots"])  # changes every step: one binary for all
 def _fused_moe_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bias_ptr,
     num_slots, stride_am, stride_be, stride_bn, stride_cm,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
-    MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    MUL_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """c[slot, n] = sum_k a[row, k] * b[expert, n, k] (times the slot's weight), row = the slot's
-    token (A_PER_TOKEN: the layer's input) or the slot itself (the activation)."""
+    """c[slot, n] = sum_k a[row, k] * b[expert, n, k] (plus bias[expert, n] with HAS_BIAS; then
+    times the slot's weight), row = the slot's token (A_PER_TOKEN: the layer's input) or the
+    slot itself (the activation)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return  # a block the routing did not need
@@ -59,6 +61,9 @@ def _fused_moe_kernel(
         if DOT_F32:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:  # bias [E, N], contiguous; before the routing weight (as transformers)
+        bias = tl.load(bias_ptr + expert * N + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]
     out = rounded(acc, c_ptr.dtype.element_ty)
@@ -130,13 +135,17 @@ def plan_fused_moe(
     dtype: torch.dtype,
     target: Target,
     group_k: int | None = None,
+    *,
+    bias: bool = False,
 ) -> LaunchPlan:
     """One projection of every expert: `num_blocks` row blocks of `block_m` by N = n columns;
     `group_k` None: weights in `dtype`; else FP8 codes with a scale per row (0) or per row and
-    `group_k` columns (a power of two from 16), on the W8A16 variant."""
+    `group_k` columns (a power of two from 16), on the W8A16 variant. `bias`: the variant that
+    adds each expert's bias (gpt-oss; weights in `dtype` only)."""
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     block_k = 32 if dtype == torch.float32 or k < 64 else 64
-    coded = () if group_k is None else (("GROUP_K", group_k),)
+    assert group_k is None or not bias, "the W8A16 variant has no bias"
+    variant = (("HAS_BIAS", bias),) if group_k is None else (("GROUP_K", group_k),)
     if group_k:
         assert group_k >= 16 and group_k & (group_k - 1) == 0, f"group_k {group_k}"
         block_k = min(block_k, group_k)
@@ -149,7 +158,7 @@ def plan_fused_moe(
             ("TOP_K", top_k),
             ("A_PER_TOKEN", a_per_token),
             ("MUL_WEIGHTS", mul_weights),
-            *coded,
+            *variant,
             ("BLOCK_M", block_m),
             ("BLOCK_N", block_n),
             ("BLOCK_K", block_k),
@@ -170,10 +179,14 @@ def fused_experts_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     group_k: int = 0,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """kernels.moe.fused_experts on Triton: two grouped GEMM launches, SiLU-and-mul between them,
-    the k rows of each token summed in fp32. With scales: w13 and w2 are e4m3 codes, their
-    scales fp32 [E, N, groups] (groups 1, or ceil(K / group_k))."""
+    """kernels.moe.fused_experts on Triton: two grouped GEMM launches, SiLU-and-mul between them
+    (gpt-oss: with the experts' biases b13 [E, 2I] and b2 [E, H] and its clamped SwiGLU of
+    `swiglu` = (alpha, limit)), the k rows of each token summed in fp32. With scales: w13 and w2
+    are e4m3 codes, their scales fp32 [E, N, groups] (groups 1, or ceil(K / group_k))."""
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -190,6 +203,11 @@ def fused_experts_triton(
         tuple(w2.shape),
     )
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert (b13 is None) == (b2 is None), "both projections have biases or neither"
+    if b13 is not None:
+        assert not coded, "the W8A16 variant has no bias"
+        assert b13.shape == (num_experts, two_inter) and b2.shape == (num_experts, hidden)
+        assert b13.is_contiguous() and b2.is_contiguous() and b13.dtype == b2.dtype == x.dtype
     if tokens == 0:
         return torch.zeros_like(x)
     slots = tokens * top_k
@@ -200,25 +218,26 @@ def fused_experts_triton(
     inter = torch.empty((slots, two_inter), dtype=x.dtype, device=x.device)
     scales = (w13_scale, w2_scale, group_k) if coded else (None, None, None)
     _gemm(x, w13, inter, weights, sorted_ids, expert_ids, num_padded, top_k, True, target,
-          scales[0], scales[2])  # fmt: skip
-    act = silu_and_mul_triton(inter)
+          scales[0], scales[2], b13)  # fmt: skip
+    act = silu_and_mul_triton(inter) if swiglu is None else swiglu_oai_triton(inter, *swiglu)
     out = torch.empty((slots, hidden), dtype=x.dtype, device=x.device)
     _gemm(act, w2, out, weights, sorted_ids, expert_ids, num_padded, top_k, False, target,
-          scales[1], scales[2])  # fmt: skip
+          scales[1], scales[2], b2)  # fmt: skip
     return out.view(tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
 
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, top_k, first, target,
-          scale=None, group_k=None) -> None:  # fmt: skip
-    """c = a @ b[expert].T per block; the first projection reads token rows, the second slot rows
-    and applies the routing weight; with `scale`, b holds e4m3 codes."""
+          scale=None, group_k=None, bias=None) -> None:  # fmt: skip
+    """c = a @ b[expert].T (+ bias[expert]) per block; the first projection reads token rows, the
+    second slot rows and applies the routing weight; with `scale`, b holds e4m3 codes."""
     n, k = b.shape[1], b.shape[2]
     plan = plan_fused_moe(expert_ids.numel(), n, k, top_k, first, not first,
                           sorted_ids.numel() // expert_ids.numel(), a.dtype, target,
-                          group_k)  # fmt: skip
+                          group_k, bias=bias is not None)  # fmt: skip
     if scale is None:
         launch(_fused_moe_kernel, plan, a, b, c, weights, sorted_ids, expert_ids, num_padded,
-               c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0))  # fmt: skip
+               weights if bias is None else bias, c.shape[0], a.stride(0), b.stride(0),
+               b.stride(1), c.stride(0))  # fmt: skip
         return
     launch(_fused_moe_w8a16_kernel, plan, a, b.view(torch.uint8), scale, c, weights, sorted_ids,
            expert_ids, num_padded, c.shape[0], a.stride(0), b.stride(0), b.stride(1),

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferline.kernels.triton.decode import NO_WINDOW, soft_cap
+from inferline.kernels.triton.decode import NO_WINDOW, SINK_SCALE, check_sinks, soft_cap
 from inferline.kernels.triton.checks import check_cache, check_out, check_ranges, check_tables
 from inferline.kernels.triton.launch import (
     LaunchPlan,
@@ -68,10 +68,11 @@ def _attend_tile(
 )
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs, window, softcap,
+    sinks_ptr, qk_scale, num_seqs, window, softcap,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -132,6 +133,8 @@ def _prefill_kernel(
                 table, k_cache_ptr, v_cache_ptr, head_off, dims, dim_mask, stride_cb, stride_cs,
                 BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
             )  # fmt: skip
+        if HAS_SINKS:  # gpt-oss: the head's sink joins each row's sum (m_i finite: a key seen)
+            l_i += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * SINK_SCALE - m_i)
         out = acc / l_i[:, None]  # every row sees at least its own key: l_i > 0
         out_off = (
             (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -151,9 +154,10 @@ def plan_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    sinks: bool = False,
 ) -> LaunchPlan:
     """The launch for these shapes on `target` (pure: no tensors); block_m and block_n override
-    the tile sizes."""
+    the tile sizes; `sinks`: the variant with attention sinks (gpt-oss)."""
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     dim_p2 = triton.next_power_of_2(head_dim)
     tile_m, tile_n, num_warps = prefill_tiles(dim_p2, target)
@@ -171,6 +175,7 @@ def plan_prefill(
             ("BLOCK_N", block_n),
             ("DOT_F32", dot_in_fp32(dtype, target)),
             ("PRECISION", dot_precision(dtype)),
+            ("HAS_SINKS", sinks),
         ),
         num_warps=num_warps,
         num_stages=2,
@@ -200,12 +205,14 @@ def paged_prefill_attention_triton(
     plan: LaunchPlan | None = None,
     window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     out=None,
     **overrides,
 ):
     """Launcher: checks the inputs, plans for q's device unless given a plan, launches it. `out`
     is written in place. window: the layer's sliding window (keys p - window < j <= p), None:
-    every key. softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off."""
+    every key. softcap: the scaled scores become cap * tanh(s / cap) (Gemma 2), 0: off.
+    sinks: fp32 [num_heads], gpt-oss's attention sinks (the HAS_SINKS variant), None: none."""
     check_cache(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -228,6 +235,7 @@ def paged_prefill_attention_triton(
         assert int(q_lens.min()) >= 0, "cu_seqlens_q must be non-decreasing"
         assert bool((q_lens <= context_lens.long()).all()), "q_len > context_len"
     out = check_out(out, q)
+    check_sinks(sinks, q)
     if total == 0 or num_seqs == 0:
         return out
     if plan is None:
@@ -240,16 +248,19 @@ def paged_prefill_attention_triton(
             block_size,
             q.dtype,
             target_of(q.device),
+            sinks=sinks is not None,
             **overrides,
         )
+    assert plan.constexpr("HAS_SINKS") == (sinks is not None), "plan made for other sinks"
     assert plan.grid == (total // plan.constexpr("BLOCK_M") + num_seqs, num_heads), (
         plan.grid,
         q.shape,
     )
     launch(
         _prefill_kernel, plan, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, num_seqs, window or NO_WINDOW, float(softcap or 0.0) * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        out if sinks is None else sinks, scale * LOG2E, num_seqs, window or NO_WINDOW,
+        float(softcap or 0.0) * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1),
     )  # fmt: skip
     return out

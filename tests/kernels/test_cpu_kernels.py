@@ -284,6 +284,33 @@ def test_softcap_matches_reference(gen, head_dim, window):
     assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows"
 
 
+@pytest.mark.parametrize("head_dim,window", [(64, None), (48, 7)])
+def test_sinks_match_reference(gen, head_dim, window):
+    """gpt-oss's attention sinks (a logit per head in each softmax, dropped after) in decodes (a
+    long one over several parts: the sink joins once per row, not per part; an empty context
+    gives 0) and in prompt rows in tiles, alone and beside a sliding window; they change the
+    result."""
+    lens, scale = [0, 1, 9, 40, 1300], 0.125  # sinks weighty beside the keys
+    sinks = torch.randn(6, generator=gen) * 2 + 3
+    cache = PagedCache(gen, lens, 16, 2, head_dim, torch.float32)
+    q = torch.randn(len(lens), 6, head_dim, generator=gen)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+    out = attention.paged_decode_attention_cpu(*args, window=window, sinks=sinks)
+    ref = reference.paged_decode_attention(*args, window=window, sinks=sinks)
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: decode"
+    assert bool(out[0].eq(0).all()), "an empty context gives 0"
+    plain = reference.paged_decode_attention(*args, window=window)
+    assert rel_err(plain, ref) > 1e-2, "the sinks change nothing"
+    lens, q_lens = [37, 600, 90], [37, 120, 1]
+    cache, q, cu, ctx, _ = prompt_chunks(gen, lens, q_lens, 16, 2, 3, head_dim)
+    kv = (cache.k_cache, cache.v_cache, cache.block_tables)
+    out = attention.paged_decode_attention_cpu(q, *kv, ctx, scale, cu, window=window, sinks=sinks)
+    ref = reference.paged_prefill_attention(
+        q, *kv, cu, cache.context_lens, scale, window=window, sinks=sinks
+    )
+    assert rel_err(out, ref) < 1e-5, f"seed {SEED}: prompt rows"
+
+
 @pytest.mark.parametrize("bad", ["not_from_0", "decreasing", "past_the_rows", "block_id"])
 def test_prompt_rows_refuse_bad_cu_seqlens_before_reading(gen, bad):
     cache, q, cu, ctx, _ = prompt_chunks(gen, [40, 20], [40, 20], 16, 1, 2, 64)

@@ -11,10 +11,11 @@ import pytest
 from tests.kernels.test_kernels import run_script
 
 
-@pytest.mark.parametrize("group", ["experts", "fp8", "checks"])
+@pytest.mark.parametrize("group", ["experts", "fp8", "gpt_oss", "checks"])
 def test_fused_moe_kernel_matches_torch(group):
+    """gpt_oss: the variant with the experts' biases and the clamped SwiGLU."""
     results = run_script("moe_cases.py", group)
-    if group == "experts":  # both block sizes in every dtype
-        assert len(results) == 6, results
-    if group == "fp8":  # every dtype with each scale layout, both block sizes
-        assert len(results) == 9, results
+    # both block sizes in every dtype; fp8: with each scale layout
+    cases = {"experts": 6, "gpt_oss": 6, "fp8": 9}
+    if group in cases:
+        assert len(results) == cases[group], results

@@ -88,6 +88,7 @@ def test_every_kernel_is_in_the_matrix():
             "_store_kv_kernel",
             "_rms_norm_kernel",
             "_silu_and_mul_kernel",
+            "_swiglu_oai_kernel",
             "_rope_store_kv_kernel",
             "_fused_moe_kernel",
             "_fused_moe_w8a16_kernel",
@@ -105,7 +106,8 @@ def test_jobs_are_the_launchers_plans():
     assert ("num_splits", "i32", False) in job.params and ("stride_bt", "i32", False) in job.params
     assert (job.num_warps, job.num_stages) == (plan.stage1.num_warps, plan.stage1.num_stages)
     prefill = [j for j in cc.all_jobs([ARCH], quick=True) if j.kernel == "_prefill_kernel"]
-    assert len(prefill) == 1, "one prompt or many: one binary"
+    sinks = [dict(j.constexprs)["HAS_SINKS"] for j in prefill]
+    assert sorted(sinks) == [False, True], "one prompt or many: one binary (gpt-oss's sinks: one)"
 
 
 def test_arguments_are_specialized_like_the_jit():

@@ -105,6 +105,50 @@ def test_reference_sliding_window_matches_dense_attention(gen, window):
 
 
 @pytest.mark.parametrize("window", [None, 9])
+def test_reference_sinks_match_dense_attention(gen, window):
+    """gpt-oss's attention sinks (softmax over [scores, sink], the sink's column dropped) in
+    decode and prefill, alone and with a sliding window, equal transformers' eager attention
+    (its sinks path) and the textbook attention; they change the result."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    lens, q_lens, scale = [1, 15, 40, 130], [1, 15, 3, 60], 0.125  # sinks weighty beside keys
+    sinks = torch.randn(8, generator=gen) * 2 + 3
+    cache = PagedCache(gen, lens, 16, 2, 64, torch.float32)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    tables = (cache.k_cache, cache.v_cache, cache.block_tables)
+    out = kernels.paged_decode_attention(
+        q, *tables, cache.context_lens, scale, backend="torch", window=window, sinks=sinks
+    )
+    for i in range(len(lens)):
+        dense = dense_causal_attention(
+            q[i : i + 1], cache.k[i], cache.v[i], scale, window, 0, sinks
+        )
+        assert rel_err(out[i : i + 1], dense) < 1e-5, f"seed {SEED}, decode {i}"
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 64, generator=gen)
+    out = kernels.paged_prefill_attention(
+        q, *tables, cu, cache.context_lens, scale, backend="torch", window=window, sinks=sinks
+    )
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        dense = dense_causal_attention(q[rows], cache.k[i], cache.v[i], scale, window, 0, sinks)
+        assert rel_err(out[rows], dense) < 1e-5, f"seed {SEED}, prefill {i}"
+    # transformers' eager attention on the last sequence, its mask made here
+    ctx, q_len = lens[-1], q_lens[-1]
+    pos_q, pos_k = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
+    hidden = (pos_k > pos_q) | (pos_k <= pos_q - window if window else False)
+    mask = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))[None, None]
+    module = type("M", (), {"num_key_value_groups": 4, "sinks": sinks, "training": False})
+    hf, _ = eager_attention_forward(
+        module, q[rows].transpose(0, 1)[None], cache.k[i].transpose(0, 1)[None],
+        cache.v[i].transpose(0, 1)[None], mask, scale,
+    )  # fmt: skip
+    assert rel_err(out[rows], hf[0]) < 1e-5, f"seed {SEED}: transformers' eager attention"
+    plain = dense_causal_attention(q[rows], cache.k[i], cache.v[i], scale, window)
+    assert rel_err(out[rows], plain) > 1e-2, "the sinks change nothing"
+
+
+@pytest.mark.parametrize("window", [None, 9])
 def test_reference_softcap_matches_dense_attention(gen, window):
     """Gemma 2's soft-capped scores (cap * tanh(s / cap)) in decode and prefill, alone and with a
     sliding window; a cap that bends the scores changes the result."""
@@ -219,7 +263,7 @@ def run_script(script: str, group: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "group", ["store", "checks", "decode", "split_len", "prefill", "window", "softcap"]
+    "group", ["store", "checks", "decode", "split_len", "prefill", "window", "softcap", "sinks"]
 )
 def test_triton_kernel_matches_reference(group):
     run_cases(group)

@@ -115,11 +115,11 @@ def test_moe_engine_greedy_equals_hf_generate(family, cpu_linear):
 
 
 def test_moe_families_are_supported_and_others_refused(tmp_path):
-    assert {"mixtral", "qwen2_moe", "qwen3_moe"} <= set(SUPPORTED)
+    assert {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"} <= set(SUPPORTED)
     from transformers import AutoConfig
 
-    AutoConfig.for_model("gpt_oss", hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'gpt_oss' is not supported \(supported: .*mixtral"):
+    AutoConfig.for_model("olmoe", hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'olmoe' is not supported \(supported: .*mixtral"):
         load_config(tmp_path)
 
 

@@ -24,7 +24,14 @@ typedef struct {
     int kv_half;
     int64_t window; /* sliding window: a row of context ctx sees tokens [ctx - window, ctx); 0: all */
     float softcap;  /* scores become softcap * tanh(s / softcap) before the mask (Gemma 2); 0: off */
+    /* [num_heads]: a logit per head in each softmax, then dropped (gpt-oss); NULL: none */
+    const float *sinks;
 } decode_args;
+
+/* What a head's sink adds to its softmax sum, under the running max m (0 without sinks). */
+INLINE float sink_term(const decode_args *a, int64_t h, float m) {
+    return a->sinks ? expf(a->sinks[h] - m) : 0.0f;
+}
 
 /* Gemma 2's attention logit soft-capping of a block's n scores for `heads` runs ss apart. */
 INLINE void soft_cap(float *s, int64_t heads, int64_t ss, int64_t n, float cap) {

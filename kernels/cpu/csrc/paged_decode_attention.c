@@ -50,6 +50,10 @@
  * softcap > 0 (Gemma 2): a block's scaled scores become softcap * tanh(s / softcap) before the
  * window's mask and the softmax; 0 leaves them as they are.
  *
+ * sinks (gpt-oss, float [num_heads], NULL: none): head h's softmax has one more term,
+ * exp(sinks[h] - max), whose value row is dropped: it joins the sum once per row, where the
+ * output is normalized (the row's own parts combined first), never per part.
+ *
  * Returns 0; -1 if its work lists could not be allocated; -2 if a block table entry that a
  * context needs is out of range or a length is negative (checked before any K/V is read); -3 if
  * the shape is not one it takes (kernels/cpu/ supports(): head_dim a multiple of 16 up to 256).
@@ -100,8 +104,9 @@ __attribute__((noinline)) static void attend_tile_f16(TILE_PARAMS) {
 
 /* ---- the entry point: work items over rows, tiles and parts -------------------------------------- */
 
-/* out = the parts' outputs, each rescaled from its own max to the common one, over their sums.
- * part p of a row: acc [heads, d], then m [heads], then l [heads] (part_floats apart). */
+/* out = the parts' outputs, each rescaled from its own max to the common one, over their sums
+ * (plus the head's sink, once). part p of a row: acc [heads, d], then m [heads], then l [heads]
+ * (part_floats apart). */
 static void combine_parts(const decode_args *a, const float *parts, int64_t num_parts, float *out) {
     int64_t heads = a->num_heads, d = a->head_dim, part_floats = heads * (d + 2);
     for (int64_t h = 0; h < heads; h++) {
@@ -118,13 +123,18 @@ static void combine_parts(const decode_args *a, const float *parts, int64_t num_
             sum += part[heads * d + heads + h] * w;
             for (int64_t i = 0; i < d; i++) oh[i] += part[h * d + i] * w;
         }
+        sum += sink_term(a, h, max);
         for (int64_t i = 0; i < d; i++) oh[i] /= sum;
     }
 }
 
-INLINE void normalize(float *o, const float *l, int64_t heads, int64_t d) {
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t x = 0; x < d; x++) o[h * d + x] = l[h] > 0.0f ? o[h * d + x] / l[h] : 0.0f;
+/* A row of one part: acc over its sum (plus the head's sink); a row with no tokens gives 0. */
+INLINE void normalize(const decode_args *a, float *o, const float *m, const float *l, int64_t heads,
+                      int64_t d) {
+    for (int64_t h = 0; h < heads; h++) {
+        float sum = l[h] > 0.0f ? l[h] + sink_term(a, h, m[h]) : 0.0f;
+        for (int64_t x = 0; x < d; x++) o[h * d + x] = sum > 0.0f ? o[h * d + x] / sum : 0.0f;
+    }
 }
 
 /* A work item covers at most this many tokens of one context (flash-decoding's split): a long
@@ -221,7 +231,8 @@ static void run_item(const plan *pl, const work_item *it, float *m, float *l, fl
         (a->kv_half ? attend_tile_f16 : attend_tile_f32)(a, it->row, it->rows, table, b0, rows, kt);
     }
     for (int64_t i = 0; i < it->rows; i++)
-        if (rows[i].acc && pl->row_parts[it->row + i] == 1) normalize(rows[i].acc, rows[i].l, heads, d);
+        if (rows[i].acc && pl->row_parts[it->row + i] == 1)
+            normalize(a, rows[i].acc, rows[i].m, rows[i].l, heads, d);
 }
 
 static void free_plan(plan *pl) {
@@ -267,9 +278,9 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *cu_seqlens, const int32_t *context_lens, float *out, int64_t num_rows,
                         int64_t num_seqs, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                        int num_threads, int kv_half, int64_t window, float softcap) {
+                        int num_threads, int kv_half, int64_t window, float softcap, const float *sinks) {
     plan pl = {{q, k_cache, v_cache, block_tables, context_lens, out, q_stride, num_heads, num_kv_heads,
-                head_dim, block_size, max_blocks, scale, kv_half, window, softcap}};
+                head_dim, block_size, max_blocks, scale, kv_half, window, softcap, sinks}};
     if (head_dim % VEC || head_dim > VEC * MAX_DV || num_heads * score_stride(block_size) > MAX_SCORES) return -3;
     if (kv_half && !HAVE_F16) return -3;
     if (cu_seqlens == NULL && num_seqs != num_rows) return -2;

@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, SmolLM2; Gemma 2 and 3 with
-their sandwich norms, gemma.py; with sparse MoE blocks: Mixtral, Qwen2-MoE, Qwen3-MoE) over the
-paged KV cache.
+their sandwich norms, gemma.py; with sparse MoE blocks: Mixtral, Qwen2-MoE, Qwen3-MoE, and
+gpt-oss with its attention sinks and biased projections) over the paged KV cache.
 design: docs/architecture.md#the-model
 """
 
@@ -270,7 +270,10 @@ class Attention(nn.Module):
             or config.model_type == "qwen2"
         )
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        gpt_oss = config.model_type == "gpt_oss"  # o_proj's bias, and a sink per head
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=gpt_oss and bias)
+        # gpt-oss's attention sinks: a logit per query head in each softmax (fp32, keep_fp32)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if gpt_oss else None
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
         if self.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
@@ -292,7 +295,9 @@ class Attention(nn.Module):
             ops=meta.fused_ops,
             store=meta.backend.store_kv,
         )
-        out = meta.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        out = meta.backend.forward(
+            q, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks
+        )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -440,15 +445,24 @@ class LlamaForCausalLM(nn.Module):
                 rotary.fill()
 
     def keep_fp32(self) -> None:
-        """After a cast to the model dtype: Gemma's norm weights back to fp32."""
+        """After a cast to the model dtype: Gemma's norm weights and gpt-oss's sinks back to
+        fp32."""
         if self.gemma:
             gemma.keep_norms_fp32(self)
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.sinks is not None:
+                attn.sinks = nn.Parameter(attn.sinks.detach().float(), requires_grad=False)
 
     def finish_load(self) -> None:
         """Once a checkpoint's tensors are in: Gemma's norms become 1 + w; partial rotary puts
-        each q and k head's dims in rotary_order."""
+        each q and k head's dims in rotary_order; gpt-oss's experts leave the checkpoint's
+        layout."""
         if self.gemma:
             gemma.add_one_to_norms(self)
+        for block in self.modules():
+            if isinstance(block, SparseMoeBlock) and block.spec.stacked:
+                block.from_stacked_checkpoint()
         order = rotary_order(self.head_dim, rotary_dim(self.head_dim, self.rotary_params()))
         if order is not None:
             for layer in self.layers:

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 from inferline.config.paths import bundled_model_path, cache_dir
 from inferline.kernels.cpu import gemm
 from inferline.kernels.fp8 import FP8, dequantize
-from inferline.worker.engine.models import gemma
+from inferline.worker.engine.models import gemma, mxfp4
 from inferline.worker.engine.models.linear import Linear
 from inferline.worker.engine.models.llama import LlamaForCausalLM
 from inferline.worker.engine.models.moe import SparseMoeBlock, moe_destinations
@@ -44,6 +44,7 @@ SUPPORTED = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 )
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj, in our order.
 FUSED_CHECKPOINTS = ("phi3",)
@@ -210,20 +211,32 @@ def load_weights(
 def fill(model, model_dir, index, scheme, coded, levels, handle) -> list[str]:
     """Read every checkpoint tensor into its place in `model`; the FP8 names."""
     targets = destinations(model)
-    missing = [name for name in targets if name not in index]
+    packed = {n for n in targets if n not in index and mxfp4.in_checkpoint(n, index)}
+    if packed and not mxfp4.is_mxfp4(model.config):
+        raise UnsupportedQuantization(
+            f"{model_dir}: {next(iter(packed))} is stored as mxfp4 blocks and scales but "
+            "config.json's quantization_config does not say quant_method mxfp4"
+        )
+    missing = [name for name in targets if name not in index and name not in packed]
     if missing:
         raise KeyError(
             f"{model_dir} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}"
         )
-    fp8 = [name for name in targets if index[name].dtype in FP8_DTYPES]
+    fp8 = [name for name in targets if name not in packed and index[name].dtype in FP8_DTYPES]
     check_fp8(fp8, index, scheme, model_dir)
     scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+
+    def stored_at(name: str) -> StoredTensor:
+        return index[mxfp4.stored_names(name)[0] if name in packed else name]
+
     with torch.no_grad():
         for name in sorted(
-            targets, key=lambda n: (index[n].file, index[n].offset)
+            targets, key=lambda n: (stored_at(n).file, stored_at(n).offset)
         ):  # sequential reads
-            stored, dst = index[name], targets[name]
-            if name in levels:  # read and coded while preparing
+            stored, dst = stored_at(name), targets[name]
+            if name in packed:
+                read_mxfp4(handle, index, name, dst)
+            elif name in levels:  # read and coded while preparing
                 linear, row, (codes, scale, offset) = levels[name]
                 dst.copy_(codes)
                 linear.weight_scale[row : row + len(codes)].copy_(scale)
@@ -297,7 +310,8 @@ def keep_fp8_codes(model, index: dict, scheme: Fp8Scheme) -> dict[str, tuple]:
     params = {name: p.detach() for name, p in model.named_parameters()}
     targets = destinations(model, params)
     for block_name, block in list(model.named_modules()):
-        if not isinstance(block, SparseMoeBlock) or block.coded():
+        # gpt-oss's experts (biases, stacked checkpoint tensors) have no W8A16 variant
+        if not isinstance(block, SparseMoeBlock) or block.coded() or block.spec.stacked:
             continue
         mine = {}
         for attr in ("w13", "w2"):
@@ -384,6 +398,31 @@ def read_dequantized(
         for start in range(0, stored.shape[0], step):
             part = slice(start, start + step)
             dst[part].copy_(dequantize(codes[part], rows[part], group_k))
+
+
+def read_mxfp4(handle, index: dict, name: str, dst: torch.Tensor) -> None:
+    """The MXFP4 expert weight `name` (blocks [E, out, in / 32, 16], scales [E, out, in / 32])
+    dequantized into `dst`, the checkpoint's plain layout [E, in, out], one expert at a time."""
+    blocks, scales = (index[n] for n in mxfp4.stored_names(name))
+    experts, rows, groups = scales.shape
+    if blocks.shape != (experts, rows, groups, 16) or dst.shape != (experts, groups * 32, rows):
+        raise UnsupportedQuantization(
+            f"{name}: mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not "
+            f"make the model's {list(dst.shape)}"
+        )
+    for e in range(experts):
+        parts = []
+        for stored in (blocks, scales):
+            one = StoredTensor(
+                stored.file,
+                stored.offset + e * math.prod(stored.shape[1:]),
+                stored.dtype,
+                stored.shape[1:],
+            )
+            part = torch.empty(one.shape, dtype=torch.uint8)
+            read_into(handle(one.file), one, part, name)
+            parts.append(part)
+        dst[e].copy_(mxfp4.dequantize(*parts).t())
 
 
 def load_dummy(path: str, dtype, device, max_positions):
@@ -554,6 +593,10 @@ def layer_destinations(
         out[src + "mlp.up_proj.weight"] = gate_up[inter:]
         out[src + "mlp.down_proj.weight"] = params[dst + "mlp.down_proj.weight"]
     out[src + "self_attn.o_proj.weight"] = params[dst + "self_attn.o_proj.weight"]
+    if attn.o_proj.bias is not None:
+        out[src + "self_attn.o_proj.bias"] = params[dst + "self_attn.o_proj.bias"]
+    if attn.sinks is not None:
+        out[src + "self_attn.sinks"] = params[dst + "self_attn.sinks"]
     norms = (
         gemma.LAYER_NORMS if isinstance(layer, gemma.GemmaDecoderLayer) else gemma.LAYER_NORMS[:2]
     )

@@ -1,5 +1,6 @@
-"""The sparse MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE: a router, the experts' weights
-stacked per layer ([E, ...]) and Qwen2-MoE's sigmoid-gated shared expert. On CUDA (fused ops on
+"""The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss: a router, the experts'
+weights stacked per layer ([E, ...]), Qwen2-MoE's sigmoid-gated shared expert, gpt-oss's biases
+(router and experts) and clamped SwiGLU. On CUDA (fused ops on
 Triton) the experts run as the fused-MoE kernel; elsewhere tokens are grouped by expert and each
 expert with tokens runs on the project's linear layer (packed GEMM on the CPU).
 design: docs/architecture.md#mixture-of-experts
@@ -14,10 +15,16 @@ from torch import nn
 
 from inferline.kernels.fp8 import FP8, dequantize
 from inferline.kernels.fused import silu_and_mul
-from inferline.kernels.moe import SOFTMAX_TOPK, TOPK_SOFTMAX, fused_experts, select_experts
+from inferline.kernels.moe import (
+    SOFTMAX_TOPK,
+    TOPK_SOFTMAX,
+    fused_experts,
+    select_experts,
+    swiglu_oai,
+)
 from inferline.worker.engine.models.linear import Linear, Packed, linear, pack_weight
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,11 @@ class MoeSpec:
     shared_intermediate_size: int  # 0: no shared expert
     prefix: str  # the block's name in a layer: "mlp." or Mixtral's "block_sparse_moe."
     names: tuple[str, str, str]  # an expert's gate, up and down projections
+    # gpt-oss: the router and every expert projection have biases; the checkpoint stacks the
+    # experts as [E, in, out] with gate and up columns interleaved (gate_up_proj); the activation
+    # is the clamped SwiGLU (kernels.moe.swiglu_oai) of these (alpha, limit); None: SiLU-and-mul
+    stacked: bool = False
+    swiglu: tuple[float, float] | None = None
 
 
 def moe_spec(config) -> MoeSpec | None:
@@ -47,6 +59,11 @@ def moe_spec(config) -> MoeSpec | None:
                        config.moe_intermediate_size, SOFTMAX_TOPK, bool(config.norm_topk_prob),
                        shared if kind == "qwen2_moe" else 0, "mlp.",
                        ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    if kind == "gpt_oss":
+        return MoeSpec(config.num_local_experts, config.num_experts_per_tok,
+                       config.intermediate_size, TOPK_SOFTMAX, False, 0, "mlp.",
+                       ("gate_up_proj", "gate_up_proj", "down_proj"), stacked=True,
+                       swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)))  # fmt: skip
     return None
 
 
@@ -64,15 +81,18 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 class SparseMoeBlock(nn.Module):
     """Routed experts (plus the shared expert given, for Qwen2-MoE) in place of the dense MLP.
-    w13 [E, 2I, H] holds each expert's gate rows then its up rows; w2 [E, H, I] its down."""
+    w13 [E, 2I, H] holds each expert's gate rows then its up rows; w2 [E, H, I] its down; with
+    biases (gpt-oss) b13 [E, 2I] and b2 [E, H] in the same order."""
 
     def __init__(self, config, spec: MoeSpec, shared_expert: nn.Module | None = None):
         super().__init__()
         hidden, inter, experts = config.hidden_size, spec.intermediate_size, spec.num_experts
         self.spec = spec
-        self.gate = Linear(hidden, experts, bias=False)  # the router
+        self.gate = Linear(hidden, experts, bias=spec.stacked)  # the router
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.b13 = nn.Parameter(torch.empty(experts, 2 * inter)) if spec.stacked else None
+        self.b2 = nn.Parameter(torch.empty(experts, hidden)) if spec.stacked else None
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert else None
         self.packed13: list[Packed] | None = None
@@ -120,11 +140,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
         spec = self.spec
         weights, ids = select_experts(self.gate(x), spec.top_k, spec.scoring, spec.renormalize)
-        if ops == "triton" and self.coded():
-            out = fused_experts(x, self.w13, self.w2, weights, ids, "triton", self.w13_scale,
-                                self.w2_scale, self.group_k)  # fmt: skip
-        elif ops == "triton":
-            out = fused_experts(x, self.w13, self.w2, weights, ids, ops="triton")
+        if ops == "triton":
+            coded = (self.w13_scale, self.w2_scale, self.group_k) if self.coded() else (None,) * 2
+            out = fused_experts(x, self.w13, self.w2, weights, ids, "triton", *coded,
+                                b13=self.b13, b2=self.b2, swiglu=spec.swiglu)  # fmt: skip
         else:
             out = self.grouped_experts(x, weights, ids, ops)
         if self.shared_expert is not None:
@@ -151,10 +170,30 @@ class SparseMoeBlock(nn.Module):
             p13 = self.packed13[expert] if self.packed13 else None
             p2 = self.packed2[expert] if self.packed2 else None
             w13, w2 = self.expert_weights(expert)
-            act = silu_and_mul(linear(x[tokens], w13.to(x.dtype), packed=p13), ops)
-            y = linear(act, w2.to(x.dtype), packed=p2)
+            b13, b2 = (None, None) if self.b13 is None else (self.b13[expert], self.b2[expert])
+            h = linear(x[tokens], w13.to(x.dtype), b13, packed=p13)
+            act = (
+                silu_and_mul(h, ops)
+                if self.spec.swiglu is None
+                else swiglu_oai(h, *self.spec.swiglu)
+            )
+            y = linear(act, w2.to(x.dtype), b2, packed=p2)
             out.index_add_(0, tokens, y.float() * flat_weights[slots, None])
         return out.to(x.dtype)
+
+    def from_stacked_checkpoint(self) -> None:
+        """gpt-oss, once its checkpoint is read in (moe_destinations): each expert's gate_up_proj
+        [H, 2I] with gate and up columns interleaved becomes gate rows then up rows [2I, H], its
+        down_proj [I, H] becomes [H, I], its gate_up bias is de-interleaved too; one expert at a
+        time (a copy of one expert beside the model)."""
+        inter, hidden = self.spec.intermediate_size, self.w13.shape[2]
+        with torch.no_grad():
+            for e in range(self.spec.num_experts):
+                raw = self.w13[e].view(hidden, 2 * inter).clone()
+                self.w13[e].copy_(torch.cat((raw[:, 0::2].t(), raw[:, 1::2].t())))
+                self.w2[e].copy_(self.w2[e].view(inter, hidden).t().clone())
+                bias = self.b13[e].clone()
+                self.b13[e].copy_(torch.cat((bias[0::2], bias[1::2])))
 
 
 def warmup_prompt_tokens(model: nn.Module) -> int:
@@ -170,6 +209,16 @@ def moe_destinations(params: dict, block: SparseMoeBlock, src: str, dst: str) ->
     spec, src, dst = block.spec, src + block.spec.prefix, dst + "mlp."
     inter, (gate, up, down) = spec.intermediate_size, spec.names
     w13, w2 = params[dst + "w13"], params[dst + "w2"]
+    if spec.stacked:  # gpt-oss: read in its own layout, reordered by from_stacked_checkpoint
+        experts, hidden = spec.num_experts, w13.shape[2]
+        return {
+            src + "router.weight": params[dst + "gate.weight"],
+            src + "router.bias": params[dst + "gate.bias"],
+            src + "experts.gate_up_proj": w13.view(experts, hidden, 2 * inter),
+            src + "experts.gate_up_proj_bias": params[dst + "b13"],
+            src + "experts.down_proj": w2.view(experts, inter, hidden),
+            src + "experts.down_proj_bias": params[dst + "b2"],
+        }
     out = {src + "gate.weight": params[dst + "gate.weight"]}
     for e in range(spec.num_experts):
         out[f"{src}experts.{e}.{gate}.weight"] = w13[e, :inter]

@@ -64,12 +64,15 @@ def fp8_scheme(config) -> Fp8Scheme | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: dequantized at load (models/mxfp4.py), no FP8
+        return None
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "fp8":
         return _fp8(qc)
     raise UnsupportedQuantization(
-        f"quantization {method!r} is not supported (supported: {', '.join(FORMATS)})"
+        f"quantization {method!r} is not supported (supported: {', '.join(FORMATS)}, "
+        "mxfp4 for gpt-oss's experts)"
     )
 
 
