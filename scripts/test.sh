@@ -50,6 +50,10 @@ pytest() { "$PYTHON" -m pytest --durations=25 "$@"; }
 OWN_BROKERS="tests/kafka/test_acl_tenancy.py tests/kafka/test_replication.py tests/kafka/test_oauth.py"
 parts() {
     local log rest kafka_rc rest_rc
+    # Each part (and every worker process it starts) gets half the cores for torch's intra-op
+    # threads: two processes of one thread per core each spin-waited for a core the other held
+    # (on 2 cores an engine test took 198 s with 2 threads beside a busy core, 88 s with 1).
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))}
     log=$(mktemp)
     rest=$(find tests -mindepth 1 -maxdepth 1 -type d ! -name kafka ! -name data ! -name '__*' \
         -exec sh -c 'ls "$1"/test_*.py >/dev/null 2>&1' _ {} \; -print | sort)
