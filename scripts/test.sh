@@ -45,9 +45,9 @@ pytest() { "$PYTHON" -m pytest --durations=25 "$@"; }
 # processes. The broker's mostly wait (sessions, transactions, worker processes: about one core of
 # two), the others mostly compute, so together they take about as long as the broker's alone. The
 # broker's stream live; the others' log follows, then every failure of both again.
-# Broker tests that start brokers of their own (the shared one unused) run with the others, to
-# even out the two parts: the broker's part is the longer (about 15 minutes against 12 on 2 cores).
-OWN_BROKERS="tests/kafka/test_acl_tenancy.py tests/kafka/test_replication.py tests/kafka/test_oauth.py"
+# Two broker tests that start brokers of their own (the shared one unused) run with the others, to
+# even out the two parts (the 3-node replication test stays with the broker's).
+OWN_BROKERS="tests/kafka/test_acl_tenancy.py tests/kafka/test_oauth.py"
 parts() {
     local log rest kafka_rc rest_rc
     # Each part (and every worker process it starts) gets half the cores for torch's intra-op

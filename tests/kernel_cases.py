@@ -413,7 +413,7 @@ def main() -> None:
         for case in matrix(group.endswith("full")):
             prefill_case(gen, *case)
     elif group == "window":
-        for case in matrix(False)[1::3]:
+        for case in matrix(False)[1::6]:
             window_case(gen, *case)
     elif group == "softcap":
         for case in matrix(False)[::4]:

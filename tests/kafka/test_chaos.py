@@ -42,7 +42,9 @@ from tests.kafka_fixtures import consume_until, create_named_topics
 from tests.worker_fixtures import Topics, cancel, check_attempts, submit
 from tests.worker_fixtures import request as make_request
 
-pytestmark = [pytest.mark.chaos, pytest.mark.kafka, pytest.mark.slow]
+# make chaos and make test-full (the suite's budget): make test keeps a broker's SIGKILL under
+# streams (test_replication.py), a paused broker (test_delivery_pause.py) and a worker's kill -9.
+pytestmark = [pytest.mark.chaos, pytest.mark.kafka, pytest.mark.slow, pytest.mark.full]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = (2, 8)  # each request's max_tokens is drawn from this range: finishes spread out

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.interpreted import run_cases
 from tests.kernels.test_warmup import CONFIG
 
 
+@pytest.mark.full  # ~55 s on the interpreter: make test-full (the suite's budget); make test runs
+# padded decode on the CPU paths (tests/unit/test_padded_decode.py, test_overlap.py)
 def test_padded_decode_on_triton_equals_flat_batches(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     (result,) = run_cases("padded_decode_cases.py", str(tmp_path))

@@ -103,6 +103,7 @@ def test_smollm2_on_triton_kernels_equals_hf_generate(
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test-full (the suite's budget): make test runs 16-token blocks
 def test_smollm2_on_triton_kernels_with_32_token_blocks(
     model_runner, shallow_smollm2, shallow_hf_model
 ):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from inferline.kernels.triton.decode import plan_decode
@@ -31,6 +32,7 @@ CONFIG = dict(
 )
 
 
+@pytest.mark.full  # ~55 s on the interpreter: make test-full (the suite's budget)
 def test_every_binary_a_served_run_launches_was_warmed(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     (result,) = run_cases("warmup_cases.py", str(tmp_path), timeout=3000)
