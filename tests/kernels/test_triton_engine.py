@@ -121,6 +121,7 @@ def test_smollm2_on_triton_kernels_with_32_token_blocks(
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test-full (the suite's budget); bf16 kernels: test_kernels.py's groups
 def test_llama_shaped_bf16_on_triton_kernels_matches_the_torch_path(tmp_path):
     config = dict(
         architectures=["LlamaForCausalLM"],
