@@ -335,6 +335,8 @@ async def set_group_lock(bootstrap: str, group: str, lock_ms: int) -> None:
     await asyncio.to_thread(set_group_configs, kafka, group_configs(lock_ms))
 
 
+@pytest.mark.chaos  # share mode's long-request tests: make chaos and make test-full
+@pytest.mark.full
 async def test_a_request_longer_than_the_groups_lock_runs_once(share_broker, tmp_path):
     """The share group's lock is 3 s (an operator's, or the broker's default) and a request runs
     longer: the worker sets the group's lock from its request timeout at start-up, so the idle

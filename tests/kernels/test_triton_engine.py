@@ -143,6 +143,7 @@ def test_llama_shaped_bf16_on_triton_kernels_matches_the_torch_path(tmp_path):
     assert max(result["rel_errors"]) < 2e-2, result
 
 
+@pytest.mark.full  # a worker process's start: make test-full (the suite's budget)
 def test_worker_with_triton_on_a_cpu_without_the_interpreter_stops_at_start(tmp_path):
     """An explicit backend that cannot run here stops the worker at start-up with one line
     (exit code 2, a bad setting), before any request is taken."""
